@@ -1,0 +1,205 @@
+//! Four-level page tables that the host builds and walks in guest memory.
+//!
+//! The guest never sees its page tables (they are not mapped in its virtual address space), so it
+//! cannot change them; the host is the only writer.
+
+use serde::{Deserialize, Serialize};
+
+use super::layout::*;
+use crate::error::{Error, Result};
+use crate::vstate::memory::GuestMemory;
+
+pub const PTE_P: u64 = 1;
+pub const PTE_W: u64 = 1 << 1;
+pub const PTE_U: u64 = 1 << 2;
+pub const PTE_NX: u64 = 1 << 63;
+const ADDR_MASK: u64 = 0x000f_ffff_ffff_f000;
+
+/// Hands out guest-physical pages. Part of the snapshot (runtime) state.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FrameAllocator {
+    pub next: u64,
+    pub end: u64,
+}
+
+impl FrameAllocator {
+    pub fn new(mem_size: u64) -> FrameAllocator {
+        FrameAllocator { next: FRAME_POOL_START, end: mem_size }
+    }
+
+    /// One zeroed page. Pages come from never-used memory, so they are zero in the backing file.
+    pub fn alloc(&mut self) -> Result<u64> {
+        if self.next + PAGE_SIZE > self.end {
+            return Err(Error::OutOfGuestMemory(format!("{} MiB in use", self.end >> 20)));
+        }
+        let p = self.next;
+        self.next += PAGE_SIZE;
+        Ok(p)
+    }
+}
+
+/// The guest's address space: a PML4 root in guest memory.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AddressSpace {
+    pub root: u64,
+}
+
+fn index(va: u64, level: u32) -> u64 {
+    (va >> (12 + 9 * level)) & 0x1ff
+}
+
+impl AddressSpace {
+    pub fn new(_mem: &mut GuestMemory, frames: &mut FrameAllocator) -> Result<AddressSpace> {
+        let root = frames.alloc()?;
+        Ok(AddressSpace { root })
+    }
+
+    /// Map one 4 KiB page `va -> pa` with leaf flags `flags` (PTE_P is implied).
+    pub fn map_page(
+        &self,
+        mem: &mut GuestMemory,
+        frames: &mut FrameAllocator,
+        va: u64,
+        pa: u64,
+        flags: u64,
+    ) -> Result<()> {
+        let mut table = self.root;
+        for level in (1..4).rev() {
+            let slot = table + index(va, level) * 8;
+            let e = mem.read_u64(slot)?;
+            table = if e & PTE_P != 0 {
+                e & ADDR_MASK
+            } else {
+                let t = frames.alloc()?;
+                // Intermediate entries are permissive; the leaf decides user/write/exec.
+                mem.write_u64(slot, t | PTE_P | PTE_W | PTE_U)?;
+                t
+            };
+        }
+        mem.write_u64(table + index(va, 0) * 8, (pa & ADDR_MASK) | flags | PTE_P)
+    }
+
+    /// Allocate and map fresh zeroed pages over [va, va+len).
+    pub fn map_fresh(
+        &self,
+        mem: &mut GuestMemory,
+        frames: &mut FrameAllocator,
+        va: u64,
+        len: u64,
+        flags: u64,
+    ) -> Result<()> {
+        let start = va & !(PAGE_SIZE - 1);
+        let end = (va + len).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        let mut p = start;
+        while p < end {
+            let frame = frames.alloc()?;
+            self.map_page(mem, frames, p, frame, flags)?;
+            p += PAGE_SIZE;
+        }
+        Ok(())
+    }
+
+    /// Translate a guest virtual address to (guest-physical address, leaf flags).
+    pub fn translate(&self, mem: &GuestMemory, va: u64) -> Result<(u64, u64)> {
+        let mut table = self.root;
+        for level in (0..4).rev() {
+            let e = mem.read_u64(table + index(va, level) * 8)?;
+            if e & PTE_P == 0 {
+                return Err(Error::BadGuestAddress(va));
+            }
+            if level == 0 {
+                return Ok(((e & ADDR_MASK) | (va & (PAGE_SIZE - 1)), e));
+            }
+            table = e & ADDR_MASK;
+        }
+        unreachable!()
+    }
+
+    /// Read guest-virtual memory; `user` requires every page to be user-accessible.
+    pub fn read_virt(&self, mem: &GuestMemory, va: u64, buf: &mut [u8], user: bool) -> Result<()> {
+        let mut done = 0usize;
+        while done < buf.len() {
+            let cur = va.checked_add(done as u64).ok_or(Error::BadGuestAddress(va))?;
+            let (pa, flags) = self.translate(mem, cur)?;
+            if user && flags & PTE_U == 0 {
+                return Err(Error::BadGuestAddress(cur));
+            }
+            let n = ((PAGE_SIZE - (cur & (PAGE_SIZE - 1))) as usize).min(buf.len() - done);
+            mem.read(pa, &mut buf[done..done + n])?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Write guest-virtual memory (host side: ignores the write bit, honours `user`).
+    pub fn write_virt(&self, mem: &mut GuestMemory, va: u64, data: &[u8], user: bool) -> Result<()> {
+        let mut done = 0usize;
+        while done < data.len() {
+            let cur = va.checked_add(done as u64).ok_or(Error::BadGuestAddress(va))?;
+            let (pa, flags) = self.translate(mem, cur)?;
+            if user && flags & PTE_U == 0 {
+                return Err(Error::BadGuestAddress(cur));
+            }
+            let n = ((PAGE_SIZE - (cur & (PAGE_SIZE - 1))) as usize).min(data.len() - done);
+            mem.write(pa, &data[done..done + n])?;
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+/// Lay out the supervisor area and its higher-half mapping. Returns the address space.
+///
+/// The area is mapped with the user bit set: under kvm_pvm the `syscall` entry and exception delivery
+/// fetch the ring-0 stub with user-mode permissions (a supervisor-only stub page faults with a
+/// user-mode instruction-fetch #PF). Ring 3 can therefore read these pages, but only the ring-0 stack
+/// is writable and only the stub page is executable; nothing here is secret, and a guest that
+/// scribbles on its own stack page can only break itself.
+pub fn setup_address_space(mem: &mut GuestMemory, frames: &mut FrameAllocator) -> Result<AddressSpace> {
+    mem.write(0, &super::tables::supervisor_area())?;
+    let aspace = AddressSpace::new(mem, frames)?;
+    let mut gpa = 0;
+    while gpa < SUPERVISOR_AREA {
+        let flags = if gpa == STUBS_GPA {
+            PTE_U
+        } else if gpa >= RING0_STACK_TOP_GPA - RING0_STACK_PAGES * PAGE_SIZE && gpa < RING0_STACK_TOP_GPA {
+            PTE_U | PTE_W | PTE_NX
+        } else {
+            PTE_U | PTE_NX
+        };
+        aspace.map_page(mem, frames, kva(gpa), gpa, flags)?;
+        gpa += PAGE_SIZE;
+    }
+    Ok(aspace)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn map_and_translate() {
+        let mut mem = GuestMemory::anonymous(16 << 20).unwrap();
+        let mut fr = FrameAllocator::new(16 << 20);
+        let a = setup_address_space(&mut mem, &mut fr).unwrap();
+        a.map_fresh(&mut mem, &mut fr, 0x40_0000, 3 * 4096, PTE_U | PTE_W).unwrap();
+        a.write_virt(&mut mem, 0x40_0ffe, b"abcd", true).unwrap();
+        let mut b = [0u8; 4];
+        a.read_virt(&mem, 0x40_0ffe, &mut b, true).unwrap();
+        assert_eq!(&b, b"abcd");
+        assert!(a.read_virt(&mem, 0x50_0000, &mut b, true).is_err());
+        // The supervisor area is mapped read-only except for the ring-0 stack.
+        let (_, gdt_flags) = a.translate(&mem, kva(GDT_GPA)).unwrap();
+        assert_eq!(gdt_flags & PTE_W, 0);
+        let (_, stack_flags) = a.translate(&mem, kva(RING0_STACK_TOP_GPA - 8)).unwrap();
+        assert_ne!(stack_flags & PTE_W, 0);
+    }
+
+    #[test]
+    fn allocator_runs_out_cleanly() {
+        let mut fr = FrameAllocator { next: 0, end: 8192 };
+        fr.alloc().unwrap();
+        fr.alloc().unwrap();
+        assert!(matches!(fr.alloc(), Err(Error::OutOfGuestMemory(_))));
+    }
+}

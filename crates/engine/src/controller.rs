@@ -1,0 +1,294 @@
+//! The caller's side: a [`Vm`] is a handle to one VMM process.
+//!
+//! Handles are `Send`; each blocks only on its own process, so many can be driven from many threads.
+//! Dropping a handle kills its VMM process (and so frees the VM, its memory and descriptors).
+
+use std::ffi::OsString;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use kvm_bindings::kvm_regs;
+
+use crate::channel::{Channel, RecvError};
+use crate::error::{Error, Result};
+use crate::protocol::{MemStats, Request, ResetStats, Response, RunResult};
+use crate::vstate::vcpu::VcpuState;
+
+/// How to start a fresh VMM process: a program that calls [`crate::vmm::serve_fd`]`(3)`.
+#[derive(Clone, Debug)]
+pub struct Launcher {
+    program: PathBuf,
+    args: Vec<OsString>,
+}
+
+/// Settings for a booted VM.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    /// Guest-physical memory in bytes (sparse: only touched pages cost host memory).
+    pub mem_size: u64,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        VmConfig { mem_size: 1 << 30 }
+    }
+}
+
+/// Slack on top of a run's own budget before the controller decides the VMM process is hung.
+const HANG_GRACE: Duration = Duration::from_secs(30);
+/// How long a control request (not a run) may take.
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(120);
+
+impl Launcher {
+    pub fn new(program: impl Into<PathBuf>, args: Vec<OsString>) -> Launcher {
+        Launcher { program: program.into(), args }
+    }
+
+    fn spawn(&self) -> Result<(Child, Channel)> {
+        let (ours, theirs) = Channel::pair()?;
+        let fd = theirs.raw_fd();
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args).stdin(Stdio::null()).stdout(Stdio::null());
+        // SAFETY: only async-signal-safe calls (dup2, fcntl) between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                if fd == 3 {
+                    if libc::fcntl(3, libc::F_SETFD, 0) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                } else if libc::dup2(fd, 3) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().map_err(Error::sys("start VMM process"))?;
+        drop(theirs);
+        Ok((child, ours))
+    }
+}
+
+enum Process {
+    Launched(Child),
+    Forked(OwnedFd),
+    Gone,
+}
+
+/// A handle to a VM living in its own VMM process.
+pub struct Vm {
+    chan: Channel,
+    process: Process,
+    pid: i32,
+}
+
+impl std::fmt::Debug for Vm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Vm(pid={})", self.pid)
+    }
+}
+
+impl Vm {
+    fn launch(launcher: &Launcher, first: Request) -> Result<Vm> {
+        let (child, chan) = launcher.spawn()?;
+        let pid = child.id() as i32;
+        let mut vm = Vm { chan, process: Process::Launched(child), pid };
+        match vm.call(&first, CONTROL_TIMEOUT)? {
+            Response::Ready { .. } => Ok(vm),
+            other => Err(Error::Protocol(format!("expected Ready, got {other:?}"))),
+        }
+    }
+
+    /// Start a VMM process and boot a static ELF in it. The guest is paused until [`Vm::run`].
+    pub fn boot(launcher: &Launcher, elf: &[u8], cfg: &VmConfig) -> Result<Vm> {
+        Self::launch(launcher, Request::Boot { elf: elf.to_vec(), mem_size: cfg.mem_size })
+    }
+
+    /// Start a VMM process with the snapshot in `dir`, paused.
+    pub fn restore(launcher: &Launcher, dir: &Path) -> Result<Vm> {
+        Self::launch(launcher, Request::Restore { dir: dir.to_path_buf() })
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    fn call(&mut self, req: &Request, timeout: Duration) -> Result<Response> {
+        if matches!(self.process, Process::Gone) {
+            return Err(Error::Destroyed);
+        }
+        if let Err(e) = self.chan.send(req, &[]) {
+            return Err(self.died(format!("send failed: {e}")));
+        }
+        self.recv(timeout)
+    }
+
+    fn recv(&mut self, timeout: Duration) -> Result<Response> {
+        self.chan.set_read_timeout(Some(timeout))?;
+        match self.chan.recv::<Response>() {
+            Ok((Response::Err(e), _)) => Err(e.into()),
+            Ok((r, _)) => Ok(r),
+            Err(RecvError::Closed) => Err(self.died("it exited".into())),
+            Err(RecvError::TimedOut) => {
+                let e = self.died(format!("no answer within {timeout:?}; killed it"));
+                Err(e)
+            }
+            Err(RecvError::Failed(e)) => Err(self.died(e.to_string())),
+        }
+    }
+
+    fn died(&mut self, reason: String) -> Error {
+        self.kill();
+        Error::VmmDied { pid: self.pid, reason }
+    }
+
+    /// Run the guest until it stops (exit, yield, port I/O, fault) or `timeout` passes.
+    pub fn run(&mut self, timeout: Duration) -> Result<RunResult> {
+        match self.call(&Request::Run { timeout }, timeout + HANG_GRACE)? {
+            Response::Run(r) => Ok(r),
+            other => Err(Error::Protocol(format!("expected Run, got {other:?}"))),
+        }
+    }
+
+    /// Write the VM to `dir` (state file + memory file). The VM stays usable.
+    pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
+        self.expect_ok(&Request::Snapshot { dir: dir.to_path_buf() })
+    }
+
+    /// Fork the paused VM into `n` children (host forks of its VMM process). Each child inherits the
+    /// guest's memory copy-on-write and resumes exactly where the parent is.
+    pub fn fork(&mut self, n: usize) -> Result<Vec<Vm>> {
+        if n == 0 {
+            return Ok(vec![]);
+        }
+        let n32 = u32::try_from(n).map_err(|_| Error::InvalidArgument(format!("fork of {n} children")))?;
+        if let Err(e) = self.chan.send(&Request::Fork { n: n32 }, &[]) {
+            return Err(self.died(format!("send failed: {e}")));
+        }
+        let mut children = Vec::with_capacity(n);
+        for _ in 0..n {
+            self.chan.set_read_timeout(Some(CONTROL_TIMEOUT))?;
+            match self.chan.recv::<Response>() {
+                Ok((Response::Forked { pids }, fds)) if fds.len() == 2 && pids.len() == 1 => {
+                    let mut fds = fds.into_iter();
+                    let chan = Channel::from_owned_fd(fds.next().ok_or_else(|| Error::Protocol("no fd".into()))?);
+                    let pidfd = fds.next().ok_or_else(|| Error::Protocol("no pidfd".into()))?;
+                    children.push(Vm { chan, process: Process::Forked(pidfd), pid: pids[0] });
+                }
+                Ok((Response::Err(e), _)) => return Err(e.into()),
+                Ok((other, _)) => return Err(Error::Protocol(format!("expected Forked, got {other:?}"))),
+                Err(RecvError::Closed) => return Err(self.died("it exited during fork".into())),
+                Err(RecvError::TimedOut) => return Err(self.died("fork did not answer".into())),
+                Err(RecvError::Failed(e)) => return Err(self.died(e.to_string())),
+            }
+        }
+        for child in &mut children {
+            match child.recv(CONTROL_TIMEOUT)? {
+                Response::Ready { .. } => {}
+                other => return Err(Error::Protocol(format!("expected Ready, got {other:?}"))),
+            }
+        }
+        Ok(children)
+    }
+
+    /// One child: see [`Vm::fork`].
+    pub fn clone_vm(&mut self) -> Result<Vm> {
+        self.fork(1)?.pop().ok_or_else(|| Error::Protocol("fork returned no child".into()))
+    }
+
+    /// Return to the snapshot this VM descends from: drop its private pages, restore the vCPU.
+    pub fn reset(&mut self) -> Result<ResetStats> {
+        match self.call(&Request::Reset, CONTROL_TIMEOUT)? {
+            Response::Reset(s) => Ok(s),
+            other => Err(Error::Protocol(format!("expected Reset, got {other:?}"))),
+        }
+    }
+
+    pub fn read_mem(&mut self, gva: u64, len: usize) -> Result<Vec<u8>> {
+        match self.call(&Request::ReadMem { gva, len: len as u64 }, CONTROL_TIMEOUT)? {
+            Response::Mem(m) => Ok(m),
+            other => Err(Error::Protocol(format!("expected Mem, got {other:?}"))),
+        }
+    }
+
+    pub fn write_mem(&mut self, gva: u64, data: &[u8]) -> Result<()> {
+        self.expect_ok(&Request::WriteMem { gva, data: data.to_vec() })
+    }
+
+    pub fn regs(&mut self) -> Result<kvm_regs> {
+        match self.call(&Request::GetRegs, CONTROL_TIMEOUT)? {
+            Response::Regs(r) => Ok(r),
+            other => Err(Error::Protocol(format!("expected Regs, got {other:?}"))),
+        }
+    }
+
+    pub fn set_regs(&mut self, regs: &kvm_regs) -> Result<()> {
+        self.expect_ok(&Request::SetRegs(*regs))
+    }
+
+    pub fn vcpu_state(&mut self) -> Result<VcpuState> {
+        match self.call(&Request::VcpuState, CONTROL_TIMEOUT)? {
+            Response::VcpuState(s) => Ok(*s),
+            other => Err(Error::Protocol(format!("expected VcpuState, got {other:?}"))),
+        }
+    }
+
+    pub fn mem_stats(&mut self) -> Result<MemStats> {
+        match self.call(&Request::MemStats, CONTROL_TIMEOUT)? {
+            Response::MemStats(s) => Ok(s),
+            other => Err(Error::Protocol(format!("expected MemStats, got {other:?}"))),
+        }
+    }
+
+    fn expect_ok(&mut self, req: &Request) -> Result<()> {
+        match self.call(req, CONTROL_TIMEOUT)? {
+            Response::Ok => Ok(()),
+            other => Err(Error::Protocol(format!("expected Ok, got {other:?}"))),
+        }
+    }
+
+    /// Kill the VMM process and wait until it is gone: its memory, VM and descriptors are freed
+    /// when this returns.
+    pub fn destroy(mut self) -> Result<()> {
+        self.kill();
+        Ok(())
+    }
+
+    pub fn is_alive(&self) -> bool {
+        !matches!(self.process, Process::Gone)
+    }
+
+    fn kill(&mut self) {
+        match std::mem::replace(&mut self.process, Process::Gone) {
+            Process::Launched(mut child) => {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            Process::Forked(pidfd) => {
+                // SAFETY: pidfd_send_signal on a pidfd we own; null siginfo is allowed.
+                unsafe {
+                    libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, 0usize, 0u32)
+                };
+                let mut pfd = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                // A pidfd turns readable when the process has exited. SIGKILL cannot be blocked, so
+                // this is bounded by the kernel's teardown of the process.
+                for _ in 0..100 {
+                    // SAFETY: one valid pollfd.
+                    let rc = unsafe { libc::poll(&mut pfd, 1, 100) };
+                    if rc != 0 && !(rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)) {
+                        break;
+                    }
+                }
+            }
+            Process::Gone => {}
+        }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,155 @@
+//! The snapshot format: a paused VM as two files in a directory.
+//!
+//! `vm.state`:
+//! ```text
+//! offset 0   8 bytes  magic "CLMTSNAP"
+//! offset 8   u32 LE   format version (FORMAT_VERSION)
+//! offset 12  u64 LE   payload length N
+//! offset 20  N bytes  payload: postcard encoding of `SnapshotState`
+//! offset 20+N u32 LE  CRC-32 (IEEE) of bytes [0, 20+N)
+//! ```
+//! `vm.mem`: the guest-physical memory image, raw, exactly `mem_size` bytes, sparse where zero. It is
+//! mapped `MAP_PRIVATE | MAP_NORESERVE` by every VM restored from it and never written after creation.
+//!
+//! The CRC detects every corruption of up to 32 consecutive bits and all but 2^-32 of the rest; the
+//! length fields catch truncation. Bump `FORMAT_VERSION` whenever `SnapshotState` changes shape.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::vmm::RuntimeState;
+use crate::vstate::vcpu::VcpuState;
+
+pub const MAGIC: &[u8; 8] = b"CLMTSNAP";
+pub const FORMAT_VERSION: u32 = 1;
+pub const STATE_FILE: &str = "vm.state";
+pub const MEMORY_FILE: &str = "vm.mem";
+const HEADER: usize = 20;
+
+/// Everything but memory.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct SnapshotState {
+    pub mem_size: u64,
+    pub vcpu: VcpuState,
+    pub runtime: RuntimeState,
+}
+
+pub fn encode(state: &SnapshotState) -> Result<Vec<u8>> {
+    let payload = postcard::to_stdvec(state).map_err(|e| Error::Protocol(format!("encode snapshot: {e}")))?;
+    let mut out = Vec::with_capacity(HEADER + payload.len() + 4);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    out.extend_from_slice(&payload);
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    Ok(out)
+}
+
+pub fn decode(bytes: &[u8], path: &str) -> Result<SnapshotState> {
+    let corrupt = |reason: String| Error::SnapshotCorrupt { path: path.to_string(), reason };
+    if bytes.len() < 8 || &bytes[..8] != MAGIC {
+        return Err(corrupt("not a collimate snapshot state file (bad magic)".into()));
+    }
+    if bytes.len() < HEADER + 4 {
+        return Err(corrupt(format!("truncated: {} bytes", bytes.len())));
+    }
+    let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap_or_default());
+    let len = u64::from_le_bytes(bytes[12..20].try_into().unwrap_or_default());
+    let expect_total = (HEADER as u64).checked_add(len).and_then(|v| v.checked_add(4));
+    if expect_total != Some(bytes.len() as u64) {
+        // A CRC failure is the better message when the length field itself is what got damaged.
+        let crc_ok = crc32fast::hash(&bytes[..bytes.len() - 4])
+            == u32::from_le_bytes(bytes[bytes.len() - 4..].try_into().unwrap_or_default());
+        return Err(corrupt(if crc_ok || expect_total.unwrap_or(0) > bytes.len() as u64 {
+            format!("truncated or extended: {} bytes, header says {}", bytes.len(), HEADER as u64 + len + 4)
+        } else {
+            "checksum mismatch".into()
+        }));
+    }
+    let body = &bytes[..bytes.len() - 4];
+    let crc = u32::from_le_bytes(bytes[bytes.len() - 4..].try_into().unwrap_or_default());
+    if crc32fast::hash(body) != crc {
+        return Err(corrupt("checksum mismatch".into()));
+    }
+    if version != FORMAT_VERSION {
+        return Err(Error::SnapshotVersion { path: path.to_string(), found: version, expected: FORMAT_VERSION });
+    }
+    postcard::from_bytes(&body[HEADER..]).map_err(|e| corrupt(format!("undecodable state: {e}")))
+}
+
+pub fn write_state(dir: &Path, state: &SnapshotState) -> Result<()> {
+    let bytes = encode(state)?;
+    let tmp = dir.join(format!(".{STATE_FILE}.tmp"));
+    std::fs::write(&tmp, &bytes).map_err(Error::sys("write snapshot state"))?;
+    std::fs::rename(&tmp, dir.join(STATE_FILE)).map_err(Error::sys("rename snapshot state"))
+}
+
+pub fn read_state(dir: &Path) -> Result<SnapshotState> {
+    let path = dir.join(STATE_FILE);
+    let bytes = std::fs::read(&path).map_err(|e| Error::SnapshotCorrupt {
+        path: path.display().to_string(),
+        reason: format!("cannot read: {e}"),
+    })?;
+    decode(&bytes, &path.display().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::x86_64::paging::{AddressSpace, FrameAllocator};
+
+    fn sample() -> SnapshotState {
+        // SAFETY: all-zero is a valid value for these plain-data KVM structs.
+        let vcpu = VcpuState {
+            mp_state: Default::default(),
+            regs: kvm_bindings::kvm_regs { rax: 1, rip: 0x401000, ..Default::default() },
+            sregs: Default::default(),
+            xsave: vec![0; 1024],
+            xcrs: Default::default(),
+            debugregs: Default::default(),
+            msrs: vec![kvm_bindings::kvm_msr_entry { index: 0x10, data: 5, ..Default::default() }],
+            events: Default::default(),
+        };
+        SnapshotState {
+            mem_size: 1 << 30,
+            vcpu,
+            runtime: RuntimeState {
+                frames: FrameAllocator::new(1 << 30),
+                aspace: AddressSpace { root: 0x200000 },
+                enosys: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let s = sample();
+        assert_eq!(decode(&encode(&s).unwrap(), "x").unwrap(), s);
+    }
+
+    #[test]
+    fn every_single_byte_flip_and_truncation_is_refused() {
+        let bytes = encode(&sample()).unwrap();
+        for i in 0..bytes.len() {
+            let mut b = bytes.clone();
+            b[i] ^= 0x5a;
+            assert!(decode(&b, "x").is_err(), "flip at {i} accepted");
+        }
+        for n in 0..bytes.len() {
+            assert!(decode(&bytes[..n], "x").is_err(), "truncation to {n} accepted");
+        }
+    }
+
+    #[test]
+    fn foreign_version_gets_its_own_error() {
+        let mut b = encode(&sample()).unwrap();
+        b[8..12].copy_from_slice(&99u32.to_le_bytes());
+        let n = b.len();
+        let crc = crc32fast::hash(&b[..n - 4]);
+        b[n - 4..].copy_from_slice(&crc.to_le_bytes());
+        assert!(matches!(decode(&b, "x"), Err(Error::SnapshotVersion { found: 99, .. })));
+    }
+}

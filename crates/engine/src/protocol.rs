@@ -1,0 +1,87 @@
+//! Messages between the controller and a VMM process.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvm_bindings::kvm_regs;
+use serde::{Deserialize, Serialize};
+
+use crate::error::RemoteError;
+use crate::vstate::vcpu::VcpuState;
+
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Request {
+    /// First message to a launched VMM process: load an ELF into a new VM.
+    Boot { elf: Vec<u8>, mem_size: u64 },
+    /// First message to a launched VMM process: restore a snapshot directory.
+    Restore { dir: PathBuf },
+    Run { timeout: Duration },
+    Snapshot { dir: PathBuf },
+    /// Fork this paused VMM process into `n` children; the reply carries, per child, its channel and
+    /// a pidfd.
+    Fork { n: u32 },
+    Reset,
+    ReadMem { gva: u64, len: u64 },
+    WriteMem { gva: u64, data: Vec<u8> },
+    GetRegs,
+    SetRegs(kvm_regs),
+    VcpuState,
+    MemStats,
+    Shutdown,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Response {
+    Ok,
+    /// Sent by a new VMM process (launched or forked) once its VM is ready to run.
+    Ready { pid: i32 },
+    Run(RunResult),
+    Forked { pids: Vec<i32> },
+    Reset(ResetStats),
+    Mem(Vec<u8>),
+    Regs(kvm_regs),
+    VcpuState(Box<VcpuState>),
+    MemStats(MemStats),
+    Err(RemoteError),
+}
+
+/// Why a run stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RunExit {
+    /// The guest called exit or exit_group.
+    Exited { code: i32 },
+    /// The guest called the yield hypercall (syscall 0x4000_0000, rdi = value). Resumable.
+    Yield { value: u64 },
+    /// The guest executed `out` on a port. Resumable.
+    Io { port: u16, value: u32 },
+    /// The guest raised an exception it cannot handle. The vCPU is left at the faulting instruction.
+    Fault { vector: u8, error_code: u64, rip: u64, cr2: u64 },
+    /// The time budget ran out; the host stopped the vCPU. Resumable.
+    Timeout,
+    /// The guest triple-faulted.
+    Shutdown,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunResult {
+    pub exit: RunExit,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub duration: Duration,
+    /// Syscalls the engine does not service (answered -ENOSYS) during this run.
+    pub enosys: u64,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct ResetStats {
+    pub dirty_pages: u64,
+    pub duration: Duration,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct MemStats {
+    /// Private (not shared with any other process or file) resident memory of the VMM process.
+    pub private_bytes: u64,
+    /// Guest pages this VM has written since its memory was mapped (or last reset).
+    pub dirty_pages: u64,
+}

@@ -1,0 +1,478 @@
+//! The VMM process: one per guest. It owns the guest memory mapping, the KVM VM and vCPU, and the
+//! host-side runtime state, and serves [`Request`]s from its controller until the controller goes away.
+//!
+//! A fork is a host `fork()` of this process while the guest is paused: the child inherits the
+//! `MAP_PRIVATE` guest memory copy-on-write, makes its own KVM VM over it (a KVM VM belongs to the
+//! address space that created it), restores the vCPU state captured just before the fork, and serves
+//! its own channel. The parent goes on.
+
+mod syscalls;
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::{CpuId, KVM_MAX_CPUID_ENTRIES};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
+use serde::{Deserialize, Serialize};
+
+use crate::arch::x86_64::layout::*;
+use crate::arch::x86_64::paging::{setup_address_space, AddressSpace, FrameAllocator};
+use crate::arch::x86_64::regs;
+use crate::channel::{Channel, RecvError};
+use crate::error::{Error, RemoteError, Result};
+use crate::persist::{self, SnapshotState};
+use crate::protocol::{MemStats, Request, ResetStats, Response, RunExit, RunResult};
+use crate::vstate::memory::GuestMemory;
+use crate::vstate::vcpu::{supported_msrs, Preempter, VcpuState};
+use crate::vstate::vm::KvmVm;
+
+/// Host-side state of the guest that is not in KVM or guest memory. Part of every snapshot.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct RuntimeState {
+    pub frames: FrameAllocator,
+    pub aspace: AddressSpace,
+    /// Syscalls answered with ENOSYS since boot.
+    pub enosys: u64,
+}
+
+/// XCR0 we enable: x87, SSE, AVX.
+const XCR0: u64 = 0b111;
+/// Largest stdout/stderr a single run keeps; the rest is dropped (and counted by the guest's write).
+pub const OUTPUT_CAP: usize = 16 << 20;
+
+/// A paused or running guest inside this process. Field order is drop order: the vCPU and VM go
+/// before the memory they map.
+pub struct Machine {
+    vcpu: VcpuFd,
+    vm: KvmVm,
+    mem: GuestMemory,
+    kvm: Kvm,
+    cpuid: CpuId,
+    msr_list: Vec<u32>,
+    runtime: RuntimeState,
+    /// The state `reset` returns to: the snapshot this VM (or its ancestor) was restored from. `None`
+    /// for a booted VM, whose memory file holds nothing to return to.
+    reset_point: Option<(VcpuState, RuntimeState)>,
+    preempter: Preempter,
+    exited: Option<i32>,
+}
+
+fn open_kvm() -> Result<Kvm> {
+    Kvm::new().map_err(Error::KvmUnavailable)
+}
+
+fn guest_cpuid(kvm: &Kvm) -> Result<CpuId> {
+    let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(Error::kvm("KVM_GET_SUPPORTED_CPUID"))?;
+    regs::filter_cpuid(&mut cpuid);
+    Ok(cpuid)
+}
+
+fn new_vcpu(vm: &KvmVm, cpuid: &CpuId) -> Result<VcpuFd> {
+    let vcpu = vm.fd.create_vcpu(0).map_err(Error::kvm("KVM_CREATE_VCPU"))?;
+    vcpu.set_cpuid2(cpuid).map_err(Error::kvm("KVM_SET_CPUID2"))?;
+    Ok(vcpu)
+}
+
+impl Machine {
+    /// A new VM running a static ELF.
+    pub fn boot(elf: &[u8], mem_size: u64) -> Result<Machine> {
+        if mem_size < MIN_MEM_SIZE || mem_size % PAGE_SIZE != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "mem_size {mem_size} must be a multiple of 4096 and at least {MIN_MEM_SIZE}"
+            )));
+        }
+        let kvm = open_kvm()?;
+        let mut mem = GuestMemory::anonymous(mem_size)?;
+        let mut frames = FrameAllocator::new(mem_size);
+        let aspace = setup_address_space(&mut mem, &mut frames)?;
+        let loaded = crate::loader::load_static_elf(elf, &mut mem, &mut frames, &aspace)?;
+        let vm = KvmVm::new(&kvm, &mem)?;
+        let cpuid = guest_cpuid(&kvm)?;
+        let vcpu = new_vcpu(&vm, &cpuid)?;
+        let sregs = vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+        vcpu.set_sregs(&regs::initial_sregs(sregs, aspace.root)).map_err(Error::kvm("KVM_SET_SREGS"))?;
+        let mut xcrs = vcpu.get_xcrs().map_err(Error::kvm("KVM_GET_XCRS"))?;
+        xcrs.nr_xcrs = 1;
+        xcrs.xcrs[0].xcr = 0;
+        xcrs.xcrs[0].value = XCR0;
+        vcpu.set_xcrs(&xcrs).map_err(Error::kvm("KVM_SET_XCRS"))?;
+        let entries: Vec<_> = regs::initial_msrs()
+            .into_iter()
+            .map(|(index, data)| kvm_bindings::kvm_msr_entry { index, data, ..Default::default() })
+            .collect();
+        crate::vstate::vcpu::set_msrs(&vcpu, &entries)?;
+        vcpu.set_regs(&regs::initial_regs(loaded.entry, loaded.rsp)).map_err(Error::kvm("KVM_SET_REGS"))?;
+        let msr_list = supported_msrs(&vcpu, regs::SNAPSHOT_MSRS);
+        Ok(Machine {
+            vcpu,
+            vm,
+            mem,
+            kvm,
+            cpuid,
+            msr_list,
+            runtime: RuntimeState { frames, aspace, enosys: 0 },
+            reset_point: None,
+            preempter: Preempter::new()?,
+            exited: None,
+        })
+    }
+
+    /// A VM restored from a snapshot directory, paused.
+    pub fn restore(dir: &Path) -> Result<Machine> {
+        let state = persist::read_state(dir)?;
+        let kvm = open_kvm()?;
+        let mem = GuestMemory::from_file(&dir.join(persist::MEMORY_FILE), state.mem_size)?;
+        let vm = KvmVm::new(&kvm, &mem)?;
+        let cpuid = guest_cpuid(&kvm)?;
+        let vcpu = new_vcpu(&vm, &cpuid)?;
+        state.vcpu.restore(&vcpu)?;
+        let msr_list = supported_msrs(&vcpu, regs::SNAPSHOT_MSRS);
+        Ok(Machine {
+            vcpu,
+            vm,
+            mem,
+            kvm,
+            cpuid,
+            msr_list,
+            runtime: state.runtime.clone(),
+            reset_point: Some((state.vcpu, state.runtime)),
+            preempter: Preempter::new()?,
+            exited: None,
+        })
+    }
+
+    /// Capture the vCPU. kvm_pvm reads XCR0 back as 0 after we set it (AVX keeps working); an XCR0
+    /// without the x87 bit is architecturally invalid and would be refused on restore, so we record
+    /// the value we set instead.
+    fn capture(&self) -> Result<VcpuState> {
+        let mut s = VcpuState::capture(&self.vcpu, &self.msr_list)?;
+        if s.xcrs.nr_xcrs >= 1 && s.xcrs.xcrs[0].xcr == 0 && s.xcrs.xcrs[0].value & 1 == 0 {
+            s.xcrs.xcrs[0].value = XCR0;
+        }
+        Ok(s)
+    }
+
+    fn sync_dirty(&mut self) -> Result<()> {
+        let log = self.vm.take_dirty_log(self.mem.size())?;
+        self.mem.sync_dirty(&log);
+        Ok(())
+    }
+
+    pub fn run(&mut self, timeout: Duration) -> Result<RunResult> {
+        let start = Instant::now();
+        let mut out = syscalls::Output::default();
+        if let Some(code) = self.exited {
+            return Ok(RunResult { exit: RunExit::Exited { code }, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0 });
+        }
+        let deadline = start + timeout;
+        self.vcpu.set_kvm_immediate_exit(0);
+        self.preempter.attach(&mut self.vcpu);
+        self.preempter.arm(timeout)?;
+        let res = self.run_loop(deadline, &mut out);
+        self.preempter.disarm()?;
+        self.vcpu.set_kvm_immediate_exit(0);
+        let exit = res?;
+        if let RunExit::Exited { code } = exit {
+            self.exited = Some(code);
+        }
+        self.runtime.enosys += out.enosys;
+        Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys })
+    }
+
+    fn run_loop(&mut self, deadline: Instant, out: &mut syscalls::Output) -> Result<RunExit> {
+        loop {
+            let exit = match self.vcpu.run() {
+                Ok(VcpuExit::IoOut(port, data)) => {
+                    let mut v = [0u8; 4];
+                    let n = data.len().min(4);
+                    v[..n].copy_from_slice(&data[..n]);
+                    Some((port, u32::from_le_bytes(v)))
+                }
+                Ok(VcpuExit::IoIn(_, data)) => {
+                    data.fill(0);
+                    None
+                }
+                Ok(VcpuExit::Shutdown) => return Ok(RunExit::Shutdown),
+                Ok(other) => {
+                    return Err(Error::Remote(format!("unexpected KVM exit: {other:?}")));
+                }
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                    self.vcpu.set_kvm_immediate_exit(0);
+                    if Instant::now() >= deadline {
+                        return Ok(RunExit::Timeout);
+                    }
+                    None
+                }
+                Err(e) => return Err(Error::Kvm { op: "KVM_RUN", source: e }),
+            };
+            if let Some((port, value)) = exit {
+                if port == SYSCALL_PORT {
+                    if let Some(exit) = self.syscall(out)? {
+                        return Ok(exit);
+                    }
+                } else if (VECTOR_PORT_BASE..VECTOR_PORT_BASE + 32).contains(&port) {
+                    return self.exception((port - VECTOR_PORT_BASE) as u8);
+                } else if port == SPURIOUS_PORT {
+                    return self.exception(255);
+                } else {
+                    return Ok(RunExit::Io { port, value });
+                }
+            }
+            if Instant::now() >= deadline {
+                return Ok(RunExit::Timeout);
+            }
+        }
+    }
+
+    /// Back to ring 3: the stubs leave the vCPU in ring 0; the host restores the user segments.
+    fn return_to_user(&self, regs: &kvm_bindings::kvm_regs, mut sregs: kvm_bindings::kvm_sregs) -> Result<()> {
+        sregs.cs = regs::user_code_segment();
+        sregs.ss = regs::user_data_segment();
+        self.vcpu.set_regs(regs).map_err(Error::kvm("KVM_SET_REGS"))?;
+        self.vcpu.set_sregs(&sregs).map_err(Error::kvm("KVM_SET_SREGS"))
+    }
+
+    fn syscall(&mut self, out: &mut syscalls::Output) -> Result<Option<RunExit>> {
+        let mut r = self.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
+        let sregs = self.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+        // `syscall` saved the return address in rcx and the flags in r11.
+        r.rip = r.rcx;
+        r.rflags = r.r11;
+        let (ret, exit) = syscalls::dispatch(&r, &self.runtime.aspace, &self.mem, out);
+        r.rax = ret as u64;
+        self.return_to_user(&r, sregs)?;
+        Ok(exit)
+    }
+
+    fn exception(&mut self, vector: u8) -> Result<RunExit> {
+        let mut r = self.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
+        let sregs = self.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+        let mut frame = [0u8; 48];
+        self.runtime.aspace.read_virt(&self.mem, r.rsp, &mut frame, false)?;
+        let word = |i: usize| u64::from_le_bytes(frame[i * 8..i * 8 + 8].try_into().unwrap_or_default());
+        let (error_code, base) = if vector < 32 && has_error_code(vector) { (word(0), 1) } else { (0, 0) };
+        let (rip, rflags, rsp) = (word(base), word(base + 2), word(base + 3));
+        if std::env::var_os("COLLIMATE_DEBUG").is_some() { eprintln!("exception {vector} frame cs={:#x} rflags={rflags:#x} rsp={rsp:#x} ss={:#x} efer={:#x} cr0={:#x} cr4={:#x}", word(base+1), word(base+4), sregs.efer, sregs.cr0, sregs.cr4); }
+        // Leave the vCPU where a kernel would before delivering a signal: in ring 3, at the faulting
+        // instruction, with the user stack.
+        r.rip = rip;
+        r.rflags = rflags;
+        r.rsp = rsp;
+        let cr2 = sregs.cr2;
+        self.return_to_user(&r, sregs)?;
+        Ok(RunExit::Fault { vector, error_code, rip, cr2 })
+    }
+
+    pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(Error::sys("create snapshot directory"))?;
+        self.sync_dirty()?;
+        let state = SnapshotState { mem_size: self.mem.size(), vcpu: self.capture()?, runtime: self.runtime.clone() };
+        // Write beside, then rename: `dir` may be the snapshot this VM maps, and truncating a mapped
+        // file under a running guest would fault it.
+        let tmp = dir.join(format!(".{}.tmp", persist::MEMORY_FILE));
+        self.mem.write_image(&tmp)?;
+        std::fs::rename(&tmp, dir.join(persist::MEMORY_FILE)).map_err(Error::sys("rename snapshot memory file"))?;
+        persist::write_state(dir, &state)
+    }
+
+    pub fn reset(&mut self) -> Result<ResetStats> {
+        let start = Instant::now();
+        let Some((vcpu, runtime)) = self.reset_point.clone() else {
+            return Err(Error::ResetUnavailable(
+                "this VM was booted, not restored from a snapshot; snapshot it and restore or clone that".into(),
+            ));
+        };
+        self.sync_dirty()?;
+        let dirty_pages = self.mem.discard_private()?;
+        vcpu.restore(&self.vcpu)?;
+        self.runtime = runtime;
+        self.exited = None;
+        Ok(ResetStats { dirty_pages, duration: start.elapsed() })
+    }
+
+    pub fn read_mem(&self, gva: u64, len: u64) -> Result<Vec<u8>> {
+        if len > crate::channel::MAX_FRAME as u64 / 2 {
+            return Err(Error::InvalidArgument(format!("read of {len} bytes; read in pieces of at most 512 MiB")));
+        }
+        let mut buf = vec![0u8; len as usize];
+        self.runtime.aspace.read_virt(&self.mem, gva, &mut buf, false)?;
+        Ok(buf)
+    }
+
+    pub fn write_mem(&mut self, gva: u64, data: &[u8]) -> Result<()> {
+        let aspace = self.runtime.aspace.clone();
+        aspace.write_virt(&mut self.mem, gva, data, false)
+    }
+
+    pub fn mem_stats(&mut self) -> Result<MemStats> {
+        self.sync_dirty()?;
+        Ok(MemStats { private_bytes: private_bytes()?, dirty_pages: self.mem.dirty().count() })
+    }
+
+    /// In a freshly forked child: a new VM and vCPU over the inherited memory, in `state`.
+    fn rebuild_after_fork(&mut self, state: &VcpuState) -> Result<()> {
+        let vm = KvmVm::new(&self.kvm, &self.mem)?;
+        let vcpu = new_vcpu(&vm, &self.cpuid)?;
+        state.restore(&vcpu)?;
+        // The old VM and vCPU belong to the parent's address space; dropping them here only closes our
+        // copies of the descriptors and unmaps our copy of its kvm_run page.
+        self.vcpu = vcpu;
+        self.vm = vm;
+        // POSIX timers are not inherited across fork: make ours. Forget the parent's handle rather
+        // than deleting it, since the id may equal the one just created.
+        std::mem::forget(std::mem::replace(&mut self.preempter, Preempter::new()?));
+        Ok(())
+    }
+}
+
+/// Private_Clean + Private_Dirty of this process, in bytes.
+fn private_bytes() -> Result<u64> {
+    let s = std::fs::read_to_string("/proc/self/smaps_rollup").map_err(Error::sys("read smaps_rollup"))?;
+    Ok(s.lines()
+        .filter(|l| l.starts_with("Private_Clean:") || l.starts_with("Private_Dirty:"))
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .sum::<u64>()
+        * 1024)
+}
+
+fn pidfd_open(pid: i32) -> Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags; the result is checked.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as RawFd;
+    if fd < 0 {
+        return Err(Error::last_os("pidfd_open"));
+    }
+    // SAFETY: a new descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn exit_process(code: i32) -> ! {
+    // SAFETY: _exit never returns; skipping atexit handlers is deliberate (the launcher may be a Python
+    // interpreter whose teardown we do not want to run in a VMM process).
+    unsafe { libc::_exit(code) }
+}
+
+fn reply(chan: &mut Channel, r: Result<Response>) {
+    let msg = r.unwrap_or_else(|e| Response::Err(RemoteError::from(&e)));
+    if chan.send(&msg, &[]).is_err() {
+        exit_process(0); // controller gone
+    }
+}
+
+/// Fork into `n` children; each child replies `Ready` on its own channel, the parent sends the
+/// controller one `Forked` message per child carrying that channel and a pidfd.
+fn fork_children(m: &mut Machine, chan: &mut Channel, n: u32) -> Result<()> {
+    if n == 0 || n > 4096 {
+        return Err(Error::InvalidArgument(format!("fork of {n} children; ask for 1..=4096")));
+    }
+    if m.exited.is_some() {
+        return Err(Error::InvalidArgument("the guest has exited; nothing to fork".into()));
+    }
+    m.sync_dirty()?;
+    let state = m.capture()?;
+    for _ in 0..n {
+        let (ours, theirs) = Channel::pair()?;
+        // SAFETY: this process is single-threaded, so the child may do anything after fork.
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            return Err(Error::last_os("fork"));
+        }
+        if pid == 0 {
+            // Child: drop every descriptor that belongs to the parent's conversations.
+            drop(ours);
+            // SAFETY: closing the parent's channel descriptor in the child; the Channel value is
+            // forgotten so it is not closed twice.
+            unsafe { libc::close(chan.raw_fd()) };
+            child_main(m, &state, theirs);
+        }
+        drop(theirs);
+        let pidfd = pidfd_open(pid)?;
+        let ours = ours.into_owned_fd();
+        chan.send(&Response::Forked { pids: vec![pid] }, &[ours.as_raw_fd(), pidfd.as_raw_fd()])?;
+    }
+    Ok(())
+}
+
+fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel) -> ! {
+    match m.rebuild_after_fork(state) {
+        Ok(()) => {
+            // SAFETY: getpid cannot fail.
+            let pid = unsafe { libc::getpid() };
+            reply(&mut chan, Ok(Response::Ready { pid }));
+        }
+        Err(e) => {
+            reply(&mut chan, Err(e));
+            exit_process(1);
+        }
+    }
+    serve(m, chan)
+}
+
+fn serve(m: &mut Machine, mut chan: Channel) -> ! {
+    loop {
+        let req = match chan.recv::<Request>() {
+            Ok((req, _)) => req,
+            Err(RecvError::Closed) => exit_process(0),
+            Err(RecvError::TimedOut) => continue,
+            Err(RecvError::Failed(_)) => exit_process(2),
+        };
+        let resp = match req {
+            Request::Run { timeout } => m.run(timeout).map(Response::Run),
+            Request::Snapshot { dir } => m.snapshot(&dir).map(|_| Response::Ok),
+            Request::Fork { n } => match fork_children(m, &mut chan, n) {
+                Ok(()) => continue,
+                Err(e) => Err(e),
+            },
+            Request::Reset => m.reset().map(Response::Reset),
+            Request::ReadMem { gva, len } => m.read_mem(gva, len).map(Response::Mem),
+            Request::WriteMem { gva, data } => m.write_mem(gva, &data).map(|_| Response::Ok),
+            Request::GetRegs => m.vcpu.get_regs().map(Response::Regs).map_err(Error::kvm("KVM_GET_REGS")),
+            Request::SetRegs(r) => m.vcpu.set_regs(&r).map(|_| Response::Ok).map_err(Error::kvm("KVM_SET_REGS")),
+            Request::VcpuState => m.capture().map(|s| Response::VcpuState(Box::new(s))),
+            Request::MemStats => m.mem_stats().map(Response::MemStats),
+            Request::Shutdown => {
+                reply(&mut chan, Ok(Response::Ok));
+                exit_process(0)
+            }
+            Request::Boot { .. } | Request::Restore { .. } => {
+                Err(Error::InvalidArgument("this VMM process already has a VM".into()))
+            }
+        };
+        reply(&mut chan, resp);
+    }
+}
+
+/// Entry point of a launched VMM process: serve the channel on `fd` (inherited from the launcher).
+/// Never returns.
+pub fn serve_fd(fd: RawFd) -> ! {
+    // SAFETY: the launcher put our end of the channel on `fd` and nothing else in this process owns it.
+    let mut chan = Channel::from_owned_fd(unsafe { OwnedFd::from_raw_fd(fd) });
+    // SAFETY: plain fcntl/signal/prctl calls on this process.
+    unsafe {
+        libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+        // Children (forked VMMs) and orphaned grandchildren are reaped by the kernel, never zombies.
+        libc::signal(libc::SIGCHLD, libc::SIG_IGN);
+        libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    }
+    let first = match chan.recv::<Request>() {
+        Ok((req, _)) => req,
+        Err(_) => exit_process(0),
+    };
+    let machine = match first {
+        Request::Boot { elf, mem_size } => Machine::boot(&elf, mem_size),
+        Request::Restore { dir } => Machine::restore(&dir),
+        _ => Err(Error::Protocol("the first request must be Boot or Restore".into())),
+    };
+    match machine {
+        Ok(mut m) => {
+            // SAFETY: getpid cannot fail.
+            let pid = unsafe { libc::getpid() };
+            reply(&mut chan, Ok(Response::Ready { pid }));
+            serve(&mut m, chan)
+        }
+        Err(e) => {
+            reply(&mut chan, Err(e));
+            exit_process(1)
+        }
+    }
+}

@@ -1,0 +1,291 @@
+//! Guest memory: one file mapped `MAP_PRIVATE | MAP_NORESERVE`.
+//!
+//! The file is a memfd for a freshly booted VM and the snapshot's memory file for a restored one. Every
+//! page the guest or the host writes becomes a private copy-on-write page of this process; everything
+//! else is shared with the file and with every other process that maps it. A host `fork()` therefore
+//! clones guest memory for free, and `MADV_DONTNEED` on a private page makes it show the file again.
+//!
+//! Which pages are private is tracked exactly: KVM's dirty log for guest writes, a bitmap here for host
+//! writes; [`GuestMemory::sync_dirty`] folds the former into `dirty`.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::Path;
+
+use super::super::arch::x86_64::layout::PAGE_SIZE;
+use crate::error::{Error, Result};
+
+/// A page bitmap.
+#[derive(Clone, Debug)]
+pub struct Bitmap {
+    words: Vec<u64>,
+}
+
+impl Bitmap {
+    pub fn new(pages: u64) -> Bitmap {
+        Bitmap { words: vec![0; pages.div_ceil(64) as usize] }
+    }
+    pub fn set(&mut self, page: u64) {
+        self.words[(page / 64) as usize] |= 1 << (page % 64);
+    }
+    pub fn or_words(&mut self, other: &[u64]) {
+        for (w, o) in self.words.iter_mut().zip(other) {
+            *w |= *o;
+        }
+    }
+    pub fn count(&self) -> u64 {
+        self.words.iter().map(|w| w.count_ones() as u64).sum()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.words.iter().all(|w| *w == 0)
+    }
+    pub fn clear(&mut self) {
+        self.words.iter_mut().for_each(|w| *w = 0);
+    }
+    /// Runs of consecutive set pages as (first page, count).
+    pub fn runs(&self) -> Vec<(u64, u64)> {
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for (wi, &w) in self.words.iter().enumerate() {
+            let mut w = w;
+            while w != 0 {
+                let bit = w.trailing_zeros() as u64;
+                let page = wi as u64 * 64 + bit;
+                match out.last_mut() {
+                    Some((start, n)) if *start + *n == page => *n += 1,
+                    _ => out.push((page, 1)),
+                }
+                w &= w - 1;
+            }
+        }
+        out
+    }
+}
+
+/// The guest's physical memory as seen by the VMM process.
+pub struct GuestMemory {
+    ptr: *mut u8,
+    size: u64,
+    /// The backing file (memfd or snapshot memory file). Kept open so snapshots can copy from it.
+    file: File,
+    /// Pages that are private to this process (written since the mapping was made, by anyone).
+    dirty: Bitmap,
+}
+
+// SAFETY: the mapping is owned by this struct; the VMM process is single-threaded and moves it only
+// between owners, never shares it.
+unsafe impl Send for GuestMemory {}
+
+impl GuestMemory {
+    /// Fresh zeroed memory backed by a memfd.
+    pub fn anonymous(size: u64) -> Result<GuestMemory> {
+        // SAFETY: memfd_create with a valid NUL-terminated name; we check the result.
+        let fd = unsafe { libc::memfd_create(c"collimate-guest".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::last_os("memfd_create"));
+        }
+        // SAFETY: fd is a fresh descriptor we own.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(size).map_err(Error::sys("ftruncate guest memory"))?;
+        Self::map(file, size)
+    }
+
+    /// Memory backed by a snapshot's memory file (opened read-only: the file is never written).
+    pub fn from_file(path: &Path, size: u64) -> Result<GuestMemory> {
+        let file = File::open(path).map_err(Error::sys("open snapshot memory file"))?;
+        let len = file.metadata().map_err(Error::sys("stat snapshot memory file"))?.len();
+        if len != size {
+            return Err(Error::SnapshotCorrupt {
+                path: path.display().to_string(),
+                reason: format!("memory file is {len} bytes, the state file says {size}"),
+            });
+        }
+        Self::map(file, size)
+    }
+
+    fn map(file: File, size: u64) -> Result<GuestMemory> {
+        // SAFETY: a new private mapping of a file we hold open; the kernel picks the address.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_NORESERVE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::last_os("mmap guest memory"));
+        }
+        Ok(GuestMemory { ptr: ptr.cast(), size, file, dirty: Bitmap::new(size / PAGE_SIZE) })
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+    pub fn host_addr(&self) -> u64 {
+        self.ptr as u64
+    }
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+    pub fn dirty(&self) -> &Bitmap {
+        &self.dirty
+    }
+
+    fn check(&self, gpa: u64, len: usize) -> Result<()> {
+        match gpa.checked_add(len as u64) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(Error::BadGuestAddress(gpa)),
+        }
+    }
+
+    pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<()> {
+        self.check(gpa, buf.len())?;
+        // SAFETY: bounds checked above; the mapping is valid for `size` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(gpa as usize), buf.as_mut_ptr(), buf.len()) };
+        Ok(())
+    }
+
+    pub fn write(&mut self, gpa: u64, data: &[u8]) -> Result<()> {
+        self.check(gpa, data.len())?;
+        // SAFETY: bounds checked above; the mapping is valid and writable for `size` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(gpa as usize), data.len()) };
+        if !data.is_empty() {
+            for page in gpa / PAGE_SIZE..=(gpa + data.len() as u64 - 1) / PAGE_SIZE {
+                self.dirty.set(page);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn read_u64(&self, gpa: u64) -> Result<u64> {
+        let mut b = [0u8; 8];
+        self.read(gpa, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    pub fn write_u64(&mut self, gpa: u64, v: u64) -> Result<()> {
+        self.write(gpa, &v.to_le_bytes())
+    }
+
+    /// Fold a KVM dirty-log bitmap (guest writes) into the private-page set.
+    pub fn sync_dirty(&mut self, kvm_log: &[u64]) {
+        self.dirty.or_words(kvm_log);
+    }
+
+    /// Drop every private page: memory shows the backing file again. Returns how many pages dropped.
+    pub fn discard_private(&mut self) -> Result<u64> {
+        let n = self.dirty.count();
+        for (page, count) in self.dirty.runs() {
+            // SAFETY: the range lies inside our mapping; MADV_DONTNEED on a private file mapping only
+            // drops our private copies, which is exactly the reset we want.
+            let rc = unsafe {
+                libc::madvise(
+                    self.ptr.add((page * PAGE_SIZE) as usize).cast(),
+                    (count * PAGE_SIZE) as usize,
+                    libc::MADV_DONTNEED,
+                )
+            };
+            if rc != 0 {
+                return Err(Error::last_os("madvise(MADV_DONTNEED)"));
+            }
+        }
+        self.dirty.clear();
+        Ok(n)
+    }
+
+    /// Write the full memory image to `path`: the backing file's data extents, then the private pages.
+    /// The result is sparse where the guest never wrote.
+    pub fn write_image(&self, path: &Path) -> Result<()> {
+        let out = File::create(path).map_err(Error::sys("create snapshot memory file"))?;
+        out.set_len(self.size).map_err(Error::sys("size snapshot memory file"))?;
+        let src = self.file.as_raw_fd();
+        let dst = out.as_raw_fd();
+        let mut off: i64 = 0;
+        loop {
+            // SAFETY: lseek on descriptors we own; negative results are handled.
+            let data = unsafe { libc::lseek(src, off, libc::SEEK_DATA) };
+            if data < 0 {
+                break; // ENXIO: no more data
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(src, data, libc::SEEK_HOLE) };
+            let end = if hole < 0 { self.size as i64 } else { hole };
+            let mut s = data;
+            while s < end {
+                let mut so = s;
+                let mut d = s;
+                // SAFETY: copy_file_range between two files we own, offsets passed by pointer.
+                let n = unsafe {
+                    libc::copy_file_range(src, &mut so, dst, &mut d, (end - s) as usize, 0)
+                };
+                if n <= 0 {
+                    return Err(Error::last_os("copy_file_range"));
+                }
+                s += n as i64;
+            }
+            off = end;
+        }
+        for (page, count) in self.dirty.runs() {
+            let start = (page * PAGE_SIZE) as usize;
+            let len = (count * PAGE_SIZE) as usize;
+            // SAFETY: the range lies inside our mapping.
+            let bytes = unsafe { std::slice::from_raw_parts(self.ptr.add(start), len) };
+            std::os::unix::fs::FileExt::write_all_at(&out, bytes, start as u64)
+                .map_err(Error::sys("write snapshot memory file"))?;
+        }
+        out.sync_all().map_err(Error::sys("fsync snapshot memory file"))?;
+        Ok(())
+    }
+}
+
+impl Drop for GuestMemory {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the region we mapped in `map`.
+        unsafe { libc::munmap(self.ptr.cast(), self.size as usize) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bitmap_runs() {
+        let mut b = Bitmap::new(200);
+        for p in [1, 2, 3, 63, 64, 65, 150] {
+            b.set(p);
+        }
+        assert_eq!(b.runs(), vec![(1, 3), (63, 3), (150, 1)]);
+        assert_eq!(b.count(), 7);
+    }
+
+    #[test]
+    fn discard_restores_file_contents() {
+        let mut m = GuestMemory::anonymous(1 << 20).unwrap();
+        m.write(4096, b"hello").unwrap();
+        let mut b = [0u8; 5];
+        m.read(4096, &mut b).unwrap();
+        assert_eq!(&b, b"hello");
+        assert_eq!(m.discard_private().unwrap(), 1);
+        m.read(4096, &mut b).unwrap();
+        assert_eq!(b, [0; 5]);
+    }
+
+    #[test]
+    fn image_contains_private_pages() {
+        let dir = std::env::temp_dir().join(format!("collimate-mem-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut m = GuestMemory::anonymous(1 << 20).unwrap();
+        m.write(8192 + 7, b"xyz").unwrap();
+        let p = dir.join("m");
+        m.write_image(&p).unwrap();
+        let m2 = GuestMemory::from_file(&p, 1 << 20).unwrap();
+        let mut b = [0u8; 3];
+        m2.read(8192 + 7, &mut b).unwrap();
+        assert_eq!(&b, b"xyz");
+        assert!(GuestMemory::from_file(&p, 2 << 20).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

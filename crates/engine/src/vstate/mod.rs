@@ -1,0 +1,4 @@
+//! Generic KVM wrappers: guest memory, the VM and its vCPU state.
+pub mod memory;
+pub mod vcpu;
+pub mod vm;

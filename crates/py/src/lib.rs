@@ -1,0 +1,482 @@
+//! `collimate_core._core`: the thin PyO3 layer over `collimate_engine`.
+//!
+//! This crate only converts arguments, releases the GIL around every engine call and maps engine
+//! errors onto a small exception tree. Anything with behaviour belongs in the engine crate.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::Duration;
+
+use collimate_engine::{Launcher, RunExit, VmConfig};
+use kvm_bindings::kvm_regs;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
+use pyo3::types::{PyBytes, PyDict, PyType};
+
+create_exception!(
+    collimate_core._core,
+    CollimateError,
+    PyException,
+    "Base class of every error raised by collimate_core."
+);
+create_exception!(
+    collimate_core._core,
+    EngineError,
+    CollimateError,
+    "The engine (a VMM process, KVM or the host) failed to carry out an operation."
+);
+create_exception!(
+    collimate_core._core,
+    SnapshotError,
+    CollimateError,
+    "A snapshot directory cannot be used: corrupt, truncated, or written by another format version."
+);
+create_exception!(
+    collimate_core._core,
+    VmDestroyedError,
+    CollimateError,
+    "The Vm was destroyed (destroy() or the end of a with-block); it can no longer be used."
+);
+
+/// Why a call into the engine failed, before it is turned into a Python exception (which needs no
+/// GIL to build, but keeping the two apart keeps the closures given to `detach` free of PyO3 types).
+enum Failure {
+    Destroyed,
+    Engine(collimate_engine::Error),
+}
+
+impl From<collimate_engine::Error> for Failure {
+    fn from(err: collimate_engine::Error) -> Self {
+        Failure::Engine(err)
+    }
+}
+
+impl Failure {
+    /// `op` names the Python-level call, e.g. `Vm.restore('/tmp/snap')`.
+    fn into_pyerr(self, op: &str) -> PyErr {
+        match self {
+            Failure::Destroyed => VmDestroyedError::new_err(format!(
+                "{op}: this Vm was destroyed; create a new one with Vm.boot(), Vm.restore() or clone()"
+            )),
+            Failure::Engine(err) => engine_error(op, err),
+        }
+    }
+}
+
+/// Maps an engine error onto the exception tree. The engine's messages already say what to do; this
+/// adds which Python call failed.
+fn engine_error(op: &str, err: collimate_engine::Error) -> PyErr {
+    use collimate_engine::Error as E;
+    match err {
+        E::SnapshotCorrupt { .. } | E::SnapshotVersion { .. } => {
+            SnapshotError::new_err(format!("{op}: {err}"))
+        }
+        E::Destroyed => Failure::Destroyed.into_pyerr(op),
+        other => EngineError::new_err(format!("{op}: {other}")),
+    }
+}
+
+/// The names of the general-purpose registers as `regs()` reports them, in `kvm_regs` order.
+const REG_NAMES: [&str; 18] = [
+    "rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rsp", "rbp", "r8", "r9", "r10", "r11", "r12", "r13",
+    "r14", "r15", "rip", "rflags",
+];
+
+fn reg_slot<'a>(regs: &'a mut kvm_regs, name: &str) -> Option<&'a mut u64> {
+    Some(match name {
+        "rax" => &mut regs.rax,
+        "rbx" => &mut regs.rbx,
+        "rcx" => &mut regs.rcx,
+        "rdx" => &mut regs.rdx,
+        "rsi" => &mut regs.rsi,
+        "rdi" => &mut regs.rdi,
+        "rsp" => &mut regs.rsp,
+        "rbp" => &mut regs.rbp,
+        "r8" => &mut regs.r8,
+        "r9" => &mut regs.r9,
+        "r10" => &mut regs.r10,
+        "r11" => &mut regs.r11,
+        "r12" => &mut regs.r12,
+        "r13" => &mut regs.r13,
+        "r14" => &mut regs.r14,
+        "r15" => &mut regs.r15,
+        "rip" => &mut regs.rip,
+        "rflags" => &mut regs.rflags,
+        _ => return None,
+    })
+}
+
+static LAUNCHER: OnceLock<Launcher> = OnceLock::new();
+
+/// The VMM process is a fresh interpreter (the one running us) that imports this module from the
+/// installed package and calls `_vmm_main()`. `-I -S` keep user site-packages, `PYTHON*` variables
+/// and `.pth` files out of it; the package's parent directory is passed as `argv[1]` (no quoting).
+fn launcher(py: Python<'_>) -> PyResult<&'static Launcher> {
+    if let Some(launcher) = LAUNCHER.get() {
+        return Ok(launcher);
+    }
+    let executable: Option<PathBuf> = py.import("sys")?.getattr("executable")?.extract()?;
+    let executable = executable.filter(|p| !p.as_os_str().is_empty()).ok_or_else(|| {
+        EngineError::new_err(
+            "cannot start a VMM process: sys.executable is empty, so this interpreter cannot \
+             start another one; run collimate_core from a regular python executable",
+        )
+    })?;
+    let package = py.import("collimate_core")?;
+    let init: PathBuf = package.getattr("__file__")?.extract()?;
+    let site = init.parent().and_then(|p| p.parent()).ok_or_else(|| {
+        EngineError::new_err(format!(
+            "cannot locate the collimate_core package from its __file__ {}; reinstall it",
+            init.display()
+        ))
+    })?;
+    let args = vec![
+        "-I".into(),
+        "-S".into(),
+        "-c".into(),
+        "import sys; sys.path.insert(0, sys.argv[1]); \
+         from collimate_core._core import _vmm_main; _vmm_main()"
+            .into(),
+        site.as_os_str().to_owned(),
+    ];
+    Ok(LAUNCHER.get_or_init(|| Launcher::new(executable, args)))
+}
+
+/// Entry point of a VMM process: serves the channel on fd 3, then exits the process.
+#[pyfunction]
+fn _vmm_main() {
+    collimate_engine::vmm::serve_fd(3);
+}
+
+/// The outcome of one `Vm.run()`.
+#[pyclass(module = "collimate_core._core", frozen, get_all)]
+struct RunResult {
+    /// "exited", "yield", "io", "fault", "timeout" or "shutdown".
+    kind: &'static str,
+    /// Exit status of `exit`/`exit_group` ("exited").
+    code: Option<i32>,
+    /// The yielded value ("yield") or the value written by `out` ("io").
+    value: Option<u64>,
+    port: Option<u16>,
+    vector: Option<u8>,
+    error_code: Option<u64>,
+    rip: Option<u64>,
+    cr2: Option<u64>,
+    stdout: Py<PyBytes>,
+    stderr: Py<PyBytes>,
+    /// Wall-clock seconds the guest ran for.
+    duration: f64,
+}
+
+impl RunResult {
+    fn new(py: Python<'_>, result: collimate_engine::RunResult) -> Self {
+        let mut out = RunResult {
+            kind: "",
+            code: None,
+            value: None,
+            port: None,
+            vector: None,
+            error_code: None,
+            rip: None,
+            cr2: None,
+            stdout: PyBytes::new(py, &result.stdout).unbind(),
+            stderr: PyBytes::new(py, &result.stderr).unbind(),
+            duration: result.duration.as_secs_f64(),
+        };
+        match result.exit {
+            RunExit::Exited { code } => {
+                out.kind = "exited";
+                out.code = Some(code);
+            }
+            RunExit::Yield { value } => {
+                out.kind = "yield";
+                out.value = Some(value);
+            }
+            RunExit::Io { port, value } => {
+                out.kind = "io";
+                out.port = Some(port);
+                out.value = Some(u64::from(value));
+            }
+            RunExit::Fault { vector, error_code, rip, cr2 } => {
+                out.kind = "fault";
+                out.vector = Some(vector);
+                out.error_code = Some(error_code);
+                out.rip = Some(rip);
+                out.cr2 = Some(cr2);
+            }
+            RunExit::Timeout => out.kind = "timeout",
+            RunExit::Shutdown => out.kind = "shutdown",
+        }
+        out
+    }
+}
+
+#[pymethods]
+impl RunResult {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let mut parts = vec![format!("kind={:?}", self.kind)];
+        let hex = |name: &str, v: Option<u64>| v.map(|v| format!("{name}={v:#x}"));
+        parts.extend(self.code.map(|c| format!("code={c}")));
+        parts.extend(self.port.map(|p| format!("port={p:#x}")));
+        parts.extend(self.value.map(|v| format!("value={v}")));
+        parts.extend(self.vector.map(|v| format!("vector={v}")));
+        parts.extend(hex("error_code", self.error_code));
+        parts.extend(hex("rip", self.rip));
+        parts.extend(hex("cr2", self.cr2));
+        for (name, buf) in [("stdout", &self.stdout), ("stderr", &self.stderr)] {
+            let buf = buf.as_bytes(py);
+            if !buf.is_empty() {
+                parts.push(format!("{name}={}", bytes_repr(buf, 60)));
+            }
+        }
+        parts.push(format!("duration={:.6}", self.duration));
+        format!("RunResult({})", parts.join(", "))
+    }
+}
+
+/// A Python-style `b'...'` literal of at most `limit` bytes of `buf`.
+fn bytes_repr(buf: &[u8], limit: usize) -> String {
+    let mut s = String::from("b'");
+    for &b in buf.iter().take(limit) {
+        match b {
+            b'\\' => s.push_str("\\\\"),
+            b'\'' => s.push_str("\\'"),
+            b'\n' => s.push_str("\\n"),
+            b'\r' => s.push_str("\\r"),
+            b'\t' => s.push_str("\\t"),
+            0x20..=0x7e => s.push(char::from(b)),
+            _ => s.push_str(&format!("\\x{b:02x}")),
+        }
+    }
+    s.push('\'');
+    if buf.len() > limit {
+        s.push_str(&format!("...({} bytes)", buf.len()));
+    }
+    s
+}
+
+/// A handle to one VMM process (one guest).
+///
+/// The engine `Vm` lives behind a mutex so that `destroy()` can take it out while other Python
+/// threads still hold the object; every engine call runs with the GIL released.
+#[pyclass(name = "Vm", module = "collimate_core._core", frozen)]
+struct PyVm {
+    inner: Mutex<Option<collimate_engine::Vm>>,
+}
+
+impl PyVm {
+    fn wrap(vm: collimate_engine::Vm) -> Self {
+        PyVm { inner: Mutex::new(Some(vm)) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<collimate_engine::Vm>> {
+        // A panic in the engine surfaces as a PanicException; the handle stays usable (or
+        // destroyable) afterwards rather than poisoning every later call.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the engine Vm with the GIL released.
+    fn with<T, F>(&self, py: Python<'_>, op: &str, f: F) -> PyResult<T>
+    where
+        T: Send,
+        F: Send + FnOnce(&mut collimate_engine::Vm) -> Result<T, Failure>,
+    {
+        py.detach(|| {
+            let mut guard = self.lock();
+            let vm = guard.as_mut().ok_or(Failure::Destroyed)?;
+            f(vm)
+        })
+        .map_err(|e| e.into_pyerr(op))
+    }
+}
+
+impl Drop for PyVm {
+    fn drop(&mut self) {
+        let vm = self.inner.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(vm) = vm {
+            // Nothing can report an error from a finalizer; the engine still kills and reaps.
+            let _ = vm.destroy();
+        }
+    }
+}
+
+fn duration_from_secs(op: &str, secs: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(secs).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{op}: timeout must be a finite, non-negative number of seconds, got {secs}"
+        ))
+    })
+}
+
+#[pymethods]
+impl PyVm {
+    /// Starts a fresh VMM process and loads a static, non-PIE x86-64 ELF; paused until run().
+    #[staticmethod]
+    #[pyo3(signature = (elf, mem_size = 1 << 30), text_signature = "(elf, mem_size=1073741824)")]
+    fn boot(py: Python<'_>, elf: PyBackedBytes, mem_size: u64) -> PyResult<PyVm> {
+        let launcher = launcher(py)?;
+        let cfg = VmConfig { mem_size };
+        py.detach(|| collimate_engine::Vm::boot(launcher, &elf, &cfg))
+            .map(PyVm::wrap)
+            .map_err(|e| engine_error(&format!("Vm.boot(mem_size={mem_size})"), e))
+    }
+
+    /// Starts a fresh VMM process from a snapshot directory (`vm.state`, `vm.mem`).
+    #[staticmethod]
+    fn restore(py: Python<'_>, dir: PathBuf) -> PyResult<PyVm> {
+        let launcher = launcher(py)?;
+        py.detach(|| collimate_engine::Vm::restore(launcher, &dir))
+            .map(PyVm::wrap)
+            .map_err(|e| engine_error(&format!("Vm.restore({:?})", dir.display().to_string()), e))
+    }
+
+    fn run(&self, py: Python<'_>, timeout: f64) -> PyResult<RunResult> {
+        let timeout = duration_from_secs("Vm.run", timeout)?;
+        let result = self.with(py, "Vm.run", |vm| Ok(vm.run(timeout)?))?;
+        Ok(RunResult::new(py, result))
+    }
+
+    fn snapshot(&self, py: Python<'_>, dir: PathBuf) -> PyResult<()> {
+        let op = format!("Vm.snapshot({:?})", dir.display().to_string());
+        self.with(py, &op, |vm| Ok(vm.snapshot(&dir)?))
+    }
+
+    fn fork(&self, py: Python<'_>, n: usize) -> PyResult<Vec<PyVm>> {
+        let op = format!("Vm.fork({n})");
+        let children = self.with(py, &op, |vm| Ok(vm.fork(n)?))?;
+        Ok(children.into_iter().map(PyVm::wrap).collect())
+    }
+
+    fn clone(&self, py: Python<'_>) -> PyResult<PyVm> {
+        self.with(py, "Vm.clone", |vm| Ok(vm.clone_vm()?)).map(PyVm::wrap)
+    }
+
+    /// Returns the VM to the snapshot it was restored or cloned from.
+    fn reset<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.with(py, "Vm.reset", |vm| Ok(vm.reset()?))?;
+        let out = PyDict::new(py);
+        out.set_item("dirty_pages", stats.dirty_pages)?;
+        out.set_item("duration", stats.duration.as_secs_f64())?;
+        Ok(out)
+    }
+
+    fn read_mem<'py>(&self, py: Python<'py>, addr: u64, n: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let op = format!("Vm.read_mem({addr:#x}, {n})");
+        let data = self.with(py, &op, |vm| Ok(vm.read_mem(addr, n)?))?;
+        Ok(PyBytes::new(py, &data))
+    }
+
+    fn write_mem(&self, py: Python<'_>, addr: u64, data: PyBackedBytes) -> PyResult<()> {
+        let op = format!("Vm.write_mem({addr:#x}, <{} bytes>)", data.len());
+        self.with(py, &op, |vm| Ok(vm.write_mem(addr, &data)?))
+    }
+
+    fn regs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let mut regs = self.with(py, "Vm.regs", |vm| Ok(vm.regs()?))?;
+        let out = PyDict::new(py);
+        for name in REG_NAMES {
+            if let Some(v) = reg_slot(&mut regs, name) {
+                out.set_item(name, *v)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Updates the registers named in `regs`; the others keep their values.
+    fn set_regs(&self, py: Python<'_>, regs: HashMap<String, u64>) -> PyResult<()> {
+        let mut probe = kvm_regs::default();
+        if let Some(bad) = regs.keys().find(|k| reg_slot(&mut probe, k).is_none()) {
+            return Err(PyValueError::new_err(format!(
+                "Vm.set_regs: unknown register {bad:?}; valid names: {}",
+                REG_NAMES.join(", ")
+            )));
+        }
+        self.with(py, "Vm.set_regs", |vm| {
+            let mut current = vm.regs()?;
+            for (name, value) in &regs {
+                if let Some(slot) = reg_slot(&mut current, name) {
+                    *slot = *value;
+                }
+            }
+            Ok(vm.set_regs(&current)?)
+        })
+    }
+
+    /// The full captured vCPU state, serialized (for equality checks; the layout is not an API).
+    fn vcpu_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let state = self.with(py, "Vm.vcpu_state", |vm| Ok(vm.vcpu_state()?))?;
+        let bytes = postcard::to_allocvec(&state).map_err(|e| {
+            EngineError::new_err(format!("Vm.vcpu_state: cannot serialize the vCPU state: {e}"))
+        })?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    fn mem_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.with(py, "Vm.mem_stats", |vm| Ok(vm.mem_stats()?))?;
+        let out = PyDict::new(py);
+        out.set_item("private_bytes", stats.private_bytes)?;
+        out.set_item("dirty_pages", stats.dirty_pages)?;
+        Ok(out)
+    }
+
+    /// Host pid of the VMM process.
+    #[getter]
+    fn pid(&self, py: Python<'_>) -> PyResult<i32> {
+        self.with(py, "Vm.pid", |vm| Ok(vm.pid()))
+    }
+
+    /// Kills and reaps the VMM process. Idempotent.
+    fn destroy(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| match self.lock().take() {
+            Some(vm) => vm.destroy(),
+            None => Ok(()),
+        })
+        .map_err(|e| engine_error("Vm.destroy", e))
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (exc_type, _exc, _tb))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        exc_type: Option<Bound<'_, PyType>>,
+        _exc: Option<Bound<'_, PyAny>>,
+        _tb: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let destroyed = self.destroy(py);
+        // Never let a cleanup error hide the exception that ended the with-block.
+        if exc_type.is_none() {
+            destroyed?;
+        }
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        match self.inner.try_lock() {
+            Ok(guard) => match guard.as_ref() {
+                Some(vm) => format!("<Vm pid={}>", vm.pid()),
+                None => "<Vm destroyed>".to_string(),
+            },
+            Err(_) => "<Vm busy>".to_string(),
+        }
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<PyVm>()?;
+    m.add_class::<RunResult>()?;
+    m.add("CollimateError", py.get_type::<CollimateError>())?;
+    m.add("EngineError", py.get_type::<EngineError>())?;
+    m.add("SnapshotError", py.get_type::<SnapshotError>())?;
+    m.add("VmDestroyedError", py.get_type::<VmDestroyedError>())?;
+    m.add_function(wrap_pyfunction!(_vmm_main, m)?)?;
+    Ok(())
+}

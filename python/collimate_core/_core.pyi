@@ -1,0 +1,129 @@
+"""Typed stubs of the native module `collimate_core._core` (crates/py/src/lib.rs).
+
+tests/test_stubs.py checks that this file and the module name the same things.
+"""
+
+from os import PathLike
+from types import TracebackType
+from typing import Literal, Self, TypedDict, final
+
+class CollimateError(Exception):
+    """Base class of every error raised by collimate_core."""
+
+class EngineError(CollimateError):
+    """The engine (a VMM process, KVM or the host) failed to carry out an operation."""
+
+class SnapshotError(CollimateError):
+    """A snapshot directory cannot be used: corrupt, truncated, or another format version."""
+
+class VmDestroyedError(CollimateError):
+    """The Vm was destroyed; it can no longer be used."""
+
+class _Regs(TypedDict, total=False):
+    rax: int
+    rbx: int
+    rcx: int
+    rdx: int
+    rsi: int
+    rdi: int
+    rsp: int
+    rbp: int
+    r8: int
+    r9: int
+    r10: int
+    r11: int
+    r12: int
+    r13: int
+    r14: int
+    r15: int
+    rip: int
+    rflags: int
+
+class _ResetStats(TypedDict):
+    dirty_pages: int
+    duration: float
+
+class _MemStats(TypedDict):
+    private_bytes: int
+    dirty_pages: int
+
+_RunKind = Literal["exited", "yield", "io", "fault", "timeout", "shutdown"]
+
+@final
+class RunResult:
+    """The outcome of one `Vm.run()`; fields that do not apply to `kind` are None."""
+
+    @property
+    def kind(self) -> _RunKind: ...
+    @property
+    def code(self) -> int | None:
+        """Exit status ("exited")."""
+    @property
+    def value(self) -> int | None:
+        """The yielded value ("yield") or the value written by `out` ("io")."""
+    @property
+    def port(self) -> int | None:
+        """I/O port ("io")."""
+    @property
+    def vector(self) -> int | None:
+        """Exception vector ("fault")."""
+    @property
+    def error_code(self) -> int | None:
+        """Exception error code ("fault")."""
+    @property
+    def rip(self) -> int | None:
+        """Faulting instruction pointer ("fault")."""
+    @property
+    def cr2(self) -> int | None:
+        """Faulting address of a page fault ("fault")."""
+    @property
+    def stdout(self) -> bytes: ...
+    @property
+    def stderr(self) -> bytes: ...
+    @property
+    def duration(self) -> float:
+        """Seconds the guest ran for."""
+
+@final
+class Vm:
+    """A handle to one VMM process running one guest. Every call releases the GIL."""
+
+    @staticmethod
+    def boot(elf: bytes, mem_size: int = 1073741824) -> Vm:
+        """Start a VMM process and load a static, non-PIE x86-64 ELF; paused until run()."""
+    @staticmethod
+    def restore(dir: str | PathLike[str]) -> Vm:
+        """Start a VMM process from a snapshot directory (`vm.state`, `vm.mem`)."""
+    def run(self, timeout: float) -> RunResult:
+        """Run the guest until it exits, yields, does I/O, faults, or `timeout` seconds pass."""
+    def snapshot(self, dir: str | PathLike[str]) -> None:
+        """Write the paused VM to `dir`; the VM stays usable."""
+    def fork(self, n: int) -> list[Vm]:
+        """`n` copy-on-write children of this paused VM."""
+    def clone(self) -> Vm:
+        """One copy-on-write child: `fork(1)[0]`."""
+    def reset(self) -> _ResetStats:
+        """Return to the snapshot this VM was restored or cloned from."""
+    def read_mem(self, addr: int, n: int) -> bytes: ...
+    def write_mem(self, addr: int, data: bytes) -> None: ...
+    def regs(self) -> _Regs: ...
+    def set_regs(self, regs: _Regs) -> None:
+        """Update the named registers; the others keep their values."""
+    def vcpu_state(self) -> bytes:
+        """The full captured vCPU state, serialized; for equality checks only."""
+    def mem_stats(self) -> _MemStats: ...
+    @property
+    def pid(self) -> int:
+        """Host pid of the VMM process."""
+    def destroy(self) -> None:
+        """Kill and reap the VMM process. Idempotent."""
+    def __enter__(self) -> Self: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        _exc: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> bool: ...
+
+def _vmm_main() -> None:
+    """Entry point of a VMM process (a fresh interpreter); serves fd 3 and exits the process."""
