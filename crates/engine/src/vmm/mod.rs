@@ -248,12 +248,14 @@ impl Machine {
     fn exception(&mut self, vector: u8) -> Result<RunExit> {
         let mut r = self.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
         let sregs = self.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+        // The CPU pushed SS, RSP, RFLAGS, CS, RIP and, for some vectors, an error code.
+        let with_code = vector < 32 && has_error_code(vector);
         let mut frame = [0u8; 48];
-        self.runtime.aspace.read_virt(&self.mem, r.rsp, &mut frame, false)?;
+        let len = if with_code { 48 } else { 40 };
+        self.runtime.aspace.read_virt(&self.mem, r.rsp, &mut frame[..len], false)?;
         let word = |i: usize| u64::from_le_bytes(frame[i * 8..i * 8 + 8].try_into().unwrap_or_default());
-        let (error_code, base) = if vector < 32 && has_error_code(vector) { (word(0), 1) } else { (0, 0) };
+        let (error_code, base) = if with_code { (word(0), 1) } else { (0, 0) };
         let (rip, rflags, rsp) = (word(base), word(base + 2), word(base + 3));
-        if std::env::var_os("COLLIMATE_DEBUG").is_some() { eprintln!("exception {vector} frame cs={:#x} rflags={rflags:#x} rsp={rsp:#x} ss={:#x} efer={:#x} cr0={:#x} cr4={:#x}", word(base+1), word(base+4), sregs.efer, sregs.cr0, sregs.cr4); }
         // Leave the vCPU where a kernel would before delivering a signal: in ring 3, at the faulting
         // instruction, with the user stack.
         r.rip = rip;

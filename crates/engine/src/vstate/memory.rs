@@ -212,19 +212,7 @@ impl GuestMemory {
             // SAFETY: as above.
             let hole = unsafe { libc::lseek(src, data, libc::SEEK_HOLE) };
             let end = if hole < 0 { self.size as i64 } else { hole };
-            let mut s = data;
-            while s < end {
-                let mut so = s;
-                let mut d = s;
-                // SAFETY: copy_file_range between two files we own, offsets passed by pointer.
-                let n = unsafe {
-                    libc::copy_file_range(src, &mut so, dst, &mut d, (end - s) as usize, 0)
-                };
-                if n <= 0 {
-                    return Err(Error::last_os("copy_file_range"));
-                }
-                s += n as i64;
-            }
+            copy_range(&self.file, &out, data as u64, end as u64)?;
             off = end;
         }
         for (page, count) in self.dirty.runs() {
@@ -238,6 +226,42 @@ impl GuestMemory {
         out.sync_all().map_err(Error::sys("fsync snapshot memory file"))?;
         Ok(())
     }
+}
+
+/// Copy [start, end) between files at the same offsets: copy_file_range where the kernel can (same
+/// file system), else read and write, skipping all-zero pages so the copy stays sparse.
+fn copy_range(src: &File, dst: &File, start: u64, end: u64) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut s = start as i64;
+    while s < end as i64 {
+        let (mut so, mut d) = (s, s);
+        // SAFETY: copy_file_range between two files we own, offsets passed by pointer.
+        let n = unsafe {
+            libc::copy_file_range(src.as_raw_fd(), &mut so, dst.as_raw_fd(), &mut d, (end as i64 - s) as usize, 0)
+        };
+        if n > 0 {
+            s += n as i64;
+            continue;
+        }
+        let err = std::io::Error::last_os_error();
+        if n == 0 || !matches!(err.raw_os_error(), Some(libc::EXDEV | libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS)) {
+            return Err(Error::Sys { op: "copy_file_range", source: err });
+        }
+        let mut buf = vec![0u8; 1 << 20];
+        let mut pos = s as u64;
+        while pos < end {
+            let n = ((end - pos) as usize).min(buf.len());
+            src.read_exact_at(&mut buf[..n], pos).map_err(Error::sys("read guest memory file"))?;
+            for (i, page) in buf[..n].chunks(PAGE_SIZE as usize).enumerate() {
+                if page.iter().any(|&b| b != 0) {
+                    dst.write_all_at(page, pos + i as u64 * PAGE_SIZE).map_err(Error::sys("write snapshot memory file"))?;
+                }
+            }
+            pos += n as u64;
+        }
+        return Ok(());
+    }
+    Ok(())
 }
 
 impl Drop for GuestMemory {
