@@ -64,7 +64,9 @@ def test_clone_to_first_instruction(benchmark, zygote, reaper):
         res = vm.run(10.0)
         assert res.kind == "yield", res
 
-    benchmark.pedantic(clone_and_run, setup=reaper.setup, teardown=reaper.teardown, rounds=300, warmup_rounds=10)
+    benchmark.pedantic(
+        clone_and_run, setup=reaper.setup, teardown=reaper.teardown, rounds=300, warmup_rounds=10
+    )
 
 
 @pytest.mark.parametrize("n", [1, 64])
@@ -77,7 +79,13 @@ def test_live_fork_10mib_dirty(benchmark, zygote, reaper, n):
     def fork(r):
         r.vms.extend(parent.fork(n))
 
-    benchmark.pedantic(fork, setup=kids.setup, teardown=kids.teardown, rounds=100 if n == 1 else 10, warmup_rounds=1)
+    benchmark.pedantic(
+        fork,
+        setup=kids.setup,
+        teardown=kids.teardown,
+        rounds=100 if n == 1 else 10,
+        warmup_rounds=1,
+    )
     kids.teardown()
     benchmark.extra_info["parent_dirty_pages"] = parent.mem_stats()["dirty_pages"]
 
@@ -97,7 +105,7 @@ def test_reset_dirty_pages(benchmark, zygote, reaper, pages):
     benchmark.extra_info["engine_reported_median_s"] = round(engine[len(engine) // 2], 7)
 
 
-def test_idle_clone_private_memory(benchmark, zygote, reaper):
+def test_mem_stats_of_an_idle_clone(benchmark, zygote, reaper):
     """Times mem_stats() and records the private memory of a clone that was never run."""
     vm = zygote.clone()
     reaper.vms.append(vm)

@@ -1,8 +1,8 @@
 """Shared fixtures and the summary table for the pytest-benchmark files in benches/.
 
-Run: `pytest benches/` (after `maturin develop --release`). Timings never decide pass/fail; the table
-printed at the end gives median, p99 and the ratio to the host baseline (os.fork + _exit + waitpid)
-measured in the same run.
+Run: `pytest benches/` (after `maturin develop --release`). Timings never decide pass/fail;
+the table printed at the end gives median, p99 and the ratio to the host baseline
+(os.fork + _exit + waitpid) measured in the same run.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         data = b.stats.data
         median = b.stats.median
         ratio = f"{median / base_median:11.2f}x" if base_median else f"{'-':>12}"
-        write(f"{b.name:<44} {len(data):>6} {_fmt_time(median):>12} {_fmt_time(_p99(data)):>12} {ratio}")
+        p99 = _fmt_time(_p99(data))
+        write(f"{b.name:<44} {len(data):>6} {_fmt_time(median):>12} {p99:>12} {ratio}")
     notes = [(b.name, k, v) for b in benches for k, v in sorted(b.extra_info.items())]
     if notes:
         write("")

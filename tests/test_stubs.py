@@ -1,8 +1,8 @@
 """The stub file python/collimate_core/_core.pyi must describe the native module exactly.
 
 Checked both ways: every name, class member, base class and parameter list of `collimate_core._core`
-is in the stub, and the stub claims nothing the module lacks. Underscore-prefixed stub names that the
-module does not have are typing helpers (TypedDicts, aliases) and are allowed.
+is in the stub, and the stub claims nothing the module lacks. Underscore-prefixed stub names that
+the module does not have are typing helpers (TypedDicts, aliases) and are allowed.
 """
 
 import ast

@@ -83,6 +83,9 @@ class RunResult:
     @property
     def duration(self) -> float:
         """Seconds the guest ran for."""
+    @property
+    def enosys(self) -> int:
+        """Syscalls the engine answered with -ENOSYS during this run."""
 
 @final
 class Vm:

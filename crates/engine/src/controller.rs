@@ -193,6 +193,13 @@ impl Vm {
         Ok(children)
     }
 
+    /// Keep `n` pre-forked children of this paused VM ready, so a fork costs only the hand-over.
+    /// Meant for template zygotes, which never run; anything that changes the guest discards them.
+    pub fn set_spare_pool(&mut self, n: usize) -> Result<()> {
+        let n = u32::try_from(n).map_err(|_| Error::InvalidArgument(format!("spare pool of {n}")))?;
+        self.expect_ok(&Request::SparePool { n })
+    }
+
     /// One child: see [`Vm::fork`].
     pub fn clone_vm(&mut self) -> Result<Vm> {
         self.fork(1)?.pop().ok_or_else(|| Error::Protocol("fork returned no child".into()))

@@ -20,6 +20,8 @@ pub enum Request {
     /// Fork this paused VMM process into `n` children; the reply carries, per child, its channel and
     /// a pidfd.
     Fork { n: u32 },
+    /// Keep `n` pre-forked children ready so that `Fork` answers without creating a VM.
+    SparePool { n: u32 },
     Reset,
     ReadMem { gva: u64, len: u64 },
     WriteMem { gva: u64, data: Vec<u8> },
@@ -28,6 +30,13 @@ pub enum Request {
     VcpuState,
     MemStats,
     Shutdown,
+}
+
+impl Request {
+    /// Whether serving this request can change the guest (memory, vCPU or runtime state).
+    pub fn changes_guest(&self) -> bool {
+        matches!(self, Request::Run { .. } | Request::Reset | Request::WriteMem { .. } | Request::SetRegs(_))
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -207,3 +207,25 @@ fn a_killed_vmm_is_reported_not_hung() {
     assert!(matches!(e, Error::VmmDied { .. }), "{e}");
     assert!(matches!(vm.run(T), Err(Error::Destroyed)));
 }
+
+#[test]
+fn spare_pool_clones_match_cold_clones_and_track_the_parent() {
+    let (mut z, _dir) = zygote("spares");
+    let mut cold = z.clone_vm().unwrap();
+    z.set_spare_pool(3).unwrap();
+    std::thread::sleep(Duration::from_millis(300)); // let the pool fill
+    let mut warm = z.fork(5).unwrap(); // 3 spares + 2 cold
+    let reference = cold.vcpu_state().unwrap();
+    for w in &mut warm {
+        let s = w.vcpu_state().unwrap();
+        assert_eq!(s.regs, reference.regs);
+        assert_eq!(s.xsave, reference.xsave);
+        assert_eq!(cmd(w, CMD_SUM, 8, 0, 0), 0);
+        cmd(w, CMD_FILL, 8, 9, 0);
+    }
+    // Writing the parent's memory discards its spares: the next clone sees the new state.
+    z.write_mem(heap_page(0), &[42]).unwrap();
+    let mut after = z.clone_vm().unwrap();
+    assert_eq!(after.read_mem(heap_page(0), 1).unwrap(), vec![42]);
+    assert!(z.set_spare_pool(1000).is_err());
+}

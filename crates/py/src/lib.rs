@@ -169,6 +169,8 @@ struct RunResult {
     stderr: Py<PyBytes>,
     /// Wall-clock seconds the guest ran for.
     duration: f64,
+    /// Syscalls the engine does not service (answered -ENOSYS) during this run.
+    enosys: u64,
 }
 
 impl RunResult {
@@ -185,6 +187,7 @@ impl RunResult {
             stdout: PyBytes::new(py, &result.stdout).unbind(),
             stderr: PyBytes::new(py, &result.stderr).unbind(),
             duration: result.duration.as_secs_f64(),
+            enosys: result.enosys,
         };
         match result.exit {
             RunExit::Exited { code } => {
@@ -231,6 +234,9 @@ impl RunResult {
             if !buf.is_empty() {
                 parts.push(format!("{name}={}", bytes_repr(buf, 60)));
             }
+        }
+        if self.enosys > 0 {
+            parts.push(format!("enosys={}", self.enosys));
         }
         parts.push(format!("duration={:.6}", self.duration));
         format!("RunResult({})", parts.join(", "))

@@ -361,38 +361,106 @@ fn reply(chan: &mut Channel, r: Result<Response>) {
     }
 }
 
+/// A pre-forked child: already has its VM and vCPU restored and has sent `Ready`; waits for requests.
+struct Spare {
+    pid: i32,
+    pidfd: OwnedFd,
+    chan: OwnedFd,
+}
+
+impl Spare {
+    fn kill(self) {
+        // SAFETY: signalling a process through a pidfd we own.
+        unsafe { libc::syscall(libc::SYS_pidfd_send_signal, self.pidfd.as_raw_fd(), libc::SIGKILL, 0usize, 0u32) };
+    }
+}
+
+/// Pre-forked children of a paused VM (the zygote pattern: Android's USAP pool does the same for app
+/// processes). A fork request takes a spare, so the caller waits only for the hand-over, not for a
+/// new KVM VM; the pool refills while this process is idle. Any request that changes the guest
+/// discards the spares, which would otherwise be clones of a state that no longer exists.
+#[derive(Default)]
+struct Pool {
+    spares: Vec<Spare>,
+    target: usize,
+}
+
+impl Pool {
+    fn invalidate(&mut self) {
+        self.spares.drain(..).for_each(Spare::kill);
+    }
+}
+
+/// Largest spare pool a VM may keep.
+pub const MAX_SPARES: u32 = 16;
+
+/// Fork one child in `state`. The child never returns from here: it serves its own channel.
+fn spawn_child(m: &mut Machine, state: &VcpuState, chan: &Channel, pool: &mut Pool) -> Result<Spare> {
+    let (ours, theirs) = Channel::pair()?;
+    // SAFETY: this process is single-threaded, so the child may do anything after fork.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(Error::last_os("fork"));
+    }
+    if pid == 0 {
+        // Child: drop every descriptor that belongs to the parent's conversations, so that each
+        // peer sees EOF exactly when its own process goes away.
+        drop(ours);
+        // SAFETY: closing the parent's channel descriptor in the child; the parent's Channel value
+        // is never used again in this process (child_main does not return).
+        unsafe { libc::close(chan.raw_fd()) };
+        for spare in pool.spares.drain(..) {
+            drop(spare); // closes our copies only; the siblings stay alive
+        }
+        pool.target = 0;
+        child_main(m, state, theirs);
+    }
+    drop(theirs);
+    let pidfd = pidfd_open(pid)?;
+    Ok(Spare { pid, pidfd, chan: ours.into_owned_fd() })
+}
+
 /// Fork into `n` children; each child replies `Ready` on its own channel, the parent sends the
 /// controller one `Forked` message per child carrying that channel and a pidfd.
-fn fork_children(m: &mut Machine, chan: &mut Channel, n: u32) -> Result<()> {
+fn fork_children(m: &mut Machine, chan: &mut Channel, pool: &mut Pool, n: u32) -> Result<()> {
     if n == 0 || n > 4096 {
         return Err(Error::InvalidArgument(format!("fork of {n} children; ask for 1..=4096")));
     }
     if m.exited.is_some() {
         return Err(Error::InvalidArgument("the guest has exited; nothing to fork".into()));
     }
-    m.sync_dirty()?;
-    let state = m.capture()?;
+    let mut state = None;
     for _ in 0..n {
-        let (ours, theirs) = Channel::pair()?;
-        // SAFETY: this process is single-threaded, so the child may do anything after fork.
-        let pid = unsafe { libc::fork() };
-        if pid < 0 {
-            return Err(Error::last_os("fork"));
-        }
-        if pid == 0 {
-            // Child: drop every descriptor that belongs to the parent's conversations.
-            drop(ours);
-            // SAFETY: closing the parent's channel descriptor in the child; the Channel value is
-            // forgotten so it is not closed twice.
-            unsafe { libc::close(chan.raw_fd()) };
-            child_main(m, &state, theirs);
-        }
-        drop(theirs);
-        let pidfd = pidfd_open(pid)?;
-        let ours = ours.into_owned_fd();
-        chan.send(&Response::Forked { pids: vec![pid] }, &[ours.as_raw_fd(), pidfd.as_raw_fd()])?;
+        let child = match pool.spares.pop() {
+            Some(spare) => spare,
+            None => {
+                if state.is_none() {
+                    m.sync_dirty()?;
+                    state = Some(m.capture()?);
+                }
+                let st = state.as_ref().ok_or_else(|| Error::Protocol("no state".into()))?;
+                spawn_child(m, st, chan, pool)?
+            }
+        };
+        chan.send(&Response::Forked { pids: vec![child.pid] }, &[child.chan.as_raw_fd(), child.pidfd.as_raw_fd()])?;
     }
     Ok(())
+}
+
+/// Top up the spare pool by one child if the controller has nothing for us right now. Returns
+/// false when a request is waiting (serve it first).
+fn refill(m: &mut Machine, chan: &Channel, pool: &mut Pool) -> bool {
+    let mut pfd = libc::pollfd { fd: chan.raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, zero timeout.
+    if unsafe { libc::poll(&mut pfd, 1, 0) } != 0 {
+        return false;
+    }
+    let made = m.sync_dirty().and_then(|_| m.capture()).and_then(|st| spawn_child(m, &st, chan, pool));
+    match made {
+        Ok(spare) => pool.spares.push(spare),
+        Err(_) => pool.target = 0, // no room for spares: serve without them
+    }
+    true
 }
 
 fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel) -> ! {
@@ -411,20 +479,40 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel) -> ! {
 }
 
 fn serve(m: &mut Machine, mut chan: Channel) -> ! {
+    let mut pool = Pool::default();
     loop {
+        if pool.spares.len() < pool.target && m.exited.is_none() && refill(m, &chan, &mut pool) {
+            continue;
+        }
         let req = match chan.recv::<Request>() {
             Ok((req, _)) => req,
             Err(RecvError::Closed) => exit_process(0),
             Err(RecvError::TimedOut) => continue,
             Err(RecvError::Failed(_)) => exit_process(2),
         };
+        if req.changes_guest() {
+            pool.invalidate();
+        }
         let resp = match req {
             Request::Run { timeout } => m.run(timeout).map(Response::Run),
             Request::Snapshot { dir } => m.snapshot(&dir).map(|_| Response::Ok),
-            Request::Fork { n } => match fork_children(m, &mut chan, n) {
+            Request::Fork { n } => match fork_children(m, &mut chan, &mut pool, n) {
                 Ok(()) => continue,
                 Err(e) => Err(e),
             },
+            Request::SparePool { n } => {
+                if n > MAX_SPARES {
+                    Err(Error::InvalidArgument(format!("spare pool of {n}; at most {MAX_SPARES}")))
+                } else {
+                    pool.target = n as usize;
+                    while pool.spares.len() > pool.target {
+                        if let Some(s) = pool.spares.pop() {
+                            s.kill();
+                        }
+                    }
+                    Ok(Response::Ok)
+                }
+            }
             Request::Reset => m.reset().map(Response::Reset),
             Request::ReadMem { gva, len } => m.read_mem(gva, len).map(Response::Mem),
             Request::WriteMem { gva, data } => m.write_mem(gva, &data).map(|_| Response::Ok),
@@ -433,6 +521,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             Request::VcpuState => m.capture().map(|s| Response::VcpuState(Box::new(s))),
             Request::MemStats => m.mem_stats().map(Response::MemStats),
             Request::Shutdown => {
+                pool.invalidate();
                 reply(&mut chan, Ok(Response::Ok));
                 exit_process(0)
             }

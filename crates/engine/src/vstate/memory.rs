@@ -201,7 +201,6 @@ impl GuestMemory {
         let out = File::create(path).map_err(Error::sys("create snapshot memory file"))?;
         out.set_len(self.size).map_err(Error::sys("size snapshot memory file"))?;
         let src = self.file.as_raw_fd();
-        let dst = out.as_raw_fd();
         let mut off: i64 = 0;
         loop {
             // SAFETY: lseek on descriptors we own; negative results are handled.
