@@ -72,7 +72,7 @@ from guestprogs import (
     unpack_regs,
 )
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
+pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 
 TIMEOUT = 10.0  # seconds; generous: a command takes microseconds
 TEXT = range(0x400000, 0x401000)  # the guest's code page
@@ -647,3 +647,24 @@ def test_any_damage_to_the_state_file_is_refused(
         (snap / "vm.state").write_bytes(damaged)
         with pytest.raises(SnapshotError):
             Vm.restore(snap)
+
+
+def test_spare_pool_clones_are_identical_and_follow_the_parent(ready_snapshot):
+    with Vm.restore(ready_snapshot) as z:
+        with z.clone() as cold:
+            reference = cold.regs()
+        z.set_spare_pool(2)
+        time.sleep(0.3)  # let the pool fill
+        kids = z.fork(3)  # two spares and one cold fork
+        try:
+            for k in kids:
+                assert k.regs() == reference
+                assert command(k, CMD_SUM, 4, 0, 0)[0] == 0
+        finally:
+            for k in kids:
+                k.destroy()
+        z.write_mem(HEAP, b"\x07")  # changes the guest: the spares are discarded
+        with z.clone() as after:
+            assert after.read_mem(HEAP, 1) == b"\x07"
+        with pytest.raises(EngineError):
+            z.set_spare_pool(10_000)

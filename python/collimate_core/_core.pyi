@@ -103,6 +103,8 @@ class Vm:
         """Write the paused VM to `dir`; the VM stays usable."""
     def fork(self, n: int) -> list[Vm]:
         """`n` copy-on-write children of this paused VM."""
+    def set_spare_pool(self, n: int) -> None:
+        """Keep `n` pre-forked children ready so `fork`/`clone` only hand one over (template zygotes)."""
     def clone(self) -> Vm:
         """One copy-on-write child: `fork(1)[0]`."""
     def reset(self) -> _ResetStats:

@@ -356,6 +356,13 @@ impl PyVm {
         Ok(children.into_iter().map(PyVm::wrap).collect())
     }
 
+    /// Keep `n` pre-forked children of this paused VM ready so a fork costs only the hand-over
+    /// (for template zygotes, which never run; any change to the guest discards them).
+    fn set_spare_pool(&self, py: Python<'_>, n: usize) -> PyResult<()> {
+        let op = format!("Vm.set_spare_pool({n})");
+        self.with(py, &op, |vm| Ok(vm.set_spare_pool(n)?))
+    }
+
     fn clone(&self, py: Python<'_>) -> PyResult<PyVm> {
         self.with(py, "Vm.clone", |vm| Ok(vm.clone_vm()?)).map(PyVm::wrap)
     }

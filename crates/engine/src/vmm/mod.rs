@@ -455,12 +455,24 @@ fn refill(m: &mut Machine, chan: &Channel, pool: &mut Pool) -> bool {
     if unsafe { libc::poll(&mut pfd, 1, 0) } != 0 {
         return false;
     }
+    // Build spares at idle priority: they must not slow down the clones that are running now (on a
+    // small host the refill would otherwise take a core from them). A spare goes back to normal
+    // priority when it is handed a request (see `serve`).
+    set_idle_priority(true);
     let made = m.sync_dirty().and_then(|_| m.capture()).and_then(|st| spawn_child(m, &st, chan, pool));
+    set_idle_priority(false);
     match made {
         Ok(spare) => pool.spares.push(spare),
         Err(_) => pool.target = 0, // no room for spares: serve without them
     }
     true
+}
+
+fn set_idle_priority(idle: bool) {
+    let param = libc::sched_param { sched_priority: 0 };
+    let policy = if idle { libc::SCHED_IDLE } else { libc::SCHED_OTHER };
+    // SAFETY: changing this thread's own scheduling policy; failure only costs speed.
+    unsafe { libc::sched_setscheduler(0, policy, &param) };
 }
 
 fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel) -> ! {
@@ -480,6 +492,7 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel) -> ! {
 
 fn serve(m: &mut Machine, mut chan: Channel) -> ! {
     let mut pool = Pool::default();
+    let mut normal_priority = false;
     loop {
         if pool.spares.len() < pool.target && m.exited.is_none() && refill(m, &chan, &mut pool) {
             continue;
@@ -490,6 +503,10 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             Err(RecvError::TimedOut) => continue,
             Err(RecvError::Failed(_)) => exit_process(2),
         };
+        if !normal_priority {
+            set_idle_priority(false); // a spare that has been handed out
+            normal_priority = true;
+        }
         if req.changes_guest() {
             pool.invalidate();
         }

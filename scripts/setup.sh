@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install what collimate_core needs to build and test on a fresh KVM host (Rust and Python toolchains
+# present), then build the extension in release mode into the current Python environment.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v gcc >/dev/null || need_apt+=(gcc)
+command -v ld >/dev/null || need_apt+=(binutils)
+if ((${#need_apt[@]})); then
+    apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"
+fi
+
+python3 -m pip install -q --disable-pip-version-check \
+    "maturin>=1.8,<2" pytest pytest-benchmark hypothesis cffi
+python3 -m pip install -q --disable-pip-version-check --no-build-isolation -e .
