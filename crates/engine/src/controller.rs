@@ -106,6 +106,12 @@ impl Vm {
         Self::launch(launcher, Request::Boot { elf: elf.to_vec(), mem_size: cfg.mem_size })
     }
 
+    /// Start a VMM process running the Linux program `spec.argv[0]` from `spec.root`. Paused until
+    /// [`Vm::run`].
+    pub fn spawn(launcher: &Launcher, spec: &crate::protocol::SpawnSpec, cfg: &VmConfig) -> Result<Vm> {
+        Self::launch(launcher, Request::Spawn { spec: spec.clone(), mem_size: cfg.mem_size })
+    }
+
     /// Start a VMM process with the snapshot in `dir`, paused.
     pub fn restore(launcher: &Launcher, dir: &Path) -> Result<Vm> {
         Self::launch(launcher, Request::Restore { dir: dir.to_path_buf() })

@@ -11,6 +11,7 @@ pub mod arch;
 pub mod channel;
 pub mod controller;
 pub mod error;
+pub mod guestos;
 pub mod loader;
 pub mod persist;
 pub mod protocol;
@@ -19,5 +20,5 @@ pub mod vstate;
 
 pub use controller::{Launcher, Vm, VmConfig};
 pub use error::{Error, Result};
-pub use protocol::{MemStats, ResetStats, RunExit, RunResult};
+pub use protocol::{MemStats, ResetStats, RunExit, RunResult, SpawnSpec};
 pub use vstate::vcpu::VcpuState;

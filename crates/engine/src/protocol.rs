@@ -13,6 +13,8 @@ use crate::vstate::vcpu::VcpuState;
 pub enum Request {
     /// First message to a launched VMM process: load an ELF into a new VM.
     Boot { elf: Vec<u8>, mem_size: u64 },
+    /// First message to a launched VMM process: run a Linux program from a root filesystem.
+    Spawn { spec: SpawnSpec, mem_size: u64 },
     /// First message to a launched VMM process: restore a snapshot directory.
     Restore { dir: PathBuf },
     Run { timeout: Duration },
@@ -30,6 +32,19 @@ pub enum Request {
     VcpuState,
     MemStats,
     Shutdown,
+}
+
+/// A Linux program to run in a sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SpawnSpec {
+    /// Host directory holding the sandbox's root filesystem (read-only to the guest).
+    pub root: PathBuf,
+    /// Host directories that appear writable at guest paths, e.g. ("/tmp", <dir>), ("/work", <dir>).
+    pub mounts: Vec<(String, PathBuf)>,
+    /// argv[0] is the program's guest path (resolved from `cwd`).
+    pub argv: Vec<Vec<u8>>,
+    pub envp: Vec<Vec<u8>>,
+    pub cwd: String,
 }
 
 impl Request {

@@ -17,6 +17,8 @@ use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use serde::{Deserialize, Serialize};
 
 use crate::arch::x86_64::layout::*;
+use crate::guestos::{self, GuestOs};
+use crate::protocol::SpawnSpec;
 use crate::arch::x86_64::paging::{setup_address_space, AddressSpace, FrameAllocator};
 use crate::arch::x86_64::regs;
 use crate::channel::{Channel, RecvError};
@@ -56,6 +58,9 @@ pub struct Machine {
     reset_point: Option<(VcpuState, RuntimeState)>,
     preempter: Preempter,
     exited: Option<i32>,
+    /// The Linux personality, for VMs that run Linux programs (`spawn`); `None` for the engine's
+    /// bare test guests, which get the minimal syscall set in `syscalls`.
+    os: Option<GuestOs>,
 }
 
 fn open_kvm() -> Result<Kvm> {
@@ -77,6 +82,17 @@ fn new_vcpu(vm: &KvmVm, cpuid: &CpuId) -> Result<VcpuFd> {
 impl Machine {
     /// A new VM running a static ELF.
     pub fn boot(elf: &[u8], mem_size: u64) -> Result<Machine> {
+        Self::boot_with(mem_size, |mem, frames, aspace| {
+            let l = crate::loader::load_static_elf(elf, mem, frames, aspace)?;
+            Ok((l.entry, l.rsp))
+        })
+    }
+
+    /// A new VM whose memory `load` fills (returning entry point and initial stack pointer).
+    fn boot_with(
+        mem_size: u64,
+        load: impl FnOnce(&mut GuestMemory, &mut FrameAllocator, &AddressSpace) -> Result<(u64, u64)>,
+    ) -> Result<Machine> {
         if mem_size < MIN_MEM_SIZE || mem_size % PAGE_SIZE != 0 {
             return Err(Error::InvalidArgument(format!(
                 "mem_size {mem_size} must be a multiple of 4096 and at least {MIN_MEM_SIZE}"
@@ -86,7 +102,7 @@ impl Machine {
         let mut mem = GuestMemory::anonymous(mem_size)?;
         let mut frames = FrameAllocator::new(mem_size);
         let aspace = setup_address_space(&mut mem, &mut frames)?;
-        let loaded = crate::loader::load_static_elf(elf, &mut mem, &mut frames, &aspace)?;
+        let (entry, rsp) = load(&mut mem, &mut frames, &aspace)?;
         let vm = KvmVm::new(&kvm, &mem)?;
         let cpuid = guest_cpuid(&kvm)?;
         let vcpu = new_vcpu(&vm, &cpuid)?;
@@ -102,7 +118,7 @@ impl Machine {
             .map(|(index, data)| kvm_bindings::kvm_msr_entry { index, data, ..Default::default() })
             .collect();
         crate::vstate::vcpu::set_msrs(&vcpu, &entries)?;
-        vcpu.set_regs(&regs::initial_regs(loaded.entry, loaded.rsp)).map_err(Error::kvm("KVM_SET_REGS"))?;
+        vcpu.set_regs(&regs::initial_regs(entry, rsp)).map_err(Error::kvm("KVM_SET_REGS"))?;
         let msr_list = supported_msrs(&vcpu, regs::SNAPSHOT_MSRS);
         Ok(Machine {
             vcpu,
@@ -115,7 +131,41 @@ impl Machine {
             reset_point: None,
             preempter: Preempter::new()?,
             exited: None,
+            os: None,
         })
+    }
+
+    /// A new VM running a Linux program from a root filesystem.
+    pub fn spawn(spec: &SpawnSpec, mem_size: u64) -> Result<Machine> {
+        if spec.argv.is_empty() {
+            return Err(Error::InvalidArgument("argv is empty; argv[0] names the program".into()));
+        }
+        let mut vfs = guestos::vfs::Vfs::new(&spec.root).map_err(Error::sys("open the sandbox root"))?;
+        for (at, host) in &spec.mounts {
+            vfs.mount(at, host, true).map_err(Error::sys("open a sandbox mount"))?;
+        }
+        let mut os = GuestOs {
+            mm: Default::default(),
+            files: Default::default(),
+            vfs,
+            proc: Default::default(),
+            enosys: Default::default(),
+        };
+        os.proc.cwd = guestos::vfs::join("/", spec.cwd.as_bytes())
+            .map_err(|e| Error::InvalidArgument(format!("cwd {:?}: errno {}", spec.cwd, e.0)))?;
+        let mut m = Machine::boot_with(mem_size, |mem, frames, aspace| {
+            guestos::exec::load(&mut os, mem, frames, aspace, &spec.argv[0], &spec.argv, &spec.envp)
+                .map(|img| (img.entry, img.rsp))
+                .map_err(|e| {
+                    Error::Image(format!(
+                        "cannot start {}: {}",
+                        String::from_utf8_lossy(&spec.argv[0]),
+                        std::io::Error::from_raw_os_error(e.0)
+                    ))
+                })
+        })?;
+        m.os = Some(os);
+        Ok(m)
     }
 
     /// A VM restored from a snapshot directory, paused.
@@ -139,6 +189,7 @@ impl Machine {
             reset_point: Some((state.vcpu, state.runtime)),
             preempter: Preempter::new()?,
             exited: None,
+            os: None,
         })
     }
 
@@ -239,8 +290,35 @@ impl Machine {
         // `syscall` saved the return address in rcx and the flags in r11.
         r.rip = r.rcx;
         r.rflags = r.r11;
-        let (ret, exit) = syscalls::dispatch(&r, &self.runtime.aspace, &self.mem, out);
-        r.rax = ret as u64;
+        let mut sregs = sregs;
+        let exit = match self.os.as_mut() {
+            Some(os) => {
+                let mut gout = guestos::Output::default();
+                let mut ctx = guestos::Ctx {
+                    mem: &mut self.mem,
+                    frames: &mut self.runtime.frames,
+                    aspace: &self.runtime.aspace,
+                    regs: &mut r,
+                    sregs: &mut sregs,
+                    out: &mut gout,
+                    flush_tlb: false,
+                };
+                let exit = guestos::dispatch(os, &mut ctx);
+                let flush = ctx.flush_tlb;
+                out.stdout.extend_from_slice(&gout.stdout);
+                out.stderr.extend_from_slice(&gout.stderr);
+                out.enosys += gout.enosys;
+                if flush {
+                    flush_guest_tlb(&self.vcpu, &sregs)?;
+                }
+                exit
+            }
+            None => {
+                let (ret, exit) = syscalls::dispatch(&r, &self.runtime.aspace, &self.mem, out);
+                r.rax = ret as u64;
+                exit
+            }
+        };
         self.return_to_user(&r, sregs)?;
         Ok(exit)
     }
@@ -326,6 +404,15 @@ impl Machine {
         std::mem::forget(std::mem::replace(&mut self.preempter, Preempter::new()?));
         Ok(())
     }
+}
+
+/// Make the vCPU forget cached translations after the host removed or restricted guest mappings:
+/// a CR4 change forces KVM to rebuild its MMU context. (Pending the measurements in vstate::tlb.)
+fn flush_guest_tlb(vcpu: &VcpuFd, sregs: &kvm_bindings::kvm_sregs) -> Result<()> {
+    let mut s = *sregs;
+    s.cr4 ^= 1 << 7; // PGE
+    vcpu.set_sregs(&s).map_err(Error::kvm("KVM_SET_SREGS"))?;
+    vcpu.set_sregs(sregs).map_err(Error::kvm("KVM_SET_SREGS"))
 }
 
 /// Private_Clean + Private_Dirty of this process, in bytes.
@@ -542,7 +629,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 reply(&mut chan, Ok(Response::Ok));
                 exit_process(0)
             }
-            Request::Boot { .. } | Request::Restore { .. } => {
+            Request::Boot { .. } | Request::Restore { .. } | Request::Spawn { .. } => {
                 Err(Error::InvalidArgument("this VMM process already has a VM".into()))
             }
         };
@@ -569,7 +656,8 @@ pub fn serve_fd(fd: RawFd) -> ! {
     let machine = match first {
         Request::Boot { elf, mem_size } => Machine::boot(&elf, mem_size),
         Request::Restore { dir } => Machine::restore(&dir),
-        _ => Err(Error::Protocol("the first request must be Boot or Restore".into())),
+        Request::Spawn { spec, mem_size } => Machine::spawn(&spec, mem_size),
+        _ => Err(Error::Protocol("the first request must be Boot, Spawn or Restore".into())),
     };
     match machine {
         Ok(mut m) => {

@@ -1,0 +1,192 @@
+//! The guest OS personality: the Linux x86-64 system calls the engine services so that unmodified
+//! programs (Debian's CPython, busybox) run in guest ring 3 with no guest kernel.
+//!
+//! One VMM process runs one guest process. A syscall traps to the host (see `vmm`), which calls
+//! [`dispatch`] with a [`Ctx`] giving access to the guest's memory, page tables and registers. Each
+//! area lives in its own module:
+//! - [`exec`]: loading ELF programs (static, PIE, with PT_INTERP) and the initial stack.
+//! - [`mm`]: the address space as the guest sees it: mmap, munmap, mprotect, brk, mremap.
+//! - [`vfs`] and [`files`]: guest paths resolved inside the sandbox's file system, and the fd table.
+//! - [`misc`]: identity, time, randomness, limits, signals bookkeeping, thread-area setup.
+//!
+//! A syscall nobody services returns ENOSYS and is counted per number, so gaps show up in reports.
+
+pub mod exec;
+pub mod files;
+pub mod misc;
+pub mod mm;
+pub mod vfs;
+
+use std::collections::BTreeMap;
+
+use kvm_bindings::{kvm_regs, kvm_sregs};
+
+use crate::arch::x86_64::paging::{AddressSpace, FrameAllocator};
+use crate::protocol::RunExit;
+use crate::vstate::memory::GuestMemory;
+
+/// A Linux errno value (positive).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Errno(pub i32);
+
+pub const EPERM: Errno = Errno(1);
+pub const ENOENT: Errno = Errno(2);
+pub const ESRCH: Errno = Errno(3);
+pub const EINTR: Errno = Errno(4);
+pub const EIO: Errno = Errno(5);
+pub const EBADF: Errno = Errno(9);
+pub const ECHILD: Errno = Errno(10);
+pub const EAGAIN: Errno = Errno(11);
+pub const ENOMEM: Errno = Errno(12);
+pub const EACCES: Errno = Errno(13);
+pub const EFAULT: Errno = Errno(14);
+pub const EEXIST: Errno = Errno(17);
+pub const ENOTDIR: Errno = Errno(20);
+pub const EISDIR: Errno = Errno(21);
+pub const EINVAL: Errno = Errno(22);
+pub const EMFILE: Errno = Errno(24);
+pub const ENOTTY: Errno = Errno(25);
+pub const EFBIG: Errno = Errno(27);
+pub const ESPIPE: Errno = Errno(29);
+pub const EROFS: Errno = Errno(30);
+pub const EPIPE: Errno = Errno(32);
+pub const ERANGE: Errno = Errno(34);
+pub const ENAMETOOLONG: Errno = Errno(36);
+pub const ENOSYS: Errno = Errno(38);
+pub const ENOTEMPTY: Errno = Errno(39);
+pub const ELOOP: Errno = Errno(40);
+pub const EOPNOTSUPP: Errno = Errno(95);
+
+impl Errno {
+    /// The errno of a host error (the host and the guest are both Linux x86-64).
+    pub fn from_io(e: &std::io::Error) -> Errno {
+        Errno(e.raw_os_error().unwrap_or(EIO.0))
+    }
+    /// The errno left by the last failed libc call.
+    pub fn last() -> Errno {
+        Errno::from_io(&std::io::Error::last_os_error())
+    }
+}
+
+/// What a syscall returns to the guest: a value for rax, or an errno (returned as -errno).
+pub type SysResult = std::result::Result<u64, Errno>;
+
+/// Captured output of the guest's fds 1 and 2 during one run, and ENOSYS counts.
+#[derive(Default)]
+pub struct Output {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub enosys: u64,
+}
+
+/// Everything a syscall handler may touch besides the [`GuestOs`] state itself.
+pub struct Ctx<'a> {
+    pub mem: &'a mut GuestMemory,
+    pub frames: &'a mut FrameAllocator,
+    pub aspace: &'a AddressSpace,
+    /// The guest's registers; `rip` already points after the `syscall` instruction. Handlers may
+    /// change them (rax is overwritten with the result afterwards).
+    pub regs: &'a mut kvm_regs,
+    /// Special registers: `fs.base`/`gs.base` for arch_prctl.
+    pub sregs: &'a mut kvm_sregs,
+    pub out: &'a mut Output,
+    /// Set by a handler that wants the vCPU's TLB flushed before the guest resumes (it removed or
+    /// restricted a mapping).
+    pub flush_tlb: bool,
+}
+
+impl Ctx<'_> {
+    /// Copy guest memory at a user virtual address into `buf`. EFAULT if unmapped or not user.
+    pub fn read(&self, va: u64, buf: &mut [u8]) -> std::result::Result<(), Errno> {
+        self.aspace.read_virt(self.mem, va, buf, true).map_err(|_| EFAULT)
+    }
+
+    pub fn read_vec(&self, va: u64, len: usize) -> std::result::Result<Vec<u8>, Errno> {
+        let mut v = vec![0u8; len];
+        self.read(va, &mut v)?;
+        Ok(v)
+    }
+
+    pub fn read_u64(&self, va: u64) -> std::result::Result<u64, Errno> {
+        let mut b = [0u8; 8];
+        self.read(va, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    /// Copy `data` to a user virtual address. EFAULT if unmapped or not user.
+    pub fn write(&mut self, va: u64, data: &[u8]) -> std::result::Result<(), Errno> {
+        self.aspace.write_virt(self.mem, va, data, true).map_err(|_| EFAULT)
+    }
+
+    /// A NUL-terminated string from guest memory (at most `max` bytes before the NUL).
+    pub fn read_cstr(&self, va: u64, max: usize) -> std::result::Result<Vec<u8>, Errno> {
+        let mut out = Vec::new();
+        let mut p = va;
+        loop {
+            // Read up to the end of the current page at a time.
+            let chunk = (4096 - (p & 4095)) as usize;
+            let mut buf = vec![0u8; chunk];
+            self.read(p, &mut buf)?;
+            if let Some(i) = buf.iter().position(|&b| b == 0) {
+                out.extend_from_slice(&buf[..i]);
+                return Ok(out);
+            }
+            out.extend_from_slice(&buf);
+            if out.len() > max {
+                return Err(ENAMETOOLONG);
+            }
+            p += chunk as u64;
+        }
+    }
+}
+
+/// Per-process state of the guest OS: one guest process per VMM process.
+pub struct GuestOs {
+    pub mm: mm::Mm,
+    pub files: files::Files,
+    pub vfs: vfs::Vfs,
+    pub proc: misc::Proc,
+    /// ENOSYS answers by syscall number since the process started.
+    pub enosys: BTreeMap<u64, u64>,
+}
+
+/// Linux x86-64 syscall numbers the dispatcher knows by name.
+pub mod nr {
+    pub const READ: u64 = 0;
+    pub const WRITE: u64 = 1;
+    pub const EXIT: u64 = 60;
+    pub const EXIT_GROUP: u64 = 231;
+    /// Engine hypercall (not Linux): pause and hand `rdi` to the host.
+    pub const YIELD: u64 = 0x4000_0000;
+}
+
+/// Service the syscall in `ctx.regs`. Returns why the run should stop, if it should.
+pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
+    let nr = ctx.regs.rax;
+    let a = [ctx.regs.rdi, ctx.regs.rsi, ctx.regs.rdx, ctx.regs.r10, ctx.regs.r8, ctx.regs.r9];
+    let res = match nr {
+        nr::EXIT | nr::EXIT_GROUP => return Some(RunExit::Exited { code: a[0] as i32 }),
+        nr::YIELD => {
+            ctx.regs.rax = 0;
+            return Some(RunExit::Yield { value: a[0] });
+        }
+        _ => {
+            let r = mm::dispatch(os, ctx, nr, a)
+                .or_else(|| files::dispatch(os, ctx, nr, a))
+                .or_else(|| misc::dispatch(os, ctx, nr, a));
+            match r {
+                Some(r) => r,
+                None => {
+                    *os.enosys.entry(nr).or_default() += 1;
+                    ctx.out.enosys += 1;
+                    Err(ENOSYS)
+                }
+            }
+        }
+    };
+    ctx.regs.rax = match res {
+        Ok(v) => v,
+        Err(e) => (-(e.0 as i64)) as u64,
+    };
+    None
+}
