@@ -69,6 +69,28 @@ def test_clone_to_first_instruction(benchmark, zygote, reaper):
     )
 
 
+def test_clone_to_first_instruction_with_spares(benchmark, zygote, reaper):
+    """As above, with the zygote keeping 2 pre-forked clones ready (refilled at idle priority)."""
+    import time
+
+    zygote.set_spare_pool(2)
+
+    def clone_and_run(r):
+        vm = zygote.clone()
+        r.vms.append(vm)
+        res = vm.run(10.0)
+        assert res.kind == "yield", res
+
+    def setup():
+        time.sleep(0.003)  # a trainer does work between clones; the pool refills meanwhile
+        return reaper.setup()
+
+    try:
+        benchmark.pedantic(clone_and_run, setup=setup, teardown=reaper.teardown, rounds=300, warmup_rounds=10)
+    finally:
+        zygote.set_spare_pool(0)
+
+
 @pytest.mark.parametrize("n", [1, 64])
 def test_live_fork_10mib_dirty(benchmark, zygote, reaper, n):
     parent = zygote.clone()

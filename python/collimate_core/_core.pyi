@@ -95,6 +95,16 @@ class Vm:
     def boot(elf: bytes, mem_size: int = 1073741824) -> Vm:
         """Start a VMM process and load a static, non-PIE x86-64 ELF; paused until run()."""
     @staticmethod
+    def spawn(
+        root: str | PathLike[str],
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        cwd: str = "/",
+        mounts: dict[str, str | PathLike[str]] | None = None,
+        mem_size: int = 1073741824,
+    ) -> Vm:
+        """Start a VMM process running the Linux program `argv[0]` from root filesystem `root`."""
+    @staticmethod
     def restore(dir: str | PathLike[str]) -> Vm:
         """Start a VMM process from a snapshot directory (`vm.state`, `vm.mem`)."""
     def run(self, timeout: float) -> RunResult:

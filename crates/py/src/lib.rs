@@ -330,6 +330,42 @@ impl PyVm {
             .map_err(|e| engine_error(&format!("Vm.boot(mem_size={mem_size})"), e))
     }
 
+    /// Starts a fresh VMM process running the Linux program `argv[0]` from the root filesystem
+    /// `root`, with writable host directories `mounts` ({guest path: host dir}); paused until run().
+    #[staticmethod]
+    #[pyo3(signature = (root, argv, env = None, cwd = "/".to_string(), mounts = None, mem_size = 1 << 30))]
+    fn spawn(
+        py: Python<'_>,
+        root: PathBuf,
+        argv: Vec<String>,
+        env: Option<HashMap<String, String>>,
+        cwd: String,
+        mounts: Option<HashMap<String, PathBuf>>,
+        mem_size: u64,
+    ) -> PyResult<PyVm> {
+        if argv.is_empty() {
+            return Err(PyValueError::new_err("Vm.spawn: argv is empty; argv[0] names the program"));
+        }
+        let launcher = launcher(py)?;
+        let mut envp: Vec<Vec<u8>> = env
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| format!("{k}={v}").into_bytes())
+            .collect();
+        envp.sort();
+        let spec = collimate_engine::SpawnSpec {
+            root,
+            mounts: mounts.unwrap_or_default().into_iter().collect(),
+            argv: argv.iter().map(|a| a.clone().into_bytes()).collect(),
+            envp,
+            cwd,
+        };
+        let cfg = VmConfig { mem_size };
+        py.detach(|| collimate_engine::Vm::spawn(launcher, &spec, &cfg))
+            .map(PyVm::wrap)
+            .map_err(|e| engine_error(&format!("Vm.spawn({:?})", argv[0]), e))
+    }
+
     /// Starts a fresh VMM process from a snapshot directory (`vm.state`, `vm.mem`).
     #[staticmethod]
     fn restore(py: Python<'_>, dir: PathBuf) -> PyResult<PyVm> {
