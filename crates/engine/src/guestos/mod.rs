@@ -90,9 +90,13 @@ pub struct Ctx<'a> {
     /// Special registers: `fs.base`/`gs.base` for arch_prctl.
     pub sregs: &'a mut kvm_sregs,
     pub out: &'a mut Output,
-    /// Set by a handler that wants the vCPU's TLB flushed before the guest resumes (it removed or
-    /// restricted a mapping).
+    /// Set by a handler that removed, narrowed or redirected mappings in a way `stale_frames` does
+    /// not describe: every cached translation is dropped before the guest resumes (costly).
     pub flush_tlb: bool,
+    /// Guest-physical frames whose translations a handler removed, narrowed or redirected. KVM keeps
+    /// using cached translations after the host edits page tables (see `vstate::tlb`), so these are
+    /// invalidated before the guest resumes, and before any of them is handed out again.
+    pub stale_frames: Vec<u64>,
 }
 
 impl Ctx<'_> {

@@ -302,14 +302,18 @@ impl Machine {
                     sregs: &mut sregs,
                     out: &mut gout,
                     flush_tlb: false,
+                    stale_frames: Vec::new(),
                 };
                 let exit = guestos::dispatch(os, &mut ctx);
                 let flush = ctx.flush_tlb;
+                let stale = std::mem::take(&mut ctx.stale_frames);
                 out.stdout.extend_from_slice(&gout.stdout);
                 out.stderr.extend_from_slice(&gout.stderr);
                 out.enosys += gout.enosys;
                 if flush {
-                    flush_guest_tlb(&self.vcpu, &sregs)?;
+                    crate::vstate::tlb::flush_guest_tlb(&self.vm, &mut self.mem)?;
+                } else if !stale.is_empty() {
+                    crate::vstate::tlb::invalidate_frames(&self.mem, &stale)?;
                 }
                 exit
             }
@@ -404,15 +408,6 @@ impl Machine {
         std::mem::forget(std::mem::replace(&mut self.preempter, Preempter::new()?));
         Ok(())
     }
-}
-
-/// Make the vCPU forget cached translations after the host removed or restricted guest mappings:
-/// a CR4 change forces KVM to rebuild its MMU context. (Pending the measurements in vstate::tlb.)
-fn flush_guest_tlb(vcpu: &VcpuFd, sregs: &kvm_bindings::kvm_sregs) -> Result<()> {
-    let mut s = *sregs;
-    s.cr4 ^= 1 << 7; // PGE
-    vcpu.set_sregs(&s).map_err(Error::kvm("KVM_SET_SREGS"))?;
-    vcpu.set_sregs(sregs).map_err(Error::kvm("KVM_SET_SREGS"))
 }
 
 /// Private_Clean + Private_Dirty of this process, in bytes.

@@ -1,4 +1,5 @@
 //! Generic KVM wrappers: guest memory, the VM and its vCPU state.
 pub mod memory;
+pub mod tlb;
 pub mod vcpu;
 pub mod vm;
