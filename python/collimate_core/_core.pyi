@@ -86,6 +86,9 @@ class RunResult:
     @property
     def enosys(self) -> int:
         """Syscalls the engine answered with -ENOSYS during this run."""
+    @property
+    def truncated(self) -> bool:
+        """Output beyond the cap (16 MiB per stream) was dropped."""
 
 @final
 class Vm:

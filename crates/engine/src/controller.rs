@@ -4,11 +4,11 @@
 //! Dropping a handle kills its VMM process (and so frees the VM, its memory and descriptors).
 
 use std::ffi::OsString;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
 
 use kvm_bindings::kvm_regs;
 
@@ -51,7 +51,7 @@ impl Launcher {
         let (ours, theirs) = Channel::pair()?;
         let fd = theirs.raw_fd();
         let mut cmd = Command::new(&self.program);
-        cmd.args(&self.args).stdin(Stdio::null()).stdout(Stdio::null());
+        cmd.args(&self.args).stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null());
         // SAFETY: only async-signal-safe calls (dup2, fcntl) between fork and exec.
         unsafe {
             cmd.pre_exec(move || {
@@ -82,6 +82,58 @@ pub struct Vm {
     chan: Channel,
     process: Process,
     pid: i32,
+    /// Read ends of the guest's stdout and stderr pipes (Linux programs only): every process of
+    /// the sandbox writes to them, and `run` drains them while the guest runs.
+    stdio: Option<Stdio>,
+}
+
+struct Stdio {
+    out: OwnedFd,
+    err: OwnedFd,
+}
+
+/// Most output one run keeps per stream; the rest is read and dropped (`RunResult::truncated`).
+pub const OUTPUT_CAP: usize = 16 << 20;
+
+fn pipe() -> Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills two descriptors we then own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(Error::last_os("pipe2"));
+    }
+    // SAFETY: fresh descriptors from pipe2.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: fcntl on our own descriptor.
+    unsafe { libc::fcntl(r.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+    Ok((r, w))
+}
+
+impl Stdio {
+    /// New pipes: ours (read ends) and the write ends for the guest.
+    fn new() -> Result<(Stdio, [OwnedFd; 2])> {
+        let (out, out_w) = pipe()?;
+        let (err, err_w) = pipe()?;
+        Ok((Stdio { out, err }, [out_w, err_w]))
+    }
+
+    /// Read what is available now; true if a stream hit the cap.
+    fn drain(&self, out: &mut Vec<u8>, err: &mut Vec<u8>) -> bool {
+        let mut truncated = false;
+        for (fd, buf) in [(&self.out, out), (&self.err, err)] {
+            let mut chunk = [0u8; 65536];
+            loop {
+                // SAFETY: reading into our own buffer from our own non-blocking descriptor.
+                let n = unsafe { libc::read(fd.as_raw_fd(), chunk.as_mut_ptr().cast(), chunk.len()) };
+                if n <= 0 {
+                    break;
+                }
+                let room = OUTPUT_CAP.saturating_sub(buf.len());
+                truncated |= (n as usize) > room;
+                buf.extend_from_slice(&chunk[..(n as usize).min(room)]);
+            }
+        }
+        truncated
+    }
 }
 
 impl std::fmt::Debug for Vm {
@@ -92,10 +144,17 @@ impl std::fmt::Debug for Vm {
 
 impl Vm {
     fn launch(launcher: &Launcher, first: Request) -> Result<Vm> {
+        Self::launch_with(launcher, first, None, &[])
+    }
+
+    fn launch_with(launcher: &Launcher, first: Request, stdio: Option<Stdio>, fds: &[RawFd]) -> Result<Vm> {
         let (child, chan) = launcher.spawn()?;
         let pid = child.id() as i32;
-        let mut vm = Vm { chan, process: Process::Launched(child), pid };
-        match vm.call(&first, CONTROL_TIMEOUT)? {
+        let mut vm = Vm { chan, process: Process::Launched(child), pid, stdio };
+        if let Err(e) = vm.chan.send(&first, fds) {
+            return Err(vm.died(format!("send failed: {e}")));
+        }
+        match vm.recv(CONTROL_TIMEOUT)? {
             Response::Ready { .. } => Ok(vm),
             other => Err(Error::Protocol(format!("expected Ready, got {other:?}"))),
         }
@@ -109,7 +168,9 @@ impl Vm {
     /// Start a VMM process running the Linux program `spec.argv[0]` from `spec.root`. Paused until
     /// [`Vm::run`].
     pub fn spawn(launcher: &Launcher, spec: &crate::protocol::SpawnSpec, cfg: &VmConfig) -> Result<Vm> {
-        Self::launch(launcher, Request::Spawn { spec: spec.clone(), mem_size: cfg.mem_size })
+        let (stdio, ends) = Stdio::new()?;
+        let fds = [ends[0].as_raw_fd(), ends[1].as_raw_fd()];
+        Self::launch_with(launcher, Request::Spawn { spec: spec.clone(), mem_size: cfg.mem_size }, Some(stdio), &fds)
     }
 
     /// Start a VMM process with the snapshot in `dir`, paused.
@@ -152,10 +213,60 @@ impl Vm {
 
     /// Run the guest until it stops (exit, yield, port I/O, fault) or `timeout` passes.
     pub fn run(&mut self, timeout: Duration) -> Result<RunResult> {
-        match self.call(&Request::Run { timeout }, timeout + HANG_GRACE)? {
-            Response::Run(r) => Ok(r),
-            other => Err(Error::Protocol(format!("expected Run, got {other:?}"))),
+        let Some(stdio) = self.stdio.take() else {
+            return match self.call(&Request::Run { timeout }, timeout + HANG_GRACE)? {
+                Response::Run(r) => Ok(r),
+                other => Err(Error::Protocol(format!("expected Run, got {other:?}"))),
+            };
+        };
+        let res = self.run_draining(&stdio, timeout);
+        self.stdio = Some(stdio);
+        res
+    }
+
+    /// Run while reading the guest's stdout/stderr pipes, so a guest that writes more than a pipe
+    /// holds never blocks on us.
+    fn run_draining(&mut self, stdio: &Stdio, timeout: Duration) -> Result<RunResult> {
+        if matches!(self.process, Process::Gone) {
+            return Err(Error::Destroyed);
         }
+        if let Err(e) = self.chan.send(&Request::Run { timeout }, &[]) {
+            return Err(self.died(format!("send failed: {e}")));
+        }
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let mut truncated = false;
+        let limit = Instant::now() + timeout + HANG_GRACE;
+        loop {
+            let mut fds = [
+                libc::pollfd { fd: self.chan.raw_fd(), events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: stdio.out.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: stdio.err.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            ];
+            let left = limit.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(self.died(format!("no answer within {:?}; killed it", timeout + HANG_GRACE)));
+            }
+            // SAFETY: three valid pollfds.
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), 3, left.as_millis().min(i32::MAX as u128) as i32) };
+            if rc < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                return Err(Error::last_os("poll"));
+            }
+            truncated |= stdio.drain(&mut out, &mut err);
+            if fds[0].revents != 0 {
+                break;
+            }
+        }
+        let mut r = match self.recv(HANG_GRACE)? {
+            Response::Run(r) => r,
+            other => return Err(Error::Protocol(format!("expected Run, got {other:?}"))),
+        };
+        truncated |= stdio.drain(&mut out, &mut err);
+        out.extend_from_slice(&r.stdout);
+        err.extend_from_slice(&r.stderr);
+        r.stdout = out;
+        r.stderr = err;
+        r.truncated |= truncated;
+        Ok(r)
     }
 
     /// Write the VM to `dir` (state file + memory file). The VM stays usable.
@@ -181,7 +292,7 @@ impl Vm {
                     let mut fds = fds.into_iter();
                     let chan = Channel::from_owned_fd(fds.next().ok_or_else(|| Error::Protocol("no fd".into()))?);
                     let pidfd = fds.next().ok_or_else(|| Error::Protocol("no pidfd".into()))?;
-                    children.push(Vm { chan, process: Process::Forked(pidfd), pid: pids[0] });
+                    children.push(Vm { chan, process: Process::Forked(pidfd), pid: pids[0], stdio: None });
                 }
                 Ok((Response::Err(e), _)) => return Err(e.into()),
                 Ok((other, _)) => return Err(Error::Protocol(format!("expected Forked, got {other:?}"))),
@@ -194,6 +305,20 @@ impl Vm {
             match child.recv(CONTROL_TIMEOUT)? {
                 Response::Ready { .. } => {}
                 other => return Err(Error::Protocol(format!("expected Ready, got {other:?}"))),
+            }
+        }
+        if self.stdio.is_some() {
+            // Each sandbox has its own stdout/stderr: give every child new pipes.
+            for child in &mut children {
+                let (stdio, ends) = Stdio::new()?;
+                if let Err(e) = child.chan.send(&Request::SetStdio, &[ends[0].as_raw_fd(), ends[1].as_raw_fd()]) {
+                    return Err(child.died(format!("send failed: {e}")));
+                }
+                drop(ends);
+                match child.recv(CONTROL_TIMEOUT)? {
+                    Response::Ok => child.stdio = Some(stdio),
+                    other => return Err(Error::Protocol(format!("expected Ok, got {other:?}"))),
+                }
             }
         }
         Ok(children)

@@ -22,6 +22,9 @@ pub enum Request {
     /// Fork this paused VMM process into `n` children; the reply carries, per child, its channel and
     /// a pidfd.
     Fork { n: u32 },
+    /// Replace the guest's stdout and stderr with the two pipe write ends attached to this message
+    /// (every descriptor of the guest that referred to the old ones).
+    SetStdio,
     /// Keep `n` pre-forked children ready so that `Fork` answers without creating a VM.
     SparePool { n: u32 },
     Reset,
@@ -50,7 +53,10 @@ pub struct SpawnSpec {
 impl Request {
     /// Whether serving this request can change the guest (memory, vCPU or runtime state).
     pub fn changes_guest(&self) -> bool {
-        matches!(self, Request::Run { .. } | Request::Reset | Request::WriteMem { .. } | Request::SetRegs(_))
+        matches!(
+            self,
+            Request::Run { .. } | Request::Reset | Request::WriteMem { .. } | Request::SetRegs(_) | Request::SetStdio
+        )
     }
 }
 
@@ -94,6 +100,8 @@ pub struct RunResult {
     pub duration: Duration,
     /// Syscalls the engine does not service (answered -ENOSYS) during this run.
     pub enosys: u64,
+    /// Output beyond the cap was dropped.
+    pub truncated: bool,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]

@@ -171,6 +171,8 @@ struct RunResult {
     duration: f64,
     /// Syscalls the engine does not service (answered -ENOSYS) during this run.
     enosys: u64,
+    /// Output beyond the cap (16 MiB per stream) was dropped.
+    truncated: bool,
 }
 
 impl RunResult {
@@ -188,6 +190,7 @@ impl RunResult {
             stderr: PyBytes::new(py, &result.stderr).unbind(),
             duration: result.duration.as_secs_f64(),
             enosys: result.enosys,
+            truncated: result.truncated,
         };
         match result.exit {
             RunExit::Exited { code } => {
@@ -234,6 +237,9 @@ impl RunResult {
             if !buf.is_empty() {
                 parts.push(format!("{name}={}", bytes_repr(buf, 60)));
             }
+        }
+        if self.truncated {
+            parts.push("truncated=True".to_string());
         }
         if self.enosys > 0 {
             parts.push(format!("enosys={}", self.enosys));

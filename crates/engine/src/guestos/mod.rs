@@ -152,6 +152,20 @@ pub struct GuestOs {
     pub proc: misc::Proc,
     /// ENOSYS answers by syscall number since the process started.
     pub enosys: BTreeMap<u64, u64>,
+    /// The sandbox's stdout and stderr pipes (write ends), shared by all its guest processes.
+    pub stdio: Option<[std::os::fd::OwnedFd; 2]>,
+}
+
+impl GuestOs {
+    /// Make `fds` (pipe write ends from the controller: stdout, stderr) the guest's fds 1 and 2,
+    /// replacing every descriptor that referred to the previous ones.
+    pub fn set_stdio(&mut self, fds: Vec<std::os::fd::OwnedFd>) -> crate::error::Result<()> {
+        let [out, err]: [std::os::fd::OwnedFd; 2] = fds
+            .try_into()
+            .map_err(|v: Vec<_>| crate::Error::Protocol(format!("stdio needs 2 descriptors, got {}", v.len())))?;
+        self.stdio = Some([out, err]);
+        Ok(())
+    }
 }
 
 /// Linux x86-64 syscall numbers the dispatcher knows by name.

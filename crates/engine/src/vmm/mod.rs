@@ -136,7 +136,7 @@ impl Machine {
     }
 
     /// A new VM running a Linux program from a root filesystem.
-    pub fn spawn(spec: &SpawnSpec, mem_size: u64) -> Result<Machine> {
+    pub fn spawn(spec: &SpawnSpec, mem_size: u64, stdio: Vec<OwnedFd>) -> Result<Machine> {
         if spec.argv.is_empty() {
             return Err(Error::InvalidArgument("argv is empty; argv[0] names the program".into()));
         }
@@ -150,7 +150,9 @@ impl Machine {
             vfs,
             proc: Default::default(),
             enosys: Default::default(),
+            stdio: None,
         };
+        os.set_stdio(stdio)?;
         os.proc.cwd = guestos::vfs::join("/", spec.cwd.as_bytes())
             .map_err(|e| Error::InvalidArgument(format!("cwd {:?}: errno {}", spec.cwd, e.0)))?;
         let mut m = Machine::boot_with(mem_size, |mem, frames, aspace| {
@@ -214,7 +216,7 @@ impl Machine {
         let start = Instant::now();
         let mut out = syscalls::Output::default();
         if let Some(code) = self.exited {
-            return Ok(RunResult { exit: RunExit::Exited { code }, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0 });
+            return Ok(RunResult { exit: RunExit::Exited { code }, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false });
         }
         let deadline = start + timeout;
         self.vcpu.set_kvm_immediate_exit(0);
@@ -228,7 +230,7 @@ impl Machine {
             self.exited = Some(code);
         }
         self.runtime.enosys += out.enosys;
-        Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys })
+        Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false })
     }
 
     fn run_loop(&mut self, deadline: Instant, out: &mut syscalls::Output) -> Result<RunExit> {
@@ -579,8 +581,8 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
         if pool.spares.len() < pool.target && m.exited.is_none() && refill(m, &chan, &mut pool) {
             continue;
         }
-        let req = match chan.recv::<Request>() {
-            Ok((req, _)) => req,
+        let (req, fds) = match chan.recv::<Request>() {
+            Ok(v) => v,
             Err(RecvError::Closed) => exit_process(0),
             Err(RecvError::TimedOut) => continue,
             Err(RecvError::Failed(_)) => exit_process(2),
@@ -612,6 +614,10 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                     Ok(Response::Ok)
                 }
             }
+            Request::SetStdio => match m.os.as_mut() {
+                Some(os) => os.set_stdio(fds).map(|_| Response::Ok),
+                None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no stdio".into())),
+            },
             Request::Reset => m.reset().map(Response::Reset),
             Request::ReadMem { gva, len } => m.read_mem(gva, len).map(Response::Mem),
             Request::WriteMem { gva, data } => m.write_mem(gva, &data).map(|_| Response::Ok),
@@ -644,14 +650,14 @@ pub fn serve_fd(fd: RawFd) -> ! {
         libc::signal(libc::SIGCHLD, libc::SIG_IGN);
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     }
-    let first = match chan.recv::<Request>() {
-        Ok((req, _)) => req,
+    let (first, fds) = match chan.recv::<Request>() {
+        Ok(v) => v,
         Err(_) => exit_process(0),
     };
     let machine = match first {
         Request::Boot { elf, mem_size } => Machine::boot(&elf, mem_size),
         Request::Restore { dir } => Machine::restore(&dir),
-        Request::Spawn { spec, mem_size } => Machine::spawn(&spec, mem_size),
+        Request::Spawn { spec, mem_size } => Machine::spawn(&spec, mem_size, fds),
         _ => Err(Error::Protocol("the first request must be Boot, Spawn or Restore".into())),
     };
     match machine {
