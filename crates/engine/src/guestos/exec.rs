@@ -1,8 +1,70 @@
 //! Loading a Linux program: ELF (static or dynamic, PIE or not), its interpreter, the initial stack.
+//!
+//! What Linux's `binfmt_elf` and `binfmt_script` do, without address-space randomisation:
+//! - `#!interp [arg]` scripts run their interpreter with argv = [interp, arg?, path, argv[1..]];
+//! - a non-PIE program (ET_EXEC) goes where its headers say, a PIE (ET_DYN) at [`PIE_BASE`];
+//! - a program with PT_INTERP also gets its interpreter (ld-linux, itself ET_DYN) at [`INTERP_BASE`],
+//!   and starts there; mmap then places mappings top-down below the interpreter;
+//! - the heap (brk) starts at the first page above the program's highest segment;
+//! - an 8 MiB stack ends at `STACK_TOP` and starts with argc, argv, envp and the auxiliary vector.
+//!
+//! Every mapping is a VMA in [`super::mm::Mm`], so the guest's later mmap/munmap/mprotect/brk (and
+//! /proc/self/maps) see the same picture as on Linux. No vDSO is mapped (no AT_SYSINFO_EHDR): glibc
+//! then makes real syscalls for clock_gettime and friends, which the engine answers.
 
-use super::{Errno, GuestOs, ENOSYS};
+use std::io::Read;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+use goblin::elf::header::{EI_CLASS, EI_DATA, ELFCLASS64, ELFDATA2LSB, EM_X86_64, ET_DYN, ET_EXEC};
+use goblin::elf::program_header::{ProgramHeader, PF_R, PF_W, PF_X, PT_INTERP, PT_LOAD, PT_PHDR};
+use goblin::elf::Elf;
+
+use super::mm::{page_down, page_up, FileId, Mm, Space, Vma, MMAP_MIN_ADDR, MMAP_TOP, PROT_EXEC, PROT_READ, PROT_WRITE, TASK_SIZE};
+use super::{misc, Errno, GuestOs, EACCES, EINVAL, ELOOP, ENOMEM};
+use crate::arch::x86_64::layout::{PAGE_SIZE, STACK_TOP};
 use crate::arch::x86_64::paging::{AddressSpace, FrameAllocator};
 use crate::vstate::memory::GuestMemory;
+
+const E2BIG: Errno = Errno(7);
+const ENOEXEC: Errno = Errno(8);
+const ELIBBAD: Errno = Errno(80);
+
+/// Where a position-independent program is loaded (Linux's ELF_ET_DYN_BASE without randomisation).
+pub const PIE_BASE: u64 = 0x5555_5555_4000;
+/// Where the program interpreter is loaded; mmap allocates top-down below it.
+pub const INTERP_BASE: u64 = MMAP_TOP;
+/// The initial stack mapping: 8 MiB, Linux's default RLIMIT_STACK, backed up front.
+pub const STACK_RESERVE: u64 = 8 << 20;
+/// The largest program or interpreter file we read.
+const MAX_IMAGE: u64 = 512 << 20;
+/// Linux's limits on exec arguments: one string (MAX_ARG_STRLEN) and all of them (a quarter of the
+/// 8 MiB stack limit).
+const MAX_ARG_STRLEN: usize = 32 * PAGE_SIZE as usize;
+const MAX_ARG_TOTAL: usize = 2 << 20;
+/// `#!` lines are read from the first BINPRM_BUF_SIZE bytes, and scripts may nest this deep.
+const BINPRM_BUF_SIZE: usize = 256;
+const MAX_INTERP_DEPTH: usize = 4;
+
+const AT_NULL: u64 = 0;
+const AT_PHDR: u64 = 3;
+const AT_PHENT: u64 = 4;
+const AT_PHNUM: u64 = 5;
+const AT_PAGESZ: u64 = 6;
+const AT_BASE: u64 = 7;
+const AT_FLAGS: u64 = 8;
+const AT_ENTRY: u64 = 9;
+const AT_UID: u64 = 11;
+const AT_EUID: u64 = 12;
+const AT_GID: u64 = 13;
+const AT_EGID: u64 = 14;
+const AT_PLATFORM: u64 = 15;
+const AT_HWCAP: u64 = 16;
+const AT_CLKTCK: u64 = 17;
+const AT_SECURE: u64 = 23;
+const AT_RANDOM: u64 = 25;
+const AT_HWCAP2: u64 = 26;
+const AT_EXECFN: u64 = 31;
+const AT_MINSIGSTKSZ: u64 = 51;
 
 /// Where the loaded program starts.
 #[derive(Debug, Clone, Copy)]
@@ -11,16 +73,648 @@ pub struct Image {
     pub rsp: u64,
 }
 
+/// One ELF object mapped into the guest.
+#[derive(Debug, Clone, Copy)]
+struct Mapped {
+    /// Load bias (0 for ET_EXEC).
+    bias: u64,
+    entry: u64,
+    /// Guest address of the program headers (0 if no segment maps them), their count.
+    phdr: u64,
+    phnum: u64,
+    /// The page-aligned end of the highest segment.
+    end: u64,
+}
+
+/// A program file read from the sandbox.
+struct Program {
+    bytes: Vec<u8>,
+    /// Its normalised guest path.
+    path: String,
+    id: FileId,
+}
+
 /// Load the program at guest path `path` (resolved through `os.vfs`) into a fresh address space,
 /// with its interpreter if it has one, and build the initial stack from `argv` and `envp`.
 pub fn load(
-    _os: &mut GuestOs,
-    _mem: &mut GuestMemory,
-    _frames: &mut FrameAllocator,
-    _aspace: &AddressSpace,
-    _path: &[u8],
-    _argv: &[Vec<u8>],
-    _envp: &[Vec<u8>],
+    os: &mut GuestOs,
+    mem: &mut GuestMemory,
+    frames: &mut FrameAllocator,
+    aspace: &AddressSpace,
+    path: &[u8],
+    argv: &[Vec<u8>],
+    envp: &[Vec<u8>],
 ) -> Result<Image, Errno> {
-    Err(ENOSYS)
+    check_strings(argv, envp)?;
+    let mut path = path.to_vec();
+    let mut argv = argv.to_vec();
+    let exec_fn = path.clone();
+    let mut depth = 0;
+    let prog = loop {
+        let prog = read_program(os, &path)?;
+        let Some((interp, arg)) = parse_shebang(&prog.bytes)? else { break prog };
+        depth += 1;
+        if depth > MAX_INTERP_DEPTH {
+            return Err(ELOOP);
+        }
+        let mut next = vec![interp.clone()];
+        next.extend(arg);
+        next.push(path.clone());
+        next.extend(argv.iter().skip(1).cloned());
+        argv = next;
+        path = interp;
+        check_strings(&argv, envp)?;
+    };
+
+    os.mm = Mm::default();
+    let mut sp = Space::new(mem, frames, aspace);
+    let (main, interp_path) = map_elf(&mut os.mm, &mut sp, &prog, PIE_BASE, true)?;
+    let (entry, at_base) = match interp_path {
+        Some(ip) => {
+            let interp = read_program(os, &ip)?;
+            let (m, nested) = map_elf(&mut os.mm, &mut sp, &interp, INTERP_BASE, false)?;
+            if nested.is_some() {
+                return Err(ELIBBAD);
+            }
+            (m.entry, m.bias)
+        }
+        None => (main.entry, 0),
+    };
+    os.mm.brk_start = main.end;
+    os.mm.brk = main.end;
+    os.mm.mmap_top = INTERP_BASE;
+
+    let stack_lo = STACK_TOP - STACK_RESERVE;
+    if os.mm.overlaps(stack_lo, STACK_TOP) {
+        return Err(ENOMEM);
+    }
+    Mm::populate(&mut sp, stack_lo, STACK_TOP, PROT_READ | PROT_WRITE)?;
+    os.mm.insert(stack_lo, Vma::anon(STACK_TOP, PROT_READ | PROT_WRITE, "[stack]"));
+
+    let mut random = [0u8; 16];
+    misc::random_bytes(&mut os.proc, &mut random)?;
+    let aux = AuxInfo { main, entry: main.entry, at_base, random, uid: os.proc.uid, gid: os.proc.gid };
+    let rsp = build_stack(&mut sp, &argv, envp, &exec_fn, &aux)?;
+    os.proc.exe = prog.path.clone();
+    os.proc.set_comm_from_path(&exec_fn);
+    Ok(Image { entry, rsp })
+}
+
+/// Reject argument lists Linux would refuse (E2BIG) or could not represent (a NUL inside a string).
+fn check_strings(argv: &[Vec<u8>], envp: &[Vec<u8>]) -> Result<(), Errno> {
+    let mut total = 0usize;
+    for s in argv.iter().chain(envp) {
+        if s.contains(&0) {
+            return Err(EINVAL);
+        }
+        if s.len() + 1 > MAX_ARG_STRLEN {
+            return Err(E2BIG);
+        }
+        total += s.len() + 1 + 8;
+    }
+    if total > MAX_ARG_TOTAL {
+        return Err(E2BIG);
+    }
+    Ok(())
+}
+
+/// Open and read a program file: a regular file with an execute bit.
+fn read_program(os: &GuestOs, path: &[u8]) -> Result<Program, Errno> {
+    let (fd, gpath) = os.vfs.open_path(&os.proc.cwd, path, libc::O_RDONLY, 0)?;
+    let mut f = std::fs::File::from(fd);
+    let md = f.metadata().map_err(|e| Errno::from_io(&e))?;
+    if !md.is_file() || md.permissions().mode() & 0o111 == 0 {
+        return Err(EACCES);
+    }
+    if md.len() > MAX_IMAGE {
+        return Err(ENOMEM);
+    }
+    let mut bytes = Vec::with_capacity(md.len() as usize);
+    f.by_ref().take(MAX_IMAGE).read_to_end(&mut bytes).map_err(|e| Errno::from_io(&e))?;
+    Ok(Program { bytes, path: gpath, id: FileId { dev: md.dev(), ino: md.ino() } })
+}
+
+/// A script's interpreter and its optional argument.
+type Shebang = (Vec<u8>, Option<Vec<u8>>);
+
+/// `#!interp [arg]` from the start of a file: `None` if it is not a script. As Linux: the line is
+/// read from the first 256 bytes, the interpreter ends at the first blank, and everything after
+/// it (trimmed) is one optional argument.
+fn parse_shebang(bytes: &[u8]) -> Result<Option<Shebang>, Errno> {
+    if !bytes.starts_with(b"#!") {
+        return Ok(None);
+    }
+    let head = &bytes[2..bytes.len().min(BINPRM_BUF_SIZE)];
+    let line = match head.iter().position(|&b| b == b'\n') {
+        Some(i) => &head[..i],
+        None => {
+            // A line cut by the buffer is only usable if the interpreter itself was not cut.
+            let trimmed = head.iter().position(|&b| b != b' ' && b != b'\t').map_or(&head[..0], |i| &head[i..]);
+            if !trimmed.iter().any(|&b| b == b' ' || b == b'\t') && bytes.len() > BINPRM_BUF_SIZE {
+                return Err(ENOEXEC);
+            }
+            head
+        }
+    };
+    let line = match line.iter().position(|&b| b == 0) {
+        Some(i) => &line[..i],
+        None => line,
+    };
+    let blank = |b: &u8| *b == b' ' || *b == b'\t';
+    let start = line.iter().position(|b| !blank(b)).ok_or(ENOEXEC)?;
+    let line = &line[start..];
+    let end = line.iter().position(blank).unwrap_or(line.len());
+    let interp = line[..end].to_vec();
+    let rest = &line[end..];
+    let arg = match (rest.iter().position(|b| !blank(b)), rest.iter().rposition(|b| !blank(b))) {
+        (Some(a), Some(b)) => Some(rest[a..=b].to_vec()),
+        _ => None,
+    };
+    Ok(Some((interp, arg)))
+}
+
+fn prot_of(ph: &ProgramHeader) -> u32 {
+    let mut p = 0;
+    if ph.p_flags & PF_R != 0 {
+        p |= PROT_READ;
+    }
+    if ph.p_flags & PF_W != 0 {
+        p |= PROT_WRITE;
+    }
+    if ph.p_flags & PF_X != 0 {
+        p |= PROT_EXEC;
+    }
+    p
+}
+
+/// Map an ELF object's PT_LOAD segments; an ET_DYN object goes at `base`. Returns where it went and
+/// its PT_INTERP path, if any (only asked for the main program).
+fn map_elf(mm: &mut Mm, sp: &mut Space, prog: &Program, base: u64, main: bool) -> Result<(Mapped, Option<Vec<u8>>), Errno> {
+    let bytes = &prog.bytes;
+    let hdr = Elf::parse_header(bytes).map_err(|_| ENOEXEC)?;
+    if hdr.e_ident[EI_CLASS] != ELFCLASS64
+        || hdr.e_ident[EI_DATA] != ELFDATA2LSB
+        || hdr.e_machine != EM_X86_64
+        || !(hdr.e_type == ET_EXEC || hdr.e_type == ET_DYN)
+        || hdr.e_phentsize as usize != std::mem::size_of::<goblin::elf64::program_header::ProgramHeader>()
+    {
+        return Err(ENOEXEC);
+    }
+    let ctx = goblin::container::Ctx::new(goblin::container::Container::Big, goblin::container::Endian::Little);
+    let phoff = usize::try_from(hdr.e_phoff).map_err(|_| ENOEXEC)?;
+    if phoff > bytes.len() {
+        return Err(ENOEXEC);
+    }
+    let phdrs = ProgramHeader::parse(bytes, phoff, hdr.e_phnum as usize, ctx).map_err(|_| ENOEXEC)?;
+    let loads: Vec<&ProgramHeader> = phdrs.iter().filter(|p| p.p_type == PT_LOAD).collect();
+    if loads.is_empty() {
+        return Err(ENOEXEC);
+    }
+    let mut lo = u64::MAX;
+    let mut hi = 0u64;
+    for ph in &loads {
+        let end = ph.p_vaddr.checked_add(ph.p_memsz).ok_or(ENOEXEC)?;
+        let file_end = ph.p_offset.checked_add(ph.p_filesz).ok_or(ENOEXEC)?;
+        if ph.p_filesz > ph.p_memsz || file_end > bytes.len() as u64 || ph.p_vaddr % PAGE_SIZE != ph.p_offset % PAGE_SIZE {
+            return Err(ENOEXEC);
+        }
+        lo = lo.min(page_down(ph.p_vaddr));
+        hi = hi.max(page_up(end).ok_or(ENOEXEC)?);
+    }
+    let bias = if hdr.e_type == ET_DYN { base.wrapping_sub(lo) } else { 0 };
+    let (lo_b, hi_b) = (lo.wrapping_add(bias), hi.wrapping_add(bias));
+    if lo_b < MMAP_MIN_ADDR || hi_b > TASK_SIZE || lo_b >= hi_b {
+        return Err(EINVAL);
+    }
+    if mm.overlaps(lo_b, hi_b) {
+        return Err(ENOMEM);
+    }
+
+    for ph in &loads {
+        map_segment(mm, sp, prog, ph, bias)?;
+    }
+
+    let phdr_va = phdrs
+        .iter()
+        .find(|p| p.p_type == PT_PHDR)
+        .map(|p| p.p_vaddr)
+        .or_else(|| {
+            loads
+                .iter()
+                .find(|p| p.p_offset <= hdr.e_phoff && hdr.e_phoff < p.p_offset + p.p_filesz)
+                .map(|p| p.p_vaddr + (hdr.e_phoff - p.p_offset))
+        })
+        .map_or(0, |v| v.wrapping_add(bias));
+    let interp = if main {
+        match phdrs.iter().find(|p| p.p_type == PT_INTERP) {
+            Some(p) => {
+                let s = p.p_offset as usize;
+                let e = p.p_offset.checked_add(p.p_filesz).filter(|&e| e <= bytes.len() as u64).ok_or(ENOEXEC)? as usize;
+                let raw = &bytes[s..e];
+                let path = &raw[..raw.iter().position(|&b| b == 0).unwrap_or(raw.len())];
+                if path.is_empty() || path.len() >= super::vfs::PATH_MAX {
+                    return Err(ENOEXEC);
+                }
+                Some(path.to_vec())
+            }
+            None => None,
+        }
+    } else {
+        None
+    };
+    let m = Mapped { bias, entry: hdr.e_entry.wrapping_add(bias), phdr: phdr_va, phnum: hdr.e_phnum as u64, end: hi_b };
+    Ok((m, interp))
+}
+
+/// Map one PT_LOAD segment: frames, file bytes, zeroed bss, VMAs (the file part named after the
+/// program, the bss pages past it anonymous, as Linux shows them).
+fn map_segment(mm: &mut Mm, sp: &mut Space, prog: &Program, ph: &ProgramHeader, bias: u64) -> Result<(), Errno> {
+    let prot = prot_of(ph);
+    let va = ph.p_vaddr.wrapping_add(bias);
+    let start = page_down(va);
+    let file_end = va + ph.p_filesz;
+    let mem_end = va + ph.p_memsz;
+    let end = page_up(mem_end).ok_or(ENOEXEC)?;
+    // Old linkers let two segments share a page: the page takes both segments' rights.
+    let mut first_new = start;
+    if let Some((_, v)) = mm.vma_at(start) {
+        let both = v.prot | prot;
+        mm.mprotect(sp, start, PAGE_SIZE, both)?;
+        first_new = start + PAGE_SIZE;
+    }
+    if first_new < end {
+        if mm.overlaps(first_new, end) {
+            return Err(ENOEXEC);
+        }
+        Mm::populate(sp, first_new, end, prot)?;
+        let file_pages_end = page_up(file_end).ok_or(ENOEXEC)?.clamp(first_new, end);
+        if first_new < file_pages_end {
+            let offset = page_down(ph.p_offset) + (first_new - start);
+            let vma = Vma { end: file_pages_end, prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset };
+            mm.insert(first_new, vma);
+        }
+        if file_pages_end < end {
+            mm.insert(file_pages_end, Vma::anon(end, prot, ""));
+        }
+    }
+    // The file bytes: from the start of the page (as a file mapping shows them) unless that page
+    // belongs to the previous segment too.
+    let copy_va = if first_new == start { start } else { va };
+    let copy_off = (ph.p_offset - (va - copy_va)) as usize;
+    let copy_end = (ph.p_offset + ph.p_filesz) as usize;
+    let err = |_| EINVAL;
+    sp.aspace.write_virt(sp.mem, copy_va, &prog.bytes[copy_off..copy_end], false).map_err(err)?;
+    // bss in the page the file bytes end in (a fresh page is zero already; a shared one may not be).
+    if mem_end > file_end {
+        let zero_end = page_up(file_end).ok_or(ENOEXEC)?.min(mem_end);
+        let zeros = vec![0u8; (zero_end - file_end) as usize];
+        sp.aspace.write_virt(sp.mem, file_end, &zeros, false).map_err(err)?;
+    }
+    Ok(())
+}
+
+/// What the auxiliary vector says about the program.
+struct AuxInfo {
+    main: Mapped,
+    entry: u64,
+    at_base: u64,
+    random: [u8; 16],
+    uid: [u32; 4],
+    gid: [u32; 4],
+}
+
+/// The host CPU's feature bits (CPUID leaf 1, EDX), as Linux reports them in AT_HWCAP.
+fn hwcap() -> u64 {
+    #[allow(unused_unsafe)]
+    // SAFETY: CPUID leaf 1 exists on every x86-64 CPU and has no side effects.
+    let r = unsafe { std::arch::x86_64::__cpuid(1) };
+    r.edx as u64
+}
+
+/// Write the initial stack below `STACK_TOP`; returns rsp (16-byte aligned, pointing at argc).
+///
+/// Layout, from the top: 8 zero bytes, the exec file name, the argv and envp strings, "x86_64",
+/// 16 random bytes, padding, then auxv, envp, argv and argc growing down to rsp.
+fn build_stack(sp: &mut Space, argv: &[Vec<u8>], envp: &[Vec<u8>], exec_fn: &[u8], aux: &AuxInfo) -> Result<u64, Errno> {
+    let mut top = STACK_TOP - 8;
+    let mut push = |sp: &mut Space, data: &[u8]| -> Result<u64, Errno> {
+        top -= data.len() as u64;
+        sp.aspace.write_virt(sp.mem, top, data, false).map_err(|_| E2BIG)?;
+        Ok(top)
+    };
+    let cstr = |s: &[u8]| {
+        let mut v = s.to_vec();
+        v.push(0);
+        v
+    };
+    push(sp, &[0u8; 8])?;
+    let execfn = push(sp, &cstr(exec_fn))?;
+    let mut strings = Vec::new();
+    let mut offs = Vec::with_capacity(argv.len() + envp.len());
+    for s in argv.iter().chain(envp) {
+        offs.push(strings.len() as u64);
+        strings.extend_from_slice(s);
+        strings.push(0);
+    }
+    let strings_at = push(sp, &strings)?;
+    let ptrs: Vec<u64> = offs.iter().map(|o| strings_at + o).collect();
+    let (argv_p, envp_p) = ptrs.split_at(argv.len());
+    let platform = push(sp, b"x86_64\0")?;
+    let random = push(sp, &aux.random)?;
+
+    let auxv: [(u64, u64); 20] = [
+        (AT_PHDR, aux.main.phdr),
+        (AT_PHENT, std::mem::size_of::<goblin::elf64::program_header::ProgramHeader>() as u64),
+        (AT_PHNUM, aux.main.phnum),
+        (AT_PAGESZ, PAGE_SIZE),
+        (AT_BASE, aux.at_base),
+        (AT_FLAGS, 0),
+        (AT_ENTRY, aux.entry),
+        (AT_UID, aux.uid[0] as u64),
+        (AT_EUID, aux.uid[1] as u64),
+        (AT_GID, aux.gid[0] as u64),
+        (AT_EGID, aux.gid[1] as u64),
+        (AT_SECURE, 0),
+        (AT_RANDOM, random),
+        (AT_HWCAP, hwcap()),
+        (AT_HWCAP2, 0),
+        (AT_CLKTCK, 100),
+        (AT_PLATFORM, platform),
+        (AT_EXECFN, execfn),
+        (AT_MINSIGSTKSZ, misc::MINSIGSTKSZ),
+        (AT_NULL, 0),
+    ];
+    let mut words: Vec<u64> = Vec::with_capacity(3 + ptrs.len() + 2 * auxv.len());
+    words.push(argv.len() as u64);
+    words.extend_from_slice(argv_p);
+    words.push(0);
+    words.extend_from_slice(envp_p);
+    words.push(0);
+    for (k, v) in auxv {
+        words.push(k);
+        words.push(v);
+    }
+    let table: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let rsp = (random - table.len() as u64) & !15;
+    if rsp < STACK_TOP - STACK_RESERVE + PAGE_SIZE {
+        return Err(E2BIG);
+    }
+    sp.aspace.write_virt(sp.mem, rsp, &table, false).map_err(|_| E2BIG)?;
+    Ok(rsp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::x86_64::paging::{setup_address_space, PTE_NX, PTE_U, PTE_W};
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    struct T {
+        mem: GuestMemory,
+        frames: FrameAllocator,
+        aspace: AddressSpace,
+        os: GuestOs,
+        root: PathBuf,
+    }
+
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("exec-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    impl T {
+        fn new(root: PathBuf) -> T {
+            let mut mem = GuestMemory::anonymous(256 << 20).unwrap();
+            let mut frames = FrameAllocator::new(256 << 20);
+            let aspace = setup_address_space(&mut mem, &mut frames).unwrap();
+            let os = GuestOs {
+                mm: Default::default(),
+                files: Default::default(),
+                vfs: crate::guestos::vfs::Vfs::new(&root).unwrap(),
+                proc: Default::default(),
+                enosys: Default::default(),
+                stdio: None,
+            };
+            T { mem, frames, aspace, os, root }
+        }
+        fn load(&mut self, argv: &[&str], envp: &[&str]) -> Result<Image, Errno> {
+            let argv: Vec<Vec<u8>> = argv.iter().map(|s| s.as_bytes().to_vec()).collect();
+            let envp: Vec<Vec<u8>> = envp.iter().map(|s| s.as_bytes().to_vec()).collect();
+            load(&mut self.os, &mut self.mem, &mut self.frames, &self.aspace, &argv[0].clone(), &argv, &envp)
+        }
+        fn u64_at(&self, va: u64) -> u64 {
+            let mut b = [0u8; 8];
+            self.aspace.read_virt(&self.mem, va, &mut b, true).unwrap();
+            u64::from_le_bytes(b)
+        }
+        fn cstr_at(&self, va: u64) -> String {
+            let mut out = Vec::new();
+            let mut p = va;
+            loop {
+                let mut b = [0u8; 1];
+                self.aspace.read_virt(&self.mem, p, &mut b, true).unwrap();
+                if b[0] == 0 {
+                    return String::from_utf8(out).unwrap();
+                }
+                out.push(b[0]);
+                p += 1;
+            }
+        }
+        fn flags(&self, va: u64) -> u64 {
+            self.aspace.translate(&self.mem, va).unwrap().1
+        }
+        /// argc, argv, envp and auxv read back from the stack at `rsp`.
+        fn stack(&self, rsp: u64) -> (Vec<String>, Vec<String>, std::collections::BTreeMap<u64, u64>) {
+            let argc = self.u64_at(rsp);
+            let mut p = rsp + 8;
+            let mut argv = Vec::new();
+            for _ in 0..argc {
+                argv.push(self.cstr_at(self.u64_at(p)));
+                p += 8;
+            }
+            assert_eq!(self.u64_at(p), 0);
+            p += 8;
+            let mut envp = Vec::new();
+            while self.u64_at(p) != 0 {
+                envp.push(self.cstr_at(self.u64_at(p)));
+                p += 8;
+            }
+            p += 8;
+            let mut aux = std::collections::BTreeMap::new();
+            loop {
+                let (k, v) = (self.u64_at(p), self.u64_at(p + 8));
+                if k == AT_NULL {
+                    break;
+                }
+                aux.insert(k, v);
+                p += 16;
+            }
+            (argv, envp, aux)
+        }
+    }
+
+    /// Compile a C program with the host gcc into `root/<name>`; `None` (skip) without gcc.
+    fn gcc(root: &Path, name: &str, src: &str, flags: &[&str]) -> Option<PathBuf> {
+        let c = root.join(format!("{name}.c"));
+        std::fs::write(&c, src).unwrap();
+        let out = root.join(name);
+        match Command::new("gcc").args(flags).arg("-o").arg(&out).arg(&c).status() {
+            Ok(s) if s.success() => Some(out),
+            Ok(s) => panic!("gcc failed: {s}"),
+            Err(_) => {
+                eprintln!("gcc not found: skipping");
+                None
+            }
+        }
+    }
+
+    const HELLO: &str = "#include <unistd.h>\nint main(){write(1,\"hi\\n\",3);return 0;}\n";
+
+    fn check_common(t: &T, img: &Image, argv: &[&str]) -> std::collections::BTreeMap<u64, u64> {
+        assert_eq!(img.rsp % 16, 0);
+        let (a, e, aux) = t.stack(img.rsp);
+        assert_eq!(a, argv);
+        assert_eq!(e, ["A=1", "HOME=/root"]);
+        assert_eq!(aux[&AT_PAGESZ], 4096);
+        assert_eq!(aux[&AT_PHENT], 56);
+        assert_eq!(aux[&AT_CLKTCK], 100);
+        assert_eq!(aux[&AT_MINSIGSTKSZ], 2048);
+        assert_eq!(aux[&AT_SECURE], 0);
+        assert!(!aux.contains_key(&33), "no vDSO");
+        assert_eq!(t.cstr_at(aux[&AT_PLATFORM]), "x86_64");
+        assert_eq!(t.cstr_at(aux[&AT_EXECFN]), argv[0]);
+        assert_ne!(aux[&AT_HWCAP] & (1 << 25), 0, "SSE");
+        let rnd = aux[&AT_RANDOM];
+        assert!(rnd > img.rsp && rnd < STACK_TOP);
+        // The program headers are readable where AT_PHDR says: the first is PT_PHDR or PT_LOAD.
+        let first_type = t.u64_at(aux[&AT_PHDR]) as u32;
+        assert!(first_type == PT_PHDR || first_type == PT_LOAD || first_type == 6, "{first_type}");
+        // The stack is writable, not executable; the heap starts empty, page aligned.
+        let f = t.flags(img.rsp);
+        assert_eq!(f & (PTE_U | PTE_W | PTE_NX), PTE_U | PTE_W | PTE_NX);
+        assert_eq!(t.os.mm.brk % 4096, 0);
+        assert_eq!(t.os.mm.brk, t.os.mm.brk_start);
+        let maps = t.os.mm.maps();
+        assert!(maps.contains("[stack]"), "{maps}");
+        // The entry point is mapped executable.
+        let f = t.flags(img.entry);
+        assert_eq!(f & (PTE_U | PTE_NX), PTE_U, "entry {:#x} not executable", img.entry);
+        aux
+    }
+
+    #[test]
+    fn static_program() {
+        let root = tmp("static");
+        let Some(_) = gcc(&root, "hello", HELLO, &["-static", "-O1"]) else { return };
+        let mut t = T::new(root.clone());
+        let img = t.load(&["/hello", "x y"], &["A=1", "HOME=/root"]).unwrap();
+        let aux = check_common(&t, &img, &["/hello", "x y"]);
+        assert_eq!(aux[&AT_BASE], 0);
+        assert_eq!(aux[&AT_ENTRY], img.entry);
+        assert!(img.entry >= 0x40_0000 && img.entry < 0x100_0000);
+        assert_eq!(t.os.proc.exe, "/hello");
+        assert_eq!(&t.os.proc.comm[..6], b"hello\0");
+        // The first page holds the ELF header; text is read-only, data writable and not executable.
+        let mut magic = [0u8; 4];
+        t.aspace.read_virt(&t.mem, 0x40_0000, &mut magic, true).unwrap();
+        assert_eq!(&magic, b"\x7fELF");
+        let data = t.os.mm.vmas.iter().find(|(_, v)| v.prot == PROT_READ | PROT_WRITE && v.name == "/hello");
+        let (dstart, _) = data.expect("a writable segment");
+        assert_eq!(t.flags(*dstart) & (PTE_W | PTE_NX), PTE_W | PTE_NX);
+        assert!(t.os.mm.brk_start > *dstart);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn static_pie_program() {
+        let root = tmp("spie");
+        let Some(_) = gcc(&root, "hello", HELLO, &["-static-pie", "-O1"]) else { return };
+        let mut t = T::new(root.clone());
+        let img = t.load(&["/hello"], &["A=1", "HOME=/root"]).unwrap();
+        let aux = check_common(&t, &img, &["/hello"]);
+        assert!(img.entry > PIE_BASE && img.entry < PIE_BASE + (64 << 20));
+        assert_eq!(aux[&AT_BASE], 0);
+        assert_eq!(*t.os.mm.vmas.keys().next().unwrap(), PIE_BASE);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn dynamic_program_and_its_interpreter() {
+        let root = tmp("dyn");
+        let Some(_) = gcc(&root, "hello", HELLO, &["-O1"]) else { return };
+        let ld = Path::new("/lib64/ld-linux-x86-64.so.2");
+        if !ld.exists() {
+            return;
+        }
+        std::fs::create_dir_all(root.join("lib64")).unwrap();
+        std::fs::copy(ld, root.join("lib64/ld-linux-x86-64.so.2")).unwrap();
+        let mut t = T::new(root.clone());
+        let img = t.load(&["/hello"], &["A=1", "HOME=/root"]).unwrap();
+        let aux = check_common(&t, &img, &["/hello"]);
+        assert_eq!(aux[&AT_BASE], INTERP_BASE);
+        assert!(img.entry > INTERP_BASE && img.entry < INTERP_BASE + (16 << 20), "starts in ld.so");
+        assert!(aux[&AT_ENTRY] > PIE_BASE && aux[&AT_ENTRY] < PIE_BASE + (16 << 20));
+        assert!(aux[&AT_PHDR] > PIE_BASE);
+        assert_eq!(t.os.proc.exe, "/hello");
+        assert!(t.os.mm.maps().contains("/lib64/ld-linux-x86-64.so.2"));
+        // mmap goes below the interpreter.
+        let mut sp = Space::new(&mut t.mem, &mut t.frames, &t.aspace);
+        let a = t.os.mm.mmap(&mut sp, 0, 4096, PROT_READ, super::super::mm::MAP_PRIVATE | super::super::mm::MAP_ANONYMOUS, None).unwrap();
+        assert_eq!(a, INTERP_BASE - 4096);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn scripts_run_their_interpreter() {
+        let root = tmp("script");
+        let Some(_) = gcc(&root, "hello", HELLO, &["-static"]) else { return };
+        std::fs::create_dir_all(root.join("bin")).unwrap();
+        std::fs::rename(root.join("hello"), root.join("bin/interp")).unwrap();
+        std::fs::write(root.join("s.sh"), "#!/bin/interp  -x  -y \necho\n").unwrap();
+        std::fs::set_permissions(root.join("s.sh"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(root.join("t.sh"), "#!/s.sh\n").unwrap();
+        std::fs::set_permissions(root.join("t.sh"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(root.join("noexec"), "#!/bin/interp\n").unwrap();
+        let mut t = T::new(root.clone());
+        let img = t.load(&["/t.sh", "arg"], &["A=1", "HOME=/root"]).unwrap();
+        let (argv, _, aux) = t.stack(img.rsp);
+        assert_eq!(argv, ["/bin/interp", "-x  -y", "/s.sh", "/t.sh", "arg"]);
+        assert_eq!(t.cstr_at(aux[&AT_EXECFN]), "/t.sh");
+        assert_eq!(t.os.proc.exe, "/bin/interp");
+        assert_eq!(t.load(&["/noexec"], &[]).unwrap_err(), EACCES);
+        assert_eq!(t.load(&["/missing"], &[]).unwrap_err(), super::super::ENOENT);
+        std::fs::write(root.join("loop.sh"), "#!/loop.sh\n").unwrap();
+        std::fs::set_permissions(root.join("loop.sh"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(t.load(&["/loop.sh"], &[]).unwrap_err(), ELOOP);
+        std::fs::remove_dir_all(&t.root).unwrap();
+    }
+
+    #[test]
+    fn shebang_parsing() {
+        assert_eq!(parse_shebang(b"\x7fELF").unwrap(), None);
+        assert_eq!(parse_shebang(b"#!/bin/sh\n").unwrap(), Some((b"/bin/sh".to_vec(), None)));
+        assert_eq!(parse_shebang(b"#! /usr/bin/env python3 \n").unwrap(), Some((b"/usr/bin/env".to_vec(), Some(b"python3".to_vec()))));
+        assert_eq!(parse_shebang(b"#!/bin/sh").unwrap(), Some((b"/bin/sh".to_vec(), None)));
+        assert_eq!(parse_shebang(b"#!   \n").unwrap_err(), ENOEXEC);
+        let long = format!("#!/{}\n", "x".repeat(300));
+        assert_eq!(parse_shebang(long.as_bytes()).unwrap_err(), ENOEXEC);
+    }
+
+    #[test]
+    fn bad_files_are_refused() {
+        let root = tmp("bad");
+        std::fs::write(root.join("junk"), b"\x7fELF not really").unwrap();
+        std::fs::set_permissions(root.join("junk"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::create_dir(root.join("dir")).unwrap();
+        let mut t = T::new(root.clone());
+        assert_eq!(t.load(&["/junk"], &[]).unwrap_err(), ENOEXEC);
+        assert_eq!(t.load(&["/dir"], &[]).unwrap_err(), EACCES);
+        assert_eq!(t.load(&["/junk", "a\0b"], &[]).unwrap_err(), EINVAL);
+        let huge = "x".repeat(200_000);
+        assert_eq!(t.load(&["/junk", &huge], &[]).unwrap_err(), E2BIG);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 }

@@ -1,15 +1,1271 @@
 //! Identity, time, randomness, limits, signal bookkeeping, thread-area setup.
+//!
+//! The guest is one single-threaded process (pid 1, root) with no other process to talk to, so most
+//! of these calls are bookkeeping: they store what the guest sets and hand it back. Signals are never
+//! delivered yet; their dispositions, mask and alternate stack are only remembered.
+//!
+//! Everything the host decides for the guest that a replay would have to reproduce goes through one
+//! function per kind: [`random_bytes`] for randomness and [`clock_now`] for clocks.
+//!
+//! Sleeping (nanosleep, clock_nanosleep, futex waits with a timeout) happens on the host in slices of
+//! at most [`SLEEP_SLICE`]: when a slice ends before the deadline, the syscall is restarted (the guest
+//! re-executes its `syscall` instruction, and the deadline is remembered in [`Proc::sleep`]). The
+//! run loop therefore regains control between slices and a run's time budget is honoured even in the
+//! middle of a long sleep, which simply continues in the next run.
 
-use super::{Ctx, GuestOs, SysResult};
+use serde::{Deserialize, Serialize};
+
+use super::{Ctx, Errno, GuestOs, SysResult, EAGAIN, EFAULT, EINTR, EINVAL, ENOSYS, EPERM, ESRCH};
+
+const ETIMEDOUT: Errno = Errno(110);
+
+/// Signals 1..=64.
+pub const NSIG: usize = 64;
+const SIGKILL: u64 = 9;
+const SIGSTOP: u64 = 19;
+/// Resource limits RLIMIT_CPU (0) ..= RLIMIT_RTTIME (15).
+pub const RLIM_NLIMITS: usize = 16;
+pub const RLIM_INFINITY: u64 = u64::MAX;
+pub const RLIMIT_STACK: usize = 3;
+pub const RLIMIT_NOFILE: usize = 7;
+/// Longest host sleep inside one syscall before the run loop gets control back.
+pub const SLEEP_SLICE: std::time::Duration = std::time::Duration::from_millis(50);
+/// The smallest alternate signal stack Linux accepts (MINSIGSTKSZ).
+pub const MINSIGSTKSZ: u64 = 2048;
+
+/// One signal's disposition, as rt_sigaction's `struct k_sigaction` holds it on x86-64.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SigAction {
+    pub handler: u64,
+    pub flags: u64,
+    pub restorer: u64,
+    pub mask: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rlimit {
+    pub cur: u64,
+    pub max: u64,
+}
+
+/// The alternate signal stack (sigaltstack's `stack_t`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AltStack {
+    pub sp: u64,
+    pub flags: i32,
+    pub size: u64,
+}
+
+/// A sleep that was cut into slices: the syscall it belongs to and its deadline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingSleep {
+    /// rip just after the `syscall` instruction, the syscall number and its first four arguments:
+    /// the restarted call must match all of them to continue this sleep.
+    pub rip: u64,
+    pub nr: u64,
+    pub args: [u64; 4],
+    /// CLOCK_MONOTONIC nanoseconds.
+    pub deadline_ns: u64,
+}
 
 /// Process identity and per-process settings.
-#[derive(Default)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Proc {
     /// The guest's current directory (a normalised guest path).
     pub cwd: String,
+    /// The running program's guest path (what /proc/self/exe names).
+    pub exe: String,
+    /// The thread name (PR_SET_NAME), NUL padded.
+    pub comm: [u8; 16],
+    pub pid: i32,
+    pub ppid: i32,
+    pub pgid: i32,
+    pub sid: i32,
+    /// Real, effective, saved and file-system user ids; the same for groups.
+    pub uid: [u32; 4],
+    pub gid: [u32; 4],
+    pub groups: Vec<u32>,
+    pub umask: u32,
+    pub rlimits: Vec<Rlimit>,
+    /// Dispositions of signals 1..=64 (index 0 is signal 1).
+    pub sigactions: Vec<SigAction>,
+    pub sigmask: u64,
+    pub altstack: AltStack,
+    /// set_tid_address's pointer and set_robust_list's list.
+    pub clear_child_tid: u64,
+    pub robust_list: (u64, u64),
+    pub pdeathsig: i32,
+    pub dumpable: u64,
+    pub no_new_privs: bool,
+    /// CLOCK_MONOTONIC nanoseconds when the process started (uptime, times).
+    pub start_ns: u64,
+    pub sleep: Option<PendingSleep>,
+}
+
+impl Default for Proc {
+    fn default() -> Self {
+        let inf = Rlimit { cur: RLIM_INFINITY, max: RLIM_INFINITY };
+        let mut rlimits = vec![inf; RLIM_NLIMITS];
+        rlimits[RLIMIT_STACK] = Rlimit { cur: 8 << 20, max: RLIM_INFINITY };
+        rlimits[4] = Rlimit { cur: 0, max: RLIM_INFINITY }; // CORE
+        rlimits[6] = Rlimit { cur: 4096, max: 4096 }; // NPROC
+        rlimits[RLIMIT_NOFILE] = Rlimit { cur: 1024, max: 4096 };
+        rlimits[8] = Rlimit { cur: 8 << 20, max: 8 << 20 }; // MEMLOCK
+        rlimits[11] = Rlimit { cur: 4096, max: 4096 }; // SIGPENDING
+        rlimits[12] = Rlimit { cur: 819_200, max: 819_200 }; // MSGQUEUE
+        rlimits[13] = Rlimit { cur: 0, max: 0 }; // NICE
+        rlimits[14] = Rlimit { cur: 0, max: 0 }; // RTPRIO
+        Proc {
+            cwd: "/".into(),
+            exe: String::new(),
+            comm: [0; 16],
+            pid: 1,
+            ppid: 0,
+            pgid: 1,
+            sid: 1,
+            uid: [0; 4],
+            gid: [0; 4],
+            groups: Vec::new(),
+            umask: 0o022,
+            rlimits,
+            sigactions: vec![SigAction::default(); NSIG],
+            sigmask: 0,
+            altstack: AltStack { sp: 0, flags: SS_DISABLE, size: 0 },
+            clear_child_tid: 0,
+            robust_list: (0, 0),
+            pdeathsig: 0,
+            dumpable: 1,
+            no_new_privs: false,
+            start_ns: monotonic_ns(),
+            sleep: None,
+        }
+    }
+}
+
+impl Proc {
+    /// A resource limit (RLIMIT_*); unknown resources read as unlimited.
+    pub fn rlimit(&self, resource: usize) -> Rlimit {
+        self.rlimits.get(resource).copied().unwrap_or(Rlimit { cur: RLIM_INFINITY, max: RLIM_INFINITY })
+    }
+
+    /// Set the thread name from a program path (its last component, at most 15 bytes).
+    pub fn set_comm_from_path(&mut self, path: &[u8]) {
+        let base = path.rsplit(|&b| b == b'/').next().unwrap_or(path);
+        self.comm = [0; 16];
+        let n = base.len().min(15);
+        self.comm[..n].copy_from_slice(&base[..n]);
+    }
+}
+
+/// Fill `buf` with random bytes for the guest (getrandom, AT_RANDOM, /dev/urandom).
+///
+/// The one source of guest randomness: today the host's getrandom, later a seeded CRNG kept in
+/// [`Proc`] so that a replay can reproduce it.
+pub fn random_bytes(_proc: &mut Proc, buf: &mut [u8]) -> Result<(), Errno> {
+    let mut got = 0;
+    while got < buf.len() {
+        // SAFETY: getrandom into the unfilled tail of `buf`; the result is checked.
+        let n = unsafe { libc::getrandom(buf[got..].as_mut_ptr().cast(), buf.len() - got, 0) };
+        if n < 0 {
+            let e = Errno::last();
+            if e == EINTR {
+                continue;
+            }
+            return Err(e);
+        }
+        got += n as usize;
+    }
+    Ok(())
+}
+
+/// The time on guest clock `clock` as (seconds, nanoseconds).
+///
+/// The one source of guest time: today the host's clocks, later a virtual clock for replays. CPU-time
+/// clocks of this process (including the pid-0 encodings glibc uses) read the VMM process's CPU
+/// time. Other processes' clocks do not exist: EINVAL.
+pub fn clock_now(clock: i32) -> Result<(i64, i64), Errno> {
+    let host = host_clock(clock)?;
+    // SAFETY: clock_gettime into a local timespec; the result is checked.
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: as above.
+    if unsafe { libc::clock_gettime(host, &mut ts) } != 0 {
+        return Err(EINVAL);
+    }
+    Ok((ts.tv_sec, ts.tv_nsec))
+}
+
+/// The host clock that stands for guest clock `clock`.
+fn host_clock(clock: i32) -> Result<libc::clockid_t, Errno> {
+    match clock {
+        0..=9 | 11 => Ok(clock),
+        c if c < 0 => {
+            // A CPU clock: ~pid << 3 | thread << 2 | kind (0 prof, 1 virt, 2 sched).
+            let pid = !(c >> 3);
+            if (c & 3) == 3 || (pid != 0 && pid != 1) {
+                return Err(EINVAL);
+            }
+            Ok(if c & 4 != 0 { libc::CLOCK_THREAD_CPUTIME_ID } else { libc::CLOCK_PROCESS_CPUTIME_ID })
+        }
+        _ => Err(EINVAL),
+    }
+}
+
+fn clock_res(clock: i32) -> Result<(i64, i64), Errno> {
+    let host = host_clock(clock)?;
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_getres into a local timespec; the result is checked.
+    if unsafe { libc::clock_getres(host, &mut ts) } != 0 {
+        return Err(EINVAL);
+    }
+    Ok((ts.tv_sec, ts.tv_nsec))
+}
+
+/// CLOCK_MONOTONIC in nanoseconds.
+pub fn monotonic_ns() -> u64 {
+    let (s, ns) = clock_now(libc::CLOCK_MONOTONIC).unwrap_or((0, 0));
+    (s as u64).saturating_mul(1_000_000_000).saturating_add(ns as u64)
+}
+
+fn timespec_bytes(s: i64, ns: i64) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&s.to_le_bytes());
+    b[8..].copy_from_slice(&ns.to_le_bytes());
+    b
+}
+
+/// A guest `struct timespec`, validated (0 <= nsec < 1e9, sec >= 0) and converted to nanoseconds.
+fn read_timespec(ctx: &Ctx, va: u64) -> Result<u64, Errno> {
+    let b = ctx.read_vec(va, 16)?;
+    let s = i64::from_le_bytes(b[..8].try_into().map_err(|_| EFAULT)?);
+    let ns = i64::from_le_bytes(b[8..].try_into().map_err(|_| EFAULT)?);
+    if s < 0 || !(0..1_000_000_000).contains(&ns) {
+        return Err(EINVAL);
+    }
+    Ok((s as u64).saturating_mul(1_000_000_000).saturating_add(ns as u64))
+}
+
+fn ns_of(t: (i64, i64)) -> u64 {
+    (t.0.max(0) as u64).saturating_mul(1_000_000_000).saturating_add(t.1.max(0) as u64)
+}
+
+/// Sleep until `deadline` (CLOCK_MONOTONIC ns, computed by `deadline` unless this is the restart of
+/// a sliced sleep), then answer `done`. See the module comment for the slicing.
+fn sleep_until(
+    proc: &mut Proc,
+    ctx: &mut Ctx,
+    nr: u64,
+    a: [u64; 6],
+    deadline: impl FnOnce() -> Result<u64, Errno>,
+    done: SysResult,
+) -> SysResult {
+    let key = PendingSleep { rip: ctx.regs.rip, nr, args: [a[0], a[1], a[2], a[3]], deadline_ns: 0 };
+    let deadline = match proc.sleep.take() {
+        Some(p) if PendingSleep { deadline_ns: 0, ..p } == key => p.deadline_ns,
+        _ => deadline()?,
+    };
+    let now = monotonic_ns();
+    if now >= deadline {
+        return done;
+    }
+    let slice = (deadline - now).min(SLEEP_SLICE.as_nanos() as u64);
+    let ts = libc::timespec { tv_sec: (slice / 1_000_000_000) as i64, tv_nsec: (slice % 1_000_000_000) as i64 };
+    // SAFETY: a relative host sleep on a local timespec. An early return (EINTR from the run's
+    // preemption signal) is fine: the deadline decides below.
+    unsafe { libc::clock_nanosleep(libc::CLOCK_MONOTONIC, 0, &ts, std::ptr::null_mut()) };
+    if monotonic_ns() >= deadline {
+        return done;
+    }
+    // Restart: back to the `syscall` instruction (2 bytes, 0f 05) with rax = the syscall number.
+    proc.sleep = Some(PendingSleep { deadline_ns: deadline, ..key });
+    ctx.regs.rip = ctx.regs.rip.wrapping_sub(2);
+    Ok(nr)
+}
+
+pub const SYS_RT_SIGACTION: u64 = 13;
+pub const SYS_RT_SIGPROCMASK: u64 = 14;
+pub const SYS_SCHED_YIELD: u64 = 24;
+pub const SYS_NANOSLEEP: u64 = 35;
+pub const SYS_GETPID: u64 = 39;
+pub const SYS_UNAME: u64 = 63;
+pub const SYS_UMASK: u64 = 95;
+pub const SYS_GETTIMEOFDAY: u64 = 96;
+pub const SYS_GETRLIMIT: u64 = 97;
+pub const SYS_GETRUSAGE: u64 = 98;
+pub const SYS_SYSINFO: u64 = 99;
+pub const SYS_TIMES: u64 = 100;
+pub const SYS_GETUID: u64 = 102;
+pub const SYS_GETGID: u64 = 104;
+pub const SYS_SETUID: u64 = 105;
+pub const SYS_SETGID: u64 = 106;
+pub const SYS_GETEUID: u64 = 107;
+pub const SYS_GETEGID: u64 = 108;
+pub const SYS_SETPGID: u64 = 109;
+pub const SYS_GETPPID: u64 = 110;
+pub const SYS_GETPGRP: u64 = 111;
+pub const SYS_SETSID: u64 = 112;
+pub const SYS_SETREUID: u64 = 113;
+pub const SYS_SETREGID: u64 = 114;
+pub const SYS_GETGROUPS: u64 = 115;
+pub const SYS_SETGROUPS: u64 = 116;
+pub const SYS_SETRESUID: u64 = 117;
+pub const SYS_GETRESUID: u64 = 118;
+pub const SYS_SETRESGID: u64 = 119;
+pub const SYS_GETRESGID: u64 = 120;
+pub const SYS_GETPGID: u64 = 121;
+pub const SYS_SETFSUID: u64 = 122;
+pub const SYS_SETFSGID: u64 = 123;
+pub const SYS_GETSID: u64 = 124;
+pub const SYS_SIGALTSTACK: u64 = 131;
+pub const SYS_PRCTL: u64 = 157;
+pub const SYS_ARCH_PRCTL: u64 = 158;
+pub const SYS_SETRLIMIT: u64 = 160;
+pub const SYS_GETTID: u64 = 186;
+pub const SYS_TIME: u64 = 201;
+pub const SYS_FUTEX: u64 = 202;
+pub const SYS_SCHED_SETAFFINITY: u64 = 203;
+pub const SYS_SCHED_GETAFFINITY: u64 = 204;
+pub const SYS_SET_TID_ADDRESS: u64 = 218;
+pub const SYS_CLOCK_GETTIME: u64 = 228;
+pub const SYS_CLOCK_GETRES: u64 = 229;
+pub const SYS_CLOCK_NANOSLEEP: u64 = 230;
+pub const SYS_SET_ROBUST_LIST: u64 = 273;
+pub const SYS_GET_ROBUST_LIST: u64 = 274;
+pub const SYS_PRLIMIT64: u64 = 302;
+pub const SYS_GETCPU: u64 = 309;
+pub const SYS_GETRANDOM: u64 = 318;
+pub const SYS_MEMBARRIER: u64 = 324;
+pub const SYS_RSEQ: u64 = 334;
+
+const ARCH_SET_GS: u64 = 0x1001;
+const ARCH_SET_FS: u64 = 0x1002;
+const ARCH_GET_FS: u64 = 0x1003;
+const ARCH_GET_GS: u64 = 0x1004;
+
+const SS_ONSTACK: i32 = 1;
+const SS_DISABLE: i32 = 2;
+const SS_AUTODISARM: i32 = 1 << 31;
+
+/// The fields of `struct utsname` (65 bytes each).
+pub const UTS_SYSNAME: &str = "Linux";
+pub const UTS_NODENAME: &str = "sandbox";
+pub const UTS_RELEASE: &str = "6.1.0-collimate";
+pub const UTS_VERSION: &str = "#1 SMP PREEMPT_DYNAMIC";
+pub const UTS_MACHINE: &str = "x86_64";
+pub const UTS_DOMAINNAME: &str = "(none)";
+
+/// `struct utsname` as uname(2) writes it.
+pub fn utsname() -> [u8; 390] {
+    let mut b = [0u8; 390];
+    for (i, f) in [UTS_SYSNAME, UTS_NODENAME, UTS_RELEASE, UTS_VERSION, UTS_MACHINE, UTS_DOMAINNAME].iter().enumerate() {
+        b[i * 65..i * 65 + f.len()].copy_from_slice(f.as_bytes());
+    }
+    b
+}
+
+fn u32s(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Whether `pid` names this process (0 means "the caller").
+fn is_self(proc: &Proc, pid: u64) -> bool {
+    let pid = pid as i32;
+    pid == 0 || pid == proc.pid
+}
+
+/// setuid-family check: each requested id must be -1 (keep) or one the process already has.
+fn same_ids(cur: &[u32; 4], want: &[u64]) -> Result<u64, Errno> {
+    for &w in want {
+        let w = w as u32;
+        if w != u32::MAX && w != cur[0] && w != cur[1] {
+            return Err(EPERM);
+        }
+    }
+    Ok(0)
 }
 
 /// Handle a miscellaneous syscall; `None` if `nr` is not one of ours.
-pub fn dispatch(_os: &mut GuestOs, _ctx: &mut Ctx, _nr: u64, _a: [u64; 6]) -> Option<SysResult> {
-    None
+pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option<SysResult> {
+    let p = &mut os.proc;
+    let r = match nr {
+        SYS_ARCH_PRCTL => arch_prctl(ctx, a[0], a[1]),
+        SYS_SET_TID_ADDRESS => {
+            p.clear_child_tid = a[0];
+            Ok(p.pid as u64)
+        }
+        SYS_SET_ROBUST_LIST => {
+            if a[1] != 24 {
+                Err(EINVAL)
+            } else {
+                p.robust_list = (a[0], a[1]);
+                Ok(0)
+            }
+        }
+        SYS_GET_ROBUST_LIST => {
+            if !is_self(p, a[0]) {
+                Err(ESRCH)
+            } else {
+                let (head, len) = p.robust_list;
+                ctx.write(a[1], &head.to_le_bytes()).and_then(|_| ctx.write(a[2], &len.to_le_bytes())).map(|_| 0)
+            }
+        }
+        // glibc registers rseq areas when the kernel has them and copes without.
+        SYS_RSEQ => Err(ENOSYS),
+        SYS_PRLIMIT64 => prlimit(p, ctx, a[0], a[1], a[2], a[3]),
+        SYS_GETRLIMIT => prlimit(p, ctx, 0, a[0], 0, a[1]),
+        SYS_SETRLIMIT => prlimit(p, ctx, 0, a[0], a[1], 0),
+        SYS_UNAME => ctx.write(a[0], &utsname()).map(|_| 0),
+        SYS_GETPID | SYS_GETTID => Ok(p.pid as u64),
+        SYS_GETPPID => Ok(p.ppid as u64),
+        SYS_GETUID => Ok(p.uid[0] as u64),
+        SYS_GETEUID => Ok(p.uid[1] as u64),
+        SYS_GETGID => Ok(p.gid[0] as u64),
+        SYS_GETEGID => Ok(p.gid[1] as u64),
+        SYS_GETGROUPS => {
+            let size = a[0] as i32;
+            let n = p.groups.len();
+            if size < 0 || (size != 0 && (size as usize) < n) {
+                Err(EINVAL)
+            } else if size == 0 {
+                Ok(n as u64)
+            } else {
+                ctx.write(a[1], &u32s(&p.groups)).map(|_| n as u64)
+            }
+        }
+        SYS_SETGROUPS => {
+            let size = a[0] as i32;
+            if !(0..=65536).contains(&size) {
+                Err(EINVAL)
+            } else if p.uid[1] != 0 {
+                Err(EPERM)
+            } else {
+                ctx.read_vec(a[1], size as usize * 4).map(|b| {
+                    p.groups = b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                    0
+                })
+            }
+        }
+        SYS_SETUID => same_ids(&p.uid, &[a[0]]),
+        SYS_SETGID => same_ids(&p.gid, &[a[0]]),
+        SYS_SETREUID => same_ids(&p.uid, &[a[0], a[1]]),
+        SYS_SETREGID => same_ids(&p.gid, &[a[0], a[1]]),
+        SYS_SETRESUID => same_ids(&p.uid, &[a[0], a[1], a[2]]),
+        SYS_SETRESGID => same_ids(&p.gid, &[a[0], a[1], a[2]]),
+        SYS_GETRESUID | SYS_GETRESGID => {
+            let ids = if nr == SYS_GETRESUID { p.uid } else { p.gid };
+            ctx.write(a[0], &ids[0].to_le_bytes())
+                .and_then(|_| ctx.write(a[1], &ids[1].to_le_bytes()))
+                .and_then(|_| ctx.write(a[2], &ids[2].to_le_bytes()))
+                .map(|_| 0)
+        }
+        // setfsuid/setfsgid return the previous id whether or not they change it.
+        SYS_SETFSUID => Ok(p.uid[3] as u64),
+        SYS_SETFSGID => Ok(p.gid[3] as u64),
+        SYS_GETPGRP => Ok(p.pgid as u64),
+        SYS_GETPGID => {
+            if is_self(p, a[0]) {
+                Ok(p.pgid as u64)
+            } else {
+                Err(ESRCH)
+            }
+        }
+        SYS_GETSID => {
+            if is_self(p, a[0]) {
+                Ok(p.sid as u64)
+            } else {
+                Err(ESRCH)
+            }
+        }
+        SYS_SETPGID => {
+            let pgid = a[1] as i32;
+            if !is_self(p, a[0]) {
+                Err(ESRCH)
+            } else if pgid < 0 {
+                Err(EINVAL)
+            } else if pgid == 0 || pgid == p.pgid {
+                // Already the leader of its own group (there is no other group to move to).
+                if p.pgid == p.pid {
+                    Ok(0)
+                } else {
+                    Err(EPERM)
+                }
+            } else {
+                Err(EPERM)
+            }
+        }
+        // A process group leader cannot start a session (pid 1 leads its group).
+        SYS_SETSID => {
+            if p.pgid == p.pid {
+                Err(EPERM)
+            } else {
+                p.sid = p.pid;
+                p.pgid = p.pid;
+                Ok(p.pid as u64)
+            }
+        }
+        SYS_GETRANDOM => getrandom(p, ctx, a[0], a[1], a[2]),
+        SYS_CLOCK_GETTIME => clock_now(a[0] as i32).and_then(|(s, ns)| ctx.write(a[1], &timespec_bytes(s, ns))).map(|_| 0),
+        SYS_CLOCK_GETRES => clock_res(a[0] as i32).and_then(|(s, ns)| {
+            if a[1] != 0 {
+                ctx.write(a[1], &timespec_bytes(s, ns))?;
+            }
+            Ok(0)
+        }),
+        SYS_GETTIMEOFDAY => clock_now(libc::CLOCK_REALTIME).and_then(|(s, ns)| {
+            if a[0] != 0 {
+                ctx.write(a[0], &timespec_bytes(s, ns / 1000))?;
+            }
+            if a[1] != 0 {
+                ctx.write(a[1], &[0u8; 8])?; // struct timezone: UTC, no DST
+            }
+            Ok(0)
+        }),
+        SYS_TIME => clock_now(libc::CLOCK_REALTIME).and_then(|(s, _)| {
+            if a[0] != 0 {
+                ctx.write(a[0], &s.to_le_bytes())?;
+            }
+            Ok(s as u64)
+        }),
+        SYS_NANOSLEEP => {
+            read_timespec(ctx, a[0]).and_then(|req| sleep_until(p, ctx, nr, a, || Ok(monotonic_ns().saturating_add(req)), Ok(0)))
+        }
+        SYS_CLOCK_NANOSLEEP => clock_nanosleep(p, ctx, nr, a),
+        SYS_SCHED_YIELD => Ok(0),
+        SYS_SCHED_GETAFFINITY => {
+            let len = a[1];
+            if !is_self(p, a[0]) {
+                Err(ESRCH)
+            } else if len < 8 || len % 8 != 0 {
+                Err(EINVAL)
+            } else {
+                ctx.write(a[2], &1u64.to_le_bytes()).map(|_| 8)
+            }
+        }
+        SYS_SCHED_SETAFFINITY => {
+            if !is_self(p, a[0]) {
+                Err(ESRCH)
+            } else if a[1] == 0 {
+                Err(EINVAL)
+            } else {
+                ctx.read_vec(a[2], 1).and_then(|b| if b[0] & 1 != 0 { Ok(0) } else { Err(EINVAL) })
+            }
+        }
+        SYS_GETCPU => {
+            let zero = 0u32.to_le_bytes();
+            let r = if a[0] != 0 { ctx.write(a[0], &zero) } else { Ok(()) };
+            r.and_then(|_| if a[1] != 0 { ctx.write(a[1], &zero) } else { Ok(()) }).map(|_| 0)
+        }
+        SYS_SYSINFO => {
+            let b = sysinfo(p, ctx);
+            ctx.write(a[0], &b).map(|_| 0)
+        }
+        SYS_TIMES => {
+            let ticks = monotonic_ns() / 10_000_000;
+            let (user, sys) = cpu_times();
+            if a[0] != 0 {
+                let mut b = [0u8; 32];
+                b[..8].copy_from_slice(&(user / 10_000).to_le_bytes());
+                b[8..16].copy_from_slice(&(sys / 10_000).to_le_bytes());
+                if let Err(e) = ctx.write(a[0], &b) {
+                    return Some(Err(e));
+                }
+            }
+            Ok(ticks)
+        }
+        SYS_GETRUSAGE => {
+            let who = a[0] as i32;
+            if !(-1..=1).contains(&who) {
+                Err(EINVAL)
+            } else {
+                let mut b = [0u8; 144];
+                if who != -1 {
+                    let (user, sys) = cpu_times();
+                    b[..8].copy_from_slice(&(user / 1_000_000).to_le_bytes());
+                    b[8..16].copy_from_slice(&(user % 1_000_000).to_le_bytes());
+                    b[16..24].copy_from_slice(&(sys / 1_000_000).to_le_bytes());
+                    b[24..32].copy_from_slice(&(sys % 1_000_000).to_le_bytes());
+                }
+                ctx.write(a[1], &b).map(|_| 0)
+            }
+        }
+        SYS_RT_SIGACTION => rt_sigaction(p, ctx, a[0], a[1], a[2], a[3]),
+        SYS_RT_SIGPROCMASK => rt_sigprocmask(p, ctx, a[0], a[1], a[2], a[3]),
+        SYS_SIGALTSTACK => sigaltstack(p, ctx, a[0], a[1]),
+        SYS_PRCTL => prctl(p, ctx, a),
+        SYS_FUTEX => futex(p, ctx, nr, a),
+        SYS_UMASK => {
+            let old = p.umask;
+            p.umask = (a[0] as u32) & 0o777;
+            Ok(old as u64)
+        }
+        SYS_MEMBARRIER => Ok(0),
+        _ => return None,
+    };
+    Some(r)
+}
+
+fn arch_prctl(ctx: &mut Ctx, code: u64, addr: u64) -> SysResult {
+    match code {
+        ARCH_SET_FS | ARCH_SET_GS => {
+            if addr >= super::mm::TASK_SIZE {
+                return Err(EPERM);
+            }
+            if code == ARCH_SET_FS {
+                ctx.sregs.fs.base = addr;
+            } else {
+                ctx.sregs.gs.base = addr;
+            }
+            Ok(0)
+        }
+        ARCH_GET_FS => {
+            let v = ctx.sregs.fs.base;
+            ctx.write(addr, &v.to_le_bytes()).map(|_| 0)
+        }
+        ARCH_GET_GS => {
+            let v = ctx.sregs.gs.base;
+            ctx.write(addr, &v.to_le_bytes()).map(|_| 0)
+        }
+        // ARCH_GET_CPUID/SET_CPUID, the CET and AMX requests: not offered.
+        _ => Err(EINVAL),
+    }
+}
+
+fn prlimit(p: &mut Proc, ctx: &mut Ctx, pid: u64, resource: u64, new: u64, old: u64) -> SysResult {
+    if !is_self(p, pid) {
+        return Err(ESRCH);
+    }
+    let res = resource as usize;
+    if res >= RLIM_NLIMITS {
+        return Err(EINVAL);
+    }
+    let new_lim = if new != 0 {
+        let b = ctx.read_vec(new, 16)?;
+        let cur = u64::from_le_bytes(b[..8].try_into().map_err(|_| EFAULT)?);
+        let max = u64::from_le_bytes(b[8..].try_into().map_err(|_| EFAULT)?);
+        if cur > max {
+            return Err(EINVAL);
+        }
+        Some(Rlimit { cur, max })
+    } else {
+        None
+    };
+    if old != 0 {
+        let l = p.rlimit(res);
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&l.cur.to_le_bytes());
+        b[8..].copy_from_slice(&l.max.to_le_bytes());
+        ctx.write(old, &b)?;
+    }
+    if let Some(l) = new_lim {
+        // Raising a hard limit needs CAP_SYS_RESOURCE, which only root has here.
+        if l.max > p.rlimit(res).max && p.uid[1] != 0 {
+            return Err(EPERM);
+        }
+        if let Some(slot) = p.rlimits.get_mut(res) {
+            *slot = l;
+        }
+    }
+    Ok(0)
+}
+
+fn getrandom(p: &mut Proc, ctx: &mut Ctx, buf: u64, len: u64, flags: u64) -> SysResult {
+    const GRND_NONBLOCK: u64 = 1;
+    const GRND_RANDOM: u64 = 2;
+    const GRND_INSECURE: u64 = 4;
+    if flags & !(GRND_NONBLOCK | GRND_RANDOM | GRND_INSECURE) != 0 || flags & (GRND_RANDOM | GRND_INSECURE) == GRND_RANDOM | GRND_INSECURE {
+        return Err(EINVAL);
+    }
+    // Linux may return fewer bytes than asked for large requests; so do we, past 1 MiB.
+    let n = len.min(1 << 20) as usize;
+    let mut b = vec![0u8; n];
+    random_bytes(p, &mut b)?;
+    ctx.write(buf, &b)?;
+    Ok(n as u64)
+}
+
+fn clock_nanosleep(p: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> SysResult {
+    const TIMER_ABSTIME: u64 = 1;
+    let clock = a[0] as i32;
+    if !matches!(clock, 0 | 1 | 7 | 11) {
+        return Err(EINVAL);
+    }
+    // Read the request up front: a bad pointer is EFAULT even on a restart.
+    let req = read_timespec(ctx, a[2])?;
+    let abs = a[1] & TIMER_ABSTIME != 0;
+    sleep_until(
+        p,
+        ctx,
+        nr,
+        a,
+        || {
+            let now = monotonic_ns();
+            if abs {
+                let clock_now_ns = ns_of(clock_now(clock)?);
+                Ok(now.saturating_add(req.saturating_sub(clock_now_ns)))
+            } else {
+                Ok(now.saturating_add(req))
+            }
+        },
+        Ok(0),
+    )
+}
+
+fn cpu_times() -> (u64, u64) {
+    // SAFETY: getrusage into a zeroed local struct.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let us = |t: libc::timeval| (t.tv_sec as u64) * 1_000_000 + t.tv_usec as u64;
+    (us(ru.ru_utime), us(ru.ru_stime))
+}
+
+/// `struct sysinfo` (112 bytes on x86-64): the guest's memory, one process, no swap.
+fn sysinfo(p: &Proc, ctx: &Ctx) -> [u8; 112] {
+    let mut b = [0u8; 112];
+    let uptime = monotonic_ns().saturating_sub(p.start_ns) / 1_000_000_000;
+    let total = ctx.mem.size();
+    let free = ctx.frames.available() * crate::arch::x86_64::layout::PAGE_SIZE;
+    b[..8].copy_from_slice(&uptime.to_le_bytes());
+    b[32..40].copy_from_slice(&total.to_le_bytes());
+    b[40..48].copy_from_slice(&free.min(total).to_le_bytes());
+    b[80..82].copy_from_slice(&1u16.to_le_bytes());
+    b[104..108].copy_from_slice(&1u32.to_le_bytes());
+    b
+}
+
+fn check_sig(sig: u64) -> Result<usize, Errno> {
+    if (1..=NSIG as u64).contains(&sig) {
+        Ok(sig as usize - 1)
+    } else {
+        Err(EINVAL)
+    }
+}
+
+fn rt_sigaction(p: &mut Proc, ctx: &mut Ctx, sig: u64, act: u64, oact: u64, setsize: u64) -> SysResult {
+    if setsize != 8 {
+        return Err(EINVAL);
+    }
+    let i = check_sig(sig)?;
+    if act != 0 && (sig == SIGKILL || sig == SIGSTOP) {
+        return Err(EINVAL);
+    }
+    let new = if act != 0 {
+        let b = ctx.read_vec(act, 32)?;
+        let w = |k: usize| u64::from_le_bytes([b[k], b[k + 1], b[k + 2], b[k + 3], b[k + 4], b[k + 5], b[k + 6], b[k + 7]]);
+        Some(SigAction { handler: w(0), flags: w(8), restorer: w(16), mask: w(24) })
+    } else {
+        None
+    };
+    let old = p.sigactions.get(i).copied().unwrap_or_default();
+    if oact != 0 {
+        let mut b = [0u8; 32];
+        for (k, v) in [old.handler, old.flags, old.restorer, old.mask].iter().enumerate() {
+            b[k * 8..k * 8 + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        ctx.write(oact, &b)?;
+    }
+    if let (Some(n), Some(slot)) = (new, p.sigactions.get_mut(i)) {
+        *slot = n;
+    }
+    Ok(0)
+}
+
+fn rt_sigprocmask(p: &mut Proc, ctx: &mut Ctx, how: u64, set: u64, oset: u64, setsize: u64) -> SysResult {
+    const SIG_BLOCK: u64 = 0;
+    const SIG_UNBLOCK: u64 = 1;
+    const SIG_SETMASK: u64 = 2;
+    if setsize != 8 {
+        return Err(EINVAL);
+    }
+    let new = if set != 0 {
+        let s = ctx.read_u64(set)?;
+        let m = match how {
+            SIG_BLOCK => p.sigmask | s,
+            SIG_UNBLOCK => p.sigmask & !s,
+            SIG_SETMASK => s,
+            _ => return Err(EINVAL),
+        };
+        // SIGKILL and SIGSTOP cannot be blocked.
+        Some(m & !((1 << (SIGKILL - 1)) | (1 << (SIGSTOP - 1))))
+    } else {
+        None
+    };
+    if oset != 0 {
+        ctx.write(oset, &p.sigmask.to_le_bytes())?;
+    }
+    if let Some(m) = new {
+        p.sigmask = m;
+    }
+    Ok(0)
+}
+
+fn sigaltstack(p: &mut Proc, ctx: &mut Ctx, ss: u64, old: u64) -> SysResult {
+    let new = if ss != 0 {
+        let b = ctx.read_vec(ss, 24)?;
+        let sp = u64::from_le_bytes(b[..8].try_into().map_err(|_| EFAULT)?);
+        let flags = i32::from_le_bytes(b[8..12].try_into().map_err(|_| EFAULT)?);
+        let size = u64::from_le_bytes(b[16..24].try_into().map_err(|_| EFAULT)?);
+        let mode = flags & !SS_AUTODISARM;
+        if mode != 0 && mode != SS_DISABLE && mode != SS_ONSTACK {
+            return Err(EINVAL);
+        }
+        if mode == SS_DISABLE {
+            Some(AltStack { sp: 0, flags: SS_DISABLE, size: 0 })
+        } else if size < MINSIGSTKSZ {
+            return Err(super::ENOMEM);
+        } else {
+            Some(AltStack { sp, flags: flags & SS_AUTODISARM, size })
+        }
+    } else {
+        None
+    };
+    if old != 0 {
+        let s = p.altstack;
+        let mut b = [0u8; 24];
+        b[..8].copy_from_slice(&s.sp.to_le_bytes());
+        b[8..12].copy_from_slice(&s.flags.to_le_bytes());
+        b[16..24].copy_from_slice(&s.size.to_le_bytes());
+        ctx.write(old, &b)?;
+    }
+    if let Some(n) = new {
+        p.altstack = n;
+    }
+    Ok(0)
+}
+
+fn prctl(p: &mut Proc, ctx: &mut Ctx, a: [u64; 6]) -> SysResult {
+    const PR_SET_PDEATHSIG: u64 = 1;
+    const PR_GET_PDEATHSIG: u64 = 2;
+    const PR_GET_DUMPABLE: u64 = 3;
+    const PR_SET_DUMPABLE: u64 = 4;
+    const PR_SET_NAME: u64 = 15;
+    const PR_GET_NAME: u64 = 16;
+    const PR_SET_NO_NEW_PRIVS: u64 = 38;
+    const PR_GET_NO_NEW_PRIVS: u64 = 39;
+    match a[0] {
+        PR_SET_PDEATHSIG => {
+            if a[1] > NSIG as u64 {
+                return Err(EINVAL);
+            }
+            p.pdeathsig = a[1] as i32;
+            Ok(0)
+        }
+        PR_GET_PDEATHSIG => ctx.write(a[1], &p.pdeathsig.to_le_bytes()).map(|_| 0),
+        PR_GET_DUMPABLE => Ok(p.dumpable),
+        PR_SET_DUMPABLE => {
+            if a[1] > 1 {
+                return Err(EINVAL);
+            }
+            p.dumpable = a[1];
+            Ok(0)
+        }
+        PR_SET_NAME => {
+            // Like strncpy_from_user(comm, name, 16): at most 15 bytes, and never past a NUL.
+            let mut name = [0u8; 16];
+            for (i, slot) in name.iter_mut().take(15).enumerate() {
+                let mut c = [0u8; 1];
+                ctx.read(a[1].wrapping_add(i as u64), &mut c)?;
+                if c[0] == 0 {
+                    break;
+                }
+                *slot = c[0];
+            }
+            p.comm = name;
+            Ok(0)
+        }
+        PR_GET_NAME => {
+            let comm = p.comm;
+            ctx.write(a[1], &comm).map(|_| 0)
+        }
+        PR_SET_NO_NEW_PRIVS => {
+            if a[1] != 1 || a[2] != 0 || a[3] != 0 || a[4] != 0 {
+                return Err(EINVAL);
+            }
+            p.no_new_privs = true;
+            Ok(0)
+        }
+        PR_GET_NO_NEW_PRIVS => Ok(p.no_new_privs as u64),
+        _ => Err(EINVAL),
+    }
+}
+
+fn futex(p: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> SysResult {
+    const FUTEX_WAIT: u64 = 0;
+    const FUTEX_WAKE: u64 = 1;
+    const FUTEX_REQUEUE: u64 = 3;
+    const FUTEX_CMP_REQUEUE: u64 = 4;
+    const FUTEX_WAKE_OP: u64 = 5;
+    const FUTEX_WAIT_BITSET: u64 = 9;
+    const FUTEX_WAKE_BITSET: u64 = 10;
+    const FUTEX_CLOCK_REALTIME: u64 = 256;
+    let (uaddr, op, val, timeout, uaddr2, val3) = (a[0], a[1], a[2] as u32, a[3], a[4], a[5] as u32);
+    let cmd = op & 0x7f;
+    if uaddr % 4 != 0 {
+        return Err(EINVAL);
+    }
+    let read_u32 = |ctx: &Ctx, va: u64| -> Result<u32, Errno> {
+        let mut b = [0u8; 4];
+        ctx.read(va, &mut b)?;
+        Ok(u32::from_le_bytes(b))
+    };
+    match cmd {
+        FUTEX_WAIT | FUTEX_WAIT_BITSET => {
+            if cmd == FUTEX_WAIT_BITSET && val3 == 0 {
+                return Err(EINVAL);
+            }
+            if read_u32(ctx, uaddr)? != val {
+                return Err(EAGAIN);
+            }
+            if timeout == 0 {
+                // Nobody else exists to wake us: waiting forever would only burn the run's budget.
+                return Err(EAGAIN);
+            }
+            let t = read_timespec(ctx, timeout)?;
+            let realtime = op & FUTEX_CLOCK_REALTIME != 0;
+            sleep_until(
+                p,
+                ctx,
+                nr,
+                a,
+                || {
+                    let now = monotonic_ns();
+                    if cmd == FUTEX_WAIT {
+                        Ok(now.saturating_add(t))
+                    } else {
+                        let clock = if realtime { libc::CLOCK_REALTIME } else { libc::CLOCK_MONOTONIC };
+                        Ok(now.saturating_add(t.saturating_sub(ns_of(clock_now(clock)?))))
+                    }
+                },
+                Err(ETIMEDOUT),
+            )
+        }
+        FUTEX_WAKE | FUTEX_REQUEUE => Ok(0),
+        FUTEX_WAKE_BITSET => {
+            if val3 == 0 {
+                Err(EINVAL)
+            } else {
+                Ok(0)
+            }
+        }
+        FUTEX_CMP_REQUEUE => {
+            if read_u32(ctx, uaddr)? != val3 {
+                Err(EAGAIN)
+            } else {
+                Ok(0)
+            }
+        }
+        FUTEX_WAKE_OP => {
+            if uaddr2 % 4 != 0 {
+                return Err(EINVAL);
+            }
+            // Apply the operation to *uaddr2; no one waits on either word.
+            let kind = (val3 >> 28) & 7;
+            let mut arg = (val3 >> 12) & 0xfff;
+            if (val3 >> 28) & 8 != 0 {
+                arg = 1u32.checked_shl(arg).unwrap_or(0);
+            }
+            let old = read_u32(ctx, uaddr2)?;
+            let new = match kind {
+                0 => arg,
+                1 => old.wrapping_add(arg),
+                2 => old | arg,
+                3 => old & !arg,
+                4 => old ^ arg,
+                _ => return Err(ENOSYS),
+            };
+            ctx.write(uaddr2, &new.to_le_bytes())?;
+            Ok(0)
+        }
+        // Priority-inheritance futexes and requeue-PI are not offered.
+        _ => Err(ENOSYS),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::x86_64::paging::{setup_address_space, AddressSpace, FrameAllocator, PTE_NX, PTE_U, PTE_W};
+    use crate::guestos::{Output, GuestOs};
+    use crate::vstate::memory::GuestMemory;
+    use kvm_bindings::{kvm_regs, kvm_sregs};
+
+    const BUF: u64 = 0x1000_0000;
+
+    struct T {
+        mem: GuestMemory,
+        frames: FrameAllocator,
+        aspace: AddressSpace,
+        regs: kvm_regs,
+        sregs: kvm_sregs,
+        out: Output,
+        os: GuestOs,
+        _dir: std::path::PathBuf,
+    }
+
+    impl T {
+        fn new() -> T {
+            let mut mem = GuestMemory::anonymous(16 << 20).unwrap();
+            let mut frames = FrameAllocator::new(16 << 20);
+            let aspace = setup_address_space(&mut mem, &mut frames).unwrap();
+            aspace.map_fresh(&mut mem, &mut frames, BUF, 2 * 4096, PTE_U | PTE_W | PTE_NX).unwrap();
+            let dir = std::env::temp_dir().join(format!("misc-test-{}-{:?}", std::process::id(), std::thread::current().id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let os = GuestOs {
+                mm: Default::default(),
+                files: Default::default(),
+                vfs: crate::guestos::vfs::Vfs::new(&dir).unwrap(),
+                proc: Default::default(),
+                enosys: Default::default(),
+                stdio: None,
+            };
+            T { mem, frames, aspace, regs: Default::default(), sregs: Default::default(), out: Default::default(), os, _dir: dir }
+        }
+        fn call(&mut self, nr: u64, a: [u64; 6]) -> i64 {
+            self.regs.rax = nr;
+            self.regs.rip = 0x40_1002;
+            let mut ctx = Ctx {
+                mem: &mut self.mem,
+                frames: &mut self.frames,
+                aspace: &self.aspace,
+                regs: &mut self.regs,
+                sregs: &mut self.sregs,
+                out: &mut self.out,
+                flush_tlb: false,
+                stale_frames: Vec::new(),
+            };
+            match dispatch(&mut self.os, &mut ctx, nr, a) {
+                Some(Ok(v)) => v as i64,
+                Some(Err(e)) => -(e.0 as i64),
+                None => panic!("syscall {nr} not handled"),
+            }
+        }
+        fn read(&self, va: u64, n: usize) -> Vec<u8> {
+            let mut b = vec![0u8; n];
+            self.aspace.read_virt(&self.mem, va, &mut b, true).unwrap();
+            b
+        }
+        fn write(&mut self, va: u64, d: &[u8]) {
+            self.aspace.write_virt(&mut self.mem, va, d, true).unwrap();
+        }
+    }
+
+    fn cstr(b: &[u8]) -> &[u8] {
+        &b[..b.iter().position(|&c| c == 0).unwrap_or(b.len())]
+    }
+
+    #[test]
+    fn uname_layout() {
+        let mut t = T::new();
+        assert_eq!(t.call(SYS_UNAME, [BUF, 0, 0, 0, 0, 0]), 0);
+        let b = t.read(BUF, 390);
+        let fields: Vec<&[u8]> = b.chunks(65).map(cstr).collect();
+        assert_eq!(fields, [&b"Linux"[..], b"sandbox", b"6.1.0-collimate", UTS_VERSION.as_bytes(), b"x86_64", b"(none)"]);
+        assert_eq!(t.call(SYS_UNAME, [0x10, 0, 0, 0, 0, 0]), -14);
+    }
+
+    #[test]
+    fn identity() {
+        let mut t = T::new();
+        assert_eq!(t.call(SYS_GETPID, [0; 6]), 1);
+        assert_eq!(t.call(SYS_GETTID, [0; 6]), 1);
+        assert_eq!(t.call(SYS_GETPPID, [0; 6]), 0);
+        assert_eq!(t.call(SYS_GETUID, [0; 6]), 0);
+        assert_eq!(t.call(SYS_GETEGID, [0; 6]), 0);
+        assert_eq!(t.call(SYS_SETUID, [0; 6]), 0);
+        assert_eq!(t.call(SYS_SETUID, [1000, 0, 0, 0, 0, 0]), -1);
+        assert_eq!(t.call(SYS_SETRESUID, [u64::MAX, 0, u32::MAX as u64, 0, 0, 0]), 0);
+        assert_eq!(t.call(SYS_GETRESGID, [BUF, BUF + 4, BUF + 8, 0, 0, 0]), 0);
+        assert_eq!(t.call(SYS_GETGROUPS, [0; 6]), 0);
+        t.write(BUF, &[5, 0, 0, 0, 7, 0, 0, 0]);
+        assert_eq!(t.call(SYS_SETGROUPS, [2, BUF, 0, 0, 0, 0]), 0);
+        assert_eq!(t.call(SYS_GETGROUPS, [0; 6]), 2);
+        assert_eq!(t.call(SYS_GETGROUPS, [1, BUF + 64, 0, 0, 0, 0]), -22);
+        assert_eq!(t.call(SYS_GETGROUPS, [2, BUF + 64, 0, 0, 0, 0]), 2);
+        assert_eq!(t.read(BUF + 64, 8), [5, 0, 0, 0, 7, 0, 0, 0]);
+        assert_eq!(t.call(SYS_GETPGID, [0; 6]), 1);
+        assert_eq!(t.call(SYS_GETSID, [77, 0, 0, 0, 0, 0]), -3);
+        assert_eq!(t.call(SYS_SETPGID, [0; 6]), 0);
+        assert_eq!(t.call(SYS_SETSID, [0; 6]), -1);
+        assert_eq!(t.call(SYS_SET_TID_ADDRESS, [BUF, 0, 0, 0, 0, 0]), 1);
+        assert_eq!(t.os.proc.clear_child_tid, BUF);
+        assert_eq!(t.call(SYS_UMASK, [0o077, 0, 0, 0, 0, 0]), 0o022);
+        assert_eq!(t.call(SYS_UMASK, [0o7777, 0, 0, 0, 0, 0]), 0o077);
+        assert_eq!(t.os.proc.umask, 0o777);
+    }
+
+    #[test]
+    fn arch_prctl_sets_fs() {
+        let mut t = T::new();
+        assert_eq!(t.call(SYS_ARCH_PRCTL, [ARCH_SET_FS, 0x7000_1234, 0, 0, 0, 0]), 0);
+        assert_eq!(t.sregs.fs.base, 0x7000_1234);
+        assert_eq!(t.call(SYS_ARCH_PRCTL, [ARCH_GET_FS, BUF, 0, 0, 0, 0]), 0);
+        assert_eq!(t.read(BUF, 8), 0x7000_1234u64.to_le_bytes());
+        assert_eq!(t.call(SYS_ARCH_PRCTL, [ARCH_SET_GS, 0x5000, 0, 0, 0, 0]), 0);
+        assert_eq!(t.sregs.gs.base, 0x5000);
+        assert_eq!(t.call(SYS_ARCH_PRCTL, [ARCH_SET_FS, 0xffff_8000_0000_0000, 0, 0, 0, 0]), -1);
+        assert_eq!(t.call(SYS_ARCH_PRCTL, [0x3001, BUF, 0, 0, 0, 0]), -22);
+    }
+
+    #[test]
+    fn rlimits_round_trip() {
+        let mut t = T::new();
+        assert_eq!(t.call(SYS_PRLIMIT64, [0, RLIMIT_STACK as u64, 0, BUF, 0, 0]), 0);
+        assert_eq!(t.read(BUF, 16)[..8], (8u64 << 20).to_le_bytes());
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&100u64.to_le_bytes());
+        b[8..].copy_from_slice(&200u64.to_le_bytes());
+        t.write(BUF + 32, &b);
+        assert_eq!(t.call(SYS_SETRLIMIT, [RLIMIT_NOFILE as u64, BUF + 32, 0, 0, 0, 0]), 0);
+        assert_eq!(t.os.proc.rlimit(RLIMIT_NOFILE), Rlimit { cur: 100, max: 200 });
+        assert_eq!(t.call(SYS_GETRLIMIT, [RLIMIT_NOFILE as u64, BUF + 64, 0, 0, 0, 0]), 0);
+        assert_eq!(t.read(BUF + 64, 16), b);
+        b[..8].copy_from_slice(&300u64.to_le_bytes());
+        t.write(BUF + 32, &b);
+        assert_eq!(t.call(SYS_SETRLIMIT, [RLIMIT_NOFILE as u64, BUF + 32, 0, 0, 0, 0]), -22);
+        assert_eq!(t.call(SYS_PRLIMIT64, [42, 0, 0, BUF, 0, 0]), -3);
+        assert_eq!(t.call(SYS_GETRLIMIT, [99, BUF, 0, 0, 0, 0]), -22);
+    }
+
+    #[test]
+    fn signal_bookkeeping() {
+        let mut t = T::new();
+        let mut act = [0u8; 32];
+        act[..8].copy_from_slice(&0x40_1000u64.to_le_bytes());
+        act[8..16].copy_from_slice(&0x0400_0000u64.to_le_bytes());
+        t.write(BUF, &act);
+        assert_eq!(t.call(SYS_RT_SIGACTION, [2, BUF, BUF + 64, 8, 0, 0]), 0);
+        assert_eq!(t.read(BUF + 64, 32), [0u8; 32]);
+        assert_eq!(t.call(SYS_RT_SIGACTION, [2, 0, BUF + 64, 8, 0, 0]), 0);
+        assert_eq!(t.read(BUF + 64, 32), act);
+        assert_eq!(t.call(SYS_RT_SIGACTION, [9, BUF, 0, 8, 0, 0]), -22);
+        assert_eq!(t.call(SYS_RT_SIGACTION, [65, 0, 0, 8, 0, 0]), -22);
+        assert_eq!(t.call(SYS_RT_SIGACTION, [2, 0, 0, 16, 0, 0]), -22);
+        t.write(BUF, &(u64::MAX).to_le_bytes());
+        assert_eq!(t.call(SYS_RT_SIGPROCMASK, [0, BUF, BUF + 8, 8, 0, 0]), 0);
+        assert_eq!(t.read(BUF + 8, 8), [0; 8]);
+        assert_eq!(t.os.proc.sigmask, !(1 << 8) & !(1 << 18));
+        assert_eq!(t.call(SYS_RT_SIGPROCMASK, [7, BUF, 0, 8, 0, 0]), -22);
+        // sigaltstack: old is disabled; a too small stack is ENOMEM.
+        let mut ss = [0u8; 24];
+        ss[..8].copy_from_slice(&BUF.to_le_bytes());
+        ss[16..].copy_from_slice(&1024u64.to_le_bytes());
+        t.write(BUF + 128, &ss);
+        assert_eq!(t.call(SYS_SIGALTSTACK, [BUF + 128, BUF + 256, 0, 0, 0, 0]), -12);
+        assert_eq!(t.call(SYS_SIGALTSTACK, [0, BUF + 256, 0, 0, 0, 0]), 0);
+        assert_eq!(i32::from_le_bytes(t.read(BUF + 256 + 8, 4).try_into().unwrap()), SS_DISABLE);
+        ss[16..].copy_from_slice(&65536u64.to_le_bytes());
+        t.write(BUF + 128, &ss);
+        assert_eq!(t.call(SYS_SIGALTSTACK, [BUF + 128, 0, 0, 0, 0, 0]), 0);
+        assert_eq!(t.os.proc.altstack, AltStack { sp: BUF, flags: 0, size: 65536 });
+    }
+
+    #[test]
+    fn prctl_name_and_deathsig() {
+        let mut t = T::new();
+        t.write(BUF, b"a-very-long-thread-name\0");
+        assert_eq!(t.call(SYS_PRCTL, [15, BUF, 0, 0, 0, 0]), 0);
+        assert_eq!(t.call(SYS_PRCTL, [16, BUF + 64, 0, 0, 0, 0]), 0);
+        assert_eq!(t.read(BUF + 64, 16), b"a-very-long-thr\0");
+        assert_eq!(t.call(SYS_PRCTL, [1, 9, 0, 0, 0, 0]), 0);
+        assert_eq!(t.call(SYS_PRCTL, [2, BUF, 0, 0, 0, 0]), 0);
+        assert_eq!(t.read(BUF, 4), 9i32.to_le_bytes());
+        assert_eq!(t.call(SYS_PRCTL, [0x5999, 0, 0, 0, 0, 0]), -22);
+    }
+
+    #[test]
+    fn time_and_random() {
+        let mut t = T::new();
+        assert_eq!(t.call(SYS_CLOCK_GETTIME, [1, BUF, 0, 0, 0, 0]), 0);
+        let a = t.read(BUF, 16);
+        assert_eq!(t.call(SYS_CLOCK_GETTIME, [1, BUF, 0, 0, 0, 0]), 0);
+        let b = t.read(BUF, 16);
+        let ns = |v: &[u8]| {
+            i64::from_le_bytes(v[..8].try_into().unwrap()) as i128 * 1_000_000_000 + i64::from_le_bytes(v[8..].try_into().unwrap()) as i128
+        };
+        assert!(ns(&b) >= ns(&a));
+        // glibc's encoding of "this process's CPU clock".
+        assert_eq!(t.call(SYS_CLOCK_GETTIME, [(-6i64) as u64, BUF, 0, 0, 0, 0]), 0);
+        assert_eq!(t.call(SYS_CLOCK_GETTIME, [10, BUF, 0, 0, 0, 0]), -22);
+        assert_eq!(t.call(SYS_CLOCK_GETTIME, [(-6i64 - 8 * 41) as u64, BUF, 0, 0, 0, 0]), -22);
+        assert_eq!(t.call(SYS_CLOCK_GETRES, [0, BUF, 0, 0, 0, 0]), 0);
+        let secs = t.call(SYS_TIME, [BUF, 0, 0, 0, 0, 0]);
+        assert!(secs > 1_600_000_000);
+        assert_eq!(t.call(SYS_GETTIMEOFDAY, [BUF, BUF + 16, 0, 0, 0, 0]), 0);
+        assert!(i64::from_le_bytes(t.read(BUF + 8, 8).try_into().unwrap()) < 1_000_000);
+        assert_eq!(t.call(SYS_GETRANDOM, [BUF, 64, 0, 0, 0, 0]), 64);
+        let r1 = t.read(BUF, 64);
+        assert_eq!(t.call(SYS_GETRANDOM, [BUF, 64, 1, 0, 0, 0]), 64);
+        assert_ne!(r1, t.read(BUF, 64));
+        assert_eq!(t.call(SYS_GETRANDOM, [BUF, 64, 6, 0, 0, 0]), -22);
+        assert_eq!(t.call(SYS_GETRANDOM, [0x20, 64, 0, 0, 0, 0]), -14);
+    }
+
+    #[test]
+    fn long_sleeps_are_sliced_and_restarted() {
+        let mut t = T::new();
+        // 120 ms: the first call sleeps one slice and asks for a restart.
+        t.write(BUF, &timespec_bytes(0, 120_000_000));
+        let start = std::time::Instant::now();
+        let mut calls = 0;
+        loop {
+            calls += 1;
+            let rip = 0x40_1002;
+            let r = t.call(SYS_NANOSLEEP, [BUF, 0, 0, 0, 0, 0]);
+            if r == 0 {
+                assert_eq!(t.regs.rip, rip);
+                break;
+            }
+            assert_eq!(r as u64, SYS_NANOSLEEP, "a restart leaves the syscall number in rax");
+            assert_eq!(t.regs.rip, rip - 2, "and rip on the syscall instruction");
+            assert!(calls < 10);
+        }
+        let took = start.elapsed();
+        assert!(took >= std::time::Duration::from_millis(120), "{took:?}");
+        assert!(took < std::time::Duration::from_millis(600), "{took:?}");
+        assert!(calls >= 3, "{calls} calls");
+        assert!(t.os.proc.sleep.is_none());
+        // Bad requests.
+        t.write(BUF, &timespec_bytes(0, 1_000_000_000));
+        assert_eq!(t.call(SYS_NANOSLEEP, [BUF, 0, 0, 0, 0, 0]), -22);
+        assert_eq!(t.call(SYS_CLOCK_NANOSLEEP, [3, 0, BUF, 0, 0, 0]), -22);
+        // An absolute deadline in the past returns at once.
+        t.write(BUF, &timespec_bytes(1, 0));
+        assert_eq!(t.call(SYS_CLOCK_NANOSLEEP, [1, 1, BUF, 0, 0, 0]), 0);
+    }
+
+    #[test]
+    fn futex_single_thread() {
+        let mut t = T::new();
+        t.write(BUF, &5u32.to_le_bytes());
+        assert_eq!(t.call(SYS_FUTEX, [BUF, 128, 4, 0, 0, 0]), -11, "value mismatch");
+        assert_eq!(t.call(SYS_FUTEX, [BUF, 128, 5, 0, 0, 0]), -11, "nobody could wake us");
+        assert_eq!(t.call(SYS_FUTEX, [BUF, 1, 1, 0, 0, 0]), 0);
+        assert_eq!(t.call(SYS_FUTEX, [BUF + 1, 1, 1, 0, 0, 0]), -22);
+        // A wait with a short timeout times out.
+        t.write(BUF + 64, &timespec_bytes(0, 1_000_000));
+        assert_eq!(t.call(SYS_FUTEX, [BUF, 0, 5, BUF + 64, 0, 0]), -110);
+        // FUTEX_WAKE_OP applies its operation: *uaddr2 += 3.
+        t.write(BUF + 8, &10u32.to_le_bytes());
+        assert_eq!(t.call(SYS_FUTEX, [BUF, 5, 1, 1, BUF + 8, (1 << 28) | (3 << 12)]), 0);
+        assert_eq!(t.read(BUF + 8, 4), 13u32.to_le_bytes());
+        assert_eq!(t.call(SYS_FUTEX, [BUF, 6, 0, 0, 0, 0]), -38);
+    }
+
+    #[test]
+    fn affinity_and_sysinfo() {
+        let mut t = T::new();
+        assert_eq!(t.call(SYS_SCHED_GETAFFINITY, [0, 128, BUF, 0, 0, 0]), 8);
+        assert_eq!(t.read(BUF, 8), 1u64.to_le_bytes());
+        assert_eq!(t.call(SYS_SCHED_GETAFFINITY, [0, 4, BUF, 0, 0, 0]), -22);
+        assert_eq!(t.call(SYS_GETCPU, [BUF, BUF + 4, 0, 0, 0, 0]), 0);
+        assert_eq!(t.call(SYS_SYSINFO, [BUF, 0, 0, 0, 0, 0]), 0);
+        let b = t.read(BUF, 112);
+        assert_eq!(u64::from_le_bytes(b[32..40].try_into().unwrap()), 16 << 20);
+        assert!(u64::from_le_bytes(b[40..48].try_into().unwrap()) > 0);
+        assert_eq!(u32::from_le_bytes(b[104..108].try_into().unwrap()), 1);
+        assert!(t.call(SYS_TIMES, [BUF, 0, 0, 0, 0, 0]) > 0);
+        assert_eq!(t.call(SYS_GETRUSAGE, [0, BUF, 0, 0, 0, 0]), 0);
+        assert_eq!(t.call(SYS_GETRUSAGE, [5, BUF, 0, 0, 0, 0]), -22);
+        assert_eq!(t.call(SYS_RSEQ, [0; 6]), -38);
+        assert_eq!(t.call(SYS_MEMBARRIER, [0; 6]), 0);
+    }
 }

@@ -1,12 +1,1073 @@
 //! The guest address space as the guest sees it (mmap, munmap, mprotect, brk, mremap).
+//!
+//! [`Mm`] keeps the list of virtual memory areas (VMAs) the way Linux does: every user mapping the
+//! guest can see is inside exactly one VMA, and every VMA knows its protection and what backs it (for
+//! /proc/self/maps). The page tables follow the VMAs eagerly: a page is backed by a frame from the
+//! moment it becomes accessible, because the engine does not (yet) service guest page faults.
+//!
+//! How protections become page-table entries:
+//! - an accessible page is present, user, writable only with PROT_WRITE, and NX unless PROT_EXEC;
+//! - a PROT_NONE page that has contents (it was accessible once, or maps a file) stays present but
+//!   without the user bit, so ring 3 faults on it and its contents survive a later mprotect;
+//! - a PROT_NONE anonymous page that never had contents has no frame at all, so the large
+//!   reservations that CPython and glibc make cost nothing until they are mprotect'ed.
+//!
+//! Frames given back (munmap, brk, MAP_FIXED over a mapping, mremap) go to the frame allocator's free
+//! list and are cleared when handed out again. Every frame whose translation an operation removed,
+//! narrowed or moved is reported in [`Space::stale`] (and from there `Ctx::stale_frames`), because
+//! KVM keeps using cached translations after the host edits page tables (see `vstate::tlb`); the VMM
+//! invalidates them before the guest runs again. Granting more access needs nothing.
+//!
+//! Simplifications, all deliberate for now:
+//! - MAP_SHARED is treated as MAP_PRIVATE: a shared file mapping is a copy of the file taken at mmap
+//!   time and writes never reach the file; shared anonymous memory is not shared across a fork.
+//! - MADV_DONTNEED zeroes private anonymous pages (as Linux does); on file mappings it leaves the
+//!   contents alone instead of reloading them from the file.
+//! - mremap can grow a file mapping only by moving it, never by extending it in place with more file
+//!   data: growing a file mapping answers ENOMEM.
 
-use super::{Ctx, GuestOs, SysResult};
+use std::collections::BTreeMap;
+use std::os::fd::RawFd;
 
-/// Virtual memory areas of the guest process.
-#[derive(Default)]
-pub struct Mm {}
+use serde::{Deserialize, Serialize};
+
+use super::files::Kind;
+use super::{Ctx, Errno, GuestOs, SysResult, EACCES, EBADF, EEXIST, EFAULT, EINVAL, ENOMEM};
+use crate::arch::x86_64::layout::PAGE_SIZE;
+use crate::arch::x86_64::paging::{zero_page, AddressSpace, FrameAllocator, PTE_NX, PTE_U, PTE_W};
+use crate::error::Error;
+use crate::vstate::memory::GuestMemory;
+
+pub const PROT_NONE: u32 = 0;
+pub const PROT_READ: u32 = 1;
+pub const PROT_WRITE: u32 = 2;
+pub const PROT_EXEC: u32 = 4;
+const PROT_GROWSDOWN: u32 = 0x0100_0000;
+const PROT_GROWSUP: u32 = 0x0200_0000;
+
+pub const MAP_SHARED: u32 = 0x01;
+pub const MAP_PRIVATE: u32 = 0x02;
+pub const MAP_SHARED_VALIDATE: u32 = 0x03;
+pub const MAP_FIXED: u32 = 0x10;
+pub const MAP_ANONYMOUS: u32 = 0x20;
+pub const MAP_FIXED_NOREPLACE: u32 = 0x10_0000;
+
+const MREMAP_MAYMOVE: u64 = 1;
+const MREMAP_FIXED: u64 = 2;
+
+const MADV_DONTNEED: u64 = 4;
+const MADV_DONTNEED_LOCKED: u64 = 24;
+/// The highest advice value Linux 6.1 knows (MADV_COLLAPSE).
+const MADV_MAX: u64 = 25;
+
+const ENODEV: Errno = Errno(19);
+const EOVERFLOW: Errno = Errno(75);
+
+/// The end of user space (Linux's TASK_SIZE on x86-64 with 4-level paging).
+pub const TASK_SIZE: u64 = 0x7fff_ffff_f000;
+/// Nothing is mapped below this (Linux's default vm.mmap_min_addr).
+pub const MMAP_MIN_ADDR: u64 = 0x1_0000;
+/// mmap places mappings top-down from here (the program interpreter is loaded at this address).
+pub const MMAP_TOP: u64 = 0x7fff_f7a0_0000;
+/// The largest mapping one call may ask for.
+const MAX_MAP: u64 = 1 << 46;
+/// The frame address bits of a page-table entry.
+const ADDR_MASK: u64 = 0x000f_ffff_ffff_f000;
+
+/// Identity of a mapped file, shown in /proc/self/maps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+/// One virtual memory area [start, end); the start is the key in [`Mm::vmas`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Vma {
+    pub end: u64,
+    /// PROT_* bits.
+    pub prot: u32,
+    /// Asked for with MAP_SHARED (served as private, see the module comment).
+    pub shared: bool,
+    /// What /proc/self/maps shows: a guest path, "[heap]", "[stack]" or "" for anonymous memory.
+    pub name: String,
+    /// The mapped file and the file offset of `start`; `None` for anonymous memory.
+    pub file: Option<FileId>,
+    pub offset: u64,
+}
+
+impl Vma {
+    pub fn anon(end: u64, prot: u32, name: &str) -> Vma {
+        Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0 }
+    }
+}
+
+/// Virtual memory areas of the guest process and its program break.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mm {
+    pub vmas: BTreeMap<u64, Vma>,
+    /// Where the heap starts (page aligned, just above the program) and the current break.
+    pub brk_start: u64,
+    pub brk: u64,
+    /// Top-down mmap placement starts below this address.
+    pub mmap_top: u64,
+}
+
+impl Default for Mm {
+    fn default() -> Self {
+        Mm { vmas: BTreeMap::new(), brk_start: 0, brk: 0, mmap_top: MMAP_TOP }
+    }
+}
+
+/// The guest memory, frames and page tables an [`Mm`] operation works on.
+pub struct Space<'a> {
+    pub mem: &'a mut GuestMemory,
+    pub frames: &'a mut FrameAllocator,
+    pub aspace: &'a AddressSpace,
+    /// Frames whose translations were removed, narrowed or redirected: the guest must forget them
+    /// before it runs again (handed to `Ctx::stale_frames`, see `vstate::tlb`).
+    pub stale: Vec<u64>,
+}
+
+impl<'a> Space<'a> {
+    pub fn new(mem: &'a mut GuestMemory, frames: &'a mut FrameAllocator, aspace: &'a AddressSpace) -> Space<'a> {
+        Space { mem, frames, aspace, stale: Vec::new() }
+    }
+}
+
+/// A file to map: an open host descriptor, the offset, and the name maps shows.
+pub struct MapFile {
+    pub fd: RawFd,
+    pub offset: u64,
+    pub name: String,
+}
+
+/// The errno for an engine error while editing the guest's memory.
+fn errno_of(e: Error) -> Errno {
+    match e {
+        Error::OutOfGuestMemory(_) => ENOMEM,
+        _ => EFAULT,
+    }
+}
+
+pub fn page_up(x: u64) -> Option<u64> {
+    x.checked_add(PAGE_SIZE - 1).map(|v| v & !(PAGE_SIZE - 1))
+}
+
+pub fn page_down(x: u64) -> u64 {
+    x & !(PAGE_SIZE - 1)
+}
+
+/// Page-table flags of an accessible page with protection `prot`; PROT_NONE gives a present page
+/// that ring 3 cannot touch.
+pub fn pte_flags(prot: u32) -> u64 {
+    if prot & (PROT_READ | PROT_WRITE | PROT_EXEC) == 0 {
+        return PTE_NX;
+    }
+    let mut f = PTE_U;
+    if prot & PROT_WRITE != 0 {
+        f |= PTE_W;
+    }
+    if prot & PROT_EXEC == 0 {
+        f |= PTE_NX;
+    }
+    f
+}
+
+/// Whether going from leaf flags `old` to `new` takes away an access the guest had.
+fn restricts(old: u64, new: u64) -> bool {
+    (old & PTE_U != 0 && new & PTE_U == 0)
+        || (old & PTE_W != 0 && new & PTE_W == 0)
+        || (old & PTE_NX == 0 && new & PTE_NX != 0)
+}
+
+/// Check an address range the guest names: `addr` page aligned, `len` rounded up to pages, all of it
+/// inside user space. Returns the page-aligned end.
+fn user_range(addr: u64, len: u64) -> Result<u64, Errno> {
+    if addr % PAGE_SIZE != 0 {
+        return Err(EINVAL);
+    }
+    let len = page_up(len).ok_or(ENOMEM)?;
+    let end = addr.checked_add(len).ok_or(ENOMEM)?;
+    if end > TASK_SIZE {
+        return Err(ENOMEM);
+    }
+    Ok(end)
+}
+
+impl Mm {
+    /// The VMA containing `addr`, as (start, vma).
+    pub fn vma_at(&self, addr: u64) -> Option<(u64, &Vma)> {
+        self.vmas.range(..=addr).next_back().filter(|(_, v)| v.end > addr).map(|(s, v)| (*s, v))
+    }
+
+    /// Whether any VMA overlaps [start, end).
+    pub fn overlaps(&self, start: u64, end: u64) -> bool {
+        if let Some((_, v)) = self.vmas.range(..start).next_back() {
+            if v.end > start {
+                return true;
+            }
+        }
+        self.vmas.range(start..end).next().is_some()
+    }
+
+    /// Whether VMAs cover every byte of [start, end).
+    pub fn covered(&self, start: u64, end: u64) -> bool {
+        let mut at = start;
+        while at < end {
+            match self.vma_at(at) {
+                Some((_, v)) => at = v.end,
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Cut the VMA containing `at` in two, so that a VMA starts at `at`.
+    fn split(&mut self, at: u64) {
+        let Some((start, v)) = self.vma_at(at) else { return };
+        if start == at {
+            return;
+        }
+        let mut tail = v.clone();
+        if tail.file.is_some() {
+            tail.offset += at - start;
+        }
+        if let Some(head) = self.vmas.get_mut(&start) {
+            head.end = at;
+        }
+        self.vmas.insert(at, tail);
+    }
+
+    /// Merge neighbouring VMAs with the same attributes around [start, end], so that repeated
+    /// mprotect/brk/mmap calls do not fragment the list (and mremap sees one area, as on Linux).
+    fn merge_around(&mut self, start: u64, end: u64) {
+        let from = self.vmas.range(..start).next_back().map(|(s, _)| *s).unwrap_or(start);
+        let keys: Vec<u64> = self.vmas.range(from..=end).map(|(s, _)| *s).collect();
+        let mut cur: Option<u64> = None;
+        for k in keys {
+            if let Some(c) = cur {
+                let mergeable = match (self.vmas.get(&c), self.vmas.get(&k)) {
+                    (Some(a), Some(b)) => {
+                        a.end == k
+                            && a.prot == b.prot
+                            && a.shared == b.shared
+                            && a.name == b.name
+                            && a.file == b.file
+                            && (a.file.is_none() || a.offset + (a.end - c) == b.offset)
+                    }
+                    _ => false,
+                };
+                if mergeable {
+                    if let Some(b) = self.vmas.remove(&k) {
+                        if let Some(a) = self.vmas.get_mut(&c) {
+                            a.end = b.end;
+                        }
+                    }
+                    continue;
+                }
+            }
+            cur = Some(k);
+        }
+    }
+
+    /// Back every page of [start, end) that has no frame with a fresh zeroed one, mapped with `prot`.
+    /// On failure the pages mapped by this call are taken back.
+    pub fn populate(sp: &mut Space, start: u64, end: u64, prot: u32) -> Result<(), Errno> {
+        let flags = pte_flags(prot);
+        let present: std::collections::HashSet<u64> =
+            sp.aspace.present_pages(sp.mem, start, end).map_err(errno_of)?.into_iter().map(|(va, _)| va).collect();
+        // Fail at once, not after taking every free frame, when the request cannot fit.
+        let needed = (end.saturating_sub(start) / PAGE_SIZE).saturating_sub(present.len() as u64);
+        if needed > sp.frames.available() {
+            return Err(ENOMEM);
+        }
+        let mut done = Vec::new();
+        let mut va = start;
+        let mut res = Ok(());
+        while va < end {
+            if !present.contains(&va) {
+                let step = sp.frames.alloc_zeroed(sp.mem).and_then(|pa| {
+                    sp.aspace.map_page(sp.mem, sp.frames, va, pa, flags).inspect_err(|_| sp.frames.release(pa))
+                });
+                if let Err(e) = step {
+                    res = Err(errno_of(e));
+                    break;
+                }
+                done.push(va);
+            }
+            va += PAGE_SIZE;
+        }
+        if res.is_err() {
+            for va in done {
+                if let Ok(Some(pa)) = sp.aspace.unmap_page(sp.mem, va) {
+                    sp.frames.release(pa);
+                }
+            }
+        }
+        res
+    }
+
+    /// Remove every page mapping in [start, end) and free the frames.
+    fn unmap_pages(sp: &mut Space, start: u64, end: u64) -> Result<(), Errno> {
+        for (va, _) in sp.aspace.present_pages(sp.mem, start, end).map_err(errno_of)? {
+            if let Some(pa) = sp.aspace.unmap_page(sp.mem, va).map_err(errno_of)? {
+                sp.frames.release(pa);
+                sp.stale.push(pa);
+            }
+        }
+        Ok(())
+    }
+
+    /// Remove the VMAs and pages of [start, end) (page aligned).
+    pub fn unmap_range(&mut self, sp: &mut Space, start: u64, end: u64) -> Result<(), Errno> {
+        if start >= end {
+            return Ok(());
+        }
+        self.split(start);
+        self.split(end);
+        let keys: Vec<u64> = self.vmas.range(start..end).map(|(s, _)| *s).collect();
+        for k in keys {
+            self.vmas.remove(&k);
+        }
+        Self::unmap_pages(sp, start, end)
+    }
+
+    /// Record a VMA over [start, end) (which must be free) without touching the page tables.
+    pub fn insert(&mut self, start: u64, vma: Vma) {
+        let end = vma.end;
+        self.vmas.insert(start, vma);
+        self.merge_around(start, end);
+    }
+
+    /// A free range of `len` bytes, as high as possible below `top`.
+    fn find_free(&self, len: u64, top: u64) -> Option<u64> {
+        let mut hi = top;
+        for (&start, v) in self.vmas.range(..top).rev() {
+            if v.end <= hi && hi - v.end >= len {
+                return Some(hi - len);
+            }
+            hi = hi.min(start);
+        }
+        (hi >= MMAP_MIN_ADDR + len).then(|| hi - len)
+    }
+
+    fn placement(&self, hint: u64, len: u64) -> Result<u64, Errno> {
+        if hint != 0 {
+            if let Some(h) = page_up(hint) {
+                if h >= MMAP_MIN_ADDR && h.checked_add(len).is_some_and(|e| e <= TASK_SIZE) && !self.overlaps(h, h + len) {
+                    return Ok(h);
+                }
+            }
+        }
+        self.find_free(len, self.mmap_top).ok_or(ENOMEM)
+    }
+
+    /// mmap(2). `file` is `None` for anonymous memory.
+    pub fn mmap(&mut self, sp: &mut Space, addr: u64, len: u64, prot: u32, flags: u32, file: Option<MapFile>) -> Result<u64, Errno> {
+        if len == 0 {
+            return Err(EINVAL);
+        }
+        let len = page_up(len).filter(|&l| l <= MAX_MAP).ok_or(ENOMEM)?;
+        if prot & !(PROT_READ | PROT_WRITE | PROT_EXEC) != 0 {
+            return Err(EINVAL);
+        }
+        let kind = flags & MAP_SHARED_VALIDATE;
+        if kind == 0 {
+            return Err(EINVAL);
+        }
+        let shared = kind != MAP_PRIVATE;
+        let start = if flags & (MAP_FIXED | MAP_FIXED_NOREPLACE) != 0 {
+            if addr % PAGE_SIZE != 0 {
+                return Err(EINVAL);
+            }
+            let end = addr.checked_add(len).filter(|&e| e <= TASK_SIZE).ok_or(ENOMEM)?;
+            if addr < MMAP_MIN_ADDR {
+                return Err(EPERM_MMAP);
+            }
+            if flags & MAP_FIXED == 0 && self.overlaps(addr, end) {
+                return Err(EEXIST);
+            }
+            addr
+        } else {
+            self.placement(addr, len)?
+        };
+        let end = start + len;
+        let mut vma = Vma { end, prot, shared, name: String::new(), file: None, offset: 0 };
+        // Everything that can fail for a bad file comes before the old mapping is dropped.
+        let data = match &file {
+            Some(f) => {
+                if f.offset % PAGE_SIZE != 0 {
+                    return Err(EINVAL);
+                }
+                f.offset.checked_add(len).ok_or(EOVERFLOW)?;
+                let (id, size) = check_file(f.fd, prot, shared)?;
+                vma.file = Some(id);
+                vma.offset = f.offset;
+                vma.name = f.name.clone();
+                Some(size)
+            }
+            None => None,
+        };
+        if flags & MAP_FIXED != 0 {
+            self.unmap_range(sp, start, end)?;
+        }
+        let needs_frames = data.is_some() || prot != PROT_NONE;
+        if needs_frames {
+            Self::populate(sp, start, end, prot)?;
+        }
+        if let (Some(f), Some(size)) = (&file, data) {
+            if let Err(e) = copy_file(sp, f, start, len, size) {
+                let _ = Self::unmap_pages(sp, start, end);
+                return Err(e);
+            }
+        }
+        self.insert(start, vma);
+        Ok(start)
+    }
+
+    /// munmap(2).
+    pub fn munmap(&mut self, sp: &mut Space, addr: u64, len: u64) -> Result<u64, Errno> {
+        if len == 0 {
+            return Err(EINVAL);
+        }
+        let end = user_range(addr, len).map_err(|_| EINVAL)?;
+        self.unmap_range(sp, addr, end)?;
+        Ok(0)
+    }
+
+    /// mprotect(2).
+    pub fn mprotect(&mut self, sp: &mut Space, addr: u64, len: u64, prot: u32) -> Result<u64, Errno> {
+        let prot = prot & !(PROT_GROWSDOWN | PROT_GROWSUP);
+        if prot & !(PROT_READ | PROT_WRITE | PROT_EXEC) != 0 {
+            return Err(EINVAL);
+        }
+        let end = user_range(addr, len)?;
+        if addr == end {
+            return Ok(0);
+        }
+        if !self.covered(addr, end) {
+            return Err(ENOMEM);
+        }
+        self.split(addr);
+        self.split(end);
+        let keys: Vec<u64> = self.vmas.range(addr..end).map(|(s, _)| *s).collect();
+        let flags = pte_flags(prot);
+        for k in keys {
+            let Some(v) = self.vmas.get_mut(&k) else { continue };
+            v.prot = prot;
+            let vend = v.end;
+            for (va, pte) in sp.aspace.present_pages(sp.mem, k, vend).map_err(errno_of)? {
+                if restricts(pte, flags) {
+                    sp.stale.push(pte & ADDR_MASK);
+                }
+                sp.aspace.set_flags(sp.mem, va, flags).map_err(errno_of)?;
+            }
+            if prot != PROT_NONE {
+                // Pages of a reservation that never had contents get their frames now.
+                Self::populate(sp, k, vend, prot)?;
+            }
+        }
+        self.merge_around(addr, end);
+        Ok(0)
+    }
+
+    /// brk(2): returns the new break, or the old one if it cannot move.
+    pub fn brk(&mut self, sp: &mut Space, new: u64) -> u64 {
+        if new < self.brk_start || new > self.mmap_top {
+            return self.brk;
+        }
+        let (Some(old_top), Some(new_top)) = (page_up(self.brk), page_up(new)) else { return self.brk };
+        if new_top > old_top {
+            if self.overlaps(old_top, new_top) || Self::populate(sp, old_top, new_top, PROT_READ | PROT_WRITE).is_err() {
+                return self.brk;
+            }
+            self.insert(old_top, Vma::anon(new_top, PROT_READ | PROT_WRITE, "[heap]"));
+        } else if new_top < old_top && self.unmap_range(sp, new_top, old_top).is_err() {
+            return self.brk;
+        }
+        self.brk = new;
+        new
+    }
+
+    /// mremap(2).
+    pub fn mremap(&mut self, sp: &mut Space, old: u64, old_len: u64, new_len: u64, flags: u64, new_addr: u64) -> Result<u64, Errno> {
+        if flags & !(MREMAP_MAYMOVE | MREMAP_FIXED) != 0 || (flags & MREMAP_FIXED != 0 && flags & MREMAP_MAYMOVE == 0) {
+            return Err(EINVAL);
+        }
+        if old % PAGE_SIZE != 0 {
+            return Err(EINVAL);
+        }
+        let old_len = page_up(old_len).ok_or(EINVAL)?;
+        let new_len = page_up(new_len).filter(|&l| l != 0 && l <= MAX_MAP).ok_or(EINVAL)?;
+        if old_len == 0 {
+            // Duplicating a shared mapping: not supported (mappings are never really shared).
+            return Err(EINVAL);
+        }
+        let old_end = old.checked_add(old_len).filter(|&e| e <= TASK_SIZE).ok_or(EFAULT)?;
+        let (vstart, v) = self.vma_at(old).ok_or(EFAULT)?;
+        if v.end < old_end {
+            return Err(EFAULT);
+        }
+        let mut tmpl = v.clone();
+        if tmpl.file.is_some() {
+            tmpl.offset += old - vstart;
+        }
+        if flags & MREMAP_FIXED != 0 {
+            if new_addr % PAGE_SIZE != 0 {
+                return Err(EINVAL);
+            }
+            let new_end = new_addr.checked_add(new_len).filter(|&e| e <= TASK_SIZE).ok_or(EINVAL)?;
+            if new_addr < old_end && old < new_end {
+                return Err(EINVAL);
+            }
+            if new_addr < MMAP_MIN_ADDR {
+                return Err(EINVAL);
+            }
+            self.unmap_range(sp, new_addr, new_end)?;
+            return self.move_range(sp, old, old_len, new_addr, new_len, tmpl);
+        }
+        if new_len <= old_len {
+            self.unmap_range(sp, old + new_len, old_end)?;
+            return Ok(old);
+        }
+        let grow_end = old.checked_add(new_len).filter(|&e| e <= TASK_SIZE);
+        if let Some(grow_end) = grow_end {
+            if !self.overlaps(old_end, grow_end) {
+                if tmpl.file.is_some() && flags & MREMAP_MAYMOVE == 0 {
+                    return Err(ENOMEM);
+                }
+                if tmpl.file.is_none() {
+                    if tmpl.prot != PROT_NONE {
+                        Self::populate(sp, old_end, grow_end, tmpl.prot)?;
+                    }
+                    let mut ext = tmpl.clone();
+                    ext.end = grow_end;
+                    self.insert(old_end, ext);
+                    return Ok(old);
+                }
+            }
+        }
+        if flags & MREMAP_MAYMOVE == 0 {
+            return Err(ENOMEM);
+        }
+        if tmpl.file.is_some() {
+            // Growing a file mapping would need more file data, which a VMA does not keep a way to.
+            return Err(ENOMEM);
+        }
+        let dest = self.find_free(new_len, self.mmap_top).ok_or(ENOMEM)?;
+        self.move_range(sp, old, old_len, dest, new_len, tmpl)
+    }
+
+    /// Move the pages of [old, old+old_len) to `dest` (a free range of `new_len` bytes) by remapping
+    /// their frames, drop what does not fit, and back any extra room like the original VMA.
+    fn move_range(&mut self, sp: &mut Space, old: u64, old_len: u64, dest: u64, new_len: u64, mut tmpl: Vma) -> Result<u64, Errno> {
+        if tmpl.file.is_some() && new_len > old_len {
+            return Err(ENOMEM);
+        }
+        let keep = old_len.min(new_len);
+        // Make sure the page tables at the destination can be built before anything moves.
+        if sp.frames.available() < 4 + keep / (512 * PAGE_SIZE) {
+            return Err(ENOMEM);
+        }
+        let moved = sp.aspace.present_pages(sp.mem, old, old + keep).map_err(errno_of)?;
+        for (va, pte) in moved {
+            let Some(pa) = sp.aspace.unmap_page(sp.mem, va).map_err(errno_of)? else { continue };
+            sp.stale.push(pa);
+            let flags = pte & (PTE_U | PTE_W | PTE_NX);
+            if let Err(e) = sp.aspace.map_page(sp.mem, sp.frames, dest + (va - old), pa, flags) {
+                sp.frames.release(pa);
+                return Err(errno_of(e));
+            }
+        }
+        self.unmap_range(sp, old, old + old_len)?;
+        tmpl.end = dest + new_len;
+        if new_len > old_len && tmpl.prot != PROT_NONE {
+            Self::populate(sp, dest + old_len, dest + new_len, tmpl.prot)?;
+        }
+        self.insert(dest, tmpl);
+        Ok(dest)
+    }
+
+    /// madvise(2).
+    pub fn madvise(&mut self, sp: &mut Space, addr: u64, len: u64, advice: u64) -> Result<u64, Errno> {
+        if advice > MADV_MAX && !(100..=101).contains(&advice) {
+            // 100/101 are MADV_HWPOISON/MADV_SOFT_OFFLINE (privileged; nothing to do).
+            return Err(EINVAL);
+        }
+        let end = user_range(addr, len).map_err(|_| EINVAL)?;
+        if addr == end {
+            return Ok(0);
+        }
+        if advice == MADV_DONTNEED || advice == MADV_DONTNEED_LOCKED {
+            if !self.covered(addr, end) {
+                return Err(ENOMEM);
+            }
+            let anon: Vec<(u64, u64)> = self
+                .vmas
+                .range(..end)
+                .filter(|(s, v)| v.end > addr && **s < end && v.file.is_none())
+                .map(|(s, v)| ((*s).max(addr), v.end.min(end)))
+                .collect();
+            for (s, e) in anon {
+                for (_, pte) in sp.aspace.present_pages(sp.mem, s, e).map_err(errno_of)? {
+                    zero_page(sp.mem, pte & ADDR_MASK).map_err(errno_of)?;
+                }
+            }
+        }
+        Ok(0)
+    }
+
+    /// msync(2): nothing to write back (see the module comment), but the checks are Linux's.
+    pub fn msync(&self, addr: u64, len: u64, flags: u64) -> Result<u64, Errno> {
+        const MS_ASYNC: u64 = 1;
+        const MS_INVALIDATE: u64 = 2;
+        const MS_SYNC: u64 = 4;
+        if flags & !(MS_ASYNC | MS_INVALIDATE | MS_SYNC) != 0 || flags & (MS_ASYNC | MS_SYNC) == MS_ASYNC | MS_SYNC {
+            return Err(EINVAL);
+        }
+        let end = user_range(addr, len)?;
+        if !self.covered(addr, end) {
+            return Err(ENOMEM);
+        }
+        Ok(0)
+    }
+
+    /// mincore(2): which pages of [addr, addr+len) are resident (those that have a frame).
+    fn mincore(&self, sp: &Space, addr: u64, len: u64) -> Result<Vec<u8>, Errno> {
+        let end = user_range(addr, len)?;
+        if !self.covered(addr, end) {
+            return Err(ENOMEM);
+        }
+        let pages = (end - addr) / PAGE_SIZE;
+        if pages > 1 << 24 {
+            return Err(ENOMEM);
+        }
+        let mut v = vec![0u8; pages as usize];
+        for (va, _) in sp.aspace.present_pages(sp.mem, addr, end).map_err(errno_of)? {
+            v[((va - addr) / PAGE_SIZE) as usize] = 1;
+        }
+        Ok(v)
+    }
+
+    /// The text of /proc/self/maps.
+    pub fn maps(&self) -> String {
+        let mut out = String::new();
+        for (start, v) in &self.vmas {
+            let (dev, ino) = v.file.map(|f| (f.dev, f.ino)).unwrap_or((0, 0));
+            let line = format!(
+                "{:08x}-{:08x} {}{}{}{} {:08x} {:02x}:{:02x} {}",
+                start,
+                v.end,
+                if v.prot & PROT_READ != 0 { 'r' } else { '-' },
+                if v.prot & PROT_WRITE != 0 { 'w' } else { '-' },
+                if v.prot & PROT_EXEC != 0 { 'x' } else { '-' },
+                if v.shared { 's' } else { 'p' },
+                if v.file.is_some() { v.offset } else { 0 },
+                libc::major(dev),
+                libc::minor(dev),
+                ino,
+            );
+            if v.name.is_empty() {
+                out.push_str(&line);
+                out.push_str(" \n");
+            } else {
+                out.push_str(&format!("{line:<72} {}\n", v.name));
+            }
+        }
+        out
+    }
+}
+
+/// EPERM for a fixed mapping below mmap_min_addr (what Linux answers).
+const EPERM_MMAP: Errno = super::EPERM;
+
+/// Check that host descriptor `fd` can be mapped with `prot`: a regular file opened for reading (and
+/// for writing if a shared mapping is writable). Returns its identity and size.
+fn check_file(fd: RawFd, prot: u32, shared: bool) -> Result<(FileId, u64), Errno> {
+    // SAFETY: fstat on a descriptor number into a zeroed stat buffer; the result is checked.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(EBADF);
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(ENODEV);
+    }
+    // SAFETY: F_GETFL on a descriptor number; the result is checked.
+    let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if fl < 0 {
+        return Err(EBADF);
+    }
+    if fl & libc::O_PATH != 0 {
+        return Err(EBADF);
+    }
+    let acc = fl & libc::O_ACCMODE;
+    if acc == libc::O_WRONLY || (shared && prot & PROT_WRITE != 0 && acc != libc::O_RDWR) {
+        return Err(EACCES);
+    }
+    Ok((FileId { dev: st.st_dev, ino: st.st_ino }, st.st_size as u64))
+}
+
+/// Copy the file bytes a new mapping shows into its (already zeroed) pages. Bytes past the end of
+/// the file read as zero.
+fn copy_file(sp: &mut Space, f: &MapFile, start: u64, len: u64, size: u64) -> Result<(), Errno> {
+    let avail = size.saturating_sub(f.offset).min(len);
+    let mut buf = vec![0u8; (1 << 20).min(avail as usize)];
+    let mut done = 0u64;
+    while done < avail {
+        let want = ((avail - done) as usize).min(buf.len());
+        let n = pread_full(f.fd, &mut buf[..want], f.offset + done)?;
+        if n == 0 {
+            break; // the file shrank since fstat
+        }
+        sp.aspace.write_virt(sp.mem, start + done, &buf[..n], false).map_err(errno_of)?;
+        done += n as u64;
+    }
+    Ok(())
+}
+
+/// pread until `buf` is full or the file ends.
+pub fn pread_full(fd: RawFd, buf: &mut [u8], off: u64) -> Result<usize, Errno> {
+    let mut got = 0;
+    while got < buf.len() {
+        // SAFETY: pread into the unfilled tail of `buf`; the result is checked.
+        let n = unsafe {
+            libc::pread(fd, buf[got..].as_mut_ptr().cast(), buf.len() - got, (off + got as u64) as libc::off_t)
+        };
+        if n < 0 {
+            let e = Errno::last();
+            if e == super::EINTR {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            break;
+        }
+        got += n as usize;
+    }
+    Ok(got)
+}
+
+/// What guest descriptor `fd` maps as: `None` for anonymous memory (/dev/zero), else its host
+/// descriptor and the name /proc/self/maps shows.
+fn map_source(os: &GuestOs, fd: i32, offset: u64) -> Result<Option<MapFile>, Errno> {
+    let file = os.files.file(fd)?;
+    if matches!(file.kind, Kind::Zero) {
+        return Ok(None);
+    }
+    let host = os.files.host_fd(fd)?;
+    Ok(Some(MapFile { fd: host, offset, name: os.files.guest_path(fd).unwrap_or_default() }))
+}
+
+pub const SYS_MMAP: u64 = 9;
+pub const SYS_MPROTECT: u64 = 10;
+pub const SYS_MUNMAP: u64 = 11;
+pub const SYS_BRK: u64 = 12;
+pub const SYS_MREMAP: u64 = 25;
+pub const SYS_MSYNC: u64 = 26;
+pub const SYS_MINCORE: u64 = 27;
+pub const SYS_MADVISE: u64 = 28;
+pub const SYS_MLOCK: u64 = 149;
+pub const SYS_MUNLOCK: u64 = 150;
+pub const SYS_MLOCKALL: u64 = 151;
+pub const SYS_MUNLOCKALL: u64 = 152;
+pub const SYS_MLOCK2: u64 = 325;
 
 /// Handle a memory-management syscall; `None` if `nr` is not one of ours.
-pub fn dispatch(_os: &mut GuestOs, _ctx: &mut Ctx, _nr: u64, _a: [u64; 6]) -> Option<SysResult> {
-    None
+pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option<SysResult> {
+    let mut sp = Space::new(&mut *ctx.mem, &mut *ctx.frames, ctx.aspace);
+    let r = match nr {
+        SYS_MMAP => {
+            let (flags, fd) = (a[3] as u32, a[4] as i32);
+            let file = if flags & MAP_ANONYMOUS != 0 { Ok(None) } else { map_source(os, fd, a[5]) };
+            file.and_then(|file| os.mm.mmap(&mut sp, a[0], a[1], a[2] as u32, flags, file))
+        }
+        SYS_MUNMAP => os.mm.munmap(&mut sp, a[0], a[1]),
+        SYS_MPROTECT => os.mm.mprotect(&mut sp, a[0], a[1], a[2] as u32),
+        SYS_BRK => Ok(os.mm.brk(&mut sp, a[0])),
+        SYS_MREMAP => os.mm.mremap(&mut sp, a[0], a[1], a[2], a[3], a[4]),
+        SYS_MADVISE => os.mm.madvise(&mut sp, a[0], a[1], a[2]),
+        SYS_MSYNC => os.mm.msync(a[0], a[1], a[2]),
+        SYS_MINCORE => match os.mm.mincore(&sp, a[0], a[1]) {
+            Ok(v) => return Some(ctx.write(a[2], &v).map(|_| 0)),
+            Err(e) => Err(e),
+        },
+        // Nothing is ever paged out.
+        SYS_MLOCK | SYS_MUNLOCK | SYS_MLOCKALL | SYS_MUNLOCKALL | SYS_MLOCK2 => Ok(0),
+        _ => return None,
+    };
+    let stale = sp.stale;
+    ctx.stale_frames.extend(stale);
+    Some(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::x86_64::paging::setup_address_space;
+
+    struct T {
+        mem: GuestMemory,
+        frames: FrameAllocator,
+        aspace: AddressSpace,
+        mm: Mm,
+    }
+
+    impl T {
+        fn new() -> T {
+            let mut mem = GuestMemory::anonymous(64 << 20).unwrap();
+            let mut frames = FrameAllocator::new(64 << 20);
+            let aspace = setup_address_space(&mut mem, &mut frames).unwrap();
+            let mm = Mm { brk_start: 0x60_0000, brk: 0x60_0000, ..Default::default() };
+            T { mem, frames, aspace, mm }
+        }
+        /// Run `f` with the Mm and a Space; returns its result and whether it left stale frames.
+        fn op<R>(&mut self, f: impl FnOnce(&mut Mm, &mut Space) -> R) -> (R, bool) {
+            let mut sp = Space::new(&mut self.mem, &mut self.frames, &self.aspace);
+            let r = f(&mut self.mm, &mut sp);
+            (r, !sp.stale.is_empty())
+        }
+        fn flags(&self, va: u64) -> Option<u64> {
+            self.aspace.translate(&self.mem, va).ok().map(|(_, f)| f)
+        }
+        fn write(&mut self, va: u64, data: &[u8]) {
+            self.aspace.write_virt(&mut self.mem, va, data, true).unwrap();
+        }
+        fn read(&self, va: u64, n: usize) -> Vec<u8> {
+            let mut b = vec![0u8; n];
+            self.aspace.read_virt(&self.mem, va, &mut b, true).unwrap();
+            b
+        }
+    }
+
+    const RW: u32 = PROT_READ | PROT_WRITE;
+    const ANON: u32 = MAP_PRIVATE | MAP_ANONYMOUS;
+
+    #[test]
+    fn anonymous_mmap_is_placed_top_down_and_zeroed() {
+        let mut t = T::new();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 10_000, RW, ANON, None).unwrap());
+        assert_eq!(a, MMAP_TOP - 3 * PAGE_SIZE);
+        let (b, _) = t.op(|mm, sp| mm.mmap(sp, 0, 4096, PROT_READ, ANON, None).unwrap());
+        assert_eq!(b, a - PAGE_SIZE);
+        assert_eq!(t.read(a, 16), vec![0; 16]);
+        let f = t.flags(a).unwrap();
+        assert!(f & PTE_U != 0 && f & PTE_W != 0 && f & PTE_NX != 0);
+        let f = t.flags(b).unwrap();
+        assert!(f & PTE_W == 0 && f & PTE_NX != 0);
+        assert_eq!(t.mm.vmas.len(), 2);
+        // Bad arguments.
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0, 0, RW, ANON, None)).0, Err(EINVAL));
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0, 4096, RW, MAP_ANONYMOUS, None)).0, Err(EINVAL));
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0x1001, 4096, RW, ANON | MAP_FIXED, None)).0, Err(EINVAL));
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0, 1 << 50, RW, ANON, None)).0, Err(ENOMEM));
+    }
+
+    #[test]
+    fn reused_frames_are_zeroed() {
+        let mut t = T::new();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 8192, RW, ANON, None).unwrap());
+        t.write(a, &[0xaa; 8192]);
+        let (r, flush) = t.op(|mm, sp| mm.munmap(sp, a, 8192));
+        assert_eq!(r, Ok(0));
+        assert!(flush);
+        assert!(t.flags(a).is_none());
+        assert_eq!(t.frames.free.len(), 2);
+        let (b, _) = t.op(|mm, sp| mm.mmap(sp, 0, 8192, RW, ANON, None).unwrap());
+        assert_eq!(t.frames.free.len(), 0);
+        assert_eq!(t.read(b, 8192), vec![0; 8192]);
+    }
+
+    #[test]
+    fn fixed_noreplace_and_hints() {
+        let mut t = T::new();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0x1000_0000, 8192, RW, ANON, None).unwrap());
+        assert_eq!(a, 0x1000_0000, "a free hint is honoured");
+        let (b, _) = t.op(|mm, sp| mm.mmap(sp, 0x1000_0000, 4096, RW, ANON, None).unwrap());
+        assert_ne!(b, a, "a taken hint is not");
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, a + 4096, 4096, RW, ANON | MAP_FIXED_NOREPLACE, None)).0, Err(EEXIST));
+        t.write(a, b"old");
+        let (c, flush) = t.op(|mm, sp| mm.mmap(sp, a, 4096, PROT_READ, ANON | MAP_FIXED, None).unwrap());
+        assert_eq!(c, a);
+        assert!(flush, "replacing a page needs a TLB flush");
+        assert_eq!(t.read(a, 3), vec![0; 3]);
+        // The old VMA was split: [a, a+4K) read-only, [a+4K, a+8K) read-write.
+        assert_eq!(t.mm.vma_at(a).unwrap().1.prot, PROT_READ);
+        assert_eq!(t.mm.vma_at(a + 4096).unwrap().1.prot, RW);
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0x1000, 4096, RW, ANON | MAP_FIXED, None)).0, Err(EPERM_MMAP));
+    }
+
+    #[test]
+    fn prot_none_reservations_cost_no_frames() {
+        let mut t = T::new();
+        let before = t.frames.available();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 1 << 30, PROT_NONE, ANON | 0x4000, None).unwrap());
+        assert!(before - t.frames.available() < 8, "a 1 GiB reservation took frames");
+        assert!(t.flags(a).is_none());
+        // Make 64 KiB of it usable, like glibc's malloc growing a heap.
+        let (r, _) = t.op(|mm, sp| mm.mprotect(sp, a, 65536, RW));
+        assert_eq!(r, Ok(0));
+        t.write(a + 100, b"x");
+        assert_eq!(t.mm.vmas.len(), 2);
+        assert!(t.flags(a + 65536).is_none());
+        // Taking the access away keeps the page (and its contents) but not for ring 3.
+        let (r, flush) = t.op(|mm, sp| mm.mprotect(sp, a, 4096, PROT_NONE));
+        assert_eq!(r, Ok(0));
+        assert!(flush);
+        assert_eq!(t.flags(a).unwrap() & PTE_U, 0);
+        let (_, flush) = t.op(|mm, sp| mm.mprotect(sp, a, 4096, PROT_READ).unwrap());
+        assert!(!flush, "granting access needs no flush");
+        assert_eq!(t.read(a + 100, 1), b"x");
+        let (r, _) = t.op(|mm, sp| mm.munmap(sp, a, 1 << 30));
+        assert_eq!(r, Ok(0));
+        assert!(t.mm.vmas.is_empty());
+        assert!(before - t.frames.available() < 8, "frames were not given back");
+    }
+
+    #[test]
+    fn mprotect_needs_a_mapping_and_merges_back() {
+        let mut t = T::new();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 5 * 4096, RW, ANON, None).unwrap());
+        assert_eq!(t.op(|mm, sp| mm.mprotect(sp, a + 1, 4096, PROT_READ)).0, Err(EINVAL));
+        assert_eq!(t.op(|mm, sp| mm.mprotect(sp, a, 6 * 4096, PROT_READ)).0, Err(ENOMEM));
+        t.op(|mm, sp| mm.mprotect(sp, a + 4096, 4096, PROT_READ).unwrap());
+        assert_eq!(t.mm.vmas.len(), 3);
+        assert_eq!(t.flags(a + 4096).unwrap() & PTE_W, 0);
+        t.op(|mm, sp| mm.mprotect(sp, a + 4096, 4096, RW).unwrap());
+        assert_eq!(t.mm.vmas.len(), 1, "equal neighbours merge again");
+        t.op(|mm, sp| mm.mprotect(sp, a, 4096, PROT_READ | PROT_EXEC).unwrap());
+        assert_eq!(t.flags(a).unwrap() & (PTE_NX | PTE_W), 0);
+    }
+
+    #[test]
+    fn brk_grows_and_shrinks() {
+        let mut t = T::new();
+        assert_eq!(t.op(|mm, sp| mm.brk(sp, 0)).0, 0x60_0000);
+        assert_eq!(t.op(|mm, sp| mm.brk(sp, 0x60_0100)).0, 0x60_0100);
+        t.write(0x60_00ff, b"z");
+        assert_eq!(t.op(|mm, sp| mm.brk(sp, 0x62_1000)).0, 0x62_1000);
+        t.write(0x62_0fff, b"z");
+        assert_eq!(t.mm.vmas.len(), 1);
+        assert_eq!(t.mm.vma_at(0x60_0000).unwrap().1.name, "[heap]");
+        let (r, flush) = t.op(|mm, sp| mm.brk(sp, 0x60_1000));
+        assert_eq!(r, 0x60_1000);
+        assert!(flush);
+        assert!(t.flags(0x60_1000).is_none());
+        assert!(t.flags(0x60_0000).is_some());
+        // Below the start, or into another mapping: the break stays.
+        assert_eq!(t.op(|mm, sp| mm.brk(sp, 0x10_0000)).0, 0x60_1000);
+        t.op(|mm, sp| mm.mmap(sp, 0x70_0000, 4096, RW, ANON | MAP_FIXED, None).unwrap());
+        assert_eq!(t.op(|mm, sp| mm.brk(sp, 0x80_0000)).0, 0x60_1000);
+    }
+
+    #[test]
+    fn mremap_grows_in_place_or_moves_frames() {
+        let mut t = T::new();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0x2000_0000, 8192, RW, ANON, None).unwrap());
+        t.write(a, b"hello");
+        let (pa, _) = t.aspace.translate(&t.mem, a).unwrap();
+        // Room above: grows in place.
+        assert_eq!(t.op(|mm, sp| mm.mremap(sp, a, 8192, 16384, 0, 0)).0, Ok(a));
+        assert!(t.flags(a + 12288).is_some());
+        // Block the room above; without MAYMOVE it cannot grow.
+        t.op(|mm, sp| mm.mmap(sp, a + 16384, 4096, PROT_READ, ANON | MAP_FIXED, None).unwrap());
+        assert_eq!(t.op(|mm, sp| mm.mremap(sp, a, 16384, 32768, 0, 0)).0, Err(ENOMEM));
+        let (b, flush) = t.op(|mm, sp| mm.mremap(sp, a, 16384, 32768, MREMAP_MAYMOVE, 0));
+        let b = b.unwrap();
+        assert_ne!(a, b);
+        assert!(flush);
+        assert_eq!(t.read(b, 5), b"hello");
+        assert_eq!(t.aspace.translate(&t.mem, b).unwrap().0, pa, "the frame moved, not a copy");
+        assert!(t.flags(a).is_none());
+        assert!(t.flags(b + 32768 - 1).is_some());
+        assert_eq!(t.mm.vma_at(b).unwrap().1.end, b + 32768);
+        // Shrink.
+        assert_eq!(t.op(|mm, sp| mm.mremap(sp, b, 32768, 4096, 0, 0)).0, Ok(b));
+        assert!(t.flags(b + 4096).is_none());
+        // Fixed destination.
+        let (c, _) = t.op(|mm, sp| mm.mremap(sp, b, 4096, 4096, MREMAP_MAYMOVE | MREMAP_FIXED, 0x3000_0000));
+        assert_eq!(c, Ok(0x3000_0000));
+        assert_eq!(t.read(0x3000_0000, 5), b"hello");
+        // Not a mapping.
+        assert_eq!(t.op(|mm, sp| mm.mremap(sp, b, 4096, 8192, MREMAP_MAYMOVE, 0)).0, Err(EFAULT));
+    }
+
+    #[test]
+    fn madvise_dontneed_zeroes_anonymous_memory() {
+        let mut t = T::new();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 8192, RW, ANON, None).unwrap());
+        t.write(a, &[7; 8192]);
+        assert_eq!(t.op(|mm, sp| mm.madvise(sp, a, 4096, MADV_DONTNEED)).0, Ok(0));
+        assert_eq!(t.read(a, 4096), vec![0; 4096]);
+        assert_eq!(t.read(a + 4096, 4), vec![7; 4]);
+        assert_eq!(t.op(|mm, sp| mm.madvise(sp, a, 4096, 999)).0, Err(EINVAL));
+        assert_eq!(t.op(|mm, sp| mm.madvise(sp, a, 4096, 8)).0, Ok(0));
+        assert_eq!(t.op(|mm, sp| mm.madvise(sp, a + 8192, 4096, MADV_DONTNEED)).0, Err(ENOMEM));
+    }
+
+    #[test]
+    fn file_mappings_copy_the_file() {
+        let dir = std::env::temp_dir().join(format!("mm-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("f");
+        let mut content = vec![0u8; 3 * 4096 + 100];
+        for (i, b) in content.iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        std::fs::write(&p, &content).unwrap();
+        let f = std::fs::File::open(&p).unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+        let mut t = T::new();
+        let mf = MapFile { fd, offset: 4096, name: "/f".into() };
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 4 * 4096, PROT_READ, MAP_PRIVATE, Some(mf)).unwrap());
+        assert_eq!(t.read(a, 2 * 4096 + 100), content[4096..]);
+        assert_eq!(t.read(a + 2 * 4096 + 100, 10), vec![0; 10], "past the end of the file reads zero");
+        let v = t.mm.vma_at(a).unwrap().1.clone();
+        assert_eq!((v.offset, v.name.as_str()), (4096, "/f"));
+        assert!(t.mm.maps().contains(" 00001000 "));
+        assert!(t.mm.maps().trim_end().ends_with("/f"));
+        // Splitting a file VMA keeps the offsets right.
+        t.op(|mm, sp| mm.mprotect(sp, a + 4096, 4096, PROT_NONE).unwrap());
+        assert_eq!(t.mm.vma_at(a + 8192).unwrap().1.offset, 3 * 4096);
+        // A write-only descriptor cannot be mapped; a shared writable mapping needs O_RDWR.
+        let w = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+        let wf = MapFile { fd: std::os::fd::AsRawFd::as_raw_fd(&w), offset: 0, name: String::new() };
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0, 4096, PROT_READ, MAP_PRIVATE, Some(wf))).0, Err(EACCES));
+        let rf = MapFile { fd, offset: 0, name: String::new() };
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0, 4096, RW, MAP_SHARED, Some(rf))).0, Err(EACCES));
+        let rf = MapFile { fd, offset: 1, name: String::new() };
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0, 4096, PROT_READ, MAP_PRIVATE, Some(rf))).0, Err(EINVAL));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn out_of_memory_is_enomem_and_leaves_nothing_behind() {
+        let mut t = T::new();
+        let avail = t.frames.available();
+        let too_big = (avail + 10) * PAGE_SIZE;
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0, too_big, RW, ANON, None)).0, Err(ENOMEM));
+        assert!(t.mm.vmas.is_empty());
+        // Exactly as many pages as there are frames: the page tables do not fit, and the frames
+        // taken before that are given back.
+        let all = t.frames.available() * PAGE_SIZE;
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0, all, RW, ANON, None)).0, Err(ENOMEM));
+        assert!(t.mm.vmas.is_empty());
+        // Everything but page-table pages came back.
+        assert!(t.frames.available() + 64 >= avail);
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 4096, RW, ANON, None).unwrap());
+        assert_eq!(t.read(a, 8), vec![0; 8]);
+    }
+
+    #[test]
+    fn maps_text() {
+        let mut t = T::new();
+        t.op(|mm, sp| mm.brk(sp, 0x60_2000));
+        t.op(|mm, sp| mm.mmap(sp, 0x1000_0000, 4096, PROT_READ | PROT_EXEC, ANON | MAP_FIXED, None).unwrap());
+        let m = t.mm.maps();
+        let lines: Vec<&str> = m.lines().collect();
+        assert_eq!(lines[0].split_whitespace().collect::<Vec<_>>(), ["00600000-00602000", "rw-p", "00000000", "00:00", "0", "[heap]"]);
+        assert_eq!(lines[1].split_whitespace().collect::<Vec<_>>(), ["10000000-10001000", "r-xp", "00000000", "00:00", "0"]);
+    }
 }

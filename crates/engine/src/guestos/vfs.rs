@@ -1,15 +1,50 @@
 //! Guest paths resolved inside the sandbox's file system, never outside it.
 //!
 //! The sandbox sees a read-only root (the template's root filesystem) plus writable directories
-//! mounted at guest paths (`/tmp`, `/work`). Every lookup is a host `openat2` with `RESOLVE_IN_ROOT`
-//! from the directory fd of the mount that holds the path: `..` stops at that root and absolute
-//! symlinks are taken relative to it, so no guest path can name a host file outside the sandbox.
+//! mounted at guest paths (`/tmp`, `/work`), plus two trees the engine serves itself (`/dev` and
+//! `/proc`, see `files::special`): the host's `/dev` and `/proc` are never opened.
+//!
+//! Resolution is a component-by-component walk done here, the way the kernel's own path walk goes:
+//! - every host lookup is an `openat2` of ONE component relative to a directory fd we hold, with
+//!   `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS`, so the host kernel never
+//!   follows a symlink or a `..` for us;
+//! - a symlink is read with `readlinkat` and its target spliced into the remaining components; an
+//!   absolute target restarts at the sandbox root (`RESOLVE_IN_ROOT` semantics);
+//! - `..` goes to the parent of the *guest* path we are at (so `/tmp/..` is `/`, not the parent of
+//!   the host directory mounted at `/tmp`), and never above `/`;
+//! - crossing a mount point switches to that mount's directory fd, so a symlink in `/work` to
+//!   `/usr/lib/x` reaches the root filesystem, and `/tmp/../etc` the root's `/etc`.
+//!
+//! A lookup returns the directory that holds the last component and that component's name
+//! ([`Resolved`]); the caller then makes the `*at` host call on that single name, always with the
+//! no-follow variant (`AT_SYMLINK_NOFOLLOW`, `RESOLVE_NO_SYMLINKS`), so that a symlink swapped in
+//! between the lookup and the call is acted on itself or refused, never followed by the host.
+//!
+//! Fast path: a path with no `..` whose directory part contains no symlink is opened in one
+//! `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` from the mount that holds it; a symlink on the
+//! way makes that fail with ELOOP and the walk takes over.
+//!
+//! Paths are UTF-8 here (a guest path that is not is refused with EINVAL).
 
-use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::collections::VecDeque;
+use std::ffi::{CStr, CString};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
-use super::{Errno, EINVAL, ENAMETOOLONG, EROFS};
+use super::{Errno, EACCES, EEXIST, EINVAL, ELOOP, ENAMETOOLONG, ENOENT, EROFS};
+
+/// Longest guest path (with its NUL), as Linux.
+pub const PATH_MAX: usize = 4096;
+/// Longest path component, as Linux.
+pub const NAME_MAX: usize = 255;
+/// Most symlinks one lookup follows, as Linux.
+pub const MAX_SYMLINKS: u32 = 40;
+
+/// Guest directories the engine serves itself (see `files::special`).
+pub const VIRTUAL_ROOTS: [&str; 2] = ["/dev", "/proc"];
+
+/// How every single-component host lookup is made.
+pub const RESOLVE_ONE: u64 = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
 
 /// A host directory that appears at a guest path.
 pub struct Mount {
@@ -22,20 +57,155 @@ pub struct Mount {
 /// The sandbox's file system view.
 #[derive(Default)]
 pub struct Vfs {
-    /// Longest `at` first, so lookups pick the innermost mount.
+    /// Longest `at` first, so lookups pick the innermost mount; the root ("/") is last.
     pub mounts: Vec<Mount>,
 }
 
-/// Join `path` onto `base` (both guest paths) and drop `.` and empty components. `..` is kept: the
-/// kernel resolves it (with symlinks) inside the mount's root.
+/// Join `path` onto `base` (both guest paths) and drop `.` and empty components. `..` is kept: it
+/// is resolved by the walk ([`Vfs::resolve`]), with symlinks, as Linux does.
 pub fn join(base: &str, path: &[u8]) -> Result<String, Errno> {
     let path = std::str::from_utf8(path).map_err(|_| EINVAL)?;
-    if path.len() > 4095 {
+    if path.len() >= PATH_MAX {
         return Err(ENAMETOOLONG);
     }
     let full = if path.starts_with('/') { path.to_string() } else { format!("{base}/{path}") };
     let parts: Vec<&str> = full.split('/').filter(|c| !c.is_empty() && *c != ".").collect();
     Ok(format!("/{}", parts.join("/")))
+}
+
+/// Whether `p` equals `prefix` or lies below it (both normalised guest paths).
+pub fn is_under(p: &str, prefix: &str) -> bool {
+    if prefix == "/" {
+        return p.starts_with('/');
+    }
+    p == prefix || (p.len() > prefix.len() && p.starts_with(prefix) && p.as_bytes()[prefix.len()] == b'/')
+}
+
+/// Whether the normalised guest path `p` lies in a tree the engine serves (`/dev`, `/proc`).
+pub fn is_virtual(p: &str) -> bool {
+    VIRTUAL_ROOTS.iter().any(|r| is_under(p, r))
+}
+
+/// The symlinks of the engine-served trees: `Some(target)` if the normalised guest path `p` is one.
+/// `/proc/self/fd/N` are not listed: they are "magic" links that `files` resolves to the open file.
+pub fn virtual_link(p: &str, cwd: &str, exe: Option<&str>) -> Option<String> {
+    let t = match p {
+        "/dev/stdin" => "/proc/self/fd/0",
+        "/dev/stdout" => "/proc/self/fd/1",
+        "/dev/stderr" => "/proc/self/fd/2",
+        "/dev/fd" => "/proc/self/fd",
+        "/proc/thread-self" => "/proc/self",
+        "/proc/mounts" => "/proc/self/mounts",
+        "/proc/self/root" => "/",
+        "/proc/self/cwd" => cwd,
+        "/proc/self/exe" => return exe.map(str::to_string),
+        _ => return None,
+    };
+    Some(t.to_string())
+}
+
+/// The parent of a normalised guest path ("/" for "/").
+pub fn parent(p: &str) -> &str {
+    match p.rfind('/') {
+        Some(0) | None => "/",
+        Some(i) => &p[..i],
+    }
+}
+
+fn child(dir: &str, name: &str) -> String {
+    if dir == "/" {
+        format!("/{name}")
+    } else {
+        format!("{dir}/{name}")
+    }
+}
+
+/// A directory fd: one of the mounts' (borrowed) or one opened during the walk.
+pub enum DirFd<'a> {
+    Borrowed(BorrowedFd<'a>),
+    Owned(OwnedFd),
+}
+
+impl AsRawFd for DirFd<'_> {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            DirFd::Borrowed(b) => b.as_raw_fd(),
+            DirFd::Owned(o) => o.as_raw_fd(),
+        }
+    }
+}
+
+/// How a lookup treats its last component.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// Follow a symlink in the last component (stat, open, chdir...). A trailing slash requires
+    /// a directory.
+    Follow,
+    /// Do not follow it (lstat, readlink, open with O_NOFOLLOW...). A trailing slash still
+    /// follows and requires a directory, as Linux does.
+    NoFollow,
+    /// For calls that create or remove the last component (mkdir, unlink, rename, symlink...):
+    /// trailing slashes are dropped and the last component is never followed.
+    Parent,
+}
+
+/// Where a lookup ended.
+pub enum Target<'a> {
+    /// Entry `name` (one component, no slash, never `..`) of host directory `dir`; `name` is `.`
+    /// when the object is `dir` itself (the root, a mount point, a path ending in `.` or `..`).
+    Host { dir: DirFd<'a>, name: CString, mount: usize, writable: bool },
+    /// A node of the engine-served trees; its guest path is [`Resolved::path`].
+    Virtual,
+}
+
+/// The result of a lookup: the object's normalised guest path (no symlink, no `.`/`..` in it)
+/// and where it lives. The object itself may not exist (for creations).
+pub struct Resolved<'a> {
+    pub path: String,
+    pub target: Target<'a>,
+}
+
+impl Resolved<'_> {
+    /// The host directory and entry name, unless this is a virtual node.
+    pub fn host(&self) -> Option<(RawFd, &CStr)> {
+        match &self.target {
+            Target::Host { dir, name, .. } => Some((dir.as_raw_fd(), name.as_c_str())),
+            Target::Virtual => None,
+        }
+    }
+
+    /// Whether the object lies on a writable mount.
+    pub fn writable(&self) -> bool {
+        matches!(self.target, Target::Host { writable: true, .. })
+    }
+
+    pub fn is_virtual(&self) -> bool {
+        matches!(self.target, Target::Virtual)
+    }
+
+    /// Whether the last component was `.`, `..`, a mount point or the root (the object is the
+    /// directory fd itself).
+    pub fn is_dir_itself(&self) -> bool {
+        matches!(&self.target, Target::Host { name, .. } if name.as_bytes() == b".")
+    }
+}
+
+/// Where the walk is: a directory (host, with its mount) or a virtual node.
+struct Cursor<'a> {
+    path: String,
+    host: Option<(DirFd<'a>, usize)>,
+}
+
+impl<'a> Cursor<'a> {
+    fn into_resolved(self, vfs: &Vfs) -> Resolved<'a> {
+        match self.host {
+            Some((dir, mount)) => Resolved {
+                path: self.path,
+                target: Target::Host { dir, name: CString::from(c"."), mount, writable: vfs.mounts[mount].writable },
+            },
+            None => Resolved { path: self.path, target: Target::Virtual },
+        }
+    }
 }
 
 fn open_dir(host: &Path) -> std::io::Result<OwnedFd> {
@@ -49,6 +219,45 @@ fn open_dir(host: &Path) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// The open(2) flags the kernel accepts from openat2 (others make it fail with EINVAL; open(2)
+/// ignores them, so we drop them).
+const VALID_OPEN_FLAGS: i32 = libc::O_ACCMODE
+    | libc::O_CREAT
+    | libc::O_EXCL
+    | libc::O_NOCTTY
+    | libc::O_TRUNC
+    | libc::O_APPEND
+    | libc::O_NONBLOCK
+    | libc::O_DSYNC
+    | libc::O_ASYNC
+    | libc::O_DIRECT
+    | libc::O_LARGEFILE
+    | libc::O_DIRECTORY
+    | libc::O_NOFOLLOW
+    | libc::O_NOATIME
+    | libc::O_CLOEXEC
+    | libc::O_PATH
+    | libc::O_TMPFILE
+    | libc::O_SYNC;
+
+/// The lookup mode open(2) uses for `flags`: O_NOFOLLOW and O_CREAT|O_EXCL do not follow a
+/// symlink in the last component.
+pub fn open_lookup(flags: i32) -> Lookup {
+    if flags & libc::O_NOFOLLOW != 0 || flags & (libc::O_CREAT | libc::O_EXCL) == libc::O_CREAT | libc::O_EXCL {
+        Lookup::NoFollow
+    } else {
+        Lookup::Follow
+    }
+}
+
+/// Whether open(2) `flags` need a writable file system.
+pub fn open_writes(flags: i32) -> bool {
+    if flags & libc::O_PATH != 0 {
+        return false;
+    }
+    flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0
+}
+
 impl Vfs {
     /// A view whose root is the host directory `root` (read-only).
     pub fn new(root: &Path) -> std::io::Result<Vfs> {
@@ -60,49 +269,269 @@ impl Vfs {
     /// Make host directory `host` appear at guest path `at`.
     pub fn mount(&mut self, at: &str, host: &Path, writable: bool) -> std::io::Result<()> {
         let at = join("/", at.as_bytes()).map_err(|e| std::io::Error::from_raw_os_error(e.0))?;
-        self.mounts.push(Mount { at, dir: open_dir(host)?, writable });
-        self.mounts.sort_by(|a, b| b.at.len().cmp(&a.at.len()));
+        let dir = open_dir(host)?;
+        if let Some(m) = self.mounts.iter_mut().find(|m| m.at == at) {
+            m.dir = dir;
+            m.writable = writable;
+        } else {
+            self.mounts.push(Mount { at, dir, writable });
+        }
+        self.mounts.sort_by_key(|m| std::cmp::Reverse(m.at.len()));
         Ok(())
+    }
+
+    /// Index of the mount holding the normalised guest path `abs`, and the path relative to it.
+    pub fn locate_idx<'p>(&self, abs: &'p str) -> Option<(usize, &'p str)> {
+        for (i, m) in self.mounts.iter().enumerate() {
+            if m.at == "/" {
+                return Some((i, abs.trim_start_matches('/')));
+            }
+            if abs == m.at {
+                return Some((i, ""));
+            }
+            if is_under(abs, &m.at) {
+                return Some((i, &abs[m.at.len() + 1..]));
+            }
+        }
+        None
     }
 
     /// The mount holding the normalised guest path `abs`, and the path relative to that mount.
     pub fn locate<'a>(&'a self, abs: &'a str) -> (&'a Mount, &'a str) {
-        for m in &self.mounts {
-            if m.at == "/" {
-                return (m, abs.trim_start_matches('/'));
-            }
-            if abs == m.at {
-                return (m, "");
-            }
-            if abs.len() > m.at.len() && abs.starts_with(&m.at) && abs.as_bytes()[m.at.len()] == b'/' {
-                return (m, &abs[m.at.len() + 1..]);
+        match self.locate_idx(abs) {
+            Some((i, rel)) => (&self.mounts[i], rel),
+            // A Vfs always has a root mount; an empty one resolves nothing.
+            None => (&self.mounts[self.mounts.len() - 1], abs),
+        }
+    }
+
+    /// Whether the mount holding the normalised guest path `abs` is writable.
+    pub fn writable(&self, abs: &str) -> bool {
+        !is_virtual(abs) && self.locate_idx(abs).is_some_and(|(i, _)| self.mounts[i].writable)
+    }
+
+    fn mount_cursor(&self, i: usize) -> Cursor<'_> {
+        let m = &self.mounts[i];
+        Cursor { path: m.at.clone(), host: Some((DirFd::Borrowed(m.dir_fd()), i)) }
+    }
+
+    fn root_cursor(&self) -> Result<Cursor<'_>, Errno> {
+        let i = self.mounts.iter().position(|m| m.at == "/").ok_or(ENOENT)?;
+        Ok(self.mount_cursor(i))
+    }
+
+    /// A cursor on a normalised guest path that holds no symlink (walk results, the cwd). ELOOP if
+    /// it holds one after all.
+    fn open_canonical(&self, abs: &str) -> Result<Cursor<'_>, Errno> {
+        if is_virtual(abs) {
+            return Ok(Cursor { path: abs.to_string(), host: None });
+        }
+        let (i, rel) = self.locate_idx(abs).ok_or(ENOENT)?;
+        if rel.is_empty() {
+            return Ok(self.mount_cursor(i));
+        }
+        let fd = openat2(self.mounts[i].dir.as_raw_fd(), rel, libc::O_PATH | libc::O_DIRECTORY, 0, RESOLVE_ONE)?;
+        Ok(Cursor { path: abs.to_string(), host: Some((DirFd::Owned(fd), i)) })
+    }
+
+    /// Resolve guest path `path`, relative to guest directory `cwd` (a path from an earlier
+    /// lookup), treating its last component as `mode` says. `exe` is the target of
+    /// `/proc/self/exe`. The object need not exist (the caller's host call reports ENOENT), but
+    /// every directory on the way must.
+    pub fn resolve(&self, cwd: &str, path: &[u8], mode: Lookup, exe: Option<&str>) -> Result<Resolved<'_>, Errno> {
+        if path.is_empty() {
+            return Err(ENOENT);
+        }
+        if path.len() >= PATH_MAX {
+            return Err(ENAMETOOLONG);
+        }
+        let path = std::str::from_utf8(path).map_err(|_| EINVAL)?;
+        let start = if path.starts_with('/') { "/" } else { cwd };
+        let mut comps: VecDeque<String> = start
+            .split('/')
+            .chain(path.split('/'))
+            .filter(|c| !c.is_empty() && *c != ".")
+            .map(str::to_string)
+            .collect();
+        if path.ends_with('/') && mode != Lookup::Parent && !comps.is_empty() {
+            // "dir/" is "dir/.": dir is followed and must be a directory.
+            comps.push_back(".".into());
+        }
+        // Fast path: no "..", and the directory part opens without meeting a symlink.
+        if !comps.iter().any(|c| c == "..") {
+            let dir_abs = match comps.len() {
+                0 => "/".to_string(),
+                n => format!("/{}", comps.iter().take(n - 1).map(String::as_str).collect::<Vec<_>>().join("/")),
+            };
+            if !is_virtual(&dir_abs) {
+                match self.open_canonical(&dir_abs) {
+                    Ok(cur) => {
+                        let last: VecDeque<String> = comps.pop_back().into_iter().collect();
+                        return self.walk(cur, last, mode, cwd, exe);
+                    }
+                    Err(e) if e == ELOOP => {}
+                    Err(e) => return Err(e),
+                }
             }
         }
-        // A Vfs always has a root mount; an empty one resolves nothing.
-        (&self.mounts[self.mounts.len() - 1], abs)
+        let root = self.root_cursor()?;
+        self.walk(root, comps, mode, cwd, exe)
+    }
+
+    fn walk<'a>(
+        &'a self,
+        mut cur: Cursor<'a>,
+        mut comps: VecDeque<String>,
+        mode: Lookup,
+        cwd: &str,
+        exe: Option<&str>,
+    ) -> Result<Resolved<'a>, Errno> {
+        let mut links = 0u32;
+        // Splice a symlink's target in front of the remaining components.
+        let mut expand = |cur: &mut Cursor<'a>, comps: &mut VecDeque<String>, target: &[u8]| -> Result<(), Errno> {
+            links += 1;
+            if links > MAX_SYMLINKS {
+                return Err(ELOOP);
+            }
+            if target.is_empty() {
+                return Err(ENOENT);
+            }
+            let t = std::str::from_utf8(target).map_err(|_| ENOENT)?;
+            for c in t.split('/').rev().filter(|c| !c.is_empty() && *c != ".") {
+                comps.push_front(c.to_string());
+            }
+            if comps.len() > PATH_MAX * 2 {
+                return Err(ENAMETOOLONG);
+            }
+            if t.starts_with('/') {
+                *cur = self.root_cursor()?;
+            }
+            Ok(())
+        };
+        loop {
+            let Some(c) = comps.pop_front() else {
+                return Ok(cur.into_resolved(self));
+            };
+            let last = comps.is_empty();
+            if c == "." {
+                continue;
+            }
+            if c == ".." {
+                if cur.path != "/" {
+                    cur = self.open_canonical(parent(&cur.path))?;
+                }
+                continue;
+            }
+            if c.len() > NAME_MAX {
+                return Err(ENAMETOOLONG);
+            }
+            let follow = !last || mode == Lookup::Follow;
+            let path = child(&cur.path, &c);
+            // The engine-served trees: named lexically, with their own symlinks.
+            if cur.host.is_none() || is_virtual(&path) {
+                if follow {
+                    if let Some(t) = virtual_link(&path, cwd, exe) {
+                        if t.starts_with('/') {
+                            expand(&mut cur, &mut comps, t.as_bytes())?;
+                            continue;
+                        }
+                    }
+                }
+                if last {
+                    return Ok(Resolved { path, target: Target::Virtual });
+                }
+                cur = Cursor { path, host: None };
+                continue;
+            }
+            if let Some(i) = self.mounts.iter().position(|m| m.at == path) {
+                cur = self.mount_cursor(i);
+                continue;
+            }
+            let Some((dir, mount)) = cur.host.as_ref() else {
+                return Err(ENOENT);
+            };
+            let (dirfd, mount) = (dir.as_raw_fd(), *mount);
+            let name = CString::new(c.as_str()).map_err(|_| EINVAL)?;
+            if last {
+                if follow {
+                    if let Ok(t) = readlink_at(dirfd, &name) {
+                        expand(&mut cur, &mut comps, &t)?;
+                        continue;
+                    }
+                }
+                let writable = self.mounts[mount].writable;
+                let dir = match cur.host {
+                    Some((d, _)) => d,
+                    None => return Err(ENOENT),
+                };
+                return Ok(Resolved { path, target: Target::Host { dir, name, mount, writable } });
+            }
+            match openat2(dirfd, &c, libc::O_PATH | libc::O_DIRECTORY, 0, RESOLVE_ONE) {
+                Ok(fd) => cur = Cursor { path, host: Some((DirFd::Owned(fd), mount)) },
+                Err(e) if e == ELOOP => {
+                    let t = readlink_at(dirfd, &name).map_err(|_| ELOOP)?;
+                    expand(&mut cur, &mut comps, &t)?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Open guest path `path` (relative to guest directory `cwd`) with open(2) `flags` and `mode`.
-    /// Writes (and O_CREAT) on a read-only mount fail with EROFS.
+    /// Writes (and creations) on a read-only mount fail with EROFS; the engine-served trees
+    /// (`/dev`, `/proc`) are not host files and fail with EACCES here (`files` serves them).
     pub fn open(&self, cwd: &str, path: &[u8], flags: i32, mode: u32) -> Result<OwnedFd, Errno> {
-        let abs = join(cwd, path)?;
-        let (m, rel) = self.locate(&abs);
-        let wants_write = flags & (libc::O_WRONLY | libc::O_RDWR | libc::O_CREAT | libc::O_TRUNC) != 0;
-        if wants_write && !m.writable {
-            return Err(EROFS);
+        let r = self.resolve(cwd, path, open_lookup(flags), None)?;
+        self.open_resolved(&r, flags, mode)
+    }
+
+    /// Like [`Vfs::open`], also returning the file's normalised guest path.
+    pub fn open_path(&self, cwd: &str, path: &[u8], flags: i32, mode: u32) -> Result<(OwnedFd, String), Errno> {
+        let r = self.resolve(cwd, path, open_lookup(flags), None)?;
+        let fd = self.open_resolved(&r, flags, mode)?;
+        Ok((fd, r.path))
+    }
+
+    /// Open a looked-up object with open(2) `flags` and `mode` (the host fd is always O_CLOEXEC).
+    pub fn open_resolved(&self, r: &Resolved, flags: i32, mode: u32) -> Result<OwnedFd, Errno> {
+        let Some((dir, name)) = r.host() else {
+            return Err(EACCES);
+        };
+        let name = name.to_str().map_err(|_| EINVAL)?;
+        let flags = flags & VALID_OPEN_FLAGS;
+        if !r.writable() {
+            if open_writes(flags) {
+                return Err(EROFS);
+            }
+            if flags & libc::O_CREAT != 0 {
+                // Creating on a read-only file system is EROFS; opening what exists is fine.
+                return match openat2(dir, name, flags & !(libc::O_CREAT | libc::O_EXCL), 0, RESOLVE_ONE) {
+                    Err(e) if e == ENOENT => Err(EROFS),
+                    Ok(_) if flags & libc::O_EXCL != 0 => Err(EEXIST),
+                    other => other,
+                };
+            }
         }
-        openat2_in_root(m.dir.as_raw_fd(), if rel.is_empty() { "." } else { rel }, flags | libc::O_CLOEXEC, mode)
+        openat2(dir, name, flags, mode & 0o7777, RESOLVE_ONE)
     }
 }
 
-/// `openat2(dirfd, path, {flags, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS})`.
-pub fn openat2_in_root(dirfd: RawFd, path: &str, flags: i32, mode: u32) -> Result<OwnedFd, Errno> {
+impl Mount {
+    fn dir_fd(&self) -> BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.dir.as_fd()
+    }
+}
+
+/// `openat2(dirfd, path, {flags | O_CLOEXEC, mode, resolve})`.
+pub fn openat2(dirfd: RawFd, path: &str, flags: i32, mode: u32, resolve: u64) -> Result<OwnedFd, Errno> {
     let c = CString::new(path).map_err(|_| EINVAL)?;
     // SAFETY: open_how is plain data; all-zero is valid and we fill every field.
     let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = flags as u64;
-    how.mode = if flags & (libc::O_CREAT | libc::O_TMPFILE) != 0 { mode as u64 } else { 0 };
-    how.resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
+    let flags = flags | libc::O_CLOEXEC;
+    how.flags = flags as u32 as u64;
+    how.mode = if flags & libc::O_CREAT != 0 || flags & libc::O_TMPFILE == libc::O_TMPFILE { mode as u64 } else { 0 };
+    how.resolve = resolve;
     // SAFETY: openat2 with a valid C string and a properly sized open_how; the result is checked.
     let fd = unsafe {
         libc::syscall(libc::SYS_openat2, dirfd, c.as_ptr(), &how as *const libc::open_how, std::mem::size_of::<libc::open_how>())
@@ -114,9 +543,77 @@ pub fn openat2_in_root(dirfd: RawFd, path: &str, flags: i32, mode: u32) -> Resul
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// `openat2(dirfd, path, {flags, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS})`.
+pub fn openat2_in_root(dirfd: RawFd, path: &str, flags: i32, mode: u32) -> Result<OwnedFd, Errno> {
+    openat2(dirfd, path, flags, mode, libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS)
+}
+
+/// The target of symlink `name` in host directory `dir` (EINVAL if it is not a symlink).
+pub fn readlink_at(dir: RawFd, name: &CStr) -> Result<Vec<u8>, Errno> {
+    let mut buf = vec![0u8; PATH_MAX];
+    // SAFETY: a valid C string and a buffer of the length we pass; the result is checked.
+    let n = unsafe { libc::readlinkat(dir, name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if n < 0 {
+        return Err(Errno::last());
+    }
+    buf.truncate(n as usize);
+    Ok(buf)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    struct TempDir(std::path::PathBuf);
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    fn tempdir(tag: &str) -> TempDir {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let d = std::env::temp_dir().join(format!("vfs-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+
+    /// root/ (read-only) with etc/hostname, usr/lib/libx, lib -> usr/lib, escaping symlinks; tmp/
+    /// and work/ (writable) mounted at /tmp and /work; `secret` outside every mount.
+    fn sandbox(tag: &str) -> (TempDir, Vfs) {
+        let t = tempdir(tag);
+        let d = &t.0;
+        for p in ["root/etc", "root/usr/lib", "root/tmp", "tmp", "work/sub"] {
+            std::fs::create_dir_all(d.join(p)).unwrap();
+        }
+        std::fs::write(d.join("root/etc/hostname"), "sandbox").unwrap();
+        std::fs::write(d.join("root/usr/lib/libx"), "libx").unwrap();
+        std::fs::write(d.join("root/tmp/shadowed"), "root's tmp").unwrap();
+        std::fs::write(d.join("secret"), "host").unwrap();
+        std::fs::write(d.join("work/sub/data"), "data").unwrap();
+        let ln = |t: &str, at: &str| std::os::unix::fs::symlink(t, d.join(at)).unwrap();
+        ln("usr/lib", "root/lib");
+        ln("/../../secret", "root/etc/abs-escape");
+        ln("../../../../secret", "root/etc/rel-escape");
+        ln("/usr/lib/libx", "root/etc/abs-inside");
+        ln("/etc/hostname", "work/to-root");
+        ln("../tmp", "work/to-tmp");
+        ln("loop2", "work/loop1");
+        ln("loop1", "work/loop2");
+        let mut v = Vfs::new(&d.join("root")).unwrap();
+        v.mount("/tmp", &d.join("tmp"), true).unwrap();
+        v.mount("/work", &d.join("work"), true).unwrap();
+        (t, v)
+    }
+
+    fn read(v: &Vfs, cwd: &str, p: &str) -> Result<String, Errno> {
+        use std::io::Read;
+        let fd = v.open(cwd, p.as_bytes(), libc::O_RDONLY, 0)?;
+        let mut s = String::new();
+        std::fs::File::from(fd).read_to_string(&mut s).unwrap();
+        Ok(s)
+    }
 
     #[test]
     fn join_normalises() {
@@ -127,16 +624,66 @@ mod tests {
 
     #[test]
     fn paths_cannot_leave_the_root() {
-        let d = std::env::temp_dir().join(format!("vfs-{}", std::process::id()));
-        std::fs::create_dir_all(d.join("root/etc")).unwrap();
-        std::fs::write(d.join("root/etc/hostname"), "sandbox").unwrap();
-        std::fs::write(d.join("secret"), "host").unwrap();
-        std::os::unix::fs::symlink("/../../secret", d.join("root/etc/link")).unwrap();
-        let v = Vfs::new(&d.join("root")).unwrap();
-        assert!(v.open("/", b"/etc/hostname", libc::O_RDONLY, 0).is_ok());
-        assert!(v.open("/etc", b"../../../secret", libc::O_RDONLY, 0).is_err());
-        assert!(v.open("/", b"/etc/link", libc::O_RDONLY, 0).is_err());
-        assert_eq!(v.open("/", b"/etc/new", libc::O_CREAT | libc::O_WRONLY, 0o644).unwrap_err(), EROFS);
-        std::fs::remove_dir_all(&d).unwrap();
+        let (_t, v) = sandbox("escape");
+        assert_eq!(read(&v, "/", "/etc/hostname").unwrap(), "sandbox");
+        assert_eq!(read(&v, "/etc", "../../../secret").unwrap_err(), ENOENT);
+        assert_eq!(read(&v, "/", "/../../secret").unwrap_err(), ENOENT);
+        assert_eq!(read(&v, "/", "/etc/abs-escape").unwrap_err(), ENOENT);
+        assert_eq!(read(&v, "/", "/etc/rel-escape").unwrap_err(), ENOENT);
+        assert_eq!(read(&v, "/tmp", "../../secret").unwrap_err(), ENOENT);
+        assert_eq!(read(&v, "/work/sub", "../../../../secret").unwrap_err(), ENOENT);
+        // Symlinks resolve inside the sandbox, relative and absolute, across mounts.
+        assert_eq!(read(&v, "/", "/etc/abs-inside").unwrap(), "libx");
+        assert_eq!(read(&v, "/", "/lib/libx").unwrap(), "libx");
+        assert_eq!(read(&v, "/", "/work/to-root").unwrap(), "sandbox");
+        assert_eq!(read(&v, "/work", "to-tmp/../etc/hostname").unwrap(), "sandbox");
+        assert_eq!(read(&v, "/", "/work/loop1").unwrap_err(), ELOOP);
+        // ".." from a mount point is the guest parent, not the host one.
+        assert_eq!(read(&v, "/tmp", "../etc/hostname").unwrap(), "sandbox");
+        assert_eq!(read(&v, "/", "/work/sub/../../usr/lib/libx").unwrap(), "libx");
+        // The mount hides the root's own /tmp.
+        assert_eq!(read(&v, "/", "/tmp/shadowed").unwrap_err(), ENOENT);
+        // O_NOFOLLOW on a symlink.
+        assert_eq!(v.open("/", b"/etc/abs-inside", libc::O_RDONLY | libc::O_NOFOLLOW, 0).unwrap_err(), ELOOP);
+    }
+
+    #[test]
+    fn resolution_reports_normalised_paths() {
+        let (_t, v) = sandbox("paths");
+        let r = v.resolve("/", b"/lib/libx", Lookup::Follow, None).unwrap();
+        assert_eq!(r.path, "/usr/lib/libx");
+        let r = v.resolve("/work", b"to-tmp/", Lookup::Follow, None).unwrap();
+        assert_eq!(r.path, "/tmp");
+        assert!(r.is_dir_itself() && r.writable());
+        let r = v.resolve("/work", b"to-tmp", Lookup::NoFollow, None).unwrap();
+        assert_eq!(r.path, "/work/to-tmp");
+        let r = v.resolve("/", b"/dev/stdout", Lookup::Follow, None).unwrap();
+        assert!(r.is_virtual());
+        assert_eq!(r.path, "/proc/self/fd/1");
+        let r = v.resolve("/", b"/proc/self/exe", Lookup::Follow, Some("/lib/libx")).unwrap();
+        assert_eq!(r.path, "/usr/lib/libx");
+        let r = v.resolve("/proc", b"../etc/hostname", Lookup::Follow, None).unwrap();
+        assert_eq!(r.path, "/etc/hostname");
+        assert!(!r.writable());
+        assert_eq!(v.resolve("/", b"/etc/hostname/x", Lookup::Follow, None).err(), Some(super::super::ENOTDIR));
+        assert_eq!(v.resolve("/", b"/nope/x", Lookup::Follow, None).err(), Some(ENOENT));
+    }
+
+    #[test]
+    fn writes_only_on_writable_mounts() {
+        let (t, v) = sandbox("rw");
+        let cw = libc::O_CREAT | libc::O_WRONLY;
+        assert_eq!(v.open("/", b"/etc/new", cw, 0o644).unwrap_err(), EROFS);
+        assert_eq!(v.open("/", b"/etc/hostname", libc::O_RDWR, 0).unwrap_err(), EROFS);
+        assert_eq!(v.open("/", b"/etc/hostname", libc::O_RDONLY | libc::O_TRUNC, 0).unwrap_err(), EROFS);
+        // O_CREAT on an existing file of a read-only mount just opens it.
+        assert!(v.open("/", b"/etc/hostname", libc::O_RDONLY | libc::O_CREAT, 0o644).is_ok());
+        assert!(v.open("/", b"/tmp/new", cw, 0o644).is_ok());
+        assert!(t.0.join("tmp/new").exists());
+        assert!(v.open("/work/sub", b"new", cw, 0o644).is_ok());
+        assert!(t.0.join("work/sub/new").exists());
+        // A symlink in a writable mount does not make the root writable.
+        assert_eq!(v.open("/", b"/work/to-root", libc::O_WRONLY, 0).unwrap_err(), EROFS);
+        assert_eq!(std::fs::read_to_string(t.0.join("root/etc/hostname")).unwrap(), "sandbox");
     }
 }

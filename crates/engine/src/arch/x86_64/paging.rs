@@ -16,18 +16,25 @@ pub const PTE_NX: u64 = 1 << 63;
 const ADDR_MASK: u64 = 0x000f_ffff_ffff_f000;
 
 /// Hands out guest-physical pages. Part of the snapshot (runtime) state.
+///
+/// Pages come from two places: never-used memory above `next` (zero in the backing file, so handing
+/// one out costs nothing) and `free`, pages the guest gave back (munmap, brk shrink), which hold old
+/// contents until [`FrameAllocator::alloc_zeroed`] clears them.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct FrameAllocator {
     pub next: u64,
     pub end: u64,
+    /// Freed pages, reused last-in first-out.
+    #[serde(default)]
+    pub free: Vec<u64>,
 }
 
 impl FrameAllocator {
     pub fn new(mem_size: u64) -> FrameAllocator {
-        FrameAllocator { next: FRAME_POOL_START, end: mem_size }
+        FrameAllocator { next: FRAME_POOL_START, end: mem_size, free: Vec::new() }
     }
 
-    /// One zeroed page. Pages come from never-used memory, so they are zero in the backing file.
+    /// One zeroed page from never-used memory (never a freed one: the caller cannot clear it).
     pub fn alloc(&mut self) -> Result<u64> {
         if self.next + PAGE_SIZE > self.end {
             return Err(Error::OutOfGuestMemory(format!("{} MiB in use", self.end >> 20)));
@@ -36,6 +43,43 @@ impl FrameAllocator {
         self.next += PAGE_SIZE;
         Ok(p)
     }
+
+    /// One zeroed page, reusing a freed page (cleared here) before touching never-used memory.
+    pub fn alloc_zeroed(&mut self, mem: &mut GuestMemory) -> Result<u64> {
+        match self.free.pop() {
+            Some(p) => {
+                if let Err(e) = zero_page(mem, p) {
+                    self.free.push(p);
+                    return Err(e);
+                }
+                Ok(p)
+            }
+            None => self.alloc(),
+        }
+    }
+
+    /// Give a page back for reuse. The caller has removed every mapping of it.
+    pub fn release(&mut self, pa: u64) {
+        debug_assert_eq!(pa % PAGE_SIZE, 0);
+        self.free.push(pa & !(PAGE_SIZE - 1));
+    }
+
+    /// Pages still available (never used plus freed).
+    pub fn available(&self) -> u64 {
+        self.end.saturating_sub(self.next) / PAGE_SIZE + self.free.len() as u64
+    }
+}
+
+/// Clear one guest page. A page that already reads as zero is left alone, so that a freed page the
+/// guest never wrote stays shared with the backing file instead of becoming a private copy.
+pub fn zero_page(mem: &mut GuestMemory, pa: u64) -> Result<()> {
+    let mut buf = [0u8; PAGE_SIZE as usize];
+    mem.read(pa, &mut buf)?;
+    if buf.iter().any(|&b| b != 0) {
+        buf.fill(0);
+        mem.write(pa, &buf)?;
+    }
+    Ok(())
 }
 
 /// The guest's address space: a PML4 root in guest memory.
@@ -70,7 +114,7 @@ impl AddressSpace {
             table = if e & PTE_P != 0 {
                 e & ADDR_MASK
             } else {
-                let t = frames.alloc()?;
+                let t = frames.alloc_zeroed(mem)?;
                 // Intermediate entries are permissive; the leaf decides user/write/exec.
                 mem.write_u64(slot, t | PTE_P | PTE_W | PTE_U)?;
                 t
@@ -92,9 +136,88 @@ impl AddressSpace {
         let end = (va + len).div_ceil(PAGE_SIZE) * PAGE_SIZE;
         let mut p = start;
         while p < end {
-            let frame = frames.alloc()?;
+            let frame = frames.alloc_zeroed(mem)?;
             self.map_page(mem, frames, p, frame, flags)?;
             p += PAGE_SIZE;
+        }
+        Ok(())
+    }
+
+    /// Guest-physical address of the leaf entry for `va`, if every table above it exists.
+    fn leaf_slot(&self, mem: &GuestMemory, va: u64) -> Result<Option<u64>> {
+        let mut table = self.root;
+        for level in (1..4).rev() {
+            let e = mem.read_u64(table + index(va, level) * 8)?;
+            if e & PTE_P == 0 {
+                return Ok(None);
+            }
+            table = e & ADDR_MASK;
+        }
+        Ok(Some(table + index(va, 0) * 8))
+    }
+
+    /// The leaf entry for `va` (0 if absent).
+    pub fn pte(&self, mem: &GuestMemory, va: u64) -> Result<u64> {
+        match self.leaf_slot(mem, va)? {
+            Some(slot) => mem.read_u64(slot),
+            None => Ok(0),
+        }
+    }
+
+    /// Remove the mapping of the page at `va`. Returns the frame it mapped, if any; the caller frees
+    /// it and flushes the guest TLB. Page-table pages stay allocated.
+    pub fn unmap_page(&self, mem: &mut GuestMemory, va: u64) -> Result<Option<u64>> {
+        let Some(slot) = self.leaf_slot(mem, va)? else { return Ok(None) };
+        let e = mem.read_u64(slot)?;
+        if e & PTE_P == 0 {
+            return Ok(None);
+        }
+        mem.write_u64(slot, 0)?;
+        Ok(Some(e & ADDR_MASK))
+    }
+
+    /// Replace the leaf flags of the page at `va` with `flags` (PTE_P implied), keeping its frame.
+    /// Returns the old flags, or `None` if the page is not mapped.
+    pub fn set_flags(&self, mem: &mut GuestMemory, va: u64, flags: u64) -> Result<Option<u64>> {
+        let Some(slot) = self.leaf_slot(mem, va)? else { return Ok(None) };
+        let e = mem.read_u64(slot)?;
+        if e & PTE_P == 0 {
+            return Ok(None);
+        }
+        let new = (e & ADDR_MASK) | flags | PTE_P;
+        if new != e {
+            mem.write_u64(slot, new)?;
+        }
+        Ok(Some(e & !ADDR_MASK))
+    }
+
+    /// Every mapped 4 KiB page in [start, end) of the lower half, as (virtual address, leaf entry),
+    /// in address order. Skips absent tables, so a sparse range costs little to scan.
+    pub fn present_pages(&self, mem: &GuestMemory, start: u64, end: u64) -> Result<Vec<(u64, u64)>> {
+        let end = end.min(1 << 47);
+        let mut out = Vec::new();
+        if start < end {
+            self.walk(mem, self.root, 3, 0, start, end, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn walk(&self, mem: &GuestMemory, table: u64, level: u32, base: u64, start: u64, end: u64, out: &mut Vec<(u64, u64)>) -> Result<()> {
+        let span = 1u64 << (12 + 9 * level);
+        let first = start.saturating_sub(base) / span;
+        let last = ((end - 1 - base) / span).min(511);
+        for i in first..=last {
+            let e = mem.read_u64(table + i * 8)?;
+            if e & PTE_P == 0 {
+                continue;
+            }
+            let va = base + i * span;
+            if level == 0 {
+                out.push((va, e));
+            } else {
+                self.walk(mem, e & ADDR_MASK, level - 1, va, start, end, out)?;
+            }
         }
         Ok(())
     }
@@ -162,7 +285,7 @@ pub fn setup_address_space(mem: &mut GuestMemory, frames: &mut FrameAllocator) -
     while gpa < SUPERVISOR_AREA {
         let flags = if gpa == STUBS_GPA {
             PTE_U
-        } else if gpa >= RING0_STACK_TOP_GPA - RING0_STACK_PAGES * PAGE_SIZE && gpa < RING0_STACK_TOP_GPA {
+        } else if (RING0_STACK_TOP_GPA - RING0_STACK_PAGES * PAGE_SIZE..RING0_STACK_TOP_GPA).contains(&gpa) {
             PTE_U | PTE_W | PTE_NX
         } else {
             PTE_U | PTE_NX
@@ -197,9 +320,49 @@ mod tests {
 
     #[test]
     fn allocator_runs_out_cleanly() {
-        let mut fr = FrameAllocator { next: 0, end: 8192 };
+        let mut fr = FrameAllocator { next: 0, end: 8192, free: vec![] };
         fr.alloc().unwrap();
         fr.alloc().unwrap();
         assert!(matches!(fr.alloc(), Err(Error::OutOfGuestMemory(_))));
+    }
+
+    #[test]
+    fn unmap_reuse_and_flags() {
+        let mut mem = GuestMemory::anonymous(16 << 20).unwrap();
+        let mut fr = FrameAllocator::new(16 << 20);
+        let a = setup_address_space(&mut mem, &mut fr).unwrap();
+        a.map_fresh(&mut mem, &mut fr, 0x40_0000, 4096, PTE_U | PTE_W).unwrap();
+        a.write_virt(&mut mem, 0x40_0010, b"dirty", true).unwrap();
+        assert_eq!(a.set_flags(&mut mem, 0x40_0000, PTE_U | PTE_NX).unwrap(), Some(PTE_P | PTE_U | PTE_W));
+        let (pa, flags) = a.translate(&mem, 0x40_0000).unwrap();
+        assert_eq!(flags & (PTE_W | PTE_NX | PTE_U), PTE_U | PTE_NX);
+        assert_eq!(a.unmap_page(&mut mem, 0x40_0000).unwrap(), Some(pa));
+        assert!(a.translate(&mem, 0x40_0000).is_err());
+        assert_eq!(a.unmap_page(&mut mem, 0x40_0000).unwrap(), None);
+        assert_eq!(a.set_flags(&mut mem, 0x40_0000, PTE_U).unwrap(), None);
+        assert_eq!(a.pte(&mem, 0x1234_5678_9000).unwrap(), 0);
+        let avail = fr.available();
+        fr.release(pa);
+        assert_eq!(fr.available(), avail + 1);
+        // The freed page comes back first, cleared.
+        let again = fr.alloc_zeroed(&mut mem).unwrap();
+        assert_eq!(again, pa);
+        let mut b = [1u8; 4096];
+        mem.read(again, &mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn present_pages_skips_holes() {
+        let mut mem = GuestMemory::anonymous(16 << 20).unwrap();
+        let mut fr = FrameAllocator::new(16 << 20);
+        let a = setup_address_space(&mut mem, &mut fr).unwrap();
+        a.map_fresh(&mut mem, &mut fr, 0x40_0000, 2 * 4096, PTE_U).unwrap();
+        a.map_fresh(&mut mem, &mut fr, 0x7fff_0000_0000, 4096, PTE_U).unwrap();
+        let v: Vec<u64> = a.present_pages(&mem, 0, 1 << 47).unwrap().into_iter().map(|(va, _)| va).collect();
+        assert_eq!(v, vec![0x40_0000, 0x40_1000, 0x7fff_0000_0000]);
+        let v = a.present_pages(&mem, 0x40_1000, 0x40_2000).unwrap();
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].0, 0x40_1000);
     }
 }

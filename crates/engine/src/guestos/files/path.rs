@@ -1,0 +1,663 @@
+//! The path syscalls: open, stat, access, readlink, cwd, directory and link changes, chmod,
+//! times, statfs. Each looks its path up with [`Vfs::resolve`] and makes the host `*at` call on the
+//! last component, with the no-follow variant (the lookup did the following, inside the sandbox).
+
+use std::ffi::CStr;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+
+use super::special;
+use super::{bytes_of, cvt, OpenFile, EBUSY, EXDEV};
+use crate::guestos::vfs::{self, Lookup, Resolved, Vfs, PATH_MAX};
+use crate::guestos::{Ctx, Errno, GuestOs, SysResult};
+use crate::guestos::{EACCES, EEXIST, EFAULT, EINVAL, EISDIR, ENAMETOOLONG, ENOENT, ENOTDIR, EOPNOTSUPP, ERANGE, EROFS};
+
+const _: () = assert!(std::mem::size_of::<libc::stat>() == 144);
+const _: () = assert!(std::mem::size_of::<libc::statfs>() == 120);
+/// struct statx is 256 bytes on every Linux architecture.
+const STATX_SIZE: usize = 256;
+
+/// A guest path argument.
+fn read_path(ctx: &Ctx, p: u64) -> Result<Vec<u8>, Errno> {
+    if p == 0 {
+        return Err(EFAULT);
+    }
+    let v = ctx.read_cstr(p, PATH_MAX)?;
+    if v.len() >= PATH_MAX {
+        return Err(ENAMETOOLONG);
+    }
+    Ok(v)
+}
+
+/// Look `path` up relative to `dirfd` (AT_FDCWD: the cwd; else the directory fd's guest path).
+fn lookup<'v>(vfs: &'v Vfs, os: &GuestOs, dirfd: i32, path: &[u8], mode: Lookup) -> Result<Resolved<'v>, Errno> {
+    let base = if path.first() == Some(&b'/') {
+        "/".to_string()
+    } else if dirfd == libc::AT_FDCWD {
+        special::cwd(os).to_string()
+    } else {
+        os.files.dir_path(dirfd)?
+    };
+    vfs.resolve(&base, path, mode, special::exe(os))
+}
+
+/// `lookup` with the borrow split GuestOs needs: the result borrows only `os.vfs`.
+macro_rules! lookup {
+    ($os:expr, $dirfd:expr, $path:expr, $mode:expr) => {
+        lookup(&$os.vfs, $os, $dirfd, $path, $mode)
+    };
+}
+
+fn host_stat(dir: RawFd, name: &CStr) -> Result<libc::stat, Errno> {
+    // SAFETY: a zeroed stat is valid; fstatat fills it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: valid fd, C string and out-pointer; never follows a symlink.
+    cvt(unsafe { libc::fstatat(dir, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) } as i64)?;
+    Ok(st)
+}
+
+fn exists(r: &Resolved) -> bool {
+    r.host().is_some_and(|(d, n)| host_stat(d, n).is_ok())
+}
+
+/// EROFS unless `r` is on a writable mount; EACCES in the engine-served trees.
+fn check_writable(r: &Resolved) -> Result<(), Errno> {
+    if r.is_virtual() {
+        Err(EACCES)
+    } else if !r.writable() {
+        Err(EROFS)
+    } else {
+        Ok(())
+    }
+}
+
+/// For calls that create `r`: EEXIST if it exists (Linux reports that before EROFS), else EROFS
+/// unless writable.
+fn check_creatable(r: &Resolved) -> Result<(), Errno> {
+    if r.is_virtual() {
+        return Err(EACCES);
+    }
+    if !r.writable() && (exists(r) || r.is_dir_itself()) {
+        return Err(EEXIST);
+    }
+    check_writable(r)
+}
+
+fn host_of<'r>(r: &'r Resolved) -> Result<(RawFd, &'r CStr), Errno> {
+    r.host().ok_or(EACCES)
+}
+
+pub(super) fn sys_openat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, flags: i32, mode: u32) -> SysResult {
+    let path = read_path(ctx, pathp)?;
+    let lk = vfs::open_lookup(flags);
+    let r = lookup!(os, dirfd, &path, lk)?;
+    let file = if r.is_virtual() {
+        let p = r.path;
+        special::open(os, ctx, &p, flags, lk == Lookup::Follow)?
+    } else {
+        let creates = flags & libc::O_CREAT != 0 || flags & libc::O_TMPFILE == libc::O_TMPFILE;
+        let fd = if creates {
+            super::with_umask(os.proc.umask, || os.vfs.open_resolved(&r, flags, mode))?
+        } else {
+            os.vfs.open_resolved(&r, flags, mode)?
+        };
+        let mut f = OpenFile::host(fd, Some(r.path.clone()), !r.writable());
+        if flags & libc::O_TMPFILE == libc::O_TMPFILE {
+            f.dir = false;
+            f.label = Some(format!("{}/#{} (deleted)", r.path, f.host_fd().unwrap_or(0)));
+            f.path = None;
+        }
+        Arc::new(f)
+    };
+    os.files.alloc(0, file, flags & libc::O_CLOEXEC != 0).map(|fd| fd as u64)
+}
+
+/// stat of what `path` names (`path` non-empty).
+fn path_stat(os: &GuestOs, dirfd: i32, path: &[u8], mode: Lookup) -> Result<libc::stat, Errno> {
+    let r = lookup!(os, dirfd, path, mode)?;
+    if r.is_virtual() {
+        return special::stat(os, &r.path, mode == Lookup::Follow);
+    }
+    let (d, n) = host_of(&r)?;
+    host_stat(d, n)
+}
+
+fn fd_stat(os: &GuestOs, fd: i32) -> Result<libc::stat, Errno> {
+    if fd == libc::AT_FDCWD {
+        return path_stat(os, fd, b".", Lookup::Follow);
+    }
+    special::file_stat(&*os.files.file(fd)?)
+}
+
+pub(super) fn sys_fstat(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64) -> SysResult {
+    let st = special::file_stat(&*os.files.file(fd)?)?;
+    ctx.write(buf, bytes_of(&st))?;
+    Ok(0)
+}
+
+/// A path argument that may be empty with AT_EMPTY_PATH (then None: the call is on `dirfd`).
+fn path_or_empty(ctx: &Ctx, p: u64, flags: i32) -> Result<Option<Vec<u8>>, Errno> {
+    if p == 0 && flags & libc::AT_EMPTY_PATH != 0 {
+        return Ok(None);
+    }
+    let v = read_path(ctx, p)?;
+    if v.is_empty() {
+        return if flags & libc::AT_EMPTY_PATH != 0 { Ok(None) } else { Err(ENOENT) };
+    }
+    Ok(Some(v))
+}
+
+fn follow_flag(flags: i32) -> Lookup {
+    if flags & libc::AT_SYMLINK_NOFOLLOW != 0 {
+        Lookup::NoFollow
+    } else {
+        Lookup::Follow
+    }
+}
+
+pub(super) fn sys_fstatat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, buf: u64, flags: i32) -> SysResult {
+    if flags & !(libc::AT_SYMLINK_NOFOLLOW | libc::AT_EMPTY_PATH | libc::AT_NO_AUTOMOUNT) != 0 {
+        return Err(EINVAL);
+    }
+    let st = match path_or_empty(ctx, pathp, flags)? {
+        None => fd_stat(os, dirfd)?,
+        Some(p) => path_stat(os, dirfd, &p, follow_flag(flags))?,
+    };
+    ctx.write(buf, bytes_of(&st))?;
+    Ok(0)
+}
+
+fn host_statx(dir: RawFd, name: &CStr, flags: i32, mask: u32) -> Result<[u8; STATX_SIZE], Errno> {
+    let mut b = [0u8; STATX_SIZE];
+    // SAFETY: statx writes one struct statx (256 bytes) into `b`; the name is a valid C string.
+    let r = unsafe { libc::syscall(libc::SYS_statx, dir, name.as_ptr(), flags, mask, b.as_mut_ptr()) };
+    cvt(r)?;
+    Ok(b)
+}
+
+/// struct statx from a struct stat (for engine files).
+fn statx_of(st: &libc::stat) -> [u8; STATX_SIZE] {
+    let mut b = [0u8; STATX_SIZE];
+    let mut put = |off: usize, v: &[u8]| b[off..off + v.len()].copy_from_slice(v);
+    put(0, &0x7ffu32.to_le_bytes()); // STATX_BASIC_STATS
+    put(4, &(st.st_blksize as u32).to_le_bytes());
+    put(16, &(st.st_nlink as u32).to_le_bytes());
+    put(20, &st.st_uid.to_le_bytes());
+    put(24, &st.st_gid.to_le_bytes());
+    put(28, &(st.st_mode as u16).to_le_bytes());
+    put(32, &st.st_ino.to_le_bytes());
+    put(40, &(st.st_size as u64).to_le_bytes());
+    put(48, &(st.st_blocks as u64).to_le_bytes());
+    for (off, sec, nsec) in [(64, st.st_atime, st.st_atime_nsec), (96, st.st_ctime, st.st_ctime_nsec), (112, st.st_mtime, st.st_mtime_nsec)] {
+        put(off, &sec.to_le_bytes());
+        put(off + 8, &(nsec as u32).to_le_bytes());
+    }
+    put(128, &libc::major(st.st_rdev).to_le_bytes());
+    put(132, &libc::minor(st.st_rdev).to_le_bytes());
+    put(136, &libc::major(st.st_dev).to_le_bytes());
+    put(140, &libc::minor(st.st_dev).to_le_bytes());
+    b
+}
+
+pub(super) fn sys_statx(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, flags: i32, mask: u32, buf: u64) -> SysResult {
+    let known = libc::AT_SYMLINK_NOFOLLOW | libc::AT_EMPTY_PATH | libc::AT_NO_AUTOMOUNT | libc::AT_STATX_SYNC_TYPE;
+    if flags & !known != 0 || flags & libc::AT_STATX_SYNC_TYPE == libc::AT_STATX_SYNC_TYPE {
+        return Err(EINVAL);
+    }
+    let sync = flags & libc::AT_STATX_SYNC_TYPE;
+    let b = match path_or_empty(ctx, pathp, flags)? {
+        None if dirfd == libc::AT_FDCWD => {
+            let r = lookup!(os, dirfd, b".", Lookup::Follow)?;
+            let (d, n) = host_of(&r).map_err(|_| ENOENT)?;
+            host_statx(d, n, libc::AT_SYMLINK_NOFOLLOW | sync, mask)?
+        }
+        None => {
+            let f = os.files.file(dirfd)?;
+            match f.host_fd() {
+                Some(h) => host_statx(h, c"", libc::AT_EMPTY_PATH | sync, mask)?,
+                None => statx_of(&special::file_stat(&f)?),
+            }
+        }
+        Some(p) => {
+            let mode = follow_flag(flags);
+            let r = lookup!(os, dirfd, &p, mode)?;
+            if r.is_virtual() {
+                statx_of(&special::stat(os, &r.path, mode == Lookup::Follow)?)
+            } else {
+                let (d, n) = host_of(&r)?;
+                host_statx(d, n, libc::AT_SYMLINK_NOFOLLOW | sync, mask)?
+            }
+        }
+    };
+    ctx.write(buf, &b)?;
+    Ok(0)
+}
+
+pub(super) fn sys_faccessat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, mode: i32, flags: i32) -> SysResult {
+    if mode & !(libc::R_OK | libc::W_OK | libc::X_OK) != 0
+        || flags & !(libc::AT_SYMLINK_NOFOLLOW | libc::AT_EACCESS | libc::AT_EMPTY_PATH) != 0
+    {
+        return Err(EINVAL);
+    }
+    let (st, ro) = match path_or_empty(ctx, pathp, flags)? {
+        None => {
+            let st = fd_stat(os, dirfd)?;
+            let ro = dirfd != libc::AT_FDCWD && os.files.file(dirfd)?.ro;
+            (st, ro)
+        }
+        Some(p) => {
+            let lk = follow_flag(flags);
+            let r = lookup!(os, dirfd, &p, lk)?;
+            if r.is_virtual() {
+                (special::stat(os, &r.path, lk == Lookup::Follow)?, false)
+            } else {
+                let (d, n) = host_of(&r)?;
+                (host_stat(d, n)?, !r.writable())
+            }
+        }
+    };
+    // The guest is root: read and write are allowed, execute needs some x bit (or a directory).
+    let fmt = st.st_mode & libc::S_IFMT;
+    if mode & libc::W_OK != 0 && ro && matches!(fmt, libc::S_IFREG | libc::S_IFDIR | libc::S_IFLNK) {
+        return Err(EROFS);
+    }
+    if mode & libc::X_OK != 0 && fmt != libc::S_IFDIR && st.st_mode & 0o111 == 0 {
+        return Err(EACCES);
+    }
+    Ok(0)
+}
+
+pub(super) fn sys_readlinkat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, buf: u64, size: u64) -> SysResult {
+    if (size as i64) <= 0 {
+        return Err(EINVAL);
+    }
+    let path = read_path(ctx, pathp)?;
+    if path.is_empty() {
+        return Err(ENOENT);
+    }
+    let r = lookup!(os, dirfd, &path, Lookup::NoFollow)?;
+    let target = if r.is_virtual() {
+        special::readlink(os, &r.path)?
+    } else {
+        let (d, n) = host_of(&r)?;
+        vfs::readlink_at(d, n)?
+    };
+    let n = target.len().min(size as usize);
+    ctx.write(buf, &target[..n])?;
+    Ok(n as u64)
+}
+
+pub(super) fn sys_getcwd(os: &mut GuestOs, ctx: &mut Ctx, buf: u64, size: u64) -> SysResult {
+    let mut cwd = special::cwd(os).as_bytes().to_vec();
+    cwd.push(0);
+    if (size as usize) < cwd.len() {
+        return Err(ERANGE);
+    }
+    ctx.write(buf, &cwd)?;
+    Ok(cwd.len() as u64)
+}
+
+pub(super) fn sys_chdir(os: &mut GuestOs, ctx: &mut Ctx, pathp: u64) -> SysResult {
+    let path = read_path(ctx, pathp)?;
+    let r = lookup!(os, libc::AT_FDCWD, &path, Lookup::Follow)?;
+    if r.is_virtual() {
+        let p = r.path;
+        if !matches!(special::lookup(os, &p), Some(special::Node::Dir)) {
+            return Err(if special::lookup(os, &p).is_some() { ENOTDIR } else { ENOENT });
+        }
+        os.proc.cwd = p;
+        return Ok(0);
+    }
+    let (d, n) = host_of(&r)?;
+    let name = n.to_str().map_err(|_| EINVAL)?;
+    vfs::openat2(d, name, libc::O_PATH | libc::O_DIRECTORY, 0, vfs::RESOLVE_ONE)?;
+    let p = r.path;
+    os.proc.cwd = p;
+    Ok(0)
+}
+
+pub(super) fn sys_fchdir(os: &mut GuestOs, fd: i32) -> SysResult {
+    os.proc.cwd = os.files.dir_path(fd)?;
+    Ok(0)
+}
+
+pub(super) fn sys_mkdirat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, mode: u32) -> SysResult {
+    let path = read_path(ctx, pathp)?;
+    let r = lookup!(os, dirfd, &path, Lookup::Parent)?;
+    if r.is_virtual() {
+        return Err(if special::lookup(os, &r.path).is_some() { EEXIST } else { EACCES });
+    }
+    check_creatable(&r)?;
+    let (d, n) = host_of(&r)?;
+    // SAFETY: a valid fd and C string (one component).
+    super::with_umask(os.proc.umask, || cvt(unsafe { libc::mkdirat(d, n.as_ptr(), mode & 0o7777) } as i64))
+}
+
+pub(super) fn sys_unlinkat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, flags: i32) -> SysResult {
+    if flags & !libc::AT_REMOVEDIR != 0 {
+        return Err(EINVAL);
+    }
+    let path = read_path(ctx, pathp)?;
+    let r = lookup!(os, dirfd, &path, Lookup::Parent)?;
+    if flags & libc::AT_REMOVEDIR != 0 && r.is_dir_itself() {
+        // rmdir of ".", "..", "/" or a mount point.
+        return Err(if r.path == "/" || os.vfs.mounts.iter().any(|m| m.at == r.path) { EBUSY } else { EINVAL });
+    }
+    check_writable(&r)?;
+    let (d, n) = host_of(&r)?;
+    if flags & libc::AT_REMOVEDIR == 0 && path.ends_with(b"/") {
+        // unlink("x/"): Linux refuses, whatever x is.
+        let st = host_stat(d, n)?;
+        return Err(if st.st_mode & libc::S_IFMT == libc::S_IFDIR { EISDIR } else { ENOTDIR });
+    }
+    // SAFETY: a valid fd and C string (one component).
+    cvt(unsafe { libc::unlinkat(d, n.as_ptr(), flags) } as i64)
+}
+
+pub(super) fn sys_renameat2(os: &mut GuestOs, ctx: &mut Ctx, olddir: i32, oldp: u64, newdir: i32, newp: u64, flags: u32) -> SysResult {
+    if flags & !(libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE) != 0
+        || flags == libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE
+    {
+        return Err(EINVAL);
+    }
+    let old = read_path(ctx, oldp)?;
+    let new = read_path(ctx, newp)?;
+    let ro = lookup!(os, olddir, &old, Lookup::Parent)?;
+    let rn = lookup!(os, newdir, &new, Lookup::Parent)?;
+    if ro.is_dir_itself() || rn.is_dir_itself() {
+        return Err(EBUSY);
+    }
+    check_writable(&ro)?;
+    check_writable(&rn)?;
+    let (d1, n1) = host_of(&ro)?;
+    let (d2, n2) = host_of(&rn)?;
+    // SAFETY: valid fds and C strings (one component each).
+    let r = unsafe { libc::renameat2(d1, n1.as_ptr(), d2, n2.as_ptr(), flags) };
+    cvt(r as i64)
+}
+
+pub(super) fn sys_linkat(os: &mut GuestOs, ctx: &mut Ctx, olddir: i32, oldp: u64, newdir: i32, newp: u64, flags: i32) -> SysResult {
+    if flags & !(libc::AT_SYMLINK_FOLLOW | libc::AT_EMPTY_PATH) != 0 {
+        return Err(EINVAL);
+    }
+    let new = read_path(ctx, newp)?;
+    let rn = lookup!(os, newdir, &new, Lookup::Parent)?;
+    check_creatable(&rn)?;
+    let (d2, n2) = host_of(&rn)?;
+    let r = match path_or_empty(ctx, oldp, flags)? {
+        None => {
+            let f = os.files.file(olddir)?;
+            let h = f.host_fd().ok_or(EXDEV)?;
+            if f.ro {
+                return Err(EXDEV);
+            }
+            // SAFETY: valid fds and C strings.
+            unsafe { libc::linkat(h, c"".as_ptr(), d2, n2.as_ptr(), libc::AT_EMPTY_PATH) }
+        }
+        Some(old) => {
+            let lk = if flags & libc::AT_SYMLINK_FOLLOW != 0 { Lookup::Follow } else { Lookup::Parent };
+            let ro = lookup!(os, olddir, &old, lk)?;
+            if ro.is_virtual() {
+                return Err(EXDEV);
+            }
+            if !ro.writable() {
+                return Err(EXDEV);
+            }
+            let (d1, n1) = host_of(&ro)?;
+            // SAFETY: valid fds and C strings (one component each); linkat does not follow.
+            unsafe { libc::linkat(d1, n1.as_ptr(), d2, n2.as_ptr(), 0) }
+        }
+    };
+    cvt(r as i64)
+}
+
+pub(super) fn sys_symlinkat(os: &mut GuestOs, ctx: &mut Ctx, targetp: u64, newdir: i32, linkp: u64) -> SysResult {
+    let target = read_path(ctx, targetp)?;
+    if target.is_empty() {
+        return Err(ENOENT);
+    }
+    let link = read_path(ctx, linkp)?;
+    let r = lookup!(os, newdir, &link, Lookup::Parent)?;
+    check_creatable(&r)?;
+    let (d, n) = host_of(&r)?;
+    let t = std::ffi::CString::new(target).map_err(|_| EINVAL)?;
+    // SAFETY: valid fd and C strings. The target is stored, never followed by the host.
+    cvt(unsafe { libc::symlinkat(t.as_ptr(), d, n.as_ptr()) } as i64)
+}
+
+fn host_chmod(d: RawFd, n: &CStr, mode: u32) -> Result<u64, Errno> {
+    const SYS_FCHMODAT2: libc::c_long = 452;
+    // SAFETY: valid fd and C string; AT_SYMLINK_NOFOLLOW: a symlink is refused, never followed.
+    let r = unsafe { libc::syscall(SYS_FCHMODAT2, d, n.as_ptr(), mode, libc::AT_SYMLINK_NOFOLLOW) };
+    match cvt(r) {
+        Err(e) if e == crate::guestos::ENOSYS => {
+            // Hosts before Linux 6.6: open the file itself (not following) and fchmod it.
+            let name = n.to_str().map_err(|_| EINVAL)?;
+            let fd = vfs::openat2(d, name, libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY, 0, vfs::RESOLVE_ONE)?;
+            // SAFETY: fchmod on an fd we own.
+            cvt(unsafe { libc::fchmod(fd.as_raw_fd(), mode) } as i64)
+        }
+        other => other,
+    }
+}
+
+pub(super) fn sys_fchmodat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, mode: u32, flags: i32) -> SysResult {
+    if flags & !(libc::AT_SYMLINK_NOFOLLOW | libc::AT_EMPTY_PATH) != 0 {
+        return Err(EINVAL);
+    }
+    let mode = mode & 0o7777;
+    let Some(path) = path_or_empty(ctx, pathp, flags)? else {
+        return sys_fchmod(os, dirfd, mode);
+    };
+    let r = lookup!(os, dirfd, &path, follow_flag(flags))?;
+    if r.is_virtual() {
+        return Err(if special::lookup(os, &r.path).is_some() { EACCES } else { ENOENT });
+    }
+    let (d, n) = host_of(&r)?;
+    let st = host_stat(d, n)?;
+    if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
+        return Err(EOPNOTSUPP);
+    }
+    check_writable(&r)?;
+    host_chmod(d, n, mode)
+}
+
+pub(super) fn sys_fchmod(os: &mut GuestOs, fd: i32, mode: u32) -> SysResult {
+    let f = os.files.file(fd)?;
+    match f.host_fd() {
+        Some(_) if f.ro => Err(EROFS),
+        // SAFETY: fchmod on an fd we own (O_PATH fds fail with EBADF, as in Linux).
+        Some(h) => cvt(unsafe { libc::fchmod(h, mode & 0o7777) } as i64),
+        None => Err(EACCES),
+    }
+}
+
+/// chown family: ownership is not modelled; succeed on what exists and may change.
+pub(super) fn sys_fchownat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, flags: i32) -> SysResult {
+    if flags & !(libc::AT_SYMLINK_NOFOLLOW | libc::AT_EMPTY_PATH) != 0 {
+        return Err(EINVAL);
+    }
+    let Some(path) = path_or_empty(ctx, pathp, flags)? else {
+        fd_stat(os, dirfd)?;
+        return Ok(0);
+    };
+    let r = lookup!(os, dirfd, &path, follow_flag(flags))?;
+    if r.is_virtual() {
+        special::stat(os, &r.path, false)?;
+        return Err(EACCES);
+    }
+    let (d, n) = host_of(&r)?;
+    host_stat(d, n)?;
+    check_writable(&r)?;
+    Ok(0)
+}
+
+pub(super) fn sys_truncate(os: &mut GuestOs, ctx: &mut Ctx, pathp: u64, len: i64) -> SysResult {
+    if len < 0 {
+        return Err(EINVAL);
+    }
+    let path = read_path(ctx, pathp)?;
+    let r = lookup!(os, libc::AT_FDCWD, &path, Lookup::Follow)?;
+    if r.is_virtual() {
+        return Err(if special::lookup(os, &r.path).is_some() { EACCES } else { ENOENT });
+    }
+    let (d, n) = host_of(&r)?;
+    let st = host_stat(d, n)?;
+    match st.st_mode & libc::S_IFMT {
+        libc::S_IFDIR => return Err(EISDIR),
+        libc::S_IFREG => {}
+        _ => return Err(EINVAL),
+    }
+    check_writable(&r)?;
+    let name = n.to_str().map_err(|_| EINVAL)?;
+    let fd = vfs::openat2(d, name, libc::O_WRONLY | libc::O_NONBLOCK | libc::O_NOCTTY, 0, vfs::RESOLVE_ONE)?;
+    // SAFETY: ftruncate on an fd we own.
+    cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), len) } as i64)
+}
+
+/// struct statfs as the guest sees it, with ST_RDONLY in f_flags (offset 80) for a read-only mount.
+fn statfs_bytes(s: &libc::statfs, ro: bool) -> Vec<u8> {
+    let mut b = bytes_of(s).to_vec();
+    if ro {
+        let flags = u64::from_le_bytes(b[80..88].try_into().unwrap_or_default()) | libc::ST_RDONLY;
+        b[80..88].copy_from_slice(&flags.to_le_bytes());
+    }
+    b
+}
+
+fn host_statfs(fd: RawFd) -> Result<libc::statfs, Errno> {
+    // SAFETY: a zeroed statfs is valid; fstatfs fills it.
+    let mut s: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid fd (O_PATH is fine) and out-pointer.
+    cvt(unsafe { libc::fstatfs(fd, &mut s) } as i64)?;
+    Ok(s)
+}
+
+pub(super) fn sys_statfs(os: &mut GuestOs, ctx: &mut Ctx, pathp: u64, buf: u64) -> SysResult {
+    let path = read_path(ctx, pathp)?;
+    let r = lookup!(os, libc::AT_FDCWD, &path, Lookup::Follow)?;
+    let s = if r.is_virtual() {
+        special::stat(os, &r.path, true)?;
+        statfs_bytes(&special::statfs(&r.path), false)
+    } else {
+        let (d, n) = host_of(&r)?;
+        host_stat(d, n)?;
+        statfs_bytes(&host_statfs(d)?, !r.writable())
+    };
+    ctx.write(buf, &s)?;
+    Ok(0)
+}
+
+pub(super) fn sys_fstatfs(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64) -> SysResult {
+    let f = os.files.file(fd)?;
+    let s = match f.host_fd() {
+        Some(h) => statfs_bytes(&host_statfs(h)?, f.ro),
+        None => statfs_bytes(&special::statfs(f.path.as_deref().unwrap_or("/dev")), false),
+    };
+    ctx.write(buf, &s)?;
+    Ok(0)
+}
+
+/// Set times on what `path` (or, if None, `dirfd`) names. `times`: None for "now".
+fn set_times(os: &mut GuestOs, dirfd: i32, path: Option<&[u8]>, times: Option<[libc::timespec; 2]>, flags: i32) -> SysResult {
+    let omit_all = times.is_some_and(|t| t.iter().all(|ts| ts.tv_nsec == libc::UTIME_OMIT));
+    let tp = times.as_ref().map_or(std::ptr::null(), |t| t.as_ptr());
+    let Some(path) = path else {
+        if dirfd == libc::AT_FDCWD {
+            return set_times(os, dirfd, Some(b"."), times, 0);
+        }
+        let f = os.files.file(dirfd)?;
+        let Some(h) = f.host_fd() else {
+            return Err(EACCES);
+        };
+        if omit_all {
+            return Ok(0);
+        }
+        if f.ro {
+            return Err(EROFS);
+        }
+        // SAFETY: futimens on an fd we own with a null or valid two-timespec array.
+        return cvt(unsafe { libc::futimens(h, tp) } as i64);
+    };
+    let r = lookup!(os, dirfd, path, follow_flag(flags))?;
+    if r.is_virtual() {
+        special::stat(os, &r.path, true)?;
+        return Err(EACCES);
+    }
+    let (d, n) = host_of(&r)?;
+    host_stat(d, n)?;
+    if omit_all {
+        return Ok(0);
+    }
+    check_writable(&r)?;
+    // SAFETY: valid fd, C string and a null or valid two-timespec array; never follows.
+    cvt(unsafe { libc::utimensat(d, n.as_ptr(), tp, libc::AT_SYMLINK_NOFOLLOW) } as i64)
+}
+
+fn read_timespecs(ctx: &Ctx, p: u64) -> Result<Option<[libc::timespec; 2]>, Errno> {
+    if p == 0 {
+        return Ok(None);
+    }
+    let b = ctx.read_vec(p, 32)?;
+    let w = |i: usize| i64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or_default());
+    let mut t = [libc::timespec { tv_sec: 0, tv_nsec: 0 }; 2];
+    for (i, ts) in t.iter_mut().enumerate() {
+        ts.tv_sec = w(2 * i);
+        ts.tv_nsec = w(2 * i + 1);
+        if ts.tv_nsec != libc::UTIME_NOW && ts.tv_nsec != libc::UTIME_OMIT && !(0..1_000_000_000).contains(&ts.tv_nsec) {
+            return Err(EINVAL);
+        }
+    }
+    Ok(Some(t))
+}
+
+pub(super) fn sys_utimensat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, timesp: u64, flags: i32) -> SysResult {
+    if flags & !(libc::AT_SYMLINK_NOFOLLOW | libc::AT_EMPTY_PATH) != 0 {
+        return Err(EINVAL);
+    }
+    let times = read_timespecs(ctx, timesp)?;
+    // utimensat(fd, NULL, ...) is futimens(fd).
+    let path = if pathp == 0 { None } else { path_or_empty(ctx, pathp, flags)? };
+    set_times(os, dirfd, path.as_deref(), times, flags)
+}
+
+/// utimes and futimesat: struct timeval[2] (NULL: now).
+pub(super) fn sys_utimes(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, tvp: u64) -> SysResult {
+    let times = if tvp == 0 {
+        None
+    } else {
+        let b = ctx.read_vec(tvp, 32)?;
+        let w = |i: usize| i64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or_default());
+        let mut t = [libc::timespec { tv_sec: 0, tv_nsec: 0 }; 2];
+        for (i, ts) in t.iter_mut().enumerate() {
+            let usec = w(2 * i + 1);
+            if !(0..1_000_000).contains(&usec) {
+                return Err(EINVAL);
+            }
+            ts.tv_sec = w(2 * i);
+            ts.tv_nsec = usec * 1000;
+        }
+        Some(t)
+    };
+    let path = read_path(ctx, pathp)?;
+    if path.is_empty() {
+        return Err(ENOENT);
+    }
+    set_times(os, dirfd, Some(&path), times, 0)
+}
+
+/// utime: struct utimbuf { actime, modtime } (NULL: now).
+pub(super) fn sys_utime(os: &mut GuestOs, ctx: &mut Ctx, pathp: u64, bufp: u64) -> SysResult {
+    let times = if bufp == 0 {
+        None
+    } else {
+        let b = ctx.read_vec(bufp, 16)?;
+        let w = |i: usize| i64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or_default());
+        Some([libc::timespec { tv_sec: w(0), tv_nsec: 0 }, libc::timespec { tv_sec: w(1), tv_nsec: 0 }])
+    };
+    let path = read_path(ctx, pathp)?;
+    if path.is_empty() {
+        return Err(ENOENT);
+    }
+    set_times(os, libc::AT_FDCWD, Some(&path), times, 0)
+}

@@ -1,0 +1,410 @@
+//! The trees the engine serves itself: `/dev` and `/proc`. The host's own `/dev` and `/proc` are
+//! never opened: every node here is made up from the guest's state.
+//!
+//! `/dev`: null, zero, random, urandom, stdin/stdout/stderr and fd (symlinks into /proc/self/fd).
+//! `/proc`: self (exe, cwd, root, fd/, maps, status, stat, cmdline, environ, mounts),
+//! thread-self, cpuinfo, meminfo, stat, mounts.
+//!
+//! The symlinks of these trees are named in `vfs::virtual_link` (the walk follows them); the
+//! `/proc/self/fd/N` links are "magic": following one gives the open file itself.
+
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use super::{Kind, OpenFile};
+use crate::guestos::vfs::{self, Lookup};
+use crate::guestos::{Ctx, Errno, GuestOs, EACCES, EEXIST, EINVAL, EISDIR, ENOENT, ENOTDIR};
+
+/// What a path in these trees names.
+pub enum Node {
+    Dir,
+    /// A read-only text file generated when opened.
+    File,
+    Null,
+    Zero,
+    Random,
+    /// A symlink (followed by the walk when the lookup follows).
+    Link(String),
+    /// `/proc/self/fd/N`: the guest's open fd N.
+    Fd(i32),
+}
+
+const DT_DIR: u8 = 4;
+const DT_CHR: u8 = 2;
+const DT_REG: u8 = 8;
+const DT_LNK: u8 = 10;
+
+const DEV_FILES: [(&str, u8); 8] = [
+    ("null", DT_CHR),
+    ("zero", DT_CHR),
+    ("random", DT_CHR),
+    ("urandom", DT_CHR),
+    ("stdin", DT_LNK),
+    ("stdout", DT_LNK),
+    ("stderr", DT_LNK),
+    ("fd", DT_LNK),
+];
+const PROC_FILES: [(&str, u8); 6] = [
+    ("self", DT_DIR),
+    ("thread-self", DT_LNK),
+    ("cpuinfo", DT_REG),
+    ("meminfo", DT_REG),
+    ("stat", DT_REG),
+    ("mounts", DT_LNK),
+];
+const SELF_FILES: [(&str, u8); 10] = [
+    ("exe", DT_LNK),
+    ("cwd", DT_LNK),
+    ("root", DT_LNK),
+    ("fd", DT_DIR),
+    ("maps", DT_REG),
+    ("status", DT_REG),
+    ("stat", DT_REG),
+    ("cmdline", DT_REG),
+    ("environ", DT_REG),
+    ("mounts", DT_REG),
+];
+
+/// The guest's current directory.
+pub fn cwd(os: &GuestOs) -> &str {
+    if os.proc.cwd.is_empty() {
+        "/"
+    } else {
+        &os.proc.cwd
+    }
+}
+
+/// The guest path of the running program (the target of `/proc/self/exe`), once the program
+/// loader has recorded it.
+pub fn exe(os: &GuestOs) -> Option<&str> {
+    Some(os.proc.exe.as_str()).filter(|e| !e.is_empty())
+}
+
+/// The guest's pid as its /proc files show it.
+fn pid(os: &GuestOs) -> i32 {
+    os.proc.pid
+}
+
+fn fd_number(s: &str) -> Option<i32> {
+    if s.is_empty() || s.len() > 10 || (s.len() > 1 && s.starts_with('0')) || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse().ok()
+}
+
+/// What `path` (a normalised guest path in these trees) names, if anything.
+pub fn lookup(os: &GuestOs, path: &str) -> Option<Node> {
+    if let Some(t) = vfs::virtual_link(path, cwd(os), exe(os)) {
+        return Some(Node::Link(t));
+    }
+    let node = match path {
+        "/dev" | "/proc" | "/proc/self" | "/proc/self/fd" => Node::Dir,
+        "/dev/null" => Node::Null,
+        "/dev/zero" => Node::Zero,
+        "/dev/random" | "/dev/urandom" => Node::Random,
+        "/proc/cpuinfo" | "/proc/meminfo" | "/proc/stat" => Node::File,
+        p => {
+            if let Some(name) = p.strip_prefix("/proc/self/") {
+                if SELF_FILES.iter().any(|(n, t)| *n == name && *t == DT_REG) {
+                    return Some(Node::File);
+                }
+            }
+            let n = fd_number(p.strip_prefix("/proc/self/fd/")?)?;
+            os.files.get(n).ok()?;
+            Node::Fd(n)
+        }
+    };
+    Some(node)
+}
+
+/// The entries of directory `path` (with "." and ".."), or None if it is not one.
+pub fn list(os: &GuestOs, path: &str) -> Option<Vec<(String, u8)>> {
+    let mut v: Vec<(String, u8)> = vec![(".".into(), DT_DIR), ("..".into(), DT_DIR)];
+    let fixed: &[(&str, u8)] = match path {
+        "/dev" => &DEV_FILES,
+        "/proc" => &PROC_FILES,
+        "/proc/self" => &SELF_FILES,
+        "/proc/self/fd" => {
+            v.extend(os.files.open_fds().map(|fd| (fd.to_string(), DT_LNK)));
+            return Some(v);
+        }
+        _ => return None,
+    };
+    v.extend(fixed.iter().filter(|(n, _)| !(path == "/proc/self" && *n == "exe" && exe(os).is_none())).map(|(n, t)| (n.to_string(), *t)));
+    Some(v)
+}
+
+/// Generated contents of file node `path`.
+fn content(os: &GuestOs, ctx: &Ctx, path: &str) -> Vec<u8> {
+    let s = match path {
+        "/proc/cpuinfo" => CPUINFO.to_string(),
+        "/proc/meminfo" => meminfo(ctx),
+        "/proc/stat" => PROC_STAT.to_string(),
+        "/proc/self/status" => status(os),
+        "/proc/self/stat" => {
+            let p = pid(os);
+            format!("{p} ({}) R {} {p} {p} 0 -1 4194304 0 0 0 0 0 0 0 0 20 0 1 0 0 0 0\n", comm(os), os.proc.ppid)
+        }
+        "/proc/self/mounts" => mounts(os),
+        "/proc/self/maps" => return maps(os),
+        _ => String::new(),
+    };
+    s.into_bytes()
+}
+
+const CPUINFO: &str = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 85\n\
+model name\t: collimate virtual CPU\nstepping\t: 0\ncpu MHz\t\t: 2000.000\ncache size\t: 16384 KB\n\
+physical id\t: 0\nsiblings\t: 1\ncore id\t\t: 0\ncpu cores\t: 1\napicid\t\t: 0\nfpu\t\t: yes\n\
+fpu_exception\t: yes\ncpuid level\t: 13\nwp\t\t: yes\n\
+flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr \
+sse sse2 syscall nx lm constant_tsc nopl pni pclmulqdq ssse3 cx16 sse4_1 sse4_2 popcnt aes xsave avx\n\
+bogomips\t: 4000.00\nclflush size\t: 64\ncache_alignment\t: 64\n\
+address sizes\t: 46 bits physical, 48 bits virtual\npower management:\n\n";
+
+const PROC_STAT: &str = "cpu  0 0 0 0 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0 0 0\nintr 0\nctxt 0\nbtime 0\n\
+processes 1\nprocs_running 1\nprocs_blocked 0\nsoftirq 0 0 0 0 0 0 0 0 0 0 0\n";
+
+fn meminfo(ctx: &Ctx) -> String {
+    let total = ctx.mem.size() / 1024;
+    let free = ctx.frames.end.saturating_sub(ctx.frames.next) / 1024;
+    let mut s = String::new();
+    for (k, v) in [
+        ("MemTotal:", total),
+        ("MemFree:", free),
+        ("MemAvailable:", free),
+        ("Buffers:", 0),
+        ("Cached:", 0),
+        ("SwapCached:", 0),
+        ("SwapTotal:", 0),
+        ("SwapFree:", 0),
+        ("Shmem:", 0),
+    ] {
+        s.push_str(&format!("{k:<16}{v:>8} kB\n"));
+    }
+    s
+}
+
+fn comm(os: &GuestOs) -> String {
+    let c = &os.proc.comm;
+    let n = c.iter().position(|&b| b == 0).unwrap_or(c.len());
+    if n > 0 {
+        return String::from_utf8_lossy(&c[..n]).into_owned();
+    }
+    let name = exe(os).and_then(|e| e.rsplit('/').next()).unwrap_or("guest");
+    name.chars().take(15).collect()
+}
+
+fn status(os: &GuestOs) -> String {
+    let p = pid(os);
+    let (u, g) = (os.proc.uid, os.proc.gid);
+    let groups: Vec<String> = os.proc.groups.iter().map(|g| g.to_string()).collect();
+    format!(
+        "Name:\t{}\nUmask:\t{:04o}\nState:\tR (running)\nTgid:\t{p}\nNgid:\t0\nPid:\t{p}\nPPid:\t{}\nTracerPid:\t0\n\
+Uid:\t{}\t{}\t{}\t{}\nGid:\t{}\t{}\t{}\t{}\nFDSize:\t{}\nGroups:\t{}\nThreads:\t1\n\
+SigQ:\t0/0\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000000000\nSigBlk:\t0000000000000000\n\
+SigIgn:\t0000000000000000\nSigCgt:\t0000000000000000\nCapInh:\t0000000000000000\nCapPrm:\t0000000000000000\n\
+CapEff:\t0000000000000000\nCapBnd:\t0000000000000000\nCapAmb:\t0000000000000000\nNoNewPrivs:\t1\nSeccomp:\t0\n\
+Cpus_allowed:\t1\nCpus_allowed_list:\t0\nMems_allowed:\t1\nMems_allowed_list:\t0\n\
+voluntary_ctxt_switches:\t0\nnonvoluntary_ctxt_switches:\t0\n",
+        comm(os),
+        os.proc.umask,
+        os.proc.ppid,
+        u[0],
+        u[1],
+        u[2],
+        u[3],
+        g[0],
+        g[1],
+        g[2],
+        g[3],
+        os.files.limit,
+        groups.join(" "),
+    )
+}
+
+fn mounts(os: &GuestOs) -> String {
+    let mut s = String::new();
+    for m in os.vfs.mounts.iter().rev() {
+        if m.at == "/" {
+            s.push_str("/dev/root / ext4 ro,relatime 0 0\n");
+        } else {
+            let mode = if m.writable { "rw" } else { "ro" };
+            s.push_str(&format!("tmpfs {} tmpfs {mode},relatime 0 0\n", m.at));
+        }
+    }
+    s.push_str("proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0\ndevtmpfs /dev devtmpfs rw,nosuid 0 0\n");
+    s
+}
+
+/// `/proc/self/maps`, as the address-space module writes it.
+fn maps(os: &GuestOs) -> Vec<u8> {
+    os.mm.maps().into_bytes()
+}
+
+/// Open `path` (a normalised guest path in these trees) with open(2) `flags`. `follow` tells
+/// whether the lookup followed the last component (it did not for O_NOFOLLOW).
+pub fn open(os: &GuestOs, ctx: &Ctx, path: &str, flags: i32, follow: bool) -> Result<Arc<OpenFile>, Errno> {
+    let Some(node) = lookup(os, path) else {
+        return Err(if flags & libc::O_CREAT != 0 { EACCES } else { ENOENT });
+    };
+    if flags & (libc::O_CREAT | libc::O_EXCL) == libc::O_CREAT | libc::O_EXCL {
+        return Err(EEXIST);
+    }
+    let writes = vfs::open_writes(flags);
+    let is_dir = matches!(node, Node::Dir);
+    if flags & libc::O_DIRECTORY != 0 && !is_dir && !matches!(node, Node::Fd(_) | Node::Link(_)) {
+        return Err(ENOTDIR);
+    }
+    let status = flags & (libc::O_ACCMODE | libc::O_APPEND | libc::O_NONBLOCK | libc::O_PATH);
+    let kind = match node {
+        Node::Dir if writes => return Err(EISDIR),
+        Node::Dir => Kind::VirtDir(list(os, path).unwrap_or_default()),
+        Node::File if writes => return Err(EACCES),
+        Node::File => Kind::Data(content(os, ctx, path)),
+        Node::Null => Kind::Null,
+        Node::Zero => Kind::Zero,
+        Node::Random => Kind::Random,
+        // Only reached without following (O_NOFOLLOW): open(2) refuses symlinks then.
+        Node::Link(_) => return Err(crate::guestos::ELOOP),
+        Node::Fd(_) if !follow => return Err(crate::guestos::ELOOP),
+        Node::Fd(n) => return reopen(os, n, flags),
+    };
+    Ok(Arc::new(OpenFile::new(kind, Some(path.to_string()), status)))
+}
+
+/// Opening `/proc/self/fd/N`: Linux opens the file anew (its own offset, `flags`' access mode).
+/// Files with a guest path are opened by that path; the others (pipes, memfds, captured output,
+/// engine files) share fd N's open file.
+fn reopen(os: &GuestOs, n: i32, flags: i32) -> Result<Arc<OpenFile>, Errno> {
+    let f = os.files.file(n)?;
+    if let (Kind::Host(_), Some(p)) = (&f.kind, &f.path) {
+        if !f.stream {
+            let r = os.vfs.resolve("/", p.as_bytes(), Lookup::NoFollow, exe(os))?;
+            if r.is_virtual() {
+                return Err(ENOENT);
+            }
+            let fd = os.vfs.open_resolved(&r, flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW), 0)?;
+            return Ok(Arc::new(OpenFile::host(fd, Some(r.path.clone()), !r.writable())));
+        }
+    }
+    Ok(f)
+}
+
+/// The target text of `/proc/self/fd/N` for open file `f`.
+pub fn describe(f: &OpenFile) -> String {
+    if let Some(p) = &f.path {
+        return p.clone();
+    }
+    if let Some(l) = &f.label {
+        return l.clone();
+    }
+    match &f.kind {
+        Kind::Capture(k) => format!("pipe:[{k}]"),
+        Kind::Host(fd) => {
+            // SAFETY: a zeroed stat is valid; fstat fills it.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: a valid fd we own and a valid out-pointer.
+            unsafe { libc::fstat(fd.as_raw_fd(), &mut st) };
+            match st.st_mode & libc::S_IFMT {
+                libc::S_IFIFO => format!("pipe:[{}]", st.st_ino),
+                libc::S_IFSOCK => format!("socket:[{}]", st.st_ino),
+                _ => "anon_inode:[unknown]".into(),
+            }
+        }
+        _ => "/dev/null".into(),
+    }
+}
+
+/// readlink(2) of `path` in these trees.
+pub fn readlink(os: &GuestOs, path: &str) -> Result<Vec<u8>, Errno> {
+    match lookup(os, path) {
+        Some(Node::Link(t)) => Ok(t.into_bytes()),
+        Some(Node::Fd(n)) => Ok(describe(&*os.files.file(n)?).into_bytes()),
+        Some(_) => Err(EINVAL),
+        None => Err(ENOENT),
+    }
+}
+
+/// A made-up inode number for an engine node.
+fn ino_of(path: &str) -> u64 {
+    // FNV-1a: stable across runs and hosts.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in path.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+    }
+    h & 0x7fff_ffff
+}
+
+/// A stat of an engine-made object.
+pub fn synth_stat(mode: u32, ino: u64, rdev: u64, size: i64, dev: u64) -> libc::stat {
+    // SAFETY: libc::stat is plain data; all-zero is valid.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    st.st_mode = mode;
+    st.st_ino = ino;
+    st.st_rdev = rdev;
+    st.st_size = size;
+    st.st_dev = dev;
+    st.st_nlink = if mode & libc::S_IFMT == libc::S_IFDIR { 2 } else { 1 };
+    st.st_blksize = 4096;
+    st
+}
+
+fn tree_dev(path: &str) -> u64 {
+    if vfs::is_under(path, "/dev") {
+        libc::makedev(0, 5)
+    } else {
+        libc::makedev(0, 22)
+    }
+}
+
+/// stat(2) (`follow`) or lstat(2) of `path` in these trees.
+pub fn stat(os: &GuestOs, path: &str, follow: bool) -> Result<libc::stat, Errno> {
+    let node = lookup(os, path).ok_or(ENOENT)?;
+    let (ino, dev) = (ino_of(path), tree_dev(path));
+    let chr = |minor| synth_stat(libc::S_IFCHR | 0o666, ino, libc::makedev(1, minor), 0, dev);
+    Ok(match node {
+        Node::Dir => synth_stat(libc::S_IFDIR | 0o555, ino, 0, 0, dev),
+        Node::File => synth_stat(libc::S_IFREG | 0o444, ino, 0, 0, dev),
+        Node::Null => chr(3),
+        Node::Zero => chr(5),
+        Node::Random => chr(if path.ends_with("urandom") { 9 } else { 8 }),
+        Node::Link(t) => synth_stat(libc::S_IFLNK | 0o777, ino, 0, t.len() as i64, dev),
+        Node::Fd(n) if follow => file_stat(&*os.files.file(n)?)?,
+        Node::Fd(n) => synth_stat(libc::S_IFLNK | 0o700, ino, 0, describe(&*os.files.file(n)?).len() as i64, dev),
+    })
+}
+
+/// fstat(2) of any open file.
+pub fn file_stat(f: &OpenFile) -> Result<libc::stat, Errno> {
+    let path = f.path.as_deref().unwrap_or("");
+    let (ino, dev) = (ino_of(path), tree_dev(path));
+    Ok(match &f.kind {
+        Kind::Host(fd) => {
+            // SAFETY: a zeroed stat is valid; fstat fills it.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: a valid fd we own and a valid out-pointer.
+            if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+                return Err(Errno::last());
+            }
+            st
+        }
+        // Captured output looks like the pipe it is read through.
+        Kind::Capture(k) => synth_stat(libc::S_IFIFO | 0o600, *k as u64, 0, 0, libc::makedev(0, 13)),
+        Kind::Null => synth_stat(libc::S_IFCHR | 0o666, ino, libc::makedev(1, 3), 0, dev),
+        Kind::Zero => synth_stat(libc::S_IFCHR | 0o666, ino, libc::makedev(1, 5), 0, dev),
+        Kind::Random => synth_stat(libc::S_IFCHR | 0o666, ino, libc::makedev(1, 9), 0, dev),
+        Kind::Data(_) => synth_stat(libc::S_IFREG | 0o444, ino, 0, 0, dev),
+        Kind::VirtDir(_) => synth_stat(libc::S_IFDIR | 0o555, ino, 0, 0, dev),
+    })
+}
+
+/// statfs(2) of a node of these trees.
+pub fn statfs(path: &str) -> libc::statfs {
+    // SAFETY: libc::statfs is plain data; all-zero is valid.
+    let mut s: libc::statfs = unsafe { std::mem::zeroed() };
+    s.f_type = if vfs::is_under(path, "/dev") { 0x0102_1994 } else { 0x9fa0 };
+    s.f_bsize = 4096;
+    s.f_namelen = 255;
+    s.f_frsize = 4096;
+    s
+}
