@@ -4,5 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh   # idempotent: installs what is missing, rebuilds the extension if needed
+# The python template's root filesystem (cached; the Linux-guest tests run CPython and busybox from it).
+COLLIMATE_ROOTFS=$(python3 guest/rootfs/build.py)
+export COLLIMATE_ROOTFS
 cargo test --release -p collimate-engine
 python3 -m pytest -q tests/

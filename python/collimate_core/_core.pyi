@@ -122,6 +122,10 @@ class Vm:
         """One copy-on-write child: `fork(1)[0]`."""
     def reset(self) -> _ResetStats:
         """Return to the snapshot this VM was restored or cloned from."""
+    def upload(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Write a file into a Linux guest's file system (/tmp and /work), byte-exact."""
+    def download(self, path: str) -> bytes:
+        """Read a file of a Linux guest's file system, byte-exact."""
     def read_mem(self, addr: int, n: int) -> bytes: ...
     def write_mem(self, addr: int, data: bytes) -> None: ...
     def regs(self) -> _Regs: ...

@@ -155,6 +155,10 @@ impl Vm {
             return Err(vm.died(format!("send failed: {e}")));
         }
         match vm.recv(CONTROL_TIMEOUT)? {
+            Response::Ready { linux: true, .. } if vm.stdio.is_none() => {
+                vm.attach_stdio()?;
+                Ok(vm)
+            }
             Response::Ready { .. } => Ok(vm),
             other => Err(Error::Protocol(format!("expected Ready, got {other:?}"))),
         }
@@ -310,18 +314,26 @@ impl Vm {
         if self.stdio.is_some() {
             // Each sandbox has its own stdout/stderr: give every child new pipes.
             for child in &mut children {
-                let (stdio, ends) = Stdio::new()?;
-                if let Err(e) = child.chan.send(&Request::SetStdio, &[ends[0].as_raw_fd(), ends[1].as_raw_fd()]) {
-                    return Err(child.died(format!("send failed: {e}")));
-                }
-                drop(ends);
-                match child.recv(CONTROL_TIMEOUT)? {
-                    Response::Ok => child.stdio = Some(stdio),
-                    other => return Err(Error::Protocol(format!("expected Ok, got {other:?}"))),
-                }
+                child.attach_stdio()?;
             }
         }
         Ok(children)
+    }
+
+    /// Give this (Linux) VM new stdout/stderr pipes.
+    fn attach_stdio(&mut self) -> Result<()> {
+        let (stdio, ends) = Stdio::new()?;
+        if let Err(e) = self.chan.send(&Request::SetStdio, &[ends[0].as_raw_fd(), ends[1].as_raw_fd()]) {
+            return Err(self.died(format!("send failed: {e}")));
+        }
+        drop(ends);
+        match self.recv(CONTROL_TIMEOUT)? {
+            Response::Ok => {
+                self.stdio = Some(stdio);
+                Ok(())
+            }
+            other => Err(Error::Protocol(format!("expected Ok, got {other:?}"))),
+        }
     }
 
     /// Keep `n` pre-forked children of this paused VM ready, so a fork costs only the hand-over.
@@ -341,6 +353,19 @@ impl Vm {
         match self.call(&Request::Reset, CONTROL_TIMEOUT)? {
             Response::Reset(s) => Ok(s),
             other => Err(Error::Protocol(format!("expected Reset, got {other:?}"))),
+        }
+    }
+
+    /// Write a file into the guest's file system (a Linux guest's writable mounts), byte-exact.
+    pub fn upload(&mut self, path: &str, data: &[u8], mode: u32) -> Result<()> {
+        self.expect_ok(&Request::Upload { path: path.to_string(), data: data.to_vec(), mode })
+    }
+
+    /// Read a file of the guest's file system, byte-exact.
+    pub fn download(&mut self, path: &str) -> Result<Vec<u8>> {
+        match self.call(&Request::Download { path: path.to_string() }, CONTROL_TIMEOUT)? {
+            Response::File(d) => Ok(d),
+            other => Err(Error::Protocol(format!("expected File, got {other:?}"))),
         }
     }
 
@@ -420,8 +445,10 @@ impl Vm {
                     }
                 }
             }
-            Process::Gone => {}
+            Process::Gone => return,
         }
+        // The sandbox's private writable directories (if it had any) go with it.
+        let _ = std::fs::remove_dir_all(crate::guestos::persist::vm_dir(self.pid));
     }
 }
 

@@ -23,7 +23,7 @@ use crate::vmm::RuntimeState;
 use crate::vstate::vcpu::VcpuState;
 
 pub const MAGIC: &[u8; 8] = b"CLMTSNAP";
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 pub const STATE_FILE: &str = "vm.state";
 pub const MEMORY_FILE: &str = "vm.mem";
 const HEADER: usize = 20;
@@ -34,6 +34,9 @@ pub struct SnapshotState {
     pub mem_size: u64,
     pub vcpu: VcpuState,
     pub runtime: RuntimeState,
+    /// The Linux personality's state, for VMs running a Linux program; the writable mounts'
+    /// contents are in `fs/` beside the state file.
+    pub os: Option<crate::guestos::persist::OsState>,
 }
 
 pub fn encode(state: &SnapshotState) -> Result<Vec<u8>> {
@@ -121,6 +124,7 @@ mod tests {
                 aspace: AddressSpace { root: 0x200000 },
                 enosys: 0,
             },
+            os: None,
         }
     }
 

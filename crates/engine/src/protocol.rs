@@ -28,6 +28,11 @@ pub enum Request {
     /// Keep `n` pre-forked children ready so that `Fork` answers without creating a VM.
     SparePool { n: u32 },
     Reset,
+    /// Write a file into a Linux guest's file system (writable mounts only), byte-exact; parent
+    /// directories are created.
+    Upload { path: String, data: Vec<u8>, mode: u32 },
+    /// Read a file of a Linux guest's file system, byte-exact.
+    Download { path: String },
     ReadMem { gva: u64, len: u64 },
     WriteMem { gva: u64, data: Vec<u8> },
     GetRegs,
@@ -55,7 +60,12 @@ impl Request {
     pub fn changes_guest(&self) -> bool {
         matches!(
             self,
-            Request::Run { .. } | Request::Reset | Request::WriteMem { .. } | Request::SetRegs(_) | Request::SetStdio
+            Request::Run { .. }
+                | Request::Reset
+                | Request::WriteMem { .. }
+                | Request::SetRegs(_)
+                | Request::SetStdio
+                | Request::Upload { .. }
         )
     }
 }
@@ -64,11 +74,12 @@ impl Request {
 pub enum Response {
     Ok,
     /// Sent by a new VMM process (launched or forked) once its VM is ready to run.
-    Ready { pid: i32 },
+    Ready { pid: i32, linux: bool },
     Run(RunResult),
     Forked { pids: Vec<i32> },
     Reset(ResetStats),
     Mem(Vec<u8>),
+    File(Vec<u8>),
     Regs(kvm_regs),
     VcpuState(Box<VcpuState>),
     MemStats(MemStats),

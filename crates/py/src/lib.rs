@@ -418,6 +418,20 @@ impl PyVm {
         Ok(out)
     }
 
+    /// Writes a file into a Linux guest's file system (/tmp and /work), byte-exact.
+    #[pyo3(signature = (path, data, mode = 0o644))]
+    fn upload(&self, py: Python<'_>, path: String, data: PyBackedBytes, mode: u32) -> PyResult<()> {
+        let op = format!("Vm.upload({path:?})");
+        self.with(py, &op, |vm| Ok(vm.upload(&path, &data, mode)?))
+    }
+
+    /// Reads a file of a Linux guest's file system, byte-exact.
+    fn download<'py>(&self, py: Python<'py>, path: String) -> PyResult<Bound<'py, PyBytes>> {
+        let op = format!("Vm.download({path:?})");
+        let data = self.with(py, &op, |vm| Ok(vm.download(&path)?))?;
+        Ok(PyBytes::new(py, &data))
+    }
+
     fn read_mem<'py>(&self, py: Python<'py>, addr: u64, n: usize) -> PyResult<Bound<'py, PyBytes>> {
         let op = format!("Vm.read_mem({addr:#x}, {n})");
         let data = self.with(py, &op, |vm| Ok(vm.read_mem(addr, n)?))?;

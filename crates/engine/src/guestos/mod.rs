@@ -15,6 +15,7 @@ pub mod exec;
 pub mod files;
 pub mod misc;
 pub mod mm;
+pub mod persist;
 pub mod vfs;
 
 use std::collections::BTreeMap;
@@ -66,6 +67,12 @@ impl Errno {
     pub fn last() -> Errno {
         Errno::from_io(&std::io::Error::last_os_error())
     }
+}
+
+fn errno_error(op: &str, path: &str, e: Errno) -> crate::Error {
+    let msg = std::io::Error::from_raw_os_error(e.0);
+    let hint = if e == EROFS { " (only /tmp and /work are writable)" } else { "" };
+    crate::Error::InvalidArgument(format!("{op} {path}: {msg}{hint}"))
 }
 
 /// What a syscall returns to the guest: a value for rax, or an errno (returned as -errno).
@@ -157,6 +164,71 @@ pub struct GuestOs {
 }
 
 impl GuestOs {
+    /// A process with nothing loaded yet: the standard fds, default settings, the given view.
+    pub fn new(vfs: vfs::Vfs) -> GuestOs {
+        GuestOs {
+            mm: Default::default(),
+            files: Default::default(),
+            vfs,
+            proc: Default::default(),
+            enosys: Default::default(),
+            stdio: None,
+        }
+    }
+
+    /// Write `data` to guest path `path` (creating parent directories), as the host.
+    pub fn upload(&self, path: &str, data: &[u8], mode: u32) -> crate::error::Result<()> {
+        use std::io::Write;
+        let abs = vfs::join("/", path.as_bytes()).map_err(|e| errno_error("upload", path, e))?;
+        let mut parents = Vec::new();
+        let mut p = std::path::Path::new(&abs).parent();
+        while let Some(d) = p {
+            if d.as_os_str() == "/" {
+                break;
+            }
+            parents.push(d.to_string_lossy().into_owned());
+            p = d.parent();
+        }
+        for d in parents.iter().rev() {
+            match self.vfs.open("/", d.as_bytes(), libc::O_PATH | libc::O_DIRECTORY, 0) {
+                Ok(_) => {}
+                Err(_) => self.mkdir(d).map_err(|e| errno_error("upload", d, e))?,
+            }
+        }
+        let fd = self
+            .vfs
+            .open("/", abs.as_bytes(), libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC, mode & 0o7777)
+            .map_err(|e| errno_error("upload", &abs, e))?;
+        let mut f = std::fs::File::from(fd);
+        f.write_all(data).map_err(crate::Error::sys("write uploaded file"))?;
+        Ok(())
+    }
+
+    fn mkdir(&self, path: &str) -> std::result::Result<(), Errno> {
+        let (parent, name) = path.rsplit_once('/').ok_or(EINVAL)?;
+        let parent = if parent.is_empty() { "/" } else { parent };
+        let dir = self.vfs.open("/", parent.as_bytes(), libc::O_PATH | libc::O_DIRECTORY, 0)?;
+        let c = std::ffi::CString::new(name).map_err(|_| EINVAL)?;
+        // SAFETY: mkdirat relative to a directory fd we own, with a valid C string.
+        if unsafe { libc::mkdirat(std::os::fd::AsRawFd::as_raw_fd(&dir), c.as_ptr(), 0o755) } != 0 {
+            let e = Errno::last();
+            if e != EEXIST {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Read guest path `path`, as the host.
+    pub fn download(&self, path: &str) -> crate::error::Result<Vec<u8>> {
+        use std::io::Read;
+        let fd = self.vfs.open("/", path.as_bytes(), libc::O_RDONLY, 0).map_err(|e| errno_error("download", path, e))?;
+        let mut f = std::fs::File::from(fd);
+        let mut out = Vec::new();
+        f.read_to_end(&mut out).map_err(crate::Error::sys("read downloaded file"))?;
+        Ok(out)
+    }
+
     /// Make `fds` (pipe write ends from the controller: stdout, stderr) the guest's fds 1 and 2,
     /// replacing every descriptor that referred to the previous ones.
     pub fn set_stdio(&mut self, fds: Vec<std::os::fd::OwnedFd>) -> crate::error::Result<()> {

@@ -52,6 +52,8 @@ pub struct Mount {
     pub at: String,
     pub dir: OwnedFd,
     pub writable: bool,
+    /// The host directory (for snapshots and for giving a forked sandbox its own copy).
+    pub host: std::path::PathBuf,
 }
 
 /// The sandbox's file system view.
@@ -262,7 +264,7 @@ impl Vfs {
     /// A view whose root is the host directory `root` (read-only).
     pub fn new(root: &Path) -> std::io::Result<Vfs> {
         let mut v = Vfs::default();
-        v.mounts.push(Mount { at: "/".into(), dir: open_dir(root)?, writable: false });
+        v.mounts.push(Mount { at: "/".into(), dir: open_dir(root)?, writable: false, host: root.to_path_buf() });
         Ok(v)
     }
 
@@ -273,8 +275,9 @@ impl Vfs {
         if let Some(m) = self.mounts.iter_mut().find(|m| m.at == at) {
             m.dir = dir;
             m.writable = writable;
+            m.host = host.to_path_buf();
         } else {
-            self.mounts.push(Mount { at, dir, writable });
+            self.mounts.push(Mount { at, dir, writable, host: host.to_path_buf() });
         }
         self.mounts.sort_by_key(|m| std::cmp::Reverse(m.at.len()));
         Ok(())

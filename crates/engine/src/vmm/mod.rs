@@ -9,7 +9,7 @@
 mod syscalls;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvm_bindings::{CpuId, KVM_MAX_CPUID_ENTRIES};
@@ -56,6 +56,9 @@ pub struct Machine {
     /// The state `reset` returns to: the snapshot this VM (or its ancestor) was restored from. `None`
     /// for a booted VM, whose memory file holds nothing to return to.
     reset_point: Option<(VcpuState, RuntimeState)>,
+    /// For a Linux guest restored from a snapshot: the OS state and the snapshot directory whose
+    /// `fs/` holds the writable mounts' contents, which `reset` copies back.
+    os_reset_point: Option<(crate::guestos::persist::OsState, PathBuf)>,
     preempter: Preempter,
     exited: Option<i32>,
     /// The Linux personality, for VMs that run Linux programs (`spawn`); `None` for the engine's
@@ -132,6 +135,7 @@ impl Machine {
             preempter: Preempter::new()?,
             exited: None,
             os: None,
+            os_reset_point: None,
         })
     }
 
@@ -180,6 +184,15 @@ impl Machine {
         let vcpu = new_vcpu(&vm, &cpuid)?;
         state.vcpu.restore(&vcpu)?;
         let msr_list = supported_msrs(&vcpu, regs::SNAPSHOT_MSRS);
+        let (os, os_reset_point) = match state.os {
+            Some(os_state) => {
+                // SAFETY: getpid cannot fail.
+                let pid = unsafe { libc::getpid() };
+                let os = restore_os(&os_state, dir, &crate::guestos::persist::vm_dir(pid))?;
+                (Some(os), Some((os_state, dir.to_path_buf())))
+            }
+            None => (None, None),
+        };
         Ok(Machine {
             vcpu,
             vm,
@@ -191,8 +204,14 @@ impl Machine {
             reset_point: Some((state.vcpu, state.runtime)),
             preempter: Preempter::new()?,
             exited: None,
-            os: None,
+            os,
+            os_reset_point,
         })
+    }
+
+    /// Whether this VM runs a Linux program (and so has stdio pipes).
+    pub fn is_linux(&self) -> bool {
+        self.os.is_some()
     }
 
     /// Capture the vCPU. kvm_pvm reads XCR0 back as 0 after we set it (AVX keeps working); an XCR0
@@ -353,7 +372,11 @@ impl Machine {
     pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(Error::sys("create snapshot directory"))?;
         self.sync_dirty()?;
-        let state = SnapshotState { mem_size: self.mem.size(), vcpu: self.capture()?, runtime: self.runtime.clone() };
+        let os = match &self.os {
+            Some(os) => Some(crate::guestos::persist::OsState::capture(os, Some(&dir.join("fs")))?),
+            None => None,
+        };
+        let state = SnapshotState { mem_size: self.mem.size(), vcpu: self.capture()?, runtime: self.runtime.clone(), os };
         // Write beside, then rename: `dir` may be the snapshot this VM maps, and truncating a mapped
         // file under a running guest would fault it.
         let tmp = dir.join(format!(".{}.tmp", persist::MEMORY_FILE));
@@ -374,6 +397,14 @@ impl Machine {
         vcpu.restore(&self.vcpu)?;
         self.runtime = runtime;
         self.exited = None;
+        if let (Some((os_state, snap)), Some(os)) = (&self.os_reset_point, self.os.as_mut()) {
+            // SAFETY: getpid cannot fail.
+            let pid = unsafe { libc::getpid() };
+            let stdio = os.stdio.take();
+            let mut fresh = restore_os(os_state, snap, &crate::guestos::persist::vm_dir(pid))?;
+            fresh.stdio = stdio;
+            *os = fresh;
+        }
         Ok(ResetStats { dirty_pages, duration: start.elapsed() })
     }
 
@@ -410,6 +441,22 @@ impl Machine {
         std::mem::forget(std::mem::replace(&mut self.preempter, Preempter::new()?));
         Ok(())
     }
+}
+
+/// Rebuild a Linux guest's OS state from a snapshot in `dir`, with private copies of its writable
+/// mounts (from `dir/fs/m<i>`) under `vm_dir`.
+fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, vm_dir: &Path) -> Result<GuestOs> {
+    let mut dirs = Vec::new();
+    for i in 0..state.mounts.len() {
+        let (src, dst) = (dir.join("fs").join(format!("m{i}")), vm_dir.join(format!("m{i}")));
+        let _ = std::fs::remove_dir_all(&dst);
+        crate::guestos::persist::copy_tree(&src, &dst).map_err(|e| Error::SnapshotCorrupt {
+            path: src.display().to_string(),
+            reason: format!("cannot copy the writable mount: {e}"),
+        })?;
+        dirs.push(dst);
+    }
+    state.rebuild(&dirs)
 }
 
 /// Private_Clean + Private_Dirty of this process, in bytes.
@@ -560,11 +607,19 @@ fn set_idle_priority(idle: bool) {
 }
 
 fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel) -> ! {
-    match m.rebuild_after_fork(state) {
+    // SAFETY: getpid cannot fail.
+    let pid = unsafe { libc::getpid() };
+    // A forked sandbox gets its own copy of the writable mounts.
+    let privatized = match m.os.as_mut() {
+        Some(os) => crate::guestos::persist::privatize(os, &crate::guestos::persist::vm_dir(pid)),
+        None => Ok(()),
+    };
+    match privatized.and_then(|_| m.rebuild_after_fork(state)) {
         Ok(()) => {
             // SAFETY: getpid cannot fail.
             let pid = unsafe { libc::getpid() };
-            reply(&mut chan, Ok(Response::Ready { pid }));
+            let linux = m.is_linux();
+            reply(&mut chan, Ok(Response::Ready { pid, linux }));
         }
         Err(e) => {
             reply(&mut chan, Err(e));
@@ -619,6 +674,14 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no stdio".into())),
             },
             Request::Reset => m.reset().map(Response::Reset),
+            Request::Upload { path, data, mode } => match m.os.as_ref() {
+                Some(os) => os.upload(&path, &data, mode).map(|_| Response::Ok),
+                None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no files".into())),
+            },
+            Request::Download { path } => match m.os.as_ref() {
+                Some(os) => os.download(&path).map(Response::File),
+                None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no files".into())),
+            },
             Request::ReadMem { gva, len } => m.read_mem(gva, len).map(Response::Mem),
             Request::WriteMem { gva, data } => m.write_mem(gva, &data).map(|_| Response::Ok),
             Request::GetRegs => m.vcpu.get_regs().map(Response::Regs).map_err(Error::kvm("KVM_GET_REGS")),
@@ -664,7 +727,8 @@ pub fn serve_fd(fd: RawFd) -> ! {
         Ok(mut m) => {
             // SAFETY: getpid cannot fail.
             let pid = unsafe { libc::getpid() };
-            reply(&mut chan, Ok(Response::Ready { pid }));
+            let linux = m.is_linux();
+            reply(&mut chan, Ok(Response::Ready { pid, linux }));
             serve(&mut m, chan)
         }
         Err(e) => {

@@ -1,0 +1,256 @@
+//! The Linux personality's state in snapshots, and each sandbox's private writable directories.
+//!
+//! A snapshot of a Linux guest carries, besides memory and vCPU: the address-space bookkeeping
+//! ([`Mm`]), the process settings ([`Proc`]), the fd table as descriptions that can be reopened
+//! (guest path, open flags, offset), and a copy of every writable mount (`fs/m<i>/` beside the state
+//! file). Host pipes, sockets and memfds cannot be reopened, so a snapshot with one open says which
+//! fd it is and refuses.
+//!
+//! Writable mounts are host directories. A sandbox made from a snapshot, or forked from another
+//! sandbox, gets its own copy in its runtime directory ([`vm_dir`]), so sandboxes never see each
+//! other's files; the controller deletes that directory when it destroys the sandbox.
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::files::{Files, Kind, OpenFile};
+use super::misc::Proc;
+use super::mm::Mm;
+use super::vfs::Vfs;
+use super::GuestOs;
+use crate::error::{Error, Result};
+
+/// One open file description, as it can be recreated.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub enum FileState {
+    /// A file or directory reopened by guest path with these status flags, at this offset.
+    Path { path: String, flags: i32, offset: u64, dir: bool },
+    Capture(u8),
+    Null,
+    Zero,
+    Random,
+    Data { bytes: Vec<u8>, pos: u64, path: Option<String> },
+    VirtDir { entries: Vec<(String, u8)>, path: Option<String> },
+}
+
+/// A guest process's OS state, serializable.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct OsState {
+    pub mm: Mm,
+    pub proc: Proc,
+    pub enosys: BTreeMap<u64, u64>,
+    /// Descriptions, and the fd table as (fd, index into `files`, cloexec): dup'd fds share.
+    pub files: Vec<FileState>,
+    pub fds: Vec<(i32, u32, bool)>,
+    /// Host path of the read-only root filesystem.
+    pub root: PathBuf,
+    /// Writable mounts: guest path; their contents are in the snapshot's `fs/m<i>/`.
+    pub mounts: Vec<String>,
+}
+
+/// Where sandboxes keep their private writable directories: `$COLLIMATE_RUNTIME_DIR`, else a
+/// directory in /dev/shm (memory-backed: forks copy these trees), else in the temp directory.
+pub fn runtime_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("COLLIMATE_RUNTIME_DIR") {
+        return PathBuf::from(d);
+    }
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        return shm.join("collimate");
+    }
+    std::env::temp_dir().join("collimate-runtime")
+}
+
+/// The private directory of the sandbox whose VMM process is `pid`.
+pub fn vm_dir(pid: i32) -> PathBuf {
+    runtime_dir().join(format!("vm-{pid}"))
+}
+
+/// Copy a directory tree: directories, regular files (contents and mode) and symlinks. Hard links
+/// become separate files.
+pub fn copy_tree(src: &Path, dst: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::symlink_metadata(src)?;
+    std::fs::create_dir_all(dst)?;
+    std::fs::set_permissions(dst, std::fs::Permissions::from_mode(meta.permissions().mode()))?;
+    for entry in std::fs::read_dir(src)? {
+        let entry = entry?;
+        let (from, to) = (entry.path(), dst.join(entry.file_name()));
+        let ft = entry.file_type()?;
+        if ft.is_dir() {
+            copy_tree(&from, &to)?;
+        } else if ft.is_symlink() {
+            std::os::unix::fs::symlink(std::fs::read_link(&from)?, &to)?;
+        } else if ft.is_file() {
+            std::fs::copy(&from, &to)?;
+        }
+    }
+    Ok(())
+}
+
+fn lost(what: String) -> Error {
+    Error::InvalidArgument(what)
+}
+
+impl OsState {
+    /// Capture `os`. With `fs_dir`, copy the writable mounts' contents there (`m0`, `m1`, ...).
+    pub fn capture(os: &GuestOs, fs_dir: Option<&Path>) -> Result<OsState> {
+        let mut index: HashMap<*const OpenFile, u32> = HashMap::new();
+        let mut files = Vec::new();
+        let mut fds = Vec::new();
+        for fd in os.files.open_fds() {
+            let slot = os.files.get(fd).map_err(|_| lost(format!("fd {fd} vanished")))?;
+            let key = Arc::as_ptr(&slot.file);
+            let i = match index.get(&key) {
+                Some(&i) => i,
+                None => {
+                    files.push(describe(fd, &slot.file)?);
+                    index.insert(key, files.len() as u32 - 1);
+                    files.len() as u32 - 1
+                }
+            };
+            fds.push((fd, i, slot.cloexec));
+        }
+        let root = os
+            .vfs
+            .mounts
+            .iter()
+            .find(|m| m.at == "/")
+            .map(|m| m.host.clone())
+            .ok_or_else(|| lost("the sandbox has no root mount".into()))?;
+        let writable: Vec<_> = os.vfs.mounts.iter().filter(|m| m.writable).collect();
+        if let Some(dir) = fs_dir {
+            let _ = std::fs::remove_dir_all(dir);
+            for (i, m) in writable.iter().enumerate() {
+                copy_tree(&m.host, &dir.join(format!("m{i}"))).map_err(Error::sys("copy a writable mount into the snapshot"))?;
+            }
+        }
+        Ok(OsState {
+            mm: os.mm.clone(),
+            proc: os.proc.clone(),
+            enosys: os.enosys.clone(),
+            files,
+            fds,
+            root,
+            mounts: writable.iter().map(|m| m.at.clone()).collect(),
+        })
+    }
+
+    /// A `GuestOs` in this state whose writable mounts are the host directories `mount_dirs`
+    /// (one per entry of `mounts`, already holding the right contents).
+    pub fn rebuild(&self, mount_dirs: &[PathBuf]) -> Result<GuestOs> {
+        let mut vfs = Vfs::new(&self.root).map_err(Error::sys("open the sandbox root"))?;
+        for (at, dir) in self.mounts.iter().zip(mount_dirs) {
+            vfs.mount(at, dir, true).map_err(Error::sys("open a sandbox mount"))?;
+        }
+        let mut os = GuestOs::new(vfs);
+        os.mm = self.mm.clone();
+        os.proc = self.proc.clone();
+        os.enosys = self.enosys.clone();
+        os.files = reopen(&os.vfs, &self.files, &self.fds)?;
+        Ok(os)
+    }
+}
+
+fn describe(fd: i32, f: &OpenFile) -> Result<FileState> {
+    let flags = f.status_flags().map_err(|e| lost(format!("fd {fd}: errno {}", e.0)))?;
+    Ok(match &f.kind {
+        Kind::Host(h) => {
+            let Some(path) = f.path.clone() else {
+                return Err(lost(format!(
+                    "fd {fd} is a pipe, socket or memfd, which a snapshot cannot hold; close it before snapshotting"
+                )));
+            };
+            // SAFETY: lseek on a descriptor we own; a pipe would fail, but those have no path.
+            let off = unsafe { libc::lseek(h.as_raw_fd(), 0, libc::SEEK_CUR) };
+            FileState::Path { path, flags, offset: off.max(0) as u64, dir: f.dir }
+        }
+        Kind::Capture(k) => FileState::Capture(*k),
+        Kind::Null => FileState::Null,
+        Kind::Zero => FileState::Zero,
+        Kind::Random => FileState::Random,
+        Kind::Data(b) => FileState::Data { bytes: b.clone(), pos: f.pos.load(Ordering::Relaxed), path: f.path.clone() },
+        Kind::VirtDir(e) => FileState::VirtDir { entries: e.clone(), path: f.path.clone() },
+    })
+}
+
+fn reopen(vfs: &Vfs, files: &[FileState], fds: &[(i32, u32, bool)]) -> Result<Files> {
+    let mut opened: Vec<Arc<OpenFile>> = Vec::with_capacity(files.len());
+    for f in files {
+        let file = match f {
+            FileState::Path { path, flags, offset, dir } => {
+                let open_flags = (flags & !(libc::O_CREAT | libc::O_TRUNC | libc::O_EXCL)) | if *dir { libc::O_DIRECTORY } else { 0 };
+                let host = vfs
+                    .open("/", path.as_bytes(), open_flags, 0)
+                    .map_err(|e| lost(format!("cannot reopen {path}: {}", std::io::Error::from_raw_os_error(e.0))))?;
+                if !dir {
+                    // SAFETY: lseek on the descriptor just opened.
+                    unsafe { libc::lseek(host.as_raw_fd(), *offset as i64, libc::SEEK_SET) };
+                }
+                let ro = !vfs.mounts.iter().any(|m| m.writable && path.starts_with(&m.at));
+                OpenFile::host(host, Some(path.clone()), ro)
+            }
+            FileState::Capture(k) => OpenFile::new(Kind::Capture(*k), None, libc::O_WRONLY),
+            FileState::Null => OpenFile::new(Kind::Null, Some("/dev/null".into()), libc::O_RDWR),
+            FileState::Zero => OpenFile::new(Kind::Zero, Some("/dev/zero".into()), libc::O_RDWR),
+            FileState::Random => OpenFile::new(Kind::Random, Some("/dev/urandom".into()), libc::O_RDWR),
+            FileState::Data { bytes, pos, path } => {
+                let o = OpenFile::new(Kind::Data(bytes.clone()), path.clone(), libc::O_RDONLY);
+                o.pos.store(*pos, Ordering::Relaxed);
+                o
+            }
+            FileState::VirtDir { entries, path } => OpenFile::new(Kind::VirtDir(entries.clone()), path.clone(), libc::O_RDONLY),
+        };
+        opened.push(Arc::new(file));
+    }
+    let mut table = Files::empty();
+    for &(fd, i, cloexec) in fds {
+        let file = opened.get(i as usize).ok_or_else(|| lost(format!("fd {fd} names description {i}")))?;
+        table.install(fd, file.clone(), cloexec).map_err(|e| lost(format!("fd {fd}: errno {}", e.0)))?;
+    }
+    Ok(table)
+}
+
+/// Give `os` private copies of its writable mounts under `dir` (a forked sandbox must not share
+/// files with its parent), and reopen the files it has open in them. Other open files (the root
+/// filesystem, pipes, engine files) stay shared, as after a Linux fork.
+pub fn privatize(os: &mut GuestOs, dir: &Path) -> Result<()> {
+    let writable: Vec<(String, PathBuf)> =
+        os.vfs.mounts.iter().filter(|m| m.writable).map(|m| (m.at.clone(), m.host.clone())).collect();
+    for (i, (at, src)) in writable.iter().enumerate() {
+        let d = dir.join(format!("m{i}"));
+        let _ = std::fs::remove_dir_all(&d);
+        copy_tree(src, &d).map_err(Error::sys("copy a writable mount for a forked sandbox"))?;
+        os.vfs.mount(at, &d, true).map_err(Error::sys("open a sandbox mount"))?;
+    }
+    let in_writable = |p: &str| writable.iter().any(|(at, _)| p == at || p.starts_with(&format!("{at}/")));
+    let mut replaced: HashMap<*const OpenFile, Arc<OpenFile>> = HashMap::new();
+    for fd in os.files.open_fds().collect::<Vec<_>>() {
+        let Ok(slot) = os.files.get(fd) else { continue };
+        let (file, cloexec) = (slot.file.clone(), slot.cloexec);
+        let Some(path) = file.path.clone().filter(|p| in_writable(p) && file.host_fd().is_some()) else { continue };
+        let key = Arc::as_ptr(&file);
+        let new = match replaced.get(&key) {
+            Some(f) => f.clone(),
+            None => {
+                // A file that cannot be reopened (unlinked while open) stays shared with the parent.
+                let Ok(f) = describe(fd, &file)
+                    .and_then(|st| reopen(&os.vfs, &[st], &[(fd, 0, cloexec)]))
+                    .and_then(|t| t.file(fd).map_err(|e| lost(format!("fd {fd}: errno {}", e.0))))
+                else {
+                    continue;
+                };
+                replaced.insert(key, f.clone());
+                f
+            }
+        };
+        let _ = path;
+        os.files.install(fd, new, cloexec).map_err(|e| lost(format!("fd {fd}: errno {}", e.0)))?;
+    }
+    Ok(())
+}

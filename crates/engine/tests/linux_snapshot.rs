@@ -1,0 +1,104 @@
+//! Linux guests through snapshot, restore, fork and reset: CPython paused mid-program, its open
+//! files and writable directories carried in the snapshot, forked sandboxes isolated from each
+//! other, reset returning files and memory to the template. Needs the python rootfs (scripts/test.sh
+//! builds it and sets COLLIMATE_ROOTFS).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use collimate_engine::{Launcher, RunExit, SpawnSpec, Vm, VmConfig};
+
+const T: Duration = Duration::from_secs(60);
+
+fn launcher() -> Launcher {
+    Launcher::new(env!("CARGO_BIN_EXE_collimate-vmm"), vec![])
+}
+
+fn rootfs() -> Option<PathBuf> {
+    match std::env::var_os("COLLIMATE_ROOTFS") {
+        Some(p) => Some(PathBuf::from(p)),
+        None if std::env::var_os("COLLIMATE_REQUIRE_KVM").is_some() => {
+            panic!("COLLIMATE_ROOTFS is not set: build it with `python3 guest/rootfs/build.py`")
+        }
+        None => None,
+    }
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(d.join("work")).unwrap();
+    std::fs::create_dir_all(d.join("tmp")).unwrap();
+    d
+}
+
+/// Writes and keeps open /work/state.txt, pauses (yield 7), then appends what /work/who says.
+const PROGRAM: &str = r#"
+import ctypes, sys
+libc = ctypes.CDLL(None)
+f = open("/work/state.txt", "w"); f.write("parent\n"); f.flush()
+prefix = [i * i for i in range(1000)]          # state held in the interpreter
+libc.syscall(0x40000000, 7)
+f.write("after-" + open("/work/who").read() + "\n"); f.close()
+print(open("/work/state.txt").read().replace("\n", "|"), sum(prefix))
+"#;
+
+fn spawn_paused(dir: &PathBuf) -> Vm {
+    let root = rootfs().unwrap();
+    let spec = SpawnSpec {
+        root,
+        mounts: vec![("/work".into(), dir.join("work")), ("/tmp".into(), dir.join("tmp"))],
+        argv: vec![b"/usr/bin/python3".to_vec(), b"-c".to_vec(), PROGRAM.as_bytes().to_vec()],
+        envp: vec![b"PATH=/usr/bin:/bin".to_vec()],
+        cwd: "/work".into(),
+    };
+    let mut vm = Vm::spawn(&launcher(), &spec, &VmConfig::default()).unwrap();
+    let r = vm.run(T).unwrap();
+    assert_eq!(r.exit, RunExit::Yield { value: 7 }, "{r:?} {}", String::from_utf8_lossy(&r.stderr));
+    vm
+}
+
+#[test]
+fn forked_python_sandboxes_resume_with_private_files() {
+    if rootfs().is_none() {
+        eprintln!("no python rootfs: skipping");
+        return;
+    }
+    let dir = scratch("linux-snap");
+    let snap = dir.join("snap");
+    let mut vm = spawn_paused(&dir);
+    vm.snapshot(&snap).unwrap();
+    vm.destroy().unwrap();
+
+    let mut zygote = Vm::restore(&launcher(), &snap).unwrap();
+    let mut kids = zygote.fork(3).unwrap();
+    for (i, k) in kids.iter_mut().enumerate() {
+        k.upload("/work/who", format!("kid{i}").as_bytes(), 0o644).unwrap();
+    }
+    let expect = |i: usize| format!("parent|after-kid{i}| {}\n", (0..1000u64).map(|x| x * x).sum::<u64>());
+    for (i, k) in kids.iter_mut().enumerate() {
+        let r = k.run(T).unwrap();
+        assert_eq!(r.exit, RunExit::Exited { code: 0 }, "{}", String::from_utf8_lossy(&r.stderr));
+        assert_eq!(String::from_utf8_lossy(&r.stdout), expect(i));
+        assert_eq!(k.download("/work/state.txt").unwrap(), format!("parent\nafter-kid{i}\n").into_bytes());
+    }
+    // The template's files are untouched by its children.
+    assert_eq!(zygote.download("/work/state.txt").unwrap(), b"parent\n");
+    assert!(zygote.download("/work/who").is_err());
+
+    // Reset: memory, registers and files return to the template; the episode replays.
+    let k = &mut kids[1];
+    k.reset().unwrap();
+    assert!(k.download("/work/who").is_err(), "reset must drop files written since the template");
+    assert_eq!(k.download("/work/state.txt").unwrap(), b"parent\n");
+    k.upload("/work/who", b"again", 0o644).unwrap();
+    let r = k.run(T).unwrap();
+    assert_eq!(r.exit, RunExit::Exited { code: 0 });
+    assert!(String::from_utf8_lossy(&r.stdout).starts_with("parent|after-again|"));
+
+    // Uploads outside the writable mounts are refused with a clear error.
+    let e = kids[0].upload("/usr/bin/evil", b"x", 0o755).unwrap_err();
+    assert!(e.to_string().contains("only /tmp and /work are writable"), "{e}");
+    drop(kids);
+    let _ = std::fs::remove_dir_all(&dir);
+}
