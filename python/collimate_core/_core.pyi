@@ -87,6 +87,9 @@ class RunResult:
     def enosys(self) -> int:
         """Syscalls the engine answered with -ENOSYS during this run."""
     @property
+    def agent(self) -> bytes:
+        """What the in-guest agent wrote to its channel during this run."""
+    @property
     def truncated(self) -> bool:
         """Output beyond the cap (16 MiB per stream) was dropped."""
 
@@ -105,6 +108,8 @@ class Vm:
         cwd: str = "/",
         mounts: dict[str, str | PathLike[str]] | None = None,
         mem_size: int = 1073741824,
+        ro_mounts: dict[str, str | PathLike[str]] | None = None,
+        agent: bool = False,
     ) -> Vm:
         """Start a VMM process running the Linux program `argv[0]` from root filesystem `root`."""
     @staticmethod
@@ -122,6 +127,8 @@ class Vm:
         """One copy-on-write child: `fork(1)[0]`."""
     def reset(self) -> _ResetStats:
         """Return to the snapshot this VM was restored or cloned from."""
+    def agent_call(self, input: bytes, timeout: float) -> RunResult:
+        """Send `input` to the in-guest agent (fd 3); run until it waits again. Reply in `.agent`."""
     def upload(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write a file into a Linux guest's file system (/tmp and /work), byte-exact."""
     def download(self, path: str) -> bytes:

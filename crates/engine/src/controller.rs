@@ -217,24 +217,28 @@ impl Vm {
 
     /// Run the guest until it stops (exit, yield, port I/O, fault) or `timeout` passes.
     pub fn run(&mut self, timeout: Duration) -> Result<RunResult> {
+        self.run_request(Request::Run { timeout }, timeout)
+    }
+
+    fn run_request(&mut self, req: Request, timeout: Duration) -> Result<RunResult> {
         let Some(stdio) = self.stdio.take() else {
-            return match self.call(&Request::Run { timeout }, timeout + HANG_GRACE)? {
+            return match self.call(&req, timeout + HANG_GRACE)? {
                 Response::Run(r) => Ok(r),
                 other => Err(Error::Protocol(format!("expected Run, got {other:?}"))),
             };
         };
-        let res = self.run_draining(&stdio, timeout);
+        let res = self.run_draining(&stdio, req, timeout);
         self.stdio = Some(stdio);
         res
     }
 
     /// Run while reading the guest's stdout/stderr pipes, so a guest that writes more than a pipe
     /// holds never blocks on us.
-    fn run_draining(&mut self, stdio: &Stdio, timeout: Duration) -> Result<RunResult> {
+    fn run_draining(&mut self, stdio: &Stdio, req: Request, timeout: Duration) -> Result<RunResult> {
         if matches!(self.process, Process::Gone) {
             return Err(Error::Destroyed);
         }
-        if let Err(e) = self.chan.send(&Request::Run { timeout }, &[]) {
+        if let Err(e) = self.chan.send(&req, &[]) {
             return Err(self.died(format!("send failed: {e}")));
         }
         let (mut out, mut err) = (Vec::new(), Vec::new());
@@ -354,6 +358,12 @@ impl Vm {
             Response::Reset(s) => Ok(s),
             other => Err(Error::Protocol(format!("expected Reset, got {other:?}"))),
         }
+    }
+
+    /// Send `input` to the in-guest agent and run until it waits for the next request; the
+    /// result's `agent` field holds its reply, `stdout`/`stderr` what the sandbox printed.
+    pub fn agent_call(&mut self, input: &[u8], timeout: Duration) -> Result<RunResult> {
+        self.run_request(Request::AgentCall { input: input.to_vec(), timeout }, timeout)
     }
 
     /// Write a file into the guest's file system (a Linux guest's writable mounts), byte-exact.

@@ -28,6 +28,9 @@ pub enum Request {
     /// Keep `n` pre-forked children ready so that `Fork` answers without creating a VM.
     SparePool { n: u32 },
     Reset,
+    /// Queue `input` for the in-guest agent (its fd 3) and run until the agent waits for more (the
+    /// run ends with `Yield { value: AGENT_IDLE_YIELD }`); the result carries what it wrote.
+    AgentCall { input: Vec<u8>, timeout: Duration },
     /// Write a file into a Linux guest's file system (writable mounts only), byte-exact; parent
     /// directories are created.
     Upload { path: String, data: Vec<u8>, mode: u32 },
@@ -43,7 +46,7 @@ pub enum Request {
 }
 
 /// A Linux program to run in a sandbox.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct SpawnSpec {
     /// Host directory holding the sandbox's root filesystem (read-only to the guest).
     pub root: PathBuf,
@@ -53,6 +56,12 @@ pub struct SpawnSpec {
     pub argv: Vec<Vec<u8>>,
     pub envp: Vec<Vec<u8>>,
     pub cwd: String,
+    /// Host directories that appear read-only at guest paths (e.g. the agent's code).
+    #[serde(default)]
+    pub ro_mounts: Vec<(String, PathBuf)>,
+    /// Give the program fd 3 as the agent channel (see `Request::AgentCall`).
+    #[serde(default)]
+    pub agent: bool,
 }
 
 impl Request {
@@ -66,6 +75,7 @@ impl Request {
                 | Request::SetRegs(_)
                 | Request::SetStdio
                 | Request::Upload { .. }
+                | Request::AgentCall { .. }
         )
     }
 }
@@ -113,6 +123,9 @@ pub struct RunResult {
     pub enosys: u64,
     /// Output beyond the cap was dropped.
     pub truncated: bool,
+    /// What the in-guest agent wrote to its channel during this run.
+    #[serde(default)]
+    pub agent: Vec<u8>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]

@@ -46,6 +46,7 @@ fn spec(root: &Path, argv: &[&str], envp: &[&str]) -> SpawnSpec {
         argv: argv.iter().map(|s| s.as_bytes().to_vec()).collect(),
         envp: envp.iter().map(|s| s.as_bytes().to_vec()).collect(),
         cwd: "/".into(),
+        ..Default::default()
     }
 }
 

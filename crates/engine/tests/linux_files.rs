@@ -261,6 +261,7 @@ fn files_under_kvm() {
         argv: vec![b"/prog".to_vec(), secret.as_bytes().to_vec()],
         envp: vec![],
         cwd: "/".into(),
+        ..Default::default()
     };
     let mut vm = Vm::spawn(&launcher(), &spec, &VmConfig::default()).unwrap();
     let r = vm.run(Duration::from_secs(60)).unwrap();
@@ -308,6 +309,7 @@ fn run_in_rootfs(root: &Path, argv: &[&str]) -> (RunExit, String, String) {
         argv: argv.iter().map(|s| s.as_bytes().to_vec()).collect(),
         envp: vec![b"PATH=/usr/bin:/bin".to_vec(), b"HOME=/root".to_vec(), b"LANG=C.UTF-8".to_vec()],
         cwd: "/work".into(),
+        ..Default::default()
     };
     let mut vm = Vm::spawn(&launcher(), &spec, &VmConfig::default()).unwrap();
     let r = vm.run(Duration::from_secs(120)).unwrap();

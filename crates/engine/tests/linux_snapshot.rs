@@ -51,6 +51,7 @@ fn spawn_paused(dir: &PathBuf) -> Vm {
         argv: vec![b"/usr/bin/python3".to_vec(), b"-c".to_vec(), PROGRAM.as_bytes().to_vec()],
         envp: vec![b"PATH=/usr/bin:/bin".to_vec()],
         cwd: "/work".into(),
+        ..Default::default()
     };
     let mut vm = Vm::spawn(&launcher(), &spec, &VmConfig::default()).unwrap();
     let r = vm.run(T).unwrap();

@@ -173,6 +173,8 @@ struct RunResult {
     enosys: u64,
     /// Output beyond the cap (16 MiB per stream) was dropped.
     truncated: bool,
+    /// What the in-guest agent wrote to its channel during this run.
+    agent: Py<PyBytes>,
 }
 
 impl RunResult {
@@ -191,6 +193,7 @@ impl RunResult {
             duration: result.duration.as_secs_f64(),
             enosys: result.enosys,
             truncated: result.truncated,
+            agent: PyBytes::new(py, &result.agent).unbind(),
         };
         match result.exit {
             RunExit::Exited { code } => {
@@ -339,7 +342,8 @@ impl PyVm {
     /// Starts a fresh VMM process running the Linux program `argv[0]` from the root filesystem
     /// `root`, with writable host directories `mounts` ({guest path: host dir}); paused until run().
     #[staticmethod]
-    #[pyo3(signature = (root, argv, env = None, cwd = "/".to_string(), mounts = None, mem_size = 1 << 30))]
+    #[pyo3(signature = (root, argv, env = None, cwd = "/".to_string(), mounts = None, mem_size = 1 << 30, ro_mounts = None, agent = false))]
+    #[allow(clippy::too_many_arguments)]
     fn spawn(
         py: Python<'_>,
         root: PathBuf,
@@ -348,6 +352,8 @@ impl PyVm {
         cwd: String,
         mounts: Option<HashMap<String, PathBuf>>,
         mem_size: u64,
+        ro_mounts: Option<HashMap<String, PathBuf>>,
+        agent: bool,
     ) -> PyResult<PyVm> {
         if argv.is_empty() {
             return Err(PyValueError::new_err("Vm.spawn: argv is empty; argv[0] names the program"));
@@ -365,6 +371,8 @@ impl PyVm {
             argv: argv.iter().map(|a| a.clone().into_bytes()).collect(),
             envp,
             cwd,
+            ro_mounts: ro_mounts.unwrap_or_default().into_iter().collect(),
+            agent,
         };
         let cfg = VmConfig { mem_size };
         py.detach(|| collimate_engine::Vm::spawn(launcher, &spec, &cfg))
@@ -416,6 +424,14 @@ impl PyVm {
         out.set_item("dirty_pages", stats.dirty_pages)?;
         out.set_item("duration", stats.duration.as_secs_f64())?;
         Ok(out)
+    }
+
+    /// Sends `input` to the in-guest agent (its fd 3) and runs until the agent waits again; the
+    /// result's `agent` holds its reply.
+    fn agent_call(&self, py: Python<'_>, input: PyBackedBytes, timeout: f64) -> PyResult<RunResult> {
+        let timeout = duration_from_secs("Vm.agent_call", timeout)?;
+        let result = self.with(py, "Vm.agent_call", |vm| Ok(vm.agent_call(&input, timeout)?))?;
+        Ok(RunResult::new(py, result))
     }
 
     /// Writes a file into a Linux guest's file system (/tmp and /work), byte-exact.

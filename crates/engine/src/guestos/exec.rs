@@ -497,6 +497,7 @@ mod tests {
                 proc: Default::default(),
                 enosys: Default::default(),
                 stdio: None,
+                agent: None,
             };
             T { mem, frames, aspace, os, root }
         }

@@ -64,7 +64,23 @@ pub enum Kind {
     /// A directory listing the engine made when it was opened (`/dev`, `/proc`...): names and
     /// `d_type`s.
     VirtDir(Vec<(String, u8)>),
+    /// The in-guest agent's channel to the host (fd 3 of an agent process): reads return the
+    /// request the controller queued; a read with nothing queued pauses the run (the agent is
+    /// idle) and is restarted when the next request arrives; writes queue the response.
+    Agent(std::sync::Mutex<AgentIo>),
 }
+
+/// The two directions of the agent channel.
+#[derive(Default)]
+pub struct AgentIo {
+    pub inbox: std::collections::VecDeque<u8>,
+    pub outbox: Vec<u8>,
+}
+
+/// `file_read` on an idle agent channel: the caller restarts the syscall and ends the run.
+pub const AGENT_IDLE: Errno = Errno(-1);
+/// The value of the `Yield` that ends a run when the agent is idle.
+pub const AGENT_IDLE_YIELD: u64 = 0x6167_656e_7400; // "agent"
 
 /// An open file description: what `open` creates and `dup` shares.
 pub struct OpenFile {
@@ -408,7 +424,15 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
     let fd0 = a[0] as i32;
     let at = libc::AT_FDCWD;
     let r = match nr {
-        READ => sys_read(os, ctx, fd0, a[1], a[2], None),
+        READ => match sys_read(os, ctx, fd0, a[1], a[2], None) {
+            // The agent waits for its next request: pause the run, restart this read on resume.
+            Err(AGENT_IDLE) => {
+                ctx.regs.rip -= 2;
+                ctx.stop = Some(crate::protocol::RunExit::Yield { value: AGENT_IDLE_YIELD });
+                Ok(nr)
+            }
+            r => r,
+        },
         WRITE => sys_write(os, ctx, fd0, a[1], a[2], None),
         PREAD64 => offset(a[3]).and_then(|o| sys_read(os, ctx, fd0, a[1], a[2], Some(o))),
         PWRITE64 => offset(a[3]).and_then(|o| sys_write(os, ctx, fd0, a[1], a[2], Some(o))),
@@ -533,6 +557,14 @@ pub fn file_read(f: &OpenFile, proc: &mut Proc, n: usize, off: Option<u64>) -> R
         _ if !f.can_read() => return Err(EBADF),
         Kind::Capture(_) => return Err(EBADF),
         Kind::Null => return Ok(Vec::new()),
+        Kind::Agent(io) => {
+            let mut io = io.lock().map_err(|_| super::EIO)?;
+            if io.inbox.is_empty() {
+                return Err(AGENT_IDLE);
+            }
+            let take = n.min(io.inbox.len());
+            return Ok(io.inbox.drain(..take).collect());
+        }
         Kind::Zero => return Ok(vec![0; n]),
         Kind::Random => {
             let mut v = vec![0; n];
@@ -596,6 +628,13 @@ pub fn file_write(f: &OpenFile, sinks: &mut Sinks, data: &[u8], off: Option<u64>
             return Ok(data.len());
         }
         Kind::Null | Kind::Zero | Kind::Random => return Ok(data.len()),
+        Kind::Agent(io) => {
+            if off.is_some() {
+                return Err(ESPIPE);
+            }
+            io.lock().map_err(|_| super::EIO)?.outbox.extend_from_slice(data);
+            return Ok(data.len());
+        }
         Kind::Data(_) | Kind::VirtDir(_) => return Err(EBADF),
     };
     if f.stream && !data.is_empty() {
@@ -682,7 +721,7 @@ fn sys_lseek(os: &mut GuestOs, fd: i32, off: i64, whence: i32) -> SysResult {
             // SAFETY: lseek on an fd we own.
             return cvt(unsafe { libc::lseek(h.as_raw_fd(), off, whence) });
         }
-        Kind::Capture(_) => return Err(ESPIPE),
+        Kind::Capture(_) | Kind::Agent(_) => return Err(ESPIPE),
         Kind::Null | Kind::Zero | Kind::Random => return Ok(0),
         Kind::Data(d) => d.len() as i64,
         Kind::VirtDir(d) => d.len() as i64,

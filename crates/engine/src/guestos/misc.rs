@@ -1016,6 +1016,7 @@ mod tests {
                 proc: Default::default(),
                 enosys: Default::default(),
                 stdio: None,
+                agent: None,
             };
             T { mem, frames, aspace, regs: Default::default(), sregs: Default::default(), out: Default::default(), os, _dir: dir }
         }
@@ -1031,6 +1032,7 @@ mod tests {
                 out: &mut self.out,
                 flush_tlb: false,
                 stale_frames: Vec::new(),
+                stop: None,
             };
             match dispatch(&mut self.os, &mut ctx, nr, a) {
                 Some(Ok(v)) => v as i64,

@@ -104,6 +104,8 @@ pub struct Ctx<'a> {
     /// using cached translations after the host edits page tables (see `vstate::tlb`), so these are
     /// invalidated before the guest resumes, and before any of them is handed out again.
     pub stale_frames: Vec<u64>,
+    /// Set by a handler that ends the run after this syscall (e.g. the agent waiting for work).
+    pub stop: Option<RunExit>,
 }
 
 impl Ctx<'_> {
@@ -161,6 +163,8 @@ pub struct GuestOs {
     pub enosys: BTreeMap<u64, u64>,
     /// The sandbox's stdout and stderr pipes (write ends), shared by all its guest processes.
     pub stdio: Option<[std::os::fd::OwnedFd; 2]>,
+    /// The agent channel (fd 3 of an agent process), if this process is the in-guest agent.
+    pub agent: Option<std::sync::Arc<files::OpenFile>>,
 }
 
 impl GuestOs {
@@ -173,6 +177,39 @@ impl GuestOs {
             proc: Default::default(),
             enosys: Default::default(),
             stdio: None,
+            agent: None,
+        }
+    }
+
+    /// Make fd 3 the agent channel.
+    pub fn install_agent(&mut self) -> std::result::Result<(), Errno> {
+        let f = std::sync::Arc::new(files::OpenFile::new(
+            files::Kind::Agent(Default::default()),
+            None,
+            libc::O_RDWR,
+        ));
+        self.files.install(3, f.clone(), false)?;
+        self.agent = Some(f);
+        Ok(())
+    }
+
+    /// Queue a request for the agent.
+    pub fn agent_send(&self, data: &[u8]) -> crate::error::Result<()> {
+        let io = self.agent_io()?;
+        io.lock().map_err(|_| crate::Error::Protocol("agent channel poisoned".into()))?.inbox.extend(data);
+        Ok(())
+    }
+
+    /// Take what the agent wrote.
+    pub fn agent_take(&self) -> crate::error::Result<Vec<u8>> {
+        let io = self.agent_io()?;
+        Ok(std::mem::take(&mut io.lock().map_err(|_| crate::Error::Protocol("agent channel poisoned".into()))?.outbox))
+    }
+
+    fn agent_io(&self) -> crate::error::Result<&std::sync::Mutex<files::AgentIo>> {
+        match self.agent.as_deref().map(|f| &f.kind) {
+            Some(files::Kind::Agent(io)) => Ok(io),
+            _ => Err(crate::Error::InvalidArgument("this sandbox has no in-guest agent".into())),
         }
     }
 
@@ -278,5 +315,5 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
         Ok(v) => v,
         Err(e) => (-(e.0 as i64)) as u64,
     };
-    None
+    ctx.stop.take()
 }

@@ -31,6 +31,8 @@ pub enum FileState {
     /// A file or directory reopened by guest path with these status flags, at this offset.
     Path { path: String, flags: i32, offset: u64, dir: bool },
     Capture(u8),
+    /// The agent channel (its queues are empty at a snapshot: the agent is idle).
+    Agent,
     Null,
     Zero,
     Random,
@@ -51,6 +53,8 @@ pub struct OsState {
     pub root: PathBuf,
     /// Writable mounts: guest path; their contents are in the snapshot's `fs/m<i>/`.
     pub mounts: Vec<String>,
+    /// Read-only mounts besides the root: guest path and host directory.
+    pub ro_mounts: Vec<(String, PathBuf)>,
 }
 
 /// Where sandboxes keep their private writable directories: `$COLLIMATE_RUNTIME_DIR`, else a
@@ -138,6 +142,7 @@ impl OsState {
             fds,
             root,
             mounts: writable.iter().map(|m| m.at.clone()).collect(),
+            ro_mounts: os.vfs.mounts.iter().filter(|m| !m.writable && m.at != "/").map(|m| (m.at.clone(), m.host.clone())).collect(),
         })
     }
 
@@ -148,11 +153,16 @@ impl OsState {
         for (at, dir) in self.mounts.iter().zip(mount_dirs) {
             vfs.mount(at, dir, true).map_err(Error::sys("open a sandbox mount"))?;
         }
+        for (at, dir) in &self.ro_mounts {
+            vfs.mount(at, dir, false).map_err(Error::sys("open a sandbox mount"))?;
+        }
         let mut os = GuestOs::new(vfs);
         os.mm = self.mm.clone();
         os.proc = self.proc.clone();
         os.enosys = self.enosys.clone();
         os.files = reopen(&os.vfs, &self.files, &self.fds)?;
+        // The agent channel is the file at fd 3 if that is one.
+        os.agent = os.files.file(3).ok().filter(|f| matches!(f.kind, Kind::Agent(_)));
         Ok(os)
     }
 }
@@ -171,6 +181,7 @@ fn describe(fd: i32, f: &OpenFile) -> Result<FileState> {
             FileState::Path { path, flags, offset: off.max(0) as u64, dir: f.dir }
         }
         Kind::Capture(k) => FileState::Capture(*k),
+        Kind::Agent(_) => FileState::Agent,
         Kind::Null => FileState::Null,
         Kind::Zero => FileState::Zero,
         Kind::Random => FileState::Random,
@@ -196,6 +207,7 @@ fn reopen(vfs: &Vfs, files: &[FileState], fds: &[(i32, u32, bool)]) -> Result<Fi
                 OpenFile::host(host, Some(path.clone()), ro)
             }
             FileState::Capture(k) => OpenFile::new(Kind::Capture(*k), None, libc::O_WRONLY),
+            FileState::Agent => OpenFile::new(Kind::Agent(Default::default()), None, libc::O_RDWR),
             FileState::Null => OpenFile::new(Kind::Null, Some("/dev/null".into()), libc::O_RDWR),
             FileState::Zero => OpenFile::new(Kind::Zero, Some("/dev/zero".into()), libc::O_RDWR),
             FileState::Random => OpenFile::new(Kind::Random, Some("/dev/urandom".into()), libc::O_RDWR),

@@ -148,6 +148,9 @@ impl Machine {
         for (at, host) in &spec.mounts {
             vfs.mount(at, host, true).map_err(Error::sys("open a sandbox mount"))?;
         }
+        for (at, host) in &spec.ro_mounts {
+            vfs.mount(at, host, false).map_err(Error::sys("open a sandbox mount"))?;
+        }
         let mut os = GuestOs {
             mm: Default::default(),
             files: Default::default(),
@@ -155,8 +158,12 @@ impl Machine {
             proc: Default::default(),
             enosys: Default::default(),
             stdio: None,
+            agent: None,
         };
         os.set_stdio(stdio)?;
+        if spec.agent {
+            os.install_agent().map_err(|e| Error::Remote(format!("cannot install the agent channel: errno {}", e.0)))?;
+        }
         os.proc.cwd = guestos::vfs::join("/", spec.cwd.as_bytes())
             .map_err(|e| Error::InvalidArgument(format!("cwd {:?}: errno {}", spec.cwd, e.0)))?;
         let mut m = Machine::boot_with(mem_size, |mem, frames, aspace| {
@@ -235,7 +242,7 @@ impl Machine {
         let start = Instant::now();
         let mut out = syscalls::Output::default();
         if let Some(code) = self.exited {
-            return Ok(RunResult { exit: RunExit::Exited { code }, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false });
+            return Ok(RunResult { exit: RunExit::Exited { code }, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false, agent: vec![] });
         }
         let deadline = start + timeout;
         self.vcpu.set_kvm_immediate_exit(0);
@@ -249,7 +256,7 @@ impl Machine {
             self.exited = Some(code);
         }
         self.runtime.enosys += out.enosys;
-        Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false })
+        Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false, agent: vec![] })
     }
 
     fn run_loop(&mut self, deadline: Instant, out: &mut syscalls::Output) -> Result<RunExit> {
@@ -324,6 +331,7 @@ impl Machine {
                     out: &mut gout,
                     flush_tlb: false,
                     stale_frames: Vec::new(),
+                    stop: None,
                 };
                 let exit = guestos::dispatch(os, &mut ctx);
                 let flush = ctx.flush_tlb;
@@ -674,6 +682,14 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no stdio".into())),
             },
             Request::Reset => m.reset().map(Response::Reset),
+            Request::AgentCall { input, timeout } => match m.os.as_ref().map(|os| os.agent_send(&input)) {
+                Some(Ok(())) => m.run(timeout).and_then(|mut r| {
+                    r.agent = m.os.as_ref().map(|os| os.agent_take()).transpose()?.unwrap_or_default();
+                    Ok(Response::Run(r))
+                }),
+                Some(Err(e)) => Err(e),
+                None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no agent".into())),
+            },
             Request::Upload { path, data, mode } => match m.os.as_ref() {
                 Some(os) => os.upload(&path, &data, mode).map(|_| Response::Ok),
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no files".into())),

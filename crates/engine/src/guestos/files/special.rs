@@ -300,6 +300,7 @@ pub fn describe(f: &OpenFile) -> String {
     }
     match &f.kind {
         Kind::Capture(k) => format!("pipe:[{k}]"),
+        Kind::Agent(_) => "socket:[agent]".to_string(),
         Kind::Host(fd) => {
             // SAFETY: a zeroed stat is valid; fstat fills it.
             let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -390,6 +391,7 @@ pub fn file_stat(f: &OpenFile) -> Result<libc::stat, Errno> {
         }
         // Captured output looks like the pipe it is read through.
         Kind::Capture(k) => synth_stat(libc::S_IFIFO | 0o600, *k as u64, 0, 0, libc::makedev(0, 13)),
+        Kind::Agent(_) => synth_stat(libc::S_IFSOCK | 0o600, 3, 0, 0, libc::makedev(0, 13)),
         Kind::Null => synth_stat(libc::S_IFCHR | 0o666, ino, libc::makedev(1, 3), 0, dev),
         Kind::Zero => synth_stat(libc::S_IFCHR | 0o666, ino, libc::makedev(1, 5), 0, dev),
         Kind::Random => synth_stat(libc::S_IFCHR | 0o666, ino, libc::makedev(1, 9), 0, dev),

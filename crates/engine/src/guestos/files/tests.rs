@@ -64,6 +64,7 @@ impl H {
             proc: Default::default(),
             enosys: Default::default(),
             stdio: None,
+            agent: None,
         };
         os.proc.cwd = "/".into();
         let mut mem = GuestMemory::anonymous(MEM).unwrap();
@@ -106,6 +107,7 @@ impl H {
             out: &mut self.out,
             flush_tlb: false,
             stale_frames: Vec::new(),
+            stop: None,
         };
         assert!(dispatch(&mut self.os, &mut ctx).is_none());
         self.regs.rax as i64
