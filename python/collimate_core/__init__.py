@@ -1,23 +1,71 @@
 """collimate_core: a KVM fork engine for RL rollouts.
 
-The low-level API: a `Vm` is a handle to one VMM process running one guest; `run()` returns a
-`RunResult`. Errors derive from `CollimateError`.
+The SDK surface (also importable as `collimate_rl`): `connect()`, `Sandbox`, `rollout_once`,
+sessions and fork groups, seeds for deterministic replay. The low-level engine API: `Vm`, a handle
+to one VMM process running one guest. Errors derive from `CollimateError`.
 """
 
-from collimate_core._core import (
+from collimate_core._core import RunResult, Vm
+from collimate_core._client import connect
+from collimate_core._embedded import EmbeddedClient, Usage
+from collimate_core._errors import (
+    AuthenticationError,
+    CapacityError,
     CollimateError,
     EngineError,
-    RunResult,
+    GroupError,
+    InvalidArgument,
+    NotFoundError,
+    SandboxDied,
+    SandboxTimeout,
     SnapshotError,
-    Vm,
     VmDestroyedError,
 )
+from collimate_core._grading import (
+    GradeResult,
+    PropertyReward,
+    UnitTestReward,
+    extract_code,
+    grade,
+    grade_batch,
+    trl_reward_func,
+)
+from collimate_core._results import ExecResult
+from collimate_core._seeds import fresh_seed, group_seeds, parse_seed, seed_from_key
+from collimate_core._session import Env, ForkGroup, Sandbox, Session, rollout_once
 
 __all__ = [
+    "AuthenticationError",
+    "CapacityError",
     "CollimateError",
+    "EmbeddedClient",
     "EngineError",
+    "Env",
+    "ExecResult",
+    "ForkGroup",
+    "GradeResult",
+    "GroupError",
+    "InvalidArgument",
+    "NotFoundError",
+    "PropertyReward",
     "RunResult",
+    "Sandbox",
+    "SandboxDied",
+    "SandboxTimeout",
+    "Session",
     "SnapshotError",
+    "UnitTestReward",
+    "Usage",
     "Vm",
     "VmDestroyedError",
+    "connect",
+    "extract_code",
+    "fresh_seed",
+    "grade",
+    "grade_batch",
+    "group_seeds",
+    "parse_seed",
+    "rollout_once",
+    "seed_from_key",
+    "trl_reward_func",
 ]

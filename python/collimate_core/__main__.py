@@ -1,11 +1,9 @@
 """`python -m collimate_core demo`: the main job, end to end on this host.
 
-Bakes a template (a guest paused at its ready point, checkpointed to the cache directory), forks a
-GRPO-shaped group from it (one parent runs a shared prefix, N live children each run a candidate),
-grades every child, and prints the fork latencies next to a host baseline measured in the same run.
-
-Until the python template lands (CPython in the sandbox), the guest is the engine's test program
-(guest/testprogs/testvm.S), whose "candidates" are memory computations checked by the host.
+Bakes the python template (Debian's CPython with the in-guest agent, checkpointed at its ready
+point; cached after the first run), forks sandboxes from it and measures the fork latency, then
+grades a GRPO group of 64 candidate completions in forked children of one parent, and prints the
+figures next to a host baseline (os.fork + _exit + waitpid of this process) from the same run.
 """
 
 from __future__ import annotations
@@ -13,57 +11,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import struct
-import subprocess
 import sys
 import time
-from pathlib import Path
-
-from collimate_core import Vm
-
-REPO = Path(__file__).resolve().parents[2]
-MAILBOX, HEAP, PAGE = 0x600000, 0x1000000, 4096
-FILL, SUM = 1, 2
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("COLLIMATE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "collimate"
-    )
-    return Path(base)
-
-
-def command(vm: Vm, cmd: int, a0: int = 0, a1: int = 0, a2: int = 0) -> int:
-    vm.write_mem(MAILBOX, struct.pack("<5Q", cmd, a0, a1, a2, 0))
-    r = vm.run(10.0)
-    if (r.kind, r.value) != ("yield", cmd):
-        raise RuntimeError(f"guest did not finish command {cmd}: {r!r}")
-    return struct.unpack("<5Q", vm.read_mem(MAILBOX, 40))[4]
-
-
-def bake(cache: Path) -> Path:
-    """Build the guest program and checkpoint it at its ready point (once; cached)."""
-    script = REPO / "guest" / "testprogs" / "build.sh"
-    if not script.exists():
-        sys.exit("demo: run from a checkout of collimate_core (guest/testprogs is needed)")
-    out = subprocess.run(["bash", str(script), str(cache / "guest")], check=True, capture_output=True, text=True)
-    elf_path = Path(out.stdout.strip().splitlines()[-1])
-    template = cache / "templates" / "testvm"
-    if not (template / "vm.state").exists():
-        with Vm.boot(elf_path.read_bytes()) as vm:
-            r = vm.run(10.0)
-            if (r.kind, r.value) != ("yield", 0):
-                raise RuntimeError(f"template did not reach its ready point: {r!r}")
-            vm.snapshot(str(template))
-    return template
-
-
-def pct(xs: list[float], p: float) -> float:
+def _pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round((len(xs) - 1) * p))]
 
 
-def host_fork_ms() -> float:
+def _host_fork_ms() -> float:
     t = time.perf_counter()
     pid = os.fork()
     if pid == 0:
@@ -72,57 +29,70 @@ def host_fork_ms() -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def demo(width: int, clones: int) -> None:
-    cache = cache_dir()
+CANDIDATES = [
+    "```python\ndef solve(xs):\n    return sorted(xs)\n```",
+    "```python\ndef solve(xs):\n    out = list(xs)\n    out.sort()\n    return out\n```",
+    "```python\ndef solve(xs):\n    return sorted(set(xs))\n```",  # drops duplicates
+    "```python\ndef solve(xs):\n    return xs\n```",  # does nothing
+]
+TESTS = "assert solve([3, 1, 2]) == [1, 2, 3]\nassert solve([2, 2, 1]) == [1, 2, 2]\nassert solve([]) == []\n"
+
+
+def demo(width: int, samples: int) -> None:
+    from collimate_core import Sandbox, UnitTestReward, connect, extract_code, grade_batch
+
+    client = connect()
     t0 = time.perf_counter()
-    template = bake(cache)
-    print(f"template: {template} ({time.perf_counter() - t0:.2f} s)")
+    client._template("python")  # bake (first run) or load the template, start its zygote
+    print(f"python template ready in {time.perf_counter() - t0:.2f} s")
 
-    with Vm.restore(str(template)) as zygote:
-        zygote.set_spare_pool(2)
-        clone_ms = []
-        for _ in range(clones):
-            time.sleep(0.002)
-            t = time.perf_counter()
-            with zygote.clone() as c:
-                c.run(10.0)  # to the clone's first guest exit
-                clone_ms.append((time.perf_counter() - t) * 1e3)
-        baseline = [host_fork_ms() for _ in range(clones)]
+    enter_exit, enter_exec_exit = [], []
+    for i in range(samples):
+        time.sleep(0.003)  # a trainer works between rollouts; the zygote refills its spare clones
+        t = time.perf_counter()
+        with Sandbox("python", client=client) as sb:
+            if i % 2:
+                r = sb.exec(code="print(1)")
+                assert r.ok and r.stdout == "1\n", r
+        (enter_exec_exit if i % 2 else enter_exit).append((time.perf_counter() - t) * 1e3)
+    baseline = [_host_fork_ms() for _ in range(samples)]
 
-        with zygote.clone() as parent:
-            command(parent, FILL, 2560, 1, 0)  # shared prefix: 10 MiB of state, computed once
-            t = time.perf_counter()
-            group = parent.fork(width)
-            group_ms = (time.perf_counter() - t) * 1e3
-            try:
-                rewards = []
-                for i, child in enumerate(group):
-                    command(child, FILL, 16, i % 200, 0)  # candidate i
-                    total = command(child, SUM, 2560, 0, 0)
-                    expected = 16 * (i % 200) + (2560 - 16)
-                    rewards.append(1.0 if total == expected else 0.0)
-            finally:
-                for child in group:
-                    child.destroy()
+    completions = [CANDIDATES[i % len(CANDIDATES)] for i in range(width)]
+    codes = [extract_code(c) for c in completions]
+    t = time.perf_counter()
+    results = grade_batch(codes, UnitTestReward(tests=TESTS), client=client)
+    group_ms = (time.perf_counter() - t) * 1e3
+    rewards = [r.reward for r in results]
+    expected = [1.0 if i % len(CANDIDATES) < 2 else 0.0 for i in range(width)]
+    print(f"graded a GRPO group of {width}: mean reward {sum(rewards) / width:.2f} "
+          f"({'as expected' if rewards == expected else 'UNEXPECTED: ' + str(rewards)}), "
+          f"seed-ack {results[0].seed_ack}")
 
     b50 = statistics.median(baseline)
-    print(f"group of {width}: rewards {sum(rewards):.0f}/{width} = 1.0, positional")
-    print(f"{'':34} {'median':>9} {'p99':>9} {'x host fork':>12}")
-    print(f"{'host os.fork()+_exit+wait':34} {b50:8.2f}ms {pct(baseline, .99):8.2f}ms {1.0:12.2f}")
-    c50 = statistics.median(clone_ms)
-    print(f"{'clone from template, to 1st exit':34} {c50:8.2f}ms {pct(clone_ms, .99):8.2f}ms {c50 / b50:12.2f}")
-    print(f"{f'live fork into {width} (10 MiB dirty)':34} {group_ms:8.2f}ms {'':>9} {group_ms / b50:12.2f}")
+    rows = [
+        ("host os.fork()+_exit+waitpid", baseline),
+        ("Sandbox enter+exit (fork, destroy)", enter_exit),
+        ("Sandbox enter+exec(print(1))+exit", enter_exec_exit),
+    ]
+    print(f"{'':38} {'median':>9} {'p99':>9} {'x host fork':>12}")
+    for name, xs in rows:
+        m = statistics.median(xs)
+        print(f"{name:38} {m:7.2f}ms {_pct(xs, 0.99):7.2f}ms {m / b50:12.2f}")
+    print(f"{f'grade_batch of {width} (fork group + 2 execs each)':38} {group_ms:7.1f}ms {'':>9} {group_ms / b50:12.2f}")
+    client.close()
+    if rewards != expected:
+        sys.exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m collimate_core")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="bake a template, fork a group, grade it, print fork latency")
+    d = sub.add_parser("demo", help="bake the python template, fork a group, grade it, print fork latency")
     d.add_argument("--width", type=int, default=64)
-    d.add_argument("--clones", type=int, default=200)
+    d.add_argument("--samples", type=int, default=200)
     args = ap.parse_args(argv)
     if args.cmd == "demo":
-        demo(args.width, args.clones)
+        demo(args.width, args.samples)
 
 
 if __name__ == "__main__":

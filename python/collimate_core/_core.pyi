@@ -47,7 +47,7 @@ class _MemStats(TypedDict):
     private_bytes: int
     dirty_pages: int
 
-_RunKind = Literal["exited", "yield", "io", "fault", "timeout", "shutdown"]
+_RunKind = Literal["exited", "signaled", "yield", "io", "fault", "timeout", "shutdown"]
 
 @final
 class RunResult:
@@ -58,6 +58,9 @@ class RunResult:
     @property
     def code(self) -> int | None:
         """Exit status ("exited")."""
+    @property
+    def signal(self) -> int | None:
+        """The signal that killed a Linux guest's process ("signaled")."""
     @property
     def value(self) -> int | None:
         """The yielded value ("yield") or the value written by `out` ("io")."""
@@ -133,6 +136,12 @@ class Vm:
         """Write a file into a Linux guest's file system (/tmp and /work), byte-exact."""
     def download(self, path: str) -> bytes:
         """Read a file of a Linux guest's file system, byte-exact."""
+    def reseed(self, seed: bytes, replay: bool = True) -> None:
+        """Reseed the paused guest's sandbox CRNG with `seed` (exactly 32 bytes, else ValueError).
+
+        With `replay`, the guest's clocks run on deterministic virtual time from now on. The same
+        seed on the same paused state reproduces the guest's random bytes (and clock readings).
+        """
     def read_mem(self, addr: int, n: int) -> bytes: ...
     def write_mem(self, addr: int, data: bytes) -> None: ...
     def regs(self) -> _Regs: ...

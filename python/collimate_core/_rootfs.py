@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 # Bump whenever the build steps change, so that existing trees are not reused.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 RECIPES: dict[str, tuple[str, ...]] = {
     "python": ("python3.11-minimal", "libpython3.11-stdlib", "busybox-static"),
@@ -275,8 +275,9 @@ def _finish_tree(root: Path) -> None:
     _relativize_links(root)
 
     usrbin = root / "usr/bin"
-    if not os.path.lexists(usrbin / "python3"):
-        (usrbin / "python3").symlink_to("python3.11")
+    for name in ("python3", "python"):  # `python task.py` works as in the usual images
+        if not os.path.lexists(usrbin / name):
+            (usrbin / name).symlink_to("python3.11")
     for applet in BUSYBOX_APPLETS:  # sh -> busybox too: there is no dash
         if not any(os.path.lexists(root / d / applet) for d in ("usr/bin", "usr/sbin")):
             (usrbin / applet).symlink_to("busybox")

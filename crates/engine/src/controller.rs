@@ -355,7 +355,14 @@ impl Vm {
     /// Return to the snapshot this VM descends from: drop its private pages, restore the vCPU.
     pub fn reset(&mut self) -> Result<ResetStats> {
         match self.call(&Request::Reset, CONTROL_TIMEOUT)? {
-            Response::Reset(s) => Ok(s),
+            Response::Reset(s) => {
+                // Output the guest wrote before the reset belongs to no one now.
+                if let Some(stdio) = &self.stdio {
+                    let (mut a, mut b) = (Vec::new(), Vec::new());
+                    stdio.drain(&mut a, &mut b);
+                }
+                Ok(s)
+            }
             other => Err(Error::Protocol(format!("expected Reset, got {other:?}"))),
         }
     }
@@ -369,6 +376,13 @@ impl Vm {
     /// Write a file into the guest's file system (a Linux guest's writable mounts), byte-exact.
     pub fn upload(&mut self, path: &str, data: &[u8], mode: u32) -> Result<()> {
         self.expect_ok(&Request::Upload { path: path.to_string(), data: data.to_vec(), mode })
+    }
+
+    /// Reseed the sandbox CRNG of this (Linux, paused) VM with `seed`; with `replay`, its clocks run
+    /// on deterministic virtual time from now on. The same seed on the same paused state then gives
+    /// the same random bytes and, in replay mode, the same clock readings (docs/replay.md).
+    pub fn reseed(&mut self, seed: [u8; 32], replay: bool) -> Result<()> {
+        self.expect_ok(&Request::Reseed { seed, replay })
     }
 
     /// Read a file of the guest's file system, byte-exact.

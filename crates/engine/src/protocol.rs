@@ -36,6 +36,9 @@ pub enum Request {
     Upload { path: String, data: Vec<u8>, mode: u32 },
     /// Read a file of a Linux guest's file system, byte-exact.
     Download { path: String },
+    /// Reseed a Linux guest's sandbox CRNG with `seed` (32 bytes) and, with `replay`, switch its
+    /// clocks to deterministic virtual time (see `guestos::misc::reseed` and docs/replay.md).
+    Reseed { seed: [u8; 32], replay: bool },
     ReadMem { gva: u64, len: u64 },
     WriteMem { gva: u64, data: Vec<u8> },
     GetRegs,
@@ -75,6 +78,7 @@ impl Request {
                 | Request::SetRegs(_)
                 | Request::SetStdio
                 | Request::Upload { .. }
+                | Request::Reseed { .. }
                 | Request::AgentCall { .. }
         )
     }
@@ -111,6 +115,9 @@ pub enum RunExit {
     Timeout,
     /// The guest triple-faulted.
     Shutdown,
+    /// A Linux guest's process was killed by signal `signo` (its default action, or a fault it has
+    /// no handler for). Final, like `Exited`.
+    Signaled { signo: i32 },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -154,10 +154,12 @@ fn _vmm_main() {
 /// The outcome of one `Vm.run()`.
 #[pyclass(module = "collimate_core._core", frozen, get_all)]
 struct RunResult {
-    /// "exited", "yield", "io", "fault", "timeout" or "shutdown".
+    /// "exited", "signaled", "yield", "io", "fault", "timeout" or "shutdown".
     kind: &'static str,
     /// Exit status of `exit`/`exit_group` ("exited").
     code: Option<i32>,
+    /// The signal that killed a Linux guest's process ("signaled").
+    signal: Option<i32>,
     /// The yielded value ("yield") or the value written by `out` ("io").
     value: Option<u64>,
     port: Option<u16>,
@@ -182,6 +184,7 @@ impl RunResult {
         let mut out = RunResult {
             kind: "",
             code: None,
+            signal: None,
             value: None,
             port: None,
             vector: None,
@@ -218,6 +221,10 @@ impl RunResult {
             }
             RunExit::Timeout => out.kind = "timeout",
             RunExit::Shutdown => out.kind = "shutdown",
+            RunExit::Signaled { signo } => {
+                out.kind = "signaled";
+                out.signal = Some(signo);
+            }
         }
         out
     }
@@ -229,6 +236,7 @@ impl RunResult {
         let mut parts = vec![format!("kind={:?}", self.kind)];
         let hex = |name: &str, v: Option<u64>| v.map(|v| format!("{name}={v:#x}"));
         parts.extend(self.code.map(|c| format!("code={c}")));
+        parts.extend(self.signal.map(|s| format!("signal={s}")));
         parts.extend(self.port.map(|p| format!("port={p:#x}")));
         parts.extend(self.value.map(|v| format!("value={v}")));
         parts.extend(self.vector.map(|v| format!("vector={v}")));
@@ -439,6 +447,19 @@ impl PyVm {
     fn upload(&self, py: Python<'_>, path: String, data: PyBackedBytes, mode: u32) -> PyResult<()> {
         let op = format!("Vm.upload({path:?})");
         self.with(py, &op, |vm| Ok(vm.upload(&path, &data, mode)?))
+    }
+
+    /// Reseeds the sandbox CRNG of this paused Linux VM with `seed` (exactly 32 bytes); with
+    /// `replay`, its clocks run on deterministic virtual time from now on (docs/replay.md).
+    #[pyo3(signature = (seed, replay = true))]
+    fn reseed(&self, py: Python<'_>, seed: PyBackedBytes, replay: bool) -> PyResult<()> {
+        let seed: [u8; 32] = seed.as_ref().try_into().map_err(|_| {
+            PyValueError::new_err(format!(
+                "Vm.reseed: a seed is exactly 32 bytes (64 hex characters as text; see collimate_core._seeds.parse_seed), got {} bytes",
+                seed.len()
+            ))
+        })?;
+        self.with(py, "Vm.reseed", |vm| Ok(vm.reseed(seed, replay)?))
     }
 
     /// Reads a file of a Linux guest's file system, byte-exact.

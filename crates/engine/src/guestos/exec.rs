@@ -105,6 +105,22 @@ pub fn load(
     argv: &[Vec<u8>],
     envp: &[Vec<u8>],
 ) -> Result<Image, Errno> {
+    let p = prepare(os, path, argv, envp)?;
+    commit(os, mem, frames, aspace, p, envp)
+}
+
+/// A program ready to be loaded: everything that can fail because of a missing, unreadable or
+/// malformed file has been checked (execve's errors before its point of no return).
+pub struct Prepared {
+    prog: Program,
+    interp: Option<Program>,
+    argv: Vec<Vec<u8>>,
+    exec_fn: Vec<u8>,
+}
+
+/// Read the program at `path` (following `#!` scripts) and its interpreter, and check their ELF
+/// headers, without touching the address space.
+pub fn prepare(os: &GuestOs, path: &[u8], argv: &[Vec<u8>], envp: &[Vec<u8>]) -> Result<Prepared, Errno> {
     check_strings(argv, envp)?;
     let mut path = path.to_vec();
     let mut argv = argv.to_vec();
@@ -125,17 +141,35 @@ pub fn load(
         path = interp;
         check_strings(&argv, envp)?;
     };
-
-    os.mm = Mm::default();
-    let mut sp = Space::new(mem, frames, aspace);
-    let (main, interp_path) = map_elf(&mut os.mm, &mut sp, &prog, PIE_BASE, true)?;
-    let (entry, at_base) = match interp_path {
+    let interp = match elf_interp(&prog.bytes, true)? {
         Some(ip) => {
             let interp = read_program(os, &ip)?;
-            let (m, nested) = map_elf(&mut os.mm, &mut sp, &interp, INTERP_BASE, false)?;
-            if nested.is_some() {
+            if elf_interp(&interp.bytes, false)?.is_some() {
                 return Err(ELIBBAD);
             }
+            Some(interp)
+        }
+        None => None,
+    };
+    Ok(Prepared { prog, interp, argv, exec_fn })
+}
+
+/// Map a prepared program into the (empty) address space and build its stack.
+pub fn commit(
+    os: &mut GuestOs,
+    mem: &mut GuestMemory,
+    frames: &mut FrameAllocator,
+    aspace: &AddressSpace,
+    p: Prepared,
+    envp: &[Vec<u8>],
+) -> Result<Image, Errno> {
+    let Prepared { prog, interp, argv, exec_fn } = p;
+    os.mm = Mm::default();
+    let mut sp = Space::new(mem, frames, aspace);
+    let (main, _) = map_elf(&mut os.mm, &mut sp, &prog, PIE_BASE, true)?;
+    let (entry, at_base) = match &interp {
+        Some(interp) => {
+            let (m, _) = map_elf(&mut os.mm, &mut sp, interp, INTERP_BASE, false)?;
             (m.entry, m.bias)
         }
         None => (main.entry, 0),
@@ -247,10 +281,9 @@ fn prot_of(ph: &ProgramHeader) -> u32 {
     p
 }
 
-/// Map an ELF object's PT_LOAD segments; an ET_DYN object goes at `base`. Returns where it went and
-/// its PT_INTERP path, if any (only asked for the main program).
-fn map_elf(mm: &mut Mm, sp: &mut Space, prog: &Program, base: u64, main: bool) -> Result<(Mapped, Option<Vec<u8>>), Errno> {
-    let bytes = &prog.bytes;
+/// The ELF header and program headers of an x86-64 executable or shared object (ENOEXEC if it is
+/// not one).
+fn parse_elf(bytes: &[u8]) -> Result<(goblin::elf::Header, Vec<ProgramHeader>), Errno> {
     let hdr = Elf::parse_header(bytes).map_err(|_| ENOEXEC)?;
     if hdr.e_ident[EI_CLASS] != ELFCLASS64
         || hdr.e_ident[EI_DATA] != ELFDATA2LSB
@@ -266,6 +299,54 @@ fn map_elf(mm: &mut Mm, sp: &mut Space, prog: &Program, base: u64, main: bool) -
         return Err(ENOEXEC);
     }
     let phdrs = ProgramHeader::parse(bytes, phoff, hdr.e_phnum as usize, ctx).map_err(|_| ENOEXEC)?;
+    Ok((hdr, phdrs))
+}
+
+/// The PT_INTERP path of an ELF object, if it has one.
+fn interp_path(bytes: &[u8], phdrs: &[ProgramHeader]) -> Result<Option<Vec<u8>>, Errno> {
+    match phdrs.iter().find(|p| p.p_type == PT_INTERP) {
+        Some(p) => {
+            let s = usize::try_from(p.p_offset).map_err(|_| ENOEXEC)?;
+            let e = p.p_offset.checked_add(p.p_filesz).filter(|&e| e <= bytes.len() as u64).ok_or(ENOEXEC)? as usize;
+            let raw = bytes.get(s..e).ok_or(ENOEXEC)?;
+            let path = &raw[..raw.iter().position(|&b| b == 0).unwrap_or(raw.len())];
+            if path.is_empty() || path.len() >= super::vfs::PATH_MAX {
+                return Err(ENOEXEC);
+            }
+            Ok(Some(path.to_vec()))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Check an ELF object the way `map_elf` will (headers, loadable segments inside the file) and
+/// return its PT_INTERP path (only asked for the main program).
+fn elf_interp(bytes: &[u8], main: bool) -> Result<Option<Vec<u8>>, Errno> {
+    let (_, phdrs) = parse_elf(bytes)?;
+    let mut any = false;
+    for ph in phdrs.iter().filter(|p| p.p_type == PT_LOAD) {
+        any = true;
+        ph.p_vaddr.checked_add(ph.p_memsz).and_then(page_up).ok_or(ENOEXEC)?;
+        let file_end = ph.p_offset.checked_add(ph.p_filesz).ok_or(ENOEXEC)?;
+        if ph.p_filesz > ph.p_memsz || file_end > bytes.len() as u64 || ph.p_vaddr % PAGE_SIZE != ph.p_offset % PAGE_SIZE {
+            return Err(ENOEXEC);
+        }
+    }
+    if !any {
+        return Err(ENOEXEC);
+    }
+    if main {
+        interp_path(bytes, &phdrs)
+    } else {
+        Ok(None)
+    }
+}
+
+/// Map an ELF object's PT_LOAD segments; an ET_DYN object goes at `base`. Returns where it went and
+/// its PT_INTERP path, if any (only asked for the main program).
+fn map_elf(mm: &mut Mm, sp: &mut Space, prog: &Program, base: u64, main: bool) -> Result<(Mapped, Option<Vec<u8>>), Errno> {
+    let bytes = &prog.bytes;
+    let (hdr, phdrs) = parse_elf(bytes)?;
     let loads: Vec<&ProgramHeader> = phdrs.iter().filter(|p| p.p_type == PT_LOAD).collect();
     if loads.is_empty() {
         return Err(ENOEXEC);
@@ -305,23 +386,7 @@ fn map_elf(mm: &mut Mm, sp: &mut Space, prog: &Program, base: u64, main: bool) -
                 .map(|p| p.p_vaddr + (hdr.e_phoff - p.p_offset))
         })
         .map_or(0, |v| v.wrapping_add(bias));
-    let interp = if main {
-        match phdrs.iter().find(|p| p.p_type == PT_INTERP) {
-            Some(p) => {
-                let s = p.p_offset as usize;
-                let e = p.p_offset.checked_add(p.p_filesz).filter(|&e| e <= bytes.len() as u64).ok_or(ENOEXEC)? as usize;
-                let raw = &bytes[s..e];
-                let path = &raw[..raw.iter().position(|&b| b == 0).unwrap_or(raw.len())];
-                if path.is_empty() || path.len() >= super::vfs::PATH_MAX {
-                    return Err(ENOEXEC);
-                }
-                Some(path.to_vec())
-            }
-            None => None,
-        }
-    } else {
-        None
-    };
+    let interp = if main { interp_path(bytes, &phdrs)? } else { None };
     let m = Mapped { bias, entry: hdr.e_entry.wrapping_add(bias), phdr: phdr_va, phnum: hdr.e_phnum as u64, end: hi_b };
     Ok((m, interp))
 }
@@ -498,6 +563,7 @@ mod tests {
                 enosys: Default::default(),
                 stdio: None,
                 agent: None,
+                sig: Default::default(),
             };
             T { mem, frames, aspace, os, root }
         }

@@ -11,8 +11,9 @@
 //! (`os.proc.cwd`) or at the remembered guest path of a directory fd.
 //!
 //! Blocking: a read or write on a host pipe waits at most [`WAIT_SLICE_MS`] inside one syscall and
-//! then returns EINTR (as if a signal came), so that a VMM never blocks past its run's deadline;
-//! libc and Python retry. poll/select do the same when their timeout is longer.
+//! then restarts the syscall (`signal::ERESTARTSYS`: the guest re-executes it), so that a VMM never
+//! blocks past its run's deadline and the wait goes on in the next run. poll/select return EINTR
+//! after a slice when their timeout is longer (libc and Python retry with the remaining time).
 
 mod path;
 mod poll;
@@ -529,7 +530,7 @@ fn offset(v: u64) -> Result<u64, Errno> {
     }
 }
 
-/// Wait (at most [`WAIT_SLICE_MS`]) until host stream `fd` is ready for `events`. EINTR if it
+/// Wait (at most [`WAIT_SLICE_MS`]) until host stream `fd` is ready for `events`. ERESTARTSYS if it
 /// is not by then and blocks; Ok if it is ready or non-blocking (the host call then answers).
 fn wait_stream(fd: RawFd, events: i16) -> Result<(), Errno> {
     let mut p = libc::pollfd { fd, events, revents: 0 };
@@ -542,7 +543,9 @@ fn wait_stream(fd: RawFd, events: i16) -> Result<(), Errno> {
     }
     // SAFETY: one valid pollfd.
     match unsafe { libc::poll(&mut p, 1, WAIT_SLICE_MS) } {
-        0 => Err(EINTR),
+        // Not ready yet: restart the syscall (the run loop gets control in between).
+        0 => Err(super::signal::ERESTARTSYS),
+        r if r < 0 && Errno::last() == EINTR => Err(super::signal::ERESTARTSYS),
         r if r < 0 => Err(Errno::last()),
         _ => Ok(()),
     }
@@ -978,7 +981,7 @@ fn copy_loop(
         let want = CHUNK.min(count - done);
         let data = match file_read(inf, proc, want, in_off.as_deref().copied()) {
             Ok(d) => d,
-            Err(e) if done > 0 && (e == EINTR || e == EAGAIN) => break,
+            Err(e) if done > 0 && (e == EINTR || e == EAGAIN || e == super::signal::ERESTARTSYS) => break,
             Err(e) => return Err(e),
         };
         if data.is_empty() {

@@ -1,11 +1,25 @@
 //! Identity, time, randomness, limits, signal bookkeeping, thread-area setup.
 //!
-//! The guest is one single-threaded process (pid 1, root) with no other process to talk to, so most
-//! of these calls are bookkeeping: they store what the guest sets and hand it back. Signals are never
-//! delivered yet; their dispositions, mask and alternate stack are only remembered.
+//! Each guest process is single-threaded (pid 1 for the sandbox's first process, root), so most of
+//! these calls are bookkeeping: they store what the guest sets and hand it back. Signal dispositions,
+//! the mask and the alternate stack are kept here; delivering signals, kill and waiting for children
+//! are in [`super::signal`], fork and execve in `vmm::process`.
 //!
 //! Everything the host decides for the guest that a replay would have to reproduce goes through one
 //! function per kind: [`random_bytes`] for randomness and [`clock_now`] for clocks.
+//!
+//! # Deterministic replay
+//!
+//! Randomness comes from the sandbox CRNG ([`super::crng::Crng`], in [`Proc::crng`]): seeded from
+//! host entropy when the sandbox is made, given fresh host entropy on every unseeded sandbox clone
+//! ([`diverge`]), and reset to a known stream by [`reseed`]. A reseed with `replay` also switches
+//! the clocks ([`Proc::clocks`]) to **virtual time**: every clock starts where the guest last saw it
+//! (or at [`REPLAY_EPOCH_NS`] / [`REPLAY_MONOTONIC_NS`] if it never read one) and advances only by
+//! [`CLOCK_QUANTUM_NS`] per clock read (clock_gettime, gettimeofday, time, times, getrusage, sysinfo)
+//! and by the durations the guest sleeps; sleeps (nanosleep, clock_nanosleep, futex timeouts) then
+//! return at once instead of waiting on the host. CPU-time clocks advance by the quantum only.
+//! Replay mode stays on until the next reseed (which may turn it off) or a reset to a state without
+//! it. Both are part of [`Proc`], so snapshots, forks and resets carry them. See docs/replay.md.
 //!
 //! Sleeping (nanosleep, clock_nanosleep, futex waits with a timeout) happens on the host in slices of
 //! at most [`SLEEP_SLICE`]: when a slice ends before the deadline, the syscall is restarted (the guest
@@ -15,7 +29,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Ctx, Errno, GuestOs, SysResult, EAGAIN, EFAULT, EINTR, EINVAL, ENOSYS, EPERM, ESRCH};
+use super::crng::{Crng, Seed};
+use super::{Ctx, Errno, GuestOs, SysResult, EAGAIN, EFAULT, EINVAL, ENOSYS, EPERM, ESRCH};
 
 const ETIMEDOUT: Errno = Errno(110);
 
@@ -100,6 +115,11 @@ pub struct Proc {
     /// CLOCK_MONOTONIC nanoseconds when the process started (uptime, times).
     pub start_ns: u64,
     pub sleep: Option<PendingSleep>,
+    /// The sandbox CRNG: every random byte the guest gets. A guest fork gives the child
+    /// `crng.fork_child()` (see `vmm::process`), a sandbox clone calls [`diverge`].
+    pub crng: Crng,
+    /// What the guest's clocks show: the host's, or virtual time in replay mode.
+    pub clocks: Clocks,
 }
 
 impl Default for Proc {
@@ -138,6 +158,8 @@ impl Default for Proc {
             no_new_privs: false,
             start_ns: monotonic_ns(),
             sleep: None,
+            crng: Crng::from_host_entropy(),
+            clocks: Clocks::default(),
         }
     }
 }
@@ -157,37 +179,164 @@ impl Proc {
     }
 }
 
-/// Fill `buf` with random bytes for the guest (getrandom, AT_RANDOM, /dev/urandom).
+/// Fill `buf` with random bytes for the guest (getrandom, AT_RANDOM, /dev/urandom and /dev/random).
 ///
-/// The one source of guest randomness: today the host's getrandom, later a seeded CRNG kept in
-/// [`Proc`] so that a replay can reproduce it.
-pub fn random_bytes(_proc: &mut Proc, buf: &mut [u8]) -> Result<(), Errno> {
-    let mut got = 0;
-    while got < buf.len() {
-        // SAFETY: getrandom into the unfilled tail of `buf`; the result is checked.
-        let n = unsafe { libc::getrandom(buf[got..].as_mut_ptr().cast(), buf.len() - got, 0) };
-        if n < 0 {
-            let e = Errno::last();
-            if e == EINTR {
-                continue;
-            }
-            return Err(e);
-        }
-        got += n as usize;
-    }
+/// The one source of guest randomness: the sandbox CRNG in [`Proc::crng`] (see the module comment).
+pub fn random_bytes(proc: &mut Proc, buf: &mut [u8]) -> Result<(), Errno> {
+    proc.crng.fill(buf);
     Ok(())
+}
+
+/// Reseed the sandbox CRNG of `os` with `seed` and, with `replay`, run its clocks on virtual time
+/// from now on (without, on the host's clocks). Meant for a pause point: between runs, before the
+/// code whose randomness should be reproducible. Everything the guest draws afterwards is a function
+/// of `seed` and of what the guest does; the same holds for the clocks in replay mode.
+pub fn reseed(os: &mut GuestOs, seed: Seed, replay: bool) {
+    let p = &mut os.proc;
+    p.crng.reseed(seed);
+    // A sleep cut into slices restarts from its full duration in the new mode.
+    p.sleep = None;
+    if replay {
+        p.clocks.start_replay(&mut p.start_ns);
+    } else {
+        p.clocks.replay = false;
+    }
+}
+
+/// After a sandbox clone (a fork of the VMM process, a restore, a reset): give an unseeded CRNG
+/// fresh host entropy, so that **unseeded clones never share randomness**. A CRNG seeded by
+/// [`reseed`] keeps its stream: clones of a seeded sandbox replay alike until reseeded.
+pub fn diverge(os: &mut GuestOs) {
+    os.proc.crng.diverge();
+}
+
+/// The virtual clocks the guest sees once [`reseed`] turned on replay mode start at the REALTIME the
+/// guest last read or, if it never read one, at this one: 2025-01-01T00:00:00Z.
+pub const REPLAY_EPOCH_NS: u64 = 1_735_689_600 * 1_000_000_000;
+/// Where virtual CLOCK_MONOTONIC starts for a guest that never read it: 1 s after "boot".
+pub const REPLAY_MONOTONIC_NS: u64 = 1_000_000_000;
+/// How far virtual time moves per clock read in replay mode: 1 us, so that consecutive reads differ
+/// even at gettimeofday's resolution.
+pub const CLOCK_QUANTUM_NS: u64 = 1_000;
+
+/// What a guest clock measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ClockKind {
+    /// CLOCK_REALTIME, _COARSE, _ALARM, CLOCK_TAI.
+    Real,
+    /// CLOCK_MONOTONIC, _RAW, _COARSE, CLOCK_BOOTTIME, _ALARM.
+    Mono,
+    /// This process's (or thread's) CPU time.
+    Cpu,
+}
+
+/// The guest's clocks: the host's, or in replay mode virtual ones (see the module comment). All
+/// values are nanoseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Clocks {
+    /// Replay mode: virtual time.
+    pub replay: bool,
+    /// Virtual REALTIME, MONOTONIC and CPU time when replay mode began.
+    pub real_base: u64,
+    pub mono_base: u64,
+    pub cpu_base: u64,
+    /// Virtual time since then (clock-read quanta and sleeps), and virtual CPU time (quanta only).
+    pub elapsed: u64,
+    pub cpu_elapsed: u64,
+    /// The last REALTIME, MONOTONIC and CPU time values the guest was given, in either mode; 0 if
+    /// none. Replay mode starts from them, so the guest never sees its clocks go back.
+    pub seen_real: u64,
+    pub seen_mono: u64,
+    pub seen_cpu: u64,
+}
+
+impl Clocks {
+    /// Turn on replay mode: virtual clocks from where the guest last saw them. `start_ns` (the
+    /// process start on the monotonic clock) moves with a monotonic clock the guest never read.
+    fn start_replay(&mut self, start_ns: &mut u64) {
+        self.replay = true;
+        self.real_base = if self.seen_real != 0 { self.seen_real } else { REPLAY_EPOCH_NS };
+        self.mono_base = if self.seen_mono != 0 {
+            self.seen_mono
+        } else {
+            *start_ns = REPLAY_MONOTONIC_NS;
+            REPLAY_MONOTONIC_NS
+        };
+        self.cpu_base = self.seen_cpu;
+        self.elapsed = 0;
+        self.cpu_elapsed = 0;
+    }
+
+    /// Virtual time of `kind` now (replay mode), without advancing it.
+    fn virtual_ns(&self, kind: ClockKind) -> u64 {
+        match kind {
+            ClockKind::Real => self.real_base.saturating_add(self.elapsed),
+            ClockKind::Mono => self.mono_base.saturating_add(self.elapsed),
+            ClockKind::Cpu => self.cpu_base.saturating_add(self.cpu_elapsed),
+        }
+    }
+
+    /// Let `ns` of virtual time pass (a sleep): wall clocks move, CPU time does not.
+    fn pass(&mut self, ns: u64) {
+        self.elapsed = self.elapsed.saturating_add(ns);
+    }
+
+    /// Virtual time until the absolute time `deadline` on a clock of `kind` (0 if it has passed).
+    fn until(&self, kind: ClockKind, deadline: u64) -> u64 {
+        deadline.saturating_sub(self.virtual_ns(kind))
+    }
+
+    fn saw(&mut self, kind: ClockKind, ns: u64) {
+        match kind {
+            ClockKind::Real => self.seen_real = ns,
+            ClockKind::Mono => self.seen_mono = ns,
+            ClockKind::Cpu => self.seen_cpu = ns,
+        }
+    }
+}
+
+/// What guest clock `clock` measures; EINVAL for clocks that do not exist here (CPU clocks of other
+/// processes, CLOCK_SGI_CYCLE, unknown ids).
+fn clock_kind(clock: i32) -> Result<ClockKind, Errno> {
+    match clock {
+        0 | 5 | 8 | 11 => Ok(ClockKind::Real),
+        1 | 4 | 6 | 7 | 9 => Ok(ClockKind::Mono),
+        2 | 3 => Ok(ClockKind::Cpu),
+        c if c < 0 => host_clock(c).map(|_| ClockKind::Cpu),
+        _ => Err(EINVAL),
+    }
 }
 
 /// The time on guest clock `clock` as (seconds, nanoseconds).
 ///
-/// The one source of guest time: today the host's clocks, later a virtual clock for replays. CPU-time
-/// clocks of this process (including the pid-0 encodings glibc uses) read the VMM process's CPU
-/// time. Other processes' clocks do not exist: EINVAL.
-pub fn clock_now(clock: i32) -> Result<(i64, i64), Errno> {
+/// The one source of guest time: the host's clocks, or virtual time in replay mode (see the module
+/// comment). CPU-time clocks of this process (including the pid-0 encodings glibc uses) read the
+/// VMM process's CPU time. Other processes' clocks do not exist: EINVAL.
+pub fn clock_now(proc: &mut Proc, clock: i32) -> Result<(i64, i64), Errno> {
+    let ns = clock_now_ns(proc, clock)?;
+    Ok(((ns / 1_000_000_000) as i64, (ns % 1_000_000_000) as i64))
+}
+
+/// [`clock_now`] in nanoseconds.
+pub fn clock_now_ns(proc: &mut Proc, clock: i32) -> Result<u64, Errno> {
+    let kind = clock_kind(clock)?;
+    let c = &mut proc.clocks;
+    let ns = if c.replay {
+        c.elapsed = c.elapsed.saturating_add(CLOCK_QUANTUM_NS);
+        c.cpu_elapsed = c.cpu_elapsed.saturating_add(CLOCK_QUANTUM_NS);
+        c.virtual_ns(kind)
+    } else {
+        ns_of(host_clock_now(clock)?)
+    };
+    c.saw(kind, ns);
+    Ok(ns)
+}
+
+/// The host's time on the clock that stands for guest clock `clock`.
+fn host_clock_now(clock: i32) -> Result<(i64, i64), Errno> {
     let host = host_clock(clock)?;
-    // SAFETY: clock_gettime into a local timespec; the result is checked.
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: as above.
+    // SAFETY: clock_gettime into a local timespec; the result is checked.
     if unsafe { libc::clock_gettime(host, &mut ts) } != 0 {
         return Err(EINVAL);
     }
@@ -210,7 +359,12 @@ fn host_clock(clock: i32) -> Result<libc::clockid_t, Errno> {
     }
 }
 
-fn clock_res(clock: i32) -> Result<(i64, i64), Errno> {
+fn clock_res(proc: &Proc, clock: i32) -> Result<(i64, i64), Errno> {
+    if proc.clocks.replay {
+        // Fixed answers (the host's coarse resolution depends on its HZ): 4 ms for the coarse clocks.
+        clock_kind(clock)?;
+        return Ok((0, if clock == 5 || clock == 6 { 4_000_000 } else { 1 }));
+    }
     let host = host_clock(clock)?;
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: clock_getres into a local timespec; the result is checked.
@@ -220,10 +374,9 @@ fn clock_res(clock: i32) -> Result<(i64, i64), Errno> {
     Ok((ts.tv_sec, ts.tv_nsec))
 }
 
-/// CLOCK_MONOTONIC in nanoseconds.
+/// The host's CLOCK_MONOTONIC in nanoseconds (host-side deadlines; not what the guest sees).
 pub fn monotonic_ns() -> u64 {
-    let (s, ns) = clock_now(libc::CLOCK_MONOTONIC).unwrap_or((0, 0));
-    (s as u64).saturating_mul(1_000_000_000).saturating_add(ns as u64)
+    host_clock_now(libc::CLOCK_MONOTONIC).map(ns_of).unwrap_or(0)
 }
 
 fn timespec_bytes(s: i64, ns: i64) -> [u8; 16] {
@@ -481,14 +634,18 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
                 Err(ESRCH)
             } else if pgid < 0 {
                 Err(EINVAL)
-            } else if pgid == 0 || pgid == p.pgid {
-                // Already the leader of its own group (there is no other group to move to).
-                if p.pgid == p.pid {
-                    Ok(0)
-                } else {
+            } else if pgid == p.pgid || (pgid == 0 && p.pgid == p.pid) {
+                Ok(0) // no change
+            } else if pgid == 0 || pgid == p.pid {
+                // Lead a group of its own (a forked process), unless it leads a session.
+                if p.sid == p.pid {
                     Err(EPERM)
+                } else {
+                    p.pgid = p.pid;
+                    Ok(0)
                 }
             } else {
+                // Process groups of other processes are not tracked: nothing to join.
                 Err(EPERM)
             }
         }
@@ -503,14 +660,14 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
             }
         }
         SYS_GETRANDOM => getrandom(p, ctx, a[0], a[1], a[2]),
-        SYS_CLOCK_GETTIME => clock_now(a[0] as i32).and_then(|(s, ns)| ctx.write(a[1], &timespec_bytes(s, ns))).map(|_| 0),
-        SYS_CLOCK_GETRES => clock_res(a[0] as i32).and_then(|(s, ns)| {
+        SYS_CLOCK_GETTIME => clock_now(p, a[0] as i32).and_then(|(s, ns)| ctx.write(a[1], &timespec_bytes(s, ns))).map(|_| 0),
+        SYS_CLOCK_GETRES => clock_res(p, a[0] as i32).and_then(|(s, ns)| {
             if a[1] != 0 {
                 ctx.write(a[1], &timespec_bytes(s, ns))?;
             }
             Ok(0)
         }),
-        SYS_GETTIMEOFDAY => clock_now(libc::CLOCK_REALTIME).and_then(|(s, ns)| {
+        SYS_GETTIMEOFDAY => clock_now(p, libc::CLOCK_REALTIME).and_then(|(s, ns)| {
             if a[0] != 0 {
                 ctx.write(a[0], &timespec_bytes(s, ns / 1000))?;
             }
@@ -519,15 +676,19 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
             }
             Ok(0)
         }),
-        SYS_TIME => clock_now(libc::CLOCK_REALTIME).and_then(|(s, _)| {
+        SYS_TIME => clock_now(p, libc::CLOCK_REALTIME).and_then(|(s, _)| {
             if a[0] != 0 {
                 ctx.write(a[0], &s.to_le_bytes())?;
             }
             Ok(s as u64)
         }),
-        SYS_NANOSLEEP => {
-            read_timespec(ctx, a[0]).and_then(|req| sleep_until(p, ctx, nr, a, || Ok(monotonic_ns().saturating_add(req)), Ok(0)))
-        }
+        SYS_NANOSLEEP => read_timespec(ctx, a[0]).and_then(|req| {
+            if p.clocks.replay {
+                p.clocks.pass(req);
+                return Ok(0);
+            }
+            sleep_until(p, ctx, nr, a, || Ok(monotonic_ns().saturating_add(req)), Ok(0))
+        }),
         SYS_CLOCK_NANOSLEEP => clock_nanosleep(p, ctx, nr, a),
         SYS_SCHED_YIELD => Ok(0),
         SYS_SCHED_GETAFFINITY => {
@@ -554,13 +715,13 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
             let r = if a[0] != 0 { ctx.write(a[0], &zero) } else { Ok(()) };
             r.and_then(|_| if a[1] != 0 { ctx.write(a[1], &zero) } else { Ok(()) }).map(|_| 0)
         }
-        SYS_SYSINFO => {
-            let b = sysinfo(p, ctx);
-            ctx.write(a[0], &b).map(|_| 0)
-        }
+        SYS_SYSINFO => sysinfo(p, ctx).and_then(|b| ctx.write(a[0], &b).map(|_| 0)),
         SYS_TIMES => {
-            let ticks = monotonic_ns() / 10_000_000;
-            let (user, sys) = cpu_times();
+            let ticks = match clock_now_ns(p, libc::CLOCK_MONOTONIC) {
+                Ok(ns) => ns / 10_000_000,
+                Err(e) => return Some(Err(e)),
+            };
+            let (user, sys) = cpu_times(p);
             if a[0] != 0 {
                 let mut b = [0u8; 32];
                 b[..8].copy_from_slice(&(user / 10_000).to_le_bytes());
@@ -578,7 +739,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
             } else {
                 let mut b = [0u8; 144];
                 if who != -1 {
-                    let (user, sys) = cpu_times();
+                    let (user, sys) = cpu_times(p);
                     b[..8].copy_from_slice(&(user / 1_000_000).to_le_bytes());
                     b[8..16].copy_from_slice(&(user % 1_000_000).to_le_bytes());
                     b[16..24].copy_from_slice(&(sys / 1_000_000).to_le_bytes());
@@ -691,6 +852,11 @@ fn clock_nanosleep(p: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> SysResu
     // Read the request up front: a bad pointer is EFAULT even on a restart.
     let req = read_timespec(ctx, a[2])?;
     let abs = a[1] & TIMER_ABSTIME != 0;
+    if p.clocks.replay {
+        let d = if abs { p.clocks.until(clock_kind(clock)?, req) } else { req };
+        p.clocks.pass(d);
+        return Ok(0);
+    }
     sleep_until(
         p,
         ctx,
@@ -699,7 +865,7 @@ fn clock_nanosleep(p: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> SysResu
         || {
             let now = monotonic_ns();
             if abs {
-                let clock_now_ns = ns_of(clock_now(clock)?);
+                let clock_now_ns = ns_of(host_clock_now(clock)?);
                 Ok(now.saturating_add(req.saturating_sub(clock_now_ns)))
             } else {
                 Ok(now.saturating_add(req))
@@ -709,7 +875,13 @@ fn clock_nanosleep(p: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> SysResu
     )
 }
 
-fn cpu_times() -> (u64, u64) {
+/// User and system CPU time of the process in microseconds: the VMM process's, or in replay mode
+/// the virtual CPU clock (all user time). Reading them counts as a clock read.
+fn cpu_times(p: &mut Proc) -> (u64, u64) {
+    if p.clocks.replay {
+        let ns = clock_now_ns(p, libc::CLOCK_PROCESS_CPUTIME_ID).unwrap_or(0);
+        return (ns / 1_000, 0);
+    }
     // SAFETY: getrusage into a zeroed local struct.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
@@ -719,9 +891,9 @@ fn cpu_times() -> (u64, u64) {
 }
 
 /// `struct sysinfo` (112 bytes on x86-64): the guest's memory, one process, no swap.
-fn sysinfo(p: &Proc, ctx: &Ctx) -> [u8; 112] {
+fn sysinfo(p: &mut Proc, ctx: &Ctx) -> Result<[u8; 112], Errno> {
     let mut b = [0u8; 112];
-    let uptime = monotonic_ns().saturating_sub(p.start_ns) / 1_000_000_000;
+    let uptime = clock_now_ns(p, libc::CLOCK_MONOTONIC)?.saturating_sub(p.start_ns) / 1_000_000_000;
     let total = ctx.mem.size();
     let free = ctx.frames.available() * crate::arch::x86_64::layout::PAGE_SIZE;
     b[..8].copy_from_slice(&uptime.to_le_bytes());
@@ -729,7 +901,7 @@ fn sysinfo(p: &Proc, ctx: &Ctx) -> [u8; 112] {
     b[40..48].copy_from_slice(&free.min(total).to_le_bytes());
     b[80..82].copy_from_slice(&1u16.to_le_bytes());
     b[104..108].copy_from_slice(&1u32.to_le_bytes());
-    b
+    Ok(b)
 }
 
 fn check_sig(sig: u64) -> Result<usize, Errno> {
@@ -921,6 +1093,13 @@ fn futex(p: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> SysResult {
             }
             let t = read_timespec(ctx, timeout)?;
             let realtime = op & FUTEX_CLOCK_REALTIME != 0;
+            if p.clocks.replay {
+                // Nobody can wake us: the wait times out once virtual time reaches its end.
+                let kind = if realtime { ClockKind::Real } else { ClockKind::Mono };
+                let d = if cmd == FUTEX_WAIT { t } else { p.clocks.until(kind, t) };
+                p.clocks.pass(d);
+                return Err(ETIMEDOUT);
+            }
             sleep_until(
                 p,
                 ctx,
@@ -932,7 +1111,7 @@ fn futex(p: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> SysResult {
                         Ok(now.saturating_add(t))
                     } else {
                         let clock = if realtime { libc::CLOCK_REALTIME } else { libc::CLOCK_MONOTONIC };
-                        Ok(now.saturating_add(t.saturating_sub(ns_of(clock_now(clock)?))))
+                        Ok(now.saturating_add(t.saturating_sub(ns_of(host_clock_now(clock)?))))
                     }
                 },
                 Err(ETIMEDOUT),
@@ -1017,6 +1196,7 @@ mod tests {
                 enosys: Default::default(),
                 stdio: None,
                 agent: None,
+                sig: Default::default(),
             };
             T { mem, frames, aspace, regs: Default::default(), sregs: Default::default(), out: Default::default(), os, _dir: dir }
         }
@@ -1269,5 +1449,159 @@ mod tests {
         assert_eq!(t.call(SYS_GETRUSAGE, [5, BUF, 0, 0, 0, 0]), -22);
         assert_eq!(t.call(SYS_RSEQ, [0; 6]), -38);
         assert_eq!(t.call(SYS_MEMBARRIER, [0; 6]), 0);
+    }
+
+    fn ts_ns(b: &[u8]) -> u64 {
+        let s = i64::from_le_bytes(b[..8].try_into().unwrap());
+        let ns = i64::from_le_bytes(b[8..16].try_into().unwrap());
+        s as u64 * 1_000_000_000 + ns as u64
+    }
+
+    impl T {
+        /// clock_gettime(clock) in ns.
+        fn now(&mut self, clock: u64) -> u64 {
+            assert_eq!(self.call(SYS_CLOCK_GETTIME, [clock, BUF + 512, 0, 0, 0, 0]), 0);
+            ts_ns(&self.read(BUF + 512, 16))
+        }
+        /// Everything time- and randomness-related a guest can observe, in one transcript.
+        fn transcript(&mut self) -> Vec<u8> {
+            let mut v = Vec::new();
+            for clock in [0u64, 1, 2, 3, 4, 5, 6, 7, 11, (-6i64) as u64] {
+                v.extend(self.now(clock).to_le_bytes());
+            }
+            assert_eq!(self.call(SYS_GETTIMEOFDAY, [BUF, 0, 0, 0, 0, 0]), 0);
+            v.extend(self.read(BUF, 16));
+            v.extend(self.call(SYS_TIME, [0; 6]).to_le_bytes());
+            v.extend(self.call(SYS_TIMES, [BUF, 0, 0, 0, 0, 0]).to_le_bytes());
+            v.extend(self.read(BUF, 32));
+            assert_eq!(self.call(SYS_GETRUSAGE, [0, BUF, 0, 0, 0, 0]), 0);
+            v.extend(self.read(BUF, 32));
+            assert_eq!(self.call(SYS_SYSINFO, [BUF, 0, 0, 0, 0, 0]), 0);
+            v.extend(self.read(BUF, 8));
+            assert_eq!(self.call(SYS_CLOCK_GETRES, [5, BUF, 0, 0, 0, 0]), 0);
+            v.extend(self.read(BUF, 16));
+            self.write(BUF + 64, &timespec_bytes(0, 500));
+            assert_eq!(self.call(SYS_NANOSLEEP, [BUF + 64, 0, 0, 0, 0, 0]), 0);
+            v.extend(self.now(1).to_le_bytes());
+            assert_eq!(self.call(SYS_GETRANDOM, [BUF, 48, 0, 0, 0, 0]), 48);
+            v.extend(self.read(BUF, 48));
+            v
+        }
+    }
+
+    #[test]
+    fn reseeded_replay_is_deterministic() {
+        let seed = [0x5a; 32];
+        let (mut a, mut b) = (T::new(), T::new());
+        // Different histories before the reseed: host clocks, different random bytes.
+        a.now(0);
+        assert_eq!(a.call(SYS_GETRANDOM, [BUF, 16, 0, 0, 0, 0]), 16);
+        let (ta, tb) = (a.transcript(), b.transcript());
+        assert_ne!(ta, tb);
+        // The same state (as two clones of one snapshot have), reseeded alike: identical transcripts.
+        b.os.proc = a.os.proc.clone();
+        reseed(&mut a.os, seed, true);
+        reseed(&mut b.os, seed, true);
+        let ta = a.transcript();
+        assert_eq!(ta, b.transcript());
+        // Another seed: other random bytes, the same clocks.
+        let mut c = T::new();
+        c.os.proc = a.os.proc.clone();
+        reseed(&mut a.os, seed, true);
+        reseed(&mut c.os, [0x5b; 32], true);
+        let (ta2, tc) = (a.transcript(), c.transcript());
+        assert_eq!(ta2[..ta2.len() - 48], tc[..tc.len() - 48]);
+        assert_ne!(ta2[ta2.len() - 48..], tc[tc.len() - 48..]);
+    }
+
+    #[test]
+    fn virtual_clocks_start_where_the_guest_left_them() {
+        let mut t = T::new();
+        // Never read: the fixed epoch and boot offset.
+        reseed(&mut t.os, [1; 32], true);
+        assert_eq!(t.now(0), REPLAY_EPOCH_NS + CLOCK_QUANTUM_NS);
+        assert_eq!(t.now(1), REPLAY_MONOTONIC_NS + 2 * CLOCK_QUANTUM_NS);
+        assert_eq!(t.now(2), 3 * CLOCK_QUANTUM_NS, "CPU time: quanta only");
+        // A sleep moves the wall clocks by exactly its length, at once, and not CPU time.
+        t.write(BUF, &timespec_bytes(3600, 0));
+        let start = std::time::Instant::now();
+        assert_eq!(t.call(SYS_NANOSLEEP, [BUF, 0, 0, 0, 0, 0]), 0);
+        assert!(start.elapsed() < std::time::Duration::from_secs(1));
+        assert_eq!(t.now(1), REPLAY_MONOTONIC_NS + 3_600_000_000_000 + 4 * CLOCK_QUANTUM_NS);
+        assert_eq!(t.now(3), 5 * CLOCK_QUANTUM_NS);
+        // An absolute sleep to a time already passed does not move time; one ahead moves it there.
+        let mono = t.now(1);
+        t.write(BUF, &timespec_bytes(0, 5));
+        assert_eq!(t.call(SYS_CLOCK_NANOSLEEP, [1, 1, BUF, 0, 0, 0]), 0);
+        assert_eq!(t.now(1), mono + CLOCK_QUANTUM_NS);
+        let target = mono + 10_000_000_000;
+        t.write(BUF, &timespec_bytes((target / 1_000_000_000) as i64, (target % 1_000_000_000) as i64));
+        assert_eq!(t.call(SYS_CLOCK_NANOSLEEP, [1, 1, BUF, 0, 0, 0]), 0);
+        assert_eq!(t.now(1), target + CLOCK_QUANTUM_NS);
+        // A futex wait with a timeout times out in virtual time.
+        t.write(BUF + 64, &0u32.to_le_bytes());
+        t.write(BUF + 128, &timespec_bytes(7, 0));
+        let before = t.now(1);
+        assert_eq!(t.call(SYS_FUTEX, [BUF + 64, 0, 0, BUF + 128, 0, 0]), -110);
+        assert_eq!(t.now(1), before + 7_000_000_000 + CLOCK_QUANTUM_NS);
+        // A second reseed continues from the last values seen: time never goes back.
+        let (real, mono) = (t.now(0), t.now(1));
+        reseed(&mut t.os, [2; 32], true);
+        assert_eq!(t.now(0), real + CLOCK_QUANTUM_NS);
+        assert_eq!(t.now(1), mono + 2 * CLOCK_QUANTUM_NS);
+        // Replay off: the host's clocks again.
+        reseed(&mut t.os, [2; 32], false);
+        let host_real = t.now(0);
+        assert!(host_real > 1_600_000_000 * 1_000_000_000 && host_real != real + 2 * CLOCK_QUANTUM_NS);
+        // And a replay after host reads starts at the last host value.
+        reseed(&mut t.os, [3; 32], true);
+        assert_eq!(t.now(0), host_real + CLOCK_QUANTUM_NS);
+    }
+
+    #[test]
+    fn randomness_comes_from_the_crng() {
+        let mut t = T::new();
+        reseed(&mut t.os, [0; 32], false);
+        assert_eq!(t.call(SYS_GETRANDOM, [BUF, 5, 0, 0, 0, 0]), 5);
+        assert_eq!(t.call(SYS_GETRANDOM, [BUF + 5, 27, 2, 0, 0, 0]), 27);
+        // The seed-zero vector of collimate-crng-v1, whatever the read sizes.
+        let want: Vec<u8> = (0..32)
+            .map(|i| u8::from_str_radix(&"ccce174ddda08b6788294501ad61d93049490188c5f6f4798052cbfd703a2510"[2 * i..2 * i + 2], 16).unwrap())
+            .collect();
+        assert_eq!(t.read(BUF, 32), want);
+        assert!(!t.os.proc.clocks.replay);
+        // An unseeded clone diverges, a seeded one does not.
+        let mut other = T::new();
+        other.os.proc = t.os.proc.clone();
+        diverge(&mut t.os);
+        diverge(&mut other.os);
+        assert_eq!(t.os.proc.crng, other.os.proc.crng);
+        let fresh = T::new();
+        let (mut x, mut y) = (T::new(), T::new());
+        x.os.proc = fresh.os.proc.clone();
+        y.os.proc = fresh.os.proc.clone();
+        diverge(&mut x.os);
+        diverge(&mut y.os);
+        assert_eq!(x.call(SYS_GETRANDOM, [BUF, 32, 0, 0, 0, 0]), 32);
+        assert_eq!(y.call(SYS_GETRANDOM, [BUF + 64, 32, 0, 0, 0, 0]), 32);
+        assert_ne!(x.read(BUF, 32), y.read(BUF + 64, 32));
+        // A guest fork: the child's stream is derived, not shared.
+        let mut parent = t.os.proc.clone();
+        let mut child = parent.clone();
+        child.crng = parent.crng.fork_child();
+        let (mut pb, mut cb) = ([0u8; 16], [0u8; 16]);
+        random_bytes(&mut parent, &mut pb).unwrap();
+        random_bytes(&mut child, &mut cb).unwrap();
+        assert_ne!(pb, cb);
+    }
+
+    #[test]
+    fn proc_state_round_trips_with_crng_and_clocks() {
+        let mut t = T::new();
+        reseed(&mut t.os, [4; 32], true);
+        t.now(0);
+        let bytes = postcard::to_allocvec(&t.os.proc).unwrap();
+        let back: Proc = postcard::from_bytes(&bytes).unwrap();
+        assert_eq!(back, t.os.proc);
     }
 }

@@ -8,14 +8,18 @@
 //! - [`mm`]: the address space as the guest sees it: mmap, munmap, mprotect, brk, mremap.
 //! - [`vfs`] and [`files`]: guest paths resolved inside the sandbox's file system, and the fd table.
 //! - [`misc`]: identity, time, randomness, limits, signals bookkeeping, thread-area setup.
+//! - [`signal`]: signals (generation, handler frames, sigreturn), kill, and waiting for children.
+//! - [`crng`]: the sandbox CRNG every guest random byte comes from (seedable for replays).
 //!
 //! A syscall nobody services returns ENOSYS and is counted per number, so gaps show up in reports.
 
+pub mod crng;
 pub mod exec;
 pub mod files;
 pub mod misc;
 pub mod mm;
 pub mod persist;
+pub mod signal;
 pub mod vfs;
 
 use std::collections::BTreeMap;
@@ -165,6 +169,8 @@ pub struct GuestOs {
     pub stdio: Option<[std::os::fd::OwnedFd; 2]>,
     /// The agent channel (fd 3 of an agent process), if this process is the in-guest agent.
     pub agent: Option<std::sync::Arc<files::OpenFile>>,
+    /// Pending signals, children and parent (see [`signal`]).
+    pub sig: signal::SigState,
 }
 
 impl GuestOs {
@@ -178,6 +184,7 @@ impl GuestOs {
             enosys: Default::default(),
             stdio: None,
             agent: None,
+            sig: Default::default(),
         }
     }
 
@@ -300,7 +307,8 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
         _ => {
             let r = mm::dispatch(os, ctx, nr, a)
                 .or_else(|| files::dispatch(os, ctx, nr, a))
-                .or_else(|| misc::dispatch(os, ctx, nr, a));
+                .or_else(|| misc::dispatch(os, ctx, nr, a))
+                .or_else(|| signal::dispatch(os, ctx, nr, a));
             match r {
                 Some(r) => r,
                 None => {
@@ -313,6 +321,11 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
     };
     ctx.regs.rax = match res {
         Ok(v) => v,
+        // Wait more: the guest re-executes its `syscall` (2 bytes) with rax = nr.
+        Err(signal::ERESTARTSYS) => {
+            ctx.regs.rip = ctx.regs.rip.wrapping_sub(2);
+            nr
+        }
         Err(e) => (-(e.0 as i64)) as u64,
     };
     ctx.stop.take()

@@ -6,6 +6,7 @@
 //! address space that created it), restores the vCPU state captured just before the fork, and serves
 //! its own channel. The parent goes on.
 
+mod process;
 mod syscalls;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -60,7 +61,8 @@ pub struct Machine {
     /// `fs/` holds the writable mounts' contents, which `reset` copies back.
     os_reset_point: Option<(crate::guestos::persist::OsState, PathBuf)>,
     preempter: Preempter,
-    exited: Option<i32>,
+    /// How the guest ended (`Exited` or `Signaled`), once it has.
+    exited: Option<RunExit>,
     /// The Linux personality, for VMs that run Linux programs (`spawn`); `None` for the engine's
     /// bare test guests, which get the minimal syscall set in `syscalls`.
     os: Option<GuestOs>,
@@ -159,6 +161,7 @@ impl Machine {
             enosys: Default::default(),
             stdio: None,
             agent: None,
+            sig: Default::default(),
         };
         os.set_stdio(stdio)?;
         if spec.agent {
@@ -241,19 +244,22 @@ impl Machine {
     pub fn run(&mut self, timeout: Duration) -> Result<RunResult> {
         let start = Instant::now();
         let mut out = syscalls::Output::default();
-        if let Some(code) = self.exited {
-            return Ok(RunResult { exit: RunExit::Exited { code }, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false, agent: vec![] });
+        if let Some(exit) = self.exited {
+            return Ok(RunResult { exit, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false, agent: vec![] });
         }
         let deadline = start + timeout;
         self.vcpu.set_kvm_immediate_exit(0);
         self.preempter.attach(&mut self.vcpu);
         self.preempter.arm(timeout)?;
+        let guard = process::RunGuard::enter(&mut self.vcpu);
         let res = self.run_loop(deadline, &mut out);
+        drop(guard);
         self.preempter.disarm()?;
         self.vcpu.set_kvm_immediate_exit(0);
         let exit = res?;
-        if let RunExit::Exited { code } = exit {
-            self.exited = Some(code);
+        if let RunExit::Exited { .. } | RunExit::Signaled { .. } = exit {
+            self.exited = Some(exit);
+            process::guest_ended(self);
         }
         self.runtime.enosys += out.enosys;
         Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false, agent: vec![] })
@@ -278,6 +284,9 @@ impl Machine {
                 }
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                     self.vcpu.set_kvm_immediate_exit(0);
+                    if let Some(exit) = process::on_interrupt(self)? {
+                        return Ok(exit);
+                    }
                     if Instant::now() >= deadline {
                         return Ok(RunExit::Timeout);
                     }
@@ -290,10 +299,13 @@ impl Machine {
                     if let Some(exit) = self.syscall(out)? {
                         return Ok(exit);
                     }
-                } else if (VECTOR_PORT_BASE..VECTOR_PORT_BASE + 32).contains(&port) {
-                    return self.exception((port - VECTOR_PORT_BASE) as u8);
-                } else if port == SPURIOUS_PORT {
-                    return self.exception(255);
+                } else if (VECTOR_PORT_BASE..VECTOR_PORT_BASE + 32).contains(&port) || port == SPURIOUS_PORT {
+                    let vector = if port == SPURIOUS_PORT { 255 } else { (port - VECTOR_PORT_BASE) as u8 };
+                    let fault = self.exception(vector)?;
+                    // A Linux guest gets a signal (its handler runs, or it dies by it).
+                    if let Some(exit) = process::on_fault(self, fault)? {
+                        return Ok(exit);
+                    }
                 } else {
                     return Ok(RunExit::Io { port, value });
                 }
@@ -319,7 +331,10 @@ impl Machine {
         r.rip = r.rcx;
         r.rflags = r.r11;
         let mut sregs = sregs;
+        let entry = process::Entry::of(&r);
         let exit = match self.os.as_mut() {
+            // fork, execve, sigreturn: the VMM's own business (see `process`).
+            Some(_) if process::intercepts(r.rax) => process::syscall(self, &mut r, &mut sregs)?,
             Some(os) => {
                 let mut gout = guestos::Output::default();
                 let mut ctx = guestos::Ctx {
@@ -352,6 +367,7 @@ impl Machine {
                 exit
             }
         };
+        let exit = process::after_syscall(self, &entry, &mut r, exit)?;
         self.return_to_user(&r, sregs)?;
         Ok(exit)
     }
@@ -400,6 +416,7 @@ impl Machine {
                 "this VM was booted, not restored from a snapshot; snapshot it and restore or clone that".into(),
             ));
         };
+        process::kill_children(self);
         self.sync_dirty()?;
         let dirty_pages = self.mem.discard_private()?;
         vcpu.restore(&self.vcpu)?;
@@ -464,7 +481,10 @@ fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, vm_dir: &Pat
         })?;
         dirs.push(dst);
     }
-    state.rebuild(&dirs)
+    // Every restore and reset is a new clone of the snapshot: an unseeded CRNG gets fresh entropy.
+    let mut os = state.rebuild(&dirs)?;
+    guestos::misc::diverge(&mut os);
+    Ok(os)
 }
 
 /// Private_Clean + Private_Dirty of this process, in bytes.
@@ -617,9 +637,13 @@ fn set_idle_priority(idle: bool) {
 fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel) -> ! {
     // SAFETY: getpid cannot fail.
     let pid = unsafe { libc::getpid() };
-    // A forked sandbox gets its own copy of the writable mounts.
+    // A forked sandbox gets its own copy of the writable mounts, and unless its CRNG was seeded,
+    // fresh entropy: unseeded clones never share randomness.
     let privatized = match m.os.as_mut() {
-        Some(os) => crate::guestos::persist::privatize(os, &crate::guestos::persist::vm_dir(pid)),
+        Some(os) => {
+            guestos::misc::diverge(os);
+            crate::guestos::persist::privatize(os, &crate::guestos::persist::vm_dir(pid))
+        }
         None => Ok(()),
     };
     match privatized.and_then(|_| m.rebuild_after_fork(state)) {
@@ -657,6 +681,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
         if req.changes_guest() {
             pool.invalidate();
         }
+        process::serving(m, &chan, &pool);
         let resp = match req {
             Request::Run { timeout } => m.run(timeout).map(Response::Run),
             Request::Snapshot { dir } => m.snapshot(&dir).map(|_| Response::Ok),
@@ -697,6 +722,13 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             Request::Download { path } => match m.os.as_ref() {
                 Some(os) => os.download(&path).map(Response::File),
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no files".into())),
+            },
+            Request::Reseed { seed, replay } => match m.os.as_mut() {
+                Some(os) => {
+                    guestos::misc::reseed(os, seed, replay);
+                    Ok(Response::Ok)
+                }
+                None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no CRNG to reseed".into())),
             },
             Request::ReadMem { gva, len } => m.read_mem(gva, len).map(Response::Mem),
             Request::WriteMem { gva, data } => m.write_mem(gva, &data).map(|_| Response::Ok),

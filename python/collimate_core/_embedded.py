@@ -1,0 +1,444 @@
+"""The embedded engine: templates, sandboxes and forks in this process's host, no server.
+
+`connect()` without an API key returns the process-wide `EmbeddedClient`. Each template runs one
+zygote (a VMM process restored from the template's snapshot, never run) that forks sandboxes and
+keeps a few pre-forked spares; a sandbox is one VMM process running the in-guest agent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from collimate_core._core import EngineError as _CoreEngineError
+from collimate_core._core import Vm
+from collimate_core._errors import (
+    CapacityError,
+    InvalidArgument,
+    NotFoundError,
+    SandboxDied,
+)
+from collimate_core._results import ExecResult
+from collimate_core._seeds import crng_stream, fresh_seed, parse_seed
+from collimate_core._templates import AGENT_IDLE, Baked, bake_catalog
+
+ACK_CONTEXT = b"collimate/seed-ack/v1"
+MAX_UPLOAD = 256 << 20
+DEFAULT_SPARES = 2
+MAX_SPARES = 16
+RECYCLE_MAX = 8
+
+
+def _frame(obj: dict) -> bytes:
+    data = json.dumps(obj).encode()
+    return len(data).to_bytes(4, "little") + data
+
+
+def _unframe(data: bytes) -> dict | None:
+    if len(data) < 4:
+        return None
+    size = int.from_bytes(data[:4], "little")
+    try:
+        return json.loads(data[4 : 4 + size])
+    except ValueError:
+        return None
+
+
+def expected_ack(seed: bytes) -> str:
+    """The ack an agent returns after a correct reseed with `seed` (see _guest/agent.py)."""
+    return hashlib.sha256(ACK_CONTEXT + seed + crng_stream(seed, 32)).hexdigest()
+
+
+def _engine_error(e: _CoreEngineError, what: str) -> Exception:
+    msg = str(e)
+    if "is gone" in msg or "VMM process" in msg:
+        return SandboxDied(f"{what}: {msg}")
+    return e
+
+
+@dataclass
+class Usage:
+    """Metered totals over a window."""
+
+    sandbox_seconds: float = 0.0
+    execs: int = 0
+    forks: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    live_sandboxes: int = 0
+
+
+class _Template:
+    """A template's zygote, its spare clones, and sandboxes recycled by reset.
+
+    A sandbox that ends is reset (its dirty pages, files, registers and OS state go back to the
+    template: the same state a new clone would have) and kept for the next one: its KVM VM, page
+    tables and host mappings are warm, so its first exec is about twice as fast as a new clone's.
+    """
+
+    def __init__(self, baked: Baked):
+        self.baked = baked
+        self.lock = threading.Lock()
+        self.zygote = Vm.restore(baked.path)
+        self.spares = 0
+        self.recycled: list[Vm] = []
+        self.set_spares(DEFAULT_SPARES)
+
+    def take_recycled(self) -> Vm | None:
+        with self.lock:
+            return self.recycled.pop() if self.recycled else None
+
+    def offer(self, vm: Vm) -> bool:
+        """Keep `vm` (already reset) for reuse; False if the pool is full."""
+        with self.lock:
+            if len(self.recycled) >= RECYCLE_MAX:
+                return False
+            self.recycled.append(vm)
+            return True
+
+    def drain(self) -> None:
+        with self.lock:
+            vms, self.recycled = self.recycled, []
+        for vm in vms:
+            vm.destroy()
+
+    def set_spares(self, n: int) -> None:
+        n = max(0, min(n, MAX_SPARES))
+        with self.lock:
+            if n != self.spares:
+                self.zygote.set_spare_pool(n)
+                self.spares = n
+
+    def clone(self) -> tuple[Vm, bool]:
+        with self.lock:
+            warm = self.spares > 0
+            return self.zygote.clone(), warm
+
+
+@dataclass
+class _Box:
+    id: str
+    template: str
+    vm: Vm
+    created: float
+    warm_hit: bool
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    agent_alive: bool = True
+    closed: bool = False
+
+
+class EmbeddedClient:
+    """Runs sandboxes on this host through the embedded engine. Thread-safe."""
+
+    def __init__(self, *, cache: str | Path | None = None, max_sandboxes: int = 512, capacity_timeout: float = 60.0):
+        self.cache = Path(cache) if cache else None
+        self.max_sandboxes = max_sandboxes
+        self.capacity_timeout = capacity_timeout
+        self._templates: dict[str, _Template] = {}
+        self._boxes: dict[str, _Box] = {}
+        self._lock = threading.RLock()
+        self._slots = threading.Condition(self._lock)
+        self._events: list[tuple[float, str, float]] = []
+        # Tearing a VMM process down takes about a millisecond; a sandbox's exit does not wait for
+        # it. One reaper thread kills and reaps them in order; close() waits for it.
+        self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collimate-reaper")
+        self._closed_seconds: list[tuple[float, float]] = []  # (start, end) of destroyed sandboxes
+
+    # --- templates ---------------------------------------------------------------------------
+
+    def _template(self, name: str) -> _Template:
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"template must be a template name such as 'python', not {name!r}")
+        with self._lock:
+            t = self._templates.get(name)
+        if t is not None:
+            return t
+        baked = bake_catalog(name, self.cache)
+        with self._lock:
+            if name not in self._templates:
+                self._templates[name] = _Template(baked)
+            return self._templates[name]
+
+    def register_template(self, name: str, baked: Baked) -> None:
+        with self._lock:
+            old = self._templates.pop(name, None)
+            self._templates[name] = _Template(baked)
+        if old is not None:
+            old.drain()
+            old.zygote.destroy()
+
+    def expect_width(self, template: str, width: int) -> None:
+        """Keep `width` clones of `template` ready (up to the pool limit) before a burst."""
+        if width < 0:
+            raise InvalidArgument(f"width must be >= 0, not {width}")
+        self._template(template).set_spares(width)
+
+    def release_template(self, template: str) -> None:
+        """Hand back the capacity `expect_width` reserved. Never destructive."""
+        with self._lock:
+            t = self._templates.get(template)
+        if t is not None:
+            t.set_spares(DEFAULT_SPARES)
+
+    # --- sandboxes ---------------------------------------------------------------------------
+
+    def _admit(self, n: int) -> None:
+        deadline = time.monotonic() + self.capacity_timeout
+        with self._slots:
+            while len(self._boxes) + n > self.max_sandboxes:
+                left = deadline - time.monotonic()
+                if left <= 0 or n > self.max_sandboxes:
+                    raise CapacityError(
+                        f"max_sandboxes={self.max_sandboxes} live sandboxes reached "
+                        f"(waited {self.capacity_timeout:.0f}s); destroy some or raise the limit"
+                    )
+                self._slots.wait(left)
+
+    def _register(self, box: _Box) -> _Box:
+        with self._lock:
+            self._boxes[box.id] = box
+            self._events.append((time.time(), "sandbox", 1))
+        return box
+
+    def create(self, template: str) -> _Box:
+        t = self._template(template)
+        self._admit(1)
+        vm = t.take_recycled()
+        warm = vm is not None
+        if vm is None:
+            try:
+                vm, warm = t.clone()
+            except _CoreEngineError as e:
+                raise _engine_error(e, f"forking a sandbox of {template!r}") from e
+        return self._register(_Box("sbx_" + secrets.token_hex(8), template, vm, time.time(), warm))
+
+    def get(self, sandbox_id: str) -> _Box:
+        with self._lock:
+            box = self._boxes.get(sandbox_id)
+        if box is None or box.closed:
+            raise NotFoundError(f"no live sandbox {sandbox_id!r} on this client")
+        return box
+
+    def destroy(self, box: _Box) -> None:
+        with box.lock:
+            if box.closed:
+                return
+            box.closed = True
+            with self._slots:
+                self._boxes.pop(box.id, None)
+                self._closed_seconds.append((box.created, time.time()))
+            with self._lock:
+                t = self._templates.get(box.template)
+            try:
+                self._reaper.submit(self._reap, box.vm, t)
+            except RuntimeError:  # the client is closing: tear down here
+                self._reap(box.vm, None)
+
+    def _reap(self, vm: Vm, template: "_Template | None") -> None:
+        try:
+            if template is not None:
+                try:
+                    vm.reset()
+                    if template.offer(vm):
+                        return
+                except _CoreEngineError:
+                    pass  # a dead or broken sandbox is not reused
+            vm.destroy()
+        finally:
+            with self._slots:
+                self._slots.notify_all()
+
+    def fork(self, box: _Box, n: int) -> list[_Box]:
+        if not isinstance(n, int) or n < 1:
+            raise InvalidArgument(f"a fork group needs width >= 1, not {n!r}")
+        self._admit(n)
+        with box.lock:
+            try:
+                vms = box.vm.fork(n)
+            except _CoreEngineError as e:
+                raise _engine_error(e, f"forking sandbox {box.id}") from e
+        with self._lock:
+            self._events.append((time.time(), "fork", n))
+        now = time.time()
+        return [self._register(_Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False)) for vm in vms]
+
+    def reset(self, box: _Box) -> None:
+        """Back to the template: dirty pages, files and registers, without a new VM."""
+        with box.lock:
+            try:
+                box.vm.reset()
+            except _CoreEngineError as e:
+                raise _engine_error(e, f"resetting sandbox {box.id}") from e
+            box.agent_alive = True
+
+    def exec(
+        self,
+        box: _Box,
+        *,
+        code: str | None = None,
+        command: str | None = None,
+        timeout: float = 60.0,
+        seed: str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> ExecResult:
+        if (code is None) == (command is None):
+            raise InvalidArgument("exec needs exactly one of code= (Python source) or command= (a shell command)")
+        if not isinstance(code if code is not None else command, str):
+            raise InvalidArgument("code= and command= take a str")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise InvalidArgument(f"timeout_seconds must be a positive number, not {timeout!r}")
+        seed_hex = fresh_seed() if seed is None else seed
+        try:
+            seed_bytes = parse_seed(seed_hex)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(str(e)) from None
+        seed_hex = seed_bytes.hex()
+        req: dict[str, Any] = {"op": "exec", "seed": seed_hex}
+        if code is not None:
+            req["code"] = code
+        else:
+            req["command"] = command
+        if env:
+            req["env"] = {str(k): str(v) for k, v in env.items()}
+        if cwd:
+            req["cwd"] = cwd
+        with box.lock:
+            if box.closed:
+                raise NotFoundError(f"sandbox {box.id} was destroyed")
+            if not box.agent_alive:
+                self.reset(box)  # the previous program ended the agent: start from the template
+            try:
+                box.vm.reseed(seed_bytes, True)
+                r = box.vm.agent_call(_frame(req), float(timeout))
+            except _CoreEngineError as e:
+                raise _engine_error(e, f"exec in sandbox {box.id}") from e
+            timed_out = r.kind == "timeout"
+            reply = _unframe(r.agent) if r.kind == "yield" and r.value == AGENT_IDLE else None
+            if reply is not None and "exit_code" in reply:
+                exit_code = int(reply["exit_code"])
+                ack = reply.get("seed_ack")
+                verdict = "no-ack" if ack is None else ("verified" if ack == expected_ack(seed_bytes) else "mismatch")
+            else:
+                # The program ended or stopped the agent (os._exit, a fatal signal) or ran out of
+                # time: the sandbox is restored from its template before its next exec.
+                box.agent_alive = False
+                verdict = "no-ack"
+                if timed_out:
+                    exit_code = 124
+                elif r.kind == "exited":
+                    exit_code = r.code or 0
+                elif r.kind == "signaled":
+                    exit_code = 128 + (getattr(r, "signal", 0) or 0)
+                else:
+                    exit_code = 128 + 11 if r.kind in ("fault", "shutdown") else 1
+        with self._lock:
+            self._events.append((time.time(), "exec", 1))
+            self._events.append((time.time(), "bytes_out", len(r.stdout) + len(r.stderr)))
+        return ExecResult(
+            exit_code=exit_code,
+            stdout=r.stdout.decode(errors="replace"),
+            stderr=r.stderr.decode(errors="replace"),
+            seed=seed_hex,
+            seed_ack=verdict,
+            duration=r.duration,
+            timed_out=timed_out,
+            truncated=r.truncated,
+            stdout_bytes=r.stdout,
+            stderr_bytes=r.stderr,
+        )
+
+    def upload(self, box: _Box, path: str, data: bytes) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"upload_bytes takes bytes, not {type(data).__name__}")
+        if len(data) > MAX_UPLOAD:
+            raise InvalidArgument(f"upload of {len(data)} bytes is over the {MAX_UPLOAD >> 20} MiB limit; split it")
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise InvalidArgument(f"upload path must be an absolute guest path such as /work/x, not {path!r}")
+        with box.lock:
+            try:
+                box.vm.upload(path, bytes(data))
+            except _CoreEngineError as e:
+                raise _invalid_or_died(e, f"upload to {path}") from e
+        with self._lock:
+            self._events.append((time.time(), "bytes_in", len(data)))
+
+    def download(self, box: _Box, path: str) -> bytes:
+        with box.lock:
+            try:
+                data = box.vm.download(path)
+            except _CoreEngineError as e:
+                raise _invalid_or_died(e, f"download of {path}") from e
+        with self._lock:
+            self._events.append((time.time(), "bytes_out", len(data)))
+        return data
+
+    # --- metering ----------------------------------------------------------------------------
+
+    def usage(self, since: float | None = None, until: float | None = None) -> Usage:
+        """Metered totals between `since` and `until` (Unix times; default: all time, now)."""
+        lo = since if since is not None else 0.0
+        hi = until if until is not None else time.time()
+        u = Usage()
+        with self._lock:
+            for t, kind, amount in self._events:
+                if lo <= t <= hi:
+                    if kind == "exec":
+                        u.execs += int(amount)
+                    elif kind == "fork":
+                        u.forks += int(amount)
+                    elif kind == "bytes_in":
+                        u.bytes_in += int(amount)
+                    elif kind == "bytes_out":
+                        u.bytes_out += int(amount)
+            spans = list(self._closed_seconds) + [(b.created, hi) for b in self._boxes.values()]
+            u.live_sandboxes = len(self._boxes)
+        u.sandbox_seconds = sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in spans)
+        return u
+
+    def close(self) -> None:
+        """Destroy every sandbox and zygote of this client."""
+        with self._lock:
+            boxes = list(self._boxes.values())
+            templates = list(self._templates.values())
+            self._templates.clear()
+        for b in boxes:
+            self.destroy(b)
+        self._reaper.shutdown(wait=True)
+        self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collimate-reaper")
+        for t in templates:
+            t.drain()
+            t.zygote.destroy()
+
+    # --- the SDK surface on the client -------------------------------------------------------
+
+    def session(self, handle: Any = "python"):
+        from collimate_core._session import Session
+
+        return Session(_template_name(handle), client=self)
+
+    def env(self, ref: Any, width: int = 1):
+        from collimate_core._session import Env
+
+        return Env(self, _template_name(ref), width)
+
+
+def _template_name(handle: Any) -> str:
+    name = getattr(handle, "name", handle)
+    if not isinstance(name, str):
+        raise InvalidArgument(f"expected a template name or handle, not {handle!r}")
+    return name
+
+
+def _invalid_or_died(e: _CoreEngineError, what: str) -> Exception:
+    msg = str(e)
+    if "invalid argument" in msg or "No such file" in msg or "only /tmp and /work" in msg:
+        return InvalidArgument(f"{what}: {msg}")
+    return _engine_error(e, what)

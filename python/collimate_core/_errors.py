@@ -1,0 +1,62 @@
+"""The exception hierarchy. Every error the SDK raises derives from `CollimateError`.
+
+    CollimateError
+    ├── EngineError                 the engine failed (KVM, a VMM process, the host)
+    │   ├── SnapshotError           a snapshot file is damaged or from another version
+    │   ├── VmDestroyedError        a call on a destroyed low-level Vm
+    │   └── SandboxDied             a sandbox's VMM process died: the sandbox is lost
+    ├── SandboxTimeout              an operation ran out of time (also a TimeoutError)
+    ├── NotFoundError               unknown template or sandbox (also a LookupError)
+    ├── InvalidArgument             bad input, with what to do (also a ValueError)
+    ├── CapacityError               a configured limit (live sandboxes, memory) is reached
+    ├── GroupError                  a fork group lost a child: no partial group is returned
+    └── AuthenticationError         a missing or wrong API key (remote clients)
+
+An infrastructure failure is never turned into a reward: it raises one of these.
+"""
+
+from __future__ import annotations
+
+from collimate_core._core import CollimateError, EngineError, SnapshotError, VmDestroyedError
+
+__all__ = [
+    "AuthenticationError",
+    "CapacityError",
+    "CollimateError",
+    "EngineError",
+    "GroupError",
+    "InvalidArgument",
+    "NotFoundError",
+    "SandboxDied",
+    "SandboxTimeout",
+    "SnapshotError",
+    "VmDestroyedError",
+]
+
+
+class SandboxDied(EngineError):
+    """The sandbox's VMM process died or stopped answering; create a new sandbox."""
+
+
+class SandboxTimeout(CollimateError, TimeoutError):
+    """An operation did not finish in its time budget."""
+
+
+class NotFoundError(CollimateError, LookupError):
+    """No template or sandbox by that name or id."""
+
+
+class InvalidArgument(CollimateError, ValueError):
+    """An argument is malformed; the message says what is expected."""
+
+
+class CapacityError(CollimateError):
+    """A configured limit is reached; the message names it."""
+
+
+class GroupError(CollimateError):
+    """A fork group lost a child to an infrastructure failure; the group was torn down."""
+
+
+class AuthenticationError(CollimateError):
+    """The API key is missing or wrong."""

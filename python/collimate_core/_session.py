@@ -1,0 +1,221 @@
+"""Sandboxes, sessions, fork groups and environments: the SDK surface over a client."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+from collimate_core._errors import CollimateError, GroupError, InvalidArgument
+from collimate_core._results import ExecResult
+from collimate_core._seeds import fresh_seed, group_seeds, parse_seed
+
+T = TypeVar("T")
+
+
+class Sandbox:
+    """One isolated sandbox, forked from a template in about a millisecond.
+
+    A context manager: entering forks a fresh clone of `template`, leaving destroys it, even on
+    error. Outside a `with` block, call `start()` and `kill()` yourself.
+    """
+
+    def __init__(self, template: Any = "python", *, client: Any = None, default_seed: str | None = None):
+        from collimate_core._client import connect
+
+        self.client = client if client is not None else connect()
+        self.template = getattr(template, "name", template)
+        self.default_seed = default_seed
+        self._box = None
+
+    # lifecycle
+    def start(self) -> "Sandbox":
+        if self._box is None:
+            self._box = self.client.create(self.template)
+        return self
+
+    def __enter__(self) -> "Sandbox":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        """Destroy the sandbox now (idempotent)."""
+        if self._box is not None:
+            box, self._box = self._box, None
+            self.client.destroy(box)
+
+    close = kill
+
+    @classmethod
+    def attach(cls, client: Any, session_id: str) -> "Sandbox":
+        """Re-adopt a live sandbox by id (e.g. after a worker restarted)."""
+        sb = cls.__new__(cls)
+        sb.client = client
+        sb._box = client.get(session_id)
+        sb.template = sb._box.template
+        sb.default_seed = None
+        return sb
+
+    def _live(self):
+        if self._box is None:
+            raise InvalidArgument("the sandbox is not running: use it in a `with` block or call start()")
+        return self._box
+
+    @property
+    def session_id(self) -> str:
+        return self._live().id
+
+    sandbox_id = session_id
+
+    @property
+    def warm_hit(self) -> bool:
+        """Whether the sandbox was served from the template's pool of ready clones."""
+        return self._live().warm_hit
+
+    # work
+    def exec(
+        self,
+        command: str | None = None,
+        *,
+        code: str | None = None,
+        timeout_seconds: float = 60.0,
+        seed: str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> ExecResult:
+        """Run a shell `command` or Python `code` (in the sandbox's persistent interpreter)."""
+        if seed is None:
+            seed = self.default_seed
+        return self.client.exec(
+            self._live(), code=code, command=command, timeout=timeout_seconds, seed=seed, env=env, cwd=cwd
+        )
+
+    def upload_bytes(self, path: str, data: bytes) -> None:
+        """Write `data` to `path` in the sandbox, byte-exact (under /work or /tmp)."""
+        self.client.upload(self._live(), path, data)
+
+    def download(self, path: str) -> bytes:
+        """Read `path` from the sandbox, byte-exact."""
+        return self.client.download(self._live(), path)
+
+    def reset(self) -> None:
+        """Return to the pristine template (memory, files, registers), keeping the same id."""
+        self.client.reset(self._live())
+
+    def fork_group(self, width: int, *, seed: str | None = None) -> "ForkGroup":
+        """Fork this live sandbox into `width` children that inherit its memory and files."""
+        base = fresh_seed() if seed is None else parse_seed(seed).hex()
+        boxes = self.client.fork(self._live(), width)
+        return ForkGroup(self.client, boxes, base, self.template)
+
+    def __repr__(self) -> str:
+        state = self._box.id if self._box is not None else "not started"
+        return f"Sandbox({self.template!r}, {state})"
+
+
+Session = Sandbox
+
+
+class ForkGroup:
+    """`width` live children of one sandbox. A context manager: leaving destroys every child.
+
+    Strict width: `map` returns all results or raises; a partial group is never returned.
+    """
+
+    def __init__(self, client: Any, boxes: list, base_seed: str, template: str):
+        self.client = client
+        self.base_seed = base_seed
+        seeds = group_seeds(base_seed, len(boxes))
+        self.children: list[Sandbox] = []
+        for box, s in zip(boxes, seeds):
+            child = Sandbox.__new__(Sandbox)
+            child.client, child._box, child.template, child.default_seed = client, box, template, s
+            self.children.append(child)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.children)
+
+    def __iter__(self):
+        return iter(self.children)
+
+    def __getitem__(self, i: int) -> Sandbox:
+        return self.children[i]
+
+    def __enter__(self) -> "ForkGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            children, self.children = self.children, []
+        for c in children:
+            c.kill()
+
+    def map(self, fn: Callable[[int, Sandbox], T], *, max_workers: int | None = None) -> list[T]:
+        """Call fn(i, child) for every child in parallel; results in positional order.
+
+        An infrastructure failure in any child (it died, the engine failed) tears the whole group
+        down and raises GroupError; an exception of `fn` itself tears it down and propagates.
+        """
+        children = list(self.children)
+        if not children:
+            raise GroupError("the group is closed")
+        workers = max_workers or min(len(children), 32)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="collimate-group") as pool:
+            futures = [pool.submit(fn, i, c) for i, c in enumerate(children)]
+            results: list[T] = []
+            failure: BaseException | None = None
+            for i, f in enumerate(futures):
+                try:
+                    results.append(f.result())
+                except BaseException as e:  # noqa: BLE001 - re-raised below after teardown
+                    if failure is None:
+                        failure = e
+                        failed_at = i
+        if failure is not None:
+            self.close()
+            if isinstance(failure, CollimateError):
+                raise GroupError(
+                    f"child {failed_at} of {len(children)} failed ({failure}); the group was torn down, resample it"
+                ) from failure
+            raise failure
+        return results
+
+
+class Env:
+    """A scoped session at a declared width: `expect_width` on entry, `release_template` on exit."""
+
+    def __init__(self, client: Any, template: str, width: int):
+        if not isinstance(width, int) or width < 1:
+            raise InvalidArgument(f"width must be a positive int, not {width!r}")
+        self.client, self.template, self.width = client, template, width
+
+    def __enter__(self) -> "Env":
+        self.client.expect_width(self.template, self.width)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client.release_template(self.template)
+
+    def sandbox(self) -> Sandbox:
+        return Sandbox(self.template, client=self.client)
+
+
+def rollout_once(
+    template: Any = "python",
+    *,
+    code: str | None = None,
+    command: str | None = None,
+    seed: str | None = None,
+    client: Any = None,
+    timeout_seconds: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> ExecResult:
+    """Fork an ephemeral clone, run once, discard it."""
+    with Sandbox(template, client=client) as sb:
+        return sb.exec(command, code=code, timeout_seconds=timeout_seconds, seed=seed, env=env)

@@ -1,0 +1,153 @@
+"""Templates: a guest paused at its ready point and checkpointed, which sandboxes fork from.
+
+The catalog template "python" is Debian's CPython 3.11 running the in-guest agent
+(`_guest/agent.py`), paused at the agent's first read of its channel, with its imports done. It is
+baked on first use into the cache directory and reused while its inputs (root filesystem, agent
+code, engine snapshot format) are unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from collimate_core._core import Vm
+from collimate_core._errors import EngineError, NotFoundError
+
+AGENT_DIR = Path(__file__).resolve().parent / "_guest"
+AGENT_IDLE = 0x6167656E7400
+# Bump when the template's contents change shape (agent protocol, mounts, environment).
+TEMPLATE_VERSION = 1
+CATALOG = ("python",)
+GUEST_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/work",
+    "LANG": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("COLLIMATE_CACHE")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "collimate"
+
+
+@dataclass
+class Baked:
+    """A baked template on disk."""
+
+    name: str
+    path: Path
+    root: Path
+    agent: bool
+
+
+class _Progress:
+    """A one-line progress display on stderr (only when it is a terminal, or when asked)."""
+
+    def __init__(self, title: str, enabled: bool | None = None):
+        self.title = title
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.start = time.monotonic()
+
+    def __call__(self, step: str) -> None:
+        if self.enabled:
+            t = time.monotonic() - self.start
+            sys.stderr.write(f"\r\x1b[2K[{t:6.1f}s] {self.title}: {step[:70]}")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r\x1b[2K[{time.monotonic() - self.start:6.1f}s] {self.title}: ready\n")
+            sys.stderr.flush()
+
+
+def _agent_hash() -> str:
+    return hashlib.sha256((AGENT_DIR / "agent.py").read_bytes()).hexdigest()[:16]
+
+
+def bake_python(cache: Path | None = None, progress: Callable[[str], None] | None = None) -> Baked:
+    """Bake (or find) the catalog "python" template."""
+    cache = Path(cache) if cache else cache_dir()
+    index = cache / "templates" / "python.json"
+    try:
+        meta = json.loads(index.read_text())
+        path = Path(meta["path"])
+        if (
+            meta.get("version") == TEMPLATE_VERSION
+            and meta.get("agent") == _agent_hash()
+            and (path / "vm.state").exists()
+            and Path(meta["root"], "usr/bin/python3").exists()
+        ):
+            return Baked("python", path, Path(meta["root"]), True)
+    except (OSError, ValueError, KeyError):
+        pass
+
+    bar = _Progress("baking template python") if progress is None else None
+    say = progress or bar
+    from collimate_core._rootfs import build_rootfs
+
+    root = Path(os.environ.get("COLLIMATE_ROOTFS") or build_rootfs("python", cache=cache, progress=say))
+    key = hashlib.sha256(f"{TEMPLATE_VERSION}|{root}|{_agent_hash()}".encode()).hexdigest()[:16]
+    path = cache / "templates" / f"python-{key}"
+    if not (path / "vm.state").exists():
+        say("starting the agent")
+        work = Path(tempfile.mkdtemp(prefix="collimate-bake-"))
+        try:
+            (work / "work").mkdir()
+            (work / "tmp").mkdir(mode=0o1777)
+            vm = Vm.spawn(
+                root,
+                ["/usr/bin/python3", "/opt/collimate/agent.py"],
+                env=GUEST_ENV,
+                cwd="/work",
+                mounts={"/work": work / "work", "/tmp": work / "tmp"},
+                ro_mounts={"/opt/collimate": AGENT_DIR},
+                agent=True,
+            )
+            try:
+                r = vm.run(120.0)
+                if (r.kind, r.value) != ("yield", AGENT_IDLE):
+                    raise EngineError(
+                        f"baking the python template: the agent did not reach its ready point ({r!r}); "
+                        f"stderr: {r.stderr[-2000:].decode(errors='replace')}"
+                    )
+                say("checkpointing")
+                tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                vm.snapshot(tmp)
+                shutil.rmtree(path, ignore_errors=True)
+                os.replace(tmp, path)
+            finally:
+                vm.destroy()
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    index.parent.mkdir(parents=True, exist_ok=True)
+    tmp_index = index.with_suffix(f".{os.getpid()}.tmp")
+    tmp_index.write_text(
+        json.dumps({"version": TEMPLATE_VERSION, "agent": _agent_hash(), "path": str(path), "root": str(root)})
+    )
+    os.replace(tmp_index, index)
+    if bar:
+        bar.done()
+    return Baked("python", path, root, True)
+
+
+def bake_catalog(name: str, cache: Path | None = None) -> Baked:
+    if name == "python":
+        return bake_python(cache)
+    raise NotFoundError(
+        f"no template named {name!r}: the catalog has {', '.join(CATALOG)}; bake your own with Template.bake"
+    )
