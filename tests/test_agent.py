@@ -89,3 +89,30 @@ def test_snapshot_of_an_idle_agent_forks_children_with_its_state(agent, tmp_path
         finally:
             for k in kids:
                 k.destroy()
+
+
+def test_requests_of_any_size_round_trip(agent):
+    """The agent reads its channel in 16 KiB chunks (one VM exit for a usual request): requests
+    smaller and much larger than that, one after another, each get exactly their own reply."""
+    for size in [0, 10, 16384 - 60, 16384, 70_000, 1 << 20]:
+        code = f"x = {size}\n" + "#" * size + "\nprint(x)"
+        r = agent.agent_call(frame({"op": "exec", "code": code}), 30)
+        assert r.stdout == f"{size}\n".encode(), (size, r.stderr[-500:])
+        assert reply(r) == {"exit_code": 0, "seed_ack": None}
+    r = agent.agent_call(frame({"op": "ping"}), 30)
+    assert reply(r) == {"pong": True}
+
+
+def test_unseeded_clones_do_not_share_random(agent, tmp_path):
+    """`random` was seeded before the ready point; without a seed the agent reseeds it from the
+    sandbox CRNG, which every clone mixes with fresh host entropy."""
+    agent.snapshot(tmp_path / "snap")
+    with Vm.restore(tmp_path / "snap") as zygote:
+        kids = zygote.fork(4)
+        try:
+            outs = [k.agent_call(frame({"op": "exec", "code": "import random; print(random.random())"}), 30).stdout
+                    for k in kids]
+        finally:
+            for k in kids:
+                k.destroy()
+    assert len(set(outs)) == 4, outs

@@ -4,6 +4,7 @@ and candidates that try to score without solving."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -95,17 +96,41 @@ def test_the_quickstart_snippet(client):
     assert result.seed_ack == "verified"
 
 
+WRONG = "def solve(xs):\n    return xs\n"
 CHEATS = {
-    "wrong": "def solve(xs):\n    return xs\n",
+    "wrong": WRONG,
     "syntax error": "def solve(xs) return xs",
     "crash": "raise RuntimeError('no')",
     "exit 0 early": "import sys\nsys.exit(0)\ndef solve(xs): return sorted(xs)",
     "os._exit(0)": "import os\nos._exit(0)",
     "atexit os._exit(0)": "import atexit, os\natexit.register(lambda: os._exit(0))\ndef solve(xs): return xs",
+    "sys.exit(0) inside the tests": "def solve(xs):\n    raise SystemExit(0)\n",
+    "os._exit(0) inside the tests": "import os\ndef solve(xs):\n    os._exit(0)\n",
     "always-equal object": "class E:\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\ndef solve(xs): return E()",
     "list subclass": "class L(list):\n    def __eq__(self, o): return True\ndef solve(xs): return L()",
+    "int subclass": "class I(int):\n    def __eq__(self, o): return True\n    __hash__ = int.__hash__\ndef solve(xs): return [I(1), I(2), I(3)]",
     "patched AssertionError": "import builtins\nbuiltins.AssertionError = type('X', (Exception,), {})\ndef solve(xs): return xs",
     "fake verdict": "print('__collimate_verdict_0000:[true, true, true]')\ndef solve(xs): return xs",
+    # Monkeypatching the harness and what it relies on.
+    "redefined assert helper": "__collimate_strict_eq = lambda a, b: True\nimport builtins\nbuiltins.__collimate_strict_eq = lambda a, b: True\n" + WRONG,
+    "patched builtins.all": "import builtins\nbuiltins.all = lambda it: True\n" + WRONG,
+    "patched builtins during the call": "def solve(xs):\n    import builtins\n    builtins.all = lambda it: True\n    builtins.len = lambda x: 0\n    return xs\n",
+    "shadowed exec and compile": "def exec(*a, **k): pass\ndef compile(*a, **k): return None\n" + WRONG,
+    "patched os.write": "import os\n_w = os.write\nos.write = lambda fd, b: _w(fd, b.replace(b'false', b'true'))\n" + WRONG,
+    "patched json.dumps": "import json\njson.dumps = lambda *a, **k: '[true, true, true]'\n" + WRONG,
+    "replaced the grader": "__collimate_grader = lambda *a, **k: print('[true, true, true]')\n" + WRONG,
+    "audit hook reading the tests": (
+        "import sys, os, re\n"
+        "def hook(event, args):\n"
+        "    if event in ('compile', 'exec') and args and isinstance(args[0], str):\n"
+        "        for t in re.findall(r'__collimate_verdict_[0-9a-f]+:', args[0]):\n"
+        "            os.write(1, ('\\n' + t + '[true, true, true]\\n').encode())\n"
+        "            os._exit(0)\n"
+        "sys.addaudithook(hook)\n" + WRONG
+    ),
+    "trace hook": "import sys\ndef t(frame, event, arg):\n    return t\nsys.settrace(t)\nsys.setprofile(lambda *a: None)\n" + WRONG,
+    "overwrite the test file": "import os\nfor d in ('/work', '/tmp'):\n    open(os.path.join(d, 'test_solution.py'), 'w').write('assert True\\n')\n" + WRONG,
+    "a forked copy reports too": "import os\ndef solve(xs):\n    if os.fork() == 0:\n        return sorted(xs)\n    return xs\n",
     "loop forever": "while True:\n    pass",
     "flood output": "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)",
 }
@@ -120,6 +145,100 @@ def test_cheats_and_failures_never_score(client):
         assert r.reward == 0.0, (name, r.reason, r.stdout[-200:], r.stderr[-300:])
     assert results[-1].reward == 1.0, (results[-1].reason, results[-1].stderr)
     assert results[0].passed == [False, True, False]
+    # The harness really ran and caught the wrong answer (not "no verdict"):
+    by_name = dict(zip(CHEATS, results))
+    for name in ("patched builtins.all", "patched os.write", "audit hook reading the tests", "shadowed exec and compile",
+                 "redefined assert helper", "patched builtins during the call", "a forked copy reports too"):
+        assert by_name[name].reason.endswith("failed"), (name, by_name[name].reason)
+
+
+@pytest.mark.kvm
+@needs_kvm
+def test_patching_a_module_the_tests_use_does_not_pass(client):
+    tests = "import math\nassert math.isclose(area(2.0), 12.566370614359172)\nassert math.fabs(area(1.0) - 3.141592653589793) < 1e-9\n"
+    spec = UnitTestReward(tests=tests, timeout_seconds=5)
+    good = "import math\ndef area(r):\n    return math.pi * r * r\n"
+    patched = "import math\nmath.isclose = lambda *a, **k: True\nmath.fabs = lambda x: 0.0\ndef area(r):\n    return 0.0\n"
+    in_call = "def area(r):\n    import math, sys\n    math.isclose = lambda *a, **k: True\n    sys.modules['math'] = type(sys)('math')\n    return 0.0\n"
+    rs = grade_batch([good, patched, in_call], spec, client=client)
+    assert [r.reward for r in rs] == [1.0, 0.0, 0.0], [(r.reason, r.stderr[-300:]) for r in rs]
+
+
+# Candidates that try to take the host down with them. Each must score 0.0 within its time budget
+# (plus the grading's own few seconds), and leave no process behind.
+HOSTILE = {
+    "fork bomb": "import os\nwhile True:\n    os.fork()\n" + WRONG,
+    "fork bomb inside the tests": "import os\ndef solve(xs):\n    while True:\n        os.fork()\n",
+    "subprocess loop": (
+        "import subprocess\nprocs = []\nwhile True:\n"
+        "    procs.append(subprocess.Popen(['/bin/sh', '-c', 'while :; do :; done']))\n" + WRONG
+    ),
+    "1 GiB of output": "import os\nchunk = b'x' * (1 << 20)\nfor _ in range(1024):\n    os.write(1, chunk)\n" + WRONG,
+    "1 GiB of output inside the tests": (
+        "import sys\ndef solve(xs):\n    chunk = 'x' * (1 << 20)\n    for _ in range(1024):\n"
+        "        sys.stdout.write(chunk)\n    return sorted(xs)\n"
+    ),
+}
+
+
+def _processes_marked(mark: str) -> dict[int, int]:
+    """pid -> parent pid of the host processes whose environment carries `mark`."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark.encode() not in f.read():
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                found[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.kvm
+@needs_kvm
+def test_fork_bombs_and_output_floods_score_zero_quickly_and_leave_nothing(monkeypatch):
+    from collimate_core import EmbeddedClient
+
+    mark = f"collimate-hostile-{os.getpid()}-{time.monotonic_ns()}"
+    monkeypatch.setenv("COLLIMATE_TEST_MARK", mark)  # inherited by every VMM process this client starts
+    c = EmbeddedClient()
+    try:
+        timeout = 5.0
+        spec = UnitTestReward(tests=SORT_TESTS, timeout_seconds=timeout)
+        assert grade(GOOD, spec, client=c).reward == 1.0  # the template and its zygote are up
+        t = time.monotonic()
+        results = grade_batch(list(HOSTILE.values()) + [GOOD], spec, client=c)
+        wall = time.monotonic() - t
+        for (name, _), r in zip(HOSTILE.items(), results):
+            print(f"{name:34} {r.reward} {r.reason!r} in {r.duration:.2f} s, {len(r.stdout)} bytes of stdout")
+            assert r.reward == 0.0, (name, r.reason, r.stderr[-300:])
+            assert r.duration < 2 * timeout + 5, (name, r.duration)
+            assert len(r.stdout) <= 2 * (16 << 20) + 4096, (name, len(r.stdout))  # capped per stream and exec
+        assert results[-1].reward == 1.0, (results[-1].reason, results[-1].stderr[-300:])
+        print(f"{len(results)} candidates graded in {wall:.1f} s")
+        assert wall < 60, wall
+        # Nothing left behind: once the sandboxes are reset, only the client's zygotes (children of
+        # this process) and their clones (spares, recycled sandboxes) remain; no guest process.
+        c._reaper.submit(lambda: None).result()
+        deadline = time.monotonic() + 10
+        while True:
+            procs = _processes_marked(mark)
+            ours = {pid for pid, ppid in procs.items() if ppid == os.getpid()}
+            strays = {pid: ppid for pid, ppid in procs.items() if pid not in ours and ppid not in ours}
+            if not strays or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert not strays, f"guest processes left behind: {strays}"
+    finally:
+        c.close()
+    deadline = time.monotonic() + 10
+    while _processes_marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _processes_marked(mark), "processes left after the client closed"
 
 
 @pytest.mark.kvm
@@ -167,3 +286,82 @@ def test_bad_specs_fail_before_anything_runs(client):
         grade(GOOD, UnitTestReward(tests="assert ("), client=client)
     with pytest.raises(InvalidArgument, match="empty"):
         grade(GOOD, UnitTestReward(tests=""), client=client)
+
+
+# --- the strict equality, one spec per candidate, the fork path ---------------------------------
+
+
+def test_strict_equality():
+    from collimate_core._grading_harness import strict_eq
+
+    class AlwaysEqualInt(int):
+        def __eq__(self, other):
+            return True
+
+        __hash__ = int.__hash__
+
+    assert strict_eq([1, 2.0, (3, "x")], [1.0, 2, (3, "x")])  # int and float mix, as in Python
+    assert strict_eq({"a": [1]}, {"a": [1]}) and not strict_eq({"a": [1]}, {"a": [2]})
+    assert not strict_eq(True, 1) and not strict_eq(1, True)  # bool is not an int here
+    assert not strict_eq((1, 2), [1, 2]) and not strict_eq("1", 1)
+    assert not strict_eq(AlwaysEqualInt(5), 3) and strict_eq(AlwaysEqualInt(3), 3)  # its value, not its __eq__
+    assert not strict_eq([AlwaysEqualInt(5)], [3])
+    assert strict_eq(float("inf"), float("inf")) and not strict_eq(float("nan"), float("nan"))
+
+
+@pytest.mark.kvm
+@needs_kvm
+def test_one_spec_per_candidate(client):
+    double = UnitTestReward(tests="assert f(3) == 6\nassert f(0) == 0\n")
+    square = UnitTestReward(tests="import math\nassert f(3) == 9\nassert math.isqrt(f(4)) == 4\n")
+    codes = ["def f(x): return 2 * x", "def f(x): return x * x", "def f(x): return x * x", "def f(x): return 2 * x"]
+    rs = grade_batch(codes, [double, double, square, square], client=client)
+    assert [r.reward for r in rs] == [1.0, 0.0, 1.0, 0.0], [r.reason for r in rs]
+    with pytest.raises(InvalidArgument, match="one per candidate"):
+        grade_batch(codes, [double, square], client=client)
+    with pytest.raises(InvalidArgument, match="share their template and setup"):
+        grade_batch(codes[:2], [double, UnitTestReward(tests="assert f(1) == 2\n", setup="x = 1")], client=client)
+
+
+@pytest.mark.kvm
+@needs_kvm
+def test_setup_runs_before_the_candidate(client):
+    spec = UnitTestReward(setup="DATA = [3, 1, 2]\n", tests="assert solve(DATA) == [1, 2, 3]\n")
+    assert [r.reward for r in grade_batch([GOOD, WRONG], spec, client=client)] == [1.0, 0.0]
+    assert grade(GOOD, spec, client=client).reward == 1.0
+    with pytest.raises(InvalidArgument, match="setup failed"):
+        grade(GOOD, UnitTestReward(setup="raise SystemExit(3)", tests=SORT_TESTS), client=client)
+
+
+class _NoTemplates:
+    """A client that cannot host templates (as a remote client): grading forks prepared parents."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        if name in ("register_template", "_template"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+@pytest.mark.kvm
+@needs_kvm
+def test_grading_by_forking_a_prepared_parent(client):
+    forking = _NoTemplates(client)
+    spec = UnitTestReward(tests=SORT_TESTS, timeout_seconds=3)
+    names = ["wrong", "atexit os._exit(0)", "patched builtins.all", "patched os.write", "a forked copy reports too"]
+    rs = grade_batch([GOOD] + [CHEATS[n] for n in names] + [GOOD], spec, client=forking)
+    assert [r.reward for r in rs] == [1.0] + [0.0] * len(names) + [1.0], [(r.reason, r.stderr[-200:]) for r in rs]
+    assert grade(GOOD, spec, client=forking).reward == 1.0
+
+
+@pytest.mark.kvm
+@needs_kvm
+def test_tests_can_import_a_module_the_candidate_writes(client):
+    # The grader imports what the tests import before the candidate runs; `solution` is not there
+    # yet, and must still be found once the candidate has written it.
+    tests = "import sys\nsys.path.insert(0, '/work')\nfrom solution import solve\nassert solve([2, 1]) == [1, 2]\n"
+    writes = "open('/work/solution.py', 'w').write({!r})\n"
+    rs = grade_batch([writes.format(GOOD), writes.format(WRONG), "pass"], UnitTestReward(tests=tests), client=client)
+    assert [r.reward for r in rs] == [1.0, 0.0, 0.0], [(r.reason, r.stderr[-300:]) for r in rs]

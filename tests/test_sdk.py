@@ -223,7 +223,12 @@ def test_collimate_rl_is_the_same_surface():
     assert issubclass(GroupError, CollimateError)
 
 
-def test_an_api_key_needs_the_control_plane(monkeypatch):
+def test_an_api_key_selects_the_control_plane(monkeypatch):
+    # tests/test_http.py runs the remote client against a server; here only the selection.
     monkeypatch.setenv("COLLIMATE_API_KEY", "col_test_0000")
-    with pytest.raises(collimate_rl.AuthenticationError, match="unset COLLIMATE_API_KEY"):
-        connect()
+    monkeypatch.setenv("COLLIMATE_BASE_URL", "http://127.0.0.1:9")
+    client = connect()
+    assert isinstance(client, collimate_rl.RemoteClient) and client.base_url == "http://127.0.0.1:9"
+    client.close()
+    with pytest.raises(collimate_rl.AuthenticationError, match="col_"):
+        connect("sk-not-a-collimate-key")

@@ -6,6 +6,7 @@ to one VMM process running one guest. Errors derive from `CollimateError`.
 """
 
 from collimate_core._core import RunResult, Vm
+from collimate_core._bake import BuildError, Ready, Template, TemplateHandle, TemplateStatus
 from collimate_core._client import connect
 from collimate_core._embedded import EmbeddedClient, Usage
 from collimate_core._errors import (
@@ -21,6 +22,7 @@ from collimate_core._errors import (
     SnapshotError,
     VmDestroyedError,
 )
+from collimate_core._oci import ImageError
 from collimate_core._grading import (
     GradeResult,
     PropertyReward,
@@ -30,12 +32,14 @@ from collimate_core._grading import (
     grade_batch,
     trl_reward_func,
 )
+from collimate_core._remote import RemoteClient, RemoteSandbox
 from collimate_core._results import ExecResult
 from collimate_core._seeds import fresh_seed, group_seeds, parse_seed, seed_from_key
 from collimate_core._session import Env, ForkGroup, Sandbox, Session, rollout_once
 
 __all__ = [
     "AuthenticationError",
+    "BuildError",
     "CapacityError",
     "CollimateError",
     "EmbeddedClient",
@@ -45,15 +49,22 @@ __all__ = [
     "ForkGroup",
     "GradeResult",
     "GroupError",
+    "ImageError",
     "InvalidArgument",
     "NotFoundError",
     "PropertyReward",
+    "Ready",
+    "RemoteClient",
+    "RemoteSandbox",
     "RunResult",
     "Sandbox",
     "SandboxDied",
     "SandboxTimeout",
     "Session",
     "SnapshotError",
+    "Template",
+    "TemplateHandle",
+    "TemplateStatus",
     "UnitTestReward",
     "Usage",
     "Vm",

@@ -1,6 +1,7 @@
-"""`python -m collimate_core demo`: the main job, end to end on this host.
+"""`collimate` (= `python -m collimate_core`): `demo`, the main job end to end on this host; `serve`
+and `keys`, the control-plane worker and its API keys (_cli.py).
 
-Bakes the python template (Debian's CPython with the in-guest agent, checkpointed at its ready
+`demo` bakes the python template (Debian's CPython with the in-guest agent, checkpointed at its ready
 point; cached after the first run), forks sandboxes from it and measures the fork latency, then
 grades a GRPO group of 64 candidate completions in forked children of one parent, and prints the
 figures next to a host baseline (os.fork + _exit + waitpid of this process) from the same run.
@@ -85,14 +86,19 @@ def demo(width: int, samples: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m collimate_core")
+    ap = argparse.ArgumentParser(prog="collimate")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="bake the python template, fork a group, grade it, print fork latency")
     d.add_argument("--width", type=int, default=64)
     d.add_argument("--samples", type=int, default=200)
+    from collimate_core._cli import add_subcommands, run
+
+    add_subcommands(sub)  # serve, keys, openapi
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         demo(args.width, args.samples)
+    else:
+        run(args)
 
 
 if __name__ == "__main__":

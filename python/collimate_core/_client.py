@@ -5,25 +5,36 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from typing import TYPE_CHECKING
 
 from collimate_core._embedded import EmbeddedClient
 from collimate_core._errors import AuthenticationError
 
+if TYPE_CHECKING:
+    from collimate_core._remote import RemoteClient
+
 _shared: EmbeddedClient | None = None
+_remote: dict[tuple[str, str], "RemoteClient"] = {}
 _lock = threading.Lock()
 
 
-def connect(api_key: str | None = None, *, base_url: str | None = None) -> EmbeddedClient:
+def connect(api_key: str | None = None, *, base_url: str | None = None) -> "EmbeddedClient | RemoteClient":
     """A client. With no key (argument or COLLIMATE_API_KEY): the embedded engine on this host,
-    shared by the whole process. With a key: the control plane over HTTP."""
+    shared by the whole process. With a key: the control plane over HTTP at `base_url`
+    (COLLIMATE_BASE_URL, default http://127.0.0.1:8477), a `RemoteClient` with the same surface,
+    also shared per key and server."""
     key = api_key or os.environ.get("COLLIMATE_API_KEY")
     if key:
         if not key.startswith("col_"):
             raise AuthenticationError("API keys start with 'col_'; check COLLIMATE_API_KEY")
-        raise AuthenticationError(
-            "this build has no HTTP control-plane client yet; unset COLLIMATE_API_KEY (and pass no "
-            "api_key) to use the embedded engine on this host"
-        )
+        from collimate_core._remote import DEFAULT_BASE_URL, RemoteClient
+
+        url = base_url or os.environ.get("COLLIMATE_BASE_URL") or DEFAULT_BASE_URL
+        with _lock:  # one client (connection pool, keepalive thread) per key and server
+            client = _remote.get((key, url))
+            if client is None or client.closed:
+                client = _remote[(key, url)] = RemoteClient(key, url)
+            return client
     global _shared
     with _lock:
         if _shared is None:

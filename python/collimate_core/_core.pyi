@@ -47,6 +47,11 @@ class _MemStats(TypedDict):
     private_bytes: int
     dirty_pages: int
 
+class _JailStatus(TypedDict):
+    rlimits: bool
+    namespaces: bool
+    seccomp: bool
+
 _RunKind = Literal["exited", "signaled", "yield", "io", "fault", "timeout", "shutdown"]
 
 @final
@@ -150,6 +155,9 @@ class Vm:
     def vcpu_state(self) -> bytes:
         """The full captured vCPU state, serialized; for equality checks only."""
     def mem_stats(self) -> _MemStats: ...
+    def jail(self) -> _JailStatus:
+        """Which layers of its jail the VMM process runs in: resource limits, its own mount and
+        network namespaces (root only), the seccomp filter."""
     @property
     def pid(self) -> int:
         """Host pid of the VMM process."""

@@ -21,6 +21,7 @@ from collimate_core._core import EngineError as _CoreEngineError
 from collimate_core._core import Vm
 from collimate_core._errors import (
     CapacityError,
+    CollimateError,
     InvalidArgument,
     NotFoundError,
     SandboxDied,
@@ -56,6 +57,23 @@ def expected_ack(seed: bytes) -> str:
     return hashlib.sha256(ACK_CONTEXT + seed + crng_stream(seed, 32)).hexdigest()
 
 
+def check_exec_args(code: Any, command: Any, timeout: Any, seed: Any) -> bytes | None:
+    """Validate an exec's arguments before anything is forked or run; the seed's 32 bytes (None
+    for a fresh one). Raises InvalidArgument (a ValueError) saying what is expected."""
+    if (code is None) == (command is None):
+        raise InvalidArgument("exec needs exactly one of code= (Python source) or command= (a shell command)")
+    if not isinstance(code if code is not None else command, str):
+        raise InvalidArgument("code= and command= take a str")
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise InvalidArgument(f"timeout_seconds must be a positive number, not {timeout!r}")
+    if seed is None:
+        return None
+    try:
+        return parse_seed(seed)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(str(e)) from None
+
+
 def _engine_error(e: _CoreEngineError, what: str) -> Exception:
     msg = str(e)
     if "is gone" in msg or "VMM process" in msg:
@@ -68,6 +86,7 @@ class Usage:
     """Metered totals over a window."""
 
     sandbox_seconds: float = 0.0
+    sandboxes: int = 0  # sandboxes started from a template (fork-group children are `forks`)
     execs: int = 0
     forks: int = 0
     bytes_in: int = 0
@@ -94,6 +113,11 @@ class _Template:
     def take_recycled(self) -> Vm | None:
         with self.lock:
             return self.recycled.pop() if self.recycled else None
+
+    def has_room(self) -> bool:
+        """Whether `offer` would keep a sandbox now (checked before paying for its reset)."""
+        with self.lock:
+            return len(self.recycled) < RECYCLE_MAX
 
     def offer(self, vm: Vm) -> bool:
         """Keep `vm` (already reset) for reuse; False if the pool is full."""
@@ -132,6 +156,9 @@ class _Box:
     lock: threading.RLock = field(default_factory=threading.RLock)
     agent_alive: bool = True
     closed: bool = False
+    # The _Template (version) this sandbox was made from: a re-baked name gets a new one, and a
+    # sandbox of the old version must not be reset into the new version's pool.
+    origin: Any = None
 
 
 class EmbeddedClient:
@@ -145,6 +172,7 @@ class EmbeddedClient:
         self._boxes: dict[str, _Box] = {}
         self._lock = threading.RLock()
         self._slots = threading.Condition(self._lock)
+        self._reserved = 0  # slots admitted but not yet registered (see _admit)
         self._events: list[tuple[float, str, float]] = []
         # Tearing a VMM process down takes about a millisecond; a sandbox's exit does not wait for
         # it. One reaper thread kills and reaps them in order; close() waits for it.
@@ -174,6 +202,17 @@ class EmbeddedClient:
             old.drain()
             old.zygote.destroy()
 
+    def unregister_template(self, name: str) -> bool:
+        """Forget template `name` (its zygote and recycled sandboxes go); live sandboxes keep
+        running. True if it was registered."""
+        with self._lock:
+            old = self._templates.pop(name, None)
+        if old is None:
+            return False
+        old.drain()
+        old.zygote.destroy()
+        return True
+
     def expect_width(self, template: str, width: int) -> None:
         """Keep `width` clones of `template` ready (up to the pool limit) before a burst."""
         if width < 0:
@@ -190,34 +229,54 @@ class EmbeddedClient:
     # --- sandboxes ---------------------------------------------------------------------------
 
     def _admit(self, n: int) -> None:
+        """Reserve `n` sandbox slots under max_sandboxes, waiting up to capacity_timeout for room.
+        A reservation is held until the sandboxes are registered (or `_unreserve`d on failure),
+        so concurrent callers can never overshoot the limit between admission and registration."""
+        if n > self.max_sandboxes:
+            raise CapacityError(
+                f"a fork group of {n} can never fit under max_sandboxes={self.max_sandboxes}; "
+                f"raise the limit or use a narrower group"
+            )
         deadline = time.monotonic() + self.capacity_timeout
         with self._slots:
-            while len(self._boxes) + n > self.max_sandboxes:
+            while len(self._boxes) + self._reserved + n > self.max_sandboxes:
                 left = deadline - time.monotonic()
-                if left <= 0 or n > self.max_sandboxes:
+                if left <= 0:
                     raise CapacityError(
                         f"max_sandboxes={self.max_sandboxes} live sandboxes reached "
-                        f"(waited {self.capacity_timeout:.0f}s); destroy some or raise the limit"
+                        f"(waited {self.capacity_timeout:g}s for room for {n}); destroy some or raise the limit"
                     )
                 self._slots.wait(left)
+            self._reserved += n
+
+    def _unreserve(self, n: int) -> None:
+        with self._slots:
+            self._reserved -= n
+            self._slots.notify_all()
 
     def _register(self, box: _Box) -> _Box:
-        with self._lock:
+        """Turn one reserved slot into a live sandbox."""
+        with self._slots:
+            self._reserved -= 1
             self._boxes[box.id] = box
-            self._events.append((time.time(), "sandbox", 1))
         return box
 
     def create(self, template: str) -> _Box:
         t = self._template(template)
         self._admit(1)
-        vm = t.take_recycled()
-        warm = vm is not None
-        if vm is None:
-            try:
+        try:
+            vm = t.take_recycled()
+            warm = vm is not None
+            if vm is None:
                 vm, warm = t.clone()
-            except _CoreEngineError as e:
+        except BaseException as e:
+            self._unreserve(1)
+            if isinstance(e, _CoreEngineError):
                 raise _engine_error(e, f"forking a sandbox of {template!r}") from e
-        return self._register(_Box("sbx_" + secrets.token_hex(8), template, vm, time.time(), warm))
+            raise
+        with self._lock:
+            self._events.append((time.time(), "sandbox", 1))
+        return self._register(_Box("sbx_" + secrets.token_hex(8), template, vm, time.time(), warm, origin=t))
 
     def get(self, sandbox_id: str) -> _Box:
         with self._lock:
@@ -236,6 +295,8 @@ class EmbeddedClient:
                 self._closed_seconds.append((box.created, time.time()))
             with self._lock:
                 t = self._templates.get(box.template)
+            if box.origin is not None and t is not box.origin:
+                t = None  # its template was re-baked or deleted: not reusable, just destroyed
             try:
                 self._reaper.submit(self._reap, box.vm, t)
             except RuntimeError:  # the client is closing: tear down here
@@ -243,13 +304,15 @@ class EmbeddedClient:
 
     def _reap(self, vm: Vm, template: "_Template | None") -> None:
         try:
-            if template is not None:
+            if template is not None and template.has_room():
                 try:
                     vm.reset()
                     if template.offer(vm):
                         return
-                except _CoreEngineError:
-                    pass  # a dead or broken sandbox is not reused
+                except CollimateError:
+                    # A dead or broken sandbox is not reused. (A Vm whose process died reports
+                    # VmDestroyedError here, not EngineError; it still holds descriptors.)
+                    pass
             vm.destroy()
         finally:
             with self._slots:
@@ -259,15 +322,23 @@ class EmbeddedClient:
         if not isinstance(n, int) or n < 1:
             raise InvalidArgument(f"a fork group needs width >= 1, not {n!r}")
         self._admit(n)
-        with box.lock:
-            try:
+        try:
+            with box.lock:
+                if not box.agent_alive:
+                    self.reset(box)  # as exec does: the last program ended the agent, start from the template
                 vms = box.vm.fork(n)
-            except _CoreEngineError as e:
+        except BaseException as e:
+            self._unreserve(n)
+            if isinstance(e, _CoreEngineError):
                 raise _engine_error(e, f"forking sandbox {box.id}") from e
+            raise
         with self._lock:
             self._events.append((time.time(), "fork", n))
         now = time.time()
-        return [self._register(_Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False)) for vm in vms]
+        return [
+            self._register(_Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin))
+            for vm in vms
+        ]
 
     def reset(self, box: _Box) -> None:
         """Back to the template: dirty pages, files and registers, without a new VM."""
@@ -289,18 +360,13 @@ class EmbeddedClient:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
     ) -> ExecResult:
-        if (code is None) == (command is None):
-            raise InvalidArgument("exec needs exactly one of code= (Python source) or command= (a shell command)")
-        if not isinstance(code if code is not None else command, str):
-            raise InvalidArgument("code= and command= take a str")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise InvalidArgument(f"timeout_seconds must be a positive number, not {timeout!r}")
-        seed_hex = fresh_seed() if seed is None else seed
-        try:
-            seed_bytes = parse_seed(seed_hex)
-        except (TypeError, ValueError) as e:
-            raise InvalidArgument(str(e)) from None
+        seed_bytes = check_exec_args(code, command, timeout, seed)
+        if seed_bytes is None:
+            seed_bytes = bytes.fromhex(fresh_seed())
         seed_hex = seed_bytes.hex()
+        with self._lock:
+            t = box.origin or self._templates.get(box.template)
+        handshake = t is None or t.baked.seed_ack
         req: dict[str, Any] = {"op": "exec", "seed": seed_hex}
         if code is not None:
             req["code"] = code
@@ -325,12 +391,17 @@ class EmbeddedClient:
             if reply is not None and "exit_code" in reply:
                 exit_code = int(reply["exit_code"])
                 ack = reply.get("seed_ack")
-                verdict = "no-ack" if ack is None else ("verified" if ack == expected_ack(seed_bytes) else "mismatch")
+                if not handshake:
+                    verdict = "off"
+                elif ack is None:
+                    verdict = "no-ack"
+                else:
+                    verdict = "verified" if ack == expected_ack(seed_bytes) else "mismatch"
             else:
                 # The program ended or stopped the agent (os._exit, a fatal signal) or ran out of
                 # time: the sandbox is restored from its template before its next exec.
                 box.agent_alive = False
-                verdict = "no-ack"
+                verdict = "no-ack" if handshake else "off"
                 if timed_out:
                     exit_code = 124
                 elif r.kind == "exited":
@@ -363,6 +434,10 @@ class EmbeddedClient:
         if not isinstance(path, str) or not path.startswith("/"):
             raise InvalidArgument(f"upload path must be an absolute guest path such as /work/x, not {path!r}")
         with box.lock:
+            if not box.agent_alive:
+                # The last program ended the agent: the next exec starts from the template, which
+                # would drop this file. Restore the sandbox now, so the upload is there for it.
+                self.reset(box)
             try:
                 box.vm.upload(path, bytes(data))
             except _CoreEngineError as e:
@@ -392,6 +467,8 @@ class EmbeddedClient:
                 if lo <= t <= hi:
                     if kind == "exec":
                         u.execs += int(amount)
+                    elif kind == "sandbox":
+                        u.sandboxes += int(amount)
                     elif kind == "fork":
                         u.forks += int(amount)
                     elif kind == "bytes_in":

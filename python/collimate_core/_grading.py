@@ -1,33 +1,49 @@
 """Reward grading: a completion, or a whole GRPO group, to rewards in one call.
 
 How a candidate is graded (UnitTestReward), in a fresh clone of the template:
+0. Before any candidate: the spec's setup runs, then the grader (_grading_harness.py) is installed
+   in the sandbox's interpreter: it imports what the tests import, records the interpreter as it
+   is (module attributes, builtins) and refuses audit hooks from then on. On the embedded engine
+   this prepared sandbox is checkpointed once as a template (_grading_pool.py) that every later
+   grade with the same template and setup clones; elsewhere grade_batch prepares one parent per
+   group and forks a child of it per candidate.
 1. The candidate's code runs in the sandbox's interpreter (exec 1).
 2. The tests are sent only afterwards (exec 2), so the candidate never sees them, cannot overwrite
    a test file, and cannot read the per-grade verdict token they carry. Each top-level statement
    of `tests` is one test; `assert a == b` is rewritten to a strict comparison (same type for
-   builtin values, no custom `__eq__` that always says yes).
-3. The harness reports a verdict line tagged with that token; no verdict (an early exit, an atexit
+   builtin values, no custom `__eq__` that always says yes) under a name drawn per grade. Before
+   each test the grader undoes what the candidate monkeypatched (`builtins.all = ...`,
+   `os.write = ...`, `math.fabs = ...`, trace hooks), and the test code gets its own copy of the
+   builtins.
+3. The grader reports a verdict line tagged with that token; no verdict (an early exit, an atexit
    hook calling os._exit(0), a crash, output flooding that pushes it out, a timeout) is 0.0.
 
 Honest failures: a candidate's timeout, crash, syntax error or wrong answer is a reward of 0.0
 with the reason; an infrastructure failure (a sandbox died, the engine failed) raises and is
-never scored. Known limit: code under test runs in the harness's process, so a candidate built
-to inspect the harness's stack frames at test time could find the token; grading assumes
-completions, not adversaries with knowledge of this harness.
+never scored. Known limit: code under test runs in the grader's process, so a candidate written
+against this harness (ctypes, or walking frames or gc objects at test time to find the token)
+could forge a verdict; grading stops generic monkeypatching, not adversaries who read this code.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import hashlib
+import itertools
 import json
+import os
 import re
 import secrets
 import textwrap
+import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from collimate_core._errors import InvalidArgument
-from collimate_core._seeds import fresh_seed, group_seeds, parse_seed
+from collimate_core import _grading_pool
+from collimate_core._errors import CollimateError, EngineError, GroupError, InvalidArgument
+from collimate_core._seeds import fresh_seed, parse_seed
 
 __all__ = [
     "GradeResult",
@@ -95,40 +111,87 @@ class GradeResult:
     duration: float = 0.0
 
 
-_STRICT = '''
-def __collimate_strict_eq(a, b):
-    plain = (int, float, complex, str, bytes, bool, type(None), list, tuple, dict, set, frozenset)
-    if isinstance(a, plain) or isinstance(b, plain):
-        if type(a) is not type(b) and not (isinstance(a, (int, float)) and isinstance(b, (int, float))
-                                           and type(a) is not bool and type(b) is not bool):
-            return False
-        if isinstance(a, (list, tuple)):
-            return len(a) == len(b) and all(__collimate_strict_eq(x, y) for x, y in zip(a, b))
-        if isinstance(a, dict):
-            return a.keys() == b.keys() and all(__collimate_strict_eq(a[k], b[k]) for k in a)
-    return bool(a == b) is True and bool(b == a) is True
-'''
+_RUNNER = "__collimate_grader"
+_HARNESS_SOURCE: str | None = None
+# Imported before any candidate, in every grading sandbox (besides what the tests import): modules
+# that tests and solutions commonly use. A candidate's `from typing import List` is then a lookup,
+# not an import in a fresh sandbox, and the grader can undo a candidate's patching of them.
+_BASE_PRELOAD = ("bisect", "collections", "copy", "functools", "heapq", "itertools", "math", "operator",
+                 "random", "re", "string", "typing")
+
+
+@functools.lru_cache(maxsize=1024)
+def _imports(*sources: str) -> tuple[str, ...]:
+    """The modules `sources` import (absolute imports, with their parent packages), sorted."""
+    names: set[str] = set()
+    for src in sources:
+        try:
+            tree = ast.parse(src or "")
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found = [node.module]
+            else:
+                continue
+            for name in found:
+                parts = name.split(".")
+                names.update(".".join(parts[: k + 1]) for k in range(len(parts)))
+    return tuple(sorted(names))
+
+
+def _spec_imports(spec) -> tuple[str, ...]:
+    if isinstance(spec, PropertyReward):
+        return _imports(spec.reference, spec.generator)
+    return _imports(spec.tests)
+
+
+def _prelude(preload: Sequence[str] = ()) -> str:
+    """The exec that installs the grader (_grading_harness.py) before any candidate runs: its
+    source runs in a private namespace with its own copy of the builtins, and only `_RUNNER` is
+    left in the sandbox's namespace. `preload`: the modules the tests import, imported now (once
+    per group, and snapshotted so that the grader can undo a candidate's patching of them)."""
+    global _HARNESS_SOURCE
+    if _HARNESS_SOURCE is None:
+        _HARNESS_SOURCE = (Path(__file__).resolve().parent / "_grading_harness.py").read_text()
+    return (
+        "def __collimate_install(src):\n"
+        "    import builtins\n"
+        "    g = {'__builtins__': dict(vars(builtins)), '__name__': '__collimate_grader__'}\n"
+        "    exec(compile(src, '<collimate-grader>', 'exec'), g)\n"
+        f"    return g['install']({list(preload)!r})\n"
+        f"{_RUNNER} = __collimate_install({_HARNESS_SOURCE!r})\n"
+        "del __collimate_install\n"
+    )
 
 
 class _StrictAsserts(ast.NodeTransformer):
-    """`assert x == y` -> `assert __collimate_strict_eq(x, y)`."""
+    """`assert x == y` -> `assert <eq_name>(x, y)` (the grader's strict equality)."""
+
+    def __init__(self, eq_name: str):
+        self.eq_name = eq_name
 
     def visit_Assert(self, node: ast.Assert) -> ast.AST:
+        self.generic_visit(node)
         t = node.test
         if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
-            call = ast.Call(func=ast.Name("__collimate_strict_eq", ast.Load()), args=[t.left, t.comparators[0]], keywords=[])
+            call = ast.Call(func=ast.Name(self.eq_name, ast.Load()), args=[t.left, t.comparators[0]], keywords=[])
             node.test = ast.copy_location(call, t)
         return node
 
 
-def _split_tests(tests: str) -> list[str]:
+def _split_tests(tests: str, eq_name: str = "__collimate_eq") -> list[str]:
+    if not isinstance(tests, str):
+        raise InvalidArgument(f"tests must be Python source (str), not {type(tests).__name__}")
     try:
         tree = ast.parse(tests)
     except SyntaxError as e:
         raise InvalidArgument(f"the tests do not parse as Python: {e}") from None
     out = []
     for stmt in tree.body:
-        stmt = _StrictAsserts().visit(stmt)
+        stmt = _StrictAsserts(eq_name).visit(stmt)
         ast.fix_missing_locations(stmt)
         out.append(ast.unparse(stmt))
     if not out:
@@ -136,21 +199,25 @@ def _split_tests(tests: str) -> list[str]:
     return out
 
 
-def _harness(token: str, tests: list[str]) -> str:
-    return (
-        _STRICT
-        + f"""
-import os as __os, json as __json, traceback as __tb
-__collimate_results = []
-for __src in {tests!r}:
-    try:
-        exec(compile(__src, "<test>", "exec"), globals())
-        __collimate_results.append(True)
-    except BaseException:
-        __collimate_results.append(False)
-__os.write(1, ("\\n{token}" + __json.dumps(__collimate_results) + "\\n").encode())
-"""
-    )
+def _seal(nonce: str) -> list[str]:
+    """The token's nonce as two random halves (XOR), joined by the grader only to report."""
+    key = secrets.token_hex(16)
+    return [key, format(int(nonce, 16) ^ int(key, 16), "032x")]
+
+
+@functools.lru_cache(maxsize=1024)
+def _rewritten(tests: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """The tests of a spec, ready to send: the strict equality's name (random, drawn once per
+    tests text in this process; a candidate never sees it before the tests arrive), the
+    rewritten top-level statements, and the modules they import. Raises InvalidArgument."""
+    eq_name = "__collimate_eq_" + secrets.token_hex(8)
+    return eq_name, tuple(_split_tests(tests, eq_name)), tuple(_imports(tests))
+
+
+def _harness(nonce: str, spec: "UnitTestReward") -> tuple[str, int]:
+    eq_name, tests, modules = _rewritten(spec.tests)
+    payload = {"eq": eq_name, "tests": list(tests), "modules": list(modules)}
+    return f"{_RUNNER}(globals(), {_seal(nonce)!r}, 'unit', {payload!r})\n", len(tests)
 
 
 @dataclass(frozen=True)
@@ -167,7 +234,9 @@ class UnitTestReward:
     setup: str | None = None
 
     def _parts(self) -> list[str]:
-        return _split_tests(self.tests)
+        if not isinstance(self.tests, str):
+            raise InvalidArgument(f"tests must be Python source (str), not {type(self.tests).__name__}")
+        return list(_rewritten(self.tests)[1])
 
 
 @dataclass(frozen=True)
@@ -194,71 +263,64 @@ class PropertyReward:
                 ast.parse(src)
             except SyntaxError as e:
                 raise InvalidArgument(f"PropertyReward.{name} does not parse: {e}") from None
-        if not self.function.isidentifier():
+        if not isinstance(self.function, str) or not self.function.isidentifier():
             raise InvalidArgument(f"PropertyReward.function must be a name, not {self.function!r}")
+        if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
+            raise InvalidArgument(f"PropertyReward.trials must be a positive int, not {self.trials!r}")
         return [f"__collimate_property_{k}" for k in range(self.trials)]
 
 
-def _property_harness(spec: PropertyReward, token: str, seed: str) -> str:
-    return (
-        _STRICT
-        + spec.reference
-        + "\n"
-        + spec.generator
-        + f"""
-import os as __os, json as __json, random as __random, copy as __copy
-__rng = __random.Random(int("{seed}", 16))
-__collimate_results = []
-for __k in range({spec.trials}):
-    __x = gen(__rng)
-    __args = __x if isinstance(__x, tuple) else (__x,)
-    try:
-        __want = reference(*__copy.deepcopy(__args))
-        __got = {spec.function}(*__copy.deepcopy(__args))
-        __collimate_results.append(bool(__collimate_strict_eq(__got, __want)))
-    except BaseException:
-        __collimate_results.append(False)
-__os.write(1, ("\\n{token}" + __json.dumps(__collimate_results) + "\\n").encode())
-"""
-    )
+def _property_harness(spec: PropertyReward, nonce: str, seed: str) -> str:
+    payload = {
+        "function": spec.function,
+        "reference": spec.reference,
+        "generator": spec.generator,
+        "trials": int(spec.trials),
+        "seed": seed,
+        "modules": list(_spec_imports(spec)),
+    }
+    return f"{_RUNNER}(globals(), {_seal(nonce)!r}, 'property', {payload!r})\n"
 
 
 def _verdict(stdout: str, token: str) -> list[bool] | None:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(token):
-            try:
-                v = json.loads(line[len(token) :])
-            except ValueError:
-                return None
-            return v if isinstance(v, list) and all(isinstance(x, bool) for x in v) else None
-    return None
+    """The grader's report: exactly one line starting with the token (more than one means a copy
+    of the grader in another process reported too: no verdict)."""
+    lines = [line for line in stdout.splitlines() if line.startswith(token)]
+    if len(lines) != 1:
+        return None
+    try:
+        v = json.loads(lines[0][len(token) :])
+    except ValueError:
+        return None
+    return v if isinstance(v, list) and all(isinstance(x, bool) for x in v) else None
 
 
 def _grade_in(sandbox, code: str, spec, seed: str | None) -> GradeResult:
-    """Grade `code` in a live sandbox (consumed: its state is the candidate's afterwards)."""
+    """Grade `code` in a live sandbox where `_prepare` ran (consumed: its state is the candidate's
+    afterwards)."""
     if not isinstance(code, str):
         raise InvalidArgument(f"the candidate code must be a str, not {type(code).__name__}")
-    token = "__collimate_verdict_" + secrets.token_hex(16) + ":"
-    timeout = spec.timeout_seconds
     if not code.strip():
         return GradeResult(0.0, "no code to grade")
     try:
         compile(code, "<candidate>", "exec")
     except SyntaxError as e:
         return GradeResult(0.0, f"syntax error: {e}")
+    nonce = secrets.token_hex(16)
+    token = "__collimate_verdict_" + nonce + ":"
+    timeout = spec.timeout_seconds
     r1 = sandbox.exec(code=code, timeout_seconds=timeout, seed=seed)
     if r1.timed_out:
         return GradeResult(0.0, "timeout", stdout=r1.stdout, stderr=r1.stderr, seed=r1.seed, seed_ack=r1.seed_ack, duration=r1.duration)
     if r1.exit_code != 0:
         return GradeResult(0.0, f"the candidate failed (exit code {r1.exit_code})", stdout=r1.stdout, stderr=r1.stderr,
                            seed=r1.seed, seed_ack=r1.seed_ack, duration=r1.duration)
+    # Only now, with the candidate's top-level code done, do the tests and the token exist in the
+    # sandbox.
     if isinstance(spec, PropertyReward):
-        harness = _property_harness(spec, token, r1.seed)
-        n = spec.trials
+        harness, n = _property_harness(spec, nonce, r1.seed), spec.trials
     else:
-        parts = spec._parts()
-        harness = _harness(token, parts)
-        n = len(parts)
+        harness, n = _harness(nonce, spec)
     r2 = sandbox.exec(code=harness, timeout_seconds=timeout, seed=r1.seed)
     out, err = r1.stdout + r2.stdout, r1.stderr + r2.stderr
     dur = r1.duration + r2.duration
@@ -275,8 +337,38 @@ def _grade_in(sandbox, code: str, spec, seed: str | None) -> GradeResult:
     return GradeResult(reward, reason, verdict, out, err, r1.seed, r1.seed_ack, dur)
 
 
+def _prepare(sandbox, spec, preload: Sequence[str] = ()) -> None:
+    """Before any candidate: the spec's setup, then the grader."""
+    if getattr(spec, "setup", None):
+        r = sandbox.exec(code=spec.setup, timeout_seconds=spec.timeout_seconds)
+        if not r.ok:
+            raise InvalidArgument(f"the spec's setup failed (exit {r.exit_code}): {r.stderr[-500:]}")
+    r = sandbox.exec(code=_prelude(preload), timeout_seconds=max(30.0, spec.timeout_seconds))
+    if not r.ok:
+        raise EngineError(f"installing the grader in the sandbox failed (exit {r.exit_code}): {r.stderr[-500:]}")
+
+
+def _preload(specs) -> list[str]:
+    return sorted(set(_BASE_PRELOAD) | {m for s in set(specs) for m in _spec_imports(s)})
+
+
+def _prepared_template(client: Any, spec, preload: list[str]) -> str | None:
+    """The name of a template holding spec.template + spec.setup + the grader (see
+    _grading_pool), or None when the client cannot host one."""
+    prelude_key = hashlib.sha256(_prelude(preload).encode()).hexdigest()
+    return _grading_pool.prepared(client, spec.template, getattr(spec, "setup", None), preload, prelude_key,
+                                  lambda sb: _prepare(sb, spec, preload))
+
+
+def _client(client: Any) -> Any:
+    from collimate_core._client import connect
+
+    return client if client is not None else connect()
+
+
 def grade(code: str, spec: UnitTestReward | PropertyReward, *, client: Any = None, seed: str | None = None) -> GradeResult:
-    """Grade one candidate in an isolated clone of spec.template."""
+    """Grade one candidate in an isolated clone of spec.template (with spec.setup and the grader
+    installed: on the embedded engine, a template prepared on the first grade and reused)."""
     from collimate_core._session import Sandbox
 
     spec._parts()  # bad specs fail before anything runs
@@ -284,34 +376,137 @@ def grade(code: str, spec: UnitTestReward | PropertyReward, *, client: Any = Non
         seed = spec.seed
     if seed is not None:
         seed = parse_seed(seed).hex()
+    client = _client(client)
+    preload = _preload([spec])
+    name = _prepared_template(client, spec, preload)
+    if name is not None:
+        with Sandbox(name, client=client) as sb:
+            return _grade_in(sb, code, spec, seed)
     with Sandbox(spec.template, client=client) as sb:
-        if getattr(spec, "setup", None):
-            r = sb.exec(code=spec.setup, timeout_seconds=spec.timeout_seconds)
-            if not r.ok:
-                raise InvalidArgument(f"the spec's setup failed (exit {r.exit_code}): {r.stderr[-500:]}")
+        _prepare(sb, spec, preload)
         return _grade_in(sb, code, spec, seed)
 
 
+def _specs_for(spec: Any, n: int) -> list:
+    """One spec per candidate: `spec` itself, or a sequence of n specs that share a template and
+    a setup (they are graded from one prepared state)."""
+    if isinstance(spec, (UnitTestReward, PropertyReward)):
+        spec._parts()
+        return [spec] * n
+    if isinstance(spec, (str, bytes)) or not hasattr(spec, "__len__"):
+        raise InvalidArgument(
+            f"grade_batch takes a UnitTestReward or PropertyReward, or a list of them, not {type(spec).__name__}"
+        )
+    specs = list(spec)
+    if len(specs) != n:
+        raise InvalidArgument(
+            f"grade_batch got {n} candidates and {len(specs)} specs; give one spec, or one per candidate"
+        )
+    for s in specs:
+        if not isinstance(s, (UnitTestReward, PropertyReward)):
+            raise InvalidArgument(f"grade_batch specs must be UnitTestReward or PropertyReward, not {type(s).__name__}")
+        s._parts()
+    if specs and len({(s.template, getattr(s, "setup", None)) for s in specs}) != 1:
+        raise InvalidArgument(
+            "the specs of one grade_batch must share their template and setup (they are graded from one prepared state)"
+        )
+    return specs
+
+
+def _default_workers(n: int) -> int:
+    # A candidate keeps about one core busy from its clone to its verdict; one worker more than
+    # the cores keeps them busy while a reply or a reset is in flight (on 2 cores, 3 workers
+    # graded 64 candidates fastest of 1 to 4; benches/bench_grading.py).
+    return max(1, min(n, (os.cpu_count() or 2) + 1))
+
+
 def grade_batch(
-    codes: Sequence[str], spec: UnitTestReward | PropertyReward, *, client: Any = None, seed: str | None = None
+    codes: Sequence[str],
+    spec: UnitTestReward | PropertyReward | Sequence[UnitTestReward | PropertyReward],
+    *,
+    client: Any = None,
+    seed: str | None = None,
+    max_workers: int | None = None,
 ) -> list[GradeResult]:
-    """Grade a GRPO group: the template's clone and the spec's setup are paid once, then the
-    candidates run in forked children in parallel. Results are positional. Every candidate of the
-    group runs with the same seed (common random numbers), recorded in each result."""
+    """Grade a GRPO group, `max_workers` candidates at a time (default: the host's cores + 1), each
+    in its own isolated sandbox. The template's clone, the spec's setup and the grader's
+    installation are paid once: on the embedded engine, in a template prepared on first use (and
+    reused by later grades of the same template and setup), whose clones are forked from its
+    zygote or recycled by reset; elsewhere, in a parent sandbox that each candidate's child is
+    forked from. Results are positional. Every candidate of the group runs with the same seed
+    (common random numbers), recorded in each result.
+
+    `spec` may also be a list of specs, one per candidate (e.g. the problems of a benchmark),
+    sharing one template and setup. An infrastructure failure of any child raises GroupError
+    (no partial results)."""
     from collimate_core._session import Sandbox
 
     codes = list(codes)
+    specs = _specs_for(spec, len(codes))
     if not codes:
         return []
-    spec._parts()
-    base = parse_seed(seed).hex() if seed is not None else (spec.seed if isinstance(spec, PropertyReward) and spec.seed else fresh_seed())
-    with Sandbox(spec.template, client=client) as parent:
-        if getattr(spec, "setup", None):
-            r = parent.exec(code=spec.setup, timeout_seconds=spec.timeout_seconds)
-            if not r.ok:
-                raise InvalidArgument(f"the spec's setup failed (exit {r.exit_code}): {r.stderr[-500:]}")
-        with parent.fork_group(len(codes), seed=base) as grp:
-            return grp.map(lambda i, child: _grade_in(child, codes[i], spec, base))
+    first = specs[0]
+    if seed is not None:
+        base = parse_seed(seed).hex()
+    elif isinstance(first, PropertyReward) and first.seed:
+        base = parse_seed(first.seed).hex()
+    else:
+        base = fresh_seed()
+    workers = _default_workers(len(codes)) if max_workers is None else int(max_workers)
+    if workers < 1:
+        raise InvalidArgument(f"max_workers must be >= 1, not {max_workers!r}")
+    client = _client(client)
+    preload = _preload(specs)
+    name = _prepared_template(client, first, preload)
+    results: list[GradeResult | None] = [None] * len(codes)
+    failure: list[tuple[int, BaseException]] = []
+    order = itertools.count()
+    lock = threading.Lock()
+
+    def grade_one(parent, i: int) -> GradeResult:
+        if parent is None:  # a clone of the prepared template
+            with Sandbox(name, client=client) as sb:
+                return _grade_in(sb, codes[i], specs[i], base)
+        with parent.fork_group(1, seed=base) as grp:  # a child of the prepared parent
+            return _grade_in(grp[0], codes[i], specs[i], base)
+
+    def work(parent) -> None:
+        while True:
+            with lock:
+                if failure:
+                    return
+                i = next(order)
+            if i >= len(codes):
+                return
+            try:
+                results[i] = grade_one(parent, i)
+            except BaseException as e:  # noqa: BLE001 - re-raised by grade_batch after the others stop
+                with lock:
+                    failure.append((i, e))
+                return
+
+    def fan_out(parent) -> None:
+        threads = [threading.Thread(target=work, args=(parent,), name=f"collimate-grade-{k}", daemon=True)
+                   for k in range(min(workers, len(codes)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    if name is not None:
+        fan_out(None)
+    else:
+        with Sandbox(first.template, client=client) as parent:
+            _prepare(parent, first, preload)
+            fan_out(parent)
+    if failure:
+        i, e = min(failure, key=lambda f: f[0])
+        if isinstance(e, CollimateError) and not isinstance(e, InvalidArgument):
+            raise GroupError(
+                f"grading candidate {i} of {len(codes)} failed ({e}); no rewards were returned, resample the group"
+            ) from e
+        raise e
+    return results  # type: ignore[return-value]
 
 
 def trl_reward_func(spec: UnitTestReward | PropertyReward, *, client: Any = None, language: str = "python") -> Callable[..., list[float]]:

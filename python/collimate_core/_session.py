@@ -6,6 +6,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
+from collimate_core._embedded import check_exec_args
 from collimate_core._errors import CollimateError, GroupError, InvalidArgument
 from collimate_core._results import ExecResult
 from collimate_core._seeds import fresh_seed, group_seeds, parse_seed
@@ -88,6 +89,7 @@ class Sandbox:
         """Run a shell `command` or Python `code` (in the sandbox's persistent interpreter)."""
         if seed is None:
             seed = self.default_seed
+        check_exec_args(code, command, timeout_seconds, seed)  # bad input raises before anything runs
         return self.client.exec(
             self._live(), code=code, command=command, timeout=timeout_seconds, seed=seed, env=env, cwd=cwd
         )
@@ -217,5 +219,6 @@ def rollout_once(
     env: dict[str, str] | None = None,
 ) -> ExecResult:
     """Fork an ephemeral clone, run once, discard it."""
+    check_exec_args(code, command, timeout_seconds, seed)  # bad input raises before anything is forked
     with Sandbox(template, client=client) as sb:
         return sb.exec(command, code=code, timeout_seconds=timeout_seconds, seed=seed, env=env)

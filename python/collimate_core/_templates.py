@@ -52,6 +52,9 @@ class Baked:
     path: Path
     root: Path
     agent: bool
+    # Whether the template advertises the seed-ack handshake (its agent acks reseeds). A template
+    # that does not gets the verdict "off" on every exec.
+    seed_ack: bool = True
 
 
 class _Progress:
@@ -146,8 +149,20 @@ def bake_python(cache: Path | None = None, progress: Callable[[str], None] | Non
 
 
 def bake_catalog(name: str, cache: Path | None = None) -> Baked:
+    """The template a client looks up by name: the catalog's, else an image template baked with
+    Template.bake (on disk, so it survives a restart), else a container image in the local image
+    store (or at a path), baked now under that name (`client.env(ref)` in one step)."""
     if name == "python":
         return bake_python(cache)
+    from collimate_core._bake import find_or_bake
+
+    baked = find_or_bake(name, cache)
+    if baked is not None:
+        return baked
+    from collimate_core._oci import default_store
+
+    store = default_store(Path(cache) if cache else cache_dir())
     raise NotFoundError(
-        f"no template named {name!r}: the catalog has {', '.join(CATALOG)}; bake your own with Template.bake"
+        f"no template named {name!r}: the catalog has {', '.join(CATALOG)}; bake your own with Template.bake, "
+        f"or put an image named {name!r} in the local image store {store}"
     )

@@ -14,7 +14,7 @@ use kvm_bindings::kvm_regs;
 
 use crate::channel::{Channel, RecvError};
 use crate::error::{Error, Result};
-use crate::protocol::{MemStats, Request, ResetStats, Response, RunResult};
+use crate::protocol::{JailStatus, MemStats, Request, ResetStats, Response, RunResult};
 use crate::vstate::vcpu::VcpuState;
 
 /// How to start a fresh VMM process: a program that calls [`crate::vmm::serve_fd`]`(3)`.
@@ -85,6 +85,8 @@ pub struct Vm {
     /// Read ends of the guest's stdout and stderr pipes (Linux programs only): every process of
     /// the sandbox writes to them, and `run` drains them while the guest runs.
     stdio: Option<Stdio>,
+    /// The layers of its jail the VMM process runs in, as it said in `Ready`.
+    jail: JailStatus,
 }
 
 struct Stdio {
@@ -150,16 +152,19 @@ impl Vm {
     fn launch_with(launcher: &Launcher, first: Request, stdio: Option<Stdio>, fds: &[RawFd]) -> Result<Vm> {
         let (child, chan) = launcher.spawn()?;
         let pid = child.id() as i32;
-        let mut vm = Vm { chan, process: Process::Launched(child), pid, stdio };
+        let mut vm = Vm { chan, process: Process::Launched(child), pid, stdio, jail: JailStatus::default() };
         if let Err(e) = vm.chan.send(&first, fds) {
             return Err(vm.died(format!("send failed: {e}")));
         }
         match vm.recv(CONTROL_TIMEOUT)? {
-            Response::Ready { linux: true, .. } if vm.stdio.is_none() => {
-                vm.attach_stdio()?;
+            Response::Ready { linux, jail, .. } => {
+                vm.jail = jail;
+                warn_unjailed(jail);
+                if linux && vm.stdio.is_none() {
+                    vm.attach_stdio()?;
+                }
                 Ok(vm)
             }
-            Response::Ready { .. } => Ok(vm),
             other => Err(Error::Protocol(format!("expected Ready, got {other:?}"))),
         }
     }
@@ -186,11 +191,20 @@ impl Vm {
         self.pid
     }
 
+    /// The layers of its jail this VM's VMM process runs in.
+    pub fn jail(&self) -> JailStatus {
+        self.jail
+    }
+
     fn call(&mut self, req: &Request, timeout: Duration) -> Result<Response> {
+        self.call_with_fds(req, &[], timeout)
+    }
+
+    fn call_with_fds(&mut self, req: &Request, fds: &[RawFd], timeout: Duration) -> Result<Response> {
         if matches!(self.process, Process::Gone) {
             return Err(Error::Destroyed);
         }
-        if let Err(e) = self.chan.send(req, &[]) {
+        if let Err(e) = self.chan.send(req, fds) {
             return Err(self.died(format!("send failed: {e}")));
         }
         self.recv(timeout)
@@ -279,7 +293,16 @@ impl Vm {
 
     /// Write the VM to `dir` (state file + memory file). The VM stays usable.
     pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
-        self.expect_ok(&Request::Snapshot { dir: dir.to_path_buf() })
+        let req = Request::Snapshot { dir: dir.to_path_buf() };
+        if !self.jail.namespaces {
+            return self.expect_ok(&req);
+        }
+        // A jailed VMM process cannot see `dir`: hand it the directory itself (see vmm::jail).
+        let dest = crate::vmm::jail::open_snapshot_dest(dir)?;
+        match self.call_with_fds(&req, &[dest.as_raw_fd()], CONTROL_TIMEOUT)? {
+            Response::Ok => Ok(()),
+            other => Err(Error::Protocol(format!("expected Ok, got {other:?}"))),
+        }
     }
 
     /// Fork the paused VM into `n` children (host forks of its VMM process). Each child inherits the
@@ -300,7 +323,7 @@ impl Vm {
                     let mut fds = fds.into_iter();
                     let chan = Channel::from_owned_fd(fds.next().ok_or_else(|| Error::Protocol("no fd".into()))?);
                     let pidfd = fds.next().ok_or_else(|| Error::Protocol("no pidfd".into()))?;
-                    children.push(Vm { chan, process: Process::Forked(pidfd), pid: pids[0], stdio: None });
+                    children.push(Vm { chan, process: Process::Forked(pidfd), pid: pids[0], stdio: None, jail: self.jail });
                 }
                 Ok((Response::Err(e), _)) => return Err(e.into()),
                 Ok((other, _)) => return Err(Error::Protocol(format!("expected Forked, got {other:?}"))),
@@ -311,7 +334,7 @@ impl Vm {
         }
         for child in &mut children {
             match child.recv(CONTROL_TIMEOUT)? {
-                Response::Ready { .. } => {}
+                Response::Ready { jail, .. } => child.jail = jail,
                 other => return Err(Error::Protocol(format!("expected Ready, got {other:?}"))),
             }
         }
@@ -424,7 +447,8 @@ impl Vm {
 
     pub fn mem_stats(&mut self) -> Result<MemStats> {
         match self.call(&Request::MemStats, CONTROL_TIMEOUT)? {
-            Response::MemStats(s) => Ok(s),
+            // Read here: a jailed VMM process has no /proc.
+            Response::MemStats(s) => Ok(MemStats { private_bytes: private_bytes(self.pid)?, ..s }),
             other => Err(Error::Protocol(format!("expected MemStats, got {other:?}"))),
         }
     }
@@ -473,6 +497,29 @@ impl Vm {
         }
         // The sandbox's private writable directories (if it had any) go with it.
         let _ = std::fs::remove_dir_all(crate::guestos::persist::vm_dir(self.pid));
+    }
+}
+
+/// Private_Clean + Private_Dirty of process `pid`, in bytes.
+fn private_bytes(pid: i32) -> Result<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).map_err(Error::sys("read smaps_rollup"))?;
+    Ok(s.lines()
+        .filter(|l| l.starts_with("Private_Clean:") || l.starts_with("Private_Dirty:"))
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .sum::<u64>()
+        * 1024)
+}
+
+/// Say once per process that VMM processes run without their namespaces (the usual cause: not root).
+fn warn_unjailed(jail: JailStatus) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    if !jail.namespaces {
+        WARNED.call_once(|| {
+            eprintln!(
+                "collimate: VMM processes run without their mount and network namespaces (creating them \
+                 needs CAP_SYS_ADMIN); resource limits and the seccomp filter still apply"
+            )
+        });
     }
 }
 

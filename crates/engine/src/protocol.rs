@@ -88,7 +88,7 @@ impl Request {
 pub enum Response {
     Ok,
     /// Sent by a new VMM process (launched or forked) once its VM is ready to run.
-    Ready { pid: i32, linux: bool },
+    Ready { pid: i32, linux: bool, jail: JailStatus },
     Run(RunResult),
     Forked { pids: Vec<i32> },
     Reset(ResetStats),
@@ -139,6 +139,18 @@ pub struct RunResult {
 pub struct ResetStats {
     pub dirty_pages: u64,
     pub duration: Duration,
+}
+
+/// Which layers of its jail a VMM process runs in (see `vmm::jail`); forks inherit their parent's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JailStatus {
+    /// Resource limits: open files, file size, no core dumps.
+    pub rlimits: bool,
+    /// Its own mount namespace, holding only the sandbox's directories, and an empty network
+    /// namespace. Needs CAP_SYS_ADMIN; without it the other layers still apply.
+    pub namespaces: bool,
+    /// The seccomp allow-list.
+    pub seccomp: bool,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]

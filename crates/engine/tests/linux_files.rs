@@ -62,15 +62,17 @@ int main(int argc, char **argv) {
     close(fd);
     cat("/work/a.txt");
     if (stat("/work/a.txt", &st) == 0) printf("stat size %lld mode %o reg %d\n", (long long)st.st_size, st.st_mode & 07777, S_ISREG(st.st_mode));
-    show("rename /work/a.txt /tmp/b.txt", rename("/work/a.txt", "/tmp/b.txt"));
+    show("rename /work/a.txt /tmp/b.txt", rename("/work/a.txt", "/tmp/b.txt")); /* across mounts */
+    show("rename /work/a.txt /work/b.txt", rename("/work/a.txt", "/work/b.txt"));
     cat("/work/a.txt");
-    cat("/tmp/b.txt");
+    cat("/work/b.txt");
     show("mkdir /work/d", mkdir("/work/d", 0755));
     show("mkdir /work/d again", mkdir("/work/d", 0755));
     close(open("/work/d/x", O_CREAT | O_WRONLY, 0644));
     close(open("/work/d/y", O_CREAT | O_WRONLY, 0644));
     show("symlink", symlink("x", "/work/d/z"));
-    show("link", link("/tmp/b.txt", "/work/d/hard"));
+    show("link across mounts", link("/work/b.txt", "/tmp/hard"));
+    show("link", link("/work/b.txt", "/work/d/hard"));
     ls("/work/d");
     ssize_t n = readlink("/work/d/z", buf, sizeof buf);
     printf("readlink %.*s\n", (int)(n < 0 ? 0 : n), buf);
@@ -81,14 +83,14 @@ int main(int argc, char **argv) {
     show("chdir /work/d", chdir("/work/d"));
     printf("cwd %s\n", getcwd(buf, sizeof buf));
     cat("hard");
-    cat("../../tmp/b.txt");
-    int dfd = open("/tmp", O_RDONLY | O_DIRECTORY);
+    cat("../../work/b.txt");
+    int dfd = open("/work", O_RDONLY | O_DIRECTORY);
     int f2 = openat(dfd, "b.txt", O_RDONLY);
     printf("openat %s\n", f2 >= 0 ? "ok" : strerror(errno));
     printf("pread %zd\n", pread(f2, buf, 3, 2));
     printf("lseek %ld\n", (long)lseek(f2, 0, SEEK_END));
     show("unlinkat", unlinkat(dfd, "b.txt", 0));
-    cat("/tmp/b.txt");
+    cat("/work/b.txt");
     cat("/work/d/hard");
 
     /* The read-only root. */
@@ -159,12 +161,14 @@ const EXPECTED: &str = "open fd 3
 write 6
 cat /work/a.txt: [alpha]
 stat size 6 mode 640 reg 1
-rename /work/a.txt /tmp/b.txt: ok
+rename /work/a.txt /tmp/b.txt: Invalid cross-device link
+rename /work/a.txt /work/b.txt: ok
 cat /work/a.txt: No such file or directory
-cat /tmp/b.txt: [alpha]
+cat /work/b.txt: [alpha]
 mkdir /work/d: ok
 mkdir /work/d again: File exists
 symlink: ok
+link across mounts: Invalid cross-device link
 link: ok
 ls /work/d: . .. hard x y z
 readlink x
@@ -173,12 +177,12 @@ nlink 2
 chdir /work/d: ok
 cwd /work/d
 cat hard: [alpha]
-cat ../../tmp/b.txt: [alpha]
+cat ../../work/b.txt: [alpha]
 openat ok
 pread 3
 lseek 6
 unlinkat: ok
-cat /tmp/b.txt: No such file or directory
+cat /work/b.txt: No such file or directory
 cat /work/d/hard: [alpha]
 cat /etc/hostname: [sandbox]
 open /etc/hostname O_WRONLY: Read-only file system
@@ -208,7 +212,7 @@ devnull 1
 urandom 16
 zero 8 0
 ls /proc/self/fd: . .. 0 1 2 3 4 5
-fd3 /tmp
+fd3 /work
 pipe: ok
 pipe write 4
 pipe read 4

@@ -528,6 +528,16 @@ impl PyVm {
         Ok(out)
     }
 
+    /// Which layers of its jail the VMM process runs in (see the engine's `vmm::jail`).
+    fn jail<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let jail = self.with(py, "Vm.jail", |vm| Ok(vm.jail()))?;
+        let out = PyDict::new(py);
+        out.set_item("rlimits", jail.rlimits)?;
+        out.set_item("namespaces", jail.namespaces)?;
+        out.set_item("seccomp", jail.seccomp)?;
+        Ok(out)
+    }
+
     /// Host pid of the VMM process.
     #[getter]
     fn pid(&self, py: Python<'_>) -> PyResult<i32> {

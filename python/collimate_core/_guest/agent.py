@@ -9,7 +9,7 @@ Requests:
   {"op": "exec", "code": str} or {"op": "exec", "command": str}, with optional "seed" (64 hex),
   "cwd", "env"; runs code in the agent's persistent namespace (state survives across execs, and
   forks of a live sandbox inherit it) or a shell command, and answers
-  {"exit_code": int, "seed": hex|None, "seed_ack": str, "duration": float}.
+  {"exit_code": int, "seed_ack": str|None} (the ack is described in `reseed`).
   {"op": "ping"} answers {"pong": true}.
 """
 
@@ -17,7 +17,6 @@ import hashlib
 import os
 import random
 import sys
-import time
 import traceback
 
 CHANNEL = 3
@@ -25,15 +24,20 @@ ACK_CONTEXT = b"collimate/seed-ack/v1"
 RANDOM_CONTEXT = b"collimate/python-random/v1"
 
 
+_pending = bytearray()  # bytes read from the channel beyond the last message
+
+
 def _read_exact(n):
-    chunks = []
-    while n:
-        b = os.read(CHANNEL, n)
+    # Reads in chunks of at least 16 KiB: a request (header and body) usually arrives in one read,
+    # one VM exit instead of two. (Not larger: a bigger buffer costs an mmap and page faults.)
+    while len(_pending) < n:
+        b = os.read(CHANNEL, max(16384, n - len(_pending)))
         if not b:
             raise EOFError("agent channel closed")
-        chunks.append(b)
-        n -= len(b)
-    return b"".join(chunks)
+        _pending.extend(b)
+    out = bytes(_pending[:n])
+    del _pending[:n]
+    return out
 
 
 def recv():
@@ -50,16 +54,28 @@ def send(obj):
     os.write(CHANNEL, len(data).to_bytes(4, "little") + data)
 
 
-def reseed(seed_hex):
-    """Reseed the user-space PRNGs this interpreter hosts from the (already reseeded) sandbox CRNG,
-    and return the ack: a checksum over the seed and the first CRNG bytes seen after the reseed,
-    which the host recomputes."""
-    seed = bytes.fromhex(seed_hex)
-    first = os.urandom(32)
-    random.seed(int.from_bytes(hashlib.sha256(RANDOM_CONTEXT + seed).digest(), "big"))
+def seed_prngs(material):
+    """Seed the user-space PRNGs this interpreter hosts (random, and numpy's global generator if
+    numpy is loaded) from 32 bytes of `material`."""
+    random.seed(int.from_bytes(hashlib.sha256(RANDOM_CONTEXT + material).digest(), "big"))
     np = sys.modules.get("numpy")
     if np is not None:
-        np.random.seed(int.from_bytes(hashlib.sha256(RANDOM_CONTEXT + b"numpy" + seed).digest()[:4], "big"))
+        np.random.seed(int.from_bytes(hashlib.sha256(RANDOM_CONTEXT + b"numpy" + material).digest()[:4], "big"))
+
+
+def reseed(seed_hex):
+    """Reseed the user-space PRNGs from the seed, and return the ack: a checksum over the seed and
+    the first sandbox CRNG bytes seen after the host's reseed, which the host recomputes.
+
+    Without a seed, the PRNGs are seeded from the sandbox CRNG (fresh in every clone) and there is
+    no ack: they were seeded before the template's ready point, so every clone of the template
+    would otherwise draw the same `random` numbers."""
+    if not seed_hex:
+        seed_prngs(os.urandom(32))
+        return None
+    seed = bytes.fromhex(seed_hex)
+    first = os.urandom(32)
+    seed_prngs(seed)
     return hashlib.sha256(ACK_CONTEXT + seed + first).hexdigest()
 
 
@@ -83,7 +99,9 @@ def run_command(command, env, cwd):
     import subprocess
 
     try:
-        return subprocess.run(["/bin/sh", "-c", command], env=env, cwd=cwd).returncode
+        rc = subprocess.run(["/bin/sh", "-c", command], env=env, cwd=cwd).returncode
+        # A shell killed by a signal is reported as shells report it: 128 + the signal number.
+        return 128 - rc if rc < 0 else rc
     except OSError as e:
         print(f"cannot run the command: {e}", file=sys.stderr)
         return 127
@@ -100,9 +118,8 @@ def main():
         if op != "exec":
             send({"error": f"unknown op {op!r}"})
             continue
-        start = time.monotonic()
         seed = req.get("seed")
-        ack = reseed(seed) if seed else None
+        ack = reseed(seed)
         cwd = req.get("cwd")
         if cwd:
             os.chdir(cwd)
@@ -114,7 +131,8 @@ def main():
             code = run_command(req["command"], env, cwd)
         sys.stdout.flush()
         sys.stderr.flush()
-        send({"exit_code": code, "seed_ack": ack, "duration": time.monotonic() - start})
+        # No timing here: the host measures the run, and every clock read is a VM exit.
+        send({"exit_code": code, "seed_ack": ack})
 
 
 if __name__ == "__main__":

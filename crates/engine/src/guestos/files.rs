@@ -373,6 +373,18 @@ pub mod nr {
     pub const FCHMOD: u64 = 91;
     pub const CHOWN: u64 = 92;
     pub const FCHOWN: u64 = 93;
+    pub const SETXATTR: u64 = 188;
+    pub const LSETXATTR: u64 = 189;
+    pub const FSETXATTR: u64 = 190;
+    pub const GETXATTR: u64 = 191;
+    pub const LGETXATTR: u64 = 192;
+    pub const FGETXATTR: u64 = 193;
+    pub const LISTXATTR: u64 = 194;
+    pub const LLISTXATTR: u64 = 195;
+    pub const FLISTXATTR: u64 = 196;
+    pub const REMOVEXATTR: u64 = 197;
+    pub const LREMOVEXATTR: u64 = 198;
+    pub const FREMOVEXATTR: u64 = 199;
     pub const LCHOWN: u64 = 94;
     pub const UTIME: u64 = 132;
     pub const STATFS: u64 = 137;
@@ -384,6 +396,8 @@ pub mod nr {
     pub const UTIMES: u64 = 235;
     pub const OPENAT: u64 = 257;
     pub const MKDIRAT: u64 = 258;
+    pub const MKNOD: u64 = 133;
+    pub const MKNODAT: u64 = 259;
     pub const FCHOWNAT: u64 = 260;
     pub const FUTIMESAT: u64 = 261;
     pub const NEWFSTATAT: u64 = 262;
@@ -493,6 +507,8 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         FCHDIR => path::sys_fchdir(os, fd0),
         MKDIR => path::sys_mkdirat(os, ctx, at, a[0], a[1] as u32),
         MKDIRAT => path::sys_mkdirat(os, ctx, fd0, a[1], a[2] as u32),
+        MKNOD => path::sys_mknodat(os, ctx, at, a[0], a[1] as u32),
+        MKNODAT => path::sys_mknodat(os, ctx, fd0, a[1], a[2] as u32),
         RMDIR => path::sys_unlinkat(os, ctx, at, a[0], libc::AT_REMOVEDIR),
         UNLINK => path::sys_unlinkat(os, ctx, at, a[0], 0),
         UNLINKAT => path::sys_unlinkat(os, ctx, fd0, a[1], a[2] as i32),
@@ -516,6 +532,11 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         UTIMES => path::sys_utimes(os, ctx, at, a[0], a[1]),
         FUTIMESAT => path::sys_utimes(os, ctx, fd0, a[1], a[2]),
         UTIME => path::sys_utime(os, ctx, a[0], a[1]),
+        // Extended attributes: the sandbox's file systems have none, as one mounted without xattr
+        // support (EOPNOTSUPP, which shutil's copystat and the like take as "no attributes").
+        FSETXATTR | FGETXATTR | FLISTXATTR | FREMOVEXATTR => os.files.get(fd0).and(Err(super::EOPNOTSUPP)),
+        SETXATTR | GETXATTR | LISTXATTR | REMOVEXATTR => path::sys_xattr(os, ctx, a[0], 0),
+        LSETXATTR | LGETXATTR | LLISTXATTR | LREMOVEXATTR => path::sys_xattr(os, ctx, a[0], libc::AT_SYMLINK_NOFOLLOW),
         _ => return None,
     };
     Some(r)
@@ -665,8 +686,25 @@ fn sys_read(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, count: u64, off:
 
 fn sys_write(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, count: u64, off: Option<u64>) -> SysResult {
     let f = os.files.file(fd)?;
-    let data = ctx.read_vec(buf, count.min(MAX_IO as u64) as usize)?;
-    file_write(&f, &mut Sinks { out: ctx.out, stdio: os.stdio.as_ref() }, &data, off).map(|n| n as u64)
+    // Linux writes all of a large write to a file or a blocking pipe (a single write(2) moves up
+    // to 2 GiB): one bigger than MAX_IO goes in MAX_IO pieces, and ends early only where a piece
+    // does (short, or an error after some bytes were written, which is then the answer).
+    let mut done = 0u64;
+    loop {
+        let len = (count - done).min(MAX_IO as u64) as usize;
+        let piece = ctx.read_vec(buf.wrapping_add(done), len).and_then(|data| {
+            file_write(&f, &mut Sinks { out: ctx.out, stdio: os.stdio.as_ref() }, &data, off.map(|o| o + done))
+        });
+        match piece {
+            Ok(n) => {
+                done += n as u64;
+                if n < len || done >= count {
+                    return Ok(done);
+                }
+            }
+            Err(e) => return if done > 0 { Ok(done) } else { Err(e) },
+        }
+    }
 }
 
 /// The (base, len) pairs of a guest iovec array, their total capped at [`MAX_IO`].
@@ -861,15 +899,46 @@ fn sys_getdents64(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, dirp: u64, count: u6
             unsafe { v.set_len(n.min(count)) };
             v
         }
-        // /proc/self/fd is listed as it is now, as Linux does.
+        // /proc/self/fd is listed as it is now, as Linux does, and positioned by fd number.
         Kind::VirtDir(_) if f.path.as_deref() == Some("/proc/self/fd") => {
-            dirents(&f, &special::list(os, "/proc/self/fd").unwrap_or_default(), count)?
+            fd_dirents(&f, &special::list(os, "/proc/self/fd").unwrap_or_default(), count)?
         }
         Kind::VirtDir(entries) => dirents(&f, entries, count)?,
         _ => return Err(ENOTDIR),
     };
     ctx.write(dirp, &buf)?;
     Ok(buf.len() as u64)
+}
+
+/// The records of /proc/self/fd (".", "..", then one per open fd, ascending). As in Linux, an
+/// entry's position is its fd number (+2), not its index: a reader that closes fds while it lists
+/// them (CPython's close_fds in a child before exec) must not skip the ones after.
+fn fd_dirents(f: &OpenFile, entries: &[(String, u8)], count: usize) -> Result<Vec<u8>, Errno> {
+    let mut out = Vec::new();
+    let pos = f.pos.load(Ordering::Relaxed);
+    let mut next = pos;
+    for (i, (name, ty)) in entries.iter().enumerate() {
+        let key = if i < 2 { i as u64 } else { name.parse::<u64>().map_or(u64::MAX - 1, |n| n + 2) };
+        if key < pos {
+            continue;
+        }
+        let reclen = (19 + name.len() + 1).div_ceil(8) * 8;
+        if out.len() + reclen > count {
+            if out.is_empty() {
+                return Err(EINVAL);
+            }
+            break;
+        }
+        out.extend_from_slice(&(1000 + key).to_le_bytes());
+        out.extend_from_slice(&((key + 1) as i64).to_le_bytes());
+        out.extend_from_slice(&(reclen as u16).to_le_bytes());
+        out.push(*ty);
+        out.extend_from_slice(name.as_bytes());
+        out.resize(out.len() + reclen - 19 - name.len(), 0);
+        next = key + 1;
+    }
+    f.pos.store(next, Ordering::Relaxed);
+    Ok(out)
 }
 
 /// linux_dirent64 records of an engine directory, from its offset, filling at most `count` bytes.

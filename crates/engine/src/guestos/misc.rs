@@ -277,7 +277,7 @@ impl Clocks {
     }
 
     /// Let `ns` of virtual time pass (a sleep): wall clocks move, CPU time does not.
-    fn pass(&mut self, ns: u64) {
+    pub fn pass(&mut self, ns: u64) {
         self.elapsed = self.elapsed.saturating_add(ns);
     }
 
@@ -319,6 +319,7 @@ pub fn clock_now(proc: &mut Proc, clock: i32) -> Result<(i64, i64), Errno> {
 
 /// [`clock_now`] in nanoseconds.
 pub fn clock_now_ns(proc: &mut Proc, clock: i32) -> Result<u64, Errno> {
+    let clock = own_cpu_clock(proc, clock);
     let kind = clock_kind(clock)?;
     let c = &mut proc.clocks;
     let ns = if c.replay {
@@ -359,7 +360,19 @@ fn host_clock(clock: i32) -> Result<libc::clockid_t, Errno> {
     }
 }
 
+/// A CPU-time clock id that names this process (or its one thread) by its guest pid, as the
+/// pid-0 encoding of the same clock: clock_getcpuclockid(getpid()) and pthread_getcpuclockid
+/// give such ids, and a guest process other than pid 1 has a pid `host_clock` does not know.
+fn own_cpu_clock(proc: &Proc, clock: i32) -> i32 {
+    if clock < 0 && proc.pid > 1 && !(clock >> 3) == proc.pid {
+        (!0 << 3) | (clock & 7)
+    } else {
+        clock
+    }
+}
+
 fn clock_res(proc: &Proc, clock: i32) -> Result<(i64, i64), Errno> {
+    let clock = own_cpu_clock(proc, clock);
     if proc.clocks.replay {
         // Fixed answers (the host's coarse resolution depends on its HZ): 4 ms for the coarse clocks.
         clock_kind(clock)?;
@@ -475,6 +488,17 @@ pub const SYS_SETRLIMIT: u64 = 160;
 pub const SYS_GETTID: u64 = 186;
 pub const SYS_TIME: u64 = 201;
 pub const SYS_FUTEX: u64 = 202;
+pub const SYS_GETPRIORITY: u64 = 140;
+pub const SYS_SETPRIORITY: u64 = 141;
+pub const SYS_SCHED_SETPARAM: u64 = 142;
+pub const SYS_SCHED_GETPARAM: u64 = 143;
+pub const SYS_SCHED_SETSCHEDULER: u64 = 144;
+pub const SYS_SCHED_GETSCHEDULER: u64 = 145;
+pub const SYS_SCHED_GET_PRIORITY_MAX: u64 = 146;
+pub const SYS_SCHED_GET_PRIORITY_MIN: u64 = 147;
+pub const SYS_SCHED_RR_GET_INTERVAL: u64 = 148;
+pub const SYS_SETTIMEOFDAY: u64 = 164;
+pub const SYS_CLOCK_SETTIME: u64 = 227;
 pub const SYS_SCHED_SETAFFINITY: u64 = 203;
 pub const SYS_SCHED_GETAFFINITY: u64 = 204;
 pub const SYS_SET_TID_ADDRESS: u64 = 218;
@@ -691,6 +715,66 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         }),
         SYS_CLOCK_NANOSLEEP => clock_nanosleep(p, ctx, nr, a),
         SYS_SCHED_YIELD => Ok(0),
+        // Scheduling: every guest process runs at nice 0 under SCHED_OTHER and may not change
+        // that (as an unprivileged Linux process may not raise its priority; lowering it is
+        // refused too, the host schedules the sandbox). Other pids answer as SCHED_OTHER too.
+        SYS_GETPRIORITY | SYS_SETPRIORITY => {
+            let (which, who) = (a[0], a[1] as i32);
+            if which > 2 || who < 0 {
+                Err(EINVAL)
+            } else if nr == SYS_GETPRIORITY {
+                Ok(20) // the raw syscall answers 20 - nice
+            } else if a[2] as i32 == 0 {
+                Ok(0)
+            } else {
+                Err(super::EACCES)
+            }
+        }
+        SYS_SCHED_GETSCHEDULER => if (a[0] as i32) < 0 { Err(EINVAL) } else { Ok(0) },
+        SYS_SCHED_GETPARAM => {
+            if (a[0] as i32) < 0 || a[1] == 0 {
+                Err(EINVAL)
+            } else {
+                ctx.write(a[1], &0i32.to_le_bytes()).map(|_| 0)
+            }
+        }
+        SYS_SCHED_SETSCHEDULER | SYS_SCHED_SETPARAM => {
+            let (policy, param) = if nr == SYS_SCHED_SETSCHEDULER { (a[1] as i32, a[2]) } else { (0, a[1]) };
+            if (a[0] as i32) < 0 || param == 0 {
+                Err(EINVAL)
+            } else {
+                let mut b = [0u8; 4];
+                ctx.read(param, &mut b).and_then(|_| {
+                    let prio = i32::from_le_bytes(b);
+                    // SCHED_OTHER (0), SCHED_BATCH (3), SCHED_IDLE (5) take priority 0 only;
+                    // the real-time policies (1, 2) need privileges the sandbox does not give.
+                    match policy & !0x4000_0000 {
+                        0 | 3 | 5 if prio == 0 => Ok(0),
+                        0 | 3 | 5 => Err(EINVAL),
+                        1 | 2 if (1..=99).contains(&prio) => Err(EPERM),
+                        _ => Err(EINVAL),
+                    }
+                })
+            }
+        }
+        SYS_SCHED_GET_PRIORITY_MAX | SYS_SCHED_GET_PRIORITY_MIN => match a[0] {
+            0 | 3 | 5 => Ok(0),
+            1 | 2 => Ok(if nr == SYS_SCHED_GET_PRIORITY_MAX { 99 } else { 1 }),
+            _ => Err(EINVAL),
+        },
+        SYS_SCHED_RR_GET_INTERVAL => {
+            if (a[0] as i32) < 0 {
+                Err(EINVAL)
+            } else {
+                ctx.write(a[1], &timespec_bytes(0, 0)).map(|_| 0)
+            }
+        }
+        // The sandbox may not set the clocks: EPERM for a clock that can be set, EINVAL otherwise.
+        SYS_CLOCK_SETTIME => read_timespec(ctx, a[1]).and_then(|_| match a[0] as i32 {
+            libc::CLOCK_REALTIME => Err(EPERM),
+            _ => Err(EINVAL),
+        }),
+        SYS_SETTIMEOFDAY => Err(EPERM),
         SYS_SCHED_GETAFFINITY => {
             let len = a[1];
             if !is_self(p, a[0]) {

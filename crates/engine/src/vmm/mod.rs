@@ -7,6 +7,7 @@
 //! its own channel. The parent goes on.
 
 mod process;
+pub(crate) mod jail;
 mod syscalls;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -69,7 +70,8 @@ pub struct Machine {
 }
 
 fn open_kvm() -> Result<Kvm> {
-    Kvm::new().map_err(Error::KvmUnavailable)
+    // A jailed process has no /dev: it opened /dev/kvm before the pivot.
+    jail::take_kvm().unwrap_or_else(Kvm::new).map_err(Error::KvmUnavailable)
 }
 
 fn guest_cpuid(kvm: &Kvm) -> Result<CpuId> {
@@ -266,6 +268,7 @@ impl Machine {
     }
 
     fn run_loop(&mut self, deadline: Instant, out: &mut syscalls::Output) -> Result<RunExit> {
+        let linux = self.os.is_some();
         loop {
             let exit = match self.vcpu.run() {
                 Ok(VcpuExit::IoOut(port, data)) => {
@@ -276,6 +279,12 @@ impl Machine {
                 }
                 Ok(VcpuExit::IoIn(_, data)) => {
                     data.fill(0);
+                    // A Linux program's own `in` (no stub reads a port): see `user_io`.
+                    if linux {
+                        if let Some(exit) = self.user_io()? {
+                            return Ok(exit);
+                        }
+                    }
                     None
                 }
                 Ok(VcpuExit::Shutdown) => return Ok(RunExit::Shutdown),
@@ -306,6 +315,10 @@ impl Machine {
                     if let Some(exit) = process::on_fault(self, fault)? {
                         return Ok(exit);
                     }
+                } else if linux {
+                    if let Some(exit) = self.user_io()? {
+                        return Ok(exit);
+                    }
                 } else {
                     return Ok(RunExit::Io { port, value });
                 }
@@ -322,6 +335,15 @@ impl Machine {
         sregs.ss = regs::user_data_segment();
         self.vcpu.set_regs(regs).map_err(Error::kvm("KVM_SET_REGS"))?;
         self.vcpu.set_sregs(&sregs).map_err(Error::kvm("KVM_SET_SREGS"))
+    }
+
+    /// A Linux program ran an I/O instruction of its own (ring 3 may: the TSS's I/O bitmap that
+    /// lets the stubs' `out` through under kvm_pvm lets ring 3's through too). Linux answers that
+    /// with #GP: SIGSEGV, not an "io" exit of the whole sandbox. (An `out` to the syscall port is a
+    /// syscall like any other: the guest chooses nothing it could not with `syscall`.)
+    fn user_io(&mut self) -> Result<Option<RunExit>> {
+        let r = self.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
+        process::on_fault(self, RunExit::Fault { vector: 13, error_code: 0, rip: r.rip, cr2: 0 })
     }
 
     fn syscall(&mut self, out: &mut syscalls::Output) -> Result<Option<RunExit>> {
@@ -375,6 +397,12 @@ impl Machine {
     fn exception(&mut self, vector: u8) -> Result<RunExit> {
         let mut r = self.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
         let sregs = self.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+        // A real trap pushed its frame on the ring-0 stack. Anywhere else, ring 3 ran a stub's `out`
+        // itself (see `user_io`): a Linux program gets #GP, and no "frame" is read from its stack.
+        let ring0_stack = kva(RING0_STACK_TOP_GPA - RING0_STACK_PAGES * PAGE_SIZE)..kva(RING0_STACK_TOP_GPA);
+        if self.os.is_some() && !ring0_stack.contains(&r.rsp) {
+            return Ok(RunExit::Fault { vector: 13, error_code: 0, rip: r.rip, cr2: 0 });
+        }
         // The CPU pushed SS, RSP, RFLAGS, CS, RIP and, for some vectors, an error code.
         let with_code = vector < 32 && has_error_code(vector);
         let mut frame = [0u8; 48];
@@ -449,7 +477,8 @@ impl Machine {
 
     pub fn mem_stats(&mut self) -> Result<MemStats> {
         self.sync_dirty()?;
-        Ok(MemStats { private_bytes: private_bytes()?, dirty_pages: self.mem.dirty().count() })
+        // private_bytes is filled in by the controller, from /proc/<pid>: the jail has no /proc.
+        Ok(MemStats { private_bytes: 0, dirty_pages: self.mem.dirty().count() })
     }
 
     /// In a freshly forked child: a new VM and vCPU over the inherited memory, in `state`.
@@ -487,16 +516,6 @@ fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, vm_dir: &Pat
     Ok(os)
 }
 
-/// Private_Clean + Private_Dirty of this process, in bytes.
-fn private_bytes() -> Result<u64> {
-    let s = std::fs::read_to_string("/proc/self/smaps_rollup").map_err(Error::sys("read smaps_rollup"))?;
-    Ok(s.lines()
-        .filter(|l| l.starts_with("Private_Clean:") || l.starts_with("Private_Dirty:"))
-        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .sum::<u64>()
-        * 1024)
-}
-
 fn pidfd_open(pid: i32) -> Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags; the result is checked.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as RawFd;
@@ -513,10 +532,20 @@ fn exit_process(code: i32) -> ! {
     unsafe { libc::_exit(code) }
 }
 
+/// Exit a VMM process whose controller is gone, taking its private writable directories with it:
+/// nobody else removes them for a process that was never handed to a controller (a spare whose
+/// zygote died) or whose controller went away without a kill.
+fn exit_discarding(code: i32) -> ! {
+    // SAFETY: getpid cannot fail.
+    let pid = unsafe { libc::getpid() };
+    let _ = std::fs::remove_dir_all(crate::guestos::persist::vm_dir(pid));
+    exit_process(code)
+}
+
 fn reply(chan: &mut Channel, r: Result<Response>) {
     let msg = r.unwrap_or_else(|e| Response::Err(RemoteError::from(&e)));
     if chan.send(&msg, &[]).is_err() {
-        exit_process(0); // controller gone
+        exit_discarding(0); // controller gone
     }
 }
 
@@ -528,9 +557,20 @@ struct Spare {
 }
 
 impl Spare {
+    /// Kill the spare, wait until it is gone, and remove its private writable directories (it had
+    /// no controller to do that; it may have been killed while copying them).
     fn kill(self) {
         // SAFETY: signalling a process through a pidfd we own.
         unsafe { libc::syscall(libc::SYS_pidfd_send_signal, self.pidfd.as_raw_fd(), libc::SIGKILL, 0usize, 0u32) };
+        let mut pfd = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        for _ in 0..100 {
+            // SAFETY: one valid pollfd; readable once the process has exited.
+            let rc = unsafe { libc::poll(&mut pfd, 1, 10) };
+            if rc != 0 && !(rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)) {
+                break;
+            }
+        }
+        let _ = std::fs::remove_dir_all(crate::guestos::persist::vm_dir(self.pid));
     }
 }
 
@@ -651,11 +691,11 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel) -> ! {
             // SAFETY: getpid cannot fail.
             let pid = unsafe { libc::getpid() };
             let linux = m.is_linux();
-            reply(&mut chan, Ok(Response::Ready { pid, linux }));
+            reply(&mut chan, Ok(Response::Ready { pid, linux, jail: jail::status() }));
         }
         Err(e) => {
             reply(&mut chan, Err(e));
-            exit_process(1);
+            exit_discarding(1);
         }
     }
     serve(m, chan)
@@ -670,9 +710,9 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
         }
         let (req, fds) = match chan.recv::<Request>() {
             Ok(v) => v,
-            Err(RecvError::Closed) => exit_process(0),
+            Err(RecvError::Closed) => exit_discarding(0),
             Err(RecvError::TimedOut) => continue,
-            Err(RecvError::Failed(_)) => exit_process(2),
+            Err(RecvError::Failed(_)) => exit_discarding(2),
         };
         if !normal_priority {
             set_idle_priority(false); // a spare that has been handed out
@@ -684,7 +724,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
         process::serving(m, &chan, &pool);
         let resp = match req {
             Request::Run { timeout } => m.run(timeout).map(Response::Run),
-            Request::Snapshot { dir } => m.snapshot(&dir).map(|_| Response::Ok),
+            Request::Snapshot { dir } => jail::in_snapshot_dest(&dir, fds, |d| m.snapshot(d)).map(|_| Response::Ok),
             Request::Fork { n } => match fork_children(m, &mut chan, &mut pool, n) {
                 Ok(()) => continue,
                 Err(e) => Err(e),
@@ -761,10 +801,15 @@ pub fn serve_fd(fd: RawFd) -> ! {
         libc::signal(libc::SIGCHLD, libc::SIG_IGN);
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     }
-    let (first, fds) = match chan.recv::<Request>() {
+    let (mut first, fds) = match chan.recv::<Request>() {
         Ok(v) => v,
         Err(_) => exit_process(0),
     };
+    // Jailed before serving: everything the first request opens is opened inside (see `jail`).
+    if let Err(e) = jail::enter(&mut first) {
+        reply(&mut chan, Err(e));
+        exit_process(1)
+    }
     let machine = match first {
         Request::Boot { elf, mem_size } => Machine::boot(&elf, mem_size),
         Request::Restore { dir } => Machine::restore(&dir),
@@ -776,7 +821,7 @@ pub fn serve_fd(fd: RawFd) -> ! {
             // SAFETY: getpid cannot fail.
             let pid = unsafe { libc::getpid() };
             let linux = m.is_linux();
-            reply(&mut chan, Ok(Response::Ready { pid, linux }));
+            reply(&mut chan, Ok(Response::Ready { pid, linux, jail: jail::status() }));
             serve(&mut m, chan)
         }
         Err(e) => {

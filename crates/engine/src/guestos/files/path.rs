@@ -29,8 +29,20 @@ fn read_path(ctx: &Ctx, p: u64) -> Result<Vec<u8>, Errno> {
     Ok(v)
 }
 
+/// `/proc/<pid>...` with the process's own guest pid, as `/proc/self...` (programs name their own
+/// /proc directory by number: CPython's subprocess lists `/proc/<pid>/fd`); None for other paths.
+fn own_proc_path(os: &GuestOs, path: &[u8]) -> Option<Vec<u8>> {
+    let rest = path.strip_prefix(b"/proc/")?;
+    let end = rest.iter().position(|&b| b == b'/').unwrap_or(rest.len());
+    let (num, tail) = rest.split_at(end);
+    let own = os.proc.pid.to_string();
+    (num == own.as_bytes()).then(|| [b"/proc/self".as_slice(), tail].concat())
+}
+
 /// Look `path` up relative to `dirfd` (AT_FDCWD: the cwd; else the directory fd's guest path).
 fn lookup<'v>(vfs: &'v Vfs, os: &GuestOs, dirfd: i32, path: &[u8], mode: Lookup) -> Result<Resolved<'v>, Errno> {
+    let own = own_proc_path(os, path);
+    let path = own.as_deref().unwrap_or(path);
     let base = if path.first() == Some(&b'/') {
         "/".to_string()
     } else if dirfd == libc::AT_FDCWD {
@@ -85,6 +97,16 @@ fn check_creatable(r: &Resolved) -> Result<(), Errno> {
 
 fn host_of<'r>(r: &'r Resolved) -> Result<(RawFd, &'r CStr), Errno> {
     r.host().ok_or(EACCES)
+}
+
+/// Linux refuses to rename or link across mounts (EXDEV), and so do we, whatever the host
+/// directories behind two guest mounts share: the answer must not depend on the host's layout, nor
+/// on whether the VMM process is jailed (there every mount is a bind of its own, see vmm::jail).
+fn same_mount(a: &Resolved, b: &Resolved) -> Result<(), Errno> {
+    match (&a.target, &b.target) {
+        (vfs::Target::Host { mount: x, .. }, vfs::Target::Host { mount: y, .. }) if x != y => Err(EXDEV),
+        _ => Ok(()),
+    }
 }
 
 pub(super) fn sys_openat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, flags: i32, mode: u32) -> SysResult {
@@ -333,6 +355,35 @@ pub(super) fn sys_mkdirat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u6
     super::with_umask(os.proc.umask, || cvt(unsafe { libc::mkdirat(d, n.as_ptr(), mode & 0o7777) } as i64))
 }
 
+/// mknod and mknodat: regular files only. Devices need privileges the sandbox does not give, and
+/// FIFOs and sockets would be host objects the VMM's jail does not let it make: EPERM, once the
+/// path itself is fine (ENOENT, EEXIST, EROFS come first).
+pub(super) fn sys_mknodat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, mode: u32) -> SysResult {
+    let kind = mode & libc::S_IFMT;
+    if ![0, libc::S_IFREG, libc::S_IFIFO, libc::S_IFSOCK, libc::S_IFCHR, libc::S_IFBLK].contains(&kind) {
+        return Err(EINVAL);
+    }
+    let path = read_path(ctx, pathp)?;
+    let r = lookup!(os, dirfd, &path, Lookup::Parent)?;
+    if r.is_virtual() {
+        return Err(if special::lookup(os, &r.path).is_some() { EEXIST } else { EACCES });
+    }
+    check_creatable(&r)?;
+    let (d, n) = host_of(&r)?;
+    if exists(&r) {
+        return Err(EEXIST);
+    }
+    if kind != 0 && kind != libc::S_IFREG {
+        return Err(crate::guestos::EPERM);
+    }
+    let flags = libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | libc::O_CLOEXEC | libc::O_NOFOLLOW;
+    // SAFETY: a valid fd and C string (one component); the new descriptor is closed at once.
+    let fd = super::with_umask(os.proc.umask, || cvt(unsafe { libc::openat(d, n.as_ptr(), flags, mode & 0o7777) } as i64))?;
+    // SAFETY: closing the descriptor just opened.
+    unsafe { libc::close(fd as i32) };
+    Ok(0)
+}
+
 pub(super) fn sys_unlinkat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, flags: i32) -> SysResult {
     if flags & !libc::AT_REMOVEDIR != 0 {
         return Err(EINVAL);
@@ -369,6 +420,7 @@ pub(super) fn sys_renameat2(os: &mut GuestOs, ctx: &mut Ctx, olddir: i32, oldp: 
     }
     check_writable(&ro)?;
     check_writable(&rn)?;
+    same_mount(&ro, &rn)?;
     let (d1, n1) = host_of(&ro)?;
     let (d2, n2) = host_of(&rn)?;
     // SAFETY: valid fds and C strings (one component each).
@@ -403,6 +455,7 @@ pub(super) fn sys_linkat(os: &mut GuestOs, ctx: &mut Ctx, olddir: i32, oldp: u64
             if !ro.writable() {
                 return Err(EXDEV);
             }
+            same_mount(&ro, &rn)?;
             let (d1, n1) = host_of(&ro)?;
             // SAFETY: valid fds and C strings (one component each); linkat does not follow.
             unsafe { libc::linkat(d1, n1.as_ptr(), d2, n2.as_ptr(), 0) }
@@ -558,8 +611,25 @@ pub(super) fn sys_fstatfs(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64) ->
     Ok(0)
 }
 
+/// "Now" in utimensat's times (None, or UTIME_NOW) as the guest's clock shows it: in replay mode
+/// virtual time, not the host's (a file touched "now" must read as touched at `time.time()`).
+fn guest_now(os: &mut GuestOs, times: Option<[libc::timespec; 2]>) -> Result<Option<[libc::timespec; 2]>, Errno> {
+    if !os.proc.clocks.replay {
+        return Ok(times);
+    }
+    let mut t = times.unwrap_or([libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_NOW }; 2]);
+    if t.iter().any(|ts| ts.tv_nsec == libc::UTIME_NOW) {
+        let (sec, nsec) = crate::guestos::misc::clock_now(&mut os.proc, libc::CLOCK_REALTIME)?;
+        for ts in t.iter_mut().filter(|ts| ts.tv_nsec == libc::UTIME_NOW) {
+            *ts = libc::timespec { tv_sec: sec, tv_nsec: nsec };
+        }
+    }
+    Ok(Some(t))
+}
+
 /// Set times on what `path` (or, if None, `dirfd`) names. `times`: None for "now".
 fn set_times(os: &mut GuestOs, dirfd: i32, path: Option<&[u8]>, times: Option<[libc::timespec; 2]>, flags: i32) -> SysResult {
+    let times = guest_now(os, times)?;
     let omit_all = times.is_some_and(|t| t.iter().all(|ts| ts.tv_nsec == libc::UTIME_OMIT));
     let tp = times.as_ref().map_or(std::ptr::null(), |t| t.as_ptr());
     let Some(path) = path else {
@@ -660,4 +730,16 @@ pub(super) fn sys_utime(os: &mut GuestOs, ctx: &mut Ctx, pathp: u64, bufp: u64) 
         return Err(ENOENT);
     }
     set_times(os, libc::AT_FDCWD, Some(&path), times, 0)
+}
+
+/// The path forms of the xattr calls (setxattr, getxattr, listxattr, removexattr and their l*
+/// variants): ENOENT and the like for a path that does not resolve, else EOPNOTSUPP (the sandbox's
+/// file systems have no extended attributes).
+pub(super) fn sys_xattr(os: &mut GuestOs, ctx: &mut Ctx, pathp: u64, flags: i32) -> SysResult {
+    let path = read_path(ctx, pathp)?;
+    if path.is_empty() {
+        return Err(ENOENT);
+    }
+    path_stat(os, libc::AT_FDCWD, &path, follow_flag(flags))?;
+    Err(EOPNOTSUPP)
 }

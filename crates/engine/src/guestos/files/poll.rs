@@ -2,6 +2,11 @@
 //! (captured output for writing; /dev/null, /dev/zero, /proc files for both). A wait longer than
 //! [`WAIT_SLICE_MS`] ends after that slice with EINTR if nothing is ready, so the VMM never blocks
 //! past its run's deadline (libc and Python retry with the remaining time).
+//!
+//! In replay mode the guest's clocks are virtual (see `misc`): a wait that ends with nothing ready
+//! lets virtual time pass by what it waited, as a sleep does, so that a retry with "the remaining
+//! time" ends. A wait on nothing but engine files (or on no fds at all: `select(0, ..., timeout)`,
+//! a common sleep) cannot be ended by anything but its timeout: it returns at once, like a sleep.
 
 use std::time::Duration;
 
@@ -47,7 +52,7 @@ pub fn timeout_tv(ctx: &Ctx, p: u64) -> Result<Timeout, Errno> {
 
 /// Poll `fds` (fd, events) and return each one's revents. EINTR if nothing became ready within
 /// the slice and the guest's timeout is longer.
-fn poll_fds(os: &GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Result<Vec<i16>, Errno> {
+fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Result<Vec<i16>, Errno> {
     const ALWAYS: i16 = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
     let mut revents = vec![0i16; fds.len()];
     let mut host: Vec<libc::pollfd> = Vec::new();
@@ -79,6 +84,13 @@ fn poll_fds(os: &GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Result<Vec<i1
         }
     }
     let slice = Duration::from_millis(WAIT_SLICE_MS as u64);
+    let replay = os.proc.clocks.replay;
+    if replay && ready == 0 && host.is_empty() {
+        if let Some(t) = timeout {
+            os.proc.clocks.pass(t.as_nanos().min(u64::MAX as u128) as u64);
+            return Ok(revents);
+        }
+    }
     let wait = if ready > 0 { Duration::ZERO } else { timeout.map_or(slice, |t| t.min(slice)) };
     let longer = timeout.is_none_or(|t| t > slice);
     // SAFETY: `host` is a valid array of pollfds of the length we pass.
@@ -91,6 +103,9 @@ fn poll_fds(os: &GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Result<Vec<i1
         if revents[i] != 0 {
             ready += 1;
         }
+    }
+    if ready == 0 && wait > Duration::ZERO && replay && timeout.is_some() {
+        os.proc.clocks.pass(wait.as_nanos() as u64);
     }
     if ready == 0 && wait > Duration::ZERO && longer {
         return Err(EINTR);

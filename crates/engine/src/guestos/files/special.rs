@@ -195,14 +195,24 @@ fn comm(os: &GuestOs) -> String {
 }
 
 fn status(os: &GuestOs) -> String {
+    use crate::guestos::signal::{SIG_DFL, SIG_IGN};
     let p = pid(os);
     let (u, g) = (os.proc.uid, os.proc.gid);
+    // The signal masks as Linux shows them: blocked, ignored and caught (a handler is set).
+    let (mut ign, mut cgt) = (0u64, 0u64);
+    for (i, a) in os.proc.sigactions.iter().enumerate().take(64) {
+        match a.handler {
+            SIG_DFL => {}
+            SIG_IGN => ign |= 1 << i,
+            _ => cgt |= 1 << i,
+        }
+    }
     let groups: Vec<String> = os.proc.groups.iter().map(|g| g.to_string()).collect();
     format!(
         "Name:\t{}\nUmask:\t{:04o}\nState:\tR (running)\nTgid:\t{p}\nNgid:\t0\nPid:\t{p}\nPPid:\t{}\nTracerPid:\t0\n\
 Uid:\t{}\t{}\t{}\t{}\nGid:\t{}\t{}\t{}\t{}\nFDSize:\t{}\nGroups:\t{}\nThreads:\t1\n\
-SigQ:\t0/0\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000000000\nSigBlk:\t0000000000000000\n\
-SigIgn:\t0000000000000000\nSigCgt:\t0000000000000000\nCapInh:\t0000000000000000\nCapPrm:\t0000000000000000\n\
+SigQ:\t0/0\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000000000\nSigBlk:\t{:016x}\n\
+SigIgn:\t{ign:016x}\nSigCgt:\t{cgt:016x}\nCapInh:\t0000000000000000\nCapPrm:\t0000000000000000\n\
 CapEff:\t0000000000000000\nCapBnd:\t0000000000000000\nCapAmb:\t0000000000000000\nNoNewPrivs:\t1\nSeccomp:\t0\n\
 Cpus_allowed:\t1\nCpus_allowed_list:\t0\nMems_allowed:\t1\nMems_allowed_list:\t0\n\
 voluntary_ctxt_switches:\t0\nnonvoluntary_ctxt_switches:\t0\n",
@@ -219,6 +229,7 @@ voluntary_ctxt_switches:\t0\nnonvoluntary_ctxt_switches:\t0\n",
         g[3],
         os.files.limit,
         groups.join(" "),
+        os.proc.sigmask,
     )
 }
 

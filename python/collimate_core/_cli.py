@@ -1,0 +1,96 @@
+"""The `serve`, `keys` and `openapi` subcommands of `collimate` (= `python -m collimate_core`)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="run the control-plane worker: the HTTP API over this host's engine")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, loopback only)")
+    s.add_argument("--port", type=int, default=8477, help="port (default 8477; 0 picks a free one, logged at start)")
+    s.add_argument("--max-sandboxes", type=int, default=64, metavar="N", help="live sandboxes at most (default 64)")
+    s.add_argument("--queue", type=int, default=256, metavar="N",
+                   help="requests that may wait for capacity; more get 429 (default 256)")
+    s.add_argument("--queue-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="longest wait in the queue before 429 (default 60)")
+    s.add_argument("--idle-reap", type=float, default=600.0, metavar="SECONDS",
+                   help="destroy sandboxes nobody touched for this long (default 600)")
+    s.add_argument("--spend-limit", type=float, default=None, metavar="SANDBOX_SECONDS",
+                   help="sandbox-seconds each tenant may use over the server's life (default: no limit)")
+    s.add_argument("--max-upload", type=int, default=64 << 20, metavar="BYTES", help="largest upload (default 64 MiB)")
+    s.add_argument("--key-store", type=Path, default=None, help="the key store (default: COLLIMATE_KEY_STORE or <cache>/keys.json)")
+    s.add_argument("--preload", default="python", help="comma-separated templates to start at launch ('' for none)")
+
+    k = sub.add_parser("keys", help="manage API keys: create, list, revoke")
+    k.add_argument("--key-store", type=Path, default=None, help="the key store (default: COLLIMATE_KEY_STORE or <cache>/keys.json)")
+    ks = k.add_subparsers(dest="keys_cmd", required=True)
+    c = ks.add_parser("create", help="a new key for a tenant (printed once: it is stored hashed)")
+    c.add_argument("--tenant", required=True)
+    c.add_argument("--note", default="", help="a reminder of what the key is for")
+    ks.add_parser("list", help="the keys (ids, tenants, dates; never the keys)").add_argument(
+        "--json", action="store_true", help="one JSON document")
+    r = ks.add_parser("revoke", help="revoke a key by id (takes effect on a running server at once)")
+    r.add_argument("id")
+
+    o = sub.add_parser("openapi", help="print the OpenAPI document (docs/openapi.json)")
+    o.add_argument("--output", type=Path, default=None, help="write it here instead of stdout")
+
+
+def run(args: argparse.Namespace) -> bool:
+    """Run a subcommand of this module; False if `args.cmd` is not one."""
+    if args.cmd == "serve":
+        from collimate_core._server import ServerConfig, serve
+
+        serve(ServerConfig(
+            host=args.host, port=args.port, max_sandboxes=args.max_sandboxes, queue=args.queue,
+            queue_timeout=args.queue_timeout, idle_reap=args.idle_reap, spend_limit=args.spend_limit,
+            max_upload=args.max_upload, key_store=args.key_store,
+            preload=tuple(t for t in args.preload.split(",") if t),
+        ))
+    elif args.cmd == "keys":
+        _keys(args)
+    elif args.cmd == "openapi":
+        from collimate_core._server import openapi_json
+
+        text = openapi_json()
+        if args.output:
+            args.output.write_text(text)
+        else:
+            sys.stdout.write(text)
+    else:
+        return False
+    return True
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else datetime.datetime.fromtimestamp(t).isoformat(timespec="seconds")
+
+
+def _keys(args: argparse.Namespace) -> None:
+    from collimate_core._errors import CollimateError
+    from collimate_core._keys import KeyStore
+
+    store = KeyStore(args.key_store)
+    try:
+        if args.keys_cmd == "create":
+            key, rec = store.create(args.tenant, args.note)
+            print(key)
+            print(f"key id {rec.id} for tenant {rec.tenant}: shown once, stored hashed in {store.path}", file=sys.stderr)
+        elif args.keys_cmd == "list":
+            recs = store.list()
+            if args.json:
+                print(json.dumps([r.public() for r in recs], indent=1))
+                return
+            print(f"{'ID':18} {'TENANT':20} {'CREATED':20} {'REVOKED':20} NOTE")
+            for r in recs:
+                print(f"{r.id:18} {r.tenant:20} {_when(r.created):20} {_when(r.revoked):20} {r.note}")
+        elif args.keys_cmd == "revoke":
+            rec = store.revoke(args.id)
+            print(f"revoked key {rec.id} of tenant {rec.tenant}")
+    except CollimateError as e:
+        sys.exit(f"collimate keys: {e}")

@@ -1,0 +1,1171 @@
+"""The control-plane worker: the SDK surface over HTTP, on the embedded engine of this host.
+
+`collimate serve` runs it (FastAPI on uvicorn). Everything under /v1 needs `Authorization: Bearer
+col_...` (keys: `collimate keys create --tenant T`, see _keys.py); each key belongs to a tenant,
+and a tenant sees only its own sandboxes: anything else is 404, exactly like an id that never
+existed. /openapi.json (the document, also committed as docs/openapi.json), /metrics (Prometheus
+text) and /healthz are open.
+
+Capacity. At most `max_sandboxes` sandboxes are live. A create or fork that does not fit waits in
+a FIFO queue of at most `queue` requests for up to `queue_timeout` seconds; past the bound, or past
+the wait, it gets 429 naming the limit. A fork group wider than the whole server gets 409.
+A tenant whose sandbox-seconds reach `spend_limit` gets 402 on new sandboxes, forks and execs
+(deleting always works). Sandboxes nobody touched for `idle_reap` seconds are destroyed: the
+remote client keeps its live sandboxes alive, so these are the sandboxes of clients that died.
+
+Logs are JSON lines on stderr: one per request, plus lifecycle events (listening, reaped, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import anyio
+from fastapi import Body, Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from collimate_core._errors import (
+    AuthenticationError,
+    CapacityError,
+    CollimateError,
+    EngineError,
+    InvalidArgument,
+    NotFoundError,
+    SandboxDied,
+    SandboxTimeout,
+    VmDestroyedError,
+)
+from collimate_core._keys import KeyStore
+from collimate_core._templates import CATALOG
+
+API_VERSION = "1.0.0"
+DEFAULT_PORT = 8477
+MAX_JSON_BODY = 32 << 20  # an exec's code, a keepalive list: far below this
+MAX_EXEC_SECONDS = 3600.0
+MAX_WIDTH = 1024
+MAX_PATH = 4096
+
+log = logging.getLogger("collimate.server")
+
+
+# --- configuration and errors -----------------------------------------------------------------
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    max_sandboxes: int = 64
+    queue: int = 256
+    queue_timeout: float = 60.0
+    idle_reap: float = 600.0
+    spend_limit: float | None = None  # sandbox-seconds per tenant over the server's life
+    max_upload: int = 64 << 20
+    key_store: Path | None = None
+    cache: Path | None = None
+    preload: tuple[str, ...] = ("python",)
+
+
+class ApiError(StarletteHTTPException):
+    """An error response: HTTP status, a stable `type`, and a message saying what to do."""
+
+    def __init__(self, status: int, type: str, message: str, headers: dict[str, str] | None = None):
+        super().__init__(status, message, headers)
+        self.type = type
+        self.message = message
+
+
+def _error_of(exc: BaseException) -> ApiError:
+    """The response for an SDK exception (see _remote.py for the way back)."""
+    if isinstance(exc, ApiError):
+        return exc
+    msg = str(exc)
+    if isinstance(exc, AuthenticationError):
+        return ApiError(401, "authentication", msg, {"WWW-Authenticate": 'Bearer realm="collimate"'})
+    if isinstance(exc, InvalidArgument):
+        return ApiError(400, "invalid_argument", msg)
+    if isinstance(exc, (NotFoundError, VmDestroyedError)):
+        return ApiError(404, "not_found", msg)
+    if isinstance(exc, CapacityError):
+        return ApiError(503, "capacity", msg, {"Retry-After": "1"})
+    if isinstance(exc, SandboxTimeout):
+        return ApiError(504, "timeout", msg)
+    if isinstance(exc, SandboxDied):
+        return ApiError(410, "sandbox_died", msg)
+    if isinstance(exc, EngineError):
+        if "invalid argument" in msg:  # the engine refused the request in the sandbox's state
+            return ApiError(409, "conflict", msg)
+        return ApiError(500, "engine_error", msg)
+    return ApiError(500, "internal", f"internal error ({type(exc).__name__}); the server log has the details")
+
+
+def _error_body(status: int, type: str, message: str) -> bytes:
+    # ensure_ascii: a message may quote user input that is not valid UTF-8 text (lone surrogates)
+    return json.dumps({"error": {"type": type, "message": message}}, ensure_ascii=True).encode()
+
+
+def _error_response(err: ApiError) -> Response:
+    return Response(_error_body(err.status_code, err.type, err.message), err.status_code, err.headers, "application/json")
+
+
+def _check_path(path: str) -> str:
+    if not path.startswith("/"):
+        raise InvalidArgument(f"path must be an absolute guest path such as /work/x, not {path!r}")
+    try:
+        path.encode()
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"path must be valid UTF-8 text, not {path!r}") from None
+    return path
+
+
+_ERRNO = re.compile(r"\(os error (\d+)\)")
+
+
+def _file_error(e: CollimateError, what: str) -> Exception:
+    """A file operation that failed because of the path is the caller's to fix, not an engine
+    failure: the status says which way (no such file, not writable, a directory, ...)."""
+    if isinstance(e, (SandboxDied, VmDestroyedError)):
+        return e
+    m = _ERRNO.search(str(e))
+    if m is None:
+        return e
+    errno_ = int(m.group(1))
+    if errno_ == 2:  # ENOENT
+        return ApiError(404, "not_found", f"{what}: no such file in the sandbox")
+    if errno_ in (13, 30, 1):  # EACCES, EROFS, EPERM
+        return ApiError(403, "forbidden_path", f"{what}: not writable here (only /tmp and /work are writable): {e}")
+    if errno_ in (20, 21, 17, 39):  # ENOTDIR, EISDIR, EEXIST, ENOTEMPTY
+        return ApiError(409, "conflict", f"{what}: {e}")
+    return InvalidArgument(f"{what}: {e}")
+
+
+# --- admission --------------------------------------------------------------------------------
+
+
+class _Admission:
+    """Slots for live sandboxes; requests that do not fit wait in a bounded FIFO queue.
+
+    Runs on the event loop only (threads call `release` through `call_soon_threadsafe`).
+    """
+
+    def __init__(self, limit: int, bound: int, timeout: float, metrics: "_Metrics"):
+        self.limit, self.bound, self.timeout, self.metrics = limit, bound, timeout, metrics
+        self.used = 0
+        self.waiting: deque[tuple[int, asyncio.Future]] = deque()
+
+    def _gauges(self) -> None:
+        self.metrics.live.set(self.used)
+        self.metrics.queue_depth.set(len(self.waiting))
+
+    async def acquire(self, n: int) -> None:
+        if n > self.limit:
+            self.metrics.rejected.labels("too_wide").inc()
+            raise ApiError(
+                409, "capacity",
+                f"{n} sandboxes can never fit: this server runs at most max_sandboxes={self.limit} live sandboxes",
+            )
+        if not self.waiting and self.used + n <= self.limit:
+            self.used += n
+            self._gauges()
+            return
+        if len(self.waiting) >= self.bound:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise ApiError(
+                429, "capacity",
+                f"capacity queue full: {len(self.waiting)} requests already wait (queue bound {self.bound}) for "
+                f"max_sandboxes={self.limit} live sandboxes; retry later or delete sandboxes",
+                {"Retry-After": "1"},
+            )
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self.waiting.append(entry)
+        self.metrics.queued.inc()
+        self._gauges()
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.timeout)
+        except asyncio.TimeoutError:
+            if fut.done():
+                return  # granted as the wait ran out
+            self.waiting.remove(entry)
+            self.metrics.rejected.labels("queue_timeout").inc()
+            raise ApiError(
+                429, "capacity",
+                f"waited {self.timeout:g} s (queue_timeout) for one of max_sandboxes={self.limit} live sandboxes; "
+                "retry later or delete sandboxes",
+                {"Retry-After": "1"},
+            ) from None
+        except asyncio.CancelledError:
+            if fut.done():
+                self.release(n)
+            else:
+                self.waiting.remove(entry)
+            raise
+        finally:
+            self._gauges()
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        while self.waiting and self.used + self.waiting[0][0] <= self.limit:
+            k, fut = self.waiting.popleft()
+            self.used += k
+            fut.set_result(None)
+        self._gauges()
+
+
+# --- metering ---------------------------------------------------------------------------------
+
+_FIELDS = ("sandboxes", "execs", "forks", "bytes_in", "bytes_out", "sandbox_seconds")
+_FINE_SPAN = 3600  # seconds kept at one-second resolution; older ones at one minute
+
+
+class _Meter:
+    """A tenant's metered totals in time buckets: one second for the last hour, one minute before.
+
+    Counters land in the bucket of their time; a finished sandbox's seconds are spread over the
+    buckets it lived in. A window query takes buckets that lie wholly inside it and the covered
+    fraction of the two it cuts through.
+    """
+
+    def __init__(self) -> None:
+        self.buckets: dict[tuple[int, int], list[float]] = {}  # (width, start) -> amounts
+        self.spent = 0.0  # sandbox-seconds of finished sandboxes, all time
+
+    def _bucket(self, t: float) -> list[float]:
+        key = (1, int(t))
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = [0.0] * len(_FIELDS)
+        return b
+
+    def add(self, what: str, amount: float, t: float | None = None) -> None:
+        self._bucket(time.time() if t is None else t)[_FIELDS.index(what)] += amount
+
+    def close_span(self, start: float, end: float) -> None:
+        self.spent += max(0.0, end - start)
+        i = _FIELDS.index("sandbox_seconds")
+        s = start
+        while s < end:
+            e = min(end, math.floor(s) + 1)
+            self._bucket(s)[i] += e - s
+            s = e
+
+    def compact(self, now: float) -> None:
+        cut = int(now) - _FINE_SPAN
+        for key in [k for k in self.buckets if k[0] == 1 and k[1] < cut]:
+            vals = self.buckets.pop(key)
+            coarse = self.buckets.setdefault((60, key[1] - key[1] % 60), [0.0] * len(_FIELDS))
+            for i, v in enumerate(vals):
+                coarse[i] += v
+
+    def window(self, lo: float, hi: float) -> dict[str, float]:
+        out = [0.0] * len(_FIELDS)
+        for (width, start), vals in self.buckets.items():
+            cover = min(hi, start + width) - max(lo, start)
+            if cover <= 0:
+                continue
+            frac = min(1.0, cover / width)
+            for i, v in enumerate(vals):
+                out[i] += v * frac
+        return dict(zip(_FIELDS, out))
+
+
+# --- metrics ----------------------------------------------------------------------------------
+
+_LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1, 2, 4, 8)
+
+
+class _Metrics:
+    """Prometheus metrics of one server, in a registry of its own."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.fork_seconds = Histogram(
+            "collimate_fork_seconds", "Engine time to clone a sandbox from a template (kind=clone) or to fork a "
+            "live sandbox into a group (kind=fork)", ["kind"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.exec_seconds = Histogram("collimate_exec_seconds", "Wall time of execs", buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_seconds = Histogram(
+            "collimate_request_seconds", "HTTP request latency by route", ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("collimate_requests", "HTTP requests", ["method", "route", "status"], registry=r)
+        self.created = Counter("collimate_sandboxes_created", "Sandboxes created", ["kind"], registry=r)
+        self.destroyed = Counter("collimate_sandboxes_destroyed", "Sandboxes destroyed", ["reason"], registry=r)
+        self.execs = Counter("collimate_execs", "Execs run", registry=r)
+        self.queued = Counter("collimate_capacity_queued", "Requests that waited in the capacity queue", registry=r)
+        self.rejected = Counter(
+            "collimate_capacity_rejections", "Requests refused for capacity or spend", ["reason"], registry=r)
+        self.auth_failures = Counter("collimate_auth_failures", "Requests with a missing or wrong API key", registry=r)
+        self.live = Gauge("collimate_live_sandboxes", "Live sandboxes (admission slots in use)", registry=r)
+        self.queue_depth = Gauge("collimate_queue_depth", "Requests waiting for capacity", registry=r)
+        self.max_sandboxes = Gauge("collimate_max_sandboxes", "The live sandbox limit", registry=r)
+
+
+# --- logging ----------------------------------------------------------------------------------
+
+
+class JsonLines(logging.Formatter):
+    """One JSON object per line: ts, level, logger, event, and the record's `fields`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        d: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": record.getMessage(),
+        }
+        d.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            d["exc"] = self.formatException(record.exc_info)
+        return json.dumps(d, default=str)
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLines())
+    for name in ("collimate", "uvicorn", "uvicorn.error"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [handler]
+        lg.setLevel(level)
+        lg.propagate = False
+    logging.getLogger("uvicorn.access").disabled = True  # the request log below replaces it
+
+
+def _event(event: str, level: int = logging.INFO, **fields: Any) -> None:
+    log.log(level, event, extra={"fields": fields})
+
+
+# --- API models -------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    type: str = Field(description="invalid_argument, authentication, spend_limit, not_found, sandbox_died, "
+                      "capacity, payload_too_large, timeout, not_implemented, engine_error, internal")
+    message: str
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class TemplateInfo(BaseModel):
+    id: str
+    name: str
+    kind: str = Field(description="'catalog': shared by every tenant")
+    live: bool = Field(description="whether its zygote runs on this server")
+    expected_width: int = Field(description="the width this tenant declared with expect (0: none)")
+
+
+class TemplateList(BaseModel):
+    templates: list[TemplateInfo]
+
+
+class BakeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=128)
+    image: str = Field(None, max_length=1024)
+    ready_cmd: str = Field(None, max_length=65536)
+    width: int = Field(None, ge=1, le=MAX_WIDTH)
+
+
+class ExpectRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    width: int = Field(ge=0, le=MAX_WIDTH, description="how many clones to keep ready (a hint; clamped to the pool limit)")
+
+
+class CreateSandbox(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    template: str = Field("python", min_length=1, max_length=128)
+
+
+class SandboxInfo(BaseModel):
+    id: str
+    template: str
+    warm_hit: bool = Field(description="served from the template's pool of ready clones")
+    parent: str | None = Field(description="the sandbox this one was forked from")
+    created: float = Field(description="Unix time")
+    idle_seconds: float
+    idle_timeout_seconds: float = Field(description="an untouched sandbox is destroyed after this long")
+
+
+class SandboxList(BaseModel):
+    sandboxes: list[SandboxInfo]
+
+
+class ExecRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={"oneOf": [{"required": ["code"]}, {"required": ["command"]}]},
+    )
+    code: str = Field(None, description="Python source, run in the sandbox's persistent interpreter")
+    command: str = Field(None, description="a shell command (/bin/sh -c)")
+    timeout_seconds: float = Field(60.0, gt=0, le=MAX_EXEC_SECONDS)
+    seed: str = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="pin the guest CRNG (32 bytes as hex)")
+    env: dict[str, str] = Field(None)
+    cwd: str = Field(None, max_length=MAX_PATH)
+
+
+class ExecResponse(BaseModel):
+    exit_code: int
+    ok: bool
+    stdout: str = Field(description="decoded as UTF-8; invalid bytes replaced")
+    stderr: str
+    stdout_b64: str | None = Field(description="the exact bytes, base64, when stdout is not valid UTF-8")
+    stderr_b64: str | None
+    seed: str = Field(description="the seed the guest CRNG was pinned with: replay with it")
+    seed_ack: str = Field(description="verified, no-ack, off or mismatch")
+    duration: float
+    timed_out: bool
+    truncated: bool
+
+
+class UploadResponse(BaseModel):
+    path: str
+    bytes: int
+
+
+class ForkGroupRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    width: int = Field(ge=1, le=MAX_WIDTH)
+
+
+class ForkGroupResponse(BaseModel):
+    sandboxes: list[SandboxInfo]
+
+
+class KeepaliveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    ids: list[str] = Field(max_length=100_000)
+
+
+class KeepaliveResponse(BaseModel):
+    alive: list[str]
+    gone: list[str]
+
+
+class UsageResponse(BaseModel):
+    tenant: str
+    since: float | None
+    until: float
+    sandbox_seconds: float
+    sandboxes: int
+    execs: int
+    forks: int
+    bytes_in: int
+    bytes_out: int
+    live_sandboxes: int
+    spend_limit_seconds: float | None = Field(description="this tenant's limit in sandbox-seconds (null: none)")
+    spent_seconds: float = Field(description="sandbox-seconds counted against the limit")
+
+
+# --- the control plane ------------------------------------------------------------------------
+
+
+class _Owned:
+    """A live sandbox of a tenant."""
+
+    __slots__ = ("box", "tenant", "parent", "created", "last_used", "busy")
+
+    def __init__(self, box: Any, tenant: str, parent: str | None):
+        self.box, self.tenant, self.parent = box, tenant, parent
+        self.created = time.time()
+        self.last_used = time.monotonic()
+        self.busy = 0
+
+
+class ControlPlane:
+    """The server's state: the engine, tenants' sandboxes, admission, metering. The engine's
+    blocking calls run in worker threads; admission runs on the event loop."""
+
+    def __init__(self, config: ServerConfig, *, engine: Any = None, keys: KeyStore | None = None):
+        self.config = config
+        self.engine = engine
+        self.keys = keys or KeyStore(config.key_store)
+        self.metrics = _Metrics()
+        self.metrics.max_sandboxes.set(config.max_sandboxes)
+        self.admission = _Admission(config.max_sandboxes, config.queue, config.queue_timeout, self.metrics)
+        self._lock = threading.Lock()
+        self._owned: dict[str, _Owned] = {}
+        self._meters: dict[str, _Meter] = {}
+        self._expect: dict[str, dict[str, int]] = {}
+        self._live_templates: set[str] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.limiter: anyio.CapacityLimiter | None = None
+        self._reaper: asyncio.Task | None = None
+
+    # lifecycle
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.limiter = anyio.CapacityLimiter(self.config.max_sandboxes + 32)
+        if self.engine is None:
+            from collimate_core._embedded import EmbeddedClient
+
+            # The server admits sandboxes itself; the engine's own limit is a backstop.
+            self.engine = EmbeddedClient(cache=self.config.cache, max_sandboxes=self.config.max_sandboxes,
+                                         capacity_timeout=5.0)
+        for name in self.config.preload:
+            try:
+                t = time.perf_counter()
+                await self.run(self.engine.expect_width, name, 2)
+                self._live_templates.add(name)
+                _event("template_ready", template=name, seconds=round(time.perf_counter() - t, 3))
+            except Exception as e:  # noqa: BLE001 - the server still serves; requests get the error
+                _event("template_failed", logging.ERROR, template=name, error=str(e))
+        self._reaper = asyncio.create_task(self._reap_loop())
+        _event("ready", max_sandboxes=self.config.max_sandboxes)
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        if self.engine is not None:
+            await anyio.to_thread.run_sync(self.engine.close)
+        _event("stopped")
+
+    async def run(self, fn: Callable, *args: Any, **kw: Any) -> Any:
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kw), limiter=self.limiter)
+
+    def _release_soon(self, n: int) -> None:
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self.admission.release, n)
+
+    def _meter(self, tenant: str) -> _Meter:
+        m = self._meters.get(tenant)
+        if m is None:
+            m = self._meters[tenant] = _Meter()
+        return m
+
+    # tenants
+    def authenticate(self, authorization: str | None) -> str:
+        key = None
+        if authorization:
+            scheme, _, cred = authorization.partition(" ")
+            if scheme.lower() == "bearer":
+                key = cred.strip()
+        return self.keys.authenticate(key)
+
+    def spent(self, tenant: str) -> float:
+        now = time.time()
+        with self._lock:
+            live = sum(now - r.created for r in self._owned.values() if r.tenant == tenant)
+            return self._meter(tenant).spent + live
+
+    def check_spend(self, tenant: str) -> None:
+        limit = self.config.spend_limit
+        if limit is None:
+            return
+        spent = self.spent(tenant)
+        if spent >= limit:
+            self.metrics.rejected.labels("spend_limit").inc()
+            raise ApiError(
+                402, "spend_limit",
+                f"spend limit reached: tenant {tenant!r} has used {spent:.1f} of its {limit:g} sandbox-seconds "
+                "(spend_limit); delete idle sandboxes or raise the limit",
+            )
+
+    # templates
+    def template_visible(self, tenant: str, name: str) -> None:
+        if name not in CATALOG:
+            raise NotFoundError(f"no template {name!r}: the catalog has {', '.join(CATALOG)}")
+
+    def template_info(self, tenant: str, name: str) -> TemplateInfo:
+        self.template_visible(tenant, name)
+        with self._lock:
+            width = self._expect.get(name, {}).get(tenant, 0)
+        return TemplateInfo(id=name, name=name, kind="catalog", live=name in self._live_templates, expected_width=width)
+
+    async def expect(self, tenant: str, name: str, width: int | None) -> TemplateInfo:
+        """Declare (width) or withdraw (None) this tenant's expected width; the template keeps the
+        widest declaration of any tenant ready."""
+        self.template_visible(tenant, name)
+        with self._lock:
+            widths = self._expect.setdefault(name, {})
+            if width is None:
+                widths.pop(tenant, None)
+            else:
+                widths[tenant] = width
+            want = max(widths.values(), default=None)
+        if want is None:
+            await self.run(self.engine.release_template, name)
+        else:
+            await self.run(self.engine.expect_width, name, want)
+            self._live_templates.add(name)
+        return self.template_info(tenant, name)
+
+    # sandboxes
+    def info(self, rec: _Owned) -> SandboxInfo:
+        return SandboxInfo(
+            id=rec.box.id, template=rec.box.template, warm_hit=bool(rec.box.warm_hit), parent=rec.parent,
+            created=rec.created, idle_seconds=round(max(0.0, time.monotonic() - rec.last_used), 3),
+            idle_timeout_seconds=self.config.idle_reap,
+        )
+
+    def _own(self, box: Any, tenant: str, parent: str | None) -> _Owned:
+        rec = _Owned(box, tenant, parent)
+        with self._lock:
+            self._owned[box.id] = rec
+        return rec
+
+    @contextmanager
+    def use(self, tenant: str, sandbox_id: str) -> Iterator[_Owned]:
+        """The tenant's live sandbox, marked busy (never reaped) for the duration."""
+        with self._lock:
+            rec = self._owned.get(sandbox_id)
+            if rec is None or rec.tenant != tenant:
+                raise NotFoundError(f"no sandbox {sandbox_id!r} (deleted, reaped when idle, or never existed)")
+            rec.busy += 1
+            rec.last_used = time.monotonic()
+        try:
+            yield rec
+        finally:
+            with self._lock:
+                rec.busy -= 1
+                rec.last_used = time.monotonic()
+
+    def list(self, tenant: str) -> list[SandboxInfo]:
+        with self._lock:
+            recs = [r for r in self._owned.values() if r.tenant == tenant]
+        return [self.info(r) for r in sorted(recs, key=lambda r: r.created)]
+
+    async def create(self, tenant: str, template: str) -> SandboxInfo:
+        self.template_visible(tenant, template)
+        self.check_spend(tenant)
+        await self.admission.acquire(1)
+
+        def work() -> _Owned:
+            # Runs to the end even if the request is cancelled: the slot is released here on
+            # failure, and a created sandbox is owned (and reaped if nobody claims it).
+            t = time.perf_counter()
+            try:
+                box = self.engine.create(template)
+            except BaseException:
+                self._release_soon(1)
+                raise
+            self.metrics.fork_seconds.labels("clone").observe(time.perf_counter() - t)
+            self.metrics.created.labels("clone").inc()
+            rec = self._own(box, tenant, None)
+            with self._lock:
+                self._meter(tenant).add("sandboxes", 1)
+            self._live_templates.add(template)
+            return rec
+
+        return self.info(await self.run(work))
+
+    async def fork(self, tenant: str, sandbox_id: str, width: int) -> list[SandboxInfo]:
+        """`width` live children of the sandbox: all of them or an error, never part of a group."""
+        with self.use(tenant, sandbox_id) as parent:
+            self.check_spend(tenant)
+            await self.admission.acquire(width)
+
+            def work() -> list[_Owned]:
+                t = time.perf_counter()
+                try:
+                    boxes = self.engine.fork(parent.box, width)
+                except BaseException:
+                    self._release_soon(width)
+                    raise
+                self.metrics.fork_seconds.labels("fork").observe(time.perf_counter() - t)
+                self.metrics.created.labels("fork").inc(len(boxes))
+                with self._lock:
+                    self._meter(tenant).add("forks", len(boxes))
+                return [self._own(b, tenant, sandbox_id) for b in boxes]
+
+            children = await self.run(work)
+        return [self.info(c) for c in children]
+
+    def _teardown(self, rec: _Owned, reason: str) -> None:
+        """Destroy an owned sandbox already removed from the table (in a worker thread)."""
+        try:
+            self.engine.destroy(rec.box)
+        finally:
+            with self._lock:
+                self._meter(rec.tenant).close_span(rec.created, time.time())
+            self.metrics.destroyed.labels(reason).inc()
+            self._release_soon(1)
+
+    async def delete(self, tenant: str, sandbox_id: str) -> None:
+        with self._lock:
+            rec = self._owned.get(sandbox_id)
+            if rec is None or rec.tenant != tenant:
+                raise NotFoundError(f"no sandbox {sandbox_id!r} (deleted, reaped when idle, or never existed)")
+            del self._owned[sandbox_id]
+        await self.run(self._teardown, rec, "deleted")
+
+    def keepalive(self, tenant: str, ids: list[str]) -> KeepaliveResponse:
+        alive, gone = [], []
+        now = time.monotonic()
+        with self._lock:
+            for i in ids:
+                rec = self._owned.get(i)
+                if rec is not None and rec.tenant == tenant:
+                    rec.last_used = now
+                    alive.append(i)
+                else:
+                    gone.append(i)
+        return KeepaliveResponse(alive=alive, gone=gone)
+
+    async def exec(self, tenant: str, sandbox_id: str, req: ExecRequest) -> ExecResponse:
+        with self.use(tenant, sandbox_id) as rec:
+            self.check_spend(tenant)
+            t = time.perf_counter()
+            r = await self.run(
+                self.engine.exec, rec.box, code=req.code, command=req.command, timeout=req.timeout_seconds,
+                seed=req.seed, env=req.env, cwd=req.cwd,
+            )
+        self.metrics.exec_seconds.observe(time.perf_counter() - t)
+        self.metrics.execs.inc()
+        with self._lock:
+            m = self._meter(tenant)
+            m.add("execs", 1)
+            m.add("bytes_out", len(r.stdout_bytes) + len(r.stderr_bytes))
+        return ExecResponse(
+            exit_code=r.exit_code, ok=r.ok, stdout=r.stdout, stderr=r.stderr,
+            stdout_b64=None if r.stdout.encode() == r.stdout_bytes else base64.b64encode(r.stdout_bytes).decode(),
+            stderr_b64=None if r.stderr.encode() == r.stderr_bytes else base64.b64encode(r.stderr_bytes).decode(),
+            seed=r.seed, seed_ack=r.seed_ack, duration=r.duration, timed_out=r.timed_out, truncated=r.truncated,
+        )
+
+    async def upload(self, tenant: str, sandbox_id: str, path: str, request: Request) -> UploadResponse:
+        _check_path(path)
+        with self.use(tenant, sandbox_id) as rec:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.config.max_upload:  # a chunked body without a Content-Length
+                    raise _too_large(self.config.max_upload)
+                chunks.append(chunk)
+            try:
+                await self.run(self.engine.upload, rec.box, path, b"".join(chunks))
+            except (EngineError, InvalidArgument) as e:
+                raise _file_error(e, f"upload to {path}") from e
+        with self._lock:
+            self._meter(tenant).add("bytes_in", size)
+        return UploadResponse(path=path, bytes=size)
+
+    async def download(self, tenant: str, sandbox_id: str, path: str) -> bytes:
+        _check_path(path)
+        with self.use(tenant, sandbox_id) as rec:
+            try:
+                data = await self.run(self.engine.download, rec.box, path)
+            except (EngineError, InvalidArgument) as e:
+                raise _file_error(e, f"download of {path}") from e
+        with self._lock:
+            self._meter(tenant).add("bytes_out", len(data))
+        return data
+
+    async def reset(self, tenant: str, sandbox_id: str) -> SandboxInfo:
+        with self.use(tenant, sandbox_id) as rec:
+            await self.run(self.engine.reset, rec.box)
+            return self.info(rec)
+
+    def usage(self, tenant: str, since: float | None, until: float | None) -> UsageResponse:
+        now = time.time()
+        for name, v in (("since", since), ("until", until)):
+            if v is not None and not math.isfinite(v):
+                raise InvalidArgument(f"{name} must be a finite Unix time, not {v}")
+        lo = -math.inf if since is None else since
+        hi = math.inf if until is None else until
+        if hi < lo:
+            raise InvalidArgument(f"until ({until}) is before since ({since})")
+        with self._lock:
+            w = self._meter(tenant).window(lo, hi)
+            live = [r for r in self._owned.values() if r.tenant == tenant]
+            live_seconds = sum(max(0.0, min(now, hi) - max(r.created, lo)) for r in live)
+        return UsageResponse(
+            tenant=tenant, since=since, until=now if until is None else until,
+            sandbox_seconds=round(w["sandbox_seconds"] + live_seconds, 6),
+            sandboxes=round(w["sandboxes"]), execs=round(w["execs"]), forks=round(w["forks"]),
+            bytes_in=round(w["bytes_in"]), bytes_out=round(w["bytes_out"]), live_sandboxes=len(live),
+            spend_limit_seconds=self.config.spend_limit, spent_seconds=round(self.spent(tenant), 6),
+        )
+
+    async def _reap_loop(self) -> None:
+        every = min(5.0, max(0.2, self.config.idle_reap / 4))
+        while True:
+            await asyncio.sleep(every)
+            try:
+                now = time.monotonic()
+                with self._lock:
+                    idle = [r for r in self._owned.values() if r.busy == 0 and now - r.last_used > self.config.idle_reap]
+                    for r in idle:
+                        del self._owned[r.box.id]
+                    for m in self._meters.values():
+                        m.compact(time.time())
+                for r in idle:
+                    await self.run(self._teardown, r, "reaped")
+                    _event("reaped", sandbox=r.box.id, tenant=r.tenant, idle_seconds=round(now - r.last_used, 1))
+            except Exception:  # noqa: BLE001 - the reaper must keep running
+                log.exception("reaper failed", extra={"fields": {}})
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, "payload_too_large", f"request body over the server's limit of {limit} bytes (max_upload); split it")
+
+
+# --- the HTTP layer ---------------------------------------------------------------------------
+
+
+class _Gate:
+    """ASGI middleware: authenticates /v1, bounds request bodies, and records every request in
+    the log and the metrics."""
+
+    def __init__(self, app: Any, cp: ControlPlane):
+        self.app, self.cp = app, cp
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        cp, t0 = self.cp, time.perf_counter()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rid = headers.get("x-request-id", "")
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", rid):
+            rid = secrets.token_hex(8)
+        status = 500
+
+        async def send_(msg: dict) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(msg)
+
+        async def refuse(err: ApiError) -> None:
+            hdrs = [(b"content-type", b"application/json")] + [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
+            await send_({"type": "http.response.start", "status": err.status_code, "headers": hdrs})
+            await send_({"type": "http.response.body", "body": _error_body(err.status_code, err.type, err.message)})
+
+        path = scope["path"]
+        try:
+            if path == "/v1" or path.startswith("/v1/"):
+                try:
+                    scope["collimate.tenant"] = cp.authenticate(headers.get("authorization"))
+                except AuthenticationError as e:
+                    cp.metrics.auth_failures.inc()
+                    await refuse(_error_of(e))
+                    return
+                except InvalidArgument as e:  # the key store itself is unreadable: the operator's to fix
+                    _event("key_store_unreadable", logging.ERROR, error=str(e))
+                    await refuse(ApiError(500, "internal", "the server cannot read its key store; see its log"))
+                    return
+                limit = cp.config.max_upload if scope["method"] == "PUT" and path.endswith("/files") else MAX_JSON_BODY
+                length = headers.get("content-length", "")
+                if length.isdigit() and int(length) > limit:
+                    await refuse(_too_large(limit))
+                    return
+                receive = _bounded(receive, limit)
+            await self.app(scope, receive, send_)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            seconds = time.perf_counter() - t0
+            cp.metrics.requests.labels(scope["method"], route, str(status)).inc()
+            cp.metrics.request_seconds.labels(route).observe(seconds)
+            _event("request", method=scope["method"], path=path, route=route, status=status,
+                   ms=round(seconds * 1e3, 3), tenant=scope.get("collimate.tenant"), request_id=rid)
+
+
+def _bounded(receive: Callable, limit: int) -> Callable:
+    seen = 0
+
+    async def receive_() -> dict:
+        nonlocal seen
+        msg = await receive()
+        if msg["type"] == "http.request":
+            seen += len(msg.get("body", b""))
+            if seen > limit:
+                raise _too_large(limit)
+        return msg
+
+    return receive_
+
+
+_ERRORS = {
+    400: "invalid argument: the message says what is expected",
+    401: "missing, malformed, wrong or revoked API key",
+    402: "the tenant's spend limit (sandbox-seconds) is reached",
+    403: "the guest path is not writable (only /work and /tmp are)",
+    404: "no such template or sandbox for this tenant (another tenant's look the same)",
+    409: "conflict: wider than the server's capacity, or the sandbox's state does not allow it",
+    410: "the sandbox's VMM process died: the sandbox is lost, delete it",
+    413: "request body over the server's limit",
+    429: "capacity: the queue is full, or the request waited its queue_timeout",
+    500: "engine failure",
+    501: "not implemented by this server",
+    503: "the engine refused for capacity",
+    504: "an operation ran out of time",
+}
+
+
+def _errs(*codes: int) -> dict:
+    return {c: {"model": ErrorBody, "description": _ERRORS[c]} for c in sorted({400, 401, 413, 500, *codes})}
+
+
+_SANDBOX_LINKS = {
+    op: {"operationId": op, "parameters": {"sandbox_id": "$response.body#/id"}}
+    for op in ("get_sandbox", "delete_sandbox", "exec", "upload", "download", "reset_sandbox", "fork", "fork_group")
+}
+
+
+def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: KeyStore | None = None) -> FastAPI:
+    """The ASGI app. The engine starts with the app's lifespan (uvicorn runs it)."""
+    config = config or ServerConfig()
+    cp = ControlPlane(config, engine=engine, keys=keys)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await cp.start()
+        try:
+            yield
+        finally:
+            await cp.stop()
+
+    app = FastAPI(
+        title="collimate control plane",
+        version=API_VERSION,
+        description="Sandboxes forked from templates on a KVM host, for RL rollouts. Every /v1 request needs "
+        "`Authorization: Bearer col_...`; errors are `{\"error\": {\"type\", \"message\"}}`.",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.cp = cp
+    app.add_middleware(_Gate, cp=cp)
+
+    bearer = HTTPBearer(auto_error=False, description="an API key from `collimate keys create --tenant T`")
+
+    def tenant_of(request: Request, _: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str:
+        return request.scope["collimate.tenant"]  # set by _Gate, which refuses unauthenticated requests
+
+    # errors
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        if isinstance(exc, ApiError):
+            return _error_response(exc)
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 404:
+            detail = f"no route {request.url.path}"
+        elif exc.status_code == 405:
+            # Starlette names the methods of the first route that matched the path; list them all.
+            allowed = sorted({m for r in app.routes if getattr(r, "path_regex", None) is not None
+                              and r.path_regex.match(request.url.path) for m in (getattr(r, "methods", None) or ())})
+            headers["Allow"] = ", ".join(allowed)
+            detail = f"{request.method} is not allowed on {request.url.path}; allowed: {headers['Allow']}"
+        return _error_response(ApiError(exc.status_code, kind, detail, headers))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> Response:
+        parts = []
+        for e in exc.errors()[:5]:
+            where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+            parts.append(f"{where}: {e.get('msg')}")
+        return _error_response(ApiError(400, "invalid_argument", "; ".join(parts) or "invalid request"))
+
+    @app.exception_handler(CollimateError)
+    async def on_sdk(request: Request, exc: CollimateError) -> Response:
+        err = _error_of(exc)
+        if err.status_code >= 500:
+            _event("engine_error", logging.ERROR, path=request.url.path, error=str(exc), type=type(exc).__name__)
+        return _error_response(err)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error", exc_info=exc, extra={"fields": {"path": request.url.path}})
+        return _error_response(_error_of(exc))
+
+    # open endpoints
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict:
+        return {"ok": True, "live_sandboxes": cp.admission.used, "queue": len(cp.admission.waiting)}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(cp.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    Tenant = Depends(tenant_of)
+
+    # templates
+    @app.get("/v1/templates", response_model=TemplateList, operation_id="list_templates", tags=["templates"],
+             responses=_errs())
+    async def list_templates(tenant: str = Tenant) -> TemplateList:
+        return TemplateList(templates=[cp.template_info(tenant, n) for n in CATALOG])
+
+    @app.post("/v1/templates", operation_id="bake_template", tags=["templates"], status_code=202,
+              response_model=TemplateInfo, responses=_errs(404, 501))
+    async def bake_template(body: BakeRequest, tenant: str = Tenant) -> TemplateInfo:
+        raise ApiError(501, "not_implemented",
+                       "baking templates through the API is not in this server yet (it needs Template.bake); "
+                       f"the catalog templates ({', '.join(CATALOG)}) are ready to use")
+
+    @app.get("/v1/templates/{template_id}", response_model=TemplateInfo, operation_id="get_template",
+             tags=["templates"], responses=_errs(404))
+    async def get_template(template_id: str, tenant: str = Tenant) -> TemplateInfo:
+        return cp.template_info(tenant, template_id)
+
+    @app.delete("/v1/templates/{template_id}", status_code=204, operation_id="delete_template", tags=["templates"],
+                response_class=Response, responses=_errs(404, 409))
+    async def delete_template(template_id: str, tenant: str = Tenant) -> Response:
+        cp.template_visible(tenant, template_id)
+        raise ApiError(409, "conflict", f"{template_id!r} is a catalog template, shared by every tenant: it cannot be deleted")
+
+    @app.post("/v1/templates/{template_id}/expect", response_model=TemplateInfo, operation_id="expect_width",
+              tags=["templates"], responses=_errs(404))
+    async def expect_width(template_id: str, body: ExpectRequest, tenant: str = Tenant) -> TemplateInfo:
+        return await cp.expect(tenant, template_id, body.width)
+
+    @app.post("/v1/templates/{template_id}/release", response_model=TemplateInfo, operation_id="release_template",
+              tags=["templates"], responses=_errs(404))
+    async def release_template(template_id: str, tenant: str = Tenant) -> TemplateInfo:
+        return await cp.expect(tenant, template_id, None)
+
+    # sandboxes
+    @app.get("/v1/sandboxes", response_model=SandboxList, operation_id="list_sandboxes", tags=["sandboxes"],
+             responses=_errs())
+    async def list_sandboxes(tenant: str = Tenant) -> SandboxList:
+        return SandboxList(sandboxes=cp.list(tenant))
+
+    @app.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo, operation_id="create_sandbox",
+              tags=["sandboxes"],
+              responses={**_errs(402, 404, 429, 503), 201: {"description": "the new sandbox", "links": _SANDBOX_LINKS}})
+    async def create_sandbox(body: CreateSandbox = Body(default_factory=CreateSandbox), tenant: str = Tenant) -> SandboxInfo:
+        return await cp.create(tenant, body.template)
+
+    @app.post("/v1/keepalive", response_model=KeepaliveResponse, operation_id="keepalive",
+              tags=["sandboxes"], responses=_errs())
+    async def keepalive(body: KeepaliveRequest, tenant: str = Tenant) -> KeepaliveResponse:
+        """Mark sandboxes as in use, so the idle reaper leaves them; the remote client does this for
+        the sandboxes it holds."""
+        return cp.keepalive(tenant, body.ids)
+
+    @app.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo, operation_id="get_sandbox",
+             tags=["sandboxes"], responses=_errs(404))
+    async def get_sandbox(sandbox_id: str, tenant: str = Tenant) -> SandboxInfo:
+        with cp.use(tenant, sandbox_id) as rec:
+            return cp.info(rec)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204, operation_id="delete_sandbox", tags=["sandboxes"],
+                response_class=Response, responses=_errs(404))
+    async def delete_sandbox(sandbox_id: str, tenant: str = Tenant) -> Response:
+        await cp.delete(tenant, sandbox_id)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=ExecResponse, operation_id="exec",
+              tags=["sandboxes"], responses=_errs(402, 404, 409, 410, 504))
+    async def exec_(sandbox_id: str, body: ExecRequest, tenant: str = Tenant) -> ExecResponse:
+        return await cp.exec(tenant, sandbox_id, body)
+
+    @app.put(
+        "/v1/sandboxes/{sandbox_id}/files", response_model=UploadResponse, operation_id="upload", tags=["sandboxes"],
+        responses=_errs(403, 404, 409, 410),
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
+    )
+    async def upload(request: Request, sandbox_id: str,
+                     path: str = Query(min_length=1, max_length=MAX_PATH, pattern="^/", description="absolute guest path; writable: /work, /tmp"),
+                     tenant: str = Tenant) -> UploadResponse:
+        return await cp.upload(tenant, sandbox_id, path, request)
+
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/files", operation_id="download", tags=["sandboxes"], response_class=Response,
+        responses={**_errs(403, 404, 409, 410), 200: {"description": "the file's bytes", "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
+    )
+    async def download(sandbox_id: str, path: str = Query(min_length=1, max_length=MAX_PATH, pattern="^/", description="absolute guest path"), tenant: str = Tenant) -> Response:
+        return Response(await cp.download(tenant, sandbox_id, path), media_type="application/octet-stream")
+
+    @app.post("/v1/sandboxes/{sandbox_id}/reset", response_model=SandboxInfo, operation_id="reset_sandbox",
+              tags=["sandboxes"], responses=_errs(404, 409, 410))
+    async def reset(sandbox_id: str, tenant: str = Tenant) -> SandboxInfo:
+        return await cp.reset(tenant, sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, response_model=SandboxInfo, operation_id="fork",
+              tags=["sandboxes"],
+              responses={**_errs(402, 404, 409, 410, 429, 503), 201: {"description": "the child", "links": _SANDBOX_LINKS}})
+    async def fork(sandbox_id: str, tenant: str = Tenant) -> SandboxInfo:
+        return (await cp.fork(tenant, sandbox_id, 1))[0]
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fork_group", status_code=201, response_model=ForkGroupResponse,
+              operation_id="fork_group", tags=["sandboxes"], responses=_errs(402, 404, 409, 410, 429, 503))
+    async def fork_group(sandbox_id: str, body: ForkGroupRequest, tenant: str = Tenant) -> ForkGroupResponse:
+        """Strict width: `width` live children, or an error and none."""
+        return ForkGroupResponse(sandboxes=await cp.fork(tenant, sandbox_id, body.width))
+
+    # usage
+    @app.get("/v1/usage", response_model=UsageResponse, operation_id="usage", tags=["usage"], responses=_errs())
+    async def usage(since: float | None = Query(None, description="Unix time; default: the server's start"),
+                    until: float | None = Query(None, description="Unix time; default: now"),
+                    tenant: str = Tenant) -> UsageResponse:
+        return cp.usage(tenant, since, until)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            # Invalid input is 400 with the error body, never FastAPI's 422.
+            for item in doc.get("paths", {}).values():
+                for op in item.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                doc.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def openapi_document() -> dict:
+    """The OpenAPI document (docs/openapi.json), independent of any server's configuration."""
+    return create_app(ServerConfig(preload=()), keys=KeyStore(os.devnull)).openapi()
+
+
+def openapi_json() -> str:
+    return json.dumps(openapi_document(), indent=2, sort_keys=True) + "\n"
+
+
+# --- running it -------------------------------------------------------------------------------
+
+
+def serve(config: ServerConfig) -> None:
+    """Run the server until SIGINT/SIGTERM; on the way out every sandbox is destroyed."""
+    import prometheus_client
+    import uvicorn
+
+    configure_logging()
+    prometheus_client.disable_created_metrics()  # no `_created` series next to every counter
+    # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say they are TCP; without it,
+    # Nagle holds back a response's body behind its headers for the client's delayed ACK (~40 ms).
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host, config.port))
+    sock.listen(1024)
+    host, port = sock.getsockname()[:2]
+    keys = KeyStore(config.key_store)
+    _event("listening", host=host, port=port, url=f"http://{host}:{port}", key_store=str(keys.path),
+           max_sandboxes=config.max_sandboxes, queue=config.queue, idle_reap=config.idle_reap,
+           spend_limit=config.spend_limit, max_upload=config.max_upload, pid=os.getpid())
+    app = create_app(config, keys=keys)
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=10,
+                                           backlog=1024))
+    server.run(sockets=[sock])

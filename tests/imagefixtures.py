@@ -1,0 +1,246 @@
+"""Container images built in Python for the tests: tar layers, OCI image layouts (directory and
+archive) and `docker save` archives (tar + JSON + sha256). No docker, no registry.
+
+    layer = Layer().file("etc/motd", b"hi\\n").symlink("bin/sh", "busybox").bytes()
+    info = write_oci_layout(tmp / "img", [base, layer], config={"Env": ["A=1"]}, ref_name="latest")
+    write_docker_save(tmp / "img.tar", [base, layer], config={...}, repo_tags=["img:latest"])
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+MTIME = 1_700_000_000
+
+# A module that does real work at import: the stand-in for `import torch` in the benchmark and
+# the tests (a sieve and a table built in pure Python; a few hundred milliseconds in a guest).
+SLOWMOD = b'''"""slowmod: expensive to import, on purpose."""
+import hashlib
+
+
+def _primes(n):
+    sieve = bytearray([1]) * (n + 1)
+    sieve[0:2] = b"\\x00\\x00"
+    for i in range(2, int(n ** 0.5) + 1):
+        if sieve[i]:
+            sieve[i * i :: i] = bytes(len(range(i * i, n + 1, i)))
+    return [i for i, v in enumerate(sieve) if v]
+
+
+PRIMES = _primes(2_000_000)
+TABLE = {p: hashlib.sha256(str(p).encode()).hexdigest()[:8] for p in PRIMES[:60_000]}
+DIGEST = hashlib.sha256(repr(PRIMES[-1000:]).encode()).hexdigest()
+'''
+
+
+def sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class Layer:
+    """A layer tar, entry by entry (PAX format, fixed mtimes)."""
+
+    def __init__(self) -> None:
+        self.buf = io.BytesIO()
+        self.tf = tarfile.open(fileobj=self.buf, mode="w", format=tarfile.PAX_FORMAT)
+
+    def _info(self, name: str, type_: bytes, mode: int, **kw) -> tarfile.TarInfo:
+        ti = tarfile.TarInfo(name)
+        ti.type = type_
+        ti.mode = mode
+        ti.mtime = kw.pop("mtime", MTIME)
+        ti.uid = kw.pop("uid", 0)
+        ti.gid = kw.pop("gid", 0)
+        for k, v in kw.items():
+            setattr(ti, k, v)
+        return ti
+
+    def file(self, name: str, data: bytes = b"", mode: int = 0o644, **kw) -> Layer:
+        ti = self._info(name, tarfile.REGTYPE, mode, size=len(data), **kw)
+        self.tf.addfile(ti, io.BytesIO(data))
+        return self
+
+    def dir(self, name: str, mode: int = 0o755, **kw) -> Layer:
+        self.tf.addfile(self._info(name, tarfile.DIRTYPE, mode, **kw))
+        return self
+
+    def symlink(self, name: str, target: str, **kw) -> Layer:
+        self.tf.addfile(self._info(name, tarfile.SYMTYPE, 0o777, linkname=target, **kw))
+        return self
+
+    def hardlink(self, name: str, target: str, **kw) -> Layer:
+        self.tf.addfile(self._info(name, tarfile.LNKTYPE, 0o644, linkname=target, **kw))
+        return self
+
+    def fifo(self, name: str, mode: int = 0o644) -> Layer:
+        self.tf.addfile(self._info(name, tarfile.FIFOTYPE, mode))
+        return self
+
+    def chardev(self, name: str) -> Layer:
+        self.tf.addfile(self._info(name, tarfile.CHRTYPE, 0o666, devmajor=1, devminor=3))
+        return self
+
+    def whiteout(self, path: str) -> Layer:
+        d, _, base = path.rstrip("/").rpartition("/")
+        return self.file(f"{d}/.wh.{base}" if d else f".wh.{base}")
+
+    def opaque(self, dirpath: str) -> Layer:
+        return self.file(f"{dirpath.rstrip('/')}/.wh..wh..opq")
+
+    def tree(self, root: str | os.PathLike, prefix: str = "", skip: tuple[str, ...] = ()) -> Layer:
+        """A host directory, recursively and in sorted order (symlinks and hard links kept)."""
+        root = Path(root)
+
+        def keep(ti: tarfile.TarInfo) -> tarfile.TarInfo | None:
+            rel = ti.name[len(prefix) :].lstrip("/") if prefix else ti.name
+            if any(rel == s or rel.startswith(s + "/") for s in skip):
+                return None
+            ti.mtime = MTIME
+            return ti
+
+        for name in sorted(os.listdir(root)):
+            self.tf.add(root / name, arcname=f"{prefix}{name}", recursive=True, filter=keep)
+        return self
+
+    def bytes(self) -> bytes:
+        self.tf.close()
+        return self.buf.getvalue()
+
+
+def busybox_layer(busybox: str | os.PathLike, applets=("sh", "echo", "cat", "ls", "env", "true", "false",
+                                                        "pwd", "id", "sleep", "test", "printf", "mkdir")) -> bytes:
+    """A busybox-only root: /bin/busybox (static) and applet links, /etc/passwd, nothing else."""
+    layer = Layer().dir("bin").dir("etc").dir("root", 0o700)
+    layer.file("bin/busybox", Path(busybox).read_bytes(), 0o755)
+    for a in applets:
+        layer.symlink(f"bin/{a}", "busybox")
+    layer.file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000:app:/home/app:/bin/sh\n")
+    layer.file("etc/group", b"root:x:0:\napp:x:1000:\n")
+    return layer.bytes()
+
+
+def image_config(layers_uncompressed: list[bytes], config: dict | None = None, *, arch: str = "amd64") -> dict:
+    return {
+        "architecture": arch,
+        "os": "linux",
+        "created": "2024-01-01T00:00:00Z",
+        "config": dict(config or {}),
+        "rootfs": {"type": "layers", "diff_ids": [sha256(b) for b in layers_uncompressed]},
+        "history": [{"created_by": f"layer {i}"} for i in range(len(layers_uncompressed))],
+    }
+
+
+_blob_cache: dict[str, Path] = {}
+
+
+def _write_blob(blobs: Path, data: bytes) -> str:
+    d = sha256(data)
+    dest = blobs / d.split(":", 1)[1]
+    if not dest.exists():
+        src = _blob_cache.get(d)
+        try:
+            if src is None or not src.exists():
+                raise OSError
+            os.link(src, dest)
+        except OSError:
+            dest.write_bytes(data)
+            if len(data) > 1 << 20:
+                _blob_cache[d] = dest
+    return d
+
+
+def write_oci_layout(
+    dest: Path,
+    layers: list[bytes],
+    config: dict | None = None,
+    *,
+    ref_name: str | None = "latest",
+    compress: bool | list[bool] = False,
+    raw_config: dict | None = None,
+) -> dict:
+    """An OCI image layout at `dest` (a directory). `compress`: gzip the layer blobs (all, or per
+    layer). Returns the digests: manifest, config, layers, diff_ids."""
+    dest = Path(dest)
+    blobs = dest / "blobs" / "sha256"
+    blobs.mkdir(parents=True, exist_ok=True)
+    flags = compress if isinstance(compress, list) else [compress] * len(layers)
+    cfg = raw_config or image_config(layers, config)
+    cfg_bytes = json.dumps(cfg, sort_keys=True).encode()
+    cfg_digest = _write_blob(blobs, cfg_bytes)
+    descs = []
+    for data, gz in zip(layers, flags):
+        blob = gzip.compress(data, compresslevel=1, mtime=0) if gz else data
+        d = _write_blob(blobs, blob)
+        mt = "application/vnd.oci.image.layer.v1.tar" + ("+gzip" if gz else "")
+        descs.append({"mediaType": mt, "digest": d, "size": len(blob)})
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cfg_digest, "size": len(cfg_bytes)},
+        "layers": descs,
+    }
+    m_bytes = json.dumps(manifest, sort_keys=True).encode()
+    m_digest = _write_blob(blobs, m_bytes)
+    desc = {"mediaType": manifest["mediaType"], "digest": m_digest, "size": len(m_bytes),
+            "platform": {"architecture": "amd64", "os": "linux"}}
+    if ref_name:
+        desc["annotations"] = {"org.opencontainers.image.ref.name": ref_name}
+    index_path = dest / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else {"schemaVersion": 2, "manifests": []}
+    index["manifests"].append(desc)
+    index_path.write_text(json.dumps(index))
+    (dest / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
+    return {"manifest": m_digest, "config": cfg_digest, "layers": [d["digest"] for d in descs],
+            "diff_ids": cfg["rootfs"]["diff_ids"]}
+
+
+def tar_dir(src: Path, out: Path) -> Path:
+    """An archive of a layout directory (an `oci-archive`)."""
+    with tarfile.open(out, "w") as tf:
+        for name in sorted(os.listdir(src)):
+            tf.add(src / name, arcname=name)
+    return out
+
+
+def write_docker_save(out: Path, layers: list[bytes], config: dict | None = None, *,
+                      repo_tags: list[str] | None = None) -> dict:
+    """A `docker save` archive (legacy layout: <id>.json, <layer>/layer.tar, manifest.json)."""
+    cfg = image_config(layers, config)
+    cfg_bytes = json.dumps(cfg, sort_keys=True).encode()
+    cfg_hex = hashlib.sha256(cfg_bytes).hexdigest()
+    entries: list[tuple[str, bytes]] = [(f"{cfg_hex}.json", cfg_bytes)]
+    names = []
+    for data in layers:
+        lid = hashlib.sha256(data).hexdigest()
+        entries.append((f"{lid}/VERSION", b"1.0"))
+        entries.append((f"{lid}/layer.tar", data))
+        names.append(f"{lid}/layer.tar")
+    manifest = [{"Config": f"{cfg_hex}.json", "RepoTags": repo_tags or [], "Layers": names}]
+    entries.append(("manifest.json", json.dumps(manifest).encode()))
+    with tarfile.open(out, "w") as tf:
+        for name, data in entries:
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mtime, ti.mode = len(data), MTIME, 0o644
+            tf.addfile(ti, io.BytesIO(data))
+    return {"config": "sha256:" + cfg_hex, "diff_ids": cfg["rootfs"]["diff_ids"]}
+
+
+def corrupt_blob(layout: Path, digest: str, offset: int = 600) -> None:
+    """Flip one byte of a blob in place (its name then no longer matches its content)."""
+    p = Path(layout) / "blobs" / "sha256" / digest.split(":", 1)[1]
+    data = bytearray(p.read_bytes())
+    data[min(offset, len(data) - 1)] ^= 0xFF
+    p.unlink()  # it may be a hard link shared with other layouts
+    p.write_bytes(bytes(data))
+
+
+def copy_layout(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest, copy_function=os.link)
+    return dest

@@ -1,0 +1,291 @@
+"""The guest runtime through the SDK: Debian's CPython 3.11 and busybox, unmodified, in sandboxes of
+the "python" template (issue 3, "Show"): shell commands, pipelines and redirections, the standard
+library (json, re, hashlib, subprocess, tempfile, sqlite3, zipfile), byte-exact upload and
+download, the output cap's truncation flag, exit codes and signals.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from collimate_core import Sandbox, connect
+
+pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
+
+OUTPUT_CAP = 16 << 20  # vmm::OUTPUT_CAP
+
+TASK = b"""\
+import json, sys
+from collections import Counter
+
+words = open("words.txt").read().split()
+print(json.dumps(Counter(words).most_common(2)))
+print("argv", sys.argv[1:], file=sys.stderr)
+"""
+
+
+@pytest.fixture(scope="module")
+def client():
+    os.environ.pop("COLLIMATE_API_KEY", None)
+    return connect()
+
+
+@pytest.fixture
+def sb(client):
+    with Sandbox("python", client=client) as s:
+        yield s
+
+
+def sh(sb, command: str, **kw):
+    return sb.exec(command=command, timeout_seconds=kw.pop("timeout_seconds", 60), **kw)
+
+
+# --- commands ------------------------------------------------------------------------------------
+
+
+def test_uploaded_task_runs_from_work(sb):
+    sb.upload_bytes("/work/task.py", TASK)
+    sb.upload_bytes("/work/words.txt", b"b a b c b a\n")
+    r = sh(sb, "cd /work && python3 task.py one two")
+    assert r.ok, r.stderr
+    assert r.stdout == '[["b", 3], ["a", 2]]\n'
+    assert r.stderr == "argv ['one', 'two']\n"
+    r = sh(sb, "python3 task.py", cwd="/work")
+    assert r.ok and r.stdout.startswith('[["b", 3]')
+
+
+def test_pipelines(sb):
+    assert sh(sb, "echo hi | tr a-z A-Z").stdout == "HI\n"
+    r = sh(sb, "seq 1 1000 | grep 7 | sort -r | head -3 | wc -l")
+    assert r.ok and r.stdout.strip() == "3"
+    r = sh(sb, "printf 'b\\na\\nc\\n' | sort | tr '\\n' ,")
+    assert r.stdout == "a,b,c,"
+    # A pipeline into python and back out.
+    r = sh(sb, "seq 1 100 | python3 -c 'import sys; print(sum(map(int, sys.stdin)))' | cat")
+    assert r.stdout == "5050\n"
+
+
+def test_redirections(sb):
+    r = sh(sb, "echo written > /tmp/x; cat /tmp/x")
+    assert r.ok and r.stdout == "written\n"
+    r = sh(sb, "echo more >> /tmp/x; wc -l < /tmp/x")
+    assert r.stdout.strip() == "2"
+    r = sh(sb, "ls /no/such/dir 2>&1")
+    assert r.exit_code == 1 and "No such file" in r.stdout and r.stderr == ""
+    r = sh(sb, "echo to-stderr 1>&2")
+    assert r.stdout == "" and r.stderr == "to-stderr\n"
+    r = sh(sb, "(echo out; echo err >&2) > /tmp/both 2>&1; cat /tmp/both")
+    assert r.stdout == "out\nerr\n"
+    r = sh(sb, "echo gone > /dev/null; cat /dev/null; echo $?")
+    assert r.stdout == "0\n"
+    assert sb.download("/tmp/x") == b"written\nmore\n"
+
+
+STDLIB = r'''
+import hashlib, json, re, sqlite3, subprocess, sys, tempfile, zipfile, io, os
+
+assert json.loads(json.dumps({"a": [1, 2.5, None, "\u00e9"]})) == {"a": [1, 2.5, None, "\u00e9"]}
+assert re.findall(r"(\w+)@(\w+)\.com", "x a@b.com y c@d.com") == [("a", "b"), ("c", "d")]
+assert hashlib.sha256(b"abc").hexdigest().startswith("ba7816bf")
+assert hashlib.md5(b"").hexdigest() == "d41d8cd98f00b204e9800998ecf8427e"
+
+child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid() != 1, os.getppid())"],
+                       capture_output=True, text=True, check=True)
+assert child.stdout.split()[0] == "True", child.stdout
+echo = subprocess.run(["sh", "-c", "echo $0 $1; exit 3", "a", "b"], capture_output=True, text=True)
+assert (echo.returncode, echo.stdout) == (3, "a b\n")
+out = subprocess.check_output("seq 3 | tac 2>/dev/null || seq 3 | sort -r", shell=True, text=True)
+assert out.split() == ["3", "2", "1"], out
+
+with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "db.sqlite")
+    con = sqlite3.connect(path)
+    con.execute("create table t (k text primary key, v integer)")
+    con.executemany("insert into t values (?, ?)", [("a", 1), ("b", 2), ("c", 3)])
+    con.commit()
+    con.close()
+    con = sqlite3.connect(path)
+    assert con.execute("select sum(v) from t where k != 'b'").fetchone() == (4,)
+    with tempfile.NamedTemporaryFile("w+", dir=d, suffix=".txt", delete=False) as f:
+        f.write("tempfile")
+    assert open(f.name).read() == "tempfile"
+    zpath = os.path.join(d, "a.zip")
+    with zipfile.ZipFile(zpath, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("dir/hello.txt", "hello " * 1000)
+        z.write(f.name, "t.txt")
+    with zipfile.ZipFile(zpath) as z:
+        assert z.testzip() is None
+        assert z.read("dir/hello.txt") == b"hello " * 1000
+        assert sorted(z.namelist()) == ["dir/hello.txt", "t.txt"]
+print("stdlib ok", sqlite3.sqlite_version)
+'''
+
+
+def test_python_c_with_the_standard_library(sb):
+    sb.upload_bytes("/work/stdlib_check.py", STDLIB.encode())
+    # As `python3 -c` (the program text in argv) and as a file.
+    r = sh(sb, 'python3 -c "$(cat /work/stdlib_check.py)"')
+    assert r.ok, r.stderr
+    assert r.stdout.startswith("stdlib ok 3.")
+    r = sh(sb, "python3 /work/stdlib_check.py")
+    assert r.ok, r.stderr
+    # And in the sandbox's persistent interpreter (code=).
+    r = sb.exec(code=STDLIB, timeout_seconds=60)
+    assert r.ok, r.stderr
+
+
+def test_busybox_applets_and_the_environment(sb):
+    r = sh(sb, "id -u; pwd; echo $HOME; uname -s; ls / | tr '\\n' ' '")
+    lines = r.stdout.splitlines()
+    assert lines[0] == "0" and lines[2] == "/work" and lines[3] == "Linux", r.stdout
+    for d in ("bin", "etc", "tmp", "usr", "work"):
+        assert d in lines[4].split()
+    r = sh(sb, "echo $GREETING", env={"GREETING": "hello"})
+    assert r.stdout == "hello\n"
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_upload_download_byte_exact(sb):
+    payloads = {
+        "/work/empty": b"",
+        "/work/all_bytes": bytes(range(256)) * 17,
+        "/tmp/nested/dir/crlf": b"a\r\nb\rc\n\x00\xff",
+    }
+    for path, data in payloads.items():
+        sb.upload_bytes(path, data)
+    for path, data in payloads.items():
+        assert sb.download(path) == data, path
+    # The guest sees the same bytes (its own sha256), and a file it writes comes back exact.
+    code = (
+        "import hashlib, sys\n"
+        "for p in sys.argv[1:]: print(p, hashlib.sha256(open(p, 'rb').read()).hexdigest())\n"
+        "open('/work/from_guest', 'wb').write(bytes(range(255, -1, -1)) * 3)\n"
+    )
+    sb.upload_bytes("/work/hash.py", code.encode())
+    r = sh(sb, "python3 /work/hash.py " + " ".join(payloads))
+    assert r.ok, r.stderr
+    got = dict(line.split() for line in r.stdout.splitlines())
+    assert got == {p: sha(d) for p, d in payloads.items()}
+    assert sb.download("/work/from_guest") == bytes(range(255, -1, -1)) * 3
+    assert sh(sb, "wc -c < /work/empty").stdout.strip() == "0"
+
+
+def test_upload_download_64_mib(sb):
+    data = os.urandom(64 << 20)
+    sb.upload_bytes("/work/big.bin", data)
+    r = sh(sb, "python3 -c \"import hashlib; print(hashlib.sha256(open('/work/big.bin','rb').read()).hexdigest())\"")
+    assert r.ok and r.stdout.strip() == sha(data)
+    # The guest transforms it; the host checks the result byte for byte.
+    r = sh(sb, "python3 -c \"d = open('/work/big.bin','rb').read(); open('/tmp/rev.bin','wb').write(d[::-1])\"")
+    assert r.ok, r.stderr
+    back = sb.download("/tmp/rev.bin")
+    assert len(back) == len(data) and sha(back) == sha(data[::-1])
+    assert sha(sb.download("/work/big.bin")) == sha(data)
+
+
+# --- output ----------------------------------------------------------------------------------------
+
+
+def test_output_over_the_cap_is_truncated_and_flagged(sb):
+    n = OUTPUT_CAP + (1 << 20)
+    r = sh(sb, f"head -c {n} /dev/zero | tr '\\0' x")
+    assert r.ok and r.truncated
+    assert len(r.stdout_bytes) == OUTPUT_CAP and set(r.stdout_bytes) == {ord("x")}
+    r = sh(sb, f"python3 -c \"import sys; sys.stderr.buffer.write(b'e' * {n})\"")
+    assert r.ok and r.truncated and len(r.stderr_bytes) == OUTPUT_CAP
+    # One unbuffered write bigger than the engine's 16 MiB I/O piece is written whole (it used to
+    # be cut short: the program saw a short write and lost the rest).
+    r = sh(sb, f"python3 -u -c \"import sys; print(sys.stdout.buffer.write(b'w' * {n}), file=sys.stderr)\"")
+    assert r.ok and r.truncated and r.stderr == f"{n}\n"
+    # Up to the cap nothing is lost and nothing is flagged.
+    r = sh(sb, f"head -c {OUTPUT_CAP - 4096} /dev/zero")
+    assert r.ok and not r.truncated and len(r.stdout_bytes) == OUTPUT_CAP - 4096
+    assert sh(sb, "echo small").truncated is False
+
+
+# --- exit codes and signals --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command, code",
+    [
+        ("true", 0),
+        ("false", 1),
+        ("exit 7", 7),
+        ("exit 255", 255),
+        ("sh -c 'exit 3'; echo $?", 0),
+        ("no-such-program", 127),
+        ("kill -SEGV $$", 128 + 11),
+        ("kill -TERM $$", 128 + 15),
+        ("kill -KILL $$", 128 + 9),
+        ("kill -ABRT $$", 128 + 6),
+        ("python3 -c 'import os; os.abort()'", 128 + 6),
+        ("python3 -c 'import os, signal; os.kill(os.getpid(), signal.SIGFPE)'", 128 + 8),
+        ("python3 -c 'import ctypes; ctypes.string_at(0)'", 128 + 11),
+        ("python3 -c 'raise SystemExit(42)'", 42),
+    ],
+)
+def test_exit_codes_and_signals_of_commands(sb, command, code):
+    r = sh(sb, command)
+    assert r.exit_code == code, (command, r)
+    assert not r.timed_out
+
+
+def test_signals_seen_from_inside(sb):
+    # A child killed by a signal is seen by its parent as killed by that signal.
+    r = sh(sb, "sh -c 'kill -SEGV $$'; echo status=$?")
+    assert r.stdout == "status=139\n"
+    code = (
+        "import subprocess, sys, signal\n"
+        "p = subprocess.run([sys.executable, '-c', 'import os; os.abort()'])\n"
+        "q = subprocess.run(['sh', '-c', 'kill -TERM $$'])\n"
+        "print(p.returncode, q.returncode)\n"
+        "r = subprocess.run('yes | head -c 5', shell=True, capture_output=True)\n"  # SIGPIPE
+        "print(r.returncode, r.stdout)\n"
+    )
+    r = sb.exec(code=code, timeout_seconds=60)
+    assert r.ok, r.stderr
+    assert r.stdout.splitlines() == ["-6 -15", "0 b'y\\ny\\ny'"]
+
+
+def test_the_persistent_interpreter_survives_or_is_restored(sb):
+    r = sb.exec(code="import os; os.abort()")
+    assert r.exit_code == 128 + 6 and not r.ok
+    r = sb.exec(code="raise SystemExit(5)")
+    assert r.exit_code == 5
+    r = sb.exec(code="print('still here')")
+    assert r.ok and r.stdout == "still here\n"
+
+
+def test_select_and_poll_timeouts_end(sb):
+    # Regression: in replay mode (every SDK exec) a select/poll timeout used to never end.
+    code = (
+        "import select, os, time\n"
+        "t = time.monotonic(); print(select.select([], [], [], 1.5)); d1 = time.monotonic() - t\n"
+        "r, w = os.pipe(); p = select.poll(); p.register(r, select.POLLIN)\n"
+        "t = time.monotonic(); print(p.poll(300)); d2 = time.monotonic() - t\n"
+        "print(round(d1, 1), d2 >= 0.3)\n"
+    )
+    r = sb.exec(code=code, timeout_seconds=20)
+    assert r.ok and not r.timed_out, r
+    assert r.stdout.splitlines() == ["([], [], [])", "[]", "1.5 True"]
+
+
+def test_an_upload_after_the_agent_died_is_kept(sb):
+    # A program that ends the agent (os._exit, a fatal signal) makes the next exec start from the
+    # template; an upload in between used to land in the old state and vanish at that restore.
+    r = sb.exec(code="open('/work/left', 'w').write('by the dead program'); import os; os._exit(3)")
+    assert r.exit_code == 3
+    assert sb.download("/work/left") == b"by the dead program"  # still readable before the restore
+    sb.upload_bytes("/work/next.py", b"print(len(open('/work/next.py').read()))\n")
+    r = sb.exec(command="python3 /work/next.py; ls /work", timeout_seconds=60)
+    assert r.ok and r.stdout == "41\nnext.py\n", r

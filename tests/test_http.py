@@ -1,0 +1,750 @@
+"""The control plane over loopback: `collimate serve` in a subprocess on 127.0.0.1 with an
+ephemeral port, and the SDK's remote client (connect with a col_* key) against it.
+
+The seeds' snippets run as written with `client = connect()` reading COLLIMATE_API_KEY (and
+COLLIMATE_BASE_URL for the ephemeral port). Every loop here is bounded in count and time, and all
+traffic goes to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from collimate_core._embedded import RECYCLE_MAX
+from collimate_rl import (
+    AuthenticationError,
+    CapacityError,
+    InvalidArgument,
+    NotFoundError,
+    RemoteClient,
+    Sandbox,
+    UnitTestReward,
+    connect,
+    extract_code,
+    grade,
+    grade_batch,
+    rollout_once,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SEED = "c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00"
+HAVE_KVM = os.path.exists("/dev/kvm")
+UPLOAD_LIMIT = 1 << 20
+
+
+# --- the server in a subprocess ---------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    for k in ("COLLIMATE_API_KEY", "COLLIMATE_BASE_URL"):
+        env.pop(k, None)
+    return env
+
+
+class Server:
+    """`python -m collimate_core serve --port 0 ...`, its JSON-lines log in a file."""
+
+    def __init__(self, tmp: Path, key_store: Path, *args: str):
+        self.log_path = tmp / f"server-{os.getpid()}-{time.monotonic_ns()}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "collimate_core", "serve", "--host", "127.0.0.1", "--port", "0",
+             "--key-store", str(key_store), *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log, env=_env(),
+        )
+        deadline = time.monotonic() + 120
+        while not any(e.get("event") == "ready" for e in self.events()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start:\n{self.log_path.read_text()[-4000:]}")
+            time.sleep(0.05)
+        listening = next(e for e in self.events() if e.get("event") == "listening")
+        self.port = listening["port"]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def events(self) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            out.append(json.loads(line))  # every log line is JSON
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"{self.url}/metrics").text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        total = 0.0
+        for line in text.splitlines():
+            m = re.match(r"^([a-z_]+)(?:\{([^}]*)\})? (\S+)$", line)
+            if m and m.group(1) == name and all(p in (m.group(2) or "") for p in want.split(",") if p):
+                total += float(m.group(3))
+        return total
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/healthz").json()
+
+    def vmm_processes(self) -> int:
+        """The server's descendant processes: template zygotes, spare and recycled clones, live
+        sandboxes (VMM processes fork from zygotes, so they are grandchildren and below)."""
+        parents: dict[int, list[int]] = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    stat = (d / "stat").read_text()
+                except OSError:
+                    continue  # exited meanwhile
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                parents.setdefault(ppid, []).append(int(d.name))
+        todo, n = [self.proc.pid], 0
+        while todo:
+            kids = parents.get(todo.pop(), [])
+            n += len(kids)
+            todo.extend(kids)
+        return n
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+def _cli(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "collimate_core", *args], capture_output=True, text=True,
+                       env=_env(), timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> dict:
+    """A key store with keys of two tenants, made through the CLI."""
+    store = tmp_path_factory.mktemp("keys") / "keys.json"
+    made = {"store": store}
+    for tenant in ("alice", "bob"):
+        made[tenant] = _cli("keys", "--key-store", str(store), "create", "--tenant", tenant).strip()
+    return made
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, keys):
+    if not HAVE_KVM:
+        pytest.skip("needs /dev/kvm")
+    srv = Server(tmp_path_factory.mktemp("srv"), keys["store"], "--idle-reap", "4", "--max-sandboxes", "48",
+                 "--max-upload", str(UPLOAD_LIMIT))
+    yield srv
+    srv.stop()
+    # uvicorn re-raises the SIGTERM it handled once it has shut down cleanly
+    assert srv.proc.returncode in (0, -signal.SIGTERM), srv.log_path.read_text()[-4000:]
+    assert [e for e in srv.events() if e["event"] == "stopped"], "no clean shutdown"
+    assert not [e for e in srv.events() if e["level"] == "error"]
+
+
+@pytest.fixture
+def as_alice(server, keys, monkeypatch):
+    """The environment the seeds' `connect()` reads."""
+    monkeypatch.setenv("COLLIMATE_API_KEY", keys["alice"])
+    monkeypatch.setenv("COLLIMATE_BASE_URL", server.url)
+
+
+@pytest.fixture
+def alice(server, keys):
+    with RemoteClient(keys["alice"], server.url) as c:
+        yield c
+
+
+@pytest.fixture
+def bob(server, keys):
+    with RemoteClient(keys["bob"], server.url) as c:
+        yield c
+
+
+def _run_client(server: Server, key: str, code: str, *args: str) -> subprocess.Popen:
+    """A client process that finds the server the way the seeds say: COLLIMATE_API_KEY (+ BASE_URL)."""
+    env = _env() | {"COLLIMATE_API_KEY": key, "COLLIMATE_BASE_URL": server.url}
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+# --- the OpenAPI document ---------------------------------------------------------------------
+
+
+def test_committed_openapi_document_is_current():
+    from collimate_core._server import openapi_json
+
+    committed = (ROOT / "docs" / "openapi.json").read_text()
+    assert committed == openapi_json(), "docs/openapi.json is stale: run `collimate openapi --output docs/openapi.json`"
+
+
+@pytest.mark.kvm
+def test_served_openapi_document_is_the_committed_one(server):
+    served = httpx.get(f"{server.url}/openapi.json").json()
+    assert served == json.loads((ROOT / "docs" / "openapi.json").read_text())
+    paths = served["paths"]
+    for p in ("/v1/templates/{template_id}/expect", "/v1/templates/{template_id}/release", "/v1/usage",
+              "/v1/sandboxes/{sandbox_id}/fork_group"):
+        assert p in paths
+
+
+def test_meter_windows_and_compaction():
+    from collimate_core._server import _Meter
+
+    m = _Meter()
+    m.close_span(1000.5, 1003.5)  # 3 sandbox-seconds over 4 one-second buckets
+    m.add("execs", 2, t=1001.2)
+    assert m.window(-math.inf, math.inf)["sandbox_seconds"] == pytest.approx(3.0)
+    assert m.window(1001.0, 1003.0)["sandbox_seconds"] == pytest.approx(2.0)
+    assert m.window(1001.0, 1002.0)["execs"] == 2 and m.window(1002.0, 1003.0)["execs"] == 0
+    m.compact(now=1003.5 + 7200)  # into one-minute buckets: totals are kept
+    assert all(width == 60 for width, _ in m.buckets)
+    assert m.window(-math.inf, math.inf)["sandbox_seconds"] == pytest.approx(3.0)
+    assert m.spent == pytest.approx(3.0)
+
+
+def test_admission_is_fifo_bounded_and_times_out():
+    from collimate_core._server import ApiError, _Admission, _Metrics
+
+    async def scenario():
+        adm = _Admission(limit=2, bound=2, timeout=0.5, metrics=_Metrics())
+        await adm.acquire(2)
+        first = asyncio.ensure_future(adm.acquire(1))
+        second = asyncio.ensure_future(adm.acquire(1))
+        await asyncio.sleep(0.01)
+        assert len(adm.waiting) == 2
+        with pytest.raises(ApiError, match="queue bound 2") as full:
+            await adm.acquire(1)
+        assert full.value.status_code == 429
+        with pytest.raises(ApiError) as wide:
+            await adm.acquire(3)
+        assert wide.value.status_code == 409
+        adm.release(1)
+        await first
+        assert not second.done() and adm.used == 2
+        with pytest.raises(ApiError, match="queue_timeout") as late:
+            await second
+        assert late.value.status_code == 429 and adm.waiting == type(adm.waiting)()
+        adm.release(2)
+        assert adm.used == 0
+
+    asyncio.run(scenario())
+
+
+# --- the seeds' snippets over loopback --------------------------------------------------------
+
+@pytest.mark.kvm
+def test_quickstart_rollout_once(as_alice):
+    client = connect()  # reads COLLIMATE_API_KEY
+    assert isinstance(client, RemoteClient)
+
+    r = rollout_once(
+        "python",
+        code="print(sum(range(1000)))",
+        seed=SEED,  # pin the guest CRNG for a reproducible rollout
+        client=client,
+    )
+    assert r.ok and r.stdout.strip() == "499500"
+    print(r.seed, r.seed_ack)  # the exact seed used, and the seed-ack verdict
+    assert (r.seed, r.seed_ack) == (SEED, "verified")
+    assert connect() is client  # one client per key and server, like the embedded engine's
+    assert rollout_once("python", code="print(7)").stdout == "7\n"  # no client=: connect() from the env
+
+
+@pytest.mark.kvm
+def test_replay_snippet(as_alice):
+    client = connect()  # reads COLLIMATE_API_KEY
+    # First run — capture the seed.
+    r1 = rollout_once("python", code="import random; print(random.random())", client=client)
+    # Later — replay it bit-for-bit.
+    r2 = rollout_once("python", code="import random; print(random.random())", seed=r1.seed, client=client)
+    assert r1.stdout == r2.stdout
+    assert r1.seed_ack == r2.seed_ack == "verified"
+
+
+@pytest.mark.kvm
+def test_stateful_rollout_with_sandbox_command_variant(as_alice):
+    client = connect()  # reads COLLIMATE_API_KEY
+    task_source = b"import json\njson.dump({'answer': 42}, open('/work/out.json', 'w'))\nprint('done')\n"
+    artifact = None
+    with Sandbox("python", client=client) as sb:  # ~ms warm fork
+        sb.upload_bytes("/work/task.py", task_source)  # byte-exact file in
+        r = sb.exec(command="cd /work && python task.py", timeout_seconds=120)
+        if r.ok:
+            artifact = sb.download("/work/out.json")  # byte-exact file out
+        print("warm hit:", sb.warm_hit)  # served warm?
+        assert sb.download("/work/task.py") == task_source
+        sid = sb.session_id
+    assert r.ok and r.stdout == "done\n", r
+    assert json.loads(artifact) == {"answer": 42}
+    with pytest.raises(NotFoundError):  # exit destroyed it
+        Sandbox.attach(client, sid)
+
+
+@pytest.mark.kvm
+def test_stateful_rollout_with_code_and_reset(alice):
+    with Sandbox("python", client=alice) as sb:
+        sb.exec(code="state = 'dirty'\nopen('/work/f', 'w').write('x')")
+        again = Sandbox.attach(alice, sb.session_id)
+        assert again.exec(code="print(state)").stdout == "dirty\n"
+        sb.reset()
+        r = sb.exec(code="import os\nprint('state' in globals(), os.path.exists('/work/f'))")
+        assert r.stdout == "False False\n"
+        # output that is not UTF-8 comes back byte-exact
+        r = sb.exec(code="import sys; sys.stdout.buffer.write(bytes(range(256))); sys.stdout.flush()")
+        assert r.stdout_bytes == bytes(range(256))
+
+
+@pytest.mark.kvm
+def test_pro_quickstart_group_env_and_usage(alice):
+    WIDTH = 8
+    candidates = [f"assert prefix_total == 4950\nprint({i})" if i % 2 == 0 else "raise SystemExit(1)" for i in range(WIDTH)]
+    before = alice.usage()
+    with alice.env("python", width=WIDTH) as env:  # POST .../expect, then .../release
+        with env.sandbox() as sess:
+            sess.exec(code="prefix_total = sum(range(100))", timeout_seconds=120)  # shared prefix, paid once
+            with sess.fork_group(WIDTH) as grp:
+
+                def run(i, child):
+                    r = child.exec(code=candidates[i], timeout_seconds=120)
+                    return 1.0 if r.ok else 0.0
+
+                rewards = grp.map(run)  # parallel, positional
+                assert len({c.session_id for c in grp}) == WIDTH
+    assert rewards == [1.0 if i % 2 == 0 else 0.0 for i in range(WIDTH)]
+    after = alice.usage()  # GET /v1/usage
+    print(after)
+    assert after.execs - before.execs == 1 + WIDTH
+    assert after.forks - before.forks == WIDTH
+    assert after.sandbox_seconds > before.sandbox_seconds
+    window = alice.usage(since=time.time() - 3600, until=time.time() + 1)
+    assert window.execs >= 1 + WIDTH
+
+
+@pytest.mark.kvm
+def test_grading_over_http(alice):
+    spec = UnitTestReward(template="python", tests="assert solve([3,1,2]) == [1,2,3]\n")
+    code = extract_code("```python\ndef solve(xs):\n    return sorted(xs)\n```")
+    assert grade(code, spec, client=alice).reward == 1.0
+    codes = [code, "def solve(xs):\n    return xs\n", "import os; os._exit(0)", "while True: pass"]
+    spec = UnitTestReward(tests="assert solve([3,1,2]) == [1,2,3]\n", timeout_seconds=2)
+    assert [g.reward for g in grade_batch(codes, spec, client=alice)] == [1.0, 0.0, 0.0, 0.0]
+
+
+# --- errors: the same classes as the embedded engine ------------------------------------------
+
+
+@pytest.mark.kvm
+def test_errors_come_back_as_the_sdk_exceptions(alice):
+    with pytest.raises(NotFoundError, match="catalog"):
+        rollout_once("no-such-template", code="print(1)", client=alice)
+    with pytest.raises(NotFoundError):
+        Sandbox.attach(alice, "sbx_0000000000000000")
+    with Sandbox("python", client=alice) as sb:
+        with pytest.raises(InvalidArgument, match="writable"):
+            sb.upload_bytes("/usr/bin/evil", b"x")
+        with pytest.raises(NotFoundError, match="no such file"):
+            sb.download("/work/missing")
+        with pytest.raises(InvalidArgument):
+            sb.download("/work")  # a directory
+        r = sb.exec(code="while True: pass", timeout_seconds=0.5)
+        assert r.timed_out and not r.ok
+        r = sb.exec(code="import os; os._exit(3)")
+        assert r.exit_code == 3
+        with sb.fork_group(2) as grp:  # the agent ended: the group starts from the template
+            assert grp.map(lambda i, c: c.exec(code="print('alive')").stdout) == ["alive\n"] * 2
+    h = {"Authorization": alice._http.headers["Authorization"]}
+    for method, path, kw in [
+        ("POST", "/v1/sandboxes", {"json": {"template": 7}}),
+        ("POST", "/v1/sandboxes", {"content": b"{not json", "headers": {"Content-Type": "application/json"}}),
+        ("GET", "/v1/usage", {"params": {"since": "nan"}}),
+        ("GET", "/v1/usage", {"params": {"since": "10", "until": "5"}}),
+        ("POST", "/v1/templates/python/expect", {"json": {"width": True}}),
+    ]:
+        raw = httpx.request(method, alice.base_url + path, headers={**h, **kw.pop("headers", {})}, **kw)
+        assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_argument", (path, raw.text)
+
+
+@pytest.mark.kvm
+def test_upload_over_the_limit_is_413(alice):
+    with Sandbox("python", client=alice) as sb:
+        sb.upload_bytes("/work/ok", b"\1" * UPLOAD_LIMIT)  # at the limit: fine
+        assert len(sb.download("/work/ok")) == UPLOAD_LIMIT
+        with pytest.raises(InvalidArgument, match="limit"):
+            sb.upload_bytes("/work/big", b"\0" * (UPLOAD_LIMIT + 1))
+        url = f"{alice.base_url}/v1/sandboxes/{sb.session_id}/files"
+        r = httpx.put(url, params={"path": "/work/big"}, content=b"\0" * (UPLOAD_LIMIT + 1), headers=alice._http.headers)
+        assert r.status_code == 413
+        assert r.json()["error"]["type"] == "payload_too_large" and "limit" in r.json()["error"]["message"]
+
+        def chunked():  # no Content-Length: counted while it streams
+            for _ in range(5):
+                yield b"\0" * (UPLOAD_LIMIT // 4)
+
+        r = httpx.put(url, params={"path": "/work/big"}, content=chunked(), headers=alice._http.headers)
+        assert r.status_code == 413
+
+
+# --- authentication and tenants ---------------------------------------------------------------
+
+
+@pytest.mark.kvm
+def test_missing_wrong_malformed_and_revoked_keys_are_401(server, keys):
+    url = f"{server.url}/v1/sandboxes"
+    assert httpx.get(url).status_code == 401
+    alice_id = keys["alice"].split("_")[2]
+    for bad in ("Bearer col_alice_0123456789abcdef_" + "x" * 43,  # unknown id
+                f"Bearer col_alice_{alice_id}_" + "x" * 43,  # wrong secret
+                f"Bearer col_bob_{alice_id}_" + keys["alice"].rsplit("_", 1)[1],  # alice's secret, other tenant
+                "Bearer nonsense", "Basic " + keys["alice"], keys["alice"]):
+        r = httpx.get(url, headers={"Authorization": bad})
+        assert r.status_code == 401, bad
+        assert r.json()["error"]["type"] == "authentication"
+        assert r.headers["www-authenticate"].startswith("Bearer")
+    assert httpx.get(url, headers={"Authorization": f"Bearer {keys['alice']}"}).status_code == 200
+    with pytest.raises(AuthenticationError):
+        RemoteClient("col_alice_0123456789abcdef_" + "x" * 43, server.url).usage()
+    with pytest.raises(AuthenticationError, match="col_"):
+        connect("sk-not-a-collimate-key")
+    # a revoked key stops working on the running server at once
+    extra = _cli("keys", "--key-store", str(keys["store"]), "create", "--tenant", "carol").strip()
+    assert httpx.get(url, headers={"Authorization": f"Bearer {extra}"}).status_code == 200
+    listed = json.loads(_cli("keys", "--key-store", str(keys["store"]), "list", "--json"))
+    carol = next(k for k in listed if k["tenant"] == "carol")
+    assert "hash" not in carol and extra not in json.dumps(listed)
+    _cli("keys", "--key-store", str(keys["store"]), "revoke", carol["id"])
+    deadline = time.monotonic() + 5
+    while httpx.get(url, headers={"Authorization": f"Bearer {extra}"}).status_code != 401:
+        assert time.monotonic() < deadline, "the revoked key still works"
+        time.sleep(0.05)
+    # the store holds hashes only
+    assert extra not in keys["store"].read_text() and keys["alice"] not in keys["store"].read_text()
+
+
+@pytest.mark.kvm
+def test_a_tenant_cannot_see_or_touch_another_tenants_sandboxes(alice, bob):
+    with Sandbox("python", client=alice) as sb:
+        sb.exec(code="secret = 'alice'")
+        sid = sb.session_id
+        h = {"Authorization": bob._http.headers["Authorization"]}
+        base = f"{bob.base_url}/v1/sandboxes"
+        nobody = "sbx_ffffffffffffffff"
+        probes = [
+            ("GET", "/{}", {}), ("DELETE", "/{}", {}), ("POST", "/{}/exec", {"json": {"code": "print(secret)"}}),
+            ("POST", "/{}/reset", {}), ("POST", "/{}/fork", {}), ("POST", "/{}/fork_group", {"json": {"width": 2}}),
+            ("GET", "/{}/files", {"params": {"path": "/work/x"}}),
+            ("PUT", "/{}/files", {"params": {"path": "/work/x"}, "content": b"x"}),
+        ]
+        for method, path, kw in probes:
+            theirs = httpx.request(method, base + path.format(sid), headers=h, **kw)
+            missing = httpx.request(method, base + path.format(nobody), headers=h, **kw)
+            assert theirs.status_code == missing.status_code == 404, (method, path)
+            assert theirs.json()["error"]["type"] == "not_found"
+            # the answer for another tenant's sandbox is the answer for one that never existed
+            assert theirs.json()["error"]["message"].replace(sid, nobody) == missing.json()["error"]["message"]
+        with pytest.raises(NotFoundError):
+            Sandbox.attach(bob, sid)
+        assert sid not in [s["id"] for s in bob.sandboxes()]
+        assert sid in [s["id"] for s in alice.sandboxes()]
+        r = httpx.post(f"{bob.base_url}/v1/keepalive", headers=h, json={"ids": [sid]})
+        assert r.json() == {"alive": [], "gone": [sid]}
+        assert sb.exec(code="print(secret)").stdout == "alice\n"  # untouched
+    # templates: the catalog is shared; usage is per tenant
+    assert [t["id"] for t in bob.templates()] == ["python"]
+    assert httpx.get(f"{bob.base_url}/v1/templates/nope", headers=h).status_code == 404
+
+
+# --- worker-crash recovery and reaping --------------------------------------------------------
+
+CRASHING_CLIENT = """
+    import sys
+    from collimate_rl import Sandbox, connect
+    client = connect()  # COLLIMATE_API_KEY, COLLIMATE_BASE_URL
+    sb = Sandbox("python", client=client).start()
+    sb.exec(code="history = ['step 1']")
+    sb.upload_bytes("/work/notes.txt", b"step 1 done\\n")
+    print(sb.session_id, flush=True)
+    # Killed during this step (a CPU loop: guest clocks are virtual, so sleep() would not wait).
+    sb.exec(code="n = 0\\nwhile n < 3 * 10**7: n += 1\\nhistory.append('step 2')", timeout_seconds=120)
+    print("unreachable", flush=True)
+"""
+
+RECOVERING_CLIENT = """
+    import sys
+    from collimate_rl import Sandbox, connect
+    client = connect()
+    sb = Sandbox.attach(client, sys.argv[1])  # re-adopt the sandbox the dead worker held
+    r = sb.exec(code="history.append('step 3'); print(history)")
+    print(r.stdout.strip())
+    print(sb.download("/work/notes.txt").decode().strip())
+    sb.kill()
+"""
+
+
+@pytest.mark.kvm
+def test_a_client_killed_mid_episode_and_another_process_finishes_it(server, keys, alice):
+    first = _run_client(server, keys["alice"], CRASHING_CLIENT)
+    sid = first.stdout.readline().strip()
+    assert sid.startswith("sbx_"), first.stderr.read()
+    time.sleep(0.3)  # the second exec is in flight on the server
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    assert first.returncode == -signal.SIGKILL
+    assert sid in [s["id"] for s in alice.sandboxes()]  # the sandbox outlived its client
+
+    second = _run_client(server, keys["alice"], RECOVERING_CLIENT, sid)
+    out, err = second.communicate(timeout=60)
+    assert second.returncode == 0, err
+    assert out.splitlines() == ["['step 1', 'step 2', 'step 3']", "step 1 done"]
+    with pytest.raises(NotFoundError):  # the new process finished and destroyed it
+        Sandbox.attach(alice, sid)
+
+
+@pytest.mark.kvm
+def test_sandboxes_of_a_vanished_client_are_reaped(server, keys, alice):
+    reaped = server.metric("collimate_sandboxes_destroyed_total", reason="reaped")
+    proc = _run_client(server, keys["alice"], """
+        from collimate_rl import Sandbox, connect
+        sb = Sandbox("python", client=connect()).start()
+        with sb.fork_group(2) as grp:
+            print(sb.session_id, *[c.session_id for c in grp], flush=True)
+            import time; time.sleep(60)
+    """)
+    ids = proc.stdout.readline().split()
+    assert len(ids) == 3, proc.stderr.read()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 30  # idle-reap is 4 s
+    while set(ids) & {s["id"] for s in alice.sandboxes()}:
+        assert time.monotonic() < deadline, "abandoned sandboxes were not reaped"
+        time.sleep(0.2)
+    assert server.metric("collimate_sandboxes_destroyed_total", reason="reaped") >= reaped + 3
+    assert {e["sandbox"] for e in server.events() if e["event"] == "reaped"} >= set(ids)
+
+
+@pytest.mark.kvm
+def test_a_live_client_keeps_its_idle_sandbox(server, alice):
+    with Sandbox("python", client=alice) as sb:
+        sb.exec(code="x = 1")
+        time.sleep(4 * 2.5)  # 2.5 idle-reap periods without a request of ours
+        assert sb.exec(code="print(x)").stdout == "1\n"
+
+
+# --- observability ----------------------------------------------------------------------------
+
+
+@pytest.mark.kvm
+def test_metrics_and_structured_logs(server, alice):
+    with Sandbox("python", client=alice) as sb:
+        with sb.fork_group(2):
+            pass
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'collimate_fork_seconds_bucket{kind="clone",le="0.001"}' in text
+    assert 'collimate_fork_seconds_bucket{kind="fork",le="0.016"}' in text
+    for name in ("collimate_requests_total", "collimate_execs_total", "collimate_sandboxes_created_total",
+                 "collimate_live_sandboxes", "collimate_queue_depth", "collimate_capacity_rejections_total"):
+        assert name in text
+    assert server.metric("collimate_fork_seconds_count", kind="fork") >= 1
+    requests = [e for e in server.events() if e["event"] == "request"]
+    assert requests and all({"method", "route", "status", "ms", "tenant", "request_id"} <= set(e) for e in requests)
+    assert any(e["route"] == "/v1/sandboxes/{sandbox_id}/fork_group" and e["tenant"] == "alice" for e in requests)
+
+
+@pytest.mark.kvm
+def test_spend_limit_is_a_clear_error(tmp_path, keys):
+    srv = Server(tmp_path, keys["store"], "--spend-limit", "1.0", "--idle-reap", "30")
+    try:
+        with RemoteClient(keys["bob"], srv.url) as bob:
+            with Sandbox("python", client=bob) as sb:
+                sb.exec(code="print(1)")
+                time.sleep(1.2)
+                with pytest.raises(CapacityError, match="spend limit"):
+                    sb.exec(code="print(2)")
+                with pytest.raises(CapacityError, match=r"1 sandbox-seconds \(spend_limit\)"):
+                    Sandbox("python", client=bob).start()
+                r = httpx.post(f"{srv.url}/v1/sandboxes", headers=bob._http.headers, json={})
+                assert r.status_code == 402 and r.json()["error"]["type"] == "spend_limit"
+            u = bob.usage()
+            assert u.live_sandboxes == 0 and u.sandbox_seconds >= 1.0  # deleting always works
+        with RemoteClient(keys["alice"], srv.url) as alice:  # the limit is per tenant
+            assert rollout_once("python", code="print(3)", client=alice).stdout == "3\n"
+    finally:
+        srv.stop()
+
+
+# --- schemathesis -----------------------------------------------------------------------------
+
+
+@pytest.mark.kvm
+@pytest.mark.fuzz
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(tmp_path, keys, capsys):
+    """Every phase (examples, coverage, fuzzing, stateful via the document's links) against a
+    live server, bounded to ~2 minutes. Checks: all but positive_data_acceptance, because some
+    rules are beyond JSON Schema and answer 400 by design (since <= until, paths that must exist
+    in the guest). Baking templates is not in this server (501) and is left out."""
+    pytest.importorskip("schemathesis")
+    srv = Server(tmp_path, keys["store"], "--idle-reap", "5", "--max-sandboxes", "64", "--queue", "8",
+                 "--queue-timeout", "2", "--max-upload", str(UPLOAD_LIMIT))
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "schemathesis.cli", "run", f"{srv.url}/openapi.json",
+             "-H", f"Authorization: Bearer {keys['alice']}", "--checks", "all",
+             "--exclude-checks", "positive_data_acceptance", "--exclude-operation-id", "bake_template",
+             "--max-examples", "10", "--seed", "20261129", "--request-timeout", "30",
+             "--workers", "1", "--no-color"],
+            capture_output=True, text=True, timeout=150, env=_env(), cwd=tmp_path,
+        )
+        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+        assert "Server error" not in r.stdout
+        with capsys.disabled():
+            summary = [ln.strip() for ln in r.stdout.splitlines() if re.search(r"generated|passed in|Tested:", ln)]
+            print("\nschemathesis: " + "; ".join(summary))
+        errors = [e for e in srv.events() if e["level"] == "error"]
+        assert not errors, errors[:3]
+    finally:
+        srv.stop()
+
+
+# --- load -------------------------------------------------------------------------------------
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round((len(xs) - 1) * p))]
+
+
+@pytest.mark.kvm
+@pytest.mark.load
+def test_32_concurrent_clients_fork_exec_teardown(tmp_path, keys, capsys):
+    CLIENTS, ROUNDS = 32, 4
+    srv = Server(tmp_path, keys["store"], "--max-sandboxes", "96", "--idle-reap", "60")
+    try:
+        with RemoteClient(keys["alice"], srv.url) as warm:  # warm up the template pool and the VMM pools
+            for _ in range(3):
+                rollout_once("python", code="print(0)", client=warm)
+        time.sleep(0.5)
+        procs_before = srv.vmm_processes()
+        lat: dict[str, list[float]] = {"create": [], "exec": [], "fork_group(2)": [], "child exec": [], "teardown": [], "round": []}
+        lock = threading.Lock()
+
+        def worker(w: int) -> int:
+            done = 0
+            with RemoteClient(keys["alice" if w % 2 else "bob"], srv.url) as client:
+                for i in range(ROUNDS):
+                    t0 = time.perf_counter()
+                    sb = Sandbox("python", client=client).start()
+                    t1 = time.perf_counter()
+                    r = sb.exec(code=f"x = {w * 100 + i}\nprint(x)")
+                    assert r.ok and r.stdout == f"{w * 100 + i}\n", r
+                    t2 = time.perf_counter()
+                    grp = sb.fork_group(2)
+                    t3 = time.perf_counter()
+                    outs = grp.map(lambda k, c: c.exec(code=f"print(x + {k})").stdout)
+                    assert outs == [f"{w * 100 + i + k}\n" for k in range(2)]
+                    t4 = time.perf_counter()
+                    grp.close()
+                    sb.kill()
+                    t5 = time.perf_counter()
+                    with lock:
+                        for k, v in (("create", t1 - t0), ("exec", t2 - t1), ("fork_group(2)", t3 - t2),
+                                     ("child exec", (t4 - t3)), ("teardown", t5 - t4), ("round", t5 - t0)):
+                            lat[k].append(v * 1e3)
+                    done += 1
+            return done
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(CLIENTS) as pool:
+            done = sum(pool.map(worker, range(CLIENTS)))
+        wall = time.perf_counter() - t
+        assert done == CLIENTS * ROUNDS
+        # no leaks: no live sandbox, no queued request, and the VMM processes back to the pools
+        assert srv.health()["live_sandboxes"] == 0 and srv.health()["queue"] == 0
+        for key in ("alice", "bob"):
+            with RemoteClient(keys[key], srv.url) as c:
+                assert c.sandboxes() == []
+        deadline = time.monotonic() + 20
+        while srv.vmm_processes() > procs_before + RECYCLE_MAX:  # + at most the recycled sandboxes kept for reuse
+            assert time.monotonic() < deadline, f"VMM processes: {procs_before} before, {srv.vmm_processes()} after"
+            time.sleep(0.2)
+        assert srv.metric("collimate_requests_total", status="500") == 0
+        with capsys.disabled():
+            print(f"\nload: {CLIENTS} clients x {ROUNDS} rounds (create, exec, fork_group(2), 2 child execs, "
+                  f"teardown) over HTTP on loopback in {wall:.1f} s, {done / wall:.1f} rounds/s; "
+                  f"VMM processes {procs_before} before, {srv.vmm_processes()} after")
+            print(f"  {'operation':16} {'p50 ms':>8} {'p99 ms':>8}")
+            for k, xs in lat.items():
+                print(f"  {k:16} {statistics.median(xs):8.2f} {_pct(xs, 0.99):8.2f}")
+            for kind in ("clone", "fork"):  # the engine's share, from the server's histogram
+                n = srv.metric("collimate_fork_seconds_count", kind=kind)
+                mean = srv.metric("collimate_fork_seconds_sum", kind=kind) / n * 1e3
+                print(f"  engine {kind}: {n:.0f} calls, mean {mean:.2f} ms (/metrics collimate_fork_seconds)")
+    finally:
+        srv.stop()
+
+
+@pytest.mark.kvm
+@pytest.mark.load
+def test_a_burst_queues_and_one_beyond_the_queue_bound_is_refused(tmp_path, keys, capsys):
+    WIDTH, QUEUE = 4, 12  # ready capacity: 4 live sandboxes; a burst of 4x that fits live + queue
+    srv = Server(tmp_path, keys["store"], "--max-sandboxes", str(WIDTH), "--queue", str(QUEUE),
+                 "--queue-timeout", "60", "--idle-reap", "60")
+    try:
+        with RemoteClient(keys["alice"], srv.url) as client:
+            # 1. A burst of 4x the width completes: the excess waits in the queue.
+            queued = srv.metric("collimate_capacity_queued_total")
+            code = "import time; time.sleep(0.2); print('ok')"
+            t = time.perf_counter()
+            with ThreadPoolExecutor(4 * WIDTH) as pool:
+                outs = list(pool.map(lambda i: rollout_once("python", code=code, client=client).stdout, range(4 * WIDTH)))
+            wall = time.perf_counter() - t
+            assert outs == ["ok\n"] * (4 * WIDTH)
+            assert srv.metric("collimate_capacity_queued_total") - queued >= 4 * WIDTH - WIDTH - 1
+
+            # 2. With the width held and the queue full, one more is refused with a clear error.
+            held = [Sandbox("python", client=client).start() for _ in range(WIDTH)]
+
+            def queued_episode() -> str:
+                with Sandbox("python", client=client) as sb:  # waits in the queue
+                    assert sb.exec(code="print('served')").stdout == "served\n"
+                    return sb.session_id
+
+            pool = ThreadPoolExecutor(QUEUE)
+            waiting = [pool.submit(queued_episode) for _ in range(QUEUE)]
+            deadline = time.monotonic() + 20
+            while srv.health()["queue"] < QUEUE:
+                assert time.monotonic() < deadline, srv.health()
+                time.sleep(0.05)
+            with pytest.raises(CapacityError, match=f"queue bound {QUEUE}.*max_sandboxes={WIDTH}"):
+                Sandbox("python", client=client).start()
+            r = httpx.post(f"{srv.url}/v1/sandboxes", headers=client._http.headers, json={})
+            assert r.status_code == 429 and r.json()["error"]["type"] == "capacity"
+            assert r.headers.get("retry-after")
+            for sb in held:  # capacity frees up: the queued requests are served in order
+                sb.kill()
+            served = [f.result(timeout=60) for f in waiting]
+            pool.shutdown()
+            assert len(set(served)) == QUEUE
+            assert srv.health() == {"ok": True, "live_sandboxes": 0, "queue": 0}
+            assert srv.metric("collimate_capacity_rejections_total", reason="queue_full") >= 2
+        with capsys.disabled():
+            print(f"\nburst: {4 * WIDTH} rollouts at max_sandboxes={WIDTH} (queue {QUEUE}) completed in {wall:.2f} s; "
+                  f"the request beyond the queue bound got 429")
+    finally:
+        srv.stop()

@@ -1,0 +1,475 @@
+"""Issue 4, shown: bit-exact replay on the python template, unseeded clones that never share
+randomness, bad seeds refused before anything runs, and the seed-ack verdicts under fault injection.
+
+What replay covers and what it does not is in docs/replay.md; where this file pins a limit (the
+str hash secret of the agent's interpreter is fixed in the template) it says so and points there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import collimate_core._embedded as embedded
+from collimate_core import (
+    EmbeddedClient,
+    InvalidArgument,
+    Sandbox,
+    UnitTestReward,
+    Vm,
+    grade,
+    grade_batch,
+    rollout_once,
+)
+from collimate_core._embedded import _frame, _unframe
+from collimate_core._templates import AGENT_DIR, AGENT_IDLE, GUEST_ENV, Baked, bake_python
+
+pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
+
+SEED = "c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00"
+OTHER_SEEDS = ["00" * 32, "ff" * 32, "0123456789abcdef" * 4, "c0ffee00" * 7 + "c0ffee01"]
+
+# One program per source of divergence the issue names; the battery runs them all in one exec and
+# prints one "name: value" line each. numpy is not in the python template (see test_numpy_random).
+BATTERY = {
+    "random": "import random; print(random.random(), random.getrandbits(128), random.sample(range(10**6), 4), random.Random().random())",
+    "os.urandom": "import os; print(os.urandom(16).hex(), os.getrandom(16).hex(), open('/dev/urandom', 'rb').read(16).hex())",
+    "secrets": "import secrets; print(secrets.token_hex(16), secrets.randbelow(10**12), secrets.choice('abcdefghijklmnop'))",
+    "uuid4": "import uuid; print(uuid.uuid4(), uuid.uuid4())",
+    "set order": "print(list({'apple', 'banana', 'cherry', 'date', 'elder', 'fig', 'grape', 'honeydew'}), hash('apple'))",
+    "tempfile": (
+        "import tempfile, os\n"
+        "f = tempfile.NamedTemporaryFile(); d = tempfile.mkdtemp(); fd, p = tempfile.mkstemp()\n"
+        "print(f.name, d, p, tempfile.mktemp()); f.close(); os.rmdir(d); os.close(fd); os.unlink(p)"
+    ),
+    "time": "import time; print(repr(time.time()), repr(time.monotonic()), time.perf_counter_ns(), time.time_ns())",
+    "id": "class K: pass\nprint(id(object()), id([]), id(K()), id({'a': 1}))",
+}
+SEED_DEPENDENT = ["random", "os.urandom", "secrets", "uuid4", "tempfile"]
+# Fixed in the template or a function of the template alone (docs/replay.md, "What replay does not
+# cover" and "Replay mode: virtual clocks"): the same under every seed, yet replayed exactly.
+SEED_INDEPENDENT = ["set order", "time", "id"]
+
+
+def battery_source(names=None) -> str:
+    parts = []
+    for name in names or BATTERY:
+        parts.append(f"print({name!r} + ':', end=' ')\n{BATTERY[name]}")
+    # Each item runs in its own function scope so that no item's names leak into the next.
+    return "\n".join(f"def _item_{i}():\n" + "\n".join("    " + l for l in p.splitlines()) + f"\n_item_{i}()"
+                     for i, p in enumerate(parts))
+
+
+def parse_battery(stdout: str) -> dict[str, str]:
+    out = {}
+    for line in stdout.splitlines():
+        name, _, value = line.partition(": ")
+        out[name] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = EmbeddedClient()
+    yield c
+    c.close()
+
+
+def drain(c: EmbeddedClient) -> None:
+    """Wait until sandboxes already destroyed are torn down (or recycled)."""
+    c._reaper.submit(lambda: None).result()
+
+
+def _check(results, what):
+    outs = {r.stdout for r in results}
+    assert all(r.ok for r in results), [r.stderr for r in results if not r.ok][:1]
+    assert all(r.seed_ack == "verified" for r in results), f"{what}: {sorted({r.seed_ack for r in results})}"
+    assert all(r.seed == SEED for r in results)
+    return outs
+
+
+# --- bit-exact replay: 200 clones, one seed -----------------------------------------------------
+
+
+_SUBPROCESS = r"""
+import json, sys
+from collimate_core import EmbeddedClient, Sandbox, rollout_once
+c = EmbeddedClient()
+code, seed, n, m = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+out = []
+boxes = [Sandbox("python", client=c).start() for _ in range(n)]  # n distinct clones, live at once
+pids = [b._live().vm.pid for b in boxes]
+for b in boxes:
+    out.append(b.exec(code=code, seed=seed))
+    b.kill()
+out += [rollout_once("python", code=code, seed=seed, client=c) for _ in range(m)]  # recycled ones
+c.close()
+print(json.dumps({"pids": pids, "runs": [[r.stdout, r.seed_ack, r.seed, r.exit_code, r.stderr[-500:]] for r in out]}))
+"""
+
+
+def _live_clones(c: EmbeddedClient, n: int, code: str) -> list:
+    """`n` distinct clones (VMM processes), all live at once, each running `code` once with SEED."""
+    boxes = [Sandbox("python", client=c).start() for _ in range(n)]
+    try:
+        assert len({b._live().vm.pid for b in boxes}) == n, "every replay in its own clone (VMM process)"
+        with ThreadPoolExecutor(4) as pool:
+            return list(pool.map(lambda b: b.exec(code=code, seed=SEED), boxes))
+    finally:
+        for b in boxes:
+            b.kill()
+
+
+def test_200_replays_in_different_clones_and_processes_are_bit_exact(client):
+    """200 replays in 200 distinct clones (60 + 40 + 40 + 40 + 20), in this process, in a new
+    engine client (a new zygote restored from the template on disk) and in a new process; then
+    60 more in sandboxes recycled by a dirty-page reset. All the same stdout, all verified."""
+    code = battery_source()
+    outputs: dict[str, set[str]] = {}
+
+    # In a new process (started first; it runs while this one works): 40 distinct clones of a
+    # zygote restored there from disk, then 20 in recycled sandboxes.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SUBPROCESS, code, SEED, "40", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+    outputs["fresh clones"] = _check(_live_clones(client, 60, code), "fresh clones")
+
+    # 20 children of a fork group of one untouched clone, each given the seed explicitly.
+    with Sandbox("python", client=client) as parent:
+        with parent.fork_group(20) as grp:
+            assert len({c._live().vm.pid for c in grp}) == 20
+            res = grp.map(lambda i, c: c.exec(code=code, seed=SEED))
+    outputs["fork-group children"] = _check(res, "fork-group children")
+
+    # A restart of the engine in this process: new clients, new zygotes restored from disk.
+    for k in range(2):
+        fresh = EmbeddedClient()
+        try:
+            outputs[f"new client {k}"] = _check(_live_clones(fresh, 40, code), "new client")
+        finally:
+            fresh.close()
+
+    # 40 one after another, recycled: each sandbox reset and reused (or a spare of the zygote).
+    drain(client)
+    res = []
+    for _ in range(40):
+        res.append(rollout_once("python", code=code, seed=SEED, client=client))
+        drain(client)
+    outputs["recycled sandboxes"] = _check(res, "recycled sandboxes")
+
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    sub = json.loads(stdout)
+    assert len(set(sub["pids"])) == 40 and len(sub["runs"]) == 60
+    assert all(ack == "verified" and seed == SEED and rc == 0 for _, ack, seed, rc, _ in sub["runs"]), sub["runs"][:1]
+    outputs["new process"] = {o for o, *_ in sub["runs"]}
+
+    assert all(len(v) == 1 for v in outputs.values()), {k: len(v) for k, v in outputs.items()}
+    assert len(set().union(*outputs.values())) == 1, "replays differ between ways of getting a clone"
+    (out,) = outputs["fresh clones"]
+    assert set(parse_battery(out)) == set(BATTERY), out
+
+
+def test_different_seeds_give_different_outputs(client):
+    code = battery_source()
+    runs = {}
+    for s in [SEED, *OTHER_SEEDS]:
+        r = rollout_once("python", code=code, seed=s, client=client)
+        assert r.ok and r.seed_ack == "verified", r
+        runs[s] = parse_battery(r.stdout)
+    assert len({json.dumps(v, sort_keys=True) for v in runs.values()}) == len(runs)
+    for name in SEED_DEPENDENT:
+        values = [v[name] for v in runs.values()]
+        assert len(set(values)) == len(values), f"{name} does not depend on the seed: {values}"
+    # Pinned limits, documented in docs/replay.md: the agent's interpreter drew its str hash
+    # secret before the template's ready point, so the iteration order of a set of strings in a
+    # code= exec is the template's, under every seed; the replay-mode clocks start from the
+    # template's last reading; object ids depend on the heap, not on randomness.
+    for name in SEED_INDEPENDENT:
+        values = {v[name] for v in runs.values()}
+        assert len(values) == 1, f"{name} now depends on the seed: update docs/replay.md ({values})"
+
+
+def test_a_new_interpreter_draws_its_hash_secret_from_the_seed(client):
+    """In a command= exec, a new CPython process draws its str hash secret after the reseed: set
+    order then replays under a seed and differs between seeds (docs/replay.md)."""
+    prog = battery_source(["set order", "random", "id"]).encode()
+
+    def run(seed):
+        with Sandbox("python", client=client) as sb:
+            sb.upload_bytes("/work/battery.py", prog)
+            r = sb.exec(command="cd /work && python3 battery.py", seed=seed)
+            assert r.ok and r.seed_ack == "verified", r
+            return r.stdout
+
+    same = {run(SEED) for _ in range(3)}
+    assert len(same) == 1
+    orders = {parse_battery(run(s))["set order"] for s in OTHER_SEEDS}
+    orders.add(parse_battery(same.pop())["set order"])
+    assert len(orders) == len(OTHER_SEEDS) + 1, orders
+
+
+def test_numpy_random(client):
+    r = rollout_once("python", code="import importlib.util; print(importlib.util.find_spec('numpy') is not None)",
+                     client=client)
+    if r.stdout.strip() != "True":
+        pytest.skip("numpy is not installed in the python template (Debian's python3 without python3-numpy); "
+                    "the agent reseeds numpy's global generator when numpy is loaded")
+    code = "import numpy; print(numpy.random.random(3), numpy.random.default_rng().integers(10**9))"
+    outs = {rollout_once("python", code=code, seed=SEED, client=client).stdout for _ in range(5)}
+    assert len(outs) == 1
+    assert rollout_once("python", code=code, seed=OTHER_SEEDS[0], client=client).stdout not in outs
+
+
+# --- unseeded clones never share randomness --------------------------------------------------
+
+
+PROBE = "import os, random; print(os.urandom(16).hex(), repr(random.random()))"
+
+
+def test_2000_unseeded_clones_never_share_randomness(client):
+    """Engine level, without a seed in the request (no reseed at all): 1,000 clones of the zygote,
+    each asked once as a fresh clone and once more after a reset (a recycled sandbox)."""
+    t = client._template("python")
+    zygote = Vm.restore(t.baked.path)
+    zygote.set_spare_pool(2)
+    req = _frame({"op": "exec", "code": PROBE})
+
+    def one(_):
+        vm = zygote.clone()
+        try:
+            a = vm.agent_call(req, 30.0)
+            vm.reset()
+            b = vm.agent_call(req, 30.0)
+        finally:
+            vm.destroy()
+        for r in (a, b):
+            assert (r.kind, r.value) == ("yield", AGENT_IDLE) and _unframe(r.agent)["exit_code"] == 0, r
+        return a.stdout.decode().split(), b.stdout.decode().split()
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            pairs = [x for pair in pool.map(one, range(1000)) for x in pair]
+    finally:
+        zygote.destroy()
+    assert len(pairs) == 2000
+    urandom = [p[0] for p in pairs]
+    rand = [p[1] for p in pairs]
+    assert len(set(urandom)) == 2000, "two unseeded clones read the same os.urandom bytes"
+    assert len(set(rand)) == 2000, "two unseeded clones drew the same random.random()"
+
+
+def test_unseeded_sdk_execs_differ_on_recycled_and_fresh_sandboxes(client):
+    """Through the SDK, seed=None draws a fresh seed per exec (echoed): recycled sandboxes too."""
+    drain(client)
+    outs, seeds, warm = [], [], 0
+    for i in range(150):
+        with Sandbox("python", client=client) as sb:
+            warm += sb.warm_hit
+            r = sb.exec(code=PROBE)
+            assert r.ok and r.seed_ack == "verified"
+            outs.append(r.stdout)
+            seeds.append(r.seed)
+        if i % 2:
+            drain(client)  # let the sandbox be reset and recycled before the next one
+    assert len(set(outs)) == len(outs) == 150
+    assert len(set(seeds)) == 150
+    assert len({o.split()[1] for o in outs}) == 150
+    assert warm > 0
+
+
+# --- bad seeds --------------------------------------------------------------------------------
+
+
+BAD_SEEDS = [
+    "c0ffee",  # too short
+    SEED + "00",  # too long
+    "",  # empty
+    "z" * 64,  # not hex
+    "0x" + SEED[2:],  # a 0x prefix
+    " " + SEED[1:],  # whitespace
+    "\u0660" * 64,  # a digit, but not an ASCII hex digit
+    12345,  # wrong type
+    1.5,
+    ["c0ffee"],
+    b"\x00" * 31,  # raw bytes of the wrong length
+    bytearray(33),
+]
+
+
+def _no_activity(before, after):
+    assert (after.sandboxes, after.forks, after.execs, after.live_sandboxes) == (
+        before.sandboxes,
+        before.forks,
+        before.execs,
+        before.live_sandboxes,
+    ), (before, after)
+
+
+@pytest.mark.parametrize("bad", BAD_SEEDS, ids=lambda b: repr(b)[:20])
+def test_bad_seeds_raise_a_clear_value_error_before_anything_runs(client, bad):
+    drain(client)
+    before = client.usage()
+    with pytest.raises(ValueError, match="32 bytes written as 64 hex characters") as e:
+        rollout_once("python", code="print(1)", seed=bad, client=client)
+    assert isinstance(e.value, InvalidArgument)
+    _no_activity(before, client.usage())
+    assert client.usage() == before, "nothing was forked, run or metered"
+
+    spec = UnitTestReward(tests="assert 1 == 1\n")
+    with pytest.raises(ValueError, match="64 hex"):
+        grade("x = 1", spec, client=client, seed=bad)
+    with pytest.raises(ValueError, match="64 hex"):
+        grade_batch(["x = 1", "x = 2"], spec, client=client, seed=bad)
+    _no_activity(before, client.usage())
+
+    with Sandbox("python", client=client) as sb:
+        inside = client.usage()
+        with pytest.raises(ValueError, match="64 hex"):
+            sb.exec(code="print(1)", seed=bad)
+        with pytest.raises(ValueError, match="64 hex"):
+            sb.fork_group(2, seed=bad)
+        sb.default_seed = bad
+        with pytest.raises(ValueError, match="64 hex"):
+            sb.exec(code="print(1)")
+        _no_activity(inside, client.usage())
+
+
+def test_bad_seeds_at_the_engine_level(client):
+    t = client._template("python")
+    with t.zygote.clone() as vm:
+        for bad in [b"\x00" * 31, b"\x00" * 33, b""]:
+            with pytest.raises(ValueError, match="32 bytes"):
+                vm.reseed(bad)
+        vm.reseed(b"\x00" * 32)
+
+
+# --- the seed-ack verdict under fault injection ----------------------------------------------
+
+
+def _bake_variant(tmp: Path, name: str, edit, seed_ack: bool = True) -> Baked:
+    """A python template whose agent is `edit(agent source)`."""
+    src = (AGENT_DIR / "agent.py").read_text()
+    changed = edit(src)
+    assert changed != src or edit is _same, "the fault was not injected"
+    agent_dir, snap = tmp / f"{name}-agent", tmp / f"{name}-snap"
+    agent_dir.mkdir()
+    (agent_dir / "agent.py").write_text(changed)
+    for d in ("work", "tmp"):
+        (tmp / f"{name}-{d}").mkdir()
+    root = bake_python().root
+    vm = Vm.spawn(
+        root,
+        ["/usr/bin/python3", "/opt/collimate/agent.py"],
+        env=GUEST_ENV,
+        cwd="/work",
+        mounts={"/work": tmp / f"{name}-work", "/tmp": tmp / f"{name}-tmp"},
+        ro_mounts={"/opt/collimate": agent_dir},
+        agent=True,
+    )
+    try:
+        r = vm.run(120.0)
+        assert (r.kind, r.value) == ("yield", AGENT_IDLE), (r, r.stderr[-2000:])
+        vm.snapshot(snap)
+    finally:
+        vm.destroy()
+    return Baked(name, snap, root, True, seed_ack)
+
+
+def _same(src: str) -> str:
+    return src
+
+
+@pytest.fixture(scope="module")
+def variants(client, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("agents")
+    wrong_sum = lambda s: s.replace(  # noqa: E731 - an agent whose checksum is off by one byte
+        "return hashlib.sha256(ACK_CONTEXT + seed + first).hexdigest()",
+        "return hashlib.sha256(ACK_CONTEXT + seed + first[:-1] + bytes([first[-1] ^ 1])).hexdigest()",
+    )
+    skip_reseed = lambda s: s.replace(  # noqa: E731 - acks without reading the reseeded CRNG
+        "first = os.urandom(32)", "first = bytes(32)"
+    )
+    no_ack = lambda s: s.replace("ack = reseed(seed)", "reseed(seed)\n        ack = None")  # noqa: E731
+    names = {
+        "python-wrong-sum": _bake_variant(tmp, "python-wrong-sum", wrong_sum),
+        "python-fake-ack": _bake_variant(tmp, "python-fake-ack", skip_reseed),
+        "python-no-ack": _bake_variant(tmp, "python-no-ack", no_ack),
+        "python-off": _bake_variant(tmp, "python-off", _same, seed_ack=False),
+    }
+    for name, baked in names.items():
+        client.register_template(name, baked)
+    return names
+
+
+def _verdicts(client, template, n=5, seed=SEED):
+    res = [rollout_once(template, code="import random; print(random.random())", seed=seed, client=client) for _ in range(n)]
+    res += [rollout_once(template, code="print(1)", client=client) for _ in range(n)]  # fresh seeds
+    assert all(r.ok for r in res), res[0]
+    return {r.seed_ack for r in res}
+
+
+def test_an_agent_with_a_wrong_checksum_is_a_mismatch(client, variants):
+    assert _verdicts(client, "python-wrong-sum") == {"mismatch"}
+
+
+def test_an_agent_that_acks_without_the_reseeded_crng_is_a_mismatch(client, variants):
+    assert _verdicts(client, "python-fake-ack") == {"mismatch"}
+
+
+def test_an_agent_that_does_not_ack_is_no_ack(client, variants):
+    assert _verdicts(client, "python-no-ack") == {"no-ack"}
+
+
+def test_a_template_without_the_handshake_is_off(client, variants):
+    assert _verdicts(client, "python-off") == {"off"}
+
+
+def test_a_corrupted_expected_ack_is_a_mismatch_never_verified(client, monkeypatch):
+    real = embedded.expected_ack
+    monkeypatch.setattr(embedded, "expected_ack", lambda seed: real(seed)[:-1] + ("0" if real(seed)[-1] != "0" else "1"))
+    assert _verdicts(client, "python") == {"mismatch"}
+    monkeypatch.setattr(embedded, "expected_ack", lambda seed: real(bytes(32)))
+    assert _verdicts(client, "python") == {"mismatch"}
+    monkeypatch.undo()
+    assert _verdicts(client, "python", n=2) == {"verified"}
+
+
+class _NoReseed:
+    """A Vm whose host-side reseed is lost (fault injection); everything else goes through."""
+
+    def __init__(self, vm):
+        self._vm = vm
+
+    def reseed(self, seed, replay=True):
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self._vm, name)
+
+
+def test_a_lost_reseed_is_a_mismatch_never_verified(client):
+    with Sandbox("python", client=client) as sb:
+        box = sb._live()
+        real = box.vm
+        box.vm = _NoReseed(real)
+        try:
+            verdicts = {sb.exec(code="print(1)", seed=s).seed_ack for s in [SEED, *OTHER_SEEDS]}
+            verdicts |= {sb.exec(code="print(1)").seed_ack for _ in range(3)}
+        finally:
+            box.vm = real
+        assert verdicts == {"mismatch"}
+        assert sb.exec(code="print(1)", seed=SEED).seed_ack == "verified"
+
+
+def test_a_program_that_ends_the_agent_is_no_ack(client):
+    r = rollout_once("python", code="import os; os._exit(0)", seed=SEED, client=client)
+    assert r.exit_code == 0 and r.seed_ack == "no-ack" and r.seed == SEED
