@@ -573,12 +573,9 @@ def test_fork_of_zero_children(vm):
 
 def test_clone_destroy_cycles_leave_nothing_behind(zygote):
     def census():
-        procs = vmm_processes()
         return {
             "children": len(children_of(os.getpid())),
             "zygote children": len(children_of(zygote.pid)),
-            "vmm processes": len(procs),
-            "zombies": sum(1 for _, state in procs if state == "Z"),
             "fds": fd_count(),
             "zygote fds": fd_count(zygote.pid),
         }
@@ -589,10 +586,15 @@ def test_clone_destroy_cycles_leave_nothing_behind(zygote):
             c.destroy()
 
     cycles(100)  # warm up allocators and caches
+    # Other tests' clients may still be tearing their own VMM processes down in the background, so
+    # the system-wide count is not compared; what matters is that no process this loop made is left.
+    vmms_before = {pid for pid, _ in vmm_processes()}
     before, rss, zygote_rss = census(), rss_bytes(), rss_bytes(zygote.pid)
     cycles(1000)
     after = census()
     assert after == before
+    left = [(pid, state) for pid, state in vmm_processes() if pid not in vmms_before]
+    assert left == [], f"VMM processes left behind by the cycles: {left}"
     grew = rss_bytes() - rss
     zygote_grew = rss_bytes(zygote.pid) - zygote_rss
     assert grew < 8 << 20, f"test process RSS grew by {grew >> 10} KiB over 1,000 cycles"
