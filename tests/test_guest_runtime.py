@@ -10,7 +10,6 @@ import hashlib
 import os
 
 import pytest
-
 from collimate_core import Sandbox, connect
 
 pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
@@ -289,3 +288,16 @@ def test_an_upload_after_the_agent_died_is_kept(sb):
     sb.upload_bytes("/work/next.py", b"print(len(open('/work/next.py').read()))\n")
     r = sb.exec(command="python3 /work/next.py; ls /work", timeout_seconds=60)
     assert r.ok and r.stdout == "41\nnext.py\n", r
+
+
+def test_a_background_job_outlives_its_shell(sb):
+    # Regression: an orphan (its shell exited at once) took itself for its dying parent's child and
+    # killed itself: on recent kernels the parent's thread group (KVM's nx-lpage-recovery worker)
+    # outlives its main thread for a moment, so the parent-death signal comes before the adoption.
+    for i in range(5):
+        r = sh(sb, f"(while [ ! -e /tmp/go{i} ]; do :; done; echo done > /tmp/done{i}) & echo started")
+        assert r.ok and r.stdout == "started\n"
+    r = sh(sb, "touch /tmp/go0 /tmp/go1 /tmp/go2 /tmp/go3 /tmp/go4; "
+               "until [ -e /tmp/done0 ] && [ -e /tmp/done1 ] && [ -e /tmp/done2 ] && [ -e /tmp/done3 ] "
+               "&& [ -e /tmp/done4 ]; do :; done; cat /tmp/done*", timeout_seconds=30)
+    assert r.ok and not r.timed_out and r.stdout == "done\n" * 5, r

@@ -1011,6 +1011,21 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
     Some(r)
 }
 
+/// SIGKILL the orphans `pids` that are children of this process (the first process adopted
+/// them; a pid that is not our child, gone or reused, is left alone) and reap them.
+pub fn kill_adopted(pids: &[i32]) {
+    for &pid in pids {
+        let Ok(fd) = pidfd_open(pid) else { continue };
+        // waitid on the pidfd of a process that is not our child answers ECHILD.
+        if waitid_host(fd.as_raw_fd(), libc::WEXITED | libc::WNOHANG | libc::WNOWAIT | libc::__WALL) == Err(ECHILD) {
+            continue;
+        }
+        let _ = host::send_pidfd(fd.as_raw_fd(), SIGKILL, false);
+        // Reaped here, or by the host (an adopted child signals SIGCHLD, which the VMM ignores).
+        let _ = waitid_host(fd.as_raw_fd(), libc::WEXITED | libc::__WALL);
+    }
+}
+
 /// SIGKILL every child and reap it (the sandbox's first process ended: like the end of a pid
 /// namespace's init, it takes the others with it).
 pub fn kill_children(os: &mut GuestOs) {
@@ -1066,6 +1081,8 @@ pub mod host {
         // SAFETY: the page is ours, page-aligned and zeroed, a valid AtomicU32.
         unsafe { (*count).store(1, Ordering::SeqCst) };
         PROCS.store(count, Ordering::SeqCst);
+        MY_GENERATION.store(0, Ordering::SeqCst);
+        CHILD.store(false, Ordering::SeqCst);
     }
 
     fn process_count() -> Option<&'static AtomicU32> {
@@ -1077,6 +1094,73 @@ pub mod host {
     /// Count one more process if the sandbox has fewer than `limit`.
     pub fn add_process(limit: u32) -> bool {
         process_count().is_none_or(|c| c.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < limit).then_some(n + 1)).is_ok())
+    }
+
+    /// The sandbox is back to its first process alone (a reset killed the others): count 1. Its
+    /// children were counted out as they were reaped, but processes orphaned on the way (adopted
+    /// and reaped by the host) never are, and would shrink the budget of every later use.
+    pub fn reset_process_count() {
+        if let Some(c) = process_count() {
+            c.store(1, Ordering::SeqCst);
+        }
+    }
+
+    // The shared page after the count: the sandbox's generation (bumped by every reset) and the
+    // pids of the orphans its first process adopted. A reset must take every guest process with
+    // it, and the host lists no children without /proc (which the jail does not mount): a reset
+    // kills its children and these orphans, and everything below them dies as its parent does
+    // (`adopted_or_die`), since its generation is gone. Without this, a background process of one
+    // use of a sandbox lived on into the next one (a recycled sandbox), writing into its output.
+    const ORPHAN_SLOTS: usize = 1000;
+    /// The generation this process was forked in (a guest process), or the current one (the
+    /// first process, which moves to each new generation).
+    static MY_GENERATION: AtomicU32 = AtomicU32::new(0);
+    /// Whether this process is a guest child process (not a sandbox's first process).
+    static CHILD: AtomicBool = AtomicBool::new(false);
+
+    fn page_word(i: usize) -> Option<&'static AtomicU32> {
+        let p = PROCS.load(Ordering::SeqCst);
+        // SAFETY: the page (4096 bytes, 1024 words) set by `new_process_count`, never unmapped.
+        (!p.is_null() && i < 1024).then(|| unsafe { &*p.add(i) })
+    }
+
+    /// The sandbox's generation now.
+    pub fn generation() -> u32 {
+        page_word(1).map_or(0, |g| g.load(Ordering::SeqCst))
+    }
+
+    /// The generation this process belongs to: what its children are forked in.
+    pub fn my_generation() -> u32 {
+        MY_GENERATION.load(Ordering::SeqCst)
+    }
+
+    /// A guest child process of a generation a reset has ended: it must not go on.
+    pub fn stale() -> bool {
+        CHILD.load(Ordering::Relaxed) && my_generation() != generation()
+    }
+
+    /// In a new guest process: the generation its parent forked it in. False if a reset has
+    /// happened since (the process must not run).
+    pub fn set_my_generation(g: u32) -> bool {
+        MY_GENERATION.store(g, Ordering::SeqCst);
+        generation() == g
+    }
+
+    /// In a guest process whose parent died and that the first process adopted: note it for the
+    /// next reset. False if it must die instead: a reset happened since it was forked, or the
+    /// list is full. Async-signal-safe (atomics only).
+    pub fn adopted_or_die(pid: i32) -> bool {
+        let noted = (2..2 + ORPHAN_SLOTS).any(|i| page_word(i).is_some_and(|w| w.compare_exchange(0, pid as u32, Ordering::SeqCst, Ordering::SeqCst).is_ok()));
+        noted && generation() == MY_GENERATION.load(Ordering::SeqCst)
+    }
+
+    /// In the first process, at a reset: a new generation, and the adopted orphans (the list is
+    /// emptied). The bump comes first: an orphan adopted meanwhile either is listed or dies.
+    pub fn new_generation() -> Vec<i32> {
+        if let Some(g) = page_word(1) {
+            MY_GENERATION.store(g.fetch_add(1, Ordering::SeqCst).wrapping_add(1), Ordering::SeqCst);
+        }
+        (2..2 + ORPHAN_SLOTS).filter_map(|i| page_word(i)).map(|w| w.swap(0, Ordering::SeqCst) as i32).filter(|&p| p > 0).collect()
     }
 
     /// One process of the sandbox was reaped (or never started).
@@ -1165,6 +1249,7 @@ pub mod host {
     /// pending: the parent took everything in and forked with the carrier signal blocked, so what
     /// is sent to the child waits on the host until its first run.)
     pub fn reset_child() {
+        CHILD.store(true, Ordering::SeqCst);
         PARENT_GONE.store(false, Ordering::SeqCst);
         KICK.store(std::ptr::null_mut(), Ordering::SeqCst);
     }

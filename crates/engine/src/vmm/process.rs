@@ -27,7 +27,7 @@
 //! sandbox's first process adopts it (that VMM is a child subreaper), as init would, and it lives
 //! on. When the guest of the first process ends (exit or fatal signal), its children are killed,
 //! as the end of a pid namespace's init kills the namespace; orphans it had adopted live until the
-//! VM is destroyed.
+//! VM is destroyed or reset: a reset kills every guest process (see `kill_children`).
 //!
 //! A sandbox has at most [`MAX_PROCESSES`] live processes (fewer if its RLIMIT_NPROC says so),
 //! counted in a page shared by its VMM processes; fork answers EAGAIN beyond that.
@@ -273,15 +273,33 @@ pub(super) fn serving(m: &mut Machine, chan: &Channel, pool: &Pool) {
 /// Parent-death signal handler of a guest child: survive only if the sandbox's first process
 /// adopted us (our parent was another guest process); otherwise the sandbox is gone.
 extern "C" fn on_parent_death(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
-    // SAFETY: getppid, getpid and kill are async-signal-safe.
+    // SAFETY: getppid, getpid, nanosleep and kill are async-signal-safe, and so is
+    // `adopted_or_die` (atomics).
     unsafe {
+        // The signal comes when the parent's *thread* exits. A VMM process has another one (KVM's
+        // "kvm-nx-lpage-recovery" worker, in its thread group on recent kernels), so the parent
+        // may still be exiting, not yet replaced by the process that adopts us: wait for that
+        // (up to 2 s), or an orphan would take itself for its parent's child and die.
+        let before = PARENT.load(Ordering::SeqCst);
+        let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
+        for _ in 0..2000 {
+            if libc::getppid() != before {
+                break;
+            }
+            libc::nanosleep(&pause, std::ptr::null_mut());
+        }
         let top = host::top();
-        if top == 0 || libc::getppid() != top {
+        if top == 0 || libc::getppid() != top || !host::adopted_or_die(libc::getpid()) {
             libc::kill(libc::getpid(), libc::SIGKILL);
         }
+        PARENT.store(top, Ordering::SeqCst);
     }
     host::note_parent_gone();
 }
+
+/// The host pid of this guest process's parent (its creator, then the first process that adopted
+/// it), for `on_parent_death`.
+static PARENT: AtomicI32 = AtomicI32::new(0);
 
 fn install_reaper() {
     // SAFETY: getpid cannot fail.
@@ -302,6 +320,9 @@ fn install_reaper() {
 
 fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64, Errno> {
     let Some(os) = m.os.as_ref() else { return Err(crate::guestos::ENOSYS) };
+    if host::stale() {
+        return Err(crate::guestos::EAGAIN); // a reset ended this process's world: no new processes
+    }
     let parent_pid = os.proc.pid;
     // The child resumes after the syscall in ring 3 with rax = 0.
     let mut state = m.capture().map_err(|_| crate::guestos::EAGAIN)?;
@@ -325,6 +346,7 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
     install_reaper();
     // SAFETY: getpid cannot fail.
     let parent_host = unsafe { libc::getpid() };
+    let generation = host::my_generation();
     // Take in what arrived for us and fork with the carrier signal blocked: the child starts with
     // nothing pending, and what is sent to it early waits on the host until its first run.
     host::block(true);
@@ -336,7 +358,7 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
     // returns from `child_main`.
     let pid = unsafe { libc::syscall(libc::SYS_clone, 0 as libc::c_ulong, 0usize, 0usize, 0usize, 0usize) };
     if pid == 0 {
-        child_main(m, state, c, parent_pid, parent_host);
+        child_main(m, state, c, parent_pid, parent_host, generation);
     }
     host::block(false);
     if pid < 0 {
@@ -369,13 +391,23 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
 }
 
 /// The child side of a guest fork. Never returns.
-fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, parent_pid: i32, parent_host: i32) -> ! {
+fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, parent_pid: i32, parent_host: i32, generation: u32) -> ! {
     // SAFETY: plain prctl/getppid calls; the parent-death signal has a handler (install_reaper).
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, reaper_signal() as libc::c_ulong, 0, 0, 0);
-        if libc::getppid() != parent_host {
-            // The parent died before we could ask to follow it.
-            libc::kill(libc::getpid(), libc::SIGKILL);
+        let (this, top) = (libc::getpid(), host::top());
+        PARENT.store(parent_host, Ordering::SeqCst);
+        // Not if the sandbox was reset since the fork began. If the parent died before we could
+        // ask to follow it (`sh -c 'job &'`), we are an orphan like any other: adopted by the
+        // sandbox's first process unless that was the parent (see `on_parent_death`).
+        let ok = host::set_my_generation(generation)
+            && (libc::getppid() == parent_host
+                || (top != 0 && parent_host != top && libc::getppid() == top && host::adopted_or_die(this)));
+        if !ok {
+            libc::kill(this, libc::SIGKILL);
+        }
+        if libc::getppid() == top && parent_host != top {
+            PARENT.store(top, Ordering::SeqCst);
         }
     }
     // Nothing of the parent's conversation with its controller stays open here.
@@ -484,8 +516,18 @@ pub(super) fn guest_ended(m: &mut Machine) {
 
 /// Kill the guest's children (reset: the world they live in is going away).
 pub(super) fn kill_children(m: &mut Machine) {
+    // SAFETY: getpid cannot fail.
+    let top = host::top() == unsafe { libc::getpid() };
+    // Every guest process goes, not only the children: orphans the first process adopted, and
+    // through them and the children everything below (see `host::new_generation`).
+    let adopted = if top { host::new_generation() } else { Vec::new() };
     if let Some(os) = m.os.as_mut() {
         signal::kill_children(os);
+    }
+    signal::kill_adopted(&adopted);
+    if top {
+        // The process budget starts over with the world (see `host::reset_process_count`).
+        host::reset_process_count();
     }
 }
 
@@ -653,6 +695,10 @@ fn sigreturn(m: &mut Machine, r: &mut kvm_regs) -> Result<Option<RunExit>> {
 /// (enter its handler, or end the process by it). `r` is what the guest resumes with.
 pub(super) fn after_syscall(m: &mut Machine, entry: &Entry, r: &mut kvm_regs, exit: Option<RunExit>) -> Result<Option<RunExit>> {
     let Some(os) = m.os.as_mut() else { return Ok(exit) };
+    if host::stale() {
+        // The sandbox was reset since this guest process was forked: it ends here.
+        return Ok(Some(RunExit::Signaled { signo: signal::SIGKILL }));
+    }
     if matches!(exit, Some(RunExit::Exited { .. } | RunExit::Signaled { .. })) {
         return Ok(exit);
     }

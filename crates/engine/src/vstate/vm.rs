@@ -14,7 +14,16 @@ impl KvmVm {
     /// A new VM whose slot 0 is the whole of `mem`. Called again in every forked child: a KVM VM is
     /// tied to the address space that created it, so a child cannot use its parent's.
     pub fn new(kvm: &Kvm, mem: &GuestMemory) -> Result<KvmVm> {
-        let fd = kvm.create_vm().map_err(Error::kvm("KVM_CREATE_VM"))?;
+        // KVM_CREATE_VM fails with EINTR when a signal arrives meanwhile: a guest process forked
+        // by a parent that exits at once (`sh -c 'job &'`) gets its parent-death signal here, and
+        // used to die at birth. It is retried (the signal's handler has run by then).
+        let mut tries = 0;
+        let fd = loop {
+            match kvm.create_vm() {
+                Err(e) if e.errno() == libc::EINTR && tries < 100 => tries += 1,
+                r => break r.map_err(Error::kvm("KVM_CREATE_VM"))?,
+            }
+        };
         let region = kvm_userspace_memory_region {
             slot: 0,
             flags: KVM_MEM_LOG_DIRTY_PAGES,
