@@ -58,6 +58,8 @@ from collimate_core._errors import (
     SandboxTimeout,
 )
 from collimate_core._templates import AGENT_DIR, AGENT_IDLE, CATALOG, Baked, cache_dir
+from collimate_core._templates import frame as _frame
+from collimate_core._templates import unframe as _unframe
 
 # Bump when what a baked version holds changes shape (agent protocol, layout).
 FORMAT = 1
@@ -380,21 +382,6 @@ def exec_helper(cache: Path, log=None) -> Path:
 
 
 # --- one bake ----------------------------------------------------------------------------------
-
-
-def _frame(obj: dict) -> bytes:
-    data = json.dumps(obj).encode()
-    return len(data).to_bytes(4, "little") + data
-
-
-def _unframe(data: bytes) -> dict | None:
-    if len(data) < 4:
-        return None
-    try:
-        v = json.loads(data[4 : 4 + int.from_bytes(data[:4], "little")])
-        return v if isinstance(v, dict) else None
-    except ValueError:
-        return None
 
 
 def _tail(b: bytes) -> str:

@@ -8,7 +8,6 @@ keeps a few pre-forked spares; a sandbox is one VMM process running the in-guest
 from __future__ import annotations
 
 import hashlib
-import json
 import secrets
 import threading
 import time
@@ -28,6 +27,8 @@ from collimate_core._errors import (
 )
 from collimate_core._results import ExecResult
 from collimate_core._seeds import crng_stream, fresh_seed, parse_seed
+from collimate_core._templates import frame as _frame
+from collimate_core._templates import unframe as _unframe
 from collimate_core._templates import AGENT_IDLE, Baked, bake_catalog
 
 ACK_CONTEXT = b"collimate/seed-ack/v1"
@@ -35,21 +36,6 @@ MAX_UPLOAD = 256 << 20
 DEFAULT_SPARES = 2
 MAX_SPARES = 16
 RECYCLE_MAX = 8
-
-
-def _frame(obj: dict) -> bytes:
-    data = json.dumps(obj).encode()
-    return len(data).to_bytes(4, "little") + data
-
-
-def _unframe(data: bytes) -> dict | None:
-    if len(data) < 4:
-        return None
-    size = int.from_bytes(data[:4], "little")
-    try:
-        return json.loads(data[4 : 4 + size])
-    except ValueError:
-        return None
 
 
 def expected_ack(seed: bytes) -> str:

@@ -37,11 +37,27 @@ GUEST_ENV = {
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("COLLIMATE_CACHE")
-    if base:
-        return Path(base)
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "collimate"
+    """The cache directory: COLLIMATE_CACHE, else $XDG_CACHE_HOME/collimate (one rule for all)."""
+    from collimate_core._rootfs import default_cache
+
+    return default_cache()
+
+
+def frame(obj: dict) -> bytes:
+    """One message of the agent channel: a 4-byte little-endian length, then JSON."""
+    data = json.dumps(obj).encode()
+    return len(data).to_bytes(4, "little") + data
+
+
+def unframe(data: bytes) -> dict | None:
+    """The message at the start of `data`, or None if it is not a whole JSON object."""
+    if len(data) < 4:
+        return None
+    try:
+        v = json.loads(data[4 : 4 + int.from_bytes(data[:4], "little")])
+    except ValueError:
+        return None
+    return v if isinstance(v, dict) else None
 
 
 @dataclass

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use collimate_engine::{Launcher, RunExit, Vm, VmConfig};
+use collimate_engine::{RunExit, Vm, VmConfig};
 use common::*;
 use criterion::{criterion_group, criterion_main, Criterion};
 
@@ -25,10 +25,6 @@ fn record(name: &str, d: Duration) {
         Some((_, v)) => v.push(d),
         None => s.push((name.to_string(), vec![d])),
     }
-}
-
-fn launcher() -> Launcher {
-    Launcher::new(env!("CARGO_BIN_EXE_collimate-vmm"), vec![])
 }
 
 fn cmd(vm: &mut Vm, c: u64, a0: u64, a1: u64, a2: u64) {
@@ -77,40 +73,26 @@ fn benches(c: &mut Criterion) {
         })
     });
 
-    g.bench_function("clone to first guest exit, cold", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let t = Instant::now();
-                let mut c = z.clone_vm().unwrap();
-                // The zygote waits at its ready yield; the clone's first instructions read the (empty)
-                // mailbox and yield again.
-                c.run(T).unwrap();
-                let d = t.elapsed();
-                record("clone to first guest exit, cold", d);
-                total += d;
-                c.destroy().unwrap();
-            }
-            total
-        })
-    });
-
-    z.set_spare_pool(2).unwrap();
-    g.bench_function("clone to first guest exit, 2 spares", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let t = Instant::now();
-                let mut c = z.clone_vm().unwrap();
-                c.run(T).unwrap();
-                let d = t.elapsed();
-                record("clone to first guest exit, 2 spares", d);
-                total += d;
-                c.destroy().unwrap();
-            }
-            total
-        })
-    });
+    // The zygote waits at its ready yield; a clone's first instructions read the (empty) mailbox
+    // and yield again.
+    for (spares, name) in [(0, "clone to first guest exit, cold"), (2, "clone to first guest exit, 2 spares")] {
+        z.set_spare_pool(spares).unwrap();
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    let mut c = z.clone_vm().unwrap();
+                    c.run(T).unwrap();
+                    let d = t.elapsed();
+                    record(name, d);
+                    total += d;
+                    c.destroy().unwrap();
+                }
+                total
+            })
+        });
+    }
     z.set_spare_pool(0).unwrap();
 
     // A live, mid-episode guest with 10 MiB dirty.

@@ -94,8 +94,7 @@ struct Stdio {
     err: OwnedFd,
 }
 
-/// Most output one run keeps per stream; the rest is read and dropped (`RunResult::truncated`).
-pub const OUTPUT_CAP: usize = 16 << 20;
+pub use crate::protocol::OUTPUT_CAP;
 
 fn pipe() -> Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0; 2];

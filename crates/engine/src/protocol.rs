@@ -100,6 +100,10 @@ pub enum Response {
     Err(RemoteError),
 }
 
+/// Most output one run keeps per stream (stdout, stderr); the rest is dropped and the run's result
+/// says so (`RunResult::truncated`).
+pub const OUTPUT_CAP: usize = 16 << 20;
+
 /// Why a run stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RunExit {

@@ -6,27 +6,15 @@
 
 mod common;
 
+use common::{launcher, python_rootfs, scratch};
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use collimate_engine::{Launcher, RunExit, SpawnSpec, Vm, VmConfig};
+use collimate_engine::{RunExit, SpawnSpec, Vm, VmConfig};
 
 const T: Duration = Duration::from_secs(60);
-
-fn launcher() -> Launcher {
-    Launcher::new(env!("CARGO_BIN_EXE_collimate-vmm"), vec![])
-}
-
-fn rootfs() -> Option<PathBuf> {
-    match std::env::var_os("COLLIMATE_ROOTFS") {
-        Some(p) => Some(PathBuf::from(p)),
-        None if std::env::var_os("COLLIMATE_REQUIRE_KVM").is_some() => {
-            panic!("COLLIMATE_ROOTFS is not set: build it with `python3 guest/rootfs/build.py`")
-        }
-        None => None,
-    }
-}
 
 /// Whether this process may make namespaces (CAP_SYS_ADMIN in its effective set), as the VMM
 /// processes it starts then may.
@@ -35,13 +23,6 @@ fn can_make_namespaces() -> bool {
     let eff = status.lines().find_map(|l| l.strip_prefix("CapEff:")).unwrap().trim();
     const CAP_SYS_ADMIN: u32 = 21;
     u64::from_str_radix(eff, 16).unwrap() & (1 << CAP_SYS_ADMIN) != 0
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(d.join("work")).unwrap();
-    std::fs::canonicalize(d).unwrap()
 }
 
 /// Pauses at yield 7 after writing /work/a; then writes /work/b and prints both.
@@ -145,7 +126,7 @@ fn assert_jailed(vm: &Vm, root: &Path, work: &Path) {
 
 #[test]
 fn a_spawned_linux_guest_runs_jailed() {
-    let Some(root) = rootfs() else { return };
+    let Some(root) = python_rootfs() else { return };
     let root = std::fs::canonicalize(root).unwrap();
     let d = scratch("jail-spawn");
     let mut vm = spawn_paused(&root, &d.join("work"));
@@ -168,7 +149,7 @@ fn a_spawned_linux_guest_runs_jailed() {
 
 #[test]
 fn a_jailed_vmm_snapshots_outside_its_jail_and_restores() {
-    let Some(root) = rootfs() else { return };
+    let Some(root) = python_rootfs() else { return };
     let root = std::fs::canonicalize(root).unwrap();
     let d = scratch("jail-snap");
     let mut vm = spawn_paused(&root, &d.join("work"));

@@ -6,14 +6,10 @@ mod common;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use collimate_engine::{Launcher, RunExit, Vm, VmConfig};
+use collimate_engine::{RunExit, Vm, VmConfig};
 use common::*;
 
 const T: Duration = Duration::from_secs(10);
-
-fn launcher() -> Launcher {
-    Launcher::new(env!("CARGO_BIN_EXE_collimate-vmm"), vec![])
-}
 
 fn cmd(vm: &mut Vm, c: u64, a0: u64, a1: u64, a2: u64) -> u64 {
     vm.write_mem(MAILBOX, &mailbox(c, a0, a1, a2)).unwrap();

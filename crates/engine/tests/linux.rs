@@ -3,17 +3,17 @@
 //! against the host's glibc. Each program checks its own results and exits with the number of the
 //! first check that failed (0 when all passed).
 
+mod common;
+
+use common::launcher;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use collimate_engine::{Launcher, RunExit, RunResult, SpawnSpec, Vm, VmConfig};
+use collimate_engine::{RunExit, RunResult, SpawnSpec, Vm, VmConfig};
 
 const T: Duration = Duration::from_secs(30);
-
-fn launcher() -> Launcher {
-    Launcher::new(env!("CARGO_BIN_EXE_collimate-vmm"), vec![])
-}
 
 /// A fresh sandbox root directory.
 fn sandbox(name: &str) -> PathBuf {

@@ -3,11 +3,15 @@
 //! /dev and /proc, and tries to leave the sandbox with `..` and symlinks. It prints what it sees;
 //! the test compares that with what Linux would print.
 
+mod common;
+
+use common::{launcher, python_rootfs};
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use collimate_engine::{Launcher, RunExit, SpawnSpec, Vm, VmConfig};
+use collimate_engine::{RunExit, SpawnSpec, Vm, VmConfig};
 
 const PROG: &str = r#"
 #define _GNU_SOURCE
@@ -219,10 +223,6 @@ pipe read 4
 cat /work/out.txt: [to the file]
 ";
 
-fn launcher() -> Launcher {
-    Launcher::new(env!("CARGO_BIN_EXE_collimate-vmm"), vec![])
-}
-
 /// base/root (read-only: the program and etc/hostname), base/tmp and base/work (writable), and
 /// base/secret outside every mount.
 fn sandbox() -> PathBuf {
@@ -281,23 +281,6 @@ fn files_under_kvm() {
     assert_eq!(std::fs::read_to_string(base.join("root/etc/hostname")).unwrap(), "sandbox\n");
     assert!(!base.join("root/etc/new").exists());
     let _ = std::fs::remove_dir_all(&base);
-}
-
-/// The python template's root filesystem (guest/rootfs, built by `collimate_core._rootfs`), from
-/// COLLIMATE_ROOTFS or the default cache; None (the test skips) if it was never built.
-fn python_rootfs() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("COLLIMATE_ROOTFS") {
-        return Some(PathBuf::from(p));
-    }
-    let cache = match std::env::var_os("COLLIMATE_CACHE") {
-        Some(c) => PathBuf::from(c),
-        None => std::env::var_os("XDG_CACHE_HOME")
-            .map_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"), PathBuf::from)
-            .join("collimate"),
-    };
-    let dir = std::fs::read_dir(cache.join("rootfs")).ok()?;
-    dir.filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python-")) && p.join("usr/bin/python3").exists())
 }
 
 fn run_in_rootfs(root: &Path, argv: &[&str]) -> (RunExit, String, String) {

@@ -5,18 +5,18 @@
 //! that failed (0 when all passed). The busybox and CPython tests use the python template's
 //! root filesystem and skip if it was never built.
 
+mod common;
+
+use common::{launcher, python_rootfs};
+
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use collimate_engine::{Launcher, RunExit, RunResult, SpawnSpec, Vm, VmConfig};
+use collimate_engine::{RunExit, RunResult, SpawnSpec, Vm, VmConfig};
 
 const T: Duration = Duration::from_secs(60);
-
-fn launcher() -> Launcher {
-    Launcher::new(env!("CARGO_BIN_EXE_collimate-vmm"), vec![])
-}
 
 /// A fresh sandbox: base/root (read-only), base/work (writable at /work).
 fn sandbox(name: &str) -> PathBuf {
@@ -65,22 +65,6 @@ fn show(r: &RunResult) -> String {
 
 fn expect_exit(r: &RunResult, code: i32) {
     assert_eq!(r.exit, RunExit::Exited { code }, "{}", show(r));
-}
-
-/// The python template's root filesystem, if it was built (see tests/linux_files.rs).
-fn python_rootfs() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("COLLIMATE_ROOTFS") {
-        return Some(PathBuf::from(p));
-    }
-    let cache = match std::env::var_os("COLLIMATE_CACHE") {
-        Some(c) => PathBuf::from(c),
-        None => std::env::var_os("XDG_CACHE_HOME")
-            .map_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"), PathBuf::from)
-            .join("collimate"),
-    };
-    let dir = std::fs::read_dir(cache.join("rootfs")).ok()?;
-    dir.filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python-")) && p.join("usr/bin/python3").exists())
 }
 
 /// Run `argv` in the python rootfs with `work` mounted at /work.

@@ -5,34 +5,15 @@
 //! snapshot, restore, fork (clone), reset, and a snapshot of a seeded sandbox. Needs the python
 //! rootfs (COLLIMATE_ROOTFS; scripts/test.sh builds it).
 
-use std::path::PathBuf;
+mod common;
+
+use common::{launcher, python_rootfs, scratch};
+
 use std::time::Duration;
 
-use collimate_engine::{Launcher, RunExit, SpawnSpec, Vm, VmConfig};
+use collimate_engine::{RunExit, SpawnSpec, Vm, VmConfig};
 
 const T: Duration = Duration::from_secs(60);
-
-fn launcher() -> Launcher {
-    Launcher::new(env!("CARGO_BIN_EXE_collimate-vmm"), vec![])
-}
-
-fn rootfs() -> Option<PathBuf> {
-    match std::env::var_os("COLLIMATE_ROOTFS") {
-        Some(p) => Some(PathBuf::from(p)),
-        None if std::env::var_os("COLLIMATE_REQUIRE_KVM").is_some() => {
-            panic!("COLLIMATE_ROOTFS is not set: build it with `python3 guest/rootfs/build.py`")
-        }
-        None => None,
-    }
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(d.join("work")).unwrap();
-    std::fs::create_dir_all(d.join("tmp")).unwrap();
-    d
-}
 
 /// Pauses (yield 7) before importing anything that draws randomness; then prints one line per
 /// source, then the clocks and two object addresses. The set's order comes from the str hash secret, which CPython draws at startup, before
@@ -64,7 +45,7 @@ const CLOCK_LINES: [&str; 3] = ["time", "monotonic", "perf_counter"];
 
 fn spec(dir: &std::path::Path) -> SpawnSpec {
     SpawnSpec {
-        root: rootfs().unwrap(),
+        root: python_rootfs().unwrap(),
         mounts: vec![("/work".into(), dir.join("work")), ("/tmp".into(), dir.join("tmp"))],
         argv: vec![b"/usr/bin/python3".to_vec(), b"-c".to_vec(), PROGRAM.as_bytes().to_vec()],
         envp: vec![b"PATH=/usr/bin:/bin".to_vec()],
@@ -110,7 +91,7 @@ const S2: [u8; 32] = [0x5e; 32];
 
 #[test]
 fn clones_reseeded_alike_print_the_same() {
-    if rootfs().is_none() {
+    if python_rootfs().is_none() {
         eprintln!("no python rootfs: skipping");
         return;
     }
@@ -172,7 +153,7 @@ fn clones_reseeded_alike_print_the_same() {
 
 #[test]
 fn spawns_reseeded_before_the_first_run_print_the_same() {
-    if rootfs().is_none() {
+    if python_rootfs().is_none() {
         eprintln!("no python rootfs: skipping");
         return;
     }
@@ -208,7 +189,7 @@ print("parent", os.urandom(8).hex(), flush=True)
 
 #[test]
 fn guest_forks_draw_derived_streams() {
-    if rootfs().is_none() {
+    if python_rootfs().is_none() {
         eprintln!("no python rootfs: skipping");
         return;
     }

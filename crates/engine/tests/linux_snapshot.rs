@@ -3,34 +3,16 @@
 //! other, reset returning files and memory to the template. Needs the python rootfs (scripts/test.sh
 //! builds it and sets COLLIMATE_ROOTFS).
 
+mod common;
+
+use common::{launcher, python_rootfs, scratch};
+
 use std::path::PathBuf;
 use std::time::Duration;
 
-use collimate_engine::{Launcher, RunExit, SpawnSpec, Vm, VmConfig};
+use collimate_engine::{RunExit, SpawnSpec, Vm, VmConfig};
 
 const T: Duration = Duration::from_secs(60);
-
-fn launcher() -> Launcher {
-    Launcher::new(env!("CARGO_BIN_EXE_collimate-vmm"), vec![])
-}
-
-fn rootfs() -> Option<PathBuf> {
-    match std::env::var_os("COLLIMATE_ROOTFS") {
-        Some(p) => Some(PathBuf::from(p)),
-        None if std::env::var_os("COLLIMATE_REQUIRE_KVM").is_some() => {
-            panic!("COLLIMATE_ROOTFS is not set: build it with `python3 guest/rootfs/build.py`")
-        }
-        None => None,
-    }
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(d.join("work")).unwrap();
-    std::fs::create_dir_all(d.join("tmp")).unwrap();
-    d
-}
 
 /// Writes and keeps open /work/state.txt, pauses (yield 7), then appends what /work/who says.
 const PROGRAM: &str = r#"
@@ -44,7 +26,7 @@ print(open("/work/state.txt").read().replace("\n", "|"), sum(prefix))
 "#;
 
 fn spawn_paused(dir: &PathBuf) -> Vm {
-    let root = rootfs().unwrap();
+    let root = python_rootfs().unwrap();
     let spec = SpawnSpec {
         root,
         mounts: vec![("/work".into(), dir.join("work")), ("/tmp".into(), dir.join("tmp"))],
@@ -61,7 +43,7 @@ fn spawn_paused(dir: &PathBuf) -> Vm {
 
 #[test]
 fn forked_python_sandboxes_resume_with_private_files() {
-    if rootfs().is_none() {
+    if python_rootfs().is_none() {
         eprintln!("no python rootfs: skipping");
         return;
     }

@@ -6,14 +6,10 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use collimate_engine::{Error, Launcher, RunExit, Vm, VmConfig};
+use collimate_engine::{Error, RunExit, Vm, VmConfig};
 use common::*;
 
 const T: Duration = Duration::from_secs(10);
-
-fn launcher() -> Launcher {
-    Launcher::new(env!("CARGO_BIN_EXE_collimate-vmm"), vec![])
-}
 
 fn tmpdir(name: &str) -> PathBuf {
     let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));

@@ -42,8 +42,7 @@ pub struct RuntimeState {
 
 /// XCR0 we enable: x87, SSE, AVX.
 const XCR0: u64 = 0b111;
-/// Largest stdout/stderr a single run keeps; the rest is dropped (and counted by the guest's write).
-pub const OUTPUT_CAP: usize = 16 << 20;
+pub use crate::protocol::OUTPUT_CAP;
 
 /// A paused or running guest inside this process. Field order is drop order: the vCPU and VM go
 /// before the memory they map.
@@ -245,7 +244,7 @@ impl Machine {
 
     pub fn run(&mut self, timeout: Duration) -> Result<RunResult> {
         let start = Instant::now();
-        let mut out = syscalls::Output::default();
+        let mut out = guestos::Output::default();
         if let Some(exit) = self.exited {
             return Ok(RunResult { exit, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false, agent: vec![] });
         }
@@ -267,7 +266,7 @@ impl Machine {
         Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false, agent: vec![] })
     }
 
-    fn run_loop(&mut self, deadline: Instant, out: &mut syscalls::Output) -> Result<RunExit> {
+    fn run_loop(&mut self, deadline: Instant, out: &mut guestos::Output) -> Result<RunExit> {
         let linux = self.os.is_some();
         loop {
             let exit = match self.vcpu.run() {
@@ -346,7 +345,7 @@ impl Machine {
         process::on_fault(self, RunExit::Fault { vector: 13, error_code: 0, rip: r.rip, cr2: 0 })
     }
 
-    fn syscall(&mut self, out: &mut syscalls::Output) -> Result<Option<RunExit>> {
+    fn syscall(&mut self, out: &mut guestos::Output) -> Result<Option<RunExit>> {
         let mut r = self.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
         let sregs = self.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
         // `syscall` saved the return address in rcx and the flags in r11.
@@ -358,14 +357,13 @@ impl Machine {
             // fork, execve, sigreturn: the VMM's own business (see `process`).
             Some(_) if process::intercepts(r.rax) => process::syscall(self, &mut r, &mut sregs)?,
             Some(os) => {
-                let mut gout = guestos::Output::default();
                 let mut ctx = guestos::Ctx {
                     mem: &mut self.mem,
                     frames: &mut self.runtime.frames,
                     aspace: &self.runtime.aspace,
                     regs: &mut r,
                     sregs: &mut sregs,
-                    out: &mut gout,
+                    out,
                     flush_tlb: false,
                     stale_frames: Vec::new(),
                     stop: None,
@@ -373,9 +371,6 @@ impl Machine {
                 let exit = guestos::dispatch(os, &mut ctx);
                 let flush = ctx.flush_tlb;
                 let stale = std::mem::take(&mut ctx.stale_frames);
-                out.stdout.extend_from_slice(&gout.stdout);
-                out.stderr.extend_from_slice(&gout.stderr);
-                out.enosys += gout.enosys;
                 if flush {
                     crate::vstate::tlb::flush_guest_tlb(&self.vm, &mut self.mem)?;
                 } else if !stale.is_empty() {

@@ -4,7 +4,8 @@
 
 use kvm_bindings::kvm_regs;
 
-use super::OUTPUT_CAP;
+use crate::guestos::Output;
+use crate::protocol::OUTPUT_CAP;
 use crate::arch::x86_64::paging::AddressSpace;
 use crate::protocol::RunExit;
 use crate::vstate::memory::GuestMemory;
@@ -19,13 +20,6 @@ pub const SYS_YIELD: u64 = 0x4000_0000;
 const EBADF: i64 = 9;
 const EFAULT: i64 = 14;
 const ENOSYS: i64 = 38;
-
-#[derive(Default)]
-pub struct Output {
-    pub stdout: Vec<u8>,
-    pub stderr: Vec<u8>,
-    pub enosys: u64,
-}
 
 /// Service one syscall. Returns the value for rax and, when the run should stop, why.
 pub fn dispatch(r: &kvm_regs, aspace: &AddressSpace, mem: &GuestMemory, out: &mut Output) -> (i64, Option<RunExit>) {

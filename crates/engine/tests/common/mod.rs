@@ -202,3 +202,42 @@ pub fn regs_out_rsp_rflags(data: &[u8]) -> (u64, u64) {
 fn u64_at(data: &[u8], off: usize) -> u64 {
     u64::from_le_bytes(data[off..off + 8].try_into().unwrap())
 }
+
+// --- Linux guests ----------------------------------------------------------------
+/// Starts VMM processes from the test build's `collimate-vmm` binary.
+pub fn launcher() -> collimate_engine::Launcher {
+    collimate_engine::Launcher::new(env!("CARGO_BIN_EXE_collimate-vmm"), vec![])
+}
+
+/// The python template's root filesystem: COLLIMATE_ROOTFS (scripts/test.sh sets it), else a tree
+/// in the default cache; None (the test skips) if none was built, unless COLLIMATE_REQUIRE_KVM says
+/// the Linux-guest tests must run.
+pub fn python_rootfs() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("COLLIMATE_ROOTFS") {
+        return Some(PathBuf::from(p));
+    }
+    let cache = match std::env::var_os("COLLIMATE_CACHE") {
+        Some(c) => PathBuf::from(c),
+        None => std::env::var_os("XDG_CACHE_HOME")
+            .map_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"), PathBuf::from)
+            .join("collimate"),
+    };
+    let found = std::fs::read_dir(cache.join("rootfs")).ok().and_then(|dir| {
+        dir.filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
+            p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python-")) && p.join("usr/bin/python3").exists()
+        })
+    });
+    if found.is_none() && std::env::var_os("COLLIMATE_REQUIRE_KVM").is_some() {
+        panic!("COLLIMATE_ROOTFS is not set: build it with `python3 guest/rootfs/build.py`");
+    }
+    found
+}
+
+/// A fresh scratch directory with `work/` and `tmp/` for a sandbox's writable mounts.
+pub fn scratch(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(d.join("work")).unwrap();
+    std::fs::create_dir_all(d.join("tmp")).unwrap();
+    d
+}
