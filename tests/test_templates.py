@@ -309,7 +309,8 @@ def test_references_resolve_in_the_local_store(tmp_path):
 
 def test_platform_and_user(tmp_path):
     passwd = b"root:x:0:0::/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n"
-    l1 = Layer().dir("etc").file("etc/passwd", passwd).file("etc/group", b"root:x:0:\nstaff:x:50:\n").bytes()
+    group = b"root:x:0:\nstaff:x:50:\nwheel:x:10:root,app\n"
+    l1 = Layer().dir("etc").file("etc/passwd", passwd).file("etc/group", group).bytes()
     cfg = image_config([l1], {}, arch="arm64")
     write_oci_layout(tmp_path / "arm", [l1], raw_config=cfg)
     with pytest.raises(_oci.ImageError, match="linux/amd64"):
@@ -317,8 +318,11 @@ def test_platform_and_user(tmp_path):
     root = unpack(tmp_path, [l1])
     tree = _oci.Tree(root)
     assert _oci.resolve_user(tree, "")["uid"] == 0
-    assert _oci.resolve_user(tree, "app") == {"spec": "app", "uid": 1000, "gid": 1000, "name": "app", "home": "/home/app"}
+    assert _oci.resolve_user(tree, "app") == {"spec": "app", "uid": 1000, "gid": 1000, "name": "app",
+                                              "home": "/home/app", "groups": [10, 1000]}
     assert _oci.resolve_user(tree, "app:staff")["gid"] == 50
+    assert _oci.resolve_user(tree, "app:staff")["groups"] == [10, 50]
+    assert _oci.resolve_user(tree, "4242:7")["groups"] == [7]
     assert _oci.resolve_user(tree, "4242:7")["uid"] == 4242
     with pytest.raises(_oci.ImageError, match="no user named"):
         _oci.resolve_user(tree, "nobody-here")
@@ -455,7 +459,8 @@ def test_python_image_bakes_live_with_its_ready_state_and_config(client, pyapp):
     assert status.phase == "Live", status.log
     assert status.digest == pyapp["manifest"] and status.image_id == pyapp["config"]
     assert (status.agent, status.seed_ack) == ("python", "verified")
-    assert status.user == {"spec": "sandbox", "uid": 1000, "gid": 1000, "name": "sandbox", "home": "/work"}
+    assert status.user == {"spec": "sandbox", "uid": 1000, "gid": 1000, "name": "sandbox", "home": "/work",
+                           "groups": [1000]}
     assert "Ready(code=...) done" in status.log and "Ready(cmd=...) done" in status.log
     with client.session(handle) as sess:
         r = sess.exec(code="import os, sys\nprint('slowmod' in sys.modules, os.getcwd(), os.environ['GREETING'])",
@@ -470,6 +475,24 @@ def test_python_image_bakes_live_with_its_ready_state_and_config(client, pyapp):
         assert r.stdout == "per-exec\n/tmp\n"
         r = sess.exec(command="exit 3")
         assert r.exit_code == 3
+        # The image's User: the agent and what it runs are uid 1000, own what they create, and
+        # cannot become root again; the image's own files keep the image's owners.
+        r = sess.exec(code=(
+            "import os, subprocess\n"
+            "open('/work/mine.txt', 'w').close(); os.mkdir('/tmp/d'); os.symlink('mine.txt', '/work/ln')\n"
+            "print(os.getuid(), os.geteuid(), os.getgid(), os.getgroups())\n"
+            "print([(os.lstat(p).st_uid, os.lstat(p).st_gid) for p in ('/work/mine.txt', '/tmp/d', '/work/ln')])\n"
+            "print(os.stat('/work/seeded.txt').st_uid, os.stat('/srv/app/data.txt').st_uid)\n"
+            "print(subprocess.run(['sh', '-c', 'id -u; touch /tmp/sh.txt'], capture_output=True, text=True).stdout.strip())\n"
+            "print(os.stat('/tmp/sh.txt').st_uid)\n"
+            "for f in (lambda: os.setuid(0), lambda: os.chown('/work/mine.txt', 0, 0)):\n"
+            "    try: f(); print('allowed')\n"
+            "    except PermissionError: print('EPERM')\n"))
+        assert r.ok, r
+        assert r.stdout.splitlines() == [
+            "1000 1000 1000 [1000]", str([(1000, 1000)] * 3), "0 0", "1000", "1000", "EPERM", "EPERM"], r
+        with sess.fork_group(2) as grp:  # a forked sandbox's copy of /work keeps the owners
+            assert grp[1].exec(code="import os; print(os.stat('/work/mine.txt').st_uid)").stdout == "1000\n"
     with Sandbox("pyapp", client=client) as sb:  # by name
         assert sb.exec(code="import slowmod; print(len(slowmod.PRIMES))").stdout == "148933\n"
 

@@ -27,9 +27,11 @@ On disk (`<cache>/templates/images/<name>-<hash>/`): `index.json` names the curr
 makes version N+1; sandboxes of older versions keep running (each live version holds a shared
 flock on `v<N>/.lock`), and unused older versions are pruned by later bakes and deletes.
 
-The image's User is resolved to uid/gid (from its /etc/passwd and /etc/group) and recorded in the
-template, but guests run as uid 0: the engine's guest identity (`Proc.uid/gid`) starts at 0 and
-`Vm.spawn` takes none, and the guest cannot change it (setuid accepts only ids it already has).
+The image's User is resolved to uid, gid and supplementary groups (from its /etc/passwd and
+/etc/group, as docker does) and the agent and everything it runs start as that user: getuid(),
+`id`, and the owner of every file they create (files the image seeds /work and /tmp with keep the
+image's owners). File modes are not enforced against that user: inside its sandbox a guest may
+read and write what a root guest may (the sandbox is the isolation boundary, not the uid).
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class TemplateStatus:
     agent: str | None = None  # "python" (code and command execs) or "exec" (command execs only)
     seed_ack: str | None = None  # "verified" with the Python agent's handshake, else "off"
     width: int = 1
-    user: dict = field(default_factory=dict)  # the image's User, resolved (recorded; guests run as uid 0)
+    user: dict = field(default_factory=dict)  # the image's User, resolved: guests run as it
     entrypoint: list[str] = field(default_factory=list)
     cmd: list[str] = field(default_factory=list)
     working_dir: str = ""
@@ -384,6 +386,18 @@ def exec_helper(cache: Path, log=None) -> Path:
 # --- one bake ----------------------------------------------------------------------------------
 
 
+def _copy_owned(src: str, dst: Path) -> None:
+    """Copy a directory of the image with its files' owners (when we may: as root)."""
+    shutil.copytree(src, dst, symlinks=True)
+    if os.geteuid() != 0:
+        return
+    for dirpath, dirnames, filenames in os.walk(src):
+        rel = os.path.relpath(dirpath, src)
+        for name in [".", *dirnames, *filenames]:
+            st = os.lstat(os.path.join(dirpath, name))
+            os.lchown(os.path.normpath(os.path.join(dst, rel, name)), st.st_uid, st.st_gid)
+
+
 def _tail(b: bytes) -> str:
     s = b.decode(errors="replace")
     return s if len(s) <= LOG_OUTPUT_CAP else "[...]\n" + s[-LOG_OUTPUT_CAP:]
@@ -483,8 +497,7 @@ class _Build:
             if not workdir.startswith("/"):
                 workdir = "/" + workdir
             if icfg.user:
-                say(f"User {icfg.user!r} -> uid {user['uid']}, gid {user['gid']} (recorded; guests run as uid 0: "
-                    "the engine has no guest identity setting yet)")
+                say(f"User {icfg.user!r} -> uid {user['uid']}, gid {user['gid']}, groups {user['groups']}")
             if icfg.entrypoint:
                 prog = tree.find_program(icfg.entrypoint[0], env["PATH"], workdir)
                 if prog is None:
@@ -532,7 +545,7 @@ class _Build:
                 host = workdirs / guest.strip("/")
                 src = tree.resolve(guest)
                 if src and os.path.isdir(src) and os.listdir(src):
-                    shutil.copytree(src, host, symlinks=True)
+                    _copy_owned(src, host)
                     say(f"seeded {guest} with the image's {len(os.listdir(src))} entries")
                 else:
                     host.mkdir()
@@ -542,7 +555,8 @@ class _Build:
             # Boot the agent to its idle point, then the ready state.
             try:
                 vm = Vm.spawn(root, argv, env=env, cwd=workdir, mounts=mounts,
-                              ro_mounts={"/opt/collimate": agent_dir}, agent=True)
+                              ro_mounts={"/opt/collimate": agent_dir}, agent=True,
+                              uid=user["uid"], gid=user["gid"], groups=user["groups"])
             except (_CoreEngineError, ValueError, OSError) as e:
                 raise BuildError(f"starting the agent in the image failed: {e}") from None
             r = vm.run(AGENT_START_TIMEOUT)

@@ -118,8 +118,12 @@ class Vm:
         mem_size: int = 1073741824,
         ro_mounts: dict[str, str | PathLike[str]] | None = None,
         agent: bool = False,
+        uid: int | None = None,
+        gid: int | None = None,
+        groups: list[int] | None = None,
     ) -> Vm:
-        """Start a VMM process running the Linux program `argv[0]` from root filesystem `root`."""
+        """Start a VMM process running the Linux program `argv[0]` from root filesystem `root`,
+        as `uid`/`gid` with supplementary `groups` (default: root)."""
     @staticmethod
     def restore(dir: str | PathLike[str]) -> Vm:
         """Start a VMM process from a snapshot directory (`vm.state`, `vm.mem`)."""

@@ -1139,9 +1139,10 @@ def remove_rootfs(cache: Path, image_id: str) -> None:
 
 def resolve_user(tree: Tree, user: str) -> dict:
     """The image's User as ids, from the tree's /etc/passwd and /etc/group, as docker does:
-    `name`, `uid`, `name:group`, `uid:gid`. An unknown name is an error."""
+    `name`, `uid`, `name:group`, `uid:gid`. An unknown name is an error. `groups`: the
+    supplementary groups, those of /etc/group that list the user (with its primary group)."""
     spec = (user or "").strip()
-    out = {"spec": spec, "uid": 0, "gid": 0, "name": "root", "home": "/root"}
+    out = {"spec": spec, "uid": 0, "gid": 0, "name": "root", "home": "/root", "groups": []}
     if not spec:
         passwd = _read_db(tree, "/etc/passwd")
         for row in passwd:
@@ -1167,6 +1168,12 @@ def resolve_user(tree: Tree, user: str) -> dict:
             if grow is None:
                 raise ImageError(f"the image's User {spec!r}: no group named {g!r} in the image's /etc/group")
             out["gid"] = int(grow[2])
+    groups = {out["gid"]}
+    if out["name"]:
+        for r in _read_db(tree, "/etc/group"):
+            if len(r) >= 4 and r[2].isdigit() and out["name"] in r[3].split(","):
+                groups.add(int(r[2]))
+    out["groups"] = sorted(groups)
     return out
 
 

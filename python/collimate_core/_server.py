@@ -13,6 +13,15 @@ A tenant whose sandbox-seconds reach `spend_limit` gets 402 on new sandboxes, fo
 (deleting always works). Sandboxes nobody touched for `idle_reap` seconds are destroyed: the
 remote client keeps its live sandboxes alive, so these are the sandboxes of clients that died.
 
+Templates. The catalog templates (python) are shared by every tenant and read-only. A tenant
+bakes its own from a container image it uploads (POST /v1/images: an OCI layout archive or a
+`docker save` archive, verified and kept in that tenant's own image store) with POST
+/v1/templates; the bake runs in the background, GET /v1/templates/{name} reports it (Building,
+Live, or Failed with the build log). Each tenant's templates live in a namespace of their own: the
+engine knows them as `tenant-<hash of the tenant>/<name>`, which never appears in a response;
+another tenant's template is 404, exactly like one that never existed. Images are named by a
+reference into the tenant's store, never by a path on this host.
+
 Logs are JSON lines on stderr: one per request, plus lifecycle events (listening, reaped, ...).
 """
 
@@ -21,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -29,6 +39,7 @@ import re
 import secrets
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -59,7 +70,7 @@ from collimate_core._errors import (
     VmDestroyedError,
 )
 from collimate_core._keys import KeyStore
-from collimate_core._templates import CATALOG
+from collimate_core._templates import CATALOG, cache_dir
 
 API_VERSION = "1.0.0"
 DEFAULT_PORT = 8477
@@ -67,6 +78,12 @@ MAX_JSON_BODY = 32 << 20  # an exec's code, a keepalive list: far below this
 MAX_EXEC_SECONDS = 3600.0
 MAX_WIDTH = 1024
 MAX_PATH = 4096
+MAX_READY_SECONDS = 3600.0
+# A tenant's template names: no "/" (one path segment), nothing that reads as a version ("@").
+TEMPLATE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$"
+# The name an uploaded image is stored under: a repository name, so `name@sha256:...` resolves.
+IMAGE_NAME = r"^[a-z0-9]+(?:[._-][a-z0-9]+){0,63}$"
+DIGEST = r"^sha256:[0-9a-f]{64}$"
 
 log = logging.getLogger("collimate.server")
 
@@ -84,6 +101,8 @@ class ServerConfig:
     idle_reap: float = 600.0
     spend_limit: float | None = None  # sandbox-seconds per tenant over the server's life
     max_upload: int = 64 << 20
+    max_image_upload: int = 4 << 30  # bytes of one image archive (POST /v1/images)
+    max_bakes: int = 2  # bakes running at once on this server; more get 429
     key_store: Path | None = None
     cache: Path | None = None
     preload: tuple[str, ...] = ("python",)

@@ -65,6 +65,19 @@ pub struct SpawnSpec {
     /// Give the program fd 3 as the agent channel (see `Request::AgentCall`).
     #[serde(default)]
     pub agent: bool,
+    /// The identity the program starts with (a container image's User); None: root.
+    #[serde(default)]
+    pub user: Option<GuestUser>,
+}
+
+/// A guest process identity: real, effective, saved and file-system ids all start at these.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestUser {
+    pub uid: u32,
+    pub gid: u32,
+    /// Supplementary groups.
+    #[serde(default)]
+    pub groups: Vec<u32>,
 }
 
 impl Request {

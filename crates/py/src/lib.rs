@@ -347,8 +347,9 @@ impl PyVm {
 
     /// Starts a fresh VMM process running the Linux program `argv[0]` from the root filesystem
     /// `root`, with writable host directories `mounts` ({guest path: host dir}); paused until run().
+    /// `uid`/`gid`/`groups`: the identity it starts with (default root), e.g. an image's User.
     #[staticmethod]
-    #[pyo3(signature = (root, argv, env = None, cwd = "/".to_string(), mounts = None, mem_size = 1 << 30, ro_mounts = None, agent = false))]
+    #[pyo3(signature = (root, argv, env = None, cwd = "/".to_string(), mounts = None, mem_size = 1 << 30, ro_mounts = None, agent = false, uid = None, gid = None, groups = None))]
     #[allow(clippy::too_many_arguments)]
     fn spawn(
         py: Python<'_>,
@@ -360,6 +361,9 @@ impl PyVm {
         mem_size: u64,
         ro_mounts: Option<HashMap<String, PathBuf>>,
         agent: bool,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        groups: Option<Vec<u32>>,
     ) -> PyResult<PyVm> {
         if argv.is_empty() {
             return Err(PyValueError::new_err("Vm.spawn: argv is empty; argv[0] names the program"));
@@ -379,6 +383,11 @@ impl PyVm {
             cwd,
             ro_mounts: ro_mounts.unwrap_or_default().into_iter().collect(),
             agent,
+            user: (uid.is_some() || gid.is_some() || groups.is_some()).then(|| collimate_engine::GuestUser {
+                uid: uid.unwrap_or(0),
+                gid: gid.unwrap_or(0),
+                groups: groups.unwrap_or_default(),
+            }),
         };
         let cfg = VmConfig { mem_size };
         py.detach(|| collimate_engine::Vm::spawn(launcher, &spec, &cfg))

@@ -549,15 +549,66 @@ fn is_self(proc: &Proc, pid: u64) -> bool {
     pid == 0 || pid == proc.pid
 }
 
-/// setuid-family check: each requested id must be -1 (keep) or one the process already has.
-fn same_ids(cur: &[u32; 4], want: &[u64]) -> Result<u64, Errno> {
-    for &w in want {
-        let w = w as u32;
-        if w != u32::MAX && w != cur[0] && w != cur[1] {
-            return Err(EPERM);
+const KEEP: u32 = u32::MAX;
+
+/// setresuid/setresgid on `ids` (real, effective, saved, file-system), as Linux does it: with
+/// privilege (effective uid 0) any ids; without, each new id must be one of the current real,
+/// effective or saved ids. -1 keeps an id; the file-system id follows the effective one.
+fn set_res(ids: &mut [u32; 4], r: u32, e: u32, s: u32, privileged: bool) -> Result<u64, Errno> {
+    if !privileged && [r, e, s].iter().any(|&w| w != KEEP && !ids[..3].contains(&w)) {
+        return Err(EPERM);
+    }
+    for (i, w) in [r, e, s].into_iter().enumerate() {
+        if w != KEEP {
+            ids[i] = w;
         }
     }
+    ids[3] = ids[1];
     Ok(0)
+}
+
+/// setuid/setgid: with privilege, all four ids; without, the effective (and file-system) id, to
+/// the real or saved one.
+fn set_one(ids: &mut [u32; 4], id: u32, privileged: bool) -> Result<u64, Errno> {
+    if privileged {
+        *ids = [id; 4];
+    } else if id == ids[0] || id == ids[2] {
+        ids[1] = id;
+        ids[3] = id;
+    } else {
+        return Err(EPERM);
+    }
+    Ok(0)
+}
+
+/// setreuid/setregid: the real id may become the effective one, the effective id any of the
+/// three; the saved id follows the new effective id when the real id is set or the effective id
+/// moves away from the real one.
+fn set_re(ids: &mut [u32; 4], r: u32, e: u32, privileged: bool) -> Result<u64, Errno> {
+    let old = *ids;
+    if !privileged && ((r != KEEP && r != old[0] && r != old[1]) || (e != KEEP && !old[..3].contains(&e))) {
+        return Err(EPERM);
+    }
+    if r != KEEP {
+        ids[0] = r;
+    }
+    if e != KEEP {
+        ids[1] = e;
+    }
+    if r != KEEP || (e != KEEP && e != old[0]) {
+        ids[2] = ids[1];
+    }
+    ids[3] = ids[1];
+    Ok(0)
+}
+
+/// setfsuid/setfsgid: returns the previous id whether or not it changes.
+fn set_fs(ids: &mut [u32; 4], id: u32, privileged: bool) -> Result<u64, Errno> {
+    let old = ids[3];
+    if id != KEEP && (privileged || ids.contains(&id)) {
+        ids[3] = id;
+    }
+    Ok(old as u64)
 }
 
 /// Handle a miscellaneous syscall; `None` if `nr` is not one of ours.
@@ -621,12 +672,30 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
                 })
             }
         }
-        SYS_SETUID => same_ids(&p.uid, &[a[0]]),
-        SYS_SETGID => same_ids(&p.gid, &[a[0]]),
-        SYS_SETREUID => same_ids(&p.uid, &[a[0], a[1]]),
-        SYS_SETREGID => same_ids(&p.gid, &[a[0], a[1]]),
-        SYS_SETRESUID => same_ids(&p.uid, &[a[0], a[1], a[2]]),
-        SYS_SETRESGID => same_ids(&p.gid, &[a[0], a[1], a[2]]),
+        SYS_SETUID => {
+            let privileged = p.uid[1] == 0;
+            set_one(&mut p.uid, a[0] as u32, privileged)
+        }
+        SYS_SETGID => {
+            let privileged = p.uid[1] == 0;
+            set_one(&mut p.gid, a[0] as u32, privileged)
+        }
+        SYS_SETREUID => {
+            let privileged = p.uid[1] == 0;
+            set_re(&mut p.uid, a[0] as u32, a[1] as u32, privileged)
+        }
+        SYS_SETREGID => {
+            let privileged = p.uid[1] == 0;
+            set_re(&mut p.gid, a[0] as u32, a[1] as u32, privileged)
+        }
+        SYS_SETRESUID => {
+            let privileged = p.uid[1] == 0;
+            set_res(&mut p.uid, a[0] as u32, a[1] as u32, a[2] as u32, privileged)
+        }
+        SYS_SETRESGID => {
+            let privileged = p.uid[1] == 0;
+            set_res(&mut p.gid, a[0] as u32, a[1] as u32, a[2] as u32, privileged)
+        }
         SYS_GETRESUID | SYS_GETRESGID => {
             let ids = if nr == SYS_GETRESUID { p.uid } else { p.gid };
             ctx.write(a[0], &ids[0].to_le_bytes())
@@ -634,9 +703,14 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
                 .and_then(|_| ctx.write(a[2], &ids[2].to_le_bytes()))
                 .map(|_| 0)
         }
-        // setfsuid/setfsgid return the previous id whether or not they change it.
-        SYS_SETFSUID => Ok(p.uid[3] as u64),
-        SYS_SETFSGID => Ok(p.gid[3] as u64),
+        SYS_SETFSUID => {
+            let privileged = p.uid[1] == 0;
+            set_fs(&mut p.uid, a[0] as u32, privileged)
+        }
+        SYS_SETFSGID => {
+            let privileged = p.uid[1] == 0;
+            set_fs(&mut p.gid, a[0] as u32, privileged)
+        }
         SYS_GETPGRP => Ok(p.pgid as u64),
         SYS_GETPGID => {
             if is_self(p, a[0]) {
@@ -1337,7 +1411,6 @@ mod tests {
         assert_eq!(t.call(SYS_GETUID, [0; 6]), 0);
         assert_eq!(t.call(SYS_GETEGID, [0; 6]), 0);
         assert_eq!(t.call(SYS_SETUID, [0; 6]), 0);
-        assert_eq!(t.call(SYS_SETUID, [1000, 0, 0, 0, 0, 0]), -1);
         assert_eq!(t.call(SYS_SETRESUID, [u64::MAX, 0, u32::MAX as u64, 0, 0, 0]), 0);
         assert_eq!(t.call(SYS_GETRESGID, [BUF, BUF + 4, BUF + 8, 0, 0, 0]), 0);
         assert_eq!(t.call(SYS_GETGROUPS, [0; 6]), 0);
@@ -1356,6 +1429,38 @@ mod tests {
         assert_eq!(t.call(SYS_UMASK, [0o077, 0, 0, 0, 0, 0]), 0o022);
         assert_eq!(t.call(SYS_UMASK, [0o7777, 0, 0, 0, 0, 0]), 0o077);
         assert_eq!(t.os.proc.umask, 0o777);
+    }
+
+    #[test]
+    fn set_ids_like_linux() {
+        let mut t = T::new();
+        let keep = u32::MAX as u64;
+        // Root drops to a user for a while (effective only), and comes back through the saved id.
+        assert_eq!(t.call(SYS_SETRESUID, [keep, 1000, keep, 0, 0, 0]), 0);
+        assert_eq!(t.os.proc.uid, [0, 1000, 0, 1000]);
+        assert_eq!(t.call(SYS_SETUID, [7, 0, 0, 0, 0, 0]), -1); // no privilege now
+        assert_eq!(t.call(SYS_SETUID, [0; 6]), 0); // back to the real id
+        assert_eq!(t.os.proc.uid, [0; 4]);
+        // Root's setgid and setuid set every id, for good.
+        assert_eq!(t.call(SYS_SETGID, [1000, 0, 0, 0, 0, 0]), 0);
+        assert_eq!(t.os.proc.gid, [1000; 4]);
+        assert_eq!(t.call(SYS_SETUID, [1000, 0, 0, 0, 0, 0]), 0);
+        assert_eq!(t.os.proc.uid, [1000; 4]);
+        assert_eq!(t.call(SYS_GETEUID, [0; 6]), 1000);
+        assert_eq!(t.call(SYS_SETUID, [0; 6]), -1);
+        assert_eq!(t.call(SYS_SETRESUID, [keep, 0, keep, 0, 0, 0]), -1);
+        assert_eq!(t.call(SYS_SETREUID, [0, keep, 0, 0, 0, 0]), -1);
+        assert_eq!(t.call(SYS_SETGID, [0; 6]), -1);
+        assert_eq!(t.call(SYS_SETUID, [1000, 0, 0, 0, 0, 0]), 0); // its own id: fine
+        // setfsuid answers the old id and changes only to an id the process has.
+        assert_eq!(t.call(SYS_SETFSUID, [0; 6]), 1000);
+        assert_eq!(t.os.proc.uid[3], 1000);
+        // setreuid swaps real and effective (saved follows the new effective id).
+        let mut t = T::new();
+        assert_eq!(t.call(SYS_SETRESUID, [1, 2, 3, 0, 0, 0]), 0);
+        assert_eq!(t.call(SYS_SETREUID, [2, 1, 0, 0, 0, 0]), 0);
+        assert_eq!(t.os.proc.uid, [2, 1, 1, 1]);
+        assert_eq!(t.call(SYS_SETREUID, [3, keep, 0, 0, 0, 0]), -1);
     }
 
     #[test]

@@ -75,24 +75,47 @@ pub fn vm_dir(pid: i32) -> PathBuf {
     runtime_dir().join(format!("vm-{pid}"))
 }
 
-/// Copy a directory tree: directories, regular files (contents and mode) and symlinks. Hard links
-/// become separate files.
+/// Copy a directory tree: directories, regular files (contents and mode) and symlinks, with their
+/// owners (a guest that runs as a user owns what it made). Hard links become separate files.
 pub fn copy_tree(src: &Path, dst: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let meta = std::fs::symlink_metadata(src)?;
     std::fs::create_dir_all(dst)?;
     std::fs::set_permissions(dst, std::fs::Permissions::from_mode(meta.permissions().mode()))?;
+    keep_owner(&meta, dst)?;
     for entry in std::fs::read_dir(src)? {
         let entry = entry?;
         let (from, to) = (entry.path(), dst.join(entry.file_name()));
         let ft = entry.file_type()?;
         if ft.is_dir() {
             copy_tree(&from, &to)?;
+            continue;
         } else if ft.is_symlink() {
             std::os::unix::fs::symlink(std::fs::read_link(&from)?, &to)?;
         } else if ft.is_file() {
             std::fs::copy(&from, &to)?;
+        } else {
+            continue;
         }
+        let m = entry.metadata()?;
+        if m.uid() != 0 || m.gid() != 0 {
+            keep_owner(&m, &to)?;
+        }
+    }
+    Ok(())
+}
+
+/// Give `dst` the owner of `meta`'s file, unless both are already root's.
+fn keep_owner(meta: &std::fs::Metadata, dst: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    if meta.uid() == 0 && meta.gid() == 0 {
+        return Ok(());
+    }
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dst.as_os_str().as_bytes()).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    // SAFETY: a valid C string; fchownat is the one chown syscall on the jail's allow-list.
+    if unsafe { libc::fchownat(libc::AT_FDCWD, c.as_ptr(), meta.uid(), meta.gid(), libc::AT_SYMLINK_NOFOLLOW) } != 0 {
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }

@@ -404,6 +404,9 @@ pub fn allowed_syscalls() -> Vec<(i64, Vec<SeccompRule>)> {
         (SYS_fstat, any()),
         (SYS_fstatfs, any()),
         (SYS_fchmod, any()),
+        // A guest running as a user (an image's User) owns what it creates; chown(2) itself.
+        (SYS_fchown, any()),
+        (SYS_fchownat, any()),
         (SYS_flock, any()),
         // ...and by path. These reach only what the mount namespace holds (and in it, the engine
         // resolves guest paths with openat2 beneath the sandbox's directories).

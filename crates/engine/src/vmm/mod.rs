@@ -168,6 +168,11 @@ impl Machine {
         if spec.agent {
             os.install_agent().map_err(|e| Error::Remote(format!("cannot install the agent channel: errno {}", e.0)))?;
         }
+        if let Some(u) = &spec.user {
+            os.proc.uid = [u.uid; 4];
+            os.proc.gid = [u.gid; 4];
+            os.proc.groups = u.groups.clone();
+        }
         os.proc.cwd = guestos::vfs::join("/", spec.cwd.as_bytes())
             .map_err(|e| Error::InvalidArgument(format!("cwd {:?}: errno {}", spec.cwd, e.0)))?;
         let mut m = Machine::boot_with(mem_size, |mem, frames, aspace| {

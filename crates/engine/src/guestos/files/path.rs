@@ -72,6 +72,60 @@ fn exists(r: &Resolved) -> bool {
     r.host().is_some_and(|(d, n)| host_stat(d, n).is_ok())
 }
 
+/// The guest's file-system ids, if it does not run as root: what new files must be owned by.
+/// (The VMM, root on the host, creates them; a root guest needs no chown.)
+fn new_owner(os: &GuestOs) -> Option<(u32, u32)> {
+    let (u, g) = (os.proc.uid[3], os.proc.gid[3]);
+    (u != 0 || g != 0).then_some((u, g))
+}
+
+/// Give a file the guest just made through `fd` to the guest's ids, as Linux would.
+fn own_new_fd(os: &GuestOs, fd: RawFd) {
+    if let Some((u, g)) = new_owner(os) {
+        // SAFETY: fchown on a descriptor we hold. A failure leaves the file root-owned, which the
+        // guest can see but which changes nothing it may do (file modes are not enforced).
+        unsafe { libc::fchown(fd, u, g) };
+    }
+}
+
+/// Give the file named `n` in host directory `d`, just made by the guest, to the guest's ids.
+fn own_new_at(os: &GuestOs, d: RawFd, n: &CStr) {
+    if let Some((u, g)) = new_owner(os) {
+        // SAFETY: valid fd and C string (one component); the link itself, never its target.
+        unsafe { libc::fchownat(d, n.as_ptr(), u, g, libc::AT_SYMLINK_NOFOLLOW) };
+    }
+}
+
+/// chown(2) permission: root may give anything to anyone; an owner may change the group to one
+/// of its own groups; `u32::MAX` (-1) keeps an id.
+fn chown_permitted(os: &GuestOs, st: &libc::stat, uid: u32, gid: u32) -> Result<(), Errno> {
+    let p = &os.proc;
+    if p.uid[1] == 0 {
+        return Ok(());
+    }
+    if uid != u32::MAX && uid != st.st_uid {
+        return Err(crate::guestos::EPERM);
+    }
+    if gid != u32::MAX && gid != st.st_gid && (st.st_uid != p.uid[3] || !(gid == p.gid[3] || p.groups.contains(&gid))) {
+        return Err(crate::guestos::EPERM);
+    }
+    Ok(())
+}
+
+/// fchown(2) on a guest descriptor: host files change owner; the engine's own files (pipes,
+/// memfds, /dev, /proc) keep theirs, as before.
+pub(super) fn sys_fchown(os: &mut GuestOs, fd: i32, uid: u32, gid: u32) -> SysResult {
+    let file = os.files.file(fd)?;
+    let Some(h) = file.host_fd() else { return Ok(0) };
+    let st = special::file_stat(&file)?;
+    chown_permitted(os, &st, uid, gid)?;
+    if file.ro {
+        return Err(EROFS);
+    }
+    // SAFETY: fchown on a descriptor the file table holds.
+    cvt(unsafe { libc::fchown(h, uid, gid) } as i64)
+}
+
 /// EROFS unless `r` is on a writable mount; EACCES in the engine-served trees.
 fn check_writable(r: &Resolved) -> Result<(), Errno> {
     if r.is_virtual() {
@@ -117,9 +171,15 @@ pub(super) fn sys_openat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64
         let p = r.path;
         special::open(os, ctx, &p, flags, lk == Lookup::Follow)?
     } else {
-        let creates = flags & libc::O_CREAT != 0 || flags & libc::O_TMPFILE == libc::O_TMPFILE;
+        let tmpfile = flags & libc::O_TMPFILE == libc::O_TMPFILE;
+        let creates = flags & libc::O_CREAT != 0 || tmpfile;
         let fd = if creates {
-            super::with_umask(os.proc.umask, || os.vfs.open_resolved(&r, flags, mode))?
+            let new = tmpfile || (new_owner(os).is_some() && r.writable() && !exists(&r));
+            let fd = super::with_umask(os.proc.umask, || os.vfs.open_resolved(&r, flags, mode))?;
+            if new {
+                own_new_fd(os, fd.as_raw_fd());
+            }
+            fd
         } else {
             os.vfs.open_resolved(&r, flags, mode)?
         };
@@ -352,7 +412,9 @@ pub(super) fn sys_mkdirat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u6
     check_creatable(&r)?;
     let (d, n) = host_of(&r)?;
     // SAFETY: a valid fd and C string (one component).
-    super::with_umask(os.proc.umask, || cvt(unsafe { libc::mkdirat(d, n.as_ptr(), mode & 0o7777) } as i64))
+    super::with_umask(os.proc.umask, || cvt(unsafe { libc::mkdirat(d, n.as_ptr(), mode & 0o7777) } as i64))?;
+    own_new_at(os, d, n);
+    Ok(0)
 }
 
 /// mknod and mknodat: regular files only. Devices need privileges the sandbox does not give, and
@@ -379,6 +441,7 @@ pub(super) fn sys_mknodat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u6
     let flags = libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | libc::O_CLOEXEC | libc::O_NOFOLLOW;
     // SAFETY: a valid fd and C string (one component); the new descriptor is closed at once.
     let fd = super::with_umask(os.proc.umask, || cvt(unsafe { libc::openat(d, n.as_ptr(), flags, mode & 0o7777) } as i64))?;
+    own_new_fd(os, fd as RawFd);
     // SAFETY: closing the descriptor just opened.
     unsafe { libc::close(fd as i32) };
     Ok(0)
@@ -475,7 +538,9 @@ pub(super) fn sys_symlinkat(os: &mut GuestOs, ctx: &mut Ctx, targetp: u64, newdi
     let (d, n) = host_of(&r)?;
     let t = std::ffi::CString::new(target).map_err(|_| EINVAL)?;
     // SAFETY: valid fd and C strings. The target is stored, never followed by the host.
-    cvt(unsafe { libc::symlinkat(t.as_ptr(), d, n.as_ptr()) } as i64)
+    cvt(unsafe { libc::symlinkat(t.as_ptr(), d, n.as_ptr()) } as i64)?;
+    own_new_at(os, d, n);
+    Ok(0)
 }
 
 fn host_chmod(d: RawFd, n: &CStr, mode: u32) -> Result<u64, Errno> {
@@ -526,23 +591,32 @@ pub(super) fn sys_fchmod(os: &mut GuestOs, fd: i32, mode: u32) -> SysResult {
 }
 
 /// chown family: ownership is not modelled; succeed on what exists and may change.
-pub(super) fn sys_fchownat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, flags: i32) -> SysResult {
+pub(super) fn sys_fchownat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, uid: u32, gid: u32, flags: i32) -> SysResult {
     if flags & !(libc::AT_SYMLINK_NOFOLLOW | libc::AT_EMPTY_PATH) != 0 {
         return Err(EINVAL);
     }
     let Some(path) = path_or_empty(ctx, pathp, flags)? else {
-        fd_stat(os, dirfd)?;
-        return Ok(0);
+        if dirfd == libc::AT_FDCWD {
+            let r = lookup!(os, dirfd, b".", Lookup::Follow)?;
+            return chown_resolved(os, &r, uid, gid, 0);
+        }
+        return sys_fchown(os, dirfd, uid, gid);
     };
     let r = lookup!(os, dirfd, &path, follow_flag(flags))?;
+    chown_resolved(os, &r, uid, gid, libc::AT_SYMLINK_NOFOLLOW)
+}
+
+fn chown_resolved(os: &GuestOs, r: &Resolved, uid: u32, gid: u32, flags: i32) -> SysResult {
     if r.is_virtual() {
         special::stat(os, &r.path, false)?;
         return Err(EACCES);
     }
-    let (d, n) = host_of(&r)?;
-    host_stat(d, n)?;
-    check_writable(&r)?;
-    Ok(0)
+    let (d, n) = host_of(r)?;
+    let st = host_stat(d, n)?;
+    chown_permitted(os, &st, uid, gid)?;
+    check_writable(r)?;
+    // SAFETY: valid fd and C string (one component, already resolved: never followed here).
+    cvt(unsafe { libc::fchownat(d, n.as_ptr(), uid, gid, flags) } as i64)
 }
 
 pub(super) fn sys_truncate(os: &mut GuestOs, ctx: &mut Ctx, pathp: u64, len: i64) -> SysResult {
