@@ -50,11 +50,19 @@ BATTERY = {
     ),
     "time": "import time; print(repr(time.time()), repr(time.monotonic()), time.perf_counter_ns(), time.time_ns())",
     "id": "class K: pass\nprint(id(object()), id([]), id(K()), id({'a': 1}))",
+    "pids": (
+        "import os, subprocess\n"
+        "r, w = os.pipe(); pid = os.fork()\n"
+        "if pid == 0:\n    os.write(w, b'%d %d' % (os.getpid(), os.getppid())); os._exit(0)\n"
+        "os.waitpid(pid, 0); os.close(w)\n"
+        "sh = subprocess.run(['sh', '-c', 'echo $$ $PPID'], capture_output=True, text=True).stdout.split()\n"
+        "print(os.getpid(), pid, os.read(r, 64).decode(), sh); os.close(r)"
+    ),
 }
 SEED_DEPENDENT = ["random", "os.urandom", "secrets", "uuid4", "tempfile"]
 # Fixed in the template or a function of the template alone (docs/replay.md, "What replay does not
 # cover" and "Replay mode: virtual clocks"): the same under every seed, yet replayed exactly.
-SEED_INDEPENDENT = ["set order", "time", "id"]
+SEED_INDEPENDENT = ["set order", "time", "id", "pids"]
 
 
 def battery_source(names=None) -> str:
@@ -176,6 +184,46 @@ def test_200_replays_in_different_clones_and_processes_are_bit_exact(client):
     assert len(set().union(*outputs.values())) == 1, "replays differ between ways of getting a clone"
     (out,) = outputs["fresh clones"]
     assert set(parse_battery(out)) == set(BATTERY), out
+
+
+PIDS = """
+import os, signal, subprocess
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+kid = os.fork()
+if kid == 0:
+    grandkid = os.fork()
+    if grandkid == 0:
+        os._exit(3)
+    _, st = os.waitpid(grandkid, 0)
+    os.kill(os.getppid(), signal.SIGUSR1)
+    os._exit(10 + os.waitstatus_to_exitcode(st))
+info = signal.sigwaitinfo({signal.SIGUSR1})
+_, st = os.waitpid(kid, 0)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+sh = subprocess.run(['sh', '-c', 'sh -c "echo \\$\\$ \\$PPID"; echo $$'], capture_output=True, text=True)
+print(os.getpid(), os.getppid(), kid, info.si_pid, os.waitstatus_to_exitcode(st), sh.stdout.split())
+"""
+
+
+def test_guest_pids_are_the_sandboxes_own_and_replay(client):
+    """Guest pids are the sandbox's own numbering (1 for the agent, then 2, 3, ... in fork order),
+    never host pids: the same in every clone, after a reset, and in fork-group children, which
+    continue from their parent's count. A signal's si_pid and wait's pid use them too."""
+    with Sandbox("python", client=client) as sb:
+        first = sb.exec(code=PIDS)
+        assert first.ok, first.stderr
+        # The agent is 1 (its parent, the engine, 0); its child 2 signals it; the grandchild 3
+        # exited 3; `sh` is 4 and its own child 5.
+        assert first.stdout == "1 0 2 2 13 ['5', '4', '4']\n", first.stdout
+        again = sb.exec(code=PIDS).stdout
+        assert again == "1 0 6 6 13 ['9', '8', '8']\n", again  # the count goes on
+        sb.reset()
+        assert sb.exec(code=PIDS).stdout == first.stdout  # and starts over with the template
+        with sb.fork_group(3) as grp:
+            outs = grp.map(lambda i, c: c.exec(code=PIDS).stdout)
+        assert outs == [again] * 3, outs
+    with Sandbox("python", client=client) as other:  # another clone: the same numbers
+        assert other.exec(code=PIDS).stdout == first.stdout
 
 
 def test_different_seeds_give_different_outputs(client):

@@ -52,7 +52,7 @@ from typing import Any
 
 from collimate_core import _oci
 from collimate_core._core import EngineError as _CoreEngineError
-from collimate_core._core import Vm
+from collimate_core._core import SNAPSHOT_FORMAT, Vm
 from collimate_core._errors import (
     CollimateError,
     InvalidArgument,
@@ -249,7 +249,7 @@ def load_template(name: str, cache: Path) -> ImageBaked | None:
     meta = _read_json(vdir / "template.json")
     if not meta or meta.get("name") != name or not (vdir / "snapshot" / "vm.state").is_file():
         return None
-    if meta.get("format") != FORMAT:
+    if meta.get("format") != FORMAT or meta.get("snapshot_format") != SNAPSHOT_FORMAT:
         raise NotFoundError(f"template {name!r} v{n} was baked by another version of collimate; bake it again")
     root = Path(meta["rootfs"])
     if not (root / _oci.MARKER).is_file():
@@ -606,6 +606,7 @@ class _Build:
             meta = {
                 **{k: v for k, v in asdict(self.snapshot_status()).items() if k not in ("log", "phase", "error")},
                 "format": FORMAT,
+                "snapshot_format": SNAPSHOT_FORMAT,
                 "rootfs": str(root),
                 "agent_dir": str(agent_dir),
                 "argv": argv,

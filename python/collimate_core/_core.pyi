@@ -175,5 +175,8 @@ class Vm:
         _tb: TracebackType | None,
     ) -> bool: ...
 
+SNAPSHOT_FORMAT: int
+"""The engine's snapshot format version: snapshots of another version cannot be restored."""
+
 def _vmm_main() -> None:
     """Entry point of a VMM process (a fresh interpreter); serves fd 3 and exits the process."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from collimate_core._core import Vm
+from collimate_core._core import SNAPSHOT_FORMAT, Vm
 from collimate_core._errors import EngineError, NotFoundError
 
 AGENT_DIR = Path(__file__).resolve().parent / "_guest"
@@ -106,6 +106,7 @@ def bake_python(cache: Path | None = None, progress: Callable[[str], None] | Non
         path = Path(meta["path"])
         if (
             meta.get("version") == TEMPLATE_VERSION
+            and meta.get("snapshot_format") == SNAPSHOT_FORMAT
             and meta.get("agent") == _agent_hash()
             and (path / "vm.state").exists()
             and Path(meta["root"], "usr/bin/python3").exists()
@@ -119,7 +120,7 @@ def bake_python(cache: Path | None = None, progress: Callable[[str], None] | Non
     from collimate_core._rootfs import build_rootfs
 
     root = Path(os.environ.get("COLLIMATE_ROOTFS") or build_rootfs("python", cache=cache, progress=say))
-    key = hashlib.sha256(f"{TEMPLATE_VERSION}|{root}|{_agent_hash()}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{TEMPLATE_VERSION}|{SNAPSHOT_FORMAT}|{root}|{_agent_hash()}".encode()).hexdigest()[:16]
     path = cache / "templates" / f"python-{key}"
     if not (path / "vm.state").exists():
         say("starting the agent")
@@ -156,7 +157,7 @@ def bake_python(cache: Path | None = None, progress: Callable[[str], None] | Non
     index.parent.mkdir(parents=True, exist_ok=True)
     tmp_index = index.with_suffix(f".{os.getpid()}.tmp")
     tmp_index.write_text(
-        json.dumps({"version": TEMPLATE_VERSION, "agent": _agent_hash(), "path": str(path), "root": str(root)})
+        json.dumps({"version": TEMPLATE_VERSION, "snapshot_format": SNAPSHOT_FORMAT, "agent": _agent_hash(), "path": str(path), "root": str(root)})
     )
     os.replace(tmp_index, index)
     if bar:

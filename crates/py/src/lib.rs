@@ -601,5 +601,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SnapshotError", py.get_type::<SnapshotError>())?;
     m.add("VmDestroyedError", py.get_type::<VmDestroyedError>())?;
     m.add_function(wrap_pyfunction!(_vmm_main, m)?)?;
+    m.add("SNAPSHOT_FORMAT", collimate_engine::persist::FORMAT_VERSION)?;
     Ok(())
 }

@@ -16,7 +16,7 @@
 //! after a slice when their timeout is longer (libc and Python retry with the remaining time).
 
 mod path;
-mod poll;
+pub(crate) mod poll;
 pub mod special;
 #[cfg(test)]
 mod tests;

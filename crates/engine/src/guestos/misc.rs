@@ -114,12 +114,19 @@ pub struct Proc {
     pub no_new_privs: bool,
     /// CLOCK_MONOTONIC nanoseconds when the process started (uptime, times).
     pub start_ns: u64,
+    /// The sandbox's next guest pid when this state was captured (see `signal::host::alloc_pid`).
+    #[serde(default = "first_child_pid")]
+    pub next_pid: i32,
     pub sleep: Option<PendingSleep>,
     /// The sandbox CRNG: every random byte the guest gets. A guest fork gives the child
     /// `crng.fork_child()` (see `vmm::process`), a sandbox clone calls [`diverge`].
     pub crng: Crng,
     /// What the guest's clocks show: the host's, or virtual time in replay mode.
     pub clocks: Clocks,
+}
+
+fn first_child_pid() -> i32 {
+    2
 }
 
 impl Default for Proc {
@@ -157,6 +164,7 @@ impl Default for Proc {
             dumpable: 1,
             no_new_privs: false,
             start_ns: monotonic_ns(),
+            next_pid: first_child_pid(),
             sleep: None,
             crng: Crng::from_host_entropy(),
             clocks: Clocks::default(),

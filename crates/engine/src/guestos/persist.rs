@@ -159,7 +159,7 @@ impl OsState {
         }
         Ok(OsState {
             mm: os.mm.clone(),
-            proc: os.proc.clone(),
+            proc: Proc { next_pid: super::signal::host::next_pid().unwrap_or(os.proc.next_pid), ..os.proc.clone() },
             enosys: os.enosys.clone(),
             files,
             fds,

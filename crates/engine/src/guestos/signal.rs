@@ -29,7 +29,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use kvm_bindings::kvm_regs;
 
 use super::misc::{AltStack, Proc, SigAction, MINSIGSTKSZ, NSIG};
-use super::{Ctx, Errno, GuestOs, SysResult, ECHILD, EFAULT, EINTR, EINVAL, EPERM, ESRCH};
+use super::{Ctx, Errno, GuestOs, SysResult, EAGAIN, ECHILD, EFAULT, EINTR, EINVAL, EPERM, ESRCH};
 use crate::arch::x86_64::paging::{AddressSpace, PTE_U, PTE_W};
 use crate::vstate::memory::GuestMemory;
 
@@ -194,7 +194,7 @@ impl SigInfo {
 /// A child process: a VMM process this one forked.
 #[derive(Debug)]
 pub struct Child {
-    /// Guest pid (the host pid, see the module comment).
+    /// Guest pid (allocated from the sandbox's counter, see [`host::alloc_pid`]).
     pub pid: i32,
     /// pidfd of the child's VMM process. None for a child inherited by a forked sandbox, which
     /// does not exist in the clone's world: it reads as killed by SIGKILL.
@@ -304,7 +304,8 @@ pub fn gather(os: &mut GuestOs) {
     while got != 0 {
         let sig = got.trailing_zeros() as i32 + 1;
         got &= !bit(sig);
-        let from = host::guest_pid_of(host::sender(sig));
+        // The sender put its guest pid in the carrier's siginfo (see `host::send_pidfd`).
+        let from = host::sender(sig);
         raise(os, SigInfo::sent(sig, SI_USER, from));
     }
     poll_children(os);
@@ -846,15 +847,20 @@ fn send(os: &mut GuestOs, t: Target, sig: i32, code: i32) -> Result<(), Errno> {
             Ok(())
         }
         Target::Child(i) => match &os.sig.children[i].pidfd {
-            Some(fd) => host::send_pidfd(fd.as_raw_fd(), sig, false),
+            Some(fd) => host::send_pidfd(fd.as_raw_fd(), sig, false, from(os)),
             None => Ok(()), // a phantom child reads as a zombie
         },
         Target::Parent => match &os.sig.parent {
-            Some(fd) => host::send_pidfd(fd.as_raw_fd(), sig, os.sig.parent_host == host::top()),
+            Some(fd) => host::send_pidfd(fd.as_raw_fd(), sig, os.sig.parent_host == host::top(), from(os)),
             None => Err(ESRCH),
         },
-        Target::Top => host::send_top(sig),
+        Target::Top => host::send_top(sig, from(os)),
     }
+}
+
+/// Who a signal is from, as its receiver's siginfo shows it: our guest pid and real uid.
+fn from(os: &GuestOs) -> (i32, u32) {
+    (os.proc.pid, os.proc.uid[0])
 }
 
 fn check_signal(sig: u64) -> Result<i32, Errno> {
@@ -962,7 +968,54 @@ fn suspend(os: &mut GuestOs, mask: Option<u64>) -> SysResult {
     Err(ERESTARTSYS)
 }
 
+/// rt_sigtimedwait: take a pending signal of `set` (normally blocked) without running a handler.
+/// Another signal that would run a handler interrupts the wait (EINTR); a timeout ends it with
+/// EAGAIN. The deadline survives the wait's slices (`Proc::sleep`, as the sleeps keep theirs).
+fn sigtimedwait(os: &mut GuestOs, ctx: &mut Ctx, a: [u64; 6]) -> SysResult {
+    if a[3] != 8 {
+        return Err(EINVAL);
+    }
+    let set = ctx.read_u64(a[0])? & !UNBLOCKABLE;
+    let key = crate::guestos::misc::PendingSleep { rip: ctx.regs.rip, nr: SYS_RT_SIGTIMEDWAIT, args: [a[0], a[1], a[2], a[3]], deadline_ns: 0 };
+    let deadline = match os.proc.sleep.take() {
+        Some(p) if crate::guestos::misc::PendingSleep { deadline_ns: 0, ..p } == key => Some(p.deadline_ns),
+        _ => match crate::guestos::files::poll::timeout_ts(ctx, a[2])? {
+            None => None,
+            Some(t) => Some(crate::guestos::misc::monotonic_ns().saturating_add(t.as_nanos() as u64)),
+        },
+    };
+    for round in 0..2 {
+        gather(os);
+        let ready = os.sig.pending & set;
+        if ready != 0 {
+            let sig = ready.trailing_zeros() as i32 + 1;
+            os.sig.pending &= !bit(sig);
+            let info = os.sig.info[(sig - 1) as usize];
+            if a[1] != 0 {
+                ctx.write(a[1], &info.to_bytes())?;
+            }
+            return Ok(sig as u64);
+        }
+        if has_ready(os) {
+            return Err(EINTR);
+        }
+        if deadline.is_some_and(|d| crate::guestos::misc::monotonic_ns() >= d) {
+            return Err(EAGAIN);
+        }
+        if round == 0 {
+            let fds: Vec<RawFd> =
+                os.sig.children.iter().filter(|c| !c.notified).filter_map(|c| c.pidfd.as_ref().map(|f| f.as_raw_fd())).collect();
+            wait_slice(&fds);
+        }
+    }
+    if let Some(d) = deadline {
+        os.proc.sleep = Some(crate::guestos::misc::PendingSleep { deadline_ns: d, ..key });
+    }
+    Err(ERESTARTSYS)
+}
+
 pub const SYS_PAUSE: u64 = 34;
+pub const SYS_RT_SIGTIMEDWAIT: u64 = 128;
 pub const SYS_WAIT4: u64 = 61;
 pub const SYS_KILL: u64 = 62;
 pub const SYS_RT_SIGPENDING: u64 = 127;
@@ -1006,6 +1059,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
             }
         }
         SYS_PAUSE => suspend(os, None),
+        SYS_RT_SIGTIMEDWAIT => sigtimedwait(os, ctx, a),
         _ => return None,
     };
     Some(r)
@@ -1020,7 +1074,7 @@ pub fn kill_adopted(pids: &[i32]) {
         if waitid_host(fd.as_raw_fd(), libc::WEXITED | libc::WNOHANG | libc::WNOWAIT | libc::__WALL) == Err(ECHILD) {
             continue;
         }
-        let _ = host::send_pidfd(fd.as_raw_fd(), SIGKILL, false);
+        let _ = host::send_pidfd(fd.as_raw_fd(), SIGKILL, false, (0, 0));
         // Reaped here, or by the host (an adopted child signals SIGCHLD, which the VMM ignores).
         let _ = waitid_host(fd.as_raw_fd(), libc::WEXITED | libc::__WALL);
     }
@@ -1031,7 +1085,7 @@ pub fn kill_adopted(pids: &[i32]) {
 pub fn kill_children(os: &mut GuestOs) {
     for c in os.sig.children.drain(..) {
         if let Some(fd) = c.pidfd {
-            let _ = host::send_pidfd(fd.as_raw_fd(), SIGKILL, false);
+            let _ = host::send_pidfd(fd.as_raw_fd(), SIGKILL, false, (0, 0));
             if waitid_host(fd.as_raw_fd(), libc::WEXITED | libc::__WALL).is_ok() {
                 host::process_gone();
             }
@@ -1069,7 +1123,7 @@ pub mod host {
 
     /// Start counting this sandbox's processes (in its first process, which counts as one): a
     /// fresh shared page, inherited by the guest processes it forks.
-    pub fn new_process_count() {
+    pub fn new_process_count(next_pid: i32) {
         // SAFETY: a new anonymous shared mapping of one page; nothing else refers to it yet.
         let p = unsafe {
             libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1, 0)
@@ -1081,6 +1135,7 @@ pub mod host {
         // SAFETY: the page is ours, page-aligned and zeroed, a valid AtomicU32.
         unsafe { (*count).store(1, Ordering::SeqCst) };
         PROCS.store(count, Ordering::SeqCst);
+        set_next_pid(next_pid);
         MY_GENERATION.store(0, Ordering::SeqCst);
         CHILD.store(false, Ordering::SeqCst);
     }
@@ -1122,6 +1177,33 @@ pub mod host {
         let p = PROCS.load(Ordering::SeqCst);
         // SAFETY: the page (4096 bytes, 1024 words) set by `new_process_count`, never unmapped.
         (!p.is_null() && i < 1024).then(|| unsafe { &*p.add(i) })
+    }
+
+    // The last word of the shared page: the sandbox's next guest pid. Guest pids are the sandbox's
+    // own, not host pids: 1 for its first process, then 2, 3, ... in fork order, continuing from
+    // the snapshot a sandbox was cloned from (part of its state, `Proc::next_pid`), so the same
+    // program forks the same pids in every clone and after every reset.
+    const NEXT_PID_WORD: usize = 1023;
+    /// Guest pids stay below this (as under Linux's default pid_max); then they wrap to 2.
+    const PID_MAX: u32 = 1 << 22;
+
+    /// A guest pid for a new process of this sandbox (None outside a sandbox's process tree).
+    pub fn alloc_pid() -> Option<i32> {
+        let w = page_word(NEXT_PID_WORD)?;
+        let pid = w.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| Some(if n + 1 >= PID_MAX { 2 } else { n + 1 })).ok()?;
+        Some(pid.max(2) as i32)
+    }
+
+    /// The next guest pid `alloc_pid` would hand out.
+    pub fn next_pid() -> Option<i32> {
+        page_word(NEXT_PID_WORD).map(|w| w.load(Ordering::SeqCst).max(2) as i32)
+    }
+
+    /// Continue guest pids at `next` (a reset back to its template's state).
+    pub fn set_next_pid(next: i32) {
+        if let Some(w) = page_word(NEXT_PID_WORD) {
+            w.store(next.max(2) as u32, Ordering::SeqCst);
+        }
     }
 
     /// The sandbox's generation now.
@@ -1273,15 +1355,6 @@ pub mod host {
         PARENT_GONE.swap(false, Ordering::SeqCst)
     }
 
-    /// The guest pid of the process with host pid `host`.
-    pub fn guest_pid_of(host: i32) -> i32 {
-        if host != 0 && host == top() {
-            1
-        } else {
-            host
-        }
-    }
-
     fn last() -> Errno {
         Errno::last()
     }
@@ -1296,9 +1369,9 @@ pub mod host {
         }
     }
 
-    /// Send guest signal `sig` to the process behind `pidfd`. `top`: that process is the
-    /// sandbox's first one (SIGKILL travels as a guest signal then).
-    pub fn send_pidfd(pidfd: libc::c_int, sig: i32, top: bool) -> Result<(), Errno> {
+    /// Send guest signal `sig` to the process behind `pidfd`, from guest pid and uid `from`.
+    /// `top`: that process is the sandbox's first one (SIGKILL travels as a guest signal then).
+    pub fn send_pidfd(pidfd: libc::c_int, sig: i32, top: bool, from: (i32, u32)) -> Result<(), Errno> {
         if sig == 0 {
             return pidfd_signal(pidfd, 0, std::ptr::null());
         }
@@ -1312,28 +1385,16 @@ pub mod host {
         let mut info = [0u8; 128];
         info[0..4].copy_from_slice(&guest_signal().to_le_bytes());
         info[8..12].copy_from_slice(&SI_QUEUE.to_le_bytes());
-        // SAFETY: getpid and getuid cannot fail.
-        let (pid, uid) = unsafe { (libc::getpid(), libc::getuid()) };
-        info[16..20].copy_from_slice(&pid.to_le_bytes());
-        info[20..24].copy_from_slice(&uid.to_le_bytes());
+        info[16..20].copy_from_slice(&from.0.to_le_bytes());
+        info[20..24].copy_from_slice(&from.1.to_le_bytes());
         info[24..28].copy_from_slice(&sig.to_le_bytes());
         pidfd_signal(pidfd, guest_signal(), info.as_ptr())
     }
 
-    /// Send guest signal `sig` to the sandbox's first process.
-    pub fn send_top(sig: i32) -> Result<(), Errno> {
-        let top = top();
-        if sig == SIGSTOP || sig == 0 {
-            // SAFETY: signal 0 only checks that the process exists.
-            return if unsafe { libc::kill(top, 0) } < 0 { Err(last()) } else { Ok(()) };
-        }
-        let value = libc::sigval { sival_ptr: sig as usize as *mut libc::c_void };
-        // SAFETY: sigqueue with a plain value; the kernel fills in our pid.
-        if unsafe { libc::sigqueue(top, guest_signal(), value) } < 0 {
-            Err(last())
-        } else {
-            Ok(())
-        }
+    /// Send guest signal `sig` to the sandbox's first process, from guest pid and uid `from`.
+    pub fn send_top(sig: i32, from: (i32, u32)) -> Result<(), Errno> {
+        let pidfd = super::pidfd_open(top())?;
+        send_pidfd(std::os::fd::AsRawFd::as_raw_fd(&pidfd), sig, true, from)
     }
 }
 

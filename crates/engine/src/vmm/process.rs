@@ -264,7 +264,7 @@ pub(super) fn serving(m: &mut Machine, chan: &Channel, pool: &Pool) {
             }
         }
         host::set_top(me);
-        host::new_process_count();
+        host::new_process_count(m.os.as_ref().map_or(2, |os| os.proc.next_pid));
         // SAFETY: plain prctl on this process.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     }
@@ -347,6 +347,9 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
     // SAFETY: getpid cannot fail.
     let parent_host = unsafe { libc::getpid() };
     let generation = host::my_generation();
+    // The child's guest pid (the sandbox's own numbering; the host pid is the VMM's business).
+    // SAFETY: getpid cannot fail (the fallback outside a sandbox tree, which has no counter).
+    let pid = host::alloc_pid().unwrap_or_else(|| unsafe { libc::getpid() });
     // Take in what arrived for us and fork with the carrier signal blocked: the child starts with
     // nothing pending, and what is sent to it early waits on the host until its first run.
     host::block(true);
@@ -356,24 +359,24 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
     // SAFETY: a raw clone with exit signal 0 and no other flags: a fork whose child the host never
     // reaps on its own. This process is single-threaded, so the child may go on in Rust; it never
     // returns from `child_main`.
-    let pid = unsafe { libc::syscall(libc::SYS_clone, 0 as libc::c_ulong, 0usize, 0usize, 0usize, 0usize) };
-    if pid == 0 {
-        child_main(m, state, c, parent_pid, parent_host, generation);
+    let rc = unsafe { libc::syscall(libc::SYS_clone, 0 as libc::c_ulong, 0usize, 0usize, 0usize, 0usize) };
+    if rc == 0 {
+        child_main(m, state, c, pid, parent_pid, parent_host, generation);
     }
     host::block(false);
-    if pid < 0 {
+    if rc < 0 {
         let e = Errno::last();
         host::process_gone();
         return Err(e);
     }
-    let pid = pid as i32;
-    let pidfd = match signal::pidfd_open(pid) {
+    let host_pid = rc as i32;
+    let pidfd = match signal::pidfd_open(host_pid) {
         Ok(fd) => fd,
         Err(e) => {
             // SAFETY: the child is ours and not reaped, so the pid is still its; reap it.
             unsafe {
-                libc::kill(pid, libc::SIGKILL);
-                libc::waitpid(pid, std::ptr::null_mut(), libc::__WALL);
+                libc::kill(host_pid, libc::SIGKILL);
+                libc::waitpid(host_pid, std::ptr::null_mut(), libc::__WALL);
             }
             host::process_gone();
             return Err(e);
@@ -391,7 +394,7 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
 }
 
 /// The child side of a guest fork. Never returns.
-fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, parent_pid: i32, parent_host: i32, generation: u32) -> ! {
+fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, guest_pid: i32, parent_pid: i32, parent_host: i32, generation: u32) -> ! {
     // SAFETY: plain prctl/getppid calls; the parent-death signal has a handler (install_reaper).
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, reaper_signal() as libc::c_ulong, 0, 0, 0);
@@ -432,7 +435,7 @@ fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, parent_pid: i32,
         os.sig.saved_mask = None;
         os.sig.parent = signal::pidfd_open(parent_host).ok();
         os.sig.parent_host = parent_host;
-        os.proc.pid = me;
+        os.proc.pid = guest_pid;
         os.proc.ppid = parent_pid;
         os.proc.sleep = None;
         // A stream of its own, derived from the parent's (deterministic for replays; see guestos::crng).
@@ -448,7 +451,7 @@ fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, parent_pid: i32,
         die_by(libc::SIGKILL);
     }
     if c.flags & CLONE_CHILD_SETTID != 0 {
-        let _ = m.runtime.aspace.write_virt(&mut m.mem, c.child_tid, &me.to_le_bytes(), true);
+        let _ = m.runtime.aspace.write_virt(&mut m.mem, c.child_tid, &guest_pid.to_le_bytes(), true);
     }
     // A panic must not unwind into the parent's stack frames, which this process inherited.
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| child_loop(m)));
