@@ -762,6 +762,8 @@ class Template:
             from collimate_core._client import connect
 
             client = connect()
+        if getattr(client, "_remote_templates", None) is not None:  # a RemoteClient: over HTTP (_remote.py)
+            return client._remote_templates.bake(name, image, ready, width, store=store, cache=cache)
         if not hasattr(client, "register_template"):
             raise InvalidArgument("Template.bake needs the embedded engine (connect() without an API key)")
         _check_name(name)
@@ -803,6 +805,8 @@ class Template:
     @staticmethod
     def list(client: Any = None, *, cache: str | os.PathLike | None = None) -> list[TemplateStatus]:
         """Every image template: live ones on disk and this process's bakes in progress."""
+        if getattr(client, "_remote_templates", None) is not None:
+            return client._remote_templates.list()
         c = _cache(client, cache)
         out: dict[str, TemplateStatus] = {}
         root = templates_root(c)
@@ -824,6 +828,8 @@ class Template:
     def get(client: Any, name: str, *, cache: str | os.PathLike | None = None) -> TemplateHandle:
         """The handle of template `name`: its bake in progress in this process, else its current
         version on disk. NotFoundError if there is neither."""
+        if getattr(client, "_remote_templates", None) is not None:
+            return client._remote_templates.get(name)
         c = _cache(client, cache)
         with _lock:
             b = _builds.get((str(c), name))
@@ -847,6 +853,8 @@ class Template:
     def delete(client: Any, name: str, *, cache: str | os.PathLike | None = None) -> None:
         """Delete template `name`: no new sandboxes; live ones keep running, and its files go when
         the last of them ends (at a later bake or delete). NotFoundError if there is no such template."""
+        if getattr(client, "_remote_templates", None) is not None:
+            return client._remote_templates.delete(name)
         c = _cache(client, cache)
         with _lock:
             b = _builds.get((str(c), name))

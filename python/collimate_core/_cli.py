@@ -23,6 +23,13 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--spend-limit", type=float, default=None, metavar="SANDBOX_SECONDS",
                    help="sandbox-seconds each tenant may use over the server's life (default: no limit)")
     s.add_argument("--max-upload", type=int, default=64 << 20, metavar="BYTES", help="largest upload (default 64 MiB)")
+    s.add_argument("--max-image-upload", type=int, default=4 << 30, metavar="BYTES",
+                   help="largest image archive a tenant may upload to bake from (default 4 GiB)")
+    s.add_argument("--max-bakes", type=int, default=2, metavar="N",
+                   help="template bakes running at once; more get 429 (default 2)")
+    s.add_argument("--cache", type=Path, default=None,
+                   help="the cache directory: templates, tenants' images and templates (default: COLLIMATE_CACHE "
+                   "or ~/.cache/collimate); the key store keeps its own default")
     s.add_argument("--key-store", type=Path, default=None, help="the key store (default: COLLIMATE_KEY_STORE or <cache>/keys.json)")
     s.add_argument("--preload", default="python", help="comma-separated templates to start at launch ('' for none)")
 
@@ -49,7 +56,8 @@ def run(args: argparse.Namespace) -> bool:
         serve(ServerConfig(
             host=args.host, port=args.port, max_sandboxes=args.max_sandboxes, queue=args.queue,
             queue_timeout=args.queue_timeout, idle_reap=args.idle_reap, spend_limit=args.spend_limit,
-            max_upload=args.max_upload, key_store=args.key_store,
+            max_upload=args.max_upload, max_image_upload=args.max_image_upload, max_bakes=args.max_bakes,
+            cache=args.cache, key_store=args.key_store,
             preload=tuple(t for t in args.preload.split(",") if t),
         ))
     elif args.cmd == "keys":

@@ -5,6 +5,12 @@ It has the methods `Sandbox`, `ForkGroup`, `Env`, `rollout_once`, `grade` and `g
 on a client, so all of them work over HTTP unchanged, and error responses come back as the same
 exception classes the embedded engine raises.
 
+Templates: `Template.bake(client, ...)`, `Template.list/get/delete(client, ...)` work on a
+RemoteClient too (they hand over to `client._remote_templates`, a `RemoteTemplates`): an image
+that is a local path (an OCI layout directory or archive, a `docker save` archive) is uploaded to
+the tenant's image store first (POST /v1/images), then baked by reference (POST /v1/templates);
+the handle polls GET /v1/templates/{name}. Template names live in the tenant's own namespace.
+
 Liveness: the server destroys sandboxes nobody touched for its idle time. While this process
 holds sandboxes, a daemon thread tells the server they are in use; when the process dies, they
 are reaped, unless another process re-adopts one first with `Sandbox.attach(client, id)`.
@@ -13,13 +19,20 @@ are reaped, unless another process re-adopts one first with `Sandbox.attach(clie
 from __future__ import annotations
 
 import base64
+import os
+import re
 import socket
+import tarfile
+import tempfile
 import threading
+import time
+from pathlib import Path
 from urllib.parse import quote
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from collimate_core._bake import Ready, TemplateHandle, TemplateStatus
 from collimate_core._embedded import Usage
 from collimate_core._errors import (
     AuthenticationError,
@@ -93,6 +106,7 @@ class RemoteClient:
         self._wake = threading.Event()
         self._closed = False
         self._beat: threading.Thread | None = None
+        self._remote_templates = RemoteTemplates(self)
 
     # --- transport ---------------------------------------------------------------------------
 
@@ -284,6 +298,212 @@ class RemoteClient:
 
     def __repr__(self) -> str:
         return f"RemoteClient({self.base_url!r})"
+
+
+# --- templates over HTTP ------------------------------------------------------------------------
+
+IMAGE_UPLOAD_TIMEOUT = 3600.0
+_ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".oci", ".oci.tar", ".docker.tar")
+
+
+def _status_of(d: dict) -> TemplateStatus:
+    """A TemplateStatus from the server's TemplateInfo."""
+    fields = TemplateStatus.__dataclass_fields__
+    kw = {k: d[k] for k in fields if k in d and d[k] is not None}
+    kw.setdefault("version", None)
+    kw.setdefault("phase", "Live")
+    kw["log"] = kw.get("log") or ""
+    return TemplateStatus(**kw)
+
+
+class RemoteTemplateHandle(TemplateHandle):
+    """A template being baked or baked on the server: the embedded TemplateHandle's interface;
+    `status()` asks the server (GET /v1/templates/{name}), `wait()` polls it."""
+
+    def __init__(self, client: "RemoteClient", status: TemplateStatus):
+        self.client = client
+        self._build = None
+        self._status = status
+        self.name = status.name
+        self.version = status.version
+
+    def status(self) -> TemplateStatus:
+        st = self.client._remote_templates._status(self.name)
+        self._status = st
+        return st
+
+    def wait(self, timeout: float | None = None) -> TemplateStatus:
+        """Poll until the bake ends; its status ("Live", or "Failed" with `.log` and `.error`).
+        Raises SandboxTimeout (a TimeoutError) if it is still building after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.1
+        while True:
+            st = self.status()
+            if st.phase != "Building" and (self.version is None or st.version is None or st.version >= self.version):
+                return st
+            if deadline is not None and time.monotonic() >= deadline:
+                tail = "\n".join(st.log.splitlines()[-5:])
+                raise SandboxTimeout(f"template {self.name!r} v{self.version} is still building after {timeout:g}s; "
+                                     f"the log so far ends with:\n{tail}")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(1.0, pause * 1.5)
+
+    def delete(self) -> None:
+        self.client._remote_templates.delete(self.name)
+
+    def __repr__(self) -> str:
+        return f"RemoteTemplateHandle({self.name!r}, v{self.version}, {self._status.phase})"
+
+
+class RemoteTemplates:
+    """Template.bake/list/get/delete against the control plane (see the module docstring)."""
+
+    def __init__(self, client: "RemoteClient"):
+        self.client = client
+
+    def _status(self, name: str) -> TemplateStatus:
+        return _status_of(self.client._json("GET", f"/v1/templates/{_q(name)}"))
+
+    def upload_image(self, path: str | os.PathLike, *, name: str | None = None, digest: str | None = None,
+                     tag: str | None = None) -> dict:
+        """Upload the image at a local `path` (an OCI layout directory, packed on the way, or an
+        archive) to this tenant's image store; the server's answer (name, reference, digest, ...)."""
+        p = Path(os.path.expanduser(str(path)))
+        if not p.exists():
+            raise InvalidArgument(f"no image at {path}: no such file or directory")
+        params = {"name": name or _image_name(p)}
+        if digest:
+            params["digest"] = digest
+        if tag:
+            params["tag"] = tag
+        packed = None
+        try:
+            if p.is_dir():
+                fd, packed = tempfile.mkstemp(prefix="collimate-image-", suffix=".tar")
+                os.close(fd)
+                with tarfile.open(packed, "w", dereference=True) as tf:
+                    for entry in sorted(os.listdir(p)):
+                        tf.add(p / entry, arcname=entry)
+                src = Path(packed)
+            else:
+                src = p
+            size = src.stat().st_size
+
+            def body():
+                with open(src, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        yield chunk
+
+            try:
+                r = self.client._request(
+                    "POST", "/v1/images", params=params, content=body(),
+                    headers={"Content-Type": "application/x-tar", "Content-Length": str(size)},
+                    timeout=max(self.client._timeout, IMAGE_UPLOAD_TIMEOUT),
+                )
+            except EngineError as e:
+                if "cannot reach" not in str(e):
+                    raise
+                raise EngineError(f"{e}; the server may have refused the {size}-byte image archive while it was "
+                                  "being sent (its max_image_upload limit?)") from None
+            return r.json()
+        finally:
+            if packed:
+                os.unlink(packed)
+
+    def bake(self, name: str, image: Any, ready: Ready | None = None, width: int = 1, *,
+             store: str | os.PathLike | None = None, cache: str | os.PathLike | None = None) -> RemoteTemplateHandle:
+        if cache is not None:
+            raise InvalidArgument("Template.bake(cache=...) is for the embedded engine; a remote server keeps its own")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}", name):
+            raise InvalidArgument(f"template name must be 1-128 characters of letters, digits and ._:+- (starting "
+                                  f"with a letter or digit), not {name!r}")
+        if ready is None:
+            ready = Ready()
+        if not isinstance(ready, Ready):
+            raise InvalidArgument(f"ready must be a Ready(cmd=... | code=...), not {ready!r}")
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise InvalidArgument(f"width must be a positive int, not {width!r}")
+        if not isinstance(image, (str, os.PathLike)) or not str(image).strip():
+            raise InvalidArgument(f"image must be a path or an image reference, not {image!r}")
+        ref = self._image_reference(image, store)
+        body: dict[str, Any] = {"name": name, "image": ref, "width": width,
+                                "ready": {"timeout_seconds": float(ready.timeout)}}
+        if ready.cmd is not None:
+            body["ready"]["cmd"] = ready.cmd
+        if ready.code is not None:
+            body["ready"]["code"] = ready.code
+        d = self.client._json("POST", "/v1/templates", json=body, timeout=max(self.client._timeout, 120.0))
+        return RemoteTemplateHandle(self.client, _status_of(d))
+
+    def _image_reference(self, image: Any, store: str | os.PathLike | None) -> str:
+        """The reference to bake from: a local image (a path, or a reference in a local `store`)
+        is uploaded first; any other reference names an image in the tenant's store on the server."""
+        if isinstance(image, os.PathLike):
+            return self.upload_image(image)["reference"]
+        text = image.strip()
+        base, _, pin = text.partition("@sha256:")
+        digest = f"sha256:{pin}" if pin else None
+        looks_like_path = text.startswith(("/", "./", "../", "~")) or base.endswith(_ARCHIVE_SUFFIXES)
+        for candidate, tag in ((base, None), tuple(base.rsplit(":", 1)) if ":" in base else (None, None)):
+            # As the embedded engine reads it: a path if it looks like one, or exists and is no reference.
+            if candidate and os.path.exists(os.path.expanduser(candidate)) and (looks_like_path or not _is_reference(text)):
+                return self.upload_image(candidate, digest=digest, tag=tag)["reference"]
+        if looks_like_path:
+            raise InvalidArgument(f"no image at {base}: no such file or directory")
+        if store is not None:  # a reference into a local image store: upload what it names
+            from collimate_core import _oci
+
+            try:
+                img = _oci.resolve(text, Path(store))
+            except _oci.ImageError as e:
+                raise NotFoundError(str(e)) from None
+            try:
+                src, want = img.source, img.digest
+            finally:
+                img.close()
+            return self.upload_image(src, name=_image_name(Path(src)), digest=want)["reference"]
+        return text
+
+    def list(self) -> list[TemplateStatus]:
+        """This tenant's image templates (the catalog's are not image templates)."""
+        out = [_status_of(d) for d in self.client._json("GET", "/v1/templates")["templates"] if d.get("kind") != "catalog"]
+        return sorted(out, key=lambda st: st.name)
+
+    def get(self, name: str) -> RemoteTemplateHandle:
+        if not isinstance(name, str) or not name:
+            raise NotFoundError(f"no image template named {name!r}")
+        d = self.client._json("GET", f"/v1/templates/{_q(name)}")
+        if d.get("kind") == "catalog":
+            raise NotFoundError(f"{name!r} is a catalog template, not an image template")
+        return RemoteTemplateHandle(self.client, _status_of(d))
+
+    def delete(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise NotFoundError(f"no image template named {name!r}")
+        self.client._request("DELETE", f"/v1/templates/{_q(name)}")
+
+
+def _is_reference(text: str) -> bool:
+    from collimate_core import _oci
+
+    try:
+        _oci.parse_reference(text)
+        return True
+    except _oci.ImageError:
+        return False
+
+
+def _image_name(p: Path) -> str:
+    """A store name for a local image: its file or directory name, as a repository name."""
+    n = p.name
+    for suf in sorted(_ARCHIVE_SUFFIXES, key=len, reverse=True):
+        if n.endswith(suf):
+            n = n[: -len(suf)]
+            break
+    n = re.sub(r"[^a-z0-9]+", "-", n.lower()).strip("-")
+    n = re.sub(r"-{2,}", "-", n)[:100].strip("-")
+    return n or "image"
 
 
 def _heartbeat(ref: "weakref.ref[RemoteClient]") -> None:

@@ -31,6 +31,7 @@ import asyncio
 import base64
 import functools
 import hashlib
+import io
 import json
 import logging
 import math
@@ -57,6 +58,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from collimate_core._errors import (
     AuthenticationError,
@@ -379,7 +381,7 @@ def _event(event: str, level: int = logging.INFO, **fields: Any) -> None:
 
 class ErrorDetail(BaseModel):
     type: str = Field(description="invalid_argument, authentication, spend_limit, not_found, sandbox_died, "
-                      "capacity, payload_too_large, timeout, not_implemented, engine_error, internal")
+                      "capacity, conflict, payload_too_large, timeout, engine_error, internal")
     message: str
 
 
@@ -388,23 +390,61 @@ class ErrorBody(BaseModel):
 
 
 class TemplateInfo(BaseModel):
-    id: str
+    id: str = Field(description="the name to use in paths and in create_sandbox")
     name: str
-    kind: str = Field(description="'catalog': shared by every tenant")
+    kind: str = Field(description="'catalog': shared by every tenant, read-only; 'image': baked by this tenant")
     live: bool = Field(description="whether its zygote runs on this server")
     expected_width: int = Field(description="the width this tenant declared with expect (0: none)")
+    phase: str = Field("Live", description="Building, Live or Failed (of the latest bake; catalog: Live)")
+    version: int | None = Field(None, description="the version of the latest bake (image templates)")
+    error: str | None = Field(None, description="why the bake failed (one line)")
+    log: str | None = Field(None, description="the build log, timestamped (get_template and bake_template)")
+    image: str | None = Field(None, description="the image reference it was baked from")
+    digest: str | None = Field(None, description="the image's manifest digest (docker save: its image id)")
+    image_id: str | None = Field(None, description="the image's config digest")
+    agent: str | None = Field(None, description="'python' (code and command execs) or 'exec' (command execs only)")
+    seed_ack: str | None = Field(None, description="'verified' with the Python agent's handshake, else 'off'")
+    width: int | None = Field(None, description="the width declared at the bake")
+    user: dict[str, Any] | None = Field(None, description="the image's User, resolved")
+    entrypoint: list[str] | None = None
+    cmd: list[str] | None = None
+    working_dir: str | None = None
+    env: dict[str, str] | None = None
+    created: float | None = Field(None, description="Unix time the bake started")
+    seconds: float | None = Field(None, description="how long the bake took (so far)")
 
 
 class TemplateList(BaseModel):
     templates: list[TemplateInfo]
 
 
+class ReadySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    cmd: str = Field(None, max_length=1 << 20, description="a command run before the checkpoint (must exit 0)")
+    code: str = Field(None, max_length=1 << 20,
+                      description="Python run in the template's interpreter: what it imports stays loaded in every clone")
+    timeout_seconds: float = Field(600.0, gt=0, le=MAX_READY_SECONDS, description="for each of cmd and code")
+
+
 class BakeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    name: str = Field(min_length=1, max_length=128)
-    image: str = Field(None, max_length=1024)
-    ready_cmd: str = Field(None, max_length=65536)
-    width: int = Field(None, ge=1, le=MAX_WIDTH)
+    name: str = Field(min_length=1, max_length=128, pattern=TEMPLATE_NAME,
+                      description="the template's name in this tenant's namespace")
+    image: str = Field(min_length=1, max_length=1024,
+                       description="a reference into this tenant's image store, as POST /v1/images answers it "
+                       "(name, name:tag, name@sha256:...); never a path")
+    ready: ReadySpec = Field(default_factory=ReadySpec)
+    width: int = Field(1, ge=1, le=MAX_WIDTH, description="how wide you expect to fork (keeps clones ready)")
+
+
+class ImageInfo(BaseModel):
+    name: str = Field(description="the name it is stored under in this tenant's image store")
+    reference: str = Field(description="name@digest: bake from this (POST /v1/templates image=...)")
+    digest: str = Field(description="the image's manifest digest (docker save: its image id)")
+    image_id: str = Field(description="the image's config digest")
+    format: str = Field(description="oci-archive or docker-save")
+    layers: int
+    bytes: int = Field(description="the archive's size")
 
 
 class ExpectRequest(BaseModel):
@@ -504,10 +544,10 @@ class UsageResponse(BaseModel):
 class _Owned:
     """A live sandbox of a tenant."""
 
-    __slots__ = ("box", "tenant", "parent", "created", "last_used", "busy")
+    __slots__ = ("box", "tenant", "template", "parent", "created", "last_used", "busy")
 
-    def __init__(self, box: Any, tenant: str, parent: str | None):
-        self.box, self.tenant, self.parent = box, tenant, parent
+    def __init__(self, box: Any, tenant: str, template: str, parent: str | None):
+        self.box, self.tenant, self.template, self.parent = box, tenant, template, parent
         self.created = time.time()
         self.last_used = time.monotonic()
         self.busy = 0
@@ -527,8 +567,12 @@ class ControlPlane:
         self._lock = threading.Lock()
         self._owned: dict[str, _Owned] = {}
         self._meters: dict[str, _Meter] = {}
-        self._expect: dict[str, dict[str, int]] = {}
-        self._live_templates: set[str] = set()
+        self._expect: dict[str, dict[str, int]] = {}  # engine template name -> tenant -> width
+        self._live_templates: set[str] = set()  # engine template names whose zygote runs
+        self._bakes: dict[str, Any] = {}  # engine name of a tenant template -> its latest bake here (a TemplateHandle)
+        self._starting: set[str] = set()  # bakes being admitted (between the checks and Template.bake)
+        self._baked: set[str] = set()  # engine names of tenant templates known to have a live version
+        self.cache: Path | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.limiter: anyio.CapacityLimiter | None = None
         self._reaper: asyncio.Task | None = None
@@ -541,8 +585,10 @@ class ControlPlane:
             from collimate_core._embedded import EmbeddedClient
 
             # The server admits sandboxes itself; the engine's own limit is a backstop.
-            self.engine = EmbeddedClient(cache=self.config.cache, max_sandboxes=self.config.max_sandboxes,
-                                         capacity_timeout=5.0)
+            # An absolute path: responses show a tenant its bake logs with the cache's path taken out.
+            self.engine = EmbeddedClient(cache=Path(self.config.cache or cache_dir()).absolute(),
+                                         max_sandboxes=self.config.max_sandboxes, capacity_timeout=5.0)
+        self.cache = Path(getattr(self.engine, "cache", None) or self.config.cache or cache_dir()).absolute()
         for name in self.config.preload:
             try:
                 t = time.perf_counter()
@@ -603,44 +649,302 @@ class ControlPlane:
             )
 
     # templates
-    def template_visible(self, tenant: str, name: str) -> None:
-        if name not in CATALOG:
-            raise NotFoundError(f"no template {name!r}: the catalog has {', '.join(CATALOG)}")
+    def engine_name(self, tenant: str, name: str) -> str:
+        """The engine's name of a tenant's template `name` (a catalog name is itself)."""
+        if name in CATALOG:
+            return name
+        return f"{_namespace(tenant)}{name}"
 
-    def template_info(self, tenant: str, name: str) -> TemplateInfo:
-        self.template_visible(tenant, name)
+    def image_store(self, tenant: str) -> Path:
+        """The tenant's own image store: what it uploaded, and nothing else."""
+        assert self.cache is not None
+        return self.cache / "tenants" / _tenant_key(tenant) / "images"
+
+    def _missing(self, name: str) -> NotFoundError:
+        # The same answer for another tenant's template and one that never existed.
+        return NotFoundError(f"no template {name!r}: the catalog has {', '.join(CATALOG)}; bake your own with "
+                             "POST /v1/templates (Template.bake)")
+
+    def scrub(self, tenant: str, text: str | None) -> str | None:
+        """`text` without what a tenant must not see: engine names and paths on this host."""
+        if not text:
+            return text
+        text = text.replace(str(self.image_store(tenant)), "<image store>")
+        if self.cache is not None:
+            text = text.replace(str(self.cache), "<server cache>")
+        return text.replace(_namespace(tenant), "")
+
+    def _scrubbed(self, tenant: str, e: BaseException) -> ApiError:
+        err = _error_of(e)
+        if err.status_code >= 500:
+            _event("engine_error", logging.ERROR, error=str(e), type=type(e).__name__, tenant=tenant)
+        return ApiError(err.status_code, err.type, self.scrub(tenant, err.message) or err.message, err.headers)
+
+    def _building(self, internal: str) -> bool:
+        h = self._bakes.get(internal)
+        return internal in self._starting or (h is not None and not h._build.done.is_set())
+
+    def _on_disk(self, internal: str) -> bool:
+        """Whether a tenant template has a committed version (a cheap look at its index)."""
+        from collimate_core import _bake
+
+        assert self.cache is not None
+        return _bake._current(_bake._tdir(self.cache, internal)) is not None
+
+    def resolve_template(self, tenant: str, name: str) -> str:
+        """The engine name of a template this tenant may start sandboxes of; 404 otherwise (409
+        while its first version is still building)."""
+        if name in CATALOG:
+            return name
+        if not isinstance(name, str) or not re.fullmatch(TEMPLATE_NAME, name):
+            raise self._missing(name)
+        internal = self.engine_name(tenant, name)
+        with self._lock:
+            if internal in self._baked:
+                return internal
+            building = self._building(internal)
+        if self._on_disk(internal):
+            with self._lock:
+                self._baked.add(internal)
+            return internal
+        if building:
+            raise ApiError(409, "conflict", f"template {name!r} is still building: wait until GET /v1/templates/{name} "
+                                            "says Live (handle.wait()), then start sandboxes of it")
+        raise self._missing(name)
+
+    def _image_status(self, tenant: str, name: str) -> Any:
+        """The status of the tenant's template `name`: its latest bake on this server, else its
+        current version on disk; None if it has neither. Blocking (reads the template's files)."""
+        from collimate_core._bake import Template
+
+        internal = self.engine_name(tenant, name)
+        with self._lock:
+            h = self._bakes.get(internal)
+        if h is not None:
+            return h.status()
+        try:
+            st = Template.get(self.engine, internal).status()
+        except NotFoundError:
+            return None
+        return st if st.phase == "Live" else None
+
+    def _image_info(self, tenant: str, name: str, st: Any, with_log: bool) -> TemplateInfo:
+        internal = self.engine_name(tenant, name)
+        if st.phase == "Live":
+            with self._lock:
+                self._baked.add(internal)
+        with self._lock:
+            width = self._expect.get(internal, {}).get(tenant, 0)
+        return TemplateInfo(
+            id=name, name=name, kind="image", live=internal in self._live_templates, expected_width=width,
+            phase=st.phase, version=st.version, error=self.scrub(tenant, st.error),
+            log=self.scrub(tenant, st.log) if with_log else None, image=self.scrub(tenant, st.image),
+            digest=st.digest, image_id=st.image_id, agent=st.agent, seed_ack=st.seed_ack, width=st.width,
+            user=dict(st.user or {}), entrypoint=list(st.entrypoint or []), cmd=list(st.cmd or []),
+            working_dir=st.working_dir, env=dict(st.env or {}), created=st.created, seconds=st.seconds,
+        )
+
+    def _catalog_info(self, tenant: str, name: str) -> TemplateInfo:
         with self._lock:
             width = self._expect.get(name, {}).get(tenant, 0)
         return TemplateInfo(id=name, name=name, kind="catalog", live=name in self._live_templates, expected_width=width)
 
+    async def template_info(self, tenant: str, name: str, with_log: bool = True) -> TemplateInfo:
+        if name in CATALOG:
+            return self._catalog_info(tenant, name)
+        if not re.fullmatch(TEMPLATE_NAME, name):
+            raise self._missing(name)
+        st = await self.run(self._image_status, tenant, name)
+        if st is None:
+            raise self._missing(name)
+        return self._image_info(tenant, name, st, with_log)
+
+    async def list_templates(self, tenant: str) -> list[TemplateInfo]:
+        """The catalog, then this tenant's own templates (no one else's)."""
+        from collimate_core._bake import Template
+
+        prefix = _namespace(tenant)
+        on_disk = await self.run(Template.list, self.engine)
+        names = {st.name[len(prefix):] for st in on_disk if st.name.startswith(prefix)}
+        with self._lock:
+            names |= {k[len(prefix):] for k in self._bakes if k.startswith(prefix)}
+        out = [self._catalog_info(tenant, n) for n in CATALOG]
+        for n in sorted(names):
+            st = await self.run(self._image_status, tenant, n)
+            if st is not None:
+                out.append(self._image_info(tenant, n, st, with_log=False))
+        return out
+
+    async def bake(self, tenant: str, req: BakeRequest) -> TemplateInfo:
+        """Start baking `req.image` (a reference into the tenant's image store) into the tenant's
+        template `req.name`; the bake runs in the background (Template.bake's thread)."""
+        from collimate_core import _oci
+        from collimate_core._bake import Ready, Template
+
+        name = req.name
+        if name in CATALOG:
+            raise ApiError(409, "conflict", f"{name!r} is a catalog template, shared by every tenant: bake your image "
+                                            "under another name")
+        ref = _check_image_reference(req.image)
+        ready = Ready(cmd=req.ready.cmd, code=req.ready.code, timeout=req.ready.timeout_seconds)
+        self.check_spend(tenant)
+        internal = self.engine_name(tenant, name)
+        with self._lock:
+            if self._building(internal):
+                raise ApiError(409, "conflict", f"template {name!r} is already building: wait until GET "
+                                                f"/v1/templates/{name} says Live or Failed, then bake it again")
+            running = len(self._starting) + sum(not h._build.done.is_set() for h in self._bakes.values())
+            if running >= self.config.max_bakes:
+                raise ApiError(429, "capacity", f"{running} bakes are running on this server (max_bakes="
+                                                f"{self.config.max_bakes}); retry when one has finished",
+                               {"Retry-After": "5"})
+            self._starting.add(internal)
+        try:
+            store = self.image_store(tenant)
+
+            def start() -> Any:
+                try:  # resolve it here first: a missing image is the request's error, not a failed bake
+                    _oci.resolve(ref, store).close()
+                except _oci.ImageError as e:
+                    if "is not in the local image store" in str(e):
+                        raise NotFoundError(
+                            f"image {ref!r} is not in this tenant's image store: upload it with POST /v1/images "
+                            "(Template.bake from the remote client uploads a local image for you) and bake from the "
+                            "reference it answers") from None
+                    raise InvalidArgument(f"image {ref!r}: {e}") from None
+                return Template.bake(self.engine, name=internal, image=ref, ready=ready, width=req.width, store=store)
+
+            try:
+                handle = await self.run(start)
+            except CollimateError as e:
+                raise self._scrubbed(tenant, e) from None
+            with self._lock:
+                self._bakes[internal] = handle
+                self._baked.discard(internal)
+        finally:
+            with self._lock:
+                self._starting.discard(internal)
+        _event("bake_started", tenant=tenant, template=name, version=handle.version)
+        threading.Thread(target=self._watch_bake, args=(tenant, name, handle), daemon=True,
+                         name=f"collimate-bake-watch-{name}").start()
+        return self._image_info(tenant, name, handle.status(), with_log=True)
+
+    def _watch_bake(self, tenant: str, name: str, handle: Any) -> None:
+        st = handle.wait()
+        internal = self.engine_name(tenant, name)
+        if st.phase == "Live":
+            with self._lock:
+                self._baked.add(internal)
+            self._live_templates.add(internal)  # registered with the engine at commit
+        _event("bake_finished", logging.INFO if st.phase == "Live" else logging.WARNING, tenant=tenant,
+               template=name, version=st.version, phase=st.phase, seconds=st.seconds,
+               error=self.scrub(tenant, st.error))
+
+    async def delete_template(self, tenant: str, name: str) -> None:
+        """Delete the tenant's template: no new sandboxes; live ones keep running."""
+        from collimate_core._bake import Template
+
+        if name in CATALOG:
+            raise ApiError(409, "conflict", f"{name!r} is a catalog template, shared by every tenant: it cannot be "
+                                            "deleted")
+        if not re.fullmatch(TEMPLATE_NAME, name):
+            raise self._missing(name)
+        internal = self.engine_name(tenant, name)
+        with self._lock:
+            if self._building(internal):
+                raise ApiError(409, "conflict", f"template {name!r} is still building: wait until GET "
+                                                f"/v1/templates/{name} says Live or Failed, then delete it")
+            recorded = internal in self._bakes
+        try:
+            await self.run(Template.delete, self.engine, internal)
+        except NotFoundError:
+            if not recorded:  # a bake that failed here is deleted by forgetting it
+                raise self._missing(name) from None
+        except CollimateError as e:
+            raise self._scrubbed(tenant, e) from None
+        with self._lock:
+            self._bakes.pop(internal, None)
+            self._baked.discard(internal)
+            self._expect.pop(internal, None)
+        self._live_templates.discard(internal)
+        _event("template_deleted", tenant=tenant, template=name)
+
     async def expect(self, tenant: str, name: str, width: int | None) -> TemplateInfo:
         """Declare (width) or withdraw (None) this tenant's expected width; the template keeps the
         widest declaration of any tenant ready."""
-        self.template_visible(tenant, name)
+        internal = self.resolve_template(tenant, name)
         with self._lock:
-            widths = self._expect.setdefault(name, {})
+            widths = self._expect.setdefault(internal, {})
             if width is None:
                 widths.pop(tenant, None)
             else:
                 widths[tenant] = width
             want = max(widths.values(), default=None)
-        if want is None:
-            await self.run(self.engine.release_template, name)
-        else:
-            await self.run(self.engine.expect_width, name, want)
-            self._live_templates.add(name)
-        return self.template_info(tenant, name)
+        try:
+            if want is None:
+                await self.run(self.engine.release_template, internal)
+            else:
+                await self.run(self.engine.expect_width, internal, want)
+                self._live_templates.add(internal)
+        except NotFoundError:
+            raise self._missing(name) from None
+        except CollimateError as e:
+            if internal == name:
+                raise
+            raise self._scrubbed(tenant, e) from None
+        return await self.template_info(tenant, name, with_log=False)
+
+    # images
+    async def upload_image(self, tenant: str, request: Request, name: str | None, digest: str | None,
+                           tag: str | None) -> ImageInfo:
+        """Store an image archive (the request body) in the tenant's image store, once it is read
+        and every blob of the image is verified against its digest."""
+        limit = self.config.max_image_upload
+        store = self.image_store(tenant)
+        await self.run(store.mkdir, parents=True, exist_ok=True)
+        # a dot file: the store's lookups skip it until it is verified and renamed
+        fd, tmp_name = tempfile.mkstemp(dir=store, prefix=".upload-", suffix=".tmp")
+        tmp = Path(tmp_name)
+        size = 0
+        try:
+            with os.fdopen(fd, "wb") as f:
+                buf: list[bytes] = []
+                held = 0
+                async for chunk in _stream(request):
+                    size += len(chunk)
+                    if size > limit:  # a chunked body without a Content-Length
+                        raise _image_too_large(limit)
+                    buf.append(chunk)
+                    held += len(chunk)
+                    if held >= 4 << 20:
+                        await self.run(f.write, b"".join(buf))
+                        buf, held = [], 0
+                if buf:
+                    await self.run(f.write, b"".join(buf))
+            if size == 0:
+                raise InvalidArgument("the request body is empty: send the image archive (an OCI layout tar or a "
+                                      "`docker save` tar) as the body")
+            info = await self.run(_verify_archive, tmp, digest, tag, max(1 << 30, 8 * limit))
+            stored = name or info.pop("default_name")
+            info.pop("default_name", None)
+            await self.run(os.replace, tmp, store / f"{stored}.tar")
+        finally:
+            tmp.unlink(missing_ok=True)
+        with self._lock:
+            self._meter(tenant).add("bytes_in", size)
+        _event("image_uploaded", tenant=tenant, image=stored, digest=info["digest"], bytes=size)
+        return ImageInfo(name=stored, reference=f"{stored}@{info['digest']}", bytes=size, **info)
 
     # sandboxes
     def info(self, rec: _Owned) -> SandboxInfo:
         return SandboxInfo(
-            id=rec.box.id, template=rec.box.template, warm_hit=bool(rec.box.warm_hit), parent=rec.parent,
+            id=rec.box.id, template=rec.template, warm_hit=bool(rec.box.warm_hit), parent=rec.parent,
             created=rec.created, idle_seconds=round(max(0.0, time.monotonic() - rec.last_used), 3),
             idle_timeout_seconds=self.config.idle_reap,
         )
 
-    def _own(self, box: Any, tenant: str, parent: str | None) -> _Owned:
-        rec = _Owned(box, tenant, parent)
+    def _own(self, box: Any, tenant: str, template: str, parent: str | None) -> _Owned:
+        rec = _Owned(box, tenant, template, parent)
         with self._lock:
             self._owned[box.id] = rec
         return rec
@@ -667,7 +971,7 @@ class ControlPlane:
         return [self.info(r) for r in sorted(recs, key=lambda r: r.created)]
 
     async def create(self, tenant: str, template: str) -> SandboxInfo:
-        self.template_visible(tenant, template)
+        internal = self.resolve_template(tenant, template)
         self.check_spend(tenant)
         await self.admission.acquire(1)
 
@@ -676,16 +980,20 @@ class ControlPlane:
             # failure, and a created sandbox is owned (and reaped if nobody claims it).
             t = time.perf_counter()
             try:
-                box = self.engine.create(template)
-            except BaseException:
+                box = self.engine.create(internal)
+            except BaseException as e:
                 self._release_soon(1)
-                raise
+                if internal == template or not isinstance(e, CollimateError):
+                    raise
+                if isinstance(e, NotFoundError):  # deleted meanwhile
+                    raise self._missing(template) from None
+                raise self._scrubbed(tenant, e) from None
             self.metrics.fork_seconds.labels("clone").observe(time.perf_counter() - t)
             self.metrics.created.labels("clone").inc()
-            rec = self._own(box, tenant, None)
+            rec = self._own(box, tenant, template, None)
             with self._lock:
                 self._meter(tenant).add("sandboxes", 1)
-            self._live_templates.add(template)
+            self._live_templates.add(internal)
             return rec
 
         return self.info(await self.run(work))
@@ -707,7 +1015,7 @@ class ControlPlane:
                 self.metrics.created.labels("fork").inc(len(boxes))
                 with self._lock:
                     self._meter(tenant).add("forks", len(boxes))
-                return [self._own(b, tenant, sandbox_id) for b in boxes]
+                return [self._own(b, tenant, parent.template, sandbox_id) for b in boxes]
 
             children = await self.run(work)
         return [self.info(c) for c in children]
@@ -837,8 +1145,121 @@ class ControlPlane:
                 log.exception("reaper failed", extra={"fields": {}})
 
 
+async def _stream(request: Request) -> Any:
+    """The request's body; a client that goes away mid-body is the client's problem, not the server's."""
+    try:
+        async for chunk in request.stream():
+            yield chunk
+    except ClientDisconnect:
+        raise ApiError(400, "invalid_argument", "the client went away before the whole body arrived") from None
+
+
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, "payload_too_large", f"request body over the server's limit of {limit} bytes (max_upload); split it")
+
+
+def _image_too_large(limit: int) -> ApiError:
+    return ApiError(
+        413, "payload_too_large",
+        f"image archive over the server's limit of {limit} bytes (max_image_upload): make the image smaller (fewer or "
+        "smaller layers; compressed layers count compressed), or ask the operator to raise --max-image-upload",
+    )
+
+
+# --- tenants' templates and images ------------------------------------------------------------
+
+
+def _tenant_key(tenant: str) -> str:
+    return hashlib.sha256(tenant.encode()).hexdigest()[:24]
+
+
+def _namespace(tenant: str) -> str:
+    """The prefix of the engine names of a tenant's templates (tenant template names have no "/")."""
+    return f"tenant-{_tenant_key(tenant)}/"
+
+
+_UPLOAD_HINT = ("upload the image with POST /v1/images (Template.bake from the remote client does it for you) and "
+                "bake from the reference it answers")
+
+
+def _check_image_reference(image: str) -> str:
+    """`image` if it is an image reference; 400 if it looks like a path: a tenant never names a
+    file on this host, only images in its own store."""
+    from collimate_core import _oci
+
+    text = image.strip()
+    base = text.split("@", 1)[0]
+    if (text.startswith(("/", ".", "~")) or "\\" in text or "//" in text or "/." in text or "./" in text
+            or base.endswith(_oci.ARCHIVE_SUFFIXES)):
+        raise InvalidArgument(f"image {image!r} looks like a path: a server never reads images from its own disk for "
+                              f"you; {_UPLOAD_HINT}")
+    try:
+        _oci.parse_reference(text)
+    except _oci.ImageError as e:
+        raise InvalidArgument(f"image {image!r} is not an image reference (name, name:tag or name@sha256:<hex>): {e}; "
+                              f"to bake a local image, {_UPLOAD_HINT}") from None
+    return text
+
+
+def _verify_archive(path: Path, digest: str | None, tag: str | None, unpacked_limit: int) -> dict:
+    """Open the uploaded archive, select its image (by digest or tag, or the only one), and verify
+    it: its manifest and config against their digests, every layer blob against its digest, and
+    every layer's uncompressed content against the config's diff id. So the image id (the config
+    digest) pins content the tenant really sent, and a root filesystem unpacked for one tenant's
+    image may serve another's with the same id. InvalidArgument saying why when it is not a usable
+    image."""
+    from collimate_core import _oci
+
+    def why(e: BaseException) -> str:
+        msg = str(e) if isinstance(e, _oci.ImageError) else f"malformed ({type(e).__name__}: {e})"
+        return msg.replace(str(path), "the uploaded archive")
+
+    try:
+        img = _oci.open_image(path, digest=digest, tag=tag)
+    except Exception as e:  # noqa: BLE001 - whatever a hostile archive does to the reader is a 400
+        raise InvalidArgument(f"not a usable image archive: {why(e)}") from None
+    try:
+        c = img.container
+        assert c is not None
+        total = 0
+        for i, layer in enumerate(img.layers, 1):
+            what = f"layer {i}/{len(img.layers)} ({layer.digest or layer.name})"
+            with c.open(layer.name) as f:
+                raw = _oci._HashingReader(f)
+                inner = _oci._HashingReader(_oci._decompressed(io.BufferedReader(raw, 1 << 20), what))
+                while chunk := inner.read(1 << 20):
+                    total += len(chunk)
+                    if total > unpacked_limit:
+                        raise _oci.ImageError(f"the layers unpack to more than {unpacked_limit} bytes, this server's "
+                                              "limit (8x max_image_upload)")
+                _drain_raw(raw)
+            if layer.digest and raw.digest() != layer.digest:
+                raise _oci.ImageError(f"{what} does not match its digest: the blob hashes to {raw.digest()}")
+            if inner.digest() != layer.diff_id:
+                raise _oci.ImageError(f"{what}: its content hashes to {inner.digest()}, but the config's diff id is "
+                                      f"{layer.diff_id}")
+        default = "image"
+        for n in img.names:
+            try:
+                repo = _oci.parse_reference(n).repository.rsplit("/", 1)[-1].lower()
+            except _oci.ImageError:
+                continue
+            if re.fullmatch(IMAGE_NAME, repo):
+                default = repo
+                break
+        return {"digest": img.digest, "image_id": img.id, "format": img.format, "layers": len(img.layers),
+                "default_name": default}
+    except Exception as e:  # noqa: BLE001
+        raise InvalidArgument(f"the image archive is corrupt: {why(e)}") from None
+    finally:
+        img.close()
+
+
+def _drain_raw(r: Any) -> None:
+    """Read what is left of a layer blob after its compressed stream ended (trailing bytes count
+    toward its digest)."""
+    while r.read(1 << 20):
+        pass
 
 
 # --- the HTTP layer ---------------------------------------------------------------------------
@@ -887,12 +1308,18 @@ class _Gate:
                     _event("key_store_unreadable", logging.ERROR, error=str(e))
                     await refuse(ApiError(500, "internal", "the server cannot read its key store; see its log"))
                     return
-                limit = cp.config.max_upload if scope["method"] == "PUT" and path.endswith("/files") else MAX_JSON_BODY
+                too_large = _too_large
+                if scope["method"] == "PUT" and path.endswith("/files"):
+                    limit = cp.config.max_upload
+                elif scope["method"] == "POST" and path.rstrip("/") == "/v1/images":
+                    limit, too_large = cp.config.max_image_upload, _image_too_large
+                else:
+                    limit = MAX_JSON_BODY
                 length = headers.get("content-length", "")
                 if length.isdigit() and int(length) > limit:
-                    await refuse(_too_large(limit))
+                    await refuse(too_large(limit))
                     return
-                receive = _bounded(receive, limit)
+                receive = _bounded(receive, limit, too_large)
             await self.app(scope, receive, send_)
         finally:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
@@ -903,7 +1330,7 @@ class _Gate:
                    ms=round(seconds * 1e3, 3), tenant=scope.get("collimate.tenant"), request_id=rid)
 
 
-def _bounded(receive: Callable, limit: int) -> Callable:
+def _bounded(receive: Callable, limit: int, too_large: Callable[[int], ApiError] = _too_large) -> Callable:
     seen = 0
 
     async def receive_() -> dict:
@@ -912,7 +1339,7 @@ def _bounded(receive: Callable, limit: int) -> Callable:
         if msg["type"] == "http.request":
             seen += len(msg.get("body", b""))
             if seen > limit:
-                raise _too_large(limit)
+                raise too_large(limit)
         return msg
 
     return receive_
@@ -923,13 +1350,13 @@ _ERRORS = {
     401: "missing, malformed, wrong or revoked API key",
     402: "the tenant's spend limit (sandbox-seconds) is reached",
     403: "the guest path is not writable (only /work and /tmp are)",
-    404: "no such template or sandbox for this tenant (another tenant's look the same)",
-    409: "conflict: wider than the server's capacity, or the sandbox's state does not allow it",
+    404: "no such template, image or sandbox for this tenant (another tenant's look the same)",
+    409: "conflict: wider than the server's capacity, the sandbox's state does not allow it, a catalog template "
+         "(read-only), or a template that is still building",
     410: "the sandbox's VMM process died: the sandbox is lost, delete it",
-    413: "request body over the server's limit",
-    429: "capacity: the queue is full, or the request waited its queue_timeout",
+    413: "request body over the server's limit (max_upload; image archives: max_image_upload)",
+    429: "capacity: the queue is full, the request waited its queue_timeout, or max_bakes bakes are running",
     500: "engine failure",
-    501: "not implemented by this server",
     503: "the engine refused for capacity",
     504: "an operation ran out of time",
 }
@@ -942,6 +1369,12 @@ def _errs(*codes: int) -> dict:
 _SANDBOX_LINKS = {
     op: {"operationId": op, "parameters": {"sandbox_id": "$response.body#/id"}}
     for op in ("get_sandbox", "delete_sandbox", "exec", "upload", "download", "reset_sandbox", "fork", "fork_group")
+}
+
+
+_TEMPLATE_LINKS = {
+    op: {"operationId": op, "parameters": {"template_id": "$response.body#/id"}}
+    for op in ("get_template", "delete_template")
 }
 
 
@@ -1028,35 +1461,67 @@ def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: 
     @app.get("/v1/templates", response_model=TemplateList, operation_id="list_templates", tags=["templates"],
              responses=_errs())
     async def list_templates(tenant: str = Tenant) -> TemplateList:
-        return TemplateList(templates=[cp.template_info(tenant, n) for n in CATALOG])
+        """The catalog templates (shared by every tenant) and this tenant's own."""
+        return TemplateList(templates=await cp.list_templates(tenant))
 
     @app.post("/v1/templates", operation_id="bake_template", tags=["templates"], status_code=202,
-              response_model=TemplateInfo, responses=_errs(404, 501))
+              response_model=TemplateInfo,
+              responses={**_errs(402, 404, 409, 429), 202: {"description": "the bake started", "links": _TEMPLATE_LINKS}})
     async def bake_template(body: BakeRequest, tenant: str = Tenant) -> TemplateInfo:
-        raise ApiError(501, "not_implemented",
-                       "baking templates through the API is not in this server yet (it needs Template.bake); "
-                       f"the catalog templates ({', '.join(CATALOG)}) are ready to use")
+        """Bake an image of this tenant's image store (POST /v1/images) into template `name`, in the
+        background: the answer is its status (phase Building); poll GET /v1/templates/{name} until
+        Live or Failed. Baking a name again makes its next version; sandboxes of older versions keep
+        running."""
+        return await cp.bake(tenant, body)
 
     @app.get("/v1/templates/{template_id}", response_model=TemplateInfo, operation_id="get_template",
              tags=["templates"], responses=_errs(404))
     async def get_template(template_id: str, tenant: str = Tenant) -> TemplateInfo:
-        return cp.template_info(tenant, template_id)
+        """A template's status: for this tenant's, its latest bake (Building, Live, or Failed with
+        `error` and the build `log`)."""
+        return await cp.template_info(tenant, template_id)
 
     @app.delete("/v1/templates/{template_id}", status_code=204, operation_id="delete_template", tags=["templates"],
                 response_class=Response, responses=_errs(404, 409))
     async def delete_template(template_id: str, tenant: str = Tenant) -> Response:
-        cp.template_visible(tenant, template_id)
-        raise ApiError(409, "conflict", f"{template_id!r} is a catalog template, shared by every tenant: it cannot be deleted")
+        """Delete this tenant's template: no new sandboxes of it; live ones keep running. Catalog
+        templates and templates still building answer 409."""
+        await cp.delete_template(tenant, template_id)
+        return Response(status_code=204)
 
     @app.post("/v1/templates/{template_id}/expect", response_model=TemplateInfo, operation_id="expect_width",
-              tags=["templates"], responses=_errs(404))
+              tags=["templates"], responses=_errs(404, 409))
     async def expect_width(template_id: str, body: ExpectRequest, tenant: str = Tenant) -> TemplateInfo:
         return await cp.expect(tenant, template_id, body.width)
 
     @app.post("/v1/templates/{template_id}/release", response_model=TemplateInfo, operation_id="release_template",
-              tags=["templates"], responses=_errs(404))
+              tags=["templates"], responses=_errs(404, 409))
     async def release_template(template_id: str, tenant: str = Tenant) -> TemplateInfo:
         return await cp.expect(tenant, template_id, None)
+
+    # images
+    @app.post(
+        "/v1/images", status_code=201, response_model=ImageInfo, operation_id="upload_image", tags=["templates"],
+        responses=_errs(),
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "application/x-tar": {"schema": {"type": "string", "format": "binary"}}}}},
+    )
+    async def upload_image(
+        request: Request,
+        name: str = Query(None, min_length=1, max_length=128, pattern=IMAGE_NAME,
+                          description="store it under this name (default: the image's own repository name, else "
+                          "'image'); an upload under a name replaces the one before"),
+        digest: str = Query(None, pattern=DIGEST, description="select this image of an archive holding several"),
+        tag: str = Query(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$",
+                         description="select the image with this tag of an archive holding several"),
+        tenant: str = Tenant,
+    ) -> ImageInfo:
+        """Upload an image archive (an OCI layout tar, `skopeo copy ... oci-archive:`, or a `docker
+        save` tar) as the body, up to the server's max_image_upload bytes. Its manifest, config and
+        every layer are verified against their digests before it is kept, in this tenant's own image
+        store. Bake from the `reference` of the answer."""
+        return await cp.upload_image(tenant, request, name, digest, tag)
 
     # sandboxes
     @app.get("/v1/sandboxes", response_model=SandboxList, operation_id="list_sandboxes", tags=["sandboxes"],
@@ -1066,7 +1531,7 @@ def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: 
 
     @app.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo, operation_id="create_sandbox",
               tags=["sandboxes"],
-              responses={**_errs(402, 404, 429, 503), 201: {"description": "the new sandbox", "links": _SANDBOX_LINKS}})
+              responses={**_errs(402, 404, 409, 429, 503), 201: {"description": "the new sandbox", "links": _SANDBOX_LINKS}})
     async def create_sandbox(body: CreateSandbox = Body(default_factory=CreateSandbox), tenant: str = Tenant) -> SandboxInfo:
         return await cp.create(tenant, body.template)
 
@@ -1183,7 +1648,8 @@ def serve(config: ServerConfig) -> None:
     keys = KeyStore(config.key_store)
     _event("listening", host=host, port=port, url=f"http://{host}:{port}", key_store=str(keys.path),
            max_sandboxes=config.max_sandboxes, queue=config.queue, idle_reap=config.idle_reap,
-           spend_limit=config.spend_limit, max_upload=config.max_upload, pid=os.getpid())
+           spend_limit=config.spend_limit, max_upload=config.max_upload, max_image_upload=config.max_image_upload,
+           max_bakes=config.max_bakes, pid=os.getpid())
     app = create_app(config, keys=keys)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=10,
                                            backlog=1024))
