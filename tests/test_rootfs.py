@@ -77,6 +77,10 @@ def test_layout(built):
     for applet in rootfs.BUSYBOX_APPLETS:
         assert os.readlink(root / "usr/bin" / applet) == "busybox", applet
     assert (root / "bin/busybox").is_file()
+    for tool in ("bash", "tar", "zip", "unzip"):  # external tools programs expect, from Debian
+        assert (root / "usr/bin" / tool).is_file() and not (root / "usr/bin" / tool).is_symlink(), tool
+    assert "nogroup:x:65534:" in (root / "etc/group").read_text()
+    assert "nobody:x:65534:65534:" in (root / "etc/passwd").read_text()
     assert stat.S_IMODE((root / "tmp").stat().st_mode) == 0o1777
     for d in ("work", "dev", "proc", "etc"):
         assert (root / d).is_dir()

@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Callable
 
 # Bump whenever the build steps change, so that existing trees are not reused.
-BUILD_VERSION = 2
+BUILD_VERSION = 4
 
 RECIPES: dict[str, tuple[str, ...]] = {
-    "python": ("python3.11-minimal", "libpython3.11-stdlib", "busybox-static"),
+    # bash, tar, zip and unzip: what programs (and CPython's own tests) run as external tools;
+    # busybox gives the rest of the usual command line.
+    "python": ("python3.11-minimal", "libpython3.11-stdlib", "busybox-static", "bash", "tar", "zip", "unzip"),
 }
 
 # Dependencies that are only there to run maintainer scripts and triggers, which a `dpkg -x` tree
@@ -47,6 +49,17 @@ BUSYBOX_APPLETS = (
     "sh ls cat echo tr wc head tail sort grep sed mkdir rm cp mv env true false test [ sleep "
     "printf seq uname id pwd touch chmod ln"
 ).split()
+PASSWD = [
+    ("root", 0, 0, "/root", "/bin/sh"), ("daemon", 1, 1, "/usr/sbin", "/usr/sbin/nologin"),
+    ("bin", 2, 2, "/bin", "/usr/sbin/nologin"), ("sys", 3, 3, "/dev", "/usr/sbin/nologin"),
+    ("nobody", 65534, 65534, "/nonexistent", "/usr/sbin/nologin"),
+    ("sandbox", 1000, 1000, "/work", "/bin/sh"),
+]
+GROUPS = [
+    ("root", 0), ("daemon", 1), ("bin", 2), ("sys", 3), ("adm", 4), ("tty", 5), ("disk", 6),
+    ("mail", 8), ("staff", 50), ("users", 100), ("nogroup", 65534), ("sandbox", 1000),
+]
+ALTERNATIVES = {"usr/sbin/rmt": "rmt-tar"}
 MANIFEST = ".collimate-rootfs.json"
 VERIFY_MODULES = ("json", "re", "hashlib", "sqlite3", "zipfile", "tempfile", "subprocess")
 DEPENDS_FLAGS = ("--recurse", "--no-recommends", "--no-suggests", "--no-conflicts", "--no-breaks",
@@ -278,6 +291,10 @@ def _finish_tree(root: Path) -> None:
     for name in ("python3", "python"):  # `python task.py` works as in the usual images
         if not os.path.lexists(usrbin / name):
             (usrbin / name).symlink_to("python3.11")
+    # What maintainer scripts would have made with update-alternatives (tar's /etc/rmt points there).
+    for link, target in ALTERNATIVES.items():
+        if (root / link).parent.joinpath(target).exists() and not os.path.lexists(root / link):
+            (root / link).symlink_to(target)
     for applet in BUSYBOX_APPLETS:  # sh -> busybox too: there is no dash
         if not any(os.path.lexists(root / d / applet) for d in ("usr/bin", "usr/sbin")):
             (usrbin / applet).symlink_to("busybox")
@@ -290,9 +307,10 @@ def _finish_tree(root: Path) -> None:
     if os.geteuid() == 0:
         os.chown(root / "work", 1000, 1000)
     etc = root / "etc"
-    (etc / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n"
-                                "sandbox:x:1000:1000:sandbox:/work:/bin/sh\n")
-    (etc / "group").write_text("root:x:0:\nsandbox:x:1000:\n")
+    # The accounts and groups of a Debian base system (ids as Debian assigns them), plus the
+    # sandbox user: programs look some of them up by name (nobody, nogroup, staff, users).
+    (etc / "passwd").write_text("".join(f"{n}:x:{u}:{g}:{n}:{h}:{s}\n" for n, u, g, h, s in PASSWD))
+    (etc / "group").write_text("".join(f"{n}:x:{g}:\n" for n, g in GROUPS))
     (etc / "hostname").write_text("sandbox\n")
     (etc / "hosts").write_text("127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n"
                                "::1\tlocalhost ip6-localhost ip6-loopback\n")

@@ -352,6 +352,7 @@ pub mod nr {
     pub const DUP: u64 = 32;
     pub const DUP2: u64 = 33;
     pub const SENDFILE: u64 = 40;
+    pub const SPLICE: u64 = 275;
     pub const FCNTL: u64 = 72;
     pub const FLOCK: u64 = 73;
     pub const FSYNC: u64 = 74;
@@ -420,6 +421,8 @@ pub mod nr {
     pub const SYNCFS: u64 = 306;
     pub const RENAMEAT2: u64 = 316;
     pub const MEMFD_CREATE: u64 = 319;
+    pub const EVENTFD: u64 = 284;
+    pub const EVENTFD2: u64 = 290;
     pub const COPY_FILE_RANGE: u64 = 326;
     pub const PREADV2: u64 = 327;
     pub const PWRITEV2: u64 = 328;
@@ -485,6 +488,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         PIPE2 => sys_pipe2(os, ctx, a[0], a[1] as i32),
         MEMFD_CREATE => sys_memfd_create(os, ctx, a[0], a[1] as u32),
         SENDFILE => sys_sendfile(os, ctx, fd0, a[1] as i32, a[2], a[3]),
+        SPLICE => sys_splice(os, ctx, fd0, a[1], a[2] as i32, a[3], a[4], a[5] as u32),
         COPY_FILE_RANGE => sys_copy_file_range(os, ctx, fd0, a[1], a[2] as i32, a[3], a[4], a[5] as u32),
         POLL => poll::sys_poll(os, ctx, a[0], a[1], poll::timeout_ms(a[2] as i32)),
         PPOLL => poll::timeout_ts(ctx, a[2]).and_then(|t| poll::sys_poll(os, ctx, a[0], a[1], t)),
@@ -532,11 +536,15 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         UTIMES => path::sys_utimes(os, ctx, at, a[0], a[1]),
         FUTIMESAT => path::sys_utimes(os, ctx, fd0, a[1], a[2]),
         UTIME => path::sys_utime(os, ctx, a[0], a[1]),
-        // Extended attributes: the sandbox's file systems have none, as one mounted without xattr
-        // support (EOPNOTSUPP, which shutil's copystat and the like take as "no attributes").
-        FSETXATTR | FGETXATTR | FLISTXATTR | FREMOVEXATTR => os.files.get(fd0).and(Err(super::EOPNOTSUPP)),
-        SETXATTR | GETXATTR | LISTXATTR | REMOVEXATTR => path::sys_xattr(os, ctx, a[0], 0),
-        LSETXATTR | LGETXATTR | LLISTXATTR | LREMOVEXATTR => path::sys_xattr(os, ctx, a[0], libc::AT_SYMLINK_NOFOLLOW),
+        // Extended attributes: the host files' own, in the "user." namespace for changes (see
+        // path::sys_xattr); the engine's files (/dev, /proc, pipes of its own) have none.
+        SETXATTR | GETXATTR | LISTXATTR | REMOVEXATTR => path::sys_xattr(os, ctx, nr, a, path::XattrOn::Path(0)),
+        LSETXATTR | LGETXATTR | LLISTXATTR | LREMOVEXATTR => {
+            path::sys_xattr(os, ctx, nr, a, path::XattrOn::Path(libc::AT_SYMLINK_NOFOLLOW))
+        }
+        FSETXATTR | FGETXATTR | FLISTXATTR | FREMOVEXATTR => path::sys_xattr(os, ctx, nr, a, path::XattrOn::Fd(fd0)),
+        EVENTFD => sys_eventfd(os, a[0] as u32, 0),
+        EVENTFD2 => sys_eventfd(os, a[0] as u32, a[1] as i32),
         _ => return None,
     };
     Some(r)
@@ -1016,6 +1024,22 @@ fn sys_pipe2(os: &mut GuestOs, ctx: &mut Ctx, fds: u64, flags: i32) -> SysResult
     Ok(0)
 }
 
+/// eventfd(2): a host eventfd, so that the processes of the sandbox that share it (a guest fork
+/// shares its descriptors) wait on and signal one counter; blocking reads and writes are sliced
+/// like a pipe's.
+fn sys_eventfd(os: &mut GuestOs, initval: u32, flags: i32) -> SysResult {
+    if flags & !(libc::EFD_CLOEXEC | libc::EFD_NONBLOCK | libc::EFD_SEMAPHORE) != 0 {
+        return Err(EINVAL);
+    }
+    // SAFETY: eventfd with valid flags; the result is checked and owned below.
+    let fd = cvt(unsafe { libc::eventfd(initval, libc::EFD_CLOEXEC | (flags & (libc::EFD_NONBLOCK | libc::EFD_SEMAPHORE))) } as i64)?;
+    // SAFETY: a fresh descriptor we own.
+    let mut f = OpenFile::host(unsafe { OwnedFd::from_raw_fd(fd as RawFd) }, None, false);
+    f.stream = true;
+    f.label = Some("anon_inode:[eventfd]".into());
+    os.files.alloc(0, Arc::new(f), flags & libc::EFD_CLOEXEC != 0).map(|fd| fd as u64)
+}
+
 fn sys_memfd_create(os: &mut GuestOs, ctx: &mut Ctx, name: u64, flags: u32) -> SysResult {
     const KNOWN: u32 = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | libc::MFD_NOEXEC_SEAL | libc::MFD_EXEC;
     let name = ctx.read_cstr(name, 249).map_err(|e| if e == EFAULT { e } else { EINVAL })?;
@@ -1098,6 +1122,51 @@ fn sys_sendfile(os: &mut GuestOs, ctx: &mut Ctx, out_fd: i32, in_fd: i32, offp: 
     let n = copy_loop(&mut Sinks { out: ctx.out, stdio: os.stdio.as_ref() }, &mut os.proc, &inf, &outf, off.as_mut(), None, count)?;
     if let Some(o) = off {
         ctx.write(offp, &o.to_le_bytes())?;
+    }
+    Ok(n)
+}
+
+/// A pipe end (a host FIFO or pipe, or one of the engine's streams).
+fn is_pipe(f: &OpenFile) -> bool {
+    match f.host_fd() {
+        Some(h) => {
+            // SAFETY: a zeroed stat is valid; fstat on a descriptor the file holds.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            (unsafe { libc::fstat(h, &mut st) } == 0) && st.st_mode & libc::S_IFMT == libc::S_IFIFO
+        }
+        None => f.stream,
+    }
+}
+
+/// splice(2): moves data between a pipe and a file (or two pipes), as a copy through the engine
+/// (the host's zero-copy is not needed for the sizes sandboxes move). Linux's rules on arguments:
+/// one end must be a pipe, a pipe end takes no offset (ESPIPE).
+#[allow(clippy::too_many_arguments)]
+fn sys_splice(os: &mut GuestOs, ctx: &mut Ctx, in_fd: i32, in_offp: u64, out_fd: i32, out_offp: u64, len: u64, flags: u32) -> SysResult {
+    const KNOWN: u32 = 1 | 2 | 4 | 8; // SPLICE_F_MOVE, _NONBLOCK, _MORE, _GIFT
+    if flags & !KNOWN != 0 {
+        return Err(EINVAL);
+    }
+    let inf = os.files.file(in_fd)?;
+    let outf = os.files.file(out_fd)?;
+    let (in_pipe, out_pipe) = (is_pipe(&inf), is_pipe(&outf));
+    if !in_pipe && !out_pipe {
+        return Err(EINVAL);
+    }
+    if (in_pipe && in_offp != 0) || (out_pipe && out_offp != 0) {
+        return Err(ESPIPE);
+    }
+    if inf.dir || outf.dir {
+        return Err(EINVAL);
+    }
+    let mut ioff = read_off(ctx, in_offp)?;
+    let mut ooff = read_off(ctx, out_offp)?;
+    let n = copy_loop(&mut Sinks { out: ctx.out, stdio: os.stdio.as_ref() }, &mut os.proc, &inf, &outf, ioff.as_mut(), ooff.as_mut(), len)?;
+    if let Some(o) = ioff {
+        ctx.write(in_offp, &o.to_le_bytes())?;
+    }
+    if let Some(o) = ooff {
+        ctx.write(out_offp, &o.to_le_bytes())?;
     }
     Ok(n)
 }

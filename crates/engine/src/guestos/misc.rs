@@ -16,8 +16,12 @@
 //! the clocks ([`Proc::clocks`]) to **virtual time**: every clock starts where the guest last saw it
 //! (or at [`REPLAY_EPOCH_NS`] / [`REPLAY_MONOTONIC_NS`] if it never read one) and advances only by
 //! [`CLOCK_QUANTUM_NS`] per clock read (clock_gettime, gettimeofday, time, times, getrusage, sysinfo)
-//! and by the durations the guest sleeps; sleeps (nanosleep, clock_nanosleep, futex timeouts) then
-//! return at once instead of waiting on the host. CPU-time clocks advance by the quantum only.
+//! and by the durations the guest sleeps. A sleep (nanosleep, clock_nanosleep, futex timeouts) of a
+//! process alone in its sandbox returns at once: nothing else could act while it waits, so waiting
+//! would change nothing it can observe but the wall time it cannot see. With other guest processes
+//! alive, the sleep waits on the host for its length (they run meanwhile, as under Linux: a parent
+//! that sleeps to let its child start, a `timeout` on a child), and virtual time moves by exactly
+//! the length either way. CPU-time clocks advance by the quantum only.
 //! Replay mode stays on until the next reseed (which may turn it off) or a reset to a state without
 //! it. Both are part of [`Proc`], so snapshots, forks and resets carry them. See docs/replay.md.
 //!
@@ -117,6 +121,9 @@ pub struct Proc {
     /// The sandbox's next guest pid when this state was captured (see `signal::host::alloc_pid`).
     #[serde(default = "first_child_pid")]
     pub next_pid: i32,
+    /// The nice value (-20..=19), bookkeeping only (see setpriority).
+    #[serde(default)]
+    pub nice: i32,
     pub sleep: Option<PendingSleep>,
     /// The sandbox CRNG: every random byte the guest gets. A guest fork gives the child
     /// `crng.fork_child()` (see `vmm::process`), a sandbox clone calls [`diverge`].
@@ -165,6 +172,7 @@ impl Default for Proc {
             no_new_privs: false,
             start_ns: monotonic_ns(),
             next_pid: first_child_pid(),
+            nice: 0,
             sleep: None,
             crng: Crng::from_host_entropy(),
             clocks: Clocks::default(),
@@ -453,6 +461,22 @@ fn sleep_until(
     proc.sleep = Some(PendingSleep { deadline_ns: deadline, ..key });
     ctx.regs.rip = ctx.regs.rip.wrapping_sub(2);
     Ok(nr)
+}
+
+/// A sleep of `d` ns in replay mode: virtual time moves by exactly `d` when it ends (see the
+/// module comment); it waits on the host (sliced, as `sleep_until`) only if other guest processes
+/// of the sandbox are alive to run meanwhile.
+fn virtual_sleep(proc: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6], d: u64, done: SysResult) -> SysResult {
+    if super::signal::host::alone() {
+        proc.sleep = None;
+        proc.clocks.pass(d);
+        return done;
+    }
+    let r = sleep_until(proc, ctx, nr, a, || Ok(monotonic_ns().saturating_add(d)), done);
+    if proc.sleep.is_none() {
+        proc.clocks.pass(d); // ended (not restarted for another slice)
+    }
+    r
 }
 
 pub const SYS_RT_SIGACTION: u64 = 13;
@@ -790,26 +814,37 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         }),
         SYS_NANOSLEEP => read_timespec(ctx, a[0]).and_then(|req| {
             if p.clocks.replay {
-                p.clocks.pass(req);
-                return Ok(0);
+                return virtual_sleep(p, ctx, nr, a, req, Ok(0));
             }
             sleep_until(p, ctx, nr, a, || Ok(monotonic_ns().saturating_add(req)), Ok(0))
         }),
         SYS_CLOCK_NANOSLEEP => clock_nanosleep(p, ctx, nr, a),
         SYS_SCHED_YIELD => Ok(0),
-        // Scheduling: every guest process runs at nice 0 under SCHED_OTHER and may not change
-        // that (as an unprivileged Linux process may not raise its priority; lowering it is
-        // refused too, the host schedules the sandbox). Other pids answer as SCHED_OTHER too.
+        // Scheduling: every guest process runs under SCHED_OTHER. Its nice value is kept (and
+        // inherited by its children) with Linux's rules: anyone may lower its priority, only root
+        // raise it. It does not reach the host, which schedules the sandbox as a whole. Other
+        // processes answer as nice 0.
         SYS_GETPRIORITY | SYS_SETPRIORITY => {
             let (which, who) = (a[0], a[1] as i32);
+            let me = match which {
+                0 => who == 0 || who == p.pid,
+                1 => who == 0 || who == p.pgid,
+                _ => who == 0 || who as u32 == p.uid[0],
+            };
             if which > 2 || who < 0 {
                 Err(EINVAL)
             } else if nr == SYS_GETPRIORITY {
-                Ok(20) // the raw syscall answers 20 - nice
-            } else if a[2] as i32 == 0 {
-                Ok(0)
+                Ok((20 - if me { p.nice } else { 0 }) as u64) // the raw syscall answers 20 - nice
+            } else if !me {
+                Err(ESRCH)
             } else {
-                Err(super::EACCES)
+                let want = (a[2] as i32).clamp(-20, 19);
+                if want < p.nice && p.uid[1] != 0 {
+                    Err(super::EACCES)
+                } else {
+                    p.nice = want;
+                    Ok(0)
+                }
             }
         }
         SYS_SCHED_GETSCHEDULER => if (a[0] as i32) < 0 { Err(EINVAL) } else { Ok(0) },
@@ -1020,8 +1055,7 @@ fn clock_nanosleep(p: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> SysResu
     let abs = a[1] & TIMER_ABSTIME != 0;
     if p.clocks.replay {
         let d = if abs { p.clocks.until(clock_kind(clock)?, req) } else { req };
-        p.clocks.pass(d);
-        return Ok(0);
+        return virtual_sleep(p, ctx, nr, a, d, Ok(0));
     }
     sleep_until(
         p,
@@ -1263,8 +1297,7 @@ fn futex(p: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> SysResult {
                 // Nobody can wake us: the wait times out once virtual time reaches its end.
                 let kind = if realtime { ClockKind::Real } else { ClockKind::Mono };
                 let d = if cmd == FUTEX_WAIT { t } else { p.clocks.until(kind, t) };
-                p.clocks.pass(d);
-                return Err(ETIMEDOUT);
+                return virtual_sleep(p, ctx, nr, a, d, Err(ETIMEDOUT));
             }
             sleep_until(
                 p,

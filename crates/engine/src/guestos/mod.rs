@@ -35,6 +35,8 @@ use crate::vstate::memory::GuestMemory;
 pub struct Errno(pub i32);
 
 pub const EPERM: Errno = Errno(1);
+pub const E2BIG: Errno = Errno(7);
+pub const ENODATA: Errno = Errno(61);
 pub const ENOENT: Errno = Errno(2);
 pub const ESRCH: Errno = Errno(3);
 pub const EINTR: Errno = Errno(4);

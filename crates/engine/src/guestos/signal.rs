@@ -1014,8 +1014,29 @@ fn sigtimedwait(os: &mut GuestOs, ctx: &mut Ctx, a: [u64; 6]) -> SysResult {
     Err(ERESTARTSYS)
 }
 
+/// pidfd_open(2) for the processes in reach (itself, its children, its parent, pid 1): a host
+/// pidfd of that process's VMM, which polls readable when it ends, as the guest expects. Other
+/// uses of a pidfd (pidfd_send_signal, pidfd_getfd) are not serviced.
+fn sys_pidfd_open(os: &mut GuestOs, pid: i32, flags: u32) -> SysResult {
+    if pid <= 0 || flags & !(libc::O_NONBLOCK as u32) != 0 {
+        return Err(EINVAL);
+    }
+    let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| Errno::from_io(&e));
+    let fd = match target(os, pid)? {
+        // SAFETY: getpid cannot fail.
+        Target::Myself => pidfd_open(unsafe { libc::getpid() })?,
+        Target::Child(i) => dup(os.sig.children[i].pidfd.as_ref().ok_or(ESRCH)?)?,
+        Target::Parent => dup(os.sig.parent.as_ref().ok_or(ESRCH)?)?,
+        Target::Top => pidfd_open(host::top())?,
+    };
+    let mut f = crate::guestos::files::OpenFile::host(fd, None, false);
+    f.label = Some("anon_inode:[pidfd]".into());
+    os.files.alloc(0, std::sync::Arc::new(f), true).map(|fd| fd as u64)
+}
+
 pub const SYS_PAUSE: u64 = 34;
 pub const SYS_RT_SIGTIMEDWAIT: u64 = 128;
+pub const SYS_PIDFD_OPEN: u64 = 434;
 pub const SYS_WAIT4: u64 = 61;
 pub const SYS_KILL: u64 = 62;
 pub const SYS_RT_SIGPENDING: u64 = 127;
@@ -1060,6 +1081,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         }
         SYS_PAUSE => suspend(os, None),
         SYS_RT_SIGTIMEDWAIT => sigtimedwait(os, ctx, a),
+        SYS_PIDFD_OPEN => sys_pidfd_open(os, a[0] as i32, a[1] as u32),
         _ => return None,
     };
     Some(r)
@@ -1144,6 +1166,11 @@ pub mod host {
         let p = PROCS.load(Ordering::SeqCst);
         // SAFETY: set by `new_process_count` to a mapping that is never unmapped.
         (!p.is_null()).then(|| unsafe { &*p })
+    }
+
+    /// Whether this is the sandbox's only live guest process (or not in a sandbox's tree at all).
+    pub fn alone() -> bool {
+        process_count().is_none_or(|c| c.load(Ordering::SeqCst) <= 1)
     }
 
     /// Count one more process if the sandbox has fewer than `limit`.

@@ -406,6 +406,11 @@ pub fn allowed_syscalls() -> Vec<(i64, Vec<SeccompRule>)> {
         (SYS_fchmod, any()),
         // A guest running as a user (an image's User) owns what it creates; chown(2) itself.
         (SYS_fchown, any()),
+        // Extended attributes of the sandbox's files, through descriptors (guestos::files::path).
+        (SYS_fgetxattr, any()),
+        (SYS_flistxattr, any()),
+        (SYS_fsetxattr, any()),
+        (SYS_fremovexattr, any()),
         (SYS_fchownat, any()),
         (SYS_flock, any()),
         // ...and by path. These reach only what the mount namespace holds (and in it, the engine
@@ -424,6 +429,8 @@ pub fn allowed_syscalls() -> Vec<(i64, Vec<SeccompRule>)> {
         (SYS_readlinkat, any()),
         (SYS_readlink, any()),
         (SYS_mkdirat, any()),
+        // FIFOs only (mknod of anything else is refused in guestos before it gets here).
+        (SYS_mknodat, vec![rule(vec![cond(2, Len::Dword, Op::MaskedEq(libc::S_IFMT as u64), libc::S_IFIFO as u64)])]),
         (SYS_mkdir, any()),
         (SYS_unlinkat, any()),
         (SYS_unlink, any()),
@@ -451,6 +458,7 @@ pub fn allowed_syscalls() -> Vec<(i64, Vec<SeccompRule>)> {
         (SYS_dup3, any()),
         (SYS_fcntl, any()),
         (SYS_pipe2, any()),
+        (SYS_eventfd2, any()),
         (SYS_poll, any()),
         (SYS_ppoll, any()),
         // The controller channels: Unix socket pairs made with socketpair (for forks), messages

@@ -3,7 +3,7 @@
 //! last component, with the no-follow variant (the lookup did the following, inside the sandbox).
 
 use std::ffi::CStr;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 use super::special;
@@ -173,7 +173,10 @@ pub(super) fn sys_openat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64
     } else {
         let tmpfile = flags & libc::O_TMPFILE == libc::O_TMPFILE;
         let creates = flags & libc::O_CREAT != 0 || tmpfile;
-        let fd = if creates {
+        let fifo = !tmpfile && r.host().is_some_and(|(d, n)| host_stat(d, n).is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFIFO));
+        let fd = if fifo {
+            open_fifo(os, &r, flags)?
+        } else if creates {
             let new = tmpfile || (new_owner(os).is_some() && r.writable() && !exists(&r));
             let fd = super::with_umask(os.proc.umask, || os.vfs.open_resolved(&r, flags, mode))?;
             if new {
@@ -192,6 +195,30 @@ pub(super) fn sys_openat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64
         Arc::new(f)
     };
     os.files.alloc(0, file, flags & libc::O_CLOEXEC != 0).map(|fd| fd as u64)
+}
+
+/// Open a FIFO without ever blocking the VMM in the host's open: the host open is non-blocking,
+/// and a guest's blocking open for writing with no reader yet waits in slices (ERESTARTSYS) as its
+/// reads and writes do. A blocking open for reading returns at once, and its first read waits (in
+/// slices) for a writer's data or close, which is what the open and that read together do under
+/// Linux.
+fn open_fifo(os: &GuestOs, r: &Resolved, flags: i32) -> Result<OwnedFd, Errno> {
+    let fd = match os.vfs.open_resolved(r, flags | libc::O_NONBLOCK, 0) {
+        Err(e) if e.0 == libc::ENXIO && flags & libc::O_NONBLOCK == 0 => {
+            // A writer and no reader yet: wait a slice, then the guest asks again.
+            // SAFETY: poll with no descriptors is a plain sleep.
+            unsafe { libc::poll(std::ptr::null_mut(), 0, super::WAIT_SLICE_MS) };
+            return Err(crate::guestos::signal::ERESTARTSYS);
+        }
+        other => other?,
+    };
+    if flags & libc::O_NONBLOCK == 0 {
+        // SAFETY: fcntl on a descriptor we own.
+        let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+        // SAFETY: as above.
+        cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl & !libc::O_NONBLOCK) } as i64)?;
+    }
+    Ok(fd)
 }
 
 /// stat of what `path` names (`path` non-empty).
@@ -417,9 +444,10 @@ pub(super) fn sys_mkdirat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u6
     Ok(0)
 }
 
-/// mknod and mknodat: regular files only. Devices need privileges the sandbox does not give, and
-/// FIFOs and sockets would be host objects the VMM's jail does not let it make: EPERM, once the
-/// path itself is fine (ENOENT, EEXIST, EROFS come first).
+/// mknod and mknodat: regular files and FIFOs (host FIFOs in the sandbox's own directories, see
+/// `open_fifo`). Devices need privileges the sandbox does not give, and sockets would be host
+/// objects the engine does not serve: EPERM, once the path itself is fine (ENOENT, EEXIST, EROFS
+/// come first).
 pub(super) fn sys_mknodat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, mode: u32) -> SysResult {
     let kind = mode & libc::S_IFMT;
     if ![0, libc::S_IFREG, libc::S_IFIFO, libc::S_IFSOCK, libc::S_IFCHR, libc::S_IFBLK].contains(&kind) {
@@ -434,6 +462,12 @@ pub(super) fn sys_mknodat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u6
     let (d, n) = host_of(&r)?;
     if exists(&r) {
         return Err(EEXIST);
+    }
+    if kind == libc::S_IFIFO {
+        // SAFETY: a valid fd and C string (one component).
+        super::with_umask(os.proc.umask, || cvt(unsafe { libc::mknodat(d, n.as_ptr(), libc::S_IFIFO | (mode & 0o7777), 0) } as i64))?;
+        own_new_at(os, d, n);
+        return Ok(0);
     }
     if kind != 0 && kind != libc::S_IFREG {
         return Err(crate::guestos::EPERM);
@@ -806,14 +840,132 @@ pub(super) fn sys_utime(os: &mut GuestOs, ctx: &mut Ctx, pathp: u64, bufp: u64) 
     set_times(os, libc::AT_FDCWD, Some(&path), times, 0)
 }
 
-/// The path forms of the xattr calls (setxattr, getxattr, listxattr, removexattr and their l*
-/// variants): ENOENT and the like for a path that does not resolve, else EOPNOTSUPP (the sandbox's
-/// file systems have no extended attributes).
-pub(super) fn sys_xattr(os: &mut GuestOs, ctx: &mut Ctx, pathp: u64, flags: i32) -> SysResult {
-    let path = read_path(ctx, pathp)?;
-    if path.is_empty() {
-        return Err(ENOENT);
+/// What an xattr call names: a path (with AT_SYMLINK_NOFOLLOW for the l* forms) or a descriptor.
+pub(super) enum XattrOn {
+    Path(i32),
+    Fd(i32),
+}
+
+const XATTR_NAME_MAX: usize = 255;
+const XATTR_SIZE_MAX: usize = 65536;
+
+/// The extended-attribute calls (set/get/list/remove, by path, l* path or fd): on the host file.
+/// Reads see the host file's attributes; changes are allowed in the "user." namespace only (the
+/// others would be the host's: trusted, security, system) and only on writable mounts. The
+/// engine's own files (/dev, /proc, its pipes) have none: EOPNOTSUPP. A symlink itself, as under
+/// Linux, takes no user attributes.
+pub(super) fn sys_xattr(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6], on: XattrOn) -> SysResult {
+    use super::nr::*;
+    let op = match nr {
+        SETXATTR | LSETXATTR | FSETXATTR => 0,
+        GETXATTR | LGETXATTR | FGETXATTR => 1,
+        LISTXATTR | LLISTXATTR | FLISTXATTR => 2,
+        _ => 3,
+    };
+    // The host descriptor to work on, whether changes are allowed, and whether it is a symlink.
+    let (owned, fd, writable, symlink) = match on {
+        XattrOn::Fd(gfd) => {
+            let file = os.files.file(gfd)?;
+            let Some(h) = file.host_fd() else { return Err(EOPNOTSUPP) };
+            (None, h, !file.ro, false)
+        }
+        XattrOn::Path(flags) => {
+            let path = read_path(ctx, a[0])?;
+            if path.is_empty() {
+                return Err(ENOENT);
+            }
+            let r = lookup!(os, libc::AT_FDCWD, &path, follow_flag(flags))?;
+            if r.is_virtual() {
+                special::stat(os, &r.path, flags & libc::AT_SYMLINK_NOFOLLOW == 0)?;
+                return Err(EOPNOTSUPP);
+            }
+            let (d, n) = host_of(&r)?;
+            let oflags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NOCTTY;
+            // SAFETY: a valid fd and C string (one component, already resolved).
+            match cvt(unsafe { libc::openat(d, n.as_ptr(), oflags) } as i64) {
+                // SAFETY: a fresh descriptor we own.
+                Ok(h) => (Some(unsafe { OwnedFd::from_raw_fd(h as RawFd) }), h as RawFd, r.writable(), false),
+                Err(e) if e.0 == libc::ELOOP => (None, -1, r.writable(), true),
+                Err(e) => return Err(e),
+            }
+        }
+    };
+    let _keep = owned;
+    let name = if op == 2 { Vec::new() } else { xattr_name(ctx, a[1])? };
+    let cname = std::ffi::CString::new(name.clone()).map_err(|_| EINVAL)?;
+    let user = name.starts_with(b"user.");
+    match op {
+        0 => {
+            let (len, flags) = (a[3] as usize, a[4] as i32);
+            if flags & !(libc::XATTR_CREATE | libc::XATTR_REPLACE) != 0 {
+                return Err(EINVAL);
+            }
+            if len > XATTR_SIZE_MAX {
+                return Err(crate::guestos::E2BIG);
+            }
+            let value = if len == 0 { Vec::new() } else { ctx.read_vec(a[2], len)? };
+            if !user {
+                return Err(EOPNOTSUPP);
+            }
+            if !writable {
+                return Err(EROFS);
+            }
+            if symlink {
+                return Err(crate::guestos::EPERM);
+            }
+            // SAFETY: a valid descriptor, C string and buffer of `len` bytes.
+            cvt(unsafe { libc::fsetxattr(fd, cname.as_ptr(), value.as_ptr().cast(), value.len(), flags) } as i64).map(|_| 0)
+        }
+        1 => {
+            if symlink {
+                return Err(crate::guestos::ENODATA);
+            }
+            let size = (a[3] as usize).min(XATTR_SIZE_MAX);
+            let mut buf = vec![0u8; size];
+            // SAFETY: a valid descriptor, C string and buffer of `size` bytes (a null buffer of 0 asks the size).
+            let n = cvt(unsafe { libc::fgetxattr(fd, cname.as_ptr(), if size == 0 { std::ptr::null_mut() } else { buf.as_mut_ptr().cast() }, size) } as i64)?;
+            if size > 0 {
+                ctx.write(a[2], &buf[..n as usize])?;
+            }
+            Ok(n as u64)
+        }
+        2 => {
+            if symlink {
+                return Ok(0);
+            }
+            let size = (a[2] as usize).min(XATTR_SIZE_MAX);
+            let mut buf = vec![0u8; size];
+            // SAFETY: a valid descriptor and buffer of `size` bytes (a null buffer of 0 asks the size).
+            let n = cvt(unsafe { libc::flistxattr(fd, if size == 0 { std::ptr::null_mut() } else { buf.as_mut_ptr().cast() }, size) } as i64)?;
+            if size > 0 {
+                ctx.write(a[1], &buf[..n as usize])?;
+            }
+            Ok(n as u64)
+        }
+        _ => {
+            if !user {
+                return Err(EOPNOTSUPP);
+            }
+            if !writable {
+                return Err(EROFS);
+            }
+            if symlink {
+                return Err(crate::guestos::EPERM);
+            }
+            // SAFETY: a valid descriptor and C string.
+            cvt(unsafe { libc::fremovexattr(fd, cname.as_ptr()) } as i64).map(|_| 0)
+        }
     }
-    path_stat(os, libc::AT_FDCWD, &path, follow_flag(flags))?;
-    Err(EOPNOTSUPP)
+}
+
+/// An attribute name: 1..=255 bytes (ERANGE beyond, as Linux).
+fn xattr_name(ctx: &Ctx, p: u64) -> Result<Vec<u8>, Errno> {
+    if p == 0 {
+        return Err(EFAULT);
+    }
+    let v = ctx.read_cstr(p, XATTR_NAME_MAX + 1)?;
+    if v.is_empty() || v.len() > XATTR_NAME_MAX {
+        return Err(ERANGE);
+    }
+    Ok(v)
 }

@@ -7,7 +7,7 @@ use crate::guestos::misc::{
     SYS_SCHED_GET_PRIORITY_MIN, SYS_SCHED_RR_GET_INTERVAL, SYS_SCHED_SETPARAM, SYS_SCHED_SETSCHEDULER, SYS_SETPRIORITY,
     SYS_SETTIMEOFDAY,
 };
-use crate::guestos::{EOPNOTSUPP, EPERM};
+use crate::guestos::{ENODATA, EOPNOTSUPP, EPERM, ESRCH};
 
 const SYS_CLOCK_GETTIME: u64 = 228;
 const SYS_SELECT: u64 = 23;
@@ -93,30 +93,45 @@ fn proc_status_shows_the_signal_masks() {
     assert!(s.contains("SigCgt:\t0000000000000002\n"), "{s}");
 }
 
-/// test_shutil (copy2, copytree, move): extended attributes are not supported, the way Linux says
-/// it of a file system without them, which shutil takes as "none".
+/// test_os.ExtendedAttributeTests, shutil's copyxattr: user attributes on the sandbox's writable
+/// files, kept on the host file (set, get, list, remove, by path and fd); none on the engine's own
+/// files; changes only in the "user." namespace, only where writable.
 #[test]
-fn xattrs_are_not_supported() {
+fn xattrs_live_on_the_host_files() {
     let mut h = H::new();
     let p = h.cstr("/work/b.txt");
     let b = h.buf(256);
-    assert_eq!(h.call(LISTXATTR, &[p, b, 256]), e(EOPNOTSUPP));
-    assert_eq!(h.call(LLISTXATTR, &[p, b, 256]), e(EOPNOTSUPP));
     let name = h.cstr("user.x");
-    assert_eq!(h.call(GETXATTR, &[p, name, b, 256]), e(EOPNOTSUPP));
-    assert_eq!(h.call(SETXATTR, &[p, name, b, 1, 0]), e(EOPNOTSUPP));
+    let value = h.put(b"hello");
+    assert_eq!(h.call(LISTXATTR, &[p, b, 256]), 0);
+    assert_eq!(h.call(GETXATTR, &[p, name, b, 256]), e(ENODATA));
+    assert_eq!(h.call(SETXATTR, &[p, name, value, 5, 0]), 0);
+    assert_eq!(h.call(SETXATTR, &[p, name, value, 5, libc::XATTR_CREATE as u64]), e(EEXIST));
+    assert_eq!(h.call(GETXATTR, &[p, name, 0, 0]), 5); // the size
+    assert_eq!(h.call(GETXATTR, &[p, name, b, 256]), 5);
+    assert_eq!(h.get(b, 5), b"hello");
+    assert_eq!(h.call(GETXATTR, &[p, name, b, 2]), e(ERANGE));
+    assert_eq!(h.call(LISTXATTR, &[p, b, 256]), 7);
+    assert_eq!(h.get(b, 7), b"user.x\0");
+    let fd = h.open("/work/b.txt", libc::O_RDONLY, 0) as u64;
+    assert_eq!(h.call(FGETXATTR, &[fd, name, b, 256]), 5);
+    assert_eq!(h.call(FREMOVEXATTR, &[fd, name]), 0);
+    assert_eq!(h.call(LISTXATTR, &[p, b, 256]), 0);
+    // Other namespaces are the host's business.
+    let trusted = h.cstr("trusted.x");
+    assert_eq!(h.call(SETXATTR, &[p, trusted, value, 5, 0]), e(EOPNOTSUPP));
     let missing = h.cstr("/work/missing");
     assert_eq!(h.call(LISTXATTR, &[missing, b, 256]), e(ENOENT));
-    let fd = h.open("/work/b.txt", libc::O_RDONLY, 0) as u64;
-    assert_eq!(h.call(FLISTXATTR, &[fd, b, 256]), e(EOPNOTSUPP));
-    assert_eq!(h.call(FGETXATTR, &[fd, name, b, 256]), e(EOPNOTSUPP));
     assert_eq!(h.call(FLISTXATTR, &[99, b, 256]), e(EBADF));
+    let null = h.cstr("/dev/null");
+    assert_eq!(h.call(LISTXATTR, &[null, b, 256]), e(EOPNOTSUPP));
 }
 
-/// test_posix.test_mknod / test_mkfifo: regular files can be made; FIFOs, sockets and devices are
-/// refused with EPERM (which CPython's tests accept or skip on), after the path's own errors.
+/// test_posix.test_mknod / test_mkfifo: regular files and FIFOs can be made; sockets and devices
+/// are refused with EPERM (which CPython's tests accept or skip on), after the path's own errors.
+/// A FIFO works across an open for writing (which waits, in slices, for a reader) and reads.
 #[test]
-fn mknod_makes_regular_files_only() {
+fn mknod_makes_regular_files_and_fifos() {
     let mut h = H::new();
     let p = h.cstr("/tmp/regular");
     assert_eq!(h.call(MKNOD, &[p, (libc::S_IFREG | 0o640) as u64, 0]), 0);
@@ -124,7 +139,21 @@ fn mknod_makes_regular_files_only() {
     assert_eq!(h.call(MKNOD, &[p, (libc::S_IFREG | 0o640) as u64, 0]), e(EEXIST));
     let p = h.cstr("/tmp/plain");
     assert_eq!(h.call(MKNODAT, &[libc::AT_FDCWD as u64, p, 0o600, 0]), 0);
-    for kind in [libc::S_IFIFO, libc::S_IFSOCK, libc::S_IFCHR, libc::S_IFBLK] {
+    let f = h.cstr("/tmp/fifo");
+    assert_eq!(h.call(MKNOD, &[f, (libc::S_IFIFO | 0o600) as u64, 0]), 0);
+    assert!(std::os::unix::fs::FileTypeExt::is_fifo(&std::fs::metadata(h.host("tmp/fifo")).unwrap().file_type()));
+    assert_eq!(h.call(MKNOD, &[f, (libc::S_IFIFO | 0o600) as u64, 0]), e(EEXIST));
+    // No reader yet: a non-blocking writer gets ENXIO; a blocking one waits (restart).
+    assert_eq!(h.open("/tmp/fifo", libc::O_WRONLY | libc::O_NONBLOCK, 0), e(Errno(libc::ENXIO)));
+    let r = h.open("/tmp/fifo", libc::O_RDONLY, 0); // at once: its first read waits for a writer
+    assert!(r >= 0, "{r}");
+    let w = h.open("/tmp/fifo", libc::O_WRONLY, 0);
+    assert!(w >= 0, "{w}");
+    let msg = h.put(b"through the fifo");
+    assert_eq!(h.call(WRITE, &[w as u64, msg, 16]), 16);
+    assert_eq!(h.call(CLOSE, &[w as u64]), 0);
+    assert_eq!(h.read_all(r), b"through the fifo");
+    for kind in [libc::S_IFSOCK, libc::S_IFCHR, libc::S_IFBLK] {
         let p = h.cstr("/tmp/special");
         assert_eq!(h.call(MKNOD, &[p, (kind | 0o600) as u64, 0]), e(EPERM));
     }
@@ -203,7 +232,12 @@ fn priority_and_scheduler_calls() {
     let mut h = H::new();
     assert_eq!(h.call(SYS_GETPRIORITY, &[0, 0]), 20); // 20 - nice
     assert_eq!(h.call(SYS_SETPRIORITY, &[0, 0, 0]), 0);
-    assert_eq!(h.call(SYS_SETPRIORITY, &[0, 0, 5]), e(EACCES));
+    // Root may set any nice value; it is kept (bookkeeping: the host schedules the sandbox).
+    assert_eq!(h.call(SYS_SETPRIORITY, &[0, 0, 5]), 0);
+    assert_eq!(h.call(SYS_GETPRIORITY, &[0, 0]), 15);
+    assert_eq!(h.call(SYS_SETPRIORITY, &[0, 0, (-25i64) as u64]), 0); // clamped to -20
+    assert_eq!(h.call(SYS_GETPRIORITY, &[0, 0]), 40);
+    assert_eq!(h.call(SYS_SETPRIORITY, &[0, 4242, 0]), e(ESRCH));
     assert_eq!(h.call(SYS_GETPRIORITY, &[7, 0]), e(EINVAL));
     assert_eq!(h.call(SYS_SCHED_GETSCHEDULER, &[0]), 0);
     assert_eq!(h.call(SYS_SCHED_GETSCHEDULER, &[-1i64 as u64]), e(EINVAL));
