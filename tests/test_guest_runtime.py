@@ -301,3 +301,139 @@ def test_a_background_job_outlives_its_shell(sb):
                "until [ -e /tmp/done0 ] && [ -e /tmp/done1 ] && [ -e /tmp/done2 ] && [ -e /tmp/done3 ] "
                "&& [ -e /tmp/done4 ]; do :; done; cat /tmp/done*", timeout_seconds=30)
     assert r.ok and not r.timed_out and r.stdout == "done\n" * 5, r
+
+
+# --- processes talking to each other: sockets, epoll, asyncio, eventfd, FIFOs ----------------------
+
+ASYNCIO = """
+import asyncio, os
+
+async def upper(reader, writer):
+    writer.write((await reader.readline()).upper())
+    await writer.drain()
+    writer.close()
+
+async def main():
+    # asyncio's own machinery: an epoll selector, a socketpair self-pipe, a Unix server, a
+    # subprocess watched through a pidfd, timers.
+    server = await asyncio.start_unix_server(upper, path="/tmp/up.sock")
+    reader, writer = await asyncio.open_unix_connection("/tmp/up.sock")
+    writer.write(b"over a unix socket\\n")
+    await writer.drain()
+    print((await reader.readline()).decode().strip())
+    writer.close()
+    server.close()
+    await server.wait_closed()
+    proc = await asyncio.create_subprocess_exec("sh", "-c", "echo from $0; exit 3", stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    print(out.decode().strip(), proc.returncode)
+    results = await asyncio.gather(*(asyncio.sleep(0.01, result=i) for i in range(3)))
+    print(results)
+
+asyncio.run(main())
+"""
+
+
+def test_asyncio_servers_subprocesses_and_timers(sb):
+    r = sb.exec(code=ASYNCIO, timeout_seconds=60)
+    assert r.ok, r.stderr
+    assert r.stdout == "OVER A UNIX SOCKET\nfrom sh 3\n[0, 1, 2]\n", r.stdout
+    # As a program of its own (not in the agent's interpreter) too.
+    sb.upload_bytes("/work/aio.py", ASYNCIO.encode())
+    r = sh(sb, "python3 /work/aio.py")
+    assert r.ok and r.stdout.startswith("OVER A UNIX SOCKET\n"), r.stderr
+
+
+def test_multiprocessing_pipes_and_processes(sb):
+    code = (
+        "import multiprocessing as mp\n"
+        "def child(conn): conn.send(('pong', conn.recv())); conn.close()\n"
+        "ctx = mp.get_context('fork')\n"
+        "a, b = ctx.Pipe()\n"
+        "p = ctx.Process(target=child, args=(b,)); p.start(); a.send('ping'); print(a.recv()); p.join()\n"
+        "print(p.exitcode)\n"
+        "r, w = ctx.Pipe(duplex=False)\n"
+        "p = ctx.Process(target=w.send_bytes, args=(b'x' * 200000,)); p.start(); print(len(r.recv_bytes())); p.join()\n"
+    )
+    r = sb.exec(code=code, timeout_seconds=60)
+    assert r.ok, r.stderr
+    assert r.stdout == "('pong', 'ping')\n0\n200000\n"
+
+
+def test_socketpair_epoll_eventfd_fifo_splice_pidfd(sb):
+    code = r"""
+import os, select, signal, socket
+a, b = socket.socketpair()
+ep = select.epoll()
+ep.register(b.fileno(), select.EPOLLIN)
+print("idle", ep.poll(0))
+a.sendall(b"ping")
+print("ready", ep.poll(1) == [(b.fileno(), select.EPOLLIN)], b.recv(16))
+ep.register(a.fileno(), select.EPOLLOUT | select.EPOLLONESHOT)
+print("oneshot", len(ep.poll(0)), len(ep.poll(0)))
+a.close()
+print("hangup", bool(ep.poll(0)[0][1] & select.EPOLLIN), b.recv(16))
+# An eventfd shared with a child: the child's write wakes the parent.
+efd = os.eventfd(0)
+pid = os.fork()
+if pid == 0:
+    os.eventfd_write(efd, 5); os._exit(0)
+print("eventfd", os.eventfd_read(efd)); os.waitpid(pid, 0)
+# A FIFO between two processes.
+os.mkfifo("/tmp/fifo")
+pid = os.fork()
+if pid == 0:
+    with open("/tmp/fifo", "w") as f: f.write("through the fifo")
+    os._exit(0)
+with open("/tmp/fifo") as f: print("fifo", f.read())
+os.waitpid(pid, 0)
+# splice from a file into a pipe; a pidfd that becomes readable when its child ends.
+open("/tmp/data", "wb").write(b"spliced bytes")
+r, w = os.pipe()
+with open("/tmp/data", "rb") as f: n = os.splice(f.fileno(), w, 7)
+print("splice", n, os.read(r, 100))
+pid = os.fork()
+if pid == 0:
+    os._exit(4)
+pfd = os.pidfd_open(pid)
+print("pidfd", select.select([pfd], [], [], 10)[0] == [pfd], os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+    r = sb.exec(code=code, timeout_seconds=60)
+    assert r.ok, r.stderr
+    assert r.stdout.splitlines() == [
+        "idle []", "ready True b'ping'", "oneshot 1 0", "hangup True b''", "eventfd 5",
+        "fifo through the fifo", "splice 7 b'spliced'", "pidfd True 4",
+    ], r.stdout
+
+
+def test_sockets_stay_inside_the_sandbox(sb):
+    code = r"""
+import socket, errno
+for fam in (socket.AF_INET, socket.AF_INET6):
+    try: socket.socket(fam); print("opened")
+    except OSError as e: print(errno.errorcode[e.errno])
+s = socket.socket(socket.AF_UNIX)
+for addr in ("\0abstract", "/etc/sock", "/proc/sock"):
+    try: s.bind(addr); print("bound")
+    except OSError as e: print(errno.errorcode[e.errno])
+"""
+    r = sb.exec(code=code)
+    assert r.ok, r.stderr
+    # No network; no abstract names (the host's namespace); nothing outside the writable dirs.
+    assert r.stdout.split() == ["EAFNOSUPPORT", "EAFNOSUPPORT", "EACCES", "EROFS", "EACCES"], r.stdout
+
+
+def test_xattrs_and_chown_on_sandbox_files(sb):
+    code = r"""
+import os
+open("/work/f", "w").close()
+os.setxattr("/work/f", "user.tag", b"v1")
+print(os.getxattr("/work/f", "user.tag"), os.listxattr("/work/f"))
+os.chown("/work/f", 1000, 1000)
+st = os.stat("/work/f"); print(st.st_uid, st.st_gid)
+try: os.setxattr("/usr/bin/python3", "user.tag", b"x")
+except OSError as e: print(e.strerror)
+"""
+    r = sb.exec(code=code)
+    assert r.ok, r.stderr
+    assert r.stdout.splitlines() == ["b'v1' ['user.tag']", "1000 1000", "Read-only file system"]

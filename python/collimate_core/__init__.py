@@ -5,7 +5,7 @@ sessions and fork groups, seeds for deterministic replay. The low-level engine A
 to one VMM process running one guest. Errors derive from `CollimateError`.
 """
 
-from collimate_core._core import RunResult, Vm
+from collimate_core._core import SNAPSHOT_FORMAT, RunResult, Vm
 from collimate_core._bake import BuildError, Ready, Template, TemplateHandle, TemplateStatus
 from collimate_core._client import connect
 from collimate_core._embedded import EmbeddedClient, Usage
@@ -38,6 +38,7 @@ from collimate_core._seeds import fresh_seed, group_seeds, parse_seed, seed_from
 from collimate_core._session import Env, ForkGroup, Sandbox, Session, rollout_once
 
 __all__ = [
+    "SNAPSHOT_FORMAT",
     "AuthenticationError",
     "BuildError",
     "CapacityError",

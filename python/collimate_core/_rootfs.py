@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 # Bump whenever the build steps change, so that existing trees are not reused.
-BUILD_VERSION = 4
+BUILD_VERSION = 5
 
 RECIPES: dict[str, tuple[str, ...]] = {
     # bash, tar, zip and unzip: what programs (and CPython's own tests) run as external tools;
@@ -60,6 +60,29 @@ GROUPS = [
     ("mail", 8), ("staff", 50), ("users", 100), ("nogroup", 65534), ("sandbox", 1000),
 ]
 ALTERNATIVES = {"usr/sbin/rmt": "rmt-tar"}
+ASYNCIO_HOOK_MARK = "collimate: asyncio child watcher"
+ASYNCIO_HOOK = f"""
+
+# {ASYNCIO_HOOK_MARK} (no threads in the sandbox: the pidfd watcher instead of one thread per child)
+class _CollimateAsyncioHook:
+    def find_spec(self, name, path=None, target=None):
+        if name != "asyncio.unix_events":
+            return None
+        import sys, importlib.util
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.ThreadedChildWatcher = module.PidfdChildWatcher
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+__import__("sys").meta_path.insert(0, _CollimateAsyncioHook())
+"""
 MANIFEST = ".collimate-rootfs.json"
 VERIFY_MODULES = ("json", "re", "hashlib", "sqlite3", "zipfile", "tempfile", "subprocess")
 DEPENDS_FLAGS = ("--recurse", "--no-recommends", "--no-suggests", "--no-conflicts", "--no-breaks",
@@ -291,6 +314,13 @@ def _finish_tree(root: Path) -> None:
     for name in ("python3", "python"):  # `python task.py` works as in the usual images
         if not os.path.lexists(usrbin / name):
             (usrbin / name).symlink_to("python3.11")
+    # asyncio's default child watcher starts a thread per child process, and the sandbox runs no
+    # threads: use the pidfd watcher (Python 3.12's default where pidfds exist), set when asyncio
+    # is first imported, so that nothing is imported at startup for it.
+    site = root / "etc/python3.11/sitecustomize.py"
+    if site.is_file() and ASYNCIO_HOOK_MARK not in site.read_text():
+        with open(site, "a") as f:
+            f.write(ASYNCIO_HOOK)
     # What maintainer scripts would have made with update-alternatives (tar's /etc/rmt points there).
     for link, target in ALTERNATIVES.items():
         if (root / link).parent.joinpath(target).exists() and not os.path.lexists(root / link):

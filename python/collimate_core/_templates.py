@@ -99,8 +99,14 @@ def _agent_hash() -> str:
 
 def bake_python(cache: Path | None = None, progress: Callable[[str], None] | None = None) -> Baked:
     """Bake (or find) the catalog "python" template."""
+    from collimate_core import _rootfs
+
     cache = Path(cache) if cache else cache_dir()
     index = cache / "templates" / "python.json"
+    # The root filesystem the template must be on: COLLIMATE_ROOTFS if set, else the recipe's
+    # (its exact key needs the package archive: the recipe and build version stand for it here).
+    wanted_root = os.environ.get("COLLIMATE_ROOTFS")
+    recipe = f"{_rootfs.BUILD_VERSION}|{','.join(_rootfs.RECIPES['python'])}"
     try:
         meta = json.loads(index.read_text())
         path = Path(meta["path"])
@@ -110,6 +116,7 @@ def bake_python(cache: Path | None = None, progress: Callable[[str], None] | Non
             and meta.get("agent") == _agent_hash()
             and (path / "vm.state").exists()
             and Path(meta["root"], "usr/bin/python3").exists()
+            and (Path(wanted_root) == Path(meta["root"]) if wanted_root else meta.get("recipe") == recipe)
         ):
             return Baked("python", path, Path(meta["root"]), True)
     except (OSError, ValueError, KeyError):
@@ -117,9 +124,7 @@ def bake_python(cache: Path | None = None, progress: Callable[[str], None] | Non
 
     bar = _Progress("baking template python") if progress is None else None
     say = progress or bar
-    from collimate_core._rootfs import build_rootfs
-
-    root = Path(os.environ.get("COLLIMATE_ROOTFS") or build_rootfs("python", cache=cache, progress=say))
+    root = Path(wanted_root or _rootfs.build_rootfs("python", cache=cache, progress=say))
     key = hashlib.sha256(f"{TEMPLATE_VERSION}|{SNAPSHOT_FORMAT}|{root}|{_agent_hash()}".encode()).hexdigest()[:16]
     path = cache / "templates" / f"python-{key}"
     if not (path / "vm.state").exists():
@@ -157,7 +162,7 @@ def bake_python(cache: Path | None = None, progress: Callable[[str], None] | Non
     index.parent.mkdir(parents=True, exist_ok=True)
     tmp_index = index.with_suffix(f".{os.getpid()}.tmp")
     tmp_index.write_text(
-        json.dumps({"version": TEMPLATE_VERSION, "snapshot_format": SNAPSHOT_FORMAT, "agent": _agent_hash(), "path": str(path), "root": str(root)})
+        json.dumps({"version": TEMPLATE_VERSION, "snapshot_format": SNAPSHOT_FORMAT, "recipe": recipe, "agent": _agent_hash(), "path": str(path), "root": str(root)})
     )
     os.replace(tmp_index, index)
     if bar:

@@ -17,6 +17,8 @@
 
 mod path;
 pub(crate) mod poll;
+mod epoll;
+mod socket;
 pub mod special;
 #[cfg(test)]
 mod tests;
@@ -69,6 +71,8 @@ pub enum Kind {
     /// request the controller queued; a read with nothing queued pauses the run (the agent is
     /// idle) and is restarted when the next request arrives; writes queue the response.
     Agent(std::sync::Mutex<AgentIo>),
+    /// An epoll instance (see `epoll`).
+    Epoll(epoll::Epoll),
 }
 
 /// The two directions of the agent channel.
@@ -422,6 +426,28 @@ pub mod nr {
     pub const RENAMEAT2: u64 = 316;
     pub const MEMFD_CREATE: u64 = 319;
     pub const EVENTFD: u64 = 284;
+    pub const SOCKET: u64 = 41;
+    pub const CONNECT: u64 = 42;
+    pub const ACCEPT: u64 = 43;
+    pub const SENDTO: u64 = 44;
+    pub const RECVFROM: u64 = 45;
+    pub const SENDMSG: u64 = 46;
+    pub const RECVMSG: u64 = 47;
+    pub const SHUTDOWN: u64 = 48;
+    pub const BIND: u64 = 49;
+    pub const LISTEN: u64 = 50;
+    pub const GETSOCKNAME: u64 = 51;
+    pub const GETPEERNAME: u64 = 52;
+    pub const SOCKETPAIR: u64 = 53;
+    pub const SETSOCKOPT: u64 = 54;
+    pub const GETSOCKOPT: u64 = 55;
+    pub const ACCEPT4: u64 = 288;
+    pub const EPOLL_CREATE: u64 = 213;
+    pub const EPOLL_WAIT: u64 = 232;
+    pub const EPOLL_CTL: u64 = 233;
+    pub const EPOLL_PWAIT: u64 = 281;
+    pub const EPOLL_CREATE1: u64 = 291;
+    pub const EPOLL_PWAIT2: u64 = 441;
     pub const EVENTFD2: u64 = 290;
     pub const COPY_FILE_RANGE: u64 = 326;
     pub const PREADV2: u64 = 327;
@@ -544,6 +570,27 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         }
         FSETXATTR | FGETXATTR | FLISTXATTR | FREMOVEXATTR => path::sys_xattr(os, ctx, nr, a, path::XattrOn::Fd(fd0)),
         EVENTFD => sys_eventfd(os, a[0] as u32, 0),
+        SOCKETPAIR => socket::sys_socketpair(os, ctx, a[0], a[1] as i32, a[2] as i32, a[3]),
+        SOCKET => socket::sys_socket(os, a[0], a[1] as i32, a[2] as i32),
+        BIND => socket::sys_bind(os, ctx, fd0, a[1], a[2] as u32),
+        CONNECT => socket::sys_connect(os, ctx, fd0, a[1], a[2] as u32),
+        LISTEN => socket::sys_listen(os, fd0, a[1] as i32),
+        ACCEPT => socket::sys_accept(os, ctx, fd0, a[1], a[2], 0),
+        ACCEPT4 => socket::sys_accept(os, ctx, fd0, a[1], a[2], a[3] as i32),
+        GETSOCKNAME => socket::sys_getname(os, ctx, fd0, a[1], a[2], false),
+        GETPEERNAME => socket::sys_getname(os, ctx, fd0, a[1], a[2], true),
+        SENDTO => socket::sys_sendto(os, ctx, fd0, a[1], a[2], a[3] as i32, a[4]),
+        RECVFROM => socket::sys_recvfrom(os, ctx, fd0, a[1], a[2], a[3] as i32, a[4], a[5]),
+        SENDMSG => socket::sys_sendmsg(os, ctx, fd0, a[1], a[2] as i32),
+        RECVMSG => socket::sys_recvmsg(os, ctx, fd0, a[1], a[2] as i32),
+        SHUTDOWN => socket::sys_shutdown(os, fd0, a[1] as i32),
+        SETSOCKOPT => socket::sys_sockopt(os, ctx, fd0, a[1] as i32, a[2] as i32, a[3], a[4], true),
+        GETSOCKOPT => socket::sys_sockopt(os, ctx, fd0, a[1] as i32, a[2] as i32, a[3], a[4], false),
+        EPOLL_CREATE => epoll::sys_epoll_create(os, Some(a[0] as i32), 0),
+        EPOLL_CREATE1 => epoll::sys_epoll_create(os, None, a[0] as i32),
+        EPOLL_CTL => epoll::sys_epoll_ctl(os, ctx, fd0, a[1], a[2] as i32, a[3]),
+        EPOLL_WAIT | EPOLL_PWAIT | EPOLL_PWAIT2 => epoll::timeout_of_wait(ctx, nr == EPOLL_PWAIT2, a[3])
+            .and_then(|t| epoll::sys_epoll_wait(os, ctx, fd0, a[1], a[2] as i32, t)),
         EVENTFD2 => sys_eventfd(os, a[0] as u32, a[1] as i32),
         _ => return None,
     };
@@ -586,6 +633,7 @@ pub fn file_read(f: &OpenFile, proc: &mut Proc, n: usize, off: Option<u64>) -> R
     let fd = match &f.kind {
         Kind::Host(fd) => fd.as_raw_fd(),
         Kind::VirtDir(_) => return Err(EISDIR),
+        Kind::Epoll(_) => return Err(EINVAL),
         _ if !f.can_read() => return Err(EBADF),
         Kind::Capture(_) => return Err(EBADF),
         Kind::Null => return Ok(Vec::new()),
@@ -640,6 +688,7 @@ pub struct Sinks<'a> {
 pub fn file_write(f: &OpenFile, sinks: &mut Sinks, data: &[u8], off: Option<u64>) -> Result<usize, Errno> {
     let fd = match &f.kind {
         Kind::Host(fd) => fd.as_raw_fd(),
+        Kind::Epoll(_) => return Err(EINVAL),
         _ if !f.can_write() => return Err(EBADF),
         Kind::Capture(k) => {
             if off.is_some() {
@@ -770,7 +819,7 @@ fn sys_lseek(os: &mut GuestOs, fd: i32, off: i64, whence: i32) -> SysResult {
             // SAFETY: lseek on an fd we own.
             return cvt(unsafe { libc::lseek(h.as_raw_fd(), off, whence) });
         }
-        Kind::Capture(_) | Kind::Agent(_) => return Err(ESPIPE),
+        Kind::Capture(_) | Kind::Agent(_) | Kind::Epoll(_) => return Err(ESPIPE),
         Kind::Null | Kind::Zero | Kind::Random => return Ok(0),
         Kind::Data(d) => d.len() as i64,
         Kind::VirtDir(d) => d.len() as i64,

@@ -210,6 +210,9 @@ fn describe(fd: i32, f: &OpenFile) -> Result<FileState> {
         Kind::Random => FileState::Random,
         Kind::Data(b) => FileState::Data { bytes: b.clone(), pos: f.pos.load(Ordering::Relaxed), path: f.path.clone() },
         Kind::VirtDir(e) => FileState::VirtDir { entries: e.clone(), path: f.path.clone() },
+        Kind::Epoll(_) => {
+            return Err(lost(format!("fd {fd} is an epoll instance, which a snapshot cannot hold; close it before snapshotting")));
+        }
     })
 }
 

@@ -471,6 +471,14 @@ pub fn allowed_syscalls() -> Vec<(i64, Vec<SeccompRule>)> {
         (SYS_setsockopt, any()),
         (SYS_getsockopt, any()),
         (SYS_shutdown, any()),
+        // A guest's Unix sockets (guestos::files::socket): Unix only, named in its own directories.
+        (SYS_socket, one_of(0, &[AF_UNIX as u64])),
+        (SYS_bind, any()),
+        (SYS_connect, any()),
+        (SYS_listen, any()),
+        (SYS_accept4, any()),
+        (SYS_getsockname, any()),
+        (SYS_getpeername, any()),
         // Forks of this VMM process (sandbox forks, guest processes: never into new namespaces),
         // their pidfds, and signals between a sandbox's processes (vmm::process, guestos::signal).
         (SYS_clone, vec![none_of(0, ns_flags)]),

@@ -52,7 +52,7 @@ pub fn timeout_tv(ctx: &Ctx, p: u64) -> Result<Timeout, Errno> {
 
 /// Poll `fds` (fd, events) and return each one's revents. EINTR if nothing became ready within
 /// the slice and the guest's timeout is longer.
-fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Result<Vec<i16>, Errno> {
+pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Result<Vec<i16>, Errno> {
     const ALWAYS: i16 = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
     let mut revents = vec![0i16; fds.len()];
     let mut host: Vec<libc::pollfd> = Vec::new();

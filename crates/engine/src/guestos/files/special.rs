@@ -408,6 +408,8 @@ pub fn file_stat(f: &OpenFile) -> Result<libc::stat, Errno> {
         Kind::Random => synth_stat(libc::S_IFCHR | 0o666, ino, libc::makedev(1, 9), 0, dev),
         Kind::Data(_) => synth_stat(libc::S_IFREG | 0o444, ino, 0, 0, dev),
         Kind::VirtDir(_) => synth_stat(libc::S_IFDIR | 0o555, ino, 0, 0, dev),
+        // An anonymous inode, as Linux's eventpoll.
+        Kind::Epoll(_) => synth_stat(0o600, ino, 0, 0, libc::makedev(0, 14)),
     })
 }
 
