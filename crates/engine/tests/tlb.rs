@@ -183,7 +183,7 @@ fn flush_guest_tlb_keeps_the_dirty_log() {
     let mut r = Rig::new(MEM);
     let fx = r.frame(X);
     r.map(A, fx, PTE_W | PTE_NX);
-    let before = r.vm.take_dirty_log(r.mem.size()).unwrap();
+    let before = r.vm.take_dirty_log().unwrap();
     r.mem.sync_dirty(&before);
     let dirty_before = r.mem.dirty().count();
     // A frame nobody wrote yet: only the guest's write below can make it dirty.
@@ -191,7 +191,7 @@ fn flush_guest_tlb_keeps_the_dirty_log() {
     r.map(A + 0x1000, fresh, PTE_W | PTE_NX);
     let dirty_mapped = r.mem.dirty().count();
     assert!(matches!(r.write(A + 0x1000, 3), Outcome::Done(_)));
-    flush_guest_tlb(&r.vm, &mut r.mem).unwrap();
+    flush_guest_tlb(&mut r.vm, &mut r.mem).unwrap();
     let page = fresh / 4096;
     assert!(
         r.mem.dirty().runs().iter().any(|&(p, n)| page >= p && page < p + n),
@@ -200,7 +200,7 @@ fn flush_guest_tlb_keeps_the_dirty_log() {
     assert!(r.mem.dirty().count() > dirty_mapped && dirty_mapped >= dirty_before);
     // And dirty logging still works on the re-added slot.
     assert!(matches!(r.write(A, 4), Outcome::Done(_)));
-    let log = r.vm.take_dirty_log(r.mem.size()).unwrap();
+    let log = r.vm.take_dirty_log().unwrap();
     let fx_page = fx / 4096;
     assert_ne!(log[(fx_page / 64) as usize] & (1 << (fx_page % 64)), 0);
 }

@@ -29,7 +29,7 @@ use crate::persist::{self, SnapshotState};
 use crate::protocol::{MemStats, Request, ResetStats, Response, RunExit, RunResult};
 use crate::vstate::memory::GuestMemory;
 use crate::vstate::vcpu::{supported_msrs, Preempter, VcpuState};
-use crate::vstate::vm::KvmVm;
+use crate::vstate::vm::{slot_size_for, KvmVm};
 
 /// Host-side state of the guest that is not in KVM or guest memory. Part of every snapshot.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -109,7 +109,7 @@ impl Machine {
         let mut frames = FrameAllocator::new(mem_size);
         let aspace = setup_address_space(&mut mem, &mut frames)?;
         let (entry, rsp) = load(&mut mem, &mut frames, &aspace)?;
-        let vm = KvmVm::new(&kvm, &mem)?;
+        let vm = KvmVm::new(&kvm, &mem, slot_size_for(frames.next, mem_size))?;
         let cpuid = guest_cpuid(&kvm)?;
         let vcpu = new_vcpu(&vm, &cpuid)?;
         let sregs = vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
@@ -195,7 +195,7 @@ impl Machine {
         let state = persist::read_state(dir)?;
         let kvm = open_kvm()?;
         let mem = GuestMemory::from_file(&dir.join(persist::MEMORY_FILE), state.mem_size)?;
-        let vm = KvmVm::new(&kvm, &mem)?;
+        let vm = KvmVm::new(&kvm, &mem, slot_size_for(state.runtime.frames.next, state.mem_size))?;
         let cpuid = guest_cpuid(&kvm)?;
         let vcpu = new_vcpu(&vm, &cpuid)?;
         state.vcpu.restore(&vcpu)?;
@@ -242,7 +242,7 @@ impl Machine {
     }
 
     fn sync_dirty(&mut self) -> Result<()> {
-        let log = self.vm.take_dirty_log(self.mem.size())?;
+        let log = self.vm.take_dirty_log()?;
         self.mem.sync_dirty(&log);
         Ok(())
     }
@@ -271,9 +271,21 @@ impl Machine {
         Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false, agent: vec![] })
     }
 
+    /// Grow slot 0 over every frame the guest has been given before it runs (see `vstate::vm`).
+    fn cover_frames(&mut self) -> Result<()> {
+        let need = slot_size_for(self.runtime.frames.next, self.mem.size());
+        if need > self.vm.slot_size() {
+            let log = self.vm.take_dirty_log()?;
+            self.mem.sync_dirty(&log);
+            self.vm.replace_slot(need)?;
+        }
+        Ok(())
+    }
+
     fn run_loop(&mut self, deadline: Instant, out: &mut guestos::Output) -> Result<RunExit> {
         let linux = self.os.is_some();
         loop {
+            self.cover_frames()?;
             let exit = match self.vcpu.run() {
                 Ok(VcpuExit::IoOut(port, data)) => {
                     let mut v = [0u8; 4];
@@ -377,7 +389,7 @@ impl Machine {
                 let flush = ctx.flush_tlb;
                 let stale = std::mem::take(&mut ctx.stale_frames);
                 if flush {
-                    crate::vstate::tlb::flush_guest_tlb(&self.vm, &mut self.mem)?;
+                    crate::vstate::tlb::flush_guest_tlb(&mut self.vm, &mut self.mem)?;
                 } else if !stale.is_empty() {
                     crate::vstate::tlb::invalidate_frames(&self.mem, &stale)?;
                 }
@@ -485,7 +497,7 @@ impl Machine {
 
     /// In a freshly forked child: a new VM and vCPU over the inherited memory, in `state`.
     fn rebuild_after_fork(&mut self, state: &VcpuState) -> Result<()> {
-        let vm = KvmVm::new(&self.kvm, &self.mem)?;
+        let vm = KvmVm::new(&self.kvm, &self.mem, slot_size_for(self.runtime.frames.next, self.mem.size()))?;
         let vcpu = new_vcpu(&vm, &self.cpuid)?;
         state.restore(&vcpu)?;
         // The old VM and vCPU belong to the parent's address space; dropping them here only closes our

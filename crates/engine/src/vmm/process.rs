@@ -635,7 +635,7 @@ fn exec(
     let mut sp = Space::new(&mut m.mem, &mut m.runtime.frames, &m.runtime.aspace);
     let unmapped = os.mm.unmap_range(&mut sp, 0, TASK_SIZE);
     // Every user translation was removed and the frames are about to be reused.
-    crate::vstate::tlb::flush_guest_tlb(&m.vm, &mut m.mem)?;
+    crate::vstate::tlb::flush_guest_tlb(&mut m.vm, &mut m.mem)?;
     let img = unmapped.and_then(|_| exec::commit(os, &mut m.mem, &mut m.runtime.frames, &m.runtime.aspace, prepared, &envp));
     let img = match img {
         Ok(img) => img,

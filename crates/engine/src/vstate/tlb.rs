@@ -71,8 +71,6 @@
 //! spuriously on real TLBs; a fault handler should retry when the page tables already allow the
 //! access.
 
-use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
-
 use super::memory::GuestMemory;
 use super::vm::KvmVm;
 use crate::arch::x86_64::layout::PAGE_SIZE;
@@ -142,22 +140,11 @@ fn protect_cycle(addr: u64, len: u64) -> Result<()> {
 ///
 /// The heavy hammer, for edits [`invalidate_frames`] cannot describe (an intermediate page-table
 /// entry repointed, a page-table page freed). How: delete memory slot 0 and add it again, exactly
-/// as [`KvmVm::new`] made it. Deleting a slot discards KVM's dirty log, so the log is first folded
-/// into `mem`'s own record of private pages (which snapshot and reset rely on).
-pub fn flush_guest_tlb(vm: &KvmVm, mem: &mut GuestMemory) -> Result<()> {
-    let log = vm.take_dirty_log(mem.size())?;
+/// as it was. Deleting a slot discards KVM's dirty log, so the log is first folded into `mem`'s own
+/// record of private pages (which snapshot and reset rely on).
+pub fn flush_guest_tlb(vm: &mut KvmVm, mem: &mut GuestMemory) -> Result<()> {
+    let log = vm.take_dirty_log()?;
     mem.sync_dirty(&log);
-    let mut region = kvm_userspace_memory_region {
-        slot: 0,
-        flags: KVM_MEM_LOG_DIRTY_PAGES,
-        guest_phys_addr: 0,
-        memory_size: 0,
-        userspace_addr: mem.host_addr(),
-    };
-    // SAFETY: a zero-sized region deletes slot 0; no memory is mapped into the guest by it.
-    unsafe { vm.fd.set_user_memory_region(region) }.map_err(Error::kvm("KVM_SET_USER_MEMORY_REGION (delete)"))?;
-    region.memory_size = mem.size();
-    // SAFETY: the same live mapping `KvmVm::new` registered; it outlives the VM (see there).
-    unsafe { vm.fd.set_user_memory_region(region) }.map_err(Error::kvm("KVM_SET_USER_MEMORY_REGION (re-add)"))?;
-    Ok(())
+    let size = vm.slot_size();
+    vm.replace_slot(size)
 }

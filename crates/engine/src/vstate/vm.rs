@@ -1,4 +1,12 @@
 //! A KVM VM over a [`GuestMemory`] mapping, with dirty logging on.
+//!
+//! Slot 0 covers guest-physical memory from 0 up to the frames the guest has been given so far
+//! ([`slot_size_for`]), not the whole of it: KVM allocates per-slot bookkeeping in proportion to the
+//! slot's size (with shadow paging, 8 bytes of reverse map per 4 KiB page, 2 MiB for 1 GiB, plus
+//! the dirty bitmaps), and every fork of a sandbox makes a new VM, so a 1 GiB slot cost each clone
+//! that much allocating and zeroing for memory it mostly never touches. The VMM grows the slot
+//! (delete and re-add, which also drops the shadow page tables) before the guest runs with frames
+//! beyond it; the host reaches all of memory through its own mapping, slot or not.
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 use kvm_ioctls::{Kvm, VmFd};
@@ -6,14 +14,25 @@ use kvm_ioctls::{Kvm, VmFd};
 use super::memory::GuestMemory;
 use crate::error::{Error, Result};
 
+/// The slot grows in steps of this much, and keeps at least this much room above the frames in use.
+pub const SLOT_STEP: u64 = 64 << 20;
+
+/// The slot size for a guest whose frames lie below `frames_end`, in memory of `mem_size` bytes.
+pub fn slot_size_for(frames_end: u64, mem_size: u64) -> u64 {
+    (frames_end.saturating_add(SLOT_STEP).div_ceil(SLOT_STEP) * SLOT_STEP).min(mem_size)
+}
+
 pub struct KvmVm {
     pub fd: VmFd,
+    host_addr: u64,
+    slot_size: u64,
 }
 
 impl KvmVm {
-    /// A new VM whose slot 0 is the whole of `mem`. Called again in every forked child: a KVM VM is
-    /// tied to the address space that created it, so a child cannot use its parent's.
-    pub fn new(kvm: &Kvm, mem: &GuestMemory) -> Result<KvmVm> {
+    /// A new VM whose slot 0 is the first `slot_size` bytes of `mem`. Called again in every forked
+    /// child: a KVM VM is tied to the address space that created it, so a child cannot use its
+    /// parent's.
+    pub fn new(kvm: &Kvm, mem: &GuestMemory, slot_size: u64) -> Result<KvmVm> {
         // KVM_CREATE_VM fails with EINTR when a signal arrives meanwhile: a guest process forked
         // by a parent that exits at once (`sh -c 'job &'`) gets its parent-death signal here, and
         // used to die at birth. It is retried (the signal's handler has run by then).
@@ -24,21 +43,42 @@ impl KvmVm {
                 r => break r.map_err(Error::kvm("KVM_CREATE_VM"))?,
             }
         };
+        let vm = KvmVm { fd, host_addr: mem.host_addr(), slot_size: slot_size.min(mem.size()) };
+        vm.set_slot(vm.slot_size, "KVM_SET_USER_MEMORY_REGION")?;
+        Ok(vm)
+    }
+
+    fn set_slot(&self, size: u64, op: &'static str) -> Result<()> {
         let region = kvm_userspace_memory_region {
             slot: 0,
             flags: KVM_MEM_LOG_DIRTY_PAGES,
             guest_phys_addr: 0,
-            memory_size: mem.size(),
-            userspace_addr: mem.host_addr(),
+            memory_size: size,
+            userspace_addr: self.host_addr,
         };
-        // SAFETY: the region is our live mapping of `mem.size()` bytes, which outlives the VM (both are
-        // owned by the same `Machine`, the VM is dropped first).
-        unsafe { fd.set_user_memory_region(region) }.map_err(Error::kvm("KVM_SET_USER_MEMORY_REGION"))?;
-        Ok(KvmVm { fd })
+        // SAFETY: the region is a prefix of our live mapping of guest memory (or empty, which
+        // deletes the slot), which outlives the VM (both are owned by the same `Machine`, the VM is
+        // dropped first).
+        unsafe { self.fd.set_user_memory_region(region) }.map_err(Error::kvm(op))
+    }
+
+    /// Bytes of guest-physical memory slot 0 covers.
+    pub fn slot_size(&self) -> u64 {
+        self.slot_size
+    }
+
+    /// Delete slot 0 and add it again with `size` bytes (at least what it had): every shadow
+    /// translation goes, and KVM's dirty log with it (take it first).
+    pub fn replace_slot(&mut self, size: u64) -> Result<()> {
+        self.set_slot(0, "KVM_SET_USER_MEMORY_REGION (delete)")?;
+        let size = size.max(self.slot_size);
+        self.set_slot(size, "KVM_SET_USER_MEMORY_REGION (re-add)")?;
+        self.slot_size = size;
+        Ok(())
     }
 
     /// Guest-written pages since the last call (KVM clears its log as it hands it over).
-    pub fn take_dirty_log(&self, mem_size: u64) -> Result<Vec<u64>> {
-        self.fd.get_dirty_log(0, mem_size as usize).map_err(Error::kvm("KVM_GET_DIRTY_LOG"))
+    pub fn take_dirty_log(&self) -> Result<Vec<u64>> {
+        self.fd.get_dirty_log(0, self.slot_size as usize).map_err(Error::kvm("KVM_GET_DIRTY_LOG"))
     }
 }

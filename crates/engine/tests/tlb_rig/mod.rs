@@ -127,7 +127,7 @@ impl Rig {
         aspace.map_fresh(&mut mem, &mut frames, CODE_VA, PAGE_SIZE, PTE_U).unwrap();
         aspace.write_virt(&mut mem, CODE_VA, &GUEST_CODE, false).unwrap();
         aspace.map_fresh(&mut mem, &mut frames, MAILBOX, PAGE_SIZE, PTE_U | PTE_W | PTE_NX).unwrap();
-        let vm = KvmVm::new(&kvm, &mem).unwrap();
+        let vm = KvmVm::new(&kvm, &mem, mem_size).unwrap(); // the whole of it: the rig maps any frame
         let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).unwrap();
         regs::filter_cpuid(&mut cpuid);
         let vcpu = vm.fd.create_vcpu(0).unwrap();
@@ -307,7 +307,7 @@ impl Rig {
                 v.set_sregs(&s).unwrap();
                 self.cr3 = copy;
             }
-            Flush::MemslotReadd => tlb::flush_guest_tlb(&self.vm, &mut self.mem).unwrap(),
+            Flush::MemslotReadd => tlb::flush_guest_tlb(&mut self.vm, &mut self.mem).unwrap(),
             Flush::MemslotDirtyLogToggle => {
                 // SAFETY: changing only the flags of slot 0, over our own live mapping.
                 unsafe {
