@@ -113,10 +113,7 @@ KNOWN_GAPS: dict[str, str] = {
     "test.test_zipfile.PyZipFileTests.test_write_": _NS + "writing next to the installed stdlib: the root filesystem is read-only",
 }
 # Modules that cannot even be loaded in the sandbox.
-KNOWN_MODULE_GAPS: dict[str, str] = {
-    "test_stat": _NS + "socket(AF_UNIX) (ENOSYS), which test.support's skip_unless_bind_unix_socket "
-                 "calls while the module is imported",
-}
+KNOWN_MODULE_GAPS: dict[str, str] = {}
 
 RUNNER = r'''
 """Run one CPython test module with unittest; write {test id: outcome} and details as JSON."""
