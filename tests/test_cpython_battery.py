@@ -100,9 +100,6 @@ KNOWN_GAPS: dict[str, str] = {
         _VT + "time.sleep(0.1) does not give the child the time to install its SIGINT handler",
     "test.test_subprocess.POSIXProcessTestCase.test_leak_fast_process_del_killed":
         _VT + "time.sleep(0.2) does not wait for the killed child to exit before the reap it expects",
-    "test.test_os.Pep383Tests.": _NS + "guest paths are UTF-8 (guestos::vfs): undecodable bytes in a name are EINVAL",
-    "test.test_posixpath.PosixCommonTest.test_nonascii_abspath":
-        _NS + "guest paths are UTF-8 (guestos::vfs): undecodable bytes in a name are EINVAL",
     "test.test_os.FDInheritanceTests.test_openpty": _NS + "pseudo-terminals (no /dev/ptmx)",
     "test.test_shutil.TestCopy.test_copy2_xattr": _NS + _XATTR,
     "test.test_shutil.TestCopy.test_copyxattr": _NS + _XATTR,

@@ -437,3 +437,22 @@ except OSError as e: print(e.strerror)
     r = sb.exec(code=code)
     assert r.ok, r.stderr
     assert r.stdout.splitlines() == ["b'v1' ['user.tag']", "1000 1000", "Read-only file system"]
+
+
+def test_file_names_that_are_not_utf8(sb):
+    code = r"""
+import os
+name = b"/work/caf\xe9-\xff.txt"
+with open(name, "wb") as f: f.write(b"latin-1 name")
+print(sorted(os.listdir(b"/work")))
+print(open(name, "rb").read(), os.stat(name).st_size)
+os.mkdir(b"/tmp/d\xfe"); os.chdir(b"/tmp/d\xfe"); print(os.getcwdb())
+os.symlink(name, b"/tmp/l\x80"); print(os.readlink(b"/tmp/l\x80"))
+print(os.listdir("/work"))  # as str: surrogate escapes, as Python does on Linux
+"""
+    r = sb.exec(code=code)
+    assert r.ok, r.stderr
+    assert r.stdout.splitlines() == [
+        "[b'caf\\xe9-\\xff.txt']", "b'latin-1 name' 12", "b'/tmp/d\\xfe'", "b'/work/caf\\xe9-\\xff.txt'",
+        "['caf\\udce9-\\udcff.txt']",
+    ], r.stdout

@@ -63,10 +63,57 @@ pub struct Vfs {
     pub mounts: Vec<Mount>,
 }
 
+/// Guest paths are bytes; the engine keeps them as `String`s whose bytes that are not UTF-8 are
+/// escaped, each as one character of Unicode's last private-use plane: byte `b` (0x80..=0xff) as
+/// U+10FF00 + b. A name that really contains one of those characters (U+10FF80..=U+10FFFF) has each
+/// of its bytes escaped too, so the mapping is one to one. `/` and `.` are never escaped, so paths
+/// split and join as before; [`guest_bytes`] gives the bytes back for the host and the guest.
+const ESCAPE_BASE: u32 = 0x10_FF00;
+
+fn escape_byte(out: &mut String, b: u8) {
+    out.push(char::from_u32(ESCAPE_BASE + b as u32).unwrap_or(char::REPLACEMENT_CHARACTER));
+}
+
+/// The engine's string for guest path bytes (see [`ESCAPE_BASE`]).
+pub fn guest_str(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len());
+    for chunk in bytes.utf8_chunks() {
+        for ch in chunk.valid().chars() {
+            if ch as u32 >= ESCAPE_BASE + 0x80 {
+                let mut buf = [0u8; 4];
+                for b in ch.encode_utf8(&mut buf).bytes() {
+                    escape_byte(&mut out, b);
+                }
+            } else {
+                out.push(ch);
+            }
+        }
+        for &b in chunk.invalid() {
+            escape_byte(&mut out, b);
+        }
+    }
+    out
+}
+
+/// The guest path bytes of an engine string (the inverse of [`guest_str`]).
+pub fn guest_bytes(s: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(s.len());
+    for ch in s.chars() {
+        let c = ch as u32;
+        if c >= ESCAPE_BASE + 0x80 {
+            out.push((c - ESCAPE_BASE) as u8);
+        } else {
+            let mut buf = [0u8; 4];
+            out.extend_from_slice(ch.encode_utf8(&mut buf).as_bytes());
+        }
+    }
+    out
+}
+
 /// Join `path` onto `base` (both guest paths) and drop `.` and empty components. `..` is kept: it
 /// is resolved by the walk ([`Vfs::resolve`]), with symlinks, as Linux does.
 pub fn join(base: &str, path: &[u8]) -> Result<String, Errno> {
-    let path = std::str::from_utf8(path).map_err(|_| EINVAL)?;
+    let path = &guest_str(path);
     if path.len() >= PATH_MAX {
         return Err(ENAMETOOLONG);
     }
@@ -348,7 +395,7 @@ impl Vfs {
         if path.len() >= PATH_MAX {
             return Err(ENAMETOOLONG);
         }
-        let path = std::str::from_utf8(path).map_err(|_| EINVAL)?;
+        let path = &guest_str(path);
         let start = if path.starts_with('/') { "/" } else { cwd };
         let mut comps: VecDeque<String> = start
             .split('/')
@@ -399,7 +446,7 @@ impl Vfs {
             if target.is_empty() {
                 return Err(ENOENT);
             }
-            let t = std::str::from_utf8(target).map_err(|_| ENOENT)?;
+            let t = &guest_str(target);
             for c in t.split('/').rev().filter(|c| !c.is_empty() && *c != ".") {
                 comps.push_front(c.to_string());
             }
@@ -454,7 +501,7 @@ impl Vfs {
                 return Err(ENOENT);
             };
             let (dirfd, mount) = (dir.as_raw_fd(), *mount);
-            let name = CString::new(c.as_str()).map_err(|_| EINVAL)?;
+            let name = CString::new(guest_bytes(&c)).map_err(|_| EINVAL)?;
             if last {
                 if follow {
                     if let Ok(t) = readlink_at(dirfd, &name) {
@@ -500,7 +547,7 @@ impl Vfs {
         let Some((dir, name)) = r.host() else {
             return Err(EACCES);
         };
-        let name = name.to_str().map_err(|_| EINVAL)?;
+        let name = &guest_str(name.to_bytes());
         let flags = flags & VALID_OPEN_FLAGS;
         if !r.writable() {
             if open_writes(flags) {
@@ -528,7 +575,7 @@ impl Mount {
 
 /// `openat2(dirfd, path, {flags | O_CLOEXEC, mode, resolve})`.
 pub fn openat2(dirfd: RawFd, path: &str, flags: i32, mode: u32, resolve: u64) -> Result<OwnedFd, Errno> {
-    let c = CString::new(path).map_err(|_| EINVAL)?;
+    let c = CString::new(guest_bytes(path)).map_err(|_| EINVAL)?;
     // SAFETY: open_how is plain data; all-zero is valid and we fill every field.
     let mut how: libc::open_how = unsafe { std::mem::zeroed() };
     let flags = flags | libc::O_CLOEXEC;
@@ -566,6 +613,7 @@ pub fn readlink_at(dir: RawFd, name: &CStr) -> Result<Vec<u8>, Errno> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::ffi::OsStrExt;
 
     struct TempDir(std::path::PathBuf);
     impl Drop for TempDir {
@@ -623,6 +671,31 @@ mod tests {
         assert_eq!(join("/usr", b"lib/../bin").unwrap(), "/usr/lib/../bin");
         assert_eq!(join("/usr", b"/etc//passwd").unwrap(), "/etc/passwd");
         assert_eq!(join("/", b".").unwrap(), "/");
+    }
+
+    #[test]
+    fn path_bytes_round_trip_through_the_escaped_strings() {
+        let samples: [&[u8]; 6] = [
+            b"plain/ascii",
+            "caf\u{e9}/\u{1F600}".as_bytes(),
+            b"latin1-\xe9t\xe9",
+            b"\xff\xfe\x80",
+            "edge-\u{10FF80}-\u{10FFFF}".as_bytes(),
+            b"mixed-\xc3\x28/\xf4\x8f\xbe\x80",
+        ];
+        for s in samples {
+            let g = guest_str(s);
+            assert_eq!(guest_bytes(&g), s, "{s:?}");
+            assert_eq!(g.matches('/').count(), s.iter().filter(|&&b| b == b'/').count());
+        }
+        assert_eq!(guest_str(b"ascii"), "ascii");
+        assert_ne!(guest_str(b"\xe9"), guest_str("\u{10FFE9}".as_bytes()));
+        // A non-UTF-8 name is a file like any other, made and found through the escaped form.
+        let (t, v) = sandbox("bytes");
+        let fd = v.open("/", b"/work/\xff\xfe.txt", libc::O_CREAT | libc::O_WRONLY, 0o644).unwrap();
+        drop(fd);
+        assert!(t.0.join("work").join(std::ffi::OsStr::from_bytes(b"\xff\xfe.txt")).is_file());
+        assert_eq!(join("/work", b"\xff").unwrap(), guest_str(b"/work/\xff"));
     }
 
     #[test]

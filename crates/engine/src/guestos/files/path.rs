@@ -397,7 +397,7 @@ pub(super) fn sys_readlinkat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp:
 }
 
 pub(super) fn sys_getcwd(os: &mut GuestOs, ctx: &mut Ctx, buf: u64, size: u64) -> SysResult {
-    let mut cwd = special::cwd(os).as_bytes().to_vec();
+    let mut cwd = vfs::guest_bytes(special::cwd(os));
     cwd.push(0);
     if (size as usize) < cwd.len() {
         return Err(ERANGE);
@@ -418,7 +418,7 @@ pub(super) fn sys_chdir(os: &mut GuestOs, ctx: &mut Ctx, pathp: u64) -> SysResul
         return Ok(0);
     }
     let (d, n) = host_of(&r)?;
-    let name = n.to_str().map_err(|_| EINVAL)?;
+    let name = &vfs::guest_str(n.to_bytes());
     vfs::openat2(d, name, libc::O_PATH | libc::O_DIRECTORY, 0, vfs::RESOLVE_ONE)?;
     let p = r.path;
     os.proc.cwd = p;
@@ -584,7 +584,7 @@ fn host_chmod(d: RawFd, n: &CStr, mode: u32) -> Result<u64, Errno> {
     match cvt(r) {
         Err(e) if e == crate::guestos::ENOSYS => {
             // Hosts before Linux 6.6: open the file itself (not following) and fchmod it.
-            let name = n.to_str().map_err(|_| EINVAL)?;
+            let name = &vfs::guest_str(n.to_bytes());
             let fd = vfs::openat2(d, name, libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY, 0, vfs::RESOLVE_ONE)?;
             // SAFETY: fchmod on an fd we own.
             cvt(unsafe { libc::fchmod(fd.as_raw_fd(), mode) } as i64)
@@ -670,7 +670,7 @@ pub(super) fn sys_truncate(os: &mut GuestOs, ctx: &mut Ctx, pathp: u64, len: i64
         _ => return Err(EINVAL),
     }
     check_writable(&r)?;
-    let name = n.to_str().map_err(|_| EINVAL)?;
+    let name = &vfs::guest_str(n.to_bytes());
     let fd = vfs::openat2(d, name, libc::O_WRONLY | libc::O_NONBLOCK | libc::O_NOCTTY, 0, vfs::RESOLVE_ONE)?;
     // SAFETY: ftruncate on an fd we own.
     cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), len) } as i64)

@@ -249,7 +249,7 @@ fn mounts(os: &GuestOs) -> String {
 
 /// `/proc/self/maps`, as the address-space module writes it.
 fn maps(os: &GuestOs) -> Vec<u8> {
-    os.mm.maps().into_bytes()
+    vfs::guest_bytes(&os.mm.maps())
 }
 
 /// Open `path` (a normalised guest path in these trees) with open(2) `flags`. `follow` tells
@@ -330,8 +330,8 @@ pub fn describe(f: &OpenFile) -> String {
 /// readlink(2) of `path` in these trees.
 pub fn readlink(os: &GuestOs, path: &str) -> Result<Vec<u8>, Errno> {
     match lookup(os, path) {
-        Some(Node::Link(t)) => Ok(t.into_bytes()),
-        Some(Node::Fd(n)) => Ok(describe(&*os.files.file(n)?).into_bytes()),
+        Some(Node::Link(t)) => Ok(vfs::guest_bytes(&t)),
+        Some(Node::Fd(n)) => Ok(vfs::guest_bytes(&describe(&*os.files.file(n)?))),
         Some(_) => Err(EINVAL),
         None => Err(ENOENT),
     }
