@@ -735,6 +735,19 @@ class TemplateHandle:
         return f"TemplateHandle({self.name!r}, v{self.version}, {self.phase})"
 
 
+def check_bake_args(image: Any, ready: Any, width: Any) -> Ready:
+    """Template.bake's arguments, embedded or remote: the Ready to use, or InvalidArgument."""
+    if ready is None:
+        ready = Ready()
+    if not isinstance(ready, Ready):
+        raise InvalidArgument(f"ready must be a Ready(cmd=... | code=...), not {ready!r}")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise InvalidArgument(f"width must be a positive int, not {width!r}")
+    if not isinstance(image, (str, os.PathLike)) or not str(image).strip():
+        raise InvalidArgument(f"image must be a path or an image reference, not {image!r}")
+    return ready
+
+
 class Template:
     """Bring-your-own-image templates on the embedded engine."""
 
@@ -767,14 +780,7 @@ class Template:
         if not hasattr(client, "register_template"):
             raise InvalidArgument("Template.bake needs the embedded engine (connect() without an API key)")
         _check_name(name)
-        if ready is None:
-            ready = Ready()
-        if not isinstance(ready, Ready):
-            raise InvalidArgument(f"ready must be a Ready(cmd=... | code=...), not {ready!r}")
-        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-            raise InvalidArgument(f"width must be a positive int, not {width!r}")
-        if not isinstance(image, (str, os.PathLike)) or not str(image).strip():
-            raise InvalidArgument(f"image must be a path or an image reference, not {image!r}")
+        ready = check_bake_args(image, ready, width)
         c = _cache(client, cache)
         spec = _Spec(name, image, ready, width, c, Path(store) if store else _oci.default_store(c))
         def register(baked: ImageBaked) -> None:

@@ -32,7 +32,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from collimate_core._bake import Ready, TemplateHandle, TemplateStatus
+from collimate_core._bake import Ready, TemplateHandle, TemplateStatus, check_bake_args
 from collimate_core._embedded import Usage
 from collimate_core._errors import (
     AuthenticationError,
@@ -418,14 +418,7 @@ class RemoteTemplates:
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}", name):
             raise InvalidArgument(f"template name must be 1-128 characters of letters, digits and ._:+- (starting "
                                   f"with a letter or digit), not {name!r}")
-        if ready is None:
-            ready = Ready()
-        if not isinstance(ready, Ready):
-            raise InvalidArgument(f"ready must be a Ready(cmd=... | code=...), not {ready!r}")
-        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-            raise InvalidArgument(f"width must be a positive int, not {width!r}")
-        if not isinstance(image, (str, os.PathLike)) or not str(image).strip():
-            raise InvalidArgument(f"image must be a path or an image reference, not {image!r}")
+        ready = check_bake_args(image, ready, width)
         ref = self._image_reference(image, store)
         body: dict[str, Any] = {"name": name, "image": ref, "width": width,
                                 "ready": {"timeout_seconds": float(ready.timeout)}}

@@ -1175,6 +1175,21 @@ fn sys_sendfile(os: &mut GuestOs, ctx: &mut Ctx, out_fd: i32, in_fd: i32, offp: 
     Ok(n)
 }
 
+/// copy_file_range and splice: copy through `copy_loop` at the guest's offset pointers (0: the
+/// files' own offsets), writing the advanced offsets back.
+fn copy_at(os: &mut GuestOs, ctx: &mut Ctx, inf: &OpenFile, outf: &OpenFile, in_offp: u64, out_offp: u64, len: u64) -> SysResult {
+    let mut ioff = read_off(ctx, in_offp)?;
+    let mut ooff = read_off(ctx, out_offp)?;
+    let n = copy_loop(&mut Sinks { out: ctx.out, stdio: os.stdio.as_ref() }, &mut os.proc, inf, outf, ioff.as_mut(), ooff.as_mut(), len)?;
+    if let Some(o) = ioff {
+        ctx.write(in_offp, &o.to_le_bytes())?;
+    }
+    if let Some(o) = ooff {
+        ctx.write(out_offp, &o.to_le_bytes())?;
+    }
+    Ok(n)
+}
+
 /// A pipe end (a host FIFO or pipe, or one of the engine's streams).
 fn is_pipe(f: &OpenFile) -> bool {
     match f.host_fd() {
@@ -1208,16 +1223,7 @@ fn sys_splice(os: &mut GuestOs, ctx: &mut Ctx, in_fd: i32, in_offp: u64, out_fd:
     if inf.dir || outf.dir {
         return Err(EINVAL);
     }
-    let mut ioff = read_off(ctx, in_offp)?;
-    let mut ooff = read_off(ctx, out_offp)?;
-    let n = copy_loop(&mut Sinks { out: ctx.out, stdio: os.stdio.as_ref() }, &mut os.proc, &inf, &outf, ioff.as_mut(), ooff.as_mut(), len)?;
-    if let Some(o) = ioff {
-        ctx.write(in_offp, &o.to_le_bytes())?;
-    }
-    if let Some(o) = ooff {
-        ctx.write(out_offp, &o.to_le_bytes())?;
-    }
-    Ok(n)
+    copy_at(os, ctx, &inf, &outf, in_offp, out_offp, len)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1230,14 +1236,5 @@ fn sys_copy_file_range(os: &mut GuestOs, ctx: &mut Ctx, in_fd: i32, in_offp: u64
     if inf.dir || outf.dir {
         return Err(EISDIR);
     }
-    let mut ioff = read_off(ctx, in_offp)?;
-    let mut ooff = read_off(ctx, out_offp)?;
-    let n = copy_loop(&mut Sinks { out: ctx.out, stdio: os.stdio.as_ref() }, &mut os.proc, &inf, &outf, ioff.as_mut(), ooff.as_mut(), len)?;
-    if let Some(o) = ioff {
-        ctx.write(in_offp, &o.to_le_bytes())?;
-    }
-    if let Some(o) = ooff {
-        ctx.write(out_offp, &o.to_le_bytes())?;
-    }
-    Ok(n)
+    copy_at(os, ctx, &inf, &outf, in_offp, out_offp, len)
 }

@@ -704,29 +704,18 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
                 })
             }
         }
-        SYS_SETUID => {
+        // The setuid family: privilege is an effective uid of 0 (CAP_SETUID and CAP_SETGID).
+        SYS_SETUID | SYS_SETGID | SYS_SETREUID | SYS_SETREGID | SYS_SETRESUID | SYS_SETRESGID | SYS_SETFSUID | SYS_SETFSGID => {
             let privileged = p.uid[1] == 0;
-            set_one(&mut p.uid, a[0] as u32, privileged)
-        }
-        SYS_SETGID => {
-            let privileged = p.uid[1] == 0;
-            set_one(&mut p.gid, a[0] as u32, privileged)
-        }
-        SYS_SETREUID => {
-            let privileged = p.uid[1] == 0;
-            set_re(&mut p.uid, a[0] as u32, a[1] as u32, privileged)
-        }
-        SYS_SETREGID => {
-            let privileged = p.uid[1] == 0;
-            set_re(&mut p.gid, a[0] as u32, a[1] as u32, privileged)
-        }
-        SYS_SETRESUID => {
-            let privileged = p.uid[1] == 0;
-            set_res(&mut p.uid, a[0] as u32, a[1] as u32, a[2] as u32, privileged)
-        }
-        SYS_SETRESGID => {
-            let privileged = p.uid[1] == 0;
-            set_res(&mut p.gid, a[0] as u32, a[1] as u32, a[2] as u32, privileged)
+            let user = matches!(nr, SYS_SETUID | SYS_SETREUID | SYS_SETRESUID | SYS_SETFSUID);
+            let ids = if user { &mut p.uid } else { &mut p.gid };
+            let id = |i: usize| a[i] as u32;
+            match nr {
+                SYS_SETUID | SYS_SETGID => set_one(ids, id(0), privileged),
+                SYS_SETREUID | SYS_SETREGID => set_re(ids, id(0), id(1), privileged),
+                SYS_SETRESUID | SYS_SETRESGID => set_res(ids, id(0), id(1), id(2), privileged),
+                _ => set_fs(ids, id(0), privileged),
+            }
         }
         SYS_GETRESUID | SYS_GETRESGID => {
             let ids = if nr == SYS_GETRESUID { p.uid } else { p.gid };
@@ -734,14 +723,6 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
                 .and_then(|_| ctx.write(a[1], &ids[1].to_le_bytes()))
                 .and_then(|_| ctx.write(a[2], &ids[2].to_le_bytes()))
                 .map(|_| 0)
-        }
-        SYS_SETFSUID => {
-            let privileged = p.uid[1] == 0;
-            set_fs(&mut p.uid, a[0] as u32, privileged)
-        }
-        SYS_SETFSGID => {
-            let privileged = p.uid[1] == 0;
-            set_fs(&mut p.gid, a[0] as u32, privileged)
         }
         SYS_GETPGRP => Ok(p.pgid as u64),
         SYS_GETPGID => {

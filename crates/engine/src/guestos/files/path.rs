@@ -904,15 +904,7 @@ pub(super) fn sys_xattr(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6], o
                 return Err(crate::guestos::E2BIG);
             }
             let value = if len == 0 { Vec::new() } else { ctx.read_vec(a[2], len)? };
-            if !user {
-                return Err(EOPNOTSUPP);
-            }
-            if !writable {
-                return Err(EROFS);
-            }
-            if symlink {
-                return Err(crate::guestos::EPERM);
-            }
+            may_change(user, writable, symlink)?;
             // SAFETY: a valid descriptor, C string and buffer of `len` bytes.
             cvt(unsafe { libc::fsetxattr(fd, cname.as_ptr(), value.as_ptr().cast(), value.len(), flags) } as i64).map(|_| 0)
         }
@@ -943,18 +935,24 @@ pub(super) fn sys_xattr(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6], o
             Ok(n as u64)
         }
         _ => {
-            if !user {
-                return Err(EOPNOTSUPP);
-            }
-            if !writable {
-                return Err(EROFS);
-            }
-            if symlink {
-                return Err(crate::guestos::EPERM);
-            }
+            may_change(user, writable, symlink)?;
             // SAFETY: a valid descriptor and C string.
             cvt(unsafe { libc::fremovexattr(fd, cname.as_ptr()) } as i64).map(|_| 0)
         }
+    }
+}
+
+/// Whether an attribute may be set or removed: user attributes, on a writable mount, not on a
+/// symlink itself.
+fn may_change(user: bool, writable: bool, symlink: bool) -> Result<(), Errno> {
+    if !user {
+        Err(EOPNOTSUPP)
+    } else if !writable {
+        Err(EROFS)
+    } else if symlink {
+        Err(crate::guestos::EPERM)
+    } else {
+        Ok(())
     }
 }
 
