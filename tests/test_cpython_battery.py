@@ -104,8 +104,6 @@ KNOWN_GAPS: dict[str, str] = {
     "test.test_shutil.TestCopy.test_copy2_xattr": _NS + _XATTR,
     "test.test_shutil.TestCopy.test_copyxattr": _NS + _XATTR,
     "test.test_os.TestSendfile.": _NS + "sockets (the tests serve over TCP loopback with asyncio): network",
-    "test.test_mmap.MmapTests.test_access_parameter":
-        _NS + "MAP_SHARED file mappings are private copies, writes do not reach the file (guestos::mm)",
     "test.test_mmap.LargeMmapTests.": _NS + "files over the sandbox's file size limit (the jail's RLIMIT_FSIZE)",
     "test.test_zipfile.PyZipFileTests.test_write_": _NS + "writing next to the installed stdlib: the root filesystem is read-only",
 }

@@ -456,3 +456,29 @@ print(os.listdir("/work"))  # as str: surrogate escapes, as Python does on Linux
         "[b'caf\\xe9-\\xff.txt']", "b'latin-1 name' 12", "b'/tmp/d\\xfe'", "b'/work/caf\\xe9-\\xff.txt'",
         "['caf\\udce9-\\udcff.txt']",
     ], r.stdout
+
+
+def test_shared_file_mappings_write_back(sb):
+    code = r"""
+import mmap, os, subprocess, sys
+with open("/work/f", "wb") as f: f.write(b"." * 10000)
+with open("/work/f", "r+b") as f:
+    m = mmap.mmap(f.fileno(), 10000)
+    m[0:5] = b"HELLO"; m[8190:8195] = b"WORLD"
+    m.flush()  # msync: written pages reach the file
+    data = open("/work/f", "rb").read(); print(data[:6], data[8189:8196])
+    m[100:103] = b"xyz"
+    m.close()  # munmap
+print(open("/work/f", "rb").read()[99:104])
+# A child that writes through a mapping and exits without msync.
+child = "import mmap; f = open('/work/f', 'r+b'); m = mmap.mmap(f.fileno(), 0); m[-3:] = b'END'"
+subprocess.run([sys.executable, "-c", child], check=True)
+data = open("/work/f", "rb").read(); print(data[-4:], len(data))
+# Private and read-only mappings never write.
+with open("/work/f", "r+b") as f:
+    p = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY); p[0:5] = b"copy!"; p.flush(); p.close()
+print(open("/work/f", "rb").read()[:5])
+"""
+    r = sb.exec(code=code)
+    assert r.ok, r.stderr
+    assert r.stdout.splitlines() == ["b'HELLO.' b'.WORLD.'", "b'.xyz.'", "b'.END' 10000", "b'HELLO'"], r.stdout

@@ -19,15 +19,19 @@
 //! invalidates them before the guest runs again. Granting more access needs nothing.
 //!
 //! Simplifications, all deliberate for now:
-//! - MAP_SHARED is treated as MAP_PRIVATE: a shared file mapping is a copy of the file taken at mmap
-//!   time and writes never reach the file; shared anonymous memory is not shared across a fork.
+//! - A shared file mapping is a copy of the file taken at mmap time whose written pages (the dirty
+//!   bits KVM sets in the guest's page tables) go back to the file at msync, munmap, execve and
+//!   exit: not at once, and not when the process dies by a signal, and other processes mapping the
+//!   same file see their own copies. Shared anonymous memory is not shared across a fork. A
+//!   snapshot keeps the copy but not the way back to the file.
 //! - MADV_DONTNEED zeroes private anonymous pages (as Linux does); on file mappings it leaves the
 //!   contents alone instead of reloading them from the file.
 //! - mremap can grow a file mapping only by moving it, never by extending it in place with more file
 //!   data: growing a file mapping answers ENOMEM.
 
 use std::collections::BTreeMap;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -94,11 +98,28 @@ pub struct Vma {
     /// The mapped file and the file offset of `start`; `None` for anonymous memory.
     pub file: Option<FileId>,
     pub offset: u64,
+    /// A shared mapping of a file opened for writing: where its written pages go back.
+    #[serde(skip)]
+    pub backing: Option<Backing>,
 }
+
+/// The file a shared mapping writes back to (a descriptor of its own, kept while it is mapped).
+#[derive(Clone, Debug)]
+pub struct Backing(pub Arc<OwnedFd>);
+
+impl PartialEq for Backing {
+    fn eq(&self, other: &Backing) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+impl Eq for Backing {}
+
+/// The page-table entry's dirty bit: KVM sets it in the guest's page tables when the guest writes.
+const PTE_DIRTY: u64 = 1 << 6;
 
 impl Vma {
     pub fn anon(end: u64, prot: u32, name: &str) -> Vma {
-        Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0 }
+        Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0, backing: None }
     }
 }
 
@@ -254,6 +275,7 @@ impl Mm {
                             && a.shared == b.shared
                             && a.name == b.name
                             && a.file == b.file
+                            && a.backing == b.backing
                             && (a.file.is_none() || a.offset + (a.end - c) == b.offset)
                     }
                     _ => false,
@@ -324,6 +346,9 @@ impl Mm {
         if start >= end {
             return Ok(());
         }
+        // Written pages of a shared file mapping reach the file before they go (an error cannot
+        // stop the unmap: Linux writes back later and reports nothing to munmap either).
+        let _ = self.write_back(sp, start, end);
         self.split(start);
         self.split(end);
         let keys: Vec<u64> = self.vmas.range(start..end).map(|(s, _)| *s).collect();
@@ -393,7 +418,7 @@ impl Mm {
             self.placement(addr, len)?
         };
         let end = start + len;
-        let mut vma = Vma { end, prot, shared, name: String::new(), file: None, offset: 0 };
+        let mut vma = Vma { end, prot, shared, name: String::new(), file: None, offset: 0, backing: None };
         // Everything that can fail for a bad file comes before the old mapping is dropped.
         let data = match &file {
             Some(f) => {
@@ -402,6 +427,15 @@ impl Mm {
                 }
                 f.offset.checked_add(len).ok_or(EOVERFLOW)?;
                 let (id, size) = check_file(f.fd, prot, shared)?;
+                if shared && file_writable(f.fd) {
+                    // SAFETY: F_DUPFD_CLOEXEC of a descriptor we were given; the result is checked.
+                    let dup = unsafe { libc::fcntl(f.fd, libc::F_DUPFD_CLOEXEC, 0) };
+                    if dup < 0 {
+                        return Err(Errno::last());
+                    }
+                    // SAFETY: a fresh descriptor we own.
+                    vma.backing = Some(Backing(Arc::new(unsafe { OwnedFd::from_raw_fd(dup) })));
+                }
                 vma.file = Some(id);
                 vma.offset = f.offset;
                 vma.name = f.name.clone();
@@ -618,8 +652,40 @@ impl Mm {
         Ok(0)
     }
 
-    /// msync(2): nothing to write back (see the module comment), but the checks are Linux's.
-    pub fn msync(&self, addr: u64, len: u64, flags: u64) -> Result<u64, Errno> {
+    /// Write the written pages of shared file mappings in [start, end) back to their files.
+    pub fn write_back(&self, sp: &Space, start: u64, end: u64) -> Result<(), Errno> {
+        let from = self.vmas.range(..start).next_back().map(|(s, _)| *s).unwrap_or(start);
+        for (&vstart, v) in self.vmas.range(from..end) {
+            let Some(Backing(fd)) = &v.backing else { continue };
+            let (s, e) = (vstart.max(start), v.end.min(end));
+            if s >= e {
+                continue;
+            }
+            // SAFETY: a zeroed stat is valid; fstat on a descriptor we hold.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+                return Err(Errno::last());
+            }
+            let size = st.st_size as u64;
+            let mut page = [0u8; PAGE_SIZE as usize];
+            for (va, pte) in sp.aspace.present_pages(sp.mem, s, e).map_err(errno_of)? {
+                let off = v.offset + (va - vstart);
+                if pte & PTE_DIRTY == 0 || off >= size {
+                    continue; // untouched, or past the end of the file (Linux never writes those)
+                }
+                sp.mem.read(pte & ADDR_MASK, &mut page).map_err(errno_of)?;
+                let n = (size - off).min(PAGE_SIZE) as usize;
+                // SAFETY: pwrite of `n` bytes of a buffer we own, to a descriptor we hold.
+                if unsafe { libc::pwrite(fd.as_raw_fd(), page.as_ptr().cast(), n, off as i64) } < 0 {
+                    return Err(Errno::last());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// msync(2): the written pages of shared file mappings in the range go back to their files.
+    pub fn msync(&self, sp: &Space, addr: u64, len: u64, flags: u64) -> Result<u64, Errno> {
         const MS_ASYNC: u64 = 1;
         const MS_INVALIDATE: u64 = 2;
         const MS_SYNC: u64 = 4;
@@ -630,6 +696,7 @@ impl Mm {
         if !self.covered(addr, end) {
             return Err(ENOMEM);
         }
+        self.write_back(sp, addr, end)?;
         Ok(0)
     }
 
@@ -684,6 +751,13 @@ const EPERM_MMAP: Errno = super::EPERM;
 
 /// Check that host descriptor `fd` can be mapped with `prot`: a regular file opened for reading (and
 /// for writing if a shared mapping is writable). Returns its identity and size.
+/// Whether `fd` is open for reading and writing (a shared mapping of it may write back).
+fn file_writable(fd: RawFd) -> bool {
+    // SAFETY: F_GETFL on a descriptor number.
+    let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    fl >= 0 && fl & libc::O_ACCMODE == libc::O_RDWR
+}
+
 fn check_file(fd: RawFd, prot: u32, shared: bool) -> Result<(FileId, u64), Errno> {
     // SAFETY: fstat on a descriptor number into a zeroed stat buffer; the result is checked.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -789,7 +863,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         SYS_BRK => Ok(os.mm.brk(&mut sp, a[0])),
         SYS_MREMAP => os.mm.mremap(&mut sp, a[0], a[1], a[2], a[3], a[4]),
         SYS_MADVISE => os.mm.madvise(&mut sp, a[0], a[1], a[2]),
-        SYS_MSYNC => os.mm.msync(a[0], a[1], a[2]),
+        SYS_MSYNC => os.mm.msync(&sp, a[0], a[1], a[2]),
         SYS_MINCORE => match os.mm.mincore(&sp, a[0], a[1]) {
             Ok(v) => return Some(ctx.write(a[2], &v).map(|_| 0)),
             Err(e) => Err(e),
