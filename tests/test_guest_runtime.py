@@ -303,6 +303,21 @@ def test_a_background_job_outlives_its_shell(sb):
     assert r.ok and not r.timed_out and r.stdout == "done\n" * 5, r
 
 
+def test_background_output_stays_out_of_later_execs(sb):
+    # A job left running by one exec prints later: that output belongs to no later exec. The next
+    # exec gets fresh stdout/stderr; the job's own go nowhere (its writes fail, as over a closed
+    # connection: this job ignores SIGPIPE to go on), and it can write to a file instead.
+    r = sh(sb, "(while [ ! -e /tmp/go ]; do :; done; trap '' PIPE; echo late; echo late-err >&2; "
+               "echo done > /tmp/done) & echo started")
+    assert r.ok and r.stdout == "started\n", r
+    r = sh(sb, "touch /tmp/go; until [ -e /tmp/done ]; do :; done; echo now", timeout_seconds=30)
+    assert r.ok and not r.timed_out, r
+    assert r.stdout == "now\n" and r.stderr == "", r
+    # Without background jobs, output is as always.
+    r = sh(sb, "echo a; echo b >&2")
+    assert r.stdout == "a\n" and r.stderr == "b\n"
+
+
 # --- processes talking to each other: sockets, epoll, asyncio, eventfd, FIFOs ----------------------
 
 ASYNCIO = """

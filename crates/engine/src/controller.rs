@@ -87,6 +87,10 @@ pub struct Vm {
     stdio: Option<Stdio>,
     /// The layers of its jail the VMM process runs in, as it said in `Ready`.
     jail: JailStatus,
+    /// The last run left background processes: the next run gets fresh stdout/stderr pipes (see
+    /// `RunResult::others`), and theirs are closed (their writes then fail, as over a closed
+    /// terminal or connection).
+    rotate_stdio: bool,
 }
 
 struct Stdio {
@@ -151,7 +155,7 @@ impl Vm {
     fn launch_with(launcher: &Launcher, first: Request, stdio: Option<Stdio>, fds: &[RawFd]) -> Result<Vm> {
         let (child, chan) = launcher.spawn()?;
         let pid = child.id() as i32;
-        let mut vm = Vm { chan, process: Process::Launched(child), pid, stdio, jail: JailStatus::default() };
+        let mut vm = Vm { chan, process: Process::Launched(child), pid, stdio, jail: JailStatus::default(), rotate_stdio: false };
         if let Err(e) = vm.chan.send(&first, fds) {
             return Err(vm.died(format!("send failed: {e}")));
         }
@@ -234,6 +238,10 @@ impl Vm {
     }
 
     fn run_request(&mut self, req: Request, timeout: Duration) -> Result<RunResult> {
+        if self.rotate_stdio && self.stdio.is_some() {
+            self.attach_stdio()?;
+            self.rotate_stdio = false;
+        }
         let Some(stdio) = self.stdio.take() else {
             return match self.call(&req, timeout + HANG_GRACE)? {
                 Response::Run(r) => Ok(r),
@@ -242,6 +250,9 @@ impl Vm {
         };
         let res = self.run_draining(&stdio, req, timeout);
         self.stdio = Some(stdio);
+        if let Ok(r) = &res {
+            self.rotate_stdio = r.others > 0;
+        }
         res
     }
 
@@ -322,7 +333,7 @@ impl Vm {
                     let mut fds = fds.into_iter();
                     let chan = Channel::from_owned_fd(fds.next().ok_or_else(|| Error::Protocol("no fd".into()))?);
                     let pidfd = fds.next().ok_or_else(|| Error::Protocol("no pidfd".into()))?;
-                    children.push(Vm { chan, process: Process::Forked(pidfd), pid: pids[0], stdio: None, jail: self.jail });
+                    children.push(Vm { chan, process: Process::Forked(pidfd), pid: pids[0], stdio: None, jail: self.jail, rotate_stdio: false });
                 }
                 Ok((Response::Err(e), _)) => return Err(e.into()),
                 Ok((other, _)) => return Err(Error::Protocol(format!("expected Forked, got {other:?}"))),

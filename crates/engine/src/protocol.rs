@@ -150,6 +150,11 @@ pub struct RunResult {
     /// What the in-guest agent wrote to its channel during this run.
     #[serde(default)]
     pub agent: Vec<u8>,
+    /// Guest processes of the sandbox other than its first one still alive when the run ended
+    /// (background jobs): the controller gives the next run fresh stdout/stderr pipes, so their
+    /// later output does not land in it.
+    #[serde(default)]
+    pub others: u32,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]

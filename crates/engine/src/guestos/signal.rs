@@ -1168,6 +1168,11 @@ pub mod host {
         (!p.is_null()).then(|| unsafe { &*p })
     }
 
+    /// Live (unreaped) guest processes of the sandbox, this one included (1 outside a sandbox tree).
+    pub fn live_processes() -> u32 {
+        process_count().map_or(1, |c| c.load(Ordering::SeqCst))
+    }
+
     /// Whether this is the sandbox's only live guest process (or not in a sandbox's tree at all).
     pub fn alone() -> bool {
         process_count().is_none_or(|c| c.load(Ordering::SeqCst) <= 1)

@@ -251,7 +251,7 @@ impl Machine {
         let start = Instant::now();
         let mut out = guestos::Output::default();
         if let Some(exit) = self.exited {
-            return Ok(RunResult { exit, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false, agent: vec![] });
+            return Ok(RunResult { exit, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false, agent: vec![], others: 0 });
         }
         let deadline = start + timeout;
         self.vcpu.set_kvm_immediate_exit(0);
@@ -268,7 +268,8 @@ impl Machine {
             process::guest_ended(self);
         }
         self.runtime.enosys += out.enosys;
-        Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false, agent: vec![] })
+        let others = if self.os.is_some() { crate::guestos::signal::host::live_processes().saturating_sub(1) } else { 0 };
+        Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false, agent: vec![], others })
     }
 
     /// Grow slot 0 over every frame the guest has been given before it runs (see `vstate::vm`).
