@@ -782,6 +782,61 @@ def test_a_bake_whose_ready_step_fails_reports_its_log(tsrv, keys, images):
 
 
 @pytest.mark.kvm
+def test_images_are_listed_and_deleted_and_templates_baked_from_them_outlive_them(tsrv, keys, images):
+    with RemoteClient(keys["alice"], tsrv.url) as alice, RemoteClient(keys["bob"], tsrv.url) as bob:
+        ha, hb = ({"Authorization": c._http.headers["Authorization"]} for c in (alice, bob))
+        a = alice._remote_templates.upload_image(images["box-alice"], name="multi")
+        b = alice._remote_templates.upload_image(images["box-bob"], name="multi")  # the newest: `multi` is it
+        assert a["digest"] != b["digest"] and a["latest"] and b["latest"] and b["uploaded"] >= a["uploaded"]
+        mine = [(i["reference"], i["latest"]) for i in alice.images() if i["name"] == "multi"]
+        assert mine == [(b["reference"], True), (a["reference"], False)]
+        got = httpx.get(f"{tsrv.url}/v1/images/multi", headers=ha).json()
+        assert (got["reference"], got["latest"]) == (b["reference"], True)
+        assert got["bytes"] == images["box-bob"].stat().st_size
+        assert [(v["digest"], v["latest"]) for v in got["versions"]] == [(b["digest"], True), (a["digest"], False)]
+        listing = httpx.get(f"{tsrv.url}/v1/images", headers=ha).json()
+        assert listing["used_bytes"] >= a["bytes"] + b["bytes"] and listing["quota_bytes"] == 20 << 30
+
+        keep = Template.bake(alice, name="keep", image="multi")  # the bare name bakes the newest upload
+        assert keep.wait(300).phase == "Live", keep.status().log
+        assert keep.status().image == b["reference"]
+
+        # another tenant's image is 404, answered as for a name that never existed
+        for method in ("GET", "DELETE"):
+            theirs, missing = (httpx.request(method, f"{tsrv.url}/v1/images/{n}", headers=hb)
+                               for n in ("multi", "never-was"))
+            assert theirs.status_code == missing.status_code == 404, theirs.text
+            assert theirs.json()["error"]["message"].replace("multi", "never-was") == missing.json()["error"]["message"]
+            _no_leaks(tsrv, theirs.text)
+        assert "multi" not in [i["name"] for i in bob.images()]
+        with pytest.raises(NotFoundError, match="POST /v1/images"):
+            Template.bake(bob, name="theirs", image="multi")
+
+        # one upload removed: the name refers to the one left, the removed reference is gone
+        alice.delete_image("multi", digest=b["digest"])
+        got = httpx.get(f"{tsrv.url}/v1/images/multi", headers=ha).json()
+        assert got["reference"] == a["reference"] and [v["digest"] for v in got["versions"]] == [a["digest"]]
+        r = httpx.delete(f"{tsrv.url}/v1/images/multi", headers=ha, params={"digest": b["digest"]})
+        assert r.status_code == 404, r.text
+
+        # the image removed: baking from it is 404 with the upload advice; the template baked from
+        # it still forks and execs (it has a root filesystem of its own)
+        alice.delete_image("multi")
+        assert httpx.get(f"{tsrv.url}/v1/images/multi", headers=ha).status_code == 404
+        assert "multi" not in [i["name"] for i in alice.images()]
+        for ref in ("multi", a["reference"], b["reference"]):
+            r = httpx.post(f"{tsrv.url}/v1/templates", headers=ha, json={"name": "gone", "image": ref})
+            assert r.status_code == 404 and "POST /v1/images" in r.json()["error"]["message"], (ref, r.text)
+        with pytest.raises(NotFoundError):
+            alice.delete_image("multi")
+        with Sandbox("keep", client=alice) as sb:
+            assert sb.exec(command="cat /etc/owner").stdout == "bob\n"
+            with sb.fork_group(2) as grp:
+                assert grp.map(lambda i, c: c.exec(command="cat /etc/owner").stdout) == ["bob\n"] * 2
+        Template.delete(alice, "keep")
+
+
+@pytest.mark.kvm
 def test_bake_requests_never_name_host_paths(tsrv, keys):
     h = {"Authorization": f"Bearer {keys['alice']}"}
     for image in ("/etc", "/usr/lib/os-release", "./image.tar", "../x", "~/img", "~root/x", "images/app.tar",
@@ -798,54 +853,112 @@ def test_bake_requests_never_name_host_paths(tsrv, keys):
     assert [t["id"] for t in httpx.get(f"{tsrv.url}/v1/templates", headers=h).json()["templates"]] == ["python"]
 
 
+SMALL_UPLOAD, SMALL_QUOTA = 64 << 10, 96 << 10
+
+
+@pytest.fixture(scope="module")
+def small_srv(tmp_path_factory, keys):
+    """A server with small limits on image archives: 64 KiB each, 96 KiB kept per tenant."""
+    if not HAVE_KVM:
+        pytest.skip("needs /dev/kvm")
+    tmp = tmp_path_factory.mktemp("small")
+    srv = Server(tmp, keys["store"], "--cache", str(tmp / "cache"), "--preload", "",
+                 "--max-image-upload", str(SMALL_UPLOAD), "--image-quota", str(SMALL_QUOTA))
+    srv.cache = tmp / "cache"
+    yield srv
+    srv.stop()
+    assert not [e for e in srv.events() if e["level"] == "error"]
+
+
+def _store_of(srv: Server, tenant: str) -> Path:
+    from collimate_core._server import _tenant_key
+
+    return srv.cache / "tenants" / _tenant_key(tenant) / "images"
+
+
 @pytest.mark.kvm
-def test_image_uploads_are_bounded_and_verified(tmp_path, keys, images):
-    limit = 64 << 10
-    srv = Server(tmp_path, keys["store"], "--cache", str(tmp_path / "cache"), "--preload", "",
-                 "--max-image-upload", str(limit))
-    try:
-        h = {"Authorization": f"Bearer {keys['alice']}"}
-        url = f"{srv.url}/v1/images"
-        r = httpx.post(url, headers=h, content=b"\0" * (limit + 1))
-        assert r.status_code == 413 and r.json()["error"]["type"] == "payload_too_large"
+def test_image_uploads_are_bounded_and_verified(small_srv, tmp_path, keys, images):
+    limit, srv = SMALL_UPLOAD, small_srv
+    h = {"Authorization": f"Bearer {keys['alice']}"}
+    url = f"{srv.url}/v1/images"
+    r = httpx.post(url, headers=h, content=b"\0" * (limit + 1))
+    assert r.status_code == 413 and r.json()["error"]["type"] == "payload_too_large"
+    msg = r.json()["error"]["message"]
+    assert str(limit) in msg and "max_image_upload" in msg and "smaller" in msg
+
+    def chunked():  # no Content-Length: counted while it streams
+        for _ in range(4):
+            yield b"\0" * (limit // 2)
+
+    assert httpx.post(url, headers=h, content=chunked()).status_code == 413
+    with RemoteClient(keys["alice"], srv.url) as client:
+        with pytest.raises((InvalidArgument, EngineError), match="max_image_upload"):
+            Template.bake(client, name="big", image=images["box-alice"])  # ~1 MiB
+
+    # corrupt archives: 400 with the reason; nothing is stored
+    r = httpx.post(url, headers=h, content=b"not a tar archive at all" * 10)
+    assert r.status_code == 400 and "not a usable image archive" in r.json()["error"]["message"], r.text
+    small = [Layer().file("etc/hello", b"hi\n" * 100).bytes()]
+    info = write_oci_layout(tmp_path / "good", small)
+    ok = httpx.post(url, headers=h, params={"name": "tiny"}, content=tar_dir(tmp_path / "good", tmp_path / "good.tar").read_bytes())
+    assert ok.status_code == 201, ok.text
+    assert ok.json()["reference"] == f"tiny@{info['manifest']}" and ok.json()["format"] == "oci-archive"
+    write_oci_layout(tmp_path / "bad", small)
+    corrupt_blob(tmp_path / "bad", info["layers"][0], offset=700)
+    r = httpx.post(url, headers=h, params={"name": "bad"}, content=tar_dir(tmp_path / "bad", tmp_path / "bad.tar").read_bytes())
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_argument"
+    err = r.json()["error"]["message"]
+    assert "corrupt" in err and info["layers"][0] in err and str(tmp_path) not in err
+    # blobs that match their digests, but content that is not what the config's diff ids pin
+    cfg = image_config(small)
+    cfg["rootfs"]["diff_ids"] = [sha256(b"another layer")]
+    write_oci_layout(tmp_path / "lying", small, raw_config=cfg)
+    r = httpx.post(url, headers=h, content=tar_dir(tmp_path / "lying", tmp_path / "lying.tar").read_bytes())
+    assert r.status_code == 400 and "diff id" in r.json()["error"]["message"], r.text
+    r = httpx.post(url, headers=h, content=b"")
+    assert r.status_code == 400
+    stored = sorted(p.name for p in _store_of(srv, "alice").iterdir())
+    assert stored == ["tiny.tar"]  # and no leftovers of the refused uploads
+
+
+@pytest.mark.kvm
+def test_image_quota_refuses_what_does_not_fit_until_images_are_deleted(small_srv, tmp_path, keys):
+    h = {"Authorization": f"Bearer {keys['bob']}"}
+    url = f"{small_srv.url}/v1/images"
+    first, second = tmp_path / "first.tar", tmp_path / "second.tar"
+    for path, fill in ((first, b"1"), (second, b"2")):
+        write_docker_save(path, [Layer().file("etc/blob", fill * (36 << 10)).bytes()], {"Env": ["PATH=/bin"]})
+    size = first.stat().st_size
+    assert SMALL_QUOTA // 2 < size <= SMALL_UPLOAD and second.stat().st_size == size  # one fits, two do not
+    for _ in range(2):  # the same image again under its name replaces it: it still fits
+        ok = httpx.post(url, headers=h, params={"name": "first"}, content=first.read_bytes())
+        assert ok.status_code == 201 and ok.json()["bytes"] == size, ok.text
+    store = _store_of(small_srv, "bob")
+    kept = {p.name: p.stat().st_size for p in store.iterdir()}
+    assert kept == {"first.tar": size}
+
+    def streamed():  # no Content-Length: refused while it streams
+        data = second.read_bytes()
+        for i in range(0, len(data), 8 << 10):
+            yield data[i:i + (8 << 10)]
+
+    for body in (second.read_bytes(), streamed()):
+        r = httpx.post(url, headers=h, params={"name": "second"}, content=body)
+        assert r.status_code == 413 and r.json()["error"]["type"] == "image_quota", r.text
         msg = r.json()["error"]["message"]
-        assert str(limit) in msg and "max_image_upload" in msg and "smaller" in msg
-
-        def chunked():  # no Content-Length: counted while it streams
-            for _ in range(4):
-                yield b"\0" * (limit // 2)
-
-        assert httpx.post(url, headers=h, content=chunked()).status_code == 413
-        with RemoteClient(keys["alice"], srv.url) as client:
-            with pytest.raises((InvalidArgument, EngineError), match="max_image_upload"):
-                Template.bake(client, name="big", image=images["box-alice"])  # ~1 MiB
-
-        # corrupt archives: 400 with the reason; nothing is stored
-        r = httpx.post(url, headers=h, content=b"not a tar archive at all" * 10)
-        assert r.status_code == 400 and "not a usable image archive" in r.json()["error"]["message"], r.text
-        small = [Layer().file("etc/hello", b"hi\n" * 100).bytes()]
-        info = write_oci_layout(tmp_path / "good", small)
-        ok = httpx.post(url, headers=h, params={"name": "tiny"}, content=tar_dir(tmp_path / "good", tmp_path / "good.tar").read_bytes())
-        assert ok.status_code == 201, ok.text
-        assert ok.json()["reference"] == f"tiny@{info['manifest']}" and ok.json()["format"] == "oci-archive"
-        write_oci_layout(tmp_path / "bad", small)
-        corrupt_blob(tmp_path / "bad", info["layers"][0], offset=700)
-        r = httpx.post(url, headers=h, params={"name": "bad"}, content=tar_dir(tmp_path / "bad", tmp_path / "bad.tar").read_bytes())
-        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_argument"
-        err = r.json()["error"]["message"]
-        assert "corrupt" in err and info["layers"][0] in err and str(tmp_path) not in err
-        # blobs that match their digests, but content that is not what the config's diff ids pin
-        cfg = image_config(small)
-        cfg["rootfs"]["diff_ids"] = [sha256(b"another layer")]
-        write_oci_layout(tmp_path / "lying", small, raw_config=cfg)
-        r = httpx.post(url, headers=h, content=tar_dir(tmp_path / "lying", tmp_path / "lying.tar").read_bytes())
-        assert r.status_code == 400 and "diff id" in r.json()["error"]["message"], r.text
-        r = httpx.post(url, headers=h, content=b"")
-        assert r.status_code == 400
-        stored = sorted(p.name for p in (tmp_path / "cache" / "tenants").glob("*/images/*"))
-        assert stored == ["tiny.tar"]  # and no leftovers of the refused uploads
-    finally:
-        srv.stop()
+        assert f"take {size} bytes" in msg and f"quota of {SMALL_QUOTA} bytes" in msg, msg
+        assert "DELETE /v1/images/{name}" in msg and "ask the operator" in msg, msg
+        assert {p.name: p.stat().st_size for p in store.iterdir()} == kept  # nothing left behind
+    listing = httpx.get(url, headers=h).json()
+    assert (listing["used_bytes"], listing["quota_bytes"]) == (size, SMALL_QUOTA)
+    with RemoteClient(keys["bob"], small_srv.url) as bob:
+        with pytest.raises(CapacityError, match="image quota exceeded"):
+            bob._remote_templates.upload_image(second)
+        assert [(i["name"], i["bytes"], i["latest"]) for i in bob.images()] == [("first", size, True)]
+        bob.delete_image("first")
+        assert bob.images() == [] and list(store.iterdir()) == []
+        assert bob._remote_templates.upload_image(second)["reference"].startswith("second@sha256:")
+        assert httpx.get(url, headers=h).json()["used_bytes"] == size
 
 
 # --- schemathesis -----------------------------------------------------------------------------

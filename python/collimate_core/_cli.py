@@ -27,6 +27,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="largest image archive a tenant may upload to bake from (default 4 GiB)")
     s.add_argument("--max-bakes", type=int, default=2, metavar="N",
                    help="template bakes running at once; more get 429 (default 2)")
+    s.add_argument("--image-quota", type=int, default=20 << 30, metavar="BYTES",
+                   help="bytes of uploaded image archives each tenant may keep; an upload past it gets 413 "
+                   "(default 20 GiB; 0: no quota)")
     s.add_argument("--cache", type=Path, default=None,
                    help="the cache directory: templates, tenants' images and templates (default: COLLIMATE_CACHE "
                    "or ~/.cache/collimate); the key store keeps its own default")
@@ -53,11 +56,14 @@ def run(args: argparse.Namespace) -> bool:
     if args.cmd == "serve":
         from collimate_core._server import ServerConfig, serve
 
+        if args.image_quota < 0:
+            sys.exit(f"collimate serve: --image-quota is a number of bytes >= 0 (0: no quota), not {args.image_quota}")
+
         serve(ServerConfig(
             host=args.host, port=args.port, max_sandboxes=args.max_sandboxes, queue=args.queue,
             queue_timeout=args.queue_timeout, idle_reap=args.idle_reap, spend_limit=args.spend_limit,
             max_upload=args.max_upload, max_image_upload=args.max_image_upload, max_bakes=args.max_bakes,
-            cache=args.cache, key_store=args.key_store,
+            image_quota=args.image_quota, cache=args.cache, key_store=args.key_store,
             preload=tuple(t for t in args.preload.split(",") if t),
         ))
     elif args.cmd == "keys":

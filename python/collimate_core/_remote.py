@@ -11,6 +11,10 @@ that is a local path (an OCI layout directory or archive, a `docker save` archiv
 the tenant's image store first (POST /v1/images), then baked by reference (POST /v1/templates);
 the handle polls GET /v1/templates/{name}. Template names live in the tenant's own namespace.
 
+Images (control plane only; the embedded client has no image store of a tenant): `client.images()`
+lists what this tenant uploaded, `client.delete_image(name, digest=None)` removes it (and frees its
+image quota); templates baked from it keep working.
+
 Liveness: the server destroys sandboxes nobody touched for its idle time. While this process
 holds sandboxes, a daemon thread tells the server they are in use; when the process dies, they
 are reaped, unless another process re-adopts one first with `Sandbox.attach(client, id)`.
@@ -54,6 +58,7 @@ _ERRORS: dict[str, type[CollimateError]] = {
     "conflict": InvalidArgument,
     "forbidden_path": InvalidArgument,
     "payload_too_large": InvalidArgument,
+    "image_quota": CapacityError,
     "authentication": AuthenticationError,
     "not_found": NotFoundError,
     "capacity": CapacityError,
@@ -267,6 +272,22 @@ class RemoteClient:
         """This tenant's live sandboxes."""
         return self._json("GET", "/v1/sandboxes")["sandboxes"]
 
+    # --- control plane only: the tenant's image store ----------------------------------------
+
+    def images(self) -> list[dict]:
+        """This tenant's uploaded images (GET /v1/images): every upload kept, by name, newest first
+        within a name; `latest` marks the one the bare name refers to, `reference` names each
+        exactly. A control-plane feature: the embedded client has no such method."""
+        return self._json("GET", "/v1/images")["images"]
+
+    def delete_image(self, name: str, digest: str | None = None) -> None:
+        """Remove image `name` from this tenant's store (DELETE /v1/images/{name}), or only its upload
+        with `digest`; frees its image quota. Templates baked from it keep working. NotFoundError if
+        there is no such image."""
+        if not isinstance(name, str) or not name:
+            raise NotFoundError(f"no image {name!r}")
+        self._request("DELETE", f"/v1/images/{_q(name)}", params={"digest": digest} if digest else None)
+
     def session(self, handle: Any = "python"):
         from collimate_core._embedded import _template_name
         from collimate_core._session import Session
@@ -405,7 +426,8 @@ class RemoteTemplates:
                 if "cannot reach" not in str(e):
                     raise
                 raise EngineError(f"{e}; the server may have refused the {size}-byte image archive while it was "
-                                  "being sent (its max_image_upload limit?)") from None
+                                  "being sent (its max_image_upload limit, or this tenant's image quota: "
+                                  "client.images() lists what is kept, client.delete_image(name) frees it?)") from None
             return r.json()
         finally:
             if packed:

@@ -20,7 +20,10 @@ bakes its own from a container image it uploads (POST /v1/images: an OCI layout 
 Live, or Failed with the build log). Each tenant's templates live in a namespace of their own: the
 engine knows them as `tenant-<hash of the tenant>/<name>`, which never appears in a response;
 another tenant's template is 404, exactly like one that never existed. Images are named by a
-reference into the tenant's store, never by a path on this host.
+reference into the tenant's store, never by a path on this host. GET /v1/images lists a tenant's
+uploads, DELETE /v1/images/{name} removes them (templates baked from them keep their own root
+filesystem); the archives a tenant keeps count against its image quota (`image_quota` bytes; an
+upload past it is 413).
 
 Logs are JSON lines on stderr: one per request, plus lifecycle events (listening, reaped, ...).
 """
@@ -105,6 +108,7 @@ class ServerConfig:
     max_upload: int = 64 << 20
     max_image_upload: int = 4 << 30  # bytes of one image archive (POST /v1/images)
     max_bakes: int = 2  # bakes running at once on this server; more get 429
+    image_quota: int = 20 << 30  # bytes of image archives each tenant may keep (0: no quota)
     key_store: Path | None = None
     cache: Path | None = None
     preload: tuple[str, ...] = ("python",)
@@ -381,7 +385,7 @@ def _event(event: str, level: int = logging.INFO, **fields: Any) -> None:
 
 class ErrorDetail(BaseModel):
     type: str = Field(description="invalid_argument, authentication, spend_limit, not_found, sandbox_died, "
-                      "capacity, conflict, payload_too_large, timeout, engine_error, internal")
+                      "capacity, conflict, payload_too_large, image_quota, timeout, engine_error, internal")
     message: str
 
 
@@ -439,12 +443,26 @@ class BakeRequest(BaseModel):
 
 class ImageInfo(BaseModel):
     name: str = Field(description="the name it is stored under in this tenant's image store")
-    reference: str = Field(description="name@digest: bake from this (POST /v1/templates image=...)")
+    reference: str = Field(description="name@digest: bake from this (POST /v1/templates image=...); it names "
+                           "exactly this upload, also after newer uploads under the same name")
     digest: str = Field(description="the image's manifest digest (docker save: its image id)")
     image_id: str = Field(description="the image's config digest")
     format: str = Field(description="oci-archive or docker-save")
     layers: int
-    bytes: int = Field(description="the archive's size")
+    bytes: int = Field(description="the archive's size: what it takes of the tenant's image quota")
+    uploaded: float = Field(description="Unix time of the upload")
+    latest: bool = Field(True, description="whether the bare name refers to this upload: the newest under the name "
+                         "(older ones stay, named by their reference, until deleted)")
+
+
+class ImageDetail(ImageInfo):
+    versions: list[ImageInfo] = Field(description="every upload kept under the name, newest (latest) first")
+
+
+class ImageList(BaseModel):
+    images: list[ImageInfo] = Field(description="every upload kept, by name, newest first within a name")
+    used_bytes: int = Field(description="bytes of image archives this tenant keeps")
+    quota_bytes: int | None = Field(description="this tenant's image quota in bytes (null: none)")
 
 
 class ExpectRequest(BaseModel):
@@ -572,6 +590,7 @@ class ControlPlane:
         self._bakes: dict[str, Any] = {}  # engine name of a tenant template -> its latest bake here (a TemplateHandle)
         self._starting: set[str] = set()  # bakes being admitted (between the checks and Template.bake)
         self._baked: set[str] = set()  # engine names of tenant templates known to have a live version
+        self._stores: dict[str, _ImageStore] = {}  # tenant -> its image store
         self.cache: Path | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.limiter: anyio.CapacityLimiter | None = None
@@ -659,6 +678,13 @@ class ControlPlane:
         """The tenant's own image store: what it uploaded, and nothing else."""
         assert self.cache is not None
         return self.cache / "tenants" / _tenant_key(tenant) / "images"
+
+    def images_of(self, tenant: str) -> "_ImageStore":
+        with self._lock:
+            st = self._stores.get(tenant)
+            if st is None:
+                st = self._stores[tenant] = _ImageStore(self.image_store(tenant))
+            return st
 
     def _missing(self, name: str) -> NotFoundError:
         # The same answer for another tenant's template and one that never existed.
@@ -800,19 +826,26 @@ class ControlPlane:
                                {"Retry-After": "5"})
             self._starting.add(internal)
         try:
-            store = self.image_store(tenant)
+            images = self.images_of(tenant)
+            store = images.path
 
             def start() -> Any:
+                missing = NotFoundError(
+                    f"image {ref!r} is not in this tenant's image store: upload it with POST /v1/images "
+                    "(Template.bake from the remote client uploads a local image for you) and bake from the "
+                    "reference it answers; GET /v1/images lists what is there")
+                pinned = images.pin(ref)  # `name` -> the newest upload under it, `name@digest` -> that upload
+                if pinned is False:
+                    raise missing
+                image = pinned or ref
                 try:  # resolve it here first: a missing image is the request's error, not a failed bake
-                    _oci.resolve(ref, store).close()
+                    _oci.resolve(image, store).close()
                 except _oci.ImageError as e:
                     if "is not in the local image store" in str(e):
-                        raise NotFoundError(
-                            f"image {ref!r} is not in this tenant's image store: upload it with POST /v1/images "
-                            "(Template.bake from the remote client uploads a local image for you) and bake from the "
-                            "reference it answers") from None
+                        raise missing from None
                     raise InvalidArgument(f"image {ref!r}: {e}") from None
-                return Template.bake(self.engine, name=internal, image=ref, ready=ready, width=req.width, store=store)
+                return Template.bake(self.engine, name=internal, image=image, ready=ready, width=req.width,
+                                     store=store)
 
             try:
                 handle = await self.run(start)
@@ -899,8 +932,18 @@ class ControlPlane:
                            tag: str | None) -> ImageInfo:
         """Store an image archive (the request body) in the tenant's image store, once it is read
         and every blob of the image is verified against its digest."""
-        limit = self.config.max_image_upload
-        store = self.image_store(tenant)
+        limit, quota = self.config.max_image_upload, self.config.image_quota
+        images = self.images_of(tenant)
+        store = images.path
+        # What the upload may take: the quota less what is kept, plus what it would replace (the same
+        # image uploaded again under the same name). Checked again, exactly, before it is kept.
+        room, used = None, 0
+        if quota:
+            used, replaceable = await self.run(images.room, name)
+            room = quota - used + replaceable
+            length = request.headers.get("content-length", "")
+            if length.isdigit() and int(length) > room:
+                raise _over_quota(used, quota, int(length))
         await self.run(store.mkdir, parents=True, exist_ok=True)
         # a dot file: the store's lookups skip it until it is verified and renamed
         fd, tmp_name = tempfile.mkstemp(dir=store, prefix=".upload-", suffix=".tmp")
@@ -914,6 +957,8 @@ class ControlPlane:
                     size += len(chunk)
                     if size > limit:  # a chunked body without a Content-Length
                         raise _image_too_large(limit)
+                    if room is not None and size > room:
+                        raise _over_quota(used, quota, size, at_least=True)
                     buf.append(chunk)
                     held += len(chunk)
                     if held >= 4 << 20:
@@ -927,13 +972,35 @@ class ControlPlane:
             info = await self.run(_verify_archive, tmp, digest, tag, max(1 << 30, 8 * limit))
             stored = name or info.pop("default_name")
             info.pop("default_name", None)
-            await self.run(os.replace, tmp, store / f"{stored}.tar")
+            kept = await self.run(images.keep, tmp, stored, info, size, quota)
         finally:
             tmp.unlink(missing_ok=True)
         with self._lock:
             self._meter(tenant).add("bytes_in", size)
-        _event("image_uploaded", tenant=tenant, image=stored, digest=info["digest"], bytes=size)
-        return ImageInfo(name=stored, reference=f"{stored}@{info['digest']}", bytes=size, **info)
+        _event("image_uploaded", tenant=tenant, image=stored, digest=info["digest"], bytes=size,
+               versions=kept["versions"], used_bytes=kept["used"])
+        return _image_info(stored, kept["record"], latest=True)
+
+    async def list_images(self, tenant: str) -> ImageList:
+        images = self.images_of(tenant)
+        index, used = await self.run(images.listing)
+        out = [_image_info(n, v, latest=i == 0) for n in sorted(index) for i, v in enumerate(reversed(index[n]))]
+        return ImageList(images=out, used_bytes=used, quota_bytes=self.config.image_quota or None)
+
+    async def get_image(self, tenant: str, name: str) -> ImageDetail:
+        index, _ = await self.run(self.images_of(tenant).listing)
+        versions = index.get(name)
+        if not versions:
+            raise _no_image(name)
+        listed = [_image_info(name, v, latest=i == 0) for i, v in enumerate(reversed(versions))]
+        return ImageDetail(**listed[0].model_dump(), versions=listed)
+
+    async def delete_image(self, tenant: str, name: str, digest: str | None) -> None:
+        """Remove the tenant's uploads under `name` (all, or the one with `digest`). Templates baked
+        from them keep working: they have a root filesystem of their own."""
+        gone = await self.run(self.images_of(tenant).delete, name, digest)
+        _event("image_deleted", tenant=tenant, image=name, digests=[v["digest"] for v in gone],
+               bytes=sum(v["bytes"] for v in gone))
 
     # sandboxes
     def info(self, rec: _Owned) -> SandboxInfo:
@@ -1158,6 +1225,30 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(413, "payload_too_large", f"request body over the server's limit of {limit} bytes (max_upload); split it")
 
 
+def _human(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+def _over_quota(used: int, quota: int, size: int, at_least: bool = False) -> ApiError:
+    return ApiError(
+        413, "image_quota",
+        f"image quota exceeded: this tenant's images take {used} bytes ({_human(used)}) of its quota of {quota} "
+        f"bytes ({_human(quota)}), and this upload of {'at least ' if at_least else ''}{size} bytes "
+        f"({_human(size)}) does not fit; delete images you no longer need (GET /v1/images lists them, DELETE "
+        "/v1/images/{name} removes one, ?digest=sha256:... one upload of it), or ask the operator to raise "
+        "--image-quota",
+    )
+
+
+def _no_image(name: str) -> NotFoundError:
+    # The same answer for another tenant's image and one that never existed.
+    return NotFoundError(f"no image {name!r} in this tenant's image store: GET /v1/images lists its images; "
+                         "upload one with POST /v1/images")
+
+
 def _image_too_large(limit: int) -> ApiError:
     return ApiError(
         413, "payload_too_large",
@@ -1176,6 +1267,195 @@ def _tenant_key(tenant: str) -> str:
 def _namespace(tenant: str) -> str:
     """The prefix of the engine names of a tenant's templates (tenant template names have no "/")."""
     return f"tenant-{_tenant_key(tenant)}/"
+
+
+class _ImageStore:
+    """A tenant's image store: the archives it uploaded, and an index of them beside the store.
+
+    `<name>.tar` is the newest upload under `name`, the one the bare name refers to; older uploads
+    under the name stay as `<name>@<hex>.tar`, named by their reference `name@sha256:<hex>`, until
+    deleted. The index (`images.json`, next to the store, never inside it) records each upload:
+    digest, image id, format, layers, bytes, when. Uploading the same image under the same name
+    again replaces that upload. Blocking (run in worker threads); one lock per tenant orders the
+    changes, so the quota check and the rename that keeps an upload happen together.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.index_path = path.parent / "images.json"
+        self.lock = threading.Lock()
+
+    def _archives(self) -> dict[str, Path]:
+        try:
+            return {e.name: Path(e.path) for e in os.scandir(self.path)
+                    if not e.name.startswith(".") and e.name.endswith(".tar") and e.is_file(follow_symlinks=False)}
+        except FileNotFoundError:
+            return {}
+
+    def used(self) -> int:
+        """Bytes the tenant keeps: every file of the store but uploads still arriving."""
+        total = 0
+        try:
+            for e in os.scandir(self.path):
+                if not e.name.startswith(".upload-") and e.is_file(follow_symlinks=False):
+                    total += e.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            pass
+        return total
+
+    def _load(self) -> dict[str, list[dict]]:
+        """name -> its uploads, oldest first (the last is the newest, `<name>.tar`). Files the index
+        does not know (kept by an older server) are described from the archive itself; records of
+        files that are gone are dropped."""
+        try:
+            raw = json.loads(self.index_path.read_text())["images"]
+            index = {n: [v for v in vs if isinstance(v, dict) and _RECORD <= v.keys() and isinstance(v["file"], str)]
+                     for n, vs in raw.items() if isinstance(vs, list)}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            index = {}
+        files = self._archives()
+        known = set()
+        for name in list(index):
+            index[name] = [v for v in index[name] if v["file"] in files]
+            known.update(v["file"] for v in index[name])
+        for fname, path in files.items():
+            name = fname.removesuffix(".tar").split("@", 1)[0]
+            if fname in known or not re.fullmatch(IMAGE_NAME, name):
+                continue
+            rec = _describe_archive(path)
+            if rec is not None:
+                index.setdefault(name, []).append(rec)
+        for name, vs in list(index.items()):
+            if not vs:
+                del index[name]
+            else:
+                vs.sort(key=lambda v: (v["file"] == f"{name}.tar", v.get("uploaded", 0.0)))
+        return index
+
+    def _save(self, index: dict[str, list[dict]]) -> None:
+        tmp = self.index_path.with_name(f".{self.index_path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps({"images": index}, indent=1, sort_keys=True))
+        os.replace(tmp, self.index_path)
+
+    def listing(self) -> tuple[dict[str, list[dict]], int]:
+        with self.lock:
+            return self._load(), self.used()
+
+    def room(self, name: str | None) -> tuple[int, int]:
+        """(bytes kept, the most an upload under `name` could replace)."""
+        with self.lock:
+            index = self._load() if name else {}
+            return self.used(), max((v["bytes"] for v in index.get(name or "", [])), default=0)
+
+    def pin(self, ref: str) -> str | None | bool:
+        """The exact upload a bake's reference names: for `name`, `name@<digest>` of the newest upload
+        under it; `name@<digest>` itself if there is such an upload under the name; False if there
+        is none; None for other references (tags, registries: looked up by the images' own names)."""
+        from collimate_core import _oci
+
+        try:
+            r = _oci.parse_reference(ref)
+        except _oci.ImageError:
+            return None
+        if r.registry or r.tag or not re.fullmatch(IMAGE_NAME, r.repository):
+            return None
+        with self.lock:
+            versions = self._load().get(r.repository)
+        if not versions:
+            return False
+        if r.digest is None:
+            return f"{r.repository}@{versions[-1]['digest']}"
+        return ref if any(r.digest in (v["digest"], v["image_id"]) for v in versions) else False
+
+    def keep(self, tmp: Path, name: str, info: dict, size: int, quota: int) -> dict:
+        """Keep the verified upload `tmp` as the newest under `name`; 413 (and nothing kept) if it
+        would take the tenant over `quota` bytes."""
+        with self.lock:
+            index = self._load()
+            versions = index.get(name, [])
+            same = next((v for v in versions if v["digest"] == info["digest"]), None)
+            used = self.used()
+            replaced = (self.path / same["file"]).stat().st_size if same is not None else 0
+            if quota and used - replaced + size > quota:
+                raise _over_quota(used, quota, size)
+            newest = f"{name}.tar"
+            for v in versions:
+                if v is not same and v["file"] == newest:  # the one before stays, under its digest
+                    older = f"{name}@{v['digest'].split(':', 1)[1]}.tar"
+                    os.replace(self.path / newest, self.path / older)
+                    v["file"] = older
+            if same is not None:
+                versions.remove(same)
+                if same["file"] != newest:
+                    (self.path / same["file"]).unlink(missing_ok=True)
+            os.replace(tmp, self.path / newest)
+            rec = {"file": newest, "digest": info["digest"], "image_id": info["image_id"], "format": info["format"],
+                   "layers": info["layers"], "bytes": size, "uploaded": time.time()}
+            versions.append(rec)
+            index[name] = versions
+            self._save(index)
+            return {"record": rec, "versions": len(versions), "used": used - replaced + size}
+
+    def delete(self, name: str, digest: str | None) -> list[dict]:
+        """Remove the uploads under `name` (or the one with `digest`); the newest left becomes what
+        the name refers to. NotFoundError if there is none."""
+        with self.lock:
+            index = self._load()
+            versions = index.get(name, [])
+            if digest is None:
+                # also archives under the name that hold no single image (not listed, but counted)
+                files = [p for f, p in self._archives().items() if f.removesuffix(".tar").split("@", 1)[0] == name]
+                if not files:
+                    raise _no_image(name)
+                for path in files:
+                    path.unlink(missing_ok=True)
+                index.pop(name, None)
+                self._save(index)
+                return versions
+            if not versions:
+                raise _no_image(name)
+            gone = [v for v in versions if digest in (v["digest"], v["image_id"])]
+            if not gone:
+                raise NotFoundError(f"image {name!r} has no upload with digest {digest}: GET /v1/images/{name} "
+                                    "lists its uploads")
+            left = [v for v in versions if all(v is not g for g in gone)]
+            for v in gone:
+                (self.path / v["file"]).unlink(missing_ok=True)
+            newest = f"{name}.tar"
+            if left and left[-1]["file"] != newest:
+                os.replace(self.path / left[-1]["file"], self.path / newest)
+                left[-1]["file"] = newest
+            if left:
+                index[name] = left
+            else:
+                index.pop(name, None)
+            self._save(index)
+            return gone
+
+
+_RECORD = {"file", "digest", "image_id", "format", "layers", "bytes", "uploaded"}  # an upload in the index
+
+
+def _describe_archive(path: Path) -> dict | None:
+    """An index record for an archive the index does not know; None if it holds no single image."""
+    from collimate_core import _oci
+
+    try:
+        img = _oci.open_image(path)
+    except Exception:  # noqa: BLE001 - not listed, still counted and deletable by name
+        return None
+    try:
+        st = path.stat()
+        return {"file": path.name, "digest": img.digest, "image_id": img.id, "format": img.format,
+                "layers": len(img.layers), "bytes": st.st_size, "uploaded": st.st_mtime}
+    finally:
+        img.close()
+
+
+def _image_info(name: str, rec: dict, latest: bool) -> ImageInfo:
+    return ImageInfo(name=name, reference=f"{name}@{rec['digest']}", digest=rec["digest"], image_id=rec["image_id"],
+                     format=rec["format"], layers=rec["layers"], bytes=rec["bytes"], uploaded=rec["uploaded"],
+                     latest=latest)
 
 
 _UPLOAD_HINT = ("upload the image with POST /v1/images (Template.bake from the remote client does it for you) and "
@@ -1354,7 +1634,8 @@ _ERRORS = {
     409: "conflict: wider than the server's capacity, the sandbox's state does not allow it, a catalog template "
          "(read-only), or a template that is still building",
     410: "the sandbox's VMM process died: the sandbox is lost, delete it",
-    413: "request body over the server's limit (max_upload; image archives: max_image_upload)",
+    413: "request body over the server's limit (max_upload; image archives: max_image_upload), or an image "
+         "upload that does not fit the tenant's image quota (type image_quota)",
     429: "capacity: the queue is full, the request waited its queue_timeout, or max_bakes bakes are running",
     500: "engine failure",
     503: "the engine refused for capacity",
@@ -1375,6 +1656,12 @@ _SANDBOX_LINKS = {
 _TEMPLATE_LINKS = {
     op: {"operationId": op, "parameters": {"template_id": "$response.body#/id"}}
     for op in ("get_template", "delete_template")
+}
+
+
+_IMAGE_LINKS = {
+    op: {"operationId": op, "parameters": {"name": "$response.body#/name"}}
+    for op in ("get_image", "delete_image")
 }
 
 
@@ -1502,7 +1789,7 @@ def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: 
     # images
     @app.post(
         "/v1/images", status_code=201, response_model=ImageInfo, operation_id="upload_image", tags=["templates"],
-        responses=_errs(),
+        responses={**_errs(), 201: {"description": "the image as kept", "links": _IMAGE_LINKS}},
         openapi_extra={"requestBody": {"required": True, "content": {
             "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
             "application/x-tar": {"schema": {"type": "string", "format": "binary"}}}}},
@@ -1511,7 +1798,8 @@ def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: 
         request: Request,
         name: str = Query(None, min_length=1, max_length=128, pattern=IMAGE_NAME,
                           description="store it under this name (default: the image's own repository name, else "
-                          "'image'); an upload under a name replaces the one before"),
+                          "'image'); an upload under a name that has images becomes the one the name refers to, the "
+                          "ones before stay (named by their reference) until deleted"),
         digest: str = Query(None, pattern=DIGEST, description="select this image of an archive holding several"),
         tag: str = Query(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$",
                          description="select the image with this tag of an archive holding several"),
@@ -1520,8 +1808,35 @@ def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: 
         """Upload an image archive (an OCI layout tar, `skopeo copy ... oci-archive:`, or a `docker
         save` tar) as the body, up to the server's max_image_upload bytes. Its manifest, config and
         every layer are verified against their digests before it is kept, in this tenant's own image
-        store. Bake from the `reference` of the answer."""
+        store. Bake from the `reference` of the answer. 413 (type image_quota) if the tenant's images
+        would take more than its image quota; nothing is kept then."""
         return await cp.upload_image(tenant, request, name, digest, tag)
+
+    @app.get("/v1/images", response_model=ImageList, operation_id="list_images", tags=["templates"],
+             responses=_errs())
+    async def list_images(tenant: str = Tenant) -> ImageList:
+        """This tenant's uploaded images: every upload kept, by name, newest first within a name
+        (`latest`: the one the bare name refers to); the bytes they take and the tenant's quota."""
+        return await cp.list_images(tenant)
+
+    @app.get("/v1/images/{name}", response_model=ImageDetail, operation_id="get_image", tags=["templates"],
+             responses=_errs(404))
+    async def get_image(name: str, tenant: str = Tenant) -> ImageDetail:
+        """The image `name` refers to (the newest upload under it), and every upload kept under it."""
+        return await cp.get_image(tenant, name)
+
+    @app.delete("/v1/images/{name}", status_code=204, operation_id="delete_image", tags=["templates"],
+                response_class=Response, responses=_errs(404))
+    async def delete_image(
+        name: str,
+        digest: str = Query(None, pattern=DIGEST, description="remove only this upload under the name (its digest "
+                            "or image id); the newest left becomes the one the name refers to"),
+        tenant: str = Tenant,
+    ) -> Response:
+        """Remove images from this tenant's store (and from its quota). Templates baked from them
+        keep working: each has a root filesystem of its own. Baking from a removed image is 404."""
+        await cp.delete_image(tenant, name, digest)
+        return Response(status_code=204)
 
     # sandboxes
     @app.get("/v1/sandboxes", response_model=SandboxList, operation_id="list_sandboxes", tags=["sandboxes"],
@@ -1649,7 +1964,7 @@ def serve(config: ServerConfig) -> None:
     _event("listening", host=host, port=port, url=f"http://{host}:{port}", key_store=str(keys.path),
            max_sandboxes=config.max_sandboxes, queue=config.queue, idle_reap=config.idle_reap,
            spend_limit=config.spend_limit, max_upload=config.max_upload, max_image_upload=config.max_image_upload,
-           max_bakes=config.max_bakes, pid=os.getpid())
+           max_bakes=config.max_bakes, image_quota=config.image_quota, pid=os.getpid())
     app = create_app(config, keys=keys)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=10,
                                            backlog=1024))
