@@ -280,10 +280,14 @@ extern "C" fn on_parent_death(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut l
         // "kvm-nx-lpage-recovery" worker, in its thread group on recent kernels), so the parent
         // may still be exiting, not yet replaced by the process that adopts us: wait for that
         // (up to 2 s), or an orphan would take itself for its parent's child and die.
+        // Already adopted (the signal can arrive after `child_main` saw the adoption and noted
+        // the first process as its parent): nothing to wait for. Waiting then was a stall of
+        // 2000 sleeps, seconds on a loaded host, in which a background job did nothing.
         let before = PARENT.load(Ordering::SeqCst);
         let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
         for _ in 0..2000 {
-            if libc::getppid() != before {
+            let now = libc::getppid();
+            if now != before || now == host::top() {
                 break;
             }
             libc::nanosleep(&pause, std::ptr::null_mut());
