@@ -500,6 +500,9 @@ class _NoReseed:
     def reseed(self, seed, replay=True):
         pass
 
+    def agent_call(self, input, timeout, seed=None, replay=True):
+        return self._vm.agent_call(input, timeout)  # the reseed that would ride along is lost
+
     def __getattr__(self, name):
         return getattr(self._vm, name)
 

@@ -139,8 +139,9 @@ class Vm:
         """One copy-on-write child: `fork(1)[0]`."""
     def reset(self) -> _ResetStats:
         """Return to the snapshot this VM was restored or cloned from."""
-    def agent_call(self, input: bytes, timeout: float) -> RunResult:
-        """Send `input` to the in-guest agent (fd 3); run until it waits again. Reply in `.agent`."""
+    def agent_call(self, input: bytes, timeout: float, seed: bytes | None = None, replay: bool = True) -> RunResult:
+        """Send `input` to the in-guest agent (fd 3); run until it waits again. Reply in `.agent`.
+        With `seed` (32 bytes), reseed first as `reseed(seed, replay)`, in the same round trip."""
     def upload(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write a file into a Linux guest's file system (/tmp and /work), byte-exact."""
     def download(self, path: str) -> bytes:

@@ -368,8 +368,7 @@ class EmbeddedClient:
             if not box.agent_alive:
                 self.reset(box)  # the previous program ended the agent: start from the template
             try:
-                box.vm.reseed(seed_bytes, True)
-                r = box.vm.agent_call(_frame(req), float(timeout))
+                r = box.vm.agent_call(_frame(req), float(timeout), seed_bytes, True)
             except _CoreEngineError as e:
                 raise _engine_error(e, f"exec in sandbox {box.id}") from e
             timed_out = r.kind == "timeout"

@@ -403,7 +403,12 @@ impl Vm {
     /// Send `input` to the in-guest agent and run until it waits for the next request; the
     /// result's `agent` field holds its reply, `stdout`/`stderr` what the sandbox printed.
     pub fn agent_call(&mut self, input: &[u8], timeout: Duration) -> Result<RunResult> {
-        self.run_request(Request::AgentCall { input: input.to_vec(), timeout }, timeout)
+        self.run_request(Request::AgentCall { input: input.to_vec(), timeout, reseed: None }, timeout)
+    }
+
+    /// [`Vm::reseed`] then [`Vm::agent_call`], in one round trip to the VMM.
+    pub fn agent_call_seeded(&mut self, input: &[u8], timeout: Duration, seed: [u8; 32], replay: bool) -> Result<RunResult> {
+        self.run_request(Request::AgentCall { input: input.to_vec(), timeout, reseed: Some((seed, replay)) }, timeout)
     }
 
     /// Write a file into the guest's file system (a Linux guest's writable mounts), byte-exact.

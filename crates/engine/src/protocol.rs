@@ -30,7 +30,8 @@ pub enum Request {
     Reset,
     /// Queue `input` for the in-guest agent (its fd 3) and run until the agent waits for more (the
     /// run ends with `Yield { value: AGENT_IDLE_YIELD }`); the result carries what it wrote.
-    AgentCall { input: Vec<u8>, timeout: Duration },
+    /// With `reseed`, the sandbox CRNG is reseeded first (as `Reseed`): one round trip per exec.
+    AgentCall { input: Vec<u8>, timeout: Duration, reseed: Option<([u8; 32], bool)> },
     /// Write a file into a Linux guest's file system (writable mounts only), byte-exact; parent
     /// directories are created.
     Upload { path: String, data: Vec<u8>, mode: u32 },

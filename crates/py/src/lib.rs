@@ -442,10 +442,23 @@ impl PyVm {
     }
 
     /// Sends `input` to the in-guest agent (its fd 3) and runs until the agent waits again; the
-    /// result's `agent` holds its reply.
-    fn agent_call(&self, py: Python<'_>, input: PyBackedBytes, timeout: f64) -> PyResult<RunResult> {
+    /// result's `agent` holds its reply. With `seed` (32 bytes), the sandbox CRNG is reseeded
+    /// first, as `reseed(seed, replay)` would, in the same round trip.
+    #[pyo3(signature = (input, timeout, seed = None, replay = true))]
+    fn agent_call(&self, py: Python<'_>, input: PyBackedBytes, timeout: f64, seed: Option<PyBackedBytes>, replay: bool) -> PyResult<RunResult> {
         let timeout = duration_from_secs("Vm.agent_call", timeout)?;
-        let result = self.with(py, "Vm.agent_call", |vm| Ok(vm.agent_call(&input, timeout)?))?;
+        let seed: Option<[u8; 32]> = match seed {
+            None => None,
+            Some(s) => Some(s.as_ref().try_into().map_err(|_| {
+                PyValueError::new_err(format!("Vm.agent_call: a seed is exactly 32 bytes, got {} bytes", s.len()))
+            })?),
+        };
+        let result = self.with(py, "Vm.agent_call", |vm| {
+            Ok(match seed {
+                Some(seed) => vm.agent_call_seeded(&input, timeout, seed, replay)?,
+                None => vm.agent_call(&input, timeout)?,
+            })
+        })?;
         Ok(RunResult::new(py, result))
     }
 

@@ -767,7 +767,12 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no stdio".into())),
             },
             Request::Reset => m.reset().map(Response::Reset),
-            Request::AgentCall { input, timeout } => match m.os.as_ref().map(|os| os.agent_send(&input)) {
+            Request::AgentCall { input, timeout, reseed } => match m.os.as_mut().map(|os| {
+                if let Some((seed, replay)) = reseed {
+                    guestos::misc::reseed(os, seed, replay);
+                }
+                os.agent_send(&input)
+            }) {
                 Some(Ok(())) => m.run(timeout).and_then(|mut r| {
                     r.agent = m.os.as_ref().map(|os| os.agent_take()).transpose()?.unwrap_or_default();
                     Ok(Response::Run(r))
