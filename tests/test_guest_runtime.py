@@ -497,3 +497,14 @@ print(open("/work/f", "rb").read()[:5])
     r = sb.exec(code=code)
     assert r.ok, r.stderr
     assert r.stdout.splitlines() == ["b'HELLO.' b'.WORLD.'", "b'.xyz.'", "b'.END' 10000", "b'HELLO'"], r.stdout
+
+
+def test_memory_beyond_the_first_slot_and_forks_of_it(sb):
+    # The VM's memory slot covers the frames in use and grows as the guest takes more (see
+    # vstate::vm): 300 MiB written, read back, and inherited by fork-group children.
+    r = sb.exec(code="b = bytearray(300 << 20)\nb[::4096] = b'x' * len(b[::4096])\nprint(sum(b[::4096]))")
+    assert r.ok and r.stdout == f"{120 * (300 << 20) // 4096}\n", r
+    with sb.fork_group(2) as grp:
+        outs = grp.map(lambda i, c: c.exec(code="b[4096 * 7] = 121; print(len(b), b[4096 * 7], b[4096 * 8])").stdout)
+    assert outs == [f"{300 << 20} 121 120\n"] * 2
+    assert sb.exec(code="print(b[4096 * 7])").stdout == "120\n"

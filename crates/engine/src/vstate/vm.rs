@@ -82,3 +82,19 @@ impl KvmVm {
         self.fd.get_dirty_log(0, self.slot_size as usize).map_err(Error::kvm("KVM_GET_DIRTY_LOG"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_slot_covers_the_frames_in_use_with_room_in_64_mib_steps() {
+        const MIB: u64 = 1 << 20;
+        assert_eq!(slot_size_for(0, 1024 * MIB), 64 * MIB);
+        assert_eq!(slot_size_for(20 * MIB, 1024 * MIB), 128 * MIB); // 20 + 64 rounded up
+        assert_eq!(slot_size_for(64 * MIB, 1024 * MIB), 128 * MIB);
+        assert_eq!(slot_size_for(64 * MIB + 1, 1024 * MIB), 192 * MIB);
+        assert_eq!(slot_size_for(1000 * MIB, 1024 * MIB), 1024 * MIB); // never past the memory
+        assert_eq!(slot_size_for(0, 32 * MIB), 32 * MIB);
+    }
+}
