@@ -75,8 +75,6 @@ SANDBOX_SECONDS = {
 # exec runs on the replay clocks: CPU time moves 1 us per read, and a process alone in its sandbox
 # sleeps in virtual time only), and what the sandbox does not service (by design or not yet).
 _VT = "virtual time: "
-_WAIT = ("the parent's clock does not move while it waits on the host for its child (poll), so "
-         "communicate(timeout=0.4) is not over before the child's three real 0.2 s sleeps are")
 _NS = "not serviced: "
 # test.support's can_xattr() also sets a "trusted." attribute, which the sandbox refuses: those are
 # the host's (user attributes work, see test_os.ExtendedAttributeTests).
@@ -94,8 +92,6 @@ KNOWN_GAPS: dict[str, str] = {
         _VT + "the child's time.sleep(3600) returns at once, so nothing times out",
     "test.test_subprocess.RunFuncTestCase.test_run_with_shell_timeout_and_capture_output":
         _VT + "the child's `sleep 3` returns at once, so the 0.1 s timeout may not be reached",
-    "test.test_subprocess.ProcessTestCase.test_communicate_timeout_large_output": _VT + _WAIT,
-    "test.test_subprocess.ProcessTestCaseNoPoll.test_communicate_timeout_large_output": _VT + _WAIT,
     "test.test_subprocess.POSIXProcessTestCase.test_send_signal":
         _VT + "time.sleep(0.1) does not give the child the time to install its SIGINT handler",
     "test.test_subprocess.POSIXProcessTestCase.test_leak_fast_process_del_killed":

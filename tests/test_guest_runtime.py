@@ -508,3 +508,17 @@ def test_memory_beyond_the_first_slot_and_forks_of_it(sb):
         outs = grp.map(lambda i, c: c.exec(code="b[4096 * 7] = 121; print(len(b), b[4096 * 7], b[4096 * 8])").stdout)
     assert outs == [f"{300 << 20} 121 120\n"] * 2
     assert sb.exec(code="print(b[4096 * 7])").stdout == "120\n"
+
+
+def test_a_timeout_fires_while_a_child_trickles_output(sb):
+    # Replay mode's clocks are virtual; a wait that a child ends lets the real time it took pass,
+    # so communicate(timeout) expires while the child still writes now and then.
+    code = (
+        "import subprocess, sys\n"
+        "child = 'import sys, time\\nfor i in range(4):\\n    sys.stdout.write(\"a\" * 65536); sys.stdout.flush(); time.sleep(0.2)\\n'\n"
+        "p = subprocess.Popen([sys.executable, '-c', child], stdout=subprocess.PIPE)\n"
+        "try:\n    p.communicate(timeout=0.4); print('no timeout')\n"
+        "except subprocess.TimeoutExpired:\n    print('timeout'); p.kill(); p.communicate()\n"
+    )
+    r = sb.exec(code=code, timeout_seconds=60)
+    assert r.ok and r.stdout == "timeout\n", r

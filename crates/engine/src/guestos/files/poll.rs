@@ -5,7 +5,7 @@
 //!
 //! In replay mode the guest's clocks are virtual (see `misc`): a wait that ends with nothing ready
 //! lets virtual time pass by what it waited, as a sleep does, so that a retry with "the remaining
-//! time" ends. A wait on nothing but engine files (or on no fds at all: `select(0, ..., timeout)`,
+//! time" ends; one that another process ends lets the real time it waited pass. A wait on nothing but engine files (or on no fds at all: `select(0, ..., timeout)`,
 //! a common sleep) cannot be ended by anything but its timeout: it returns at once, like a sleep.
 
 use std::time::Duration;
@@ -93,6 +93,7 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
     }
     let wait = if ready > 0 { Duration::ZERO } else { timeout.map_or(slice, |t| t.min(slice)) };
     let longer = timeout.is_none_or(|t| t > slice);
+    let waited_from = std::time::Instant::now();
     // SAFETY: `host` is a valid array of pollfds of the length we pass.
     let n = unsafe { libc::poll(host.as_mut_ptr(), host.len() as libc::nfds_t, wait.as_millis() as i32) };
     if n < 0 {
@@ -106,6 +107,11 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
     }
     if ready == 0 && wait > Duration::ZERO && replay && timeout.is_some() {
         os.proc.clocks.pass(wait.as_nanos() as u64);
+    } else if ready > 0 && wait > Duration::ZERO && replay {
+        // Another process (the only thing that can) ended the wait: the time it took passes in
+        // virtual time too, or a caller's timeout ("communicate(timeout=...)") would never come
+        // while a child trickles output. Such waits depend on the host's scheduling anyway.
+        os.proc.clocks.pass((waited_from.elapsed().min(wait)).as_nanos() as u64);
     }
     if ready == 0 && wait > Duration::ZERO && longer {
         return Err(EINTR);
