@@ -1053,21 +1053,26 @@ fn sys_pipe2(os: &mut GuestOs, ctx: &mut Ctx, fds: u64, flags: i32) -> SysResult
     cvt(unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC | (flags & (libc::O_NONBLOCK | libc::O_DIRECT))) } as i64)?;
     // SAFETY: two fresh descriptors we own.
     let (r, w) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
-    let cloexec = flags & libc::O_CLOEXEC != 0;
-    let rfd = os.files.alloc(0, Arc::new(OpenFile::host(r, None, false)), cloexec)?;
-    let wfd = match os.files.alloc(0, Arc::new(OpenFile::host(w, None, false)), cloexec) {
+    install_pair(os, ctx, r, w, flags & libc::O_CLOEXEC != 0, fds)
+}
+
+/// Give the guest two new host descriptors (a pipe's ends, a socket pair) and write their numbers
+/// to `out` (int[2]); on any failure neither stays open.
+pub(crate) fn install_pair(os: &mut GuestOs, ctx: &mut Ctx, a: OwnedFd, b: OwnedFd, cloexec: bool, out: u64) -> SysResult {
+    let fa = os.files.alloc(0, Arc::new(OpenFile::host(a, None, false)), cloexec)?;
+    let fb = match os.files.alloc(0, Arc::new(OpenFile::host(b, None, false)), cloexec) {
         Ok(fd) => fd,
         Err(e) => {
-            let _ = os.files.close(rfd);
+            let _ = os.files.close(fa);
             return Err(e);
         }
     };
-    let mut b = [0u8; 8];
-    b[..4].copy_from_slice(&rfd.to_le_bytes());
-    b[4..].copy_from_slice(&wfd.to_le_bytes());
-    if let Err(e) = ctx.write(fds, &b) {
-        let _ = os.files.close(rfd);
-        let _ = os.files.close(wfd);
+    let mut v = [0u8; 8];
+    v[..4].copy_from_slice(&fa.to_le_bytes());
+    v[4..].copy_from_slice(&fb.to_le_bytes());
+    if let Err(e) = ctx.write(out, &v) {
+        let _ = os.files.close(fa);
+        let _ = os.files.close(fb);
         return Err(e);
     }
     Ok(0)

@@ -63,23 +63,7 @@ pub fn sys_socketpair(os: &mut GuestOs, ctx: &mut Ctx, domain: u64, ty: i32, pro
     cvt(unsafe { libc::socketpair(libc::AF_UNIX, host_ty, 0, sv.as_mut_ptr()) } as i64)?;
     // SAFETY: two fresh descriptors we own.
     let (a, b) = unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) };
-    let fa = add(os, a, cloexec)?;
-    let fb = match add(os, b, cloexec) {
-        Ok(fd) => fd,
-        Err(e) => {
-            let _ = os.files.close(fa);
-            return Err(e);
-        }
-    };
-    let mut out = [0u8; 8];
-    out[..4].copy_from_slice(&fa.to_le_bytes());
-    out[4..].copy_from_slice(&fb.to_le_bytes());
-    if let Err(e) = ctx.write(svp, &out) {
-        let _ = os.files.close(fa);
-        let _ = os.files.close(fb);
-        return Err(e);
-    }
-    Ok(0)
+    super::install_pair(os, ctx, a, b, cloexec, svp)
 }
 
 pub fn sys_socket(os: &mut GuestOs, domain: u64, ty: i32, proto: i32) -> SysResult {
