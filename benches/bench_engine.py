@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from conftest import host_fork_baseline
 from guestprogs import CMD_FILL, MAILBOX, MAILBOX_SIZE, PAGE_SIZE, mailbox_result, pack_mailbox
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
@@ -46,13 +47,7 @@ def reaper():
 
 
 def test_host_fork_baseline(benchmark):
-    def fork_exit_wait():
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0)
-        os.waitpid(pid, 0)
-
-    benchmark.pedantic(fork_exit_wait, rounds=300, warmup_rounds=10)
+    host_fork_baseline(benchmark)
 
 
 def test_clone_to_first_instruction(benchmark, zygote, reaper):

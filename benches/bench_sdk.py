@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from collimate_core import EmbeddedClient, Sandbox, UnitTestReward, grade_batch, rollout_once
+from conftest import host_fork_baseline
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
 
@@ -57,15 +58,7 @@ def _drain(c: EmbeddedClient) -> None:
 
 
 def test_host_fork_baseline(benchmark):
-    """The host baseline of this run: os.fork() + os._exit(0) + waitpid, in this process."""
-
-    def fork_exit_wait():
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0)
-        os.waitpid(pid, 0)
-
-    benchmark.pedantic(fork_exit_wait, rounds=300, warmup_rounds=10)
+    host_fork_baseline(benchmark)
 
 
 def test_sdk_sandbox_enter_exec_exit(benchmark, client):

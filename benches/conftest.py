@@ -8,6 +8,7 @@ the table printed at the end gives median, p99 and the ratio to the host baselin
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,19 @@ from guestprogs import READY_YIELD, load_testvm  # noqa: E402
 from collimate_core import Vm  # noqa: E402
 
 BASELINE = "test_host_fork_baseline"
+
+
+def host_fork_baseline(benchmark) -> None:
+    """The host baseline every table compares with, measured in this run: os.fork() + os._exit(0)
+    + waitpid, in this process. Each benchmark file runs it as its test_host_fork_baseline."""
+
+    def fork_exit_wait():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+
+    benchmark.pedantic(fork_exit_wait, rounds=300, warmup_rounds=10)
 
 
 @pytest.fixture(scope="session")

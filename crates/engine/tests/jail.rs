@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{launcher, python_rootfs, scratch};
+use common::{launcher, python_rootfs, scratch, spawn_python_paused};
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -35,18 +35,7 @@ print(open("/work/a").read() + open("/work/b").read())
 "#;
 
 fn spawn_paused(root: &Path, work: &Path) -> Vm {
-    let spec = SpawnSpec {
-        root: root.to_path_buf(),
-        mounts: vec![("/work".into(), work.to_path_buf())],
-        argv: vec![b"/usr/bin/python3".to_vec(), b"-c".to_vec(), PROGRAM.as_bytes().to_vec()],
-        envp: vec![b"PATH=/usr/bin:/bin".to_vec()],
-        cwd: "/work".into(),
-        ..Default::default()
-    };
-    let mut vm = Vm::spawn(&launcher(), &spec, &VmConfig::default()).unwrap();
-    let r = vm.run(T).unwrap();
-    assert_eq!(r.exit, RunExit::Yield { value: 7 }, "{r:?} {}", String::from_utf8_lossy(&r.stderr));
-    vm
+    spawn_python_paused(root, vec![("/work".into(), work.to_path_buf())], PROGRAM)
 }
 
 fn finish(vm: &mut Vm) -> String {

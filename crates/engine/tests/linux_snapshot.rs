@@ -5,12 +5,12 @@
 
 mod common;
 
-use common::{launcher, python_rootfs, scratch};
+use common::{launcher, python_rootfs, scratch, spawn_python_paused};
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::time::Duration;
 
-use collimate_engine::{RunExit, SpawnSpec, Vm, VmConfig};
+use collimate_engine::{RunExit, Vm};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -25,20 +25,9 @@ f.write("after-" + open("/work/who").read() + "\n"); f.close()
 print(open("/work/state.txt").read().replace("\n", "|"), sum(prefix))
 "#;
 
-fn spawn_paused(dir: &PathBuf) -> Vm {
-    let root = python_rootfs().unwrap();
-    let spec = SpawnSpec {
-        root,
-        mounts: vec![("/work".into(), dir.join("work")), ("/tmp".into(), dir.join("tmp"))],
-        argv: vec![b"/usr/bin/python3".to_vec(), b"-c".to_vec(), PROGRAM.as_bytes().to_vec()],
-        envp: vec![b"PATH=/usr/bin:/bin".to_vec()],
-        cwd: "/work".into(),
-        ..Default::default()
-    };
-    let mut vm = Vm::spawn(&launcher(), &spec, &VmConfig::default()).unwrap();
-    let r = vm.run(T).unwrap();
-    assert_eq!(r.exit, RunExit::Yield { value: 7 }, "{r:?} {}", String::from_utf8_lossy(&r.stderr));
-    vm
+fn spawn_paused(dir: &Path) -> Vm {
+    let mounts = vec![("/work".into(), dir.join("work")), ("/tmp".into(), dir.join("tmp"))];
+    spawn_python_paused(&python_rootfs().unwrap(), mounts, PROGRAM)
 }
 
 #[test]

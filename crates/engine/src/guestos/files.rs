@@ -608,7 +608,7 @@ fn offset(v: u64) -> Result<u64, Errno> {
 
 /// Wait (at most [`WAIT_SLICE_MS`]) until host stream `fd` is ready for `events`. ERESTARTSYS if it
 /// is not by then and blocks; Ok if it is ready or non-blocking (the host call then answers).
-fn wait_stream(fd: RawFd, events: i16) -> Result<(), Errno> {
+pub(super) fn wait_stream(fd: RawFd, events: i16) -> Result<(), Errno> {
     let mut p = libc::pollfd { fd, events, revents: 0 };
     // SAFETY: one valid pollfd.
     if unsafe { libc::poll(&mut p, 1, 0) } != 0 {
@@ -1198,11 +1198,7 @@ fn copy_at(os: &mut GuestOs, ctx: &mut Ctx, inf: &OpenFile, outf: &OpenFile, in_
 /// A pipe end (a host FIFO or pipe, or one of the engine's streams).
 fn is_pipe(f: &OpenFile) -> bool {
     match f.host_fd() {
-        Some(h) => {
-            // SAFETY: a zeroed stat is valid; fstat on a descriptor the file holds.
-            let mut st: libc::stat = unsafe { std::mem::zeroed() };
-            (unsafe { libc::fstat(h, &mut st) } == 0) && st.st_mode & libc::S_IFMT == libc::S_IFIFO
-        }
+        Some(_) => special::file_stat(f).is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFIFO),
         None => f.stream,
     }
 }

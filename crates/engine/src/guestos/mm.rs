@@ -663,6 +663,7 @@ impl Mm {
             }
             // SAFETY: a zeroed stat is valid; fstat on a descriptor we hold.
             let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: as above.
             if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
                 return Err(Errno::last());
             }

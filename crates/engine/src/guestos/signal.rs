@@ -979,10 +979,8 @@ fn sigtimedwait(os: &mut GuestOs, ctx: &mut Ctx, a: [u64; 6]) -> SysResult {
     let key = crate::guestos::misc::PendingSleep { rip: ctx.regs.rip, nr: SYS_RT_SIGTIMEDWAIT, args: [a[0], a[1], a[2], a[3]], deadline_ns: 0 };
     let deadline = match os.proc.sleep.take() {
         Some(p) if crate::guestos::misc::PendingSleep { deadline_ns: 0, ..p } == key => Some(p.deadline_ns),
-        _ => match crate::guestos::files::poll::timeout_ts(ctx, a[2])? {
-            None => None,
-            Some(t) => Some(crate::guestos::misc::monotonic_ns().saturating_add(t.as_nanos() as u64)),
-        },
+        _ => crate::guestos::files::poll::timeout_ts(ctx, a[2])?
+            .map(|t| crate::guestos::misc::monotonic_ns().saturating_add(t.as_nanos() as u64)),
     };
     for round in 0..2 {
         gather(os);
@@ -1274,7 +1272,7 @@ pub mod host {
         if let Some(g) = page_word(1) {
             MY_GENERATION.store(g.fetch_add(1, Ordering::SeqCst).wrapping_add(1), Ordering::SeqCst);
         }
-        (2..2 + ORPHAN_SLOTS).filter_map(|i| page_word(i)).map(|w| w.swap(0, Ordering::SeqCst) as i32).filter(|&p| p > 0).collect()
+        (2..2 + ORPHAN_SLOTS).filter_map(page_word).map(|w| w.swap(0, Ordering::SeqCst) as i32).filter(|&p| p > 0).collect()
     }
 
     /// One process of the sandbox was reaped (or never started).

@@ -547,7 +547,6 @@ impl Vfs {
         let Some((dir, name)) = r.host() else {
             return Err(EACCES);
         };
-        let name = &guest_str(name.to_bytes());
         let flags = flags & VALID_OPEN_FLAGS;
         if !r.writable() {
             if open_writes(flags) {
@@ -555,14 +554,14 @@ impl Vfs {
             }
             if flags & libc::O_CREAT != 0 {
                 // Creating on a read-only file system is EROFS; opening what exists is fine.
-                return match openat2(dir, name, flags & !(libc::O_CREAT | libc::O_EXCL), 0, RESOLVE_ONE) {
+                return match openat2_c(dir, name, flags & !(libc::O_CREAT | libc::O_EXCL), 0, RESOLVE_ONE) {
                     Err(e) if e == ENOENT => Err(EROFS),
                     Ok(_) if flags & libc::O_EXCL != 0 => Err(EEXIST),
                     other => other,
                 };
             }
         }
-        openat2(dir, name, flags, mode & 0o7777, RESOLVE_ONE)
+        openat2_c(dir, name, flags, mode & 0o7777, RESOLVE_ONE)
     }
 }
 
@@ -576,6 +575,11 @@ impl Mount {
 /// `openat2(dirfd, path, {flags | O_CLOEXEC, mode, resolve})`.
 pub fn openat2(dirfd: RawFd, path: &str, flags: i32, mode: u32, resolve: u64) -> Result<OwnedFd, Errno> {
     let c = CString::new(guest_bytes(path)).map_err(|_| EINVAL)?;
+    openat2_c(dirfd, &c, flags, mode, resolve)
+}
+
+/// [`openat2`] of a host name (raw bytes, as a lookup's [`Resolved::host`] gives it).
+pub fn openat2_c(dirfd: RawFd, c: &CStr, flags: i32, mode: u32, resolve: u64) -> Result<OwnedFd, Errno> {
     // SAFETY: open_how is plain data; all-zero is valid and we fill every field.
     let mut how: libc::open_how = unsafe { std::mem::zeroed() };
     let flags = flags | libc::O_CLOEXEC;

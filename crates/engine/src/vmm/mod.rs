@@ -611,11 +611,6 @@ pub const MAX_SPARES: u32 = 16;
 /// Fork one child in `state`. The child never returns from here: it serves its own channel.
 fn spawn_child(m: &mut Machine, state: &VcpuState, chan: &Channel, pool: &mut Pool) -> Result<Spare> {
     let (ours, theirs) = Channel::pair()?;
-    // The clone's guest pids continue from ours (its process tree starts over in its own
-    // counter, from the same number: clones fork the same pids).
-    if let (Some(os), Some(next)) = (m.os.as_mut(), crate::guestos::signal::host::next_pid()) {
-        os.proc.next_pid = next;
-    }
     // SAFETY: this process is single-threaded, so the child may do anything after fork.
     let pid = unsafe { libc::fork() };
     if pid < 0 {

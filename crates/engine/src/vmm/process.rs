@@ -264,7 +264,10 @@ pub(super) fn serving(m: &mut Machine, chan: &Channel, pool: &Pool) {
             }
         }
         host::set_top(me);
-        host::new_process_count(m.os.as_ref().map_or(2, |os| os.proc.next_pid));
+        // Guest pids go on from the sandbox this one was forked from (its page, still mapped
+        // here until the new one replaces it), else from the snapshot's count.
+        let next = host::next_pid().or(m.os.as_ref().map(|os| os.proc.next_pid)).unwrap_or(2);
+        host::new_process_count(next);
         // SAFETY: plain prctl on this process.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     }

@@ -233,6 +233,23 @@ pub fn python_rootfs() -> Option<PathBuf> {
     found
 }
 
+/// Spawn `python3 -c program` from `root` with writable `mounts` (cwd /work), run it until it
+/// yields 7 (`ctypes.CDLL(None).syscall(0x40000000, 7)`) and return it paused there.
+pub fn spawn_python_paused(root: &Path, mounts: Vec<(String, PathBuf)>, program: &str) -> collimate_engine::Vm {
+    let spec = collimate_engine::SpawnSpec {
+        root: root.to_path_buf(),
+        mounts,
+        argv: vec![b"/usr/bin/python3".to_vec(), b"-c".to_vec(), program.as_bytes().to_vec()],
+        envp: vec![b"PATH=/usr/bin:/bin".to_vec()],
+        cwd: "/work".into(),
+        ..Default::default()
+    };
+    let mut vm = collimate_engine::Vm::spawn(&launcher(), &spec, &collimate_engine::VmConfig::default()).unwrap();
+    let r = vm.run(std::time::Duration::from_secs(60)).unwrap();
+    assert_eq!(r.exit, collimate_engine::RunExit::Yield { value: 7 }, "{r:?} {}", String::from_utf8_lossy(&r.stderr));
+    vm
+}
+
 /// A fresh scratch directory with `work/` and `tmp/` for a sandbox's writable mounts.
 pub fn scratch(name: &str) -> PathBuf {
     let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));

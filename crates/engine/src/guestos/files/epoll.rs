@@ -73,7 +73,7 @@ pub fn sys_epoll_ctl(os: &mut GuestOs, ctx: &mut Ctx, epfd: i32, op: u64, fd: i3
         return Err(EINVAL);
     }
     // Linux refuses regular files and directories (always ready, nothing to wait for).
-    if target.dir || (matches!(target.kind, Kind::Host(_)) && !target.stream && !is_waitable(&target)) {
+    if target.dir || !is_waitable(&target) {
         return Err(EPERM);
     }
     let (events, data) = if op == EPOLL_CTL_DEL {
@@ -105,12 +105,10 @@ pub fn sys_epoll_ctl(os: &mut GuestOs, ctx: &mut Ctx, epfd: i32, op: u64, fd: i3
 
 /// Host files that can block: pipes, sockets, character devices, eventfds and other anon inodes.
 fn is_waitable(f: &OpenFile) -> bool {
-    let Some(h) = f.host_fd() else { return true };
-    // SAFETY: a zeroed stat is valid; fstat on a descriptor the file holds.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    if unsafe { libc::fstat(h, &mut st) } != 0 {
-        return false;
+    if f.host_fd().is_none() {
+        return true;
     }
+    let Ok(st) = super::special::file_stat(f) else { return false };
     !matches!(st.st_mode & libc::S_IFMT, libc::S_IFREG | libc::S_IFDIR) || f.label.is_some()
 }
 

@@ -149,6 +149,17 @@ fn check_creatable(r: &Resolved) -> Result<(), Errno> {
     check_writable(r)
 }
 
+/// Where mkdir and mknod make `path`: its parent resolved, and a name that may be made there
+/// (EEXIST for what the engine serves in /dev and /proc, EACCES for the rest of those trees).
+fn new_name<'a>(os: &'a GuestOs, dirfd: i32, path: &[u8]) -> Result<Resolved<'a>, Errno> {
+    let r = lookup!(os, dirfd, path, Lookup::Parent)?;
+    if r.is_virtual() {
+        return Err(if special::lookup(os, &r.path).is_some() { EEXIST } else { EACCES });
+    }
+    check_creatable(&r)?;
+    Ok(r)
+}
+
 fn host_of<'r>(r: &'r Resolved) -> Result<(RawFd, &'r CStr), Errno> {
     r.host().ok_or(EACCES)
 }
@@ -418,8 +429,7 @@ pub(super) fn sys_chdir(os: &mut GuestOs, ctx: &mut Ctx, pathp: u64) -> SysResul
         return Ok(0);
     }
     let (d, n) = host_of(&r)?;
-    let name = &vfs::guest_str(n.to_bytes());
-    vfs::openat2(d, name, libc::O_PATH | libc::O_DIRECTORY, 0, vfs::RESOLVE_ONE)?;
+    vfs::openat2_c(d, n, libc::O_PATH | libc::O_DIRECTORY, 0, vfs::RESOLVE_ONE)?;
     let p = r.path;
     os.proc.cwd = p;
     Ok(0)
@@ -432,11 +442,7 @@ pub(super) fn sys_fchdir(os: &mut GuestOs, fd: i32) -> SysResult {
 
 pub(super) fn sys_mkdirat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, mode: u32) -> SysResult {
     let path = read_path(ctx, pathp)?;
-    let r = lookup!(os, dirfd, &path, Lookup::Parent)?;
-    if r.is_virtual() {
-        return Err(if special::lookup(os, &r.path).is_some() { EEXIST } else { EACCES });
-    }
-    check_creatable(&r)?;
+    let r = new_name(os, dirfd, &path)?;
     let (d, n) = host_of(&r)?;
     // SAFETY: a valid fd and C string (one component).
     super::with_umask(os.proc.umask, || cvt(unsafe { libc::mkdirat(d, n.as_ptr(), mode & 0o7777) } as i64))?;
@@ -454,11 +460,7 @@ pub(super) fn sys_mknodat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u6
         return Err(EINVAL);
     }
     let path = read_path(ctx, pathp)?;
-    let r = lookup!(os, dirfd, &path, Lookup::Parent)?;
-    if r.is_virtual() {
-        return Err(if special::lookup(os, &r.path).is_some() { EEXIST } else { EACCES });
-    }
-    check_creatable(&r)?;
+    let r = new_name(os, dirfd, &path)?;
     let (d, n) = host_of(&r)?;
     if exists(&r) {
         return Err(EEXIST);
@@ -584,8 +586,7 @@ fn host_chmod(d: RawFd, n: &CStr, mode: u32) -> Result<u64, Errno> {
     match cvt(r) {
         Err(e) if e == crate::guestos::ENOSYS => {
             // Hosts before Linux 6.6: open the file itself (not following) and fchmod it.
-            let name = &vfs::guest_str(n.to_bytes());
-            let fd = vfs::openat2(d, name, libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY, 0, vfs::RESOLVE_ONE)?;
+            let fd = vfs::openat2_c(d, n, libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY, 0, vfs::RESOLVE_ONE)?;
             // SAFETY: fchmod on an fd we own.
             cvt(unsafe { libc::fchmod(fd.as_raw_fd(), mode) } as i64)
         }
@@ -670,8 +671,7 @@ pub(super) fn sys_truncate(os: &mut GuestOs, ctx: &mut Ctx, pathp: u64, len: i64
         _ => return Err(EINVAL),
     }
     check_writable(&r)?;
-    let name = &vfs::guest_str(n.to_bytes());
-    let fd = vfs::openat2(d, name, libc::O_WRONLY | libc::O_NONBLOCK | libc::O_NOCTTY, 0, vfs::RESOLVE_ONE)?;
+    let fd = vfs::openat2_c(d, n, libc::O_WRONLY | libc::O_NONBLOCK | libc::O_NOCTTY, 0, vfs::RESOLVE_ONE)?;
     // SAFETY: ftruncate on an fd we own.
     cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), len) } as i64)
 }

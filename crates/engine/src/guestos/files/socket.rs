@@ -11,7 +11,7 @@ use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
-use super::{cvt, OpenFile, WAIT_SLICE_MS};
+use super::{cvt, OpenFile};
 use crate::guestos::signal::{self, SigInfo};
 use crate::guestos::vfs::Lookup;
 use crate::guestos::{Ctx, Errno, GuestOs, SysResult, EACCES, EAGAIN, EFAULT, EINVAL, EOPNOTSUPP};
@@ -85,10 +85,7 @@ pub fn sys_socket(os: &mut GuestOs, domain: u64, ty: i32, proto: i32) -> SysResu
 fn host_socket(os: &GuestOs, fd: i32) -> Result<RawFd, Errno> {
     let f = os.files.file(fd)?;
     let h = f.host_fd().ok_or(ENOTSOCK)?;
-    // SAFETY: a zeroed stat is valid; fstat on a descriptor the file holds.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    cvt(unsafe { libc::fstat(h, &mut st) } as i64)?;
-    if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+    if super::special::file_stat(&f)?.st_mode & libc::S_IFMT != libc::S_IFSOCK {
         return Err(ENOTSOCK);
     }
     Ok(h)
@@ -99,8 +96,8 @@ fn nonblocking(h: RawFd) -> bool {
     unsafe { libc::fcntl(h, libc::F_GETFL) & libc::O_NONBLOCK != 0 }
 }
 
-/// Run `op` without blocking the VMM: a blocking guest call that would block waits one slice for
-/// `events` and is restarted (ERESTARTSYS), as reads of a pipe are.
+/// Run `op` without blocking the VMM: a blocking guest call that would block waits (a slice at
+/// most) for `events` as reads of a pipe do, then is restarted (ERESTARTSYS) to try again.
 fn sliced(h: RawFd, events: i16, dontwait: bool, mut op: impl FnMut() -> i64) -> Result<u64, Errno> {
     let r = op();
     if r >= 0 {
@@ -110,9 +107,7 @@ fn sliced(h: RawFd, events: i16, dontwait: bool, mut op: impl FnMut() -> i64) ->
     if (e != EAGAIN && e.0 != EINPROGRESS) || dontwait || nonblocking(h) {
         return Err(e);
     }
-    let mut p = libc::pollfd { fd: h, events, revents: 0 };
-    // SAFETY: one valid pollfd.
-    unsafe { libc::poll(&mut p, 1, WAIT_SLICE_MS) };
+    super::wait_stream(h, events)?;
     Err(signal::ERESTARTSYS)
 }
 
@@ -280,6 +275,7 @@ pub fn sys_sendto(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, len: u64, 
 }
 
 /// recv/recvfrom: the sender of a Unix socket's data is unnamed.
+#[allow(clippy::too_many_arguments)]
 pub fn sys_recvfrom(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, len: u64, flags: i32, addr: u64, lenp: u64) -> SysResult {
     check_msg_flags(flags)?;
     let h = host_socket(os, fd)?;
@@ -362,6 +358,7 @@ pub fn sys_recvmsg(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, msgp: u64, flags: i
     let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
     hdr.msg_iov = &mut vec;
     hdr.msg_iovlen = 1;
+    // SAFETY: recvmsg into the msghdr above, whose one iovec is our buffer.
     let got = sliced(h, libc::POLLIN, flags & libc::MSG_DONTWAIT != 0, || unsafe { libc::recvmsg(h, &mut hdr, host_flags) } as i64)?;
     let mut left = &data[..(got as usize).min(total)];
     for (base, len) in iov {
@@ -405,6 +402,7 @@ const SOCKOPTS: &[i32] = &[
     libc::SO_SNDTIMEO,
 ];
 
+#[allow(clippy::too_many_arguments)]
 pub fn sys_sockopt(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, level: i32, name: i32, val: u64, len: u64, set: bool) -> SysResult {
     let h = host_socket(os, fd)?;
     if level != libc::SOL_SOCKET || !SOCKOPTS.contains(&name) {
