@@ -76,9 +76,6 @@ SANDBOX_SECONDS = {
 # sleeps in virtual time only), and what the sandbox does not service (by design or not yet).
 _VT = "virtual time: "
 _NS = "not serviced: "
-# test.support's can_xattr() also sets a "trusted." attribute, which the sandbox refuses: those are
-# the host's (user attributes work, see test_os.ExtendedAttributeTests).
-_XATTR = "extended attributes outside the user namespace (trusted.*), which test.support's can_xattr needs"
 KNOWN_GAPS: dict[str, str] = {
     "test.test_int.IntStrDigitLimitsTests.test_denial_of_service_prevented_":
         _VT + "process_time() moves 1 us per read, the test cannot see a slow conversion and skips",
@@ -96,9 +93,6 @@ KNOWN_GAPS: dict[str, str] = {
         _VT + "time.sleep(0.1) does not give the child the time to install its SIGINT handler",
     "test.test_subprocess.POSIXProcessTestCase.test_leak_fast_process_del_killed":
         _VT + "time.sleep(0.2) does not wait for the killed child to exit before the reap it expects",
-    "test.test_os.FDInheritanceTests.test_openpty": _NS + "pseudo-terminals (no /dev/ptmx)",
-    "test.test_shutil.TestCopy.test_copy2_xattr": _NS + _XATTR,
-    "test.test_shutil.TestCopy.test_copyxattr": _NS + _XATTR,
     "test.test_os.TestSendfile.": _NS + "sockets (the tests serve over TCP loopback with asyncio): network",
     "test.test_mmap.LargeMmapTests.": _NS + "files over the sandbox's file size limit (the jail's RLIMIT_FSIZE)",
     "test.test_zipfile.PyZipFileTests.test_write_": _NS + "writing next to the installed stdlib: the root filesystem is read-only",

@@ -454,6 +454,53 @@ except OSError as e: print(e.strerror)
     assert r.stdout.splitlines() == ["b'v1' ['user.tag']", "1000 1000", "Read-only file system"]
 
 
+def test_trusted_xattrs_are_roots_and_the_sandboxes_own(sb):
+    code = r"""
+import os, shutil
+open("/work/a", "w").close()
+os.setxattr("/work/a", "trusted.k", b"42"); os.setxattr("/work/a", "user.u", b"1")
+print(sorted(os.listxattr("/work/a")), os.getxattr("/work/a", "trusted.k"))
+shutil.copy2("/work/a", "/work/b")  # copies the attributes it can read: both namespaces
+print(sorted(os.listxattr("/work/b")))
+for name in ("user.collimate.trusted.k", "security.x"):
+    try: os.setxattr("/work/a", name, b"x")
+    except OSError as e: print(name, e.strerror)
+"""
+    r = sb.exec(code=code)
+    assert r.ok, r.stderr
+    assert r.stdout.splitlines() == [
+        "['trusted.k', 'user.u'] b'42'", "['trusted.k', 'user.u']",
+        "user.collimate.trusted.k Operation not supported", "security.x Operation not supported",
+    ], r.stdout
+
+
+def test_pseudo_terminals(sb):
+    code = r"""
+import os, pty, sys
+m, s = os.openpty()
+print(os.isatty(m), os.isatty(s), os.get_inheritable(m), os.ttyname(s).startswith("/dev/pts/"))
+os.write(s, b"line\n"); print(os.read(m, 100))
+pid, fd = pty.fork()
+if pid == 0:
+    print("child on a tty:", os.isatty(0), os.isatty(1), flush=True)
+    os._exit(7)
+out = b""
+while True:
+    try: chunk = os.read(fd, 1024)
+    except OSError: break  # EIO: the child closed its side
+    if not chunk: break
+    out += chunk
+print(out, os.waitpid(pid, 0)[1] >> 8)
+held = os.listdir("/dev/pts")  # the two ptys this process holds (another sandbox's: never)
+print(len(held), os.path.basename(os.ttyname(s)) in held)
+"""
+    r = sb.exec(code=code, timeout_seconds=60)
+    assert r.ok, r.stderr
+    assert r.stdout.splitlines() == [
+        "True True False True", "b'line\\r\\n'", "b'child on a tty: True True\\r\\n' 7", "2 True",
+    ], r.stdout
+
+
 def test_file_names_that_are_not_utf8(sb):
     code = r"""
 import os

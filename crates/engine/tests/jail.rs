@@ -57,11 +57,26 @@ fn runtime_dir() -> PathBuf {
 }
 
 /// The first component of each path: what the jail's root may hold.
+/// The top-level names of `paths` in the jail's root, and the jail's own devpts instance (the
+/// guests' pseudo-terminals: never the host's).
 fn tops(paths: &[&Path]) -> BTreeSet<String> {
     paths
         .iter()
         .filter_map(|p| p.components().nth(1).map(|c| c.as_os_str().to_string_lossy().into_owned()))
+        .chain([".collimate-pts".to_string()])
         .collect()
+}
+
+/// The jail's devpts is an instance of its own: it holds no pty of the host's.
+fn assert_own_devpts(pid: i32) {
+    let mountinfo = proc_file(pid, "mountinfo");
+    let line = mountinfo.lines().find(|l| l.split(' ').nth(4) == Some("/.collimate-pts")).unwrap_or_else(|| panic!("{mountinfo}"));
+    assert!(line.contains(" - devpts ") && line.contains("nosuid") && line.contains("noexec"), "{line}");
+    // A pty of the host's, open right now, must not show there.
+    let host_pty = std::fs::OpenOptions::new().read(true).write(true).open("/dev/ptmx");
+    assert!(host_pty.is_err() || std::fs::read_dir("/dev/pts").unwrap().count() > 1, "the host's pty is listed on the host");
+    let ptys: Vec<String> = entries(&PathBuf::from(format!("/proc/{pid}/root/.collimate-pts"))).into_iter().filter(|n| n != "ptmx").collect();
+    assert!(ptys.is_empty(), "host ptys visible in the jail: {ptys:?}");
 }
 
 fn entries(dir: &Path) -> BTreeSet<String> {
@@ -97,6 +112,7 @@ fn assert_jailed(vm: &Vm, root: &Path, work: &Path) {
     let jroot = PathBuf::from(format!("/proc/{pid}/root"));
     let runtime = runtime_dir();
     assert_eq!(entries(&jroot), tops(&[root, work, &runtime]));
+    assert_own_devpts(pid);
     for absent in ["proc", "etc", "sys", "home", "dev/kvm", "dev/null"] {
         let on_the_way = runtime.starts_with(Path::new("/").join(absent));
         assert!(!jroot.join(absent).exists() || on_the_way, "/{absent} in the jail");

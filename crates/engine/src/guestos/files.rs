@@ -17,6 +17,7 @@
 
 mod path;
 pub(crate) mod poll;
+pub mod pty;
 mod epoll;
 mod socket;
 pub mod special;
@@ -938,7 +939,8 @@ fn sys_ioctl(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, req: u32, arg: u64) -> Sy
                 }
             }
         }
-        // Nothing here is a terminal (TCGETS, TIOCGWINSZ, TIOCGPGRP...).
+        _ if pty::is_pty(&f) => pty::ioctl(os, ctx, &f, req, arg),
+        // Nothing else is a terminal (TCGETS, TIOCGWINSZ, TIOCGPGRP...).
         _ => Err(ENOTTY),
     }
 }

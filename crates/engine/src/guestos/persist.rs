@@ -3,7 +3,7 @@
 //! A snapshot of a Linux guest carries, besides memory and vCPU: the address-space bookkeeping
 //! ([`Mm`]), the process settings ([`Proc`]), the fd table as descriptions that can be reopened
 //! (guest path, open flags, offset), and a copy of every writable mount (`fs/m<i>/` beside the state
-//! file). Host pipes, sockets and memfds cannot be reopened, so a snapshot with one open says which
+//! file). Host pipes, sockets, memfds and ptys cannot be reopened, so a snapshot with one open says which
 //! fd it is and refuses.
 //!
 //! Writable mounts are host directories. A sandbox made from a snapshot, or forked from another
@@ -193,6 +193,9 @@ impl OsState {
 fn describe(fd: i32, f: &OpenFile) -> Result<FileState> {
     let flags = f.status_flags().map_err(|e| lost(format!("fd {fd}: errno {}", e.0)))?;
     Ok(match &f.kind {
+        Kind::Host(_) if super::files::pty::is_pty(f) => {
+            return Err(lost(format!("fd {fd} is a pseudo-terminal, which a snapshot cannot hold; close it before snapshotting")));
+        }
         Kind::Host(h) => {
             let Some(path) = f.path.clone() else {
                 return Err(lost(format!(

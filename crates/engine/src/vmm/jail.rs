@@ -20,7 +20,8 @@
 //!    only, each at its own host path: the sandbox's root filesystem and read-only mounts
 //!    (read-only), its writable mounts and the runtime directory where forks make their private copies
 //!    (read-write), and for a restored VM the snapshot directory (read-only: `reset` copies its
-//!    `fs/` again). All of them `nosuid,nodev,noexec`. Nothing of the host's `/proc`, `/dev`, `/etc`
+//!    `fs/` again). All of them `nosuid,nodev,noexec`; besides them, a devpts instance of the jail's
+//!    own for the guests' pseudo-terminals. Nothing of the host's `/proc`, `/dev`, `/etc`
 //!    or `/home`: the engine serves the guest's `/dev` and `/proc` itself, and `/dev/kvm` is opened
 //!    before the pivot ([`take_kvm`]). Without the privilege, the VMM runs without namespaces and
 //!    says so ([`JailStatus::namespaces`]); the controller logs that once.
@@ -289,6 +290,7 @@ fn build_root(scratch: &Path, binds: &[Bind]) -> Result<()> {
         let ro = if b.writable { 0 } else { libc::MS_RDONLY };
         mount(None, &target, None, libc::MS_BIND | libc::MS_REMOUNT | JAIL_FLAGS | ro, None, "restrict a bind mount")?;
     }
+    mount_devpts();
     umount_detach(Path::new("/oldroot"), "detach the host's mounts")?;
     chdir(Path::new("/newroot"))?;
     // pivot_root(".", ".") stacks the old root (the scratch tmpfs) on top of the new one at "/";
@@ -298,6 +300,28 @@ fn build_root(scratch: &Path, binds: &[Bind]) -> Result<()> {
     chdir(Path::new("/"))?;
     let ro_root = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | JAIL_FLAGS;
     mount(None, Path::new("/"), None, ro_root, None, "make the jail's root read-only")
+}
+
+/// Where the jail's own devpts instance is mounted (guests' pseudo-terminals, see `guestos::files::pty`).
+const PTS: &str = "/.collimate-pts";
+
+/// Mount a devpts instance of the jail's own (never the host's terminals) at [`PTS`] in the new
+/// root; without one the guests have no pseudo-terminals (opening /dev/ptmx says ENOENT), which
+/// is no reason to fail the jail. Device nodes must open there, so this mount alone is not
+/// `nodev`; devpts holds nothing but ptys.
+fn mount_devpts() {
+    let target = Path::new("/newroot").join(PTS.trim_start_matches('/'));
+    let mounted = std::fs::create_dir(&target).is_ok()
+        && mount(
+            Some(Path::new("devpts")),
+            &target,
+            Some("devpts"),
+            libc::MS_NOSUID | libc::MS_NOEXEC,
+            Some("newinstance,ptmxmode=0666,mode=0620"),
+            "mount the jail's devpts",
+        )
+        .is_ok();
+    crate::guestos::files::pty::set_dir(mounted.then(|| PathBuf::from(PTS)));
 }
 
 /// Controller side: a handle on `dir` (created if missing) that a jailed VMM process can write a
@@ -368,6 +392,8 @@ pub fn allowed_syscalls() -> Vec<(i64, Vec<SeccompRule>)> {
     let mut ioctls = vec![rule(vec![cond(1, Len::Dword, Op::MaskedEq(0xff00), KVMIO << 8)])];
     // Outside KVM: FIONREAD for a guest's pipes, and the fd flags std sets.
     ioctls.extend(one_of(1, &[FIONREAD, FIONBIO, FIOCLEX, FIONCLEX]));
+    // The guests' pseudo-terminals (host ptys of the jail's own devpts).
+    ioctls.extend(one_of(1, &crate::guestos::files::pty::host_requests()));
     let any = Vec::new;
     vec![
         // KVM: every VM, vCPU and dirty-log call is an ioctl of type KVMIO on a KVM fd.
@@ -411,6 +437,11 @@ pub fn allowed_syscalls() -> Vec<(i64, Vec<SeccompRule>)> {
         (SYS_flistxattr, any()),
         (SYS_fsetxattr, any()),
         (SYS_fremovexattr, any()),
+        // A symlink's own attributes, by name from inside its directory.
+        (SYS_lgetxattr, any()),
+        (SYS_llistxattr, any()),
+        (SYS_lsetxattr, any()),
+        (SYS_lremovexattr, any()),
         (SYS_fchownat, any()),
         (SYS_flock, any()),
         // ...and by path. These reach only what the mount namespace holds (and in it, the engine

@@ -850,10 +850,14 @@ const XATTR_NAME_MAX: usize = 255;
 const XATTR_SIZE_MAX: usize = 65536;
 
 /// The extended-attribute calls (set/get/list/remove, by path, l* path or fd): on the host file.
-/// Reads see the host file's attributes; changes are allowed in the "user." namespace only (the
-/// others would be the host's: trusted, security, system) and only on writable mounts. The
-/// engine's own files (/dev, /proc, its pipes) have none: EOPNOTSUPP. A symlink itself, as under
-/// Linux, takes no user attributes.
+/// The guest's "user." attributes are the host file's user attributes. Its "trusted." namespace
+/// (Linux: readable and writable with CAP_SYS_ADMIN only, so here by a guest whose effective uid
+/// is 0) is kept on the host file under [`TRUSTED_PREFIX`] in the user namespace: the host's own
+/// trusted attributes are never the guest's. Names under that prefix are the engine's: a guest
+/// neither sees them as user attributes nor sets them. Other namespaces (security, system) are
+/// the host's: the guest may read what the host file has, change nothing. Changes only on
+/// writable mounts. The engine's own files (/dev, /proc, its pipes) have none: EOPNOTSUPP. A
+/// symlink itself, as under Linux, takes no user attributes.
 pub(super) fn sys_xattr(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6], on: XattrOn) -> SysResult {
     use super::nr::*;
     let op = match nr {
@@ -862,12 +866,13 @@ pub(super) fn sys_xattr(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6], o
         LISTXATTR | LLISTXATTR | FLISTXATTR => 2,
         _ => 3,
     };
-    // The host descriptor to work on, whether changes are allowed, and whether it is a symlink.
-    let (owned, fd, writable, symlink) = match on {
+    // The host descriptor to work on, whether changes are allowed, and for a symlink itself its
+    // directory and name (no descriptor can name it).
+    let (owned, fd, writable, link) = match on {
         XattrOn::Fd(gfd) => {
             let file = os.files.file(gfd)?;
             let Some(h) = file.host_fd() else { return Err(EOPNOTSUPP) };
-            (None, h, !file.ro, false)
+            (None, h, !file.ro, None)
         }
         XattrOn::Path(flags) => {
             let path = read_path(ctx, a[0])?;
@@ -884,16 +889,35 @@ pub(super) fn sys_xattr(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6], o
             // SAFETY: a valid fd and C string (one component, already resolved).
             match cvt(unsafe { libc::openat(d, n.as_ptr(), oflags) } as i64) {
                 // SAFETY: a fresh descriptor we own.
-                Ok(h) => (Some(unsafe { OwnedFd::from_raw_fd(h as RawFd) }), h as RawFd, r.writable(), false),
-                Err(e) if e.0 == libc::ELOOP => (None, -1, r.writable(), true),
+                Ok(h) => (Some(unsafe { OwnedFd::from_raw_fd(h as RawFd) }), h as RawFd, r.writable(), None),
+                // The lookup's directory fd closes with `r`: keep a copy of it.
+                // SAFETY: F_DUPFD_CLOEXEC of a valid descriptor; the result is checked.
+                Err(e) if e.0 == libc::ELOOP => match cvt(unsafe { libc::fcntl(d, libc::F_DUPFD_CLOEXEC, 0) } as i64) {
+                    // SAFETY: a fresh descriptor we own.
+                    Ok(dir) => (None, -1, r.writable(), Some((unsafe { OwnedFd::from_raw_fd(dir as RawFd) }, n.to_owned()))),
+                    Err(e) => return Err(e),
+                },
                 Err(e) => return Err(e),
             }
         }
     };
     let _keep = owned;
+    let symlink = link.is_some();
     let name = if op == 2 { Vec::new() } else { xattr_name(ctx, a[1])? };
-    let cname = std::ffi::CString::new(name.clone()).map_err(|_| EINVAL)?;
-    let user = name.starts_with(b"user.");
+    let admin = os.proc.uid[1] == 0;
+    if let Some((d, n)) = &link {
+        if admin && (op == 2 || XattrNs::of(&name) == XattrNs::Trusted) {
+            return symlink_trusted(ctx, op, a, (d.as_raw_fd(), n), &name, writable);
+        }
+    }
+    let (host_name, user) = match XattrNs::of(&name) {
+        XattrNs::User => (name, true),
+        XattrNs::Reserved => return Err(if op == 0 { EOPNOTSUPP } else { crate::guestos::ENODATA }),
+        XattrNs::Trusted if !admin => return Err(if op == 0 || op == 3 { crate::guestos::EPERM } else { crate::guestos::ENODATA }),
+        XattrNs::Trusted => ([TRUSTED_PREFIX, &name[b"trusted.".len()..]].concat(), true),
+        XattrNs::Other => (name, false),
+    };
+    let cname = std::ffi::CString::new(host_name).map_err(|_| EINVAL)?;
     match op {
         0 => {
             let (len, flags) = (a[3] as usize, a[4] as i32);
@@ -925,14 +949,19 @@ pub(super) fn sys_xattr(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6], o
             if symlink {
                 return Ok(0);
             }
-            let size = (a[2] as usize).min(XATTR_SIZE_MAX);
-            let mut buf = vec![0u8; size];
-            // SAFETY: a valid descriptor and buffer of `size` bytes (a null buffer of 0 asks the size).
-            let n = cvt(unsafe { libc::flistxattr(fd, if size == 0 { std::ptr::null_mut() } else { buf.as_mut_ptr().cast() }, size) } as i64)?;
-            if size > 0 {
-                ctx.write(a[1], &buf[..n as usize])?;
+            // The host's list, translated: it can be longer or shorter than the guest's, so it is
+            // always read in full and the guest's size rules (ERANGE) apply to the translation.
+            let host = list_host_xattrs(fd)?;
+            let list = guest_xattr_list(&host, admin);
+            let size = a[2] as usize;
+            if size == 0 {
+                return Ok(list.len() as u64);
             }
-            Ok(n as u64)
+            if list.len() > size {
+                return Err(ERANGE);
+            }
+            ctx.write(a[1], &list)?;
+            Ok(list.len() as u64)
         }
         _ => {
             may_change(user, writable, symlink)?;
@@ -940,6 +969,160 @@ pub(super) fn sys_xattr(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6], o
             cvt(unsafe { libc::fremovexattr(fd, cname.as_ptr()) } as i64).map(|_| 0)
         }
     }
+}
+
+/// Where the guest's "trusted." attributes live on the host file: in the user namespace, under a
+/// name of the engine's (see [`sys_xattr`]).
+const TRUSTED_PREFIX: &[u8] = b"user.collimate.trusted.";
+/// Where they live on a symlink, which takes no user attributes: in the host's trusted namespace,
+/// under the engine's name (so only with the engine's own CAP_SYS_ADMIN; without it EPERM, as an
+/// unprivileged process gets).
+const LINK_TRUSTED_PREFIX: &[u8] = b"trusted.collimate.";
+
+/// A root guest's trusted attributes of a symlink itself (op: 0 set, 1 get, 2 list, 3 remove):
+/// l*xattr calls on its name, made from inside its directory (the working directory is restored).
+fn symlink_trusted(ctx: &mut Ctx, op: u8, a: [u64; 6], (d, n): (RawFd, &CStr), name: &[u8], writable: bool) -> SysResult {
+    let host_name = (op != 2).then(|| [LINK_TRUSTED_PREFIX, &name[b"trusted.".len()..]].concat());
+    let cname = std::ffi::CString::new(host_name.unwrap_or_default()).map_err(|_| EINVAL)?;
+    if matches!(op, 0 | 3) && !writable {
+        return Err(EROFS);
+    }
+    let value = if op == 0 {
+        let len = a[3] as usize;
+        if len > XATTR_SIZE_MAX {
+            return Err(crate::guestos::E2BIG);
+        }
+        if len == 0 { Vec::new() } else { ctx.read_vec(a[2], len)? }
+    } else {
+        Vec::new()
+    };
+    let mut buf = vec![0u8; if op == 1 { (a[3] as usize).min(XATTR_SIZE_MAX) } else { 0 }];
+    let r = in_dir(d, || {
+        let p = n.as_ptr();
+        // SAFETY: C strings, and buffers of the lengths given (a null buffer of 0 asks the size).
+        let rc = unsafe {
+            match op {
+                0 => libc::lsetxattr(p, cname.as_ptr(), value.as_ptr().cast(), value.len(), a[4] as i32) as i64,
+                1 => libc::lgetxattr(p, cname.as_ptr(), if buf.is_empty() { std::ptr::null_mut() } else { buf.as_mut_ptr().cast() }, buf.len()) as i64,
+                3 => libc::lremovexattr(p, cname.as_ptr()) as i64,
+                _ => return list_link_xattrs(p),
+            }
+        };
+        cvt(rc).map(|v| (v as u64, Vec::new()))
+    })?;
+    match op {
+        1 if !buf.is_empty() => {
+            ctx.write(a[2], &buf[..r.0 as usize])?;
+            Ok(r.0)
+        }
+        2 => {
+            let list: Vec<u8> = r.1.split(|&b| b == 0).filter_map(|h| h.strip_prefix(LINK_TRUSTED_PREFIX)).filter(|x| !x.is_empty()).flat_map(|x| [b"trusted.".as_slice(), x, b"\0"].concat()).collect();
+            let size = a[2] as usize;
+            if size == 0 {
+                return Ok(list.len() as u64);
+            }
+            if list.len() > size {
+                return Err(ERANGE);
+            }
+            ctx.write(a[1], &list)?;
+            Ok(list.len() as u64)
+        }
+        _ => Ok(r.0),
+    }
+}
+
+/// The host attribute names of symlink `p` (in the current directory).
+fn list_link_xattrs(p: *const libc::c_char) -> Result<(u64, Vec<u8>), Errno> {
+    loop {
+        // SAFETY: a C string; a null buffer of size 0 asks for the size.
+        let n = cvt(unsafe { libc::llistxattr(p, std::ptr::null_mut(), 0) } as i64)? as usize;
+        let mut buf = vec![0u8; n];
+        // SAFETY: a C string and a buffer of `n` bytes.
+        match cvt(unsafe { libc::llistxattr(p, buf.as_mut_ptr().cast(), n) } as i64) {
+            Ok(m) => {
+                buf.truncate(m as usize);
+                return Ok((m as u64, buf));
+            }
+            Err(e) if e == ERANGE => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Run `f` with host directory `d` as the working directory, then go back.
+fn in_dir<T>(d: RawFd, f: impl FnOnce() -> Result<T, Errno>) -> Result<T, Errno> {
+    // SAFETY: a NUL-terminated path; the result is checked.
+    let here = cvt(unsafe { libc::open(c".".as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) } as i64)?;
+    // SAFETY: a fresh descriptor we own.
+    let here = unsafe { OwnedFd::from_raw_fd(here as RawFd) };
+    // SAFETY: fchdir to a directory descriptor.
+    cvt(unsafe { libc::fchdir(d) } as i64)?;
+    let r = f();
+    // SAFETY: as above; back where we were.
+    unsafe { libc::fchdir(here.as_raw_fd()) };
+    r
+}
+
+/// The namespace of a guest attribute name.
+#[derive(Debug, PartialEq, Eq)]
+enum XattrNs {
+    User,
+    /// A user attribute name under [`TRUSTED_PREFIX`]'s "user.collimate.": the engine's.
+    Reserved,
+    Trusted,
+    Other,
+}
+
+impl XattrNs {
+    fn of(name: &[u8]) -> XattrNs {
+        if name.starts_with(b"user.collimate.") {
+            XattrNs::Reserved
+        } else if name.starts_with(b"user.") {
+            XattrNs::User
+        } else if name.starts_with(b"trusted.") && name.len() > b"trusted.".len() {
+            XattrNs::Trusted
+        } else {
+            XattrNs::Other
+        }
+    }
+}
+
+/// The host file's attribute names (NUL-terminated, concatenated), all of them.
+fn list_host_xattrs(fd: RawFd) -> Result<Vec<u8>, Errno> {
+    loop {
+        // SAFETY: a null buffer of size 0 asks for the size.
+        let n = cvt(unsafe { libc::flistxattr(fd, std::ptr::null_mut(), 0) } as i64)? as usize;
+        let mut buf = vec![0u8; n];
+        // SAFETY: a valid descriptor and a buffer of `n` bytes.
+        match cvt(unsafe { libc::flistxattr(fd, buf.as_mut_ptr().cast(), n) } as i64) {
+            Ok(m) => {
+                buf.truncate(m as usize);
+                return Ok(buf);
+            }
+            // The list grew in between (another process of the sandbox): ask again.
+            Err(e) if e == ERANGE => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The guest's view of a host attribute list: the engine's names hidden, its trusted ones shown
+/// as "trusted." to a guest with effective uid 0 (Linux lists them to CAP_SYS_ADMIN only).
+fn guest_xattr_list(host: &[u8], admin: bool) -> Vec<u8> {
+    let mut out = Vec::with_capacity(host.len());
+    for name in host.split(|&b| b == 0).filter(|n| !n.is_empty()) {
+        if let Some(rest) = name.strip_prefix(TRUSTED_PREFIX) {
+            if admin && !rest.is_empty() {
+                out.extend_from_slice(b"trusted.");
+                out.extend_from_slice(rest);
+                out.push(0);
+            }
+        } else if XattrNs::of(name) != XattrNs::Reserved {
+            out.extend_from_slice(name);
+            out.push(0);
+        }
+    }
+    out
 }
 
 /// Whether an attribute may be set or removed: user attributes, on a writable mount, not on a

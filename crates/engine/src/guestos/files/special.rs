@@ -1,7 +1,8 @@
 //! The trees the engine serves itself: `/dev` and `/proc`. The host's own `/dev` and `/proc` are
 //! never opened: every node here is made up from the guest's state.
 //!
-//! `/dev`: null, zero, random, urandom, stdin/stdout/stderr and fd (symlinks into /proc/self/fd).
+//! `/dev`: null, zero, random, urandom, stdin/stdout/stderr and fd (symlinks into /proc/self/fd),
+//! ptmx and pts/ (pseudo-terminals: host ones, see `pty`).
 //! `/proc`: self (exe, cwd, root, fd/, maps, status, stat, cmdline, environ, mounts),
 //! thread-self, cpuinfo, meminfo, stat, mounts.
 //!
@@ -27,6 +28,10 @@ pub enum Node {
     Link(String),
     /// `/proc/self/fd/N`: the guest's open fd N.
     Fd(i32),
+    /// `/dev/ptmx`.
+    Ptmx,
+    /// `/dev/pts/N`, a pty this process holds.
+    Pty(u32),
 }
 
 const DT_DIR: u8 = 4;
@@ -34,8 +39,10 @@ const DT_CHR: u8 = 2;
 const DT_REG: u8 = 8;
 const DT_LNK: u8 = 10;
 
-const DEV_FILES: [(&str, u8); 8] = [
+const DEV_FILES: [(&str, u8); 10] = [
     ("null", DT_CHR),
+    ("ptmx", DT_CHR),
+    ("pts", DT_DIR),
     ("zero", DT_CHR),
     ("random", DT_CHR),
     ("urandom", DT_CHR),
@@ -98,12 +105,16 @@ pub fn lookup(os: &GuestOs, path: &str) -> Option<Node> {
         return Some(Node::Link(t));
     }
     let node = match path {
-        "/dev" | "/proc" | "/proc/self" | "/proc/self/fd" => Node::Dir,
+        "/dev" | "/dev/pts" | "/proc" | "/proc/self" | "/proc/self/fd" => Node::Dir,
         "/dev/null" => Node::Null,
+        "/dev/ptmx" => Node::Ptmx,
         "/dev/zero" => Node::Zero,
         "/dev/random" | "/dev/urandom" => Node::Random,
         "/proc/cpuinfo" | "/proc/meminfo" | "/proc/stat" => Node::File,
         p => {
+            if let Some(name) = p.strip_prefix("/dev/pts/") {
+                return super::pty::lookup(os, name).map(Node::Pty);
+            }
             if let Some(name) = p.strip_prefix("/proc/self/") {
                 if SELF_FILES.iter().any(|(n, t)| *n == name && *t == DT_REG) {
                     return Some(Node::File);
@@ -126,6 +137,10 @@ pub fn list(os: &GuestOs, path: &str) -> Option<Vec<(String, u8)>> {
         "/proc/self" => &SELF_FILES,
         "/proc/self/fd" => {
             v.extend(os.files.open_fds().map(|fd| (fd.to_string(), DT_LNK)));
+            return Some(v);
+        }
+        "/dev/pts" => {
+            v.extend(super::pty::held_numbers(os).into_iter().map(|n| (n.to_string(), DT_CHR)));
             return Some(v);
         }
         _ => return None,
@@ -279,6 +294,8 @@ pub fn open(os: &GuestOs, ctx: &Ctx, path: &str, flags: i32, follow: bool) -> Re
         Node::Link(_) => return Err(crate::guestos::ELOOP),
         Node::Fd(_) if !follow => return Err(crate::guestos::ELOOP),
         Node::Fd(n) => return reopen(os, n, flags),
+        Node::Ptmx => return super::pty::open_master(flags),
+        Node::Pty(n) => return super::pty::open_slave(n, flags),
     };
     Ok(Arc::new(OpenFile::new(kind, Some(path.to_string()), status)))
 }
@@ -383,6 +400,8 @@ pub fn stat(os: &GuestOs, path: &str, follow: bool) -> Result<libc::stat, Errno>
         Node::Link(t) => synth_stat(libc::S_IFLNK | 0o777, ino, 0, t.len() as i64, dev),
         Node::Fd(n) if follow => file_stat(&*os.files.file(n)?)?,
         Node::Fd(n) => synth_stat(libc::S_IFLNK | 0o700, ino, 0, describe(&*os.files.file(n)?).len() as i64, dev),
+        Node::Ptmx => super::pty::stat(None).unwrap_or_else(|_| synth_stat(libc::S_IFCHR | 0o666, ino, libc::makedev(5, 2), 0, dev)),
+        Node::Pty(n) => super::pty::stat(Some(n))?,
     })
 }
 

@@ -117,9 +117,48 @@ fn xattrs_live_on_the_host_files() {
     assert_eq!(h.call(FGETXATTR, &[fd, name, b, 256]), 5);
     assert_eq!(h.call(FREMOVEXATTR, &[fd, name]), 0);
     assert_eq!(h.call(LISTXATTR, &[p, b, 256]), 0);
-    // Other namespaces are the host's business.
+    // The trusted namespace is the guest's own (root's, as under Linux), kept under a user
+    // attribute of the engine's that the guest never sees as such.
     let trusted = h.cstr("trusted.x");
-    assert_eq!(h.call(SETXATTR, &[p, trusted, value, 5, 0]), e(EOPNOTSUPP));
+    assert_eq!(h.call(SETXATTR, &[p, trusted, value, 5, 0]), 0);
+    assert_eq!(h.call(GETXATTR, &[p, trusted, b, 256]), 5);
+    assert_eq!(h.get(b, 5), b"hello");
+    assert_eq!(h.call(LISTXATTR, &[p, 0, 0]), 10);
+    assert_eq!(h.call(LISTXATTR, &[p, b, 9]), e(ERANGE));
+    assert_eq!(h.call(LISTXATTR, &[p, b, 256]), 10);
+    assert_eq!(h.get(b, 10), b"trusted.x\0");
+    let host = std::ffi::CString::new(h.dir.0.join("work/b.txt").into_os_string().into_encoded_bytes()).unwrap();
+    let mut names = [0u8; 256];
+    // SAFETY: a C string and a buffer of 256 bytes.
+    let n = unsafe { libc::listxattr(host.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+    assert_eq!(&names[..n.max(0) as usize], b"user.collimate.trusted.x\0", "kept in the host's user namespace");
+    let reserved = h.cstr("user.collimate.trusted.x");
+    assert_eq!(h.call(GETXATTR, &[p, reserved, b, 256]), e(ENODATA));
+    assert_eq!(h.call(SETXATTR, &[p, reserved, value, 5, 0]), e(EOPNOTSUPP));
+    // Not root: trusted attributes are invisible and cannot be changed (Linux: CAP_SYS_ADMIN).
+    h.os.proc.uid = [1000; 4];
+    assert_eq!(h.call(LISTXATTR, &[p, b, 256]), 0);
+    assert_eq!(h.call(GETXATTR, &[p, trusted, b, 256]), e(ENODATA));
+    assert_eq!(h.call(SETXATTR, &[p, trusted, value, 5, 0]), e(EPERM));
+    assert_eq!(h.call(REMOVEXATTR, &[p, trusted]), e(EPERM));
+    h.os.proc.uid = [0; 4];
+    assert_eq!(h.call(REMOVEXATTR, &[p, trusted]), 0);
+    assert_eq!(h.call(LISTXATTR, &[p, b, 256]), 0);
+    // A symlink itself takes trusted attributes (not user ones), as under Linux.
+    assert!(std::os::unix::fs::symlink("/work/b.txt", h.dir.0.join("work/sub/ln")).is_ok());
+    let ln = h.cstr("/work/sub/ln");
+    let ln_user = h.cstr("user.y");
+    assert_eq!(h.call(LSETXATTR, &[ln, ln_user, value, 5, 0]), e(EPERM));
+    assert_eq!(h.call(LSETXATTR, &[ln, trusted, value, 3, 0]), 0);
+    assert_eq!(h.call(LGETXATTR, &[ln, trusted, b, 256]), 3);
+    assert_eq!(h.call(LLISTXATTR, &[ln, b, 256]), 10);
+    assert_eq!(h.get(b, 10), b"trusted.x\0");
+    assert_eq!(h.call(LISTXATTR, &[ln, b, 256]), 0, "followed: b.txt has none left");
+    assert_eq!(h.call(LREMOVEXATTR, &[ln, trusted]), 0);
+    assert_eq!(h.call(LLISTXATTR, &[ln, b, 256]), 0);
+    // Other namespaces are the host's business.
+    let security = h.cstr("security.x");
+    assert_eq!(h.call(SETXATTR, &[p, security, value, 5, 0]), e(EOPNOTSUPP));
     let missing = h.cstr("/work/missing");
     assert_eq!(h.call(LISTXATTR, &[missing, b, 256]), e(ENOENT));
     assert_eq!(h.call(FLISTXATTR, &[99, b, 256]), e(EBADF));
@@ -296,4 +335,62 @@ fn writes_bigger_than_max_io_are_whole() {
     // A fault part way returns what was written before it.
     assert_eq!(h.call(WRITE, &[fd as u64, BIG + (len as u64).div_ceil(4096) * 4096 - MAX_IO as u64, 2 * MAX_IO as u64]), MAX_IO as i64);
     assert_eq!(h.call(WRITE, &[fd as u64, UNMAPPED, 10]), e(EFAULT));
+}
+
+/// test_os.test_openpty, pty.fork: /dev/ptmx gives a host pty (its line discipline included),
+/// unlocked and reached through TIOCGPTPEER or /dev/pts/N; a pty is reachable by name, and listed,
+/// only while the process holds it; terminal ioctls pass through, other files are not terminals.
+#[test]
+fn ptys_are_host_terminals_held_by_the_guest() {
+    const TCGETS: u64 = 0x5401;
+    const TIOCGPTN: u64 = 0x8004_5430;
+    const TIOCSPTLCK: u64 = 0x4004_5431;
+    const TIOCGPTPEER: u64 = 0x5441;
+    const TIOCSWINSZ: u64 = 0x5414;
+    const TIOCGWINSZ: u64 = 0x5413;
+    const TIOCGPGRP: u64 = 0x540f;
+    let mut h = H::new();
+    let master = h.open("/dev/ptmx", libc::O_RDWR | libc::O_NOCTTY, 0);
+    assert!(master >= 0, "open /dev/ptmx: {master}");
+    let m = master as u64;
+    let b = h.buf(64);
+    let zero = h.put(&0i32.to_le_bytes());
+    assert_eq!(h.call(IOCTL, &[m, TIOCSPTLCK, zero]), 0);
+    assert_eq!(h.call(IOCTL, &[m, TIOCGPTN, b]), 0);
+    let n = u32::from_le_bytes(h.get(b, 4).try_into().unwrap());
+    let pts = format!("/dev/pts/{n}");
+    let names = {
+        let d = h.open("/dev/pts", libc::O_RDONLY | libc::O_DIRECTORY, 0);
+        h.list(d).into_iter().map(|(name, _)| name).collect::<Vec<_>>()
+    };
+    assert!(names.contains(&n.to_string()), "{names:?}");
+    let slave = h.call(IOCTL, &[m, TIOCGPTPEER, (libc::O_RDWR | libc::O_NOCTTY) as u64]);
+    assert!(slave >= 0, "TIOCGPTPEER: {slave}");
+    let by_name = h.open(&pts, libc::O_RDWR | libc::O_NOCTTY, 0);
+    assert!(by_name >= 0, "open {pts}: {by_name}");
+    assert_eq!(h.stat(&pts, 0).map(|st| st.st_mode & libc::S_IFMT), Ok(libc::S_IFCHR));
+    // Both ends are terminals (isatty), with the host's line discipline: "\n" goes out as "\r\n".
+    assert_eq!(h.call(IOCTL, &[slave as u64, TCGETS, b]), 0);
+    assert_eq!(h.call(IOCTL, &[m, TCGETS, b]), 0);
+    let ws = h.put(&[24, 0, 80, 0, 0, 0, 0, 0]);
+    assert_eq!(h.call(IOCTL, &[slave as u64, TIOCSWINSZ, ws]), 0);
+    assert_eq!(h.call(IOCTL, &[m, TIOCGWINSZ, b]), 0);
+    assert_eq!(h.get(b, 4), [24, 0, 80, 0]);
+    assert_eq!(h.call(IOCTL, &[slave as u64, TIOCGPGRP, b]), e(ENOTTY));
+    assert_eq!(h.write(slave, b"hi\n"), 3);
+    let got = h.buf(16);
+    assert_eq!(h.call(READ, &[m, got, 16]), 4);
+    assert_eq!(h.get(got, 4), b"hi\r\n");
+    assert_eq!(h.write(master, b"ok\n"), 3);
+    assert_eq!(h.call(READ, &[by_name as u64, got, 16]), 3);
+    assert_eq!(h.get(got, 3), b"ok\n");
+    // Not a terminal: a regular file.
+    let file = h.open("/work/b.txt", libc::O_RDONLY, 0);
+    assert_eq!(h.call(IOCTL, &[file as u64, TCGETS, b]), e(ENOTTY));
+    // Released: the name is gone for this process (another sandbox's pty is never reachable).
+    for fd in [master, slave, by_name] {
+        assert_eq!(h.call(CLOSE, &[fd as u64]), 0);
+    }
+    assert_eq!(h.open(&pts, libc::O_RDWR, 0), e(ENOENT));
+    assert_eq!(h.stat(&pts, 0).err(), Some(e(ENOENT)));
 }
