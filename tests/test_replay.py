@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -224,6 +225,77 @@ def test_guest_pids_are_the_sandboxes_own_and_replay(client):
         assert outs == [again] * 3, outs
     with Sandbox("python", client=client) as other:  # another clone: the same numbers
         assert other.exec(code=PIDS).stdout == first.stdout
+
+
+# Concurrent processes that race under a host scheduler: three children write to one pipe, the
+# parent reads what arrives as it arrives and reaps them with wait(); a pair of children race to
+# fork (who gets which pid); a parent's timeout on a child that sleeps an hour; a parent's sleep
+# while its child spins.
+RACES = r"""
+import hashlib, itertools, os, re, subprocess, sys, time
+r, w = os.pipe()
+kids = []
+for k in range(3):
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        for i in range(300):
+            os.write(w, f"{k}:{i} ".encode())
+            if i % 50 == 0:
+                os.getppid()
+        os._exit(10 + k)
+    kids.append(pid)
+os.close(w)
+chunks = []
+while True:
+    b = os.read(r, 1000)
+    if not b: break
+    chunks.append(len(b))
+    data = b"".join([data, b]) if chunks[1:] else b
+order = "".join(chr(m.group(0)[0]) for m in re.finditer(rb"\d:", data))
+print("runs", [(k, len(list(g))) for k, g in itertools.groupby(order)][:8], "reads", len(chunks))
+print("reaped", [os.wait() for _ in kids])
+p1 = subprocess.Popen([sys.executable, "-c", "import os; [os.fork() or os._exit(0) for _ in range(2)]; print(os.getpid())"], stdout=subprocess.PIPE)
+p2 = subprocess.Popen(["sh", "-c", "sh -c 'echo $$'; echo $$"], stdout=subprocess.PIPE)
+print("pids", p1.pid, p2.pid, p1.communicate()[0].split(), p2.communicate()[0].split())
+t0 = time.monotonic()
+try:
+    subprocess.run(["sleep", "3600"], timeout=3)
+except subprocess.TimeoutExpired:
+    print("timeout after", round(time.monotonic() - t0, 6))
+"""
+
+
+def test_concurrent_processes_are_scheduled_deterministically(client):
+    """Replay mode: a sandbox's processes take turns in guest-pid order with one virtual clock
+    (guestos::sched), so what races under the host's scheduler (pipe interleaving, reap order,
+    which concurrent fork gets which pid, how much time a parent's timeout sees) is the same in
+    every clone, fork-group child and new process; a timeout on a sleeping child ends after
+    exactly its virtual seconds."""
+    results = _live_clones(client, 8, RACES)
+    with Sandbox("python", client=client) as sb:
+        with sb.fork_group(4) as grp:
+            results += grp.map(lambda i, c: c.exec(code=RACES, seed=SEED))
+    outs = _check(results, "races")
+    assert len(outs) == 1, outs
+    out = outs.pop()
+    # 3 virtual seconds, plus the clock reads' quanta (1 us each) of the parent's own bookkeeping.
+    assert re.search(r"timeout after 3\.0000\d+\n", out), out
+    assert "reaped [(" in out, out
+
+
+def test_a_spinning_child_cannot_starve_its_parents_timeout(client):
+    """Turns are not preemptive for determinism's sake, but a process that keeps the token while
+    another waits for a deadline is preempted: a parent's timeout on a child that computes forever
+    still fires (when depends on the host: this is outside what replay reproduces)."""
+    code = (
+        "import subprocess, sys\n"
+        "try: subprocess.run([sys.executable, '-c', 'while True: pass'], timeout=1)\n"
+        "except subprocess.TimeoutExpired: print('timed out')\n"
+    )
+    with Sandbox("python", client=client) as sb:
+        r = sb.exec(code=code, seed=SEED, timeout_seconds=60)
+    assert r.ok and r.stdout == "timed out\n", (r.stdout, r.stderr)
 
 
 def test_different_seeds_give_different_outputs(client):

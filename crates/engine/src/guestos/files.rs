@@ -618,6 +618,10 @@ pub(super) fn wait_stream(fd: RawFd, events: i16) -> Result<(), Errno> {
     if cvt(unsafe_fcntl(fd, libc::F_GETFL, 0))? as i32 & libc::O_NONBLOCK != 0 {
         return Ok(());
     }
+    // Replay mode, other processes: their turn (see `guestos::sched`), then try again.
+    if super::sched::yield_blocked(None) {
+        return Err(super::signal::ERESTARTSYS);
+    }
     // SAFETY: one valid pollfd.
     match unsafe { libc::poll(&mut p, 1, WAIT_SLICE_MS) } {
         // Not ready yet: restart the syscall (the run loop gets control in between).

@@ -292,6 +292,12 @@ impl Clocks {
         }
     }
 
+    /// Virtual CLOCK_MONOTONIC now (replay mode), without advancing it: the sandbox's process tree
+    /// shares this timeline (see `guestos::sched`).
+    pub fn mono_now(&self) -> u64 {
+        self.virtual_ns(ClockKind::Mono)
+    }
+
     /// Let `ns` of virtual time pass (a sleep): wall clocks move, CPU time does not.
     pub fn pass(&mut self, ns: u64) {
         self.elapsed = self.elapsed.saturating_add(ns);
@@ -467,6 +473,18 @@ fn sleep_until(
 /// module comment); it waits on the host (sliced, as `sleep_until`) only if other guest processes
 /// of the sandbox are alive to run meanwhile.
 fn virtual_sleep(proc: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6], d: u64, done: SysResult) -> SysResult {
+    // Taking turns with other processes (see `guestos::sched`): the sleep ends when the tree's
+    // virtual time reaches its deadline.
+    if super::sched::active() {
+        proc.sleep = None;
+        let now = proc.clocks.mono_now();
+        let deadline = super::sched::deadline(now, d);
+        if now >= deadline {
+            return done;
+        }
+        super::sched::yield_blocked(Some(deadline));
+        return Err(super::signal::ERESTARTSYS);
+    }
     if super::signal::host::alone() {
         proc.sleep = None;
         proc.clocks.pass(d);

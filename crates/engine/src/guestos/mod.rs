@@ -19,6 +19,7 @@ pub mod files;
 pub mod misc;
 pub mod mm;
 pub mod persist;
+pub mod sched;
 pub mod signal;
 pub mod vfs;
 

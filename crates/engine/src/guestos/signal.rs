@@ -629,6 +629,7 @@ fn children_autoreaped(proc: &Proc) -> bool {
 /// Notice children that ended since the last look: raise their exit signal (SIGCHLD) with its
 /// siginfo, or reap them at once if SIGCHLD is ignored explicitly.
 pub fn poll_children(os: &mut GuestOs) {
+    settle_left_children(os);
     let idx: Vec<usize> = (0..os.sig.children.len()).filter(|&i| !os.sig.children[i].notified).collect();
     if idx.is_empty() {
         return;
@@ -694,6 +695,22 @@ impl Which {
     }
 }
 
+/// Replay mode (see `guestos::sched`): a child that has left the tree's turns is ending; wait for
+/// its host exit, so that the parent sees it ended exactly from its first look after that (its
+/// SIGCHLD, which child `wait` reaps) and not whenever the host finishes the exit.
+fn settle_left_children(os: &GuestOs) {
+    if !crate::guestos::sched::replaying() {
+        return;
+    }
+    for c in os.sig.children.iter().filter(|c| !c.notified && !crate::guestos::sched::member(c.pid)) {
+        if let Some(fd) = &c.pidfd {
+            let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd; the process is on its way out (2 s at most).
+            unsafe { libc::poll(&mut p, 1, 2000) };
+        }
+    }
+}
+
 /// Block at most one slice until a child in `fds` ends or a host signal arrives.
 fn wait_slice(fds: &[RawFd]) {
     let mut p: Vec<libc::pollfd> = fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
@@ -706,6 +723,7 @@ fn wait_slice(fds: &[RawFd]) {
 /// ended (reaped unless `peek`), Ok(None) with `nohang` if none has, ECHILD if there is none to
 /// wait for, ERESTARTSYS after a slice of waiting.
 fn wait_child(os: &mut GuestOs, which: Which, nohang: bool, peek: bool, exited: bool) -> Result<Option<(i32, i32, i32)>, Errno> {
+    settle_left_children(os);
     for round in 0..2 {
         let autoreap = children_autoreaped(&os.proc);
         let mut i = 0;
@@ -737,6 +755,9 @@ fn wait_child(os: &mut GuestOs, which: Which, nohang: bool, peek: bool, exited: 
             return Ok(None);
         }
         if round == 0 {
+            if crate::guestos::sched::yield_blocked(None) {
+                return Err(ERESTARTSYS);
+            }
             let fds: Vec<RawFd> = os
                 .sig
                 .children
@@ -847,11 +868,24 @@ fn send(os: &mut GuestOs, t: Target, sig: i32, code: i32) -> Result<(), Errno> {
             Ok(())
         }
         Target::Child(i) => match &os.sig.children[i].pidfd {
-            Some(fd) => host::send_pidfd(fd.as_raw_fd(), sig, false, from(os)),
+            Some(fd) => {
+                host::send_pidfd(fd.as_raw_fd(), sig, false, from(os))?;
+                if sig == SIGKILL {
+                    crate::guestos::sched::killed(os.sig.children[i].pid);
+                }
+                Ok(())
+            }
             None => Ok(()), // a phantom child reads as a zombie
         },
         Target::Parent => match &os.sig.parent {
-            Some(fd) => host::send_pidfd(fd.as_raw_fd(), sig, os.sig.parent_host == host::top(), from(os)),
+            Some(fd) => {
+                let top = os.sig.parent_host == host::top();
+                host::send_pidfd(fd.as_raw_fd(), sig, top, from(os))?;
+                if sig == SIGKILL && !top {
+                    crate::guestos::sched::killed(os.proc.ppid);
+                }
+                Ok(())
+            }
             None => Err(ESRCH),
         },
         Target::Top => host::send_top(sig, from(os)),
@@ -959,6 +993,9 @@ fn suspend(os: &mut GuestOs, mask: Option<u64>) -> SysResult {
             return Err(EINTR);
         }
         if round == 0 {
+            if crate::guestos::sched::yield_blocked(None) {
+                break;
+            }
             let fds: Vec<RawFd> =
                 os.sig.children.iter().filter(|c| !c.notified).filter_map(|c| c.pidfd.as_ref().map(|f| f.as_raw_fd())).collect();
             wait_slice(&fds);
@@ -982,6 +1019,27 @@ fn sigtimedwait(os: &mut GuestOs, ctx: &mut Ctx, a: [u64; 6]) -> SysResult {
         _ => crate::guestos::files::poll::timeout_ts(ctx, a[2])?
             .map(|t| crate::guestos::misc::monotonic_ns().saturating_add(t.as_nanos() as u64)),
     };
+    // Taking turns (see `guestos::sched`): the timeout is a deadline on the tree's virtual time.
+    let sched_deadline = if crate::guestos::sched::active() {
+        let now = os.proc.clocks.mono_now();
+        match crate::guestos::files::poll::timeout_ts(ctx, a[2])? {
+            Some(t) => {
+                let d = crate::guestos::sched::deadline(now, t.as_nanos().min(u64::MAX as u128) as u64);
+                if now >= d {
+                    gather(os);
+                    if os.sig.pending & set == 0 && !has_ready(os) {
+                        return Err(EAGAIN);
+                    }
+                }
+                Some(d)
+            }
+            None => None,
+        }
+    } else {
+        None
+    };
+    // The host deadline is for waits that do not take turns.
+    let deadline = if crate::guestos::sched::active() { None } else { deadline };
     for round in 0..2 {
         gather(os);
         let ready = os.sig.pending & set;
@@ -1001,6 +1059,9 @@ fn sigtimedwait(os: &mut GuestOs, ctx: &mut Ctx, a: [u64; 6]) -> SysResult {
             return Err(EAGAIN);
         }
         if round == 0 {
+            if crate::guestos::sched::yield_blocked(sched_deadline) {
+                break;
+            }
             let fds: Vec<RawFd> =
                 os.sig.children.iter().filter(|c| !c.notified).filter_map(|c| c.pidfd.as_ref().map(|f| f.as_raw_fd())).collect();
             wait_slice(&fds);
@@ -1325,6 +1386,15 @@ pub mod host {
             libc::sigemptyset(&mut sa.sa_mask);
             libc::sigaction(guest_signal(), &sa, std::ptr::null_mut());
         }
+        // The scheduler's preemption (see `guestos::sched`): a flag and a kick.
+        sa.sa_sigaction = on_preempt as *const () as usize;
+        // SAFETY: as above.
+        unsafe { libc::sigaction(crate::guestos::sched::preempt_signal(), &sa, std::ptr::null_mut()) };
+    }
+
+    extern "C" fn on_preempt(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+        crate::guestos::sched::preempt_requested();
+        kick();
     }
 
     /// Block or unblock the carrier signal for this thread.

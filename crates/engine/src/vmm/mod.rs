@@ -254,6 +254,7 @@ impl Machine {
             return Ok(RunResult { exit, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false, agent: vec![], others: 0 });
         }
         let deadline = start + timeout;
+        crate::guestos::sched::back();
         self.vcpu.set_kvm_immediate_exit(0);
         self.preempter.attach(&mut self.vcpu);
         self.preempter.arm(timeout)?;
@@ -266,6 +267,9 @@ impl Machine {
         if let RunExit::Exited { .. } | RunExit::Signaled { .. } = exit {
             self.exited = Some(exit);
             process::guest_ended(self);
+            crate::guestos::sched::leave();
+        } else if let Some(os) = &self.os {
+            crate::guestos::sched::away(os.proc.clocks.mono_now());
         }
         self.runtime.enosys += out.enosys;
         let others = if self.os.is_some() { crate::guestos::signal::host::live_processes().saturating_sub(1) } else { 0 };
@@ -286,6 +290,14 @@ impl Machine {
     fn run_loop(&mut self, deadline: Instant, out: &mut guestos::Output) -> Result<RunExit> {
         let linux = self.os.is_some();
         loop {
+            // Replay mode: the sandbox's processes take turns (see `guestos::sched`).
+            if let Some(os) = self.os.as_mut() {
+                let clocks = &mut os.proc.clocks;
+                let (replay, mono) = (clocks.replay, clocks.mono_now());
+                if let crate::guestos::sched::Gate::Timeout = crate::guestos::sched::gate(replay, mono, &mut |ns| clocks.pass(ns), deadline) {
+                    return Ok(RunExit::Timeout);
+                }
+            }
             self.cover_frames()?;
             let exit = match self.vcpu.run() {
                 Ok(VcpuExit::IoOut(port, data)) => {
@@ -371,6 +383,7 @@ impl Machine {
         r.rflags = r.r11;
         let mut sregs = sregs;
         let entry = process::Entry::of(&r);
+        crate::guestos::sched::begin_syscall(r.rip, r.rax, [r.rdi, r.rsi, r.rdx, r.r10]);
         let exit = match self.os.as_mut() {
             // fork, execve, sigreturn: the VMM's own business (see `process`).
             Some(_) if process::intercepts(r.rax) => process::syscall(self, &mut r, &mut sregs)?,
@@ -402,6 +415,7 @@ impl Machine {
                 exit
             }
         };
+        crate::guestos::sched::after_syscall();
         let exit = process::after_syscall(self, &entry, &mut r, exit)?;
         self.return_to_user(&r, sregs)?;
         Ok(exit)
@@ -542,6 +556,7 @@ fn pidfd_open(pid: i32) -> Result<OwnedFd> {
 }
 
 fn exit_process(code: i32) -> ! {
+    crate::guestos::sched::leave();
     // SAFETY: _exit never returns; skipping atexit handlers is deliberate (the launcher may be a Python
     // interpreter whose teardown we do not want to run in a VMM process).
     unsafe { libc::_exit(code) }

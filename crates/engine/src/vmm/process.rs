@@ -268,6 +268,7 @@ pub(super) fn serving(m: &mut Machine, chan: &Channel, pool: &Pool) {
         // here until the new one replaces it), else from the snapshot's count.
         let next = host::next_pid().or(m.os.as_ref().map(|os| os.proc.next_pid)).unwrap_or(2);
         host::new_process_count(next);
+        crate::guestos::sched::new_tree(m.os.as_ref().map_or(1, |os| os.proc.pid));
         // SAFETY: plain prctl on this process.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     }
@@ -363,6 +364,7 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
     if let Some(os) = m.os.as_mut() {
         signal::gather(os);
     }
+    crate::guestos::sched::before_fork();
     // SAFETY: a raw clone with exit signal 0 and no other flags: a fork whose child the host never
     // reaps on its own. This process is single-threaded, so the child may go on in Rust; it never
     // returns from `child_main`.
@@ -377,6 +379,7 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
         return Err(e);
     }
     let host_pid = rc as i32;
+    crate::guestos::sched::forked(pid, host_pid);
     let pidfd = match signal::pidfd_open(host_pid) {
         Ok(fd) => fd,
         Err(e) => {
@@ -386,6 +389,7 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
                 libc::waitpid(host_pid, std::ptr::null_mut(), libc::__WALL);
             }
             host::process_gone();
+            crate::guestos::sched::killed(pid);
             return Err(e);
         }
     };
@@ -429,6 +433,7 @@ fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, guest_pid: i32, 
         }
     }
     host::reset_child();
+    crate::guestos::sched::child_started(guest_pid);
     // No core files on the host when the guest dies by a core-dumping signal (RLIMIT_CORE is 0
     // in the guest too, so the wait status carries no core flag either way).
     let no_core = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
@@ -500,6 +505,7 @@ fn child_loop(m: &mut Machine) -> ! {
 
 /// End this process by host signal `sig`, so that its parent's wait sees WIFSIGNALED.
 fn die_by(sig: i32) -> ! {
+    crate::guestos::sched::leave();
     // SAFETY: resetting and unblocking `sig`, then sending it to ourselves; SIGKILL if it did not
     // end us (it always does: the guest only dies by terminating signals).
     unsafe {
@@ -538,6 +544,7 @@ pub(super) fn kill_children(m: &mut Machine) {
     if top {
         // The process budget starts over with the world (see `host::reset_process_count`).
         host::reset_process_count();
+        crate::guestos::sched::reset();
     }
 }
 

@@ -216,7 +216,11 @@ pub(super) fn sys_openat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64
 fn open_fifo(os: &GuestOs, r: &Resolved, flags: i32) -> Result<OwnedFd, Errno> {
     let fd = match os.vfs.open_resolved(r, flags | libc::O_NONBLOCK, 0) {
         Err(e) if e.0 == libc::ENXIO && flags & libc::O_NONBLOCK == 0 => {
-            // A writer and no reader yet: wait a slice, then the guest asks again.
+            // A writer and no reader yet: wait a slice (or the other processes' turn), then the
+            // guest asks again.
+            if crate::guestos::sched::yield_blocked(None) {
+                return Err(crate::guestos::signal::ERESTARTSYS);
+            }
             // SAFETY: poll with no descriptors is a plain sleep.
             unsafe { libc::poll(std::ptr::null_mut(), 0, super::WAIT_SLICE_MS) };
             return Err(crate::guestos::signal::ERESTARTSYS);

@@ -83,6 +83,36 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
             ready += 1;
         }
     }
+    // Replay mode with other processes: one look, then their turn (see `guestos::sched`); a
+    // timeout is a deadline on the tree's shared virtual time.
+    if ready == 0 && crate::guestos::sched::active() {
+        // SAFETY: `host` is a valid array of pollfds of the length we pass; no waiting.
+        let n = unsafe { libc::poll(host.as_mut_ptr(), host.len() as libc::nfds_t, 0) };
+        if n < 0 {
+            return Err(Errno::last());
+        }
+        for (p, &i) in host.iter().zip(&host_idx) {
+            revents[i] = p.revents & (fds[i].1 | ALWAYS);
+            if revents[i] != 0 {
+                ready += 1;
+            }
+        }
+        if ready > 0 {
+            return Ok(revents);
+        }
+        let deadline = timeout.map(|t| {
+            let now = os.proc.clocks.mono_now();
+            (now, crate::guestos::sched::deadline(now, t.as_nanos().min(u64::MAX as u128) as u64))
+        });
+        if let Some((now, d)) = deadline {
+            if now >= d {
+                return Ok(revents);
+            }
+        }
+        if crate::guestos::sched::yield_blocked(deadline.map(|(_, d)| d)) {
+            return Err(crate::guestos::signal::ERESTARTSYS);
+        }
+    }
     let slice = Duration::from_millis(WAIT_SLICE_MS as u64);
     let replay = os.proc.clocks.replay;
     if replay && ready == 0 && host.is_empty() {

@@ -1,0 +1,591 @@
+//! Deterministic scheduling of a sandbox's process tree in replay mode.
+//!
+//! Every guest process is a VMM process of its own, and the host runs them in parallel. That is
+//! what makes a process tree fast, and what makes it irreproducible: two children writing to one
+//! pipe interleave as the host's scheduler decides, so does which of two concurrent forks gets the
+//! next pid, which child a `wait()` reaps first, and how much virtual time a parent's timeout sees
+//! pass. In replay mode the processes of a sandbox therefore take turns, with a **run token** in
+//! the page they share ([`Region`]):
+//!
+//! - A process runs guest code only while it holds the token (the run loop's gate, [`gate`]). The
+//!   holder keeps it until it would block: a read of an empty pipe, a wait for a child, a sleep, a
+//!   poll... Those calls do not wait on the host (the `WAIT_SLICE_MS` waits of the non-replay
+//!   path); they ask to yield ([`yield_blocked`]) and restart, and the gate passes the token on.
+//! - The token goes round in guest-pid order (the next live process after the holder, wrapping):
+//!   which process runs next depends only on the guest pids and on what each process did, both
+//!   of which replay reproduces. A process that gets the token retries its call; it may block
+//!   again.
+//! - **Time** is one virtual clock for the whole tree: a process publishes its monotonic virtual
+//!   time when it passes the token and the next holder moves its clock up to it, so time only
+//!   moves forward and every process sees the same timeline. When a whole round passes without
+//!   progress (everybody is blocked), virtual time jumps to the earliest deadline among the
+//!   blocked processes (a sleep, a poll or sigtimedwait timeout): a parent's `timeout=3` on a
+//!   child that sleeps an hour ends after 3 virtual seconds, at once and in every replay alike.
+//!   Nobody with a deadline: the tree waits for something outside it (the host draining a pipe);
+//!   the token keeps going round with a short real pause per round.
+//! - A process that is done (exit, fatal signal) leaves its slot and hands the token on; one that
+//!   died without doing so (a host SIGKILL) is noticed by the waiters (its pidfd) and removed.
+//!
+//! Not deterministic, by design: a process that keeps the token for more than [`PREEMPT`] while
+//! another waits for a deadline (or [`PREEMPT_ANYWAY`] in any case) is preempted (the waiters
+//! signal it), so that a spinning child cannot starve the parent that would kill it on a timeout,
+//! nor a process that spins on memory another one writes; where it was preempted depends on the
+//! host's speed. Between execs (the agent is idle, [`State::Away`]) background processes go
+//! on in real time, as before.
+//!
+//! Outside replay mode, or with one process, none of this applies and processes run in parallel.
+
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Slots in the region: one per live process (the sandbox's process limit).
+pub const SLOTS: usize = 256;
+/// How long the holder may run guest code without passing the token while another process waits
+/// for a deadline (a parent's timeout on a spinning child), before the waiters preempt it.
+pub const PREEMPT: Duration = Duration::from_millis(200);
+/// How long it may when nobody has a deadline (a process that spins on memory another one writes).
+pub const PREEMPT_ANYWAY: Duration = Duration::from_secs(2);
+/// How long a waiter sleeps on the token before it checks the holder (alive? preempt it?).
+const CHECK: Duration = Duration::from_millis(10);
+/// The real pause per round when the whole tree waits for something outside it.
+const IDLE_PAUSE: Duration = Duration::from_millis(1);
+
+/// What a slot's process is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum State {
+    Free = 0,
+    /// Runnable, or running (the holder).
+    Run = 1,
+    /// Waiting for a condition that another process may bring about (or a deadline).
+    Blocked = 2,
+    /// The sandbox's first process between execs: serving its controller, not its guest. Skipped.
+    Away = 3,
+}
+
+/// One process's slot.
+#[repr(C)]
+pub struct Slot {
+    pid: AtomicU32,
+    host: AtomicI32,
+    state: AtomicU32,
+    _pad: u32,
+    /// Virtual monotonic ns the process waits for (u64::MAX: none).
+    deadline: AtomicU64,
+    /// Host CLOCK_MONOTONIC ns when it last took the token.
+    since: AtomicU64,
+}
+
+/// The scheduler's shared memory: a few pages every VMM process of the sandbox maps.
+#[repr(C)]
+pub struct Region {
+    /// Guest pid of the holder; 0 when nobody holds it.
+    token: AtomicU32,
+    /// Consecutive passes without progress.
+    idle: AtomicU32,
+    /// Set while some process changes the slots (a spin lock; held for a few instructions).
+    lock: AtomicU32,
+    _pad: u32,
+    /// The tree's virtual monotonic time (ns), as the last holder published it.
+    mono: AtomicU64,
+    slots: [Slot; SLOTS],
+}
+
+/// Bytes to map for a [`Region`].
+pub const REGION_BYTES: usize = std::mem::size_of::<Region>().div_ceil(4096) * 4096;
+
+static REGION: AtomicPtr<Region> = AtomicPtr::new(std::ptr::null_mut());
+/// This process's guest pid (0: not in a sandbox tree).
+static ME: AtomicU32 = AtomicU32::new(0);
+/// Whether this process holds the token.
+static HOLDING: AtomicBool = AtomicBool::new(false);
+/// Whether this process runs in replay mode (the gate keeps it current).
+static REPLAY: AtomicBool = AtomicBool::new(false);
+/// A yield asked by the current syscall: 0 none, 1 blocked (deadline in YIELD_DEADLINE).
+static YIELD: AtomicU32 = AtomicU32::new(0);
+static YIELD_DEADLINE: AtomicU64 = AtomicU64::new(u64::MAX);
+/// The waiters asked this process to pass the token (see [`PREEMPT`]).
+static PREEMPTED: AtomicBool = AtomicBool::new(false);
+/// Whether the process did something since it took the token (a round of passes with no progress
+/// means everybody is blocked).
+static PROGRESS: AtomicBool = AtomicBool::new(false);
+
+fn region() -> Option<&'static Region> {
+    let p = REGION.load(Ordering::Acquire);
+    // SAFETY: set by `attach` to a shared mapping of REGION_BYTES that is never unmapped.
+    (!p.is_null()).then(|| unsafe { &*p })
+}
+
+/// A new sandbox tree (its first process, guest pid `pid`): a region of its own, inherited by the
+/// processes it forks.
+pub fn new_tree(pid: i32) {
+    // SAFETY: a new anonymous shared mapping; nothing else refers to it yet.
+    let p = unsafe {
+        libc::mmap(std::ptr::null_mut(), REGION_BYTES, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1, 0)
+    };
+    if p != libc::MAP_FAILED {
+        attach(p.cast(), pid);
+    }
+}
+
+/// Use `mem` (a fresh zeroed shared mapping of [`REGION_BYTES`]) as this sandbox's region, with
+/// this process (guest pid `pid`) as its only member.
+fn attach(mem: *mut u8, pid: i32) {
+    REGION.store(mem.cast(), Ordering::Release);
+    ME.store(pid as u32, Ordering::SeqCst);
+    HOLDING.store(false, Ordering::SeqCst);
+    if let Some(r) = region() {
+        r.token.store(0, Ordering::SeqCst);
+        r.idle.store(0, Ordering::SeqCst);
+        r.mono.store(0, Ordering::SeqCst);
+        for s in &r.slots {
+            s.pid.store(0, Ordering::SeqCst);
+            s.state.store(State::Free as u32, Ordering::SeqCst);
+        }
+        // SAFETY: getpid cannot fail.
+        register(r, pid as u32, unsafe { libc::getpid() }, State::Run);
+    }
+}
+
+/// The sandbox is back to its first process alone (a reset): every other slot is freed.
+pub fn reset() {
+    let Some(r) = region() else { return };
+    let me = ME.load(Ordering::SeqCst);
+    with_lock(r, || {
+        for s in r.slots.iter().filter(|s| s.pid.load(Ordering::SeqCst) != me) {
+            s.state.store(State::Free as u32, Ordering::SeqCst);
+            s.pid.store(0, Ordering::SeqCst);
+        }
+    });
+    r.token.store(0, Ordering::SeqCst);
+    r.idle.store(0, Ordering::SeqCst);
+    HOLDING.store(false, Ordering::SeqCst);
+}
+
+fn with_lock<T>(r: &Region, f: impl FnOnce() -> T) -> T {
+    while r.lock.compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        std::hint::spin_loop();
+    }
+    let v = f();
+    r.lock.store(0, Ordering::Release);
+    v
+}
+
+fn slot_of(r: &Region, pid: u32) -> Option<&Slot> {
+    r.slots.iter().find(|s| s.pid.load(Ordering::SeqCst) == pid)
+}
+
+fn register(r: &Region, pid: u32, host: i32, state: State) {
+    with_lock(r, || {
+        let slot = slot_of(r, pid).or_else(|| r.slots.iter().find(|s| s.pid.load(Ordering::SeqCst) == 0));
+        if let Some(s) = slot {
+            s.host.store(host, Ordering::SeqCst);
+            s.state.store(state as u32, Ordering::SeqCst);
+            s.deadline.store(u64::MAX, Ordering::SeqCst);
+            s.pid.store(pid, Ordering::SeqCst);
+        }
+    });
+}
+
+/// Members that take turns: running, runnable or blocked (not away, not free).
+fn members(r: &Region) -> usize {
+    r.slots.iter().filter(|s| matches!(s.state.load(Ordering::SeqCst), 1 | 2) && s.pid.load(Ordering::SeqCst) != 0).count()
+}
+
+/// Whether the tree takes turns now: replay mode, and another member besides this process.
+pub fn active() -> bool {
+    REPLAY.load(Ordering::Relaxed) && region().is_some_and(|r| members(r) > 1)
+}
+
+/// Before a guest fork: in replay mode the parent holds the token (it is the one running), so the
+/// child waits for its turn whatever the host runs first.
+pub fn before_fork() {
+    if let Some(r) = region() {
+        if REPLAY.load(Ordering::Relaxed) {
+            take_now(r);
+        }
+    }
+}
+
+/// A guest fork made child `pid` (host process `host`): it takes turns from its first run.
+pub fn forked(pid: i32, host: i32) {
+    let Some(r) = region() else { return };
+    register(r, pid as u32, host, State::Run);
+}
+
+/// In a new child process: its guest pid (its slot was made by the parent).
+pub fn child_started(pid: i32) {
+    if let Ok(mut c) = CALL.lock() {
+        *c = (CallKey::default(), None);
+    }
+    ME.store(pid as u32, Ordering::SeqCst);
+    HOLDING.store(false, Ordering::SeqCst);
+    YIELD.store(0, Ordering::SeqCst);
+    PREEMPTED.store(false, Ordering::SeqCst);
+    if let Some(r) = region() {
+        // SAFETY: getpid cannot fail.
+        register(r, pid as u32, unsafe { libc::getpid() }, State::Run);
+    }
+}
+
+/// Make this process the holder without waiting (it is the one running).
+fn take_now(r: &Region) {
+    let me = ME.load(Ordering::SeqCst);
+    if me != 0 {
+        r.token.store(me, Ordering::SeqCst);
+        HOLDING.store(true, Ordering::SeqCst);
+        if let Some(s) = slot_of(r, me) {
+            s.since.store(crate::guestos::misc::monotonic_ns(), Ordering::SeqCst);
+        }
+    }
+}
+
+/// The current syscall would block: pass the token (blocked until `deadline`, virtual monotonic
+/// ns) once it has returned, and restart it. False when the tree does not take turns: the caller
+/// waits on the host as before.
+pub fn yield_blocked(deadline: Option<u64>) -> bool {
+    if !active() {
+        return false;
+    }
+    YIELD_DEADLINE.store(deadline.unwrap_or(u64::MAX), Ordering::SeqCst);
+    YIELD.store(1, Ordering::SeqCst);
+    true
+}
+
+/// The syscall being served (rip after it, number, first four arguments), and the deadline a
+/// blocked call computed: a restart of the same call keeps it; any other call drops it.
+#[derive(Clone, Copy, PartialEq, Eq, Default)]
+struct CallKey {
+    rip: u64,
+    nr: u64,
+    args: [u64; 4],
+}
+static CALL: std::sync::Mutex<(CallKey, Option<(CallKey, u64)>)> =
+    std::sync::Mutex::new((CallKey { rip: 0, nr: 0, args: [0; 4] }, None));
+
+/// Before every syscall.
+pub fn begin_syscall(rip: u64, nr: u64, args: [u64; 4]) {
+    let key = CallKey { rip, nr, args };
+    if let Ok(mut c) = CALL.lock() {
+        c.0 = key;
+        if c.1.is_some_and(|(k, _)| k != key) {
+            c.1 = None;
+        }
+    }
+}
+
+/// The virtual deadline of the current call: `now + timeout` when it started (kept across its
+/// restarts).
+pub fn deadline(now: u64, timeout: u64) -> u64 {
+    let Ok(mut c) = CALL.lock() else { return now.saturating_add(timeout) };
+    let key = c.0;
+    match c.1 {
+        Some((k, d)) if k == key => d,
+        _ => {
+            let d = now.saturating_add(timeout);
+            c.1 = Some((key, d));
+            d
+        }
+    }
+}
+
+/// Whether this process runs in replay mode inside a sandbox tree (members or not).
+pub fn replaying() -> bool {
+    REPLAY.load(Ordering::Relaxed) && region().is_some()
+}
+
+/// Whether guest process `pid` is a member of the tree (live and not left).
+pub fn member(pid: i32) -> bool {
+    region().is_some_and(|r| slot_of(r, pid as u32).is_some())
+}
+
+/// After every syscall: one that did not ask to yield is progress (a round of passes without any
+/// means everybody is blocked).
+pub fn after_syscall() {
+    if YIELD.load(Ordering::Relaxed) == 0 {
+        PROGRESS.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Host signal handler side: the waiters want the token.
+pub fn preempt_requested() {
+    PREEMPTED.store(true, Ordering::SeqCst);
+}
+
+/// The host signal waiters send a holder that ran too long (SIGRTMIN + 1 carries guest signals,
+/// + 2 is a guest child's parent-death signal).
+pub fn preempt_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 3
+}
+
+/// What the run loop's gate decided.
+pub enum Gate {
+    Run,
+    /// The run's deadline passed while waiting for the token.
+    Timeout,
+}
+
+/// The run loop's gate, before every entry into the guest. `mono` is this process's virtual
+/// monotonic time: read (to publish it) and moved up to the tree's time on taking the token.
+pub fn gate(replay: bool, mono: u64, advance: &mut dyn FnMut(u64), deadline: Instant) -> Gate {
+    REPLAY.store(replay, Ordering::Relaxed);
+    let Some(r) = region() else { return Gate::Run };
+    let me = ME.load(Ordering::SeqCst);
+    let asked = YIELD.swap(0, Ordering::SeqCst);
+    let preempted = PREEMPTED.swap(false, Ordering::SeqCst);
+    if !active() {
+        // Alone or not in replay: run freely (holding the token, if anyone is to take turns later).
+        if replay && me != 0 && r.token.load(Ordering::SeqCst) != me && members(r) <= 1 {
+            take_now(r);
+        }
+        return Gate::Run;
+    }
+    if HOLDING.load(Ordering::SeqCst) && (asked == 1 || preempted) {
+        pass(r, me, mono, if asked == 1 { Some(YIELD_DEADLINE.load(Ordering::SeqCst)) } else { None });
+    }
+    if HOLDING.load(Ordering::SeqCst) || r.token.load(Ordering::SeqCst) == me {
+        HOLDING.store(true, Ordering::SeqCst);
+        return Gate::Run;
+    }
+    match acquire(r, me, deadline) {
+        false => Gate::Timeout,
+        true => {
+            let tree = r.mono.load(Ordering::SeqCst);
+            if tree > mono {
+                advance(tree - mono);
+            }
+            Gate::Run
+        }
+    }
+}
+
+/// The sandbox's first process ends a run (its agent is idle, or the run timed out): it steps
+/// aside until its next run. `mono`: its virtual time, published.
+pub fn away(mono: u64) {
+    let Some(r) = region() else { return };
+    let me = ME.load(Ordering::SeqCst);
+    if me == 0 {
+        return;
+    }
+    if let Some(s) = slot_of(r, me) {
+        s.state.store(State::Away as u32, Ordering::SeqCst);
+    }
+    if HOLDING.swap(false, Ordering::SeqCst) || r.token.load(Ordering::SeqCst) == me {
+        r.mono.fetch_max(mono, Ordering::SeqCst);
+        hand_on(r, me);
+    }
+}
+
+/// The first process starts a run: it takes turns again.
+pub fn back() {
+    let Some(r) = region() else { return };
+    if let Some(s) = slot_of(r, ME.load(Ordering::SeqCst)) {
+        if s.state.load(Ordering::SeqCst) == State::Away as u32 {
+            s.state.store(State::Run as u32, Ordering::SeqCst);
+        }
+    }
+}
+
+/// This process is done (exit or fatal signal): leave, handing the token on.
+pub fn leave() {
+    let Some(r) = region() else { return };
+    let me = ME.swap(0, Ordering::SeqCst);
+    if me == 0 {
+        return;
+    }
+    forget(r, me);
+}
+
+/// Guest process `pid` of this tree was killed outright (a host SIGKILL): the sender, which holds
+/// the token, removes it at once, so nobody waits for it.
+pub fn killed(pid: i32) {
+    if let Some(r) = region() {
+        forget(r, pid as u32);
+    }
+}
+
+fn forget(r: &Region, pid: u32) {
+    with_lock(r, || {
+        if let Some(s) = slot_of(r, pid) {
+            s.state.store(State::Free as u32, Ordering::SeqCst);
+            s.pid.store(0, Ordering::SeqCst);
+        }
+    });
+    if r.token.load(Ordering::SeqCst) == pid {
+        hand_on(r, pid);
+    }
+}
+
+/// Pass the token on from `me`: blocked until `deadline` (Some; u64::MAX for none) or preempted
+/// (None).
+fn pass(r: &Region, me: u32, mono: u64, deadline: Option<u64>) {
+    HOLDING.store(false, Ordering::SeqCst);
+    r.mono.fetch_max(mono, Ordering::SeqCst);
+    if let Some(s) = slot_of(r, me) {
+        match deadline {
+            Some(d) => {
+                s.deadline.store(d, Ordering::SeqCst);
+                s.state.store(State::Blocked as u32, Ordering::SeqCst);
+            }
+            None => s.state.store(State::Run as u32, Ordering::SeqCst),
+        }
+    }
+    // A preempted process counts as "no progress" too: a round of blocked processes and a busy
+    // one lets virtual time reach the next deadline (a parent's timeout on a spinning child).
+    let progress = PROGRESS.swap(false, Ordering::Relaxed) && deadline.is_some();
+    let idle = if progress { r.idle.store(1, Ordering::SeqCst); 1 } else { r.idle.fetch_add(1, Ordering::SeqCst) + 1 };
+    if idle as usize >= members(r) {
+        everybody_waits(r);
+    }
+    hand_on(r, me);
+}
+
+/// A whole round without progress: move virtual time to the earliest deadline; without one, the
+/// tree waits for the host (or is deadlocked, as it would be under Linux): pause a little.
+fn everybody_waits(r: &Region) {
+    r.idle.store(0, Ordering::SeqCst);
+    let away = r.slots.iter().any(|s| s.pid.load(Ordering::SeqCst) != 0 && s.state.load(Ordering::SeqCst) == State::Away as u32);
+    let next = r
+        .slots
+        .iter()
+        .filter(|s| s.pid.load(Ordering::SeqCst) != 0 && s.state.load(Ordering::SeqCst) == State::Blocked as u32)
+        .map(|s| s.deadline.load(Ordering::SeqCst))
+        .min()
+        .filter(|&d| d != u64::MAX);
+    match next {
+        // Between execs, background processes live in real time.
+        Some(d) if !away => {
+            r.mono.fetch_max(d, Ordering::SeqCst);
+        }
+        _ => {
+            let t = Instant::now();
+            std::thread::sleep(IDLE_PAUSE);
+            if away || next.is_some() {
+                r.mono.fetch_add(t.elapsed().as_nanos() as u64, Ordering::SeqCst);
+            }
+        }
+    }
+}
+
+/// Give the token to the member after `me` in pid order (wrapping), or to nobody.
+fn hand_on(r: &Region, me: u32) {
+    let mut next: Option<u32> = None;
+    let mut first: Option<u32> = None;
+    for s in &r.slots {
+        let pid = s.pid.load(Ordering::SeqCst);
+        if pid == 0 || pid == me || !matches!(s.state.load(Ordering::SeqCst), 1 | 2) {
+            continue;
+        }
+        first = Some(first.map_or(pid, |f: u32| f.min(pid)));
+        if pid > me {
+            next = Some(next.map_or(pid, |n: u32| n.min(pid)));
+        }
+    }
+    let to = next.or(first).unwrap_or(0);
+    // The new holder's time starts now (it may still be starting up: the waiters' preemption
+    // counts from here).
+    if let Some(s) = slot_of(r, to) {
+        s.since.store(crate::guestos::misc::monotonic_ns(), Ordering::SeqCst);
+    }
+    if to == 0 && slot_of(r, me).is_some_and(|s| matches!(s.state.load(Ordering::SeqCst), 1 | 2)) {
+        // Alone among the members: keep it.
+        r.token.store(me, Ordering::SeqCst);
+    } else {
+        r.token.store(to, Ordering::SeqCst);
+    }
+    futex_wake(&r.token);
+}
+
+/// Wait for the token. False if `deadline` passed first.
+fn acquire(r: &Region, me: u32, deadline: Instant) -> bool {
+    loop {
+        let t = r.token.load(Ordering::SeqCst);
+        if t == me || (t == 0 && r.token.compare_exchange(0, me, Ordering::SeqCst, Ordering::SeqCst).is_ok()) {
+            HOLDING.store(true, Ordering::SeqCst);
+            PROGRESS.store(false, Ordering::Relaxed);
+            if let Some(s) = slot_of(r, me) {
+                s.since.store(crate::guestos::misc::monotonic_ns(), Ordering::SeqCst);
+                s.state.store(State::Run as u32, Ordering::SeqCst);
+            }
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        if !futex_wait(&r.token, t, CHECK) {
+            check_holder(r, t);
+        }
+    }
+}
+
+/// A waiter's look at holder `pid` after a while: gone without leaving (remove it), or running
+/// guest code past [`PREEMPT`] (ask it to pass).
+fn check_holder(r: &Region, pid: u32) {
+    if pid == 0 {
+        return;
+    }
+    let Some(s) = slot_of(r, pid) else {
+        // Not a member (it left in between): the token is nobody's.
+        let _ = r.token.compare_exchange(pid, 0, Ordering::SeqCst, Ordering::SeqCst);
+        futex_wake(&r.token);
+        return;
+    };
+    let host = s.host.load(Ordering::SeqCst);
+    if !alive(host) {
+        if r.token.load(Ordering::SeqCst) == pid {
+            forget(r, pid);
+        }
+        return;
+    }
+    let since = s.since.load(Ordering::SeqCst);
+    let now = crate::guestos::misc::monotonic_ns();
+    let someone_has_a_deadline = r.slots.iter().any(|s| {
+        s.pid.load(Ordering::SeqCst) != 0 && s.state.load(Ordering::SeqCst) == State::Blocked as u32 && s.deadline.load(Ordering::SeqCst) != u64::MAX
+    });
+    let limit = if someone_has_a_deadline { PREEMPT } else { PREEMPT_ANYWAY };
+    if s.state.load(Ordering::SeqCst) == State::Run as u32 && now.saturating_sub(since) > limit.as_nanos() as u64 {
+        s.since.store(now, Ordering::SeqCst);
+        // SAFETY: a signal to a process of our own sandbox tree.
+        unsafe { libc::kill(host, preempt_signal()) };
+    }
+}
+
+/// Whether host process `pid` is still running (not exited, not a zombie).
+fn alive(pid: i32) -> bool {
+    // SAFETY: pidfd_open on a pid; the result is checked and closed.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as i32;
+    if fd < 0 {
+        return std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH);
+    }
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd; then closing our descriptor.
+    let exited = unsafe { libc::poll(&mut p, 1, 0) } > 0;
+    // SAFETY: closing the descriptor we opened.
+    unsafe { libc::close(fd) };
+    !exited
+}
+
+/// Wait while `word` holds `val`, at most `timeout`. False on timeout.
+fn futex_wait(word: &AtomicU32, val: u32, timeout: Duration) -> bool {
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: timeout.subsec_nanos() as i64 };
+    // SAFETY: FUTEX_WAIT on a word of a shared mapping (not private: other processes wake it).
+    let rc = unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, val, &ts as *const libc::timespec, 0usize, 0u32) };
+    !(rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ETIMEDOUT))
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a word of a shared mapping.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_fits_the_slots() {
+        assert!(REGION_BYTES >= std::mem::size_of::<Region>());
+        assert_eq!(REGION_BYTES % 4096, 0);
+        assert_eq!(SLOTS as u32, 256, "one slot per process: vmm::process::MAX_PROCESSES");
+    }
+}
