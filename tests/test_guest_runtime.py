@@ -546,6 +546,47 @@ print(open("/work/f", "rb").read()[:5])
     assert r.stdout.splitlines() == ["b'HELLO.' b'.WORLD.'", "b'.xyz.'", "b'.END' 10000", "b'HELLO'"], r.stdout
 
 
+def test_large_sparse_file_mappings_read_pages_in_on_demand(sb):
+    # A file mapping longer than mm::LAZY_MAP_MIN gets each page from the file when the guest first
+    # touches it (CPython's test_mmap LargeMmapTests map whole multi-GiB sparse files and read one
+    # page). Here a 1000 MiB file (the guest's files stop at 1 GiB) is mapped three times over: more
+    # than the sandbox's memory, where copying each mapping in at mmap time failed with ENOMEM.
+    code = r"""
+import mmap, signal, subprocess, sys
+size = 1000 << 20
+total = next(int(l.split()[1]) << 10 for l in open("/proc/meminfo") if l.startswith("MemTotal:"))
+print(size < total < 2 * size)
+with open("/tmp/sparse", "wb") as f:
+    f.write(b"head"); f.seek(size - 8); f.write(b"the tail")
+with open("/tmp/sparse", "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+print(len(m) == size, m[-8:], m[:4], m[size // 2])
+with open("/tmp/sparse", "r+b") as f:
+    p = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+p[12345:12350] = b"hello"; print(p[12345:12350], p[-8:], m[12345:12350])
+# Syscall buffers in pages never touched: write(2) from one, read(2) into another.
+with open("/tmp/out", "wb") as o: print(o.write(memoryview(m)[size - 8192:]))
+print(open("/tmp/out", "rb").read()[-8:])
+with open("/tmp/sparse", "rb") as f:
+    f.seek(size - 8); print(f.readinto(memoryview(p)[size // 3:size // 3 + 8]), p[size // 3:size // 3 + 8])
+print(open("/tmp/sparse", "rb").read(4))
+# A shared writable one writes back.
+with open("/tmp/sparse", "r+b") as f:
+    s = mmap.mmap(f.fileno(), 0)
+s[size // 2:size // 2 + 6] = b"shared"; s.flush(); s.close()
+with open("/tmp/sparse", "rb") as f: f.seek(size // 2); print(f.read(6))
+# A page wholly past the end of the file (it shrank since mmap) raises SIGBUS, as on Linux.
+child = "import mmap; f = open('/tmp/sparse', 'r+b'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); f.truncate(4096); m[1 << 20]"
+print(subprocess.run([sys.executable, "-c", child]).returncode == -signal.SIGBUS)
+"""
+    r = sb.exec(code=code, timeout_seconds=60)
+    assert r.ok, r.stderr
+    assert r.stdout.splitlines() == [
+        "True", "True b'the tail' b'head' 0", "b'hello' b'the tail' b'\\x00\\x00\\x00\\x00\\x00'", "8192",
+        "b'the tail'", "8 b'the tail'", "b'head'", "b'shared'", "True",
+    ], r.stdout
+
+
 def test_memory_beyond_the_first_slot_and_forks_of_it(sb):
     # The VM's memory slot covers the frames in use and grows as the guest takes more (see
     # vstate::vm): 300 MiB written, read back, and inherited by fork-group children.

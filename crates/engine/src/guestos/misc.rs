@@ -1411,6 +1411,7 @@ mod tests {
                 flush_tlb: false,
                 stale_frames: Vec::new(),
                 stop: None,
+                lazy: self.os.mm.lazy_areas(),
             };
             match dispatch(&mut self.os, &mut ctx, nr, a) {
                 Some(Ok(v)) => v as i64,

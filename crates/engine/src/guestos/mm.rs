@@ -3,7 +3,8 @@
 //! [`Mm`] keeps the list of virtual memory areas (VMAs) the way Linux does: every user mapping the
 //! guest can see is inside exactly one VMA, and every VMA knows its protection and what backs it (for
 //! /proc/self/maps). The page tables follow the VMAs eagerly: a page is backed by a frame from the
-//! moment it becomes accessible, because the engine does not (yet) service guest page faults.
+//! moment it becomes accessible, except in a file mapping longer than [`LAZY_MAP_MIN`], whose pages
+//! are read in from the file when the guest first touches them.
 //!
 //! How protections become page-table entries:
 //! - an accessible page is present, user, writable only with PROT_WRITE, and NX unless PROT_EXEC;
@@ -12,20 +13,34 @@
 //! - a PROT_NONE anonymous page that never had contents has no frame at all, so the large
 //!   reservations that CPython and glibc make cost nothing until they are mprotect'ed.
 //!
+//! Lazy file mappings (demand paging). Mapping a large file whole is common (CPython's test_mmap
+//! maps 4 GiB sparse files and reads one page), and copying it in at mmap time would take as many
+//! frames as the file has pages, far more than a sandbox has. A mapping longer than
+//! [`LAZY_MAP_MIN`] therefore gets no frames at mmap time; its VMA keeps a descriptor of the file
+//! ([`Lazy`]). A guest access to a page without a frame faults to the VMM (`vmm::process::on_fault`),
+//! which asks [`Mm::fault`] to read in the [`FAULT_AROUND`] block around it and resumes the guest;
+//! the syscall layer does the same for the buffers it reads and writes on the guest's behalf
+//! ([`read_user`], [`write_user`]). As on Linux, a page wholly past the end of the file raises
+//! SIGBUS, and an access the VMA's protection does not allow raises SIGSEGV (SEGV_ACCERR). Every
+//! other operation here works on the pages that are present and leaves the others to the file.
+//!
 //! Frames given back (munmap, brk, MAP_FIXED over a mapping, mremap) go to the frame allocator's free
 //! list and are cleared when handed out again. Every frame whose translation an operation removed,
 //! narrowed or moved is reported in [`Space::stale`] (and from there `Ctx::stale_frames`), because
 //! KVM keeps using cached translations after the host edits page tables (see `vstate::tlb`); the VMM
-//! invalidates them before the guest runs again. Granting more access needs nothing.
+//! invalidates them before the guest runs again. Granting more access needs nothing, and neither
+//! does reading in a page that was not present.
 //!
 //! Simplifications, all deliberate for now:
-//! - A shared file mapping is a copy of the file taken at mmap time whose written pages (the dirty
-//!   bits KVM sets in the guest's page tables) go back to the file at msync, munmap, execve and
-//!   exit: not at once, and not when the process dies by a signal, and other processes mapping the
-//!   same file see their own copies. Shared anonymous memory is not shared across a fork. A
-//!   snapshot keeps the copy but not the way back to the file.
+//! - A shared file mapping is a copy of the file taken at mmap time (for a lazy one: when each page
+//!   is read in) whose written pages (the dirty bits KVM sets in the guest's page tables) go back to
+//!   the file at msync, munmap, execve and exit: not at once, and not when the process dies by a
+//!   signal, and other processes mapping the same file see their own copies. Shared anonymous
+//!   memory is not shared across a fork. A snapshot keeps the copy but not the way back to the
+//!   file; it reads in every page of the lazy mappings first ([`Mm::read_in_lazy`]).
 //! - MADV_DONTNEED zeroes private anonymous pages (as Linux does); on file mappings it leaves the
-//!   contents alone instead of reloading them from the file.
+//!   contents alone instead of reloading them from the file, except in lazy ones, where it drops
+//!   the pages and the next access reads the file again (as Linux does).
 //! - mremap can grow a file mapping only by moving it, never by extending it in place with more file
 //!   data: growing a file mapping answers ENOMEM.
 
@@ -77,6 +92,15 @@ pub const MMAP_TOP: u64 = 0x7fff_f7a0_0000;
 const MAX_MAP: u64 = 1 << 46;
 /// The frame address bits of a page-table entry.
 const ADDR_MASK: u64 = 0x000f_ffff_ffff_f000;
+/// File mappings longer than this are read in page by page as the guest touches them (see the
+/// module comment); shorter ones are copied in whole at mmap time, which costs one syscall instead
+/// of a fault per block and is what nearly every mapping (shared libraries, small data files) needs.
+pub const LAZY_MAP_MIN: u64 = 64 << 20;
+/// How much of a lazy mapping one fault reads in: the aligned block around the faulting page (Linux's
+/// default fault_around_bytes). Larger blocks would take fewer faults (each is a VM exit, tens of
+/// microseconds on kvm_pvm) but give a frame to every page of them, touched or not, and a sparse
+/// reader of a large file would run out of frames sooner.
+pub const FAULT_AROUND: u64 = 64 << 10;
 
 /// Identity of a mapped file, shown in /proc/self/maps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -101,6 +125,10 @@ pub struct Vma {
     /// A shared mapping of a file opened for writing: where its written pages go back.
     #[serde(skip)]
     pub backing: Option<Backing>,
+    /// A file mapping longer than [`LAZY_MAP_MIN`]: where pages that have no frame yet are read
+    /// from. A snapshot does not keep it (see [`Mm::read_in_lazy`]).
+    #[serde(skip)]
+    pub lazy: Option<Lazy>,
 }
 
 /// The file a shared mapping writes back to (a descriptor of its own, kept while it is mapped).
@@ -114,12 +142,24 @@ impl PartialEq for Backing {
 }
 impl Eq for Backing {}
 
+/// The file a lazy mapping reads its pages from when the guest touches them (a descriptor of its
+/// own, kept while any part of the mapping is: the guest may close its descriptor right after mmap).
+#[derive(Clone, Debug)]
+pub struct Lazy(pub Arc<OwnedFd>);
+
+impl PartialEq for Lazy {
+    fn eq(&self, other: &Lazy) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+impl Eq for Lazy {}
+
 /// The page-table entry's dirty bit: KVM sets it in the guest's page tables when the guest writes.
 const PTE_DIRTY: u64 = 1 << 6;
 
 impl Vma {
     pub fn anon(end: u64, prot: u32, name: &str) -> Vma {
-        Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0, backing: None }
+        Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0, backing: None, lazy: None }
     }
 }
 
@@ -132,11 +172,15 @@ pub struct Mm {
     pub brk: u64,
     /// Top-down mmap placement starts below this address.
     pub mmap_top: u64,
+    /// Whether a lazy mapping was ever made here: spares [`Mm::lazy_areas`] a walk over every VMA
+    /// on every syscall of the processes that never make one (nearly all). Never cleared.
+    #[serde(skip)]
+    pub maybe_lazy: bool,
 }
 
 impl Default for Mm {
     fn default() -> Self {
-        Mm { vmas: BTreeMap::new(), brk_start: 0, brk: 0, mmap_top: MMAP_TOP }
+        Mm { vmas: BTreeMap::new(), brk_start: 0, brk: 0, mmap_top: MMAP_TOP, maybe_lazy: false }
     }
 }
 
@@ -161,6 +205,209 @@ pub struct MapFile {
     pub fd: RawFd,
     pub offset: u64,
     pub name: String,
+}
+
+/// The kind of access a page fault was for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    Write,
+    Exec,
+}
+
+impl Access {
+    /// The access a #PF error code describes: bit 1 is set for a write, bit 4 for an instruction
+    /// fetch.
+    pub fn of_error_code(error_code: u64) -> Access {
+        if error_code & 0x10 != 0 {
+            Access::Exec
+        } else if error_code & 0x2 != 0 {
+            Access::Write
+        } else {
+            Access::Read
+        }
+    }
+
+    /// Whether a mapping with protection `prot` allows it (on x86 every right includes reading).
+    fn allowed(self, prot: u32) -> bool {
+        match self {
+            Access::Read => prot & (PROT_READ | PROT_WRITE | PROT_EXEC) != 0,
+            Access::Write => prot & PROT_WRITE != 0,
+            Access::Exec => prot & PROT_EXEC != 0,
+        }
+    }
+
+    /// Whether the leaf entry `pte` of a present page allows it from ring 3.
+    fn allowed_by_pte(self, pte: u64) -> bool {
+        pte & PTE_U != 0
+            && match self {
+                Access::Read => true,
+                Access::Write => pte & PTE_W != 0,
+                Access::Exec => pte & PTE_NX == 0,
+            }
+    }
+}
+
+/// What became of a guest page fault (see [`Mm::fault`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Not in a lazy mapping: the fault is the guest's own (a signal, as before).
+    NotLazy,
+    /// The page has its frame now: the guest retries the access.
+    Resolved,
+    /// The page was present already and allows the access: the guest faulted on a translation
+    /// cached from before it was (see `vstate::tlb`). The frame's cached translations must be
+    /// dropped before the guest retries.
+    Stale(u64),
+    /// The mapping's protection does not allow the access: SIGSEGV with SEGV_ACCERR.
+    Denied,
+    /// The page lies wholly past the end of the file, or the file could not be read: SIGBUS.
+    Bus,
+    /// No frame left for the page: the process cannot go on.
+    OutOfMemory,
+}
+
+/// A lazy mapping as host-side accesses to guest memory see it: a copy of what its VMA says, which
+/// `Ctx` carries because syscall handlers hold the [`Mm`] and the `Ctx` apart.
+#[derive(Clone, Debug)]
+pub struct LazyArea {
+    pub start: u64,
+    pub end: u64,
+    pub prot: u32,
+    /// The file offset of `start`.
+    pub offset: u64,
+    pub file: Arc<OwnedFd>,
+}
+
+impl LazyArea {
+    fn of(start: u64, v: &Vma) -> Option<LazyArea> {
+        let Lazy(file) = v.lazy.as_ref()?;
+        Some(LazyArea { start, end: v.end, prot: v.prot, offset: v.offset, file: file.clone() })
+    }
+
+    fn contains(&self, va: u64) -> bool {
+        (self.start..self.end).contains(&va)
+    }
+
+    /// Where the pages that show the file end: a page past it lies wholly beyond the end of the
+    /// file. Asked of the file each time, since it may have grown or shrunk since mmap.
+    fn file_end(&self) -> Result<u64, Errno> {
+        let size = file_size(self.file.as_raw_fd())?;
+        let shown = page_up(size).unwrap_or(u64::MAX).saturating_sub(self.offset);
+        Ok(self.start.saturating_add(shown).min(self.end))
+    }
+
+    /// Give the pages without a frame in the [`FAULT_AROUND`] block around `va` (clipped to the
+    /// mapping and to the end of the file) frames holding the file's bytes, zero past its end.
+    /// Pages that are present keep their contents (a private mapping's may differ from the file).
+    fn read_in(&self, sp: &mut Space, va: u64) -> Fault {
+        let Ok(file_end) = self.file_end() else { return Fault::Bus };
+        if page_down(va) >= file_end {
+            return Fault::Bus;
+        }
+        let block = va & !(FAULT_AROUND - 1);
+        let (from, to) = (block.max(self.start), block.saturating_add(FAULT_AROUND).min(file_end));
+        let Ok(present) = sp.aspace.present_pages(sp.mem, from, to) else { return Fault::Bus };
+        if present.len() as u64 == (to - from) / PAGE_SIZE {
+            return Fault::Resolved;
+        }
+        let present: std::collections::HashSet<u64> = present.into_iter().map(|(va, _)| va).collect();
+        let mut buf = vec![0u8; (to - from) as usize];
+        if pread_full(self.file.as_raw_fd(), &mut buf, self.offset + (from - self.start)).is_err() {
+            return Fault::Bus;
+        }
+        let flags = pte_flags(self.prot);
+        let mut done = Vec::new();
+        for (page, data) in (from..to).step_by(PAGE_SIZE as usize).zip(buf.chunks(PAGE_SIZE as usize)) {
+            if present.contains(&page) {
+                continue;
+            }
+            let step = sp.frames.alloc_with(sp.mem, data).and_then(|pa| {
+                sp.aspace.map_page(sp.mem, sp.frames, page, pa, flags).inspect_err(|_| sp.frames.release(pa))
+            });
+            if step.is_err() {
+                // The guest has not run since these were mapped: nothing can have cached them.
+                for page in done {
+                    if let Ok(Some(pa)) = sp.aspace.unmap_page(sp.mem, page) {
+                        sp.frames.release(pa);
+                    }
+                }
+                return Fault::OutOfMemory;
+            }
+            done.push(page);
+        }
+        Fault::Resolved
+    }
+
+    /// Read the file bytes that [va, va + buf.len()) shows (pages without a frame), zero past the
+    /// end of the file. EFAULT if any of it lies in a page wholly past the end.
+    fn read_file(&self, va: u64, buf: &mut [u8]) -> Result<(), Errno> {
+        if va + buf.len() as u64 > self.file_end()? {
+            return Err(EFAULT);
+        }
+        let n = pread_full(self.file.as_raw_fd(), buf, self.offset + (va - self.start))?;
+        buf[n..].fill(0);
+        Ok(())
+    }
+}
+
+/// Read guest memory at user address `va` for a syscall of the guest (its buffer), like
+/// `AddressSpace::read_virt` with `user`, except that pages of the lazy mappings `lazy` that have no
+/// frame are read from their file, as the guest would see them, without taking frames. EFAULT where
+/// the guest could not read.
+pub fn read_user(lazy: &[LazyArea], mem: &GuestMemory, aspace: &AddressSpace, va: u64, buf: &mut [u8]) -> Result<(), Errno> {
+    let mut done = 0usize;
+    while done < buf.len() {
+        let cur = va.checked_add(done as u64).ok_or(EFAULT)?;
+        let mut n = ((PAGE_SIZE - (cur & (PAGE_SIZE - 1))) as usize).min(buf.len() - done);
+        match aspace.translate(mem, cur) {
+            Ok((pa, pte)) if pte & PTE_U != 0 => mem.read(pa, &mut buf[done..done + n]).map_err(|_| EFAULT)?,
+            Ok(_) => return Err(EFAULT),
+            Err(_) => {
+                let area = lazy.iter().find(|a| a.contains(cur) && Access::Read.allowed(a.prot)).ok_or(EFAULT)?;
+                // The pages after this one that have no frame either: one read of the file for all.
+                while done + n < buf.len() {
+                    let next = cur + n as u64;
+                    if !area.contains(next) || aspace.translate(mem, next).is_ok() {
+                        break;
+                    }
+                    n += (PAGE_SIZE as usize).min(buf.len() - done - n);
+                }
+                area.read_file(cur, &mut buf[done..done + n])?;
+            }
+        }
+        done += n;
+    }
+    Ok(())
+}
+
+/// Write guest memory at user address `va` for a syscall of the guest, like
+/// `AddressSpace::write_virt` with `user`, except that pages of the lazy mappings `lazy` that have no
+/// frame are read in first (as a guest write would fault them in). Like `write_virt`, ignores the
+/// write bit: a page the guest may read, the host may write. EFAULT where that is not so, or when
+/// no frame is left.
+pub fn write_user(lazy: &[LazyArea], sp: &mut Space, va: u64, data: &[u8]) -> Result<(), Errno> {
+    let mut done = 0usize;
+    while done < data.len() {
+        let cur = va.checked_add(done as u64).ok_or(EFAULT)?;
+        let n = ((PAGE_SIZE - (cur & (PAGE_SIZE - 1))) as usize).min(data.len() - done);
+        let (pa, pte) = match sp.aspace.translate(sp.mem, cur) {
+            Ok(t) => t,
+            Err(_) => {
+                let area = lazy.iter().find(|a| a.contains(cur) && Access::Read.allowed(a.prot)).ok_or(EFAULT)?;
+                if area.read_in(sp, cur) != Fault::Resolved {
+                    return Err(EFAULT);
+                }
+                sp.aspace.translate(sp.mem, cur).map_err(|_| EFAULT)?
+            }
+        };
+        if pte & PTE_U == 0 {
+            return Err(EFAULT);
+        }
+        sp.mem.write(pa, &data[done..done + n]).map_err(|_| EFAULT)?;
+        done += n;
+    }
+    Ok(())
 }
 
 /// The errno for an engine error while editing the guest's memory.
@@ -276,6 +523,7 @@ impl Mm {
                             && a.name == b.name
                             && a.file == b.file
                             && a.backing == b.backing
+                            && a.lazy == b.lazy
                             && (a.file.is_none() || a.offset + (a.end - c) == b.offset)
                     }
                     _ => false,
@@ -418,7 +666,7 @@ impl Mm {
             self.placement(addr, len)?
         };
         let end = start + len;
-        let mut vma = Vma { end, prot, shared, name: String::new(), file: None, offset: 0, backing: None };
+        let mut vma = Vma { end, prot, shared, name: String::new(), file: None, offset: 0, backing: None, lazy: None };
         // Everything that can fail for a bad file comes before the old mapping is dropped.
         let data = match &file {
             Some(f) => {
@@ -428,13 +676,14 @@ impl Mm {
                 f.offset.checked_add(len).ok_or(EOVERFLOW)?;
                 let (id, size) = check_file(f.fd, prot, shared)?;
                 if shared && file_writable(f.fd) {
-                    // SAFETY: F_DUPFD_CLOEXEC of a descriptor we were given; the result is checked.
-                    let dup = unsafe { libc::fcntl(f.fd, libc::F_DUPFD_CLOEXEC, 0) };
-                    if dup < 0 {
-                        return Err(Errno::last());
-                    }
-                    // SAFETY: a fresh descriptor we own.
-                    vma.backing = Some(Backing(Arc::new(unsafe { OwnedFd::from_raw_fd(dup) })));
+                    vma.backing = Some(Backing(Arc::new(dup_cloexec(f.fd)?)));
+                }
+                if len > LAZY_MAP_MIN {
+                    let fd = match &vma.backing {
+                        Some(Backing(fd)) => fd.clone(),
+                        None => Arc::new(dup_cloexec(f.fd)?),
+                    };
+                    vma.lazy = Some(Lazy(fd));
                 }
                 vma.file = Some(id);
                 vma.offset = f.offset;
@@ -445,6 +694,12 @@ impl Mm {
         };
         if flags & MAP_FIXED != 0 {
             self.unmap_range(sp, start, end)?;
+        }
+        if vma.lazy.is_some() {
+            // No frames yet: each page is read in when the guest first touches it (see `fault`).
+            self.maybe_lazy = true;
+            self.insert(start, vma);
+            return Ok(start);
         }
         let needs_frames = data.is_some() || prot != PROT_NONE;
         if needs_frames {
@@ -490,15 +745,16 @@ impl Mm {
         for k in keys {
             let Some(v) = self.vmas.get_mut(&k) else { continue };
             v.prot = prot;
-            let vend = v.end;
+            let (vend, lazy) = (v.end, v.lazy.is_some());
             for (va, pte) in sp.aspace.present_pages(sp.mem, k, vend).map_err(errno_of)? {
                 if restricts(pte, flags) {
                     sp.stale.push(pte & ADDR_MASK);
                 }
                 sp.aspace.set_flags(sp.mem, va, flags).map_err(errno_of)?;
             }
-            if prot != PROT_NONE {
-                // Pages of a reservation that never had contents get their frames now.
+            if prot != PROT_NONE && !lazy {
+                // Pages of a reservation that never had contents get their frames now (a lazy
+                // mapping's come from its file when touched, with the protection of that time).
                 Self::populate(sp, k, vend, prot)?;
             }
         }
@@ -648,6 +904,18 @@ impl Mm {
                     zero_page(sp.mem, pte & ADDR_MASK).map_err(errno_of)?;
                 }
             }
+            // Lazy file mappings drop their pages: the next access reads the file again, as on
+            // Linux (after the written pages of a shared one have reached the file).
+            let lazy: Vec<(u64, u64)> = self
+                .vmas
+                .range(..end)
+                .filter(|(s, v)| v.end > addr && **s < end && v.lazy.is_some())
+                .map(|(s, v)| ((*s).max(addr), v.end.min(end)))
+                .collect();
+            for (s, e) in lazy {
+                self.write_back(sp, s, e)?;
+                Self::unmap_pages(sp, s, e)?;
+            }
         }
         Ok(0)
     }
@@ -661,13 +929,7 @@ impl Mm {
             if s >= e {
                 continue;
             }
-            // SAFETY: a zeroed stat is valid; fstat on a descriptor we hold.
-            let mut st: libc::stat = unsafe { std::mem::zeroed() };
-            // SAFETY: as above.
-            if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-                return Err(Errno::last());
-            }
-            let size = st.st_size as u64;
+            let size = file_size(fd.as_raw_fd())?;
             let mut page = [0u8; PAGE_SIZE as usize];
             for (va, pte) in sp.aspace.present_pages(sp.mem, s, e).map_err(errno_of)? {
                 let off = v.offset + (va - vstart);
@@ -718,6 +980,72 @@ impl Mm {
         Ok(v)
     }
 
+    /// The lazy mappings, for host-side accesses to guest memory on the guest's behalf (see `Ctx`).
+    pub fn lazy_areas(&self) -> Vec<LazyArea> {
+        if !self.maybe_lazy {
+            return Vec::new();
+        }
+        self.vmas.iter().filter_map(|(s, v)| LazyArea::of(*s, v)).collect()
+    }
+
+    /// A guest page fault at `addr` for `access`: if it lies in a lazy mapping that allows the
+    /// access, read in the page and its neighbours (the [`FAULT_AROUND`] block); see [`Fault`] for
+    /// the other outcomes.
+    pub fn fault(&self, sp: &mut Space, addr: u64, access: Access) -> Fault {
+        let Some(area) = self.vma_at(addr).and_then(|(s, v)| LazyArea::of(s, v)) else { return Fault::NotLazy };
+        if !access.allowed(area.prot) {
+            return Fault::Denied;
+        }
+        match sp.aspace.translate(sp.mem, addr) {
+            Ok((pa, pte)) if access.allowed_by_pte(pte) => Fault::Stale(page_down(pa)),
+            // Present and refused: the page tables say no, whatever the VMA says.
+            Ok(_) => Fault::Denied,
+            Err(_) => area.read_in(sp, addr),
+        }
+    }
+
+    /// Read in every page of the lazy mappings that shows its file, so that a snapshot, which keeps
+    /// pages but no descriptor to read more with, holds them all. The mappings stay lazy in this
+    /// process (pages dropped by MADV_DONTNEED, or a file that grows, still read in). Fails, before
+    /// taking any frame, when the pages do not fit in the free frames.
+    pub fn read_in_lazy(&self, sp: &mut Space) -> crate::error::Result<()> {
+        let areas: Vec<(LazyArea, &str)> =
+            self.vmas.iter().filter_map(|(s, v)| LazyArea::of(*s, v).map(|a| (a, v.name.as_str()))).collect();
+        let unreadable = |name: &str, e: Errno| Error::Sys {
+            op: "read in a lazily mapped file for a snapshot",
+            source: std::io::Error::other(format!("{name}: {}", std::io::Error::from_raw_os_error(e.0))),
+        };
+        let mut missing = 0;
+        for (a, name) in &areas {
+            let end = a.file_end().map_err(|e| unreadable(name, e))?;
+            let present = sp.aspace.present_pages(sp.mem, a.start, end)?.len() as u64;
+            missing += (end - a.start) / PAGE_SIZE - present;
+        }
+        // Page-table pages: one per 2 MiB of mapping, and the upper levels of each mapping.
+        let tables = missing / 512 + 3 * areas.len() as u64;
+        if missing + tables > sp.frames.available() {
+            return Err(Error::OutOfGuestMemory(format!(
+                "a snapshot holds every page of the lazily mapped files ({}), {} MiB more than the {} MiB free; unmap them before the snapshot",
+                areas.iter().map(|(_, n)| *n).collect::<Vec<_>>().join(", "),
+                ((missing + tables) * PAGE_SIZE) >> 20,
+                (sp.frames.available() * PAGE_SIZE) >> 20,
+            )));
+        }
+        for (a, name) in &areas {
+            let end = a.file_end().map_err(|e| unreadable(name, e))?;
+            let mut va = a.start;
+            while va < end {
+                match a.read_in(sp, va) {
+                    Fault::Resolved => {}
+                    Fault::OutOfMemory => return Err(Error::OutOfGuestMemory(format!("reading in {name} for a snapshot"))),
+                    _ => return Err(unreadable(name, super::EIO)),
+                }
+                va = (va & !(FAULT_AROUND - 1)) + FAULT_AROUND;
+            }
+        }
+        Ok(())
+    }
+
     /// The text of /proc/self/maps.
     pub fn maps(&self) -> String {
         let mut out = String::new();
@@ -750,8 +1078,28 @@ impl Mm {
 /// EPERM for a fixed mapping below mmap_min_addr (what Linux answers).
 const EPERM_MMAP: Errno = super::EPERM;
 
-/// Check that host descriptor `fd` can be mapped with `prot`: a regular file opened for reading (and
-/// for writing if a shared mapping is writable). Returns its identity and size.
+/// A descriptor of our own for the file behind `fd` (close-on-exec).
+fn dup_cloexec(fd: RawFd) -> Result<OwnedFd, Errno> {
+    // SAFETY: F_DUPFD_CLOEXEC of a descriptor we were given; the result is checked.
+    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if dup < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(dup) })
+}
+
+/// The size of the file behind `fd`.
+fn file_size(fd: RawFd) -> Result<u64, Errno> {
+    // SAFETY: a zeroed stat is valid; fstat on a descriptor number, the result is checked.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(Errno::last());
+    }
+    Ok(st.st_size as u64)
+}
+
 /// Whether `fd` is open for reading and writing (a shared mapping of it may write back).
 fn file_writable(fd: RawFd) -> bool {
     // SAFETY: F_GETFL on a descriptor number.
@@ -759,6 +1107,8 @@ fn file_writable(fd: RawFd) -> bool {
     fl >= 0 && fl & libc::O_ACCMODE == libc::O_RDWR
 }
 
+/// Check that host descriptor `fd` can be mapped with `prot`: a regular file opened for reading (and
+/// for writing if a shared mapping is writable). Returns its identity and size.
 fn check_file(fd: RawFd, prot: u32, shared: bool) -> Result<(FileId, u64), Errno> {
     // SAFETY: fstat on a descriptor number into a zeroed stat buffer; the result is checked.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -875,6 +1225,8 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
     };
     let stale = sp.stale;
     ctx.stale_frames.extend(stale);
+    // Later accesses of this syscall to guest memory see the mappings as they are now.
+    ctx.lazy = os.mm.lazy_areas();
     Some(r)
 }
 
@@ -1133,6 +1485,284 @@ mod tests {
         assert!(t.frames.available() + 64 >= avail);
         let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 4096, RW, ANON, None).unwrap());
         assert_eq!(t.read(a, 8), vec![0; 8]);
+    }
+
+    /// A sparse file of `len` bytes with `marks` written at their offsets, in a directory of its own.
+    struct Sparse {
+        dir: std::path::PathBuf,
+        file: std::fs::File,
+    }
+
+    impl Sparse {
+        fn new(len: u64, marks: &[(u64, &[u8])]) -> Sparse {
+            use std::os::unix::fs::FileExt;
+            static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let dir = std::env::temp_dir().join(format!("mm-lazy-{}-{n}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(dir.join("f")).unwrap();
+            file.set_len(len).unwrap();
+            for (off, data) in marks {
+                file.write_all_at(data, *off).unwrap();
+            }
+            Sparse { dir, file }
+        }
+        fn map(&self) -> MapFile {
+            MapFile { fd: self.file.as_raw_fd(), offset: 0, name: "/big".into() }
+        }
+        fn bytes(&self, off: u64, n: usize) -> Vec<u8> {
+            use std::os::unix::fs::FileExt;
+            let mut b = vec![0u8; n];
+            self.file.read_exact_at(&mut b, off).unwrap();
+            b
+        }
+    }
+
+    impl Drop for Sparse {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    /// Longer than LAZY_MAP_MIN, and than the 64 MiB of guest memory `T` has.
+    const BIG: u64 = 96 << 20;
+    /// Where the tests map it (aligned to FAULT_AROUND, so blocks are easy to name).
+    const AT: u64 = 0x1000_0000;
+
+    impl T {
+        fn present(&self, va: u64) -> bool {
+            self.flags(va).is_some()
+        }
+        fn fault(&mut self, va: u64, access: Access) -> Fault {
+            self.op(|mm, sp| mm.fault(sp, va, access)).0
+        }
+    }
+
+    #[test]
+    fn lazy_file_mappings_read_pages_in_when_touched() {
+        let near_end = BIG - 4096 + 10;
+        let f = Sparse::new(BIG + 100, &[(0, b"head"), (near_end, b"near the end"), (BIG + 90, b"tail")]);
+        let mut t = T::new();
+        let before = t.frames.available();
+        // Two pages past the end of the file: the first shows its last 100 bytes, the second none.
+        let len = BIG + 2 * PAGE_SIZE;
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, AT, len, PROT_READ, MAP_PRIVATE | MAP_FIXED, Some(f.map())).unwrap());
+        assert_eq!(t.frames.available(), before, "a lazy mapping takes no frames");
+        assert!(!t.present(a) && !t.present(a + BIG));
+        assert!(t.mm.maps().trim_end().ends_with("/big"));
+        // A touch reads in the aligned block around it, with the file's bytes.
+        assert_eq!(t.fault(a + near_end, Access::Read), Fault::Resolved);
+        let used = before - t.frames.available();
+        assert!((16..=19).contains(&used), "16 pages and their page tables, not {used}");
+        assert_eq!(t.read(a + near_end, 12), b"near the end");
+        let (m, _) = t.op(|mm, sp| mm.mincore(sp, a + BIG - 2 * FAULT_AROUND, 2 * FAULT_AROUND + 2 * PAGE_SIZE));
+        let m = m.unwrap();
+        assert_eq!((&m[..16], &m[16..32], &m[32..]), (&[0; 16][..], &[1; 16][..], &[0, 0][..]));
+        let f1 = t.flags(a + near_end).unwrap();
+        assert!(f1 & PTE_U != 0 && f1 & PTE_W == 0 && f1 & PTE_NX != 0);
+        // Touching it again is a stale translation, not a read.
+        let pa = t.aspace.translate(&t.mem, a + near_end).unwrap().0 & ADDR_MASK;
+        assert_eq!(t.fault(a + near_end, Access::Read), Fault::Stale(pa));
+        // What the protection does not allow is SEGV_ACCERR, present or not.
+        assert_eq!(t.fault(a + near_end, Access::Write), Fault::Denied);
+        assert_eq!(t.fault(a + 8 * FAULT_AROUND, Access::Write), Fault::Denied);
+        assert_eq!(t.fault(a + 8 * FAULT_AROUND, Access::Exec), Fault::Denied);
+        assert!(!t.present(a + 8 * FAULT_AROUND));
+        // The first page; the page the file ends in (zero past the end); the page past it: SIGBUS.
+        assert_eq!(t.fault(a + 1, Access::Read), Fault::Resolved);
+        assert_eq!(t.read(a, 4), b"head");
+        assert_eq!(t.fault(a + BIG + 90, Access::Read), Fault::Resolved);
+        assert_eq!(t.read(a + BIG + 90, 20), [&b"tail"[..], &[0; 16]].concat());
+        assert_eq!(t.fault(a + BIG + PAGE_SIZE, Access::Read), Fault::Bus);
+        assert!(!t.present(a + BIG + PAGE_SIZE));
+        // Outside a lazy mapping, a fault is the guest's.
+        assert_eq!(t.fault(0x5000_0000, Access::Read), Fault::NotLazy);
+        // A file that grows shows more.
+        f.file.set_len(BIG + 2 * PAGE_SIZE).unwrap();
+        assert_eq!(t.fault(a + BIG + PAGE_SIZE, Access::Read), Fault::Resolved);
+    }
+
+    #[test]
+    fn syscall_buffers_in_lazy_mappings() {
+        let pattern: Vec<u8> = (0..3 * FAULT_AROUND).map(|i| (i % 251) as u8).collect();
+        let base = BIG - 3 * FAULT_AROUND;
+        let f = Sparse::new(BIG, &[(0, b"head"), (base, &pattern)]);
+        let mut t = T::new();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, AT, BIG, RW, MAP_PRIVATE | MAP_FIXED, Some(f.map())).unwrap());
+        let lazy = t.mm.lazy_areas();
+        assert_eq!(lazy.len(), 1);
+        // The middle block is read in and written to (privately).
+        assert_eq!(t.fault(a + base + FAULT_AROUND, Access::Write), Fault::Resolved);
+        t.write(a + base + FAULT_AROUND, b"mine");
+        let before = t.frames.available();
+        // A read across pages without frames and a present one: the file, then the memory, and
+        // no frames taken.
+        let mut buf = vec![0u8; (FAULT_AROUND + 8) as usize];
+        read_user(&lazy, &t.mem, &t.aspace, a + base + 4, &mut buf).unwrap();
+        let fa = FAULT_AROUND as usize;
+        assert_eq!(buf, [&pattern[4..fa], b"mine", &pattern[fa + 4..fa + 12]].concat());
+        assert_eq!(t.frames.available(), before);
+        // A write to a page without a frame reads its block in first; the file stays as it was.
+        let mut sp = Space::new(&mut t.mem, &mut t.frames, &t.aspace);
+        write_user(&lazy, &mut sp, a + 2, b"AD").unwrap();
+        assert!(sp.stale.is_empty());
+        assert_eq!(t.read(a, 4), b"heAD");
+        assert_eq!(t.read(a + 4096, 4), [0; 4]);
+        assert!(t.present(a + FAULT_AROUND - PAGE_SIZE) && !t.present(a + FAULT_AROUND));
+        assert_eq!(f.bytes(0, 4), b"head");
+        // Past the end of the file, past the mapping, or without access: EFAULT.
+        let mut b = [0u8; 8];
+        assert_eq!(read_user(&lazy, &t.mem, &t.aspace, a + BIG - 4, &mut b), Err(EFAULT));
+        t.op(|mm, sp| mm.mprotect(sp, a + 2 * FAULT_AROUND, FAULT_AROUND, PROT_NONE).unwrap());
+        let lazy = t.mm.lazy_areas();
+        assert_eq!(read_user(&lazy, &t.mem, &t.aspace, a + 2 * FAULT_AROUND, &mut b), Err(EFAULT));
+        let mut sp = Space::new(&mut t.mem, &mut t.frames, &t.aspace);
+        assert_eq!(write_user(&lazy, &mut sp, a + 2 * FAULT_AROUND, b"x"), Err(EFAULT));
+        assert!(!t.present(a + 2 * FAULT_AROUND));
+    }
+
+    #[test]
+    fn munmap_mprotect_mincore_on_partly_read_in_lazy_mappings() {
+        let f = Sparse::new(BIG, &[(10 << 20, b"ten"), (30 << 20, b"thirty")]);
+        let mut t = T::new();
+        let before = t.frames.available();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, AT, BIG, RW, MAP_PRIVATE | MAP_FIXED, Some(f.map())).unwrap());
+        assert_eq!(t.fault(a + (10 << 20), Access::Write), Fault::Resolved);
+        assert!(t.flags(a + (10 << 20)).unwrap() & PTE_W != 0);
+        let used = before - t.frames.available();
+        // mprotect changes the pages that are there and reads nothing in.
+        let (r, flush) = t.op(|mm, sp| mm.mprotect(sp, a, BIG, PROT_READ));
+        assert_eq!(r, Ok(0));
+        assert!(flush, "taking write access away from present pages needs a flush");
+        assert_eq!(before - t.frames.available(), used);
+        assert_eq!(t.flags(a + (10 << 20)).unwrap() & PTE_W, 0);
+        assert_eq!(t.read(a + (10 << 20), 3), b"ten");
+        // Later faults follow the new protection.
+        assert_eq!(t.fault(a + (30 << 20), Access::Write), Fault::Denied);
+        assert_eq!(t.fault(a + (30 << 20), Access::Read), Fault::Resolved);
+        assert_eq!(t.flags(a + (30 << 20)).unwrap() & PTE_W, 0);
+        t.op(|mm, sp| mm.mprotect(sp, a + (40 << 20), 1 << 20, RW).unwrap());
+        assert_eq!(t.mm.vmas.len(), 3);
+        assert_eq!(t.mm.vma_at(a + (40 << 20)).unwrap().1.offset, 40 << 20);
+        assert_eq!(t.fault(a + (40 << 20), Access::Write), Fault::Resolved);
+        assert!(t.flags(a + (40 << 20)).unwrap() & PTE_W != 0);
+        let (m, _) = t.op(|mm, sp| mm.mincore(sp, a + (40 << 20) - PAGE_SIZE, 2 * PAGE_SIZE));
+        assert_eq!(m, Ok(vec![0, 1]));
+        // munmap gives back what is present; the part never touched has nothing to flush.
+        let avail = t.frames.available();
+        let (r, flush) = t.op(|mm, sp| mm.munmap(sp, a + (8 << 20), 16 << 20));
+        assert_eq!(r, Ok(0));
+        assert!(flush);
+        assert_eq!(t.frames.available(), avail + 16);
+        let (r, flush) = t.op(|mm, sp| mm.munmap(sp, a + (60 << 20), 1 << 20));
+        assert_eq!(r, Ok(0));
+        assert!(!flush);
+        assert_eq!(t.fault(a + (10 << 20), Access::Read), Fault::NotLazy);
+        assert_eq!(t.mm.vma_at(a + (24 << 20)).unwrap().1.offset, 24 << 20);
+        t.op(|mm, sp| mm.munmap(sp, a, BIG).unwrap());
+        assert!(t.mm.vmas.is_empty());
+        assert!(before - t.frames.available() < 8, "only page tables stay");
+    }
+
+    #[test]
+    fn madvise_and_mremap_of_lazy_mappings() {
+        let f = Sparse::new(BIG, &[(0, b"head"), (BIG - 8, b"the end")]);
+        let mut t = T::new();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, AT, BIG, RW, MAP_PRIVATE | MAP_FIXED, Some(f.map())).unwrap());
+        assert_eq!(t.fault(a, Access::Write), Fault::Resolved);
+        t.write(a, b"mine");
+        // MADV_DONTNEED drops the private copy: the next touch sees the file again.
+        let (r, flush) = t.op(|mm, sp| mm.madvise(sp, a, FAULT_AROUND, MADV_DONTNEED));
+        assert_eq!(r, Ok(0));
+        assert!(flush);
+        assert!(!t.present(a));
+        assert_eq!(t.fault(a, Access::Read), Fault::Resolved);
+        assert_eq!(t.read(a, 4), b"head");
+        t.write(a, b"mine");
+        // mremap moves the present pages and the rest stays lazy, at the right file offsets.
+        let pa = t.aspace.translate(&t.mem, a).unwrap().0;
+        let dest = 0x2000_0000;
+        let (r, _) = t.op(|mm, sp| mm.mremap(sp, a, BIG, BIG, MREMAP_MAYMOVE | MREMAP_FIXED, dest));
+        assert_eq!(r, Ok(dest));
+        assert_eq!(t.aspace.translate(&t.mem, dest).unwrap().0, pa);
+        assert_eq!(t.read(dest, 4), b"mine");
+        assert_eq!(t.fault(dest + BIG - 8, Access::Read), Fault::Resolved);
+        assert_eq!(t.read(dest + BIG - 8, 7), b"the end");
+        assert_eq!(t.fault(a, Access::Read), Fault::NotLazy);
+        // Growing a file mapping is refused, as for every file mapping; shrinking is fine.
+        assert_eq!(t.op(|mm, sp| mm.mremap(sp, dest, BIG, BIG + 4096, MREMAP_MAYMOVE, 0)).0, Err(ENOMEM));
+        assert_eq!(t.op(|mm, sp| mm.mremap(sp, dest, BIG, BIG / 2, 0, 0)).0, Ok(dest));
+        assert_eq!(t.fault(dest + BIG - 8, Access::Read), Fault::NotLazy);
+    }
+
+    #[test]
+    fn shared_lazy_mappings_write_back_only_present_written_pages() {
+        let f = Sparse::new(BIG, &[(4096, b"......"), (50 << 20, b"untouched")]);
+        let mut t = T::new();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, AT, BIG, RW, MAP_SHARED | MAP_FIXED, Some(f.map())).unwrap());
+        let v = t.mm.vma_at(a).unwrap().1.clone();
+        let (Some(Lazy(l)), Some(Backing(b))) = (&v.lazy, &v.backing) else { panic!("{v:?}") };
+        assert!(Arc::ptr_eq(l, b), "one descriptor for both");
+        assert_eq!(t.fault(a + 4096, Access::Write), Fault::Resolved);
+        t.write(a + 4096, b"SHARED");
+        // The dirty bit KVM would set on the guest's write.
+        t.aspace.set_flags(&mut t.mem, a + 4096, pte_flags(RW) | PTE_DIRTY).unwrap();
+        assert_eq!(t.op(|mm, sp| mm.msync(sp, a, BIG, 4)).0, Ok(0));
+        assert_eq!(f.bytes(4096, 6), b"SHARED");
+        assert_eq!(f.bytes(50 << 20, 9), b"untouched");
+        assert_eq!(f.file.metadata().unwrap().len(), BIG);
+        // MADV_DONTNEED writes back before it drops.
+        t.write(a + 4096, b"AGAIN!");
+        assert_eq!(t.op(|mm, sp| mm.madvise(sp, a, FAULT_AROUND, MADV_DONTNEED)).0, Ok(0));
+        assert_eq!(f.bytes(4096, 6), b"AGAIN!");
+    }
+
+    #[test]
+    fn out_of_frames_in_a_lazy_mapping() {
+        let f = Sparse::new(BIG, &[]);
+        let mut t = T::new();
+        let before = t.frames.available();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, AT, BIG, PROT_READ, MAP_PRIVATE | MAP_FIXED, Some(f.map())).unwrap());
+        // A snapshot would need every page: refused before any frame is taken.
+        let (r, _) = t.op(|mm, sp| mm.read_in_lazy(sp));
+        assert!(matches!(r, Err(Error::OutOfGuestMemory(_))), "{r:?}");
+        assert_eq!(t.frames.available(), before);
+        // Touch block after block until the frames run out.
+        let mut va = a;
+        let out = loop {
+            assert!(va < a + BIG, "96 MiB of pages fit in 64 MiB of memory");
+            match t.fault(va, Access::Read) {
+                Fault::Resolved => va += FAULT_AROUND,
+                other => break other,
+            }
+        };
+        assert_eq!(out, Fault::OutOfMemory);
+        assert!(t.frames.available() < 16 + 3);
+        assert!(!t.present(va), "a block that did not fit leaves nothing behind");
+        assert_eq!(t.read(va - 1, 1), [0]);
+        t.op(|mm, sp| mm.munmap(sp, a, BIG).unwrap());
+        assert!(before - t.frames.available() < 64, "only page tables stay");
+        assert_eq!(t.fault(va, Access::Read), Fault::NotLazy);
+    }
+
+    #[test]
+    fn a_snapshot_reads_in_what_the_file_shows() {
+        let f = Sparse::new(1 << 20, &[(0, b"start"), ((1 << 20) - 3, b"end")]);
+        let mut t = T::new();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, AT, BIG, PROT_READ, MAP_PRIVATE | MAP_FIXED, Some(f.map())).unwrap());
+        assert!(t.mm.vma_at(a).unwrap().1.lazy.is_some(), "the length decides, not the file's size");
+        assert_eq!(t.fault(a + 4096, Access::Read), Fault::Resolved);
+        let before = t.frames.available();
+        let (r, flush) = t.op(|mm, sp| mm.read_in_lazy(sp));
+        r.unwrap();
+        assert!(!flush);
+        assert!(before - t.frames.available() >= 256 - 16);
+        assert_eq!(t.read(a, 5), b"start");
+        assert_eq!(t.read(a + (1 << 20) - 3, 3), b"end");
+        assert!(!t.present(a + (1 << 20)));
+        // Only the pages are saved, not the descriptor.
+        let saved: Mm = postcard::from_bytes(&postcard::to_stdvec(&t.mm).unwrap()).unwrap();
+        assert!(saved.vmas.values().all(|v| v.lazy.is_none()) && !saved.maybe_lazy);
     }
 
     #[test]

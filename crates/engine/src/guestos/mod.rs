@@ -113,12 +113,21 @@ pub struct Ctx<'a> {
     pub stale_frames: Vec<u64>,
     /// Set by a handler that ends the run after this syscall (e.g. the agent waiting for work).
     pub stop: Option<RunExit>,
+    /// The guest's lazy file mappings (`GuestOs::mm.lazy_areas()`), whose pages without a frame
+    /// [`Ctx::read`] and [`Ctx::write`] serve as a guest access would: empty for nearly every
+    /// process, and then those never look further than the page tables.
+    pub lazy: Vec<mm::LazyArea>,
 }
 
 impl Ctx<'_> {
     /// Copy guest memory at a user virtual address into `buf`. EFAULT if unmapped or not user.
+    /// Pages of a lazy file mapping that were never touched read from the file.
     pub fn read(&self, va: u64, buf: &mut [u8]) -> std::result::Result<(), Errno> {
-        self.aspace.read_virt(self.mem, va, buf, true).map_err(|_| EFAULT)
+        match self.aspace.read_virt(self.mem, va, buf, true) {
+            Ok(()) => Ok(()),
+            Err(_) if !self.lazy.is_empty() => mm::read_user(&self.lazy, self.mem, self.aspace, va, buf),
+            Err(_) => Err(EFAULT),
+        }
     }
 
     pub fn read_vec(&self, va: u64, len: usize) -> std::result::Result<Vec<u8>, Errno> {
@@ -133,9 +142,18 @@ impl Ctx<'_> {
         Ok(u64::from_le_bytes(b))
     }
 
-    /// Copy `data` to a user virtual address. EFAULT if unmapped or not user.
+    /// Copy `data` to a user virtual address. EFAULT if unmapped or not user. Pages of a lazy file
+    /// mapping that were never touched are read in first, as a guest write would.
     pub fn write(&mut self, va: u64, data: &[u8]) -> std::result::Result<(), Errno> {
-        self.aspace.write_virt(self.mem, va, data, true).map_err(|_| EFAULT)
+        match self.aspace.write_virt(self.mem, va, data, true) {
+            Ok(()) => Ok(()),
+            Err(_) if !self.lazy.is_empty() => {
+                // Reading a page in only adds translations: nothing for `stale_frames`.
+                let mut sp = mm::Space::new(&mut *self.mem, &mut *self.frames, self.aspace);
+                mm::write_user(&self.lazy, &mut sp, va, data)
+            }
+            Err(_) => Err(EFAULT),
+        }
     }
 
     /// A NUL-terminated string from guest memory (at most `max` bytes before the NUL).

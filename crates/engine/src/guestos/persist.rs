@@ -11,7 +11,7 @@
 //! other's files; the controller deletes that directory when it destroys the sandbox.
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use super::files::{Files, Kind, OpenFile};
 use super::misc::Proc;
-use super::mm::Mm;
+use super::mm::{Backing, Lazy, Mm, Vma};
 use super::vfs::Vfs;
 use super::GuestOs;
 use crate::error::{Error, Result};
@@ -258,8 +258,8 @@ fn reopen(vfs: &Vfs, files: &[FileState], fds: &[(i32, u32, bool)]) -> Result<Fi
 }
 
 /// Give `os` private copies of its writable mounts under `dir` (a forked sandbox must not share
-/// files with its parent), and reopen the files it has open in them. Other open files (the root
-/// filesystem, pipes, engine files) stay shared, as after a Linux fork.
+/// files with its parent), and reopen the files it has open or mapped in them. Other open files
+/// (the root filesystem, pipes, engine files) stay shared, as after a Linux fork.
 pub fn privatize(os: &mut GuestOs, dir: &Path) -> Result<()> {
     let writable: Vec<(String, PathBuf)> =
         os.vfs.mounts.iter().filter(|m| m.writable).map(|m| (m.at.clone(), m.host.clone())).collect();
@@ -293,5 +293,47 @@ pub fn privatize(os: &mut GuestOs, dir: &Path) -> Result<()> {
         let _ = path;
         os.files.install(fd, new, cloexec).map_err(|e| lost(format!("fd {fd}: errno {}", e.0)))?;
     }
+    repoint_mappings(os, &writable);
     Ok(())
+}
+
+/// Point the file mappings of files in the writable mounts at the private copies [`privatize`]
+/// made: the descriptors lazy mappings read their pages from and shared ones write back to. A
+/// forked sandbox then neither reads what its parent writes later nor writes into its parent's
+/// files.
+fn repoint_mappings(os: &mut GuestOs, writable: &[(String, PathBuf)]) {
+    // By the old descriptor (kept here, so that no other takes its address): its replacement.
+    let mut reopened: HashMap<*const OwnedFd, (Arc<OwnedFd>, Option<Arc<OwnedFd>>)> = HashMap::new();
+    for v in os.mm.vmas.values_mut() {
+        let Some(old) = v.lazy.as_ref().map(|l| l.0.clone()).or_else(|| v.backing.as_ref().map(|b| b.0.clone())) else {
+            continue;
+        };
+        let (_, new) = reopened
+            .entry(Arc::as_ptr(&old))
+            .or_insert_with(|| (old.clone(), private_copy(&os.vfs, writable, v, &old).map(Arc::new)));
+        let Some(new) = new.clone() else { continue };
+        if v.lazy.as_ref().is_some_and(|l| Arc::ptr_eq(&l.0, &old)) {
+            v.lazy = Some(Lazy(new.clone()));
+        }
+        if v.backing.as_ref().is_some_and(|b| Arc::ptr_eq(&b.0, &old)) {
+            v.backing = Some(Backing(new));
+        }
+    }
+}
+
+/// The private copy of the file mapped by `v` through descriptor `old`, opened like `old`, if it
+/// lies in a writable mount. It is found by the guest path it was mapped by, and only if the
+/// parent's mount still holds that very file there (same inode): one renamed or unlinked since
+/// mmap stays shared with the parent.
+fn private_copy(vfs: &Vfs, writable: &[(String, PathBuf)], v: &Vma, old: &OwnedFd) -> Option<OwnedFd> {
+    use std::os::unix::fs::MetadataExt;
+    let (at, src) = writable.iter().find(|(at, _)| v.name.starts_with(&format!("{at}/")))?;
+    let id = v.file?;
+    let meta = std::fs::metadata(src.join(&v.name[at.len() + 1..])).ok()?;
+    if (meta.dev(), meta.ino()) != (id.dev, id.ino) {
+        return None;
+    }
+    // SAFETY: F_GETFL on a descriptor we hold.
+    let acc = unsafe { libc::fcntl(old.as_raw_fd(), libc::F_GETFL) } & libc::O_ACCMODE;
+    vfs.open("/", v.name.as_bytes(), acc | libc::O_CLOEXEC, 0).ok()
 }

@@ -398,6 +398,7 @@ impl Machine {
                     flush_tlb: false,
                     stale_frames: Vec::new(),
                     stop: None,
+                    lazy: os.mm.lazy_areas(),
                 };
                 let exit = guestos::dispatch(os, &mut ctx);
                 let flush = ctx.flush_tlb;
@@ -450,6 +451,12 @@ impl Machine {
 
     pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(Error::sys("create snapshot directory"))?;
+        if let Some(os) = &self.os {
+            // The state file cannot hold the descriptors lazy file mappings read their pages
+            // from: the memory file holds the pages instead.
+            let mut sp = guestos::mm::Space::new(&mut self.mem, &mut self.runtime.frames, &self.runtime.aspace);
+            os.mm.read_in_lazy(&mut sp)?;
+        }
         self.sync_dirty()?;
         let os = match &self.os {
             Some(os) => Some(crate::guestos::persist::OsState::capture(os, Some(&dir.join("fs")))?),

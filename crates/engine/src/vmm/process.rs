@@ -53,7 +53,7 @@ use crate::arch::x86_64::regs;
 use crate::channel::Channel;
 use crate::error::{Error, Result};
 use crate::guestos::exec;
-use crate::guestos::mm::{Space, TASK_SIZE};
+use crate::guestos::mm::{Access, Fault, Space, TASK_SIZE};
 use crate::guestos::signal::{self, host, Child, Delivery, Next, SigInfo};
 use crate::guestos::{Errno, GuestOs, EFAULT, EINVAL, ENOENT, EPERM};
 use crate::protocol::RunExit;
@@ -787,10 +787,12 @@ pub(super) fn on_interrupt(m: &mut Machine) -> Result<Option<RunExit>> {
     }
 }
 
+const SEGV_MAPERR: i32 = 1;
+const SEGV_ACCERR: i32 = 2;
+const BUS_ADRERR: i32 = 2;
+
 /// The signal and si_code a CPU exception raises, as Linux's traps do.
 fn fault_signal(vector: u8, error_code: u64) -> (i32, i32) {
-    const SEGV_MAPERR: i32 = 1;
-    const SEGV_ACCERR: i32 = 2;
     match vector {
         0 => (signal::SIGFPE, 1),  // #DE: FPE_INTDIV
         1 => (signal::SIGTRAP, 2), // #DB: TRAP_TRACE
@@ -805,12 +807,30 @@ fn fault_signal(vector: u8, error_code: u64) -> (i32, i32) {
     }
 }
 
-/// A guest exception (the vCPU is back at the faulting instruction in ring 3). A Linux guest gets
-/// the signal: its handler runs (Ok(None): go on), or the process dies by it.
+/// A guest exception (the vCPU is back at the faulting instruction in ring 3). A page fault in a
+/// lazy file mapping reads the page in and the guest goes on (Ok(None)). Otherwise a Linux guest
+/// gets the signal: its handler runs (Ok(None): go on), or the process dies by it.
 pub(super) fn on_fault(m: &mut Machine, exit: RunExit) -> Result<Option<RunExit>> {
     let RunExit::Fault { vector, error_code, rip, cr2 } = exit else { return Ok(Some(exit)) };
     let Some(os) = m.os.as_mut() else { return Ok(Some(exit)) };
-    let (sig, code) = fault_signal(vector, error_code);
+    let (mut sig, mut code) = fault_signal(vector, error_code);
+    if vector == 14 {
+        let mut sp = Space::new(&mut m.mem, &mut m.runtime.frames, &m.runtime.aspace);
+        match os.mm.fault(&mut sp, cr2, Access::of_error_code(error_code)) {
+            Fault::NotLazy => {}
+            // A new translation needs no invalidation (see `vstate::tlb`): the guest retries.
+            Fault::Resolved => return Ok(None),
+            Fault::Stale(pa) => {
+                crate::vstate::tlb::invalidate_frames(&m.mem, &[pa])?;
+                return Ok(None);
+            }
+            Fault::Denied => code = SEGV_ACCERR,
+            Fault::Bus => (sig, code) = (signal::SIGBUS, BUS_ADRERR),
+            // Linux would call the OOM killer; the sandbox's memory is what ran out, and this
+            // process is the one that wanted more.
+            Fault::OutOfMemory => return Ok(Some(RunExit::Signaled { signo: signal::SIGBUS })),
+        }
+    }
     let addr = match vector {
         14 => cr2,
         11..=13 => 0,

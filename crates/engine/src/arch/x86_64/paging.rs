@@ -58,6 +58,27 @@ impl FrameAllocator {
         }
     }
 
+    /// One page holding `data` (at most a page; the rest reads as zero), reusing a freed page before
+    /// touching never-used memory. All-zero contents write nothing to a never-used page, so a page
+    /// read in from a hole of a sparse file stays shared with the backing file.
+    pub fn alloc_with(&mut self, mem: &mut GuestMemory, data: &[u8]) -> Result<u64> {
+        if data.iter().all(|&b| b == 0) {
+            return self.alloc_zeroed(mem);
+        }
+        let p = match self.free.pop() {
+            Some(p) => p,
+            None => self.alloc()?,
+        };
+        let mut page = [0u8; PAGE_SIZE as usize];
+        let n = data.len().min(page.len());
+        page[..n].copy_from_slice(&data[..n]);
+        if let Err(e) = mem.write(p, &page) {
+            self.release(p);
+            return Err(e);
+        }
+        Ok(p)
+    }
+
     /// Give a page back for reuse. The caller has removed every mapping of it.
     pub fn release(&mut self, pa: u64) {
         debug_assert_eq!(pa % PAGE_SIZE, 0);
@@ -350,6 +371,33 @@ mod tests {
         let mut b = [1u8; 4096];
         mem.read(again, &mut b).unwrap();
         assert!(b.iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn alloc_with_fills_a_page() {
+        let mut mem = GuestMemory::anonymous(16 << 20).unwrap();
+        let mut fr = FrameAllocator::new(16 << 20);
+        let mut b = [1u8; 4096];
+        let p = fr.alloc_with(&mut mem, b"data").unwrap();
+        mem.read(p, &mut b).unwrap();
+        assert_eq!(&b[..4], b"data");
+        assert!(b[4..].iter().all(|&x| x == 0));
+        // A freed page comes back holding the new contents only, or cleared.
+        mem.write(p + 100, b"old").unwrap();
+        fr.release(p);
+        assert_eq!(fr.alloc_with(&mut mem, b"new").unwrap(), p);
+        mem.read(p, &mut b).unwrap();
+        assert_eq!(&b[..3], b"new");
+        assert!(b[3..].iter().all(|&x| x == 0));
+        fr.release(p);
+        assert_eq!(fr.alloc_with(&mut mem, &[0; 4096]).unwrap(), p);
+        mem.read(p, &mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 0));
+        // All zero into never-used memory: nothing is written, the page stays the backing file's.
+        let dirty = mem.dirty().count();
+        let q = fr.alloc_with(&mut mem, &[0; 4096]).unwrap();
+        assert_ne!(q, p);
+        assert_eq!(mem.dirty().count(), dirty);
     }
 
     #[test]

@@ -109,6 +109,7 @@ impl H {
             flush_tlb: false,
             stale_frames: Vec::new(),
             stop: None,
+            lazy: self.os.mm.lazy_areas(),
         };
         assert!(dispatch(&mut self.os, &mut ctx).is_none());
         self.regs.rax as i64

@@ -394,3 +394,41 @@ fn ptys_are_host_terminals_held_by_the_guest() {
     assert_eq!(h.open(&pts, libc::O_RDWR, 0), e(ENOENT));
     assert_eq!(h.stat(&pts, 0).err(), Some(e(ENOENT)));
 }
+
+/// test_mmap's LargeMmapTests map whole sparse files far larger than the sandbox's memory (lazy file
+/// mappings, longer than `mm::LAZY_MAP_MIN`). write(2) from and read(2) into such a mapping's pages
+/// that were never touched work as on Linux: the file's bytes go out, the data read lands.
+#[test]
+fn syscall_buffers_in_lazy_file_mappings() {
+    use crate::guestos::mm::{LAZY_MAP_MIN, MAP_PRIVATE, PROT_READ, PROT_WRITE, SYS_MMAP, SYS_MUNMAP};
+    use std::os::unix::fs::FileExt;
+    let mut h = H::new();
+    let len = LAZY_MAP_MIN + (16 << 20);
+    let f = std::fs::File::create(h.host("tmp/sparse")).unwrap();
+    f.set_len(len).unwrap();
+    f.write_all_at(b"the tail", len - 8).unwrap();
+    let fd = h.open("/tmp/sparse", libc::O_RDONLY, 0);
+    let before = h.frames.available();
+    let a = h.call(SYS_MMAP, &[0, len, (PROT_READ | PROT_WRITE) as u64, MAP_PRIVATE as u64, fd as u64, 0]);
+    assert!(a > 0, "mmap: {a}");
+    let a = a as u64;
+    assert_eq!(before, h.frames.available(), "a lazy mapping takes no frames");
+    // The mapping keeps a descriptor of its own.
+    assert_eq!(h.call(CLOSE, &[fd as u64]), 0);
+    // write(2) from pages without frames sends the file's bytes and takes no frames.
+    let out = h.open("/tmp/out", libc::O_CREAT | libc::O_WRONLY, 0o644) as u64;
+    assert_eq!(h.call(WRITE, &[out, a + len - 8192, 8192]), 8192);
+    let back = std::fs::read(h.host("tmp/out")).unwrap();
+    assert_eq!((&back[..8184], &back[8184..]), (&[0u8; 8184][..], &b"the tail"[..]));
+    assert_eq!(before, h.frames.available());
+    // read(2) into one reads the page in, then the data lands there (the file stays as it was).
+    let src = h.open("/work/b.txt", libc::O_RDONLY, 0) as u64;
+    assert_eq!(h.call(READ, &[src, a + (20 << 20) + 10, 5]), 5);
+    assert_eq!(h.get(a + (20 << 20) + 5, 12), b"\0\0\0\0\0bravo\0\0");
+    assert!(before > h.frames.available());
+    assert_eq!(f.metadata().unwrap().len(), len);
+    // Past the end of the mapping: EFAULT, as before.
+    assert_eq!(h.call(WRITE, &[out, a + len - 8, 16]), e(EFAULT));
+    assert_eq!(h.call(SYS_MUNMAP, &[a, len]), 0);
+    assert_eq!(h.call(WRITE, &[out, a + len - 8, 8]), e(EFAULT));
+}
