@@ -284,6 +284,27 @@ def test_concurrent_processes_are_scheduled_deterministically(client):
     assert "reaped [(" in out, out
 
 
+def test_a_blocking_pipe_write_is_whole_while_processes_take_turns(client):
+    """A blocking write(2) larger than the pipe goes on in the writer's next turns (the reader
+    drains it in between) and returns once with the whole count, as under Linux; so do the
+    buffered writers built on it (sys.stderr of a child, communicate())."""
+    code = (
+        "import os, subprocess, sys\n"
+        "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    os.close(r); n = os.write(w, b'x' * 300000); os.write(w, str(n).encode()); os._exit(0)\n"
+        "os.close(w); data = b''\n"
+        "while (b := os.read(r, 100000)): data += b\n"
+        "os.wait(); print(len(data), data[300000:].decode())\n"
+        "p = subprocess.run([sys.executable, '-c', 'import sys; sys.stderr.write(\"e\" * 3000000); "
+        "sys.stdout.write(sys.stdin.read())'], input=b'i' * 3000000, capture_output=True)\n"
+        "print(len(p.stdout), len(p.stderr))\n"
+    )
+    with Sandbox("python", client=client) as sb:
+        r = sb.exec(code=code, seed=SEED, timeout_seconds=60)
+    assert r.ok and r.stdout == "300006 300000\n3000000 3000000\n", (r.stdout, r.stderr)
+
+
 def test_a_spinning_child_cannot_starve_its_parents_timeout(client):
     """Turns are not preemptive for determinism's sake, but a process that keeps the token while
     another waits for a deadline is preempted: a parent's timeout on a child that computes forever

@@ -725,6 +725,9 @@ pub fn file_write(f: &OpenFile, sinks: &mut Sinks, data: &[u8], off: Option<u64>
     };
     if f.stream && !data.is_empty() {
         wait_stream(fd, libc::POLLOUT)?;
+        if super::sched::active() {
+            return write_without_blocking(fd, data);
+        }
     }
     // SAFETY: `data` is valid for its length.
     let r = unsafe {
@@ -734,6 +737,28 @@ pub fn file_write(f: &OpenFile, sinks: &mut Sinks, data: &[u8], off: Option<u64>
         }
     };
     cvt(r as i64).map(|n| n as usize)
+}
+
+/// A write to a host stream while the sandbox's processes take turns (`guestos::sched`): what
+/// fits now, never waiting on the host, since the reader may be a guest process waiting for its
+/// turn. The description's O_NONBLOCK is set for the call and put back: nobody else of the sandbox
+/// runs meanwhile. The rest of a blocking write follows in the caller's next turn (`sys_write`).
+fn write_without_blocking(fd: RawFd, data: &[u8]) -> Result<usize, Errno> {
+    let fl = cvt(unsafe_fcntl(fd, libc::F_GETFL, 0))? as i32;
+    let set = fl & libc::O_NONBLOCK == 0;
+    if set {
+        cvt(unsafe_fcntl(fd, libc::F_SETFL, (fl | libc::O_NONBLOCK) as i64))?;
+    }
+    // SAFETY: `data` is valid for its length.
+    let r = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
+    let res = cvt(r as i64).map(|n| n as usize);
+    if set {
+        let _ = unsafe_fcntl(fd, libc::F_SETFL, fl as i64);
+        if res == Err(EAGAIN) && super::sched::yield_blocked(None) {
+            return Err(super::signal::ERESTARTSYS);
+        }
+    }
+    res
 }
 
 fn sys_read(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, count: u64, off: Option<u64>) -> SysResult {
@@ -748,6 +773,38 @@ fn sys_read(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, count: u64, off:
 
 fn sys_write(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, count: u64, off: Option<u64>) -> SysResult {
     let f = os.files.file(fd)?;
+    // Taking turns (`guestos::sched`), a blocking write to a pipe that does not fit goes on in the
+    // writer's next turns, and returns once, with the whole count, as under Linux.
+    let turns = off.is_none() && f.stream && super::sched::active() && f.status_flags().is_ok_and(|fl| fl & libc::O_NONBLOCK == 0);
+    if turns {
+        let carried = super::sched::write_resumed(ctx.regs.rip, fd, buf, count);
+        return match write_pieces(os, ctx, &f, buf, count, None) {
+            Ok(n) if n < count && n > 0 || (n == 0 && count > 0) => {
+                super::sched::write_continues(ctx.regs, fd, buf + n, count - n, carried.0 + n, carried.1);
+                super::sched::yield_blocked(None);
+                Err(super::signal::ERESTARTSYS)
+            }
+            Ok(n) => {
+                (ctx.regs.rsi, ctx.regs.rdx) = carried.1;
+                Ok(carried.0 + n)
+            }
+            Err(e) if e == super::signal::ERESTARTSYS => {
+                if carried.0 > 0 {
+                    super::sched::write_continues(ctx.regs, fd, buf, count, carried.0, carried.1);
+                }
+                Err(e)
+            }
+            Err(e) => {
+                (ctx.regs.rsi, ctx.regs.rdx) = carried.1;
+                if carried.0 > 0 { Ok(carried.0) } else { Err(e) }
+            }
+        };
+    }
+    write_pieces(os, ctx, &f, buf, count, off)
+}
+
+/// write(2) in pieces of at most MAX_IO.
+fn write_pieces(os: &mut GuestOs, ctx: &mut Ctx, f: &OpenFile, buf: u64, count: u64, off: Option<u64>) -> SysResult {
     // Linux writes all of a large write to a file or a blocking pipe (a single write(2) moves up
     // to 2 GiB): one bigger than MAX_IO goes in MAX_IO pieces, and ends early only where a piece
     // does (short, or an error after some bytes were written, which is then the answer).
@@ -755,7 +812,7 @@ fn sys_write(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, count: u64, off
     loop {
         let len = (count - done).min(MAX_IO as u64) as usize;
         let piece = ctx.read_vec(buf.wrapping_add(done), len).and_then(|data| {
-            file_write(&f, &mut Sinks { out: ctx.out, stdio: os.stdio.as_ref() }, &data, off.map(|o| o + done))
+            file_write(f, &mut Sinks { out: ctx.out, stdio: os.stdio.as_ref() }, &data, off.map(|o| o + done))
         });
         match piece {
             Ok(n) => {

@@ -19,9 +19,10 @@
 //! and by the durations the guest sleeps. A sleep (nanosleep, clock_nanosleep, futex timeouts) of a
 //! process alone in its sandbox returns at once: nothing else could act while it waits, so waiting
 //! would change nothing it can observe but the wall time it cannot see. With other guest processes
-//! alive, the sleep waits on the host for its length (they run meanwhile, as under Linux: a parent
-//! that sleeps to let its child start, a `timeout` on a child), and virtual time moves by exactly
-//! the length either way. CPU-time clocks advance by the quantum only.
+//! alive, the processes take turns on one virtual clock (`guestos::sched`): the sleep hands the
+//! turn on and ends when the tree's time reaches its deadline (the other processes run meanwhile,
+//! as under Linux: a parent that sleeps to let its child start, a `timeout` on a child). Virtual
+//! time moves by exactly the length either way. CPU-time clocks advance by the quantum only.
 //! Replay mode stays on until the next reseed (which may turn it off) or a reset to a state without
 //! it. Both are part of [`Proc`], so snapshots, forks and resets carry them. See docs/replay.md.
 //!

@@ -218,6 +218,9 @@ pub fn child_started(pid: i32) {
     if let Ok(mut c) = CALL.lock() {
         *c = (CallKey::default(), None);
     }
+    if let Ok(mut w) = WRITE.lock() {
+        *w = None;
+    }
     ME.store(pid as u32, Ordering::SeqCst);
     HOLDING.store(false, Ordering::SeqCst);
     YIELD.store(0, Ordering::SeqCst);
@@ -286,6 +289,40 @@ pub fn deadline(now: u64, timeout: u64) -> u64 {
             c.1 = Some((key, d));
             d
         }
+    }
+}
+
+/// A blocking write to a pipe that goes on in later turns: the call it continues (rip, fd, and the
+/// buffer and count of the rest), what it has written so far, and the caller's buffer and count
+/// registers to give back when it returns.
+#[derive(Clone, Copy)]
+struct WriteCarry {
+    rip: u64,
+    fd: i32,
+    buf: u64,
+    count: u64,
+    written: u64,
+    regs: (u64, u64),
+}
+static WRITE: std::sync::Mutex<Option<WriteCarry>> = std::sync::Mutex::new(None);
+
+/// At a write(2) that takes turns: what earlier turns of this same call wrote, and the caller's
+/// (rsi, rdx) to restore when it returns ((0, current) if it is a new call).
+pub fn write_resumed(rip: u64, fd: i32, buf: u64, count: u64) -> (u64, (u64, u64)) {
+    let carry = WRITE.lock().ok().and_then(|mut w| w.take());
+    match carry {
+        Some(c) if c.rip == rip && c.fd == fd && c.buf == buf && c.count == count => (c.written, c.regs),
+        _ => (0, (buf, count)),
+    }
+}
+
+/// The write goes on in the next turn: the guest re-executes it for the rest (`buf`, `count` put
+/// in its registers), the total so far is kept.
+pub fn write_continues(regs: &mut kvm_bindings::kvm_regs, fd: i32, buf: u64, count: u64, written: u64, caller: (u64, u64)) {
+    regs.rsi = buf;
+    regs.rdx = count;
+    if let Ok(mut w) = WRITE.lock() {
+        *w = Some(WriteCarry { rip: regs.rip, fd, buf, count, written, regs: caller });
     }
 }
 

@@ -33,8 +33,8 @@
 //! counted in a page shared by its VMM processes; fork answers EAGAIN beyond that.
 //!
 //! # Limits
-//! Guest pids other than 1 are host pids (not deterministic). Child processes run on their own:
-//! they go on while the first process is paused between runs. A forked sandbox (`Vm::fork`), a
+//! Child processes run on their own: they go on while the first process is paused between runs
+//! (in replay mode taking turns with it, see `guestos::sched`). A forked sandbox (`Vm::fork`), a
 //! snapshot or a reset does not carry the guest's children: in a clone they read as killed by
 //! SIGKILL, a reset kills them. Process groups and sessions are not tracked beyond the guest's own
 //! ids; kill reaches the process itself, its children, its parent and pid 1. Orphans adopted by
