@@ -610,6 +610,16 @@ fn offset(v: u64) -> Result<u64, Errno> {
 /// Wait (at most [`WAIT_SLICE_MS`]) until host stream `fd` is ready for `events`. ERESTARTSYS if it
 /// is not by then and blocks; Ok if it is ready or non-blocking (the host call then answers).
 pub(super) fn wait_stream(fd: RawFd, events: i16) -> Result<(), Errno> {
+    wait_stream_or_turn(fd, events, true)
+}
+
+/// [`wait_stream`] on a stream whose other end is the host (the controller's stdout and stderr
+/// pipes), never another guest process: it waits on the host even while processes take turns.
+fn wait_host_stream(fd: RawFd, events: i16) -> Result<(), Errno> {
+    wait_stream_or_turn(fd, events, false)
+}
+
+fn wait_stream_or_turn(fd: RawFd, events: i16, turns: bool) -> Result<(), Errno> {
     let mut p = libc::pollfd { fd, events, revents: 0 };
     // SAFETY: one valid pollfd.
     if unsafe { libc::poll(&mut p, 1, 0) } != 0 {
@@ -619,7 +629,7 @@ pub(super) fn wait_stream(fd: RawFd, events: i16) -> Result<(), Errno> {
         return Ok(());
     }
     // Replay mode, other processes: their turn (see `guestos::sched`), then try again.
-    if super::sched::yield_blocked(None) {
+    if turns && super::sched::yield_blocked(None) {
         return Err(super::signal::ERESTARTSYS);
     }
     // SAFETY: one valid pollfd.
@@ -702,7 +712,9 @@ pub fn file_write(f: &OpenFile, sinks: &mut Sinks, data: &[u8], off: Option<u64>
             if let Some(pipes) = sinks.stdio {
                 let fd = pipes[usize::from(*k == 2)].as_raw_fd();
                 if !data.is_empty() {
-                    wait_stream(fd, libc::POLLOUT)?;
+                    // The controller drains these: a wait here is never one for another guest
+                    // process's turn (see `guestos::sched`), so it is a wait on the host.
+                    wait_host_stream(fd, libc::POLLOUT)?;
                 }
                 // SAFETY: `data` is valid for its length; the pipe is ours.
                 let r = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };

@@ -194,7 +194,8 @@ fn members(r: &Region) -> usize {
 
 /// Whether the tree takes turns now: replay mode, and another member besides this process.
 pub fn active() -> bool {
-    REPLAY.load(Ordering::Relaxed) && region().is_some_and(|r| members(r) > 1)
+    // The process count first: one atomic load, where most runs (a process alone) end.
+    REPLAY.load(Ordering::Relaxed) && !super::signal::host::alone() && region().is_some_and(|r| members(r) > 1)
 }
 
 /// Before a guest fork: in replay mode the parent holds the token (it is the one running), so the
@@ -372,7 +373,7 @@ pub fn gate(replay: bool, mono: u64, advance: &mut dyn FnMut(u64), deadline: Ins
     let preempted = PREEMPTED.swap(false, Ordering::SeqCst);
     if !active() {
         // Alone or not in replay: run freely (holding the token, if anyone is to take turns later).
-        if replay && me != 0 && r.token.load(Ordering::SeqCst) != me && members(r) <= 1 {
+        if replay && me != 0 && r.token.load(Ordering::SeqCst) != me && (super::signal::host::alone() || members(r) <= 1) {
             take_now(r);
         }
         return Gate::Run;
