@@ -955,17 +955,11 @@ pub(super) fn sys_xattr(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6], o
             }
             // The host's list, translated: it can be longer or shorter than the guest's, so it is
             // always read in full and the guest's size rules (ERANGE) apply to the translation.
-            let host = list_host_xattrs(fd)?;
-            let list = guest_xattr_list(&host, admin);
-            let size = a[2] as usize;
-            if size == 0 {
-                return Ok(list.len() as u64);
-            }
-            if list.len() > size {
-                return Err(ERANGE);
-            }
-            ctx.write(a[1], &list)?;
-            Ok(list.len() as u64)
+            let host = host_names(|b, n| {
+                // SAFETY: a valid descriptor and a buffer of the size given (null for 0).
+                unsafe { libc::flistxattr(fd, b, n) as i64 }
+            })?;
+            answer_list(ctx, a, &guest_xattr_list(&host, admin))
         }
         _ => {
             may_change(user, writable, symlink)?;
@@ -1009,10 +1003,11 @@ fn symlink_trusted(ctx: &mut Ctx, op: u8, a: [u64; 6], (d, n): (RawFd, &CStr), n
                 0 => libc::lsetxattr(p, cname.as_ptr(), value.as_ptr().cast(), value.len(), a[4] as i32) as i64,
                 1 => libc::lgetxattr(p, cname.as_ptr(), if buf.is_empty() { std::ptr::null_mut() } else { buf.as_mut_ptr().cast() }, buf.len()) as i64,
                 3 => libc::lremovexattr(p, cname.as_ptr()) as i64,
-                _ => return list_link_xattrs(p),
+                // A C string and a buffer of the size given (null for 0).
+                _ => return host_names(|b, n| libc::llistxattr(p, b, n) as i64).map(|v| (v.len() as u64, v)),
             }
         };
-        cvt(rc).map(|v| (v as u64, Vec::new()))
+        cvt(rc).map(|v| (v, Vec::new()))
     })?;
     match op {
         1 if !buf.is_empty() => {
@@ -1021,35 +1016,9 @@ fn symlink_trusted(ctx: &mut Ctx, op: u8, a: [u64; 6], (d, n): (RawFd, &CStr), n
         }
         2 => {
             let list: Vec<u8> = r.1.split(|&b| b == 0).filter_map(|h| h.strip_prefix(LINK_TRUSTED_PREFIX)).filter(|x| !x.is_empty()).flat_map(|x| [b"trusted.".as_slice(), x, b"\0"].concat()).collect();
-            let size = a[2] as usize;
-            if size == 0 {
-                return Ok(list.len() as u64);
-            }
-            if list.len() > size {
-                return Err(ERANGE);
-            }
-            ctx.write(a[1], &list)?;
-            Ok(list.len() as u64)
+            answer_list(ctx, a, &list)
         }
         _ => Ok(r.0),
-    }
-}
-
-/// The host attribute names of symlink `p` (in the current directory).
-fn list_link_xattrs(p: *const libc::c_char) -> Result<(u64, Vec<u8>), Errno> {
-    loop {
-        // SAFETY: a C string; a null buffer of size 0 asks for the size.
-        let n = cvt(unsafe { libc::llistxattr(p, std::ptr::null_mut(), 0) } as i64)? as usize;
-        let mut buf = vec![0u8; n];
-        // SAFETY: a C string and a buffer of `n` bytes.
-        match cvt(unsafe { libc::llistxattr(p, buf.as_mut_ptr().cast(), n) } as i64) {
-            Ok(m) => {
-                buf.truncate(m as usize);
-                return Ok((m as u64, buf));
-            }
-            Err(e) if e == ERANGE => continue,
-            Err(e) => return Err(e),
-        }
     }
 }
 
@@ -1091,14 +1060,13 @@ impl XattrNs {
     }
 }
 
-/// The host file's attribute names (NUL-terminated, concatenated), all of them.
-fn list_host_xattrs(fd: RawFd) -> Result<Vec<u8>, Errno> {
+/// A host attribute list (names NUL-terminated, concatenated), all of it: `list(buf, size)` is a
+/// flistxattr/llistxattr call (a null buffer of size 0 asks for the size).
+fn host_names(list: impl Fn(*mut libc::c_char, usize) -> i64) -> Result<Vec<u8>, Errno> {
     loop {
-        // SAFETY: a null buffer of size 0 asks for the size.
-        let n = cvt(unsafe { libc::flistxattr(fd, std::ptr::null_mut(), 0) } as i64)? as usize;
+        let n = cvt(list(std::ptr::null_mut(), 0))? as usize;
         let mut buf = vec![0u8; n];
-        // SAFETY: a valid descriptor and a buffer of `n` bytes.
-        match cvt(unsafe { libc::flistxattr(fd, buf.as_mut_ptr().cast(), n) } as i64) {
+        match cvt(list(buf.as_mut_ptr().cast(), n)) {
             Ok(m) => {
                 buf.truncate(m as usize);
                 return Ok(buf);
@@ -1108,6 +1076,20 @@ fn list_host_xattrs(fd: RawFd) -> Result<Vec<u8>, Errno> {
             Err(e) => return Err(e),
         }
     }
+}
+
+/// A list*xattr answer: the size (a size of 0 asks), ERANGE if the guest's buffer is too small,
+/// else the list written to it.
+fn answer_list(ctx: &mut Ctx, a: [u64; 6], list: &[u8]) -> SysResult {
+    let size = a[2] as usize;
+    if size == 0 {
+        return Ok(list.len() as u64);
+    }
+    if list.len() > size {
+        return Err(ERANGE);
+    }
+    ctx.write(a[1], list)?;
+    Ok(list.len() as u64)
 }
 
 /// The guest's view of a host attribute list: the engine's names hidden, its trusted ones shown

@@ -53,7 +53,6 @@ pub fn timeout_tv(ctx: &Ctx, p: u64) -> Result<Timeout, Errno> {
 /// Poll `fds` (fd, events) and return each one's revents. EINTR if nothing became ready within
 /// the slice and the guest's timeout is longer.
 pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Result<Vec<i16>, Errno> {
-    const ALWAYS: i16 = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
     let mut revents = vec![0i16; fds.len()];
     let mut host: Vec<libc::pollfd> = Vec::new();
     let mut host_idx: Vec<usize> = Vec::new();
@@ -91,12 +90,7 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
         if n < 0 {
             return Err(Errno::last());
         }
-        for (p, &i) in host.iter().zip(&host_idx) {
-            revents[i] = p.revents & (fds[i].1 | ALWAYS);
-            if revents[i] != 0 {
-                ready += 1;
-            }
-        }
+        ready += host_revents(&host, &host_idx, fds, &mut revents);
         if ready > 0 {
             return Ok(revents);
         }
@@ -129,12 +123,7 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
     if n < 0 {
         return Err(Errno::last());
     }
-    for (p, &i) in host.iter().zip(&host_idx) {
-        revents[i] = p.revents & (fds[i].1 | ALWAYS);
-        if revents[i] != 0 {
-            ready += 1;
-        }
-    }
+    ready += host_revents(&host, &host_idx, fds, &mut revents);
     if ready == 0 && wait > Duration::ZERO && replay && timeout.is_some() {
         os.proc.clocks.pass(wait.as_nanos() as u64);
     } else if ready > 0 && wait > Duration::ZERO && replay {
@@ -147,6 +136,20 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
         return Err(EINTR);
     }
     Ok(revents)
+}
+
+/// Copy the host poll's results into `revents` (for the guest's events and the ones that are
+/// always reported); how many became ready.
+fn host_revents(host: &[libc::pollfd], host_idx: &[usize], fds: &[(i32, i16)], revents: &mut [i16]) -> usize {
+    const ALWAYS: i16 = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
+    let mut ready = 0;
+    for (p, &i) in host.iter().zip(host_idx) {
+        revents[i] = p.revents & (fds[i].1 | ALWAYS);
+        if revents[i] != 0 {
+            ready += 1;
+        }
+    }
+    ready
 }
 
 pub fn sys_poll(os: &mut GuestOs, ctx: &mut Ctx, fdsp: u64, nfds: u64, timeout: Timeout) -> SysResult {
