@@ -8,6 +8,8 @@ to it is printed under the table (`x_native`):
   python3.11 started through its own loader.
 - syscall round trip: a loop of getppid() in the guest, timed on the host (guest clocks are
   virtual) minus the same loop without the syscall; per call.
+- pipe round trip between a parent and its child (the sandbox's processes take turns in replay
+  mode: two token passes per round trip), per round trip; natively: the same program on the host.
 - file read: a 64 MiB file read in the guest (`open().read()`), minus an empty exec; MiB/s.
 - upload and download of 64 MiB through the SDK; natively: writing and reading a 64 MiB file.
 """
@@ -138,6 +140,46 @@ def test_syscall_getppid_sandbox(benchmark, sb):
     benchmark.extra_info["per_call_us"] = round(statistics.median(per_call) * 1e6, 2)
     benchmark.extra_info["per_call_p99_us"] = round(per_call[-1] * 1e6, 2)
     _record(benchmark, "getppid_sandbox", "getppid_native")
+
+
+# --- two processes taking turns -----------------------------------------------------------------
+
+# A parent and its child exchange one byte over two pipes, ROUND_TRIPS times. In the sandbox
+# (replay mode) every exchange passes the run token twice (guestos::sched); natively the host
+# wakes the other process. Per round trip, minus the same program with no round trips.
+ROUND_TRIPS = 2000
+PINGPONG = (
+    "import os\nN = {n}\na, b = os.pipe(); c, d = os.pipe()\n"
+    "if os.fork() == 0:\n"
+    "    for _ in range(N): os.read(a, 1); os.write(d, b'x')\n"
+    "    os._exit(0)\n"
+    "for _ in range(N): os.write(b, b'x'); os.read(c, 1)\n"
+    "os.wait()\n"
+)
+
+
+def test_pipe_round_trip_native(benchmark):
+    import sys
+
+    def once(n: int) -> float:
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", PINGPONG.format(n=n)], check=True)
+        return time.perf_counter() - t
+
+    empty = sorted(once(0) for _ in range(5))[2]
+    benchmark.pedantic(lambda: once(ROUND_TRIPS), rounds=9, warmup_rounds=1)
+    per = sorted((t - empty) / ROUND_TRIPS for t in benchmark.stats.stats.data)
+    benchmark.extra_info["per_round_trip_us"] = round(statistics.median(per) * 1e6, 2)
+    _record(benchmark, "pingpong_native")
+
+
+def test_pipe_round_trip_sandbox(benchmark, sb):
+    empty = sorted(_timed_exec(sb, PINGPONG.format(n=0)) for _ in range(5))[2]
+    benchmark.pedantic(lambda: _timed_exec(sb, PINGPONG.format(n=ROUND_TRIPS)), rounds=9, warmup_rounds=1)
+    per = sorted((t - empty) / ROUND_TRIPS for t in benchmark.stats.stats.data)
+    benchmark.extra_info["per_round_trip_us"] = round(statistics.median(per) * 1e6, 2)
+    benchmark.extra_info["per_round_trip_p99_us"] = round(per[-1] * 1e6, 2)
+    _record(benchmark, "pingpong_sandbox", "pingpong_native")
 
 
 # --- file read ----------------------------------------------------------------------------------

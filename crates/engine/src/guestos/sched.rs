@@ -397,6 +397,25 @@ pub fn gate(replay: bool, mono: u64, advance: &mut dyn FnMut(u64), deadline: Ins
     }
 }
 
+/// Right after a call asked to yield (and before it goes back to the guest to be restarted): hand
+/// the turn on and wait for it to come back (a short while: beyond that the run loop's gate waits,
+/// with the run's deadline). True if this process holds the turn again and may retry the call at
+/// once; false if the call must go back through the guest (a host signal arrived, the turn is
+/// still elsewhere, nothing was asked).
+pub fn turn_again(replay: bool, mono: u64, advance: &mut dyn FnMut(u64)) -> bool {
+    if YIELD.load(Ordering::SeqCst) == 0 || super::signal::host::pending() {
+        return false;
+    }
+    let deadline = Instant::now() + RETRY_WAIT;
+    match gate(replay, mono, advance, deadline) {
+        Gate::Run => HOLDING.load(Ordering::SeqCst) && !super::signal::host::pending() && !PREEMPTED.load(Ordering::SeqCst),
+        Gate::Timeout => false,
+    }
+}
+
+/// How long [`turn_again`] waits for the turn inside a syscall.
+const RETRY_WAIT: Duration = Duration::from_millis(20);
+
 /// The sandbox's first process ends a run (its agent is idle, or the run timed out): it steps
 /// aside until its next run. `mono`: its virtual time, published.
 pub fn away(mono: u64) {

@@ -387,7 +387,7 @@ impl Machine {
         let exit = match self.os.as_mut() {
             // fork, execve, sigreturn: the VMM's own business (see `process`).
             Some(_) if process::intercepts(r.rax) => process::syscall(self, &mut r, &mut sregs)?,
-            Some(os) => {
+            Some(os) => loop {
                 let mut ctx = guestos::Ctx {
                     mem: &mut self.mem,
                     frames: &mut self.runtime.frames,
@@ -408,8 +408,20 @@ impl Machine {
                 } else if !stale.is_empty() {
                     crate::vstate::tlb::invalidate_frames(&self.mem, &stale)?;
                 }
-                exit
-            }
+                // Replay turns: a call that would block handed the turn on and is to be restarted.
+                // Take the turn back here and retry it at once, instead of through the guest
+                // (a KVM_RUN to re-execute its `syscall`), unless a signal is to be delivered.
+                let restarted = r.rip == entry.rip().wrapping_sub(2);
+                if exit.is_none() && restarted && os.sig.pending == 0 {
+                    let clocks = &mut os.proc.clocks;
+                    if crate::guestos::sched::turn_again(clocks.replay, clocks.mono_now(), &mut |ns| clocks.pass(ns)) {
+                        r.rip = entry.rip();
+                        crate::guestos::sched::begin_syscall(r.rip, r.rax, [r.rdi, r.rsi, r.rdx, r.r10]);
+                        continue;
+                    }
+                }
+                break exit;
+            },
             None => {
                 let (ret, exit) = syscalls::dispatch(&r, &self.runtime.aspace, &self.mem, out);
                 r.rax = ret as u64;

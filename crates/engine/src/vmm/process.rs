@@ -111,6 +111,11 @@ impl Entry {
     pub(super) fn of(r: &kvm_regs) -> Entry {
         Entry { nr: r.rax, rip: r.rcx }
     }
+
+    /// Where the guest goes on after the call (just after its `syscall` instruction).
+    pub(super) fn rip(&self) -> u64 {
+        self.rip
+    }
 }
 
 fn ret(r: &mut kvm_regs, res: std::result::Result<u64, Errno>) {
