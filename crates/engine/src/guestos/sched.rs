@@ -163,7 +163,15 @@ pub fn reset() {
 }
 
 fn with_lock<T>(r: &Region, f: impl FnOnce() -> T) -> T {
+    // Held for a few loads and stores. A holder killed right there (a host SIGKILL) would never
+    // let go: after about a million tries (milliseconds) the lock is taken over.
+    let mut tries = 0u32;
     while r.lock.compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        tries += 1;
+        if tries > 1 << 20 {
+            r.lock.store(1, Ordering::Release);
+            break;
+        }
         std::hint::spin_loop();
     }
     let v = f();
