@@ -16,7 +16,9 @@ process and directory it made.
 from __future__ import annotations
 
 import os
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -532,3 +534,28 @@ def test_zz_afterwards_nothing_is_affected_and_nothing_leaks(client, baseline, p
         len(os.listdir("/proc/self/fd")),
         baseline["fds"],
     )
+
+
+def test_a_guest_process_killed_by_the_host_while_it_has_the_turn(client, sb):
+    # Replay mode: the sandbox's processes take turns (guestos::sched). A process that vanishes
+    # while it holds the turn (here: its VMM SIGKILLed from the host, as an OOM kill would) never
+    # hands it on; the others notice and go on: the parent's wait sees the child killed.
+    vmm = sb._live().vm.pid
+    code = (
+        "import os, subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'open(\"/tmp/spin\", \"w\").close()\\nwhile True: pass'])\n"
+        "print(p.wait())\n"
+    )
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(lambda: sb.exec(code=code, timeout_seconds=60))
+        assert wait_until(lambda: len(descendants(vmm)) >= 1, 20)
+        # The spinning child is the one running (the parent waits for it).
+        assert wait_until(lambda: any(stat_of(p) and stat_of(p)[0] == "R" for p in descendants(vmm)), 20)
+        time.sleep(0.5)
+        running = [p for p in descendants(vmm) if stat_of(p) and stat_of(p)[0] == "R"]
+        assert running, "no running guest process"
+        for p in running:
+            os.kill(p, signal.SIGKILL)
+        r = fut.result(timeout=60)
+    assert r.ok and r.stdout == "-9\n", (r.stdout, r.stderr)
+    assert sb.exec(code="print('still serving')").stdout == "still serving\n"
