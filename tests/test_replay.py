@@ -533,8 +533,8 @@ def _same(src: str) -> str:
 def variants(client, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agents")
     wrong_sum = lambda s: s.replace(  # noqa: E731 - an agent whose checksum is off by one byte
-        "return hashlib.sha256(ACK_CONTEXT + seed + first).hexdigest()",
-        "return hashlib.sha256(ACK_CONTEXT + seed + first[:-1] + bytes([first[-1] ^ 1])).hexdigest()",
+        "return sha256(ACK_CONTEXT + seed + first).hexdigest()",
+        "return sha256(ACK_CONTEXT + seed + first[:-1] + bytes([first[-1] ^ 1])).hexdigest()",
     )
     skip_reseed = lambda s: s.replace(  # noqa: E731 - acks without reading the reseeded CRNG
         "first = os.urandom(32)", "first = bytes(32)"

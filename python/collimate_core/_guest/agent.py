@@ -13,11 +13,18 @@ Requests:
   {"op": "ping"} answers {"pong": true}.
 """
 
-import hashlib
 import os
 import random
 import sys
 import traceback
+
+try:
+    # CPython's own SHA-256 (built into the interpreter): hashlib's is OpenSSL's, whose code and
+    # data pages every exec in a fresh clone would otherwise touch (shadow page faults) for three
+    # hashes of a few dozen bytes.
+    from _sha256 import sha256
+except ImportError:  # an interpreter built without it
+    from hashlib import sha256
 
 CHANNEL = 3
 ACK_CONTEXT = b"collimate/seed-ack/v1"
@@ -57,10 +64,10 @@ def send(obj):
 def seed_prngs(material):
     """Seed the user-space PRNGs this interpreter hosts (random, and numpy's global generator if
     numpy is loaded) from 32 bytes of `material`."""
-    random.seed(int.from_bytes(hashlib.sha256(RANDOM_CONTEXT + material).digest(), "big"))
+    random.seed(int.from_bytes(sha256(RANDOM_CONTEXT + material).digest(), "big"))
     np = sys.modules.get("numpy")
     if np is not None:
-        np.random.seed(int.from_bytes(hashlib.sha256(RANDOM_CONTEXT + b"numpy" + material).digest()[:4], "big"))
+        np.random.seed(int.from_bytes(sha256(RANDOM_CONTEXT + b"numpy" + material).digest()[:4], "big"))
 
 
 def reseed(seed_hex):
@@ -76,7 +83,7 @@ def reseed(seed_hex):
     seed = bytes.fromhex(seed_hex)
     first = os.urandom(32)
     seed_prngs(seed)
-    return hashlib.sha256(ACK_CONTEXT + seed + first).hexdigest()
+    return sha256(ACK_CONTEXT + seed + first).hexdigest()
 
 
 def run_code(code, namespace):
