@@ -31,7 +31,7 @@
 //! signal it), so that a spinning child cannot starve the parent that would kill it on a timeout,
 //! nor a process that spins on memory another one writes; where it was preempted depends on the
 //! host's speed. Between execs (the agent is idle, [`State::Away`]) background processes go
-//! on in real time, as before.
+//! on in real time, as before, and a new exec no longer takes turns with them ([`new_exec`]).
 //!
 //! Outside replay mode, or with one process, none of this applies and processes run in parallel.
 
@@ -61,6 +61,9 @@ pub enum State {
     Blocked = 2,
     /// The sandbox's first process between execs: serving its controller, not its guest. Skipped.
     Away = 3,
+    /// A process left over from an earlier exec (a background job): it runs on its own, in real
+    /// time, and takes no turns (see [`new_exec`]).
+    Detached = 4,
 }
 
 /// One process's slot.
@@ -200,10 +203,42 @@ fn members(r: &Region) -> usize {
     r.slots.iter().filter(|s| matches!(s.state.load(Ordering::SeqCst), 1 | 2) && s.pid.load(Ordering::SeqCst) != 0).count()
 }
 
-/// Whether the tree takes turns now: replay mode, and another member besides this process.
+/// Whether the tree takes turns now: replay mode, this process a member, and another member.
 pub fn active() -> bool {
     // The process count first: one atomic load, where most runs (a process alone) end.
-    REPLAY.load(Ordering::Relaxed) && !super::signal::host::alone() && region().is_some_and(|r| members(r) > 1)
+    REPLAY.load(Ordering::Relaxed)
+        && !super::signal::host::alone()
+        && region().is_some_and(|r| is_member(r, ME.load(Ordering::SeqCst)) && members(r) > 1)
+}
+
+/// Whether `pid` takes turns (runnable, running or blocked).
+fn is_member(r: &Region, pid: u32) -> bool {
+    slot_of(r, pid).is_some_and(|s| matches!(s.state.load(Ordering::SeqCst), 1 | 2))
+}
+
+/// The sandbox's first process starts an exec: what is left of earlier ones (background jobs)
+/// no longer takes turns with it. Those run on their own in real time (they did between the
+/// execs already); the processes this exec starts take turns. Without this a job spinning in
+/// the background would hold every later exec up until it is preempted.
+pub fn new_exec(replay: bool) {
+    REPLAY.store(replay, Ordering::Relaxed);
+    let Some(r) = region() else { return };
+    let me = ME.load(Ordering::SeqCst);
+    if me == 0 {
+        return;
+    }
+    with_lock(r, || {
+        for s in r.slots.iter() {
+            let pid = s.pid.load(Ordering::SeqCst);
+            if pid != 0 && pid != me && matches!(s.state.load(Ordering::SeqCst), 1 | 2) {
+                s.state.store(State::Detached as u32, Ordering::SeqCst);
+            }
+        }
+    });
+    back();
+    take_now(r);
+    // Those waiting for a turn look again: the detached go on on their own.
+    futex_wake(&r.token);
 }
 
 /// Before a guest fork: in replay mode the parent holds the token (it is the one running), so the
@@ -219,7 +254,9 @@ pub fn before_fork() {
 /// A guest fork made child `pid` (host process `host`): it takes turns from its first run.
 pub fn forked(pid: i32, host: i32) {
     let Some(r) = region() else { return };
-    register(r, pid as u32, host, State::Run);
+    // A detached process's children are on their own too.
+    let detached = slot_of(r, ME.load(Ordering::SeqCst)).is_some_and(|s| s.state.load(Ordering::SeqCst) == State::Detached as u32);
+    register(r, pid as u32, host, if detached { State::Detached } else { State::Run });
 }
 
 /// In a new child process: its guest pid (its slot was made by the parent).
@@ -230,13 +267,15 @@ pub fn child_started(pid: i32) {
     if let Ok(mut w) = WRITE.lock() {
         *w = None;
     }
-    ME.store(pid as u32, Ordering::SeqCst);
+    // ME is still the parent's here: a detached parent's child is detached (see `forked`).
+    let parent = ME.swap(pid as u32, Ordering::SeqCst);
     HOLDING.store(false, Ordering::SeqCst);
     YIELD.store(0, Ordering::SeqCst);
     PREEMPTED.store(false, Ordering::SeqCst);
     if let Some(r) = region() {
+        let detached = slot_of(r, parent).is_some_and(|s| s.state.load(Ordering::SeqCst) == State::Detached as u32);
         // SAFETY: getpid cannot fail.
-        register(r, pid as u32, unsafe { libc::getpid() }, State::Run);
+        register(r, pid as u32, unsafe { libc::getpid() }, if detached { State::Detached } else { State::Run });
     }
 }
 
@@ -381,7 +420,7 @@ pub fn gate(replay: bool, mono: u64, advance: &mut dyn FnMut(u64), deadline: Ins
     let preempted = PREEMPTED.swap(false, Ordering::SeqCst);
     if !active() {
         // Alone or not in replay: run freely (holding the token, if anyone is to take turns later).
-        if replay && me != 0 && r.token.load(Ordering::SeqCst) != me && (super::signal::host::alone() || members(r) <= 1) {
+        if replay && me != 0 && r.token.load(Ordering::SeqCst) != me && is_member(r, me) && (super::signal::host::alone() || members(r) <= 1) {
             take_now(r);
         }
         return Gate::Run;
@@ -564,6 +603,10 @@ fn hand_on(r: &Region, me: u32) {
 /// Wait for the token. False if `deadline` passed first.
 fn acquire(r: &Region, me: u32, deadline: Instant) -> bool {
     loop {
+        // Detached meanwhile (a new exec began, see `new_exec`): this process no longer takes turns.
+        if !is_member(r, me) {
+            return true;
+        }
         let t = r.token.load(Ordering::SeqCst);
         if t == me || (t == 0 && r.token.compare_exchange(0, me, Ordering::SeqCst, Ordering::SeqCst).is_ok()) {
             HOLDING.store(true, Ordering::SeqCst);

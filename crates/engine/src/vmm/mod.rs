@@ -802,7 +802,11 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 }
                 os.agent_send(&input)
             }) {
-                Some(Ok(())) => m.run(timeout).and_then(|mut r| {
+                Some(Ok(())) => {
+                    crate::guestos::sched::new_exec(m.os.as_ref().is_some_and(|os| os.proc.clocks.replay));
+                    m.run(timeout)
+                }
+                .and_then(|mut r| {
                     r.agent = m.os.as_ref().map(|os| os.agent_take()).transpose()?.unwrap_or_default();
                     Ok(Response::Run(r))
                 }),
