@@ -599,8 +599,9 @@ def test_memory_beyond_the_first_slot_and_forks_of_it(sb):
 
 
 def test_a_timeout_fires_while_a_child_trickles_output(sb):
-    # Replay mode's clocks are virtual; a wait that a child ends lets the real time it took pass,
-    # so communicate(timeout) expires while the child still writes now and then.
+    # Replay mode's clocks are virtual, and the sandbox's processes take turns on one of them
+    # (guestos::sched): the child's sleeps move the time the parent's communicate(timeout) sees, so
+    # it expires while the child still writes now and then.
     code = (
         "import subprocess, sys\n"
         "child = 'import sys, time\\nfor i in range(4):\\n    sys.stdout.write(\"a\" * 65536); sys.stdout.flush(); time.sleep(0.2)\\n'\n"

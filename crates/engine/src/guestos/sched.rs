@@ -241,25 +241,21 @@ pub fn new_exec(replay: bool) {
     futex_wake(&r.token);
 }
 
-/// Before a guest fork: in replay mode the parent holds the token (it is the one running), so the
-/// child waits for its turn whatever the host runs first.
-pub fn before_fork() {
-    if let Some(r) = region() {
-        if REPLAY.load(Ordering::Relaxed) {
-            take_now(r);
-        }
-    }
-}
-
-/// A guest fork made child `pid` (host process `host`): it takes turns from its first run.
-pub fn forked(pid: i32, host: i32) {
+/// Before a guest fork of child `pid`: its slot exists before it can run (it takes turns from its
+/// first run; a detached process's children are on their own too), and in replay mode the parent
+/// holds the token (it is the one running), so the child waits for its turn whatever the host runs
+/// first. A fork that fails gives the slot back with [`killed`].
+pub fn before_fork(pid: i32) {
     let Some(r) = region() else { return };
-    // A detached process's children are on their own too.
+    if REPLAY.load(Ordering::Relaxed) {
+        take_now(r);
+    }
     let detached = slot_of(r, ME.load(Ordering::SeqCst)).is_some_and(|s| s.state.load(Ordering::SeqCst) == State::Detached as u32);
-    register(r, pid as u32, host, if detached { State::Detached } else { State::Run });
+    // The host pid is the child's to fill in (`child_started`).
+    register(r, pid as u32, 0, if detached { State::Detached } else { State::Run });
 }
 
-/// In a new child process: its guest pid (its slot was made by the parent).
+/// In a new child process: its guest pid; its slot (made by the parent) gets its host pid.
 pub fn child_started(pid: i32) {
     if let Ok(mut c) = CALL.lock() {
         *c = (CallKey::default(), None);
@@ -267,15 +263,13 @@ pub fn child_started(pid: i32) {
     if let Ok(mut w) = WRITE.lock() {
         *w = None;
     }
-    // ME is still the parent's here: a detached parent's child is detached (see `forked`).
-    let parent = ME.swap(pid as u32, Ordering::SeqCst);
+    ME.store(pid as u32, Ordering::SeqCst);
     HOLDING.store(false, Ordering::SeqCst);
     YIELD.store(0, Ordering::SeqCst);
     PREEMPTED.store(false, Ordering::SeqCst);
-    if let Some(r) = region() {
-        let detached = slot_of(r, parent).is_some_and(|s| s.state.load(Ordering::SeqCst) == State::Detached as u32);
+    if let Some(s) = region().and_then(|r| slot_of(r, pid as u32)) {
         // SAFETY: getpid cannot fail.
-        register(r, pid as u32, unsafe { libc::getpid() }, if detached { State::Detached } else { State::Run });
+        s.host.store(unsafe { libc::getpid() }, Ordering::SeqCst);
     }
 }
 
@@ -639,6 +633,9 @@ fn check_holder(r: &Region, pid: u32) {
         return;
     };
     let host = s.host.load(Ordering::SeqCst);
+    if host <= 0 {
+        return; // a child still starting (see `before_fork`): nothing to check or signal yet
+    }
     if !alive(host) {
         if r.token.load(Ordering::SeqCst) == pid {
             forget(r, pid);

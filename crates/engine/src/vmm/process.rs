@@ -369,7 +369,7 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
     if let Some(os) = m.os.as_mut() {
         signal::gather(os);
     }
-    crate::guestos::sched::before_fork();
+    crate::guestos::sched::before_fork(pid);
     // SAFETY: a raw clone with exit signal 0 and no other flags: a fork whose child the host never
     // reaps on its own. This process is single-threaded, so the child may go on in Rust; it never
     // returns from `child_main`.
@@ -381,10 +381,10 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
     if rc < 0 {
         let e = Errno::last();
         host::process_gone();
+        crate::guestos::sched::killed(pid);
         return Err(e);
     }
     let host_pid = rc as i32;
-    crate::guestos::sched::forked(pid, host_pid);
     let pidfd = match signal::pidfd_open(host_pid) {
         Ok(fd) => fd,
         Err(e) => {
