@@ -611,3 +611,31 @@ def test_a_timeout_fires_while_a_child_trickles_output(sb):
     )
     r = sb.exec(code=code, timeout_seconds=60)
     assert r.ok and r.stdout == "timeout\n", r
+
+
+def test_mprotect_in_the_interpreters_large_pages(sb):
+    # The python template maps each 2 MiB block of CPython's text and read-only data that the file
+    # mappings cover whole with one large page (arch::x86_64::paging). An mprotect in such a block
+    # puts the block's page table back while the guest runs code from it; the guest must see the
+    # same bytes and go on running. A reset brings back the template's large pages.
+    code = r"""
+import ctypes, zlib
+maps = [l.split() for l in open("/proc/self/maps") if l.rstrip().endswith("/usr/bin/python3.11")]
+text = next(m for m in maps if m[1] == "r-xp")
+lo, hi = (int(x, 16) for x in text[0].split("-"))
+rodata = hi  # the first page after the text: read-only data, in the same 2 MiB block as text
+page = lo + 0x10000  # a text page in the block before
+assert lo <= page < hi and (page >> 21) != (rodata >> 21), (hex(lo), hex(hi))
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+before = [zlib.crc32(ctypes.string_at(p, 4096)) for p in (page, rodata)]
+assert libc.mprotect(rodata, 4096, 1) == 0, ctypes.get_errno()  # PROT_READ, as it was
+assert libc.mprotect(page, 4096, 5) == 0, ctypes.get_errno()  # PROT_READ|PROT_EXEC, as it was
+after = [zlib.crc32(ctypes.string_at(p, 4096)) for p in (page, rodata)]
+print(before == after, sum(i * i for i in range(1000)), sorted({"b": 2, "a": 1}.items()), f"{3.5:.2f}")
+"""
+    for _ in range(2):
+        r = sb.exec(code=code, timeout_seconds=60)
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.split("\n")[0] == "True 332833500 [('a', 1), ('b', 2)] 3.50", r.stdout
+        sb.reset()

@@ -23,7 +23,7 @@ use crate::vmm::RuntimeState;
 use crate::vstate::vcpu::VcpuState;
 
 pub const MAGIC: &[u8; 8] = b"CLMTSNAP";
-pub const FORMAT_VERSION: u32 = 6;
+pub const FORMAT_VERSION: u32 = 7;
 pub const STATE_FILE: &str = "vm.state";
 pub const MEMORY_FILE: &str = "vm.mem";
 const HEADER: usize = 20;
@@ -121,7 +121,7 @@ mod tests {
             vcpu,
             runtime: RuntimeState {
                 frames: FrameAllocator::new(1 << 30),
-                aspace: AddressSpace { root: 0x200000 },
+                aspace: AddressSpace { root: 0x200000, huge: Default::default() },
                 enosys: 0,
             },
             os: None,

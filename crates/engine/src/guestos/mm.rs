@@ -491,6 +491,42 @@ impl Mm {
         true
     }
 
+    /// Map with large pages every 2 MiB block of the address space that private, read-only file
+    /// mappings cover whole (program text and read-only data: see `paging`'s module comment), as far
+    /// as the large-page region has room. Returns how many blocks it mapped; the caller makes the
+    /// guest drop its old translations of them before it runs again.
+    pub fn promote_text(&self, sp: &mut Space) -> crate::error::Result<usize> {
+        use crate::arch::x86_64::layout::HUGE_PAGE;
+        let fits = |v: &Vma| {
+            v.file.is_some() && !v.shared && v.lazy.is_none() && v.prot & PROT_READ != 0 && v.prot & PROT_WRITE == 0
+        };
+        let mut blocks = std::collections::BTreeSet::new();
+        for (&start, v) in self.vmas.iter().filter(|(_, v)| fits(v)) {
+            let mut b = start & !(HUGE_PAGE - 1);
+            while b < v.end {
+                blocks.insert(b);
+                b += HUGE_PAGE;
+            }
+        }
+        let mut n = 0;
+        for b in blocks {
+            let whole = {
+                let mut at = b;
+                while at < b + HUGE_PAGE {
+                    match self.vma_at(at) {
+                        Some((_, v)) if fits(v) => at = v.end,
+                        _ => break,
+                    }
+                }
+                at >= b + HUGE_PAGE
+            };
+            if whole && sp.aspace.promote(sp.mem, sp.frames, b)? {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
     /// Cut the VMA containing `at` in two, so that a VMA starts at `at`.
     fn split(&mut self, at: u64) {
         let Some((start, v)) = self.vma_at(at) else { return };
@@ -580,6 +616,7 @@ impl Mm {
 
     /// Remove every page mapping in [start, end) and free the frames.
     fn unmap_pages(sp: &mut Space, start: u64, end: u64) -> Result<(), Errno> {
+        sp.aspace.before_unmap(sp.mem, start, end).map_err(errno_of)?;
         for (va, _) in sp.aspace.present_pages(sp.mem, start, end).map_err(errno_of)? {
             if let Some(pa) = sp.aspace.unmap_page(sp.mem, va).map_err(errno_of)? {
                 sp.frames.release(pa);

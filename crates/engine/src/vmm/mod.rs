@@ -6,6 +6,7 @@
 //! address space that created it), restores the vCPU state captured just before the fork, and serves
 //! its own channel. The parent goes on.
 
+mod prefault;
 mod process;
 pub(crate) mod jail;
 mod syscalls;
@@ -66,6 +67,8 @@ pub struct Machine {
     /// The Linux personality, for VMs that run Linux programs (`spawn`); `None` for the engine's
     /// bare test guests, which get the minimal syscall set in `syscalls`.
     os: Option<GuestOs>,
+    /// The pages forks of this VM copy before they run, and this fork's report (`prefault`).
+    learn: prefault::Learner,
 }
 
 fn open_kvm() -> Result<Kvm> {
@@ -139,6 +142,7 @@ impl Machine {
             exited: None,
             os: None,
             os_reset_point: None,
+            learn: prefault::Learner::default(),
         })
     }
 
@@ -222,6 +226,7 @@ impl Machine {
             exited: None,
             os,
             os_reset_point,
+            learn: prefault::Learner::default(),
         })
     }
 
@@ -468,6 +473,11 @@ impl Machine {
             // from: the memory file holds the pages instead.
             let mut sp = guestos::mm::Space::new(&mut self.mem, &mut self.runtime.frames, &self.runtime.aspace);
             os.mm.read_in_lazy(&mut sp)?;
+            // Program text goes into large pages here, once, for every sandbox made from this
+            // snapshot (see `arch::x86_64::paging`); this VM drops its old translations of it.
+            if large_pages() && os.mm.promote_text(&mut sp)? > 0 {
+                crate::vstate::tlb::flush_guest_tlb(&mut self.vm, &mut self.mem)?;
+            }
         }
         self.sync_dirty()?;
         let os = match &self.os {
@@ -527,6 +537,17 @@ impl Machine {
         self.sync_dirty()?;
         // private_bytes is filled in by the controller, from /proc/<pid>: the jail has no /proc.
         Ok(MemStats { private_bytes: 0, dirty_pages: self.mem.dirty().count() })
+    }
+
+    /// In a fork, after its first run: report the guest pages it wrote to the parent (`prefault`),
+    /// if asked to. Taking KVM's dirty log folds it into the private-page record, as always.
+    fn report_first_run(&mut self) {
+        if let Some(slot) = self.learn.take_report() {
+            if let Ok(log) = self.vm.take_dirty_log() {
+                self.mem.sync_dirty(&log);
+                slot.write(&log);
+            }
+        }
     }
 
     /// In a freshly forked child: a new VM and vCPU over the inherited memory, in `state`.
@@ -677,6 +698,7 @@ fn fork_children(m: &mut Machine, chan: &mut Channel, pool: &mut Pool, n: u32) -
     if m.exited.is_some() {
         return Err(Error::InvalidArgument("the guest has exited; nothing to fork".into()));
     }
+    m.learn.new_batch();
     let mut state = None;
     for _ in 0..n {
         let child = match pool.spares.pop() {
@@ -707,6 +729,7 @@ fn refill(m: &mut Machine, chan: &Channel, pool: &mut Pool) -> bool {
     // small host the refill would otherwise take a core from them). A spare goes back to normal
     // priority when it is handed a request (see `serve`).
     set_idle_priority(true);
+    m.learn.before_spare();
     let made = m.sync_dirty().and_then(|_| m.capture()).and_then(|st| spawn_child(m, &st, chan, pool));
     set_idle_priority(false);
     match made {
@@ -735,6 +758,7 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel) -> ! {
         }
         None => Ok(()),
     };
+    m.learn.in_fork(&m.mem, m.runtime.frames.end);
     match privatized.and_then(|_| m.rebuild_after_fork(state)) {
         Ok(()) => {
             // SAFETY: getpid cannot fail.
@@ -772,7 +796,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
         }
         process::serving(m, &chan, &pool);
         let resp = match req {
-            Request::Run { timeout } => m.run(timeout).map(Response::Run),
+            Request::Run { timeout } => m.run(timeout).map(Response::Run).inspect(|_| m.report_first_run()),
             Request::Snapshot { dir } => jail::in_snapshot_dest(&dir, fds, |d| m.snapshot(d)).map(|_| Response::Ok),
             Request::Fork { n } => match fork_children(m, &mut chan, &mut pool, n) {
                 Ok(()) => continue,
@@ -804,7 +828,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             }) {
                 Some(Ok(())) => {
                     crate::guestos::sched::new_exec(m.os.as_ref().is_some_and(|os| os.proc.clocks.replay));
-                    m.run(timeout)
+                    m.run(timeout).inspect(|_| m.report_first_run())
                 }
                 .and_then(|mut r| {
                     r.agent = m.os.as_ref().map(|os| os.agent_take()).transpose()?.unwrap_or_default();
@@ -887,4 +911,10 @@ pub fn serve_fd(fd: RawFd) -> ! {
             exit_process(1)
         }
     }
+}
+
+/// Whether snapshots map program text with large pages (`COLLIMATE_LARGE_PAGES=0` turns it off, to
+/// compare; a template keeps what it was baked with).
+fn large_pages() -> bool {
+    std::env::var_os("COLLIMATE_LARGE_PAGES").is_none_or(|v| v != "0")
 }

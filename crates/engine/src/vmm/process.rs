@@ -411,6 +411,8 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
 
 /// The child side of a guest fork. Never returns.
 fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, guest_pid: i32, parent_pid: i32, parent_host: i32, generation: u32) -> ! {
+    // A guest process is not a sandbox fork: it reports nothing to `prefault` and forks no sandboxes.
+    m.learn = Default::default();
     // SAFETY: plain prctl/getppid calls; the parent-death signal has a handler (install_reaper).
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, reaper_signal() as libc::c_ulong, 0, 0, 0);

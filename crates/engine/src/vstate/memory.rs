@@ -7,12 +7,20 @@
 //!
 //! Which pages are private is tracked exactly: KVM's dirty log for guest writes, a bitmap here for host
 //! writes; [`GuestMemory::sync_dirty`] folds the former into `dirty`.
+//!
+//! The mapping starts on a 2 MiB boundary, so guest-physical and host-virtual addresses agree modulo
+//! 2 MiB (KVM maps a guest large page with one host huge page only then). Memory restored from a
+//! snapshot file backs the 2 MiB blocks of the large-page region that hold data
+//! (`layout::huge_region`, read-only copies of program text) with anonymous transparent huge pages
+//! filled from the file instead of the file itself: every clone forked from it then shares those
+//! huge pages. `MADV_DONTNEED` would zero such a page rather than show the file again, so
+//! [`GuestMemory::discard_private`] reads those back from the file.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::Path;
 
-use super::super::arch::x86_64::layout::PAGE_SIZE;
+use super::super::arch::x86_64::layout::{huge_region, HUGE_PAGE, PAGE_SIZE};
 use crate::error::{Error, Result};
 
 /// A page bitmap.
@@ -69,6 +77,9 @@ pub struct GuestMemory {
     file: File,
     /// Pages that are private to this process (written since the mapping was made, by anyone).
     dirty: Bitmap,
+    /// Guest-physical starts of the 2 MiB blocks backed by anonymous huge pages (see the module
+    /// comment).
+    anon_blocks: Vec<u64>,
 }
 
 // SAFETY: the mapping is owned by this struct; the VMM process is single-threaded and moves it only
@@ -99,25 +110,92 @@ impl GuestMemory {
                 reason: format!("memory file is {len} bytes, the state file says {size}"),
             });
         }
-        Self::map(file, size)
+        let mut mem = Self::map(file, size)?;
+        mem.back_huge_blocks()?;
+        Ok(mem)
     }
 
     fn map(file: File, size: u64) -> Result<GuestMemory> {
-        // SAFETY: a new private mapping of a file we hold open; the kernel picks the address.
+        // Reserve 2 MiB more than needed, place the file mapping on a 2 MiB boundary inside the
+        // reservation, and give the rest back.
+        let align = HUGE_PAGE as usize;
+        let span = size as usize + align;
+        // SAFETY: a new inaccessible anonymous reservation; the kernel picks the address.
+        let base = unsafe {
+            libc::mmap(std::ptr::null_mut(), span, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0)
+        };
+        if base == libc::MAP_FAILED {
+            return Err(Error::last_os("mmap guest memory (reservation)"));
+        }
+        let start = (base as usize).next_multiple_of(align);
+        // SAFETY: a private mapping of a file we hold open, placed inside our own reservation.
         let ptr = unsafe {
             libc::mmap(
-                std::ptr::null_mut(),
+                start as *mut libc::c_void,
                 size as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_NORESERVE,
+                libc::MAP_PRIVATE | libc::MAP_NORESERVE | libc::MAP_FIXED,
                 file.as_raw_fd(),
                 0,
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(Error::last_os("mmap guest memory"));
+            let err = Error::last_os("mmap guest memory");
+            // SAFETY: unmapping the reservation made above.
+            unsafe { libc::munmap(base, span) };
+            return Err(err);
         }
-        Ok(GuestMemory { ptr: ptr.cast(), size, file, dirty: Bitmap::new(size / PAGE_SIZE) })
+        let (head, tail) = (start - base as usize, base as usize + span - (start + size as usize));
+        // SAFETY: the parts of the reservation around the file mapping, ours and unused.
+        unsafe {
+            if head > 0 {
+                libc::munmap(base, head);
+            }
+            if tail > 0 {
+                libc::munmap((start + size as usize) as *mut libc::c_void, tail);
+            }
+        }
+        Ok(GuestMemory { ptr: ptr.cast(), size, file, dirty: Bitmap::new(size / PAGE_SIZE), anon_blocks: Vec::new() })
+    }
+
+    /// Back each 2 MiB block of the large-page region that holds data in the file with an
+    /// anonymous huge page filled from the file (see the module comment).
+    fn back_huge_blocks(&mut self) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let Some((start, end)) = huge_region(self.size) else { return Ok(()) };
+        let mut at = start;
+        while at < end {
+            // SAFETY: lseek on a descriptor we own; a negative result (ENXIO: no data past `at`)
+            // ends the search.
+            let data = unsafe { libc::lseek(self.file.as_raw_fd(), at as i64, libc::SEEK_DATA) };
+            if data < 0 || data as u64 >= end {
+                break;
+            }
+            let block = data as u64 & !(HUGE_PAGE - 1);
+            // SAFETY: [block, block + 2 MiB) lies inside our mapping (the region is inside memory);
+            // MAP_FIXED replaces that part of it with anonymous memory we fill below.
+            let p = unsafe {
+                libc::mmap(
+                    self.ptr.add(block as usize).cast(),
+                    HUGE_PAGE as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(Error::last_os("mmap a large-page block of guest memory"));
+            }
+            // SAFETY: advice on the block just mapped; without huge pages it still works, slower.
+            unsafe { libc::madvise(p, HUGE_PAGE as usize, libc::MADV_HUGEPAGE) };
+            self.anon_blocks.push(block);
+            // SAFETY: the block is mapped readable and writable for 2 MiB.
+            let buf = unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), HUGE_PAGE as usize) };
+            self.file.read_exact_at(buf, block).map_err(Error::sys("read a large-page block of the snapshot memory file"))?;
+            at = block + HUGE_PAGE;
+        }
+        Ok(())
     }
 
     pub fn size(&self) -> u64 {
@@ -178,6 +256,16 @@ impl GuestMemory {
     pub fn discard_private(&mut self) -> Result<u64> {
         let n = self.dirty.count();
         for (page, count) in self.dirty.runs() {
+            let (gpa, len) = (page * PAGE_SIZE, count * PAGE_SIZE);
+            if self.anon_blocks.iter().any(|&b| gpa < b + HUGE_PAGE && b < gpa + len) {
+                // Anonymous huge pages: read the file's contents back (nothing else would).
+                let mut buf = vec![0u8; len as usize];
+                std::os::unix::fs::FileExt::read_exact_at(&self.file, &mut buf, gpa)
+                    .map_err(Error::sys("read guest memory file for a reset"))?;
+                // SAFETY: the range lies inside our mapping.
+                unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), self.ptr.add(gpa as usize), buf.len()) };
+                continue;
+            }
             // SAFETY: the range lies inside our mapping; MADV_DONTNEED on a private file mapping only
             // drops our private copies, which is exactly the reset we want.
             let rc = unsafe {

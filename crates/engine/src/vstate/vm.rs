@@ -7,11 +7,17 @@
 //! that much allocating and zeroing for memory it mostly never touches. The VMM grows the slot
 //! (delete and re-add, which also drops the shadow page tables) before the guest runs with frames
 //! beyond it; the host reaches all of memory through its own mapping, slot or not.
+//!
+//! Slot 1 is the large-page region at the top of guest memory ([`huge_region`]), which holds only
+//! read-only large-page copies of program text (see `arch::x86_64::paging`). It is the one slot
+//! without dirty logging: KVM maps nothing larger than 4 KiB in a dirty-logged slot, and the guest
+//! never writes this one (host writes are recorded by `GuestMemory` itself).
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 use kvm_ioctls::{Kvm, VmFd};
 
 use super::memory::GuestMemory;
+use crate::arch::x86_64::layout::huge_region;
 use crate::error::{Error, Result};
 
 /// The slot grows in steps of this much, and keeps at least this much room above the frames in use.
@@ -26,6 +32,8 @@ pub struct KvmVm {
     pub fd: VmFd,
     host_addr: u64,
     slot_size: u64,
+    /// Slot 0 never reaches past this (the large-page region, or the end of memory).
+    limit: u64,
 }
 
 impl KvmVm {
@@ -43,8 +51,22 @@ impl KvmVm {
                 r => break r.map_err(Error::kvm("KVM_CREATE_VM"))?,
             }
         };
-        let vm = KvmVm { fd, host_addr: mem.host_addr(), slot_size: slot_size.min(mem.size()) };
+        let region = huge_region(mem.size());
+        let limit = region.map_or(mem.size(), |(start, _)| start);
+        let vm = KvmVm { fd, host_addr: mem.host_addr(), slot_size: slot_size.min(limit), limit };
         vm.set_slot(vm.slot_size, "KVM_SET_USER_MEMORY_REGION")?;
+        if let Some((start, end)) = region {
+            let r = kvm_userspace_memory_region {
+                slot: 1,
+                flags: 0,
+                guest_phys_addr: start,
+                memory_size: end - start,
+                userspace_addr: vm.host_addr + start,
+            };
+            // SAFETY: as in `set_slot`: a range of our live mapping of guest memory, which outlives
+            // the VM.
+            unsafe { vm.fd.set_user_memory_region(r) }.map_err(Error::kvm("KVM_SET_USER_MEMORY_REGION (large pages)"))?;
+        }
         Ok(vm)
     }
 
@@ -71,7 +93,7 @@ impl KvmVm {
     /// translation goes, and KVM's dirty log with it (take it first).
     pub fn replace_slot(&mut self, size: u64) -> Result<()> {
         self.set_slot(0, "KVM_SET_USER_MEMORY_REGION (delete)")?;
-        let size = size.max(self.slot_size);
+        let size = size.max(self.slot_size).min(self.limit);
         self.set_slot(size, "KVM_SET_USER_MEMORY_REGION (re-add)")?;
         self.slot_size = size;
         Ok(())

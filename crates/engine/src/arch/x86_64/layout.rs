@@ -28,6 +28,23 @@ pub const FRAME_POOL_START: u64 = 0x20_0000;
 /// The smallest guest memory we accept.
 pub const MIN_MEM_SIZE: u64 = 16 << 20;
 
+/// Size of a large page (a page-directory entry with PS set).
+pub const HUGE_PAGE: u64 = 2 << 20;
+/// Bytes at the top of guest memory kept for large-page copies of read-only program text (see
+/// `paging::AddressSpace::promote`), in memories of at least [`HUGE_REGION_MIN_MEM`].
+pub const HUGE_REGION: u64 = 8 << 20;
+pub const HUGE_REGION_MIN_MEM: u64 = 128 << 20;
+
+/// The large-page region of a guest memory of `mem_size` bytes: [start, end), 2 MiB aligned, or
+/// `None` for a memory too small to spare it. Frames below `start` are the ordinary pool.
+pub const fn huge_region(mem_size: u64) -> Option<(u64, u64)> {
+    if mem_size < HUGE_REGION_MIN_MEM {
+        return None;
+    }
+    let start = (mem_size - HUGE_REGION) & !(HUGE_PAGE - 1);
+    Some((start, start + HUGE_REGION))
+}
+
 /// Each IDT vector `v` points at a stub `out (VECTOR_PORT_BASE + v), al` for v < 32.
 pub const VECTOR_PORT_BASE: u16 = 0x40;
 /// Vectors >= 32 (nothing should raise them) share one stub on this port.

@@ -2,6 +2,22 @@
 //!
 //! The guest never sees its page tables (they are not mapped in its virtual address space), so it
 //! cannot change them; the host is the only writer.
+//!
+//! Large pages for program text. Under shadow paging every 4 KiB page a fresh VM touches costs a
+//! fault in KVM (about 4 us on kvm_pvm), and each forked sandbox is a fresh VM: CPython's first
+//! exec in a fork touches some 230 pages of its own text and read-only data. [`AddressSpace::promote`]
+//! maps a whole 2 MiB block of such pages with one large page instead: a copy of the 512 pages in
+//! a 2 MiB-aligned block of the large-page region at the top of guest memory
+//! ([`huge_region`]), which KVM maps without dirty logging and the host backs with a transparent
+//! huge page, so one fault maps all of it. The page table the large page replaced is kept, with its
+//! frames, and stays the host's view: every walk here reads the per-page flags from it and the
+//! contents from the copy, which is what the guest sees. Any edit of a page in the block first
+//! puts the page table back ([`AddressSpace::demote`]), carrying over whatever the host wrote into
+//! the copy. Large pages are only ever read-only: the guest never writes the region, so no page
+//! of it needs dirty tracking. The copy is executable if any page of the block is: read-only data
+//! sharing a block with text becomes executable to the guest (its /proc/self/maps is unchanged).
+
+use std::cell::RefCell;
 
 use serde::{Deserialize, Serialize};
 
@@ -12,6 +28,9 @@ use crate::vstate::memory::GuestMemory;
 pub const PTE_P: u64 = 1;
 pub const PTE_W: u64 = 1 << 1;
 pub const PTE_U: u64 = 1 << 2;
+pub const PTE_A: u64 = 1 << 5;
+/// In a page-directory entry: maps a 2 MiB large page instead of pointing at a page table.
+pub const PTE_PS: u64 = 1 << 7;
 pub const PTE_NX: u64 = 1 << 63;
 const ADDR_MASK: u64 = 0x000f_ffff_ffff_f000;
 
@@ -27,11 +46,32 @@ pub struct FrameAllocator {
     /// Freed pages, reused last-in first-out.
     #[serde(default)]
     pub free: Vec<u64>,
+    /// The large-page region above `end` (see the module comment): the next unused 2 MiB block and
+    /// the region's end; both 0 in a memory without one. Its blocks are never handed out again.
+    #[serde(default)]
+    pub huge_next: u64,
+    #[serde(default)]
+    pub huge_end: u64,
 }
 
 impl FrameAllocator {
     pub fn new(mem_size: u64) -> FrameAllocator {
-        FrameAllocator { next: FRAME_POOL_START, end: mem_size, free: Vec::new() }
+        match huge_region(mem_size) {
+            Some((start, end)) => {
+                FrameAllocator { next: FRAME_POOL_START, end: start, free: Vec::new(), huge_next: start, huge_end: end }
+            }
+            None => FrameAllocator { next: FRAME_POOL_START, end: mem_size, free: Vec::new(), huge_next: 0, huge_end: 0 },
+        }
+    }
+
+    /// One unused 2 MiB block of the large-page region, if any is left.
+    pub fn alloc_huge(&mut self) -> Option<u64> {
+        if self.huge_next + HUGE_PAGE > self.huge_end {
+            return None;
+        }
+        let p = self.huge_next;
+        self.huge_next += HUGE_PAGE;
+        Some(p)
     }
 
     /// One zeroed page from never-used memory (never a freed one: the caller cannot clear it).
@@ -82,6 +122,9 @@ impl FrameAllocator {
     /// Give a page back for reuse. The caller has removed every mapping of it.
     pub fn release(&mut self, pa: u64) {
         debug_assert_eq!(pa % PAGE_SIZE, 0);
+        if pa >= self.end {
+            return; // a large page's: the region is never reused for ordinary pages
+        }
         self.free.push(pa & !(PAGE_SIZE - 1));
     }
 
@@ -103,10 +146,28 @@ pub fn zero_page(mem: &mut GuestMemory, pa: u64) -> Result<()> {
     Ok(())
 }
 
+/// One 2 MiB block of the address space mapped by a large page (see the module comment).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct HugeChunk {
+    /// The block's guest-virtual address.
+    pub va: u64,
+    /// Guest-physical address of its page-directory entry.
+    pub slot: u64,
+    /// The entry the large page replaced (pointing at the kept page table).
+    pub saved: u64,
+    /// The copy the large page maps.
+    pub block: u64,
+}
+
 /// The guest's address space: a PML4 root in guest memory.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct AddressSpace {
     pub root: u64,
+    /// The blocks mapped by large pages. Changed through `&self` (promote and demote are rare, and
+    /// callers hold the address space shared next to the memory they edit); the VMM process is
+    /// single-threaded.
+    #[serde(default)]
+    pub huge: RefCell<Vec<HugeChunk>>,
 }
 
 fn index(va: u64, level: u32) -> u64 {
@@ -116,7 +177,121 @@ fn index(va: u64, level: u32) -> u64 {
 impl AddressSpace {
     pub fn new(_mem: &mut GuestMemory, frames: &mut FrameAllocator) -> Result<AddressSpace> {
         let root = frames.alloc()?;
-        Ok(AddressSpace { root })
+        Ok(AddressSpace { root, huge: RefCell::default() })
+    }
+
+    /// The saved entry and copy of the large page whose directory entry is at `slot`.
+    fn saved(&self, slot: u64) -> Result<(u64, u64)> {
+        let huge = self.huge.borrow();
+        let h = huge.iter().find(|h| h.slot == slot).ok_or(Error::BadGuestAddress(slot))?;
+        Ok((h.saved, h.block))
+    }
+
+    /// Guest-physical address of the page-directory entry for `va`, if the tables above it exist.
+    fn pd_slot(&self, mem: &GuestMemory, va: u64) -> Result<Option<u64>> {
+        let mut table = self.root;
+        for level in (2..4).rev() {
+            let e = mem.read_u64(table + index(va, level) * 8)?;
+            if e & PTE_P == 0 {
+                return Ok(None);
+            }
+            table = e & ADDR_MASK;
+        }
+        Ok(Some(table + index(va, 1) * 8))
+    }
+
+    /// Map the 2 MiB block at `va` (aligned) with a large page, if every page of it is present,
+    /// user-readable and read-only and a block of the large-page region is left. Returns whether it
+    /// did. The caller makes the guest forget the block's old translations before it runs again
+    /// (they still show the same contents until then).
+    pub fn promote(&self, mem: &mut GuestMemory, frames: &mut FrameAllocator, va: u64) -> Result<bool> {
+        debug_assert_eq!(va % HUGE_PAGE, 0);
+        let Some(slot) = self.pd_slot(mem, va)? else { return Ok(false) };
+        let e = mem.read_u64(slot)?;
+        if e & PTE_P == 0 || e & PTE_PS != 0 {
+            return Ok(false);
+        }
+        let pt = e & ADDR_MASK;
+        let mut ptes = [0u64; 512];
+        let mut exec = false;
+        for (i, p) in ptes.iter_mut().enumerate() {
+            *p = mem.read_u64(pt + i as u64 * 8)?;
+            if *p & PTE_P == 0 || *p & PTE_U == 0 || *p & PTE_W != 0 {
+                return Ok(false);
+            }
+            exec |= *p & PTE_NX == 0;
+        }
+        let Some(block) = frames.alloc_huge() else { return Ok(false) };
+        let mut page = [0u8; PAGE_SIZE as usize];
+        for (i, p) in ptes.iter().enumerate() {
+            mem.read(p & ADDR_MASK, &mut page)?;
+            if page.iter().any(|&b| b != 0) {
+                mem.write(block + i as u64 * PAGE_SIZE, &page)?;
+            }
+        }
+        self.huge.borrow_mut().push(HugeChunk { va, slot, saved: e, block });
+        let nx = if exec { 0 } else { PTE_NX };
+        // Accessed set, so KVM has nothing to write back into the entry.
+        mem.write_u64(slot, block | PTE_P | PTE_U | PTE_A | PTE_PS | nx)?;
+        Ok(true)
+    }
+
+    /// Put back the page table of the large page whose directory entry is at `slot`, first copying
+    /// into the table's frames every page the host changed in the copy (unless `discard`: the
+    /// caller is about to unmap the whole block). The guest forgets the large page at once.
+    fn demote(&self, mem: &mut GuestMemory, slot: u64, discard: bool) -> Result<()> {
+        let h = {
+            let mut huge = self.huge.borrow_mut();
+            let i = huge.iter().position(|h| h.slot == slot).ok_or(Error::BadGuestAddress(slot))?;
+            huge.remove(i)
+        };
+        if !discard {
+            let pt = h.saved & ADDR_MASK;
+            let (mut copy, mut old) = ([0u8; PAGE_SIZE as usize], [0u8; PAGE_SIZE as usize]);
+            for i in 0..512 {
+                let e = mem.read_u64(pt + i * 8)?;
+                if e & PTE_P == 0 {
+                    continue;
+                }
+                mem.read(h.block + i * PAGE_SIZE, &mut copy)?;
+                mem.read(e & ADDR_MASK, &mut old)?;
+                if copy != old {
+                    mem.write(e & ADDR_MASK, &copy)?;
+                }
+            }
+        }
+        mem.write_u64(slot, h.saved)?;
+        crate::vstate::tlb::invalidate_frames(mem, &[h.block, h.block + HUGE_PAGE - PAGE_SIZE])?;
+        Ok(())
+    }
+
+    /// Demote the large page covering `va`, if there is one.
+    fn demote_at(&self, mem: &mut GuestMemory, va: u64) -> Result<()> {
+        if self.huge.borrow().is_empty() {
+            return Ok(());
+        }
+        if let Some(slot) = self.pd_slot(mem, va)? {
+            if mem.read_u64(slot)? & (PTE_P | PTE_PS) == PTE_P | PTE_PS {
+                self.demote(mem, slot, false)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Before unmapping [start, end): demote the large pages inside it without copying anything
+    /// back (their pages are going), and the ones it cuts through with.
+    pub fn before_unmap(&self, mem: &mut GuestMemory, start: u64, end: u64) -> Result<()> {
+        let inside: Vec<(u64, u64)> = self
+            .huge
+            .borrow()
+            .iter()
+            .filter(|h| h.va < end && h.va + HUGE_PAGE > start)
+            .map(|h| (h.slot, h.va))
+            .collect();
+        for (slot, va) in inside {
+            self.demote(mem, slot, va >= start && va + HUGE_PAGE <= end)?;
+        }
+        Ok(())
     }
 
     /// Map one 4 KiB page `va -> pa` with leaf flags `flags` (PTE_P is implied).
@@ -131,7 +306,11 @@ impl AddressSpace {
         let mut table = self.root;
         for level in (1..4).rev() {
             let slot = table + index(va, level) * 8;
-            let e = mem.read_u64(slot)?;
+            let mut e = mem.read_u64(slot)?;
+            if level == 1 && e & (PTE_P | PTE_PS) == PTE_P | PTE_PS {
+                self.demote(mem, slot, false)?;
+                e = mem.read_u64(slot)?;
+            }
             table = if e & PTE_P != 0 {
                 e & ADDR_MASK
             } else {
@@ -164,23 +343,31 @@ impl AddressSpace {
         Ok(())
     }
 
-    /// Guest-physical address of the leaf entry for `va`, if every table above it exists.
-    fn leaf_slot(&self, mem: &GuestMemory, va: u64) -> Result<Option<u64>> {
+    /// Guest-physical address of the leaf entry for `va`, if every table above it exists, and
+    /// for a page under a large page, the page's frame in the copy (the entry is the kept table's).
+    fn leaf_slot(&self, mem: &GuestMemory, va: u64) -> Result<Option<(u64, Option<u64>)>> {
         let mut table = self.root;
+        let mut copy = None;
         for level in (1..4).rev() {
-            let e = mem.read_u64(table + index(va, level) * 8)?;
+            let slot = table + index(va, level) * 8;
+            let mut e = mem.read_u64(slot)?;
             if e & PTE_P == 0 {
                 return Ok(None);
             }
+            if level == 1 && e & PTE_PS != 0 {
+                let (saved, block) = self.saved(slot)?;
+                e = saved;
+                copy = Some(block + index(va, 0) * PAGE_SIZE);
+            }
             table = e & ADDR_MASK;
         }
-        Ok(Some(table + index(va, 0) * 8))
+        Ok(Some((table + index(va, 0) * 8, copy)))
     }
 
     /// The leaf entry for `va` (0 if absent).
     pub fn pte(&self, mem: &GuestMemory, va: u64) -> Result<u64> {
         match self.leaf_slot(mem, va)? {
-            Some(slot) => mem.read_u64(slot),
+            Some((slot, copy)) => Ok(with_frame(mem.read_u64(slot)?, copy)),
             None => Ok(0),
         }
     }
@@ -188,7 +375,8 @@ impl AddressSpace {
     /// Remove the mapping of the page at `va`. Returns the frame it mapped, if any; the caller frees
     /// it and flushes the guest TLB. Page-table pages stay allocated.
     pub fn unmap_page(&self, mem: &mut GuestMemory, va: u64) -> Result<Option<u64>> {
-        let Some(slot) = self.leaf_slot(mem, va)? else { return Ok(None) };
+        self.demote_at(mem, va)?;
+        let Some((slot, _)) = self.leaf_slot(mem, va)? else { return Ok(None) };
         let e = mem.read_u64(slot)?;
         if e & PTE_P == 0 {
             return Ok(None);
@@ -200,7 +388,8 @@ impl AddressSpace {
     /// Replace the leaf flags of the page at `va` with `flags` (PTE_P implied), keeping its frame.
     /// Returns the old flags, or `None` if the page is not mapped.
     pub fn set_flags(&self, mem: &mut GuestMemory, va: u64, flags: u64) -> Result<Option<u64>> {
-        let Some(slot) = self.leaf_slot(mem, va)? else { return Ok(None) };
+        self.demote_at(mem, va)?;
+        let Some((slot, _)) = self.leaf_slot(mem, va)? else { return Ok(None) };
         let e = mem.read_u64(slot)?;
         if e & PTE_P == 0 {
             return Ok(None);
@@ -218,45 +407,51 @@ impl AddressSpace {
         let end = end.min(1 << 47);
         let mut out = Vec::new();
         if start < end {
-            self.walk(mem, self.root, 3, 0, start, end, &mut out)?;
+            self.walk(mem, self.root, 3, 0, start, end, None, &mut out)?;
         }
         Ok(out)
     }
 
+    /// `copy`: in a large page's kept table, the copy whose frames stand for the table's.
     #[allow(clippy::too_many_arguments)]
-    fn walk(&self, mem: &GuestMemory, table: u64, level: u32, base: u64, start: u64, end: u64, out: &mut Vec<(u64, u64)>) -> Result<()> {
+    fn walk(&self, mem: &GuestMemory, table: u64, level: u32, base: u64, start: u64, end: u64, copy: Option<u64>, out: &mut Vec<(u64, u64)>) -> Result<()> {
         let span = 1u64 << (12 + 9 * level);
         let first = start.saturating_sub(base) / span;
         let last = ((end - 1 - base) / span).min(511);
         for i in first..=last {
-            let e = mem.read_u64(table + i * 8)?;
+            let mut e = mem.read_u64(table + i * 8)?;
             if e & PTE_P == 0 {
                 continue;
             }
             let va = base + i * span;
             if level == 0 {
-                out.push((va, e));
+                out.push((va, with_frame(e, copy.map(|b| b + i * PAGE_SIZE))));
             } else {
-                self.walk(mem, e & ADDR_MASK, level - 1, va, start, end, out)?;
+                let mut below = None;
+                if level == 1 && e & PTE_PS != 0 {
+                    let (saved, block) = self.saved(table + i * 8)?;
+                    (e, below) = (saved, Some(block));
+                }
+                self.walk(mem, e & ADDR_MASK, level - 1, va, start, end, below, out)?;
             }
         }
         Ok(())
     }
 
     /// Translate a guest virtual address to (guest-physical address, leaf flags).
+    /// Under a large page: the copy's frame, which is what the guest sees, and the kept table's
+    /// flags.
     pub fn translate(&self, mem: &GuestMemory, va: u64) -> Result<(u64, u64)> {
-        let mut table = self.root;
-        for level in (0..4).rev() {
-            let e = mem.read_u64(table + index(va, level) * 8)?;
-            if e & PTE_P == 0 {
-                return Err(Error::BadGuestAddress(va));
+        match self.leaf_slot(mem, va)? {
+            Some((slot, copy)) => {
+                let e = with_frame(mem.read_u64(slot)?, copy);
+                if e & PTE_P == 0 {
+                    return Err(Error::BadGuestAddress(va));
+                }
+                Ok(((e & ADDR_MASK) | (va & (PAGE_SIZE - 1)), e))
             }
-            if level == 0 {
-                return Ok(((e & ADDR_MASK) | (va & (PAGE_SIZE - 1)), e));
-            }
-            table = e & ADDR_MASK;
+            None => Err(Error::BadGuestAddress(va)),
         }
-        unreachable!()
     }
 
     /// Read guest-virtual memory; `user` requires every page to be user-accessible.
@@ -289,6 +484,14 @@ impl AddressSpace {
             done += n;
         }
         Ok(())
+    }
+}
+
+/// A leaf entry with its frame replaced by `frame` (a large page's copy), if given and present.
+fn with_frame(e: u64, frame: Option<u64>) -> u64 {
+    match frame {
+        Some(f) if e & PTE_P != 0 => (e & !ADDR_MASK) | f,
+        _ => e,
     }
 }
 
@@ -341,7 +544,7 @@ mod tests {
 
     #[test]
     fn allocator_runs_out_cleanly() {
-        let mut fr = FrameAllocator { next: 0, end: 8192, free: vec![] };
+        let mut fr = FrameAllocator { next: 0, end: 8192, free: vec![], huge_next: 0, huge_end: 0 };
         fr.alloc().unwrap();
         fr.alloc().unwrap();
         assert!(matches!(fr.alloc(), Err(Error::OutOfGuestMemory(_))));
@@ -398,6 +601,109 @@ mod tests {
         let q = fr.alloc_with(&mut mem, &[0; 4096]).unwrap();
         assert_ne!(q, p);
         assert_eq!(mem.dirty().count(), dirty);
+    }
+
+    /// A 2 MiB block of 32 read-only data pages and 480 text pages, each page holding its index.
+    fn text_block(mem: &mut GuestMemory, fr: &mut FrameAllocator, a: &AddressSpace, va: u64) {
+        for i in 0..512u64 {
+            let pa = fr.alloc_zeroed(mem).unwrap();
+            mem.write_u64(pa, i + 1).unwrap();
+            let flags = if i < 32 { PTE_U | PTE_NX } else { PTE_U };
+            a.map_page(mem, fr, va + i * PAGE_SIZE, pa, flags).unwrap();
+        }
+    }
+
+    #[test]
+    fn read_only_blocks_become_large_pages_and_come_back() {
+        const MEM: u64 = 256 << 20;
+        let mut mem = GuestMemory::anonymous(MEM).unwrap();
+        let mut fr = FrameAllocator::new(MEM);
+        let (region, region_end) = huge_region(MEM).unwrap();
+        assert_eq!((fr.end, fr.huge_next, fr.huge_end), (region, region, region_end));
+        let a = setup_address_space(&mut mem, &mut fr).unwrap();
+        let va = 0x40_0000;
+        text_block(&mut mem, &mut fr, &a, va);
+        let before = a.present_pages(&mem, va, va + HUGE_PAGE).unwrap();
+        let used = fr.available();
+
+        assert!(a.promote(&mut mem, &mut fr, va).unwrap());
+        assert!(!a.promote(&mut mem, &mut fr, va).unwrap(), "already a large page");
+        assert_eq!(fr.available(), used, "the old frames and table are kept");
+        let pde = mem.read_u64(a.pd_slot(&mem, va).unwrap().unwrap()).unwrap();
+        assert_eq!(pde & (PTE_PS | PTE_P | PTE_U | PTE_W | PTE_NX), PTE_PS | PTE_P | PTE_U, "executable, read-only");
+        assert_eq!(pde & ADDR_MASK, region);
+        // The host's view: the old per-page flags, the copy's frames and contents.
+        let after = a.present_pages(&mem, va, va + HUGE_PAGE).unwrap();
+        assert_eq!(after.len(), 512);
+        for (i, ((v0, e0), (v1, e1))) in before.iter().zip(&after).enumerate() {
+            assert_eq!(v0, v1);
+            assert_eq!(e0 & !ADDR_MASK, e1 & !ADDR_MASK);
+            assert_eq!(e1 & ADDR_MASK, region + i as u64 * PAGE_SIZE);
+            assert_eq!(a.translate(&mem, *v1).unwrap().0, region + i as u64 * PAGE_SIZE);
+            assert_eq!(a.pte(&mem, *v1).unwrap(), *e1);
+        }
+        let mut b = [0u8; 8];
+        a.read_virt(&mem, va + 100 * PAGE_SIZE, &mut b, true).unwrap();
+        assert_eq!(u64::from_le_bytes(b), 101);
+
+        // A host write lands in the copy; narrowing one page puts the table back with that write.
+        a.write_virt(&mut mem, va + 7 * PAGE_SIZE, b"patched!", false).unwrap();
+        assert_eq!(a.set_flags(&mut mem, va + 40 * PAGE_SIZE, PTE_U | PTE_NX).unwrap(), Some(PTE_P | PTE_U));
+        assert!(a.huge.borrow().is_empty());
+        let pde = mem.read_u64(a.pd_slot(&mem, va).unwrap().unwrap()).unwrap();
+        assert_eq!(pde & PTE_PS, 0);
+        assert_eq!(a.translate(&mem, va).unwrap().0, before[0].1 & ADDR_MASK);
+        a.read_virt(&mem, va + 7 * PAGE_SIZE, &mut b, true).unwrap();
+        assert_eq!(&b, b"patched!");
+        a.read_virt(&mem, va + 8 * PAGE_SIZE, &mut b, true).unwrap();
+        assert_eq!(u64::from_le_bytes(b), 9);
+
+        // Unmapping the whole block drops the large page without copying; its frames are never
+        // handed out again.
+        assert!(a.promote(&mut mem, &mut fr, va).unwrap());
+        let block = a.huge.borrow()[0].block;
+        assert_eq!(block, region + HUGE_PAGE, "a block is used once");
+        a.before_unmap(&mut mem, 0, 1 << 47).unwrap();
+        assert!(a.huge.borrow().is_empty());
+        let old = a.unmap_page(&mut mem, va).unwrap().unwrap();
+        assert!(old < fr.end);
+        let avail = fr.available();
+        fr.release(block);
+        assert_eq!(fr.available(), avail, "a large-page frame is not reused");
+        fr.release(old);
+        assert_eq!(fr.available(), avail + 1);
+    }
+
+    #[test]
+    fn blocks_that_cannot_be_large_pages() {
+        const MEM: u64 = 128 << 20;
+        let mut mem = GuestMemory::anonymous(MEM).unwrap();
+        let mut fr = FrameAllocator::new(MEM);
+        let a = setup_address_space(&mut mem, &mut fr).unwrap();
+        // One writable page, one missing page, one supervisor page: no.
+        text_block(&mut mem, &mut fr, &a, 0x40_0000);
+        a.set_flags(&mut mem, 0x40_0000 + 9 * PAGE_SIZE, PTE_U | PTE_W).unwrap();
+        assert!(!a.promote(&mut mem, &mut fr, 0x40_0000).unwrap());
+        text_block(&mut mem, &mut fr, &a, 0x60_0000);
+        a.unmap_page(&mut mem, 0x60_0000 + 511 * PAGE_SIZE).unwrap();
+        assert!(!a.promote(&mut mem, &mut fr, 0x60_0000).unwrap());
+        text_block(&mut mem, &mut fr, &a, 0x80_0000);
+        a.set_flags(&mut mem, 0x80_0000, PTE_NX).unwrap();
+        assert!(!a.promote(&mut mem, &mut fr, 0x80_0000).unwrap());
+        assert!(!a.promote(&mut mem, &mut fr, 0x1000_0000).unwrap(), "nothing mapped");
+        // The region has four blocks; a fifth request gets none.
+        for va in [0xa0_0000u64, 0xc0_0000, 0xe0_0000, 0x100_0000, 0x120_0000] {
+            text_block(&mut mem, &mut fr, &a, va);
+        }
+        let made: Vec<bool> =
+            [0xa0_0000u64, 0xc0_0000, 0xe0_0000, 0x100_0000, 0x120_0000].iter().map(|&va| a.promote(&mut mem, &mut fr, va).unwrap()).collect();
+        assert_eq!(made, [true, true, true, true, false]);
+        // No region in a small memory.
+        let mut small = GuestMemory::anonymous(64 << 20).unwrap();
+        let mut fr = FrameAllocator::new(64 << 20);
+        let a = setup_address_space(&mut small, &mut fr).unwrap();
+        text_block(&mut small, &mut fr, &a, 0x40_0000);
+        assert!(!a.promote(&mut small, &mut fr, 0x40_0000).unwrap());
     }
 
     #[test]
