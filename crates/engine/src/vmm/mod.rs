@@ -698,7 +698,7 @@ fn fork_children(m: &mut Machine, chan: &mut Channel, pool: &mut Pool, n: u32) -
     if m.exited.is_some() {
         return Err(Error::InvalidArgument("the guest has exited; nothing to fork".into()));
     }
-    m.learn.new_batch();
+    m.learn.before_forks();
     let mut state = None;
     for _ in 0..n {
         let child = match pool.spares.pop() {
@@ -729,7 +729,7 @@ fn refill(m: &mut Machine, chan: &Channel, pool: &mut Pool) -> bool {
     // small host the refill would otherwise take a core from them). A spare goes back to normal
     // priority when it is handed a request (see `serve`).
     set_idle_priority(true);
-    m.learn.before_spare();
+    m.learn.before_forks();
     let made = m.sync_dirty().and_then(|_| m.capture()).and_then(|st| spawn_child(m, &st, chan, pool));
     set_idle_priority(false);
     match made {
@@ -793,10 +793,12 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
         }
         if req.changes_guest() {
             pool.invalidate();
+            m.learn.guest_changed();
         }
+        let runs = matches!(req, Request::Run { .. } | Request::AgentCall { .. });
         process::serving(m, &chan, &pool);
         let resp = match req {
-            Request::Run { timeout } => m.run(timeout).map(Response::Run).inspect(|_| m.report_first_run()),
+            Request::Run { timeout } => m.run(timeout).map(Response::Run),
             Request::Snapshot { dir } => jail::in_snapshot_dest(&dir, fds, |d| m.snapshot(d)).map(|_| Response::Ok),
             Request::Fork { n } => match fork_children(m, &mut chan, &mut pool, n) {
                 Ok(()) => continue,
@@ -828,7 +830,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             }) {
                 Some(Ok(())) => {
                     crate::guestos::sched::new_exec(m.os.as_ref().is_some_and(|os| os.proc.clocks.replay));
-                    m.run(timeout).inspect(|_| m.report_first_run())
+                    m.run(timeout)
                 }
                 .and_then(|mut r| {
                     r.agent = m.os.as_ref().map(|os| os.agent_take()).transpose()?.unwrap_or_default();
@@ -868,6 +870,9 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             }
         };
         reply(&mut chan, resp);
+        if runs {
+            m.report_first_run();
+        }
     }
 }
 

@@ -10,12 +10,12 @@
 //! writable at once. So each fork makes private copies (`MADV_POPULATE_WRITE`) of the pages its
 //! siblings wrote, before its VM exists (no shadow entries to invalidate yet).
 //!
-//! Which pages: a VMM process that forks keeps a small shared region; the first two forks of each
-//! batch (a `Fork` request, or the spares made while idle) write there the pages their first run
-//! wrote, from KVM's dirty log of their fresh VM. Later forks copy the pages both reported, so a
-//! page only one child's own work wrote is left alone. Until the first reports arrive, the hint
-//! inherited from this process's own parent stands in (a sandbox and its siblings run the same
-//! agent). A wrong guess costs a page copy, never correctness: a private copy holds what the shared
+//! Which pages: a VMM process that forks keeps a small shared region; its first two forks since
+//! its guest last ran write there the pages their first run wrote, from KVM's dirty log of their
+//! fresh VM (after replying, so the run's caller does not wait for it). Later forks copy the pages
+//! both reported, so a page only one child's own work wrote is left alone. Until the first reports
+//! arrive, the hint inherited from this process's own parent stands in (a sandbox and its siblings
+//! run the same agent). A template's zygote never runs, so it learns once from its first clones. A wrong guess costs a page copy, never correctness: a private copy holds what the shared
 //! page held. `COLLIMATE_PREFAULT=0` turns the copying off, to compare.
 
 use std::ptr::NonNull;
@@ -50,8 +50,10 @@ pub struct Learner {
     region: Option<(NonNull<Region>, i32)>,
     /// Set in a fork: the parent's region, until this process has reported its first run.
     report_to: Option<NonNull<Region>>,
-    /// Guest-physical page numbers to copy in a fork.
+    /// Guest-physical page numbers to copy in a fork, ascending.
     hint: Vec<u32>,
+    /// This process's guest ran since the reports were opened: the next batch asks for new ones.
+    stale: bool,
 }
 
 // SAFETY: the VMM process is single-threaded; the region is shared with other processes only
@@ -63,20 +65,15 @@ fn region_size() -> usize {
 }
 
 impl Learner {
-    /// In the parent, before a batch of forks: take what the last batch reported and open the
-    /// region for this batch's reports. Making the region can fail (no memory); then nothing is
-    /// learned and forks go on without.
-    pub fn new_batch(&mut self) {
-        self.harvest(true);
+    /// This process's guest ran (or changed otherwise): what its forks write may differ now.
+    pub fn guest_changed(&mut self) {
+        self.stale = true;
     }
 
-    /// Before a spare is forked: make sure this process has a region for its forks' reports, and
-    /// take any reports already complete.
-    pub fn before_spare(&mut self) {
-        self.harvest(false);
-    }
-
-    fn harvest(&mut self, reopen: bool) {
+    /// In the parent, before forking: take the reports that are complete, and if the guest ran
+    /// since the reports were opened, open them again for this batch. Makes this process's region
+    /// first; that can fail (no memory), and then nothing is learned and forks go on without.
+    pub fn before_forks(&mut self) {
         // SAFETY: getpid cannot fail.
         let me = unsafe { libc::getpid() };
         match self.region {
@@ -97,7 +94,7 @@ impl Learner {
                     }
                     self.hint = h;
                 }
-                if !reopen {
+                if !std::mem::take(&mut self.stale) {
                     return;
                 }
                 for rep in &region.reports {
@@ -120,6 +117,7 @@ impl Learner {
                 // An inherited region stays mapped (our parent's forks may still report into it
                 // through their own copies); ours replaces it here.
                 self.region = if p == libc::MAP_FAILED { None } else { NonNull::new(p.cast::<Region>()).map(|r| (r, me)) };
+                self.stale = false;
             }
         }
     }
@@ -220,7 +218,7 @@ mod tests {
     fn forks_copy_the_pages_both_first_reports_wrote() {
         let mem = GuestMemory::anonymous(16 << 20).unwrap();
         let mut parent = Learner::default();
-        parent.new_batch();
+        parent.before_forks();
         assert!(parent.hint.is_empty());
         // Three forks of the batch report their first runs; only two reports are kept.
         let mut forks: Vec<Learner> = (0..3).map(|_| Learner { region: parent.region, ..Default::default() }).collect();
@@ -231,16 +229,23 @@ mod tests {
         forks[1].take_report().unwrap().write(&log_of(&[6, 7, 200, 700, 4095]));
         assert!(forks[2].take_report().is_none(), "two reports per batch");
         assert!(forks[0].take_report().is_none(), "one report per fork");
-        parent.new_batch();
+        parent.before_forks();
         assert_eq!(parent.hint, [6, 7, 700]);
-        // The next batch starts empty: with one report, that one is the hint.
+        // Until the parent's guest runs, nobody else reports.
         let mut f = Learner { region: parent.region, ..Default::default() };
         f.report_to = f.region.map(|(r, _)| r);
+        assert!(f.take_report().is_none());
+        // After it ran, the next batch reports afresh: with one report, that one is the hint.
+        parent.guest_changed();
+        parent.before_forks();
+        assert_eq!(parent.hint, [6, 7, 700], "the last batch's, until new reports are in");
+        f.report_to = f.region.map(|(r, _)| r);
         f.take_report().unwrap().write(&log_of(&[6, 7, 8]));
-        parent.new_batch();
+        parent.before_forks();
         assert_eq!(parent.hint, [6, 7, 8]);
         // No report in a batch: the hint stands.
-        parent.new_batch();
+        parent.guest_changed();
+        parent.before_forks();
         assert_eq!(parent.hint, [6, 7, 8]);
 
         // A real fork copies exactly the hinted pages (below the frame pool's end).
@@ -248,7 +253,7 @@ mod tests {
         // SAFETY: the test process may have threads; the child only makes raw syscalls and exits.
         let pid = unsafe { libc::fork() };
         if pid == 0 {
-            let mut child = Learner { region: parent.region, hint: parent.hint.clone(), report_to: None };
+            let mut child = Learner { region: parent.region, hint: parent.hint.clone(), ..Default::default() };
             child.in_fork(&mem, 3500 * PAGE_SIZE);
             let ok = [6, 7, 8, 3000].iter().all(|&p| private(&mem, p))
                 && ![5, 9, 2999, 4000].iter().any(|&p| private(&mem, p))
