@@ -1161,6 +1161,32 @@ pub fn kill_adopted(pids: &[i32]) {
     }
 }
 
+/// Wait, up to `limit`, until this process has no children left. A reset kills every guest process
+/// it knows of, but an orphan that is re-parented to the sandbox's first process meanwhile (its
+/// parent was just killed) is not among them: it ends itself on its parent-death signal, since the
+/// sandbox's generation changed (`host::adopted_or_die`). The reset returns once it has gone.
+pub fn wait_children_gone(limit: std::time::Duration) {
+    let end = std::time::Instant::now() + limit;
+    loop {
+        let mut info = [0u64; 16];
+        // SAFETY: waitid(P_ALL, WNOHANG) writes at most one siginfo_t (128 bytes) into `info`.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_waitid,
+                libc::P_ALL as libc::c_long,
+                0 as libc::c_long,
+                info.as_mut_ptr(),
+                (libc::WEXITED | libc::WNOHANG | libc::__WALL) as libc::c_long,
+                0usize,
+            )
+        };
+        if (r < 0 && Errno::last() == ECHILD) || std::time::Instant::now() >= end {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
 /// SIGKILL every child and reap it (the sandbox's first process ended: like the end of a pid
 /// namespace's init, it takes the others with it).
 pub fn kill_children(os: &mut GuestOs) {

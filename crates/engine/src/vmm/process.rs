@@ -549,6 +549,7 @@ pub(super) fn kill_children(m: &mut Machine) {
     }
     signal::kill_adopted(&adopted);
     if top {
+        signal::wait_children_gone(std::time::Duration::from_secs(2));
         // The process budget starts over with the world (see `host::reset_process_count`).
         host::reset_process_count();
         crate::guestos::sched::reset();
