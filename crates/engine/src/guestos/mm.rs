@@ -124,35 +124,26 @@ pub struct Vma {
     pub offset: u64,
     /// A shared mapping of a file opened for writing: where its written pages go back.
     #[serde(skip)]
-    pub backing: Option<Backing>,
+    pub backing: Option<MapFd>,
     /// A file mapping longer than [`LAZY_MAP_MIN`]: where pages that have no frame yet are read
     /// from. A snapshot does not keep it (see [`Mm::read_in_lazy`]).
     #[serde(skip)]
-    pub lazy: Option<Lazy>,
+    pub lazy: Option<MapFd>,
 }
 
-/// The file a shared mapping writes back to (a descriptor of its own, kept while it is mapped).
+/// A mapping's own descriptor of its file, kept while any part of the mapping is (the guest may
+/// close its descriptor right after mmap): where a shared mapping's written pages go back
+/// ([`Vma::backing`]), and where a lazy mapping reads the pages the guest touches ([`Vma::lazy`]).
+/// Equal when it is the same descriptor.
 #[derive(Clone, Debug)]
-pub struct Backing(pub Arc<OwnedFd>);
+pub struct MapFd(pub Arc<OwnedFd>);
 
-impl PartialEq for Backing {
-    fn eq(&self, other: &Backing) -> bool {
+impl PartialEq for MapFd {
+    fn eq(&self, other: &MapFd) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }
 }
-impl Eq for Backing {}
-
-/// The file a lazy mapping reads its pages from when the guest touches them (a descriptor of its
-/// own, kept while any part of the mapping is: the guest may close its descriptor right after mmap).
-#[derive(Clone, Debug)]
-pub struct Lazy(pub Arc<OwnedFd>);
-
-impl PartialEq for Lazy {
-    fn eq(&self, other: &Lazy) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-}
-impl Eq for Lazy {}
+impl Eq for MapFd {}
 
 /// The page-table entry's dirty bit: KVM sets it in the guest's page tables when the guest writes.
 const PTE_DIRTY: u64 = 1 << 6;
@@ -281,7 +272,7 @@ pub struct LazyArea {
 
 impl LazyArea {
     fn of(start: u64, v: &Vma) -> Option<LazyArea> {
-        let Lazy(file) = v.lazy.as_ref()?;
+        let MapFd(file) = v.lazy.as_ref()?;
         Some(LazyArea { start, end: v.end, prot: v.prot, offset: v.offset, file: file.clone() })
     }
 
@@ -481,11 +472,16 @@ impl Mm {
 
     /// Whether VMAs cover every byte of [start, end).
     pub fn covered(&self, start: u64, end: u64) -> bool {
+        self.covered_by(start, end, |_| true)
+    }
+
+    /// Whether VMAs for which `fits` holds cover every byte of [start, end).
+    fn covered_by(&self, start: u64, end: u64, fits: impl Fn(&Vma) -> bool) -> bool {
         let mut at = start;
         while at < end {
             match self.vma_at(at) {
-                Some((_, v)) => at = v.end,
-                None => return false,
+                Some((_, v)) if fits(v) => at = v.end,
+                _ => return false,
             }
         }
         true
@@ -510,17 +506,7 @@ impl Mm {
         }
         let mut n = 0;
         for b in blocks {
-            let whole = {
-                let mut at = b;
-                while at < b + HUGE_PAGE {
-                    match self.vma_at(at) {
-                        Some((_, v)) if fits(v) => at = v.end,
-                        _ => break,
-                    }
-                }
-                at >= b + HUGE_PAGE
-            };
-            if whole && sp.aspace.promote(sp.mem, sp.frames, b)? {
+            if self.covered_by(b, b + HUGE_PAGE, fits) && sp.aspace.promote(sp.mem, sp.frames, b)? {
                 n += 1;
             }
         }
@@ -713,14 +699,14 @@ impl Mm {
                 f.offset.checked_add(len).ok_or(EOVERFLOW)?;
                 let (id, size) = check_file(f.fd, prot, shared)?;
                 if shared && file_writable(f.fd) {
-                    vma.backing = Some(Backing(Arc::new(dup_cloexec(f.fd)?)));
+                    vma.backing = Some(MapFd(Arc::new(dup_cloexec(f.fd)?)));
                 }
                 if len > LAZY_MAP_MIN {
                     let fd = match &vma.backing {
-                        Some(Backing(fd)) => fd.clone(),
+                        Some(MapFd(fd)) => fd.clone(),
                         None => Arc::new(dup_cloexec(f.fd)?),
                     };
-                    vma.lazy = Some(Lazy(fd));
+                    vma.lazy = Some(MapFd(fd));
                 }
                 vma.file = Some(id);
                 vma.offset = f.offset;
@@ -961,7 +947,7 @@ impl Mm {
     pub fn write_back(&self, sp: &Space, start: u64, end: u64) -> Result<(), Errno> {
         let from = self.vmas.range(..start).next_back().map(|(s, _)| *s).unwrap_or(start);
         for (&vstart, v) in self.vmas.range(from..end) {
-            let Some(Backing(fd)) = &v.backing else { continue };
+            let Some(MapFd(fd)) = &v.backing else { continue };
             let (s, e) = (vstart.max(start), v.end.min(end));
             if s >= e {
                 continue;
@@ -1738,7 +1724,7 @@ mod tests {
         let mut t = T::new();
         let (a, _) = t.op(|mm, sp| mm.mmap(sp, AT, BIG, RW, MAP_SHARED | MAP_FIXED, Some(f.map())).unwrap());
         let v = t.mm.vma_at(a).unwrap().1.clone();
-        let (Some(Lazy(l)), Some(Backing(b))) = (&v.lazy, &v.backing) else { panic!("{v:?}") };
+        let (Some(MapFd(l)), Some(MapFd(b))) = (&v.lazy, &v.backing) else { panic!("{v:?}") };
         assert!(Arc::ptr_eq(l, b), "one descriptor for both");
         assert_eq!(t.fault(a + 4096, Access::Write), Fault::Resolved);
         t.write(a + 4096, b"SHARED");

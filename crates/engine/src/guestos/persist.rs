@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use super::files::{Files, Kind, OpenFile};
 use super::misc::Proc;
-use super::mm::{Backing, Lazy, Mm, Vma};
+use super::mm::{MapFd, Mm, Vma};
 use super::vfs::Vfs;
 use super::GuestOs;
 use crate::error::{Error, Result};
@@ -313,10 +313,10 @@ fn repoint_mappings(os: &mut GuestOs, writable: &[(String, PathBuf)]) {
             .or_insert_with(|| (old.clone(), private_copy(&os.vfs, writable, v, &old).map(Arc::new)));
         let Some(new) = new.clone() else { continue };
         if v.lazy.as_ref().is_some_and(|l| Arc::ptr_eq(&l.0, &old)) {
-            v.lazy = Some(Lazy(new.clone()));
+            v.lazy = Some(MapFd(new.clone()));
         }
         if v.backing.as_ref().is_some_and(|b| Arc::ptr_eq(&b.0, &old)) {
-            v.backing = Some(Backing(new));
+            v.backing = Some(MapFd(new));
         }
     }
 }

@@ -74,6 +74,13 @@ impl Learner {
     /// since the reports were opened, open them again for this batch. Makes this process's region
     /// first; that can fail (no memory), and then nothing is learned and forks go on without.
     pub fn before_forks(&mut self) {
+        self.take_reports();
+        if std::env::var_os("COLLIMATE_PREFAULT").is_some_and(|v| v == "0") {
+            self.hint.clear();
+        }
+    }
+
+    fn take_reports(&mut self) {
         // SAFETY: getpid cannot fail.
         let me = unsafe { libc::getpid() };
         match self.region {
@@ -126,9 +133,6 @@ impl Learner {
     /// to the parent.
     pub fn in_fork(&mut self, mem: &GuestMemory, frames_end: u64) {
         self.report_to = self.region.map(|(r, _)| r);
-        if std::env::var_os("COLLIMATE_PREFAULT").is_some_and(|v| v == "0") {
-            return;
-        }
         let limit = (frames_end.min(mem.size()) / PAGE_SIZE) as u32;
         let mut i = 0;
         while i < self.hint.len() {

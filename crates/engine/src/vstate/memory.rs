@@ -161,7 +161,6 @@ impl GuestMemory {
     /// Back each 2 MiB block of the large-page region that holds data in the file with an
     /// anonymous huge page filled from the file (see the module comment).
     fn back_huge_blocks(&mut self) -> Result<()> {
-        use std::os::unix::fs::FileExt;
         let Some((start, end)) = huge_region(self.size) else { return Ok(()) };
         let mut at = start;
         while at < end {
@@ -190,12 +189,18 @@ impl GuestMemory {
             // SAFETY: advice on the block just mapped; without huge pages it still works, slower.
             unsafe { libc::madvise(p, HUGE_PAGE as usize, libc::MADV_HUGEPAGE) };
             self.anon_blocks.push(block);
-            // SAFETY: the block is mapped readable and writable for 2 MiB.
-            let buf = unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), HUGE_PAGE as usize) };
-            self.file.read_exact_at(buf, block).map_err(Error::sys("read a large-page block of the snapshot memory file"))?;
+            self.fill_from_file(block, HUGE_PAGE)?;
             at = block + HUGE_PAGE;
         }
         Ok(())
+    }
+
+    /// Copy [gpa, gpa + len) of the backing file into guest memory at the same place.
+    fn fill_from_file(&mut self, gpa: u64, len: u64) -> Result<()> {
+        self.check(gpa, len as usize)?;
+        // SAFETY: bounds checked above; the mapping is valid and writable for `size` bytes.
+        let buf = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(gpa as usize), len as usize) };
+        std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, gpa).map_err(Error::sys("read guest memory file"))
     }
 
     pub fn size(&self) -> u64 {
@@ -259,11 +264,7 @@ impl GuestMemory {
             let (gpa, len) = (page * PAGE_SIZE, count * PAGE_SIZE);
             if self.anon_blocks.iter().any(|&b| gpa < b + HUGE_PAGE && b < gpa + len) {
                 // Anonymous huge pages: read the file's contents back (nothing else would).
-                let mut buf = vec![0u8; len as usize];
-                std::os::unix::fs::FileExt::read_exact_at(&self.file, &mut buf, gpa)
-                    .map_err(Error::sys("read guest memory file for a reset"))?;
-                // SAFETY: the range lies inside our mapping.
-                unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), self.ptr.add(gpa as usize), buf.len()) };
+                self.fill_from_file(gpa, len)?;
                 continue;
             }
             // SAFETY: the range lies inside our mapping; MADV_DONTNEED on a private file mapping only
