@@ -43,6 +43,12 @@ class _ResetStats(TypedDict):
     dirty_pages: int
     duration: float
 
+class _DiskUsage(TypedDict):
+    bytes: int
+    inodes: int
+    quota_bytes: int
+    quota_inodes: int
+
 class _MemStats(TypedDict):
     private_bytes: int
     dirty_pages: int
@@ -160,6 +166,14 @@ class Vm:
     def vcpu_state(self) -> bytes:
         """The full captured vCPU state, serialized; for equality checks only."""
     def mem_stats(self) -> _MemStats: ...
+    def set_disk_quota(self, bytes: int, inodes: int | None = None) -> None:
+        """Disk quota of this sandbox's writable mounts together (its own tmpfs) and of the
+        children it forks from now on; refused below what they hold."""
+    def disk_usage(self) -> _DiskUsage | None:
+        """What the writable mounts hold and their quota; None without a tmpfs of its own."""
+    @property
+    def disk_quota(self) -> tuple[int, int] | None:
+        """The (bytes, inodes) quota this VM's children get; None if the host gives none."""
     def jail(self) -> _JailStatus:
         """Which layers of its jail the VMM process runs in: resource limits, its own mount and
         network namespaces (root only), the seccomp filter."""

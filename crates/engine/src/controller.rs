@@ -15,6 +15,7 @@ use kvm_bindings::kvm_regs;
 use crate::channel::{Channel, RecvError};
 use crate::error::{Error, Result};
 use crate::protocol::{JailStatus, MemStats, Request, ResetStats, Response, RunResult};
+use crate::quota::{DiskQuota, DiskUsage, Scratch};
 use crate::vstate::vcpu::VcpuState;
 
 /// How to start a fresh VMM process: a program that calls [`crate::vmm::serve_fd`]`(3)`.
@@ -91,6 +92,13 @@ pub struct Vm {
     /// `RunResult::others`), and theirs are closed (their writes then fail, as over a closed
     /// terminal or connection).
     rotate_stdio: bool,
+    /// This sandbox's own tmpfs (a descriptor of it, from its `Ready`): its disk usage and quota.
+    scratch: Option<Scratch>,
+    /// The disk quota of the children this VM forks (and of this VM, if it has a tmpfs); `None`
+    /// where the host cannot make tmpfs instances (no CAP_SYS_ADMIN).
+    quota: Option<DiskQuota>,
+    /// Spares asked for with `set_spare_pool`: each was given its tmpfs when asked for.
+    spares: usize,
 }
 
 struct Stdio {
@@ -155,7 +163,17 @@ impl Vm {
     fn launch_with(launcher: &Launcher, first: Request, stdio: Option<Stdio>, fds: &[RawFd]) -> Result<Vm> {
         let (child, chan) = launcher.spawn()?;
         let pid = child.id() as i32;
-        let mut vm = Vm { chan, process: Process::Launched(child), pid, stdio, jail: JailStatus::default(), rotate_stdio: false };
+        let mut vm = Vm {
+            chan,
+            process: Process::Launched(child),
+            pid,
+            stdio,
+            jail: JailStatus::default(),
+            rotate_stdio: false,
+            scratch: None,
+            quota: crate::quota::available().then_some(crate::quota::DEFAULT_QUOTA),
+            spares: 0,
+        };
         if let Err(e) = vm.chan.send(&first, fds) {
             return Err(vm.died(format!("send failed: {e}")));
         }
@@ -214,10 +232,14 @@ impl Vm {
     }
 
     fn recv(&mut self, timeout: Duration) -> Result<Response> {
+        self.recv_with_fds(timeout).map(|(r, _)| r)
+    }
+
+    fn recv_with_fds(&mut self, timeout: Duration) -> Result<(Response, Vec<OwnedFd>)> {
         self.chan.set_read_timeout(Some(timeout))?;
         match self.chan.recv::<Response>() {
             Ok((Response::Err(e), _)) => Err(e.into()),
-            Ok((r, _)) => Ok(r),
+            Ok((r, fds)) => Ok((r, fds)),
             Err(RecvError::Closed) => Err(self.died("it exited".into())),
             Err(RecvError::TimedOut) => {
                 let e = self.died(format!("no answer within {timeout:?}; killed it"));
@@ -322,9 +344,23 @@ impl Vm {
             return Ok(vec![]);
         }
         let n32 = u32::try_from(n).map_err(|_| Error::InvalidArgument(format!("fork of {n} children")))?;
-        if let Err(e) = self.chan.send(&Request::Fork { n: n32 }, &[]) {
+        // Each child takes a tmpfs of its own (its disk quota): sent with the request, or ahead of
+        // it in batches when there are more than one message can carry.
+        let scratch = self.make_scratch(n)?;
+        let with_fork: Vec<RawFd> = if scratch.len() <= MAX_FDS_PER_MESSAGE { scratch.iter().map(|s| s.0.as_raw_fd()).collect() } else { vec![] };
+        if with_fork.is_empty() {
+            for batch in scratch.chunks(MAX_FDS_PER_MESSAGE) {
+                let fds: Vec<RawFd> = batch.iter().map(|s| s.0.as_raw_fd()).collect();
+                match self.call_with_fds(&Request::AddScratch, &fds, CONTROL_TIMEOUT)? {
+                    Response::Ok => {}
+                    other => return Err(Error::Protocol(format!("expected Ok, got {other:?}"))),
+                }
+            }
+        }
+        if let Err(e) = self.chan.send(&Request::Fork { n: n32 }, &with_fork) {
             return Err(self.died(format!("send failed: {e}")));
         }
+        drop(scratch); // the VMM holds them now
         let mut children = Vec::with_capacity(n);
         for _ in 0..n {
             self.chan.set_read_timeout(Some(CONTROL_TIMEOUT))?;
@@ -333,7 +369,17 @@ impl Vm {
                     let mut fds = fds.into_iter();
                     let chan = Channel::from_owned_fd(fds.next().ok_or_else(|| Error::Protocol("no fd".into()))?);
                     let pidfd = fds.next().ok_or_else(|| Error::Protocol("no pidfd".into()))?;
-                    children.push(Vm { chan, process: Process::Forked(pidfd), pid: pids[0], stdio: None, jail: self.jail, rotate_stdio: false });
+                    children.push(Vm {
+                        chan,
+                        process: Process::Forked(pidfd),
+                        pid: pids[0],
+                        stdio: None,
+                        jail: self.jail,
+                        rotate_stdio: false,
+                        scratch: None,
+                        quota: self.quota,
+                        spares: 0,
+                    });
                 }
                 Ok((Response::Err(e), _)) => return Err(e.into()),
                 Ok((other, _)) => return Err(Error::Protocol(format!("expected Forked, got {other:?}"))),
@@ -343,9 +389,19 @@ impl Vm {
             }
         }
         for child in &mut children {
-            match child.recv(CONTROL_TIMEOUT)? {
-                Response::Ready { jail, .. } => child.jail = jail,
-                other => return Err(Error::Protocol(format!("expected Ready, got {other:?}"))),
+            match child.recv_with_fds(CONTROL_TIMEOUT)? {
+                (Response::Ready { jail, .. }, fds) => {
+                    child.jail = jail;
+                    child.scratch = fds.into_iter().next().map(Scratch);
+                }
+                (other, _) => return Err(Error::Protocol(format!("expected Ready, got {other:?}"))),
+            }
+            // A spare made before the quota changed: give it the quota asked for now.
+            if let (Some(s), Some(q)) = (&child.scratch, child.quota) {
+                let u = s.usage()?;
+                if (u.quota_bytes, u.quota_inodes) != (q.bytes, q.inodes) {
+                    s.resize(q)?;
+                }
             }
         }
         if self.stdio.is_some() {
@@ -376,8 +432,59 @@ impl Vm {
     /// Keep `n` pre-forked children of this paused VM ready, so a fork costs only the hand-over.
     /// Meant for template zygotes, which never run; anything that changes the guest discards them.
     pub fn set_spare_pool(&mut self, n: usize) -> Result<()> {
-        let n = u32::try_from(n).map_err(|_| Error::InvalidArgument(format!("spare pool of {n}")))?;
-        self.expect_ok(&Request::SparePool { n })
+        let n32 = u32::try_from(n).map_err(|_| Error::InvalidArgument(format!("spare pool of {n}")))?;
+        if n32 > crate::vmm::MAX_SPARES {
+            return Err(Error::InvalidArgument(format!("spare pool of {n}; at most {}", crate::vmm::MAX_SPARES)));
+        }
+        // Spares beyond those already given theirs get a tmpfs each (later forks bring one per
+        // child, which tops the spares up again).
+        let scratch = self.make_scratch(n.saturating_sub(self.spares))?;
+        let fds: Vec<RawFd> = scratch.iter().map(|s| s.0.as_raw_fd()).collect();
+        match self.call_with_fds(&Request::SparePool { n: n32 }, &fds, CONTROL_TIMEOUT)? {
+            Response::Ok => {
+                self.spares = self.spares.max(n);
+                Ok(())
+            }
+            other => Err(Error::Protocol(format!("expected Ok, got {other:?}"))),
+        }
+    }
+
+    /// `n` new tmpfs instances of this VM's children's quota (none if quotas are off).
+    fn make_scratch(&self, n: usize) -> Result<Vec<Scratch>> {
+        match self.quota {
+            Some(q) => (0..n).map(|_| Scratch::new(q)).collect(),
+            None => Ok(vec![]),
+        }
+    }
+
+    /// Set the disk quota of this sandbox's writable mounts (if it has a tmpfs of its own: a
+    /// quota below what it holds is refused) and of the children it forks from now on.
+    pub fn set_disk_quota(&mut self, q: DiskQuota) -> Result<()> {
+        if self.quota.is_none() {
+            return Err(Error::InvalidArgument(
+                "this host cannot give sandboxes a disk quota (making tmpfs instances needs CAP_SYS_ADMIN); \
+                 run as root, or leave the quota unset"
+                    .into(),
+            ));
+        }
+        if let Some(s) = &self.scratch {
+            s.resize(q)?;
+        } else {
+            crate::quota::Scratch::new(q)?; // the same checks as for a child
+        }
+        self.quota = Some(q);
+        Ok(())
+    }
+
+    /// What this sandbox's writable mounts hold, and their quota; `None` if it has no tmpfs of its
+    /// own (a template zygote, a booted or restored VM, or a host without quotas).
+    pub fn disk_usage(&self) -> Result<Option<DiskUsage>> {
+        self.scratch.as_ref().map(Scratch::usage).transpose()
+    }
+
+    /// The quota this VM's children get (`None`: no quotas on this host).
+    pub fn disk_quota(&self) -> Option<DiskQuota> {
+        self.quota
     }
 
     /// One child: see [`Vm::fork`].
@@ -510,10 +617,15 @@ impl Vm {
             }
             Process::Gone => return,
         }
+        // Our descriptor of its tmpfs was the last: its space goes back now.
+        self.scratch = None;
         // The sandbox's private writable directories (if it had any) go with it.
         let _ = std::fs::remove_dir_all(crate::guestos::persist::vm_dir(self.pid));
     }
 }
+
+/// Most descriptors one message carries with SCM_RIGHTS (the kernel's limit is 253).
+const MAX_FDS_PER_MESSAGE: usize = 250;
 
 /// Private_Clean + Private_Dirty of process `pid`, in bytes.
 fn private_bytes(pid: i32) -> Result<u64> {

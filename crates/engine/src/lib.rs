@@ -15,6 +15,7 @@ pub mod guestos;
 pub mod loader;
 pub mod persist;
 pub mod protocol;
+pub mod quota;
 pub mod vmm;
 pub mod vstate;
 

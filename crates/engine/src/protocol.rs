@@ -27,6 +27,10 @@ pub enum Request {
     SetStdio,
     /// Keep `n` pre-forked children ready so that `Fork` answers without creating a VM.
     SparePool { n: u32 },
+    /// The attached descriptors are detached tmpfs instances (`crate::quota`), one per child to
+    /// come: every fork and spare made from now on takes one for its writable mounts (its disk
+    /// quota), and none is made without. The controller sends as many as it will ask children for.
+    AddScratch,
     Reset,
     /// Queue `input` for the in-guest agent (its fd 3) and run until the agent waits for more (the
     /// run ends with `Yield { value: AGENT_IDLE_YIELD }`); the result carries what it wrote.

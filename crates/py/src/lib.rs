@@ -548,6 +548,41 @@ impl PyVm {
         Ok(out)
     }
 
+    /// Sets the disk quota of this sandbox's writable mounts together (its own tmpfs; refused
+    /// below what they hold) and of every child it forks from now on. `inodes`: files,
+    /// directories and symlinks (default 65536).
+    #[pyo3(signature = (bytes, inodes = None))]
+    fn set_disk_quota(&self, py: Python<'_>, bytes: u64, inodes: Option<u64>) -> PyResult<()> {
+        let q = collimate_engine::quota::DiskQuota {
+            bytes,
+            inodes: inodes.unwrap_or(collimate_engine::quota::DEFAULT_QUOTA.inodes),
+        };
+        self.with(py, "Vm.set_disk_quota", |vm| Ok(vm.set_disk_quota(q)?))
+    }
+
+    /// What this sandbox's writable mounts hold and their quota (`bytes`, `inodes`,
+    /// `quota_bytes`, `quota_inodes`), or None if it has no tmpfs of its own (a template zygote,
+    /// a booted or restored VM, or a host that cannot make one).
+    fn disk_usage<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let usage = self.with(py, "Vm.disk_usage", |vm| Ok(vm.disk_usage()?))?;
+        usage
+            .map(|u| {
+                let out = PyDict::new(py);
+                out.set_item("bytes", u.bytes)?;
+                out.set_item("inodes", u.inodes)?;
+                out.set_item("quota_bytes", u.quota_bytes)?;
+                out.set_item("quota_inodes", u.quota_inodes)?;
+                Ok(out)
+            })
+            .transpose()
+    }
+
+    /// The disk quota (bytes, inodes) this VM's children get, or None if this host gives none.
+    #[getter]
+    fn disk_quota(&self, py: Python<'_>) -> PyResult<Option<(u64, u64)>> {
+        self.with(py, "Vm.disk_quota", |vm| Ok(vm.disk_quota().map(|q| (q.bytes, q.inodes))))
+    }
+
     /// Which layers of its jail the VMM process runs in (see the engine's `vmm::jail`).
     fn jail<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let jail = self.with(py, "Vm.jail", |vm| Ok(vm.jail()))?;

@@ -21,6 +21,7 @@ pub mod mm;
 pub mod persist;
 pub mod sched;
 pub mod signal;
+pub mod tree;
 pub mod vfs;
 
 use std::collections::BTreeMap;

@@ -18,7 +18,10 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use std::os::fd::AsFd;
+
 use super::files::{Files, Kind, OpenFile};
+use super::tree;
 use super::misc::Proc;
 use super::mm::{MapFd, Mm, Vma};
 use super::vfs::Vfs;
@@ -75,49 +78,39 @@ pub fn vm_dir(pid: i32) -> PathBuf {
     runtime_dir().join(format!("vm-{pid}"))
 }
 
-/// Copy a directory tree: directories, regular files (contents and mode) and symlinks, with their
-/// owners (a guest that runs as a user owns what it made). Hard links become separate files.
-pub fn copy_tree(src: &Path, dst: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let meta = std::fs::symlink_metadata(src)?;
-    std::fs::create_dir_all(dst)?;
-    std::fs::set_permissions(dst, std::fs::Permissions::from_mode(meta.permissions().mode()))?;
-    keep_owner(&meta, dst)?;
-    for entry in std::fs::read_dir(src)? {
-        let entry = entry?;
-        let (from, to) = (entry.path(), dst.join(entry.file_name()));
-        let ft = entry.file_type()?;
-        if ft.is_dir() {
-            copy_tree(&from, &to)?;
-            continue;
-        } else if ft.is_symlink() {
-            std::os::unix::fs::symlink(std::fs::read_link(&from)?, &to)?;
-        } else if ft.is_file() {
-            std::fs::copy(&from, &to)?;
-        } else {
-            continue;
-        }
-        let m = entry.metadata()?;
-        if m.uid() != 0 || m.gid() != 0 {
-            keep_owner(&m, &to)?;
-        }
-    }
-    Ok(())
+/// Where a sandbox keeps its private copies of the writable mounts (`m0`, `m1`, ...): its own
+/// tmpfs (`crate::quota`: the disk quota), or, where the host cannot make one (no CAP_SYS_ADMIN) and
+/// for template zygotes, a directory under the runtime directory ([`vm_dir`]).
+#[derive(Clone, Debug)]
+pub enum ScratchRoot {
+    Dir(PathBuf),
+    Tmpfs(Arc<OwnedFd>),
 }
 
-/// Give `dst` the owner of `meta`'s file, unless both are already root's.
-fn keep_owner(meta: &std::fs::Metadata, dst: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    if meta.uid() == 0 && meta.gid() == 0 {
-        return Ok(());
+impl ScratchRoot {
+    /// The root, opened (a directory is created if missing).
+    pub fn open(&self) -> std::io::Result<OwnedFd> {
+        match self {
+            ScratchRoot::Dir(p) => tree::open_dir_path(p, true),
+            ScratchRoot::Tmpfs(fd) => fd.try_clone(),
+        }
     }
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dst.as_os_str().as_bytes()).map_err(|_| std::io::ErrorKind::InvalidInput)?;
-    // SAFETY: a valid C string; fchownat is the one chown syscall on the jail's allow-list.
-    if unsafe { libc::fchownat(libc::AT_FDCWD, c.as_ptr(), meta.uid(), meta.gid(), libc::AT_SYMLINK_NOFOLLOW) } != 0 {
-        return Err(std::io::Error::last_os_error());
+
+    /// What mount `i` is called in messages and in [`super::vfs::Mount::host`].
+    pub fn label(&self, i: usize) -> PathBuf {
+        match self {
+            ScratchRoot::Dir(p) => p.join(format!("m{i}")),
+            ScratchRoot::Tmpfs(_) => PathBuf::from(format!("<sandbox tmpfs>/m{i}")),
+        }
     }
-    Ok(())
+
+    /// A fresh, empty directory for mount `i` holding a copy of the tree `src`.
+    pub fn fill(&self, i: usize, src: std::os::fd::BorrowedFd<'_>) -> std::io::Result<OwnedFd> {
+        let root = self.open()?;
+        let dir = tree::fresh_dir(root.as_fd(), &format!("m{i}"))?;
+        tree::copy_tree_at(src, dir.as_fd())?;
+        Ok(dir)
+    }
 }
 
 fn lost(what: String) -> Error {
@@ -153,8 +146,9 @@ impl OsState {
         let writable: Vec<_> = os.vfs.mounts.iter().filter(|m| m.writable).collect();
         if let Some(dir) = fs_dir {
             let _ = std::fs::remove_dir_all(dir);
+            let dest = ScratchRoot::Dir(dir.to_path_buf());
             for (i, m) in writable.iter().enumerate() {
-                copy_tree(&m.host, &dir.join(format!("m{i}"))).map_err(Error::sys("copy a writable mount into the snapshot"))?;
+                dest.fill(i, m.dir.as_fd()).map_err(Error::sys("copy a writable mount into the snapshot"))?;
             }
         }
         Ok(OsState {
@@ -169,12 +163,12 @@ impl OsState {
         })
     }
 
-    /// A `GuestOs` in this state whose writable mounts are the host directories `mount_dirs`
-    /// (one per entry of `mounts`, already holding the right contents).
-    pub fn rebuild(&self, mount_dirs: &[PathBuf]) -> Result<GuestOs> {
+    /// A `GuestOs` in this state whose writable mounts are the directories `mount_dirs` (one per
+    /// entry of `mounts`, already holding the right contents; with their labels).
+    pub fn rebuild(&self, mount_dirs: Vec<(OwnedFd, PathBuf)>) -> Result<GuestOs> {
         let mut vfs = Vfs::new(&self.root).map_err(Error::sys("open the sandbox root"))?;
-        for (at, dir) in self.mounts.iter().zip(mount_dirs) {
-            vfs.mount(at, dir, true).map_err(Error::sys("open a sandbox mount"))?;
+        for (at, (dir, label)) in self.mounts.iter().zip(mount_dirs) {
+            vfs.mount_fd(at, dir, true, label).map_err(Error::sys("open a sandbox mount"))?;
         }
         for (at, dir) in &self.ro_mounts {
             vfs.mount(at, dir, false).map_err(Error::sys("open a sandbox mount"))?;
@@ -257,17 +251,18 @@ fn reopen(vfs: &Vfs, files: &[FileState], fds: &[(i32, u32, bool)]) -> Result<Fi
     Ok(table)
 }
 
-/// Give `os` private copies of its writable mounts under `dir` (a forked sandbox must not share
+/// Give `os` private copies of its writable mounts in `scratch` (a forked sandbox must not share
 /// files with its parent), and reopen the files it has open or mapped in them. Other open files
 /// (the root filesystem, pipes, engine files) stay shared, as after a Linux fork.
-pub fn privatize(os: &mut GuestOs, dir: &Path) -> Result<()> {
-    let writable: Vec<(String, PathBuf)> =
-        os.vfs.mounts.iter().filter(|m| m.writable).map(|m| (m.at.clone(), m.host.clone())).collect();
+pub fn privatize(os: &mut GuestOs, scratch: &ScratchRoot) -> Result<()> {
+    // The parent's mounts: guest path and directory (kept open until the files are repointed).
+    let mut writable: Vec<(String, OwnedFd)> = Vec::new();
+    for m in os.vfs.mounts.iter().filter(|m| m.writable) {
+        writable.push((m.at.clone(), m.dir.try_clone().map_err(Error::sys("dup a sandbox mount"))?));
+    }
     for (i, (at, src)) in writable.iter().enumerate() {
-        let d = dir.join(format!("m{i}"));
-        let _ = std::fs::remove_dir_all(&d);
-        copy_tree(src, &d).map_err(Error::sys("copy a writable mount for a forked sandbox"))?;
-        os.vfs.mount(at, &d, true).map_err(Error::sys("open a sandbox mount"))?;
+        let d = scratch.fill(i, src.as_fd()).map_err(Error::sys("copy a writable mount for a forked sandbox"))?;
+        os.vfs.mount_fd(at, d, true, scratch.label(i)).map_err(Error::sys("open a sandbox mount"))?;
     }
     let in_writable = |p: &str| writable.iter().any(|(at, _)| p == at || p.starts_with(&format!("{at}/")));
     let mut replaced: HashMap<*const OpenFile, Arc<OpenFile>> = HashMap::new();
@@ -301,7 +296,7 @@ pub fn privatize(os: &mut GuestOs, dir: &Path) -> Result<()> {
 /// made: the descriptors lazy mappings read their pages from and shared ones write back to. A
 /// forked sandbox then neither reads what its parent writes later nor writes into its parent's
 /// files.
-fn repoint_mappings(os: &mut GuestOs, writable: &[(String, PathBuf)]) {
+fn repoint_mappings(os: &mut GuestOs, writable: &[(String, OwnedFd)]) {
     // By the old descriptor (kept here, so that no other takes its address): its replacement.
     let mut reopened: HashMap<*const OwnedFd, (Arc<OwnedFd>, Option<Arc<OwnedFd>>)> = HashMap::new();
     for v in os.mm.vmas.values_mut() {
@@ -325,12 +320,10 @@ fn repoint_mappings(os: &mut GuestOs, writable: &[(String, PathBuf)]) {
 /// lies in a writable mount. It is found by the guest path it was mapped by, and only if the
 /// parent's mount still holds that very file there (same inode): one renamed or unlinked since
 /// mmap stays shared with the parent.
-fn private_copy(vfs: &Vfs, writable: &[(String, PathBuf)], v: &Vma, old: &OwnedFd) -> Option<OwnedFd> {
-    use std::os::unix::fs::MetadataExt;
+fn private_copy(vfs: &Vfs, writable: &[(String, OwnedFd)], v: &Vma, old: &OwnedFd) -> Option<OwnedFd> {
     let (at, src) = writable.iter().find(|(at, _)| v.name.starts_with(&format!("{at}/")))?;
     let id = v.file?;
-    let meta = std::fs::metadata(src.join(&v.name[at.len() + 1..])).ok()?;
-    if (meta.dev(), meta.ino()) != (id.dev, id.ino) {
+    if !tree::holds(src.as_fd(), &v.name[at.len() + 1..], (id.dev, id.ino)) {
         return None;
     }
     // SAFETY: F_GETFL on a descriptor we hold.

@@ -317,17 +317,29 @@ impl Vfs {
 
     /// Make host directory `host` appear at guest path `at`.
     pub fn mount(&mut self, at: &str, host: &Path, writable: bool) -> std::io::Result<()> {
-        let at = join("/", at.as_bytes()).map_err(|e| std::io::Error::from_raw_os_error(e.0))?;
         let dir = open_dir(host)?;
+        self.mount_fd(at, dir, writable, host.to_path_buf())
+    }
+
+    /// Make the directory `dir` (a descriptor: it may lie on a sandbox's detached tmpfs, which has
+    /// no path) appear at guest path `at`; `host` is what it is called in messages.
+    pub fn mount_fd(&mut self, at: &str, dir: OwnedFd, writable: bool, host: std::path::PathBuf) -> std::io::Result<()> {
+        let at = join("/", at.as_bytes()).map_err(|e| std::io::Error::from_raw_os_error(e.0))?;
         if let Some(m) = self.mounts.iter_mut().find(|m| m.at == at) {
             m.dir = dir;
             m.writable = writable;
-            m.host = host.to_path_buf();
+            m.host = host;
         } else {
-            self.mounts.push(Mount { at, dir, writable, host: host.to_path_buf() });
+            self.mounts.push(Mount { at, dir, writable, host });
         }
         self.mounts.sort_by_key(|m| std::cmp::Reverse(m.at.len()));
         Ok(())
+    }
+
+    /// Whether the normalised guest path `p` is in an engine-served tree (`/dev`, `/proc`) and not
+    /// on a mount inside one (a sandbox's `/dev/shm` is a writable mount).
+    pub fn is_virtual(&self, p: &str) -> bool {
+        is_virtual(p) && !self.mounts.iter().any(|m| m.at != "/" && (p == m.at || is_under(p, &m.at)))
     }
 
     /// Index of the mount holding the normalised guest path `abs`, and the path relative to it.
@@ -357,7 +369,7 @@ impl Vfs {
 
     /// Whether the mount holding the normalised guest path `abs` is writable.
     pub fn writable(&self, abs: &str) -> bool {
-        !is_virtual(abs) && self.locate_idx(abs).is_some_and(|(i, _)| self.mounts[i].writable)
+        !self.is_virtual(abs) && self.locate_idx(abs).is_some_and(|(i, _)| self.mounts[i].writable)
     }
 
     fn mount_cursor(&self, i: usize) -> Cursor<'_> {
@@ -373,7 +385,7 @@ impl Vfs {
     /// A cursor on a normalised guest path that holds no symlink (walk results, the cwd). ELOOP if
     /// it holds one after all.
     fn open_canonical(&self, abs: &str) -> Result<Cursor<'_>, Errno> {
-        if is_virtual(abs) {
+        if self.is_virtual(abs) {
             return Ok(Cursor { path: abs.to_string(), host: None });
         }
         let (i, rel) = self.locate_idx(abs).ok_or(ENOENT)?;
@@ -413,7 +425,7 @@ impl Vfs {
                 0 => "/".to_string(),
                 n => format!("/{}", comps.iter().take(n - 1).map(String::as_str).collect::<Vec<_>>().join("/")),
             };
-            if !is_virtual(&dir_abs) {
+            if !self.is_virtual(&dir_abs) {
                 match self.open_canonical(&dir_abs) {
                     Ok(cur) => {
                         let last: VecDeque<String> = comps.pop_back().into_iter().collect();
@@ -477,8 +489,13 @@ impl Vfs {
             }
             let follow = !last || mode == Lookup::Follow;
             let path = child(&cur.path, &c);
+            // A mount point, also one inside an engine-served tree (a sandbox's `/dev/shm`).
+            if let Some(i) = self.mounts.iter().position(|m| m.at == path) {
+                cur = self.mount_cursor(i);
+                continue;
+            }
             // The engine-served trees: named lexically, with their own symlinks.
-            if cur.host.is_none() || is_virtual(&path) {
+            if cur.host.is_none() || self.is_virtual(&path) {
                 if follow {
                     if let Some(t) = virtual_link(&path, cwd, exe) {
                         if t.starts_with('/') {
@@ -491,10 +508,6 @@ impl Vfs {
                     return Ok(Resolved { path, target: Target::Virtual });
                 }
                 cur = Cursor { path, host: None };
-                continue;
-            }
-            if let Some(i) = self.mounts.iter().position(|m| m.at == path) {
-                cur = self.mount_cursor(i);
                 continue;
             }
             let Some((dir, mount)) = cur.host.as_ref() else {

@@ -20,6 +20,7 @@ use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use serde::{Deserialize, Serialize};
 
 use crate::arch::x86_64::layout::*;
+use crate::guestos::persist::ScratchRoot;
 use crate::guestos::{self, GuestOs};
 use crate::protocol::SpawnSpec;
 use crate::arch::x86_64::paging::{setup_address_space, AddressSpace, FrameAllocator};
@@ -69,6 +70,13 @@ pub struct Machine {
     os: Option<GuestOs>,
     /// The pages forks of this VM copy before they run, and this fork's report (`prefault`).
     learn: prefault::Learner,
+    /// Where this sandbox's private copies of its writable mounts live: its own tmpfs (the disk
+    /// quota, see `crate::quota`) or a directory under the runtime directory.
+    scratch: ScratchRoot,
+    /// Tmpfs instances from the controller (`Request::AddScratch`) for the next children: each new
+    /// sandbox (a fork or a spare) takes one. Once any has come, children are never made without.
+    scratch_stock: Vec<OwnedFd>,
+    quota_mode: bool,
 }
 
 fn open_kvm() -> Result<Kvm> {
@@ -143,6 +151,9 @@ impl Machine {
             os: None,
             os_reset_point: None,
             learn: prefault::Learner::default(),
+            scratch: own_dir(),
+            scratch_stock: Vec::new(),
+            quota_mode: false,
         })
     }
 
@@ -204,11 +215,10 @@ impl Machine {
         let vcpu = new_vcpu(&vm, &cpuid)?;
         state.vcpu.restore(&vcpu)?;
         let msr_list = supported_msrs(&vcpu, regs::SNAPSHOT_MSRS);
+        let scratch = own_dir();
         let (os, os_reset_point) = match state.os {
             Some(os_state) => {
-                // SAFETY: getpid cannot fail.
-                let pid = unsafe { libc::getpid() };
-                let os = restore_os(&os_state, dir, &crate::guestos::persist::vm_dir(pid))?;
+                let os = restore_os(&os_state, dir, &scratch)?;
                 (Some(os), Some((os_state, dir.to_path_buf())))
             }
             None => (None, None),
@@ -227,6 +237,9 @@ impl Machine {
             os,
             os_reset_point,
             learn: prefault::Learner::default(),
+            scratch,
+            scratch_stock: Vec::new(),
+            quota_mode: false,
         })
     }
 
@@ -507,10 +520,11 @@ impl Machine {
         self.runtime = runtime;
         self.exited = None;
         if let (Some((os_state, snap)), Some(os)) = (&self.os_reset_point, self.os.as_mut()) {
-            // SAFETY: getpid cannot fail.
-            let pid = unsafe { libc::getpid() };
             let stdio = os.stdio.take();
-            let mut fresh = restore_os(os_state, snap, &crate::guestos::persist::vm_dir(pid))?;
+            // The old files go first: on the sandbox's tmpfs, what it wrote is freed at once.
+            os.files = Default::default();
+            os.mm = Default::default();
+            let mut fresh = restore_os(os_state, snap, &self.scratch)?;
             fresh.stdio = stdio;
             *os = fresh;
             // Guest pids start over where the template's did.
@@ -567,22 +581,36 @@ impl Machine {
 }
 
 /// Rebuild a Linux guest's OS state from a snapshot in `dir`, with private copies of its writable
-/// mounts (from `dir/fs/m<i>`) under `vm_dir`.
-fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, vm_dir: &Path) -> Result<GuestOs> {
+/// mounts (from `dir/fs/m<i>`) in `scratch`.
+fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, scratch: &ScratchRoot) -> Result<GuestOs> {
     let mut dirs = Vec::new();
     for i in 0..state.mounts.len() {
-        let (src, dst) = (dir.join("fs").join(format!("m{i}")), vm_dir.join(format!("m{i}")));
-        let _ = std::fs::remove_dir_all(&dst);
-        crate::guestos::persist::copy_tree(&src, &dst).map_err(|e| Error::SnapshotCorrupt {
-            path: src.display().to_string(),
-            reason: format!("cannot copy the writable mount: {e}"),
+        let src = dir.join("fs").join(format!("m{i}"));
+        let copied = crate::guestos::tree::open_dir_path(&src, false).and_then(|from| {
+            use std::os::fd::AsFd;
+            scratch.fill(i, from.as_fd())
+        });
+        let d = copied.map_err(|e| {
+            if e.raw_os_error() == Some(libc::ENOSPC) {
+                Error::InvalidArgument(format!(
+                    "the template's writable mounts do not fit in the sandbox's disk quota ({e}); give a larger quota"
+                ))
+            } else {
+                Error::SnapshotCorrupt { path: src.display().to_string(), reason: format!("cannot copy the writable mount: {e}") }
+            }
         })?;
-        dirs.push(dst);
+        dirs.push((d, scratch.label(i)));
     }
     // Every restore and reset is a new clone of the snapshot: an unseeded CRNG gets fresh entropy.
-    let mut os = state.rebuild(&dirs)?;
+    let mut os = state.rebuild(dirs)?;
     guestos::misc::diverge(&mut os);
     Ok(os)
+}
+
+/// This process's own directory under the runtime directory.
+fn own_dir() -> ScratchRoot {
+    // SAFETY: getpid cannot fail.
+    ScratchRoot::Dir(crate::guestos::persist::vm_dir(unsafe { libc::getpid() }))
 }
 
 fn pidfd_open(pid: i32) -> Result<OwnedFd> {
@@ -665,6 +693,10 @@ pub const MAX_SPARES: u32 = 16;
 
 /// Fork one child in `state`. The child never returns from here: it serves its own channel.
 fn spawn_child(m: &mut Machine, state: &VcpuState, chan: &Channel, pool: &mut Pool) -> Result<Spare> {
+    let scratch = m.scratch_stock.pop();
+    if scratch.is_none() && m.quota_mode {
+        return Err(Error::Protocol("no tmpfs for the child's disk quota (send AddScratch before Fork)".into()));
+    }
     let (ours, theirs) = Channel::pair()?;
     // SAFETY: this process is single-threaded, so the child may do anything after fork.
     let pid = unsafe { libc::fork() };
@@ -682,9 +714,10 @@ fn spawn_child(m: &mut Machine, state: &VcpuState, chan: &Channel, pool: &mut Po
             drop(spare); // closes our copies only; the siblings stay alive
         }
         pool.target = 0;
-        child_main(m, state, theirs);
+        child_main(m, state, theirs, scratch);
     }
     drop(theirs);
+    drop(scratch); // the child's now
     let pidfd = pidfd_open(pid)?;
     Ok(Spare { pid, pidfd, chan: ours.into_owned_fd() })
 }
@@ -728,6 +761,9 @@ fn refill(m: &mut Machine, chan: &Channel, pool: &mut Pool) -> bool {
     // Build spares at idle priority: they must not slow down the clones that are running now (on a
     // small host the refill would otherwise take a core from them). A spare goes back to normal
     // priority when it is handed a request (see `serve`).
+    if m.quota_mode && m.scratch_stock.is_empty() {
+        return false; // the next Fork brings the tmpfs for the next spare
+    }
     set_idle_priority(true);
     m.learn.before_forks();
     let made = m.sync_dirty().and_then(|_| m.capture()).and_then(|st| spawn_child(m, &st, chan, pool));
@@ -746,15 +782,25 @@ fn set_idle_priority(idle: bool) {
     unsafe { libc::sched_setscheduler(0, policy, &param) };
 }
 
-fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel) -> ! {
-    // SAFETY: getpid cannot fail.
-    let pid = unsafe { libc::getpid() };
+fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Option<OwnedFd>) -> ! {
+    // The siblings' tmpfs instances are not ours to hold (they would stay allocated while we live).
+    m.scratch_stock.clear();
+    let scratch = scratch.map(std::sync::Arc::new);
+    m.scratch = match &scratch {
+        Some(fd) => ScratchRoot::Tmpfs(fd.clone()),
+        None => own_dir(),
+    };
     // A forked sandbox gets its own copy of the writable mounts, and unless its CRNG was seeded,
     // fresh entropy: unseeded clones never share randomness.
     let privatized = match m.os.as_mut() {
         Some(os) => {
             guestos::misc::diverge(os);
-            crate::guestos::persist::privatize(os, &crate::guestos::persist::vm_dir(pid))
+            crate::guestos::persist::privatize(os, &m.scratch).map_err(|e| match e {
+                Error::Sys { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => Error::InvalidArgument(format!(
+                    "the parent's writable mounts do not fit in the child's disk quota ({source}); give the child a larger quota"
+                )),
+                e => e,
+            })
         }
         None => Ok(()),
     };
@@ -764,7 +810,11 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel) -> ! {
             // SAFETY: getpid cannot fail.
             let pid = unsafe { libc::getpid() };
             let linux = m.is_linux();
-            reply(&mut chan, Ok(Response::Ready { pid, linux, jail: jail::status() }));
+            // The controller keeps a descriptor of our tmpfs: it reads the usage and sets the quota.
+            let fds: Vec<RawFd> = scratch.iter().map(|fd| fd.as_raw_fd()).collect();
+            if chan.send(&Response::Ready { pid, linux, jail: jail::status() }, &fds).is_err() {
+                exit_discarding(0);
+            }
         }
         Err(e) => {
             reply(&mut chan, Err(e));
@@ -800,11 +850,21 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
         let resp = match req {
             Request::Run { timeout } => m.run(timeout).map(Response::Run),
             Request::Snapshot { dir } => jail::in_snapshot_dest(&dir, fds, |d| m.snapshot(d)).map(|_| Response::Ok),
-            Request::Fork { n } => match fork_children(m, &mut chan, &mut pool, n) {
+            Request::Fork { n } => match {
+                if !fds.is_empty() {
+                    m.quota_mode = true;
+                    m.scratch_stock.extend(fds);
+                }
+                fork_children(m, &mut chan, &mut pool, n)
+            } {
                 Ok(()) => continue,
                 Err(e) => Err(e),
             },
             Request::SparePool { n } => {
+                if !fds.is_empty() {
+                    m.quota_mode = true;
+                    m.scratch_stock.extend(fds);
+                }
                 if n > MAX_SPARES {
                     Err(Error::InvalidArgument(format!("spare pool of {n}; at most {MAX_SPARES}")))
                 } else {
@@ -816,6 +876,11 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                     }
                     Ok(Response::Ok)
                 }
+            }
+            Request::AddScratch => {
+                m.quota_mode = true;
+                m.scratch_stock.extend(fds);
+                Ok(Response::Ok)
             }
             Request::SetStdio => match m.os.as_mut() {
                 Some(os) => os.set_stdio(fds).map(|_| Response::Ok),

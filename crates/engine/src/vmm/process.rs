@@ -375,6 +375,8 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
     // returns from `child_main`.
     let rc = unsafe { libc::syscall(libc::SYS_clone, 0 as libc::c_ulong, 0usize, 0usize, 0usize, 0usize) };
     if rc == 0 {
+        // Tmpfs instances kept for the controller's children to come are not a guest child's.
+        m.scratch_stock.clear();
         child_main(m, state, c, pid, parent_pid, parent_host, generation);
     }
     host::block(false);

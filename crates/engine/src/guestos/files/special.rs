@@ -146,6 +146,11 @@ pub fn list(os: &GuestOs, path: &str) -> Option<Vec<(String, u8)>> {
         _ => return None,
     };
     v.extend(fixed.iter().filter(|(n, _)| !(path == "/proc/self" && *n == "exe" && exe(os).is_none())).map(|(n, t)| (n.to_string(), *t)));
+    // Mounts inside the tree (a sandbox's /dev/shm) are its entries too.
+    let prefix = format!("{path}/");
+    v.extend(
+        os.vfs.mounts.iter().filter_map(|m| m.at.strip_prefix(&prefix)).filter(|n| !n.contains('/')).map(|n| (n.to_string(), DT_DIR)),
+    );
     Some(v)
 }
 
