@@ -258,7 +258,7 @@ def load_template(name: str, cache: Path) -> ImageBaked | None:
         )
     hold = _hold(vdir)
     return ImageBaked(name, vdir / "snapshot", root, True, seed_ack=bool(meta.get("handshake")), version=n,
-                      meta=meta, hold=hold)
+                      meta=meta, hold=hold, disk_quota=meta.get("disk_quota"))
 
 
 def _status_from_meta(meta: dict, log: str = "") -> TemplateStatus:
@@ -411,6 +411,7 @@ class _Spec:
     width: int
     cache: Path
     store: Path
+    disk_quota: int | None = None
 
 
 class _Build:
@@ -541,8 +542,9 @@ class _Build:
             # The writable mounts, seeded with what the image has there.
             workdirs = Path(tempfile.mkdtemp(prefix="collimate-bake-"))
             mounts = {}
-            for guest, mode in (("/work", 0o755), ("/tmp", 0o1777)):
-                host = workdirs / guest.strip("/")
+            # /dev/shm too: POSIX semaphores and shared memory (multiprocessing.Lock) need it.
+            for guest, mode in (("/work", 0o755), ("/tmp", 0o1777), ("/dev/shm", 0o1777)):
+                host = workdirs / guest.strip("/").replace("/", "-")
                 src = tree.resolve(guest)
                 if src and os.path.isdir(src) and os.listdir(src):
                     _copy_owned(src, host)
@@ -614,6 +616,7 @@ class _Build:
                 "source": str(getattr(img, "source", "")),
                 "image_format": getattr(img, "format", ""),
                 "handshake": kind == "python",  # the agent acks reseeds (seed_ack "verified")
+                "disk_quota": spec.disk_quota,  # its sandboxes' quota (None: the client's)
             }
             _write_json(self.vtmp / "template.json", meta)
             (self.vtmp / "building.json").unlink(missing_ok=True)
@@ -627,7 +630,7 @@ class _Build:
                 old_index = _read_json(self.tdir / "index.json")
                 try:
                     baked = ImageBaked(spec.name, vdir / "snapshot", root, True, seed_ack=kind == "python",
-                                       version=n, meta=meta, hold=_hold(vdir))
+                                       disk_quota=spec.disk_quota, version=n, meta=meta, hold=_hold(vdir))
                     _write_json(self.tdir / "index.json", {"name": spec.name, "current": n})
                     if self.on_commit is not None:
                         self.on_commit(baked)
@@ -761,6 +764,7 @@ class Template:
         *,
         store: str | os.PathLike | None = None,
         cache: str | os.PathLike | None = None,
+        disk_quota: int | str | None = None,
     ) -> TemplateHandle:
         """Bake `image` into template `name` in the background; returns at once.
 
@@ -770,19 +774,29 @@ class Template:
         `ready`: what to run before the checkpoint (Ready(cmd=...) and/or Ready(code=...)).
         `width`: how wide you expect to fork (a hint: recorded, and the zygote keeps that many
         clones ready, up to the engine's pool limit, while the template is registered).
+        `disk_quota`: bytes (or "512M", "2G") for /tmp, /work and /dev/shm together in each of the
+        template's sandboxes (default: the client's, 1 GiB).
         """
+        from collimate_core import _quota
+
+        quota = _quota.disk_quota(disk_quota) if disk_quota is not None else None
         if client is None:
             from collimate_core._client import connect
 
             client = connect()
         if getattr(client, "_remote_templates", None) is not None:  # a RemoteClient: over HTTP (_remote.py)
+            if disk_quota is not None:
+                raise InvalidArgument(
+                    "Template.bake(disk_quota=...) is for the embedded engine; over HTTP the server's --disk-quota "
+                    "applies, and each sandbox may ask for less (Sandbox(..., disk_quota=...))"
+                )
             return client._remote_templates.bake(name, image, ready, width, store=store, cache=cache)
         if not hasattr(client, "register_template"):
             raise InvalidArgument("Template.bake needs the embedded engine (connect() without an API key)")
         _check_name(name)
         ready = check_bake_args(image, ready, width)
         c = _cache(client, cache)
-        spec = _Spec(name, image, ready, width, c, Path(store) if store else _oci.default_store(c))
+        spec = _Spec(name, image, ready, width, c, Path(store) if store else _oci.default_store(c), quota)
         def register(baked: ImageBaked) -> None:
             client.register_template(name, baked)
             if width > 1 and hasattr(client, "expect_width"):

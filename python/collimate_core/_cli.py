@@ -35,6 +35,13 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    "or ~/.cache/collimate); the key store keeps its own default")
     s.add_argument("--key-store", type=Path, default=None, help="the key store (default: COLLIMATE_KEY_STORE or <cache>/keys.json)")
     s.add_argument("--preload", default="python", help="comma-separated templates to start at launch ('' for none)")
+    s.add_argument("--disk-quota", default=None, metavar="SIZE",
+                   help="each sandbox's /tmp, /work and /dev/shm together, e.g. 512M (default: COLLIMATE_DISK_QUOTA "
+                   "or 1G); also the most a request may ask for")
+    s.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="admit sandboxes while guest memory (1 GiB each) plus disk quota of all live ones stays "
+                   "within SIZE, e.g. 200G; beyond it a create waits, then gets 429 (default: COLLIMATE_MEMORY_BUDGET "
+                   "or no budget)")
 
     k = sub.add_parser("keys", help="manage API keys: create, list, revoke")
     k.add_argument("--key-store", type=Path, default=None, help="the key store (default: COLLIMATE_KEY_STORE or <cache>/keys.json)")
@@ -56,8 +63,17 @@ def run(args: argparse.Namespace) -> bool:
     if args.cmd == "serve":
         from collimate_core._server import ServerConfig, serve
 
+        from collimate_core import _quota
+        from collimate_core._errors import InvalidArgument
+
         if args.image_quota < 0:
             sys.exit(f"collimate serve: --image-quota is a number of bytes >= 0 (0: no quota), not {args.image_quota}")
+        try:
+            disk_quota = _quota.disk_quota(args.disk_quota) if args.disk_quota else _quota.default_disk_quota()
+            memory_budget = (_quota.parse_size(args.memory_budget, "--memory-budget") if args.memory_budget
+                             else _quota.default_memory_budget())
+        except InvalidArgument as e:
+            sys.exit(f"collimate serve: {e}")
 
         serve(ServerConfig(
             host=args.host, port=args.port, max_sandboxes=args.max_sandboxes, queue=args.queue,
@@ -65,6 +81,7 @@ def run(args: argparse.Namespace) -> bool:
             max_upload=args.max_upload, max_image_upload=args.max_image_upload, max_bakes=args.max_bakes,
             image_quota=args.image_quota, cache=args.cache, key_store=args.key_store,
             preload=tuple(t for t in args.preload.split(",") if t),
+            disk_quota=disk_quota, memory_budget=memory_budget,
         ))
     elif args.cmd == "keys":
         _keys(args)

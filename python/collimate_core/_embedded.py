@@ -25,6 +25,7 @@ from collimate_core._errors import (
     NotFoundError,
     SandboxDied,
 )
+from collimate_core import _quota
 from collimate_core._results import ExecResult
 from collimate_core._seeds import crng_stream, fresh_seed, parse_seed
 from collimate_core._templates import frame as _frame
@@ -88,10 +89,14 @@ class _Template:
     tables and host mappings are warm, so its first exec is about twice as fast as a new clone's.
     """
 
-    def __init__(self, baked: Baked):
+    def __init__(self, baked: Baked, disk_quota: int):
         self.baked = baked
         self.lock = threading.Lock()
         self.zygote = Vm.restore(baked.path)
+        # The quota of this template's sandboxes: the template's own, else the client's.
+        self.disk_quota = getattr(baked, "disk_quota", None) or disk_quota
+        if self.zygote.disk_quota is not None:
+            self.zygote.set_disk_quota(self.disk_quota, _quota.inodes_for(self.disk_quota))
         self.spares = 0
         self.recycled: list[Vm] = []
         self.set_spares(DEFAULT_SPARES)
@@ -145,15 +150,33 @@ class _Box:
     # The _Template (version) this sandbox was made from: a re-baked name gets a new one, and a
     # sandbox of the old version must not be reset into the new version's pool.
     origin: Any = None
+    # Its disk quota, and what admission charged for it (guest memory + disk quota).
+    disk_quota: int = 0
+    charge: int = 0
 
 
 class EmbeddedClient:
     """Runs sandboxes on this host through the embedded engine. Thread-safe."""
 
-    def __init__(self, *, cache: str | Path | None = None, max_sandboxes: int = 512, capacity_timeout: float = 60.0):
+    def __init__(
+        self,
+        *,
+        cache: str | Path | None = None,
+        max_sandboxes: int = 512,
+        capacity_timeout: float = 60.0,
+        disk_quota: int | str | None = None,
+        memory_budget: int | str | None = None,
+    ):
         self.cache = Path(cache) if cache else None
         self.max_sandboxes = max_sandboxes
         self.capacity_timeout = capacity_timeout
+        # Every sandbox's writable mounts share one quota (see _quota); the budget is admission by
+        # worst case (guest memory + disk quota of every live sandbox), off unless set.
+        self.disk_quota = _quota.disk_quota(disk_quota) if disk_quota is not None else _quota.default_disk_quota()
+        self.memory_budget = (
+            _quota.parse_size(memory_budget, "memory_budget") if memory_budget is not None else _quota.default_memory_budget()
+        )
+        self._charged = 0  # bytes of the budget held by live and admitted sandboxes
         self._templates: dict[str, _Template] = {}
         self._boxes: dict[str, _Box] = {}
         self._lock = threading.RLock()
@@ -177,13 +200,13 @@ class EmbeddedClient:
         baked = bake_catalog(name, self.cache)
         with self._lock:
             if name not in self._templates:
-                self._templates[name] = _Template(baked)
+                self._templates[name] = _Template(baked, self.disk_quota)
             return self._templates[name]
 
     def register_template(self, name: str, baked: Baked) -> None:
         with self._lock:
             old = self._templates.pop(name, None)
-            self._templates[name] = _Template(baked)
+            self._templates[name] = _Template(baked, self.disk_quota)
         if old is not None:
             old.drain()
             old.zygote.destroy()
@@ -214,30 +237,52 @@ class EmbeddedClient:
 
     # --- sandboxes ---------------------------------------------------------------------------
 
-    def _admit(self, n: int) -> None:
-        """Reserve `n` sandbox slots under max_sandboxes, waiting up to capacity_timeout for room.
-        A reservation is held until the sandboxes are registered (or `_unreserve`d on failure),
-        so concurrent callers can never overshoot the limit between admission and registration."""
+    def _admit(self, n: int, disk_quota: int) -> int:
+        """Reserve `n` sandbox slots under max_sandboxes, and their charge (guest memory + disk
+        quota each) under memory_budget, waiting up to capacity_timeout for room; returns the
+        charge of one. A reservation is held until the sandboxes are registered (or
+        `_unreserve`d on failure), so concurrent callers can never overshoot a limit between
+        admission and registration."""
+        charge = _quota.GUEST_MEMORY + disk_quota
         if n > self.max_sandboxes:
             raise CapacityError(
                 f"a fork group of {n} can never fit under max_sandboxes={self.max_sandboxes}; "
                 f"raise the limit or use a narrower group"
             )
+        budget = self.memory_budget
+        if budget is not None and n * charge > budget:
+            raise CapacityError(
+                f"{n} sandbox(es) of {charge >> 20} MiB each (guest memory + disk quota) can never fit in "
+                f"memory_budget={budget >> 20} MiB; raise the budget, give smaller disk quotas or use a narrower group"
+            )
         deadline = time.monotonic() + self.capacity_timeout
         with self._slots:
-            while len(self._boxes) + self._reserved + n > self.max_sandboxes:
+            while True:
+                over_count = len(self._boxes) + self._reserved + n > self.max_sandboxes
+                over_budget = budget is not None and self._charged + n * charge > budget
+                if not (over_count or over_budget):
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if over_count:
+                        raise CapacityError(
+                            f"max_sandboxes={self.max_sandboxes} live sandboxes reached "
+                            f"(waited {self.capacity_timeout:g}s for room for {n}); destroy some or raise the limit"
+                        )
                     raise CapacityError(
-                        f"max_sandboxes={self.max_sandboxes} live sandboxes reached "
-                        f"(waited {self.capacity_timeout:g}s for room for {n}); destroy some or raise the limit"
+                        f"memory_budget={budget >> 20} MiB reached: {self._charged >> 20} MiB held by live sandboxes, "
+                        f"{n} more need {n * charge >> 20} MiB (guest memory + disk quota; waited "
+                        f"{self.capacity_timeout:g}s); destroy some, raise the budget or give smaller disk quotas"
                     )
                 self._slots.wait(left)
             self._reserved += n
+            self._charged += n * charge
+        return charge
 
-    def _unreserve(self, n: int) -> None:
+    def _unreserve(self, n: int, charge: int = 0) -> None:
         with self._slots:
             self._reserved -= n
+            self._charged -= n * charge
             self._slots.notify_all()
 
     def _register(self, box: _Box) -> _Box:
@@ -247,22 +292,34 @@ class EmbeddedClient:
             self._boxes[box.id] = box
         return box
 
-    def create(self, template: str) -> _Box:
+    def create(self, template: str, disk_quota: int | str | None = None) -> _Box:
+        quota = _quota.disk_quota(disk_quota) if disk_quota is not None else None
         t = self._template(template)
-        self._admit(1)
+        quota = quota or t.disk_quota
+        charge = self._admit(1, quota)
         try:
             vm = t.take_recycled()
             warm = vm is not None
             if vm is None:
                 vm, warm = t.clone()
+            # Its own quota (or back to the template's, for a recycled one that had another).
+            if vm.disk_quota is not None and vm.disk_quota[0] != quota:
+                try:
+                    vm.set_disk_quota(quota, _quota.inodes_for(quota))
+                except BaseException:
+                    vm.destroy()
+                    raise
         except BaseException as e:
-            self._unreserve(1)
+            self._unreserve(1, charge)
             if isinstance(e, _CoreEngineError):
+                if "invalid argument" in str(e):
+                    raise InvalidArgument(f"disk_quota for a sandbox of {template!r}: {e}") from e
                 raise _engine_error(e, f"forking a sandbox of {template!r}") from e
             raise
         with self._lock:
             self._events.append((time.time(), "sandbox", 1))
-        return self._register(_Box("sbx_" + secrets.token_hex(8), template, vm, time.time(), warm, origin=t))
+        box = _Box("sbx_" + secrets.token_hex(8), template, vm, time.time(), warm, origin=t, disk_quota=quota, charge=charge)
+        return self._register(box)
 
     def get(self, sandbox_id: str) -> _Box:
         with self._lock:
@@ -278,6 +335,7 @@ class EmbeddedClient:
             box.closed = True
             with self._slots:
                 self._boxes.pop(box.id, None)
+                self._charged -= box.charge
                 self._closed_seconds.append((box.created, time.time()))
             with self._lock:
                 t = self._templates.get(box.template)
@@ -307,14 +365,15 @@ class EmbeddedClient:
     def fork(self, box: _Box, n: int) -> list[_Box]:
         if not isinstance(n, int) or n < 1:
             raise InvalidArgument(f"a fork group needs width >= 1, not {n!r}")
-        self._admit(n)
+        # Children get their parent's quota (and start with its files).
+        charge = self._admit(n, box.disk_quota or self.disk_quota)
         try:
             with box.lock:
                 if not box.agent_alive:
                     self.reset(box)  # as exec does: the last program ended the agent, start from the template
                 vms = box.vm.fork(n)
         except BaseException as e:
-            self._unreserve(n)
+            self._unreserve(n, charge)
             if isinstance(e, _CoreEngineError):
                 raise _engine_error(e, f"forking sandbox {box.id}") from e
             raise
@@ -322,7 +381,10 @@ class EmbeddedClient:
             self._events.append((time.time(), "fork", n))
         now = time.time()
         return [
-            self._register(_Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin))
+            self._register(
+                _Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin,
+                     disk_quota=box.disk_quota, charge=charge)
+            )
             for vm in vms
         ]
 
@@ -430,6 +492,15 @@ class EmbeddedClient:
         with self._lock:
             self._events.append((time.time(), "bytes_in", len(data)))
 
+    def disk_usage(self, box: _Box) -> dict | None:
+        """What the sandbox's writable mounts hold and their quota (bytes, inodes, quota_bytes,
+        quota_inodes); None on a host that cannot give quotas (no CAP_SYS_ADMIN)."""
+        with box.lock:
+            try:
+                return box.vm.disk_usage()
+            except _CoreEngineError as e:
+                raise _engine_error(e, f"disk usage of sandbox {box.id}") from e
+
     def download(self, box: _Box, path: str) -> bytes:
         with box.lock:
             try:
@@ -481,10 +552,10 @@ class EmbeddedClient:
 
     # --- the SDK surface on the client -------------------------------------------------------
 
-    def session(self, handle: Any = "python"):
+    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None):
         from collimate_core._session import Session
 
-        return Session(_template_name(handle), client=self)
+        return Session(_template_name(handle), client=self, disk_quota=disk_quota)
 
     def env(self, ref: Any, width: int = 1):
         from collimate_core._session import Env

@@ -173,11 +173,20 @@ class RemoteClient:
 
     # --- the client surface (as EmbeddedClient) ----------------------------------------------
 
-    def create(self, template: str) -> RemoteSandbox:
+    def create(self, template: str, disk_quota: int | str | None = None) -> RemoteSandbox:
         if not isinstance(template, str) or not template:
             raise InvalidArgument(f"template must be a template name such as 'python', not {template!r}")
+        body: dict[str, Any] = {"template": template}
+        if disk_quota is not None:
+            from collimate_core._quota import disk_quota as _check_quota
+
+            body["disk_quota"] = _check_quota(disk_quota)
         # The server may queue the request until capacity frees up (its queue_timeout).
-        return self._box(self._json("POST", "/v1/sandboxes", json={"template": template}, timeout=max(self._timeout, 330.0)))
+        return self._box(self._json("POST", "/v1/sandboxes", json=body, timeout=max(self._timeout, 330.0)))
+
+    def disk_usage(self, box: RemoteSandbox) -> dict | None:
+        """What the sandbox's writable mounts hold and their quota (from GET /v1/sandboxes/{id})."""
+        return self._json("GET", f"/v1/sandboxes/{_q(box.id)}").get("disk")
 
     def get(self, sandbox_id: str) -> RemoteSandbox:
         if not isinstance(sandbox_id, str) or not sandbox_id:
@@ -288,11 +297,11 @@ class RemoteClient:
             raise NotFoundError(f"no image {name!r}")
         self._request("DELETE", f"/v1/images/{_q(name)}", params={"digest": digest} if digest else None)
 
-    def session(self, handle: Any = "python"):
+    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None):
         from collimate_core._embedded import _template_name
         from collimate_core._session import Session
 
-        return Session(_template_name(handle), client=self)
+        return Session(_template_name(handle), client=self, disk_quota=disk_quota)
 
     def env(self, ref: Any, width: int = 1):
         from collimate_core._embedded import _template_name

@@ -112,6 +112,10 @@ class ServerConfig:
     key_store: Path | None = None
     cache: Path | None = None
     preload: tuple[str, ...] = ("python",)
+    # Each sandbox's writable mounts together (the default and the most a request may ask for), and
+    # the host budget (guest memory + disk quota of every live sandbox; None: no budget). See _quota.
+    disk_quota: int = 1 << 30
+    memory_budget: int | None = None
 
 
 class ApiError(StarletteHTTPException):
@@ -473,6 +477,17 @@ class ExpectRequest(BaseModel):
 class CreateSandbox(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     template: str = Field("python", min_length=1, max_length=128)
+    disk_quota: int | None = Field(
+        None, ge=1 << 20, description="bytes for /tmp, /work and /dev/shm together (default: the template's, "
+        "else the server's --disk-quota, which is also the most a request may ask for)",
+    )
+
+
+class DiskUsage(BaseModel):
+    bytes: int = Field(description="what /tmp, /work and /dev/shm hold together")
+    inodes: int
+    quota_bytes: int = Field(description="past it the guest gets ENOSPC")
+    quota_inodes: int
 
 
 class SandboxInfo(BaseModel):
@@ -483,6 +498,7 @@ class SandboxInfo(BaseModel):
     created: float = Field(description="Unix time")
     idle_seconds: float
     idle_timeout_seconds: float = Field(description="an untouched sandbox is destroyed after this long")
+    disk: DiskUsage | None = Field(None, description="the writable mounts' usage and quota (null: no quotas on this host)")
 
 
 class SandboxList(BaseModel):
@@ -606,7 +622,8 @@ class ControlPlane:
             # The server admits sandboxes itself; the engine's own limit is a backstop.
             # An absolute path: responses show a tenant its bake logs with the cache's path taken out.
             self.engine = EmbeddedClient(cache=Path(self.config.cache or cache_dir()).absolute(),
-                                         max_sandboxes=self.config.max_sandboxes, capacity_timeout=5.0)
+                                         max_sandboxes=self.config.max_sandboxes, capacity_timeout=5.0,
+                                         disk_quota=self.config.disk_quota, memory_budget=self.config.memory_budget)
         self.cache = Path(getattr(self.engine, "cache", None) or self.config.cache or cache_dir()).absolute()
         for name in self.config.preload:
             try:
@@ -1004,10 +1021,14 @@ class ControlPlane:
 
     # sandboxes
     def info(self, rec: _Owned) -> SandboxInfo:
+        try:
+            disk = self.engine.disk_usage(rec.box)
+        except CollimateError:
+            disk = None  # the sandbox died meanwhile: its other fields still say which it was
         return SandboxInfo(
             id=rec.box.id, template=rec.template, warm_hit=bool(rec.box.warm_hit), parent=rec.parent,
             created=rec.created, idle_seconds=round(max(0.0, time.monotonic() - rec.last_used), 3),
-            idle_timeout_seconds=self.config.idle_reap,
+            idle_timeout_seconds=self.config.idle_reap, disk=DiskUsage(**disk) if disk else None,
         )
 
     def _own(self, box: Any, tenant: str, template: str, parent: str | None) -> _Owned:
@@ -1037,9 +1058,13 @@ class ControlPlane:
             recs = [r for r in self._owned.values() if r.tenant == tenant]
         return [self.info(r) for r in sorted(recs, key=lambda r: r.created)]
 
-    async def create(self, tenant: str, template: str) -> SandboxInfo:
+    async def create(self, tenant: str, template: str, disk_quota: int | None = None) -> SandboxInfo:
         internal = self.resolve_template(tenant, template)
         self.check_spend(tenant)
+        if disk_quota is not None and disk_quota > self.config.disk_quota:
+            raise InvalidArgument(
+                f"disk_quota of {disk_quota} bytes is above this server's {self.config.disk_quota} (--disk-quota); ask for less"
+            )
         await self.admission.acquire(1)
 
         def work() -> _Owned:
@@ -1047,7 +1072,7 @@ class ControlPlane:
             # failure, and a created sandbox is owned (and reaped if nobody claims it).
             t = time.perf_counter()
             try:
-                box = self.engine.create(internal)
+                box = self.engine.create(internal, disk_quota=disk_quota)
             except BaseException as e:
                 self._release_soon(1)
                 if internal == template or not isinstance(e, CollimateError):
@@ -1848,7 +1873,7 @@ def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: 
               tags=["sandboxes"],
               responses={**_errs(402, 404, 409, 429, 503), 201: {"description": "the new sandbox", "links": _SANDBOX_LINKS}})
     async def create_sandbox(body: CreateSandbox = Body(default_factory=CreateSandbox), tenant: str = Tenant) -> SandboxInfo:
-        return await cp.create(tenant, body.template)
+        return await cp.create(tenant, body.template, body.disk_quota)
 
     @app.post("/v1/keepalive", response_model=KeepaliveResponse, operation_id="keepalive",
               tags=["sandboxes"], responses=_errs())

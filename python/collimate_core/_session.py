@@ -21,18 +21,31 @@ class Sandbox:
     error. Outside a `with` block, call `start()` and `kill()` yourself.
     """
 
-    def __init__(self, template: Any = "python", *, client: Any = None, default_seed: str | None = None):
+    def __init__(
+        self,
+        template: Any = "python",
+        *,
+        client: Any = None,
+        default_seed: str | None = None,
+        disk_quota: int | str | None = None,
+    ):
         from collimate_core._client import connect
+        from collimate_core._quota import disk_quota as _check_quota
 
         self.client = client if client is not None else connect()
         self.template = getattr(template, "name", template)
         self.default_seed = default_seed
+        # Bytes (or "512M", "2G") for /tmp, /work and /dev/shm together; None: the template's.
+        self.disk_quota = _check_quota(disk_quota) if disk_quota is not None else None
         self._box = None
 
     # lifecycle
     def start(self) -> "Sandbox":
         if self._box is None:
-            self._box = self.client.create(self.template)
+            if self.disk_quota is None:
+                self._box = self.client.create(self.template)
+            else:
+                self._box = self.client.create(self.template, disk_quota=self.disk_quota)
         return self
 
     def __enter__(self) -> "Sandbox":
@@ -57,6 +70,7 @@ class Sandbox:
         sb._box = client.get(session_id)
         sb.template = sb._box.template
         sb.default_seed = None
+        sb.disk_quota = None
         return sb
 
     def _live(self):
@@ -101,6 +115,11 @@ class Sandbox:
     def download(self, path: str) -> bytes:
         """Read `path` from the sandbox, byte-exact."""
         return self.client.download(self._live(), path)
+
+    def disk_usage(self) -> dict | None:
+        """What /tmp, /work and /dev/shm hold together and their quota: bytes, inodes,
+        quota_bytes, quota_inodes (None where the host gives no quotas)."""
+        return self.client.disk_usage(self._live())
 
     def reset(self) -> None:
         """Return to the pristine template (memory, files, registers), keeping the same id."""
@@ -217,8 +236,9 @@ def rollout_once(
     client: Any = None,
     timeout_seconds: float = 60.0,
     env: dict[str, str] | None = None,
+    disk_quota: int | str | None = None,
 ) -> ExecResult:
     """Fork an ephemeral clone, run once, discard it."""
     check_exec_args(code, command, timeout_seconds, seed)  # bad input raises before anything is forked
-    with Sandbox(template, client=client) as sb:
+    with Sandbox(template, client=client, disk_quota=disk_quota) as sb:
         return sb.exec(command, code=code, timeout_seconds=timeout_seconds, seed=seed, env=env)

@@ -25,7 +25,7 @@ from collimate_core._errors import EngineError, NotFoundError
 AGENT_DIR = Path(__file__).resolve().parent / "_guest"
 AGENT_IDLE = 0x6167656E7400
 # Bump when the template's contents change shape (agent protocol, mounts, environment).
-TEMPLATE_VERSION = 1
+TEMPLATE_VERSION = 2
 CATALOG = ("python",)
 GUEST_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -71,6 +71,8 @@ class Baked:
     # Whether the template advertises the seed-ack handshake (its agent acks reseeds). A template
     # that does not gets the verdict "off" on every exec.
     seed_ack: bool = True
+    # The disk quota of its sandboxes (None: the client's; see _quota).
+    disk_quota: int | None = None
 
 
 class _Progress:
@@ -133,12 +135,15 @@ def bake_python(cache: Path | None = None, progress: Callable[[str], None] | Non
         try:
             (work / "work").mkdir()
             (work / "tmp").mkdir(mode=0o1777)
+            (work / "shm").mkdir(mode=0o1777)  # /dev/shm: POSIX semaphores and shared memory
+            os.chmod(work / "tmp", 0o1777)
+            os.chmod(work / "shm", 0o1777)
             vm = Vm.spawn(
                 root,
                 ["/usr/bin/python3", "/opt/collimate/agent.py"],
                 env=GUEST_ENV,
                 cwd="/work",
-                mounts={"/work": work / "work", "/tmp": work / "tmp"},
+                mounts={"/work": work / "work", "/tmp": work / "tmp", "/dev/shm": work / "shm"},
                 ro_mounts={"/opt/collimate": AGENT_DIR},
                 agent=True,
             )

@@ -1,0 +1,74 @@
+"""Disk quotas and the host budget: how much of the host a sandbox may take.
+
+A sandbox's writable mounts (`/tmp`, `/work`, `/dev/shm`) share one quota: its own tmpfs, which the
+engine makes with that size and inode count (see the engine's `quota` module). Past it the guest
+gets ENOSPC, as on Linux; nothing outside the sandbox notices. The quota is set, first match wins:
+per sandbox (`Sandbox(..., disk_quota=)`, `client.session(..., disk_quota=)`,
+`rollout_once(..., disk_quota=)`), per template (`Template.bake(..., disk_quota=)`), per client or
+server (`EmbeddedClient(disk_quota=)`, `collimate serve --disk-quota`, `COLLIMATE_DISK_QUOTA`),
+else 1 GiB. A fork group's children get their parent's.
+
+The host budget (`memory_budget`, `collimate serve --memory-budget`, `COLLIMATE_MEMORY_BUDGET`) is
+admission by worst case: every live sandbox is charged its guest memory plus its disk quota, and a
+create or fork that would take the total past the budget waits in the queue, then fails with
+CapacityError naming the budget. Off unless set: the worst case is far above what sandboxes use
+(an idle clone holds about 130 KiB of private memory), so a budget sized to the host's memory
+needs small quotas for wide groups (64 x (1 GiB + 256 MiB) = 80 GiB).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from collimate_core._errors import InvalidArgument
+
+DEFAULT_DISK_QUOTA = 1 << 30
+# Inodes that come with a quota: one per 16 KiB, at least 4096 (the engine's default is 65,536 for
+# 1 GiB).
+MIN_DISK_QUOTA = 1 << 20
+# The guest memory of every sandbox (the engine's VMs are 1 GiB, sparse).
+GUEST_MEMORY = 1 << 30
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: object, what: str) -> int:
+    """Bytes from an int or a string such as "512M", "1G", "1.5GiB". Raises InvalidArgument."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{what} takes a number of bytes or a size such as '512M', not {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", value)
+        if not m:
+            raise InvalidArgument(f"{what}: {value!r} is not a size; write bytes or e.g. '512M', '2G'")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise InvalidArgument(f"{what} takes a number of bytes or a size such as '512M', not {type(value).__name__}")
+    if n <= 0:
+        raise InvalidArgument(f"{what} must be positive, not {value!r}")
+    return n
+
+
+def disk_quota(value: object) -> int:
+    """A disk quota in bytes (at least 1 MiB)."""
+    n = parse_size(value, "disk_quota")
+    if n < MIN_DISK_QUOTA:
+        raise InvalidArgument(f"disk_quota of {n} bytes is below the smallest, 1 MiB; give at least '1M'")
+    return n
+
+
+def inodes_for(quota: int) -> int:
+    """The inode limit that comes with a byte quota."""
+    return max(4096, quota // (16 << 10))
+
+
+def default_disk_quota() -> int:
+    env = os.environ.get("COLLIMATE_DISK_QUOTA")
+    return disk_quota(env) if env else DEFAULT_DISK_QUOTA
+
+
+def default_memory_budget() -> int | None:
+    env = os.environ.get("COLLIMATE_MEMORY_BUDGET")
+    return parse_size(env, "COLLIMATE_MEMORY_BUDGET") if env else None
