@@ -1121,3 +1121,18 @@ def test_a_burst_queues_and_one_beyond_the_queue_bound_is_refused(tmp_path, keys
                   f"the request beyond the queue bound got 429")
     finally:
         srv.stop()
+
+
+def test_disk_quota_over_http(alice):
+    """A sandbox may ask for a smaller quota than the server's (--disk-quota, 1 GiB here), never a
+    larger one; GET /v1/sandboxes/{id} reports what its writable mounts hold."""
+    with Sandbox("python", client=alice, disk_quota="16M") as sb:
+        u = sb.disk_usage()
+        assert u["quota_bytes"] == 16 << 20 and u["bytes"] < 1 << 20
+        r = sb.exec(code="open('/tmp/f', 'wb').write(b'x' * (32 << 20))")
+        assert "No space left on device" in r.stderr
+        assert sb.disk_usage()["bytes"] == 16 << 20
+    with pytest.raises(InvalidArgument, match="--disk-quota"):
+        Sandbox("python", client=alice, disk_quota="2G").start()
+    with Sandbox("python", client=alice) as sb:
+        assert sb.disk_usage()["quota_bytes"] == 1 << 30
