@@ -97,8 +97,6 @@ pub struct Vm {
     /// The disk quota of the children this VM forks (and of this VM, if it has a tmpfs); `None`
     /// where the host cannot make tmpfs instances (no CAP_SYS_ADMIN).
     quota: Option<DiskQuota>,
-    /// Spares asked for with `set_spare_pool`: each was given its tmpfs when asked for.
-    spares: usize,
 }
 
 struct Stdio {
@@ -172,7 +170,6 @@ impl Vm {
             rotate_stdio: false,
             scratch: None,
             quota: crate::quota::available().then_some(crate::quota::DEFAULT_QUOTA),
-            spares: 0,
         };
         if let Err(e) = vm.chan.send(&first, fds) {
             return Err(vm.died(format!("send failed: {e}")));
@@ -378,7 +375,6 @@ impl Vm {
                         rotate_stdio: false,
                         scratch: None,
                         quota: self.quota,
-                        spares: 0,
                     });
                 }
                 Ok((Response::Err(e), _)) => return Err(e.into()),
@@ -436,24 +432,22 @@ impl Vm {
         if n32 > crate::vmm::MAX_SPARES {
             return Err(Error::InvalidArgument(format!("spare pool of {n}; at most {}", crate::vmm::MAX_SPARES)));
         }
-        // Spares beyond those already given theirs get a tmpfs each (later forks bring one per
-        // child, which tops the spares up again).
-        let scratch = self.make_scratch(n.saturating_sub(self.spares))?;
+        // A tmpfs for each spare (the VMM keeps as many as its spares lack and drops the rest;
+        // later forks bring one per child, which tops the spares up again).
+        let scratch = self.make_scratch(n)?;
         let fds: Vec<RawFd> = scratch.iter().map(|s| s.0.as_raw_fd()).collect();
-        match self.call_with_fds(&Request::SparePool { n: n32 }, &fds, CONTROL_TIMEOUT)? {
-            Response::Ok => {
-                self.spares = self.spares.max(n);
-                Ok(())
-            }
+        self.call_with_fds(&Request::SparePool { n: n32 }, &fds, CONTROL_TIMEOUT).and_then(|r| match r {
+            Response::Ok => Ok(()),
             other => Err(Error::Protocol(format!("expected Ok, got {other:?}"))),
-        }
+        })
     }
 
-    /// `n` new tmpfs instances of this VM's children's quota (none if quotas are off).
+    /// `n` new tmpfs instances of this VM's children's quota (none if quotas are off, or for the
+    /// engine's bare test guests, which have no files).
     fn make_scratch(&self, n: usize) -> Result<Vec<Scratch>> {
         match self.quota {
-            Some(q) => (0..n).map(|_| Scratch::new(q)).collect(),
-            None => Ok(vec![]),
+            Some(q) if self.stdio.is_some() => (0..n).map(|_| Scratch::new(q)).collect(),
+            _ => Ok(vec![]),
         }
     }
 

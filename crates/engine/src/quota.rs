@@ -178,10 +178,12 @@ pub fn usage_of(fd: &OwnedFd) -> Result<DiskUsage> {
     })
 }
 
-/// Whether this process may make sandbox tmpfs instances (asked once; the answer does not change).
+/// Whether this process gives sandboxes tmpfs instances: it may make them (asked once; the answer
+/// does not change), and `COLLIMATE_QUOTA=0` does not turn them off (for comparisons; sandboxes
+/// then keep their files in the runtime directory with only the per-file size limit).
 pub fn available() -> bool {
     static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OK.get_or_init(|| Scratch::new(MIN_QUOTA).is_ok())
+    *OK.get_or_init(|| std::env::var_os("COLLIMATE_QUOTA").is_none_or(|v| v != "0") && Scratch::new(MIN_QUOTA).is_ok())
 }
 
 #[cfg(test)]

@@ -683,6 +683,12 @@ struct Pool {
 }
 
 impl Pool {
+    /// Keep only the tmpfs instances the spares still to be made need (each is an empty tmpfs:
+    /// dropping one frees it).
+    fn trim_stock(&self, m: &mut Machine) {
+        m.scratch_stock.truncate(self.target.saturating_sub(self.spares.len()));
+    }
+
     fn invalidate(&mut self) {
         self.spares.drain(..).for_each(Spare::kill);
     }
@@ -855,7 +861,9 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                     m.quota_mode = true;
                     m.scratch_stock.extend(fds);
                 }
-                fork_children(m, &mut chan, &mut pool, n)
+                let r = fork_children(m, &mut chan, &mut pool, n);
+                pool.trim_stock(m);
+                r
             } {
                 Ok(()) => continue,
                 Err(e) => Err(e),
@@ -874,6 +882,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                             s.kill();
                         }
                     }
+                    pool.trim_stock(m);
                     Ok(Response::Ok)
                 }
             }
