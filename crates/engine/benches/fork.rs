@@ -73,6 +73,26 @@ fn benches(c: &mut Criterion) {
         })
     });
 
+    // What a Linux sandbox's disk quota adds to each clone and fork: its own tmpfs instance
+    // (the bare test guest here has no files, so its clones below make none).
+    if collimate_engine::quota::available() {
+        let name = "tmpfs for a sandbox's disk quota";
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    let s = collimate_engine::quota::Scratch::new(collimate_engine::quota::DEFAULT_QUOTA).unwrap();
+                    let d = t.elapsed();
+                    drop(s);
+                    record(name, d);
+                    total += d;
+                }
+                total
+            })
+        });
+    }
+
     // The zygote waits at its ready yield; a clone's first instructions read the (empty) mailbox
     // and yield again.
     for (spares, name) in [(0, "clone to first guest exit, cold"), (2, "clone to first guest exit, 2 spares")] {
