@@ -50,7 +50,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collimate_core import _cache, _oci
+from collimate_core import _cache as _cachelib  # (_cache is this module's own helper)
+from collimate_core import _oci
 from collimate_core._core import EngineError as _CoreEngineError
 from collimate_core._core import SNAPSHOT_FORMAT, Vm
 from collimate_core._errors import (
@@ -393,7 +394,7 @@ def exec_helper(cache: Path, log=None) -> Path:
             raise BuildError(f"collimate-exec does not run (exit {check.returncode}): {check.stderr[-500:]}")
 
     # One build however many bakes need it at once (the others wait and use it).
-    if _cache.build_once(d, lambda p: (p / "collimate-exec").is_file(), build, kind="exec-helper", key=d.name,
+    if _cachelib.build_once(d, lambda p: (p / "collimate-exec").is_file(), build, kind="exec-helper", key=d.name,
                          cache=Path(cache)):
         say(f"built collimate-exec with {cc} in {time.monotonic() - t0:.2f}s")
     return d
@@ -647,7 +648,7 @@ class _Build:
                     _write_json(self.tdir / "index.json", {"name": spec.name, "current": n})
                     if self.on_commit is not None:
                         self.on_commit(baked)
-                    _cache.record_build(spec.cache, "image-template", f"{spec.name}@v{n}", vdir,
+                    _cachelib.record_build(spec.cache, "image-template", f"{spec.name}@v{n}", vdir,
                                         time.monotonic() - self.t0)
                 except BaseException:
                     if old_index:
@@ -922,7 +923,7 @@ def find_or_bake(name: str, cache: Path | None) -> Baked | None:
         return None
     # One bake of the image, however many threads (lk) and processes (the flock) ask at once:
     # the others wait here, then find the version it committed.
-    with lk, _cache.Lock(_tdir(c, name)):
+    with lk, _cachelib.Lock(_tdir(c, name)):
         baked = load_template(name, c)  # a concurrent caller may have baked it meanwhile
         if baked is not None:
             return baked
