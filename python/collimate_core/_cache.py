@@ -280,6 +280,8 @@ def record_build(cache: Path, kind: str, key: str, path: Path | str, seconds: fl
         return  # a read-only cache: the build stands, its record is only informative
     try:
         os.write(fd, (line + "\n").encode())
+    except OSError:
+        pass  # a full disk: likewise
     finally:
         os.close(fd)
 
