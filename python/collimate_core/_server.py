@@ -1389,7 +1389,12 @@ class _ImageStore:
             for v in versions:
                 if v is not same and v["file"] == newest:  # the one before stays, under its digest
                     older = f"{name}@{v['digest'].split(':', 1)[1]}.tar"
-                    os.replace(self.path / newest, self.path / older)
+                    # A second name first, then the new upload over the first: `<name>.tar` never
+                    # goes missing for a bake reading the store meanwhile (no lock needed there).
+                    try:
+                        os.link(self.path / newest, self.path / older)
+                    except FileExistsError:
+                        os.replace(self.path / newest, self.path / older)
                     v["file"] = older
             if same is not None:
                 versions.remove(same)
