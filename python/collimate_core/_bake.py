@@ -395,7 +395,7 @@ def exec_helper(cache: Path, log=None) -> Path:
 
     # One build however many bakes need it at once (the others wait and use it).
     if _cachelib.build_once(d, lambda p: (p / "collimate-exec").is_file(), build, kind="exec-helper", key=d.name,
-                         cache=Path(cache)):
+                         cache=Path(cache), say=say):
         say(f"built collimate-exec with {cc} in {time.monotonic() - t0:.2f}s")
     return d
 

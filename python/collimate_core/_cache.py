@@ -64,16 +64,23 @@ def lock_path(entry: Path) -> Path:
 class Lock:
     """An exclusive flock on `.<entry>.lock` beside `entry`, for one thread (open it per use)."""
 
-    def __init__(self, entry: Path):
+    def __init__(self, entry: Path, waiting: Callable[[], None] | None = None):
         self.path = lock_path(entry)
         self.fd: int | None = None
+        self.waiting = waiting  # called once if another holder makes us wait
 
     def __enter__(self) -> Lock:
         while True:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if self.waiting is not None:
+                        self.waiting()
+                        self.waiting = None
+                    fcntl.flock(fd, fcntl.LOCK_EX)
                 # The holder before us may have removed the file on release: then we hold a lock
                 # on a file no one else will open. Lock the one at the path now.
                 if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
@@ -242,6 +249,7 @@ def build_once(
     key: str,
     cache: Path | None,
     force: bool = False,
+    say: Callable[[str], None] | None = None,
 ) -> bool:
     """Make sure the finished entry `entry` exists; True if this call built it.
 
@@ -249,11 +257,13 @@ def build_once(
     `tmp`, which is then renamed to `entry` (a leftover at `entry` that is not finished is removed
     first). Concurrent callers for the same entry wait on its lock; all but the first find it
     done. `force`: build again even if it is done (the old entry is replaced). A build is recorded
-    in `<cache>/builds.jsonl` (not when `cache` is None)."""
+    in `<cache>/builds.jsonl` (not when `cache` is None). `say`: told when we wait for another
+    builder."""
     entry = Path(entry)
     if not force and done(entry):
         return False
-    with Lock(entry):
+    waiting = (lambda: say(f"waiting for another build of {entry.name} (thread or process)")) if say else None
+    with Lock(entry, waiting):
         if not force and done(entry):
             return False  # the winner of the race built it while we waited
         sweep(entry.parent)

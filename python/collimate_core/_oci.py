@@ -1090,7 +1090,7 @@ def build_rootfs(img: Image, cache: Path, log: Log | None = None,
         (root / MARKER).write_text(json.dumps(meta, indent=1) + "\n")
 
     built = _cache.build_once(dest, lambda p: cached_rootfs(cache, img.id) is not None, build,
-                              kind="image-rootfs", key=img.id, cache=Path(cache))
+                              kind="image-rootfs", key=img.id, cache=Path(cache), say=say)
     if not built:
         say(f"root filesystem {dest} was finished concurrently; using it")
         return dest, False

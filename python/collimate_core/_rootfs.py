@@ -140,7 +140,7 @@ def build_rootfs(name: str = "python", cache: str | os.PathLike | None = None,
             t_resolve = time.monotonic() - t0
             built = _cache.build_once(
                 dest, _finished, lambda tmp: _build(tmp, name, plan, cache, say, t0, t_resolve),
-                kind="rootfs", key=dest.name, cache=cache, force=force)
+                kind="rootfs", key=dest.name, cache=cache, force=force, say=say)
             if not built:
                 say(f"{dest} was finished by a concurrent build; using it")
             return dest

@@ -169,7 +169,7 @@ def bake_python(cache: Path | None = None, progress: Callable[[str], None] | Non
     # A finished template directory is never replaced (sandboxes of other processes map it);
     # only a leftover without vm.state is.
     _cache.build_once(path, lambda p: (p / "vm.state").exists(), lambda tmp: _bake_snapshot(tmp, root, say),
-                      kind="template", key=path.name, cache=cache)
+                      kind="template", key=path.name, cache=cache, say=say)
     # Written whole and renamed (readers see the old index or the new one); concurrent bakers
     # write the same content.
     _cache.write_atomic(cache / "templates" / "python.json", json.dumps(
