@@ -1061,12 +1061,12 @@ def build_rootfs(img: Image, cache: Path, log: Log | None = None,
     if found is not None:
         say(f"root filesystem cached: {found}")
         return found, False
-    stats: dict = {}
+    done: dict = {}  # what the build tells the caller
 
     def build(root: Path) -> None:
         verify_layers(img, say)
         t0 = time.monotonic()
-        stats.update(unpack(img, root, say))
+        stats = unpack(img, root, say)
         tree = Tree(root)
         for rel, mode in MOUNT_POINTS:
             _ensure_dir(tree, rel, mode)
@@ -1086,15 +1086,15 @@ def build_rootfs(img: Image, cache: Path, log: Log | None = None,
             "seconds": round(time.monotonic() - t0, 2),
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        stats["seconds"] = meta["seconds"]
         (root / MARKER).write_text(json.dumps(meta, indent=1) + "\n")
+        done.update(entries=stats["entries"], seconds=meta["seconds"])
 
     built = _cache.build_once(dest, lambda p: cached_rootfs(cache, img.id) is not None, build,
                               kind="image-rootfs", key=img.id, cache=Path(cache), say=say)
     if not built:
         say(f"root filesystem {dest} was finished concurrently; using it")
         return dest, False
-    say(f"unpacked the root filesystem into {dest} ({stats['entries']} entries, {stats['seconds']}s)")
+    say(f"unpacked the root filesystem into {dest} ({done['entries']} entries, {done['seconds']}s)")
     return dest, True
 
 
