@@ -191,9 +191,8 @@ def _read_json(p: Path) -> dict | None:
 
 
 def _write_json(p: Path, obj: dict) -> None:
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, p)
+    # Whole or not at all; a killed writer's temporary is swept by _prune (see _cache.py).
+    _cachelib.write_atomic(p, json.dumps(obj, indent=1) + "\n")
 
 
 class _NameLock:
@@ -291,6 +290,7 @@ def _prune(cache: Path, tdir: Path | None = None) -> None:
         if not td.is_dir():
             continue
         with _NameLock(td):
+            _cachelib.sweep(td)  # index.json temporaries of killed writers
             cur = _current(td)
             for p in list(td.iterdir()):
                 m = re.fullmatch(r"v(\d+)", p.name)
