@@ -165,9 +165,9 @@ def _fetch_testsuite(root: Path, dest: Path) -> tuple[Path, str]:
     """Download (or reuse from the cache) libpython3.11-testsuite and unpack it into `dest`."""
     if not (shutil.which("apt-get") and shutil.which("dpkg")):
         pytest.skip("fetching libpython3.11-testsuite needs apt-get and dpkg")
-    from collimate_core._rootfs import default_cache
+    from collimate_core._cache import cache_dir, deb_dir
 
-    debs = default_cache() / "debs"
+    debs = deb_dir(cache_dir())
     debs.mkdir(parents=True, exist_ok=True)
     want = _stdlib_version(root)
     found = sorted(debs.glob("libpython3.11-testsuite_*_all.deb"))

@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from collimate_core import _cache as _cachelib  # (_cache is this module's own helper)
 from collimate_core import _oci
 from collimate_core._core import EngineError as _CoreEngineError
 from collimate_core._core import SNAPSHOT_FORMAT, Vm
@@ -190,9 +191,8 @@ def _read_json(p: Path) -> dict | None:
 
 
 def _write_json(p: Path, obj: dict) -> None:
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, p)
+    # Whole or not at all; a killed writer's temporary is swept by _prune (see _cache.py).
+    _cachelib.write_atomic(p, json.dumps(obj, indent=1) + "\n")
 
 
 class _NameLock:
@@ -242,23 +242,35 @@ def _hold(vdir: Path) -> Any:
 def load_template(name: str, cache: Path) -> ImageBaked | None:
     """The current version of image template `name` on disk, or None if there is none."""
     tdir = _tdir(cache, name)
-    n = _current(tdir)
-    if n is None:
-        return None
-    vdir = tdir / f"v{n}"
-    meta = _read_json(vdir / "template.json")
-    if not meta or meta.get("name") != name or not (vdir / "snapshot" / "vm.state").is_file():
-        return None
-    if meta.get("format") != FORMAT or meta.get("snapshot_format") != SNAPSHOT_FORMAT:
-        raise NotFoundError(f"template {name!r} v{n} was baked by another version of collimate; bake it again")
-    root = Path(meta["rootfs"])
-    if not (root / _oci.MARKER).is_file():
-        raise NotFoundError(
-            f"template {name!r} v{n}: its root filesystem {root} is gone (cache cleared?); bake it again"
-        )
-    hold = _hold(vdir)
-    return ImageBaked(name, vdir / "snapshot", root, True, seed_ack=bool(meta.get("handshake")), version=n,
-                      meta=meta, hold=hold, disk_quota=meta.get("disk_quota"))
+    while True:
+        n = _current(tdir)
+        if n is None:
+            return None
+        vdir = tdir / f"v{n}"
+        meta = _read_json(vdir / "template.json")
+        if not meta or meta.get("name") != name or not (vdir / "snapshot" / "vm.state").is_file():
+            return None
+        if meta.get("format") != FORMAT or meta.get("snapshot_format") != SNAPSHOT_FORMAT:
+            raise NotFoundError(f"template {name!r} v{n} was baked by another version of collimate; bake it again")
+        root = Path(meta["rootfs"])
+        if not (root / _oci.MARKER).is_file():
+            raise NotFoundError(
+                f"template {name!r} v{n}: its root filesystem {root} is gone (cache cleared?); bake it again"
+            )
+        try:
+            hold = _hold(vdir)
+        except FileNotFoundError:
+            continue  # pruned (a re-bake made it old) since we read the index: look again
+        # A prune that took v<N> an instant before our hold removes it: only a hold on the
+        # version's own, still present lock file counts.
+        try:
+            kept = os.stat(vdir / ".lock").st_ino == os.fstat(hold.fileno()).st_ino
+        except FileNotFoundError:
+            kept = False
+        if kept and (vdir / "snapshot" / "vm.state").is_file():
+            return ImageBaked(name, vdir / "snapshot", root, True, seed_ack=bool(meta.get("handshake")), version=n,
+                              meta=meta, hold=hold, disk_quota=meta.get("disk_quota"))
+        hold.close()
 
 
 def _status_from_meta(meta: dict, log: str = "") -> TemplateStatus:
@@ -278,6 +290,7 @@ def _prune(cache: Path, tdir: Path | None = None) -> None:
         if not td.is_dir():
             continue
         with _NameLock(td):
+            _cachelib.sweep(td)  # index.json temporaries of killed writers
             cur = _current(td)
             for p in list(td.iterdir()):
                 m = re.fullmatch(r"v(\d+)", p.name)
@@ -320,10 +333,9 @@ def _remove_if_unused(vdir: Path) -> bool:
         f.close()
 
 
-def _prune_rootfs(cache: Path) -> None:
-    rdir = _oci.rootfs_dir(cache)
-    if not rdir.is_dir():
-        return
+def _rootfs_used(cache: Path) -> set[str]:
+    """The image ids (hex) whose unpacked trees a template version or a bake (any process:
+    its building.json; this process: _rootfs_in_use) refers to."""
     used: set[str] = set()
     root = templates_root(cache)
     for td in root.iterdir() if root.is_dir() else ():
@@ -333,9 +345,18 @@ def _prune_rootfs(cache: Path) -> None:
                 used.add(meta["image_id"].split(":", 1)[-1])
     with _lock:
         used |= {k.split(":", 1)[-1] for k, n in _rootfs_in_use.items() if n > 0}
+    return used
+
+
+def _prune_rootfs(cache: Path) -> None:
+    rdir = _oci.rootfs_dir(cache)
+    if not rdir.is_dir():
+        return
+    used = _rootfs_used(cache)
     for p in rdir.iterdir():
         if re.fullmatch(r"[0-9a-f]{64}", p.name) and p.name not in used:
-            _oci.remove_rootfs(cache, "sha256:" + p.name)
+            # Decided again under the tree's lock: a bake may have started using it meanwhile.
+            _oci.remove_rootfs(cache, "sha256:" + p.name, unused=lambda h=p.name: h not in _rootfs_used(cache))
 
 
 # --- the exec helper ---------------------------------------------------------------------------
@@ -359,10 +380,9 @@ def exec_helper(cache: Path, log=None) -> Path:
             "built from _guest/exec_helper.c; building it needs a C compiler with static libc (apt-get install gcc "
             "libc6-dev), and none was found"
         )
-    d.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".exec-{key}.", suffix=".tmp", dir=d.parent))
-    try:
-        t0 = time.monotonic()
+    t0 = time.monotonic()
+
+    def build(tmp: Path) -> None:
         res = subprocess.run([cc, *flags, "-o", str(tmp / "collimate-exec"), str(HELPER_SRC)],
                              capture_output=True, text=True, check=False)
         if res.returncode != 0:
@@ -372,15 +392,12 @@ def exec_helper(cache: Path, log=None) -> Path:
         check = subprocess.run([str(tmp / "collimate-exec")], capture_output=True, text=True, timeout=10, check=False)
         if check.returncode != 111:
             raise BuildError(f"collimate-exec does not run (exit {check.returncode}): {check.stderr[-500:]}")
-        try:
-            tmp.rename(d)
-        except OSError:
-            if not exe.is_file():
-                raise
+
+    # One build however many bakes need it at once (the others wait and use it).
+    if _cachelib.build_once(d, lambda p: (p / "collimate-exec").is_file(), build, kind="exec-helper", key=d.name,
+                         cache=Path(cache), say=say):
         say(f"built collimate-exec with {cc} in {time.monotonic() - t0:.2f}s")
-        return d
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return d
 
 
 # --- one bake ----------------------------------------------------------------------------------
@@ -634,6 +651,8 @@ class _Build:
                     _write_json(self.tdir / "index.json", {"name": spec.name, "current": n})
                     if self.on_commit is not None:
                         self.on_commit(baked)
+                    _cachelib.record_build(spec.cache, "image-template", f"{spec.name}@v{n}", vdir,
+                                        time.monotonic() - self.t0)
                 except BaseException:
                     if old_index:
                         _write_json(self.tdir / "index.json", old_index)
@@ -916,7 +935,9 @@ def find_or_bake(name: str, cache: Path | None) -> Baked | None:
         ref = _oci.parse_reference(name) if not name.startswith(("/", ".", "~")) else None
     except _oci.ImageError:
         return None
-    with lk:
+    # One bake of the image, however many threads (lk) and processes (the flock) ask at once:
+    # the others wait here, then find the version it committed.
+    with lk, _cachelib.Lock(_tdir(c, name)):
         baked = load_template(name, c)  # a concurrent caller may have baked it meanwhile
         if baked is not None:
             return baked

@@ -7,20 +7,23 @@ the setup and the grader needs neither: the embedded engine hands out a recycled
 the template: its VM and most of its page mappings stay warm) or a pre-forked spare.
 
 So, on a client that can host templates (the embedded engine), `prepared(client, ...)` prepares a
-sandbox once (setup, grader), snapshots it into `<cache>/grading/<pid>-<n>-<key>/` and registers it
-as the template `__grading__-<key>`; later grades with the same template, setup and preloaded
-modules clone it directly. It lives as long as the client (and the process: the directory is
-removed at exit; directories of processes that are gone are pruned). A client that cannot (the
-remote client) gets None, and grading forks children of a prepared parent instead.
+sandbox once (setup, grader), snapshots it into `<cache>/grading/<key>/` and registers it as the
+template `__grading__-<key>`; later grades with the same template, setup and preloaded modules
+clone it directly. The key covers all that the snapshot depends on (the base template's directory
+among it), so the entry is shared: by every client and process (one prepares it, under its lock;
+the others wait and use it) and by later runs. A process that uses an entry holds a shared flock
+on its `.hold` until it exits; beyond the KEEP most recently used, entries no process holds are
+removed. A client that cannot host templates (the remote client) gets None, and grading forks
+children of a prepared parent instead.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
+import fcntl
 import hashlib
-import itertools
 import os
+import re
 import shutil
 import threading
 import warnings
@@ -28,45 +31,75 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from collimate_core import _cache
 from collimate_core._errors import CollimateError, InvalidArgument
 
 _lock = threading.Lock()
 _prepared: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()
 _failed: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()
 _key_locks: dict[tuple[int, str], threading.Lock] = {}
-_dirs: list[Path] = []
-_serial = itertools.count()
+_holds: dict[str, Any] = {}  # entry path -> this process's shared flock on its .hold (kept to exit)
+# Prepared templates kept in the cache beyond those in use; the least recently used go first.
+KEEP = 32
+HOLD = ".hold"
 
 
-def _grading_dir() -> Path:
+def _grading_dir(client: Any) -> Path:
     from collimate_core._templates import cache_dir
 
-    return cache_dir() / "grading"
+    return Path(getattr(client, "cache", None) or cache_dir()) / "grading"
 
 
-def _prune(root: Path) -> None:
-    """Remove what processes that are gone left behind."""
+def _prune_legacy(root: Path) -> None:
+    """Remove the per-process directories (`<pid>-<n>-<key>`) of older versions whose process is gone."""
     try:
         entries = list(root.iterdir())
     except OSError:
         return
     for d in entries:
-        pid = d.name.split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # alive
-        except ProcessLookupError:
+        m = re.fullmatch(r"(\d+)-\d+-[0-9a-f]{16}", d.name)
+        if m and int(m.group(1)) != os.getpid() and not _cache._alive(int(m.group(1))):
             shutil.rmtree(d, ignore_errors=True)
-        except OSError:
-            continue
 
 
-@atexit.register
-def _remove_dirs() -> None:
-    for d in _dirs:
-        shutil.rmtree(d, ignore_errors=True)
+def _hold(entry: Path) -> Any | None:
+    """A shared flock on `entry`/.hold, the mark that a process uses it (see _prune); None if the
+    entry went (a prune removed it) before the hold was taken."""
+    try:
+        f = open(entry / HOLD, "a+")
+    except FileNotFoundError:
+        return None
+    fcntl.flock(f, fcntl.LOCK_SH)
+    try:
+        if os.stat(entry / HOLD).st_ino == os.fstat(f.fileno()).st_ino and (entry / "vm.state").is_file():
+            os.utime(entry)  # recently used: pruned last
+            return f
+    except FileNotFoundError:
+        pass
+    f.close()
+    return None
+
+
+def _prune(root: Path, keep: int = KEEP) -> None:
+    """Keep at most `keep` prepared templates that no process uses: remove the least recently used
+    others (an exclusive flock on .hold fails while any process holds it shared)."""
+    try:
+        entries = [d for d in root.iterdir() if re.fullmatch(r"[0-9a-f]{16}", d.name) and d.is_dir()]
+    except OSError:
+        return
+    entries.sort(key=lambda d: d.stat().st_mtime if d.exists() else 0.0, reverse=True)
+    for d in entries[keep:]:
+        with _cache.Lock(d):
+            try:
+                f = open(d / HOLD, "a+")
+            except FileNotFoundError:
+                continue
+            with f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # in use
+                _cache.remove_entry(d)
 
 
 def supported(client: Any) -> bool:
@@ -111,14 +144,7 @@ def prepared(
                 return names.get(key)
         from collimate_core._session import Sandbox
 
-        path = None
-        try:
-            root = _grading_dir()
-            root.mkdir(parents=True, exist_ok=True)
-            _prune(root)
-            # One directory per client and key: another client's template may be using its own.
-            path = root / f"{os.getpid()}-{next(_serial)}-{key}"
-            shutil.rmtree(path, ignore_errors=True)
+        def build(tmp: Path) -> None:
             with Sandbox(template, client=client) as sb:
                 prepare(sb)  # its failures (a bad setup) raise as they are
                 box = sb._live()
@@ -126,17 +152,33 @@ def prepared(
                 if vm is None or not hasattr(vm, "snapshot"):
                     raise OSError("this client's sandboxes cannot be checkpointed")
                 with box.lock:
-                    vm.snapshot(str(path))
-            _dirs.append(path)
+                    vm.snapshot(str(tmp))
+            (tmp / HOLD).touch()
+
+        try:
+            root = _grading_dir(client)
+            _prune_legacy(root)
+            # One entry per key in the cache, shared by every client and process: the first to
+            # need it prepares it (under its lock), the others wait and use it.
+            entry = root / key
+            hold = None
+            while hold is None:
+                if _cache.build_once(entry, lambda p: (p / "vm.state").is_file(), build, kind="grading", key=key,
+                                     cache=root.parent):
+                    _prune(root)
+                hold = _hold(entry)
+            with _lock:
+                old = _holds.pop(str(entry), None)
+                _holds[str(entry)] = hold
+            if old is not None:
+                old.close()
             name = f"__grading__-{key}"
-            client.register_template(name, dataclasses.replace(base, name=name, path=path))
+            client.register_template(name, dataclasses.replace(base, name=name, path=entry))
         except (OSError, CollimateError) as e:
             if isinstance(e, InvalidArgument):
                 raise
             # No checkpoint (a read-only cache, an engine that cannot snapshot this template):
             # grade in forked children of a prepared parent instead, for the life of the client.
-            if path is not None:
-                shutil.rmtree(path, ignore_errors=True)
             warnings.warn(f"collimate: grading without a prepared template for {template!r} ({e}); "
                           "each group forks a prepared parent instead", RuntimeWarning, stacklevel=3)
             name = None

@@ -12,7 +12,6 @@ A running server notices edits (a new or revoked key) by the file's mtime and si
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import hmac
 import json
@@ -26,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
+from collimate_core import _cache
 from collimate_core._errors import AuthenticationError, InvalidArgument
 
 TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
@@ -87,14 +87,11 @@ class KeyStore:
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock = self.path.with_name(self.path.name + ".lock")
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        # The cache's per-entry lock (`.keys.json.lock`, see _cache.py): other threads and
+        # processes (the CLI, a server) wait; a killed writer's temporary is swept.
+        with _cache.Lock(self.path):
+            _cache.sweep(self.path.parent)
             yield
-        finally:
-            os.close(fd)
 
     def _stat(self) -> tuple[int, int] | None:
         try:
@@ -120,13 +117,7 @@ class KeyStore:
 
     def _save(self) -> None:
         doc = {"version": STORE_VERSION, "salt": self._salt.hex(), "keys": [asdict(k) for k in self._keys.values()]}
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        _cache.write_atomic(self.path, json.dumps(doc, indent=1), mode=0o600, fsync=True)
         self._stamp = self._stat()
 
     def _refresh(self) -> None:

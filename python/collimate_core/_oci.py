@@ -42,7 +42,6 @@ import re
 import shutil
 import stat
 import tarfile
-import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterable
@@ -50,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from collimate_core import _cache
 from collimate_core._errors import CollimateError
 
 # Bump when the unpacking steps change, so cached trees are rebuilt.
@@ -1029,20 +1029,6 @@ def unpack(img: Image, dest_root: Path, log: Log | None = None) -> dict:
     return {"entries": entries, "skipped_devices": ap.skipped_devices}
 
 
-def _sweep(parent: Path) -> None:
-    """Remove temporary trees of unpacks whose process is gone (named .<hex>.<pid>.<rand>.tmp)."""
-    if not parent.is_dir():
-        return
-    for tmp in parent.glob(".*.tmp"):
-        try:
-            pid = int(tmp.name.split(".")[2])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        except (ValueError, IndexError, PermissionError):
-            pass
-
-
 def rootfs_dir(cache: Path) -> Path:
     return Path(cache) / "images" / "rootfs"
 
@@ -1062,22 +1048,23 @@ def build_rootfs(img: Image, cache: Path, log: Log | None = None,
                  extra_dirs: Iterable[str] = ()) -> tuple[Path, bool]:
     """The image's root filesystem, cached by image id under `<cache>/images/rootfs/<hex>/`;
     (path, whether this call created it). Layers are verified before and while they are applied;
-    a failure leaves nothing behind."""
+    a failure leaves nothing behind. Concurrent calls for one image unpack it once (the others
+    wait on its lock and use that tree); a tree of another unpack version is replaced."""
     say = log or (lambda m: None)
     hexid = img.id.split(":", 1)[1]
-    parent = rootfs_dir(cache)
-    found = cached_rootfs(cache, img.id)
+    dest = rootfs_dir(cache) / hexid
+    # Looked up under the tree's lock: a prune (remove_rootfs) decides under it too, after the
+    # caller recorded that it uses this image (building.json), so it cannot take the tree away
+    # between this look and that use.
+    with _cache.Lock(dest):
+        found = cached_rootfs(cache, img.id)
     if found is not None:
         say(f"root filesystem cached: {found}")
         return found, False
-    parent.mkdir(parents=True, exist_ok=True)
-    _sweep(parent)
-    dest = parent / hexid
-    verify_layers(img, say)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{hexid[:16]}.{os.getpid()}.", suffix=".tmp", dir=parent))
-    try:
-        root = tmp / "root"
-        root.mkdir()
+    done: dict = {}  # what the build tells the caller
+
+    def build(root: Path) -> None:
+        verify_layers(img, say)
         t0 = time.monotonic()
         stats = unpack(img, root, say)
         tree = Tree(root)
@@ -1100,16 +1087,15 @@ def build_rootfs(img: Image, cache: Path, log: Log | None = None,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (root / MARKER).write_text(json.dumps(meta, indent=1) + "\n")
-        if dest.exists():
-            if cached_rootfs(cache, img.id) is not None:
-                say(f"root filesystem {dest} was finished concurrently; using it")
-                return dest, False
-            dest.rename(tmp / "stale")
-        root.rename(dest)
-        say(f"unpacked the root filesystem into {dest} ({stats['entries']} entries, {meta['seconds']}s)")
-        return dest, True
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        done.update(entries=stats["entries"], seconds=meta["seconds"])
+
+    built = _cache.build_once(dest, lambda p: cached_rootfs(cache, img.id) is not None, build,
+                              kind="image-rootfs", key=img.id, cache=Path(cache), say=say)
+    if not built:
+        say(f"root filesystem {dest} was finished concurrently; using it")
+        return dest, False
+    say(f"unpacked the root filesystem into {dest} ({done['entries']} entries, {done['seconds']}s)")
+    return dest, True
 
 
 def _ensure_dir(tree: Tree, rel: str, mode: int) -> None:
@@ -1123,15 +1109,18 @@ def _ensure_dir(tree: Tree, rel: str, mode: int) -> None:
         os.chmod(tree._host(parts), mode)
 
 
-def remove_rootfs(cache: Path, image_id: str) -> None:
+def remove_rootfs(cache: Path, image_id: str, unused: Callable[[], bool] | None = None) -> bool:
+    """Remove the unpacked tree of `image_id` (renamed away first: never a half-removed tree
+    under the real name), under its lock so that no unpack or lookup of it runs meanwhile; if
+    `unused` is given, only when it still says so under the lock. True if it was removed."""
     dest = rootfs_dir(cache) / check_digest(image_id).split(":", 1)[1]
-    if dest.exists():
-        tmp = dest.with_name(f".{dest.name[:16]}.{os.getpid()}.gone.tmp")
-        try:
-            dest.rename(tmp)  # atomically: never a half-removed tree under the real name
-        except OSError:
-            tmp = dest
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not os.path.lexists(dest):
+        return False
+    with _cache.Lock(dest):
+        if unused is not None and not unused():
+            return False
+        _cache.remove_entry(dest)
+        return True
 
 
 # --- identity ------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Build a template's root filesystem from Debian packages: `apt-get download` + `dpkg -x`, no chroot.
 
 The recipe's packages and their transitive Depends/Pre-Depends are downloaded into `<cache>/debs/`
-(kept across builds) and unpacked with `dpkg -x`, so no maintainer script runs. The tree is then
+(kept across builds; COLLIMATE_DEB_CACHE puts them elsewhere, e.g. outside a cache CI empties) and unpacked with `dpkg -x`, so no maintainer script runs. The tree is then
 finished by hand (usrmerge symlinks, python3 and busybox applet links, /etc basics), checked natively
-with its own dynamic loader, and renamed into `<cache>/rootfs/<name>-<key>/`. The key hashes the
+with its own dynamic loader, and renamed into `<cache>/rootfs/<name>-<key>/`
+(one build per key at a time, however many threads and processes ask: see _cache.py). The key hashes the
 recipe, the resolved package versions and BUILD_VERSION, so a build with an unchanged key is a no-op.
 A finished tree holds a manifest, `.collimate-rootfs.json`. The tree is a build product: never commit it.
 
@@ -17,10 +18,17 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
+import importlib.util
 import time
 from pathlib import Path
 from typing import Callable
+
+if __package__:
+    from collimate_core import _cache
+else:  # loaded by path (guest/rootfs/build.py, tests/test_rootfs.py): its sibling, the same way
+    _spec = importlib.util.spec_from_file_location("collimate_cache", Path(__file__).with_name("_cache.py"))
+    _cache = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_cache)
 
 # Bump whenever the build steps change, so that existing trees are not reused.
 BUILD_VERSION = 5
@@ -96,94 +104,89 @@ class RootfsError(RuntimeError):
 
 
 def default_cache() -> Path:
-    if os.environ.get("COLLIMATE_CACHE"):
-        return Path(os.environ["COLLIMATE_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "collimate"
+    return _cache.cache_dir()
+
+
+def _finished(dest: Path) -> bool:
+    return (dest / MANIFEST).is_file()
+
+
+class _NeedsFreshLists(Exception):
+    """Planning or downloading failed (its cause): the package lists may be missing or stale, so
+    refresh them and plan again (the key may change with them)."""
 
 
 def build_rootfs(name: str = "python", cache: str | os.PathLike | None = None,
                  progress: Callable[[str], None] | None = None, force: bool = False) -> Path:
-    """Build (or find already built) the root filesystem of recipe `name`; return its directory."""
+    """Build (or find already built) the root filesystem of recipe `name`; return its directory.
+    Safe to call from many threads and processes at once: one of them builds (under the tree's
+    lock, see _cache.py), the others wait and use its tree."""
     say = progress or (lambda msg: None)
     if name not in RECIPES:
         raise RootfsError(f"unknown recipe {name!r}; known: {', '.join(sorted(RECIPES))}")
     cache = Path(cache) if cache is not None else default_cache()
-    _sweep(cache / "rootfs")
-    t0 = time.monotonic()
+    _cache.sweep(cache / "rootfs")
     while True:
         try:
-            plan = _plan(RECIPES[name], say)
+            t0 = time.monotonic()
+            try:
+                plan = _plan(RECIPES[name], say)
+            except RootfsError as e:
+                raise _NeedsFreshLists() from e
             dest = cache / "rootfs" / f"{name}-{plan['key']}"
-            if (dest / MANIFEST).is_file() and not force:
+            if _finished(dest) and not force:
                 say(f"{dest} is up to date")
                 return dest
             t_resolve = time.monotonic() - t0
-            debs = _download(plan["packages"], cache / "debs", say)
-            break
-        except RootfsError as e:
+            built = _cache.build_once(
+                dest, _finished, lambda tmp: _build(tmp, name, plan, cache, say, t0, t_resolve),
+                kind="rootfs", key=dest.name, cache=cache, force=force, say=say)
+            if not built:
+                say(f"{dest} was finished by a concurrent build; using it")
+            return dest
+        except _NeedsFreshLists as e:
+            err = e.__cause__
             # Missing (fresh machine) or stale package lists: refresh them once, then try again.
             if _apt_updated:
-                raise
-            say(f"{e}\nrefreshing the package lists and trying again")
+                raise err from None
+            say(f"{err}\nrefreshing the package lists and trying again")
             try:
-                _apt_update(say)
+                with _cache.Lock(cache / "apt-update"):  # apt refuses a second update at once
+                    _apt_update(say)
             except RootfsError as u:
-                raise RootfsError(f"{e}\n(refreshing the package lists failed too: {u})") from None
-    t_download = time.monotonic() - t0 - t_resolve
+                raise RootfsError(f"{err}\n(refreshing the package lists failed too: {u})") from None
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmp",
-                                dir=dest.parent))
+
+def _build(root: Path, name: str, plan: dict, cache: Path, say, t0: float, t_resolve: float) -> None:
+    """Download the plan's packages and make the tree in the empty directory `root`."""
     try:
-        t1 = time.monotonic()
-        root = tmp / "root"
-        root.mkdir()
-        for i, deb in enumerate(debs, 1):
-            say(f"extract [{i}/{len(debs)}] {deb.name}")
-            _run(["dpkg", "-x", str(deb), str(root)], f"dpkg -x {deb.name}")
-        t_extract = time.monotonic() - t1
-        say("finish tree: usrmerge, links, /etc")
-        _finish_tree(root)
-        say("verify tree natively")
-        version = _verify(root)
-        say(f"verified: python {version}")
-        files, size = _tree_size(root)
-        manifest = {
-            "name": name, "key": plan["key"], "build_version": BUILD_VERSION,
-            "recipe": list(RECIPES[name]), "packages": plan["packages"], "excluded": plan["excluded"],
-            "python_version": version, "files": files, "size_bytes": size,
-            "debs_bytes": sum(p["size"] for p in plan["packages"]),
-            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "seconds": {"resolve": round(t_resolve, 2), "download": round(t_download, 2),
-                        "extract": round(t_extract, 2), "total": round(time.monotonic() - t0, 2)},
-        }
-        (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if dest.exists() and (force or not (dest / MANIFEST).is_file()):
-            dest.rename(tmp / "old")  # replaced, or the leftover of something else
-        try:
-            root.rename(dest)
-        except OSError:
-            if not (dest / MANIFEST).is_file():
-                raise
-            say(f"{dest} was finished by a concurrent build; keeping that one")
-            return dest
-        say(f"built {dest}: {len(plan['packages'])} packages, {files} files, "
-            f"{size / 2**20:.1f} MiB in {manifest['seconds']['total']} s")
-        return dest
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _sweep(parent: Path) -> None:
-    """Remove the temporary trees of builds that were killed (named .<dest>.<pid>.<random>.tmp)."""
-    for tmp in parent.glob(".*.tmp") if parent.is_dir() else ():
-        try:
-            os.kill(int(tmp.name[1:-4].rsplit(".", 2)[1]), 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        except (ValueError, IndexError, PermissionError):
-            pass  # not ours, or the builder is alive under another user
+        debs = _download(plan["packages"], _cache.deb_dir(cache), say)
+    except RootfsError as e:
+        raise _NeedsFreshLists() from e
+    t_download = time.monotonic() - t0 - t_resolve
+    t1 = time.monotonic()
+    for i, deb in enumerate(debs, 1):
+        say(f"extract [{i}/{len(debs)}] {deb.name}")
+        _run(["dpkg", "-x", str(deb), str(root)], f"dpkg -x {deb.name}")
+    t_extract = time.monotonic() - t1
+    say("finish tree: usrmerge, links, /etc")
+    _finish_tree(root)
+    say("verify tree natively")
+    version = _verify(root)
+    say(f"verified: python {version}")
+    files, size = _tree_size(root)
+    manifest = {
+        "name": name, "key": plan["key"], "build_version": BUILD_VERSION,
+        "recipe": list(RECIPES[name]), "packages": plan["packages"], "excluded": plan["excluded"],
+        "python_version": version, "files": files, "size_bytes": size,
+        "debs_bytes": sum(p["size"] for p in plan["packages"]),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "seconds": {"resolve": round(t_resolve, 2), "download": round(t_download, 2),
+                    "extract": round(t_extract, 2), "total": round(time.monotonic() - t0, 2)},
+    }
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    say(f"built {root.parent / (name + '-' + plan['key'])}: {len(plan['packages'])} packages, {files} files, "
+        f"{size / 2**20:.1f} MiB in {manifest['seconds']['total']} s")
 
 
 def _run(cmd: list[str], what: str, check: bool = True, **kw) -> str:
@@ -281,7 +284,8 @@ def _download(packages, debdir: Path, say) -> list[Path]:
         return debs
     say(f"apt-get download: {len(want)} of {len(debs)} packages, "
         f"{sum(p['size'] for p, _ in want) / 2**20:.1f} MiB")
-    with tempfile.TemporaryDirectory(prefix=".download.", dir=debdir) as tmp:
+    _cache.sweep(debdir)  # downloads of killed builds
+    with _cache.Temp(debdir / "download") as tmp:
         _run(["apt-get", "download", *(f"{p['name']}={p['version']}" for p, _ in want)],
              "apt-get download", cwd=tmp)
         for p, path in want:

@@ -43,7 +43,6 @@ import re
 import secrets
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -63,6 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from collimate_core import _cache
 from collimate_core._errors import (
     AuthenticationError,
     CapacityError,
@@ -962,12 +962,13 @@ class ControlPlane:
             if length.isdigit() and int(length) > room:
                 raise _over_quota(used, quota, int(length))
         await self.run(store.mkdir, parents=True, exist_ok=True)
-        # a dot file: the store's lookups skip it until it is verified and renamed
-        fd, tmp_name = tempfile.mkstemp(dir=store, prefix=".upload-", suffix=".tmp")
-        tmp = Path(tmp_name)
+        # a dot file: the store's lookups skip it until it is verified and renamed; flocked while
+        # it arrives, so that a killed server's partial uploads are swept (see _cache.py)
+        upload = _cache.Temp(store / "upload", file=True)
+        tmp = upload.__enter__()
         size = 0
         try:
-            with os.fdopen(fd, "wb") as f:
+            with open(tmp, "wb") as f:
                 buf: list[bytes] = []
                 held = 0
                 async for chunk in _stream(request):
@@ -991,7 +992,7 @@ class ControlPlane:
             info.pop("default_name", None)
             kept = await self.run(images.keep, tmp, stored, info, size, quota)
         finally:
-            tmp.unlink(missing_ok=True)
+            upload.__exit__(None, None, None)
         with self._lock:
             self._meter(tenant).add("bytes_in", size)
         _event("image_uploaded", tenant=tenant, image=stored, digest=info["digest"], bytes=size,
@@ -1302,13 +1303,21 @@ class _ImageStore:
     deleted. The index (`images.json`, next to the store, never inside it) records each upload:
     digest, image id, format, layers, bytes, when. Uploading the same image under the same name
     again replaces that upload. Blocking (run in worker threads); one lock per tenant orders the
-    changes, so the quota check and the rename that keeps an upload happen together.
+    changes, so the quota check and the rename that keeps an upload happen together; an flock on
+    the index (`.images.json.lock`) orders them with other server processes on the same cache.
     """
 
     def __init__(self, path: Path):
         self.path = path
         self.index_path = path.parent / "images.json"
         self.lock = threading.Lock()
+
+    @contextmanager
+    def _changing(self):
+        """Both locks, for a change (the thread lock first: one flock waiter per process)."""
+        with self.lock, _cache.Lock(self.index_path):
+            _cache.sweep(self.path)  # uploads a killed server left
+            yield
 
     def _archives(self) -> dict[str, Path]:
         try:
@@ -1322,7 +1331,7 @@ class _ImageStore:
         total = 0
         try:
             for e in os.scandir(self.path):
-                if not e.name.startswith(".upload-") and e.is_file(follow_symlinks=False):
+                if not e.name.startswith(".upload") and e.is_file(follow_symlinks=False):
                     total += e.stat(follow_symlinks=False).st_size
         except FileNotFoundError:
             pass
@@ -1358,9 +1367,7 @@ class _ImageStore:
         return index
 
     def _save(self, index: dict[str, list[dict]]) -> None:
-        tmp = self.index_path.with_name(f".{self.index_path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps({"images": index}, indent=1, sort_keys=True))
-        os.replace(tmp, self.index_path)
+        _cache.write_atomic(self.index_path, json.dumps({"images": index}, indent=1, sort_keys=True))
 
     def listing(self) -> tuple[dict[str, list[dict]], int]:
         with self.lock:
@@ -1395,7 +1402,7 @@ class _ImageStore:
     def keep(self, tmp: Path, name: str, info: dict, size: int, quota: int) -> dict:
         """Keep the verified upload `tmp` as the newest under `name`; 413 (and nothing kept) if it
         would take the tenant over `quota` bytes."""
-        with self.lock:
+        with self._changing():
             index = self._load()
             versions = index.get(name, [])
             same = next((v for v in versions if v["digest"] == info["digest"]), None)
@@ -1407,7 +1414,12 @@ class _ImageStore:
             for v in versions:
                 if v is not same and v["file"] == newest:  # the one before stays, under its digest
                     older = f"{name}@{v['digest'].split(':', 1)[1]}.tar"
-                    os.replace(self.path / newest, self.path / older)
+                    # A second name first, then the new upload over the first: `<name>.tar` never
+                    # goes missing for a bake reading the store meanwhile (no lock needed there).
+                    try:
+                        os.link(self.path / newest, self.path / older)
+                    except FileExistsError:
+                        os.replace(self.path / newest, self.path / older)
                     v["file"] = older
             if same is not None:
                 versions.remove(same)
@@ -1424,7 +1436,7 @@ class _ImageStore:
     def delete(self, name: str, digest: str | None) -> list[dict]:
         """Remove the uploads under `name` (or the one with `digest`); the newest left becomes what
         the name refers to. NotFoundError if there is none."""
-        with self.lock:
+        with self._changing():
             index = self._load()
             versions = index.get(name, [])
             if digest is None:

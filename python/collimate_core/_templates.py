@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from collimate_core import _cache
 from collimate_core._core import SNAPSHOT_FORMAT, Vm
 from collimate_core._errors import EngineError, NotFoundError
 
@@ -38,9 +39,7 @@ GUEST_ENV = {
 
 def cache_dir() -> Path:
     """The cache directory: COLLIMATE_CACHE, else $XDG_CACHE_HOME/collimate (one rule for all)."""
-    from collimate_core._rootfs import default_cache
-
-    return default_cache()
+    return _cache.cache_dir()
 
 
 def frame(obj: dict) -> bytes:
@@ -99,18 +98,10 @@ def _agent_hash() -> str:
     return hashlib.sha256((AGENT_DIR / "agent.py").read_bytes()).hexdigest()[:16]
 
 
-def bake_python(cache: Path | None = None, progress: Callable[[str], None] | None = None) -> Baked:
-    """Bake (or find) the catalog "python" template."""
-    from collimate_core import _rootfs
-
-    cache = Path(cache) if cache else cache_dir()
-    index = cache / "templates" / "python.json"
-    # The root filesystem the template must be on: COLLIMATE_ROOTFS if set, else the recipe's
-    # (its exact key needs the package archive: the recipe and build version stand for it here).
-    wanted_root = os.environ.get("COLLIMATE_ROOTFS")
-    recipe = f"{_rootfs.BUILD_VERSION}|{','.join(_rootfs.RECIPES['python'])}"
+def _python_index(cache: Path, wanted_root: str | None, recipe: str) -> Baked | None:
+    """The template `templates/python.json` names, if it is finished and still what is wanted."""
     try:
-        meta = json.loads(index.read_text())
+        meta = json.loads((cache / "templates" / "python.json").read_text())
         path = Path(meta["path"])
         if (
             meta.get("version") == TEMPLATE_VERSION
@@ -121,55 +112,74 @@ def bake_python(cache: Path | None = None, progress: Callable[[str], None] | Non
             and (Path(wanted_root) == Path(meta["root"]) if wanted_root else meta.get("recipe") == recipe)
         ):
             return Baked("python", path, Path(meta["root"]), True)
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         pass
+    return None
+
+
+def _bake_snapshot(tmp: Path, root: Path, say: Callable[[str], None]) -> None:
+    """Boot the agent on `root` to its ready point and checkpoint it into `tmp`."""
+    say("starting the agent")
+    work = Path(tempfile.mkdtemp(prefix="collimate-bake-"))
+    try:
+        (work / "work").mkdir()
+        (work / "tmp").mkdir(mode=0o1777)
+        (work / "shm").mkdir(mode=0o1777)  # /dev/shm: POSIX semaphores and shared memory
+        os.chmod(work / "tmp", 0o1777)  # (mkdir's mode is masked by the umask)
+        os.chmod(work / "shm", 0o1777)
+        vm = Vm.spawn(
+            root,
+            ["/usr/bin/python3", "/opt/collimate/agent.py"],
+            env=GUEST_ENV,
+            cwd="/work",
+            mounts={"/work": work / "work", "/tmp": work / "tmp", "/dev/shm": work / "shm"},
+            ro_mounts={"/opt/collimate": AGENT_DIR},
+            agent=True,
+        )
+        try:
+            r = vm.run(120.0)
+            if (r.kind, r.value) != ("yield", AGENT_IDLE):
+                raise EngineError(
+                    f"baking the python template: the agent did not reach its ready point ({r!r}); "
+                    f"stderr: {r.stderr[-2000:].decode(errors='replace')}"
+                )
+            say("checkpointing")
+            vm.snapshot(tmp)
+        finally:
+            vm.destroy()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def bake_python(cache: Path | None = None, progress: Callable[[str], None] | None = None) -> Baked:
+    """Bake (or find) the catalog "python" template. Many threads and processes may ask at once
+    on an empty cache: one builds the root filesystem and one bakes (each under its entry's lock,
+    see _cache.py); the others wait and use theirs."""
+    from collimate_core import _rootfs
+
+    cache = Path(cache) if cache else cache_dir()
+    # The root filesystem the template must be on: COLLIMATE_ROOTFS if set, else the recipe's
+    # (its exact key needs the package archive: the recipe and build version stand for it here).
+    wanted_root = os.environ.get("COLLIMATE_ROOTFS")
+    recipe = f"{_rootfs.BUILD_VERSION}|{','.join(_rootfs.RECIPES['python'])}"
+    found = _python_index(cache, wanted_root, recipe)
+    if found is not None:
+        return found
 
     bar = _Progress("baking template python") if progress is None else None
     say = progress or bar
     root = Path(wanted_root or _rootfs.build_rootfs("python", cache=cache, progress=say))
     key = hashlib.sha256(f"{TEMPLATE_VERSION}|{SNAPSHOT_FORMAT}|{root}|{_agent_hash()}".encode()).hexdigest()[:16]
     path = cache / "templates" / f"python-{key}"
-    if not (path / "vm.state").exists():
-        say("starting the agent")
-        work = Path(tempfile.mkdtemp(prefix="collimate-bake-"))
-        try:
-            (work / "work").mkdir()
-            (work / "tmp").mkdir(mode=0o1777)
-            (work / "shm").mkdir(mode=0o1777)  # /dev/shm: POSIX semaphores and shared memory
-            os.chmod(work / "tmp", 0o1777)
-            os.chmod(work / "shm", 0o1777)
-            vm = Vm.spawn(
-                root,
-                ["/usr/bin/python3", "/opt/collimate/agent.py"],
-                env=GUEST_ENV,
-                cwd="/work",
-                mounts={"/work": work / "work", "/tmp": work / "tmp", "/dev/shm": work / "shm"},
-                ro_mounts={"/opt/collimate": AGENT_DIR},
-                agent=True,
-            )
-            try:
-                r = vm.run(120.0)
-                if (r.kind, r.value) != ("yield", AGENT_IDLE):
-                    raise EngineError(
-                        f"baking the python template: the agent did not reach its ready point ({r!r}); "
-                        f"stderr: {r.stderr[-2000:].decode(errors='replace')}"
-                    )
-                say("checkpointing")
-                tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-                shutil.rmtree(tmp, ignore_errors=True)
-                vm.snapshot(tmp)
-                shutil.rmtree(path, ignore_errors=True)
-                os.replace(tmp, path)
-            finally:
-                vm.destroy()
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    index.parent.mkdir(parents=True, exist_ok=True)
-    tmp_index = index.with_suffix(f".{os.getpid()}.tmp")
-    tmp_index.write_text(
-        json.dumps({"version": TEMPLATE_VERSION, "snapshot_format": SNAPSHOT_FORMAT, "recipe": recipe, "agent": _agent_hash(), "path": str(path), "root": str(root)})
-    )
-    os.replace(tmp_index, index)
+    # A finished template directory is never replaced (sandboxes of other processes map it);
+    # only a leftover without vm.state is.
+    _cache.build_once(path, lambda p: (p / "vm.state").exists(), lambda tmp: _bake_snapshot(tmp, root, say),
+                      kind="template", key=path.name, cache=cache, say=say)
+    # Written whole and renamed (readers see the old index or the new one); concurrent bakers
+    # write the same content.
+    _cache.write_atomic(cache / "templates" / "python.json", json.dumps(
+        {"version": TEMPLATE_VERSION, "snapshot_format": SNAPSHOT_FORMAT, "recipe": recipe,
+         "agent": _agent_hash(), "path": str(path), "root": str(root)}))
     if bar:
         bar.done()
     return Baked("python", path, root, True)
