@@ -36,7 +36,7 @@ import secrets
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from collimate_core._errors import EngineError, InvalidArgument
 from collimate_core._grading import GradeResult
@@ -108,7 +108,9 @@ def _checker_source(checker: Any) -> tuple[str | None, str]:
             tree = ast.parse(checker)
         except SyntaxError as e:
             raise InvalidArgument(f"IOTestReward.checker does not parse: {e}") from None
-        if not any(isinstance(n, ast.FunctionDef) and n.name == "check" for n in tree.body):
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        if "check" not in defined:
             raise InvalidArgument("IOTestReward.checker source must define check(input, output, expected)")
         return checker, "check"
     if callable(checker) and getattr(checker, "__name__", "<lambda>").isidentifier() and checker.__name__ != "<lambda>":
@@ -118,7 +120,9 @@ def _checker_source(checker: Any) -> tuple[str | None, str]:
             src = textwrap.dedent(inspect.getsource(checker))
         except (OSError, TypeError) as e:
             raise InvalidArgument(f"IOTestReward.checker: no source for {checker!r} ({e}); give its source text") from None
-        return src, checker.__name__
+        if checker.__name__ != "check":
+            src += f"\n\ncheck = {checker.__name__}\n"
+        return src, "check"
     raise InvalidArgument("IOTestReward.checker takes source defining check(input, output, expected), or a def'd function")
 
 
@@ -159,19 +163,13 @@ class IOTestReward:
                 raise InvalidArgument(f"each IOTestReward case is a (stdin, expected_stdout) pair of str, not {c!r:.80}")
             norm.append((c[0], c[1]))
         object.__setattr__(self, "cases", tuple(norm))
-        if not isinstance(self.checker, (str, type(None))):
-            src, name = _checker_source(self.checker)
-            object.__setattr__(self, "checker", src)
-            object.__setattr__(self, "_checker_name", name)
+        if self.checker is not None:
+            object.__setattr__(self, "checker", _checker_source(self.checker)[0])
 
     # The attribute _grading's preparation reads for its own timeouts.
     @property
     def timeout_seconds(self) -> float:
         return max(30.0, float(self.time_limit_seconds))
-
-    @property
-    def checker_name(self) -> str:
-        return getattr(self, "_checker_name", "check")
 
     def _parts(self) -> list[str]:
         if not self.cases:
@@ -266,6 +264,14 @@ class _TemplateCases:
         self._used = True
         return self._sb.exec(**kw)
 
+    def check_alive(self) -> None:
+        """After a case that ended without the agent's reply (a timeout, a signal): the sandbox
+        must still answer, or what looked like the candidate's failure was the sandbox dying (a
+        VMM process killed from outside reports as a timeout); that raises, it is never scored."""
+        r = self.exec_fresh(code="pass", timeout_seconds=30.0)
+        if not r.ok:
+            raise EngineError(f"the sandbox does not answer after a case (exit {r.exit_code}): {r.stderr[-300:]}")
+
 
 class _ForkedCases:
     """Case sandboxes on a client without templates: a fresh child of the prepared parent per exec."""
@@ -282,6 +288,9 @@ class _ForkedCases:
     def exec_fresh(self, **kw: Any):
         with self._parent.fork_group(1, seed=self._seed) as grp:
             return grp[0].exec(**kw)
+
+    def check_alive(self) -> None:
+        pass  # each case had a child of its own; the parent answers for the next fork
 
 
 def _seal(nonce: str) -> list[str]:
@@ -350,11 +359,14 @@ def grade_io_in(cases_box: Any, code: str, spec: IOTestReward, seed: str | None)
             shown = (_tail(out), _tail(r.stderr))
         if stop and v not in (None, "ok"):
             break
+    last = verdicts[-1] if verdicts else None
+    if last == "time_limit" or (last in ("runtime_error", "memory_limit") and r.exit_code >= 128):
+        cases_box.check_alive()
     if outputs:
         nonce = secrets.token_hex(16)
         token = "__collimate_verdict_" + nonce + ":"
         items = [(spec.cases[k][0], outputs[k], spec.cases[k][1]) for k in sorted(outputs)]
-        call = f"{_CHECK}({_seal(nonce)!r}, {spec.checker!r}, {spec.checker_name!r}, {items!r})\n"
+        call = f"{_CHECK}({_seal(nonce)!r}, {spec.checker!r}, 'check', {items!r})\n"
         r = cases_box.exec_fresh(code=call, timeout_seconds=max(30.0, float(spec.time_limit_seconds) * len(items)),
                                  seed=seed)
         from collimate_core._grading import _verdict
