@@ -133,6 +133,13 @@ def grade_many(
             name, parent = where[_group_key(spec)]
             if isinstance(spec, IOTestReward):
                 return _iotest.grade_io_one(client, name, parent, code, spec, seeds[i])
+            # What needs no sandbox (as _grading._grade_in answers it): no code, a syntax error.
+            if not code.strip():
+                return GradeResult(0.0, "no code to grade")
+            try:
+                compile(code, "<candidate>", "exec")
+            except SyntaxError as e:
+                return GradeResult(0.0, f"syntax error: {e}")
             if name is not None:
                 with Sandbox(name, client=client) as sb:
                     return _grading._grade_in(sb, code, spec, seeds[i])

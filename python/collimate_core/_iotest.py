@@ -320,8 +320,8 @@ def _stdout_text(r: Any) -> str:
     return data.decode("utf-8", errors="replace") if data else r.stdout
 
 
-def grade_io_in(cases_box: Any, code: str, spec: IOTestReward, seed: str | None) -> IOGradeResult:
-    """Grade `code` on every case of `spec` in `cases_box` (_TemplateCases or _ForkedCases)."""
+def without_sandbox(code: str, spec: IOTestReward) -> IOGradeResult | None:
+    """The result of a candidate that needs no sandbox (no code, a syntax error), else None."""
     if not isinstance(code, str):
         raise InvalidArgument(f"the candidate code must be a str, not {type(code).__name__}")
     n = len(spec.cases)
@@ -332,6 +332,15 @@ def grade_io_in(cases_box: Any, code: str, spec: IOTestReward, seed: str | None)
     except (SyntaxError, ValueError) as e:
         return IOGradeResult(0.0, f"syntax error: {e}", [False] * n, verdicts=["runtime_error"] * n,
                              case_durations=[0.0] * n)
+    return None
+
+
+def grade_io_in(cases_box: Any, code: str, spec: IOTestReward, seed: str | None) -> IOGradeResult:
+    """Grade `code` on every case of `spec` in `cases_box` (_TemplateCases or _ForkedCases)."""
+    static = without_sandbox(code, spec)
+    if static is not None:
+        return static
+    n = len(spec.cases)
     stop = (not spec.partial_credit) if spec.stop_on_failure is None else bool(spec.stop_on_failure)
     limit = None if spec.memory_limit_mb is None else int(spec.memory_limit_mb * (1 << 20))
     verdicts: list[str | None] = []
@@ -401,6 +410,9 @@ def grade_io_in(cases_box: Any, code: str, spec: IOTestReward, seed: str | None)
 def grade_io_one(client: Any, name: str | None, parent: Any, code: str, spec: IOTestReward, seed: str) -> IOGradeResult:
     """One candidate in its own sandbox: a clone of the prepared template `name`, or (name None)
     children of the prepared `parent`."""
+    static = without_sandbox(code, spec)
+    if static is not None:
+        return static
     box = _TemplateCases(client, name) if name is not None else _ForkedCases(parent, seed)
     with box:
         return grade_io_in(box, code, spec, seed)
