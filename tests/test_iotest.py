@@ -202,6 +202,44 @@ def test_a_checker_runs_in_the_sandbox(client):
     assert grade("import math\nprint(-math.isqrt(int(input())))\n", sq, client=client).verdicts == ["ok", "ok"]
 
 
+class _NoTemplates:
+    """A client that cannot host templates (as a remote client): a fresh child of a prepared parent
+    per case."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        if name in ("register_template", "_template"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+@pytest.mark.kvm
+@needs_kvm
+def test_grading_by_forking_a_prepared_parent(client):
+    forking = _NoTemplates(client)
+    names = ["input()", "wrong", "crash", "right output, exit 3", "os._exit(0) before the flush"]
+    spec = IOTestReward(cases=ADD.cases, time_limit_seconds=3)
+    rs = grade_batch([PROGRAMS[n][0] for n in names], spec, client=forking)
+    assert [(r.reward, r.verdicts) for r in rs] == [PROGRAMS[n][1:] for n in names], [r.reason for r in rs]
+    checked = IOTestReward(cases=[("12\n", "2\n")], checker=divisor_checker)
+    assert grade("n = int(input())\nprint(n // 2)\n", checked, client=forking).reward == 1.0
+
+
+@pytest.mark.kvm
+@needs_kvm
+def test_large_input_and_output(client):
+    n = 200_000
+    data = "".join(f"{k}\n" for k in range(n))
+    spec = IOTestReward(cases=[(f"{n}\n" + data, data)], time_limit_seconds=20)
+    echo = "import sys\nn = int(sys.stdin.readline())\nsys.stdout.write(''.join(sys.stdin.readlines()))\n"
+    drop = "import sys\nn = int(sys.stdin.readline())\nsys.stdout.write(''.join(sys.stdin.readlines()[:-1]))\n"
+    rs = grade_batch([echo, drop], spec, client=client)
+    assert [(r.reward, r.verdicts) for r in rs] == [(1.0, ["ok"]), (0.0, ["wrong_answer"])], [r.reason for r in rs]
+    assert len(rs[0].stdout) <= 64 << 10  # the result keeps a bounded tail
+
+
 # --- the hostile corpus, as programs ------------------------------------------------------------
 
 SUM = IOTestReward(cases=[("3\n1 2 3\n", "6\n"), ("2\n5 7\n", "12\n"), ("1\n-4\n", "-4\n")], time_limit_seconds=3)

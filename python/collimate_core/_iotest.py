@@ -22,7 +22,13 @@ exit) and "skipped" (not run: an earlier case failed and the spec stops at the f
 
 A candidate has nothing to forge: it never sees an expected output, and what decides a case is
 what the host captured (its stdout, its exit status, the host's clock). An infrastructure failure
-(the sandbox died, the engine failed) raises and is never scored.
+(the sandbox died, the engine failed) raises and is never scored; a case that ended without the
+agent's reply (a timeout, a signal) is scored only once the sandbox answers again.
+
+Known limits: the memory limit is the runner's, not the engine's (the engine has no RLIMIT_AS): a
+program that flushes its answer and leaves with os._exit between garbage-collector passes escapes
+the check at exit. Threads are not supported in a sandbox, so a solution that runs its main in a
+threading.Thread (for a bigger stack) fails with a runtime error.
 """
 
 from __future__ import annotations
