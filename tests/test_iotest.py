@@ -509,21 +509,34 @@ def test_grade_many_mixes_specs_in_input_order(client):
 
 @pytest.mark.kvm
 @needs_kvm
-def test_new_tests_prepare_no_new_template(client):
-    def prepared():
-        return {n for n in client._templates if n.startswith("__grading__")}
+def test_new_tests_prepare_no_new_template():
+    from collimate_core import EmbeddedClient
 
-    first = [(f"print(int(input()) + {k})", IOTestReward(cases=[(f"{k}\n", f"{2 * k}\n")])) for k in range(4)]
-    first += [(f"def f(x): return x + {k}", UnitTestReward(tests=f"import math\nassert f({k}) == {2 * k}\n"))
-              for k in range(4)]
-    assert [r.reward for r in grade_many(first, client=client)] == [1.0] * 8
-    before = prepared()
-    # A new batch: other prompts, other tests (importing nothing new).
-    second = [(f"print(int(input()) * {k})", IOTestReward(cases=[(f"{k}\n", f"{k * k}\n"), ("1\n", f"{k}\n")]))
-              for k in range(5, 9)]
-    second += [(f"def g(x): return x * {k}", UnitTestReward(tests=f"assert g({k}) == {k * k}\n")) for k in range(5, 9)]
-    assert [r.reward for r in grade_many(second, client=client)] == [1.0] * 8
-    assert prepared() == before
+    c = EmbeddedClient()  # its own: the templates it prepares are all this test's
+
+    def prepared():
+        return {n for n in c._templates if n.startswith("__grading__")}
+
+    try:
+        first = [(f"print(int(input()) + {k})", IOTestReward(cases=[(f"{k}\n", f"{2 * k}\n")])) for k in range(4)]
+        first += [(f"def f(x): return x + {k}", UnitTestReward(tests=f"import fractions\nassert f({k}) == {2 * k}\n"))
+                  for k in range(4)]
+        assert [r.reward for r in grade_many(first, client=c)] == [1.0] * 8
+        before = prepared()
+        assert len(before) == 2  # one for the stdin/stdout specs, one for the unit tests
+        # A new batch: other prompts, other tests, importing nothing new (not even fractions: the
+        # template prepared with it serves them).
+        second = [(f"print(int(input()) * {k})", IOTestReward(cases=[(f"{k}\n", f"{k * k}\n"), ("1\n", f"{k}\n")]))
+                  for k in range(5, 9)]
+        second += [(f"def g(x): return x * {k}", UnitTestReward(tests=f"assert g({k}) == {k * k}\n")) for k in range(5, 9)]
+        assert [r.reward for r in grade_many(second, client=c)] == [1.0] * 8
+        assert prepared() == before
+        # Tests that import a module not seen before on this client: one template more.
+        third = [("def h(x): return x", UnitTestReward(tests="import decimal\nassert h(decimal.Decimal(1)) == decimal.Decimal(1)\n"))]
+        assert grade_many(third, client=c)[0].reward == 1.0
+        assert len(prepared() - before) == 1
+    finally:
+        c.close()
 
 
 @pytest.mark.kvm
