@@ -212,6 +212,11 @@ def test_score_rows_and_spec_from_tests(client):
     assert spec_from_tests(gt, "io") is spec_from_tests(json.loads(json.dumps(gt)), "io")
     assert spec_from_tests(gt, None, partial_credit=True).partial_credit
     assert isinstance(spec_from_tests("assert True\n"), UnitTestReward)
+    mbpp = spec_from_tests(["assert f(1) == 2", "assert f(2) == 4"], "unit")
+    assert mbpp.tests == "assert f(1) == 2\nassert f(2) == 4\n"
+    assert score_rows([{"test_list": ["assert f(1) == 2", "assert f(2) == 4"]}] * 2,
+                      [fenced("def f(x): return 2 * x"), fenced("def f(x): return x + 1")], tests_key="test_list",
+                      client=client) == [1.0, 0.0]
     with pytest.raises(InvalidArgument):
         spec_from_tests(gt, "io", no_such_option=1)
     with pytest.raises(InvalidArgument):

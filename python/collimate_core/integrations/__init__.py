@@ -1,6 +1,7 @@
 """Trainer integrations: rows of a dataset, each with its own tests, to rewards.
 
-- `spec_from_tests(tests, kind=...)`: a row's tests column to a spec: test code (kind "unit"), or
+- `spec_from_tests(tests, kind=...)`: a row's tests column to a spec: test code (kind "unit"; also
+  a list of assert statements, as MBPP's test_list), or
   stdin/stdout cases (kind "io": `{"inputs": [...], "outputs": [...]}` as a dict or a JSON string,
   as sandbox-fusion and the APPS/TACO/DeepCoder datasets store them, or a list of (stdin, stdout)
   pairs or of {"input", "output"} dicts). kind None tells them apart.
@@ -107,7 +108,9 @@ def _build_spec(tests: Any, kind: str | None, kwargs: dict) -> Any:
             raise InvalidArgument(f"IOTestReward takes no {sorted(unknown)}")
         return IOTestReward(cases=cases, **{k: v for k, v in kwargs.items() if k in _fields(IOTestReward)})
     if isinstance(tests, dict):
-        tests = tests.get("tests", tests.get("test"))
+        tests = tests.get("tests", tests.get("test", tests.get("test_list")))
+    if isinstance(tests, (list, tuple)) and tests and all(isinstance(t, str) for t in tests):
+        tests = "\n".join(tests) + "\n"  # a list of assert statements (MBPP's test_list)
     if not isinstance(tests, str):
         raise InvalidArgument(f"unit tests are Python source (str), not {type(tests).__name__}")
     unknown = set(kwargs) - _fields(UnitTestReward)
