@@ -560,7 +560,7 @@ def test_infrastructure_failures_raise_or_are_returned(monkeypatch):
         with pytest.raises(GroupError) as e:
             grade_many([(GOOD, ADD), (GOOD, ADD)], client=c)
         assert isinstance(e.value.__cause__, SandboxDied), e.value.__cause__
-        with pytest.raises(GroupError):
+        with pytest.raises(SandboxDied):
             grade(GOOD, ADD, client=c)
         got = grade_many([(GOOD, ADD)] * 3, client=c, return_exceptions=True)
         assert all(isinstance(g, SandboxDied) for g in got), got

@@ -380,7 +380,10 @@ def grade(code: str, spec: "UnitTestReward | PropertyReward | IOTestReward", *, 
     if _is_io(spec):  # stdin/stdout cases: _iotest.py, through grade_many
         from collimate_core._grade_many import grade_many
 
-        return grade_many([(code, spec)], client=client, seed=seed)[0]
+        (result,) = grade_many([(code, spec)], client=client, seed=seed, return_exceptions=True)
+        if isinstance(result, BaseException):
+            raise result  # as grade raises for the other specs: the failure itself
+        return result
     spec._parts()  # bad specs fail before anything runs
     if seed is None and isinstance(spec, PropertyReward) and spec.seed:
         seed = spec.seed
