@@ -6,7 +6,8 @@ without code), as GRPOTrainer hands it to a reward function (prompts, completion
 column as sandbox-fusion JSON, one row per completion).
 - collimate: `integrations.trl.reward_func(tests_column="tests", kind="io")`: every completion in its
   own sandbox, each case a fresh run of the program there (grade_many, one prepared template for
-  all 8 specs), at the host's cores + 1 workers, then at the cores.
+  all 8 specs), at the host's cores + 1 workers, then at the cores; then with
+  reset_between_cases=False (a completion's cases run one after another in its sandbox).
 - subprocess per completion: `/usr/bin/python3 -c DRIVER` per completion (no isolation), the
   driver running the program on each case in that one process, as APPS's own checker does
   (stdin swapped, stdout captured, the same comparison); WORKERS = the cores at a time.
@@ -144,9 +145,11 @@ def test_subprocess_per_case(benchmark):
     _runs[f"python3 per case, {WORKERS} workers"] = list(benchmark.stats.stats.data)
 
 
-@pytest.mark.parametrize("workers", [None, WORKERS], ids=["default_workers", "same_workers"])
-def test_trl_reward_func_step(benchmark, client, workers):
-    fn = trl.reward_func(tests_column="tests", kind="io", client=client, max_workers=workers)
+@pytest.mark.parametrize("workers, reset", [(None, True), (WORKERS, True), (None, False)],
+                         ids=["default_workers", "same_workers", "no_reset_between_cases"])
+def test_trl_reward_func_step(benchmark, client, workers, reset):
+    fn = trl.reward_func(tests_column="tests", kind="io", client=client, max_workers=workers,
+                         reset_between_cases=reset)
 
     def step():
         return fn(prompts=PROMPTS, completions=COMPLETIONS, completion_ids=[[0]] * len(COMPLETIONS),
@@ -155,7 +158,8 @@ def test_trl_reward_func_step(benchmark, client, workers):
     assert step() == WANT  # also prepares the template, before timing
     benchmark.pedantic(step, setup=lambda: _drain(client), rounds=ROUNDS, warmup_rounds=1)
     shown = WORKERS if workers is not None else f"default {(os.cpu_count() or 2) + 1}"
-    _runs[f"collimate trl.reward_func, {shown} workers"] = list(benchmark.stats.stats.data)
+    _runs[f"collimate trl.reward_func, {shown} workers" + ("" if reset else ", no resets")] = \
+        list(benchmark.stats.stats.data)
 
 
 def _p99(data: list[float]) -> float:

@@ -171,6 +171,21 @@ def test_cases_run_in_isolation(client):
         "print(a + b + (1000 if seen else 0))\n"
     )
     assert grade(code, ADD, client=client).verdicts == ["ok", "ok", "ok"]
+    # Without resets between cases, the second case sees what the first left.
+    shared = IOTestReward(cases=ADD.cases, reset_between_cases=False)
+    assert grade(code, shared, client=client).verdicts == ["ok", "wrong_answer", "skipped"]
+
+
+@pytest.mark.kvm
+@needs_kvm
+def test_verdicts_without_resets_between_cases(client):
+    spec = IOTestReward(cases=ADD.cases, time_limit_seconds=2, memory_limit_mb=64, reset_between_cases=False,
+                        partial_credit=True)
+    full = IOTestReward(cases=ADD.cases, time_limit_seconds=2, memory_limit_mb=64, partial_credit=True)
+    codes = [c for c, _, _ in PROGRAMS.values()]
+    a, b = grade_batch(codes, spec, client=client), grade_batch(codes, full, client=client)
+    assert [(r.reward, r.verdicts) for r in a] == [(r.reward, r.verdicts) for r in b], \
+        [(n, x.verdicts, y.verdicts) for n, x, y in zip(PROGRAMS, a, b) if x.verdicts != y.verdicts]
 
 
 def divisor_checker(inp, output, expected):

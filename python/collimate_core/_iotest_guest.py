@@ -106,14 +106,28 @@ def install(preload=(), max_processes=32):
             pass
         return 1
 
+    previous = []  # the last case's __main__, when the host did not reset the sandbox since
+
     def run(code, stdin, memory_limit=None):
+        if previous:
+            # A case after another in the same interpreter: end the last program's objects first
+            # (a file it opened on fd 0 closes that fd when collected, which must not be this
+            # case's stdin).
+            m = previous.pop()
+            try:
+                m.__dict__.clear()
+            except BaseException_:  # noqa: BLE001
+                pass
+            del m
+            gc.collect()
         fd = os.open(stdin_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         view = memoryview(stdin)
         while view:
             view = view[write(fd, view):]
         os.lseek(fd, 0, 0)
-        os.dup2(fd, 0)
-        os.close(fd)
+        if fd != 0:  # (0 when the last program closed its stdin)
+            os.dup2(fd, 0)
+            os.close(fd)
         try:
             os.unlink(stdin_path)
         except OSError:
@@ -128,6 +142,7 @@ def install(preload=(), max_processes=32):
         sys.stdout = sys.__stdout__ = out
         sys.stderr = sys.__stderr__ = err
         sys.modules["__main__"] = main
+        previous.append(main)
         sys.argv = ["solution.py"]
         if memory_limit and in_use is not None:
             def watch(phase, info):
@@ -136,6 +151,8 @@ def install(preload=(), max_processes=32):
                     _exit(MEMORY_EXIT)
 
             gc.callbacks.append(watch)
+        else:
+            watch = None
         status = 0
         try:
             exec(compile(code, "solution.py", "exec"), main.__dict__)
@@ -156,6 +173,11 @@ def install(preload=(), max_processes=32):
             except BaseException_:  # noqa: BLE001 - as CPython: a failed flush at exit is status 120
                 if status == 0:
                     status = 120
+        if watch is not None:
+            try:  # (a sandbox not reset between cases runs the next case in this interpreter)
+                gc.callbacks.remove(watch)
+            except BaseException_:  # noqa: BLE001 - the program emptied the list itself
+                pass
         if memory_limit and in_use is not None and in_use() > memory_limit:
             say(2, f"\ncollimate: memory limit exceeded ({in_use() >> 20} MiB in use at exit)\n")
             status = MEMORY_EXIT
