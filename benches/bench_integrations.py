@@ -177,11 +177,11 @@ def test_print_integrations_table(capsys):
         "",
         f"a mixed GRPO step: 8 prompts x 8 completions, 3 stdin/stdout cases each ({os.cpu_count()} cores; "
         f"host interpreter {HOST_PYTHON})",
-        f"{'grader':<44} {'rounds':>6} {'median':>11} {'p99':>11} {'per compl.':>10} {'ratio':>7}",
+        f"{'grader':<58} {'rounds':>6} {'median':>11} {'p99':>11} {'per compl.':>10} {'ratio':>7}",
     ]
     for name, data in _runs.items():
         median = statistics.median(data)
-        lines.append(f"{name:<44} {len(data):>6} {median * 1e3:8.1f} ms {_p99(data) * 1e3:8.1f} ms "
+        lines.append(f"{name:<58} {len(data):>6} {median * 1e3:8.1f} ms {_p99(data) * 1e3:8.1f} ms "
                      f"{median / n * 1e3:7.2f} ms {base_median / median:6.2f}x")
     lines.append("(ratio = the python3-per-completion median / this one's; >= 1.00x is at least as fast)")
     with capsys.disabled():
