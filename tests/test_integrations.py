@@ -250,3 +250,30 @@ def test_infrastructure_failures_raise_or_score_none(monkeypatch):
                                           on_infra_error="none") is None
     finally:
         c.close()
+
+
+@pytest.mark.kvm
+@needs_kvm
+def test_over_http(tmp_path_factory):
+    """The same rows through the control plane (a RemoteClient hosts no templates: each case runs in
+    a fresh child of a prepared parent)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from test_http import Server, _cli
+
+    from collimate_rl import RemoteClient
+
+    tmp = tmp_path_factory.mktemp("http")
+    store = tmp / "keys.json"
+    key = _cli("keys", "--key-store", str(store), "create", "--tenant", "trainer").strip()
+    srv = Server(tmp, store, "--max-sandboxes", "24")
+    try:
+        prompts, completions, columns, want = batch()
+        rows = slice(16, 32)  # two prompts, no time limits hit
+        with RemoteClient(key, srv.url) as remote:
+            fn = trl_adapter.reward_func(tests_column="tests", kind="io", client=remote, **SPEC_OPTIONS)
+            got = trl_call(fn, prompts[rows], completions[rows], {k: v[rows] for k, v in columns.items()})
+            assert got == want[rows]
+            assert verl_adapter.compute_score("x", completions[16], columns["tests"][16], client=remote) == want[16]
+    finally:
+        srv.stop()
