@@ -188,6 +188,22 @@ def test_verdicts_without_resets_between_cases(client):
         [(n, x.verdicts, y.verdicts) for n, x, y in zip(PROGRAMS, a, b) if x.verdicts != y.verdicts]
 
 
+@pytest.mark.kvm
+@needs_kvm
+def test_text_is_utf8_and_options_apply_in_the_sandbox(client):
+    rev = IOTestReward(cases=[("héllo wörld ✓\n", "✓ dlröw olléh\n"), ("日本\n", "本日\n")])
+    assert grade("print(input()[::-1])", rev, client=client).verdicts == ["ok", "ok"]
+    assert grade("import sys\nsys.stdout.buffer.write(input()[::-1].encode() + b'\\n')", rev,
+                 client=client).verdicts == ["ok", "ok"]
+    third = IOTestReward(cases=[("1\n", "0.333333333\n")], float_tolerance=1e-6)
+    assert grade("print(f'{int(input()) / 3:.7f}')", third, client=client).reward == 1.0
+    assert grade("print(f'{int(input()) / 3:.3f}')", third, client=client).reward == 0.0
+    spaced = IOTestReward(cases=[("3\n", "1 2 3\n")], tokens=True)
+    assert grade("print(*range(1, int(input()) + 1), sep='\\n')", spaced, client=client).reward == 1.0
+    assert grade("print(*range(1, int(input()) + 1), sep='\\n')", IOTestReward(cases=spaced.cases),
+                 client=client).reward == 0.0
+
+
 def divisor_checker(inp, output, expected):
     # Any proper divisor is an answer; `expected` is one of them. Runs in the sandbox: the guest's
     # agent is there, and the host (checked by the test) has no such file.
