@@ -204,6 +204,17 @@ def test_text_is_utf8_and_options_apply_in_the_sandbox(client):
                  client=client).reward == 0.0
 
 
+@pytest.mark.kvm
+@needs_kvm
+def test_setup_prepares_files_not_names(client):
+    spec = IOTestReward(cases=[("2\n", "14\n")], setup="open('/work/table.txt', 'w').write('7')\nSECRET = 1\n")
+    reads = "print(int(input()) * int(open('/work/table.txt').read()))"
+    assert grade(reads, spec, client=client).reward == 1.0
+    assert grade("print(SECRET)", spec, client=client).verdicts == ["runtime_error"]  # a NameError
+    with pytest.raises(InvalidArgument, match="setup failed"):
+        grade(reads, IOTestReward(cases=[("", "")], setup="raise SystemExit(2)"), client=client)
+
+
 def divisor_checker(inp, output, expected):
     # Any proper divisor is an answer; `expected` is one of them. Runs in the sandbox: the guest's
     # agent is there, and the host (checked by the test) has no such file.

@@ -145,6 +145,10 @@ class IOTestReward:
     "ok", else 0.0; with partial_credit the fraction of cases that are. By default grading stops
     at the first failing case (the rest are "skipped") unless partial_credit is set.
 
+    `setup`: Python run once in the prepared state, before any candidate (e.g. writing the files a
+    program reads, importing what it needs); its names are not the program's, which starts in a
+    fresh __main__.
+
     reset_between_cases=False runs each case after the first where the previous one left off
     (faster: no reset and no first touches of a reset sandbox; a case's files, module state and
     leftover processes are then visible to the next). The expected outputs stay on the host
