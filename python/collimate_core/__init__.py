@@ -32,6 +32,8 @@ from collimate_core._grading import (
     grade_batch,
     trl_reward_func,
 )
+from collimate_core._iotest import IOGradeResult, IOTestReward, outputs_match
+from collimate_core._grade_many import grade_many
 from collimate_core._remote import RemoteClient, RemoteSandbox
 from collimate_core._results import ExecResult
 from collimate_core._seeds import fresh_seed, group_seeds, parse_seed, seed_from_key
@@ -50,6 +52,8 @@ __all__ = [
     "ForkGroup",
     "GradeResult",
     "GroupError",
+    "IOGradeResult",
+    "IOTestReward",
     "ImageError",
     "InvalidArgument",
     "NotFoundError",
@@ -75,7 +79,9 @@ __all__ = [
     "fresh_seed",
     "grade",
     "grade_batch",
+    "grade_many",
     "group_seeds",
+    "outputs_match",
     "parse_seed",
     "rollout_once",
     "seed_from_key",

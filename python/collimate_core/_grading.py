@@ -360,17 +360,30 @@ def _prepared_template(client: Any, spec, preload: list[str]) -> str | None:
                                   lambda sb: _prepare(sb, spec, preload))
 
 
+def _is_io(spec: Any) -> bool:
+    from collimate_core._iotest import IOTestReward
+
+    return isinstance(spec, IOTestReward)
+
+
 def _client(client: Any) -> Any:
     from collimate_core._client import connect
 
     return client if client is not None else connect()
 
 
-def grade(code: str, spec: UnitTestReward | PropertyReward, *, client: Any = None, seed: str | None = None) -> GradeResult:
+def grade(code: str, spec: "UnitTestReward | PropertyReward | IOTestReward", *, client: Any = None, seed: str | None = None) -> GradeResult:
     """Grade one candidate in an isolated clone of spec.template (with spec.setup and the grader
     installed: on the embedded engine, a template prepared on the first grade and reused)."""
     from collimate_core._session import Sandbox
 
+    if _is_io(spec):  # stdin/stdout cases: _iotest.py, through grade_many
+        from collimate_core._grade_many import grade_many
+
+        (result,) = grade_many([(code, spec)], client=client, seed=seed, return_exceptions=True)
+        if isinstance(result, BaseException):
+            raise result  # as grade raises for the other specs: the failure itself
+        return result
     spec._parts()  # bad specs fail before anything runs
     if seed is None and isinstance(spec, PropertyReward) and spec.seed:
         seed = spec.seed
@@ -442,6 +455,16 @@ def grade_batch(
     from collimate_core._session import Sandbox
 
     codes = list(codes)
+    if _is_io(spec) or (not isinstance(spec, (str, bytes, UnitTestReward, PropertyReward)) and hasattr(spec, "__len__")
+                        and any(_is_io(s) for s in spec)):
+        # stdin/stdout cases (_iotest.py): one spec, or one per candidate, through grade_many.
+        from collimate_core._grade_many import grade_many
+
+        specs = [spec] * len(codes) if _is_io(spec) else list(spec)
+        if len(specs) != len(codes):
+            raise InvalidArgument(
+                f"grade_batch got {len(codes)} candidates and {len(specs)} specs; give one spec, or one per candidate")
+        return grade_many(list(zip(codes, specs)), client=client, seed=seed, max_workers=max_workers)
     specs = _specs_for(spec, len(codes))
     if not codes:
         return []
