@@ -33,6 +33,7 @@ from collimate_core._grading import (
     grade_batch,
     trl_reward_func,
 )
+from collimate_core._ray import RayClient, RaySandbox
 from collimate_core._remote import RemoteClient, RemoteSandbox
 from collimate_core._results import ExecResult
 from collimate_core._seeds import fresh_seed, group_seeds, parse_seed, seed_from_key
@@ -57,6 +58,8 @@ __all__ = [
     "NotFoundError",
     "PropertyReward",
     "Ready",
+    "RayClient",
+    "RaySandbox",
     "RemoteClient",
     "RemoteSandbox",
     "RunResult",
