@@ -100,7 +100,9 @@ class HostActor:
             warm = sorted(self.client._templates)
         with self._lock:
             live = len(self._boxes)
-        return {"node_id": self.node_id, "slots": self.slots, "live": live, "warm": warm, "pid": os.getpid()}
+        # pid and token: which processes are this host's (its VMM processes carry the token)
+        return {"node_id": self.node_id, "slots": self.slots, "live": live, "warm": warm, "pid": os.getpid(),
+                "token": os.environ.get("COLLIMATE_HOST_TOKEN")}
 
     def create(self, template: str, disk_quota: int | None = None) -> tuple[str, bool]:
         box = self.client.create(template, disk_quota)
@@ -529,3 +531,31 @@ class RayClient:
 
     def __repr__(self) -> str:
         return f"RayClient({self.address!r}, hosts={len([h for h in self._hosts.values() if not h.lost])})"
+
+
+# --- `collimate ray-host` -------------------------------------------------------------------------
+
+
+def add_subcommand(sub) -> None:
+    r = sub.add_parser("ray-host", help="start (or stop) a collimate host actor on every Ray node that advertises "
+                       "the collimate_host resource")
+    r.add_argument("--address", default=None, help="the Ray cluster (default: COLLIMATE_RAY_ADDRESS, else auto)")
+    r.add_argument("--cache", default=None, help="each host's cache directory (default: its COLLIMATE_CACHE)")
+    r.add_argument("--stop", action="store_true", help="destroy every host's sandboxes and stop the host actors")
+
+
+def run_cli(args) -> None:
+    if args.stop:
+        ray = _ray()
+        ray.init(address=args.address or os.environ.get("COLLIMATE_RAY_ADDRESS") or "auto", namespace=NAMESPACE,
+                 log_to_driver=False)
+        stop_hosts()
+        print("stopped the collimate host actors")
+        return
+    nodes = start_hosts(args.address, cache=args.cache)
+    client = RayClient(args.address or "auto", start=False)
+    for h in client.hosts():
+        print(f"host {h['node_id']}: {h['slots']} slots, warm: {', '.join(h['warm']) or '-'}")
+    if not nodes:
+        raise SystemExit("collimate ray-host: no node advertises the collimate_host resource "
+                         "(ray start --resources='{\"collimate_host\": SLOTS}')")
