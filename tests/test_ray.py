@@ -172,6 +172,35 @@ def test_the_aio_client_on_ray(cluster, client):
     assert seen == {i: f"{100 + i}\n" for i in range(8)}
 
 
+def _utime(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11])
+
+
+def test_cancelling_an_aio_exec_on_ray_frees_its_sandbox(cluster, client):
+    async def run():
+        ac = await aio.connect(ray=cluster.address)
+        sb = await aio.Sandbox("python", client=ac).start()
+        actor = client._hosts[sb.sync._box.host].actor
+        live = ray.get(actor.info.remote())["live"]
+        pid = ray.get(actor.vmm_pid.remote(sb.session_id))
+        busy = _utime(pid)
+        task = asyncio.create_task(sb.exec(code="while True: pass", timeout_seconds=300))
+        for _ in range(3000):  # until the guest spins: the exec is in flight on the host
+            if _utime(pid) > busy + 20:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the guest never ran")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return actor, live, pid, sb
+
+    actor, live, pid, sb = asyncio.run(run())
+    assert sb.sync._box is None and not _alive(pid)  # killed on its host, not left to its timeout
+    assert ray.get(actor.info.remote())["live"] == live - 1
+
+
 def test_a_node_removed_mid_group_raises_host_lost_and_nothing_is_scored(cluster, client):
     scored: list[int] = []
     with client.session("python") as sess:

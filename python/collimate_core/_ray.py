@@ -129,6 +129,10 @@ class HostActor:
         if entry is not None:
             entry[1]()
 
+    def vmm_pid(self, box_id: str) -> int:
+        """The host pid of the sandbox's VMM process (waits while an exec of it is running)."""
+        return self._box(box_id).vm.pid
+
     def reset(self, box_id: str) -> None:
         self.client.reset(self._box(box_id))
 
