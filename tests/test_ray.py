@@ -201,6 +201,37 @@ def test_cancelling_an_aio_exec_on_ray_frees_its_sandbox(cluster, client):
     assert ray.get(actor.info.remote())["live"] == live - 1
 
 
+DRIVER = """
+import sys
+from collimate_core import Sandbox, connect
+client = connect(ray=sys.argv[1])
+sb = Sandbox("python", client=client).start()
+sb.exec(code="print(1)")
+print(sb.session_id, sb._box.host, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_dead_drivers_sandboxes_go_at_the_end_of_their_lease(cluster, client):
+    env = dict(os.environ, COLLIMATE_RAY_LEASE="2")
+    p = subprocess.Popen([sys.executable, "-c", DRIVER, cluster.address], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        box_id, host = p.stdout.readline().split()
+        actor = client._hosts[host].actor
+        pid = ray.get(actor.vmm_pid.remote(box_id))
+        time.sleep(3)  # longer than the lease: the live driver's keepalive holds it
+        assert _alive(pid)
+        live = ray.get(actor.info.remote())["live"]  # (info touches no sandbox)
+    finally:
+        p.kill()
+        p.wait()
+    # (its VMM process may live on, reset, in the host's pool of recycled sandboxes)
+    _until(lambda: ray.get(actor.info.remote())["live"] == live - 1,
+           "the dead driver's sandbox reaped at the end of its lease")
+    assert ray.get(actor.keepalive.remote([box_id])) == [box_id]  # gone from its host
+
+
 def test_a_node_removed_mid_group_raises_host_lost_and_nothing_is_scored(cluster, client):
     scored: list[int] = []
     with client.session("python") as sess:

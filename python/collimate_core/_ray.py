@@ -28,6 +28,10 @@ Failure: a host that is lost (its node removed, its actor dead) makes every call
 dropped from placement, and later sessions go to the hosts that are left. Nothing is retried
 behind the caller's back: resampling a group is the caller's explicit, idempotent call.
 
+Leases: a host destroys a sandbox nobody touched for its lease (`RayClient(lease=)`, or
+COLLIMATE_RAY_LEASE; default 600 s), never one in a call; a client's daemon thread touches what it
+holds every lease / 3, so a driver that dies leaves no sandbox running past its lease.
+
 Every `ExecResult` of this client carries `host`, the Ray node id it ran on.
 """
 
@@ -37,6 +41,7 @@ import dataclasses
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,21 +84,55 @@ class HostActor:
         self.slots = slots
         self.client = EmbeddedClient(cache=cache, max_sandboxes=max(1, slots))
         self._boxes: dict[str, tuple[Any, Any]] = {}  # id -> (box, its interrupt)
+        # Leases: a sandbox nobody touched (a call, or its driver's keepalive) for its lease is
+        # destroyed, so a driver that dies leaves nothing running past it; never one in a call.
+        self._touched: dict[str, float] = {}
+        self._lease: dict[str, float] = {}
+        self._busy: dict[str, int] = {}
         self._lock = threading.Lock()
+        threading.Thread(target=self._reap_expired, daemon=True, name="collimate-lease").start()
 
     def _box(self, box_id: str) -> Any:
         with self._lock:
             entry = self._boxes.get(box_id)
+            if entry is not None:
+                self._touched[box_id] = time.monotonic()
         if entry is None:
             raise NotFoundError(f"no live sandbox {box_id!r} on host {self.node_id}")
         return entry[0]
 
-    def _keep(self, box: Any) -> str:
+    def _keep(self, box: Any, lease: float) -> str:
         from collimate_core.aio import _Interrupt
 
         with self._lock:
             self._boxes[box.id] = (box, _Interrupt(self.client, box))
+            self._touched[box.id] = time.monotonic()
+            self._lease[box.id] = lease
         return box.id
+
+    def keepalive(self, box_ids: list[str]) -> list[str]:
+        """Touch these sandboxes; the ids of those this host no longer has."""
+        now, gone = time.monotonic(), []
+        with self._lock:
+            for i in box_ids:
+                if i in self._boxes:
+                    self._touched[i] = now
+                else:
+                    gone.append(i)
+        return gone
+
+    def _reap_expired(self) -> None:
+        while True:
+            time.sleep(0.5)
+            now = time.monotonic()
+            with self._lock:
+                expired = [i for i, t in self._touched.items()
+                           if i in self._boxes and not self._busy.get(i) and now - t > self._lease.get(i, 600.0)]
+            for i in expired:
+                try:
+                    self.destroy(i)
+                except Exception:  # noqa: BLE001 - a sandbox that fails to go is retried next round
+                    pass
 
     def info(self) -> dict:
         with self.client._lock:
@@ -104,20 +143,32 @@ class HostActor:
         return {"node_id": self.node_id, "slots": self.slots, "live": live, "warm": warm, "pid": os.getpid(),
                 "token": os.environ.get("COLLIMATE_HOST_TOKEN")}
 
-    def create(self, template: str, disk_quota: int | None = None) -> tuple[str, bool]:
+    def create(self, template: str, disk_quota: int | None = None, lease: float = 600.0) -> tuple[str, bool]:
         box = self.client.create(template, disk_quota)
-        return self._keep(box), box.warm_hit
+        return self._keep(box, lease), box.warm_hit
 
-    def fork(self, box_id: str, n: int) -> list[str]:
-        return [self._keep(b) for b in self.client.fork(self._box(box_id), n)]
+    def fork(self, box_id: str, n: int, lease: float = 600.0) -> list[str]:
+        return [self._keep(b, lease) for b in self.client.fork(self._box(box_id), n)]
 
     def exec(self, box_id: str, kw: dict) -> Any:
-        r = self.client.exec(self._box(box_id), **kw)
+        box = self._box(box_id)
+        with self._lock:
+            self._busy[box_id] = self._busy.get(box_id, 0) + 1
+        try:
+            r = self.client.exec(box, **kw)
+        finally:
+            with self._lock:
+                self._busy[box_id] -= 1
+                if not self._busy[box_id]:
+                    del self._busy[box_id]
+                self._touched[box_id] = time.monotonic()
         return dataclasses.replace(r, host=self.node_id)
 
     def destroy(self, box_id: str) -> None:
         with self._lock:
             entry = self._boxes.pop(box_id, None)
+            self._touched.pop(box_id, None)
+            self._lease.pop(box_id, None)
         if entry is not None:
             entry[1].close()
             self.client.destroy(entry[0])
@@ -282,12 +333,19 @@ class RayClient:
     and `collimate_core.aio` all work on it unchanged."""
 
     def __init__(self, address: str = "auto", *, start: bool = True, call_timeout: float = 600.0,
-                 runtime_env: dict | None = None):
+                 lease: float | None = None, runtime_env: dict | None = None):
         ray = self._ray = _ray()
         if not ray.is_initialized():
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, runtime_env=runtime_env)
         self.address = address
         self.call_timeout = call_timeout
+        # A host destroys this client's sandboxes `lease` seconds after the client last touched them
+        # (a daemon thread touches every held sandbox each lease / 3 while the process lives).
+        self.lease = float(lease if lease is not None else os.environ.get("COLLIMATE_RAY_LEASE", 600.0))
+        if not self.lease > 0:
+            raise InvalidArgument(f"lease must be a positive number of seconds, not {lease!r}")
+        self._beat: threading.Thread | None = None
+        self._closed = False
         self._lock = threading.Lock()
         self._hosts: dict[str, _Host] = {}
         self._boxes: dict[str, RaySandbox] = {}
@@ -363,6 +421,29 @@ class RayClient:
             raise HostLost(f"host {h.node_id} was lost during {method} ({why}); nothing of it was scored, "
                            f"resample on another host") from None
 
+    def _start_heartbeat(self) -> None:
+        with self._lock:
+            if self._beat is None and not self._closed:
+                self._beat = threading.Thread(target=_heartbeat, args=(weakref.ref(self),), daemon=True,
+                                              name="collimate-ray-keepalive")
+                self._beat.start()
+
+    def _keepalive(self) -> None:
+        """Touch every sandbox this client holds, on each of their hosts."""
+        with self._lock:
+            by_host: dict[str, list[str]] = {}
+            for b in self._boxes.values():
+                by_host.setdefault(b.host, []).append(b.id)
+            hosts = {n: self._hosts[n] for n in by_host if n in self._hosts and not self._hosts[n].lost}
+        refs = [(hosts[n].actor.keepalive.remote(ids)) for n, ids in by_host.items() if n in hosts]
+        try:
+            for gone in self._ray.get(refs, timeout=self.call_timeout):
+                with self._lock:
+                    for i in gone:
+                        self._boxes.pop(i, None)
+        except Exception:  # noqa: BLE001 - a host that does not answer is found lost by the next call on it
+            pass
+
     def _host_of(self, box: RaySandbox) -> _Host:
         with self._lock:
             h = self._hosts.get(box.host)
@@ -400,7 +481,7 @@ class RayClient:
             disk_quota = _check_quota(disk_quota)
         h = self._place(template)
         try:
-            box_id, warm = self._call(h, "create", template, disk_quota)
+            box_id, warm = self._call(h, "create", template, disk_quota, self.lease)
         except BaseException:
             with self._lock:
                 h.live = max(0, h.live - 1)
@@ -409,6 +490,7 @@ class RayClient:
         with self._lock:
             h.warm.add(template)
             self._boxes[box_id] = box
+        self._start_heartbeat()
         return box
 
     def get(self, sandbox_id: str) -> RaySandbox:
@@ -458,7 +540,7 @@ class RayClient:
             h.live += n
             self._log(op="fork", template=box.template, host=h.node_id, parent=box.id, width=n)
         try:
-            ids = self._call(h, "fork", box.id, n)
+            ids = self._call(h, "fork", box.id, n, self.lease)
         except BaseException:
             with self._lock:
                 h.live = max(0, h.live - n)
@@ -526,6 +608,7 @@ class RayClient:
     def close(self) -> None:
         """Destroy this client's sandboxes (the host actors stay for other drivers)."""
         with self._lock:
+            self._closed = True
             boxes = list(self._boxes.values())
         for b in boxes:
             try:
@@ -535,6 +618,22 @@ class RayClient:
 
     def __repr__(self) -> str:
         return f"RayClient({self.address!r}, hosts={len([h for h in self._hosts.values() if not h.lost])})"
+
+
+def _heartbeat(ref: "weakref.ref[RayClient]") -> None:
+    """Keep a client's sandboxes leased; ends with the client (closed or garbage-collected)."""
+    while True:
+        client = ref()
+        if client is None or client._closed:
+            return
+        period = max(0.2, client.lease / 3)
+        del client  # hold no strong reference while waiting
+        time.sleep(period)
+        client = ref()
+        if client is None or client._closed:
+            return
+        client._keepalive()
+        del client
 
 
 # --- `collimate ray-host` -------------------------------------------------------------------------
