@@ -413,7 +413,8 @@ class RayClient:
                 raise cause from None
             raise
         except ray.exceptions.GetTimeoutError:
-            raise SandboxTimeout(f"host {h.node_id} did not answer {method} in {timeout or self.call_timeout:g} s") from None
+            waited = timeout or self.call_timeout
+            raise SandboxTimeout(f"host {h.node_id} did not answer {method} in {waited:g} s") from None
         except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError,
                 ray.exceptions.ObjectLostError) as e:
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -595,7 +595,8 @@ class Template:
     """`collimate_core.Template`, awaited: `handle = await Template.bake(client, name=..., image=...)`."""
 
     @staticmethod
-    async def bake(client: Any, name: str, image: Any, ready: Any = None, width: int = 1, **kw: Any) -> AsyncTemplateHandle:
+    async def bake(client: Any, name: str, image: Any, ready: Any = None, width: int = 1,
+                   **kw: Any) -> AsyncTemplateHandle:
         a = _async_client(client)
         h = await a._call(_sync.Template.bake, a.sync, name, image, ready, width, **kw)
         return AsyncTemplateHandle(a, h)
