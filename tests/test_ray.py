@@ -201,6 +201,40 @@ def test_cancelling_an_aio_exec_on_ray_frees_its_sandbox(cluster, client):
     assert ray.get(actor.info.remote())["live"] == live - 1
 
 
+def test_templates_are_baked_on_every_host(client, tmp_path):
+    root = os.environ.get("COLLIMATE_ROOTFS")
+    if not root:
+        pytest.skip("no python rootfs (set COLLIMATE_ROOTFS: python3 guest/rootfs/build.py)")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from imagefixtures import Layer, busybox_layer, write_docker_save
+
+    from collimate_rl import Ready, Template
+
+    extra = Layer().dir("work").file("etc/motd", b"ray motd\n").bytes()
+    image = tmp_path / "tool.tar"  # one machine: every node sees this path
+    write_docker_save(image, [busybox_layer(Path(root) / "usr/bin/busybox"), extra],
+                      {"Env": ["PATH=/bin"], "WorkingDir": "/work"}, repo_tags=["tool:1.0"])
+    mark = len(client.placement_log)
+    handle = Template.bake(client, name="raytool", image=str(image), ready=Ready(cmd="echo warm > /work/w"))
+    assert handle.wait(timeout=300).phase == "Live"
+    assert sorted(e["host"] for e in client.placement_log[mark:] if e["op"] == "bake") == \
+        sorted(h["node_id"] for h in client.hosts() if not h["lost"])
+    assert all("raytool" in h["warm"] for h in client.hosts() if not h["lost"])
+
+    async def use():
+        ac = await aio.connect(ray=client.address)
+        h = await aio.Template.get(ac, "raytool")
+        async with ac.session(h) as sess:
+            return await sess.exec(command="cat /etc/motd /work/w")
+
+    r = asyncio.run(use())
+    assert r.ok and r.stdout == "ray motd\nwarm\n" and r.host is not None
+    assert _creates(client, mark)[-1]["reason"] == "warm"
+    Template.delete(client, "raytool")
+    with pytest.raises(collimate_core.NotFoundError):
+        Template.get(client, "raytool")
+
+
 DRIVER = """
 import sys
 from collimate_core import Sandbox, connect

@@ -23,6 +23,10 @@ Placement (by template warmth, decided in the driver, written to `client.placeme
 - `client.env(ref, width=N)` spreads the expected width over the hosts (N / hosts each), which
   warms the template on all of them.
 
+Templates: `Template.bake(client, ...)` bakes on every host into its own engine (the image must be
+reachable under the same path or store reference on each node), and the template is warm on every
+host that baked it; `Template.list/get/delete` work as on one host.
+
 Failure: a host that is lost (its node removed, its actor dead) makes every call on it raise
 `HostLost` (a `GroupError`, so a fork group's map raises it as is, and never a reward); the host is
 dropped from placement, and later sessions go to the hosts that are left. Nothing is retried
@@ -89,6 +93,7 @@ class HostActor:
         self._touched: dict[str, float] = {}
         self._lease: dict[str, float] = {}
         self._busy: dict[str, int] = {}
+        self._bakes: dict[str, Any] = {}  # template name -> the handle of this host's bake of it
         self._lock = threading.Lock()
         threading.Thread(target=self._reap_expired, daemon=True, name="collimate-lease").start()
 
@@ -198,6 +203,34 @@ class HostActor:
 
     def expect_width(self, template: str, width: int) -> None:
         self.client.expect_width(template, width)
+
+    # templates: Template.bake/list/get/delete on this host's engine
+    def bake(self, name: str, image: str, ready: Any, width: int, store: str | None) -> Any:
+        from collimate_core._bake import Template
+
+        handle = Template.bake(self.client, name=name, image=image, ready=ready, width=width, store=store)
+        with self._lock:
+            self._bakes[name] = handle
+        return handle.status()
+
+    def template_status(self, name: str) -> Any:
+        from collimate_core._bake import Template
+
+        with self._lock:
+            h = self._bakes.get(name)
+        return (h if h is not None else Template.get(self.client, name)).status()
+
+    def template_list(self) -> list:
+        from collimate_core._bake import Template
+
+        return Template.list(self.client)
+
+    def template_delete(self, name: str) -> None:
+        from collimate_core._bake import Template
+
+        with self._lock:
+            self._bakes.pop(name, None)
+        Template.delete(self.client, name)
 
     def release_template(self, template: str) -> None:
         self.client.release_template(template)
@@ -346,6 +379,7 @@ class RayClient:
             raise InvalidArgument(f"lease must be a positive number of seconds, not {lease!r}")
         self._beat: threading.Thread | None = None
         self._closed = False
+        self._remote_templates = RayTemplates(self)  # Template.bake/list/get/delete hand over to it
         self._lock = threading.Lock()
         self._hosts: dict[str, _Host] = {}
         self._boxes: dict[str, RaySandbox] = {}
@@ -619,6 +653,106 @@ class RayClient:
 
     def __repr__(self) -> str:
         return f"RayClient({self.address!r}, hosts={len([h for h in self._hosts.values() if not h.lost])})"
+
+
+class RayTemplateHandle:
+    """A template baked on every host (Template.bake on a RayClient): the TemplateHandle
+    interface; its phase is Failed if any host's bake failed, Building while any builds, else Live."""
+
+    def __init__(self, client: RayClient, name: str, version: int | None):
+        self.client, self.name, self.version = client, name, version
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}@v{self.version}"
+
+    def statuses(self) -> dict[str, Any]:
+        """Each host's status of this template, by node id."""
+        c = self.client
+        with c._lock:
+            alive = [h for h in c._hosts.values() if not h.lost]
+        return {h.node_id: c._call(h, "template_status", self.name) for h in alive}
+
+    def status(self):
+        sts = self.statuses()
+        if not sts:
+            raise NotFoundError(f"no host has template {self.name!r}")
+        phases = {st.phase for st in sts.values()}
+        worst = next(st for st in sts.values() if st.phase == ("Failed" if "Failed" in phases else
+                                                              "Building" if "Building" in phases else "Live"))
+        if worst.phase == "Live":
+            with self.client._lock:
+                for n in sts:
+                    self.client._hosts[n].warm.add(self.name)
+        return worst
+
+    @property
+    def phase(self) -> str:
+        return self.status().phase
+
+    def wait(self, timeout: float | None = None):
+        """Poll every host until its bake ends; the status (see `status`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            st = self.status()
+            if st.phase != "Building":
+                return st
+            if deadline is not None and time.monotonic() >= deadline:
+                raise SandboxTimeout(f"template {self.name!r} is still building on a host after {timeout:g}s")
+            time.sleep(0.1)
+
+    def delete(self) -> None:
+        self.client._remote_templates.delete(self.name)
+
+    def __repr__(self) -> str:
+        return f"RayTemplateHandle({self.name!r})"
+
+
+class RayTemplates:
+    """Template.bake/list/get/delete on a RayClient: each host bakes the image into its own
+    engine (so a path or a store reference must name the image on every node: a shared
+    directory, or the same local store on each)."""
+
+    def __init__(self, client: RayClient):
+        self.client = client
+
+    def _alive(self) -> list[_Host]:
+        with self.client._lock:
+            return [h for h in self.client._hosts.values() if not h.lost]
+
+    def bake(self, name: str, image: Any, ready: Any = None, width: int = 1, *, store: Any = None,
+             cache: Any = None) -> RayTemplateHandle:
+        from collimate_core._bake import check_bake_args
+
+        if cache is not None:
+            raise InvalidArgument("Template.bake(cache=...) is for the embedded engine; each Ray host keeps its own")
+        ready = check_bake_args(image, ready, width)
+        versions = [self.client._call(h, "bake", name, os.fspath(image), ready, width,
+                                      None if store is None else os.fspath(store)).version for h in self._alive()]
+        for h in self._alive():
+            self.client._log(op="bake", template=name, host=h.node_id)
+        return RayTemplateHandle(self.client, name, max((v for v in versions if v is not None), default=None))
+
+    def list(self) -> list:
+        hosts = self._alive()
+        return self.client._call(hosts[0], "template_list") if hosts else []
+
+    def get(self, name: str) -> RayTemplateHandle:
+        st = RayTemplateHandle(self.client, name, None).status()  # NotFoundError if a host has none
+        return RayTemplateHandle(self.client, name, st.version)
+
+    def delete(self, name: str) -> None:
+        found = False
+        for h in self._alive():
+            try:
+                self.client._call(h, "template_delete", name)
+                found = True
+            except NotFoundError:
+                pass  # hosts sharing one cache: another host's delete took its files already
+            with self.client._lock:
+                h.warm.discard(name)
+        if not found:
+            raise NotFoundError(f"no image template named {name!r} on any host")
 
 
 def _heartbeat(ref: "weakref.ref[RayClient]") -> None:
