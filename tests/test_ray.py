@@ -111,11 +111,31 @@ def test_hosts_are_the_nodes_with_the_resource(cluster, client):
     assert cluster.head_node.node_id not in {h["node_id"] for h in hosts}
 
 
+def test_a_burst_on_a_cold_template_makes_one_cold_start(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert all("python" not in h["warm"] for h in client.hosts())
+    mark = len(client.placement_log)
+
+    def one(i):
+        with Sandbox("python", client=client) as sb:
+            return sb.exec(code=f"print({i})").host
+
+    with ThreadPoolExecutor(6) as pool:
+        hosts = list(pool.map(one, range(6)))
+    creates = _creates(client, mark)
+    assert [e["reason"] for e in creates].count("cold") == 1  # the others waited for it: warming, then warm
+    assert len(set(hosts)) == 1 and {e["host"] for e in creates} == set(hosts)
+    assert [h["node_id"] for h in client.hosts() if "python" in h["warm"]] == hosts[:1]
+
+
 def test_groups_land_whole_and_placement_follows_warmth(client):
     mark = len(client.placement_log)
-    with client.session("python") as sess:  # both hosts cold: the least loaded
+    warm_host = next(h["node_id"] for h in client.hosts() if "python" in h["warm"])
+    with client.session("python") as sess:  # warm on one host only: there
         r = sess.exec(code="prefix = 40")
         home = r.host
+        assert home == warm_host
         assert home in {h["node_id"] for h in client.hosts()}
         with sess.fork_group(8) as grp:
             out = grp.map(lambda i, c: c.exec(code=f"print(prefix + {i})"))
@@ -124,10 +144,11 @@ def test_groups_land_whole_and_placement_follows_warmth(client):
         fork = [e for e in client.placement_log[mark:] if e["op"] == "fork"]
         assert fork and fork[-1]["host"] == home and fork[-1]["width"] == 8
         # the template is warm on `home` only: a new session goes there although it holds more
+        # (the other host holds none)
         with Sandbox("python", client=client) as other:
             assert other.exec(code="print(1)").host == home
     first, second = _creates(client, mark)
-    assert first["reason"] == "cold" and first["host"] == home
+    assert first["reason"] == "warm" and first["host"] == home and first["load"] == 0
     assert second["reason"] == "warm" and second["host"] == home and second["warm_hosts"] == [home]
     assert second["load"] == 1  # the parent was live (its group had gone)
 

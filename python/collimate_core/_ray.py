@@ -16,8 +16,9 @@ released, exactly as the embedded client's own threads.
 
 Placement (by template warmth, decided in the driver, written to `client.placement_log`):
 - a session (a sandbox made from a template) goes to a host where that template is warm (its
-  zygote is running) and a slot is free, least loaded first; to a cold host (least loaded) only
-  when no warm host has a free slot; CapacityError when no host has one;
+  zygote is running) or warming (a first sandbox of it is being made there) and a slot is free,
+  least loaded first; to a cold host (least loaded) only when no such host has a free slot, so a
+  host makes one cold start of a template at a time; CapacityError when no host has a slot;
 - a fork group and every later call on a sandbox go to the host holding its VM: a group is never
   split, and children run next to their parent's memory;
 - `client.env(ref, width=N)` spreads the expected width over the hosts (N / hosts each), which
@@ -357,6 +358,7 @@ class _Host:
     slots: int
     live: int = 0  # sandboxes this client holds there (and reserved while a create or fork is in flight)
     warm: set = dataclasses.field(default_factory=set)
+    starting: dict = dataclasses.field(default_factory=dict)  # template -> cold starts in flight here
     lost: str | None = None
 
 
@@ -486,8 +488,9 @@ class RayClient:
             raise NotFoundError(f"sandbox {box.id} is on an unknown host {box.host}")
         return h
 
-    def _place(self, template: str, n: int = 1) -> _Host:
-        """The host for a new session of `template` (slots reserved), by warmth then load."""
+    def _place(self, template: str, n: int = 1) -> tuple[_Host, bool]:
+        """The host for a new session of `template` (slots reserved), by warmth then load, and
+        whether it is a cold start there."""
         with self._lock:
             alive = [h for h in self._hosts.values() if not h.lost]
             if not alive:
@@ -495,7 +498,13 @@ class RayClient:
                                     "resource and `collimate ray-host`")
             free = [h for h in alive if h.live + n <= h.slots]
             warm = [h for h in free if template in h.warm]
-            pool, why = (warm, "warm") if warm else (free, "cold")
+            # A host starting the template (its first sandbox of it in flight) is warm in a moment:
+            # one cold start per template and host at a time, the others wait there for it.
+            warming = [h for h in free if template not in h.warm and h.starting.get(template)]
+            if warm or warming:
+                pool, why = warm + warming, "warm" if warm else "warming"
+            else:
+                pool, why = free, "cold"
             if not pool:
                 raise CapacityError(f"every collimate host is full ({sum(h.slots for h in alive)} slots on "
                                     f"{len(alive)} hosts); destroy sandboxes or add nodes")
@@ -503,7 +512,9 @@ class RayClient:
             self._log(op="create", template=template, host=h.node_id, reason=why, load=h.live, slots=h.slots,
                       warm_hosts=sorted(x.node_id for x in alive if template in x.warm))
             h.live += n
-            return h
+            if why == "cold":
+                h.starting[template] = h.starting.get(template, 0) + 1
+            return h, why == "cold"
 
     # --- the client surface (as EmbeddedClient) -----------------------------------------------
 
@@ -514,16 +525,20 @@ class RayClient:
             from collimate_core._quota import disk_quota as _check_quota
 
             disk_quota = _check_quota(disk_quota)
-        h = self._place(template)
+        h, cold = self._place(template)
         try:
             box_id, warm = self._call(h, "create", template, disk_quota, self.lease)
         except BaseException:
             with self._lock:
                 h.live = max(0, h.live - 1)
+                if cold:
+                    h.starting[template] -= 1
             raise
         box = RaySandbox(box_id, template, warm, h.node_id)
         with self._lock:
             h.warm.add(template)
+            if cold:
+                h.starting[template] -= 1
             self._boxes[box_id] = box
         self._start_heartbeat()
         return box
