@@ -86,6 +86,7 @@ class _Interrupt:
     def __init__(self, client: Any, box: Any):
         self._client, self._box = client, box
         self._fd: int | None = None
+        self._closed = False
         self._lock = threading.Lock()
         vm = getattr(box, "vm", None)
         if vm is not None:
@@ -96,6 +97,8 @@ class _Interrupt:
 
     def __call__(self) -> None:
         with self._lock:
+            if self._closed:
+                return  # the sandbox is gone: nothing in flight
             fd = self._fd
             if fd is not None:
                 try:
@@ -110,7 +113,7 @@ class _Interrupt:
 
     def close(self) -> None:
         with self._lock:
-            fd, self._fd = self._fd, None
+            fd, self._fd, self._closed = self._fd, None, True
         if fd is not None:
             os.close(fd)
 
@@ -551,17 +554,25 @@ async def rollout_once(template: Any = "python", *, code: str | None = None, com
     check_exec_args(code, command, timeout_seconds, seed)
     a = _async_client(client)
     made: list[_Interrupt] = []
+    cancelled = threading.Event()
 
-    def run() -> ExecResult:
+    def run() -> ExecResult | None:
         sb = _session.Sandbox(template, client=a.sync, disk_quota=disk_quota)
         with sb:
             made.append(_Interrupt(a.sync, sb._box))
             try:
+                if cancelled.is_set():  # cancelled while the clone was being made: do not run
+                    return None
                 return sb.exec(command, code=code, timeout_seconds=timeout_seconds, seed=seed, env=env)
             finally:
                 made[0].close()
 
-    return await a._call(run, interrupt=lambda: made and made[0]())
+    def interrupt() -> None:
+        cancelled.set()  # before looking at `made`: run() looks at it after appending
+        if made:
+            made[0]()
+
+    return await a._call(run, interrupt=interrupt)
 
 
 # --- templates and grading ---------------------------------------------------------------------
