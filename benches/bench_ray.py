@@ -111,9 +111,10 @@ def test_ray_overhead(request):
     lines: list[str] = []
     measure(lines.append)
     for line in lines:
-        print(line)
         if reporter is not None:
             reporter.write_line(line)
+        else:
+            print(line)
 
 
 if __name__ == "__main__":
