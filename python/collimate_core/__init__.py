@@ -15,6 +15,7 @@ from collimate_core._errors import (
     CollimateError,
     EngineError,
     GroupError,
+    HostLost,
     InvalidArgument,
     NotFoundError,
     SandboxDied,
@@ -34,6 +35,7 @@ from collimate_core._grading import (
 )
 from collimate_core._iotest import IOGradeResult, IOTestReward, outputs_match
 from collimate_core._grade_many import grade_many
+from collimate_core._ray import RayClient, RaySandbox
 from collimate_core._remote import RemoteClient, RemoteSandbox
 from collimate_core._results import ExecResult
 from collimate_core._seeds import fresh_seed, group_seeds, parse_seed, seed_from_key
@@ -52,6 +54,7 @@ __all__ = [
     "ForkGroup",
     "GradeResult",
     "GroupError",
+    "HostLost",
     "IOGradeResult",
     "IOTestReward",
     "ImageError",
@@ -59,6 +62,8 @@ __all__ = [
     "NotFoundError",
     "PropertyReward",
     "Ready",
+    "RayClient",
+    "RaySandbox",
     "RemoteClient",
     "RemoteSandbox",
     "RunResult",

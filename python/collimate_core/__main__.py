@@ -95,9 +95,14 @@ def main(argv: list[str] | None = None) -> None:
     from collimate_core._cli import add_subcommands, run
 
     add_subcommands(sub)  # serve, keys, openapi
+    from collimate_core import _ray
+
+    _ray.add_subcommand(sub)  # ray-host
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         demo(args.width, args.samples)
+    elif args.cmd == "ray-host":
+        _ray.run_cli(args)
     else:
         run(args)
 

@@ -11,19 +11,32 @@ from collimate_core._embedded import EmbeddedClient
 from collimate_core._errors import AuthenticationError
 
 if TYPE_CHECKING:
+    from collimate_core._ray import RayClient
     from collimate_core._remote import RemoteClient
 
 _shared: EmbeddedClient | None = None
 _remote: dict[tuple[str, str], "RemoteClient"] = {}
+_rays: dict[str, "RayClient"] = {}
 _lock = threading.Lock()
 
 
-def connect(api_key: str | None = None, *, base_url: str | None = None) -> "EmbeddedClient | RemoteClient":
+def connect(api_key: str | None = None, *, base_url: str | None = None, ray: str | None = None):
     """A client. With no key (argument or COLLIMATE_API_KEY): the embedded engine on this host,
     shared by the whole process. With a key: the control plane over HTTP at `base_url`
     (COLLIMATE_BASE_URL, default http://127.0.0.1:8477), a `RemoteClient` with the same surface,
-    also shared per key and server."""
+    also shared per key and server. With `ray` ("auto" or a cluster address; or
+    COLLIMATE_RAY_ADDRESS, when no key is given): a `RayClient` over the cluster's collimate hosts
+    (`pip install collimate-core[ray]`; see _ray.py), shared per address."""
     key = api_key or os.environ.get("COLLIMATE_API_KEY")
+    address = ray or (None if api_key else os.environ.get("COLLIMATE_RAY_ADDRESS"))
+    if address:
+        from collimate_core._ray import RayClient
+
+        with _lock:
+            client = _rays.get(address)
+            if client is None:
+                client = _rays[address] = RayClient(address)
+            return client
     if key:
         if not key.startswith("col_"):
             raise AuthenticationError("API keys start with 'col_'; check COLLIMATE_API_KEY")

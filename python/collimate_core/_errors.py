@@ -10,6 +10,7 @@
     ├── InvalidArgument             bad input, with what to do (also a ValueError)
     ├── CapacityError               a configured limit (live sandboxes, memory) is reached
     ├── GroupError                  a fork group lost a child: no partial group is returned
+    │   └── HostLost                a Ray host (node or actor) was lost with the group on it
     └── AuthenticationError         a missing or wrong API key (remote clients)
 
 An infrastructure failure is never turned into a reward: it raises one of these.
@@ -25,6 +26,7 @@ __all__ = [
     "CollimateError",
     "EngineError",
     "GroupError",
+    "HostLost",
     "InvalidArgument",
     "NotFoundError",
     "SandboxDied",
@@ -56,6 +58,11 @@ class CapacityError(CollimateError):
 
 class GroupError(CollimateError):
     """A fork group lost a child to an infrastructure failure; the group was torn down."""
+
+
+class HostLost(GroupError):
+    """The host holding a sandbox or a whole fork group (a Ray node, or its host actor) was lost;
+    nothing of it was scored. Resample the group: it is placed on a host that is still there."""
 
 
 class AuthenticationError(CollimateError):

@@ -12,7 +12,8 @@ class ExecResult:
     `ok` is True when the program ran to completion with exit code 0 within its time budget.
     `seed` is always the seed the guest CRNG was pinned with (drawn fresh when none was given), so
     any result can be replayed; `seed_ack` is the verdict of the seed-ack handshake: "verified",
-    "no-ack", "off" or "mismatch" (see docs/replay.md).
+    "no-ack", "off" or "mismatch" (see docs/replay.md). `host` says where it ran: the Ray node id
+    on a Ray client, None on one host.
     """
 
     exit_code: int
@@ -25,6 +26,7 @@ class ExecResult:
     truncated: bool = False
     stdout_bytes: bytes = field(default=b"", repr=False)
     stderr_bytes: bytes = field(default=b"", repr=False)
+    host: str | None = None
 
     @property
     def ok(self) -> bool:

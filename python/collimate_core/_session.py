@@ -200,7 +200,7 @@ class ForkGroup:
                         failed_at = i
         if failure is not None:
             self.close()
-            if isinstance(failure, CollimateError):
+            if isinstance(failure, CollimateError) and not isinstance(failure, GroupError):
                 raise GroupError(
                     f"child {failed_at} of {len(children)} failed ({failure}); the group was torn down, resample it"
                 ) from failure
