@@ -58,6 +58,21 @@ def demo(width: int, samples: int) -> None:
         (enter_exec_exit if i % 2 else enter_exit).append((time.perf_counter() - t) * 1e3)
     baseline = [_host_fork_ms() for _ in range(samples)]
 
+    # Shell commands: each starts guest processes (a fork of the interpreter, then /bin/sh), far
+    # slower than code in the persistent interpreter; beside the native /bin/sh -c true.
+    import subprocess
+
+    commands, native = [], []
+    with Sandbox("python", client=client) as sb:
+        for _ in range(max(5, samples // 10)):
+            t = time.perf_counter()
+            r = sb.exec(command="true")
+            commands.append((time.perf_counter() - t) * 1e3)
+            assert r.ok, r
+            t = time.perf_counter()
+            subprocess.run(["/bin/sh", "-c", "true"], check=True)
+            native.append((time.perf_counter() - t) * 1e3)
+
     completions = [CANDIDATES[i % len(CANDIDATES)] for i in range(width)]
     codes = [extract_code(c) for c in completions]
     t = time.perf_counter()
@@ -74,6 +89,8 @@ def demo(width: int, samples: int) -> None:
         ("host os.fork()+_exit+waitpid", baseline),
         ("Sandbox enter+exit (warm or new clone)", enter_exit),
         ("Sandbox enter+exec(print(1))+exit", enter_exec_exit),
+        ("exec(command='true') in a sandbox", commands),
+        ("native /bin/sh -c true (subprocess)", native),
     ]
     print(f"{'':38} {'median':>9} {'p99':>9} {'x host fork':>12}")
     for name, xs in rows:
