@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import signal as _signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -141,6 +142,9 @@ class _Box:
     warm_hit: bool
     lock: threading.RLock = field(default_factory=threading.RLock)
     agent_alive: bool = True
+    # Why the interpreter's state was lost (it died, or an exec timed out), until an exec has said
+    # so: the next exec's result is marked `interpreter_restarted` (see ExecResult).
+    lost: str = ""
     closed: bool = False
     # The _Template (version) this sandbox was made from: a re-baked name gets a new one, and a
     # sandbox of the old version must not be reset into the new version's pool.
@@ -311,8 +315,9 @@ class EmbeddedClient:
         try:
             with box.lock:
                 if not box.agent_alive:
-                    self.reset(box)  # as exec does: the last program ended the agent, start from the template
+                    self._restore(box)  # as exec does: the last program ended the agent, start from the template
                 vms = box.vm.fork(n)
+                lost = box.lost  # the children start from the template too: their first exec says so
         except BaseException as e:
             self._unreserve(n)
             if isinstance(e, _CoreEngineError):
@@ -322,12 +327,19 @@ class EmbeddedClient:
             self._events.append((time.time(), "fork", n))
         now = time.time()
         return [
-            self._register(_Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin))
+            self._register(_Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin, lost=lost))
             for vm in vms
         ]
 
     def reset(self, box: _Box) -> None:
         """Back to the template: dirty pages, files and registers, without a new VM."""
+        with box.lock:
+            self._restore(box)
+            box.lost = ""  # asked for: the next exec has nothing to report
+
+    def _restore(self, box: _Box) -> None:
+        """Back to the template after the agent died or an exec timed out (`box.lost` stays set
+        until an exec has reported it)."""
         with box.lock:
             try:
                 box.vm.reset()
@@ -366,11 +378,13 @@ class EmbeddedClient:
             if box.closed:
                 raise NotFoundError(f"sandbox {box.id} was destroyed")
             if not box.agent_alive:
-                self.reset(box)  # the previous program ended the agent: start from the template
+                self._restore(box)  # the previous program ended the agent: start from the template
             try:
                 r = box.vm.agent_call(_frame(req), float(timeout), seed_bytes, True)
             except _CoreEngineError as e:
                 raise _engine_error(e, f"exec in sandbox {box.id}") from e
+            restarted, box.lost = box.lost, ""
+            died = False
             timed_out = r.kind == "timeout"
             reply = _unframe(r.agent) if r.kind == "yield" and r.value == AGENT_IDLE else None
             if reply is not None and "exit_code" in reply:
@@ -395,6 +409,26 @@ class EmbeddedClient:
                     exit_code = 128 + (getattr(r, "signal", 0) or 0)
                 else:
                     exit_code = 128 + 11 if r.kind in ("fault", "shutdown") else 1
+                died = not timed_out
+                box.lost = "timed out" if timed_out else "died (" + _how_it_ended(r) + ")"
+        notes = []
+        if restarted:
+            notes.append(
+                f"this exec ran in a fresh interpreter: the sandbox's interpreter {restarted} in an earlier exec, "
+                "and the sandbox was restored from its template (earlier Python state, processes and files in "
+                "/tmp and /work are gone)"
+            )
+        if died or timed_out:
+            what = (
+                f"the sandbox's interpreter (the agent, guest pid 1) {box.lost} during this exec"
+                if died
+                else "this exec timed out and its interpreter is abandoned"
+            )
+            notes.append(
+                what + "; the next exec runs in a fresh interpreter restored from the template "
+                "(Python state, processes and files in /tmp and /work are lost)"
+            )
+        note = "; ".join(notes)
         with self._lock:
             self._events.append((time.time(), "exec", 1))
             self._events.append((time.time(), "bytes_out", len(r.stdout) + len(r.stderr)))
@@ -409,6 +443,9 @@ class EmbeddedClient:
             truncated=r.truncated,
             stdout_bytes=r.stdout,
             stderr_bytes=r.stderr,
+            interpreter_died=died,
+            interpreter_restarted=bool(restarted),
+            note=note,
         )
 
     def upload(self, box: _Box, path: str, data: bytes) -> None:
@@ -422,7 +459,7 @@ class EmbeddedClient:
             if not box.agent_alive:
                 # The last program ended the agent: the next exec starts from the template, which
                 # would drop this file. Restore the sandbox now, so the upload is there for it.
-                self.reset(box)
+                self._restore(box)
             try:
                 box.vm.upload(path, bytes(data))
             except _CoreEngineError as e:
@@ -497,6 +534,24 @@ def _template_name(handle: Any) -> str:
     if not isinstance(name, str):
         raise InvalidArgument(f"expected a template name or handle, not {handle!r}")
     return name
+
+
+def _how_it_ended(r: Any) -> str:
+    """How a run that ended the agent ended, in words."""
+    if r.kind == "exited":
+        return f"it exited with status {r.code or 0}"
+    if r.kind == "signaled":
+        n = getattr(r, "signal", 0) or 0
+        try:
+            name = _signal.Signals(n).name
+        except ValueError:
+            name = "unknown"
+        return f"killed by signal {n} ({name})"
+    if r.kind == "fault":
+        return f"it crashed (exception vector {r.vector} at rip {r.rip:#x})" if r.rip is not None else "it crashed"
+    if r.kind == "shutdown":
+        return "the guest shut down"
+    return f"it stopped answering (run ended with {r.kind!r})"
 
 
 def _invalid_or_died(e: _CoreEngineError, what: str) -> Exception:

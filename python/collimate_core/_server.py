@@ -515,6 +515,15 @@ class ExecResponse(BaseModel):
     duration: float
     timed_out: bool
     truncated: bool
+    interpreter_died: bool = Field(
+        False, description="this exec ended the sandbox's interpreter (guest pid 1): the next exec runs in a fresh one"
+    )
+    interpreter_restarted: bool = Field(
+        False,
+        description="this exec ran in a fresh interpreter restored from the template: an earlier exec's interpreter "
+        "died or timed out, and its Python state, processes and files in /tmp and /work are gone",
+    )
+    note: str = Field("", description="what happened to the interpreter, in words ('' when nothing did)")
 
 
 class UploadResponse(BaseModel):
@@ -1137,6 +1146,7 @@ class ControlPlane:
             stdout_b64=None if r.stdout.encode() == r.stdout_bytes else base64.b64encode(r.stdout_bytes).decode(),
             stderr_b64=None if r.stderr.encode() == r.stderr_bytes else base64.b64encode(r.stderr_bytes).decode(),
             seed=r.seed, seed_ack=r.seed_ack, duration=r.duration, timed_out=r.timed_out, truncated=r.truncated,
+            interpreter_died=r.interpreter_died, interpreter_restarted=r.interpreter_restarted, note=r.note,
         )
 
     async def upload(self, tenant: str, sandbox_id: str, path: str, request: Request) -> UploadResponse:
