@@ -5,8 +5,10 @@
 //! fork. A process knows its children by [`Child`] entries holding a pidfd of the child's VMM
 //! process (a "clone child" with exit signal 0, which the host never reaps on its own), and waits
 //! for them with `waitid(P_PIDFD, .., __WALL)` on the host. Guest pids: the process the controller
-//! runs is 1; every other process uses its host pid as guest pid (deterministic pids are a later
-//! issue).
+//! runs is 1, the others are numbered in fork order (`host::alloc_pid`). Processes beyond a
+//! process's relatives (for `kill(-1, ..)`, a process group, a sibling) are found in the
+//! scheduler's slots and reached through [`roster`], which checks that a slot's host pid is still
+//! that guest process.
 //!
 //! # Signals
 //! Dispositions, the blocked mask and the alternate stack live in [`Proc`] (rt_sigaction,
