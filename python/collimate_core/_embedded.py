@@ -8,6 +8,7 @@ keeps a few pre-forked spares; a sandbox is one VMM process running the in-guest
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 import signal as _signal
 import threading
@@ -26,6 +27,7 @@ from collimate_core._errors import (
     NotFoundError,
     SandboxDied,
 )
+from collimate_core._meter import Meter
 from collimate_core._results import ExecResult
 from collimate_core._seeds import crng_stream, fresh_seed, parse_seed
 from collimate_core._templates import frame as _frame
@@ -163,11 +165,12 @@ class EmbeddedClient:
         self._lock = threading.RLock()
         self._slots = threading.Condition(self._lock)
         self._reserved = 0  # slots admitted but not yet registered (see _admit)
-        self._events: list[tuple[float, str, float]] = []
+        # Metered totals in time buckets (a list of events grew with every exec, without bound).
+        self._meter = Meter()
+        self._compacted = time.time()
         # Tearing a VMM process down takes about a millisecond; a sandbox's exit does not wait for
         # it. One reaper thread kills and reaps them in order; close() waits for it.
         self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collimate-reaper")
-        self._closed_seconds: list[tuple[float, float]] = []  # (start, end) of destroyed sandboxes
 
     # --- templates ---------------------------------------------------------------------------
 
@@ -264,8 +267,7 @@ class EmbeddedClient:
             if isinstance(e, _CoreEngineError):
                 raise _engine_error(e, f"forking a sandbox of {template!r}") from e
             raise
-        with self._lock:
-            self._events.append((time.time(), "sandbox", 1))
+        self._count("sandboxes", 1)
         return self._register(_Box("sbx_" + secrets.token_hex(8), template, vm, time.time(), warm, origin=t))
 
     def get(self, sandbox_id: str) -> _Box:
@@ -282,7 +284,7 @@ class EmbeddedClient:
             box.closed = True
             with self._slots:
                 self._boxes.pop(box.id, None)
-                self._closed_seconds.append((box.created, time.time()))
+                self._meter.close_span(box.created, time.time())
             with self._lock:
                 t = self._templates.get(box.template)
             if box.origin is not None and t is not box.origin:
@@ -323,8 +325,7 @@ class EmbeddedClient:
             if isinstance(e, _CoreEngineError):
                 raise _engine_error(e, f"forking sandbox {box.id}") from e
             raise
-        with self._lock:
-            self._events.append((time.time(), "fork", n))
+        self._count("forks", n)
         now = time.time()
         return [
             self._register(_Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin, lost=lost))
@@ -429,9 +430,7 @@ class EmbeddedClient:
                 "(Python state, processes and files in /tmp and /work are lost)"
             )
         note = "; ".join(notes)
-        with self._lock:
-            self._events.append((time.time(), "exec", 1))
-            self._events.append((time.time(), "bytes_out", len(r.stdout) + len(r.stderr)))
+        self._count("execs", 1, bytes_out=len(r.stdout) + len(r.stderr))
         return ExecResult(
             exit_code=exit_code,
             stdout=r.stdout.decode(errors="replace"),
@@ -464,8 +463,7 @@ class EmbeddedClient:
                 box.vm.upload(path, bytes(data))
             except _CoreEngineError as e:
                 raise _invalid_or_died(e, f"upload to {path}") from e
-        with self._lock:
-            self._events.append((time.time(), "bytes_in", len(data)))
+        self._count("bytes_in", len(data))
 
     def download(self, box: _Box, path: str) -> bytes:
         with box.lock:
@@ -473,33 +471,36 @@ class EmbeddedClient:
                 data = box.vm.download(path)
             except _CoreEngineError as e:
                 raise _invalid_or_died(e, f"download of {path}") from e
-        with self._lock:
-            self._events.append((time.time(), "bytes_out", len(data)))
+        self._count("bytes_out", len(data))
         return data
 
     # --- metering ----------------------------------------------------------------------------
 
+    def _count(self, what: str, amount: float, **more: float) -> None:
+        now = time.time()
+        with self._lock:
+            self._meter.add(what, amount, t=now)
+            for k, v in more.items():
+                self._meter.add(k, v, t=now)
+            if now - self._compacted > 60:
+                self._meter.compact(now)
+                self._compacted = now
+
     def usage(self, since: float | None = None, until: float | None = None) -> Usage:
-        """Metered totals between `since` and `until` (Unix times; default: all time, now)."""
+        """Metered totals between `since` and `until` (Unix times; default: all time, now). Kept in
+        one-second buckets for the last hour and one-minute buckets before it: a window that cuts
+        through a bucket counts the part of it that it covers."""
         lo = since if since is not None else 0.0
         hi = until if until is not None else time.time()
-        u = Usage()
         with self._lock:
-            for t, kind, amount in self._events:
-                if lo <= t <= hi:
-                    if kind == "exec":
-                        u.execs += int(amount)
-                    elif kind == "sandbox":
-                        u.sandboxes += int(amount)
-                    elif kind == "fork":
-                        u.forks += int(amount)
-                    elif kind == "bytes_in":
-                        u.bytes_in += int(amount)
-                    elif kind == "bytes_out":
-                        u.bytes_out += int(amount)
-            spans = list(self._closed_seconds) + [(b.created, hi) for b in self._boxes.values()]
-            u.live_sandboxes = len(self._boxes)
-        u.sandbox_seconds = sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in spans)
+            # No bound: every bucket whole (the current second's is not over yet).
+            w = self._meter.window(-math.inf if since is None else lo, math.inf if until is None else hi)
+            live = [(b.created, hi) for b in self._boxes.values()]
+        u = Usage(
+            sandboxes=round(w["sandboxes"]), execs=round(w["execs"]), forks=round(w["forks"]),
+            bytes_in=round(w["bytes_in"]), bytes_out=round(w["bytes_out"]), live_sandboxes=len(live),
+        )
+        u.sandbox_seconds = w["sandbox_seconds"] + sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in live)
         return u
 
     def close(self) -> None:
