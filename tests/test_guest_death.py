@@ -43,7 +43,7 @@ def run(sb, code: str, **kw):
 # knows that processes it cannot wait for (grandchildren) are gone. A process that must survive
 # closes its copy.
 SLEEPERS = """
-import os, select, signal, time
+import os, signal, time
 life_r, life_w = os.pipe()
 
 def sleeper(then=None):
@@ -55,9 +55,11 @@ def sleeper(then=None):
             time.sleep(1000)
     return pid
 
-def all_dead(timeout=20):
-    ready, _, _ = select.select([life_r], [], [], timeout)
-    return bool(ready) and os.read(life_r, 1) == b""
+def all_dead():
+    # A blocking read, no timeout: a sandbox's processes take turns on one virtual clock, which
+    # may jump past a timeout while a killed process is still being torn down on the host. If
+    # one survived, the exec times out instead.
+    return os.read(life_r, 1) == b""
 """
 
 

@@ -859,11 +859,33 @@ fn target(os: &GuestOs, pid: i32) -> Result<Target, Errno> {
         return Ok(Target::Top);
     }
     // Any other live process of the sandbox, by its slot (never a host pid the guest names).
-    match crate::guestos::sched::processes().into_iter().find(|p| p.pid == pid && p.host > 0) {
+    match settled_processes(|p| p.pid == pid).into_iter().find(|p| p.pid == pid && p.host > 0) {
         Some(p) => Ok(Target::Other { pid, host: p.host }),
         None => Err(ESRCH),
     }
 }
+
+/// The sandbox's processes (`sched::processes`), once those that `wanted` picks have started.
+///
+/// A slot is made by the parent before its fork, and the child fills in its host pid (after
+/// taking its roster lock) when it first runs on the host, which on a busy host can be a while
+/// after the parent's fork returned. On Linux the child exists as soon as fork returns, so a
+/// `kill(-1, SIGKILL)` right after a fork (of a grandchild, say) must reach it: wait, up to
+/// [`START_WAIT`], for such slots. (A child that died before it ever ran leaves a slot without a
+/// host pid until the next reset; it costs a kill that wait, and is not signalled.)
+fn settled_processes(wanted: impl Fn(&crate::guestos::sched::Process) -> bool) -> Vec<crate::guestos::sched::Process> {
+    let end = std::time::Instant::now() + START_WAIT;
+    loop {
+        let procs = crate::guestos::sched::processes();
+        if !procs.iter().any(|p| p.host == 0 && wanted(p)) || std::time::Instant::now() >= end {
+            return procs;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// How long a kill waits for a just-forked process to start (see [`settled_processes`]).
+const START_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 fn send(os: &mut GuestOs, t: Target, sig: i32, code: i32) -> Result<(), Errno> {
     match t {
@@ -943,7 +965,8 @@ fn broadcast_targets(os: &GuestOs, pid: i32) -> Vec<Target> {
         None => p != 1 && p != me,
         Some(g) => pgid == g,
     };
-    let procs = crate::guestos::sched::processes();
+    // The caller's own children are reached through their pidfds, started or not.
+    let procs = settled_processes(|p| p.pid != me && reached(p.pid, p.pgid) && !os.sig.children.iter().any(|c| c.pid == p.pid));
     let mut targets = Vec::new();
     for (i, c) in os.sig.children.iter().enumerate() {
         // A child without a slot (a phantom in a forked sandbox) is in the group its fork put it in.
