@@ -8,7 +8,9 @@ keeps a few pre-forked spares; a sandbox is one VMM process running the in-guest
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
+import signal as _signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +28,7 @@ from collimate_core._errors import (
     SandboxDied,
 )
 from collimate_core import _quota
+from collimate_core._meter import Meter
 from collimate_core._results import ExecResult
 from collimate_core._seeds import crng_stream, fresh_seed, parse_seed
 from collimate_core._templates import frame as _frame
@@ -37,6 +40,14 @@ MAX_UPLOAD = 256 << 20
 DEFAULT_SPARES = 2
 MAX_SPARES = 16
 RECYCLE_MAX = 8
+# Destroyed sandboxes waiting for the reaper thread at most; beyond it, destroy tears down in the
+# caller. Without a bound, fork groups destroyed faster than one thread tears them down (8
+# children every ~70 ms on a 2-core host) left each of them a live VMM process in its queue: over
+# 1,700 after 300 groups, growing for as long as the load lasted. 65 lets a group of 64 and its
+# parent go at once (their teardown overlaps the trainer's next step); under sustained load a
+# smaller bound was faster here (fewer idle VMMs: about 120 vs 140-200 ms per fork_group(8) cycle
+# with 16 vs 65, on a busy host).
+REAP_BACKLOG = 65
 
 
 def expected_ack(seed: bytes) -> str:
@@ -146,6 +157,9 @@ class _Box:
     warm_hit: bool
     lock: threading.RLock = field(default_factory=threading.RLock)
     agent_alive: bool = True
+    # Why the interpreter's state was lost (it died, or an exec timed out), until an exec has said
+    # so: the next exec's result is marked `interpreter_restarted` (see ExecResult).
+    lost: str = ""
     closed: bool = False
     # The _Template (version) this sandbox was made from: a re-baked name gets a new one, and a
     # sandbox of the old version must not be reset into the new version's pool.
@@ -182,11 +196,13 @@ class EmbeddedClient:
         self._lock = threading.RLock()
         self._slots = threading.Condition(self._lock)
         self._reserved = 0  # slots admitted but not yet registered (see _admit)
-        self._events: list[tuple[float, str, float]] = []
+        # Metered totals in time buckets (a list of events grew with every exec, without bound).
+        self._meter = Meter()
+        self._compacted = time.time()
         # Tearing a VMM process down takes about a millisecond; a sandbox's exit does not wait for
         # it. One reaper thread kills and reaps them in order; close() waits for it.
         self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collimate-reaper")
-        self._closed_seconds: list[tuple[float, float]] = []  # (start, end) of destroyed sandboxes
+        self._reaping = 0  # sandboxes handed to the reaper and not yet torn down or recycled
 
     # --- templates ---------------------------------------------------------------------------
 
@@ -316,8 +332,7 @@ class EmbeddedClient:
                     raise InvalidArgument(f"disk_quota for a sandbox of {template!r}: {e}") from e
                 raise _engine_error(e, f"forking a sandbox of {template!r}") from e
             raise
-        with self._lock:
-            self._events.append((time.time(), "sandbox", 1))
+        self._count("sandboxes", 1)
         box = _Box("sbx_" + secrets.token_hex(8), template, vm, time.time(), warm, origin=t, disk_quota=quota, charge=charge)
         return self._register(box)
 
@@ -336,17 +351,23 @@ class EmbeddedClient:
             with self._slots:
                 self._boxes.pop(box.id, None)
                 self._charged -= box.charge
-                self._closed_seconds.append((box.created, time.time()))
+                self._meter.close_span(box.created, time.time())
             with self._lock:
                 t = self._templates.get(box.template)
             if box.origin is not None and t is not box.origin:
                 t = None  # its template was re-baked or deleted: not reusable, just destroyed
+            with self._slots:
+                queued = self._reaping < REAP_BACKLOG
+                self._reaping += queued
+            if not queued:  # backpressure: the reaper is behind, tear down here
+                self._reap(box.vm, t, False)
+                return
             try:
-                self._reaper.submit(self._reap, box.vm, t)
+                self._reaper.submit(self._reap, box.vm, t, True)
             except RuntimeError:  # the client is closing: tear down here
-                self._reap(box.vm, None)
+                self._reap(box.vm, None, True)
 
-    def _reap(self, vm: Vm, template: "_Template | None") -> None:
+    def _reap(self, vm: Vm, template: "_Template | None", queued: bool) -> None:
         try:
             if template is not None and template.has_room():
                 try:
@@ -360,6 +381,7 @@ class EmbeddedClient:
             vm.destroy()
         finally:
             with self._slots:
+                self._reaping -= queued
                 self._slots.notify_all()
 
     def fork(self, box: _Box, n: int) -> list[_Box]:
@@ -370,19 +392,19 @@ class EmbeddedClient:
         try:
             with box.lock:
                 if not box.agent_alive:
-                    self.reset(box)  # as exec does: the last program ended the agent, start from the template
+                    self._restore(box)  # as exec does: the last program ended the agent, start from the template
                 vms = box.vm.fork(n)
+                lost = box.lost  # the children start from the template too: their first exec says so
         except BaseException as e:
             self._unreserve(n, charge)
             if isinstance(e, _CoreEngineError):
                 raise _engine_error(e, f"forking sandbox {box.id}") from e
             raise
-        with self._lock:
-            self._events.append((time.time(), "fork", n))
+        self._count("forks", n)
         now = time.time()
         return [
             self._register(
-                _Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin,
+                _Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin, lost=lost,
                      disk_quota=box.disk_quota, charge=charge)
             )
             for vm in vms
@@ -390,6 +412,13 @@ class EmbeddedClient:
 
     def reset(self, box: _Box) -> None:
         """Back to the template: dirty pages, files and registers, without a new VM."""
+        with box.lock:
+            self._restore(box)
+            box.lost = ""  # asked for: the next exec has nothing to report
+
+    def _restore(self, box: _Box) -> None:
+        """Back to the template after the agent died or an exec timed out (`box.lost` stays set
+        until an exec has reported it)."""
         with box.lock:
             try:
                 box.vm.reset()
@@ -428,11 +457,13 @@ class EmbeddedClient:
             if box.closed:
                 raise NotFoundError(f"sandbox {box.id} was destroyed")
             if not box.agent_alive:
-                self.reset(box)  # the previous program ended the agent: start from the template
+                self._restore(box)  # the previous program ended the agent: start from the template
             try:
                 r = box.vm.agent_call(_frame(req), float(timeout), seed_bytes, True)
             except _CoreEngineError as e:
                 raise _engine_error(e, f"exec in sandbox {box.id}") from e
+            restarted, box.lost = box.lost, ""
+            died = False
             timed_out = r.kind == "timeout"
             reply = _unframe(r.agent) if r.kind == "yield" and r.value == AGENT_IDLE else None
             if reply is not None and "exit_code" in reply:
@@ -457,9 +488,27 @@ class EmbeddedClient:
                     exit_code = 128 + (getattr(r, "signal", 0) or 0)
                 else:
                     exit_code = 128 + 11 if r.kind in ("fault", "shutdown") else 1
-        with self._lock:
-            self._events.append((time.time(), "exec", 1))
-            self._events.append((time.time(), "bytes_out", len(r.stdout) + len(r.stderr)))
+                died = not timed_out
+                box.lost = "timed out" if timed_out else "died (" + _how_it_ended(r) + ")"
+        notes = []
+        if restarted:
+            notes.append(
+                f"this exec ran in a fresh interpreter: the sandbox's interpreter {restarted} in an earlier exec, "
+                "and the sandbox was restored from its template (earlier Python state, processes and files in "
+                "/tmp and /work are gone)"
+            )
+        if died or timed_out:
+            what = (
+                f"the sandbox's interpreter (the agent, guest pid 1) {box.lost} during this exec"
+                if died
+                else "this exec timed out and its interpreter is abandoned"
+            )
+            notes.append(
+                what + "; the next exec runs in a fresh interpreter restored from the template "
+                "(Python state, processes and files in /tmp and /work are lost)"
+            )
+        note = "; ".join(notes)
+        self._count("execs", 1, bytes_out=len(r.stdout) + len(r.stderr))
         return ExecResult(
             exit_code=exit_code,
             stdout=r.stdout.decode(errors="replace"),
@@ -471,6 +520,9 @@ class EmbeddedClient:
             truncated=r.truncated,
             stdout_bytes=r.stdout,
             stderr_bytes=r.stderr,
+            interpreter_died=died,
+            interpreter_restarted=bool(restarted),
+            note=note,
         )
 
     def upload(self, box: _Box, path: str, data: bytes) -> None:
@@ -484,13 +536,12 @@ class EmbeddedClient:
             if not box.agent_alive:
                 # The last program ended the agent: the next exec starts from the template, which
                 # would drop this file. Restore the sandbox now, so the upload is there for it.
-                self.reset(box)
+                self._restore(box)
             try:
                 box.vm.upload(path, bytes(data))
             except _CoreEngineError as e:
                 raise _invalid_or_died(e, f"upload to {path}") from e
-        with self._lock:
-            self._events.append((time.time(), "bytes_in", len(data)))
+        self._count("bytes_in", len(data))
 
     def disk_usage(self, box: _Box) -> dict | None:
         """What the sandbox's writable mounts hold and their quota (bytes, inodes, quota_bytes,
@@ -507,33 +558,36 @@ class EmbeddedClient:
                 data = box.vm.download(path)
             except _CoreEngineError as e:
                 raise _invalid_or_died(e, f"download of {path}") from e
-        with self._lock:
-            self._events.append((time.time(), "bytes_out", len(data)))
+        self._count("bytes_out", len(data))
         return data
 
     # --- metering ----------------------------------------------------------------------------
 
+    def _count(self, what: str, amount: float, **more: float) -> None:
+        now = time.time()
+        with self._lock:
+            self._meter.add(what, amount, t=now)
+            for k, v in more.items():
+                self._meter.add(k, v, t=now)
+            if now - self._compacted > 60:
+                self._meter.compact(now)
+                self._compacted = now
+
     def usage(self, since: float | None = None, until: float | None = None) -> Usage:
-        """Metered totals between `since` and `until` (Unix times; default: all time, now)."""
+        """Metered totals between `since` and `until` (Unix times; default: all time, now). Kept in
+        one-second buckets for the last hour and one-minute buckets before it: a window that cuts
+        through a bucket counts the part of it that it covers."""
         lo = since if since is not None else 0.0
         hi = until if until is not None else time.time()
-        u = Usage()
         with self._lock:
-            for t, kind, amount in self._events:
-                if lo <= t <= hi:
-                    if kind == "exec":
-                        u.execs += int(amount)
-                    elif kind == "sandbox":
-                        u.sandboxes += int(amount)
-                    elif kind == "fork":
-                        u.forks += int(amount)
-                    elif kind == "bytes_in":
-                        u.bytes_in += int(amount)
-                    elif kind == "bytes_out":
-                        u.bytes_out += int(amount)
-            spans = list(self._closed_seconds) + [(b.created, hi) for b in self._boxes.values()]
-            u.live_sandboxes = len(self._boxes)
-        u.sandbox_seconds = sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in spans)
+            # No bound: every bucket whole (the current second's is not over yet).
+            w = self._meter.window(-math.inf if since is None else lo, math.inf if until is None else hi)
+            live = [(b.created, hi) for b in self._boxes.values()]
+        u = Usage(
+            sandboxes=round(w["sandboxes"]), execs=round(w["execs"]), forks=round(w["forks"]),
+            bytes_in=round(w["bytes_in"]), bytes_out=round(w["bytes_out"]), live_sandboxes=len(live),
+        )
+        u.sandbox_seconds = w["sandbox_seconds"] + sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in live)
         return u
 
     def close(self) -> None:
@@ -568,6 +622,24 @@ def _template_name(handle: Any) -> str:
     if not isinstance(name, str):
         raise InvalidArgument(f"expected a template name or handle, not {handle!r}")
     return name
+
+
+def _how_it_ended(r: Any) -> str:
+    """How a run that ended the agent ended, in words."""
+    if r.kind == "exited":
+        return f"it exited with status {r.code or 0}"
+    if r.kind == "signaled":
+        n = getattr(r, "signal", 0) or 0
+        try:
+            name = _signal.Signals(n).name
+        except ValueError:
+            name = "unknown"
+        return f"killed by signal {n} ({name})"
+    if r.kind == "fault":
+        return f"it crashed (exception vector {r.vector} at rip {r.rip:#x})" if r.rip is not None else "it crashed"
+    if r.kind == "shutdown":
+        return "the guest shut down"
+    return f"it stopped answering (run ended with {r.kind!r})"
 
 
 def _invalid_or_died(e: _CoreEngineError, what: str) -> Exception:

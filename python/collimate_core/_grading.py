@@ -312,6 +312,9 @@ def _grade_in(sandbox, code: str, spec, seed: str | None) -> GradeResult:
     r1 = sandbox.exec(code=code, timeout_seconds=timeout, seed=seed)
     if r1.timed_out:
         return GradeResult(0.0, "timeout", stdout=r1.stdout, stderr=r1.stderr, seed=r1.seed, seed_ack=r1.seed_ack, duration=r1.duration)
+    if r1.interpreter_died:  # os._exit(0) too: the tests would run in a fresh interpreter
+        return GradeResult(0.0, f"the candidate ended the interpreter (exit code {r1.exit_code})", stdout=r1.stdout,
+                           stderr=r1.stderr, seed=r1.seed, seed_ack=r1.seed_ack, duration=r1.duration)
     if r1.exit_code != 0:
         return GradeResult(0.0, f"the candidate failed (exit code {r1.exit_code})", stdout=r1.stdout, stderr=r1.stderr,
                            seed=r1.seed, seed_ack=r1.seed_ack, duration=r1.duration)

@@ -232,6 +232,8 @@ class RemoteClient:
         return ExecResult(
             exit_code=d["exit_code"], stdout=d["stdout"], stderr=d["stderr"], seed=d["seed"], seed_ack=d["seed_ack"],
             duration=d["duration"], timed_out=d["timed_out"], truncated=d["truncated"], stdout_bytes=out, stderr_bytes=err,
+            interpreter_died=bool(d.get("interpreter_died", False)),
+            interpreter_restarted=bool(d.get("interpreter_restarted", False)), note=str(d.get("note") or ""),
         )
 
     def upload(self, box: RemoteSandbox, path: str, data: bytes) -> None:

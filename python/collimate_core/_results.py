@@ -14,6 +14,14 @@ class ExecResult:
     any result can be replayed; `seed_ack` is the verdict of the seed-ack handshake: "verified",
     "no-ack", "off" or "mismatch" (see docs/replay.md). `host` says where it ran: the Ray node id
     on a Ray client, None on one host.
+
+    The sandbox's Python interpreter (the in-guest agent, guest pid 1) keeps its state from one
+    exec to the next. When an exec ends it (os._exit, a fatal signal such as
+    `os.kill(os.getpid(), 9)`, a crash), that exec's result has `interpreter_died` set, and the
+    sandbox is restored from its template before its next exec, which has `interpreter_restarted`
+    set: it runs in a fresh interpreter, and everything earlier execs left (variables, imports,
+    processes, files in /tmp and /work) is gone. The same holds after an exec that timed out.
+    `note` says what happened in words ("" when nothing did).
     """
 
     exit_code: int
@@ -27,6 +35,9 @@ class ExecResult:
     stdout_bytes: bytes = field(default=b"", repr=False)
     stderr_bytes: bytes = field(default=b"", repr=False)
     host: str | None = None
+    interpreter_died: bool = False
+    interpreter_restarted: bool = False
+    note: str = ""
 
     @property
     def ok(self) -> bool:

@@ -75,6 +75,7 @@ from collimate_core._errors import (
     VmDestroyedError,
 )
 from collimate_core._keys import KeyStore
+from collimate_core._meter import Meter as _Meter
 from collimate_core._templates import CATALOG, cache_dir
 
 API_VERSION = "1.0.0"
@@ -262,63 +263,6 @@ class _Admission:
             self.used += k
             fut.set_result(None)
         self._gauges()
-
-
-# --- metering ---------------------------------------------------------------------------------
-
-_FIELDS = ("sandboxes", "execs", "forks", "bytes_in", "bytes_out", "sandbox_seconds")
-_FINE_SPAN = 3600  # seconds kept at one-second resolution; older ones at one minute
-
-
-class _Meter:
-    """A tenant's metered totals in time buckets: one second for the last hour, one minute before.
-
-    Counters land in the bucket of their time; a finished sandbox's seconds are spread over the
-    buckets it lived in. A window query takes buckets that lie wholly inside it and the covered
-    fraction of the two it cuts through.
-    """
-
-    def __init__(self) -> None:
-        self.buckets: dict[tuple[int, int], list[float]] = {}  # (width, start) -> amounts
-        self.spent = 0.0  # sandbox-seconds of finished sandboxes, all time
-
-    def _bucket(self, t: float) -> list[float]:
-        key = (1, int(t))
-        b = self.buckets.get(key)
-        if b is None:
-            b = self.buckets[key] = [0.0] * len(_FIELDS)
-        return b
-
-    def add(self, what: str, amount: float, t: float | None = None) -> None:
-        self._bucket(time.time() if t is None else t)[_FIELDS.index(what)] += amount
-
-    def close_span(self, start: float, end: float) -> None:
-        self.spent += max(0.0, end - start)
-        i = _FIELDS.index("sandbox_seconds")
-        s = start
-        while s < end:
-            e = min(end, math.floor(s) + 1)
-            self._bucket(s)[i] += e - s
-            s = e
-
-    def compact(self, now: float) -> None:
-        cut = int(now) - _FINE_SPAN
-        for key in [k for k in self.buckets if k[0] == 1 and k[1] < cut]:
-            vals = self.buckets.pop(key)
-            coarse = self.buckets.setdefault((60, key[1] - key[1] % 60), [0.0] * len(_FIELDS))
-            for i, v in enumerate(vals):
-                coarse[i] += v
-
-    def window(self, lo: float, hi: float) -> dict[str, float]:
-        out = [0.0] * len(_FIELDS)
-        for (width, start), vals in self.buckets.items():
-            cover = min(hi, start + width) - max(lo, start)
-            if cover <= 0:
-                continue
-            frac = min(1.0, cover / width)
-            for i, v in enumerate(vals):
-                out[i] += v * frac
-        return dict(zip(_FIELDS, out))
 
 
 # --- metrics ----------------------------------------------------------------------------------
@@ -531,6 +475,15 @@ class ExecResponse(BaseModel):
     duration: float
     timed_out: bool
     truncated: bool
+    interpreter_died: bool = Field(
+        False, description="this exec ended the sandbox's interpreter (guest pid 1): the next exec runs in a fresh one"
+    )
+    interpreter_restarted: bool = Field(
+        False,
+        description="this exec ran in a fresh interpreter restored from the template: an earlier exec's interpreter "
+        "died or timed out, and its Python state, processes and files in /tmp and /work are gone",
+    )
+    note: str = Field("", description="what happened to the interpreter, in words ('' when nothing did)")
 
 
 class UploadResponse(BaseModel):
@@ -1163,6 +1116,7 @@ class ControlPlane:
             stdout_b64=None if r.stdout.encode() == r.stdout_bytes else base64.b64encode(r.stdout_bytes).decode(),
             stderr_b64=None if r.stderr.encode() == r.stderr_bytes else base64.b64encode(r.stderr_bytes).decode(),
             seed=r.seed, seed_ack=r.seed_ack, duration=r.duration, timed_out=r.timed_out, truncated=r.truncated,
+            interpreter_died=r.interpreter_died, interpreter_restarted=r.interpreter_restarted, note=r.note,
         )
 
     async def upload(self, tenant: str, sandbox_id: str, path: str, request: Request) -> UploadResponse:

@@ -772,6 +772,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
                     Err(EPERM)
                 } else {
                     p.pgid = p.pid;
+                    crate::guestos::sched::set_pgid(p.pgid);
                     Ok(0)
                 }
             } else {
@@ -786,6 +787,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
             } else {
                 p.sid = p.pid;
                 p.pgid = p.pid;
+                crate::guestos::sched::set_pgid(p.pgid);
                 Ok(p.pid as u64)
             }
         }

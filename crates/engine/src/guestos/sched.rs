@@ -72,7 +72,9 @@ pub struct Slot {
     pid: AtomicU32,
     host: AtomicI32,
     state: AtomicU32,
-    _pad: u32,
+    /// Its process group (`kill(-pgid, ..)` finds the group's members here, see
+    /// `guestos::signal`): inherited from the parent at the fork, changed by setpgid and setsid.
+    pgid: AtomicU32,
     /// Virtual monotonic ns the process waits for (u64::MAX: none).
     deadline: AtomicU64,
     /// Host CLOCK_MONOTONIC ns when it last took the token.
@@ -146,8 +148,11 @@ fn attach(mem: *mut u8, pid: i32) {
             s.state.store(State::Free as u32, Ordering::SeqCst);
         }
         // SAFETY: getpid cannot fail.
-        register(r, pid as u32, unsafe { libc::getpid() }, State::Run);
+        register(r, pid as u32, unsafe { libc::getpid() }, State::Run, pid as u32);
     }
+    // The roster of an earlier tree (this process was forked from another sandbox's first
+    // process) is not this tree's.
+    super::signal::roster::leave_tree();
 }
 
 /// The sandbox is back to its first process alone (a reset): every other slot is freed.
@@ -186,13 +191,14 @@ fn slot_of(r: &Region, pid: u32) -> Option<&Slot> {
     r.slots.iter().find(|s| s.pid.load(Ordering::SeqCst) == pid)
 }
 
-fn register(r: &Region, pid: u32, host: i32, state: State) {
+fn register(r: &Region, pid: u32, host: i32, state: State, pgid: u32) {
     with_lock(r, || {
         let slot = slot_of(r, pid).or_else(|| r.slots.iter().find(|s| s.pid.load(Ordering::SeqCst) == 0));
         if let Some(s) = slot {
             s.host.store(host, Ordering::SeqCst);
             s.state.store(state as u32, Ordering::SeqCst);
             s.deadline.store(u64::MAX, Ordering::SeqCst);
+            s.pgid.store(pgid, Ordering::SeqCst);
             s.pid.store(pid, Ordering::SeqCst);
         }
     });
@@ -250,9 +256,14 @@ pub fn before_fork(pid: i32) {
     if REPLAY.load(Ordering::Relaxed) {
         take_now(r);
     }
-    let detached = slot_of(r, ME.load(Ordering::SeqCst)).is_some_and(|s| s.state.load(Ordering::SeqCst) == State::Detached as u32);
+    let mine = slot_of(r, ME.load(Ordering::SeqCst));
+    let detached = mine.is_some_and(|s| s.state.load(Ordering::SeqCst) == State::Detached as u32);
+    let pgid = mine.map_or(1, |s| s.pgid.load(Ordering::SeqCst));
+    // The child proves it is alive to the others with a lock of the roster's (see
+    // `guestos::signal::roster`), which it takes before it fills in its host pid.
+    super::signal::roster::before_fork();
     // The host pid is the child's to fill in (`child_started`).
-    register(r, pid as u32, 0, if detached { State::Detached } else { State::Run });
+    register(r, pid as u32, 0, if detached { State::Detached } else { State::Run }, pgid);
 }
 
 /// In a new child process: its guest pid; its slot (made by the parent) gets its host pid.
@@ -267,6 +278,7 @@ pub fn child_started(pid: i32) {
     HOLDING.store(false, Ordering::SeqCst);
     YIELD.store(0, Ordering::SeqCst);
     PREEMPTED.store(false, Ordering::SeqCst);
+    super::signal::roster::join(pid);
     if let Some(s) = region().and_then(|r| slot_of(r, pid as u32)) {
         // SAFETY: getpid cannot fail.
         s.host.store(unsafe { libc::getpid() }, Ordering::SeqCst);
@@ -376,6 +388,42 @@ pub fn replaying() -> bool {
 /// Whether guest process `pid` is a member of the tree (live and not left).
 pub fn member(pid: i32) -> bool {
     region().is_some_and(|r| slot_of(r, pid as u32).is_some())
+}
+
+/// A guest process of this sandbox as its slot records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Process {
+    pub pid: i32,
+    /// Its VMM's host pid; 0 while it is still starting (forked, not yet run).
+    pub host: i32,
+    pub pgid: i32,
+}
+
+/// Every guest process of the sandbox that has a slot: the processes that have not left. A slot
+/// can outlive its process (one killed by the host from outside the sandbox), so the host pid is
+/// only a claim; `guestos::signal::roster` checks it before anything is sent there.
+pub fn processes() -> Vec<Process> {
+    let Some(r) = region() else { return Vec::new() };
+    with_lock(r, || {
+        r.slots
+            .iter()
+            .filter_map(|s| {
+                let pid = s.pid.load(Ordering::SeqCst);
+                (pid != 0).then(|| Process {
+                    pid: pid as i32,
+                    host: s.host.load(Ordering::SeqCst),
+                    pgid: s.pgid.load(Ordering::SeqCst) as i32,
+                })
+            })
+            .collect()
+    })
+}
+
+/// This process's group changed (setpgid, setsid).
+pub fn set_pgid(pgid: i32) {
+    if let Some(s) = region().and_then(|r| slot_of(r, ME.load(Ordering::SeqCst))) {
+        s.pgid.store(pgid as u32, Ordering::SeqCst);
+    }
 }
 
 /// After every syscall: one that did not ask to yield is progress (a round of passes without any

@@ -5,8 +5,10 @@
 //! fork. A process knows its children by [`Child`] entries holding a pidfd of the child's VMM
 //! process (a "clone child" with exit signal 0, which the host never reaps on its own), and waits
 //! for them with `waitid(P_PIDFD, .., __WALL)` on the host. Guest pids: the process the controller
-//! runs is 1; every other process uses its host pid as guest pid (deterministic pids are a later
-//! issue).
+//! runs is 1, the others are numbered in fork order (`host::alloc_pid`). Processes beyond a
+//! process's relatives (for `kill(-1, ..)`, a process group, a sibling) are found in the
+//! scheduler's slots and reached through [`roster`], which checks that a slot's host pid is still
+//! that guest process.
 //!
 //! # Signals
 //! Dispositions, the blocked mask and the alternate stack live in [`Proc`] (rt_sigaction,
@@ -838,6 +840,9 @@ enum Target {
     Parent,
     /// The sandbox's first process (guest pid 1), from a process that is not it.
     Top,
+    /// Another process of the sandbox (a sibling, a grandchild, ...): its guest pid and the host
+    /// pid its scheduler slot claims, which [`roster::open`] checks before anything is sent.
+    Other { pid: i32, host: i32 },
 }
 
 fn target(os: &GuestOs, pid: i32) -> Result<Target, Errno> {
@@ -853,10 +858,34 @@ fn target(os: &GuestOs, pid: i32) -> Result<Target, Errno> {
     if pid == 1 && host::top() != 0 {
         return Ok(Target::Top);
     }
-    // Processes beyond our parent, children and pid 1 are out of reach (their host pids are not
-    // the guest's business).
-    Err(ESRCH)
+    // Any other live process of the sandbox, by its slot (never a host pid the guest names).
+    match settled_processes(|p| p.pid == pid).into_iter().find(|p| p.pid == pid && p.host > 0) {
+        Some(p) => Ok(Target::Other { pid, host: p.host }),
+        None => Err(ESRCH),
+    }
 }
+
+/// The sandbox's processes (`sched::processes`), once those that `wanted` picks have started.
+///
+/// A slot is made by the parent before its fork, and the child fills in its host pid (after
+/// taking its roster lock) when it first runs on the host, which on a busy host can be a while
+/// after the parent's fork returned. On Linux the child exists as soon as fork returns, so a
+/// `kill(-1, SIGKILL)` right after a fork (of a grandchild, say) must reach it: wait, up to
+/// [`START_WAIT`], for such slots. (A child that died before it ever ran leaves a slot without a
+/// host pid until the next reset; it costs a kill that wait, and is not signalled.)
+fn settled_processes(wanted: impl Fn(&crate::guestos::sched::Process) -> bool) -> Vec<crate::guestos::sched::Process> {
+    let end = std::time::Instant::now() + START_WAIT;
+    loop {
+        let procs = crate::guestos::sched::processes();
+        if !procs.iter().any(|p| p.host == 0 && wanted(p)) || std::time::Instant::now() >= end {
+            return procs;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// How long a kill waits for a just-forked process to start (see [`settled_processes`]).
+const START_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 fn send(os: &mut GuestOs, t: Target, sig: i32, code: i32) -> Result<(), Errno> {
     match t {
@@ -889,6 +918,14 @@ fn send(os: &mut GuestOs, t: Target, sig: i32, code: i32) -> Result<(), Errno> {
             None => Err(ESRCH),
         },
         Target::Top => host::send_top(sig, from(os)),
+        Target::Other { pid, host: host_pid } => {
+            let fd = roster::open(pid, host_pid)?;
+            host::send_pidfd(fd.as_raw_fd(), sig, false, from(os))?;
+            if sig == SIGKILL {
+                crate::guestos::sched::killed(pid);
+            }
+            Ok(())
+        }
     }
 }
 
@@ -905,6 +942,68 @@ fn check_signal(sig: u64) -> Result<i32, Errno> {
     }
 }
 
+/// kill(2) for `pid` <= 0: the processes it reaches, in the order they are signalled (the caller
+/// last, so that a fatal signal to itself cannot cut the others short).
+///
+/// - `-1`: every process of the sandbox except its first process (guest pid 1, as init) and the
+///   caller, as on Linux. In the sandbox's first process it was once read as "group 1" (its own)
+///   and killed the caller too.
+/// - `0`: every process of the caller's group, the caller included; `-g`: every process of group g.
+///
+/// The sandbox's processes and their groups come from the scheduler's slots
+/// (`sched::processes`); the caller's children, its parent and pid 1 are signalled through the
+/// pidfds it holds, the others through a pidfd the roster vouches for. Outside a sandbox's tree
+/// (no slots) only the caller and its children are in reach.
+fn broadcast_targets(os: &GuestOs, pid: i32) -> Vec<Target> {
+    let me = os.proc.pid;
+    let group = match pid {
+        -1 => None,
+        0 => Some(os.proc.pgid),
+        g => Some(-g),
+    };
+    let reached = |p: i32, pgid: i32| match group {
+        None => p != 1 && p != me,
+        Some(g) => pgid == g,
+    };
+    // The caller's own children are reached through their pidfds, started or not.
+    let procs = settled_processes(|p| p.pid != me && reached(p.pid, p.pgid) && !os.sig.children.iter().any(|c| c.pid == p.pid));
+    let mut targets = Vec::new();
+    for (i, c) in os.sig.children.iter().enumerate() {
+        // A child without a slot (a phantom in a forked sandbox) is in the group its fork put it in.
+        let pgid = procs.iter().find(|p| p.pid == c.pid).map_or(os.proc.pgid, |p| p.pgid);
+        if reached(c.pid, pgid) {
+            targets.push(Target::Child(i));
+        }
+    }
+    let mut top_seen = false;
+    for p in &procs {
+        if p.pid == me || os.sig.children.iter().any(|c| c.pid == p.pid) {
+            continue;
+        }
+        top_seen |= p.pid == 1;
+        if !reached(p.pid, p.pgid) {
+            continue;
+        }
+        if p.pid == os.proc.ppid && os.sig.parent.is_some() {
+            targets.push(Target::Parent);
+        } else if p.pid == 1 {
+            if host::top() != 0 {
+                targets.push(Target::Top);
+            }
+        } else if p.host > 0 {
+            targets.push(Target::Other { pid: p.pid, host: p.host });
+        }
+    }
+    // The first process leads group 1 (it cannot leave it: it leads its session).
+    if !top_seen && me != 1 && group == Some(1) && host::top() != 0 && !(os.proc.ppid == 1 && os.sig.parent.is_some()) {
+        targets.push(Target::Top);
+    }
+    if group == Some(os.proc.pgid) {
+        targets.push(Target::Myself);
+    }
+    targets
+}
+
 fn sys_kill(os: &mut GuestOs, pid: i32, sig: u64) -> SysResult {
     let sig = check_signal(sig)?;
     if pid > 0 {
@@ -914,17 +1013,10 @@ fn sys_kill(os: &mut GuestOs, pid: i32, sig: u64) -> SysResult {
     if pid == i32::MIN {
         return Err(ESRCH);
     }
-    let mut targets: Vec<Target> = (0..os.sig.children.len()).map(Target::Child).collect();
-    let own_group = pid == 0 || -pid == os.proc.pgid;
-    if own_group || (pid == -1 && os.proc.pid != 1) {
-        targets.push(Target::Myself);
-    } else if pid < -1 {
-        // Another process group: only a child that leads one is in reach.
-        targets = os.sig.children.iter().position(|c| c.pid == -pid).map(Target::Child).into_iter().collect();
-    }
+    // Success if one process got it (ESRCH if there was none, as on Linux).
     let mut ok = false;
     let mut err = ESRCH;
-    for t in targets {
+    for t in broadcast_targets(os, pid) {
         match send(os, t, sig, SI_USER) {
             Ok(()) => ok = true,
             Err(e) => err = e,
@@ -937,13 +1029,14 @@ fn sys_kill(os: &mut GuestOs, pid: i32, sig: u64) -> SysResult {
     }
 }
 
-fn sys_tgkill(os: &mut GuestOs, tgid: i32, tid: i32, sig: u64) -> SysResult {
+/// tgkill(2) (`tgid` > 0) and tkill(2) (`tgid` None).
+fn sys_tgkill(os: &mut GuestOs, tgid: Option<i32>, tid: i32, sig: u64) -> SysResult {
     let sig = check_signal(sig)?;
-    if tid <= 0 || tgid == 0 || tgid < -1 {
+    if tid <= 0 || tgid.is_some_and(|g| g <= 0) {
         return Err(EINVAL);
     }
     // Every process has one thread, whose tid is its pid.
-    if tgid > 0 && tgid != tid {
+    if tgid.is_some_and(|g| g != tid) {
         return Err(ESRCH);
     }
     let t = target(os, tid)?;
@@ -1073,8 +1166,8 @@ fn sigtimedwait(os: &mut GuestOs, ctx: &mut Ctx, a: [u64; 6]) -> SysResult {
     Err(ERESTARTSYS)
 }
 
-/// pidfd_open(2) for the processes in reach (itself, its children, its parent, pid 1): a host
-/// pidfd of that process's VMM, which polls readable when it ends, as the guest expects. Other
+/// pidfd_open(2) for the sandbox's processes (itself, its relatives, the others through the
+/// roster): a host pidfd of that process's VMM, which polls readable when it ends, as the guest expects. Other
 /// uses of a pidfd (pidfd_send_signal, pidfd_getfd) are not serviced.
 fn sys_pidfd_open(os: &mut GuestOs, pid: i32, flags: u32) -> SysResult {
     if pid <= 0 || flags & !(libc::O_NONBLOCK as u32) != 0 {
@@ -1087,6 +1180,7 @@ fn sys_pidfd_open(os: &mut GuestOs, pid: i32, flags: u32) -> SysResult {
         Target::Child(i) => dup(os.sig.children[i].pidfd.as_ref().ok_or(ESRCH)?)?,
         Target::Parent => dup(os.sig.parent.as_ref().ok_or(ESRCH)?)?,
         Target::Top => pidfd_open(host::top())?,
+        Target::Other { pid, host } => roster::open(pid, host)?,
     };
     let mut f = crate::guestos::files::OpenFile::host(fd, None, false);
     f.label = Some("anon_inode:[pidfd]".into());
@@ -1112,8 +1206,8 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         SYS_WAIT4 => sys_wait4(os, ctx, a[0] as i32, a[1], a[2], a[3]),
         SYS_WAITID => sys_waitid(os, ctx, a[0], a[1], a[2], a[3], a[4]),
         SYS_KILL => sys_kill(os, a[0] as i32, a[1]),
-        SYS_TKILL => sys_tgkill(os, -1, a[0] as i32, a[1]),
-        SYS_TGKILL => sys_tgkill(os, a[0] as i32, a[1] as i32, a[2]),
+        SYS_TKILL => sys_tgkill(os, None, a[0] as i32, a[1]),
+        SYS_TGKILL => sys_tgkill(os, Some(a[0] as i32), a[1] as i32, a[2]),
         SYS_RT_SIGQUEUEINFO => sys_sigqueueinfo(os, ctx, a[0] as i32, a[1], a[2]),
         SYS_RT_TGSIGQUEUEINFO => {
             if a[0] as i32 != a[1] as i32 {
@@ -1521,6 +1615,99 @@ pub mod host {
     pub fn send_top(sig: i32, from: (i32, u32)) -> Result<(), Errno> {
         let pidfd = super::pidfd_open(top())?;
         send_pidfd(std::os::fd::AsRawFd::as_raw_fd(&pidfd), sig, true, from)
+    }
+}
+
+/// Which host process is which guest process, vouched for by the process itself.
+///
+/// `kill(-1, ..)`, `kill(-pgid, ..)` and a kill of a process that is neither the caller's parent,
+/// child nor pid 1 reach processes the caller holds no pidfd of. The scheduler's slots
+/// (`sched::processes`) list every guest process with its host pid, but a slot can outlive its
+/// process (one killed from outside the sandbox), and without a PID namespace its host pid may
+/// since belong to anything on the host, another sandbox's VMM included. So every guest child
+/// process holds a POSIX record lock on byte `guest pid` of a memfd its sandbox's processes share
+/// ([`join`], before it fills in its host pid), and a sender first opens a pidfd of the host pid
+/// the slot claims, then checks with F_GETLK that this host pid holds that lock ([`open`]).
+/// Record locks belong to one process, are not inherited by fork, and go when it ends: the pidfd,
+/// opened before the check, refers either to the holder or to a process that had ended by then
+/// (sending to it fails with ESRCH). Guest pid 1 takes no lock: it is reached as `host::top()`.
+pub mod roster {
+    use std::os::fd::OwnedFd;
+    use std::sync::atomic::{AtomicI32, Ordering};
+
+    use super::{Errno, ESRCH};
+
+    /// The memfd of this process's tree (-1: none yet; made at the tree's first guest fork).
+    static FD: AtomicI32 = AtomicI32::new(-1);
+
+    fn lock_of(pid: i32, kind: libc::c_int) -> libc::flock {
+        // SAFETY: a zeroed flock is valid; the fields that matter are filled in.
+        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+        fl.l_type = kind as libc::c_short;
+        fl.l_whence = libc::SEEK_SET as libc::c_short;
+        fl.l_start = pid as libc::off_t;
+        fl.l_len = 1;
+        fl
+    }
+
+    /// Before a guest fork: the tree's memfd exists (the child inherits it).
+    pub fn before_fork() {
+        if FD.load(Ordering::SeqCst) >= 0 {
+            return;
+        }
+        // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"collimate-roster".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd >= 0 {
+            FD.store(fd, Ordering::SeqCst);
+        }
+    }
+
+    /// In a new guest child process, guest pid `pid`: take its lock.
+    pub fn join(pid: i32) {
+        let fd = FD.load(Ordering::SeqCst);
+        if fd < 0 || pid <= 0 {
+            return;
+        }
+        let fl = lock_of(pid, libc::F_WRLCK);
+        // SAFETY: F_SETLK with a valid flock on our descriptor.
+        unsafe { libc::fcntl(fd, libc::F_SETLK, &fl) };
+    }
+
+    /// This process becomes the first process of a new tree (a sandbox forked from another):
+    /// the old tree's memfd is not its own.
+    pub fn leave_tree() {
+        let fd = FD.swap(-1, Ordering::SeqCst);
+        if fd >= 0 {
+            // SAFETY: our descriptor, closed once (it was swapped out); this process holds no lock
+            // on it (record locks are not inherited).
+            unsafe { libc::close(fd) };
+        }
+    }
+
+    /// The host pid holding guest pid `pid`'s lock, if a process does (other than the caller).
+    fn holder(pid: i32) -> Option<i32> {
+        let fd = FD.load(Ordering::SeqCst);
+        if fd < 0 || pid <= 0 {
+            return None;
+        }
+        let mut fl = lock_of(pid, libc::F_WRLCK);
+        // SAFETY: F_GETLK with a valid flock on our descriptor; it rewrites the flock.
+        let r = unsafe { libc::fcntl(fd, libc::F_GETLK, &mut fl) };
+        (r == 0 && fl.l_type != libc::F_UNLCK as libc::c_short).then_some(fl.l_pid)
+    }
+
+    /// A pidfd of guest process `pid`, whose slot says it runs as host pid `host`: only if that
+    /// host process is the one holding `pid`'s lock. ESRCH otherwise.
+    pub fn open(pid: i32, host: i32) -> Result<OwnedFd, Errno> {
+        if host <= 0 {
+            return Err(ESRCH);
+        }
+        let fd = super::pidfd_open(host)?;
+        if holder(pid) == Some(host) {
+            Ok(fd)
+        } else {
+            Err(ESRCH)
+        }
     }
 }
 
