@@ -164,8 +164,9 @@ impl Scratch {
 
 /// The usage of the file system `fd` lies on (a tmpfs: its limits are its quota).
 pub fn usage_of(fd: &OwnedFd) -> Result<DiskUsage> {
-    // SAFETY: fstatfs fills the struct we pass; the descriptor is ours.
+    // SAFETY: a plain C struct, for which all zeroes is a valid value.
     let mut s: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs fills the struct we pass; the descriptor is ours.
     if unsafe { libc::fstatfs(fd.as_raw_fd(), &mut s) } != 0 {
         return Err(Error::last_os("fstatfs(sandbox tmpfs)"));
     }

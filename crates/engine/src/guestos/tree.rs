@@ -9,7 +9,7 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -29,15 +29,17 @@ fn openat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int, mode: libc::mode
 }
 
 fn fstatat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<libc::stat> {
-    // SAFETY: fstatat fills the struct we pass.
+    // SAFETY: a plain C struct, for which all zeroes is a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatat fills the struct we pass; the name is a valid C string.
     cvt(unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) })?;
     Ok(st)
 }
 
 fn fstat(fd: BorrowedFd<'_>) -> io::Result<libc::stat> {
-    // SAFETY: fstat fills the struct we pass.
+    // SAFETY: a plain C struct, for which all zeroes is a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat fills the struct we pass.
     cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
     Ok(st)
 }
@@ -100,38 +102,28 @@ pub fn copy_tree_at(src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> io::Result<()> 
                 // SAFETY: a valid C string relative to our directory.
                 cvt(unsafe { libc::mkdirat(d.as_raw_fd(), name.as_ptr(), 0o700) })?;
                 let from = openat(src, &name, libc::O_PATH | libc::O_DIRECTORY, 0)?;
-                let to = openat(d.as_fd_ref(), &name, libc::O_PATH | libc::O_DIRECTORY, 0)?;
-                copy_tree_at(from.as_fd_ref(), to.as_fd_ref())?;
+                let to = openat(d.as_fd(), &name, libc::O_PATH | libc::O_DIRECTORY, 0)?;
+                copy_tree_at(from.as_fd(), to.as_fd())?;
             }
             libc::S_IFLNK => {
                 let target = readlinkat(src, &name)?;
                 // SAFETY: valid C strings relative to our directory.
                 cvt(unsafe { libc::symlinkat(target.as_ptr(), d.as_raw_fd(), name.as_ptr()) })?;
-                keep_owner(d.as_fd_ref(), &name, &est)?;
+                keep_owner(d.as_fd(), &name, &est)?;
             }
             libc::S_IFREG => {
                 let from = openat(src, &name, libc::O_RDONLY, 0)?;
-                let to = openat(d.as_fd_ref(), &name, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, 0o600)?;
+                let to = openat(d.as_fd(), &name, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, 0o600)?;
                 copy_file(&from, &to, est.st_size as u64)?;
                 // SAFETY: fchmod on the descriptor just created (after the data: a set-id bit would
                 // be cleared by the writes).
                 cvt(unsafe { libc::fchmod(to.as_raw_fd(), est.st_mode & 0o7777) })?;
-                keep_owner(d.as_fd_ref(), &name, &est)?;
+                keep_owner(d.as_fd(), &name, &est)?;
             }
             _ => {}
         }
     }
     Ok(())
-}
-
-trait AsFdRef {
-    fn as_fd_ref(&self) -> BorrowedFd<'_>;
-}
-
-impl AsFdRef for OwnedFd {
-    fn as_fd_ref(&self) -> BorrowedFd<'_> {
-        std::os::fd::AsFd::as_fd(self)
-    }
 }
 
 fn readlinkat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<CString> {
@@ -229,8 +221,8 @@ pub fn remove_tree_at(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
     };
     if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
         let sub = openat(dir, name, libc::O_PATH | libc::O_DIRECTORY, 0)?;
-        for child in entries(sub.as_fd_ref())? {
-            remove_tree_at(sub.as_fd_ref(), &child)?;
+        for child in entries(sub.as_fd())? {
+            remove_tree_at(sub.as_fd(), &child)?;
         }
         // SAFETY: a valid C string relative to our directory.
         cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), libc::AT_REMOVEDIR) })?;
@@ -267,15 +259,16 @@ pub fn copy_tree(src: &Path, dst: &Path) -> io::Result<()> {
     let _ = std::fs::remove_dir_all(dst);
     let from = open_dir_path(src, false)?;
     let to = open_dir_path(dst, true)?;
-    copy_tree_at(from.as_fd_ref(), to.as_fd_ref())
+    copy_tree_at(from.as_fd(), to.as_fd())
 }
 
 /// Whether the tree under `dir` holds `rel` (a relative guest-side path without `..`) as the very
 /// file (device, inode) `id`.
 pub fn holds(dir: BorrowedFd<'_>, rel: &str, id: (u64, u64)) -> bool {
     let Ok(c) = CString::new(rel) else { return false };
-    // SAFETY: fstatat fills the struct we pass; without AT_SYMLINK_NOFOLLOW, as metadata() would.
+    // SAFETY: a plain C struct, for which all zeroes is a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatat fills the struct we pass (following symlinks, as the guest's mmap did).
     if unsafe { libc::fstatat(dir.as_raw_fd(), c.as_ptr(), &mut st, 0) } != 0 {
         return false;
     }
@@ -310,13 +303,13 @@ mod tests {
         assert!(m.blocks() * 512 < 1 << 20, "the hole was filled: {} blocks", m.blocks());
         assert_eq!(&std::fs::read(dst.join("sparse")).unwrap()[(64 << 20) - 4..], b"tail");
         let root = open_dir_path(&t, false).unwrap();
-        assert!(holds(root.as_fd_ref(), "dst/a/b/f", {
+        assert!(holds(root.as_fd(), "dst/a/b/f", {
             let m = std::fs::metadata(dst.join("a/b/f")).unwrap();
             (m.dev(), m.ino())
         }));
-        remove_tree_at(root.as_fd_ref(), c"dst").unwrap();
+        remove_tree_at(root.as_fd(), c"dst").unwrap();
         assert!(!dst.exists());
-        remove_tree_at(root.as_fd_ref(), c"dst").unwrap(); // missing is fine
+        remove_tree_at(root.as_fd(), c"dst").unwrap(); // missing is fine
         let _ = std::fs::remove_dir_all(&t);
     }
 

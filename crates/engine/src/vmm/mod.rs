@@ -243,6 +243,15 @@ impl Machine {
         })
     }
 
+    /// Keep the tmpfs instances attached to a request for the children to come; once any came,
+    /// no child is made without one.
+    fn add_scratch(&mut self, fds: Vec<OwnedFd>) {
+        if !fds.is_empty() {
+            self.quota_mode = true;
+            self.scratch_stock.extend(fds);
+        }
+    }
+
     /// Whether this VM runs a Linux program (and so has stdio pipes).
     pub fn is_linux(&self) -> bool {
         self.os.is_some()
@@ -856,23 +865,17 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
         let resp = match req {
             Request::Run { timeout } => m.run(timeout).map(Response::Run),
             Request::Snapshot { dir } => jail::in_snapshot_dest(&dir, fds, |d| m.snapshot(d)).map(|_| Response::Ok),
-            Request::Fork { n } => match {
-                if !fds.is_empty() {
-                    m.quota_mode = true;
-                    m.scratch_stock.extend(fds);
-                }
-                let r = fork_children(m, &mut chan, &mut pool, n);
+            Request::Fork { n } => {
+                m.add_scratch(fds);
+                let forked = fork_children(m, &mut chan, &mut pool, n);
                 pool.trim_stock(m);
-                r
-            } {
-                Ok(()) => continue,
-                Err(e) => Err(e),
-            },
-            Request::SparePool { n } => {
-                if !fds.is_empty() {
-                    m.quota_mode = true;
-                    m.scratch_stock.extend(fds);
+                match forked {
+                    Ok(()) => continue,
+                    Err(e) => Err(e),
                 }
+            }
+            Request::SparePool { n } => {
+                m.add_scratch(fds);
                 if n > MAX_SPARES {
                     Err(Error::InvalidArgument(format!("spare pool of {n}; at most {MAX_SPARES}")))
                 } else {
@@ -887,8 +890,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 }
             }
             Request::AddScratch => {
-                m.quota_mode = true;
-                m.scratch_stock.extend(fds);
+                m.add_scratch(fds);
                 Ok(Response::Ok)
             }
             Request::SetStdio => match m.os.as_mut() {
