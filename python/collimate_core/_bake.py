@@ -298,22 +298,12 @@ def _prune(cache: Path, tdir: Path | None = None) -> None:
                     _remove_if_unused(p)
                 elif re.fullmatch(r"\.v\d+\.(\d+)\.tmp", p.name):
                     pid = int(p.name.split(".")[2])
-                    if not _alive(pid):
+                    if not _cachelib.alive(pid):
                         shutil.rmtree(p, ignore_errors=True)
             left = [p for p in td.iterdir() if p.name != ".lock" and not p.name.endswith(".tmp")]
             if not left and not any(p.name.endswith(".tmp") for p in td.iterdir()):
                 shutil.rmtree(td, ignore_errors=True)
     _prune_rootfs(cache)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _remove_if_unused(vdir: Path) -> bool:

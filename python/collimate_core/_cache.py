@@ -180,7 +180,7 @@ def sweep(parent: Path) -> list[Path]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # a live build
-            if _alive(pid):
+            if alive(pid):
                 continue  # made a moment ago and not locked yet, or being removed (or a reused pid)
             if os.path.isdir(p) and not os.path.islink(p):
                 shutil.rmtree(p, ignore_errors=True)
@@ -195,7 +195,8 @@ def sweep(parent: Path) -> list[Path]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
         return True

@@ -23,8 +23,8 @@ from contextlib import ExitStack
 from typing import Any, Sequence
 
 from collimate_core import _grading, _iotest
-from collimate_core._errors import CollimateError, GroupError, InvalidArgument
-from collimate_core._grading import GradeResult, PropertyReward, UnitTestReward
+from collimate_core._errors import InvalidArgument
+from collimate_core._grading import GradeResult, PropertyReward, UnitTestReward, raise_first_failure
 from collimate_core._iotest import IOTestReward
 from collimate_core._seeds import fresh_seed, parse_seed
 
@@ -174,12 +174,6 @@ def grade_many(
             t.start()
         for t in threads:
             t.join()
-    if failure:
-        i, e = min(failure, key=lambda f: f[0])
-        if isinstance(e, CollimateError) and not isinstance(e, InvalidArgument):
-            raise GroupError(
-                f"grading candidate {i} of {len(pairs)} failed ({e}); no rewards were returned, resample the batch"
-            ) from e
-        raise e
+    raise_first_failure(failure, len(pairs), "batch")
     return results
 

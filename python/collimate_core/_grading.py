@@ -525,14 +525,21 @@ def grade_batch(
         with Sandbox(first.template, client=client) as parent:
             _prepare(parent, first, preload)
             fan_out(parent)
-    if failure:
-        i, e = min(failure, key=lambda f: f[0])
-        if isinstance(e, CollimateError) and not isinstance(e, InvalidArgument):
-            raise GroupError(
-                f"grading candidate {i} of {len(codes)} failed ({e}); no rewards were returned, resample the group"
-            ) from e
-        raise e
+    raise_first_failure(failure, len(codes), "group")
     return results  # type: ignore[return-value]
+
+
+def raise_first_failure(failure: list, total: int, what: str) -> None:
+    """Raise the failure of the lowest-numbered candidate, if any: an infrastructure failure as a
+    GroupError (no rewards are returned: never score a lost sandbox), bad input as itself."""
+    if not failure:
+        return
+    i, e = min(failure, key=lambda f: f[0])
+    if isinstance(e, CollimateError) and not isinstance(e, InvalidArgument):
+        raise GroupError(
+            f"grading candidate {i} of {total} failed ({e}); no rewards were returned, resample the {what}"
+        ) from e
+    raise e
 
 
 def trl_reward_func(spec: UnitTestReward | PropertyReward, *, client: Any = None, language: str = "python") -> Callable[..., list[float]]:
