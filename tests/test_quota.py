@@ -188,3 +188,18 @@ def test_a_host_budget_queues_then_refuses_with_capacity_error():
         a.kill()
     finally:
         c.close()
+
+
+def test_an_upload_past_the_quota_fails_whole_and_loses_nothing(client):
+    with Sandbox("python", client=client, disk_quota="8M") as sb:
+        sb.upload_bytes("/work/keep", b"old contents")
+        before = sb.disk_usage()["bytes"]
+        with pytest.raises(InvalidArgument, match="disk_quota"):
+            sb.upload_bytes("/work/keep", b"x" * (16 * MiB))
+        # The file it would have replaced is as it was, and nothing half-written takes space.
+        assert sb.download("/work/keep") == b"old contents"
+        assert sb.disk_usage()["bytes"] == before
+        r = sb.exec(code="import os; print(sorted(os.listdir('/work')))")
+        assert r.stdout.strip() == "['keep']"
+        sb.upload_bytes("/work/keep", b"y" * MiB)
+        assert sb.download("/work/keep") == b"y" * MiB

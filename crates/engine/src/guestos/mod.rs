@@ -79,7 +79,7 @@ impl Errno {
 
 fn errno_error(op: &str, path: &str, e: Errno) -> crate::Error {
     let msg = std::io::Error::from_raw_os_error(e.0);
-    let hint = if e == EROFS { " (only /tmp and /work are writable)" } else { "" };
+    let hint = if e == EROFS { " (only /tmp, /work and /dev/shm are writable)" } else { "" };
     crate::Error::InvalidArgument(format!("{op} {path}: {msg}{hint}"))
 }
 
@@ -261,12 +261,58 @@ impl GuestOs {
                 Err(_) => self.mkdir(d).map_err(|e| errno_error("upload", d, e))?,
             }
         }
-        let fd = self
-            .vfs
-            .open("/", abs.as_bytes(), libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC, mode & 0o7777)
-            .map_err(|e| errno_error("upload", &abs, e))?;
-        let mut f = std::fs::File::from(fd);
-        f.write_all(data).map_err(crate::Error::sys("write uploaded file"))?;
+        // Written beside, then renamed over the target: an upload that does not fit (the disk
+        // quota) fails whole, leaving the old file as it was and nothing half-written.
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let (parent, name) = abs.rsplit_once('/').ok_or_else(|| errno_error("upload", &abs, EINVAL))?;
+        let parent = if parent.is_empty() { "/" } else { parent };
+        if !self.vfs.writable(&abs) {
+            return Err(errno_error("upload", &abs, EROFS));
+        }
+        let dir = self.vfs.open("/", parent.as_bytes(), libc::O_PATH | libc::O_DIRECTORY, 0).map_err(|e| errno_error("upload", parent, e))?;
+        let c = |s: &str| std::ffi::CString::new(vfs::guest_bytes(s)).map_err(|_| errno_error("upload", &abs, EINVAL));
+        let (target, tmp) = (c(name)?, c(&format!(".{name}.collimate-upload"))?);
+        // SAFETY: a plain C struct, for which all zeroes is a valid value.
+        let mut old: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstatat fills the struct we pass; the name is a valid C string relative to `dir`.
+        let existed = unsafe { libc::fstatat(dir.as_raw_fd(), target.as_ptr(), &mut old, libc::AT_SYMLINK_NOFOLLOW) } == 0
+            && old.st_mode & libc::S_IFMT == libc::S_IFREG;
+        // SAFETY: unlinkat/openat relative to our directory fd with valid C strings; results checked.
+        let fd = unsafe {
+            libc::unlinkat(dir.as_raw_fd(), tmp.as_ptr(), 0);
+            libc::openat(dir.as_raw_fd(), tmp.as_ptr(), libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC, mode & 0o7777)
+        };
+        if fd < 0 {
+            return Err(errno_error("upload", &abs, Errno::last()));
+        }
+        // SAFETY: a descriptor we just opened.
+        let mut f = unsafe { std::fs::File::from_raw_fd(fd) };
+        let written = f.write_all(data).and_then(|_| {
+            if existed {
+                // The file it replaces keeps its mode and owner, as an overwrite in place would.
+                // SAFETY: fchmod/fchown on our own descriptor.
+                if unsafe { libc::fchmod(fd, old.st_mode & 0o7777) } != 0 || unsafe { libc::fchown(fd, old.st_uid, old.st_gid) } != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            // SAFETY: renameat within our directory fd, valid C strings.
+            if unsafe { libc::renameat(dir.as_raw_fd(), tmp.as_ptr(), dir.as_raw_fd(), target.as_ptr()) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+        if let Err(e) = written {
+            // SAFETY: removing our own temporary, relative to our directory fd.
+            unsafe { libc::unlinkat(dir.as_raw_fd(), tmp.as_ptr(), 0) };
+            if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
+                return Err(crate::Error::InvalidArgument(format!(
+                    "upload {abs}: {} bytes do not fit in the sandbox's disk quota (/tmp, /work and /dev/shm together); \
+                     free space in it or give the sandbox a larger disk_quota",
+                    data.len()
+                )));
+            }
+            return Err(crate::Error::Sys { op: "write uploaded file", source: e });
+        }
         Ok(())
     }
 
