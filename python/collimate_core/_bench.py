@@ -311,7 +311,8 @@ def plot(series: list[Series], meta: dict, path: str) -> None:
                            fontsize=7.5)
     m = meta["machine"]
     fig.suptitle(f"collimate bench, {meta['date']}: {m['cores']} cores, KVM {m['kvm_module'] or '?'}, "
-                 f"load average {meta['load_before'][0]:.1f} -> {meta['load_after'][0]:.1f}", fontsize=9)
+                 f"load average {meta['load_before'][0]:.1f} -> {meta['load_after'][0]:.1f}; "
+                 f"n = {meta['samples']} per operation, {meta['group_rounds']} per group", fontsize=9)
     fig.subplots_adjust(left=0.31, right=0.8, top=1 - 0.7 / fig.get_figheight(), bottom=0.55 / fig.get_figheight(),
                         hspace=0.55)
     fig.savefig(path, dpi=100)
@@ -384,8 +385,10 @@ def _table(doc: dict) -> None:
     else:
         print("\nwe lose nowhere in this run: every series is at least as fast as its baseline")
     wins = [s for s in doc["series"] if s["ratio"] is not None and s["ratio"] <= 1]
+    if wins:
+        print("where we are at least as fast as the baseline:")
     for s in wins:
-        print(f"  faster: {s['family']}: {s['name']} at {s['ratio']:.2f}x {s['baseline']}")
+        print(f"  {s['family']}: {s['name']} at {s['ratio']:.2f}x {s['baseline']}")
 
 
 def add_subcommand(sub) -> None:
