@@ -25,7 +25,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -354,7 +353,9 @@ def run(output: str, samples: int, width: int, quick: bool) -> dict:
         print(f"  {fam}: {time.perf_counter() - t:.1f} s", flush=True)
     meta["load_after"] = list(os.getloadavg())
     by_name = {s.name: s for s in series}
-    doc = {"meta": meta, "unit_note": "every sample is one timed operation, in milliseconds", "series": []}
+    doc = {"meta": meta, "unit_note": "every sample is one timed operation, in milliseconds",
+           "p99_note": "nearest rank: with fewer than 100 samples, the largest",
+           "ratio_note": "median / the baseline's median; above 1: slower than the baseline", "series": []}
     for s in series:
         ratio = s.median / by_name[s.baseline].median if s.baseline else None
         doc["series"].append({"name": s.name, "family": s.family, "unit": "ms", "n": len(s.samples),
