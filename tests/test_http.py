@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from collimate_core._embedded import RECYCLE_MAX
+from collimate_core.sdk.embedded import RECYCLE_MAX
 from collimate_rl import (
     AuthenticationError,
     CapacityError,

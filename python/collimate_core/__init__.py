@@ -7,9 +7,9 @@ to one VMM process running one guest. Errors derive from `CollimateError`.
 
 from collimate_core._core import SNAPSHOT_FORMAT, RunResult, Vm
 from collimate_core._bake import BuildError, Ready, Template, TemplateHandle, TemplateStatus
-from collimate_core._client import connect
-from collimate_core._embedded import EmbeddedClient, Usage
-from collimate_core._errors import (
+from collimate_core.sdk.client import connect
+from collimate_core.sdk.embedded import EmbeddedClient, Usage
+from collimate_core.sdk.errors import (
     AuthenticationError,
     CapacityError,
     CollimateError,
@@ -36,10 +36,10 @@ from collimate_core._grading import (
 from collimate_core._iotest import IOGradeResult, IOTestReward, outputs_match
 from collimate_core._grade_many import grade_many
 from collimate_core._ray import RayClient, RaySandbox
-from collimate_core._remote import RemoteClient, RemoteSandbox
-from collimate_core._results import ExecResult
-from collimate_core._seeds import fresh_seed, group_seeds, parse_seed, seed_from_key
-from collimate_core._session import Env, ForkGroup, Sandbox, Session, rollout_once
+from collimate_core.sdk.remote import RemoteClient, RemoteSandbox
+from collimate_core.sdk.results import ExecResult
+from collimate_core.sdk.seeds import fresh_seed, group_seeds, parse_seed, seed_from_key
+from collimate_core.sdk.session import Env, ForkGroup, Sandbox, Session, rollout_once
 
 __all__ = [
     "SNAPSHOT_FORMAT",

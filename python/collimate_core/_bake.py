@@ -54,7 +54,7 @@ from collimate_core import _cache as _cachelib  # (_cache is this module's own h
 from collimate_core import _oci
 from collimate_core._core import EngineError as _CoreEngineError
 from collimate_core._core import SNAPSHOT_FORMAT, Vm
-from collimate_core._errors import (
+from collimate_core.sdk.errors import (
     CollimateError,
     InvalidArgument,
     NotFoundError,
@@ -786,11 +786,11 @@ class Template:
         `disk_quota`: bytes (or "512M", "2G") for /tmp, /work and /dev/shm together in each of the
         template's sandboxes (default: the client's, 1 GiB).
         """
-        from collimate_core import _quota
+        from collimate_core.sdk import quota as _quota
 
         quota = _quota.disk_quota(disk_quota) if disk_quota is not None else None
         if client is None:
-            from collimate_core._client import connect
+            from collimate_core.sdk.client import connect
 
             client = connect()
         if getattr(client, "_remote_templates", None) is not None:  # a RemoteClient: over HTTP (_remote.py)

@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> bool:
     if args.cmd == "serve":
         from collimate_core._server import ServerConfig, serve
 
-        from collimate_core import _quota
-        from collimate_core._errors import InvalidArgument
+        from collimate_core.sdk import quota as _quota
+        from collimate_core.sdk.errors import InvalidArgument
 
         if args.image_quota < 0:
             sys.exit(f"collimate serve: --image-quota is a number of bytes >= 0 (0: no quota), not {args.image_quota}")
@@ -103,7 +103,7 @@ def _when(t: float | None) -> str:
 
 
 def _keys(args: argparse.Namespace) -> None:
-    from collimate_core._errors import CollimateError
+    from collimate_core.sdk.errors import CollimateError
     from collimate_core._keys import KeyStore
 
     store = KeyStore(args.key_store)

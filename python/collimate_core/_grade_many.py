@@ -23,10 +23,10 @@ from contextlib import ExitStack
 from typing import Any, Sequence
 
 from collimate_core import _grading, _iotest
-from collimate_core._errors import InvalidArgument
+from collimate_core.sdk.errors import InvalidArgument
 from collimate_core._grading import GradeResult, PropertyReward, UnitTestReward, raise_first_failure
 from collimate_core._iotest import IOTestReward
-from collimate_core._seeds import fresh_seed, parse_seed
+from collimate_core.sdk.seeds import fresh_seed, parse_seed
 
 __all__ = ["grade_many"]
 
@@ -71,7 +71,7 @@ def grade_many(
     its own keeps it), recorded in its result. A bad spec raises InvalidArgument before anything
     runs. An infrastructure failure raises GroupError (no partial results), or, with
     return_exceptions, is returned in that pair's place while the others are graded."""
-    from collimate_core._session import Sandbox
+    from collimate_core.sdk.session import Sandbox
 
     pairs = list(pairs)
     for i, p in enumerate(pairs):

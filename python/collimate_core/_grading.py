@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from collimate_core import _grading_pool
-from collimate_core._errors import CollimateError, EngineError, GroupError, InvalidArgument
-from collimate_core._seeds import fresh_seed, parse_seed
+from collimate_core.sdk.errors import CollimateError, EngineError, GroupError, InvalidArgument
+from collimate_core.sdk.seeds import fresh_seed, parse_seed
 
 __all__ = [
     "GradeResult",
@@ -370,7 +370,7 @@ def _is_io(spec: Any) -> bool:
 
 
 def _client(client: Any) -> Any:
-    from collimate_core._client import connect
+    from collimate_core.sdk.client import connect
 
     return client if client is not None else connect()
 
@@ -378,7 +378,7 @@ def _client(client: Any) -> Any:
 def grade(code: str, spec: "UnitTestReward | PropertyReward | IOTestReward", *, client: Any = None, seed: str | None = None) -> GradeResult:
     """Grade one candidate in an isolated clone of spec.template (with spec.setup and the grader
     installed: on the embedded engine, a template prepared on the first grade and reused)."""
-    from collimate_core._session import Sandbox
+    from collimate_core.sdk.session import Sandbox
 
     if _is_io(spec):  # stdin/stdout cases: _iotest.py, through grade_many
         from collimate_core._grade_many import grade_many
@@ -455,7 +455,7 @@ def grade_batch(
     `spec` may also be a list of specs, one per candidate (e.g. the problems of a benchmark),
     sharing one template and setup. An infrastructure failure of any child raises GroupError
     (no partial results)."""
-    from collimate_core._session import Sandbox
+    from collimate_core.sdk.session import Sandbox
 
     codes = list(codes)
     if _is_io(spec) or (not isinstance(spec, (str, bytes, UnitTestReward, PropertyReward)) and hasattr(spec, "__len__")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from collimate_core import _cache
-from collimate_core._errors import CollimateError, InvalidArgument
+from collimate_core.sdk.errors import CollimateError, InvalidArgument
 
 _lock = threading.Lock()
 _prepared: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()
@@ -142,7 +142,7 @@ def prepared(
         with _lock:
             if known():
                 return names.get(key)
-        from collimate_core._session import Sandbox
+        from collimate_core.sdk.session import Sandbox
 
         def build(tmp: Path) -> None:
             with Sandbox(template, client=client) as sb:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from collimate_core._errors import EngineError, InvalidArgument
+from collimate_core.sdk.errors import EngineError, InvalidArgument
 from collimate_core._grading import GradeResult
 
 __all__ = ["IOGradeResult", "IOTestReward", "outputs_match"]
@@ -262,7 +262,7 @@ class _TemplateCases:
     case after the first (and before the checker)."""
 
     def __init__(self, client: Any, name: str):
-        from collimate_core._session import Sandbox
+        from collimate_core.sdk.session import Sandbox
 
         self._sb = Sandbox(name, client=client)
         self._used = False

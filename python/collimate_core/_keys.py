@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from collimate_core import _cache
-from collimate_core._errors import AuthenticationError, InvalidArgument
+from collimate_core.sdk.errors import AuthenticationError, InvalidArgument
 
 TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 KEY_RE = re.compile(r"^col_([a-z0-9][a-z0-9-]{0,31})_([0-9a-f]{16})_([A-Za-z0-9]{32,128})$")

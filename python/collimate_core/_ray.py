@@ -50,8 +50,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from collimate_core._embedded import Usage, _template_name
-from collimate_core._errors import (
+from collimate_core.sdk.embedded import Usage, _template_name
+from collimate_core.sdk.errors import (
     CapacityError,
     CollimateError,
     HostLost,
@@ -82,7 +82,7 @@ class HostActor:
     """One KVM node's embedded engine, served to drivers (see the module docs)."""
 
     def __init__(self, node_id: str, slots: int, cache: str | None = None):
-        from collimate_core._embedded import EmbeddedClient
+        from collimate_core.sdk.embedded import EmbeddedClient
 
         _start_watchdog()
         self.node_id = node_id
@@ -522,7 +522,7 @@ class RayClient:
         if not isinstance(template, str) or not template:
             raise InvalidArgument(f"template must be a template name such as 'python', not {template!r}")
         if disk_quota is not None:
-            from collimate_core._quota import disk_quota as _check_quota
+            from collimate_core.sdk.quota import disk_quota as _check_quota
 
             disk_quota = _check_quota(disk_quota)
         h, cold = self._place(template)
@@ -572,7 +572,7 @@ class RayClient:
 
     def exec(self, box: RaySandbox, *, code: str | None = None, command: str | None = None, timeout: float = 60.0,
              seed: str | None = None, env: dict[str, str] | None = None, cwd: str | None = None):
-        from collimate_core._embedded import check_exec_args
+        from collimate_core.sdk.embedded import check_exec_args
 
         check_exec_args(code, command, timeout, seed)
         kw = {"code": code, "command": command, "timeout": timeout, "seed": seed, "env": env, "cwd": cwd}
@@ -646,12 +646,12 @@ class RayClient:
         return total
 
     def session(self, handle: Any = "python", *, disk_quota: int | str | None = None):
-        from collimate_core._session import Session
+        from collimate_core.sdk.session import Session
 
         return Session(_template_name(handle), client=self, disk_quota=disk_quota)
 
     def env(self, ref: Any, width: int = 1):
-        from collimate_core._session import Env
+        from collimate_core.sdk.session import Env
 
         return Env(self, _template_name(ref), width)
 

@@ -63,7 +63,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from collimate_core import _cache
-from collimate_core._errors import (
+from collimate_core.sdk.errors import (
     AuthenticationError,
     CapacityError,
     CollimateError,
@@ -75,7 +75,7 @@ from collimate_core._errors import (
     VmDestroyedError,
 )
 from collimate_core._keys import KeyStore
-from collimate_core._meter import Meter as _Meter
+from collimate_core.sdk.meter import Meter as _Meter
 from collimate_core._templates import CATALOG, cache_dir
 
 API_VERSION = "1.0.0"
@@ -570,7 +570,7 @@ class ControlPlane:
         self.loop = asyncio.get_running_loop()
         self.limiter = anyio.CapacityLimiter(self.config.max_sandboxes + 32)
         if self.engine is None:
-            from collimate_core._embedded import EmbeddedClient
+            from collimate_core.sdk.embedded import EmbeddedClient
 
             # The server admits sandboxes itself; the engine's own limit is a backstop.
             # An absolute path: responses show a tenant its bake logs with the cache's path taken out.

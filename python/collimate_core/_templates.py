@@ -21,7 +21,7 @@ from typing import Callable
 
 from collimate_core import _cache
 from collimate_core._core import SNAPSHOT_FORMAT, Vm
-from collimate_core._errors import EngineError, NotFoundError
+from collimate_core.sdk.errors import EngineError, NotFoundError
 
 AGENT_DIR = Path(__file__).resolve().parent / "_guest"
 AGENT_IDLE = 0x6167656E7400

@@ -21,7 +21,7 @@ import functools
 import json
 from typing import Any, Sequence
 
-from collimate_core._errors import InvalidArgument
+from collimate_core.sdk.errors import InvalidArgument
 from collimate_core._grade_many import grade_many
 from collimate_core._grading import PropertyReward, UnitTestReward, extract_code
 from collimate_core._iotest import IOTestReward

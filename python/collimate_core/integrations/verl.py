@@ -36,7 +36,7 @@ def _client(kwargs: dict) -> Any:
         return kwargs["client"]
     with _client_lock:
         if not _default_client:
-            from collimate_core._client import connect
+            from collimate_core.sdk.client import connect
 
             _default_client.append(connect())
         return _default_client[0]

@@ -20,17 +20,17 @@ from typing import Any
 
 from collimate_core._core import EngineError as _CoreEngineError
 from collimate_core._core import Vm
-from collimate_core._errors import (
+from collimate_core.sdk.errors import (
     CapacityError,
     CollimateError,
     InvalidArgument,
     NotFoundError,
     SandboxDied,
 )
-from collimate_core import _quota
-from collimate_core._meter import Meter
-from collimate_core._results import ExecResult
-from collimate_core._seeds import crng_stream, fresh_seed, parse_seed
+from collimate_core.sdk import quota as _quota
+from collimate_core.sdk.meter import Meter
+from collimate_core.sdk.results import ExecResult
+from collimate_core.sdk.seeds import crng_stream, fresh_seed, parse_seed
 from collimate_core._templates import frame as _frame
 from collimate_core._templates import unframe as _unframe
 from collimate_core._templates import AGENT_IDLE, Baked, bake_catalog
@@ -607,12 +607,12 @@ class EmbeddedClient:
     # --- the SDK surface on the client -------------------------------------------------------
 
     def session(self, handle: Any = "python", *, disk_quota: int | str | None = None):
-        from collimate_core._session import Session
+        from collimate_core.sdk.session import Session
 
         return Session(_template_name(handle), client=self, disk_quota=disk_quota)
 
     def env(self, ref: Any, width: int = 1):
-        from collimate_core._session import Env
+        from collimate_core.sdk.session import Env
 
         return Env(self, _template_name(ref), width)
 
