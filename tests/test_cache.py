@@ -1,4 +1,4 @@
-"""The cache's rules for writers (python/collimate_core/_cache.py), without KVM: one holder of an
+"""The cache's rules for writers (python/collimate_core/templates/cache.py), without KVM: one holder of an
 entry's lock at a time across threads and processes, a killed owner's temporaries swept and a
 live one's kept, and the key store, a writer of its own, losing no key to concurrent writers."""
 
@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from collimate_core import _cache
+from collimate_core.templates import cache as _cache
 from collimate_core._keys import KeyStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ def test_one_builder_per_entry_across_threads_and_processes(tmp_path):
     script = f"""
 import os, time
 from pathlib import Path
-from collimate_core import _cache
+from collimate_core.templates import cache as _cache
 
 def build(tmp):
     with open({str(calls)!r}, "a") as f:
@@ -59,7 +59,7 @@ def test_sweep_removes_a_killed_owners_temporary_and_keeps_a_live_ones(tmp_path)
     script = """
 import sys, time
 from pathlib import Path
-from collimate_core import _cache
+from collimate_core.templates import cache as _cache
 t = _cache.Temp(Path(sys.argv[1]) / "entry")
 path = t.__enter__()
 (path / "half").write_text("x")

@@ -29,7 +29,7 @@ from collimate_core import (
     rollout_once,
 )
 from collimate_core.sdk.embedded import _frame, _unframe
-from collimate_core._templates import AGENT_DIR, AGENT_IDLE, GUEST_ENV, Baked, bake_python
+from collimate_core.templates.catalog import AGENT_DIR, AGENT_IDLE, GUEST_ENV, Baked, bake_python
 
 pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 

@@ -6,7 +6,7 @@ to one VMM process running one guest. Errors derive from `CollimateError`.
 """
 
 from collimate_core._core import SNAPSHOT_FORMAT, RunResult, Vm
-from collimate_core._bake import BuildError, Ready, Template, TemplateHandle, TemplateStatus
+from collimate_core.templates.bake import BuildError, Ready, Template, TemplateHandle, TemplateStatus
 from collimate_core.sdk.client import connect
 from collimate_core.sdk.embedded import EmbeddedClient, Usage
 from collimate_core.sdk.errors import (
@@ -23,7 +23,7 @@ from collimate_core.sdk.errors import (
     SnapshotError,
     VmDestroyedError,
 )
-from collimate_core._oci import ImageError
+from collimate_core.templates.oci import ImageError
 from collimate_core._grading import (
     GradeResult,
     PropertyReward,

@@ -31,7 +31,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from collimate_core import _cache
+from collimate_core.templates import cache as _cache
 from collimate_core.sdk.errors import CollimateError, InvalidArgument
 
 _lock = threading.Lock()
@@ -45,7 +45,7 @@ HOLD = ".hold"
 
 
 def _grading_dir(client: Any) -> Path:
-    from collimate_core._templates import cache_dir
+    from collimate_core.templates.catalog import cache_dir
 
     return Path(getattr(client, "cache", None) or cache_dir()) / "grading"
 

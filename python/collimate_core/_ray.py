@@ -207,7 +207,7 @@ class HostActor:
 
     # templates: Template.bake/list/get/delete on this host's engine
     def bake(self, name: str, image: str, ready: Any, width: int, store: str | None) -> Any:
-        from collimate_core._bake import Template
+        from collimate_core.templates.bake import Template
 
         handle = Template.bake(self.client, name=name, image=image, ready=ready, width=width, store=store)
         with self._lock:
@@ -215,19 +215,19 @@ class HostActor:
         return handle.status()
 
     def template_status(self, name: str) -> Any:
-        from collimate_core._bake import Template
+        from collimate_core.templates.bake import Template
 
         with self._lock:
             h = self._bakes.get(name)
         return (h if h is not None else Template.get(self.client, name)).status()
 
     def template_list(self) -> list:
-        from collimate_core._bake import Template
+        from collimate_core.templates.bake import Template
 
         return Template.list(self.client)
 
     def template_delete(self, name: str) -> None:
-        from collimate_core._bake import Template
+        from collimate_core.templates.bake import Template
 
         with self._lock:
             self._bakes.pop(name, None)
@@ -737,7 +737,7 @@ class RayTemplates:
 
     def bake(self, name: str, image: Any, ready: Any = None, width: int = 1, *, store: Any = None,
              cache: Any = None) -> RayTemplateHandle:
-        from collimate_core._bake import check_bake_args
+        from collimate_core.templates.bake import check_bake_args
 
         if cache is not None:
             raise InvalidArgument("Template.bake(cache=...) is for the embedded engine; each Ray host keeps its own")

@@ -62,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from collimate_core import _cache
+from collimate_core.templates import cache as _cache
 from collimate_core.sdk.errors import (
     AuthenticationError,
     CapacityError,
@@ -76,7 +76,7 @@ from collimate_core.sdk.errors import (
 )
 from collimate_core._keys import KeyStore
 from collimate_core.sdk.meter import Meter as _Meter
-from collimate_core._templates import CATALOG, cache_dir
+from collimate_core.templates.catalog import CATALOG, cache_dir
 
 API_VERSION = "1.0.0"
 DEFAULT_PORT = 8477
@@ -682,7 +682,7 @@ class ControlPlane:
 
     def _on_disk(self, internal: str) -> bool:
         """Whether a tenant template has a committed version (a cheap look at its index)."""
-        from collimate_core import _bake
+        from collimate_core.templates import bake as _bake
 
         assert self.cache is not None
         return _bake._current(_bake._tdir(self.cache, internal)) is not None
@@ -711,7 +711,7 @@ class ControlPlane:
     def _image_status(self, tenant: str, name: str) -> Any:
         """The status of the tenant's template `name`: its latest bake on this server, else its
         current version on disk; None if it has neither. Blocking (reads the template's files)."""
-        from collimate_core._bake import Template
+        from collimate_core.templates.bake import Template
 
         internal = self.engine_name(tenant, name)
         with self._lock:
@@ -757,7 +757,7 @@ class ControlPlane:
 
     async def list_templates(self, tenant: str) -> list[TemplateInfo]:
         """The catalog, then this tenant's own templates (no one else's)."""
-        from collimate_core._bake import Template
+        from collimate_core.templates.bake import Template
 
         prefix = _namespace(tenant)
         on_disk = await self.run(Template.list, self.engine)
@@ -774,8 +774,8 @@ class ControlPlane:
     async def bake(self, tenant: str, req: BakeRequest) -> TemplateInfo:
         """Start baking `req.image` (a reference into the tenant's image store) into the tenant's
         template `req.name`; the bake runs in the background (Template.bake's thread)."""
-        from collimate_core import _oci
-        from collimate_core._bake import Ready, Template
+        from collimate_core.templates import oci as _oci
+        from collimate_core.templates.bake import Ready, Template
 
         name = req.name
         if name in CATALOG:
@@ -845,7 +845,7 @@ class ControlPlane:
 
     async def delete_template(self, tenant: str, name: str) -> None:
         """Delete the tenant's template: no new sandboxes; live ones keep running."""
-        from collimate_core._bake import Template
+        from collimate_core.templates.bake import Template
 
         if name in CATALOG:
             raise ApiError(409, "conflict", f"{name!r} is a catalog template, shared by every tenant: it cannot be "
@@ -916,7 +916,7 @@ class ControlPlane:
                 raise _over_quota(used, quota, int(length))
         await self.run(store.mkdir, parents=True, exist_ok=True)
         # a dot file: the store's lookups skip it until it is verified and renamed; flocked while
-        # it arrives, so that a killed server's partial uploads are swept (see _cache.py)
+        # it arrives, so that a killed server's partial uploads are swept (see templates/cache.py)
         upload = _cache.Temp(store / "upload", file=True)
         tmp = upload.__enter__()
         size = 0
@@ -1337,7 +1337,7 @@ class _ImageStore:
         """The exact upload a bake's reference names: for `name`, `name@<digest>` of the newest upload
         under it; `name@<digest>` itself if there is such an upload under the name; False if there
         is none; None for other references (tags, registries: looked up by the images' own names)."""
-        from collimate_core import _oci
+        from collimate_core.templates import oci as _oci
 
         try:
             r = _oci.parse_reference(ref)
@@ -1429,7 +1429,7 @@ _RECORD = {"file", "digest", "image_id", "format", "layers", "bytes", "uploaded"
 
 def _describe_archive(path: Path) -> dict | None:
     """An index record for an archive the index does not know; None if it holds no single image."""
-    from collimate_core import _oci
+    from collimate_core.templates import oci as _oci
 
     try:
         img = _oci.open_image(path)
@@ -1456,7 +1456,7 @@ _UPLOAD_HINT = ("upload the image with POST /v1/images (Template.bake from the r
 def _check_image_reference(image: str) -> str:
     """`image` if it is an image reference; 400 if it looks like a path: a tenant never names a
     file on this host, only images in its own store."""
-    from collimate_core import _oci
+    from collimate_core.templates import oci as _oci
 
     text = image.strip()
     base = text.split("@", 1)[0]
@@ -1479,7 +1479,7 @@ def _verify_archive(path: Path, digest: str | None, tag: str | None, unpacked_li
     digest) pins content the tenant really sent, and a root filesystem unpacked for one tenant's
     image may serve another's with the same id. InvalidArgument saying why when it is not a usable
     image."""
-    from collimate_core import _oci
+    from collimate_core.templates import oci as _oci
 
     def why(e: BaseException) -> str:
         msg = str(e) if isinstance(e, _oci.ImageError) else f"malformed ({type(e).__name__}: {e})"

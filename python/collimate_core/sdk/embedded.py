@@ -31,9 +31,9 @@ from collimate_core.sdk import quota as _quota
 from collimate_core.sdk.meter import Meter
 from collimate_core.sdk.results import ExecResult
 from collimate_core.sdk.seeds import crng_stream, fresh_seed, parse_seed
-from collimate_core._templates import frame as _frame
-from collimate_core._templates import unframe as _unframe
-from collimate_core._templates import AGENT_IDLE, Baked, bake_catalog
+from collimate_core.templates.catalog import frame as _frame
+from collimate_core.templates.catalog import unframe as _unframe
+from collimate_core.templates.catalog import AGENT_IDLE, Baked, bake_catalog
 
 ACK_CONTEXT = b"collimate/seed-ack/v1"
 MAX_UPLOAD = 256 << 20

@@ -36,7 +36,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from collimate_core._bake import Ready, TemplateHandle, TemplateStatus, check_bake_args
+from collimate_core.templates.bake import Ready, TemplateHandle, TemplateStatus, check_bake_args
 from collimate_core.sdk.embedded import Usage
 from collimate_core.sdk.errors import (
     AuthenticationError,
@@ -478,7 +478,7 @@ class RemoteTemplates:
         if looks_like_path:
             raise InvalidArgument(f"no image at {base}: no such file or directory")
         if store is not None:  # a reference into a local image store: upload what it names
-            from collimate_core import _oci
+            from collimate_core.templates import oci as _oci
 
             try:
                 img = _oci.resolve(text, Path(store))
@@ -511,7 +511,7 @@ class RemoteTemplates:
 
 
 def _is_reference(text: str) -> bool:
-    from collimate_core import _oci
+    from collimate_core.templates import oci as _oci
 
     try:
         _oci.parse_reference(text)

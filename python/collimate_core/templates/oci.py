@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from collimate_core import _cache
+from collimate_core.templates import cache as _cache
 from collimate_core.sdk.errors import CollimateError
 
 # Bump when the unpacking steps change, so cached trees are rebuilt.
