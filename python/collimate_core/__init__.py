@@ -24,7 +24,7 @@ from collimate_core.sdk.errors import (
     VmDestroyedError,
 )
 from collimate_core.templates.oci import ImageError
-from collimate_core._grading import (
+from collimate_core.grading.grade import (
     GradeResult,
     PropertyReward,
     UnitTestReward,
@@ -33,8 +33,8 @@ from collimate_core._grading import (
     grade_batch,
     trl_reward_func,
 )
-from collimate_core._iotest import IOGradeResult, IOTestReward, outputs_match
-from collimate_core._grade_many import grade_many
+from collimate_core.grading.iotest import IOGradeResult, IOTestReward, outputs_match
+from collimate_core.grading.grade_many import grade_many
 from collimate_core._ray import RayClient, RaySandbox
 from collimate_core.sdk.remote import RemoteClient, RemoteSandbox
 from collimate_core.sdk.results import ExecResult

@@ -19,8 +19,8 @@ import dataclasses
 import threading
 from typing import Any, Sequence
 
-from collimate_core._grading import UnitTestReward
-from collimate_core._iotest import IOTestReward
+from collimate_core.grading.grade import UnitTestReward
+from collimate_core.grading.iotest import IOTestReward
 from collimate_core.integrations import score_specs, spec_from_tests
 
 __all__ = ["compute_score", "compute_score_async", "compute_score_batch"]

@@ -1,10 +1,10 @@
 """Reward grading: a completion, or a whole GRPO group, to rewards in one call.
 
 How a candidate is graded (UnitTestReward), in a fresh clone of the template:
-0. Before any candidate: the spec's setup runs, then the grader (_grading_harness.py) is installed
+0. Before any candidate: the spec's setup runs, then the grader (harness.py) is installed
    in the sandbox's interpreter: it imports what the tests import, records the interpreter as it
    is (module attributes, builtins) and refuses audit hooks from then on. On the embedded engine
-   this prepared sandbox is checkpointed once as a template (_grading_pool.py) that every later
+   this prepared sandbox is checkpointed once as a template (pool.py) that every later
    grade with the same template and setup clones; elsewhere grade_batch prepares one parent per
    group and forks a child of it per candidate.
 1. The candidate's code runs in the sandbox's interpreter (exec 1).
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from collimate_core import _grading_pool
+from collimate_core.grading import pool as _grading_pool
 from collimate_core.sdk.errors import CollimateError, EngineError, GroupError, InvalidArgument
 from collimate_core.sdk.seeds import fresh_seed, parse_seed
 
@@ -149,13 +149,13 @@ def _spec_imports(spec) -> tuple[str, ...]:
 
 
 def _prelude(preload: Sequence[str] = ()) -> str:
-    """The exec that installs the grader (_grading_harness.py) before any candidate runs: its
+    """The exec that installs the grader (harness.py) before any candidate runs: its
     source runs in a private namespace with its own copy of the builtins, and only `_RUNNER` is
     left in the sandbox's namespace. `preload`: the modules the tests import, imported now (once
     per group, and snapshotted so that the grader can undo a candidate's patching of them)."""
     global _HARNESS_SOURCE
     if _HARNESS_SOURCE is None:
-        _HARNESS_SOURCE = (Path(__file__).resolve().parent / "_grading_harness.py").read_text()
+        _HARNESS_SOURCE = (Path(__file__).resolve().parent / "harness.py").read_text()
     return (
         "def __collimate_install(src):\n"
         "    import builtins\n"
@@ -364,7 +364,7 @@ def _prepared_template(client: Any, spec, preload: list[str]) -> str | None:
 
 
 def _is_io(spec: Any) -> bool:
-    from collimate_core._iotest import IOTestReward
+    from collimate_core.grading.iotest import IOTestReward
 
     return isinstance(spec, IOTestReward)
 
@@ -380,8 +380,8 @@ def grade(code: str, spec: "UnitTestReward | PropertyReward | IOTestReward", *, 
     installed: on the embedded engine, a template prepared on the first grade and reused)."""
     from collimate_core.sdk.session import Sandbox
 
-    if _is_io(spec):  # stdin/stdout cases: _iotest.py, through grade_many
-        from collimate_core._grade_many import grade_many
+    if _is_io(spec):  # stdin/stdout cases: iotest.py, through grade_many
+        from collimate_core.grading.grade_many import grade_many
 
         (result,) = grade_many([(code, spec)], client=client, seed=seed, return_exceptions=True)
         if isinstance(result, BaseException):
@@ -460,8 +460,8 @@ def grade_batch(
     codes = list(codes)
     if _is_io(spec) or (not isinstance(spec, (str, bytes, UnitTestReward, PropertyReward)) and hasattr(spec, "__len__")
                         and any(_is_io(s) for s in spec)):
-        # stdin/stdout cases (_iotest.py): one spec, or one per candidate, through grade_many.
-        from collimate_core._grade_many import grade_many
+        # stdin/stdout cases (iotest.py): one spec, or one per candidate, through grade_many.
+        from collimate_core.grading.grade_many import grade_many
 
         specs = [spec] * len(codes) if _is_io(spec) else list(spec)
         if len(specs) != len(codes):
