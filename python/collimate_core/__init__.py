@@ -35,7 +35,7 @@ from collimate_core.grading.grade import (
 )
 from collimate_core.grading.iotest import IOGradeResult, IOTestReward, outputs_match
 from collimate_core.grading.grade_many import grade_many
-from collimate_core._ray import RayClient, RaySandbox
+from collimate_core.ray.client import RayClient, RaySandbox
 from collimate_core.sdk.remote import RemoteClient, RemoteSandbox
 from collimate_core.sdk.results import ExecResult
 from collimate_core.sdk.seeds import fresh_seed, group_seeds, parse_seed, seed_from_key

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     from collimate_core._cli import add_subcommands, run
 
     add_subcommands(sub)  # serve, keys, openapi
-    from collimate_core import _ray
+    from collimate_core.ray import client as _ray
 
     _ray.add_subcommand(sub)  # ray-host
     args = ap.parse_args(argv)
