@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from collimate_core.templates import cache as _cache
-from collimate_core._keys import KeyStore
+from collimate_core.server.keys import KeyStore
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")])}
@@ -108,7 +108,7 @@ def test_a_lock_excludes_threads_of_one_process(tmp_path):
 def test_concurrent_key_store_writers_lose_no_key(tmp_path):
     store = tmp_path / "keys.json"
     script = f"""
-from collimate_core._keys import KeyStore
+from collimate_core.server.keys import KeyStore
 for i in range(5):
     KeyStore({str(store)!r}).create("t", note="p")
 """

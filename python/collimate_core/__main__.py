@@ -1,5 +1,5 @@
 """`collimate` (= `python -m collimate_core`): `demo`, the main job end to end on this host; `serve`
-and `keys`, the control-plane worker and its API keys (_cli.py).
+and `keys`, the control-plane worker and its API keys (server/cli.py).
 
 `demo` bakes the python template (Debian's CPython with the in-guest agent, checkpointed at its ready
 point; cached after the first run), forks sandboxes from it and measures the fork latency, then
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     d = sub.add_parser("demo", help="bake the python template, fork a group, grade it, print fork latency")
     d.add_argument("--width", type=int, default=64)
     d.add_argument("--samples", type=int, default=200)
-    from collimate_core._cli import add_subcommands, run
+    from collimate_core.server.cli import add_subcommands, run
 
     add_subcommands(sub)  # serve, keys, openapi
     from collimate_core.ray import client as _ray

@@ -1,7 +1,7 @@
 """The control-plane worker: the SDK surface over HTTP, on the embedded engine of this host.
 
 `collimate serve` runs it (FastAPI on uvicorn). Everything under /v1 needs `Authorization: Bearer
-col_...` (keys: `collimate keys create --tenant T`, see _keys.py); each key belongs to a tenant,
+col_...` (keys: `collimate keys create --tenant T`, see keys.py); each key belongs to a tenant,
 and a tenant sees only its own sandboxes: anything else is 404, exactly like an id that never
 existed. /openapi.json (the document, also committed as docs/openapi.json), /metrics (Prometheus
 text) and /healthz are open.
@@ -74,7 +74,7 @@ from collimate_core.sdk.errors import (
     SandboxTimeout,
     VmDestroyedError,
 )
-from collimate_core._keys import KeyStore
+from collimate_core.server.keys import KeyStore
 from collimate_core.sdk.meter import Meter as _Meter
 from collimate_core.templates.catalog import CATALOG, cache_dir
 

@@ -61,7 +61,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> bool:
     """Run a subcommand of this module; False if `args.cmd` is not one."""
     if args.cmd == "serve":
-        from collimate_core._server import ServerConfig, serve
+        from collimate_core.server.app import ServerConfig, serve
 
         from collimate_core.sdk import quota as _quota
         from collimate_core.sdk.errors import InvalidArgument
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> bool:
     elif args.cmd == "keys":
         _keys(args)
     elif args.cmd == "openapi":
-        from collimate_core._server import openapi_json
+        from collimate_core.server.app import openapi_json
 
         text = openapi_json()
         if args.output:
@@ -104,7 +104,7 @@ def _when(t: float | None) -> str:
 
 def _keys(args: argparse.Namespace) -> None:
     from collimate_core.sdk.errors import CollimateError
-    from collimate_core._keys import KeyStore
+    from collimate_core.server.keys import KeyStore
 
     store = KeyStore(args.key_store)
     try:

@@ -1,0 +1,1 @@
+"""The control plane (placeholder, split in the next commit)."""
