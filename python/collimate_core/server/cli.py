@@ -61,7 +61,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> bool:
     """Run a subcommand of this module; False if `args.cmd` is not one."""
     if args.cmd == "serve":
-        from collimate_core.server.app import ServerConfig, serve
+        from collimate_core.server.app import serve
+        from collimate_core.server.config import ServerConfig
 
         from collimate_core.sdk import quota as _quota
         from collimate_core.sdk.errors import InvalidArgument
