@@ -3,6 +3,19 @@
 The SDK surface (also importable as `collimate_rl`): `connect()`, `Sandbox`, `rollout_once`,
 sessions and fork groups, seeds for deterministic replay. The low-level engine API: `Vm`, a handle
 to one VMM process running one guest. Errors derive from `CollimateError`.
+
+The package, one folder per layer (each subpackage's docstring says what is in it and why):
+- sdk/: clients (connect, embedded, remote), sandboxes, sessions, fork groups, results, seeds,
+  errors, disk quotas, usage metering; every other layer builds on it;
+- templates/: the catalog (the python template), baking from images, OCI images, the rootfs
+  recipe, the on-disk cache;
+- grading/: unit-test, property and stdin/stdout rewards, grade_many, prepared grading templates;
+- server/: the HTTP control plane (`collimate serve|keys|openapi`);
+- ray/: scale-out over a Ray cluster (host actors, RayClient, `collimate ray-host`);
+- guest/: what runs inside the VM (the agent, PID 1 of a template; not imported on the host);
+- aio.py: the async twin of the SDK; integrations/: TRL, veRL, score_rows;
+- _core: the compiled engine (crates/py), with its stubs in _core.pyi.
+The public names are the ones below, re-exported here; the subpackages' modules are internal.
 """
 
 from collimate_core._core import SNAPSHOT_FORMAT, RunResult, Vm

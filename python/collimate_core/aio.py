@@ -24,7 +24,7 @@ costs no CPU and holds no GIL, so N threads give N execs in flight, and the sync
 single source of the semantics (strict group width, teardown, error mapping, metering).
 
 The HTTP remote client goes through the same threads: its request building lives inline in
-`_remote.RemoteClient`'s methods, and sharing it with an `httpx.AsyncClient` path would mean
+`RemoteClient`'s methods (sdk/remote.py), and sharing it with an `httpx.AsyncClient` path would mean
 restructuring that module; a thread per in-flight request over the sync client's pooled
 connections keeps one implementation of the wire format. The Ray client (`connect(ray=...)`) is the
 same: its calls are `ray.get` on host actors.

@@ -357,7 +357,7 @@ def _preload(specs) -> list[str]:
 
 def _prepared_template(client: Any, spec, preload: list[str]) -> str | None:
     """The name of a template holding spec.template + spec.setup + the grader (see
-    _grading_pool), or None when the client cannot host one."""
+    pool.py), or None when the client cannot host one."""
     prelude_key = hashlib.sha256(_prelude(preload).encode()).hexdigest()
     return _grading_pool.prepared(client, spec.template, getattr(spec, "setup", None), preload, prelude_key,
                                   lambda sb: _prepare(sb, spec, preload))

@@ -136,7 +136,7 @@ def _checker_source(checker: Any) -> tuple[str | None, str]:
 class IOTestReward:
     """Run the candidate as a program once per case: `cases` is a sequence of (stdin, expected
     stdout) pairs (str). Each case runs in the candidate's sandbox reset to the prepared state,
-    within `time_limit_seconds` (host clock) and `memory_limit_mb` (heap in use, see _iotest).
+    within `time_limit_seconds` (host clock) and `memory_limit_mb` (heap in use, see iotest_guest.py).
 
     The output is compared as outputs_match does (line ends and trailing whitespace ignored;
     `tokens`: any whitespace; `float_tolerance`: numbers within it), or by `checker`: source
@@ -182,7 +182,7 @@ class IOTestReward:
         if self.checker is not None:
             object.__setattr__(self, "checker", _checker_source(self.checker)[0])
 
-    # The attribute _grading's preparation reads for its own timeouts.
+    # The attribute grade.py's preparation reads for its own timeouts.
     @property
     def timeout_seconds(self) -> float:
         return max(30.0, float(self.time_limit_seconds))

@@ -51,7 +51,7 @@ REAP_BACKLOG = 65
 
 
 def expected_ack(seed: bytes) -> str:
-    """The ack an agent returns after a correct reseed with `seed` (see _guest/agent.py)."""
+    """The ack an agent returns after a correct reseed with `seed` (see guest/agent.py)."""
     return hashlib.sha256(ACK_CONTEXT + seed + crng_stream(seed, 32)).hexdigest()
 
 
@@ -184,7 +184,7 @@ class EmbeddedClient:
         self.cache = Path(cache) if cache else None
         self.max_sandboxes = max_sandboxes
         self.capacity_timeout = capacity_timeout
-        # Every sandbox's writable mounts share one quota (see _quota); the budget is admission by
+        # Every sandbox's writable mounts share one quota (see quota.py); the budget is admission by
         # worst case (guest memory + disk quota of every live sandbox), off unless set.
         self.disk_quota = _quota.disk_quota(disk_quota) if disk_quota is not None else _quota.default_disk_quota()
         self.memory_budget = (

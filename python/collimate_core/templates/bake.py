@@ -793,7 +793,7 @@ class Template:
             from collimate_core.sdk.client import connect
 
             client = connect()
-        if getattr(client, "_remote_templates", None) is not None:  # a RemoteClient: over HTTP (_remote.py)
+        if getattr(client, "_remote_templates", None) is not None:  # a RemoteClient: over HTTP (sdk/remote.py)
             if disk_quota is not None:
                 raise InvalidArgument(
                     "Template.bake(disk_quota=...) is for the embedded engine; over HTTP the server's --disk-quota "

@@ -70,7 +70,7 @@ class Baked:
     # Whether the template advertises the seed-ack handshake (its agent acks reseeds). A template
     # that does not gets the verdict "off" on every exec.
     seed_ack: bool = True
-    # The disk quota of its sandboxes (None: the client's; see _quota).
+    # The disk quota of its sandboxes (None: the client's; see sdk/quota.py).
     disk_quota: int | None = None
 
 
