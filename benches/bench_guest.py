@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from collimate_core import Sandbox, Vm, connect
-from collimate_core._templates import GUEST_ENV
+from collimate_core.templates.catalog import GUEST_ENV
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
 
@@ -37,7 +37,7 @@ _medians: dict[str, float] = {}
 def _root() -> Path:
     if os.environ.get("COLLIMATE_ROOTFS"):
         return Path(os.environ["COLLIMATE_ROOTFS"])
-    from collimate_core._rootfs import build_rootfs
+    from collimate_core.templates.rootfs import build_rootfs
 
     return build_rootfs("python")
 

@@ -33,7 +33,7 @@ import pytest
 
 from collimate_core import EmbeddedClient, outputs_match
 from collimate_core.integrations import completion_text, trl
-from collimate_core._grading import extract_code
+from collimate_core.grading.grade import extract_code
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
 

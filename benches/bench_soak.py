@@ -34,7 +34,7 @@ import pytest
 
 import collimate_core._core as _core
 from collimate_core import EmbeddedClient, Sandbox
-from collimate_core._embedded import REAP_BACKLOG, RECYCLE_MAX
+from collimate_core.sdk.embedded import REAP_BACKLOG, RECYCLE_MAX
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
 

@@ -15,7 +15,7 @@ from collimate_core import Vm
 
 pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 
-AGENT_DIR = Path(__file__).resolve().parent.parent / "python" / "collimate_core" / "_guest"
+AGENT_DIR = Path(__file__).resolve().parent.parent / "python" / "collimate_core" / "guest"
 AGENT_IDLE = 0x6167656E7400
 
 

@@ -1,4 +1,4 @@
-"""The cache's rules for writers (python/collimate_core/_cache.py), without KVM: one holder of an
+"""The cache's rules for writers (python/collimate_core/templates/cache.py), without KVM: one holder of an
 entry's lock at a time across threads and processes, a killed owner's temporaries swept and a
 live one's kept, and the key store, a writer of its own, losing no key to concurrent writers."""
 
@@ -12,8 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-from collimate_core import _cache
-from collimate_core._keys import KeyStore
+from collimate_core.templates import cache as _cache
+from collimate_core.server.keys import KeyStore
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")])}
@@ -24,7 +24,7 @@ def test_one_builder_per_entry_across_threads_and_processes(tmp_path):
     script = f"""
 import os, time
 from pathlib import Path
-from collimate_core import _cache
+from collimate_core.templates import cache as _cache
 
 def build(tmp):
     with open({str(calls)!r}, "a") as f:
@@ -59,7 +59,7 @@ def test_sweep_removes_a_killed_owners_temporary_and_keeps_a_live_ones(tmp_path)
     script = """
 import sys, time
 from pathlib import Path
-from collimate_core import _cache
+from collimate_core.templates import cache as _cache
 t = _cache.Temp(Path(sys.argv[1]) / "entry")
 path = t.__enter__()
 (path / "half").write_text("x")
@@ -108,7 +108,7 @@ def test_a_lock_excludes_threads_of_one_process(tmp_path):
 def test_concurrent_key_store_writers_lose_no_key(tmp_path):
     store = tmp_path / "keys.json"
     script = f"""
-from collimate_core._keys import KeyStore
+from collimate_core.server.keys import KeyStore
 for i in range(5):
     KeyStore({str(store)!r}).create("t", note="p")
 """

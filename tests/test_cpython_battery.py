@@ -148,7 +148,7 @@ class Run:
 def _rootfs() -> Path:
     if os.environ.get("COLLIMATE_ROOTFS"):
         return Path(os.environ["COLLIMATE_ROOTFS"])
-    from collimate_core._rootfs import build_rootfs
+    from collimate_core.templates.rootfs import build_rootfs
 
     return build_rootfs("python")
 
@@ -165,7 +165,7 @@ def _fetch_testsuite(root: Path, dest: Path) -> tuple[Path, str]:
     """Download (or reuse from the cache) libpython3.11-testsuite and unpack it into `dest`."""
     if not (shutil.which("apt-get") and shutil.which("dpkg")):
         pytest.skip("fetching libpython3.11-testsuite needs apt-get and dpkg")
-    from collimate_core._cache import cache_dir, deb_dir
+    from collimate_core.templates.cache import cache_dir, deb_dir
 
     debs = deb_dir(cache_dir())
     debs.mkdir(parents=True, exist_ok=True)

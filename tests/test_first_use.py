@@ -1,5 +1,5 @@
 """A trainer's first step on a fresh host: many threads and processes reach for the same cache
-entries at once, on a cache that starts empty (python/collimate_core/_cache.py has the rules).
+entries at once, on a cache that starts empty (python/collimate_core/templates/cache.py has the rules).
 
 Each test runs on a COLLIMATE_CACHE of its own that starts empty, without COLLIMATE_ROOTFS, so
 that the python template's root filesystem is built too. Downloaded Debian packages are inputs,
@@ -25,7 +25,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from collimate_core import EmbeddedClient, UnitTestReward, _cache, grade_batch, rollout_once
+from collimate_core import EmbeddedClient, UnitTestReward, grade_batch, rollout_once
+from collimate_core.templates import cache as _cache
 from imagefixtures import Layer, busybox_layer, write_docker_save
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,7 +171,7 @@ def test_threads_and_processes_on_an_empty_cache_build_each_artefact_once(fresh)
 KILLED = """
 import os, sys, time
 from pathlib import Path
-from collimate_core import _oci, _rootfs
+from collimate_core.templates import oci as _oci, rootfs as _rootfs
 cache, what = Path(sys.argv[1]), sys.argv[2]
 
 def stop_at(prefix):
@@ -204,12 +205,12 @@ def test_a_build_killed_midway_leaves_nothing_the_next_one_trips_over(fresh, wha
         p.wait()
 
     if what == "rootfs":
-        from collimate_core import _rootfs
+        from collimate_core.templates import rootfs as _rootfs
 
         root = _rootfs.build_rootfs("python", cache=cache)
         assert (root / _rootfs.MANIFEST).is_file() and (root / "usr/bin/python3").exists()
     else:
-        from collimate_core import _oci
+        from collimate_core.templates import oci as _oci
 
         img = _oci.resolve(IMAGE, _oci.default_store(cache))
         try:

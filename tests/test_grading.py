@@ -292,7 +292,7 @@ def test_bad_specs_fail_before_anything_runs(client):
 
 
 def test_strict_equality():
-    from collimate_core._grading_harness import strict_eq
+    from collimate_core.grading.harness import strict_eq
 
     class AlwaysEqualInt(int):
         def __eq__(self, other):

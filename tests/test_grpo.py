@@ -24,7 +24,7 @@ import pytest
 
 from collimate_rl import CapacityError, GroupError, NotFoundError, Sandbox, connect
 from collimate_core import EmbeddedClient, Vm
-from collimate_core._templates import bake_python
+from collimate_core.templates.catalog import bake_python
 
 pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from collimate_core._embedded import RECYCLE_MAX
+from collimate_core.sdk.embedded import RECYCLE_MAX
 from collimate_rl import (
     AuthenticationError,
     CapacityError,
@@ -204,7 +204,7 @@ def _run_client(server: Server, key: str, code: str, *args: str) -> subprocess.P
 
 
 def test_committed_openapi_document_is_current():
-    from collimate_core._server import openapi_json
+    from collimate_core.server.app import openapi_json
 
     committed = (ROOT / "docs" / "openapi.json").read_text()
     assert committed == openapi_json(), "docs/openapi.json is stale: run `collimate openapi --output docs/openapi.json`"
@@ -221,7 +221,7 @@ def test_served_openapi_document_is_the_committed_one(server):
 
 
 def test_meter_windows_and_compaction():
-    from collimate_core._server import _Meter
+    from collimate_core.sdk.meter import Meter as _Meter
 
     m = _Meter()
     m.close_span(1000.5, 1003.5)  # 3 sandbox-seconds over 4 one-second buckets
@@ -236,7 +236,9 @@ def test_meter_windows_and_compaction():
 
 
 def test_admission_is_fifo_bounded_and_times_out():
-    from collimate_core._server import ApiError, _Admission, _Metrics
+    from collimate_core.server.admission import _Admission
+    from collimate_core.server.errors import ApiError
+    from collimate_core.server.metrics import _Metrics
 
     async def scenario():
         adm = _Admission(limit=2, bound=2, timeout=0.5, metrics=_Metrics())
@@ -871,7 +873,7 @@ def small_srv(tmp_path_factory, keys):
 
 
 def _store_of(srv: Server, tenant: str) -> Path:
-    from collimate_core._server import _tenant_key
+    from collimate_core.server.images import _tenant_key
 
     return srv.cache / "tenants" / _tenant_key(tenant) / "images"
 

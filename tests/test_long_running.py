@@ -1,6 +1,6 @@
 """What a long-running client holds (issue 14's soak found two things that grew without bound).
 
-- Usage metering is in time buckets (collimate_core._meter): the meter grows with the time the
+- Usage metering is in time buckets (collimate_core.sdk.meter): the meter grows with the time the
   client has run, not with what it served (a list of events grew by every exec, in the embedded
   client and in the server's engine).
 - Destroyed sandboxes wait for the reaper thread in a bounded queue: fork groups destroyed faster
@@ -13,7 +13,7 @@ import math
 import os
 
 import pytest
-from collimate_core._meter import FINE_SPAN, Meter
+from collimate_core.sdk.meter import FINE_SPAN, Meter
 
 
 def test_a_long_span_lands_in_minute_buckets_and_keeps_its_total():
@@ -68,7 +68,7 @@ def our_vmm_processes() -> int:
 @pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
 def test_destroyed_fork_groups_do_not_pile_up_as_live_processes():
     from collimate_core import EmbeddedClient
-    from collimate_core._embedded import RECYCLE_MAX, REAP_BACKLOG
+    from collimate_core.sdk.embedded import RECYCLE_MAX, REAP_BACKLOG
 
     os.environ.pop("COLLIMATE_API_KEY", None)
     width = 8

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-import collimate_core._embedded as embedded
+import collimate_core.sdk.embedded as embedded
 from collimate_core import (
     EmbeddedClient,
     InvalidArgument,
@@ -28,8 +28,8 @@ from collimate_core import (
     grade_batch,
     rollout_once,
 )
-from collimate_core._embedded import _frame, _unframe
-from collimate_core._templates import AGENT_DIR, AGENT_IDLE, GUEST_ENV, Baked, bake_python
+from collimate_core.sdk.embedded import _frame, _unframe
+from collimate_core.templates.catalog import AGENT_DIR, AGENT_IDLE, GUEST_ENV, Baked, bake_python
 
 pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 

@@ -1,4 +1,4 @@
-"""The python template's root filesystem recipe (python/collimate_core/_rootfs.py, CLI
+"""The python template's root filesystem recipe (python/collimate_core/templates/rootfs.py, CLI
 guest/rootfs/build.py). Builds for real from Debian's package archive into a temporary cache
 (about 14 MiB of .debs, a few seconds); skipped only where apt-get or dpkg is missing.
 
@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("collimate_rootfs",
-                                               REPO / "python/collimate_core/_rootfs.py")
+                                               REPO / "python/collimate_core/templates/rootfs.py")
 rootfs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(rootfs)
 

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collimate_core import _seeds
-from collimate_core._seeds import (
+from collimate_core.sdk import seeds as _seeds
+from collimate_core.sdk.seeds import (
     chacha20_keystream,
     crng_key,
     crng_stream,

@@ -25,9 +25,8 @@ from collimate_core import (
     Ready,
     Sandbox,
     Template,
-    _bake,
-    _oci,
 )
+from collimate_core.templates import bake as _bake, oci as _oci
 from imagefixtures import (
     SLOWMOD,
     Layer,

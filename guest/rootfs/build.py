@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Build a template root filesystem; print its path. The logic: python/collimate_core/_rootfs.py."""
+"""Build a template root filesystem; print its path. The logic: python/collimate_core/templates/rootfs.py."""
 import argparse, importlib.util, pathlib, signal, sys
 
-_src = pathlib.Path(__file__).resolve().parents[2] / "python/collimate_core/_rootfs.py"
+_src = pathlib.Path(__file__).resolve().parents[2] / "python/collimate_core/templates/rootfs.py"
 _spec = importlib.util.spec_from_file_location("collimate_rootfs", _src)
 rootfs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(rootfs)

@@ -1,6 +1,6 @@
 """`collimate` (= `python -m collimate_core`): `demo`, the main job end to end on this host; `serve`
-and `keys`, the control-plane worker and its API keys (_cli.py); `bench`, the benchmarks against
-their host baselines as a PNG and a JSON (_bench.py).
+and `keys`, the control-plane worker and its API keys (server/cli.py); `bench`, the benchmarks against
+their host baselines as a PNG and a JSON (bench.py).
 
 `demo` bakes the python template (Debian's CPython with the in-guest agent, checkpointed at its ready
 point; cached after the first run), forks sandboxes from it and measures the fork latency, then
@@ -110,20 +110,20 @@ def main(argv: list[str] | None = None) -> None:
     d = sub.add_parser("demo", help="bake the python template, fork a group, grade it, print fork latency")
     d.add_argument("--width", type=int, default=64)
     d.add_argument("--samples", type=int, default=200)
-    from collimate_core import _bench
+    from collimate_core import bench
 
-    _bench.add_subcommand(sub)  # bench
-    from collimate_core._cli import add_subcommands, run
+    bench.add_subcommand(sub)  # bench
+    from collimate_core.server.cli import add_subcommands, run
 
     add_subcommands(sub)  # serve, keys, openapi
-    from collimate_core import _ray
+    from collimate_core.ray import client as _ray
 
     _ray.add_subcommand(sub)  # ray-host
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         demo(args.width, args.samples)
     elif args.cmd == "bench":
-        _bench.run_cli(args)
+        bench.run_cli(args)
     elif args.cmd == "ray-host":
         _ray.run_cli(args)
     else:

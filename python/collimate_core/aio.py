@@ -24,7 +24,7 @@ costs no CPU and holds no GIL, so N threads give N execs in flight, and the sync
 single source of the semantics (strict group width, teardown, error mapping, metering).
 
 The HTTP remote client goes through the same threads: its request building lives inline in
-`_remote.RemoteClient`'s methods, and sharing it with an `httpx.AsyncClient` path would mean
+`RemoteClient`'s methods (sdk/remote.py), and sharing it with an `httpx.AsyncClient` path would mean
 restructuring that module; a thread per in-flight request over the sync client's pooled
 connections keeps one implementation of the wire format. The Ray client (`connect(ray=...)`) is the
 same: its calls are `ray.get` on host actors.
@@ -57,10 +57,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 import collimate_core as _sync
 from collimate_core import *  # noqa: F403 - the non-IO names, as the sync package has them
 from collimate_core import __all__ as _sync_all
-from collimate_core import _session
-from collimate_core._errors import CollimateError, GroupError, InvalidArgument
-from collimate_core._embedded import check_exec_args
-from collimate_core._results import ExecResult
+from collimate_core.sdk import session as _session
+from collimate_core.sdk.errors import CollimateError, GroupError, InvalidArgument
+from collimate_core.sdk.embedded import check_exec_args
+from collimate_core.sdk.results import ExecResult
 
 DEFAULT_LIMIT = 32
 
@@ -196,12 +196,12 @@ class AsyncClient:
         await self._call(self.sync.release_template, template)
 
     def session(self, handle: Any = "python", *, disk_quota: int | str | None = None) -> "Sandbox":
-        from collimate_core._embedded import _template_name
+        from collimate_core.sdk.embedded import _template_name
 
         return Sandbox(_template_name(handle), client=self, disk_quota=disk_quota)
 
     def env(self, ref: Any, width: int = 1) -> "Env":
-        from collimate_core._embedded import _template_name
+        from collimate_core.sdk.embedded import _template_name
 
         return Env(self, _template_name(ref), width)
 

@@ -21,10 +21,10 @@ import functools
 import json
 from typing import Any, Sequence
 
-from collimate_core._errors import InvalidArgument
-from collimate_core._grade_many import grade_many
-from collimate_core._grading import PropertyReward, UnitTestReward, extract_code
-from collimate_core._iotest import IOTestReward
+from collimate_core.sdk.errors import InvalidArgument
+from collimate_core.grading.grade_many import grade_many
+from collimate_core.grading.grade import PropertyReward, UnitTestReward, extract_code
+from collimate_core.grading.iotest import IOTestReward
 
 __all__ = ["completion_text", "score_rows", "spec_from_tests"]
 

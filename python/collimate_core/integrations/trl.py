@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from collimate_core._errors import InvalidArgument
+from collimate_core.sdk.errors import InvalidArgument
 from collimate_core.integrations import _on_infra, score_specs, spec_from_tests
 
 __all__ = ["async_reward_func", "reward_func"]
@@ -41,7 +41,7 @@ def _make(tests_column: str, kind: str | None, client: Any, on_infra_error: str,
         if len(tests) != len(completions):
             raise InvalidArgument(f"{len(completions)} completions and {len(tests)} values of {tests_column!r}")
         if state["client"] is None:
-            from collimate_core._client import connect
+            from collimate_core.sdk.client import connect
 
             state["client"] = connect()
         specs = [spec_from_tests(t, kind, **spec_kwargs) for t in tests]

@@ -19,8 +19,8 @@ import dataclasses
 import threading
 from typing import Any, Sequence
 
-from collimate_core._grading import UnitTestReward
-from collimate_core._iotest import IOTestReward
+from collimate_core.grading.grade import UnitTestReward
+from collimate_core.grading.iotest import IOTestReward
 from collimate_core.integrations import score_specs, spec_from_tests
 
 __all__ = ["compute_score", "compute_score_async", "compute_score_batch"]
@@ -36,7 +36,7 @@ def _client(kwargs: dict) -> Any:
         return kwargs["client"]
     with _client_lock:
         if not _default_client:
-            from collimate_core._client import connect
+            from collimate_core.sdk.client import connect
 
             _default_client.append(connect())
         return _default_client[0]

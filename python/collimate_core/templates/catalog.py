@@ -1,7 +1,7 @@
 """Templates: a guest paused at its ready point and checkpointed, which sandboxes fork from.
 
 The catalog template "python" is Debian's CPython 3.11 running the in-guest agent
-(`_guest/agent.py`), paused at the agent's first read of its channel, with its imports done. It is
+(`guest/agent.py`), paused at the agent's first read of its channel, with its imports done. It is
 baked on first use into the cache directory and reused while its inputs (root filesystem, agent
 code, engine snapshot format) are unchanged.
 """
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from collimate_core import _cache
+from collimate_core.templates import cache as _cache
 from collimate_core._core import SNAPSHOT_FORMAT, Vm
-from collimate_core._errors import EngineError, NotFoundError
+from collimate_core.sdk.errors import EngineError, NotFoundError
 
-AGENT_DIR = Path(__file__).resolve().parent / "_guest"
+AGENT_DIR = Path(__file__).resolve().parent.parent / "guest"
 AGENT_IDLE = 0x6167656E7400
 # Bump when the template's contents change shape (agent protocol, mounts, environment).
 TEMPLATE_VERSION = 2
@@ -70,7 +70,7 @@ class Baked:
     # Whether the template advertises the seed-ack handshake (its agent acks reseeds). A template
     # that does not gets the verdict "off" on every exec.
     seed_ack: bool = True
-    # The disk quota of its sandboxes (None: the client's; see _quota).
+    # The disk quota of its sandboxes (None: the client's; see sdk/quota.py).
     disk_quota: int | None = None
 
 
@@ -154,8 +154,8 @@ def _bake_snapshot(tmp: Path, root: Path, say: Callable[[str], None]) -> None:
 def bake_python(cache: Path | None = None, progress: Callable[[str], None] | None = None) -> Baked:
     """Bake (or find) the catalog "python" template. Many threads and processes may ask at once
     on an empty cache: one builds the root filesystem and one bakes (each under its entry's lock,
-    see _cache.py); the others wait and use theirs."""
-    from collimate_core import _rootfs
+    see cache.py); the others wait and use theirs."""
+    from collimate_core.templates import rootfs as _rootfs
 
     cache = Path(cache) if cache else cache_dir()
     # The root filesystem the template must be on: COLLIMATE_ROOTFS if set, else the recipe's
@@ -191,12 +191,12 @@ def bake_catalog(name: str, cache: Path | None = None) -> Baked:
     store (or at a path), baked now under that name (`client.env(ref)` in one step)."""
     if name == "python":
         return bake_python(cache)
-    from collimate_core._bake import find_or_bake
+    from collimate_core.templates.bake import find_or_bake
 
     baked = find_or_bake(name, cache)
     if baked is not None:
         return baked
-    from collimate_core._oci import default_store
+    from collimate_core.templates.oci import default_store
 
     store = default_store(Path(cache) if cache else cache_dir())
     raise NotFoundError(

@@ -61,10 +61,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> bool:
     """Run a subcommand of this module; False if `args.cmd` is not one."""
     if args.cmd == "serve":
-        from collimate_core._server import ServerConfig, serve
+        from collimate_core.server.app import serve
+        from collimate_core.server.config import ServerConfig
 
-        from collimate_core import _quota
-        from collimate_core._errors import InvalidArgument
+        from collimate_core.sdk import quota as _quota
+        from collimate_core.sdk.errors import InvalidArgument
 
         if args.image_quota < 0:
             sys.exit(f"collimate serve: --image-quota is a number of bytes >= 0 (0: no quota), not {args.image_quota}")
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> bool:
     elif args.cmd == "keys":
         _keys(args)
     elif args.cmd == "openapi":
-        from collimate_core._server import openapi_json
+        from collimate_core.server.app import openapi_json
 
         text = openapi_json()
         if args.output:
@@ -103,8 +104,8 @@ def _when(t: float | None) -> str:
 
 
 def _keys(args: argparse.Namespace) -> None:
-    from collimate_core._errors import CollimateError
-    from collimate_core._keys import KeyStore
+    from collimate_core.sdk.errors import CollimateError
+    from collimate_core.server.keys import KeyStore
 
     store = KeyStore(args.key_store)
     try:

@@ -1,44 +1,5 @@
-"""Scale-out on Ray: one host actor per KVM node, and a client with the SDK's surface over them.
-
-    pip install collimate-core[ray]
-    ray start --head --resources='{"collimate_host": 64}'      # on every KVM node: its slot count
-    collimate ray-host --address auto                          # start the host actors (once)
-    client = connect(ray="auto")                               # or COLLIMATE_RAY_ADDRESS
-
-Hosts. A node advertises the custom resource `collimate_host` with its slot count (the sandboxes
-it may hold at once). `start_hosts()` (what `collimate ray-host` runs; `connect(ray=...)` does it
-too for nodes that have none yet) starts one `HostActor` on each such node, pinned there by hard
-node affinity (a VM pool cannot move), named `collimate-host-<node id>` in the `collimate`
-namespace and detached, so every driver of the cluster shares it. The actor wraps that node's
-embedded engine (`EmbeddedClient`): zygotes, spare clones, recycling, metering, as on one host.
-It is a threaded actor: its calls run concurrently, each a blocking engine call with the GIL
-released, exactly as the embedded client's own threads.
-
-Placement (by template warmth, decided in the driver, written to `client.placement_log`):
-- a session (a sandbox made from a template) goes to a host where that template is warm (its
-  zygote is running) or warming (a first sandbox of it is being made there) and a slot is free,
-  least loaded first; to a cold host (least loaded) only when no such host has a free slot, so a
-  host makes one cold start of a template at a time; CapacityError when no host has a slot;
-- a fork group and every later call on a sandbox go to the host holding its VM: a group is never
-  split, and children run next to their parent's memory;
-- `client.env(ref, width=N)` spreads the expected width over the hosts (N / hosts each), which
-  warms the template on all of them.
-
-Templates: `Template.bake(client, ...)` bakes on every host into its own engine (the image must be
-reachable under the same path or store reference on each node), and the template is warm on every
-host that baked it; `Template.list/get/delete` work as on one host.
-
-Failure: a host that is lost (its node removed, its actor dead) makes every call on it raise
-`HostLost` (a `GroupError`, so a fork group's map raises it as is, and never a reward); the host is
-dropped from placement, and later sessions go to the hosts that are left. Nothing is retried
-behind the caller's back: resampling a group is the caller's explicit, idempotent call.
-
-Leases: a host destroys a sandbox nobody touched for its lease (`RayClient(lease=)`, or
-COLLIMATE_RAY_LEASE; default 600 s), never one in a call; a client's daemon thread touches what it
-holds every lease / 3, so a driver that dies leaves no sandbox running past its lease.
-
-Every `ExecResult` of this client carries `host`, the Ray node id it ran on.
-"""
+"""The Ray client: the SDK's surface over the host actors (host.py), placement by template warmth,
+leases, and `collimate ray-host`. The whole design is in this package's docstring."""
 
 from __future__ import annotations
 
@@ -50,8 +11,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from collimate_core._embedded import Usage, _template_name
-from collimate_core._errors import (
+from collimate_core.sdk.embedded import Usage, _template_name
+from collimate_core.sdk.errors import (
     CapacityError,
     CollimateError,
     HostLost,
@@ -59,282 +20,7 @@ from collimate_core._errors import (
     NotFoundError,
     SandboxTimeout,
 )
-
-RESOURCE = "collimate_host"
-NAMESPACE = "collimate"
-ACTOR_PREFIX = "collimate-host-"
-# Calls a host actor serves at once: every child of a wide group may be in an exec.
-HOST_CONCURRENCY = 512
-
-
-def _ray():
-    try:
-        import ray
-    except ImportError:
-        raise CollimateError("Ray scale-out needs Ray: pip install 'collimate-core[ray]'") from None
-    return ray
-
-
-# --- the host actor ------------------------------------------------------------------------------
-
-
-class HostActor:
-    """One KVM node's embedded engine, served to drivers (see the module docs)."""
-
-    def __init__(self, node_id: str, slots: int, cache: str | None = None):
-        from collimate_core._embedded import EmbeddedClient
-
-        _start_watchdog()
-        self.node_id = node_id
-        self.slots = slots
-        self.client = EmbeddedClient(cache=cache, max_sandboxes=max(1, slots))
-        self._boxes: dict[str, tuple[Any, Any]] = {}  # id -> (box, its interrupt)
-        # Leases: a sandbox nobody touched (a call, or its driver's keepalive) for its lease is
-        # destroyed, so a driver that dies leaves nothing running past it; never one in a call.
-        self._touched: dict[str, float] = {}
-        self._lease: dict[str, float] = {}
-        self._busy: dict[str, int] = {}
-        self._bakes: dict[str, Any] = {}  # template name -> the handle of this host's bake of it
-        self._lock = threading.Lock()
-        threading.Thread(target=self._reap_expired, daemon=True, name="collimate-lease").start()
-
-    def _box(self, box_id: str) -> Any:
-        with self._lock:
-            entry = self._boxes.get(box_id)
-            if entry is not None:
-                self._touched[box_id] = time.monotonic()
-        if entry is None:
-            raise NotFoundError(f"no live sandbox {box_id!r} on host {self.node_id}")
-        return entry[0]
-
-    def _keep(self, box: Any, lease: float) -> str:
-        from collimate_core.aio import _Interrupt
-
-        with self._lock:
-            self._boxes[box.id] = (box, _Interrupt(self.client, box))
-            self._touched[box.id] = time.monotonic()
-            self._lease[box.id] = lease
-        return box.id
-
-    def keepalive(self, box_ids: list[str]) -> list[str]:
-        """Touch these sandboxes; the ids of those this host no longer has."""
-        now, gone = time.monotonic(), []
-        with self._lock:
-            for i in box_ids:
-                if i in self._boxes:
-                    self._touched[i] = now
-                else:
-                    gone.append(i)
-        return gone
-
-    def _reap_expired(self) -> None:
-        while True:
-            time.sleep(0.5)
-            now = time.monotonic()
-            with self._lock:
-                expired = [i for i, t in self._touched.items()
-                           if i in self._boxes and not self._busy.get(i) and now - t > self._lease.get(i, 600.0)]
-            for i in expired:
-                try:
-                    self.destroy(i)
-                except Exception:  # noqa: BLE001 - a sandbox that fails to go is retried next round
-                    pass
-
-    def info(self) -> dict:
-        with self.client._lock:
-            warm = sorted(self.client._templates)
-        with self._lock:
-            live = len(self._boxes)
-        # pid and token: which processes are this host's (its VMM processes carry the token)
-        return {"node_id": self.node_id, "slots": self.slots, "live": live, "warm": warm, "pid": os.getpid(),
-                "token": os.environ.get("COLLIMATE_HOST_TOKEN")}
-
-    def create(self, template: str, disk_quota: int | None = None, lease: float = 600.0) -> tuple[str, bool]:
-        box = self.client.create(template, disk_quota)
-        return self._keep(box, lease), box.warm_hit
-
-    def fork(self, box_id: str, n: int, lease: float = 600.0) -> list[str]:
-        return [self._keep(b, lease) for b in self.client.fork(self._box(box_id), n)]
-
-    def exec(self, box_id: str, kw: dict) -> Any:
-        box = self._box(box_id)
-        with self._lock:
-            self._busy[box_id] = self._busy.get(box_id, 0) + 1
-        try:
-            r = self.client.exec(box, **kw)
-        finally:
-            with self._lock:
-                self._busy[box_id] -= 1
-                if not self._busy[box_id]:
-                    del self._busy[box_id]
-                self._touched[box_id] = time.monotonic()
-        return dataclasses.replace(r, host=self.node_id)
-
-    def destroy(self, box_id: str) -> None:
-        with self._lock:
-            entry = self._boxes.pop(box_id, None)
-            self._touched.pop(box_id, None)
-            self._lease.pop(box_id, None)
-        if entry is not None:
-            entry[1].close()
-            self.client.destroy(entry[0])
-
-    def abort(self, box_id: str) -> None:
-        """Stop the sandbox's call in flight now (its VMM is killed; destroy() reaps it)."""
-        with self._lock:
-            entry = self._boxes.get(box_id)
-        if entry is not None:
-            entry[1]()
-
-    def vmm_pid(self, box_id: str) -> int:
-        """The host pid of the sandbox's VMM process (waits while an exec of it is running)."""
-        return self._box(box_id).vm.pid
-
-    def reset(self, box_id: str) -> None:
-        self.client.reset(self._box(box_id))
-
-    def upload(self, box_id: str, path: str, data: bytes) -> None:
-        self.client.upload(self._box(box_id), path, data)
-
-    def download(self, box_id: str, path: str) -> bytes:
-        return self.client.download(self._box(box_id), path)
-
-    def disk_usage(self, box_id: str) -> dict | None:
-        return self.client.disk_usage(self._box(box_id))
-
-    def expect_width(self, template: str, width: int) -> None:
-        self.client.expect_width(template, width)
-
-    # templates: Template.bake/list/get/delete on this host's engine
-    def bake(self, name: str, image: str, ready: Any, width: int, store: str | None) -> Any:
-        from collimate_core._bake import Template
-
-        handle = Template.bake(self.client, name=name, image=image, ready=ready, width=width, store=store)
-        with self._lock:
-            self._bakes[name] = handle
-        return handle.status()
-
-    def template_status(self, name: str) -> Any:
-        from collimate_core._bake import Template
-
-        with self._lock:
-            h = self._bakes.get(name)
-        return (h if h is not None else Template.get(self.client, name)).status()
-
-    def template_list(self) -> list:
-        from collimate_core._bake import Template
-
-        return Template.list(self.client)
-
-    def template_delete(self, name: str) -> None:
-        from collimate_core._bake import Template
-
-        with self._lock:
-            self._bakes.pop(name, None)
-        Template.delete(self.client, name)
-
-    def release_template(self, template: str) -> None:
-        self.client.release_template(template)
-
-    def usage(self, since: float | None, until: float | None) -> Usage:
-        return self.client.usage(since, until)
-
-    def shutdown(self) -> None:
-        """Destroy every sandbox and zygote of this host (the actor stays, empty)."""
-        with self._lock:
-            entries, self._boxes = list(self._boxes.values()), {}
-        for _, interrupt in entries:
-            interrupt.close()
-        self.client.close()
-
-
-# A VMM process notices that its controller is gone only when it next reads its socket: one in the
-# middle of a guest's run would keep running until that exec's timeout after its host actor died
-# (a node removed, the actor killed). So each host actor marks its environment (which its zygotes
-# and every VMM forked from them inherit) with a token and starts a watchdog, detached from it
-# (Ray ends a dead worker's children), that waits for the actor's process to end (a pidfd), then
-# SIGKILLs every process carrying the token.
-_WATCHDOG = r"""
-import os, select, signal, sys, time
-pid, marker = int(sys.argv[1]), ("COLLIMATE_HOST_TOKEN=" + sys.argv[2]).encode()
-fd = os.pidfd_open(pid)
-if os.fork():
-    os._exit(0)  # not the actor's child: Ray ends a dead worker's children, this must outlive it
-select.select([fd], [], [])
-for _ in range(50):
-    found = 0
-    for d in os.listdir("/proc"):
-        if d.isdigit() and int(d) != os.getpid():
-            try:
-                with open(f"/proc/{d}/environ", "rb") as f:
-                    if marker in f.read().split(b"\0"):
-                        os.kill(int(d), signal.SIGKILL)
-                        found += 1
-            except OSError:
-                pass
-    if not found:
-        break
-    time.sleep(0.05)
-"""
-
-
-def _start_watchdog() -> None:
-    import secrets
-    import subprocess
-    import sys
-
-    token = secrets.token_hex(16)
-    env = {k: v for k, v in os.environ.items() if k != "COLLIMATE_HOST_TOKEN"}
-    subprocess.run([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), token], env=env,
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   start_new_session=True, close_fds=True, check=True, timeout=60)
-    os.environ["COLLIMATE_HOST_TOKEN"] = token  # inherited by the zygotes this actor starts from now on
-
-
-def _host_nodes(ray) -> list[tuple[str, int]]:
-    """(node id, slots) of every alive node that advertises the collimate_host resource."""
-    out = []
-    for n in ray.nodes():
-        slots = n.get("Resources", {}).get(RESOURCE)
-        if n.get("Alive") and slots:
-            out.append((n["NodeID"], int(slots)))
-    return sorted(out)
-
-
-def start_hosts(address: str | None = None, *, cache: str | None = None) -> list[str]:
-    """Start a host actor on every node advertising `collimate_host` that has none yet (an
-    existing one is kept); the node ids that have one. What `collimate ray-host` runs."""
-    ray = _ray()
-    if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("COLLIMATE_RAY_ADDRESS") or "auto", namespace=NAMESPACE,
-                 log_to_driver=False)
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    remote = ray.remote(HostActor)
-    started = []
-    for node_id, slots in _host_nodes(ray):
-        remote.options(
-            name=ACTOR_PREFIX + node_id, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-            num_cpus=0, resources={RESOURCE: 0.001}, max_concurrency=HOST_CONCURRENCY, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(node_id, slots, cache)
-        started.append(node_id)
-    return started
-
-
-def stop_hosts() -> None:
-    """Destroy every host's sandboxes and kill the host actors (their VMM processes end with them)."""
-    ray = _ray()
-    for node_id, _ in _host_nodes(ray):
-        try:
-            actor = ray.get_actor(ACTOR_PREFIX + node_id, namespace=NAMESPACE)
-        except ValueError:
-            continue
-        try:
-            ray.get(actor.shutdown.remote(), timeout=60)
-        except Exception:  # noqa: BLE001 - killed below all the same
-            pass
-        ray.kill(actor)
+from collimate_core.ray.host import ACTOR_PREFIX, NAMESPACE, _host_nodes, _ray, start_hosts, stop_hosts
 
 
 # --- the driver side -----------------------------------------------------------------------------
@@ -522,7 +208,7 @@ class RayClient:
         if not isinstance(template, str) or not template:
             raise InvalidArgument(f"template must be a template name such as 'python', not {template!r}")
         if disk_quota is not None:
-            from collimate_core._quota import disk_quota as _check_quota
+            from collimate_core.sdk.quota import disk_quota as _check_quota
 
             disk_quota = _check_quota(disk_quota)
         h, cold = self._place(template)
@@ -572,7 +258,7 @@ class RayClient:
 
     def exec(self, box: RaySandbox, *, code: str | None = None, command: str | None = None, timeout: float = 60.0,
              seed: str | None = None, env: dict[str, str] | None = None, cwd: str | None = None):
-        from collimate_core._embedded import check_exec_args
+        from collimate_core.sdk.embedded import check_exec_args
 
         check_exec_args(code, command, timeout, seed)
         kw = {"code": code, "command": command, "timeout": timeout, "seed": seed, "env": env, "cwd": cwd}
@@ -646,12 +332,12 @@ class RayClient:
         return total
 
     def session(self, handle: Any = "python", *, disk_quota: int | str | None = None):
-        from collimate_core._session import Session
+        from collimate_core.sdk.session import Session
 
         return Session(_template_name(handle), client=self, disk_quota=disk_quota)
 
     def env(self, ref: Any, width: int = 1):
-        from collimate_core._session import Env
+        from collimate_core.sdk.session import Env
 
         return Env(self, _template_name(ref), width)
 
@@ -737,7 +423,7 @@ class RayTemplates:
 
     def bake(self, name: str, image: Any, ready: Any = None, width: int = 1, *, store: Any = None,
              cache: Any = None) -> RayTemplateHandle:
-        from collimate_core._bake import check_bake_args
+        from collimate_core.templates.bake import check_bake_args
 
         if cache is not None:
             raise InvalidArgument("Template.bake(cache=...) is for the embedded engine; each Ray host keeps its own")

@@ -36,9 +36,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from collimate_core._bake import Ready, TemplateHandle, TemplateStatus, check_bake_args
-from collimate_core._embedded import Usage
-from collimate_core._errors import (
+from collimate_core.templates.bake import Ready, TemplateHandle, TemplateStatus, check_bake_args
+from collimate_core.sdk.embedded import Usage
+from collimate_core.sdk.errors import (
     AuthenticationError,
     CapacityError,
     CollimateError,
@@ -48,7 +48,7 @@ from collimate_core._errors import (
     SandboxDied,
     SandboxTimeout,
 )
-from collimate_core._results import ExecResult
+from collimate_core.sdk.results import ExecResult
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8477"
 
@@ -178,7 +178,7 @@ class RemoteClient:
             raise InvalidArgument(f"template must be a template name such as 'python', not {template!r}")
         body: dict[str, Any] = {"template": template}
         if disk_quota is not None:
-            from collimate_core._quota import disk_quota as _check_quota
+            from collimate_core.sdk.quota import disk_quota as _check_quota
 
             body["disk_quota"] = _check_quota(disk_quota)
         # The server may queue the request until capacity frees up (its queue_timeout).
@@ -212,7 +212,7 @@ class RemoteClient:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
     ) -> ExecResult:
-        from collimate_core._embedded import check_exec_args
+        from collimate_core.sdk.embedded import check_exec_args
 
         seed_bytes = check_exec_args(code, command, timeout, seed)
         body: dict[str, Any] = {"timeout_seconds": float(timeout)}
@@ -300,14 +300,14 @@ class RemoteClient:
         self._request("DELETE", f"/v1/images/{_q(name)}", params={"digest": digest} if digest else None)
 
     def session(self, handle: Any = "python", *, disk_quota: int | str | None = None):
-        from collimate_core._embedded import _template_name
-        from collimate_core._session import Session
+        from collimate_core.sdk.embedded import _template_name
+        from collimate_core.sdk.session import Session
 
         return Session(_template_name(handle), client=self, disk_quota=disk_quota)
 
     def env(self, ref: Any, width: int = 1):
-        from collimate_core._embedded import _template_name
-        from collimate_core._session import Env
+        from collimate_core.sdk.embedded import _template_name
+        from collimate_core.sdk.session import Env
 
         return Env(self, _template_name(ref), width)
 
@@ -478,7 +478,7 @@ class RemoteTemplates:
         if looks_like_path:
             raise InvalidArgument(f"no image at {base}: no such file or directory")
         if store is not None:  # a reference into a local image store: upload what it names
-            from collimate_core import _oci
+            from collimate_core.templates import oci as _oci
 
             try:
                 img = _oci.resolve(text, Path(store))
@@ -511,7 +511,7 @@ class RemoteTemplates:
 
 
 def _is_reference(text: str) -> bool:
-    from collimate_core import _oci
+    from collimate_core.templates import oci as _oci
 
     try:
         _oci.parse_reference(text)

@@ -20,20 +20,20 @@ from typing import Any
 
 from collimate_core._core import EngineError as _CoreEngineError
 from collimate_core._core import Vm
-from collimate_core._errors import (
+from collimate_core.sdk.errors import (
     CapacityError,
     CollimateError,
     InvalidArgument,
     NotFoundError,
     SandboxDied,
 )
-from collimate_core import _quota
-from collimate_core._meter import Meter
-from collimate_core._results import ExecResult
-from collimate_core._seeds import crng_stream, fresh_seed, parse_seed
-from collimate_core._templates import frame as _frame
-from collimate_core._templates import unframe as _unframe
-from collimate_core._templates import AGENT_IDLE, Baked, bake_catalog
+from collimate_core.sdk import quota as _quota
+from collimate_core.sdk.meter import Meter
+from collimate_core.sdk.results import ExecResult
+from collimate_core.sdk.seeds import crng_stream, fresh_seed, parse_seed
+from collimate_core.templates.catalog import frame as _frame
+from collimate_core.templates.catalog import unframe as _unframe
+from collimate_core.templates.catalog import AGENT_IDLE, Baked, bake_catalog
 
 ACK_CONTEXT = b"collimate/seed-ack/v1"
 MAX_UPLOAD = 256 << 20
@@ -51,7 +51,7 @@ REAP_BACKLOG = 65
 
 
 def expected_ack(seed: bytes) -> str:
-    """The ack an agent returns after a correct reseed with `seed` (see _guest/agent.py)."""
+    """The ack an agent returns after a correct reseed with `seed` (see guest/agent.py)."""
     return hashlib.sha256(ACK_CONTEXT + seed + crng_stream(seed, 32)).hexdigest()
 
 
@@ -184,7 +184,7 @@ class EmbeddedClient:
         self.cache = Path(cache) if cache else None
         self.max_sandboxes = max_sandboxes
         self.capacity_timeout = capacity_timeout
-        # Every sandbox's writable mounts share one quota (see _quota); the budget is admission by
+        # Every sandbox's writable mounts share one quota (see quota.py); the budget is admission by
         # worst case (guest memory + disk quota of every live sandbox), off unless set.
         self.disk_quota = _quota.disk_quota(disk_quota) if disk_quota is not None else _quota.default_disk_quota()
         self.memory_budget = (
@@ -607,12 +607,12 @@ class EmbeddedClient:
     # --- the SDK surface on the client -------------------------------------------------------
 
     def session(self, handle: Any = "python", *, disk_quota: int | str | None = None):
-        from collimate_core._session import Session
+        from collimate_core.sdk.session import Session
 
         return Session(_template_name(handle), client=self, disk_quota=disk_quota)
 
     def env(self, ref: Any, width: int = 1):
-        from collimate_core._session import Env
+        from collimate_core.sdk.session import Env
 
         return Env(self, _template_name(ref), width)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 
-from collimate_core._errors import InvalidArgument
+from collimate_core.sdk.errors import InvalidArgument
 
 DEFAULT_DISK_QUOTA = 1 << 30
 # Inodes that come with a quota: one per 16 KiB, at least 4096 (the engine's default is 65,536 for

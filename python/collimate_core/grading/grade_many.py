@@ -3,7 +3,7 @@ brings its tests), graded in one call.
 
 The pairs are grouped by what their prepared state depends on: the kind of spec, its template and
 its setup. Each group is prepared once (on the embedded engine: a template of its own, see
-_grading_pool.py), so candidates of one spec, and of different specs of the same template and
+pool.py), so candidates of one spec, and of different specs of the same template and
 setup, share it; then one pool of workers grades every pair, whatever its group, and the results
 come back in input order.
 
@@ -22,11 +22,11 @@ import weakref
 from contextlib import ExitStack
 from typing import Any, Sequence
 
-from collimate_core import _grading, _iotest
-from collimate_core._errors import InvalidArgument
-from collimate_core._grading import GradeResult, PropertyReward, UnitTestReward, raise_first_failure
-from collimate_core._iotest import IOTestReward
-from collimate_core._seeds import fresh_seed, parse_seed
+from collimate_core.grading import grade as _grading, iotest as _iotest
+from collimate_core.sdk.errors import InvalidArgument
+from collimate_core.grading.grade import GradeResult, PropertyReward, UnitTestReward, raise_first_failure
+from collimate_core.grading.iotest import IOTestReward
+from collimate_core.sdk.seeds import fresh_seed, parse_seed
 
 __all__ = ["grade_many"]
 
@@ -71,7 +71,7 @@ def grade_many(
     its own keeps it), recorded in its result. A bad spec raises InvalidArgument before anything
     runs. An infrastructure failure raises GroupError (no partial results), or, with
     return_exceptions, is returned in that pair's place while the others are graded."""
-    from collimate_core._session import Sandbox
+    from collimate_core.sdk.session import Sandbox
 
     pairs = list(pairs)
     for i, p in enumerate(pairs):

@@ -7,12 +7,12 @@
 
 A bake, in a background thread (`handle.wait()` blocks on it; `handle.status()` does not):
   1. resolve the image (a path, or a reference in the local image store; never a registry) and
-     verify its digests (_oci.py);
+     verify its digests (oci.py);
   2. unpack its layers into a read-only root filesystem, cached by image id;
   3. check the image: its Entrypoint must exist; find python3 (PATH, /usr/bin) and /bin/sh;
-  4. start the in-guest agent in the image: with Python, `_guest/image_agent.py` on the image's own
+  4. start the in-guest agent in the image: with Python, `guest/image_agent.py` on the image's own
      interpreter (code and command execs, the seed-ack handshake); without, `collimate-exec`, a
-     small static helper compiled from `_guest/exec_helper.c` on the first such bake (command execs
+     small static helper compiled from `guest/exec_helper.c` on the first such bake (command execs
      only, seed_ack "off"). Both speak agent.py's fd-3 protocol and are mounted at /opt/collimate.
      The agent runs with the image's Env (plus HOME from its User), in its WorkingDir (/work if it
      has none); the image's /work and /tmp contents seed the writable /work and /tmp;
@@ -50,19 +50,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collimate_core import _cache as _cachelib  # (_cache is this module's own helper)
-from collimate_core import _oci
+from collimate_core.templates import cache as _cachelib  # (_cache is this module's own helper)
+from collimate_core.templates import oci as _oci
 from collimate_core._core import EngineError as _CoreEngineError
 from collimate_core._core import SNAPSHOT_FORMAT, Vm
-from collimate_core._errors import (
+from collimate_core.sdk.errors import (
     CollimateError,
     InvalidArgument,
     NotFoundError,
     SandboxTimeout,
 )
-from collimate_core._templates import AGENT_DIR, AGENT_IDLE, CATALOG, Baked, cache_dir
-from collimate_core._templates import frame as _frame
-from collimate_core._templates import unframe as _unframe
+from collimate_core.templates.catalog import AGENT_DIR, AGENT_IDLE, CATALOG, Baked, cache_dir
+from collimate_core.templates.catalog import frame as _frame
+from collimate_core.templates.catalog import unframe as _unframe
 
 # Bump when what a baked version holds changes shape (agent protocol, layout).
 FORMAT = 1
@@ -191,7 +191,7 @@ def _read_json(p: Path) -> dict | None:
 
 
 def _write_json(p: Path, obj: dict) -> None:
-    # Whole or not at all; a killed writer's temporary is swept by _prune (see _cache.py).
+    # Whole or not at all; a killed writer's temporary is swept by _prune (see cache.py).
     _cachelib.write_atomic(p, json.dumps(obj, indent=1) + "\n")
 
 
@@ -353,7 +353,7 @@ def _prune_rootfs(cache: Path) -> None:
 
 
 def exec_helper(cache: Path, log=None) -> Path:
-    """The directory holding `collimate-exec` (static, built from _guest/exec_helper.c with the
+    """The directory holding `collimate-exec` (static, built from guest/exec_helper.c with the
     host's C compiler once per source version; cached in <cache>/helpers/)."""
     say = log or (lambda m: None)
     src = HELPER_SRC.read_bytes()
@@ -367,7 +367,7 @@ def exec_helper(cache: Path, log=None) -> Path:
     if not cc:
         raise BuildError(
             "this image has no Python, so its template runs commands through collimate-exec, a small static helper "
-            "built from _guest/exec_helper.c; building it needs a C compiler with static libc (apt-get install gcc "
+            "built from guest/exec_helper.c; building it needs a C compiler with static libc (apt-get install gcc "
             "libc6-dev), and none was found"
         )
     t0 = time.monotonic()
@@ -786,14 +786,14 @@ class Template:
         `disk_quota`: bytes (or "512M", "2G") for /tmp, /work and /dev/shm together in each of the
         template's sandboxes (default: the client's, 1 GiB).
         """
-        from collimate_core import _quota
+        from collimate_core.sdk import quota as _quota
 
         quota = _quota.disk_quota(disk_quota) if disk_quota is not None else None
         if client is None:
-            from collimate_core._client import connect
+            from collimate_core.sdk.client import connect
 
             client = connect()
-        if getattr(client, "_remote_templates", None) is not None:  # a RemoteClient: over HTTP (_remote.py)
+        if getattr(client, "_remote_templates", None) is not None:  # a RemoteClient: over HTTP (sdk/remote.py)
             if disk_quota is not None:
                 raise InvalidArgument(
                     "Template.bake(disk_quota=...) is for the embedded engine; over HTTP the server's --disk-quota "

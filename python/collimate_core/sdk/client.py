@@ -7,12 +7,12 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
-from collimate_core._embedded import EmbeddedClient
-from collimate_core._errors import AuthenticationError
+from collimate_core.sdk.embedded import EmbeddedClient
+from collimate_core.sdk.errors import AuthenticationError
 
 if TYPE_CHECKING:
-    from collimate_core._ray import RayClient
-    from collimate_core._remote import RemoteClient
+    from collimate_core.ray.client import RayClient
+    from collimate_core.sdk.remote import RemoteClient
 
 _shared: EmbeddedClient | None = None
 _remote: dict[tuple[str, str], "RemoteClient"] = {}
@@ -26,11 +26,11 @@ def connect(api_key: str | None = None, *, base_url: str | None = None, ray: str
     (COLLIMATE_BASE_URL, default http://127.0.0.1:8477), a `RemoteClient` with the same surface,
     also shared per key and server. With `ray` ("auto" or a cluster address; or
     COLLIMATE_RAY_ADDRESS, when no key is given): a `RayClient` over the cluster's collimate hosts
-    (`pip install collimate-core[ray]`; see _ray.py), shared per address."""
+    (`pip install collimate-core[ray]`; see ray/), shared per address."""
     key = api_key or os.environ.get("COLLIMATE_API_KEY")
     address = ray or (None if api_key else os.environ.get("COLLIMATE_RAY_ADDRESS"))
     if address:
-        from collimate_core._ray import RayClient
+        from collimate_core.ray.client import RayClient
 
         with _lock:
             client = _rays.get(address)
@@ -40,7 +40,7 @@ def connect(api_key: str | None = None, *, base_url: str | None = None, ray: str
     if key:
         if not key.startswith("col_"):
             raise AuthenticationError("API keys start with 'col_'; check COLLIMATE_API_KEY")
-        from collimate_core._remote import DEFAULT_BASE_URL, RemoteClient
+        from collimate_core.sdk.remote import DEFAULT_BASE_URL, RemoteClient
 
         url = base_url or os.environ.get("COLLIMATE_BASE_URL") or DEFAULT_BASE_URL
         with _lock:  # one client (connection pool, keepalive thread) per key and server

@@ -1,7 +1,7 @@
-"""The in-guest side of reward grading (see _grading.py). Stdlib only.
+"""The in-guest side of reward grading (see grade.py). Stdlib only.
 
-_grading.py sends this file's source into the sandbox before any candidate runs (on the embedded
-engine, once: the prepared sandbox is checkpointed as a template, see _grading_pool.py; otherwise
+grade.py sends this file's source into the sandbox before any candidate runs (on the embedded
+engine, once: the prepared sandbox is checkpointed as a template, see pool.py; otherwise
 once per group, in the parent sandbox that is forked) and executes it in a private namespace whose
 builtins are a copy taken then. `install()` imports the modules the tests use, records what the
 interpreter looks like before the candidate (every loaded module's attributes, sys.modules, the

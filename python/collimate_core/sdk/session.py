@@ -6,10 +6,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
-from collimate_core._embedded import check_exec_args
-from collimate_core._errors import CollimateError, GroupError, InvalidArgument
-from collimate_core._results import ExecResult
-from collimate_core._seeds import fresh_seed, group_seeds, parse_seed
+from collimate_core.sdk.embedded import check_exec_args
+from collimate_core.sdk.errors import CollimateError, GroupError, InvalidArgument
+from collimate_core.sdk.results import ExecResult
+from collimate_core.sdk.seeds import fresh_seed, group_seeds, parse_seed
 
 T = TypeVar("T")
 
@@ -29,8 +29,8 @@ class Sandbox:
         default_seed: str | None = None,
         disk_quota: int | str | None = None,
     ):
-        from collimate_core._client import connect
-        from collimate_core._quota import disk_quota as _check_quota
+        from collimate_core.sdk.client import connect
+        from collimate_core.sdk.quota import disk_quota as _check_quota
 
         self.client = client if client is not None else connect()
         self.template = getattr(template, "name", template)

@@ -1,10 +1,10 @@
 """Reward grading: a completion, or a whole GRPO group, to rewards in one call.
 
 How a candidate is graded (UnitTestReward), in a fresh clone of the template:
-0. Before any candidate: the spec's setup runs, then the grader (_grading_harness.py) is installed
+0. Before any candidate: the spec's setup runs, then the grader (harness.py) is installed
    in the sandbox's interpreter: it imports what the tests import, records the interpreter as it
    is (module attributes, builtins) and refuses audit hooks from then on. On the embedded engine
-   this prepared sandbox is checkpointed once as a template (_grading_pool.py) that every later
+   this prepared sandbox is checkpointed once as a template (pool.py) that every later
    grade with the same template and setup clones; elsewhere grade_batch prepares one parent per
    group and forks a child of it per candidate.
 1. The candidate's code runs in the sandbox's interpreter (exec 1).
@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from collimate_core import _grading_pool
-from collimate_core._errors import CollimateError, EngineError, GroupError, InvalidArgument
-from collimate_core._seeds import fresh_seed, parse_seed
+from collimate_core.grading import pool as _grading_pool
+from collimate_core.sdk.errors import CollimateError, EngineError, GroupError, InvalidArgument
+from collimate_core.sdk.seeds import fresh_seed, parse_seed
 
 __all__ = [
     "GradeResult",
@@ -149,13 +149,13 @@ def _spec_imports(spec) -> tuple[str, ...]:
 
 
 def _prelude(preload: Sequence[str] = ()) -> str:
-    """The exec that installs the grader (_grading_harness.py) before any candidate runs: its
+    """The exec that installs the grader (harness.py) before any candidate runs: its
     source runs in a private namespace with its own copy of the builtins, and only `_RUNNER` is
     left in the sandbox's namespace. `preload`: the modules the tests import, imported now (once
     per group, and snapshotted so that the grader can undo a candidate's patching of them)."""
     global _HARNESS_SOURCE
     if _HARNESS_SOURCE is None:
-        _HARNESS_SOURCE = (Path(__file__).resolve().parent / "_grading_harness.py").read_text()
+        _HARNESS_SOURCE = (Path(__file__).resolve().parent / "harness.py").read_text()
     return (
         "def __collimate_install(src):\n"
         "    import builtins\n"
@@ -357,20 +357,20 @@ def _preload(specs) -> list[str]:
 
 def _prepared_template(client: Any, spec, preload: list[str]) -> str | None:
     """The name of a template holding spec.template + spec.setup + the grader (see
-    _grading_pool), or None when the client cannot host one."""
+    pool.py), or None when the client cannot host one."""
     prelude_key = hashlib.sha256(_prelude(preload).encode()).hexdigest()
     return _grading_pool.prepared(client, spec.template, getattr(spec, "setup", None), preload, prelude_key,
                                   lambda sb: _prepare(sb, spec, preload))
 
 
 def _is_io(spec: Any) -> bool:
-    from collimate_core._iotest import IOTestReward
+    from collimate_core.grading.iotest import IOTestReward
 
     return isinstance(spec, IOTestReward)
 
 
 def _client(client: Any) -> Any:
-    from collimate_core._client import connect
+    from collimate_core.sdk.client import connect
 
     return client if client is not None else connect()
 
@@ -378,10 +378,10 @@ def _client(client: Any) -> Any:
 def grade(code: str, spec: "UnitTestReward | PropertyReward | IOTestReward", *, client: Any = None, seed: str | None = None) -> GradeResult:
     """Grade one candidate in an isolated clone of spec.template (with spec.setup and the grader
     installed: on the embedded engine, a template prepared on the first grade and reused)."""
-    from collimate_core._session import Sandbox
+    from collimate_core.sdk.session import Sandbox
 
-    if _is_io(spec):  # stdin/stdout cases: _iotest.py, through grade_many
-        from collimate_core._grade_many import grade_many
+    if _is_io(spec):  # stdin/stdout cases: iotest.py, through grade_many
+        from collimate_core.grading.grade_many import grade_many
 
         (result,) = grade_many([(code, spec)], client=client, seed=seed, return_exceptions=True)
         if isinstance(result, BaseException):
@@ -455,13 +455,13 @@ def grade_batch(
     `spec` may also be a list of specs, one per candidate (e.g. the problems of a benchmark),
     sharing one template and setup. An infrastructure failure of any child raises GroupError
     (no partial results)."""
-    from collimate_core._session import Sandbox
+    from collimate_core.sdk.session import Sandbox
 
     codes = list(codes)
     if _is_io(spec) or (not isinstance(spec, (str, bytes, UnitTestReward, PropertyReward)) and hasattr(spec, "__len__")
                         and any(_is_io(s) for s in spec)):
-        # stdin/stdout cases (_iotest.py): one spec, or one per candidate, through grade_many.
-        from collimate_core._grade_many import grade_many
+        # stdin/stdout cases (iotest.py): one spec, or one per candidate, through grade_many.
+        from collimate_core.grading.grade_many import grade_many
 
         specs = [spec] * len(codes) if _is_io(spec) else list(spec)
         if len(specs) != len(codes):

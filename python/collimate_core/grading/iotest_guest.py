@@ -1,6 +1,6 @@
-"""The in-guest side of stdin/stdout grading (IOTestReward, see _iotest.py). Stdlib only.
+"""The in-guest side of stdin/stdout grading (IOTestReward, see iotest.py). Stdlib only.
 
-_iotest.py sends this file's source into the sandbox before any candidate runs (on the embedded
+iotest.py sends this file's source into the sandbox before any candidate runs (on the embedded
 engine once: the prepared sandbox is checkpointed as a template) and runs `install()` in a private
 namespace. `install` imports the modules programs commonly use, caps the sandbox's processes
 (RLIMIT_NPROC), freezes the objects alive so far out of the garbage collector's way, and returns

@@ -19,7 +19,7 @@ same moment, on a fresh machine where none of it exists yet. The rules, used by 
 - Every finished build appends one JSON line to `<cache>/builds.jsonl` (kind, key, path, pid,
   seconds), so an operator sees what a first use cost, and a test can count builds.
 
-Stdlib only: `_rootfs.py` (run by `guest/rootfs/build.py` without collimate_core) loads it by path.
+Stdlib only: `rootfs.py` (run by `guest/rootfs/build.py` without collimate_core) loads it by path.
 """
 
 from __future__ import annotations

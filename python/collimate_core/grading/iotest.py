@@ -1,7 +1,7 @@
 """stdin/stdout grading: IOTestReward, the way competitive-programming datasets test programs.
 
-How a candidate is graded, in one sandbox (a clone of a prepared template, see _grading_pool.py):
-- Before any candidate, the template gets the spec's setup and the runner (_iotest_guest.py):
+How a candidate is graded, in one sandbox (a clone of a prepared template, see pool.py):
+- Before any candidate, the template gets the spec's setup and the runner (iotest_guest.py):
   the common modules imported, the process cap set. The cases are not part of that prepared
   state, so every spec of a template and setup shares one prepared template: a batch where each
   prompt brings its own tests prepares nothing new.
@@ -44,13 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from collimate_core._errors import EngineError, InvalidArgument
-from collimate_core._grading import GradeResult
+from collimate_core.sdk.errors import EngineError, InvalidArgument
+from collimate_core.grading.grade import GradeResult
 
 __all__ = ["IOGradeResult", "IOTestReward", "outputs_match"]
 
 VERDICTS = ("ok", "wrong_answer", "runtime_error", "time_limit", "memory_limit", "skipped")
-MEMORY_EXIT = 203  # _iotest_guest.MEMORY_EXIT
+MEMORY_EXIT = 203  # iotest_guest.MEMORY_EXIT
 _RUN = "__collimate_io_run"
 _CHECK = "__collimate_io_check"
 # Imported before any candidate in every stdin/stdout grading sandbox: what solutions to such
@@ -136,7 +136,7 @@ def _checker_source(checker: Any) -> tuple[str | None, str]:
 class IOTestReward:
     """Run the candidate as a program once per case: `cases` is a sequence of (stdin, expected
     stdout) pairs (str). Each case runs in the candidate's sandbox reset to the prepared state,
-    within `time_limit_seconds` (host clock) and `memory_limit_mb` (heap in use, see _iotest).
+    within `time_limit_seconds` (host clock) and `memory_limit_mb` (heap in use, see iotest_guest.py).
 
     The output is compared as outputs_match does (line ends and trailing whitespace ignored;
     `tokens`: any whitespace; `float_tolerance`: numbers within it), or by `checker`: source
@@ -182,7 +182,7 @@ class IOTestReward:
         if self.checker is not None:
             object.__setattr__(self, "checker", _checker_source(self.checker)[0])
 
-    # The attribute _grading's preparation reads for its own timeouts.
+    # The attribute grade.py's preparation reads for its own timeouts.
     @property
     def timeout_seconds(self) -> float:
         return max(30.0, float(self.time_limit_seconds))
@@ -220,7 +220,7 @@ _GUEST_SOURCE: str | None = None
 def _prelude(preload: Sequence[str]) -> str:
     global _GUEST_SOURCE
     if _GUEST_SOURCE is None:
-        _GUEST_SOURCE = (Path(__file__).resolve().parent / "_iotest_guest.py").read_text()
+        _GUEST_SOURCE = (Path(__file__).resolve().parent / "iotest_guest.py").read_text()
     return (
         "def __collimate_install(src):\n"
         "    import builtins\n"
@@ -249,7 +249,7 @@ def _prepare(sandbox: Any, spec: IOTestReward, preload: Sequence[str]) -> None:
 def prepared_template(client: Any, spec: IOTestReward) -> str | None:
     """The template holding spec.template + spec.setup + the runner (one per template and setup,
     whatever the cases), or None when the client cannot host one."""
-    from collimate_core import _grading_pool
+    from collimate_core.grading import pool as _grading_pool
 
     preload = _preload([spec])
     key = hashlib.sha256(_prelude(preload).encode()).hexdigest()
@@ -262,7 +262,7 @@ class _TemplateCases:
     case after the first (and before the checker)."""
 
     def __init__(self, client: Any, name: str):
-        from collimate_core._session import Sandbox
+        from collimate_core.sdk.session import Sandbox
 
         self._sb = Sandbox(name, client=client)
         self._used = False
@@ -399,7 +399,7 @@ def grade_io_in(cases_box: Any, code: str, spec: IOTestReward, seed: str | None)
         call = f"{_CHECK}({_seal(nonce)!r}, {spec.checker!r}, 'check', {items!r})\n"
         r = cases_box.exec_fresh(code=call, timeout_seconds=max(30.0, float(spec.time_limit_seconds) * len(items)),
                                  seed=seed)
-        from collimate_core._grading import _verdict
+        from collimate_core.grading.grade import _verdict
 
         got = _verdict(r.stdout, token)
         if got is None or len(got) != len(items):

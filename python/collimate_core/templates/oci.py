@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from collimate_core import _cache
-from collimate_core._errors import CollimateError
+from collimate_core.templates import cache as _cache
+from collimate_core.sdk.errors import CollimateError
 
 # Bump when the unpacking steps change, so cached trees are rebuilt.
 UNPACK_VERSION = 1

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-from collimate_core import _cache
-from collimate_core._errors import AuthenticationError, InvalidArgument
+from collimate_core.templates import cache as _cache
+from collimate_core.sdk.errors import AuthenticationError, InvalidArgument
 
 TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 KEY_RE = re.compile(r"^col_([a-z0-9][a-z0-9-]{0,31})_([0-9a-f]{16})_([A-Za-z0-9]{32,128})$")
@@ -37,7 +37,7 @@ def default_store_path() -> Path:
     env = os.environ.get("COLLIMATE_KEY_STORE")
     if env:
         return Path(env)
-    from collimate_core._templates import cache_dir
+    from collimate_core.templates.catalog import cache_dir
 
     return cache_dir() / "keys.json"
 
@@ -87,7 +87,7 @@ class KeyStore:
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
-        # The cache's per-entry lock (`.keys.json.lock`, see _cache.py): other threads and
+        # The cache's per-entry lock (`.keys.json.lock`, see templates/cache.py): other threads and
         # processes (the CLI, a server) wait; a killed writer's temporary is swept.
         with _cache.Lock(self.path):
             _cache.sweep(self.path.parent)

@@ -31,8 +31,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from collimate_core import _cache
-from collimate_core._errors import CollimateError, InvalidArgument
+from collimate_core.templates import cache as _cache
+from collimate_core.sdk.errors import CollimateError, InvalidArgument
 
 _lock = threading.Lock()
 _prepared: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()
@@ -45,7 +45,7 @@ HOLD = ".hold"
 
 
 def _grading_dir(client: Any) -> Path:
-    from collimate_core._templates import cache_dir
+    from collimate_core.templates.catalog import cache_dir
 
     return Path(getattr(client, "cache", None) or cache_dir()) / "grading"
 
@@ -142,7 +142,7 @@ def prepared(
         with _lock:
             if known():
                 return names.get(key)
-        from collimate_core._session import Sandbox
+        from collimate_core.sdk.session import Sandbox
 
         def build(tmp: Path) -> None:
             with Sandbox(template, client=client) as sb:

@@ -4,7 +4,7 @@ The recipe's packages and their transitive Depends/Pre-Depends are downloaded in
 (kept across builds; COLLIMATE_DEB_CACHE puts them elsewhere, e.g. outside a cache CI empties) and unpacked with `dpkg -x`, so no maintainer script runs. The tree is then
 finished by hand (usrmerge symlinks, python3 and busybox applet links, /etc basics), checked natively
 with its own dynamic loader, and renamed into `<cache>/rootfs/<name>-<key>/`
-(one build per key at a time, however many threads and processes ask: see _cache.py). The key hashes the
+(one build per key at a time, however many threads and processes ask: see cache.py). The key hashes the
 recipe, the resolved package versions and BUILD_VERSION, so a build with an unchanged key is a no-op.
 A finished tree holds a manifest, `.collimate-rootfs.json`. The tree is a build product: never commit it.
 
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Callable
 
 if __package__:
-    from collimate_core import _cache
+    from collimate_core.templates import cache as _cache
 else:  # loaded by path (guest/rootfs/build.py, tests/test_rootfs.py): its sibling, the same way
-    _spec = importlib.util.spec_from_file_location("collimate_cache", Path(__file__).with_name("_cache.py"))
+    _spec = importlib.util.spec_from_file_location("collimate_cache", Path(__file__).with_name("cache.py"))
     _cache = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_cache)
 
@@ -120,7 +120,7 @@ def build_rootfs(name: str = "python", cache: str | os.PathLike | None = None,
                  progress: Callable[[str], None] | None = None, force: bool = False) -> Path:
     """Build (or find already built) the root filesystem of recipe `name`; return its directory.
     Safe to call from many threads and processes at once: one of them builds (under the tree's
-    lock, see _cache.py), the others wait and use its tree."""
+    lock, see cache.py), the others wait and use its tree."""
     say = progress or (lambda msg: None)
     if name not in RECIPES:
         raise RootfsError(f"unknown recipe {name!r}; known: {', '.join(sorted(RECIPES))}")
