@@ -36,7 +36,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import inspect
-import json
 import math
 import secrets
 import textwrap

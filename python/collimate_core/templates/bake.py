@@ -257,6 +257,11 @@ def load_template(name: str, cache: Path) -> ImageBaked | None:
             raise NotFoundError(
                 f"template {name!r} v{n}: its root filesystem {root} is gone (cache cleared?); bake it again"
             )
+        if meta.get("agent_dir") and not Path(meta["agent_dir"]).is_dir():
+            raise NotFoundError(
+                f"template {name!r} v{n} maps an agent directory that is gone ({meta['agent_dir']}: baked by a "
+                f"collimate installed elsewhere, or an older layout); bake it again"
+            )
         try:
             hold = _hold(vdir)
         except FileNotFoundError:

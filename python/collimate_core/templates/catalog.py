@@ -95,7 +95,12 @@ class _Progress:
 
 
 def _agent_hash() -> str:
-    return hashlib.sha256((AGENT_DIR / "agent.py").read_bytes()).hexdigest()[:16]
+    """The agent's code and where it lives: a template maps the agent's directory read-only at
+    /opt/collimate by its host path, so one baked by a collimate installed elsewhere (or before its
+    files moved) cannot be restored here."""
+    h = hashlib.sha256((AGENT_DIR / "agent.py").read_bytes())
+    h.update(str(AGENT_DIR).encode())
+    return h.hexdigest()[:16]
 
 
 def _python_index(cache: Path, wanted_root: str | None, recipe: str) -> Baked | None:
