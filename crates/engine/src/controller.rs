@@ -464,7 +464,7 @@ impl Vm {
         if let Some(s) = &self.scratch {
             s.resize(q)?;
         } else {
-            crate::quota::Scratch::new(q)?; // the same checks as for a child
+            crate::quota::check(q)?; // what a child's tmpfs would refuse
         }
         self.quota = Some(q);
         Ok(())

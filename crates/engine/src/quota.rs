@@ -97,7 +97,8 @@ fn command(fs: &OwnedFd, cmd: u32) -> std::io::Result<()> {
     Ok(())
 }
 
-fn check(q: DiskQuota) -> Result<()> {
+/// Refuse a quota below [`MIN_QUOTA`], saying what is accepted.
+pub fn check(q: DiskQuota) -> Result<()> {
     if q.bytes < MIN_QUOTA.bytes || q.inodes < MIN_QUOTA.inodes {
         return Err(Error::InvalidArgument(format!(
             "disk quota of {} bytes and {} inodes; give at least {} bytes and {} inodes",

@@ -156,15 +156,33 @@ def _prelude(preload: Sequence[str] = ()) -> str:
     global _HARNESS_SOURCE
     if _HARNESS_SOURCE is None:
         _HARNESS_SOURCE = (Path(__file__).resolve().parent / "harness.py").read_text()
+    return installer(_HARNESS_SOURCE, "grader", preload, _RUNNER)
+
+
+def installer(source: str, label: str, preload: Sequence[str], names: str) -> str:
+    """The exec that installs an in-guest grading module: `source` runs in a private namespace with
+    its own copy of the builtins, its `install(preload)` returns what is bound to `names` in the
+    sandbox's namespace, and nothing else of it is left there."""
     return (
         "def __collimate_install(src):\n"
         "    import builtins\n"
-        "    g = {'__builtins__': dict(vars(builtins)), '__name__': '__collimate_grader__'}\n"
-        "    exec(compile(src, '<collimate-grader>', 'exec'), g)\n"
+        f"    g = {{'__builtins__': dict(vars(builtins)), '__name__': '__collimate_{label}__'}}\n"
+        f"    exec(compile(src, '<collimate-{label}>', 'exec'), g)\n"
         f"    return g['install']({list(preload)!r})\n"
-        f"{_RUNNER} = __collimate_install({_HARNESS_SOURCE!r})\n"
+        f"{names} = __collimate_install({source!r})\n"
         "del __collimate_install\n"
     )
+
+
+def verdict_without_sandbox(code: str) -> GradeResult | None:
+    """The verdict of a candidate that needs no sandbox (no code, a syntax error), else None."""
+    if not code.strip():
+        return GradeResult(0.0, "no code to grade")
+    try:
+        compile(code, "<candidate>", "exec")
+    except SyntaxError as e:
+        return GradeResult(0.0, f"syntax error: {e}")
+    return None
 
 
 class _StrictAsserts(ast.NodeTransformer):
@@ -300,12 +318,9 @@ def _grade_in(sandbox, code: str, spec, seed: str | None) -> GradeResult:
     afterwards)."""
     if not isinstance(code, str):
         raise InvalidArgument(f"the candidate code must be a str, not {type(code).__name__}")
-    if not code.strip():
-        return GradeResult(0.0, "no code to grade")
-    try:
-        compile(code, "<candidate>", "exec")
-    except SyntaxError as e:
-        return GradeResult(0.0, f"syntax error: {e}")
+    early = verdict_without_sandbox(code)
+    if early is not None:
+        return early
     nonce = secrets.token_hex(16)
     token = "__collimate_verdict_" + nonce + ":"
     timeout = spec.timeout_seconds

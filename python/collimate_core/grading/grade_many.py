@@ -24,7 +24,13 @@ from typing import Any, Sequence
 
 from collimate_core.grading import grade as _grading, iotest as _iotest
 from collimate_core.sdk.errors import InvalidArgument
-from collimate_core.grading.grade import GradeResult, PropertyReward, UnitTestReward, raise_first_failure
+from collimate_core.grading.grade import (
+    GradeResult,
+    PropertyReward,
+    UnitTestReward,
+    raise_first_failure,
+    verdict_without_sandbox,
+)
 from collimate_core.grading.iotest import IOTestReward
 from collimate_core.sdk.seeds import fresh_seed, parse_seed
 
@@ -133,13 +139,10 @@ def grade_many(
             name, parent = where[_group_key(spec)]
             if isinstance(spec, IOTestReward):
                 return _iotest.grade_io_one(client, name, parent, code, spec, seeds[i])
-            # What needs no sandbox (as _grading._grade_in answers it): no code, a syntax error.
-            if not code.strip():
-                return GradeResult(0.0, "no code to grade")
-            try:
-                compile(code, "<candidate>", "exec")
-            except SyntaxError as e:
-                return GradeResult(0.0, f"syntax error: {e}")
+            # What needs no sandbox (as grade._grade_in answers it): no code, a syntax error.
+            early = verdict_without_sandbox(code)
+            if early is not None:
+                return early
             if name is not None:
                 with Sandbox(name, client=client) as sb:
                     return _grading._grade_in(sb, code, spec, seeds[i])

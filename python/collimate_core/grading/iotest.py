@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from collimate_core.sdk.errors import EngineError, InvalidArgument
-from collimate_core.grading.grade import GradeResult
+from collimate_core.grading.grade import GradeResult, installer
 
 __all__ = ["IOGradeResult", "IOTestReward", "outputs_match"]
 
@@ -220,15 +220,7 @@ def _prelude(preload: Sequence[str]) -> str:
     global _GUEST_SOURCE
     if _GUEST_SOURCE is None:
         _GUEST_SOURCE = (Path(__file__).resolve().parent / "iotest_guest.py").read_text()
-    return (
-        "def __collimate_install(src):\n"
-        "    import builtins\n"
-        "    g = {'__builtins__': dict(vars(builtins)), '__name__': '__collimate_io__'}\n"
-        "    exec(compile(src, '<collimate-io>', 'exec'), g)\n"
-        f"    return g['install']({list(preload)!r})\n"
-        f"{_RUN}, {_CHECK} = __collimate_install({_GUEST_SOURCE!r})\n"
-        "del __collimate_install\n"
-    )
+    return installer(_GUEST_SOURCE, "io", preload, f"{_RUN}, {_CHECK}")
 
 
 def _preload(specs: Sequence[IOTestReward]) -> list[str]:

@@ -254,14 +254,6 @@ pub fn open_dir_path(path: &Path, create: bool) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Copy the tree at host path `src` to host path `dst` (created; its contents are replaced).
-pub fn copy_tree(src: &Path, dst: &Path) -> io::Result<()> {
-    let _ = std::fs::remove_dir_all(dst);
-    let from = open_dir_path(src, false)?;
-    let to = open_dir_path(dst, true)?;
-    copy_tree_at(from.as_fd(), to.as_fd())
-}
-
 /// Whether the tree under `dir` holds `rel` (a relative guest-side path without `..`) as the very
 /// file (device, inode) `id`.
 pub fn holds(dir: BorrowedFd<'_>, rel: &str, id: (u64, u64)) -> bool {
@@ -293,7 +285,8 @@ mod tests {
         use std::os::unix::fs::FileExt;
         sparse.write_at(b"tail", (64 << 20) - 4).unwrap();
         drop(sparse);
-        copy_tree(&src, &t.join("dst")).unwrap();
+        let (from, to) = (open_dir_path(&src, false).unwrap(), open_dir_path(&t.join("dst"), true).unwrap());
+        copy_tree_at(from.as_fd(), to.as_fd()).unwrap();
         let dst = t.join("dst");
         assert_eq!(std::fs::read(dst.join("a/b/f")).unwrap(), b"hello");
         assert_eq!(std::fs::metadata(dst.join("a/b/f")).unwrap().permissions().mode() & 0o7777, 0o751);
