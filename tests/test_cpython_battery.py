@@ -91,6 +91,18 @@ KNOWN_GAPS: dict[str, str] = {
 }
 # Modules that cannot even be loaded in the sandbox.
 KNOWN_MODULE_GAPS: dict[str, str] = {}
+# Randomized tests of the testsuite package that fail now and then on any host, for a reason in the
+# test itself: test method name -> (text its failure shows, reason). Only a failure that shows that
+# text is excused; any other failure of the test is a difference like any other.
+KNOWN_FLAKES: dict[str, tuple[str, str]] = {
+    # 1,000 random (pattern, text) pairs per run; the test's reference_find answers -1 for
+    # p == text == '' where find() rightly answers 0 (CPython gh-105639, fixed after this package's
+    # version). Seen once in CI on a sandbox run.
+    "test_find_periodic_pattern": (
+        "AssertionError: -1 != 0",
+        "flaky in CPython: the test's reference answer is wrong for an empty pattern and text (gh-105639)",
+    ),
+}
 
 RUNNER = r'''
 """Run one CPython test module with unittest; write {test id: outcome} and details as JSON."""
@@ -276,10 +288,13 @@ def needs_threads(detail: str) -> bool:
     return "can't start new thread" in detail
 
 
-def known_gap(test_id: str) -> str | None:
+def known_gap(test_id: str, detail: str = "") -> str | None:
     for prefix, reason in KNOWN_GAPS.items():
         if test_id.startswith(prefix):
             return reason
+    shows, reason = KNOWN_FLAKES.get(test_id.rsplit(".", 1)[-1], ("", ""))
+    if shows and shows in detail:
+        return reason
     return None
 
 
@@ -325,7 +340,7 @@ def test_cpython_battery(battery_tree, capsys):
                 detail = box.details.get(tid, "")
                 if needs_threads(detail):
                     threads.append(tid)
-                elif (reason := known_gap(tid)) is not None:
+                elif (reason := known_gap(tid, detail)) is not None:
                     gaps.setdefault(reason, []).append(f"{tid} ({got})")
                 else:
                     unexpected.append(f"{tid}: {got} in the sandbox\n{detail[-1200:]}")
