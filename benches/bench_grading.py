@@ -19,21 +19,19 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import shutil
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from collimate_core import EmbeddedClient, Sandbox, UnitTestReward, grade_batch
+from conftest import HOST_PYTHON
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
 
 WIDTH = 64
 WORKERS = os.cpu_count() or 2
 ROUNDS = 12
-HOST_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else (shutil.which("python3") or sys.executable)
 
 TESTS = """\
 assert dedup_sorted([3, 1, 2, 3]) == [1, 2, 3]

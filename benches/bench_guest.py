@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from collimate_core import Sandbox, Vm, connect
 from collimate_core.templates.catalog import GUEST_ENV
+from conftest import HOST_PYTHON
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
 
@@ -159,11 +160,9 @@ PINGPONG = (
 
 
 def test_pipe_round_trip_native(benchmark):
-    import sys
-
     def once(n: int) -> float:
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-c", PINGPONG.format(n=n)], check=True)
+        subprocess.run([HOST_PYTHON, "-c", PINGPONG.format(n=n)], check=True)
         return time.perf_counter() - t
 
     empty = sorted(once(0) for _ in range(5))[2]

@@ -23,10 +23,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import statistics
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -34,12 +32,12 @@ import pytest
 from collimate_core import EmbeddedClient, outputs_match
 from collimate_core.integrations import completion_text, trl
 from collimate_core.grading.grade import extract_code
+from conftest import HOST_PYTHON
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
 
 WORKERS = os.cpu_count() or 2
 ROUNDS = 8
-HOST_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else (shutil.which("python3") or sys.executable)
 _runs: dict[str, list[float]] = {}
 
 

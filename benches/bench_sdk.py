@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from collimate_core import EmbeddedClient, Sandbox, UnitTestReward, grade_batch, rollout_once
-from conftest import host_fork_baseline
+from conftest import HOST_PYTHON, host_fork_baseline
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
 
@@ -108,7 +107,7 @@ def _subprocess_grade(code: str, parallel: bool) -> list[float]:
     # The plain grader: candidate + tests in one `python3 -c` per candidate, on the host, no
     # isolation. A verdict is exit status 0.
     def one(c):
-        p = subprocess.run([sys.executable, "-c", c + "\n" + TESTS], capture_output=True, timeout=30)
+        p = subprocess.run([HOST_PYTHON, "-c", c + "\n" + TESTS], capture_output=True, timeout=30)
         return 1.0 if p.returncode == 0 else 0.0
 
     if parallel:
