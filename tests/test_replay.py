@@ -319,6 +319,28 @@ def test_a_spinning_child_cannot_starve_its_parents_timeout(client):
     assert r.ok and r.stdout == "timed out\n", (r.stdout, r.stderr)
 
 
+def test_a_busy_child_does_not_make_its_parents_timeout_expire_early(client):
+    """The other side of preemption: children that compute for a while (longer than a turn may
+    last while another process waits for a deadline) are preempted, and the virtual time that
+    passes meanwhile is about the real time they ran, not a jump to the parent's deadline.
+    (CPython's test_pipe_cloexec_real_tools saw its 10 s select expire while two child
+    interpreters worked, on a loaded host: the shape of this test.)"""
+    code = (
+        "import os, select, subprocess, sys, time\n"
+        "child = 'import sys\\nsys.stdin.read()\\nsum(range(40_000_000))\\nprint(\"done\", flush=True)'\n"
+        "r, w = os.pipe()\n"
+        "ps = [subprocess.Popen([sys.executable, '-c', child], stdin=subprocess.PIPE, stdout=w) for _ in range(2)]\n"
+        "os.close(w)\n"
+        "for p in ps: p.stdin.write(b'go'); p.stdin.close()\n"
+        "ready, _, _ = select.select([r], [], [], 10)\n"
+        "print(bool(ready), [p.wait() for p in ps], os.read(r, 100).decode().split())\n"
+    )
+    with Sandbox("python", client=client) as sb:
+        for seed in (SEED, None):
+            r = sb.exec(code=code, seed=seed, timeout_seconds=120)
+            assert r.ok and r.stdout.startswith("True [0, 0] ['done'"), (seed, r.stdout, r.stderr)
+
+
 def test_different_seeds_give_different_outputs(client):
     code = battery_source()
     runs = {}

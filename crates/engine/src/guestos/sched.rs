@@ -114,6 +114,16 @@ static PREEMPTED: AtomicBool = AtomicBool::new(false);
 /// Whether the process did something since it took the token (a round of passes with no progress
 /// means everybody is blocked).
 static PROGRESS: AtomicBool = AtomicBool::new(false);
+/// Host CLOCK_MONOTONIC ns when this process last took the token (the start of its turn: a
+/// preempted turn moves the tree's virtual time by its length, see [`pass`]).
+static TURN_START: AtomicU64 = AtomicU64::new(0);
+
+/// This process takes the token (it was not holding it): its turn starts now.
+fn start_turn() {
+    if !HOLDING.swap(true, Ordering::SeqCst) {
+        TURN_START.store(crate::guestos::misc::monotonic_ns(), Ordering::SeqCst);
+    }
+}
 
 fn region() -> Option<&'static Region> {
     let p = REGION.load(Ordering::Acquire);
@@ -290,7 +300,7 @@ fn take_now(r: &Region) {
     let me = ME.load(Ordering::SeqCst);
     if me != 0 {
         r.token.store(me, Ordering::SeqCst);
-        HOLDING.store(true, Ordering::SeqCst);
+        start_turn();
         if let Some(s) = slot_of(r, me) {
             s.since.store(crate::guestos::misc::monotonic_ns(), Ordering::SeqCst);
         }
@@ -471,7 +481,7 @@ pub fn gate(replay: bool, mono: u64, advance: &mut dyn FnMut(u64), deadline: Ins
         pass(r, me, mono, if asked == 1 { Some(YIELD_DEADLINE.load(Ordering::SeqCst)) } else { None });
     }
     if HOLDING.load(Ordering::SeqCst) || r.token.load(Ordering::SeqCst) == me {
-        HOLDING.store(true, Ordering::SeqCst);
+        start_turn();
         return Gate::Run;
     }
     match acquire(r, me, deadline) {
@@ -576,9 +586,20 @@ fn pass(r: &Region, me: u32, mono: u64, deadline: Option<u64>) {
             None => s.state.store(State::Run as u32, Ordering::SeqCst),
         }
     }
-    // A preempted process counts as "no progress" too: a round of blocked processes and a busy
-    // one lets virtual time reach the next deadline (a parent's timeout on a spinning child).
-    let progress = PROGRESS.swap(false, Ordering::Relaxed) && deadline.is_some();
+    if deadline.is_none() {
+        // Preempted while busy: the turn took real time, and so much virtual time passes for the
+        // others (a parent's timeout on a spinning child fires after about as long as on Linux).
+        // It is not a round without progress: counting it as one let time jump to the earliest
+        // deadline, and a child that was slow to start on a loaded host (a Python start-up over
+        // PREEMPT) saw its parent's 10 s select timeout expire at once.
+        let turn = crate::guestos::misc::monotonic_ns().saturating_sub(TURN_START.load(Ordering::SeqCst));
+        r.mono.fetch_add(turn, Ordering::SeqCst);
+        PROGRESS.store(false, Ordering::Relaxed);
+        r.idle.store(0, Ordering::SeqCst);
+        hand_on(r, me);
+        return;
+    }
+    let progress = PROGRESS.swap(false, Ordering::Relaxed);
     let idle = if progress { r.idle.store(1, Ordering::SeqCst); 1 } else { r.idle.fetch_add(1, Ordering::SeqCst) + 1 };
     if idle as usize >= members(r) {
         everybody_waits(r);
@@ -651,7 +672,7 @@ fn acquire(r: &Region, me: u32, deadline: Instant) -> bool {
         }
         let t = r.token.load(Ordering::SeqCst);
         if t == me || (t == 0 && r.token.compare_exchange(0, me, Ordering::SeqCst, Ordering::SeqCst).is_ok()) {
-            HOLDING.store(true, Ordering::SeqCst);
+            start_turn();
             PROGRESS.store(false, Ordering::Relaxed);
             if let Some(s) = slot_of(r, me) {
                 s.since.store(crate::guestos::misc::monotonic_ns(), Ordering::SeqCst);
