@@ -1635,8 +1635,9 @@ mod tests {
         }
         let took = start.elapsed();
         assert!(took >= std::time::Duration::from_millis(120), "{took:?}");
-        assert!(took < std::time::Duration::from_millis(600), "{took:?}");
-        assert!(calls >= 3, "{calls} calls");
+        // Generous bounds: a loaded host oversleeps each slice (one CI run saw 2 calls, not 3).
+        assert!(took < std::time::Duration::from_secs(5), "{took:?}");
+        assert!(calls >= 2, "sliced: restarted at least once ({calls} calls)");
         assert!(t.os.proc.sleep.is_none());
         // Bad requests.
         t.write(BUF, &timespec_bytes(0, 1_000_000_000));
