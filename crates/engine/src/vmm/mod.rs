@@ -80,6 +80,8 @@ pub struct Machine {
     quota_mode: bool,
     /// Set while this process runs its vfork child on its own vCPU (see `spawn`).
     vfork: Option<Box<spawn::Vfork>>,
+    /// Register writes through `kvm_run` waiting for the next run (see `vstate::sync`).
+    sync: crate::vstate::sync::RegSync,
 }
 
 fn open_kvm() -> Result<Kvm> {
@@ -114,6 +116,7 @@ impl Image {
         kvm: &Kvm,
         cpuid: &CpuId,
         mem_size: u64,
+        prefault: u64,
         load: impl FnOnce(&mut GuestMemory, &mut FrameAllocator, &AddressSpace) -> Result<(u64, u64)>,
     ) -> Result<Image> {
         if mem_size < MIN_MEM_SIZE || mem_size % PAGE_SIZE != 0 {
@@ -124,9 +127,14 @@ impl Image {
         let mut mem = GuestMemory::anonymous(mem_size)?;
         let mut frames = FrameAllocator::new(mem_size);
         let aspace = setup_address_space(&mut mem, &mut frames)?;
+        // The program's bytes go into the frames after the layout's.
+        mem.populate_for_write(frames.next, prefault);
+        crate::trace::mark("image.layout");
         let (entry, rsp) = load(&mut mem, &mut frames, &aspace)?;
+        crate::trace::mark("image.program");
         let vm = KvmVm::new(kvm, &mem, slot_size_for(frames.next, mem_size))?;
         let vcpu = new_vcpu(&vm, cpuid)?;
+        crate::trace::mark("image.vm");
         let sregs = vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
         vcpu.set_sregs(&regs::initial_sregs(sregs, aspace.root)).map_err(Error::kvm("KVM_SET_SREGS"))?;
         let mut xcrs = vcpu.get_xcrs().map_err(Error::kvm("KVM_GET_XCRS"))?;
@@ -160,7 +168,7 @@ impl Machine {
     ) -> Result<Machine> {
         let kvm = open_kvm()?;
         let cpuid = guest_cpuid(&kvm)?;
-        let img = Image::new(&kvm, &cpuid, mem_size, load)?;
+        let img = Image::new(&kvm, &cpuid, mem_size, 0, load)?;
         let msr_list = supported_msrs(&img.vcpu, regs::SNAPSHOT_MSRS);
         Ok(Machine {
             vcpu: img.vcpu,
@@ -180,10 +188,12 @@ impl Machine {
             scratch_stock: Vec::new(),
             quota_mode: false,
             vfork: None,
+            sync: Default::default(),
         })
     }
 
-    /// Replace this machine's memory, VM and vCPU by a fresh image that `load` fills: what an
+    /// Replace this machine's memory, VM and vCPU by a fresh image that `load` fills (writing
+    /// about `prefault` bytes of program, faulted in first): what an
     /// execve of a guest child process does (see `spawn`). `old_mapped`: whether the old memory
     /// is still mapped in this process (false in a process forked with the memory excluded, where
     /// unmapping its range could hit the new mapping). The run's preemption and kick follow the
@@ -191,9 +201,10 @@ impl Machine {
     fn replace_image(
         &mut self,
         old_mapped: bool,
+        prefault: u64,
         load: impl FnOnce(&mut GuestMemory, &mut FrameAllocator, &AddressSpace) -> Result<(u64, u64)>,
     ) -> Result<()> {
-        let img = Image::new(&self.kvm, &self.cpuid, self.mem.size(), load)?;
+        let img = Image::new(&self.kvm, &self.cpuid, self.mem.size(), prefault, load)?;
         let vcpu = std::mem::replace(&mut self.vcpu, img.vcpu);
         let vm = std::mem::replace(&mut self.vm, img.vm);
         let mem = std::mem::replace(&mut self.mem, img.mem);
@@ -206,6 +217,7 @@ impl Machine {
             mem.abandon();
         }
         self.runtime = img.runtime;
+        self.sync.reset();
         self.preempter.attach(&mut self.vcpu);
         crate::guestos::signal::host::set_kick(self.vcpu.get_kvm_run());
         Ok(())
@@ -294,6 +306,7 @@ impl Machine {
             scratch_stock: Vec::new(),
             quota_mode: false,
             vfork: None,
+            sync: Default::default(),
         })
     }
 
@@ -341,6 +354,10 @@ impl Machine {
         self.preempter.arm(timeout)?;
         let guard = process::RunGuard::enter(&mut self.vcpu);
         let res = self.run_loop(deadline, &mut out);
+        // Between runs the registers are read and written with the ioctls (captures, forks,
+        // the controller's GetRegs).
+        let res = res.and_then(|exit| self.sync.settle(&mut self.vcpu).map(|_| exit));
+        crate::trace::mark("run.end");
         drop(guard);
         self.preempter.disarm()?;
         self.vcpu.set_kvm_immediate_exit(0);
@@ -381,6 +398,7 @@ impl Machine {
             }
             self.cover_frames()?;
             let traced = crate::trace::on().then(Instant::now);
+            self.sync.before_run(&mut self.vcpu);
             let ran = self.vcpu.run();
             if let Some(t) = traced {
                 crate::trace::count_run(t.elapsed().as_nanos() as u64);
@@ -409,6 +427,8 @@ impl Machine {
                 }
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                     self.vcpu.set_kvm_immediate_exit(0);
+                    // Signal delivery reads and writes the registers with the ioctls.
+                    self.sync.settle(&mut self.vcpu)?;
                     let exit = process::on_interrupt(self)?;
                     if let Some(exit) = spawn::filter_exit(self, exit)? {
                         return Ok(exit);
@@ -453,11 +473,11 @@ impl Machine {
     }
 
     /// Back to ring 3: the stubs leave the vCPU in ring 0; the host restores the user segments.
-    fn return_to_user(&self, regs: &kvm_bindings::kvm_regs, mut sregs: kvm_bindings::kvm_sregs) -> Result<()> {
+    fn return_to_user(&mut self, regs: &kvm_bindings::kvm_regs, mut sregs: kvm_bindings::kvm_sregs) -> Result<()> {
         sregs.cs = regs::user_code_segment();
         sregs.ss = regs::user_data_segment();
-        self.vcpu.set_regs(regs).map_err(Error::kvm("KVM_SET_REGS"))?;
-        self.vcpu.set_sregs(&sregs).map_err(Error::kvm("KVM_SET_SREGS"))
+        self.sync.write(&mut self.vcpu, regs, &sregs);
+        Ok(())
     }
 
     /// A Linux program ran an I/O instruction of its own (ring 3 may: the TSS's I/O bitmap that
@@ -470,8 +490,7 @@ impl Machine {
     }
 
     fn syscall(&mut self, out: &mut guestos::Output) -> Result<Option<RunExit>> {
-        let mut r = self.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
-        let sregs = self.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+        let (mut r, sregs) = self.sync.read(&self.vcpu);
         // `syscall` saved the return address in rcx and the flags in r11.
         r.rip = r.rcx;
         r.rflags = r.r11;
@@ -530,8 +549,7 @@ impl Machine {
     }
 
     fn exception(&mut self, vector: u8) -> Result<RunExit> {
-        let mut r = self.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
-        let sregs = self.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+        let (mut r, sregs) = self.sync.read(&self.vcpu);
         // A real trap pushed its frame on the ring-0 stack. Anywhere else, ring 3 ran a stub's `out`
         // itself (see `user_io`): a Linux program gets #GP, and no "frame" is read from its stack.
         let ring0_stack = kva(RING0_STACK_TOP_GPA - RING0_STACK_PAGES * PAGE_SIZE)..kva(RING0_STACK_TOP_GPA);
@@ -553,6 +571,8 @@ impl Machine {
         r.rsp = rsp;
         let cr2 = sregs.cr2;
         self.return_to_user(&r, sregs)?;
+        // Signal delivery (`process::on_fault`) uses the ioctls.
+        self.sync.settle(&mut self.vcpu)?;
         Ok(RunExit::Fault { vector, error_code, rip, cr2 })
     }
 
@@ -651,6 +671,7 @@ impl Machine {
         // copies of the descriptors and unmaps our copy of its kvm_run page.
         self.vcpu = vcpu;
         self.vm = vm;
+        self.sync.reset();
         // POSIX timers are not inherited across fork: make ours. Forget the parent's handle rather
         // than deleting it, since the id may equal the one just created.
         std::mem::forget(std::mem::replace(&mut self.preempter, Preempter::new()?));

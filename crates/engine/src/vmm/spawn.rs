@@ -225,6 +225,7 @@ fn fork_child(m: &mut Machine, then: Then, r: &mut kvm_regs, sregs: &mut kvm_sre
     if rc == 0 {
         child_main(m, then, pid, generation);
     }
+    crate::trace::mark("vfork.cloned");
     if !copy {
         let _ = m.mem.exclude_from_fork(false);
     }
@@ -254,6 +255,7 @@ fn fork_child(m: &mut Machine, then: Then, r: &mut kvm_regs, sregs: &mut kvm_sre
 
 /// The host child standing for the vfork child. Never returns.
 fn child_main(m: &mut Machine, then: Then, pid: i32, generation: u32) -> ! {
+    crate::trace::mark("child.start");
     // The parent's state is not ours (dropping it closes our copies of its descriptors); what
     // arrived for it stays with it.
     drop(m.vfork.take());
@@ -292,7 +294,8 @@ fn child_main(m: &mut Machine, then: Then, pid: i32, generation: u32) -> ! {
 pub(super) fn load_fresh(m: &mut Machine, old_mapped: bool, prepared: exec::Prepared, envp: &[Vec<u8>]) -> Result<()> {
     let Some(mut os) = m.os.take() else { return Err(Error::Protocol("no guest OS".into())) };
     process::on_exec_state(&mut os);
-    let loaded = m.replace_image(old_mapped, |mem, frames, aspace| {
+    let bytes = prepared.image_bytes();
+    let loaded = m.replace_image(old_mapped, bytes, |mem, frames, aspace| {
         exec::commit(&mut os, mem, frames, aspace, prepared, envp)
             .map(|img| (img.entry, img.rsp))
             .map_err(|e| Error::Image(format!("exec: errno {}", e.0)))
@@ -321,6 +324,7 @@ pub(super) fn ended(m: &mut Machine, exit: RunExit) -> Result<()> {
             let _ = m.runtime.aspace.write_virt(&mut m.mem, tid, &0u32.to_le_bytes(), true);
         }
     }
+    m.sync.settle(&mut m.vcpu)?;
     let mut r = m.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
     let mut sregs = m.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
     if fork_child(m, Then::End(exit), &mut r, &mut sregs).is_err() {
@@ -357,6 +361,7 @@ pub(super) fn settle(m: &mut Machine) -> Result<()> {
     if !active(m) {
         return Ok(());
     }
+    m.sync.settle(&mut m.vcpu)?;
     let cr = m.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
     let cs = m.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
     let (mut r, mut s) = (cr, cs);
