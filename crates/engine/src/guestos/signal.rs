@@ -740,7 +740,15 @@ fn wait_child(os: &mut GuestOs, which: Which, nohang: bool, peek: bool, exited: 
                 if let Some((code, status)) = ended(&os.sig.children[i], peek && !autoreap) {
                     let pid = os.sig.children[i].pid;
                     if autoreap || !peek {
-                        os.sig.children.remove(i);
+                        let c = os.sig.children.remove(i);
+                        // A child reaped before any look noticed its end still raised its exit
+                        // signal when it ended (Linux sends SIGCHLD at the exit, whoever waits).
+                        if !c.notified && !autoreap {
+                            let sig = c.exit_signal;
+                            if (1..=NSIG as i32).contains(&sig) && (os.proc.sigmask & bit(sig) != 0 || action(&os.proc, sig) != Action::Ignore) {
+                                raise(os, SigInfo { signo: sig, code, pid, status, ..Default::default() });
+                            }
+                        }
                     }
                     if autoreap {
                         continue;

@@ -15,10 +15,12 @@
 //!
 //! Threads do not exist: clone with CLONE_VM and without CLONE_VFORK (or with CLONE_THREAD)
 //! answers EAGAIN, which pthread_create reports and Python's threading turns into "can't start
-//! new thread". CLONE_VM | CLONE_VFORK (posix_spawn, vfork) is served as a copying fork: the child
-//! runs on the stack it was given, in a copy of the memory, and the parent does not wait for it
-//! to exec. What a vfork child writes to memory is therefore not seen by its parent (posix_spawn
-//! then cannot report an exec failure through memory; the child's exit status 127 still does).
+//! new thread". CLONE_VM | CLONE_VFORK (posix_spawn, vfork, CPython's subprocess) does not copy
+//! this process: the child runs on this process's vCPU until it execs or exits, and its program
+//! then starts in fresh memory in a host process forked without the guest memory (`spawn`). `COLLIMATE_VFORK=copy` serves it as a copying fork instead,
+//! as before (the child in a copy of the memory, the parent not waiting for its exec), to compare.
+//! A guest child's execve loads the program into fresh memory too (a new VM, no old image to
+//! unmap); the sandbox's first process execs in place, in the memory its snapshot maps.
 //!
 //! # Lifetimes
 //! Guest processes die with their sandbox: each child asks the host for a parent-death signal. If

@@ -39,6 +39,7 @@
 //! Guest memory is one mapping here; memory shared through other host mappings follows the
 //! fork's ordinary rules.
 
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 use kvm_bindings::{kvm_regs, kvm_sregs, kvm_xsave};
@@ -210,6 +211,14 @@ fn fork_child(m: &mut Machine, then: Then, r: &mut kvm_regs, sregs: &mut kvm_sre
     let Some(vf) = m.vfork.as_ref() else { return Err(ENOSYS) };
     let (pid, generation) = (vf.pid, vf.generation);
     let copy = matches!(then, Then::Copy(_));
+    // The child tells us once it holds no descriptor but its own (see `child_main`).
+    let mut ends = [0; 2];
+    // SAFETY: pipe2 fills two descriptors on success; checked.
+    if unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: two fresh descriptors we own.
+    let (ready_r, ready_w) = unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) };
     // The child's slot exists before it can run (and in replay mode this process holds the turn).
     crate::guestos::sched::before_fork(pid);
     host::block(true);
@@ -223,8 +232,10 @@ fn fork_child(m: &mut Machine, then: Then, r: &mut kvm_regs, sregs: &mut kvm_sre
     // `child_main`.
     let rc = unsafe { libc::syscall(libc::SYS_clone, 0 as libc::c_ulong, 0usize, 0usize, 0usize, 0usize) };
     if rc == 0 {
-        child_main(m, then, pid, generation);
+        drop(ready_r);
+        child_main(m, then, pid, generation, ready_w);
     }
+    drop(ready_w);
     crate::trace::mark("vfork.cloned");
     if !copy {
         let _ = m.mem.exclude_from_fork(false);
@@ -236,6 +247,7 @@ fn fork_child(m: &mut Machine, then: Then, r: &mut kvm_regs, sregs: &mut kvm_sre
         return Err(e);
     }
     let host_pid = rc as i32;
+    wait_ready(&ready_r);
     let pidfd = match signal::pidfd_open(host_pid) {
         Ok(fd) => fd,
         Err(e) => {
@@ -253,8 +265,26 @@ fn fork_child(m: &mut Machine, then: Then, r: &mut kvm_regs, sregs: &mut kvm_sre
     resume_parent(m, Some(child), r, sregs).map_err(|_| EAGAIN)
 }
 
+/// Block until the child of [`fork_child`] says it is ready (or is gone).
+fn wait_ready(ready: &OwnedFd) {
+    let mut b = [0u8; 1];
+    loop {
+        // SAFETY: reading one byte into our buffer from a descriptor we own.
+        let n = unsafe { libc::read(ready.as_raw_fd(), b.as_mut_ptr().cast(), 1) };
+        if n >= 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return;
+        }
+    }
+}
+
 /// The host child standing for the vfork child. Never returns.
-fn child_main(m: &mut Machine, then: Then, pid: i32, generation: u32) -> ! {
+///
+/// Before the parent resumes, this process gives up every descriptor it inherited that is not
+/// the child's (the parent's fd table, the controller's) and, for an exec, the child's
+/// close-on-exec ones, then writes to `ready`: otherwise the parent could find a pipe still open
+/// (CPython's exec-error pipe) or closed depending on how fast the host ran this process, and
+/// replays would differ.
+fn child_main(m: &mut Machine, then: Then, pid: i32, generation: u32, ready: OwnedFd) -> ! {
     crate::trace::mark("child.start");
     // The parent's state is not ours (dropping it closes our copies of its descriptors); what
     // arrived for it stays with it.
@@ -264,6 +294,16 @@ fn child_main(m: &mut Machine, then: Then, pid: i32, generation: u32) -> ! {
     // SAFETY: getppid cannot fail.
     let parent = unsafe { libc::getppid() };
     process::enter_child_process(m, pid, parent, generation);
+    if let Some(os) = m.os.as_mut() {
+        match &then {
+            Then::Exec(..) => process::on_exec_state(os),
+            Then::End(_) => os.files = Files::empty(),
+            Then::Copy(_) => {}
+        }
+    }
+    // SAFETY: writing one byte from our buffer; a parent that is gone does not matter.
+    unsafe { libc::write(ready.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+    drop(ready);
     match then {
         Then::End(exit) => process::end_like(exit),
         Then::Copy(state) => {
