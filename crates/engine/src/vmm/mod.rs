@@ -476,8 +476,7 @@ impl Machine {
     fn return_to_user(&mut self, regs: &kvm_bindings::kvm_regs, mut sregs: kvm_bindings::kvm_sregs) -> Result<()> {
         sregs.cs = regs::user_code_segment();
         sregs.ss = regs::user_data_segment();
-        self.sync.write(&mut self.vcpu, regs, &sregs);
-        Ok(())
+        self.sync.write(&mut self.vcpu, regs, &sregs)
     }
 
     /// A Linux program ran an I/O instruction of its own (ring 3 may: the TSS's I/O bitmap that
@@ -490,7 +489,7 @@ impl Machine {
     }
 
     fn syscall(&mut self, out: &mut guestos::Output) -> Result<Option<RunExit>> {
-        let (mut r, sregs) = self.sync.read(&self.vcpu);
+        let (mut r, sregs) = self.sync.read(&self.vcpu)?;
         // `syscall` saved the return address in rcx and the flags in r11.
         r.rip = r.rcx;
         r.rflags = r.r11;
@@ -549,7 +548,7 @@ impl Machine {
     }
 
     fn exception(&mut self, vector: u8) -> Result<RunExit> {
-        let (mut r, sregs) = self.sync.read(&self.vcpu);
+        let (mut r, sregs) = self.sync.read(&self.vcpu)?;
         // A real trap pushed its frame on the ring-0 stack. Anywhere else, ring 3 ran a stub's `out`
         // itself (see `user_io`): a Linux program gets #GP, and no "frame" is read from its stack.
         let ring0_stack = kva(RING0_STACK_TOP_GPA - RING0_STACK_PAGES * PAGE_SIZE)..kva(RING0_STACK_TOP_GPA);

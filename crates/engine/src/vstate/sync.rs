@@ -27,6 +27,12 @@ use crate::error::{Error, Result};
 
 const BOTH: u64 = (KVM_SYNC_X86_REGS | KVM_SYNC_X86_SREGS) as u64;
 
+/// Whether the sync area is used (`COLLIMATE_SYNC_REGS=0`: the ioctls, to compare).
+fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("COLLIMATE_SYNC_REGS").is_none_or(|v| v != "0"))
+}
+
 /// A pending register write of one vCPU (see the module docs).
 #[derive(Default)]
 pub struct RegSync {
@@ -51,18 +57,27 @@ impl RegSync {
     }
 
     /// The registers as the last run left them.
-    pub fn read(&self, vcpu: &VcpuFd) -> (kvm_regs, kvm_sregs) {
+    pub fn read(&self, vcpu: &VcpuFd) -> Result<(kvm_regs, kvm_sregs)> {
+        if !enabled() {
+            let r = vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
+            return Ok((r, vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?));
+        }
         let s = vcpu.sync_regs();
-        (s.regs, s.sregs)
+        Ok((s.regs, s.sregs))
     }
 
     /// Set both register sets for the next run.
-    pub fn write(&mut self, vcpu: &mut VcpuFd, regs: &kvm_regs, sregs: &kvm_sregs) {
+    pub fn write(&mut self, vcpu: &mut VcpuFd, regs: &kvm_regs, sregs: &kvm_sregs) -> Result<()> {
+        if !enabled() {
+            vcpu.set_regs(regs).map_err(Error::kvm("KVM_SET_REGS"))?;
+            return vcpu.set_sregs(sregs).map_err(Error::kvm("KVM_SET_SREGS"));
+        }
         let area = vcpu.sync_regs_mut();
         area.regs = *regs;
         area.sregs = *sregs;
         vcpu.get_kvm_run().kvm_dirty_regs |= BOTH;
         self.pending = Some(Box::new((*regs, *sregs)));
+        Ok(())
     }
 
     /// Apply a write KVM has not taken yet with the ioctls, so that KVM_GET_REGS and friends see
