@@ -204,3 +204,21 @@ def test_posix_spawn_of_a_shell_that_forks(sb):
         "print(os.waitstatus_to_exitcode(st))\n"
     ))
     assert out.split() == ["a", "b", "9"]
+
+
+def test_a_vfork_child_that_blocks_before_its_exec_times_out_cleanly(sb):
+    # A raw vfork (through ctypes) whose child blocks on a pipe nobody writes to: it blocks on its
+    # parent's vCPU, between vfork and exec. The exec times out like any other (the result says
+    # so), the sandbox's reset ends the child with the rest, and the sandbox goes on.
+    r = sb.exec(code=(
+        "import ctypes, os\n"
+        "r, w = os.pipe()\n"
+        "pid = ctypes.CDLL(None, use_errno=True).syscall(58)\n"
+        "if pid == 0:\n"
+        "    os.read(r, 1)\n"
+        "    os._exit(0)\n"
+        "print('parent resumed', pid)\n"
+    ), timeout_seconds=2)
+    assert r.timed_out and "parent resumed" not in r.stdout, r
+    r = sb.exec(command="echo after", timeout_seconds=30)
+    assert r.exit_code == 0 and r.stdout == "after\n", r

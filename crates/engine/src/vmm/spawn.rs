@@ -33,6 +33,11 @@
 //!   meanwhile): the child becomes a real process by a copying fork, as every child was before
 //!   ([`materialize`]), and the parent resumes.
 //!
+//! A run that ends while the child runs (its run budget, a timeout) leaves this process as it is:
+//! the next run goes on with the child, a reset discards it with the rest of the world
+//! ([`abandon`]), a snapshot first makes it a real process ([`settle`]). The agent's channel
+//! stays reachable for the controller meanwhile (the child's descriptors of it read /dev/null).
+//!
 //! # Limits
 //! Until it execs or exits, the child has no slot of its own in the sandbox's process roster:
 //! another process's kill of its pid finds none (ESRCH), and /proc lists it after its exec.
@@ -139,7 +144,10 @@ pub(super) fn begin(m: &mut Machine, r: &mut kvm_regs, sregs: &mut kvm_sregs, c:
         agent: None,
     };
     let mut vf = Box::new(Vfork { pid, exit_signal: c.exit_signal as i32, generation: host::my_generation(), clear_tid: 0, parent });
+    // The child's fds that were the agent's channel read /dev/null; the channel itself stays
+    // reachable for the controller (a run that ends meanwhile still collects its replies).
     vf.parent.agent = process::detach_agent(os);
+    os.agent = vf.parent.agent.clone();
     if c.flags & process::CLONE_CLEAR_SIGHAND != 0 {
         signal::on_exec(os);
     }
@@ -295,6 +303,7 @@ fn child_main(m: &mut Machine, then: Then, pid: i32, generation: u32, ready: Own
     let parent = unsafe { libc::getppid() };
     process::enter_child_process(m, pid, parent, generation);
     if let Some(os) = m.os.as_mut() {
+        os.agent = None; // the sandbox's first process's, not ours
         match &then {
             Then::Exec(..) => process::on_exec_state(os),
             Then::End(_) => os.files = Files::empty(),
