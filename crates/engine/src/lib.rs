@@ -16,6 +16,7 @@ pub mod loader;
 pub mod persist;
 pub mod protocol;
 pub mod quota;
+pub mod trace;
 pub mod vmm;
 pub mod vstate;
 

@@ -172,6 +172,68 @@ fn fork_and_wait_exit_codes() {
     assert_eq!(r.stdout, b"fork ok\n");
 }
 
+/// A vfork child runs on its parent's vCPU in its parent's memory until it execs or exits
+/// (`vmm::spawn`); what Linux guarantees about it holds.
+const VFORK: &str = r#"
+int main(int argc, char **argv) {
+    if (argc > 1) return 42;
+    static volatile int shared = 1;
+    static volatile pid_t seen_pid, seen_ppid;
+    int st;
+    /* the child writes its parent's memory; the parent resumes after the child's exit */
+    pid_t p = vfork();
+    if (p == 0) { shared = 2; _exit(4); }
+    CHECK(1, p > 0 && shared == 2);
+    CHECK(2, waitpid(p, &st, 0) == p && WIFEXITED(st) && WEXITSTATUS(st) == 4);
+    /* its fd table is its own */
+    int fds[2];
+    CHECK(3, pipe(fds) == 0);
+    p = vfork();
+    if (p == 0) { close(fds[1]); _exit(0); }
+    CHECK(4, write(fds[1], "x", 1) == 1);
+    CHECK(5, waitpid(p, &st, 0) == p);
+    /* and its pid */
+    p = vfork();
+    if (p == 0) { seen_pid = getpid(); seen_ppid = getppid(); _exit(0); }
+    CHECK(6, seen_pid == p && seen_ppid == getpid());
+    CHECK(7, waitpid(p, &st, 0) == p);
+    /* posix_spawn: a failed exec is its error, a program's exit code comes back */
+    pid_t q;
+    char *bad[] = {"nope", NULL};
+    CHECK(8, posix_spawn(&q, "/no/such/file", NULL, NULL, bad, environ) == ENOENT);
+    char *again[] = {"/vf", "child", NULL};
+    CHECK(9, posix_spawn(&q, "/vf", NULL, NULL, again, environ) == 0);
+    CHECK(10, waitpid(q, &st, 0) == q && WIFEXITED(st) && WEXITSTATUS(st) == 42);
+    /* a child killed by a signal before it execs */
+    p = vfork();
+    if (p == 0) { syscall(SYS_kill, getpid(), SIGTERM); _exit(1); }
+    CHECK(11, waitpid(p, &st, 0) == p && WIFSIGNALED(st) && WTERMSIG(st) == SIGTERM);
+    /* a child that forks becomes a process of its own first */
+    p = vfork();
+    if (p == 0) {
+        long g = syscall(SYS_fork);
+        if (g == 0) _exit(5);
+        int s2;
+        _exit(g > 0 && waitpid(g, &s2, 0) == g && WIFEXITED(s2) && WEXITSTATUS(s2) == 5 ? 6 : 1);
+    }
+    CHECK(12, waitpid(p, &st, 0) == p && WIFEXITED(st) && WEXITSTATUS(st) == 6);
+    CHECK(13, wait(NULL) == -1 && errno == ECHILD);
+    printf("vfork ok\n");
+    return 0;
+}
+"#;
+
+#[test]
+fn vfork_children_run_in_their_parents_memory() {
+    let base = sandbox("vfork");
+    if !compile(&base, "vf", &program(VFORK)) {
+        return;
+    }
+    let r = run_in(&base, &["/vf"]);
+    expect_exit(&r, 0);
+    assert_eq!(r.stdout, b"vfork ok\n");
+}
+
 const KILLED: &str = r#"
 int main(void) {
     int st;

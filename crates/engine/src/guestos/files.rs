@@ -177,7 +177,8 @@ pub struct Fd {
     pub cloexec: bool,
 }
 
-/// The fd table.
+/// The fd table. A clone shares every open file description, as fork's copy of the table does.
+#[derive(Clone)]
 pub struct Files {
     slots: Vec<Option<Fd>>,
     /// RLIMIT_NOFILE: new fds are below this. `dispatch` takes it from `os.proc`'s rlimits.

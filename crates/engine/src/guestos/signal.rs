@@ -740,7 +740,15 @@ fn wait_child(os: &mut GuestOs, which: Which, nohang: bool, peek: bool, exited: 
                 if let Some((code, status)) = ended(&os.sig.children[i], peek && !autoreap) {
                     let pid = os.sig.children[i].pid;
                     if autoreap || !peek {
-                        os.sig.children.remove(i);
+                        let c = os.sig.children.remove(i);
+                        // A child reaped before any look noticed its end still raised its exit
+                        // signal when it ended (Linux sends SIGCHLD at the exit, whoever waits).
+                        if !c.notified && !autoreap {
+                            let sig = c.exit_signal;
+                            if (1..=NSIG as i32).contains(&sig) && (os.proc.sigmask & bit(sig) != 0 || action(&os.proc, sig) != Action::Ignore) {
+                                raise(os, SigInfo { signo: sig, code, pid, status, ..Default::default() });
+                            }
+                        }
                     }
                     if autoreap {
                         continue;
@@ -779,8 +787,10 @@ fn sys_wait4(os: &mut GuestOs, ctx: &mut Ctx, pid: i32, wstatus: u64, options: u
     if options & !KNOWN != 0 || pid == i32::MIN {
         return Err(EINVAL);
     }
+    crate::trace::mark("wait4.enter");
     match wait_child(os, Which::of_wait4(pid), options & WNOHANG != 0, false, true)? {
         Some((pid, code, status)) => {
+            crate::trace::mark("wait4.reaped");
             if wstatus != 0 {
                 ctx.write(wstatus, &wait_status(code, status).to_le_bytes())?;
             }
@@ -1312,6 +1322,7 @@ pub mod host {
 
     use super::{bit, Errno, NSIG, SIGKILL, SIGSTOP, SI_QUEUE};
 
+    static HELD: AtomicBool = AtomicBool::new(false);
     static PENDING: AtomicU64 = AtomicU64::new(0);
     static SENDERS: [AtomicI32; NSIG] = [const { AtomicI32::new(0) }; NSIG];
     static KICK: AtomicPtr<kvm_run> = AtomicPtr::new(std::ptr::null_mut());
@@ -1532,14 +1543,23 @@ pub mod host {
         KICK.store(run, Ordering::SeqCst);
     }
 
-    /// The signals that arrived since the last call.
+    /// The signals that arrived since the last call (none while they are held).
     pub fn take() -> u64 {
+        if HELD.load(Ordering::SeqCst) {
+            return 0;
+        }
         PENDING.swap(0, Ordering::SeqCst)
     }
 
     /// Whether something arrived that `take` would return.
     pub fn pending() -> bool {
-        PENDING.load(Ordering::SeqCst) != 0 || PARENT_GONE.load(Ordering::SeqCst)
+        !HELD.load(Ordering::SeqCst) && (PENDING.load(Ordering::SeqCst) != 0 || PARENT_GONE.load(Ordering::SeqCst))
+    }
+
+    /// Keep what arrives for this process on the host until `hold(false)`: while a VMM runs its
+    /// vfork child (`vmm::spawn`), the signals sent to it are the suspended parent's.
+    pub fn hold(on: bool) {
+        HELD.store(on, Ordering::SeqCst);
     }
 
     /// Host pid of the sender of the last `sig` that arrived.

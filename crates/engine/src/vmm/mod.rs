@@ -8,6 +8,7 @@
 
 mod prefault;
 mod process;
+mod spawn;
 pub(crate) mod jail;
 mod syscalls;
 
@@ -77,6 +78,10 @@ pub struct Machine {
     /// sandbox (a fork or a spare) takes one. Once any has come, children are never made without.
     scratch_stock: Vec<OwnedFd>,
     quota_mode: bool,
+    /// Set while this process runs its vfork child on its own vCPU (see `spawn`).
+    vfork: Option<Box<spawn::Vfork>>,
+    /// Register writes through `kvm_run` waiting for the next run (see `vstate::sync`).
+    sync: crate::vstate::sync::RegSync,
 }
 
 fn open_kvm() -> Result<Kvm> {
@@ -96,6 +101,57 @@ fn new_vcpu(vm: &KvmVm, cpuid: &CpuId) -> Result<VcpuFd> {
     Ok(vcpu)
 }
 
+/// Memory, VM and vCPU of a freshly loaded program.
+struct Image {
+    vcpu: VcpuFd,
+    vm: KvmVm,
+    mem: GuestMemory,
+    runtime: RuntimeState,
+}
+
+impl Image {
+    /// Fresh zeroed memory of `mem_size` bytes with the ring-0 layout, filled by `load` (which
+    /// returns the entry point and initial stack pointer), and a VM and vCPU ready to run it.
+    fn new(
+        kvm: &Kvm,
+        cpuid: &CpuId,
+        mem_size: u64,
+        prefault: u64,
+        load: impl FnOnce(&mut GuestMemory, &mut FrameAllocator, &AddressSpace) -> Result<(u64, u64)>,
+    ) -> Result<Image> {
+        if mem_size < MIN_MEM_SIZE || mem_size % PAGE_SIZE != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "mem_size {mem_size} must be a multiple of 4096 and at least {MIN_MEM_SIZE}"
+            )));
+        }
+        let mut mem = GuestMemory::anonymous(mem_size)?;
+        let mut frames = FrameAllocator::new(mem_size);
+        let aspace = setup_address_space(&mut mem, &mut frames)?;
+        // The program's bytes go into the frames after the layout's.
+        mem.populate_for_write(frames.next, prefault);
+        crate::trace::mark("image.layout");
+        let (entry, rsp) = load(&mut mem, &mut frames, &aspace)?;
+        crate::trace::mark("image.program");
+        let vm = KvmVm::new(kvm, &mem, slot_size_for(frames.next, mem_size))?;
+        let vcpu = new_vcpu(&vm, cpuid)?;
+        crate::trace::mark("image.vm");
+        let sregs = vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+        vcpu.set_sregs(&regs::initial_sregs(sregs, aspace.root)).map_err(Error::kvm("KVM_SET_SREGS"))?;
+        let mut xcrs = vcpu.get_xcrs().map_err(Error::kvm("KVM_GET_XCRS"))?;
+        xcrs.nr_xcrs = 1;
+        xcrs.xcrs[0].xcr = 0;
+        xcrs.xcrs[0].value = XCR0;
+        vcpu.set_xcrs(&xcrs).map_err(Error::kvm("KVM_SET_XCRS"))?;
+        let entries: Vec<_> = regs::initial_msrs()
+            .into_iter()
+            .map(|(index, data)| kvm_bindings::kvm_msr_entry { index, data, ..Default::default() })
+            .collect();
+        crate::vstate::vcpu::set_msrs(&vcpu, &entries)?;
+        vcpu.set_regs(&regs::initial_regs(entry, rsp)).map_err(Error::kvm("KVM_SET_REGS"))?;
+        Ok(Image { vcpu, vm, mem, runtime: RuntimeState { frames, aspace, enosys: 0 } })
+    }
+}
+
 impl Machine {
     /// A new VM running a static ELF.
     pub fn boot(elf: &[u8], mem_size: u64) -> Result<Machine> {
@@ -110,41 +166,18 @@ impl Machine {
         mem_size: u64,
         load: impl FnOnce(&mut GuestMemory, &mut FrameAllocator, &AddressSpace) -> Result<(u64, u64)>,
     ) -> Result<Machine> {
-        if mem_size < MIN_MEM_SIZE || mem_size % PAGE_SIZE != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "mem_size {mem_size} must be a multiple of 4096 and at least {MIN_MEM_SIZE}"
-            )));
-        }
         let kvm = open_kvm()?;
-        let mut mem = GuestMemory::anonymous(mem_size)?;
-        let mut frames = FrameAllocator::new(mem_size);
-        let aspace = setup_address_space(&mut mem, &mut frames)?;
-        let (entry, rsp) = load(&mut mem, &mut frames, &aspace)?;
-        let vm = KvmVm::new(&kvm, &mem, slot_size_for(frames.next, mem_size))?;
         let cpuid = guest_cpuid(&kvm)?;
-        let vcpu = new_vcpu(&vm, &cpuid)?;
-        let sregs = vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
-        vcpu.set_sregs(&regs::initial_sregs(sregs, aspace.root)).map_err(Error::kvm("KVM_SET_SREGS"))?;
-        let mut xcrs = vcpu.get_xcrs().map_err(Error::kvm("KVM_GET_XCRS"))?;
-        xcrs.nr_xcrs = 1;
-        xcrs.xcrs[0].xcr = 0;
-        xcrs.xcrs[0].value = XCR0;
-        vcpu.set_xcrs(&xcrs).map_err(Error::kvm("KVM_SET_XCRS"))?;
-        let entries: Vec<_> = regs::initial_msrs()
-            .into_iter()
-            .map(|(index, data)| kvm_bindings::kvm_msr_entry { index, data, ..Default::default() })
-            .collect();
-        crate::vstate::vcpu::set_msrs(&vcpu, &entries)?;
-        vcpu.set_regs(&regs::initial_regs(entry, rsp)).map_err(Error::kvm("KVM_SET_REGS"))?;
-        let msr_list = supported_msrs(&vcpu, regs::SNAPSHOT_MSRS);
+        let img = Image::new(&kvm, &cpuid, mem_size, 0, load)?;
+        let msr_list = supported_msrs(&img.vcpu, regs::SNAPSHOT_MSRS);
         Ok(Machine {
-            vcpu,
-            vm,
-            mem,
+            vcpu: img.vcpu,
+            vm: img.vm,
+            mem: img.mem,
             kvm,
             cpuid,
             msr_list,
-            runtime: RuntimeState { frames, aspace, enosys: 0 },
+            runtime: img.runtime,
             reset_point: None,
             preempter: Preempter::new()?,
             exited: None,
@@ -154,9 +187,41 @@ impl Machine {
             scratch: own_dir(),
             scratch_stock: Vec::new(),
             quota_mode: false,
+            vfork: None,
+            sync: Default::default(),
         })
     }
 
+    /// Replace this machine's memory, VM and vCPU by a fresh image that `load` fills (writing
+    /// about `prefault` bytes of program, faulted in first): what an
+    /// execve of a guest child process does (see `spawn`). `old_mapped`: whether the old memory
+    /// is still mapped in this process (false in a process forked with the memory excluded, where
+    /// unmapping its range could hit the new mapping). The run's preemption and kick follow the
+    /// new vCPU.
+    fn replace_image(
+        &mut self,
+        old_mapped: bool,
+        prefault: u64,
+        load: impl FnOnce(&mut GuestMemory, &mut FrameAllocator, &AddressSpace) -> Result<(u64, u64)>,
+    ) -> Result<()> {
+        let img = Image::new(&self.kvm, &self.cpuid, self.mem.size(), prefault, load)?;
+        let vcpu = std::mem::replace(&mut self.vcpu, img.vcpu);
+        let vm = std::mem::replace(&mut self.vm, img.vm);
+        let mem = std::mem::replace(&mut self.mem, img.mem);
+        // The old vCPU and VM go before the memory they map.
+        drop(vcpu);
+        drop(vm);
+        if old_mapped {
+            drop(mem);
+        } else {
+            mem.abandon();
+        }
+        self.runtime = img.runtime;
+        self.sync.reset();
+        self.preempter.attach(&mut self.vcpu);
+        crate::guestos::signal::host::set_kick(self.vcpu.get_kvm_run());
+        Ok(())
+    }
     /// A new VM running a Linux program from a root filesystem.
     pub fn spawn(spec: &SpawnSpec, mem_size: u64, stdio: Vec<OwnedFd>) -> Result<Machine> {
         if spec.argv.is_empty() {
@@ -240,6 +305,8 @@ impl Machine {
             scratch,
             scratch_stock: Vec::new(),
             quota_mode: false,
+            vfork: None,
+            sync: Default::default(),
         })
     }
 
@@ -287,6 +354,10 @@ impl Machine {
         self.preempter.arm(timeout)?;
         let guard = process::RunGuard::enter(&mut self.vcpu);
         let res = self.run_loop(deadline, &mut out);
+        // Between runs the registers are read and written with the ioctls (captures, forks,
+        // the controller's GetRegs).
+        let res = res.and_then(|exit| self.sync.settle(&mut self.vcpu).map(|_| exit));
+        crate::trace::mark("run.end");
         drop(guard);
         self.preempter.disarm()?;
         self.vcpu.set_kvm_immediate_exit(0);
@@ -326,7 +397,13 @@ impl Machine {
                 }
             }
             self.cover_frames()?;
-            let exit = match self.vcpu.run() {
+            let traced = crate::trace::on().then(Instant::now);
+            self.sync.before_run(&mut self.vcpu);
+            let ran = self.vcpu.run();
+            if let Some(t) = traced {
+                crate::trace::count_run(t.elapsed().as_nanos() as u64);
+            }
+            let exit = match ran {
                 Ok(VcpuExit::IoOut(port, data)) => {
                     let mut v = [0u8; 4];
                     let n = data.len().min(4);
@@ -337,7 +414,8 @@ impl Machine {
                     data.fill(0);
                     // A Linux program's own `in` (no stub reads a port): see `user_io`.
                     if linux {
-                        if let Some(exit) = self.user_io()? {
+                        let exit = self.user_io()?;
+                        if let Some(exit) = spawn::filter_exit(self, exit)? {
                             return Ok(exit);
                         }
                     }
@@ -349,7 +427,10 @@ impl Machine {
                 }
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                     self.vcpu.set_kvm_immediate_exit(0);
-                    if let Some(exit) = process::on_interrupt(self)? {
+                    // Signal delivery reads and writes the registers with the ioctls.
+                    self.sync.settle(&mut self.vcpu)?;
+                    let exit = process::on_interrupt(self)?;
+                    if let Some(exit) = spawn::filter_exit(self, exit)? {
                         return Ok(exit);
                     }
                     if Instant::now() >= deadline {
@@ -361,18 +442,24 @@ impl Machine {
             };
             if let Some((port, value)) = exit {
                 if port == SYSCALL_PORT {
-                    if let Some(exit) = self.syscall(out)? {
+                    let exit = self.syscall(out)?;
+                    if let Some(exit) = spawn::filter_exit(self, exit)? {
                         return Ok(exit);
                     }
                 } else if (VECTOR_PORT_BASE..VECTOR_PORT_BASE + 32).contains(&port) || port == SPURIOUS_PORT {
                     let vector = if port == SPURIOUS_PORT { 255 } else { (port - VECTOR_PORT_BASE) as u8 };
+                    if vector == 14 {
+                        crate::trace::count_fault();
+                    }
                     let fault = self.exception(vector)?;
                     // A Linux guest gets a signal (its handler runs, or it dies by it).
-                    if let Some(exit) = process::on_fault(self, fault)? {
+                    let exit = process::on_fault(self, fault)?;
+                    if let Some(exit) = spawn::filter_exit(self, exit)? {
                         return Ok(exit);
                     }
                 } else if linux {
-                    if let Some(exit) = self.user_io()? {
+                    let exit = self.user_io()?;
+                    if let Some(exit) = spawn::filter_exit(self, exit)? {
                         return Ok(exit);
                     }
                 } else {
@@ -386,11 +473,10 @@ impl Machine {
     }
 
     /// Back to ring 3: the stubs leave the vCPU in ring 0; the host restores the user segments.
-    fn return_to_user(&self, regs: &kvm_bindings::kvm_regs, mut sregs: kvm_bindings::kvm_sregs) -> Result<()> {
+    fn return_to_user(&mut self, regs: &kvm_bindings::kvm_regs, mut sregs: kvm_bindings::kvm_sregs) -> Result<()> {
         sregs.cs = regs::user_code_segment();
         sregs.ss = regs::user_data_segment();
-        self.vcpu.set_regs(regs).map_err(Error::kvm("KVM_SET_REGS"))?;
-        self.vcpu.set_sregs(&sregs).map_err(Error::kvm("KVM_SET_SREGS"))
+        self.sync.write(&mut self.vcpu, regs, &sregs)
     }
 
     /// A Linux program ran an I/O instruction of its own (ring 3 may: the TSS's I/O bitmap that
@@ -403,13 +489,13 @@ impl Machine {
     }
 
     fn syscall(&mut self, out: &mut guestos::Output) -> Result<Option<RunExit>> {
-        let mut r = self.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
-        let sregs = self.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+        let (mut r, sregs) = self.sync.read(&self.vcpu)?;
         // `syscall` saved the return address in rcx and the flags in r11.
         r.rip = r.rcx;
         r.rflags = r.r11;
         let mut sregs = sregs;
         let entry = process::Entry::of(&r);
+        crate::trace::syscall(r.rax);
         crate::guestos::sched::begin_syscall(r.rip, r.rax, [r.rdi, r.rsi, r.rdx, r.r10]);
         let exit = match self.os.as_mut() {
             // fork, execve, sigreturn: the VMM's own business (see `process`).
@@ -462,8 +548,7 @@ impl Machine {
     }
 
     fn exception(&mut self, vector: u8) -> Result<RunExit> {
-        let mut r = self.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
-        let sregs = self.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+        let (mut r, sregs) = self.sync.read(&self.vcpu)?;
         // A real trap pushed its frame on the ring-0 stack. Anywhere else, ring 3 ran a stub's `out`
         // itself (see `user_io`): a Linux program gets #GP, and no "frame" is read from its stack.
         let ring0_stack = kva(RING0_STACK_TOP_GPA - RING0_STACK_PAGES * PAGE_SIZE)..kva(RING0_STACK_TOP_GPA);
@@ -485,6 +570,8 @@ impl Machine {
         r.rsp = rsp;
         let cr2 = sregs.cr2;
         self.return_to_user(&r, sregs)?;
+        // Signal delivery (`process::on_fault`) uses the ioctls.
+        self.sync.settle(&mut self.vcpu)?;
         Ok(RunExit::Fault { vector, error_code, rip, cr2 })
     }
 
@@ -522,6 +609,7 @@ impl Machine {
                 "this VM was booted, not restored from a snapshot; snapshot it and restore or clone that".into(),
             ));
         };
+        spawn::abandon(self);
         process::kill_children(self);
         self.sync_dirty()?;
         let dirty_pages = self.mem.discard_private()?;
@@ -582,6 +670,7 @@ impl Machine {
         // copies of the descriptors and unmaps our copy of its kvm_run page.
         self.vcpu = vcpu;
         self.vm = vm;
+        self.sync.reset();
         // POSIX timers are not inherited across fork: make ours. Forget the parent's handle rather
         // than deleting it, since the id may equal the one just created.
         std::mem::forget(std::mem::replace(&mut self.preempter, Preempter::new()?));
@@ -633,6 +722,8 @@ fn pidfd_open(pid: i32) -> Result<OwnedFd> {
 }
 
 fn exit_process(code: i32) -> ! {
+    crate::trace::take_counts("image");
+    crate::trace::mark_n("host.exit", code as u64);
     crate::guestos::sched::leave();
     // SAFETY: _exit never returns; skipping atexit handlers is deliberate (the launcher may be a Python
     // interpreter whose teardown we do not want to run in a VMM process).
@@ -861,10 +952,13 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             m.learn.guest_changed();
         }
         let runs = matches!(req, Request::Run { .. } | Request::AgentCall { .. });
+        if runs {
+            crate::trace::mark("serve.run");
+        }
         process::serving(m, &chan, &pool);
         let resp = match req {
             Request::Run { timeout } => m.run(timeout).map(Response::Run),
-            Request::Snapshot { dir } => jail::in_snapshot_dest(&dir, fds, |d| m.snapshot(d)).map(|_| Response::Ok),
+            Request::Snapshot { dir } => spawn::settle(m).and_then(|_| jail::in_snapshot_dest(&dir, fds, |d| m.snapshot(d))).map(|_| Response::Ok),
             Request::Fork { n } => {
                 m.add_scratch(fds);
                 let forked = fork_children(m, &mut chan, &mut pool, n);
@@ -947,6 +1041,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
         };
         reply(&mut chan, resp);
         if runs {
+            crate::trace::mark("serve.replied");
             m.report_first_run();
         }
     }

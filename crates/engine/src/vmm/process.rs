@@ -15,10 +15,12 @@
 //!
 //! Threads do not exist: clone with CLONE_VM and without CLONE_VFORK (or with CLONE_THREAD)
 //! answers EAGAIN, which pthread_create reports and Python's threading turns into "can't start
-//! new thread". CLONE_VM | CLONE_VFORK (posix_spawn, vfork) is served as a copying fork: the child
-//! runs on the stack it was given, in a copy of the memory, and the parent does not wait for it
-//! to exec. What a vfork child writes to memory is therefore not seen by its parent (posix_spawn
-//! then cannot report an exec failure through memory; the child's exit status 127 still does).
+//! new thread". CLONE_VM | CLONE_VFORK (posix_spawn, vfork, CPython's subprocess) does not copy
+//! this process: the child runs on this process's vCPU until it execs or exits, and its program
+//! then starts in fresh memory in a host process forked without the guest memory (`spawn`). `COLLIMATE_VFORK=copy` serves it as a copying fork instead,
+//! as before (the child in a copy of the memory, the parent not waiting for its exec), to compare.
+//! A guest child's execve loads the program into fresh memory too (a new VM, no old image to
+//! unmap); the sandbox's first process execs in place, in the memory its snapshot maps.
 //!
 //! # Lifetimes
 //! Guest processes die with their sandbox: each child asks the host for a parent-death signal. If
@@ -83,14 +85,14 @@ const CLONE_VFORK: u64 = 0x4000;
 const CLONE_PARENT: u64 = 0x8000;
 const CLONE_THREAD: u64 = 0x1_0000;
 const CLONE_SYSVSEM: u64 = 0x4_0000;
-const CLONE_SETTLS: u64 = 0x8_0000;
-const CLONE_PARENT_SETTID: u64 = 0x10_0000;
-const CLONE_CHILD_CLEARTID: u64 = 0x20_0000;
+pub(super) const CLONE_SETTLS: u64 = 0x8_0000;
+pub(super) const CLONE_PARENT_SETTID: u64 = 0x10_0000;
+pub(super) const CLONE_CHILD_CLEARTID: u64 = 0x20_0000;
 const CLONE_DETACHED: u64 = 0x40_0000;
 const CLONE_UNTRACED: u64 = 0x80_0000;
-const CLONE_CHILD_SETTID: u64 = 0x100_0000;
+pub(super) const CLONE_CHILD_SETTID: u64 = 0x100_0000;
 const CLONE_IO: u64 = 0x8000_0000;
-const CLONE_CLEAR_SIGHAND: u64 = 0x1_0000_0000;
+pub(super) const CLONE_CLEAR_SIGHAND: u64 = 0x1_0000_0000;
 /// New namespaces (NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME): not for us.
 const CLONE_NAMESPACES: u64 = 0x2_0000 | 0x200_0000 | 0x400_0000 | 0x800_0000 | 0x1000_0000 | 0x2000_0000 | 0x4000_0000 | 0x80;
 /// Flags that change nothing here.
@@ -130,32 +132,36 @@ fn ret(r: &mut kvm_regs, res: std::result::Result<u64, Errno>) {
 pub(super) fn syscall(m: &mut Machine, r: &mut kvm_regs, sregs: &mut kvm_sregs) -> Result<Option<RunExit>> {
     let a = [r.rdi, r.rsi, r.rdx, r.r10, r.r8, r.r9];
     match r.rax {
-        SYS_FORK => {
-            let res = clone(m, r, CloneArgs { flags: 0, exit_signal: signal::SIGCHLD as u64, ..Default::default() });
-            ret(r, res);
-        }
-        SYS_VFORK => {
-            let args = CloneArgs { flags: CLONE_VM | CLONE_VFORK, exit_signal: signal::SIGCHLD as u64, ..Default::default() };
-            let res = clone(m, r, args);
-            ret(r, res);
-        }
-        SYS_CLONE => {
-            // x86-64: clone(flags, stack, parent_tid, child_tid, tls).
-            let args = CloneArgs {
-                flags: a[0] & !0xff,
-                exit_signal: a[0] & 0xff,
-                stack: a[1],
-                stack_size: 0,
-                parent_tid: a[2],
-                child_tid: a[3],
-                tls: a[4],
+        SYS_FORK | SYS_VFORK | SYS_CLONE | SYS_CLONE3 => {
+            let args = match r.rax {
+                SYS_FORK => Ok(CloneArgs { flags: 0, exit_signal: signal::SIGCHLD as u64, ..Default::default() }),
+                SYS_VFORK => Ok(CloneArgs { flags: CLONE_VM | CLONE_VFORK, exit_signal: signal::SIGCHLD as u64, ..Default::default() }),
+                // x86-64: clone(flags, stack, parent_tid, child_tid, tls).
+                SYS_CLONE => Ok(CloneArgs {
+                    flags: a[0] & !0xff,
+                    exit_signal: a[0] & 0xff,
+                    stack: a[1],
+                    stack_size: 0,
+                    parent_tid: a[2],
+                    child_tid: a[3],
+                    tls: a[4],
+                }),
+                _ => clone3_args(m, a[0], a[1]),
             };
-            let res = clone(m, r, args);
-            ret(r, res);
-        }
-        SYS_CLONE3 => {
-            let res = clone3_args(m, a[0], a[1]).and_then(|args| clone(m, r, args));
-            ret(r, res);
+            let nr = r.rax;
+            match args.and_then(|c| check_clone(&c).map(|_| c)) {
+                // A vfork child that forks becomes a process of its own first (see `spawn`).
+                Ok(_) if super::spawn::active(m) => super::spawn::nested_fork(m, nr, r, sregs)?,
+                Ok(c) if super::spawn::serves(m, &c) => {
+                    let res = super::spawn::begin(m, r, sregs, &c).map(|_| 0);
+                    ret(r, res);
+                }
+                Ok(c) => {
+                    let res = fork(m, r, &c);
+                    ret(r, res);
+                }
+                Err(e) => ret(r, Err(e)),
+            }
         }
         SYS_EXECVE => return exec(m, r, sregs, libc::AT_FDCWD, a[0], a[1], a[2], 0),
         SYS_EXECVEAT => return exec(m, r, sregs, a[0] as i32, a[1], a[2], a[3], a[4] as i32),
@@ -168,15 +174,22 @@ pub(super) fn syscall(m: &mut Machine, r: &mut kvm_regs, sregs: &mut kvm_sregs) 
 // --- fork --------------------------------------------------------------------------------------
 
 #[derive(Default, Clone, Copy, Debug)]
-struct CloneArgs {
-    flags: u64,
-    exit_signal: u64,
+pub(super) struct CloneArgs {
+    pub(super) flags: u64,
+    pub(super) exit_signal: u64,
     /// The child's stack: clone's stack pointer, or clone3's stack base (with its size).
-    stack: u64,
-    stack_size: u64,
-    parent_tid: u64,
-    child_tid: u64,
-    tls: u64,
+    pub(super) stack: u64,
+    pub(super) stack_size: u64,
+    pub(super) parent_tid: u64,
+    pub(super) child_tid: u64,
+    pub(super) tls: u64,
+}
+
+impl CloneArgs {
+    /// A vfork: the child shares the memory and its parent waits for its exec or exit.
+    pub(super) fn is_vfork(&self) -> bool {
+        self.flags & (CLONE_VM | CLONE_VFORK) == CLONE_VM | CLONE_VFORK && self.flags & CLONE_THREAD == 0
+    }
 }
 
 fn clone3_args(m: &Machine, ptr: u64, size: u64) -> std::result::Result<CloneArgs, Errno> {
@@ -200,7 +213,7 @@ fn clone3_args(m: &Machine, ptr: u64, size: u64) -> std::result::Result<CloneArg
 }
 
 /// The child's stack pointer, if the caller gave a stack.
-fn child_sp(c: &CloneArgs) -> Option<u64> {
+pub(super) fn child_sp(c: &CloneArgs) -> Option<u64> {
     if c.stack == 0 {
         None
     } else if c.stack_size != 0 {
@@ -210,7 +223,8 @@ fn child_sp(c: &CloneArgs) -> Option<u64> {
     }
 }
 
-fn clone(m: &mut Machine, r: &kvm_regs, c: CloneArgs) -> std::result::Result<u64, Errno> {
+/// Refuse what a clone cannot be here.
+fn check_clone(c: &CloneArgs) -> std::result::Result<(), Errno> {
     let f = c.flags;
     if f & CLONE_THREAD != 0 && f & CLONE_SIGHAND == 0 || f & CLONE_SIGHAND != 0 && f & CLONE_VM == 0 {
         return Err(EINVAL);
@@ -233,7 +247,7 @@ fn clone(m: &mut Machine, r: &kvm_regs, c: CloneArgs) -> std::result::Result<u64
     if f & CLONE_SETTLS != 0 && c.tls >= TASK_SIZE {
         return Err(EPERM);
     }
-    fork(m, r, &c)
+    Ok(())
 }
 
 /// Controller descriptors of this process (its channel, the spare pool's channels and pidfds): a
@@ -314,7 +328,7 @@ extern "C" fn on_parent_death(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut l
 /// it), for `on_parent_death`.
 static PARENT: AtomicI32 = AtomicI32::new(0);
 
-fn install_reaper() {
+pub(super) fn install_reaper() {
     // SAFETY: getpid cannot fail.
     let me = unsafe { libc::getpid() };
     if REAPER_FOR.swap(me, Ordering::SeqCst) == me {
@@ -332,6 +346,7 @@ fn install_reaper() {
 }
 
 fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64, Errno> {
+    crate::trace::mark_n("fork.enter", c.flags);
     let Some(os) = m.os.as_ref() else { return Err(crate::guestos::ENOSYS) };
     if host::stale() {
         return Err(crate::guestos::EAGAIN); // a reset ended this process's world: no new processes
@@ -375,11 +390,10 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
     // returns from `child_main`.
     let rc = unsafe { libc::syscall(libc::SYS_clone, 0 as libc::c_ulong, 0usize, 0usize, 0usize, 0usize) };
     if rc == 0 {
-        // Tmpfs instances kept for the controller's children to come are not a guest child's.
-        m.scratch_stock.clear();
         child_main(m, state, c, pid, parent_pid, parent_host, generation);
     }
     host::block(false);
+    crate::trace::mark("fork.parent");
     if rc < 0 {
         let e = Errno::last();
         host::process_gone();
@@ -413,8 +427,52 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
 
 /// The child side of a guest fork. Never returns.
 fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, guest_pid: i32, parent_pid: i32, parent_host: i32, generation: u32) -> ! {
+    crate::trace::take_counts("parent");
+    crate::trace::mark("child.start");
+    enter_child_process(m, guest_pid, parent_host, generation);
+    // SAFETY: getpid cannot fail.
+    let me = unsafe { libc::getpid() };
+    if let Some(os) = m.os.as_mut() {
+        os.sig.children.clear(); // our copies of the siblings' pidfds
+        os.sig.pending = 0;
+        os.sig.saved_mask = None;
+        os.sig.parent = signal::pidfd_open(parent_host).ok();
+        os.sig.parent_host = parent_host;
+        os.proc.pid = guest_pid;
+        os.proc.ppid = parent_pid;
+        os.proc.sleep = None;
+        // A stream of its own, derived from the parent's (deterministic for replays; see guestos::crng).
+        os.proc.crng = os.proc.crng.fork_child();
+        os.proc.clear_child_tid = if c.flags & CLONE_CHILD_CLEARTID != 0 { c.child_tid } else { 0 };
+        if c.flags & CLONE_CLEAR_SIGHAND != 0 {
+            signal::on_exec(os);
+        }
+        drop(detach_agent(os));
+    }
+    if let Err(e) = m.rebuild_after_fork(&state) {
+        eprintln!("collimate: guest process {me}: cannot make its VM: {e}");
+        die_by(libc::SIGKILL);
+    }
+    crate::trace::mark("child.vm");
+    if c.flags & CLONE_CHILD_SETTID != 0 {
+        let _ = m.runtime.aspace.write_virt(&mut m.mem, c.child_tid, &guest_pid.to_le_bytes(), true);
+    }
+    run_child(m)
+}
+
+/// Whether this process is a guest child (not a sandbox's first process): its execve may load
+/// the program into fresh memory, having no snapshot to reset to (see `spawn`).
+static GUEST_CHILD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The host side of becoming guest process `guest_pid` in a freshly forked VMM process, whose
+/// parent is host process `parent_host`: the parent-death signal, the controller's descriptors
+/// closed, the scheduler's slot, no core files.
+pub(super) fn enter_child_process(m: &mut Machine, guest_pid: i32, parent_host: i32, generation: u32) {
+    GUEST_CHILD.store(true, Ordering::SeqCst);
     // A guest process is not a sandbox fork: it reports nothing to `prefault` and forks no sandboxes.
     m.learn = Default::default();
+    // Tmpfs instances kept for the controller's children to come are not a guest child's.
+    m.scratch_stock.clear();
     // SAFETY: plain prctl/getppid calls; the parent-death signal has a handler (install_reaper).
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, reaper_signal() as libc::c_ulong, 0, 0, 0);
@@ -448,40 +506,28 @@ fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, guest_pid: i32, 
     let no_core = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: setrlimit with a valid struct.
     unsafe { libc::setrlimit(libc::RLIMIT_CORE, &no_core) };
-    // SAFETY: getpid cannot fail.
-    let me = unsafe { libc::getpid() };
-    if let Some(os) = m.os.as_mut() {
-        os.sig.children.clear(); // our copies of the siblings' pidfds
-        os.sig.pending = 0;
-        os.sig.saved_mask = None;
-        os.sig.parent = signal::pidfd_open(parent_host).ok();
-        os.sig.parent_host = parent_host;
-        os.proc.pid = guest_pid;
-        os.proc.ppid = parent_pid;
-        os.proc.sleep = None;
-        // A stream of its own, derived from the parent's (deterministic for replays; see guestos::crng).
-        os.proc.crng = os.proc.crng.fork_child();
-        os.proc.clear_child_tid = if c.flags & CLONE_CHILD_CLEARTID != 0 { c.child_tid } else { 0 };
-        if c.flags & CLONE_CLEAR_SIGHAND != 0 {
-            signal::on_exec(os);
-        }
-        detach_agent(os);
-    }
-    if let Err(e) = m.rebuild_after_fork(&state) {
-        eprintln!("collimate: guest process {me}: cannot make its VM: {e}");
-        die_by(libc::SIGKILL);
-    }
-    if c.flags & CLONE_CHILD_SETTID != 0 {
-        let _ = m.runtime.aspace.write_virt(&mut m.mem, c.child_tid, &guest_pid.to_le_bytes(), true);
-    }
-    // A panic must not unwind into the parent's stack frames, which this process inherited.
+}
+
+/// Run a child process's guest to its end. A panic must not unwind into the parent's stack
+/// frames, which this process inherited.
+pub(super) fn run_child(m: &mut Machine) -> ! {
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| child_loop(m)));
     die_by(libc::SIGKILL)
 }
 
+/// End this process as a guest process ended: by its exit code or its fatal signal.
+pub(super) fn end_like(exit: RunExit) -> ! {
+    match exit {
+        RunExit::Exited { code } => exit_process(code & 0xff),
+        RunExit::Signaled { signo } => die_by(signo),
+        _ => die_by(libc::SIGKILL),
+    }
+}
+
 /// The in-guest agent's channel belongs to the sandbox's first process: a child sees /dev/null.
-fn detach_agent(os: &mut GuestOs) {
-    let Some(agent) = os.agent.take() else { return };
+/// Returns the channel (the caller's to keep or drop).
+pub(super) fn detach_agent(os: &mut GuestOs) -> Option<std::sync::Arc<crate::guestos::files::OpenFile>> {
+    let agent = os.agent.take()?;
     let fds: Vec<i32> = os.files.open_fds().collect();
     for fd in fds {
         let Ok(f) = os.files.get(fd) else { continue };
@@ -491,6 +537,7 @@ fn detach_agent(os: &mut GuestOs) {
             let _ = os.files.install(fd, std::sync::Arc::new(null), cloexec);
         }
     }
+    Some(agent)
 }
 
 /// Run the guest of a child process until it ends, then end this process the same way.
@@ -514,6 +561,8 @@ fn child_loop(m: &mut Machine) -> ! {
 
 /// End this process by host signal `sig`, so that its parent's wait sees WIFSIGNALED.
 fn die_by(sig: i32) -> ! {
+    crate::trace::take_counts("image");
+    crate::trace::mark_n("host.die", sig as u64);
     crate::guestos::sched::leave();
     // SAFETY: resetting and unblocking `sig`, then sending it to ourselves; SIGKILL if it did not
     // end us (it always does: the guest only dies by terminating signals).
@@ -621,6 +670,8 @@ fn exec(
     envp: u64,
     flags: i32,
 ) -> Result<Option<RunExit>> {
+    crate::trace::take_counts("image");
+    crate::trace::mark("exec.enter");
     let prepared = (|| {
         if flags & !(AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) != 0 {
             return Err(EINVAL);
@@ -654,13 +705,34 @@ fn exec(
             return Ok(None);
         }
     };
+    crate::trace::mark("exec.prepared");
+    // A vfork child's program starts in a process of its own, the parent resumes (see `spawn`).
+    if super::spawn::active(m) {
+        if let Err(e) = super::spawn::exec(m, r, sregs, prepared, &envp) {
+            ret(r, Err(e));
+        }
+        return Ok(None);
+    }
+    // A guest child's program goes into fresh memory: nothing of the old image to unmap, no
+    // reused frame to clear, a VM without the old image's shadow pages.
+    if GUEST_CHILD.load(Ordering::SeqCst) {
+        if super::spawn::load_fresh(m, true, prepared, &envp).is_err() {
+            return Ok(Some(RunExit::Signaled { signo: signal::SIGSEGV }));
+        }
+        *r = m.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
+        *sregs = m.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+        return Ok(None);
+    }
     // The point of no return: the old image goes away.
     let Some(os) = m.os.as_mut() else { return Ok(None) };
     let mut sp = Space::new(&mut m.mem, &mut m.runtime.frames, &m.runtime.aspace);
     let unmapped = os.mm.unmap_range(&mut sp, 0, TASK_SIZE);
+    crate::trace::mark("exec.unmapped");
     // Every user translation was removed and the frames are about to be reused.
     crate::vstate::tlb::flush_guest_tlb(&mut m.vm, &mut m.mem)?;
+    crate::trace::mark("exec.flushed");
     let img = unmapped.and_then(|_| exec::commit(os, &mut m.mem, &mut m.runtime.frames, &m.runtime.aspace, prepared, &envp));
+    crate::trace::mark("exec.committed");
     let img = match img {
         Ok(img) => img,
         // Too late to fail the call: the process dies, as on Linux.
@@ -669,11 +741,7 @@ fn exec(
     *r = regs::initial_regs(img.entry, img.rsp);
     sregs.fs.base = 0;
     sregs.gs.base = 0;
-    signal::on_exec(os);
-    os.files.close_on_exec();
-    os.proc.clear_child_tid = 0;
-    os.proc.robust_list = (0, 0);
-    os.proc.sleep = None;
+    on_exec_state(os);
     // A fresh FPU: x87 and SSE in their initial state, no AVX state.
     let mut xs = m.vcpu.get_xsave().map_err(Error::kvm("KVM_GET_XSAVE"))?;
     let mxcsr_mask = xs.region[7];
@@ -683,7 +751,18 @@ fn exec(
     xs.region[7] = mxcsr_mask;
     // SAFETY: a complete kvm_xsave of the size KVM_SET_XSAVE reads; KVM validates it.
     unsafe { m.vcpu.set_xsave(&xs) }.map_err(Error::kvm("KVM_SET_XSAVE"))?;
+    crate::trace::mark("exec.loaded");
     Ok(None)
+}
+
+/// What execve resets in the process besides its image: handlers, close-on-exec descriptors,
+/// the thread's bookkeeping.
+pub(super) fn on_exec_state(os: &mut GuestOs) {
+    signal::on_exec(os);
+    os.files.close_on_exec();
+    os.proc.clear_child_tid = 0;
+    os.proc.robust_list = (0, 0);
+    os.proc.sleep = None;
 }
 
 // --- signal delivery ---------------------------------------------------------------------------

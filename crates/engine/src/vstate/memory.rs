@@ -203,6 +203,40 @@ impl GuestMemory {
         std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, gpa).map_err(Error::sys("read guest memory file"))
     }
 
+    /// Leave this memory out of (or back in) the host processes this one forks: a child that
+    /// will load a program of its own (`vmm::spawn`) then copies no page table of it, and the
+    /// fork write-protects none of its pages here.
+    pub fn exclude_from_fork(&self, excluded: bool) -> Result<()> {
+        let advice = if excluded { libc::MADV_DONTFORK } else { libc::MADV_DOFORK };
+        // SAFETY: advice on our own mapping; it changes only what fork copies.
+        if unsafe { libc::madvise(self.ptr.cast(), self.size as usize, advice) } != 0 {
+            return Err(Error::last_os("madvise guest memory (fork)"));
+        }
+        Ok(())
+    }
+
+    /// Fault in [gpa, gpa + len) for writing in one call, before the host writes a program there:
+    /// one page fault per page costs about 5 us on a host that is itself a VM, the kernel's loop
+    /// a fraction of that. Best effort (an old kernel without MADV_POPULATE_WRITE skips it).
+    pub fn populate_for_write(&self, gpa: u64, len: u64) {
+        let (start, end) = (gpa & !(PAGE_SIZE - 1), gpa.saturating_add(len).min(self.size));
+        if start >= end {
+            return;
+        }
+        // SAFETY: advice on a range inside our own mapping; it only faults pages in.
+        unsafe { libc::madvise(self.ptr.add(start as usize).cast(), (end - start) as usize, libc::MADV_POPULATE_WRITE) };
+    }
+
+    /// Drop this value without unmapping: in a process forked while the memory was excluded
+    /// ([`GuestMemory::exclude_from_fork`]) the range is not mapped, and another mapping may
+    /// already be there. The backing file is closed.
+    pub fn abandon(self) {
+        let me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: the file is read out once and dropped (closed); `me` is never dropped, so it is
+        // not closed twice, and its mapping is left alone. The bitmaps' heap memory is leaked.
+        drop(unsafe { std::ptr::read(&me.file) });
+    }
+
     pub fn size(&self) -> u64 {
         self.size
     }
