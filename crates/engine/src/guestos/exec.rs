@@ -416,7 +416,7 @@ fn map_segment(mm: &mut Mm, sp: &mut Space, prog: &Program, ph: &ProgramHeader, 
         let file_pages_end = page_up(file_end).ok_or(ENOEXEC)?.clamp(first_new, end);
         if first_new < file_pages_end {
             let offset = page_down(ph.p_offset) + (first_new - start);
-            let vma = Vma { end: file_pages_end, prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset, backing: None, lazy: None };
+            let vma = Vma { end: file_pages_end, prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset, backing: None, lazy: None, window: None };
             mm.insert(first_new, vma);
         }
         if file_pages_end < end {

@@ -126,9 +126,15 @@ pub struct Vma {
     #[serde(skip)]
     pub backing: Option<MapFd>,
     /// A file mapping longer than [`LAZY_MAP_MIN`]: where pages that have no frame yet are read
-    /// from. A snapshot does not keep it (see [`Mm::read_in_lazy`]).
+    /// from. A snapshot does not keep it (see [`Mm::read_in_lazy`]). Every shared mapping has
+    /// one too: the file (or memfd) of its window.
     #[serde(skip)]
     pub lazy: Option<MapFd>,
+    /// A shared mapping: the guest-physical address in its window (`vstate::shared`) that the
+    /// VMA's start maps to. Its pages point there, never at frames; a snapshot holds none
+    /// ([`Mm::shared_count`]).
+    #[serde(skip)]
+    pub window: Option<u64>,
 }
 
 /// A mapping's own descriptor of its file, kept while any part of the mapping is (the guest may
@@ -150,7 +156,7 @@ const PTE_DIRTY: u64 = 1 << 6;
 
 impl Vma {
     pub fn anon(end: u64, prot: u32, name: &str) -> Vma {
-        Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0, backing: None, lazy: None }
+        Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0, backing: None, lazy: None, window: None }
     }
 }
 
@@ -167,11 +173,15 @@ pub struct Mm {
     /// on every syscall of the processes that never make one (nearly all). Never cleared.
     #[serde(skip)]
     pub maybe_lazy: bool,
+    /// A shared mapping was unmapped (wholly or in part) since [`Mm::drop_unused_windows`] last
+    /// looked: some window may have no VMA left.
+    #[serde(skip)]
+    pub windows_unmapped: bool,
 }
 
 impl Default for Mm {
     fn default() -> Self {
-        Mm { vmas: BTreeMap::new(), brk_start: 0, brk: 0, mmap_top: MMAP_TOP, maybe_lazy: false }
+        Mm { vmas: BTreeMap::new(), brk_start: 0, brk: 0, mmap_top: MMAP_TOP, maybe_lazy: false, windows_unmapped: false }
     }
 }
 
@@ -268,12 +278,14 @@ pub struct LazyArea {
     /// The file offset of `start`.
     pub offset: u64,
     pub file: Arc<OwnedFd>,
+    /// A shared mapping's window address of `start` (see [`Vma::window`]).
+    pub window: Option<u64>,
 }
 
 impl LazyArea {
     fn of(start: u64, v: &Vma) -> Option<LazyArea> {
         let MapFd(file) = v.lazy.as_ref()?;
-        Some(LazyArea { start, end: v.end, prot: v.prot, offset: v.offset, file: file.clone() })
+        Some(LazyArea { start, end: v.end, prot: v.prot, offset: v.offset, file: file.clone(), window: v.window })
     }
 
     fn contains(&self, va: u64) -> bool {
@@ -303,6 +315,9 @@ impl LazyArea {
             return Fault::Resolved;
         }
         let present: std::collections::HashSet<u64> = present.into_iter().map(|(va, _)| va).collect();
+        if let Some(window) = self.window {
+            return map_window_pages(sp, from, to, window + (from - self.start), self.prot, &present);
+        }
         let mut buf = vec![0u8; (to - from) as usize];
         if pread_full(self.file.as_raw_fd(), &mut buf, self.offset + (from - self.start)).is_err() {
             return Fault::Bus;
@@ -340,6 +355,27 @@ impl LazyArea {
         buf[n..].fill(0);
         Ok(())
     }
+}
+
+/// Point the pages of [from, to) that are not in `present` at the window pages from `gpa` on (a
+/// shared mapping: no frames are taken, only page tables). Taken back on failure.
+fn map_window_pages(sp: &mut Space, from: u64, to: u64, gpa: u64, prot: u32, present: &std::collections::HashSet<u64>) -> Fault {
+    let flags = pte_flags(prot);
+    let mut done = Vec::new();
+    for page in (from..to).step_by(PAGE_SIZE as usize) {
+        if present.contains(&page) {
+            continue;
+        }
+        if sp.aspace.map_page(sp.mem, sp.frames, page, gpa + (page - from), flags).is_err() {
+            // The guest has not run since these were mapped: nothing can have cached them.
+            for page in done {
+                let _ = sp.aspace.unmap_page(sp.mem, page);
+            }
+            return Fault::OutOfMemory;
+        }
+        done.push(page);
+    }
+    Fault::Resolved
 }
 
 /// Read guest memory at user address `va` for a syscall of the guest (its buffer), like
@@ -523,6 +559,9 @@ impl Mm {
         if tail.file.is_some() {
             tail.offset += at - start;
         }
+        if let Some(w) = tail.window.as_mut() {
+            *w += at - start;
+        }
         if let Some(head) = self.vmas.get_mut(&start) {
             head.end = at;
         }
@@ -547,6 +586,7 @@ impl Mm {
                             && a.backing == b.backing
                             && a.lazy == b.lazy
                             && (a.file.is_none() || a.offset + (a.end - c) == b.offset)
+                            && a.window.map(|w| w + (a.end - c)) == b.window
                     }
                     _ => false,
                 };
@@ -624,7 +664,9 @@ impl Mm {
         self.split(end);
         let keys: Vec<u64> = self.vmas.range(start..end).map(|(s, _)| *s).collect();
         for k in keys {
-            self.vmas.remove(&k);
+            if self.vmas.remove(&k).is_some_and(|v| v.window.is_some()) {
+                self.windows_unmapped = true;
+            }
         }
         Self::unmap_pages(sp, start, end)
     }
@@ -688,8 +730,11 @@ impl Mm {
         } else {
             self.placement(addr, len)?
         };
+        if shared {
+            return self.mmap_shared(sp, start, len, prot, flags, file);
+        }
         let end = start + len;
-        let mut vma = Vma { end, prot, shared, name: String::new(), file: None, offset: 0, backing: None, lazy: None };
+        let mut vma = Vma { end, prot, shared, name: String::new(), file: None, offset: 0, backing: None, lazy: None, window: None };
         // Everything that can fail for a bad file comes before the old mapping is dropped.
         let data = match &file {
             Some(f) => {
@@ -738,6 +783,91 @@ impl Mm {
         Ok(start)
     }
 
+    /// A shared mapping at `start` (placed, and checked): a window of the file (or of a new memfd
+    /// for anonymous memory) that every process mapping it sees at once (see the module comment).
+    /// Up to [`LAZY_MAP_MIN`] its pages are pointed at the window now (page tables only; the first
+    /// touch of each page is then a fault inside KVM, not in the VMM); longer ones as the guest
+    /// touches them, like lazy file mappings.
+    fn mmap_shared(&mut self, sp: &mut Space, start: u64, len: u64, prot: u32, flags: u32, file: Option<MapFile>) -> Result<u64, Errno> {
+        let end = start + len;
+        let mut vma = Vma { end, prot, shared: true, name: String::new(), file: None, offset: 0, backing: None, lazy: None, window: None };
+        let (fd, offset, writable, is_file) = match &file {
+            Some(f) => {
+                if f.offset % PAGE_SIZE != 0 {
+                    return Err(EINVAL);
+                }
+                f.offset.checked_add(len).filter(|&e| e <= i64::MAX as u64).ok_or(EOVERFLOW)?;
+                let (id, _) = check_file(f.fd, prot, true)?;
+                vma.file = Some(id);
+                vma.offset = f.offset;
+                vma.name = f.name.clone();
+                (Arc::new(dup_cloexec(f.fd)?), f.offset, file_writable(f.fd), true)
+            }
+            // A file size limit below the length answers EFBIG here: no memory for it.
+            None => (Arc::new(crate::vstate::shared::memfd(len).map_err(|_| ENOMEM)?), 0, true, false),
+        };
+        // Past the cap of windows per process, or of guest-physical room: ENOMEM, as Linux
+        // answers past vm.max_map_count.
+        let gpa = sp.mem.windows.map(fd.clone(), offset, len, writable, is_file).map_err(|_| ENOMEM)?;
+        vma.lazy = Some(MapFd(fd));
+        vma.window = Some(gpa);
+        let drop_window = |sp: &mut Space| sp.mem.windows.retain(|w| w.gpa != gpa);
+        if flags & MAP_FIXED != 0 {
+            if let Err(e) = self.unmap_range(sp, start, end) {
+                drop_window(sp);
+                return Err(e);
+            }
+        }
+        self.maybe_lazy = true;
+        if len <= LAZY_MAP_MIN {
+            let shown = LazyArea::of(start, &vma).map(|a| a.file_end()).transpose()?.unwrap_or(start);
+            if map_window_pages(sp, start, shown, gpa, prot, &Default::default()) != Fault::Resolved {
+                drop_window(sp);
+                return Err(ENOMEM);
+            }
+        }
+        self.insert(start, vma);
+        Ok(start)
+    }
+
+    /// Unmap the windows that no VMA maps any more (after munmap, mremap, a MAP_FIXED mapping over
+    /// them, execve): their KVM slots go before the guest runs again (`KvmVm::sync_windows`).
+    pub fn drop_unused_windows(&mut self, mem: &mut GuestMemory) {
+        if !std::mem::take(&mut self.windows_unmapped) {
+            return;
+        }
+        let used: Vec<(u64, u64)> = self.vmas.iter().filter_map(|(s, v)| v.window.map(|w| (w, w + (v.end - s)))).collect();
+        mem.windows.retain(|w| used.iter().any(|&(a, b)| a < w.gpa + w.len && w.gpa < b));
+    }
+
+    /// How many shared mappings (windows) the process has.
+    pub fn shared_count(mem: &GuestMemory) -> usize {
+        mem.windows.len()
+    }
+
+    /// In a new sandbox forked from this one (`fork_group`, a clone of a live sandbox; not a guest
+    /// fork): no window may stay shared with the parent sandbox. A window of a file that
+    /// `persist::privatize` gave this sandbox its own copy of maps that copy now, at the same host
+    /// address; any other writable window (shared anonymous memory, a file unlinked since) maps a
+    /// new memfd holding a copy of what it showed. Read-only windows stay: nothing can write them
+    /// through this sandbox or the parent's mapping of them.
+    pub fn privatize_windows(&mut self, mem: &mut GuestMemory) -> std::io::Result<()> {
+        let windows: Vec<(u64, u64, Arc<OwnedFd>)> =
+            mem.windows.iter().filter(|w| w.writable).map(|w| (w.gpa, w.len, w.fd.clone())).collect();
+        for (gpa, len, old) in windows {
+            let in_window = |v: &Vma| v.window.is_some_and(|w| w >= gpa && w < gpa + len);
+            let now = self.vmas.values().filter(|v| in_window(v)).find_map(|v| v.lazy.as_ref().map(|l| l.0.clone()));
+            let new = match now {
+                Some(fd) if !Arc::ptr_eq(&fd, &old) => mem.windows.replace(gpa, Some(fd))?,
+                _ => mem.windows.replace(gpa, None)?,
+            };
+            for v in self.vmas.values_mut().filter(|v| in_window(v)) {
+                v.lazy = Some(MapFd(new.clone()));
+            }
+        }
+        Ok(())
+    }
+
     /// munmap(2).
     pub fn munmap(&mut self, sp: &mut Space, addr: u64, len: u64) -> Result<u64, Errno> {
         if len == 0 {
@@ -760,6 +890,16 @@ impl Mm {
         }
         if !self.covered(addr, end) {
             return Err(ENOMEM);
+        }
+        // A shared mapping of a file opened read-only never becomes writable (EACCES, as on Linux).
+        if prot & PROT_WRITE != 0 {
+            let from = self.vmas.range(..addr).next_back().map(|(s, _)| *s).unwrap_or(addr);
+            let read_only = self.vmas.range(from..end).any(|(s, v)| {
+                v.end > addr && *s < end && v.window.is_some_and(|w| !sp.mem.windows.find(w).is_some_and(|w| w.writable))
+            });
+            if read_only {
+                return Err(EACCES);
+            }
         }
         self.split(addr);
         self.split(end);
@@ -825,6 +965,14 @@ impl Mm {
         let mut tmpl = v.clone();
         if tmpl.file.is_some() {
             tmpl.offset += old - vstart;
+        }
+        if let Some(w) = tmpl.window.as_mut() {
+            *w += old - vstart;
+            // Growing a shared mapping would need a larger window: not offered (moving and
+            // shrinking are).
+            if new_len > old_len {
+                return Err(ENOMEM);
+            }
         }
         if flags & MREMAP_FIXED != 0 {
             if new_addr % PAGE_SIZE != 0 {
@@ -919,7 +1067,7 @@ impl Mm {
             let anon: Vec<(u64, u64)> = self
                 .vmas
                 .range(..end)
-                .filter(|(s, v)| v.end > addr && **s < end && v.file.is_none())
+                .filter(|(s, v)| v.end > addr && **s < end && v.file.is_none() && v.window.is_none())
                 .map(|(s, v)| ((*s).max(addr), v.end.min(end)))
                 .collect();
             for (s, e) in anon {
@@ -1248,6 +1396,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
     };
     let stale = sp.stale;
     ctx.stale_frames.extend(stale);
+    os.mm.drop_unused_windows(ctx.mem);
     // Later accesses of this syscall to guest memory see the mappings as they are now.
     ctx.lazy = os.mm.lazy_areas();
     Some(r)

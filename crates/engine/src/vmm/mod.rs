@@ -326,6 +326,7 @@ impl Machine {
                 }
             }
             self.cover_frames()?;
+            self.vm.sync_windows(&self.mem)?;
             let exit = match self.vcpu.run() {
                 Ok(VcpuExit::IoOut(port, data)) => {
                     let mut v = [0u8; 4];
@@ -490,6 +491,15 @@ impl Machine {
 
     pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(Error::sys("create snapshot directory"))?;
+        // Shared mappings live outside guest memory, in host mappings of the sandbox's files and
+        // memfds that a snapshot file cannot hold (see `guestos::mm`).
+        let shared = guestos::mm::Mm::shared_count(&self.mem);
+        if shared > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "the guest has {shared} shared memory mapping(s) (MAP_SHARED: multiprocessing, shared_memory, mmap of a file); \
+                 a snapshot cannot hold them: end the processes that use them, or unmap them, before the snapshot"
+            )));
+        }
         if let Some(os) = &self.os {
             // The state file cannot hold the descriptors lazy file mappings read their pages
             // from: the memory file holds the pages instead.
@@ -525,6 +535,8 @@ impl Machine {
         process::kill_children(self);
         self.sync_dirty()?;
         let dirty_pages = self.mem.discard_private()?;
+        // The template had no shared mappings (a snapshot refuses them): every one is new.
+        self.mem.windows.clear();
         vcpu.restore(&self.vcpu)?;
         self.runtime = runtime;
         self.exited = None;
@@ -810,12 +822,14 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Op
     let privatized = match m.os.as_mut() {
         Some(os) => {
             guestos::misc::diverge(os);
-            crate::guestos::persist::privatize(os, &m.scratch).map_err(|e| match e {
-                Error::Sys { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => Error::InvalidArgument(format!(
-                    "the parent's writable mounts do not fit in the child's disk quota ({source}); give the child a larger quota"
-                )),
-                e => e,
-            })
+            crate::guestos::persist::privatize(os, &m.scratch)
+                .and_then(|_| os.mm.privatize_windows(&mut m.mem).map_err(Error::sys("copy a shared mapping for a forked sandbox")))
+                .map_err(|e| match e {
+                    Error::Sys { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => Error::InvalidArgument(format!(
+                        "the parent's writable mounts do not fit in the child's disk quota ({source}); give the child a larger quota"
+                    )),
+                    e => e,
+                })
         }
         None => Ok(()),
     };

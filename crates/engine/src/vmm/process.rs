@@ -658,6 +658,7 @@ fn exec(
     let Some(os) = m.os.as_mut() else { return Ok(None) };
     let mut sp = Space::new(&mut m.mem, &mut m.runtime.frames, &m.runtime.aspace);
     let unmapped = os.mm.unmap_range(&mut sp, 0, TASK_SIZE);
+    os.mm.drop_unused_windows(&mut m.mem);
     // Every user translation was removed and the frames are about to be reused.
     crate::vstate::tlb::flush_guest_tlb(&mut m.vm, &mut m.mem)?;
     let img = unmapped.and_then(|_| exec::commit(os, &mut m.mem, &mut m.runtime.frames, &m.runtime.aspace, prepared, &envp));
