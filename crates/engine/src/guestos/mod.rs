@@ -10,12 +10,14 @@
 //! - [`misc`]: identity, time, randomness, limits, signals bookkeeping, thread-area setup.
 //! - [`signal`]: signals (generation, handler frames, sigreturn), kill, and waiting for children.
 //! - [`crng`]: the sandbox CRNG every guest random byte comes from (seedable for replays).
+//! - [`futex_shared`]: futexes on shared pages, which wake waiters in other guest processes.
 //!
 //! A syscall nobody services returns ENOSYS and is counted per number, so gaps show up in reports.
 
 pub mod crng;
 pub mod exec;
 pub mod files;
+pub mod futex_shared;
 pub mod misc;
 pub mod mm;
 pub mod persist;

@@ -646,6 +646,7 @@ fn pidfd_open(pid: i32) -> Result<OwnedFd> {
 
 fn exit_process(code: i32) -> ! {
     crate::guestos::sched::leave();
+    crate::guestos::futex_shared::leave();
     // SAFETY: _exit never returns; skipping atexit handlers is deliberate (the launcher may be a Python
     // interpreter whose teardown we do not want to run in a VMM process).
     unsafe { libc::_exit(code) }

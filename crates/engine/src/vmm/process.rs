@@ -274,6 +274,7 @@ pub(super) fn serving(m: &mut Machine, chan: &Channel, pool: &Pool) {
         let next = host::next_pid().or(m.os.as_ref().map(|os| os.proc.next_pid)).unwrap_or(2);
         host::new_process_count(next);
         crate::guestos::sched::new_tree(m.os.as_ref().map_or(1, |os| os.proc.pid));
+        crate::guestos::futex_shared::new_tree();
         // SAFETY: plain prctl on this process.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     }
@@ -443,6 +444,7 @@ fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, guest_pid: i32, 
     }
     host::reset_child();
     crate::guestos::sched::child_started(guest_pid);
+    crate::guestos::futex_shared::child_started();
     // No core files on the host when the guest dies by a core-dumping signal (RLIMIT_CORE is 0
     // in the guest too, so the wait status carries no core flag either way).
     let no_core = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
@@ -515,6 +517,7 @@ fn child_loop(m: &mut Machine) -> ! {
 /// End this process by host signal `sig`, so that its parent's wait sees WIFSIGNALED.
 fn die_by(sig: i32) -> ! {
     crate::guestos::sched::leave();
+    crate::guestos::futex_shared::leave();
     // SAFETY: resetting and unblocking `sig`, then sending it to ourselves; SIGKILL if it did not
     // end us (it always does: the guest only dies by terminating signals).
     unsafe {
@@ -555,6 +558,7 @@ pub(super) fn kill_children(m: &mut Machine) {
         // The process budget starts over with the world (see `host::reset_process_count`).
         host::reset_process_count();
         crate::guestos::sched::reset();
+        crate::guestos::futex_shared::reset();
     }
 }
 
