@@ -31,13 +31,44 @@
 //! invalidates them before the guest runs again. Granting more access needs nothing, and neither
 //! does reading in a page that was not present.
 //!
+//! Shared mappings (MAP_SHARED of a file, including /dev/shm and /tmp on the sandbox's tmpfs;
+//! MAP_SHARED|MAP_ANONYMOUS, also of /dev/zero) are truly shared. Each guest process is a VMM
+//! process of its own whose guest memory is `MAP_PRIVATE` (a host fork copies it), so a shared
+//! mapping cannot live there: it gets a window (`vstate::shared`), a host `MAP_SHARED` mapping of
+//! the file's host descriptor (of a new memfd for anonymous memory) at guest-physical addresses of
+//! its own, in a KVM memory slot of its own, and its VMA records where ([`Vma::window`]). Its pages
+//! point into the window and never take frames; every process mapping the file, and every guest
+//! fork child of the process that mapped it (the host fork keeps the window shared, and the child's
+//! new VM gets the same slots), sees every write at once, with no msync: msync only checks its
+//! arguments. Two mappings of one file in one process are two windows, coherent through the host
+//! page cache. Up to [`LAZY_MAP_MIN`] the pages are pointed at the window at mmap (page tables
+//! only: a first touch is then a fault inside KVM, not in the VMM); longer mappings, like lazy file
+//! mappings, when first touched (the [`Fault`] path; their VMAs carry the window's descriptor in
+//! [`Vma::lazy`], so syscall buffers in pages not yet pointed anywhere are read from the file).
+//! munmap, mprotect, partial unmaps and mremap that moves or shrinks work on them as on other
+//! mappings; a window goes (its slot deleted before the guest runs again) when no VMA maps any of
+//! it ([`Mm::drop_unused_windows`]), so execve and exit drop them all. Limits: at most
+//! `vstate::shared::MAX_WINDOWS` shared mappings per process (mmap answers ENOMEM beyond, as Linux
+//! does past vm.max_map_count); mremap cannot grow a shared mapping (ENOMEM), nor duplicate one
+//! (old_len 0: EINVAL); mprotect cannot make a shared mapping of a file opened read-only writable
+//! (EACCES, as on Linux). A file that shrinks under a mapping: the guest's accesses past the new end
+//! of pages it had touched before are refused by KVM (the run fails) rather than raising SIGBUS in
+//! the guest; the VMM's own accesses check the size first (EFAULT).
+//!
+//! How the sandbox-level operations treat shared mappings:
+//! - **Snapshots** (template bakes, `snapshot`) refuse a guest that has any (a clear error: end the
+//!   processes that use them, or unmap them, first): their contents live in host mappings of files
+//!   and memfds that a snapshot's memory file does not hold. A template therefore never has any.
+//! - **Forks of a sandbox** (`fork_group`, a clone of a live sandbox, a spare) are separate
+//!   sandboxes: a child's windows stop being shared with the parent's before it runs
+//!   ([`Mm::privatize_windows`]). A window of a file follows the file, of which each sandbox has
+//!   its own copy (`persist::privatize` copied the writable mounts and reopened the mapped files):
+//!   it maps the child's copy now. Shared anonymous memory (and a file unlinked since it was
+//!   mapped) gets a copy of its contents at the fork, in a new memfd: the child's processes go on
+//!   sharing it among themselves, not with the parent's. Read-only windows stay as they are.
+//! - **Resets** go back to the template, which has none: every window goes.
+//!
 //! Simplifications, all deliberate for now:
-//! - A shared file mapping is a copy of the file taken at mmap time (for a lazy one: when each page
-//!   is read in) whose written pages (the dirty bits KVM sets in the guest's page tables) go back to
-//!   the file at msync, munmap, execve and exit: not at once, and not when the process dies by a
-//!   signal, and other processes mapping the same file see their own copies. Shared anonymous
-//!   memory is not shared across a fork. A snapshot keeps the copy but not the way back to the
-//!   file; it reads in every page of the lazy mappings first ([`Mm::read_in_lazy`]).
 //! - MADV_DONTNEED zeroes private anonymous pages (as Linux does); on file mappings it leaves the
 //!   contents alone instead of reloading them from the file, except in lazy ones, where it drops
 //!   the pages and the next access reads the file again (as Linux does).
@@ -115,16 +146,13 @@ pub struct Vma {
     pub end: u64,
     /// PROT_* bits.
     pub prot: u32,
-    /// Asked for with MAP_SHARED (served as private, see the module comment).
+    /// Asked for with MAP_SHARED (a window: see the module comment).
     pub shared: bool,
     /// What /proc/self/maps shows: a guest path, "[heap]", "[stack]" or "" for anonymous memory.
     pub name: String,
     /// The mapped file and the file offset of `start`; `None` for anonymous memory.
     pub file: Option<FileId>,
     pub offset: u64,
-    /// A shared mapping of a file opened for writing: where its written pages go back.
-    #[serde(skip)]
-    pub backing: Option<MapFd>,
     /// A file mapping longer than [`LAZY_MAP_MIN`]: where pages that have no frame yet are read
     /// from. A snapshot does not keep it (see [`Mm::read_in_lazy`]). Every shared mapping has
     /// one too: the file (or memfd) of its window.
@@ -151,12 +179,9 @@ impl PartialEq for MapFd {
 }
 impl Eq for MapFd {}
 
-/// The page-table entry's dirty bit: KVM sets it in the guest's page tables when the guest writes.
-const PTE_DIRTY: u64 = 1 << 6;
-
 impl Vma {
     pub fn anon(end: u64, prot: u32, name: &str) -> Vma {
-        Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0, backing: None, lazy: None, window: None }
+        Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0, lazy: None, window: None }
     }
 }
 
@@ -583,7 +608,6 @@ impl Mm {
                             && a.shared == b.shared
                             && a.name == b.name
                             && a.file == b.file
-                            && a.backing == b.backing
                             && a.lazy == b.lazy
                             && (a.file.is_none() || a.offset + (a.end - c) == b.offset)
                             && a.window.map(|w| w + (a.end - c)) == b.window
@@ -657,9 +681,6 @@ impl Mm {
         if start >= end {
             return Ok(());
         }
-        // Written pages of a shared file mapping reach the file before they go (an error cannot
-        // stop the unmap: Linux writes back later and reports nothing to munmap either).
-        let _ = self.write_back(sp, start, end);
         self.split(start);
         self.split(end);
         let keys: Vec<u64> = self.vmas.range(start..end).map(|(s, _)| *s).collect();
@@ -734,7 +755,7 @@ impl Mm {
             return self.mmap_shared(sp, start, len, prot, flags, file);
         }
         let end = start + len;
-        let mut vma = Vma { end, prot, shared, name: String::new(), file: None, offset: 0, backing: None, lazy: None, window: None };
+        let mut vma = Vma { end, prot, shared, name: String::new(), file: None, offset: 0, lazy: None, window: None };
         // Everything that can fail for a bad file comes before the old mapping is dropped.
         let data = match &file {
             Some(f) => {
@@ -743,15 +764,8 @@ impl Mm {
                 }
                 f.offset.checked_add(len).ok_or(EOVERFLOW)?;
                 let (id, size) = check_file(f.fd, prot, shared)?;
-                if shared && file_writable(f.fd) {
-                    vma.backing = Some(MapFd(Arc::new(dup_cloexec(f.fd)?)));
-                }
                 if len > LAZY_MAP_MIN {
-                    let fd = match &vma.backing {
-                        Some(MapFd(fd)) => fd.clone(),
-                        None => Arc::new(dup_cloexec(f.fd)?),
-                    };
-                    vma.lazy = Some(MapFd(fd));
+                    vma.lazy = Some(MapFd(Arc::new(dup_cloexec(f.fd)?)));
                 }
                 vma.file = Some(id);
                 vma.offset = f.offset;
@@ -790,7 +804,7 @@ impl Mm {
     /// touches them, like lazy file mappings.
     fn mmap_shared(&mut self, sp: &mut Space, start: u64, len: u64, prot: u32, flags: u32, file: Option<MapFile>) -> Result<u64, Errno> {
         let end = start + len;
-        let mut vma = Vma { end, prot, shared: true, name: String::new(), file: None, offset: 0, backing: None, lazy: None, window: None };
+        let mut vma = Vma { end, prot, shared: true, name: String::new(), file: None, offset: 0, lazy: None, window: None };
         let (fd, offset, writable, is_file) = match &file {
             Some(f) => {
                 if f.offset % PAGE_SIZE != 0 {
@@ -954,7 +968,7 @@ impl Mm {
         let old_len = page_up(old_len).ok_or(EINVAL)?;
         let new_len = page_up(new_len).filter(|&l| l != 0 && l <= MAX_MAP).ok_or(EINVAL)?;
         if old_len == 0 {
-            // Duplicating a shared mapping: not supported (mappings are never really shared).
+            // Duplicating a shared mapping: not offered.
             return Err(EINVAL);
         }
         let old_end = old.checked_add(old_len).filter(|&e| e <= TASK_SIZE).ok_or(EFAULT)?;
@@ -1076,7 +1090,7 @@ impl Mm {
                 }
             }
             // Lazy file mappings drop their pages: the next access reads the file again, as on
-            // Linux (after the written pages of a shared one have reached the file).
+            // Linux (a shared one's pages are the file's: they are mapped again as they are).
             let lazy: Vec<(u64, u64)> = self
                 .vmas
                 .range(..end)
@@ -1084,42 +1098,15 @@ impl Mm {
                 .map(|(s, v)| ((*s).max(addr), v.end.min(end)))
                 .collect();
             for (s, e) in lazy {
-                self.write_back(sp, s, e)?;
                 Self::unmap_pages(sp, s, e)?;
             }
         }
         Ok(0)
     }
 
-    /// Write the written pages of shared file mappings in [start, end) back to their files.
-    pub fn write_back(&self, sp: &Space, start: u64, end: u64) -> Result<(), Errno> {
-        let from = self.vmas.range(..start).next_back().map(|(s, _)| *s).unwrap_or(start);
-        for (&vstart, v) in self.vmas.range(from..end) {
-            let Some(MapFd(fd)) = &v.backing else { continue };
-            let (s, e) = (vstart.max(start), v.end.min(end));
-            if s >= e {
-                continue;
-            }
-            let size = file_size(fd.as_raw_fd())?;
-            let mut page = [0u8; PAGE_SIZE as usize];
-            for (va, pte) in sp.aspace.present_pages(sp.mem, s, e).map_err(errno_of)? {
-                let off = v.offset + (va - vstart);
-                if pte & PTE_DIRTY == 0 || off >= size {
-                    continue; // untouched, or past the end of the file (Linux never writes those)
-                }
-                sp.mem.read(pte & ADDR_MASK, &mut page).map_err(errno_of)?;
-                let n = (size - off).min(PAGE_SIZE) as usize;
-                // SAFETY: pwrite of `n` bytes of a buffer we own, to a descriptor we hold.
-                if unsafe { libc::pwrite(fd.as_raw_fd(), page.as_ptr().cast(), n, off as i64) } < 0 {
-                    return Err(Errno::last());
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// msync(2): the written pages of shared file mappings in the range go back to their files.
-    pub fn msync(&self, sp: &Space, addr: u64, len: u64, flags: u64) -> Result<u64, Errno> {
+    /// msync(2): checks only. A shared mapping's pages are its file's pages (see the module
+    /// comment), so there is nothing to write back.
+    pub fn msync(&self, addr: u64, len: u64, flags: u64) -> Result<u64, Errno> {
         const MS_ASYNC: u64 = 1;
         const MS_INVALIDATE: u64 = 2;
         const MS_SYNC: u64 = 4;
@@ -1130,7 +1117,6 @@ impl Mm {
         if !self.covered(addr, end) {
             return Err(ENOMEM);
         }
-        self.write_back(sp, addr, end)?;
         Ok(0)
     }
 
@@ -1385,7 +1371,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         SYS_BRK => Ok(os.mm.brk(&mut sp, a[0])),
         SYS_MREMAP => os.mm.mremap(&mut sp, a[0], a[1], a[2], a[3], a[4]),
         SYS_MADVISE => os.mm.madvise(&mut sp, a[0], a[1], a[2]),
-        SYS_MSYNC => os.mm.msync(&sp, a[0], a[1], a[2]),
+        SYS_MSYNC => os.mm.msync(a[0], a[1], a[2]),
         SYS_MINCORE => match os.mm.mincore(&sp, a[0], a[1]) {
             Ok(v) => return Some(ctx.write(a[2], &v).map(|_| 0)),
             Err(e) => Err(e),
@@ -1868,28 +1854,6 @@ mod tests {
     }
 
     #[test]
-    fn shared_lazy_mappings_write_back_only_present_written_pages() {
-        let f = Sparse::new(BIG, &[(4096, b"......"), (50 << 20, b"untouched")]);
-        let mut t = T::new();
-        let (a, _) = t.op(|mm, sp| mm.mmap(sp, AT, BIG, RW, MAP_SHARED | MAP_FIXED, Some(f.map())).unwrap());
-        let v = t.mm.vma_at(a).unwrap().1.clone();
-        let (Some(MapFd(l)), Some(MapFd(b))) = (&v.lazy, &v.backing) else { panic!("{v:?}") };
-        assert!(Arc::ptr_eq(l, b), "one descriptor for both");
-        assert_eq!(t.fault(a + 4096, Access::Write), Fault::Resolved);
-        t.write(a + 4096, b"SHARED");
-        // The dirty bit KVM would set on the guest's write.
-        t.aspace.set_flags(&mut t.mem, a + 4096, pte_flags(RW) | PTE_DIRTY).unwrap();
-        assert_eq!(t.op(|mm, sp| mm.msync(sp, a, BIG, 4)).0, Ok(0));
-        assert_eq!(f.bytes(4096, 6), b"SHARED");
-        assert_eq!(f.bytes(50 << 20, 9), b"untouched");
-        assert_eq!(f.file.metadata().unwrap().len(), BIG);
-        // MADV_DONTNEED writes back before it drops.
-        t.write(a + 4096, b"AGAIN!");
-        assert_eq!(t.op(|mm, sp| mm.madvise(sp, a, FAULT_AROUND, MADV_DONTNEED)).0, Ok(0));
-        assert_eq!(f.bytes(4096, 6), b"AGAIN!");
-    }
-
-    #[test]
     fn out_of_frames_in_a_lazy_mapping() {
         let f = Sparse::new(BIG, &[]);
         let mut t = T::new();
@@ -1935,6 +1899,111 @@ mod tests {
         // Only the pages are saved, not the descriptor.
         let saved: Mm = postcard::from_bytes(&postcard::to_stdvec(&t.mm).unwrap()).unwrap();
         assert!(saved.vmas.values().all(|v| v.lazy.is_none()) && !saved.maybe_lazy);
+    }
+
+    const SHARED_ANON: u32 = MAP_SHARED | MAP_ANONYMOUS;
+
+    #[test]
+    fn shared_anonymous_memory_lives_in_a_window_and_survives_partial_unmaps_and_moves() {
+        use crate::vstate::shared::WINDOW_BASE;
+        let mut t = T::new();
+        let before = t.frames.available();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 3 * PAGE_SIZE, RW, SHARED_ANON, None).unwrap());
+        assert!(before - t.frames.available() <= 3, "page tables only, no frames");
+        let pa = t.aspace.translate(&t.mem, a).unwrap().0;
+        assert!(pa >= WINDOW_BASE);
+        assert!(t.mm.maps().contains(" rw-s "));
+        t.write(a + 5, b"hi");
+        t.write(a + 2 * PAGE_SIZE, b"end");
+        // What the guest wrote is in the window's host pages (which a forked child shares).
+        let w = t.mem.windows.find(pa).unwrap();
+        let mut b = [0u8; 3];
+        std::os::unix::fs::FileExt::read_exact_at(&std::fs::File::from(w.fd.try_clone().unwrap()), &mut b, 2 * PAGE_SIZE).unwrap();
+        assert_eq!(&b, b"end");
+        // A partial unmap keeps the window; a move keeps pointing into it; growing is refused.
+        let (r, stale) = t.op(|mm, sp| mm.munmap(sp, a + PAGE_SIZE, PAGE_SIZE));
+        assert_eq!(r, Ok(0));
+        assert!(stale, "the unmapped page's translation must be dropped");
+        t.mm.drop_unused_windows(&mut t.mem);
+        assert_eq!(t.mem.windows.len(), 1);
+        assert_eq!(t.frames.available() + 3 >= before, true, "no frame was given back that was not ours");
+        let dest = 0x2000_0000;
+        let (r, _) = t.op(|mm, sp| mm.mremap(sp, a + 2 * PAGE_SIZE, PAGE_SIZE, PAGE_SIZE, MREMAP_MAYMOVE | MREMAP_FIXED, dest));
+        assert_eq!(r, Ok(dest));
+        assert_eq!(t.aspace.translate(&t.mem, dest).unwrap().0, pa + 2 * PAGE_SIZE);
+        assert_eq!(t.read(dest, 3), b"end");
+        assert_eq!(t.op(|mm, sp| mm.mremap(sp, dest, PAGE_SIZE, 2 * PAGE_SIZE, MREMAP_MAYMOVE, 0)).0, Err(ENOMEM));
+        // MADV_DONTNEED leaves shared contents alone (they are the memfd's).
+        assert_eq!(t.op(|mm, sp| mm.madvise(sp, a, PAGE_SIZE, MADV_DONTNEED)).0, Ok(0));
+        assert_eq!(t.op(|mm, sp| mm.fault(sp, a, Access::Read)).0, Fault::Resolved);
+        assert_eq!(t.read(a + 5, 2), b"hi");
+        // Unmapping the rest drops the window.
+        t.op(|mm, sp| mm.munmap(sp, a, PAGE_SIZE).unwrap());
+        t.mm.drop_unused_windows(&mut t.mem);
+        assert_eq!(t.mem.windows.len(), 1, "the moved page still maps it");
+        t.op(|mm, sp| mm.munmap(sp, dest, PAGE_SIZE).unwrap());
+        t.mm.drop_unused_windows(&mut t.mem);
+        assert!(t.mem.windows.is_empty());
+    }
+
+    #[test]
+    fn shared_file_mappings_are_the_file() {
+        let f = Sparse::new(PAGE_SIZE + 10, &[(0, b"head")]);
+        let mut t = T::new();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 4 * PAGE_SIZE, RW, MAP_SHARED, Some(f.map())).unwrap());
+        let (b, _) = t.op(|mm, sp| mm.mmap(sp, 0, 2 * PAGE_SIZE, RW, MAP_SHARED, Some(f.map())).unwrap());
+        assert_eq!(t.read(a, 4), b"head");
+        t.write(a + 1, b"EA");
+        assert_eq!(f.bytes(0, 4), b"hEAd", "the file, at once (no msync)");
+        assert_eq!(t.read(b, 4), b"hEAd", "another mapping of it too");
+        use std::os::unix::fs::FileExt;
+        f.file.write_all_at(b"pw", PAGE_SIZE).unwrap();
+        assert_eq!(t.read(a + PAGE_SIZE, 2), b"pw");
+        assert_eq!(t.mm.msync(a, PAGE_SIZE, 4), Ok(0));
+        // Pages wholly past the end of the file: not mapped, and a touch is SIGBUS.
+        assert!(t.flags(a + 2 * PAGE_SIZE).is_none());
+        assert_eq!(t.op(|mm, sp| mm.fault(sp, a + 2 * PAGE_SIZE, Access::Read)).0, Fault::Bus);
+        // The file grows: the page shows it.
+        f.file.set_len(3 * PAGE_SIZE).unwrap();
+        assert_eq!(t.op(|mm, sp| mm.fault(sp, a + 2 * PAGE_SIZE, Access::Write)).0, Fault::Resolved);
+        // A descriptor opened read-only: a read-only shared view, never made writable.
+        let ro = std::fs::File::open(f.dir.join("f")).unwrap();
+        let map = |fd: &std::fs::File| MapFile { fd: fd.as_raw_fd(), offset: 0, name: "/ro".into() };
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, RW, MAP_SHARED, Some(map(&ro)))).0, Err(EACCES));
+        let (c, _) = t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, PROT_READ, MAP_SHARED, Some(map(&ro))).unwrap());
+        assert_eq!(t.read(c, 4), b"hEAd");
+        assert_eq!(t.op(|mm, sp| mm.mprotect(sp, c, PAGE_SIZE, RW)).0, Err(EACCES));
+        assert_eq!(t.op(|mm, sp| mm.mprotect(sp, c, PAGE_SIZE, PROT_NONE)).0, Ok(0));
+        assert_eq!(t.mem.windows.len(), 3);
+        // A fork of the sandbox: the shared anonymous and unlinked ones get copies; read-only stay.
+        let (d, _) = t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, RW, SHARED_ANON, None).unwrap());
+        t.write(d, b"anon");
+        let old = t.mem.windows.find(t.aspace.translate(&t.mem, d).unwrap().0).unwrap().fd.clone();
+        t.mm.privatize_windows(&mut t.mem).unwrap();
+        assert_eq!(t.read(d, 4), b"anon");
+        t.write(d, b"mine");
+        let mut buf = [0u8; 4];
+        std::fs::File::from(old.try_clone().unwrap()).read_exact_at(&mut buf, 0).unwrap();
+        assert_eq!(&buf, b"anon", "the parent's memfd is no longer written");
+        t.write(a, b"H");
+        assert_eq!(f.bytes(0, 1), b"h", "nor the parent's file (this test has no copy of it: a memfd)");
+        assert_eq!(t.op(|mm, sp| mm.mprotect(sp, c, PAGE_SIZE, PROT_READ)).0, Ok(0));
+        assert_eq!(t.read(c, 1), b"h", "a read-only window still shows the file");
+    }
+
+    #[test]
+    fn too_many_shared_mappings_answer_enomem() {
+        use crate::vstate::shared::MAX_WINDOWS;
+        let mut t = T::new();
+        for _ in 0..MAX_WINDOWS {
+            t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, RW, SHARED_ANON, None).unwrap());
+        }
+        let before = t.frames.available();
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, RW, SHARED_ANON, None)).0, Err(ENOMEM));
+        assert_eq!(t.frames.available(), before);
+        assert_eq!(t.mm.vmas.len(), MAX_WINDOWS, "no VMA for the refused one");
+        // Private memory is not limited by it.
+        t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, RW, ANON, None).unwrap());
     }
 
     #[test]

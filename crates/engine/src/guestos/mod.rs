@@ -370,9 +370,6 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
     let a = [ctx.regs.rdi, ctx.regs.rsi, ctx.regs.rdx, ctx.regs.r10, ctx.regs.r8, ctx.regs.r9];
     let res = match nr {
         nr::EXIT | nr::EXIT_GROUP => {
-            // The written pages of shared file mappings reach their files, as at any exit.
-            let sp = mm::Space::new(&mut *ctx.mem, &mut *ctx.frames, ctx.aspace);
-            let _ = os.mm.write_back(&sp, 0, u64::MAX);
             return Some(RunExit::Exited { code: a[0] as i32 });
         }
         nr::YIELD => {

@@ -83,20 +83,25 @@ impl Window {
         }
     }
 
-    /// Whether [at, at + len) of the window lies in pages that show the file (not wholly past its
-    /// end, where a host access would raise SIGBUS).
-    fn in_file(&self, at: u64, len: u64) -> bool {
+    /// How many bytes from the window's start lie in pages that show the file (not wholly past
+    /// its end, where a host access would raise SIGBUS): all of it for a memfd of ours.
+    fn shown(&self) -> u64 {
         if !self.file {
-            return true;
+            return self.len;
         }
         // SAFETY: a zeroed stat is valid; fstat on a descriptor we own, the result is checked.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
         if unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) } != 0 {
-            return false;
+            return 0;
         }
-        let shown = (st.st_size as u64).div_ceil(PAGE_SIZE) * PAGE_SIZE;
-        self.offset.saturating_add(at).saturating_add(len) <= shown
+        let pages = (st.st_size as u64).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        pages.saturating_sub(self.offset).min(self.len)
+    }
+
+    /// Whether [at, at + len) of the window lies in pages that show the file.
+    fn in_file(&self, at: u64, len: u64) -> bool {
+        at.saturating_add(len) <= self.shown()
     }
 }
 
@@ -226,15 +231,15 @@ impl Windows {
             None => {
                 let copy = memfd(w.len)?;
                 // Only the pages that show the file are read (the others would raise SIGBUS).
+                let shown = w.shown();
+                let out = std::fs::File::from(copy.try_clone()?);
                 let mut at = 0;
-                while at < w.len {
-                    let n = (w.len - at).min(1 << 20);
-                    if w.in_file(at, n) {
-                        // SAFETY: [at, at + n) lies inside the live mapping, in pages the file backs.
-                        let src = unsafe { std::slice::from_raw_parts(w.ptr.add(at as usize), n as usize) };
-                        if src.iter().any(|&b| b != 0) {
-                            std::os::unix::fs::FileExt::write_all_at(&std::fs::File::from(copy.try_clone()?), src, at)?;
-                        }
+                while at < shown {
+                    let n = (shown - at).min(1 << 20);
+                    // SAFETY: [at, at + n) lies inside the live mapping, in pages the file backs.
+                    let src = unsafe { std::slice::from_raw_parts(w.ptr.add(at as usize), n as usize) };
+                    if src.iter().any(|&b| b != 0) {
+                        std::os::unix::fs::FileExt::write_all_at(&out, src, at)?;
                     }
                     at += n;
                 }
