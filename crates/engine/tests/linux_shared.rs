@@ -14,13 +14,15 @@ fn sandbox(name: &str) -> PathBuf {
     let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("linux-shared-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(d.join("work")).unwrap();
+    std::fs::create_dir_all(d.join("shm")).unwrap();
     d
 }
 
 fn run_py(root: &Path, work: &Path, code: &str) -> RunResult {
     let s = SpawnSpec {
         root: root.to_path_buf(),
-        mounts: vec![("/work".into(), work.to_path_buf())],
+        // /dev/shm as in the SDK's sandboxes: sem_open and multiprocessing's heap live there.
+        mounts: vec![("/work".into(), work.to_path_buf()), ("/dev/shm".into(), work.with_file_name("shm"))],
         argv: vec![b"/usr/bin/python3".to_vec(), b"-c".to_vec(), code.as_bytes().to_vec()],
         envp: vec![b"PATH=/usr/bin:/bin".to_vec(), b"HOME=/root".to_vec(), b"LANG=C.UTF-8".to_vec()],
         cwd: "/work".into(),
@@ -69,4 +71,65 @@ fn shared_mappings_are_coherent_in_and_across_processes() {
         o,
         "pread sees the guest's write: b'pa'\nthe mapping sees pwrite: b'pahw'\ntwo mappings: b'pahwm2' b'pahwm2'\nafter fork: b'pahwm2ch' b'child'\n"
     );
+}
+
+const TRUNCATED: &str = r#"
+import mmap, os, signal
+fd = os.open("/work/t", os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 2 * mmap.PAGESIZE)
+m = mmap.mmap(fd, 2 * mmap.PAGESIZE)
+m[0] = 1; m[mmap.PAGESIZE] = 2
+pid = os.fork()
+if pid == 0:
+    os.ftruncate(fd, 0)
+    x = m[mmap.PAGESIZE]
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child", os.WIFSIGNALED(status) and os.WTERMSIG(status))
+print("parent goes on", os.pread(fd, 1, 0))
+"#;
+
+#[test]
+fn a_page_of_a_file_truncated_under_a_shared_mapping_is_sigbus_for_the_toucher() {
+    let Some(root) = python_rootfs() else {
+        eprintln!("no python rootfs built: skipping");
+        return;
+    };
+    let base = sandbox("truncated");
+    let o = out(&run_py(&root, &base.join("work"), TRUNCATED));
+    assert_eq!(o, "child 7\nparent goes on b''\n");
+}
+
+/// Outside replay mode (no reseed: the processes run in parallel on the host) a contended lock
+/// waits on the host and is woken by the other VMM process.
+const CONTENDED: &str = r#"
+import multiprocessing as mp, os, time
+mp.set_start_method("fork")
+N = 300
+def work(counter, lock):
+    for _ in range(N):
+        with lock:
+            v = counter.value
+            os.sched_yield()
+            counter.value = v + 1
+counter = mp.RawValue("i", 0)
+lock = mp.Lock()
+ps = [mp.Process(target=work, args=(counter, lock)) for _ in range(2)]
+for p in ps: p.start()
+for p in ps: p.join()
+print(counter.value, [p.exitcode for p in ps])
+s = mp.Semaphore(0)
+t = time.monotonic()
+print("timed out", s.acquire(timeout=0.2) is False, time.monotonic() - t >= 0.2)
+"#;
+
+#[test]
+fn a_contended_lock_excludes_and_wakes_across_processes_outside_replay() {
+    let Some(root) = python_rootfs() else {
+        eprintln!("no python rootfs built: skipping");
+        return;
+    };
+    let base = sandbox("contended");
+    let o = out(&run_py(&root, &base.join("work"), CONTENDED));
+    assert_eq!(o, "600 [0, 0]\ntimed out True True\n");
 }

@@ -51,9 +51,10 @@
 //! `vstate::shared::MAX_WINDOWS` shared mappings per process (mmap answers ENOMEM beyond, as Linux
 //! does past vm.max_map_count); mremap cannot grow a shared mapping (ENOMEM), nor duplicate one
 //! (old_len 0: EINVAL); mprotect cannot make a shared mapping of a file opened read-only writable
-//! (EACCES, as on Linux). A file that shrinks under a mapping: the guest's accesses past the new end
-//! of pages it had touched before are refused by KVM (the run fails) rather than raising SIGBUS in
-//! the guest; the VMM's own accesses check the size first (EFAULT).
+//! (EACCES, as on Linux). A file that shrinks under a mapping (another process truncates it): a
+//! guest access to a page now past the end makes KVM fail the run, and the process ends by SIGBUS
+//! as it would by Linux's default action, but a SIGBUS handler of its own does not run (the
+//! faulting address is not known there); the VMM's own accesses check the size first (EFAULT).
 //!
 //! How the sandbox-level operations treat shared mappings:
 //! - **Snapshots** (template bakes, `snapshot`) refuse a guest that has any (a clear error: end the

@@ -358,6 +358,13 @@ impl Machine {
                     }
                     None
                 }
+                // KVM could not reach the host page behind a guest page: with shared mappings,
+                // a page of a file that shrank under the mapping (another process truncated
+                // it). Linux raises SIGBUS there; the faulting address is not known here, so the
+                // process ends by SIGBUS (a handler of its own does not run: see `guestos::mm`).
+                Err(e) if e.errno() == libc::EFAULT && linux && self.mem.windows.iter().any(|w| w.file) => {
+                    return Ok(RunExit::Signaled { signo: crate::guestos::signal::SIGBUS });
+                }
                 Err(e) => return Err(Error::Kvm { op: "KVM_RUN", source: e }),
             };
             if let Some((port, value)) = exit {
