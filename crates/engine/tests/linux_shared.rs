@@ -133,3 +133,29 @@ fn a_contended_lock_excludes_and_wakes_across_processes_outside_replay() {
     let o = out(&run_py(&root, &base.join("work"), CONTENDED));
     assert_eq!(o, "600 [0, 0]\ntimed out True True\n");
 }
+
+#[test]
+fn a_snapshot_of_a_guest_with_shared_mappings_is_refused_with_a_clear_error() {
+    let Some(root) = python_rootfs() else {
+        eprintln!("no python rootfs built: skipping");
+        return;
+    };
+    let base = sandbox("snapshot");
+    let work = base.join("work");
+    let s = SpawnSpec {
+        root: root.to_path_buf(),
+        mounts: vec![("/work".into(), work.clone())],
+        argv: vec![b"/usr/bin/python3".to_vec(), b"-c".to_vec(), b"import mmap, time\nm = mmap.mmap(-1, 4096)\nprint('mapped', flush=True)\ntime.sleep(3600)".to_vec()],
+        envp: vec![b"PATH=/usr/bin:/bin".to_vec()],
+        cwd: "/work".into(),
+        ..Default::default()
+    };
+    let mut vm = Vm::spawn(&launcher(), &s, &VmConfig::default()).unwrap();
+    let r = vm.run(Duration::from_secs(5)).unwrap();
+    assert_eq!(r.exit, RunExit::Timeout, "{}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "mapped\n");
+    let err = vm.snapshot(&base.join("snap")).unwrap_err().to_string();
+    assert!(err.contains("shared memory mapping") && err.contains("before the snapshot"), "{err}");
+    // The guest goes on.
+    assert_eq!(vm.run(Duration::from_millis(200)).unwrap().exit, RunExit::Timeout);
+}

@@ -21,6 +21,7 @@
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::arch::x86_64::layout::PAGE_SIZE;
@@ -34,6 +35,15 @@ pub const WINDOW_SPACE: u64 = 1 << 38;
 /// VM, and a VM's slot lookups get slower with many), a host mapping and a host descriptor. A
 /// guest asking for more gets ENOMEM from mmap, as Linux answers past vm.max_map_count.
 pub const MAX_WINDOWS: usize = 256;
+/// The cap in force: [`MAX_WINDOWS`], or fewer if this host's KVM has fewer memory slots
+/// ([`limit_windows`]).
+static CAP: AtomicUsize = AtomicUsize::new(MAX_WINDOWS);
+
+/// At most `slots` windows per process (the KVM slots this host leaves for them).
+pub fn limit_windows(slots: usize) {
+    CAP.store(slots.min(MAX_WINDOWS), Ordering::Relaxed);
+}
+
 /// Windows are placed on 2 MiB boundaries (so that guest-physical and host addresses can agree
 /// modulo 2 MiB, which KVM needs to map a large page).
 const ALIGN: u64 = 2 << 20;
@@ -137,7 +147,7 @@ impl Windows {
     /// Map `len` bytes (page multiple) of `fd` from `offset` shared; returns the window's
     /// guest-physical start.
     pub fn map(&mut self, fd: Arc<OwnedFd>, offset: u64, len: u64, writable: bool, file: bool) -> Result<u64, WindowError> {
-        if self.map.len() >= MAX_WINDOWS {
+        if self.map.len() >= CAP.load(Ordering::Relaxed) {
             return Err(WindowError::TooMany);
         }
         let gpa = self.free_range(len).ok_or(WindowError::NoRoom)?;

@@ -89,6 +89,8 @@ impl KvmVm {
             // the VM.
             unsafe { vm.fd.set_user_memory_region(r) }.map_err(Error::kvm("KVM_SET_USER_MEMORY_REGION (large pages)"))?;
         }
+        // KVM's slots per VM (KVM_CAP_NR_MEMSLOTS) bound the windows a process may have.
+        super::shared::limit_windows(kvm.get_nr_memslots().saturating_sub(FIRST_WINDOW_SLOT as usize));
         // A forked child's windows are its parent's (the host fork kept them shared).
         vm.sync_windows(mem)?;
         Ok(vm)
