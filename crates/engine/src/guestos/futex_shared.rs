@@ -27,6 +27,12 @@
 //! replay reproduces; a timed wait that nobody wakes ends when the tree's virtual time reaches
 //! its deadline (`sched`'s jump to the earliest deadline when every process waits).
 //!
+//! With threads (the M:1 scheduler): the wait in progress ([`PENDING`]) is per process today, as
+//! each process has one thread; it becomes per thread, and a thread whose wait asks for a restart
+//! (ERESTARTSYS with a filed record) is blocked on its record's state word (WOKEN, or the
+//! deadline) while the process's other threads run: outside replay the scheduler then polls that
+//! word instead of waiting on the host, in replay it yields when every thread waits.
+//!
 //! Limits: [`RECORDS`] waits at once in a sandbox (one per process today; threads may add
 //! more). A full table first reclaims the records of processes that died without leaving; if
 //! still full the wait answers EAGAIN (glibc then looks at the word again and retries). PI
@@ -191,6 +197,9 @@ fn key_of(ctx: &Ctx, uaddr: u64) -> Option<Key> {
     Some(Key { dev: w.key.0, ino: w.key.1, off: w.offset + (pa - w.gpa) })
 }
 
+/// How the futex call reads its wait's timeout (see [`futex`]).
+pub type TimeoutFn<'a> = dyn Fn(&mut Proc, &Ctx) -> Result<Option<u64>, Errno> + 'a;
+
 /// The guest's futex(2), for words in shared mappings; `None`: not one of those (the private
 /// path serves it). `timeout` gives the wait's timeout as ns from now (host time outside replay,
 /// virtual time in replay), `None` for none.
@@ -198,7 +207,7 @@ pub fn futex(
     p: &mut Proc,
     ctx: &mut Ctx,
     a: [u64; 6],
-    timeout: &dyn Fn(&mut Proc, &Ctx) -> Result<Option<u64>, Errno>,
+    timeout: &TimeoutFn<'_>,
 ) -> Option<SysResult> {
     let (uaddr, op, val, uaddr2, val3) = (a[0], a[1], a[2] as u32, a[4], a[5] as u32);
     let cmd = op & 0x7f;
@@ -304,7 +313,7 @@ fn wait(
     op: u64,
     val: u32,
     bitset: u32,
-    timeout: &dyn Fn(&mut Proc, &Ctx) -> Result<Option<u64>, Errno>,
+    timeout: &TimeoutFn<'_>,
 ) -> SysResult {
     let replay = p.clocks.replay && super::sched::active();
     let now = |p: &Proc| if replay { p.clocks.mono_now() } else { super::misc::monotonic_ns() };
