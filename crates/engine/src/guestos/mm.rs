@@ -57,16 +57,21 @@
 //! faulting address is not known there); the VMM's own accesses check the size first (EFAULT).
 //!
 //! How the sandbox-level operations treat shared mappings:
-//! - **Snapshots** (template bakes, `snapshot`) refuse a guest that has any (a clear error: end the
+//! - **Snapshots** (template bakes, `snapshot`): a read-only shared mapping (of a file opened
+//!   read-only, e.g. Python's `mmap(..., access=ACCESS_READ)`) becomes a private copy of its file
+//!   first ([`Mm::unshare_read_only`]), whose pages the snapshot holds, as it holds a lazy file
+//!   mapping's. A snapshot refuses a guest with writable shared mappings (a clear error: end the
 //!   processes that use them, or unmap them, first): their contents live in host mappings of files
-//!   and memfds that a snapshot's memory file does not hold. A template therefore never has any.
+//!   and memfds that a snapshot's memory file does not hold. A template therefore never has any
+//!   window.
 //! - **Forks of a sandbox** (`fork_group`, a clone of a live sandbox, a spare) are separate
 //!   sandboxes: a child's windows stop being shared with the parent's before it runs
 //!   ([`Mm::privatize_windows`]). A window of a file follows the file, of which each sandbox has
 //!   its own copy (`persist::privatize` copied the writable mounts and reopened the mapped files):
 //!   it maps the child's copy now. Shared anonymous memory (and a file unlinked since it was
 //!   mapped) gets a copy of its contents at the fork, in a new memfd: the child's processes go on
-//!   sharing it among themselves, not with the parent's. Read-only windows stay as they are.
+//!   sharing it among themselves, not with the parent's. A read-only window of a file of the
+//!   writable mounts follows the child's copy too; one of the root filesystem stays.
 //! - **Resets** go back to the template, which has none: every window goes.
 //!
 //! Simplifications, all deliberate for now:
@@ -864,16 +869,18 @@ impl Mm {
     /// fork): no window may stay shared with the parent sandbox. A window of a file that
     /// `persist::privatize` gave this sandbox its own copy of maps that copy now, at the same host
     /// address; any other writable window (shared anonymous memory, a file unlinked since) maps a
-    /// new memfd holding a copy of what it showed. Read-only windows stay: nothing can write them
-    /// through this sandbox or the parent's mapping of them.
+    /// new memfd holding a copy of what it showed. Other read-only windows (of the root
+    /// filesystem, which nobody writes) stay.
     pub fn privatize_windows(&mut self, mem: &mut GuestMemory) -> std::io::Result<()> {
-        let windows: Vec<(u64, u64, Arc<OwnedFd>)> =
-            mem.windows.iter().filter(|w| w.writable).map(|w| (w.gpa, w.len, w.fd.clone())).collect();
-        for (gpa, len, old) in windows {
+        let windows: Vec<(u64, u64, Arc<OwnedFd>, bool)> = mem.windows.iter().map(|w| (w.gpa, w.len, w.fd.clone(), w.writable)).collect();
+        for (gpa, len, old, writable) in windows {
             let in_window = |v: &Vma| v.window.is_some_and(|w| w >= gpa && w < gpa + len);
             let now = self.vmas.values().filter(|v| in_window(v)).find_map(|v| v.lazy.as_ref().map(|l| l.0.clone()));
             let new = match now {
                 Some(fd) if !Arc::ptr_eq(&fd, &old) => mem.windows.replace(gpa, Some(fd))?,
+                // Not a file of the writable mounts (the root filesystem, which nobody writes, or
+                // a file unlinked since): a read-only window stays.
+                _ if !writable => continue,
                 _ => mem.windows.replace(gpa, None)?,
             };
             for v in self.vmas.values_mut().filter(|v| in_window(v)) {
@@ -881,6 +888,38 @@ impl Mm {
             }
         }
         Ok(())
+    }
+
+    /// Before a snapshot: every read-only shared mapping (of a file opened read-only) becomes a
+    /// private lazy mapping of its file, holding copies of the pages it showed, as every file
+    /// mapping was before windows existed; the snapshot then holds its pages like any lazy
+    /// mapping's ([`Mm::read_in_lazy`]). Nothing can write through it, so this process sees no
+    /// difference until somebody else writes the file. Returns how many writable shared mappings
+    /// are left (a snapshot refuses those: see the module comment).
+    pub fn unshare_read_only(&mut self, sp: &mut Space) -> Result<usize, Errno> {
+        let read_only: Vec<u64> = self
+            .vmas
+            .iter()
+            .filter(|(_, v)| v.window.is_some_and(|w| sp.mem.windows.find(w).is_some_and(|w| !w.writable)))
+            .map(|(s, _)| *s)
+            .collect();
+        for start in read_only {
+            let Some(v) = self.vmas.get(&start) else { continue };
+            let end = v.end;
+            for (va, pte) in sp.aspace.present_pages(sp.mem, start, end).map_err(errno_of)? {
+                let mut page = [0u8; PAGE_SIZE as usize];
+                // A page past the end of the file (it shrank) shows zeros in the copy.
+                let _ = sp.mem.read(pte & ADDR_MASK, &mut page);
+                let pa = sp.frames.alloc_with(sp.mem, &page).map_err(errno_of)?;
+                sp.aspace.map_page(sp.mem, sp.frames, va, pa, pte & (PTE_U | PTE_W | PTE_NX)).map_err(errno_of)?;
+            }
+            if let Some(v) = self.vmas.get_mut(&start) {
+                v.window = None;
+            }
+            self.windows_unmapped = true;
+        }
+        self.drop_unused_windows(sp.mem);
+        Ok(sp.mem.windows.len())
     }
 
     /// munmap(2).
@@ -1991,6 +2030,26 @@ mod tests {
         assert_eq!(f.bytes(0, 1), b"h", "nor the parent's file (this test has no copy of it: a memfd)");
         assert_eq!(t.op(|mm, sp| mm.mprotect(sp, c, PAGE_SIZE, PROT_READ)).0, Ok(0));
         assert_eq!(t.read(c, 1), b"h", "a read-only window still shows the file");
+    }
+
+    #[test]
+    fn a_snapshot_turns_read_only_shared_mappings_into_private_copies() {
+        use std::os::unix::fs::FileExt;
+        let f = Sparse::new(2 * PAGE_SIZE, &[(0, b"data")]);
+        let ro = std::fs::File::open(f.dir.join("f")).unwrap();
+        let mut t = T::new();
+        let map = MapFile { fd: ro.as_raw_fd(), offset: 0, name: "/ro".into() };
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 2 * PAGE_SIZE, PROT_READ, MAP_SHARED, Some(map)).unwrap());
+        let (b, _) = t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, RW, SHARED_ANON, None).unwrap());
+        assert_eq!(t.mem.windows.len(), 2);
+        let (left, _) = t.op(|mm, sp| mm.unshare_read_only(sp));
+        assert_eq!(left, Ok(1), "the writable one is left (the snapshot refuses it)");
+        assert!(t.aspace.translate(&t.mem, a).unwrap().0 < t.mem.size(), "a frame now");
+        assert!(t.aspace.translate(&t.mem, b).unwrap().0 >= crate::vstate::shared::WINDOW_BASE);
+        assert_eq!(t.read(a, 4), b"data");
+        f.file.write_all_at(b"DATA", 0).unwrap();
+        assert_eq!(t.read(a, 4), b"data", "a copy");
+        assert!(!t.mm.vma_at(a).unwrap().1.shared || t.mm.vma_at(a).unwrap().1.window.is_none());
     }
 
     #[test]

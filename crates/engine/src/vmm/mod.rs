@@ -499,11 +499,20 @@ impl Machine {
     pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(Error::sys("create snapshot directory"))?;
         // Shared mappings live outside guest memory, in host mappings of the sandbox's files and
-        // memfds that a snapshot file cannot hold (see `guestos::mm`).
-        let shared = guestos::mm::Mm::shared_count(&self.mem);
+        // memfds that a snapshot file cannot hold (see `guestos::mm`): read-only ones become
+        // private copies of their files, writable ones refuse the snapshot.
+        let shared = match self.os.as_mut() {
+            Some(os) => {
+                let mut sp = guestos::mm::Space::new(&mut self.mem, &mut self.runtime.frames, &self.runtime.aspace);
+                os.mm.unshare_read_only(&mut sp).map_err(|e| {
+                    Error::OutOfGuestMemory(format!("copying read-only shared mappings for the snapshot: errno {}", e.0))
+                })?
+            }
+            None => guestos::mm::Mm::shared_count(&self.mem),
+        };
         if shared > 0 {
             return Err(Error::InvalidArgument(format!(
-                "the guest has {shared} shared memory mapping(s) (MAP_SHARED: multiprocessing, shared_memory, mmap of a file); \
+                "the guest has {shared} writable shared memory mapping(s) (MAP_SHARED: multiprocessing, shared_memory, mmap of a file); \
                  a snapshot cannot hold them: end the processes that use them, or unmap them, before the snapshot"
             )));
         }
