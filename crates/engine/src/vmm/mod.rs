@@ -369,7 +369,7 @@ impl Machine {
             };
             if let Some((port, value)) = exit {
                 if port == SYSCALL_PORT {
-                    if let Some(exit) = self.syscall(out)? {
+                    if let Some(exit) = self.syscall(out, deadline)? {
                         return Ok(exit);
                     }
                 } else if (VECTOR_PORT_BASE..VECTOR_PORT_BASE + 32).contains(&port) || port == SPURIOUS_PORT {
@@ -410,7 +410,7 @@ impl Machine {
         process::on_fault(self, RunExit::Fault { vector: 13, error_code: 0, rip: r.rip, cr2: 0 })
     }
 
-    fn syscall(&mut self, out: &mut guestos::Output) -> Result<Option<RunExit>> {
+    fn syscall(&mut self, out: &mut guestos::Output, deadline: Instant) -> Result<Option<RunExit>> {
         let mut r = self.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
         let sregs = self.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
         // `syscall` saved the return address in rcx and the flags in r11.
@@ -446,8 +446,10 @@ impl Machine {
                 // Replay turns: a call that would block handed the turn on and is to be restarted.
                 // Take the turn back here and retry it at once, instead of through the guest
                 // (a KVM_RUN to re-execute its `syscall`), unless a signal is to be delivered.
+                // Not past the run's deadline: the run loop checks it only between guest entries, and
+                // processes that all wait on each other (a deadlock) would keep passing the turn here.
                 let restarted = r.rip == entry.rip().wrapping_sub(2);
-                if exit.is_none() && restarted && os.sig.pending == 0 {
+                if exit.is_none() && restarted && os.sig.pending == 0 && Instant::now() < deadline {
                     let clocks = &mut os.proc.clocks;
                     if crate::guestos::sched::turn_again(clocks.replay, clocks.mono_now(), &mut |ns| clocks.pass(ns)) {
                         r.rip = entry.rip();
