@@ -302,3 +302,14 @@ os._exit(0)  # m's buffer is exported to ctypes: skip its teardown
 def test_exec_munmap_of_part_and_mprotect_of_shared_mappings(client):
     out = run(client, EDGES)
     assert out == "after exec 0\nread-only b'x' -1 True\nmunmap middle 0\nends b'A' b'C'\nmprotect 0\nwriter True b'A'\n", out
+
+
+def test_a_reset_drops_the_shared_mappings_and_the_sandbox_goes_on(client):
+    with Sandbox("python", client=client) as sb:
+        assert sb.exec(code=HOLD).stdout == "held\n"
+        maps = "print(sum(' rw-s ' in l for l in open('/proc/self/maps')))"
+        assert sb.exec(code=maps).stdout == "2\n"
+        sb.reset()
+        assert sb.exec(code=maps).stdout == "0\n"
+        assert run(client, ANON_ACROSS_FORK).startswith("b'FIRST'")
+        assert sb.exec(code=ANON_ACROSS_FORK).stdout.startswith("b'FIRST'")
