@@ -61,12 +61,24 @@ MODULES = [
     "test_stat", "test_fileio", "test_shutil", "test_zipfile", "test_tarfile", "test_mmap",
     "test_fcntl", "test_select", "test_resource", "test_pwd", "test_errno", "test_subprocess",
 ]
+# test_multiprocessing_fork's classes whose tests need no threads of the parent (issue 15: shared
+# memory and futexes between the sandbox's processes): multiprocessing's Lock, Semaphore, Event,
+# Value, Array, sharedctypes, its heap, shared_memory and Pipe connections between forked
+# processes. Not here: Pool, Queue, managers and the thread flavours (they need threads), and
+# WithProcessesTestCondition (each of its notify tests starts a process and a thread, then joins
+# the process, which nobody notifies when the thread could not start: a deadlock, not a failure).
+MULTIPROCESSING = [
+    f"test_multiprocessing_fork.WithProcessesTest{c}"
+    for c in ("Lock", "Semaphore", "Event", "Value", "Array", "SharedCTypes", "Heap", "SharedMemory", "Connection")
+]
+MODULES += MULTIPROCESSING
 SLOW_MODULES: list[str] = []
 # Roughly how long each module runs in the sandbox (seconds, 2-core CI machine, idle), to start
 # the longest first so that the workers end together.
 SANDBOX_SECONDS = {
     "test_subprocess": 80, "test_zipfile": 95, "test_tarfile": 57, "test_os": 18, "test_random": 16,
     "test_posix": 15, "test_json": 12, "test_unicodedata": 11, "test_exceptions": 10,
+    "test_multiprocessing_fork.WithProcessesTestHeap": 34, "test_multiprocessing_fork.WithProcessesTestSharedMemory": 27,
 }
 # Not here: test_time (natively, as root, test_monotonic_settime sets the host's clock back an
 # hour), test_signal (a minute natively), test_sqlite3 (not in Debian's testsuite package).
@@ -88,6 +100,16 @@ KNOWN_GAPS: dict[str, str] = {
     # pass with COLLIMATE_MAX_FILE_SIZE=8589934592 in the engine's environment.
     "test.test_mmap.LargeMmapTests.": _NS + "files over the sandbox's file size limit (1 GiB by default, the jail's RLIMIT_FSIZE)",
     "test.test_zipfile.PyZipFileTests.test_write_": _NS + "writing next to the installed stdlib: the root filesystem is read-only",
+    # The manager's server process serves its clients with threads: it cannot start, and the
+    # client's connect finds no socket.
+    "test.test_multiprocessing_fork.WithProcessesTestSharedMemory.test_shared_memory_SharedMemoryManager_":
+        _NS + "threads (SharedMemoryManager's server process serves with threads)",
+    "test.test_multiprocessing_fork.WithProcessesTestSharedMemory.test_shared_memory_SharedMemoryServer_ignores_sigint":
+        _NS + "threads (SharedMemoryManager's server process serves with threads)",
+    "test.test_multiprocessing_fork.WithProcessesTestConnection.test_fd_transfer":
+        _NS + "passing descriptors over Unix sockets (SCM_RIGHTS): EOPNOTSUPP",
+    "test.test_multiprocessing_fork.WithProcessesTestConnection.test_large_fd_transfer":
+        _NS + "passing descriptors over Unix sockets (SCM_RIGHTS): EOPNOTSUPP",
 }
 # Modules that cannot even be loaded in the sandbox.
 KNOWN_MODULE_GAPS: dict[str, str] = {}

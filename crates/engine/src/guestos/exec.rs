@@ -172,7 +172,6 @@ pub fn commit(
 ) -> Result<Image, Errno> {
     let Prepared { prog, interp, argv, exec_fn } = p;
     let mut sp = Space::new(mem, frames, aspace);
-    let _ = os.mm.write_back(&sp, 0, u64::MAX); // the old program's shared file mappings
     os.mm = Mm::default();
     let (main, _) = map_elf(&mut os.mm, &mut sp, &prog, PIE_BASE, true)?;
     let (entry, at_base) = match &interp {
@@ -466,7 +465,7 @@ fn map_segment(mm: &mut Mm, sp: &mut Space, prog: &Program, ph: &ProgramHeader, 
         let file_pages_end = page_up(file_end).ok_or(ENOEXEC)?.clamp(first_new, end);
         if first_new < file_pages_end {
             let offset = page_down(ph.p_offset) + (first_new - start);
-            let vma = Vma { end: file_pages_end, prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset, backing: None, lazy: None };
+            let vma = Vma { end: file_pages_end, prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset, lazy: None, window: None };
             mm.insert(first_new, vma);
         }
         if file_pages_end < end {

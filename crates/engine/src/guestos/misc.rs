@@ -1262,6 +1262,27 @@ fn prctl(p: &mut Proc, ctx: &mut Ctx, a: [u64; 6]) -> SysResult {
     }
 }
 
+/// A futex wait's timeout (`timeout`, the guest's timespec, relative for FUTEX_WAIT, absolute on
+/// its clock for FUTEX_WAIT_BITSET) as ns from now: on the virtual clocks in replay mode, else on the
+/// host's. `None`: no timeout.
+fn futex_timeout(p: &mut Proc, ctx: &Ctx, op: u64, timeout: u64) -> Result<Option<u64>, Errno> {
+    const FUTEX_WAIT_BITSET: u64 = 9;
+    const FUTEX_CLOCK_REALTIME: u64 = 256;
+    if timeout == 0 {
+        return Ok(None);
+    }
+    let t = read_timespec(ctx, timeout)?;
+    if op & 0x7f != FUTEX_WAIT_BITSET {
+        return Ok(Some(t));
+    }
+    let realtime = op & FUTEX_CLOCK_REALTIME != 0;
+    if p.clocks.replay {
+        return Ok(Some(p.clocks.until(if realtime { ClockKind::Real } else { ClockKind::Mono }, t)));
+    }
+    let clock = if realtime { libc::CLOCK_REALTIME } else { libc::CLOCK_MONOTONIC };
+    Ok(Some(t.saturating_sub(ns_of(host_clock_now(clock)?))))
+}
+
 fn futex(p: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> SysResult {
     const FUTEX_WAIT: u64 = 0;
     const FUTEX_WAKE: u64 = 1;
@@ -1275,6 +1296,10 @@ fn futex(p: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> SysResult {
     let cmd = op & 0x7f;
     if uaddr % 4 != 0 {
         return Err(EINVAL);
+    }
+    // A word in a shared mapping may be waited on and woken by other processes: served there.
+    if let Some(r) = super::futex_shared::futex(p, ctx, a, &|p, ctx| futex_timeout(p, ctx, op, timeout)) {
+        return r;
     }
     let read_u32 = |ctx: &Ctx, va: u64| -> Result<u32, Errno> {
         let mut b = [0u8; 4];

@@ -31,13 +31,50 @@
 //! invalidates them before the guest runs again. Granting more access needs nothing, and neither
 //! does reading in a page that was not present.
 //!
+//! Shared mappings (MAP_SHARED of a file, including /dev/shm and /tmp on the sandbox's tmpfs;
+//! MAP_SHARED|MAP_ANONYMOUS, also of /dev/zero) are truly shared. Each guest process is a VMM
+//! process of its own whose guest memory is `MAP_PRIVATE` (a host fork copies it), so a shared
+//! mapping cannot live there: it gets a window (`vstate::shared`), a host `MAP_SHARED` mapping of
+//! the file's host descriptor (of a new memfd for anonymous memory) at guest-physical addresses of
+//! its own, in a KVM memory slot of its own, and its VMA records where ([`Vma::window`]). Its pages
+//! point into the window and never take frames; every process mapping the file, and every guest
+//! fork child of the process that mapped it (the host fork keeps the window shared, and the child's
+//! new VM gets the same slots), sees every write at once, with no msync: msync only checks its
+//! arguments. Two mappings of one file in one process are two windows, coherent through the host
+//! page cache. Up to [`LAZY_MAP_MIN`] the pages are pointed at the window at mmap (page tables
+//! only: a first touch is then a fault inside KVM, not in the VMM); longer mappings, like lazy file
+//! mappings, when first touched (the [`Fault`] path; their VMAs carry the window's descriptor in
+//! [`Vma::lazy`], so syscall buffers in pages not yet pointed anywhere are read from the file).
+//! munmap, mprotect, partial unmaps and mremap that moves or shrinks work on them as on other
+//! mappings; a window goes (its slot deleted before the guest runs again) when no VMA maps any of
+//! it ([`Mm::drop_unused_windows`]), so execve and exit drop them all. Limits: at most
+//! `vstate::shared::MAX_WINDOWS` shared mappings per process (mmap answers ENOMEM beyond, as Linux
+//! does past vm.max_map_count); mremap cannot grow a shared mapping (ENOMEM), nor duplicate one
+//! (old_len 0: EINVAL); mprotect cannot make a shared mapping of a file opened read-only writable
+//! (EACCES, as on Linux). A file that shrinks under a mapping (another process truncates it): a
+//! guest access to a page now past the end makes KVM fail the run, and the process ends by SIGBUS
+//! as it would by Linux's default action, but a SIGBUS handler of its own does not run (the
+//! faulting address is not known there); the VMM's own accesses check the size first (EFAULT).
+//!
+//! How the sandbox-level operations treat shared mappings:
+//! - **Snapshots** (template bakes, `snapshot`): a read-only shared mapping (of a file opened
+//!   read-only, e.g. Python's `mmap(..., access=ACCESS_READ)`) becomes a private copy of its file
+//!   first ([`Mm::unshare_read_only`]), whose pages the snapshot holds, as it holds a lazy file
+//!   mapping's. A snapshot refuses a guest with writable shared mappings (a clear error: end the
+//!   processes that use them, or unmap them, first): their contents live in host mappings of files
+//!   and memfds that a snapshot's memory file does not hold. A template therefore never has any
+//!   window.
+//! - **Forks of a sandbox** (`fork_group`, a clone of a live sandbox, a spare) are separate
+//!   sandboxes: a child's windows stop being shared with the parent's before it runs
+//!   ([`Mm::privatize_windows`]). A window of a file follows the file, of which each sandbox has
+//!   its own copy (`persist::privatize` copied the writable mounts and reopened the mapped files):
+//!   it maps the child's copy now. Shared anonymous memory (and a file unlinked since it was
+//!   mapped) gets a copy of its contents at the fork, in a new memfd: the child's processes go on
+//!   sharing it among themselves, not with the parent's. A read-only window of a file of the
+//!   writable mounts follows the child's copy too; one of the root filesystem stays.
+//! - **Resets** go back to the template, which has none: every window goes.
+//!
 //! Simplifications, all deliberate for now:
-//! - A shared file mapping is a copy of the file taken at mmap time (for a lazy one: when each page
-//!   is read in) whose written pages (the dirty bits KVM sets in the guest's page tables) go back to
-//!   the file at msync, munmap, execve and exit: not at once, and not when the process dies by a
-//!   signal, and other processes mapping the same file see their own copies. Shared anonymous
-//!   memory is not shared across a fork. A snapshot keeps the copy but not the way back to the
-//!   file; it reads in every page of the lazy mappings first ([`Mm::read_in_lazy`]).
 //! - MADV_DONTNEED zeroes private anonymous pages (as Linux does); on file mappings it leaves the
 //!   contents alone instead of reloading them from the file, except in lazy ones, where it drops
 //!   the pages and the next access reads the file again (as Linux does).
@@ -115,20 +152,23 @@ pub struct Vma {
     pub end: u64,
     /// PROT_* bits.
     pub prot: u32,
-    /// Asked for with MAP_SHARED (served as private, see the module comment).
+    /// Asked for with MAP_SHARED (a window: see the module comment).
     pub shared: bool,
     /// What /proc/self/maps shows: a guest path, "[heap]", "[stack]" or "" for anonymous memory.
     pub name: String,
     /// The mapped file and the file offset of `start`; `None` for anonymous memory.
     pub file: Option<FileId>,
     pub offset: u64,
-    /// A shared mapping of a file opened for writing: where its written pages go back.
-    #[serde(skip)]
-    pub backing: Option<MapFd>,
     /// A file mapping longer than [`LAZY_MAP_MIN`]: where pages that have no frame yet are read
-    /// from. A snapshot does not keep it (see [`Mm::read_in_lazy`]).
+    /// from. A snapshot does not keep it (see [`Mm::read_in_lazy`]). Every shared mapping has
+    /// one too: the file (or memfd) of its window.
     #[serde(skip)]
     pub lazy: Option<MapFd>,
+    /// A shared mapping: the guest-physical address in its window (`vstate::shared`) that the
+    /// VMA's start maps to. Its pages point there, never at frames; a snapshot holds none
+    /// ([`Mm::shared_count`]).
+    #[serde(skip)]
+    pub window: Option<u64>,
 }
 
 /// A mapping's own descriptor of its file, kept while any part of the mapping is (the guest may
@@ -145,12 +185,9 @@ impl PartialEq for MapFd {
 }
 impl Eq for MapFd {}
 
-/// The page-table entry's dirty bit: KVM sets it in the guest's page tables when the guest writes.
-const PTE_DIRTY: u64 = 1 << 6;
-
 impl Vma {
     pub fn anon(end: u64, prot: u32, name: &str) -> Vma {
-        Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0, backing: None, lazy: None }
+        Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0, lazy: None, window: None }
     }
 }
 
@@ -167,11 +204,15 @@ pub struct Mm {
     /// on every syscall of the processes that never make one (nearly all). Never cleared.
     #[serde(skip)]
     pub maybe_lazy: bool,
+    /// A shared mapping was unmapped (wholly or in part) since [`Mm::drop_unused_windows`] last
+    /// looked: some window may have no VMA left.
+    #[serde(skip)]
+    pub windows_unmapped: bool,
 }
 
 impl Default for Mm {
     fn default() -> Self {
-        Mm { vmas: BTreeMap::new(), brk_start: 0, brk: 0, mmap_top: MMAP_TOP, maybe_lazy: false }
+        Mm { vmas: BTreeMap::new(), brk_start: 0, brk: 0, mmap_top: MMAP_TOP, maybe_lazy: false, windows_unmapped: false }
     }
 }
 
@@ -268,12 +309,14 @@ pub struct LazyArea {
     /// The file offset of `start`.
     pub offset: u64,
     pub file: Arc<OwnedFd>,
+    /// A shared mapping's window address of `start` (see [`Vma::window`]).
+    pub window: Option<u64>,
 }
 
 impl LazyArea {
     fn of(start: u64, v: &Vma) -> Option<LazyArea> {
         let MapFd(file) = v.lazy.as_ref()?;
-        Some(LazyArea { start, end: v.end, prot: v.prot, offset: v.offset, file: file.clone() })
+        Some(LazyArea { start, end: v.end, prot: v.prot, offset: v.offset, file: file.clone(), window: v.window })
     }
 
     fn contains(&self, va: u64) -> bool {
@@ -303,6 +346,9 @@ impl LazyArea {
             return Fault::Resolved;
         }
         let present: std::collections::HashSet<u64> = present.into_iter().map(|(va, _)| va).collect();
+        if let Some(window) = self.window {
+            return map_window_pages(sp, from, to, window + (from - self.start), self.prot, &present);
+        }
         let mut buf = vec![0u8; (to - from) as usize];
         if pread_full(self.file.as_raw_fd(), &mut buf, self.offset + (from - self.start)).is_err() {
             return Fault::Bus;
@@ -340,6 +386,27 @@ impl LazyArea {
         buf[n..].fill(0);
         Ok(())
     }
+}
+
+/// Point the pages of [from, to) that are not in `present` at the window pages from `gpa` on (a
+/// shared mapping: no frames are taken, only page tables). Taken back on failure.
+fn map_window_pages(sp: &mut Space, from: u64, to: u64, gpa: u64, prot: u32, present: &std::collections::HashSet<u64>) -> Fault {
+    let flags = pte_flags(prot);
+    let mut done = Vec::new();
+    for page in (from..to).step_by(PAGE_SIZE as usize) {
+        if present.contains(&page) {
+            continue;
+        }
+        if sp.aspace.map_page(sp.mem, sp.frames, page, gpa + (page - from), flags).is_err() {
+            // The guest has not run since these were mapped: nothing can have cached them.
+            for page in done {
+                let _ = sp.aspace.unmap_page(sp.mem, page);
+            }
+            return Fault::OutOfMemory;
+        }
+        done.push(page);
+    }
+    Fault::Resolved
 }
 
 /// Read guest memory at user address `va` for a syscall of the guest (its buffer), like
@@ -523,6 +590,9 @@ impl Mm {
         if tail.file.is_some() {
             tail.offset += at - start;
         }
+        if let Some(w) = tail.window.as_mut() {
+            *w += at - start;
+        }
         if let Some(head) = self.vmas.get_mut(&start) {
             head.end = at;
         }
@@ -544,9 +614,9 @@ impl Mm {
                             && a.shared == b.shared
                             && a.name == b.name
                             && a.file == b.file
-                            && a.backing == b.backing
                             && a.lazy == b.lazy
                             && (a.file.is_none() || a.offset + (a.end - c) == b.offset)
+                            && a.window.map(|w| w + (a.end - c)) == b.window
                     }
                     _ => false,
                 };
@@ -617,14 +687,13 @@ impl Mm {
         if start >= end {
             return Ok(());
         }
-        // Written pages of a shared file mapping reach the file before they go (an error cannot
-        // stop the unmap: Linux writes back later and reports nothing to munmap either).
-        let _ = self.write_back(sp, start, end);
         self.split(start);
         self.split(end);
         let keys: Vec<u64> = self.vmas.range(start..end).map(|(s, _)| *s).collect();
         for k in keys {
-            self.vmas.remove(&k);
+            if self.vmas.remove(&k).is_some_and(|v| v.window.is_some()) {
+                self.windows_unmapped = true;
+            }
         }
         Self::unmap_pages(sp, start, end)
     }
@@ -688,8 +757,11 @@ impl Mm {
         } else {
             self.placement(addr, len)?
         };
+        if shared {
+            return self.mmap_shared(sp, start, len, prot, flags, file);
+        }
         let end = start + len;
-        let mut vma = Vma { end, prot, shared, name: String::new(), file: None, offset: 0, backing: None, lazy: None };
+        let mut vma = Vma { end, prot, shared, name: String::new(), file: None, offset: 0, lazy: None, window: None };
         // Everything that can fail for a bad file comes before the old mapping is dropped.
         let data = match &file {
             Some(f) => {
@@ -698,15 +770,8 @@ impl Mm {
                 }
                 f.offset.checked_add(len).ok_or(EOVERFLOW)?;
                 let (id, size) = check_file(f.fd, prot, shared)?;
-                if shared && file_writable(f.fd) {
-                    vma.backing = Some(MapFd(Arc::new(dup_cloexec(f.fd)?)));
-                }
                 if len > LAZY_MAP_MIN {
-                    let fd = match &vma.backing {
-                        Some(MapFd(fd)) => fd.clone(),
-                        None => Arc::new(dup_cloexec(f.fd)?),
-                    };
-                    vma.lazy = Some(MapFd(fd));
+                    vma.lazy = Some(MapFd(Arc::new(dup_cloexec(f.fd)?)));
                 }
                 vma.file = Some(id);
                 vma.offset = f.offset;
@@ -738,6 +803,125 @@ impl Mm {
         Ok(start)
     }
 
+    /// A shared mapping at `start` (placed, and checked): a window of the file (or of a new memfd
+    /// for anonymous memory) that every process mapping it sees at once (see the module comment).
+    /// Up to [`LAZY_MAP_MIN`] its pages are pointed at the window now (page tables only; the first
+    /// touch of each page is then a fault inside KVM, not in the VMM); longer ones as the guest
+    /// touches them, like lazy file mappings.
+    fn mmap_shared(&mut self, sp: &mut Space, start: u64, len: u64, prot: u32, flags: u32, file: Option<MapFile>) -> Result<u64, Errno> {
+        let end = start + len;
+        let mut vma = Vma { end, prot, shared: true, name: String::new(), file: None, offset: 0, lazy: None, window: None };
+        let (fd, offset, writable, is_file) = match &file {
+            Some(f) => {
+                if f.offset % PAGE_SIZE != 0 {
+                    return Err(EINVAL);
+                }
+                f.offset.checked_add(len).filter(|&e| e <= i64::MAX as u64).ok_or(EOVERFLOW)?;
+                let (id, _) = check_file(f.fd, prot, true)?;
+                vma.file = Some(id);
+                vma.offset = f.offset;
+                vma.name = f.name.clone();
+                (Arc::new(dup_cloexec(f.fd)?), f.offset, file_writable(f.fd), true)
+            }
+            // A file size limit below the length answers EFBIG here: no memory for it.
+            None => (Arc::new(crate::vstate::shared::memfd(len).map_err(|_| ENOMEM)?), 0, true, false),
+        };
+        // Past the cap of windows per process, or of guest-physical room: ENOMEM, as Linux
+        // answers past vm.max_map_count.
+        let gpa = sp.mem.windows.map(fd.clone(), offset, len, writable, is_file).map_err(|_| ENOMEM)?;
+        vma.lazy = Some(MapFd(fd));
+        vma.window = Some(gpa);
+        let drop_window = |sp: &mut Space| sp.mem.windows.retain(|w| w.gpa != gpa);
+        if flags & MAP_FIXED != 0 {
+            if let Err(e) = self.unmap_range(sp, start, end) {
+                drop_window(sp);
+                return Err(e);
+            }
+        }
+        self.maybe_lazy = true;
+        if len <= LAZY_MAP_MIN {
+            let shown = LazyArea::of(start, &vma).map(|a| a.file_end()).transpose()?.unwrap_or(start);
+            if map_window_pages(sp, start, shown, gpa, prot, &Default::default()) != Fault::Resolved {
+                drop_window(sp);
+                return Err(ENOMEM);
+            }
+        }
+        self.insert(start, vma);
+        Ok(start)
+    }
+
+    /// Unmap the windows that no VMA maps any more (after munmap, mremap, a MAP_FIXED mapping over
+    /// them, execve): their KVM slots go before the guest runs again (`KvmVm::sync_windows`).
+    pub fn drop_unused_windows(&mut self, mem: &mut GuestMemory) {
+        if !std::mem::take(&mut self.windows_unmapped) {
+            return;
+        }
+        let used: Vec<(u64, u64)> = self.vmas.iter().filter_map(|(s, v)| v.window.map(|w| (w, w + (v.end - s)))).collect();
+        mem.windows.retain(|w| used.iter().any(|&(a, b)| a < w.gpa + w.len && w.gpa < b));
+    }
+
+    /// How many shared mappings (windows) the process has.
+    pub fn shared_count(mem: &GuestMemory) -> usize {
+        mem.windows.len()
+    }
+
+    /// In a new sandbox forked from this one (`fork_group`, a clone of a live sandbox; not a guest
+    /// fork): no window may stay shared with the parent sandbox. A window of a file that
+    /// `persist::privatize` gave this sandbox its own copy of maps that copy now, at the same host
+    /// address; any other writable window (shared anonymous memory, a file unlinked since) maps a
+    /// new memfd holding a copy of what it showed. Other read-only windows (of the root
+    /// filesystem, which nobody writes) stay.
+    pub fn privatize_windows(&mut self, mem: &mut GuestMemory) -> std::io::Result<()> {
+        let windows: Vec<(u64, u64, Arc<OwnedFd>, bool)> = mem.windows.iter().map(|w| (w.gpa, w.len, w.fd.clone(), w.writable)).collect();
+        for (gpa, len, old, writable) in windows {
+            let in_window = |v: &Vma| v.window.is_some_and(|w| w >= gpa && w < gpa + len);
+            let now = self.vmas.values().filter(|v| in_window(v)).find_map(|v| v.lazy.as_ref().map(|l| l.0.clone()));
+            let new = match now {
+                Some(fd) if !Arc::ptr_eq(&fd, &old) => mem.windows.replace(gpa, Some(fd))?,
+                // Not a file of the writable mounts (the root filesystem, which nobody writes, or
+                // a file unlinked since): a read-only window stays.
+                _ if !writable => continue,
+                _ => mem.windows.replace(gpa, None)?,
+            };
+            for v in self.vmas.values_mut().filter(|v| in_window(v)) {
+                v.lazy = Some(MapFd(new.clone()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Before a snapshot: every read-only shared mapping (of a file opened read-only) becomes a
+    /// private lazy mapping of its file, holding copies of the pages it showed, as every file
+    /// mapping was before windows existed; the snapshot then holds its pages like any lazy
+    /// mapping's ([`Mm::read_in_lazy`]). Nothing can write through it, so this process sees no
+    /// difference until somebody else writes the file. Returns how many writable shared mappings
+    /// are left (a snapshot refuses those: see the module comment).
+    pub fn unshare_read_only(&mut self, sp: &mut Space) -> Result<usize, Errno> {
+        let read_only: Vec<u64> = self
+            .vmas
+            .iter()
+            .filter(|(_, v)| v.window.is_some_and(|w| sp.mem.windows.find(w).is_some_and(|w| !w.writable)))
+            .map(|(s, _)| *s)
+            .collect();
+        for start in read_only {
+            let Some(v) = self.vmas.get(&start) else { continue };
+            let end = v.end;
+            for (va, pte) in sp.aspace.present_pages(sp.mem, start, end).map_err(errno_of)? {
+                let mut page = [0u8; PAGE_SIZE as usize];
+                // A page past the end of the file (it shrank) shows zeros in the copy.
+                let _ = sp.mem.read(pte & ADDR_MASK, &mut page);
+                let pa = sp.frames.alloc_with(sp.mem, &page).map_err(errno_of)?;
+                sp.aspace.map_page(sp.mem, sp.frames, va, pa, pte & (PTE_U | PTE_W | PTE_NX)).map_err(errno_of)?;
+            }
+            if let Some(v) = self.vmas.get_mut(&start) {
+                v.window = None;
+            }
+            self.windows_unmapped = true;
+        }
+        self.drop_unused_windows(sp.mem);
+        Ok(sp.mem.windows.len())
+    }
+
     /// munmap(2).
     pub fn munmap(&mut self, sp: &mut Space, addr: u64, len: u64) -> Result<u64, Errno> {
         if len == 0 {
@@ -760,6 +944,16 @@ impl Mm {
         }
         if !self.covered(addr, end) {
             return Err(ENOMEM);
+        }
+        // A shared mapping of a file opened read-only never becomes writable (EACCES, as on Linux).
+        if prot & PROT_WRITE != 0 {
+            let from = self.vmas.range(..addr).next_back().map(|(s, _)| *s).unwrap_or(addr);
+            let read_only = self.vmas.range(from..end).any(|(s, v)| {
+                v.end > addr && *s < end && v.window.is_some_and(|w| !sp.mem.windows.find(w).is_some_and(|w| w.writable))
+            });
+            if read_only {
+                return Err(EACCES);
+            }
         }
         self.split(addr);
         self.split(end);
@@ -814,7 +1008,7 @@ impl Mm {
         let old_len = page_up(old_len).ok_or(EINVAL)?;
         let new_len = page_up(new_len).filter(|&l| l != 0 && l <= MAX_MAP).ok_or(EINVAL)?;
         if old_len == 0 {
-            // Duplicating a shared mapping: not supported (mappings are never really shared).
+            // Duplicating a shared mapping: not offered.
             return Err(EINVAL);
         }
         let old_end = old.checked_add(old_len).filter(|&e| e <= TASK_SIZE).ok_or(EFAULT)?;
@@ -825,6 +1019,14 @@ impl Mm {
         let mut tmpl = v.clone();
         if tmpl.file.is_some() {
             tmpl.offset += old - vstart;
+        }
+        if let Some(w) = tmpl.window.as_mut() {
+            *w += old - vstart;
+            // Growing a shared mapping would need a larger window: not offered (moving and
+            // shrinking are).
+            if new_len > old_len {
+                return Err(ENOMEM);
+            }
         }
         if flags & MREMAP_FIXED != 0 {
             if new_addr % PAGE_SIZE != 0 {
@@ -919,7 +1121,7 @@ impl Mm {
             let anon: Vec<(u64, u64)> = self
                 .vmas
                 .range(..end)
-                .filter(|(s, v)| v.end > addr && **s < end && v.file.is_none())
+                .filter(|(s, v)| v.end > addr && **s < end && v.file.is_none() && v.window.is_none())
                 .map(|(s, v)| ((*s).max(addr), v.end.min(end)))
                 .collect();
             for (s, e) in anon {
@@ -928,7 +1130,7 @@ impl Mm {
                 }
             }
             // Lazy file mappings drop their pages: the next access reads the file again, as on
-            // Linux (after the written pages of a shared one have reached the file).
+            // Linux (a shared one's pages are the file's: they are mapped again as they are).
             let lazy: Vec<(u64, u64)> = self
                 .vmas
                 .range(..end)
@@ -936,42 +1138,15 @@ impl Mm {
                 .map(|(s, v)| ((*s).max(addr), v.end.min(end)))
                 .collect();
             for (s, e) in lazy {
-                self.write_back(sp, s, e)?;
                 Self::unmap_pages(sp, s, e)?;
             }
         }
         Ok(0)
     }
 
-    /// Write the written pages of shared file mappings in [start, end) back to their files.
-    pub fn write_back(&self, sp: &Space, start: u64, end: u64) -> Result<(), Errno> {
-        let from = self.vmas.range(..start).next_back().map(|(s, _)| *s).unwrap_or(start);
-        for (&vstart, v) in self.vmas.range(from..end) {
-            let Some(MapFd(fd)) = &v.backing else { continue };
-            let (s, e) = (vstart.max(start), v.end.min(end));
-            if s >= e {
-                continue;
-            }
-            let size = file_size(fd.as_raw_fd())?;
-            let mut page = [0u8; PAGE_SIZE as usize];
-            for (va, pte) in sp.aspace.present_pages(sp.mem, s, e).map_err(errno_of)? {
-                let off = v.offset + (va - vstart);
-                if pte & PTE_DIRTY == 0 || off >= size {
-                    continue; // untouched, or past the end of the file (Linux never writes those)
-                }
-                sp.mem.read(pte & ADDR_MASK, &mut page).map_err(errno_of)?;
-                let n = (size - off).min(PAGE_SIZE) as usize;
-                // SAFETY: pwrite of `n` bytes of a buffer we own, to a descriptor we hold.
-                if unsafe { libc::pwrite(fd.as_raw_fd(), page.as_ptr().cast(), n, off as i64) } < 0 {
-                    return Err(Errno::last());
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// msync(2): the written pages of shared file mappings in the range go back to their files.
-    pub fn msync(&self, sp: &Space, addr: u64, len: u64, flags: u64) -> Result<u64, Errno> {
+    /// msync(2): checks only. A shared mapping's pages are its file's pages (see the module
+    /// comment), so there is nothing to write back.
+    pub fn msync(&self, addr: u64, len: u64, flags: u64) -> Result<u64, Errno> {
         const MS_ASYNC: u64 = 1;
         const MS_INVALIDATE: u64 = 2;
         const MS_SYNC: u64 = 4;
@@ -982,7 +1157,6 @@ impl Mm {
         if !self.covered(addr, end) {
             return Err(ENOMEM);
         }
-        self.write_back(sp, addr, end)?;
         Ok(0)
     }
 
@@ -1237,7 +1411,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         SYS_BRK => Ok(os.mm.brk(&mut sp, a[0])),
         SYS_MREMAP => os.mm.mremap(&mut sp, a[0], a[1], a[2], a[3], a[4]),
         SYS_MADVISE => os.mm.madvise(&mut sp, a[0], a[1], a[2]),
-        SYS_MSYNC => os.mm.msync(&sp, a[0], a[1], a[2]),
+        SYS_MSYNC => os.mm.msync(a[0], a[1], a[2]),
         SYS_MINCORE => match os.mm.mincore(&sp, a[0], a[1]) {
             Ok(v) => return Some(ctx.write(a[2], &v).map(|_| 0)),
             Err(e) => Err(e),
@@ -1248,6 +1422,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
     };
     let stale = sp.stale;
     ctx.stale_frames.extend(stale);
+    os.mm.drop_unused_windows(ctx.mem);
     // Later accesses of this syscall to guest memory see the mappings as they are now.
     ctx.lazy = os.mm.lazy_areas();
     Some(r)
@@ -1719,28 +1894,6 @@ mod tests {
     }
 
     #[test]
-    fn shared_lazy_mappings_write_back_only_present_written_pages() {
-        let f = Sparse::new(BIG, &[(4096, b"......"), (50 << 20, b"untouched")]);
-        let mut t = T::new();
-        let (a, _) = t.op(|mm, sp| mm.mmap(sp, AT, BIG, RW, MAP_SHARED | MAP_FIXED, Some(f.map())).unwrap());
-        let v = t.mm.vma_at(a).unwrap().1.clone();
-        let (Some(MapFd(l)), Some(MapFd(b))) = (&v.lazy, &v.backing) else { panic!("{v:?}") };
-        assert!(Arc::ptr_eq(l, b), "one descriptor for both");
-        assert_eq!(t.fault(a + 4096, Access::Write), Fault::Resolved);
-        t.write(a + 4096, b"SHARED");
-        // The dirty bit KVM would set on the guest's write.
-        t.aspace.set_flags(&mut t.mem, a + 4096, pte_flags(RW) | PTE_DIRTY).unwrap();
-        assert_eq!(t.op(|mm, sp| mm.msync(sp, a, BIG, 4)).0, Ok(0));
-        assert_eq!(f.bytes(4096, 6), b"SHARED");
-        assert_eq!(f.bytes(50 << 20, 9), b"untouched");
-        assert_eq!(f.file.metadata().unwrap().len(), BIG);
-        // MADV_DONTNEED writes back before it drops.
-        t.write(a + 4096, b"AGAIN!");
-        assert_eq!(t.op(|mm, sp| mm.madvise(sp, a, FAULT_AROUND, MADV_DONTNEED)).0, Ok(0));
-        assert_eq!(f.bytes(4096, 6), b"AGAIN!");
-    }
-
-    #[test]
     fn out_of_frames_in_a_lazy_mapping() {
         let f = Sparse::new(BIG, &[]);
         let mut t = T::new();
@@ -1786,6 +1939,132 @@ mod tests {
         // Only the pages are saved, not the descriptor.
         let saved: Mm = postcard::from_bytes(&postcard::to_stdvec(&t.mm).unwrap()).unwrap();
         assert!(saved.vmas.values().all(|v| v.lazy.is_none()) && !saved.maybe_lazy);
+    }
+
+    const SHARED_ANON: u32 = MAP_SHARED | MAP_ANONYMOUS;
+
+    #[test]
+    fn shared_anonymous_memory_lives_in_a_window_and_survives_partial_unmaps_and_moves() {
+        use crate::vstate::shared::WINDOW_BASE;
+        let mut t = T::new();
+        let before = t.frames.available();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 3 * PAGE_SIZE, RW, SHARED_ANON, None).unwrap());
+        assert!(before - t.frames.available() <= 3, "page tables only, no frames");
+        let pa = t.aspace.translate(&t.mem, a).unwrap().0;
+        assert!(pa >= WINDOW_BASE);
+        assert!(t.mm.maps().contains(" rw-s "));
+        t.write(a + 5, b"hi");
+        t.write(a + 2 * PAGE_SIZE, b"end");
+        // What the guest wrote is in the window's host pages (which a forked child shares).
+        let w = t.mem.windows.find(pa).unwrap();
+        let mut b = [0u8; 3];
+        std::os::unix::fs::FileExt::read_exact_at(&std::fs::File::from(w.fd.try_clone().unwrap()), &mut b, 2 * PAGE_SIZE).unwrap();
+        assert_eq!(&b, b"end");
+        // A partial unmap keeps the window; a move keeps pointing into it; growing is refused.
+        let avail = t.frames.available();
+        let (r, stale) = t.op(|mm, sp| mm.munmap(sp, a + PAGE_SIZE, PAGE_SIZE));
+        assert_eq!(r, Ok(0));
+        assert!(stale, "the unmapped page's translation must be dropped");
+        t.mm.drop_unused_windows(&mut t.mem);
+        assert_eq!(t.mem.windows.len(), 1);
+        assert_eq!(t.frames.available(), avail, "a window's page is no frame: none goes back to the allocator");
+        let dest = 0x2000_0000;
+        let (r, _) = t.op(|mm, sp| mm.mremap(sp, a + 2 * PAGE_SIZE, PAGE_SIZE, PAGE_SIZE, MREMAP_MAYMOVE | MREMAP_FIXED, dest));
+        assert_eq!(r, Ok(dest));
+        assert_eq!(t.aspace.translate(&t.mem, dest).unwrap().0, pa + 2 * PAGE_SIZE);
+        assert_eq!(t.read(dest, 3), b"end");
+        assert_eq!(t.op(|mm, sp| mm.mremap(sp, dest, PAGE_SIZE, 2 * PAGE_SIZE, MREMAP_MAYMOVE, 0)).0, Err(ENOMEM));
+        // MADV_DONTNEED leaves shared contents alone (they are the memfd's).
+        assert_eq!(t.op(|mm, sp| mm.madvise(sp, a, PAGE_SIZE, MADV_DONTNEED)).0, Ok(0));
+        assert_eq!(t.op(|mm, sp| mm.fault(sp, a, Access::Read)).0, Fault::Resolved);
+        assert_eq!(t.read(a + 5, 2), b"hi");
+        // Unmapping the rest drops the window.
+        t.op(|mm, sp| mm.munmap(sp, a, PAGE_SIZE).unwrap());
+        t.mm.drop_unused_windows(&mut t.mem);
+        assert_eq!(t.mem.windows.len(), 1, "the moved page still maps it");
+        t.op(|mm, sp| mm.munmap(sp, dest, PAGE_SIZE).unwrap());
+        t.mm.drop_unused_windows(&mut t.mem);
+        assert!(t.mem.windows.is_empty());
+    }
+
+    #[test]
+    fn shared_file_mappings_are_the_file() {
+        let f = Sparse::new(PAGE_SIZE + 10, &[(0, b"head")]);
+        let mut t = T::new();
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 4 * PAGE_SIZE, RW, MAP_SHARED, Some(f.map())).unwrap());
+        let (b, _) = t.op(|mm, sp| mm.mmap(sp, 0, 2 * PAGE_SIZE, RW, MAP_SHARED, Some(f.map())).unwrap());
+        assert_eq!(t.read(a, 4), b"head");
+        t.write(a + 1, b"EA");
+        assert_eq!(f.bytes(0, 4), b"hEAd", "the file, at once (no msync)");
+        assert_eq!(t.read(b, 4), b"hEAd", "another mapping of it too");
+        use std::os::unix::fs::FileExt;
+        f.file.write_all_at(b"pw", PAGE_SIZE).unwrap();
+        assert_eq!(t.read(a + PAGE_SIZE, 2), b"pw");
+        assert_eq!(t.mm.msync(a, PAGE_SIZE, 4), Ok(0));
+        // Pages wholly past the end of the file: not mapped, and a touch is SIGBUS.
+        assert!(t.flags(a + 2 * PAGE_SIZE).is_none());
+        assert_eq!(t.op(|mm, sp| mm.fault(sp, a + 2 * PAGE_SIZE, Access::Read)).0, Fault::Bus);
+        // The file grows: the page shows it.
+        f.file.set_len(3 * PAGE_SIZE).unwrap();
+        assert_eq!(t.op(|mm, sp| mm.fault(sp, a + 2 * PAGE_SIZE, Access::Write)).0, Fault::Resolved);
+        // A descriptor opened read-only: a read-only shared view, never made writable.
+        let ro = std::fs::File::open(f.dir.join("f")).unwrap();
+        let map = |fd: &std::fs::File| MapFile { fd: fd.as_raw_fd(), offset: 0, name: "/ro".into() };
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, RW, MAP_SHARED, Some(map(&ro)))).0, Err(EACCES));
+        let (c, _) = t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, PROT_READ, MAP_SHARED, Some(map(&ro))).unwrap());
+        assert_eq!(t.read(c, 4), b"hEAd");
+        assert_eq!(t.op(|mm, sp| mm.mprotect(sp, c, PAGE_SIZE, RW)).0, Err(EACCES));
+        assert_eq!(t.op(|mm, sp| mm.mprotect(sp, c, PAGE_SIZE, PROT_NONE)).0, Ok(0));
+        assert_eq!(t.mem.windows.len(), 3);
+        // A fork of the sandbox: the shared anonymous and unlinked ones get copies; read-only stay.
+        let (d, _) = t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, RW, SHARED_ANON, None).unwrap());
+        t.write(d, b"anon");
+        let old = t.mem.windows.find(t.aspace.translate(&t.mem, d).unwrap().0).unwrap().fd.clone();
+        t.mm.privatize_windows(&mut t.mem).unwrap();
+        assert_eq!(t.read(d, 4), b"anon");
+        t.write(d, b"mine");
+        let mut buf = [0u8; 4];
+        std::fs::File::from(old.try_clone().unwrap()).read_exact_at(&mut buf, 0).unwrap();
+        assert_eq!(&buf, b"anon", "the parent's memfd is no longer written");
+        t.write(a, b"H");
+        assert_eq!(f.bytes(0, 1), b"h", "nor the parent's file (this test has no copy of it: a memfd)");
+        assert_eq!(t.op(|mm, sp| mm.mprotect(sp, c, PAGE_SIZE, PROT_READ)).0, Ok(0));
+        assert_eq!(t.read(c, 1), b"h", "a read-only window still shows the file");
+    }
+
+    #[test]
+    fn a_snapshot_turns_read_only_shared_mappings_into_private_copies() {
+        use std::os::unix::fs::FileExt;
+        let f = Sparse::new(2 * PAGE_SIZE, &[(0, b"data")]);
+        let ro = std::fs::File::open(f.dir.join("f")).unwrap();
+        let mut t = T::new();
+        let map = MapFile { fd: ro.as_raw_fd(), offset: 0, name: "/ro".into() };
+        let (a, _) = t.op(|mm, sp| mm.mmap(sp, 0, 2 * PAGE_SIZE, PROT_READ, MAP_SHARED, Some(map)).unwrap());
+        let (b, _) = t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, RW, SHARED_ANON, None).unwrap());
+        assert_eq!(t.mem.windows.len(), 2);
+        let (left, _) = t.op(|mm, sp| mm.unshare_read_only(sp));
+        assert_eq!(left, Ok(1), "the writable one is left (the snapshot refuses it)");
+        assert!(t.aspace.translate(&t.mem, a).unwrap().0 < t.mem.size(), "a frame now");
+        assert!(t.aspace.translate(&t.mem, b).unwrap().0 >= crate::vstate::shared::WINDOW_BASE);
+        assert_eq!(t.read(a, 4), b"data");
+        f.file.write_all_at(b"DATA", 0).unwrap();
+        assert_eq!(t.read(a, 4), b"data", "a copy");
+        assert!(!t.mm.vma_at(a).unwrap().1.shared || t.mm.vma_at(a).unwrap().1.window.is_none());
+    }
+
+    #[test]
+    fn too_many_shared_mappings_answer_enomem() {
+        use crate::vstate::shared::MAX_WINDOWS;
+        let mut t = T::new();
+        for _ in 0..MAX_WINDOWS {
+            t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, RW, SHARED_ANON, None).unwrap());
+        }
+        let before = t.frames.available();
+        assert_eq!(t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, RW, SHARED_ANON, None)).0, Err(ENOMEM));
+        assert_eq!(t.frames.available(), before);
+        assert_eq!(t.mm.vmas.len(), MAX_WINDOWS, "no VMA for the refused one");
+        // Private memory is not limited by it.
+        t.op(|mm, sp| mm.mmap(sp, 0, PAGE_SIZE, RW, ANON, None).unwrap());
     }
 
     #[test]

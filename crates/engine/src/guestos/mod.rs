@@ -10,12 +10,14 @@
 //! - [`misc`]: identity, time, randomness, limits, signals bookkeeping, thread-area setup.
 //! - [`signal`]: signals (generation, handler frames, sigreturn), kill, and waiting for children.
 //! - [`crng`]: the sandbox CRNG every guest random byte comes from (seedable for replays).
+//! - [`futex_shared`]: futexes on shared pages, which wake waiters in other guest processes.
 //!
 //! A syscall nobody services returns ENOSYS and is counted per number, so gaps show up in reports.
 
 pub mod crng;
 pub mod exec;
 pub mod files;
+pub mod futex_shared;
 pub mod misc;
 pub mod mm;
 pub mod persist;
@@ -369,9 +371,6 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
     let res = match nr {
         nr::EXIT | nr::EXIT_GROUP => {
             crate::trace::mark("guest.exit");
-            // The written pages of shared file mappings reach their files, as at any exit.
-            let sp = mm::Space::new(&mut *ctx.mem, &mut *ctx.frames, ctx.aspace);
-            let _ = os.mm.write_back(&sp, 0, u64::MAX);
             return Some(RunExit::Exited { code: a[0] as i32 });
         }
         nr::YIELD => {

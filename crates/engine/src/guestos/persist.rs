@@ -293,26 +293,19 @@ pub fn privatize(os: &mut GuestOs, scratch: &ScratchRoot) -> Result<()> {
 }
 
 /// Point the file mappings of files in the writable mounts at the private copies [`privatize`]
-/// made: the descriptors lazy mappings read their pages from and shared ones write back to. A
-/// forked sandbox then neither reads what its parent writes later nor writes into its parent's
-/// files.
+/// made: the descriptors lazy mappings read their pages from, and shared ones map (their windows
+/// follow in `Mm::privatize_windows`). A forked sandbox then neither reads what its parent writes
+/// later nor writes into its parent's files.
 fn repoint_mappings(os: &mut GuestOs, writable: &[(String, OwnedFd)]) {
     // By the old descriptor (kept here, so that no other takes its address): its replacement.
     let mut reopened: HashMap<*const OwnedFd, (Arc<OwnedFd>, Option<Arc<OwnedFd>>)> = HashMap::new();
     for v in os.mm.vmas.values_mut() {
-        let Some(old) = v.lazy.as_ref().map(|l| l.0.clone()).or_else(|| v.backing.as_ref().map(|b| b.0.clone())) else {
-            continue;
-        };
+        let Some(old) = v.lazy.as_ref().map(|l| l.0.clone()) else { continue };
         let (_, new) = reopened
             .entry(Arc::as_ptr(&old))
             .or_insert_with(|| (old.clone(), private_copy(&os.vfs, writable, v, &old).map(Arc::new)));
         let Some(new) = new.clone() else { continue };
-        if v.lazy.as_ref().is_some_and(|l| Arc::ptr_eq(&l.0, &old)) {
-            v.lazy = Some(MapFd(new.clone()));
-        }
-        if v.backing.as_ref().is_some_and(|b| Arc::ptr_eq(&b.0, &old)) {
-            v.backing = Some(MapFd(new));
-        }
+        v.lazy = Some(MapFd(new));
     }
 }
 

@@ -397,6 +397,7 @@ impl Machine {
                 }
             }
             self.cover_frames()?;
+            self.vm.sync_windows(&self.mem)?;
             let traced = crate::trace::on().then(Instant::now);
             self.sync.before_run(&mut self.vcpu);
             let ran = self.vcpu.run();
@@ -438,11 +439,18 @@ impl Machine {
                     }
                     None
                 }
+                // KVM could not reach the host page behind a guest page: with shared mappings,
+                // a page of a file that shrank under the mapping (another process truncated
+                // it). Linux raises SIGBUS there; the faulting address is not known here, so the
+                // process ends by SIGBUS (a handler of its own does not run: see `guestos::mm`).
+                Err(e) if e.errno() == libc::EFAULT && linux && self.mem.windows.iter().any(|w| w.file) => {
+                    return Ok(RunExit::Signaled { signo: crate::guestos::signal::SIGBUS });
+                }
                 Err(e) => return Err(Error::Kvm { op: "KVM_RUN", source: e }),
             };
             if let Some((port, value)) = exit {
                 if port == SYSCALL_PORT {
-                    let exit = self.syscall(out)?;
+                    let exit = self.syscall(out, deadline)?;
                     if let Some(exit) = spawn::filter_exit(self, exit)? {
                         return Ok(exit);
                     }
@@ -488,7 +496,7 @@ impl Machine {
         process::on_fault(self, RunExit::Fault { vector: 13, error_code: 0, rip: r.rip, cr2: 0 })
     }
 
-    fn syscall(&mut self, out: &mut guestos::Output) -> Result<Option<RunExit>> {
+    fn syscall(&mut self, out: &mut guestos::Output, deadline: Instant) -> Result<Option<RunExit>> {
         let (mut r, sregs) = self.sync.read(&self.vcpu)?;
         // `syscall` saved the return address in rcx and the flags in r11.
         r.rip = r.rcx;
@@ -524,8 +532,10 @@ impl Machine {
                 // Replay turns: a call that would block handed the turn on and is to be restarted.
                 // Take the turn back here and retry it at once, instead of through the guest
                 // (a KVM_RUN to re-execute its `syscall`), unless a signal is to be delivered.
+                // Not past the run's deadline: the run loop checks it only between guest entries, and
+                // processes that all wait on each other (a deadlock) would keep passing the turn here.
                 let restarted = r.rip == entry.rip().wrapping_sub(2);
-                if exit.is_none() && restarted && os.sig.pending == 0 {
+                if exit.is_none() && restarted && os.sig.pending == 0 && Instant::now() < deadline {
                     let clocks = &mut os.proc.clocks;
                     if crate::guestos::sched::turn_again(clocks.replay, clocks.mono_now(), &mut |ns| clocks.pass(ns)) {
                         r.rip = entry.rip();
@@ -577,6 +587,24 @@ impl Machine {
 
     pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(Error::sys("create snapshot directory"))?;
+        // Shared mappings live outside guest memory, in host mappings of the sandbox's files and
+        // memfds that a snapshot file cannot hold (see `guestos::mm`): read-only ones become
+        // private copies of their files, writable ones refuse the snapshot.
+        let shared = match self.os.as_mut() {
+            Some(os) => {
+                let mut sp = guestos::mm::Space::new(&mut self.mem, &mut self.runtime.frames, &self.runtime.aspace);
+                os.mm.unshare_read_only(&mut sp).map_err(|e| {
+                    Error::OutOfGuestMemory(format!("copying read-only shared mappings for the snapshot: errno {}", e.0))
+                })?
+            }
+            None => guestos::mm::Mm::shared_count(&self.mem),
+        };
+        if shared > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "the guest has {shared} writable shared memory mapping(s) (MAP_SHARED: multiprocessing, shared_memory, mmap of a file); \
+                 a snapshot cannot hold them: end the processes that use them, or unmap them, before the snapshot"
+            )));
+        }
         if let Some(os) = &self.os {
             // The state file cannot hold the descriptors lazy file mappings read their pages
             // from: the memory file holds the pages instead.
@@ -613,6 +641,8 @@ impl Machine {
         process::kill_children(self);
         self.sync_dirty()?;
         let dirty_pages = self.mem.discard_private()?;
+        // The template had no shared mappings (a snapshot refuses them): every one is new.
+        self.mem.windows.clear();
         vcpu.restore(&self.vcpu)?;
         self.runtime = runtime;
         self.exited = None;
@@ -725,6 +755,7 @@ fn exit_process(code: i32) -> ! {
     crate::trace::take_counts("image");
     crate::trace::mark_n("host.exit", code as u64);
     crate::guestos::sched::leave();
+    crate::guestos::futex_shared::leave();
     // SAFETY: _exit never returns; skipping atexit handlers is deliberate (the launcher may be a Python
     // interpreter whose teardown we do not want to run in a VMM process).
     unsafe { libc::_exit(code) }
@@ -901,12 +932,14 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Op
     let privatized = match m.os.as_mut() {
         Some(os) => {
             guestos::misc::diverge(os);
-            crate::guestos::persist::privatize(os, &m.scratch).map_err(|e| match e {
-                Error::Sys { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => Error::InvalidArgument(format!(
-                    "the parent's writable mounts do not fit in the child's disk quota ({source}); give the child a larger quota"
-                )),
-                e => e,
-            })
+            crate::guestos::persist::privatize(os, &m.scratch)
+                .and_then(|_| os.mm.privatize_windows(&mut m.mem).map_err(Error::sys("copy a shared mapping for a forked sandbox")))
+                .map_err(|e| match e {
+                    Error::Sys { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => Error::InvalidArgument(format!(
+                        "the parent's writable mounts do not fit in the child's disk quota ({source}); give the child a larger quota"
+                    )),
+                    e => e,
+                })
         }
         None => Ok(()),
     };

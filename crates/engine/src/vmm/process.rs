@@ -288,6 +288,7 @@ pub(super) fn serving(m: &mut Machine, chan: &Channel, pool: &Pool) {
         let next = host::next_pid().or(m.os.as_ref().map(|os| os.proc.next_pid)).unwrap_or(2);
         host::new_process_count(next);
         crate::guestos::sched::new_tree(m.os.as_ref().map_or(1, |os| os.proc.pid));
+        crate::guestos::futex_shared::new_tree();
         // SAFETY: plain prctl on this process.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     }
@@ -501,6 +502,7 @@ pub(super) fn enter_child_process(m: &mut Machine, guest_pid: i32, parent_host: 
     }
     host::reset_child();
     crate::guestos::sched::child_started(guest_pid);
+    crate::guestos::futex_shared::child_started();
     // No core files on the host when the guest dies by a core-dumping signal (RLIMIT_CORE is 0
     // in the guest too, so the wait status carries no core flag either way).
     let no_core = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
@@ -564,6 +566,7 @@ fn die_by(sig: i32) -> ! {
     crate::trace::take_counts("image");
     crate::trace::mark_n("host.die", sig as u64);
     crate::guestos::sched::leave();
+    crate::guestos::futex_shared::leave();
     // SAFETY: resetting and unblocking `sig`, then sending it to ourselves; SIGKILL if it did not
     // end us (it always does: the guest only dies by terminating signals).
     unsafe {
@@ -604,6 +607,7 @@ pub(super) fn kill_children(m: &mut Machine) {
         // The process budget starts over with the world (see `host::reset_process_count`).
         host::reset_process_count();
         crate::guestos::sched::reset();
+        crate::guestos::futex_shared::reset();
     }
 }
 
@@ -727,6 +731,7 @@ fn exec(
     let Some(os) = m.os.as_mut() else { return Ok(None) };
     let mut sp = Space::new(&mut m.mem, &mut m.runtime.frames, &m.runtime.aspace);
     let unmapped = os.mm.unmap_range(&mut sp, 0, TASK_SIZE);
+    os.mm.drop_unused_windows(&mut m.mem);
     crate::trace::mark("exec.unmapped");
     // Every user translation was removed and the frames are about to be reused.
     crate::vstate::tlb::flush_guest_tlb(&mut m.vm, &mut m.mem)?;

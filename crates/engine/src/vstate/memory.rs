@@ -15,12 +15,17 @@
 //! filled from the file instead of the file itself: every clone forked from it then shares those
 //! huge pages. `MADV_DONTNEED` would zero such a page rather than show the file again, so
 //! [`GuestMemory::discard_private`] reads those back from the file.
+//!
+//! Guest `MAP_SHARED` mappings are not in this mapping: each is a shared window
+//! ([`super::shared`]) at guest-physical addresses above [`WINDOW_BASE`], which
+//! [`GuestMemory::read`] and [`GuestMemory::write`] reach as well.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::Path;
 
 use super::super::arch::x86_64::layout::{huge_region, HUGE_PAGE, PAGE_SIZE};
+use super::shared::{Windows, WINDOW_BASE};
 use crate::error::{Error, Result};
 
 /// A page bitmap.
@@ -80,6 +85,8 @@ pub struct GuestMemory {
     /// Guest-physical starts of the 2 MiB blocks backed by anonymous huge pages (see the module
     /// comment).
     anon_blocks: Vec<u64>,
+    /// The guest's shared mappings (see the module comment).
+    pub windows: Windows,
 }
 
 // SAFETY: the mapping is owned by this struct; the VMM process is single-threaded and moves it only
@@ -116,6 +123,9 @@ impl GuestMemory {
     }
 
     fn map(file: File, size: u64) -> Result<GuestMemory> {
+        if size > WINDOW_BASE {
+            return Err(Error::InvalidArgument(format!("guest memory of {size} bytes; at most {WINDOW_BASE}")));
+        }
         // Reserve 2 MiB more than needed, place the file mapping on a 2 MiB boundary inside the
         // reservation, and give the rest back.
         let align = HUGE_PAGE as usize;
@@ -155,7 +165,14 @@ impl GuestMemory {
                 libc::munmap((start + size as usize) as *mut libc::c_void, tail);
             }
         }
-        Ok(GuestMemory { ptr: ptr.cast(), size, file, dirty: Bitmap::new(size / PAGE_SIZE), anon_blocks: Vec::new() })
+        Ok(GuestMemory {
+            ptr: ptr.cast(),
+            size,
+            file,
+            dirty: Bitmap::new(size / PAGE_SIZE),
+            anon_blocks: Vec::new(),
+            windows: Windows::default(),
+        })
     }
 
     /// Back each 2 MiB block of the large-page region that holds data in the file with an
@@ -258,6 +275,9 @@ impl GuestMemory {
     }
 
     pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<()> {
+        if gpa >= WINDOW_BASE {
+            return self.windows.read(gpa, buf).ok_or(Error::BadGuestAddress(gpa));
+        }
         self.check(gpa, buf.len())?;
         // SAFETY: bounds checked above; the mapping is valid for `size` bytes.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(gpa as usize), buf.as_mut_ptr(), buf.len()) };
@@ -265,6 +285,9 @@ impl GuestMemory {
     }
 
     pub fn write(&mut self, gpa: u64, data: &[u8]) -> Result<()> {
+        if gpa >= WINDOW_BASE {
+            return self.windows.write(gpa, data).ok_or(Error::BadGuestAddress(gpa));
+        }
         self.check(gpa, data.len())?;
         // SAFETY: bounds checked above; the mapping is valid and writable for `size` bytes.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(gpa as usize), data.len()) };

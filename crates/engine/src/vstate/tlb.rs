@@ -92,42 +92,55 @@ pub const INVALIDATION_BLOCK: u64 = 2 << 20;
 /// mprotect pairs were made.
 pub fn invalidate_frames(mem: &GuestMemory, gpas: &[u64]) -> Result<usize> {
     let base = mem.host_addr();
-    let mut pages: Vec<u64> = Vec::with_capacity(gpas.len());
+    // Host pages, with the protection to restore: guest memory's, or a shared window's (see
+    // `vstate::shared`: the same MMU notifier drops the translations of its pages).
+    // Each tagged with its mapping (0: guest memory; else the window's guest-physical start): one
+    // mprotect pair never spans two mappings (there may be unmapped host memory between them).
+    let mut pages: Vec<(u64, libc::c_int, u64)> = Vec::with_capacity(gpas.len());
     for &gpa in gpas {
+        if gpa >= crate::vstate::shared::WINDOW_BASE {
+            // A window that is gone was unmapped on the host, which dropped its translations.
+            if let Some(w) = mem.windows.find(gpa) {
+                pages.push(((w.host_addr() + (gpa - w.gpa)) & !(PAGE_SIZE - 1), w.prot(), w.gpa));
+            }
+            continue;
+        }
         if gpa >= mem.size() {
             return Err(Error::BadGuestAddress(gpa));
         }
-        pages.push((base + gpa) & !(PAGE_SIZE - 1));
+        pages.push(((base + gpa) & !(PAGE_SIZE - 1), libc::PROT_READ | libc::PROT_WRITE, 0));
     }
     pages.sort_unstable();
     pages.dedup();
     let mut pairs = 0;
     let mut i = 0;
     while i < pages.len() {
-        let block = pages[i] / INVALIDATION_BLOCK;
+        let (block, prot, mapping) = (pages[i].0 / INVALIDATION_BLOCK, pages[i].1, pages[i].2);
         let mut j = i;
-        while j + 1 < pages.len() && pages[j + 1] / INVALIDATION_BLOCK == block {
+        while j + 1 < pages.len() && pages[j + 1].0 / INVALIDATION_BLOCK == block && pages[j + 1].2 == mapping {
             j += 1;
         }
-        protect_cycle(pages[i], pages[j] + PAGE_SIZE - pages[i])?;
+        protect_cycle(pages[i].0, pages[j].0 + PAGE_SIZE - pages[i].0, prot)?;
         pairs += 1;
         i = j + 1;
     }
     Ok(pairs)
 }
 
-/// Read-only, then read-write again: the first call fires the MMU notifier.
-fn protect_cycle(addr: u64, len: u64) -> Result<()> {
+/// Less access, then `prot` again: the first call fires the MMU notifier.
+fn protect_cycle(addr: u64, len: u64, prot: libc::c_int) -> Result<()> {
     let p = addr as *mut libc::c_void;
-    // SAFETY: [addr, addr+len) lies inside the guest-memory mapping (checked by the caller), which
-    // is PROT_READ|PROT_WRITE; the mapping's owner is the only thread that writes it (the VMM
-    // process is single-threaded) and it is here, and the second call restores the protection.
-    if unsafe { libc::mprotect(p, len as usize, libc::PROT_READ) } != 0 {
+    let less = if prot & libc::PROT_WRITE != 0 { libc::PROT_READ } else { libc::PROT_NONE };
+    // SAFETY: [addr, addr+len) lies inside the guest-memory mapping or one shared window (checked
+    // by the caller), whose protection is `prot`; the mapping's owner is the only thread that
+    // writes it (the VMM process is single-threaded) and it is here, and the second call restores
+    // the protection.
+    if unsafe { libc::mprotect(p, len as usize, less) } != 0 {
         return Err(Error::last_os("mprotect(PROT_READ) for a guest TLB invalidation"));
     }
     // SAFETY: as above. Restoring can only fail for lack of memory to merge/split mappings; retry
     // once, since leaving guest memory read-only would crash the next host write.
-    let restore = || unsafe { libc::mprotect(p, len as usize, libc::PROT_READ | libc::PROT_WRITE) };
+    let restore = || unsafe { libc::mprotect(p, len as usize, prot) };
     if restore() != 0 && restore() != 0 {
         return Err(Error::last_os(
             "mprotect(PROT_READ|PROT_WRITE) after a guest TLB invalidation; guest memory is left read-only",

@@ -12,6 +12,14 @@
 //! read-only large-page copies of program text (see `arch::x86_64::paging`). It is the one slot
 //! without dirty logging: KVM maps nothing larger than 4 KiB in a dirty-logged slot, and the guest
 //! never writes this one (host writes are recorded by `GuestMemory` itself).
+//!
+//! Slots from [`FIRST_WINDOW_SLOT`] on are the guest's shared mappings, one per window of
+//! `GuestMemory::windows` (see `vstate::shared`), without dirty logging (their pages are never
+//! private to a process, so neither reset nor snapshot has anything to do with them).
+//! [`KvmVm::sync_windows`] makes the slots follow the windows before the guest runs: a slot is
+//! deleted before its guest-physical range or slot number is used again.
+
+use std::collections::BTreeMap;
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 use kvm_ioctls::{Kvm, VmFd};
@@ -28,12 +36,19 @@ pub fn slot_size_for(frames_end: u64, mem_size: u64) -> u64 {
     (frames_end.saturating_add(SLOT_STEP).div_ceil(SLOT_STEP) * SLOT_STEP).min(mem_size)
 }
 
+/// The first slot number of the shared windows.
+pub const FIRST_WINDOW_SLOT: u32 = 2;
+
 pub struct KvmVm {
     pub fd: VmFd,
     host_addr: u64,
     slot_size: u64,
     /// Slot 0 never reaches past this (the large-page region, or the end of memory).
     limit: u64,
+    /// The window slots KVM has: by guest-physical start, (slot, length, host address).
+    windows: BTreeMap<u64, (u32, u64, u64)>,
+    /// `GuestMemory::windows`' generation they were synced at (None: never).
+    windows_synced: Option<u64>,
 }
 
 impl KvmVm {
@@ -53,7 +68,14 @@ impl KvmVm {
         };
         let region = huge_region(mem.size());
         let limit = region.map_or(mem.size(), |(start, _)| start);
-        let vm = KvmVm { fd, host_addr: mem.host_addr(), slot_size: slot_size.min(limit), limit };
+        let mut vm = KvmVm {
+            fd,
+            host_addr: mem.host_addr(),
+            slot_size: slot_size.min(limit),
+            limit,
+            windows: BTreeMap::new(),
+            windows_synced: None,
+        };
         vm.set_slot(vm.slot_size, "KVM_SET_USER_MEMORY_REGION")?;
         if let Some((start, end)) = region {
             let r = kvm_userspace_memory_region {
@@ -67,7 +89,54 @@ impl KvmVm {
             // the VM.
             unsafe { vm.fd.set_user_memory_region(r) }.map_err(Error::kvm("KVM_SET_USER_MEMORY_REGION (large pages)"))?;
         }
+        // KVM's slots per VM (KVM_CAP_NR_MEMSLOTS) bound the windows a process may have.
+        super::shared::limit_windows(kvm.get_nr_memslots().saturating_sub(FIRST_WINDOW_SLOT as usize));
+        // A forked child's windows are its parent's (the host fork kept them shared).
+        vm.sync_windows(mem)?;
         Ok(vm)
+    }
+
+    /// Make the window slots match `mem`'s shared windows: delete the slots of windows that went
+    /// (or moved to another host address), then add the new ones.
+    pub fn sync_windows(&mut self, mem: &GuestMemory) -> Result<()> {
+        let generation = mem.windows.generation();
+        if self.windows_synced == Some(generation) {
+            return Ok(());
+        }
+        let want: BTreeMap<u64, (u64, u64)> = mem.windows.iter().map(|w| (w.gpa, (w.len, w.host_addr()))).collect();
+        let gone: Vec<u64> = self
+            .windows
+            .iter()
+            .filter(|(gpa, (_, len, hva))| want.get(gpa) != Some(&(*len, *hva)))
+            .map(|(gpa, _)| *gpa)
+            .collect();
+        for gpa in gone {
+            if let Some((slot, _, hva)) = self.windows.remove(&gpa) {
+                self.set_window(slot, gpa, 0, hva, "KVM_SET_USER_MEMORY_REGION (delete a shared mapping)")?;
+            }
+        }
+        for (gpa, (len, hva)) in want {
+            if self.windows.contains_key(&gpa) {
+                continue;
+            }
+            let mut slot = FIRST_WINDOW_SLOT;
+            while self.windows.values().any(|(s, _, _)| *s == slot) {
+                slot += 1;
+            }
+            self.set_window(slot, gpa, len, hva, "KVM_SET_USER_MEMORY_REGION (a shared mapping)")?;
+            self.windows.insert(gpa, (slot, len, hva));
+        }
+        self.windows_synced = Some(generation);
+        Ok(())
+    }
+
+    fn set_window(&self, slot: u32, gpa: u64, len: u64, hva: u64, op: &'static str) -> Result<()> {
+        let r = kvm_userspace_memory_region { slot, flags: 0, guest_phys_addr: gpa, memory_size: len, userspace_addr: hva };
+        // SAFETY: [hva, hva + len) is a live shared window of `GuestMemory::windows` (or len is 0,
+        // which deletes the slot). A window is unmapped only after it left `windows`, and the VMM
+        // syncs (deleting its slot) before the guest runs again; until then KVM's MMU notifier
+        // has dropped every translation of the unmapped range.
+        unsafe { self.fd.set_user_memory_region(r) }.map_err(Error::kvm(op))
     }
 
     fn set_slot(&self, size: u64, op: &'static str) -> Result<()> {

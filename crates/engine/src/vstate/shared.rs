@@ -1,0 +1,369 @@
+//! Shared windows: host `MAP_SHARED` mappings placed in guest-physical space beside guest memory.
+//!
+//! Guest memory proper ([`super::memory::GuestMemory`]) is one `MAP_PRIVATE` mapping, so that a host
+//! `fork()` of the VMM process copies it on write: right for private memory, wrong for a guest
+//! `MAP_SHARED` mapping, whose writes every process mapping the same file (or, for shared anonymous
+//! memory, every process forked since) must see at once. Each such guest mapping therefore gets a
+//! [`Window`]: a host `MAP_SHARED` mapping of the file's host descriptor (a memfd for anonymous
+//! memory) at guest-physical addresses of its own above [`WINDOW_BASE`], far above any guest
+//! memory, which the VMM gives a KVM memory slot of its own (`vstate::vm::KvmVm::sync_windows`).
+//! The guest's page tables point the mapping's pages there. A host fork keeps `MAP_SHARED`
+//! mappings shared, so a guest fork child sees the parent's window through the same host pages,
+//! and two windows of one file (in one process or in two) are coherent through the host page cache.
+//!
+//! Windows never hold guest page tables or frames of the frame allocator, and their pages are
+//! never in the private-page record (`GuestMemory::dirty`): resets and snapshots do not see them.
+//! What snapshots, sandbox forks and resets do with them is in `guestos::mm`'s module comment.
+//!
+//! A window's host pages past the end of its file would raise SIGBUS in the VMM when touched, so
+//! host-side accesses ([`Windows::read`], [`Windows::write`]) check the file's size first and
+//! answer with an error (EFAULT to the guest) instead.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crate::arch::x86_64::layout::PAGE_SIZE;
+
+/// Windows live in [WINDOW_BASE, WINDOW_BASE + WINDOW_SPACE) of guest-physical space (256-512 GiB:
+/// above any guest memory a sandbox is given, and below the 48 physical address bits of the
+/// machines we run on).
+pub const WINDOW_BASE: u64 = 1 << 38;
+pub const WINDOW_SPACE: u64 = 1 << 38;
+/// Windows one process may hold: each is a KVM memory slot (KVM has a few hundred to 32,764 per
+/// VM, and a VM's slot lookups get slower with many), a host mapping and a host descriptor. A
+/// guest asking for more gets ENOMEM from mmap, as Linux answers past vm.max_map_count.
+pub const MAX_WINDOWS: usize = 256;
+/// The cap in force: [`MAX_WINDOWS`], or fewer if this host's KVM has fewer memory slots
+/// ([`limit_windows`]).
+static CAP: AtomicUsize = AtomicUsize::new(MAX_WINDOWS);
+
+/// At most `slots` windows per process (the KVM slots this host leaves for them).
+pub fn limit_windows(slots: usize) {
+    CAP.store(slots.min(MAX_WINDOWS), Ordering::Relaxed);
+}
+
+/// Windows are placed on 2 MiB boundaries (so that guest-physical and host addresses can agree
+/// modulo 2 MiB, which KVM needs to map a large page).
+const ALIGN: u64 = 2 << 20;
+
+/// What went wrong making a window.
+#[derive(Debug, thiserror::Error)]
+pub enum WindowError {
+    /// too many shared mappings in one process (at most MAX_WINDOWS)
+    #[error("too many shared mappings in one process (at most {MAX_WINDOWS})")]
+    TooMany,
+    /// no room left in the guest-physical space for shared mappings
+    #[error("no room left in the guest-physical space for shared mappings")]
+    NoRoom,
+    /// the host could not map the file shared
+    #[error("the host could not map the file shared: {0}")]
+    Map(std::io::Error),
+}
+
+/// One shared window.
+pub struct Window {
+    pub gpa: u64,
+    pub len: u64,
+    ptr: *mut u8,
+    /// The mapped host file (a memfd for shared anonymous memory), and the file offset of `gpa`.
+    pub fd: Arc<OwnedFd>,
+    pub offset: u64,
+    /// Mapped writable (the file is open for writing).
+    pub writable: bool,
+    /// A file of the guest's (true) or a memfd of ours for anonymous memory (false).
+    pub file: bool,
+    /// The host file's identity (device, inode): with the file offset, what names a futex word
+    /// in it for every process (see `guestos::futex_shared`).
+    pub key: (u64, u64),
+}
+
+impl Window {
+    pub fn host_addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// The host protection of the mapping.
+    pub fn prot(&self) -> libc::c_int {
+        if self.writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        }
+    }
+
+    /// How many bytes from the window's start lie in pages that show the file (not wholly past
+    /// its end, where a host access would raise SIGBUS): all of it for a memfd of ours.
+    fn shown(&self) -> u64 {
+        if !self.file {
+            return self.len;
+        }
+        // SAFETY: a zeroed stat is valid; fstat on a descriptor we own, the result is checked.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) } != 0 {
+            return 0;
+        }
+        let pages = (st.st_size as u64).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        pages.saturating_sub(self.offset).min(self.len)
+    }
+
+    /// Whether [at, at + len) of the window lies in pages that show the file.
+    fn in_file(&self, at: u64, len: u64) -> bool {
+        at.saturating_add(len) <= self.shown()
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the host mapping this window made and owns.
+        unsafe { libc::munmap(self.ptr.cast(), self.len as usize) };
+    }
+}
+
+/// A process's shared windows, by guest-physical start.
+#[derive(Default)]
+pub struct Windows {
+    map: BTreeMap<u64, Window>,
+    /// Bumped on every change, so the VMM re-syncs its KVM slots only when there is something new.
+    generation: u64,
+}
+
+impl Windows {
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+    pub fn iter(&self) -> impl Iterator<Item = &Window> {
+        self.map.values()
+    }
+
+    /// Map `len` bytes (page multiple) of `fd` from `offset` shared; returns the window's
+    /// guest-physical start.
+    pub fn map(&mut self, fd: Arc<OwnedFd>, offset: u64, len: u64, writable: bool, file: bool) -> Result<u64, WindowError> {
+        if self.map.len() >= CAP.load(Ordering::Relaxed) {
+            return Err(WindowError::TooMany);
+        }
+        let gpa = self.free_range(len).ok_or(WindowError::NoRoom)?;
+        // SAFETY: a zeroed stat is valid; fstat on a descriptor we own.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; the result is checked.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(WindowError::Map(std::io::Error::last_os_error()));
+        }
+        let ptr = host_map(&fd, offset, len, writable, None).map_err(WindowError::Map)?;
+        self.map.insert(gpa, Window { gpa, len, ptr, fd, offset, writable, file, key: (st.st_dev, st.st_ino) });
+        self.generation += 1;
+        Ok(gpa)
+    }
+
+    /// The lowest free 2 MiB-aligned range of `len` bytes in the window space.
+    fn free_range(&self, len: u64) -> Option<u64> {
+        let mut at = WINDOW_BASE;
+        for w in self.map.values() {
+            if w.gpa >= at.checked_add(len)? {
+                break;
+            }
+            at = (w.gpa + w.len).div_ceil(ALIGN) * ALIGN;
+        }
+        (at.checked_add(len)? <= WINDOW_BASE + WINDOW_SPACE).then_some(at)
+    }
+
+    /// The window holding guest-physical address `gpa`.
+    pub fn find(&self, gpa: u64) -> Option<&Window> {
+        self.map.range(..=gpa).next_back().map(|(_, w)| w).filter(|w| gpa < w.gpa + w.len)
+    }
+
+    /// Keep only the windows `keep` holds on to (by guest-physical start); the others are unmapped.
+    pub fn retain(&mut self, keep: impl Fn(&Window) -> bool) {
+        let before = self.map.len();
+        self.map.retain(|_, w| keep(w));
+        if self.map.len() != before {
+            self.generation += 1;
+        }
+    }
+
+    /// Unmap every window.
+    pub fn clear(&mut self) {
+        if !self.map.is_empty() {
+            self.map.clear();
+            self.generation += 1;
+        }
+    }
+
+    /// The host address of `gpa`, checked to lie, with `len` bytes after it, in one window and in
+    /// pages that show its file.
+    fn host(&self, gpa: u64, len: usize) -> Option<*mut u8> {
+        let w = self.find(gpa)?;
+        let at = gpa - w.gpa;
+        if at.checked_add(len as u64)? > w.len || !w.in_file(at, len as u64) {
+            return None;
+        }
+        // SAFETY: `at + len` lies inside the mapping, checked above.
+        Some(unsafe { w.ptr.add(at as usize) })
+    }
+
+    pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Option<()> {
+        let p = self.host(gpa, buf.len())?;
+        // SAFETY: `host` checked the range lies inside a live mapping, in pages the file backs.
+        unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), buf.len()) };
+        Some(())
+    }
+
+    /// Write through the window (host side: a read-only window is written too, as Linux's kernel
+    /// writes a read-only mapping's page for the guest's syscalls only where it may; the caller has
+    /// checked the guest's rights).
+    pub fn write(&mut self, gpa: u64, data: &[u8]) -> Option<()> {
+        let w = self.find(gpa)?;
+        if !w.writable {
+            return None;
+        }
+        let p = self.host(gpa, data.len())?;
+        // SAFETY: `host` checked the range lies inside a live writable mapping backed by the file.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
+        Some(())
+    }
+
+    /// Re-point window `gpa` at `fd` (a fork of the sandbox got its own copy of the file), at the
+    /// same host address, or, with `fd` None, at a fresh memfd holding a copy of what it shows now.
+    /// Returns the descriptor it maps now.
+    pub fn replace(&mut self, gpa: u64, fd: Option<Arc<OwnedFd>>) -> std::io::Result<Arc<OwnedFd>> {
+        let w = self.map.get_mut(&gpa).ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOENT))?;
+        let copied = fd.is_none();
+        let (fd, offset) = match fd {
+            Some(fd) => (fd, w.offset),
+            None => {
+                let copy = memfd(w.len)?;
+                // Only the pages that show the file are read (the others would raise SIGBUS).
+                let shown = w.shown();
+                let out = std::fs::File::from(copy.try_clone()?);
+                let mut at = 0;
+                while at < shown {
+                    let n = (shown - at).min(1 << 20);
+                    // SAFETY: [at, at + n) lies inside the live mapping, in pages the file backs.
+                    let src = unsafe { std::slice::from_raw_parts(w.ptr.add(at as usize), n as usize) };
+                    if src.iter().any(|&b| b != 0) {
+                        std::os::unix::fs::FileExt::write_all_at(&out, src, at)?;
+                    }
+                    at += n;
+                }
+                (Arc::new(copy), 0)
+            }
+        };
+        host_map(&fd, offset, w.len, w.writable, Some(w.ptr))?;
+        // SAFETY: a zeroed stat is valid; fstat on a descriptor we own.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; a failure leaves the old key (futexes then key on the old file).
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } == 0 {
+            w.key = (st.st_dev, st.st_ino);
+        }
+        w.fd = fd.clone();
+        w.offset = offset;
+        if copied {
+            w.file = false; // a memfd of ours, exactly as long as the window
+        }
+        self.generation += 1;
+        Ok(fd)
+    }
+}
+
+/// A new memfd of `len` bytes, for shared anonymous memory.
+pub fn memfd(len: u64) -> std::io::Result<OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: memfd_create with a valid NUL-terminated name; the result is checked.
+    let fd = unsafe { libc::memfd_create(c"collimate-shared".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ftruncate on our own descriptor.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// mmap `fd` shared, at `at` (replacing what is there) or where the kernel likes.
+fn host_map(fd: &OwnedFd, offset: u64, len: u64, writable: bool, at: Option<*mut u8>) -> std::io::Result<*mut u8> {
+    let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+    let (addr, fixed) = match at {
+        Some(p) => (p.cast(), libc::MAP_FIXED),
+        None => (std::ptr::null_mut(), 0),
+    };
+    // SAFETY: a shared mapping of a descriptor we hold; with MAP_FIXED, `at` is a live window of
+    // exactly `len` bytes that we own and replace.
+    let p = unsafe { libc::mmap(addr, len as usize, prot, libc::MAP_SHARED | fixed, fd.as_raw_fd(), offset as libc::off_t) };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(p.cast())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_of_one_file_are_coherent_and_placed_apart() {
+        let mut ws = Windows::default();
+        let fd = Arc::new(memfd(3 * PAGE_SIZE).unwrap());
+        let a = ws.map(fd.clone(), 0, 3 * PAGE_SIZE, true, false).unwrap();
+        let b = ws.map(fd.clone(), PAGE_SIZE, 2 * PAGE_SIZE, true, false).unwrap();
+        assert_eq!(a, WINDOW_BASE);
+        assert_eq!(b, WINDOW_BASE + ALIGN);
+        ws.write(a + PAGE_SIZE + 5, b"shared").unwrap();
+        let mut buf = [0u8; 6];
+        ws.read(b + 5, &mut buf).unwrap();
+        assert_eq!(&buf, b"shared");
+        // Outside any window, or across a window's end: refused.
+        assert!(ws.read(a + 3 * PAGE_SIZE, &mut buf).is_none());
+        assert!(ws.read(b + 2 * PAGE_SIZE - 3, &mut buf).is_none());
+        let g = ws.generation();
+        ws.retain(|w| w.gpa != a);
+        assert!(ws.generation() > g && ws.len() == 1 && ws.find(a).is_none());
+        // The freed range is used again.
+        assert_eq!(ws.map(fd, 0, PAGE_SIZE, true, false).unwrap(), WINDOW_BASE);
+    }
+
+    #[test]
+    fn past_the_end_of_a_file_is_refused_not_a_host_sigbus() {
+        let dir = std::env::temp_dir().join(format!("collimate-win-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(dir.join("f")).unwrap();
+        f.set_len(100).unwrap();
+        let mut ws = Windows::default();
+        let a = ws.map(Arc::new(OwnedFd::from(f.try_clone().unwrap())), 0, 4 * PAGE_SIZE, true, true).unwrap();
+        ws.write(a + 10, b"x").unwrap();
+        assert!(ws.write(a + PAGE_SIZE, b"x").is_none(), "a page wholly past the end");
+        let mut b = [0u8; 1];
+        assert!(ws.read(a + 2 * PAGE_SIZE, &mut b).is_none());
+        // A copy for a forked sandbox holds what the window showed, and is no longer the file.
+        let new = ws.replace(a, None).unwrap();
+        ws.read(a + 10, &mut b).unwrap();
+        assert_eq!(&b, b"x");
+        ws.write(a + 10, b"y").unwrap();
+        let mut fb = [0u8; 1];
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut fb, 10).unwrap();
+        assert_eq!(&fb, b"x", "the file is not written through the copy");
+        assert!(Arc::ptr_eq(&new, &ws.find(a).unwrap().fd));
+        assert!(ws.read(a + 2 * PAGE_SIZE, &mut b).is_some(), "the copy is a memfd as long as the window");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_cap_is_an_error_not_a_failure() {
+        let mut ws = Windows::default();
+        let fd = Arc::new(memfd(PAGE_SIZE).unwrap());
+        for _ in 0..MAX_WINDOWS {
+            ws.map(fd.clone(), 0, PAGE_SIZE, true, false).unwrap();
+        }
+        assert!(matches!(ws.map(fd, 0, PAGE_SIZE, true, false), Err(WindowError::TooMany)));
+    }
+}
