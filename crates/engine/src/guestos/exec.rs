@@ -565,6 +565,7 @@ mod tests {
                 stdio: None,
                 agent: None,
                 sig: Default::default(),
+                threads: Default::default(),
             };
             T { mem, frames, aspace, os, root }
         }

@@ -35,9 +35,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::crng::{Crng, Seed};
-use super::{Ctx, Errno, GuestOs, SysResult, EAGAIN, EFAULT, EINVAL, ENOSYS, EPERM, ESRCH};
+use super::{Ctx, Errno, GuestOs, SysResult, EFAULT, EINVAL, ENOSYS, EPERM, ESRCH};
 
-const ETIMEDOUT: Errno = Errno(110);
 
 /// Signals 1..=64.
 pub const NSIG: usize = 64;
@@ -423,7 +422,7 @@ fn timespec_bytes(s: i64, ns: i64) -> [u8; 16] {
 }
 
 /// A guest `struct timespec`, validated (0 <= nsec < 1e9, sec >= 0) and converted to nanoseconds.
-fn read_timespec(ctx: &Ctx, va: u64) -> Result<u64, Errno> {
+pub(crate) fn read_timespec(ctx: &Ctx, va: u64) -> Result<u64, Errno> {
     let b = ctx.read_vec(va, 16)?;
     let s = i64::from_le_bytes(b[..8].try_into().map_err(|_| EFAULT)?);
     let ns = i64::from_le_bytes(b[8..].try_into().map_err(|_| EFAULT)?);
@@ -455,6 +454,13 @@ fn sleep_until(
     let now = monotonic_ns();
     if now >= deadline {
         return done;
+    }
+    // Other threads of this process run meanwhile (see `guestos::thread`): no host sleep; the
+    // call is retried once the deadline has come.
+    if super::sched::active() && super::sched::yield_blocked(Some(deadline)) {
+        proc.sleep = Some(PendingSleep { deadline_ns: deadline, ..key });
+        ctx.regs.rip = ctx.regs.rip.wrapping_sub(2);
+        return Ok(nr);
     }
     let slice = (deadline - now).min(SLEEP_SLICE.as_nanos() as u64);
     let ts = libc::timespec { tv_sec: (slice / 1_000_000_000) as i64, tv_nsec: (slice % 1_000_000_000) as i64 };
@@ -955,7 +961,6 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         SYS_RT_SIGPROCMASK => rt_sigprocmask(p, ctx, a[0], a[1], a[2], a[3]),
         SYS_SIGALTSTACK => sigaltstack(p, ctx, a[0], a[1]),
         SYS_PRCTL => prctl(p, ctx, a),
-        SYS_FUTEX => futex(p, ctx, nr, a),
         SYS_UMASK => {
             let old = p.umask;
             p.umask = (a[0] as u32) & 0o777;
@@ -1262,104 +1267,6 @@ fn prctl(p: &mut Proc, ctx: &mut Ctx, a: [u64; 6]) -> SysResult {
     }
 }
 
-fn futex(p: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> SysResult {
-    const FUTEX_WAIT: u64 = 0;
-    const FUTEX_WAKE: u64 = 1;
-    const FUTEX_REQUEUE: u64 = 3;
-    const FUTEX_CMP_REQUEUE: u64 = 4;
-    const FUTEX_WAKE_OP: u64 = 5;
-    const FUTEX_WAIT_BITSET: u64 = 9;
-    const FUTEX_WAKE_BITSET: u64 = 10;
-    const FUTEX_CLOCK_REALTIME: u64 = 256;
-    let (uaddr, op, val, timeout, uaddr2, val3) = (a[0], a[1], a[2] as u32, a[3], a[4], a[5] as u32);
-    let cmd = op & 0x7f;
-    if uaddr % 4 != 0 {
-        return Err(EINVAL);
-    }
-    let read_u32 = |ctx: &Ctx, va: u64| -> Result<u32, Errno> {
-        let mut b = [0u8; 4];
-        ctx.read(va, &mut b)?;
-        Ok(u32::from_le_bytes(b))
-    };
-    match cmd {
-        FUTEX_WAIT | FUTEX_WAIT_BITSET => {
-            if cmd == FUTEX_WAIT_BITSET && val3 == 0 {
-                return Err(EINVAL);
-            }
-            if read_u32(ctx, uaddr)? != val {
-                return Err(EAGAIN);
-            }
-            if timeout == 0 {
-                // Nobody else exists to wake us: waiting forever would only burn the run's budget.
-                return Err(EAGAIN);
-            }
-            let t = read_timespec(ctx, timeout)?;
-            let realtime = op & FUTEX_CLOCK_REALTIME != 0;
-            if p.clocks.replay {
-                // Nobody can wake us: the wait times out once virtual time reaches its end.
-                let kind = if realtime { ClockKind::Real } else { ClockKind::Mono };
-                let d = if cmd == FUTEX_WAIT { t } else { p.clocks.until(kind, t) };
-                return virtual_sleep(p, ctx, nr, a, d, Err(ETIMEDOUT));
-            }
-            sleep_until(
-                p,
-                ctx,
-                nr,
-                a,
-                || {
-                    let now = monotonic_ns();
-                    if cmd == FUTEX_WAIT {
-                        Ok(now.saturating_add(t))
-                    } else {
-                        let clock = if realtime { libc::CLOCK_REALTIME } else { libc::CLOCK_MONOTONIC };
-                        Ok(now.saturating_add(t.saturating_sub(ns_of(host_clock_now(clock)?))))
-                    }
-                },
-                Err(ETIMEDOUT),
-            )
-        }
-        FUTEX_WAKE | FUTEX_REQUEUE => Ok(0),
-        FUTEX_WAKE_BITSET => {
-            if val3 == 0 {
-                Err(EINVAL)
-            } else {
-                Ok(0)
-            }
-        }
-        FUTEX_CMP_REQUEUE => {
-            if read_u32(ctx, uaddr)? != val3 {
-                Err(EAGAIN)
-            } else {
-                Ok(0)
-            }
-        }
-        FUTEX_WAKE_OP => {
-            if uaddr2 % 4 != 0 {
-                return Err(EINVAL);
-            }
-            // Apply the operation to *uaddr2; no one waits on either word.
-            let kind = (val3 >> 28) & 7;
-            let mut arg = (val3 >> 12) & 0xfff;
-            if (val3 >> 28) & 8 != 0 {
-                arg = 1u32.checked_shl(arg).unwrap_or(0);
-            }
-            let old = read_u32(ctx, uaddr2)?;
-            let new = match kind {
-                0 => arg,
-                1 => old.wrapping_add(arg),
-                2 => old | arg,
-                3 => old & !arg,
-                4 => old ^ arg,
-                _ => return Err(ENOSYS),
-            };
-            ctx.write(uaddr2, &new.to_le_bytes())?;
-            Ok(0)
-        }
-        // Priority-inheritance futexes and requeue-PI are not offered.
-        _ => Err(ENOSYS),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1398,6 +1305,7 @@ mod tests {
                 stdio: None,
                 agent: None,
                 sig: Default::default(),
+                threads: Default::default(),
             };
             T { mem, frames, aspace, regs: Default::default(), sregs: Default::default(), out: Default::default(), os, _dir: dir }
         }

@@ -8,6 +8,7 @@
 
 mod prefault;
 mod process;
+mod threads;
 pub(crate) mod jail;
 mod syscalls;
 
@@ -178,6 +179,7 @@ impl Machine {
             stdio: None,
             agent: None,
             sig: Default::default(),
+            threads: Default::default(),
         };
         os.set_stdio(stdio)?;
         if spec.agent {
@@ -287,12 +289,14 @@ impl Machine {
         self.preempter.arm(timeout)?;
         let guard = process::RunGuard::enter(&mut self.vcpu);
         let res = self.run_loop(deadline, &mut out);
+        threads::run_ended();
         drop(guard);
         self.preempter.disarm()?;
         self.vcpu.set_kvm_immediate_exit(0);
         let exit = res?;
         if let RunExit::Exited { .. } | RunExit::Signaled { .. } = exit {
             self.exited = Some(exit);
+            threads::process_ended(self);
             process::guest_ended(self);
             crate::guestos::sched::leave();
         } else if let Some(os) = &self.os {
@@ -323,6 +327,10 @@ impl Machine {
                 let (replay, mono) = (clocks.replay, clocks.mono_now());
                 if let crate::guestos::sched::Gate::Timeout = crate::guestos::sched::gate(replay, mono, &mut |ns| clocks.pass(ns), deadline) {
                     return Ok(RunExit::Timeout);
+                }
+                // The process's threads take turns on this vCPU (see `threads`).
+                if let Some(exit) = threads::schedule(self, deadline)? {
+                    return Ok(exit);
                 }
             }
             self.cover_frames()?;
@@ -456,6 +464,7 @@ impl Machine {
             }
         };
         crate::guestos::sched::after_syscall();
+        threads::count_event();
         let exit = process::after_syscall(self, &entry, &mut r, exit)?;
         self.return_to_user(&r, sregs)?;
         Ok(exit)
@@ -539,6 +548,7 @@ impl Machine {
             // Guest pids start over where the template's did.
             crate::guestos::signal::host::set_next_pid(os.proc.next_pid);
         }
+        threads::count_in_new_tree(self);
         Ok(ResetStats { dirty_pages, duration: start.elapsed() })
     }
 

@@ -13,9 +13,10 @@
 //! so the parent's wait sees exactly what Linux would report. It never talks to the controller;
 //! its output reaches it through the sandbox's stdout/stderr pipes, which it shares.
 //!
-//! Threads do not exist: clone with CLONE_VM and without CLONE_VFORK (or with CLONE_THREAD)
-//! answers EAGAIN, which pthread_create reports and Python's threading turns into "can't start
-//! new thread". CLONE_VM | CLONE_VFORK (posix_spawn, vfork) is served as a copying fork: the child
+//! clone with CLONE_THREAD makes a thread of this process (`vmm::threads`); CLONE_VM without
+//! CLONE_THREAD and without CLONE_VFORK answers EAGAIN. A fork of a multi-threaded process copies
+//! only the calling thread, which becomes the child's first thread, as on Linux; execve ends the
+//! other threads. CLONE_VM | CLONE_VFORK (posix_spawn, vfork) is served as a copying fork: the child
 //! runs on the stack it was given, in a copy of the memory, and the parent does not wait for it
 //! to exec. What a vfork child writes to memory is therefore not seen by its parent (posix_spawn
 //! then cannot report an exec failure through memory; the child's exit status 127 still does).
@@ -215,9 +216,13 @@ fn clone(m: &mut Machine, r: &kvm_regs, c: CloneArgs) -> std::result::Result<u64
     if f & CLONE_THREAD != 0 && f & CLONE_SIGHAND == 0 || f & CLONE_SIGHAND != 0 && f & CLONE_VM == 0 {
         return Err(EINVAL);
     }
-    // Threads are not supported (one vCPU per VMM process, and a guest process is a VMM process):
-    // pthread_create fails with EAGAIN.
-    if f & CLONE_THREAD != 0 || f & CLONE_VM != 0 && f & CLONE_VFORK == 0 {
+    // A thread of this process, on its vCPU (see `vmm::threads`).
+    if f & CLONE_THREAD != 0 {
+        let t = super::threads::NewThread { flags: f, sp: child_sp(&c), parent_tid: c.parent_tid, child_tid: c.child_tid, tls: c.tls };
+        return super::threads::clone_thread(m, r, t);
+    }
+    // Shared memory without being a thread (CLONE_VM alone) is not offered.
+    if f & CLONE_VM != 0 && f & CLONE_VFORK == 0 {
         return Err(crate::guestos::EAGAIN);
     }
     if f & CLONE_NAMESPACES != 0 {
@@ -273,6 +278,7 @@ pub(super) fn serving(m: &mut Machine, chan: &Channel, pool: &Pool) {
         // here until the new one replaces it), else from the snapshot's count.
         let next = host::next_pid().or(m.os.as_ref().map(|os| os.proc.next_pid)).unwrap_or(2);
         host::new_process_count(next);
+        super::threads::count_in_new_tree(m);
         crate::guestos::sched::new_tree(m.os.as_ref().map_or(1, |os| os.proc.pid));
         // SAFETY: plain prctl on this process.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
@@ -443,6 +449,8 @@ fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, guest_pid: i32, 
     }
     host::reset_child();
     crate::guestos::sched::child_started(guest_pid);
+    // Only the calling thread is copied (its siblings stay the parent's, and counted there).
+    super::threads::only_current(m, false);
     // No core files on the host when the guest dies by a core-dumping signal (RLIMIT_CORE is 0
     // in the guest too, so the wait status carries no core flag either way).
     let no_core = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
@@ -670,6 +678,9 @@ fn exec(
     sregs.fs.base = 0;
     sregs.gs.base = 0;
     signal::on_exec(os);
+    // The other threads end; the calling one becomes the first (its tid is the pid).
+    let gone = os.threads.only_current();
+    host::threads_gone(gone as u32);
     os.files.close_on_exec();
     os.proc.clear_child_tid = 0;
     os.proc.robust_list = (0, 0);
