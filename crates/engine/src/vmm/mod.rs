@@ -290,6 +290,10 @@ impl Machine {
         let guard = process::RunGuard::enter(&mut self.vcpu);
         let res = self.run_loop(deadline, &mut out);
         threads::run_ended();
+        let report = threads::take_report();
+        if !report.is_empty() {
+            self.emit_stderr(&mut out, report.as_bytes());
+        }
         drop(guard);
         self.preempter.disarm()?;
         self.vcpu.set_kvm_immediate_exit(0);
@@ -305,6 +309,18 @@ impl Machine {
         self.runtime.enosys += out.enosys;
         let others = if self.os.is_some() { crate::guestos::signal::host::live_processes().saturating_sub(1) } else { 0 };
         Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false, agent: vec![], others })
+    }
+
+    /// Write `msg` where the guest's stderr goes (the sandbox's stderr pipe, else the run's output).
+    fn emit_stderr(&self, out: &mut guestos::Output, msg: &[u8]) {
+        match self.os.as_ref().and_then(|os| os.stdio.as_ref()) {
+            Some([_, err]) => {
+                // SAFETY: writing a local buffer to our stderr pipe; a short write loses the tail
+                // of a diagnostic only.
+                unsafe { libc::write(err.as_raw_fd(), msg.as_ptr().cast(), msg.len()) };
+            }
+            None => out.stderr.extend_from_slice(msg),
+        }
     }
 
     /// Grow slot 0 over every frame the guest has been given before it runs (see `vstate::vm`).

@@ -394,6 +394,10 @@ fn pick(m: &mut Machine, deadline: Instant) -> Result<Option<RunExit>> {
                 if !sched::idle_turn(mono, &mut |ns| clocks.pass(ns), earliest, deadline) {
                     return Ok(Some(RunExit::Timeout));
                 }
+            } else if let (true, Some(d)) = (replay, earliest) {
+                // Replay mode: a whole round got nowhere and nothing outside the process can act
+                // (no other process takes turns): the next deadline comes at once.
+                os.proc.clocks.pass(d.saturating_sub(now));
             } else {
                 host_pause(IDLE_PAUSE);
             }
@@ -437,11 +441,7 @@ fn deadlock(m: &mut Machine) -> RunExit {
             os.proc.pid,
             os.threads.describe(os.proc.pid)
         );
-        if let Some([_, err]) = os.stdio.as_ref() {
-            use std::os::fd::AsRawFd;
-            // SAFETY: writing a local buffer to our stderr pipe.
-            unsafe { libc::write(err.as_raw_fd(), msg.as_ptr().cast(), msg.len()) };
-        }
+        report(&msg);
     }
     RunExit::Signaled { signo: signal::SIGABRT }
 }
@@ -542,3 +542,16 @@ mod ticker {
         ARMED.store(every.is_some(), Ordering::SeqCst);
     }
 }
+
+/// What the scheduler has to tell the guest's stderr (a deadlock report), for the run's output.
+static REPORT: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+
+fn report(msg: &str) {
+    REPORT.lock().unwrap_or_else(|p| p.into_inner()).push_str(msg);
+}
+
+/// Take what [`report`] collected (the run appends it to the guest's stderr).
+pub(super) fn take_report() -> String {
+    std::mem::take(&mut *REPORT.lock().unwrap_or_else(|p| p.into_inner()))
+}
+
