@@ -280,7 +280,7 @@ impl Machine {
         let start = Instant::now();
         let mut out = guestos::Output::default();
         if let Some(exit) = self.exited {
-            return Ok(RunResult { exit, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false, agent: vec![], others: 0 });
+            return Ok(RunResult { exit, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false, agent: vec![], others: 0, nondeterministic: false });
         }
         let deadline = start + timeout;
         crate::guestos::sched::back();
@@ -308,7 +308,8 @@ impl Machine {
         }
         self.runtime.enosys += out.enosys;
         let others = if self.os.is_some() { crate::guestos::signal::host::live_processes().saturating_sub(1) } else { 0 };
-        Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false, agent: vec![], others })
+        let nondeterministic = threads::take_nondeterministic();
+        Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false, agent: vec![], others, nondeterministic })
     }
 
     /// Write `msg` where the guest's stderr goes (the sandbox's stderr pipe, else the run's output).
