@@ -13,9 +13,8 @@ records one outcome per test id (passed / failed / skipped; a test with a failed
 - in a fresh sandbox of the "python" template: the merged test tree is uploaded to /work/lib and
   `python3 runner.py test.<module>` runs as an exec command.
 
-Every test that passes natively must pass in the sandbox, unless it needs threads (the sandbox
-has none: starting one raises "can't start new thread") or it is listed in KNOWN_GAPS with the
-reason. The table of both runs and every difference is printed (also with -q).
+Every test that passes natively must pass in the sandbox, unless it is listed in KNOWN_GAPS with
+the reason. The table of both runs and every difference is printed (also with -q).
 
 Environment: COLLIMATE_BATTERY=full adds the slow modules (SLOW_MODULES, none at the moment);
 COLLIMATE_BATTERY_MODULES="test_int test_os" runs only those modules; COLLIMATE_BATTERY_JOBS
@@ -45,8 +44,8 @@ pytestmark = [
     pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm"),
 ]
 
-# Modules that need neither threads nor network (some of their tests do need threads: those are
-# told apart by their failure, see `needs_threads`). The default set runs in about 4 minutes on
+# Modules that need no network, threads included (a guest process's threads take turns on its
+# vCPU, see crates/engine/src/vmm/threads.rs). The default set runs in about 4 minutes on
 # the 2-core CI machine when it is otherwise idle (test_subprocess, the longest, now that the
 # sandbox's processes take turns on one virtual clock: 80 s instead of 180); COLLIMATE_BATTERY=full
 # adds SLOW_MODULES (none at the moment).
@@ -60,6 +59,8 @@ MODULES = [
     "test_glob", "test_tempfile", "test_os", "test_posix", "test_posixpath", "test_genericpath",
     "test_stat", "test_fileio", "test_shutil", "test_zipfile", "test_tarfile", "test_mmap",
     "test_fcntl", "test_select", "test_resource", "test_pwd", "test_errno", "test_subprocess",
+    "test_threading", "test_thread", "test_threading_local", "test_queue", "test_sched",
+    "test_concurrent_futures",
 ]
 SLOW_MODULES: list[str] = []
 # Roughly how long each module runs in the sandbox (seconds, 2-core CI machine, idle), to start
@@ -284,10 +285,6 @@ def _run_sandbox(client, lib: Path, runner: Path, module: str) -> Run:
     return Run(data["outcomes"], data["details"], seconds)
 
 
-def needs_threads(detail: str) -> bool:
-    return "can't start new thread" in detail
-
-
 def known_gap(test_id: str, detail: str = "") -> str | None:
     for prefix, reason in KNOWN_GAPS.items():
         if test_id.startswith(prefix):
@@ -317,7 +314,6 @@ def test_cpython_battery(battery_tree, capsys):
     wall = time.monotonic() - t0
 
     unexpected: list[str] = []
-    threads: list[str] = []
     gaps: dict[str, list[str]] = {}
     extra_passes: list[str] = []
     rows = []
@@ -338,9 +334,7 @@ def test_cpython_battery(battery_tree, capsys):
             if outcome == "passed" and got != "passed":
                 diff += 1
                 detail = box.details.get(tid, "")
-                if needs_threads(detail):
-                    threads.append(tid)
-                elif (reason := known_gap(tid, detail)) is not None:
+                if (reason := known_gap(tid, detail)) is not None:
                     gaps.setdefault(reason, []).append(f"{tid} ({got})")
                 else:
                     unexpected.append(f"{tid}: {got} in the sandbox\n{detail[-1200:]}")
@@ -364,10 +358,7 @@ def test_cpython_battery(battery_tree, capsys):
         n, b = tot["n"], tot["b"]
         w(f"{'total':<20} {'/'.join(map(str, n)):>22} {'/'.join(map(str, b)):>23}\n")
         known = sum(len(v) for v in gaps.values())
-        w(f"passed natively, not in the sandbox: {len(threads)} need threads, {known} known gaps, "
-          f"{len(unexpected)} unexpected\n")
-        if threads:
-            w(f"  needs threads ({len(threads)}): {', '.join(t.rsplit('.', 2)[-2] + '.' + t.rsplit('.', 1)[-1] for t in threads)}\n")
+        w(f"passed natively, not in the sandbox: {known} known gaps, {len(unexpected)} unexpected\n")
         for reason, tids in sorted(gaps.items()):
             w(f"  {reason} ({len(tids)}):\n")
             for tid in tids:

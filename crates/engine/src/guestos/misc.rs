@@ -1,9 +1,12 @@
 //! Identity, time, randomness, limits, signal bookkeeping, thread-area setup.
 //!
-//! Each guest process is single-threaded (pid 1 for the sandbox's first process, root), so most of
-//! these calls are bookkeeping: they store what the guest sets and hand it back. Signal dispositions,
-//! the mask and the alternate stack are kept here; delivering signals, kill and waiting for children
-//! are in [`super::signal`], fork and execve in `vmm::process`.
+//! Most of these calls are bookkeeping: they store what the guest sets and hand it back. Signal
+//! dispositions, the mask and the alternate stack are kept here; delivering signals, kill and
+//! waiting for children are in [`super::signal`], fork and execve in `vmm::process`. With threads
+//! (see [`super::thread`]), the per-thread fields of [`Proc`] (`sigmask`, `altstack`,
+//! `clear_child_tid`, `robust_list`, `comm`, `sleep`) are the calling thread's: the thread
+//! scheduler swaps them with the vCPU's registers. gettid, set_tid_address, sched_yield and futex
+//! are in [`super::thread`] and [`super::futex`].
 //!
 //! Everything the host decides for the guest that a replay would have to reproduce goes through one
 //! function per kind: [`random_bytes`] for randomness and [`clock_now`] for clocks.
@@ -26,7 +29,9 @@
 //! Replay mode stays on until the next reseed (which may turn it off) or a reset to a state without
 //! it. Both are part of [`Proc`], so snapshots, forks and resets carry them. See docs/replay.md.
 //!
-//! Sleeping (nanosleep, clock_nanosleep, futex waits with a timeout) happens on the host in slices of
+//! With other threads able to run, a sleep does not wait on the host: it yields to them and is
+//! retried once its deadline has come (`guestos::sched::yield_blocked`). Otherwise sleeping
+//! (nanosleep, clock_nanosleep) happens on the host in slices of
 //! at most [`SLEEP_SLICE`]: when a slice ends before the deadline, the syscall is restarted (the guest
 //! re-executes its `syscall` instruction, and the deadline is remembered in [`Proc::sleep`]). The
 //! run loop therefore regains control between slices and a run's time budget is honoured even in the
@@ -1556,24 +1561,6 @@ mod tests {
     }
 
     #[test]
-    fn futex_single_thread() {
-        let mut t = T::new();
-        t.write(BUF, &5u32.to_le_bytes());
-        assert_eq!(t.call(SYS_FUTEX, [BUF, 128, 4, 0, 0, 0]), -11, "value mismatch");
-        assert_eq!(t.call(SYS_FUTEX, [BUF, 128, 5, 0, 0, 0]), -11, "nobody could wake us");
-        assert_eq!(t.call(SYS_FUTEX, [BUF, 1, 1, 0, 0, 0]), 0);
-        assert_eq!(t.call(SYS_FUTEX, [BUF + 1, 1, 1, 0, 0, 0]), -22);
-        // A wait with a short timeout times out.
-        t.write(BUF + 64, &timespec_bytes(0, 1_000_000));
-        assert_eq!(t.call(SYS_FUTEX, [BUF, 0, 5, BUF + 64, 0, 0]), -110);
-        // FUTEX_WAKE_OP applies its operation: *uaddr2 += 3.
-        t.write(BUF + 8, &10u32.to_le_bytes());
-        assert_eq!(t.call(SYS_FUTEX, [BUF, 5, 1, 1, BUF + 8, (1 << 28) | (3 << 12)]), 0);
-        assert_eq!(t.read(BUF + 8, 4), 13u32.to_le_bytes());
-        assert_eq!(t.call(SYS_FUTEX, [BUF, 6, 0, 0, 0, 0]), -38);
-    }
-
-    #[test]
     fn affinity_and_sysinfo() {
         let mut t = T::new();
         assert_eq!(t.call(SYS_SCHED_GETAFFINITY, [0, 128, BUF, 0, 0, 0]), 8);
@@ -1679,12 +1666,6 @@ mod tests {
         t.write(BUF, &timespec_bytes((target / 1_000_000_000) as i64, (target % 1_000_000_000) as i64));
         assert_eq!(t.call(SYS_CLOCK_NANOSLEEP, [1, 1, BUF, 0, 0, 0]), 0);
         assert_eq!(t.now(1), target + CLOCK_QUANTUM_NS);
-        // A futex wait with a timeout times out in virtual time.
-        t.write(BUF + 64, &0u32.to_le_bytes());
-        t.write(BUF + 128, &timespec_bytes(7, 0));
-        let before = t.now(1);
-        assert_eq!(t.call(SYS_FUTEX, [BUF + 64, 0, 0, BUF + 128, 0, 0]), -110);
-        assert_eq!(t.now(1), before + 7_000_000_000 + CLOCK_QUANTUM_NS);
         // A second reseed continues from the last values seen: time never goes back.
         let (real, mono) = (t.now(0), t.now(1));
         reseed(&mut t.os, [2; 32], true);
