@@ -3,7 +3,8 @@ table. Each sandbox figure has a native baseline measured in the same run: the s
 /usr/bin/python3 on the host (`x_native` under the table). Per-operation figures are the run's time
 minus the same program with no operations, timed from outside (guest clocks are virtual).
 
-- thread create+join: `threading.Thread(target=f).start(); .join()` in a loop.
+- thread create+join: `threading.Thread(target=f).start(); .join()` in a loop; again with
+  `threading.stack_size(256 KiB)`.
 - Event ping-pong: two threads hand a turn back and forth through two `threading.Event`s (a
   futex wake and a futex wait per hand-off), per round trip.
 - Condition hand-off: the same through one `threading.Condition`, per round trip.
@@ -123,6 +124,20 @@ def test_thread_create_join_native(benchmark):
 
 def test_thread_create_join_sandbox(benchmark, sb):
     _per_op(benchmark, "create_sandbox", lambda c: _sandbox(sb, c), CREATE, CREATES, "create_native", rounds=5)
+
+
+# The same with 256 KiB stacks: most of create+join in the sandbox is glibc's default 8 MiB stack
+# (the engine backs anonymous memory eagerly: mprotect of the stack takes 2048 frames, and the
+# thread's exit gives them back with MADV_DONTNEED).
+SMALL = "import threading\nthreading.stack_size(256 << 10)\n" + CREATE
+
+
+def test_thread_create_join_small_stack_native(benchmark):
+    _per_op(benchmark, "create_small_native", _native, SMALL, CREATES * 10)
+
+
+def test_thread_create_join_small_stack_sandbox(benchmark, sb):
+    _per_op(benchmark, "create_small_sandbox", lambda c: _sandbox(sb, c), SMALL, CREATES, "create_small_native", rounds=5)
 
 
 def test_event_ping_pong_native(benchmark):

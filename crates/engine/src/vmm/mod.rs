@@ -392,6 +392,7 @@ impl Machine {
                 } else if (VECTOR_PORT_BASE..VECTOR_PORT_BASE + 32).contains(&port) || port == SPURIOUS_PORT {
                     let vector = if port == SPURIOUS_PORT { 255 } else { (port - VECTOR_PORT_BASE) as u8 };
                     let fault = self.exception(vector)?;
+                    threads::count_event();
                     // A Linux guest gets a signal (its handler runs, or it dies by it).
                     if let Some(exit) = process::on_fault(self, fault)? {
                         return Ok(exit);

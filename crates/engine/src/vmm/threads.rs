@@ -461,8 +461,8 @@ pub(super) fn run_ended() {
     ticker::set(None);
 }
 
-/// Only the calling thread goes on (execve; a fork's child, where `counted` is false: the other
-/// threads were never counted in the child's tree... they were, in the parent's; see callers).
+/// Only the calling thread goes on: in a guest fork's child, whose copies of the other threads
+/// were never its own (they live on in the parent and stay counted there: `give_back` false).
 pub(super) fn only_current(m: &mut Machine, give_back: bool) {
     if let Some(os) = m.os.as_mut() {
         let gone = os.threads.only_current();
