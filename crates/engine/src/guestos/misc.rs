@@ -462,7 +462,7 @@ fn sleep_until(
     }
     // Other threads of this process run meanwhile (see `guestos::thread`): no host sleep; the
     // call is retried once the deadline has come.
-    if super::sched::active() && super::sched::yield_blocked(Some(deadline)) {
+    if super::sched::active() && super::sched::yield_sleeping(deadline) {
         proc.sleep = Some(PendingSleep { deadline_ns: deadline, ..key });
         ctx.regs.rip = ctx.regs.rip.wrapping_sub(2);
         return Ok(nr);
@@ -494,7 +494,7 @@ fn virtual_sleep(proc: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6], d: u64, d
         if now >= deadline {
             return done;
         }
-        super::sched::yield_blocked(Some(deadline));
+        super::sched::yield_sleeping(deadline);
         return Err(super::signal::ERESTARTSYS);
     }
     if super::signal::host::alone() {

@@ -402,18 +402,34 @@ static THREAD_TURNS: AtomicBool = AtomicBool::new(false);
 /// (the scheduler's clock, `guestos::thread::now`; u64::MAX for none).
 static THREAD_YIELD: AtomicBool = AtomicBool::new(false);
 static THREAD_DEADLINE: AtomicU64 = AtomicU64::new(u64::MAX);
+/// The yield is a sleep's: nothing but its deadline (or a signal) can end it, so the scheduler
+/// does not retry it before then.
+static THREAD_SLEEP: AtomicBool = AtomicBool::new(false);
+
+/// [`yield_blocked`] for a sleep that only its deadline ends (nanosleep, clock_nanosleep).
+pub fn yield_sleeping(deadline: u64) -> bool {
+    if !yield_blocked(Some(deadline)) {
+        return false;
+    }
+    if THREAD_YIELD.load(Ordering::SeqCst) {
+        THREAD_SLEEP.store(true, Ordering::SeqCst);
+    }
+    true
+}
 
 pub fn set_thread_turns(on: bool) {
     THREAD_TURNS.store(on, Ordering::Relaxed);
 }
 
-/// The yield the loaded thread's last syscall asked for, if any: Some(deadline).
-pub fn take_thread_yield() -> Option<Option<u64>> {
+/// The yield the loaded thread's last syscall asked for, if any: Some((deadline, whether it is
+/// a sleep, see [`yield_sleeping`])).
+pub fn take_thread_yield() -> Option<(Option<u64>, bool)> {
+    let sleep = THREAD_SLEEP.swap(false, Ordering::SeqCst);
     if !THREAD_YIELD.swap(false, Ordering::SeqCst) {
         return None;
     }
     let d = THREAD_DEADLINE.swap(u64::MAX, Ordering::SeqCst);
-    Some((d != u64::MAX).then_some(d))
+    Some(((d != u64::MAX).then_some(d), sleep))
 }
 
 /// A thread's share of this module's per-call bookkeeping (the deadline a restarted call keeps,

@@ -46,6 +46,9 @@ pub enum RunState {
     /// In a blocking syscall that is re-executed when the thread runs again (a read of an empty
     /// pipe, a wait for a child, a sleep, a poll): ready again at `deadline`, or on every round.
     Retry { deadline: Option<u64> },
+    /// In a sleep (nanosleep, clock_nanosleep) that is re-executed once `deadline` has come (or a
+    /// signal is there): never retried before.
+    Sleep { deadline: u64 },
 }
 
 /// One thread's own state (see the module comment for when it is current).
@@ -211,6 +214,7 @@ impl Threads {
             .iter()
             .filter_map(|t| match t.state {
                 RunState::Futex { deadline, .. } | RunState::Retry { deadline } => deadline,
+                RunState::Sleep { deadline } => Some(deadline),
                 RunState::Runnable => None,
             })
             .min()
@@ -233,6 +237,7 @@ impl Threads {
                     }
                 }
                 RunState::Retry { .. } => "blocked in a system call".to_string(),
+                RunState::Sleep { .. } => "sleeping".to_string(),
             };
             s.push_str(&format!("  thread {} ({}): {} at rip {:#x}\n", t.tid_in(pid), t.name(), what, t.regs.rip));
         }

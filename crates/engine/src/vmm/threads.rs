@@ -239,7 +239,7 @@ fn set_turns(m: &Machine) {
     let others = th.list.iter().enumerate().any(|(i, t)| {
         i != th.cur
             && match t.state {
-                RunState::Runnable | RunState::Retry { .. } => true,
+                RunState::Runnable | RunState::Retry { .. } | RunState::Sleep { .. } => true,
                 RunState::Futex { deadline, .. } => deadline.is_some(),
             }
     });
@@ -262,7 +262,7 @@ fn others_ready(m: &Machine, now: u64) -> bool {
         i != th.cur
             && match t.state {
                 RunState::Runnable | RunState::Retry { deadline: None } => true,
-                RunState::Futex { deadline: Some(d), .. } | RunState::Retry { deadline: Some(d) } => d <= now,
+                RunState::Futex { deadline: Some(d), .. } | RunState::Retry { deadline: Some(d) } | RunState::Sleep { deadline: d } => d <= now,
                 RunState::Futex { deadline: None, .. } => false,
             }
     })
@@ -293,7 +293,8 @@ pub(super) fn schedule(m: &mut Machine, deadline: Instant) -> Result<Option<RunE
             Some(Switch::Futex { key, bitset, deadline }) => park(m, RunState::Futex { key, bitset, deadline })?,
             Some(Switch::Yield) => park(m, RunState::Runnable)?,
             None => match thread_yield {
-                Some(d) => park(m, RunState::Retry { deadline: d })?,
+                Some((Some(d), true)) => park(m, RunState::Sleep { deadline: d })?,
+                Some((d, _)) => park(m, RunState::Retry { deadline: d })?,
                 None => {
                     if !os.threads.multi() {
                         return Ok(None);
@@ -342,7 +343,7 @@ fn pick(m: &mut Machine, deadline: Instant) -> Result<Option<RunExit>> {
                     t.state = RunState::Runnable;
                     t.regs.rax = (-(ETIMEDOUT.0 as i64)) as u64;
                 }
-                RunState::Retry { deadline: Some(d) } if d <= now => t.state = RunState::Runnable,
+                RunState::Retry { deadline: Some(d) } | RunState::Sleep { deadline: d } if d <= now => t.state = RunState::Runnable,
                 _ => {}
             }
         }
@@ -359,7 +360,7 @@ fn pick(m: &mut Machine, deadline: Instant) -> Result<Option<RunExit>> {
                     t.state = RunState::Runnable;
                     t.regs.rax = (-(crate::guestos::EINTR.0 as i64)) as u64;
                 }
-                RunState::Retry { .. } => t.state = RunState::Runnable,
+                RunState::Retry { .. } | RunState::Sleep { .. } => t.state = RunState::Runnable,
                 RunState::Runnable => {}
             }
             signalled = Some(i);
