@@ -60,8 +60,9 @@ MODULES = [
     "test_stat", "test_fileio", "test_shutil", "test_zipfile", "test_tarfile", "test_mmap",
     "test_fcntl", "test_select", "test_resource", "test_pwd", "test_errno", "test_subprocess",
     "test_threading", "test_thread", "test_threading_local", "test_queue", "test_sched",
-    "test_concurrent_futures",
 ]
+# Not here: test_concurrent_futures (its process pools need memory shared between processes,
+# which the sandbox does not have yet; natively too it outlasts the per-module timeout here).
 SLOW_MODULES: list[str] = []
 # Roughly how long each module runs in the sandbox (seconds, 2-core CI machine, idle), to start
 # the longest first so that the workers end together.
@@ -90,6 +91,16 @@ KNOWN_GAPS: dict[str, str] = {
     "test.test_mmap.LargeMmapTests.": _NS + "files over the sandbox's file size limit (1 GiB by default, the jail's RLIMIT_FSIZE)",
     "test.test_zipfile.PyZipFileTests.test_write_": _NS + "writing next to the installed stdlib: the root filesystem is read-only",
 }
+# Tests the sandbox run leaves out because they would hang it (and so lose the whole module's
+# results at the timeout): test id -> reason. Listed with the known gaps.
+SANDBOX_SKIPS: dict[str, str] = {
+    # Its child runs with -I (isolated: PYTHONPATH ignored) and imports test.test_threading in
+    # each thread; the sandbox's test tree is in /work/lib (the stdlib is read-only), so every
+    # thread dies on the import and the child waits for them forever.
+    "test.test_threading.ThreadJoinOnShutdown.test_4_daemon_threads":
+        _NS + "a child started with -I cannot import the uploaded test tree (the stdlib is read-only)",
+}
+KNOWN_GAPS.update(SANDBOX_SKIPS)
 # Modules that cannot even be loaded in the sandbox.
 KNOWN_MODULE_GAPS: dict[str, str] = {}
 # Randomized tests of the testsuite package that fail now and then on any host, for a reason in the
@@ -133,6 +144,16 @@ class Result(unittest.TestResult):
             self.outcomes[test.id()] = "failed"
 
 suite = unittest.defaultTestLoader.loadTestsFromName(sys.argv[1])
+# Tests the sandbox run leaves out (SANDBOX_SKIPS: they would hang it), reported as skipped.
+skip = set(filter(None, __import__("os").environ.get("BATTERY_SKIP", "").split(",")))
+def prune(s):
+    for t in s:
+        if isinstance(t, unittest.TestSuite):
+            prune(t)
+        elif t.id() in skip:
+            name = t._testMethodName
+            setattr(t, name, unittest.skip("left out of the sandbox run")(getattr(t, name)))
+prune(suite)
 result = Result()
 suite.run(result)
 with open(sys.argv[2], "w") as f:
@@ -272,7 +293,7 @@ def _run_sandbox(client, lib: Path, runner: Path, module: str) -> Run:
         t = time.monotonic()
         r = sb.exec(
             command=f"{chmod}mkdir -p /work/run && cd /work/run && python3 /work/runner.py test.{module} /work/result.json",
-            env={"PYTHONPATH": "/work/lib"},
+            env={"PYTHONPATH": "/work/lib", "BATTERY_SKIP": ",".join(t for t in SANDBOX_SKIPS if t.startswith(f"test.{module}."))},
             timeout_seconds=PER_MODULE_TIMEOUT,
         )
         seconds = time.monotonic() - t

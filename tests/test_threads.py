@@ -174,10 +174,13 @@ def test_signals_go_to_the_main_thread_handler_and_tgkill_reaches_a_thread(sb):
 import os, signal, threading, time
 got = []
 signal.signal(signal.SIGUSR1, lambda s, f: got.append(("usr1", threading.current_thread().name)))
+signal.signal(signal.SIGUSR2, lambda s, f: got.append(("usr2", threading.current_thread().name)))
 stop = threading.Event()
 def worker():
     # This thread blocks SIGUSR1: a signal to the process goes to one that does not.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    # A thread signals itself (tgkill to its own tid); Python runs handlers in the main thread.
+    signal.pthread_kill(threading.get_ident(), signal.SIGUSR2)
     while not stop.wait(0.01):
         pass
 t = threading.Thread(target=worker, name="w"); t.start()
@@ -190,7 +193,7 @@ stop.set(); t.join()
 print(got)
 """,
     )
-    assert r.stdout == "[('usr1', 'MainThread'), ('usr1', 'MainThread')]\n"
+    assert r.stdout == "[('usr2', 'MainThread'), ('usr1', 'MainThread'), ('usr1', 'MainThread')]\n"
 
 
 def test_a_thread_left_running_pauses_between_execs(sb):

@@ -347,6 +347,17 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
             let me = os.threads.current_tid(pid);
             let idx = os.threads.index_of(tid, pid);
             match idx {
+                // To itself (pthread_kill of the calling thread): pending for it at once.
+                Some(_) if tid == me && tgid.is_none_or(|g| g == pid) && tid != pid => {
+                    if sig > super::misc::NSIG as u64 {
+                        Err(EINVAL)
+                    } else {
+                        if sig != 0 {
+                            super::signal::raise(os, super::signal::SigInfo::sent(sig as i32, super::signal::SI_TKILL, pid));
+                        }
+                        Ok(0)
+                    }
+                }
                 Some(i) if tid != me && tgid.is_none_or(|g| g == pid) && tid > 0 => {
                     if sig > super::misc::NSIG as u64 {
                         Err(EINVAL)
