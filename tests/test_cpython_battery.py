@@ -69,6 +69,7 @@ SLOW_MODULES: list[str] = []
 SANDBOX_SECONDS = {
     "test_subprocess": 80, "test_zipfile": 95, "test_tarfile": 57, "test_os": 18, "test_random": 16,
     "test_posix": 15, "test_json": 12, "test_unicodedata": 11, "test_exceptions": 10,
+    "test_queue": 105, "test_threading": 60, "test_threading_local": 11,
 }
 # Not here: test_time (natively, as root, test_monotonic_settime sets the host's clock back an
 # hour), test_signal (a minute natively), test_sqlite3 (not in Debian's testsuite package).
