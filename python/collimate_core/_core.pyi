@@ -106,6 +106,10 @@ class RunResult:
     @property
     def truncated(self) -> bool:
         """Output beyond the cap (16 MiB per stream) was dropped."""
+    @property
+    def nondeterministic(self) -> bool:
+        """Replay mode: a thread switch was made by the wall clock (a thread spun without a
+        syscall), so a replay of this run may interleave its threads differently."""
 
 @final
 class Vm:

@@ -160,6 +160,10 @@ pub struct RunResult {
     /// later output does not land in it.
     #[serde(default)]
     pub others: u32,
+    /// In replay mode: a thread switch during this run was made by the wall clock (a thread that
+    /// ran without a syscall for longer than the guard), so a replay may interleave differently.
+    #[serde(default)]
+    pub nondeterministic: bool,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]

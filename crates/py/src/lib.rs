@@ -175,6 +175,8 @@ struct RunResult {
     truncated: bool,
     /// What the in-guest agent wrote to its channel during this run.
     agent: Py<PyBytes>,
+    /// In replay mode: a thread switch was made by the wall clock, so a replay may differ.
+    nondeterministic: bool,
 }
 
 impl RunResult {
@@ -195,6 +197,7 @@ impl RunResult {
             enosys: result.enosys,
             truncated: result.truncated,
             agent: PyBytes::new(py, &result.agent).unbind(),
+            nondeterministic: result.nondeterministic,
         };
         match result.exit {
             RunExit::Exited { code } => {

@@ -475,6 +475,10 @@ class EmbeddedClient:
                     verdict = "no-ack"
                 else:
                     verdict = "verified" if ack == expected_ack(seed_bytes) else "mismatch"
+                if verdict == "verified" and getattr(r, "nondeterministic", False):
+                    # A thread was switched out by the wall clock (see docs/replay.md): the seed
+                    # took, but a replay may interleave the threads differently.
+                    verdict = "not-reproducible"
             else:
                 # The program ended or stopped the agent (os._exit, a fatal signal) or ran out of
                 # time: the sandbox is restored from its template before its next exec.

@@ -12,7 +12,7 @@ class ExecResult:
     `ok` is True when the program ran to completion with exit code 0 within its time budget.
     `seed` is always the seed the guest CRNG was pinned with (drawn fresh when none was given), so
     any result can be replayed; `seed_ack` is the verdict of the seed-ack handshake: "verified",
-    "no-ack", "off" or "mismatch" (see docs/replay.md). `host` says where it ran: the Ray node id
+    "no-ack", "off", "mismatch" or "not-reproducible" (see docs/replay.md). `host` says where it ran: the Ray node id
     on a Ray client, None on one host.
 
     The sandbox's Python interpreter (the in-guest agent, guest pid 1) keeps its state from one

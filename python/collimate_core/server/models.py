@@ -155,7 +155,7 @@ class ExecResponse(BaseModel):
     stdout_b64: str | None = Field(description="the exact bytes, base64, when stdout is not valid UTF-8")
     stderr_b64: str | None
     seed: str = Field(description="the seed the guest CRNG was pinned with: replay with it")
-    seed_ack: str = Field(description="verified, no-ack, off or mismatch")
+    seed_ack: str = Field(description="verified, no-ack, off, mismatch or not-reproducible")
     duration: float
     timed_out: bool
     truncated: bool

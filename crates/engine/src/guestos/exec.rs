@@ -614,6 +614,7 @@ mod tests {
                 stdio: None,
                 agent: None,
                 sig: Default::default(),
+                threads: Default::default(),
             };
             T { mem, frames, aspace, os, root }
         }

@@ -27,11 +27,13 @@
 //! replay reproduces; a timed wait that nobody wakes ends when the tree's virtual time reaches
 //! its deadline (`sched`'s jump to the earliest deadline when every process waits).
 //!
-//! With threads (the M:1 scheduler): the wait in progress ([`PENDING`]) is per process today, as
-//! each process has one thread; it becomes per thread, and a thread whose wait asks for a restart
-//! (ERESTARTSYS with a filed record) is blocked on its record's state word (WOKEN, or the
-//! deadline) while the process's other threads run: outside replay the scheduler then polls that
-//! word instead of waiting on the host, in replay it yields when every thread waits.
+//! With threads (the M:1 scheduler, `vmm::threads`): a thread's shared wait never waits on the
+//! host while other threads of its process exist; it yields to them (`sched::yield_blocked`) and
+//! polls its record when its turn comes back, so a sibling thread can be the one that wakes it.
+//! The wait in progress ([`PENDING`]) is still one per process: when two threads of a process
+//! wait on shared words at once, the later one frees the earlier one's record, which then files
+//! again on its retry and finds the word changed if a wake came meanwhile (EAGAIN, a spurious
+//! wake-up that glibc's callers retry, as Linux allows).
 //!
 //! Limits: [`RECORDS`] waits at once in a sandbox (one per process today; threads may add
 //! more). A full table first reclaims the records of processes that died without leaving; if
@@ -356,10 +358,12 @@ fn wait(
         let woken = with_lock(t, || r.state.swap(FREE, Ordering::SeqCst) == WOKEN);
         return if woken { Ok(0) } else { Err(ETIMEDOUT) };
     }
-    if replay {
-        // Taking turns: pass the turn on, blocked until the deadline; retried when it comes back.
-        super::sched::yield_blocked(pending.deadline);
-    } else {
+    // Taking turns (the tree's in replay mode, or this process's threads': its other threads run
+    // meanwhile, and may be the ones to wake it): pass the turn on, blocked until the deadline;
+    // retried when it comes back. The deadline is on the clock the turns keep (virtual in replay
+    // mode, the host's otherwise), which is `now`'s.
+    let yielded = super::sched::active() && super::sched::yield_blocked(pending.deadline);
+    if !yielded {
         let slice = Duration::from_millis(super::signal::WAIT_SLICE_MS as u64);
         let left = pending.deadline.map_or(slice, |d| Duration::from_nanos(d.saturating_sub(now(p))).min(slice));
         host_wait(&r.state, WAITING, left);

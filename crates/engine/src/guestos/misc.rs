@@ -1,9 +1,12 @@
 //! Identity, time, randomness, limits, signal bookkeeping, thread-area setup.
 //!
-//! Each guest process is single-threaded (pid 1 for the sandbox's first process, root), so most of
-//! these calls are bookkeeping: they store what the guest sets and hand it back. Signal dispositions,
-//! the mask and the alternate stack are kept here; delivering signals, kill and waiting for children
-//! are in [`super::signal`], fork and execve in `vmm::process`.
+//! Most of these calls are bookkeeping: they store what the guest sets and hand it back. Signal
+//! dispositions, the mask and the alternate stack are kept here; delivering signals, kill and
+//! waiting for children are in [`super::signal`], fork and execve in `vmm::process`. With threads
+//! (see [`super::thread`]), the per-thread fields of [`Proc`] (`sigmask`, `altstack`,
+//! `clear_child_tid`, `robust_list`, `comm`, `sleep`) are the calling thread's: the thread
+//! scheduler swaps them with the vCPU's registers. gettid, set_tid_address, sched_yield and futex
+//! are in [`super::thread`] and [`super::futex`].
 //!
 //! Everything the host decides for the guest that a replay would have to reproduce goes through one
 //! function per kind: [`random_bytes`] for randomness and [`clock_now`] for clocks.
@@ -26,7 +29,9 @@
 //! Replay mode stays on until the next reseed (which may turn it off) or a reset to a state without
 //! it. Both are part of [`Proc`], so snapshots, forks and resets carry them. See docs/replay.md.
 //!
-//! Sleeping (nanosleep, clock_nanosleep, futex waits with a timeout) happens on the host in slices of
+//! With other threads able to run, a sleep does not wait on the host: it yields to them and is
+//! retried once its deadline has come (`guestos::sched::yield_blocked`). Otherwise sleeping
+//! (nanosleep, clock_nanosleep) happens on the host in slices of
 //! at most [`SLEEP_SLICE`]: when a slice ends before the deadline, the syscall is restarted (the guest
 //! re-executes its `syscall` instruction, and the deadline is remembered in [`Proc::sleep`]). The
 //! run loop therefore regains control between slices and a run's time budget is honoured even in the
@@ -35,9 +40,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::crng::{Crng, Seed};
-use super::{Ctx, Errno, GuestOs, SysResult, EAGAIN, EFAULT, EINVAL, ENOSYS, EPERM, ESRCH};
+use super::{Ctx, Errno, GuestOs, SysResult, EFAULT, EINVAL, ENOSYS, EPERM, ESRCH};
 
-const ETIMEDOUT: Errno = Errno(110);
 
 /// Signals 1..=64.
 pub const NSIG: usize = 64;
@@ -423,7 +427,7 @@ fn timespec_bytes(s: i64, ns: i64) -> [u8; 16] {
 }
 
 /// A guest `struct timespec`, validated (0 <= nsec < 1e9, sec >= 0) and converted to nanoseconds.
-fn read_timespec(ctx: &Ctx, va: u64) -> Result<u64, Errno> {
+pub(crate) fn read_timespec(ctx: &Ctx, va: u64) -> Result<u64, Errno> {
     let b = ctx.read_vec(va, 16)?;
     let s = i64::from_le_bytes(b[..8].try_into().map_err(|_| EFAULT)?);
     let ns = i64::from_le_bytes(b[8..].try_into().map_err(|_| EFAULT)?);
@@ -456,6 +460,13 @@ fn sleep_until(
     if now >= deadline {
         return done;
     }
+    // Other threads of this process run meanwhile (see `guestos::thread`): no host sleep; the
+    // call is retried once the deadline has come.
+    if super::sched::active() && super::sched::yield_sleeping(deadline) {
+        proc.sleep = Some(PendingSleep { deadline_ns: deadline, ..key });
+        ctx.regs.rip = ctx.regs.rip.wrapping_sub(2);
+        return Ok(nr);
+    }
     let slice = (deadline - now).min(SLEEP_SLICE.as_nanos() as u64);
     let ts = libc::timespec { tv_sec: (slice / 1_000_000_000) as i64, tv_nsec: (slice % 1_000_000_000) as i64 };
     // SAFETY: a relative host sleep on a local timespec. An early return (EINTR from the run's
@@ -483,7 +494,7 @@ fn virtual_sleep(proc: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6], d: u64, d
         if now >= deadline {
             return done;
         }
-        super::sched::yield_blocked(Some(deadline));
+        super::sched::yield_sleeping(deadline);
         return Err(super::signal::ERESTARTSYS);
     }
     if super::signal::host::alone() {
@@ -955,7 +966,6 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         SYS_RT_SIGPROCMASK => rt_sigprocmask(p, ctx, a[0], a[1], a[2], a[3]),
         SYS_SIGALTSTACK => sigaltstack(p, ctx, a[0], a[1]),
         SYS_PRCTL => prctl(p, ctx, a),
-        SYS_FUTEX => futex(p, ctx, nr, a),
         SYS_UMASK => {
             let old = p.umask;
             p.umask = (a[0] as u32) & 0o777;
@@ -1264,8 +1274,8 @@ fn prctl(p: &mut Proc, ctx: &mut Ctx, a: [u64; 6]) -> SysResult {
 
 /// A futex wait's timeout (`timeout`, the guest's timespec, relative for FUTEX_WAIT, absolute on
 /// its clock for FUTEX_WAIT_BITSET) as ns from now: on the virtual clocks in replay mode, else on the
-/// host's. `None`: no timeout.
-fn futex_timeout(p: &mut Proc, ctx: &Ctx, op: u64, timeout: u64) -> Result<Option<u64>, Errno> {
+/// host's. `None`: no timeout. For waits on shared pages (`futex_shared`).
+pub(crate) fn futex_timeout(p: &mut Proc, ctx: &Ctx, op: u64, timeout: u64) -> Result<Option<u64>, Errno> {
     const FUTEX_WAIT_BITSET: u64 = 9;
     const FUTEX_CLOCK_REALTIME: u64 = 256;
     if timeout == 0 {
@@ -1281,108 +1291,6 @@ fn futex_timeout(p: &mut Proc, ctx: &Ctx, op: u64, timeout: u64) -> Result<Optio
     }
     let clock = if realtime { libc::CLOCK_REALTIME } else { libc::CLOCK_MONOTONIC };
     Ok(Some(t.saturating_sub(ns_of(host_clock_now(clock)?))))
-}
-
-fn futex(p: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> SysResult {
-    const FUTEX_WAIT: u64 = 0;
-    const FUTEX_WAKE: u64 = 1;
-    const FUTEX_REQUEUE: u64 = 3;
-    const FUTEX_CMP_REQUEUE: u64 = 4;
-    const FUTEX_WAKE_OP: u64 = 5;
-    const FUTEX_WAIT_BITSET: u64 = 9;
-    const FUTEX_WAKE_BITSET: u64 = 10;
-    const FUTEX_CLOCK_REALTIME: u64 = 256;
-    let (uaddr, op, val, timeout, uaddr2, val3) = (a[0], a[1], a[2] as u32, a[3], a[4], a[5] as u32);
-    let cmd = op & 0x7f;
-    if uaddr % 4 != 0 {
-        return Err(EINVAL);
-    }
-    // A word in a shared mapping may be waited on and woken by other processes: served there.
-    if let Some(r) = super::futex_shared::futex(p, ctx, a, &|p, ctx| futex_timeout(p, ctx, op, timeout)) {
-        return r;
-    }
-    let read_u32 = |ctx: &Ctx, va: u64| -> Result<u32, Errno> {
-        let mut b = [0u8; 4];
-        ctx.read(va, &mut b)?;
-        Ok(u32::from_le_bytes(b))
-    };
-    match cmd {
-        FUTEX_WAIT | FUTEX_WAIT_BITSET => {
-            if cmd == FUTEX_WAIT_BITSET && val3 == 0 {
-                return Err(EINVAL);
-            }
-            if read_u32(ctx, uaddr)? != val {
-                return Err(EAGAIN);
-            }
-            if timeout == 0 {
-                // Nobody else exists to wake us: waiting forever would only burn the run's budget.
-                return Err(EAGAIN);
-            }
-            let t = read_timespec(ctx, timeout)?;
-            let realtime = op & FUTEX_CLOCK_REALTIME != 0;
-            if p.clocks.replay {
-                // Nobody can wake us: the wait times out once virtual time reaches its end.
-                let kind = if realtime { ClockKind::Real } else { ClockKind::Mono };
-                let d = if cmd == FUTEX_WAIT { t } else { p.clocks.until(kind, t) };
-                return virtual_sleep(p, ctx, nr, a, d, Err(ETIMEDOUT));
-            }
-            sleep_until(
-                p,
-                ctx,
-                nr,
-                a,
-                || {
-                    let now = monotonic_ns();
-                    if cmd == FUTEX_WAIT {
-                        Ok(now.saturating_add(t))
-                    } else {
-                        let clock = if realtime { libc::CLOCK_REALTIME } else { libc::CLOCK_MONOTONIC };
-                        Ok(now.saturating_add(t.saturating_sub(ns_of(host_clock_now(clock)?))))
-                    }
-                },
-                Err(ETIMEDOUT),
-            )
-        }
-        FUTEX_WAKE | FUTEX_REQUEUE => Ok(0),
-        FUTEX_WAKE_BITSET => {
-            if val3 == 0 {
-                Err(EINVAL)
-            } else {
-                Ok(0)
-            }
-        }
-        FUTEX_CMP_REQUEUE => {
-            if read_u32(ctx, uaddr)? != val3 {
-                Err(EAGAIN)
-            } else {
-                Ok(0)
-            }
-        }
-        FUTEX_WAKE_OP => {
-            if uaddr2 % 4 != 0 {
-                return Err(EINVAL);
-            }
-            // Apply the operation to *uaddr2; no one waits on either word.
-            let kind = (val3 >> 28) & 7;
-            let mut arg = (val3 >> 12) & 0xfff;
-            if (val3 >> 28) & 8 != 0 {
-                arg = 1u32.checked_shl(arg).unwrap_or(0);
-            }
-            let old = read_u32(ctx, uaddr2)?;
-            let new = match kind {
-                0 => arg,
-                1 => old.wrapping_add(arg),
-                2 => old | arg,
-                3 => old & !arg,
-                4 => old ^ arg,
-                _ => return Err(ENOSYS),
-            };
-            ctx.write(uaddr2, &new.to_le_bytes())?;
-            Ok(0)
-        }
-        // Priority-inheritance futexes and requeue-PI are not offered.
-        _ => Err(ENOSYS),
-    }
 }
 
 #[cfg(test)]
@@ -1423,6 +1331,7 @@ mod tests {
                 stdio: None,
                 agent: None,
                 sig: Default::default(),
+                threads: Default::default(),
             };
             T { mem, frames, aspace, regs: Default::default(), sregs: Default::default(), out: Default::default(), os, _dir: dir }
         }
@@ -1674,24 +1583,6 @@ mod tests {
     }
 
     #[test]
-    fn futex_single_thread() {
-        let mut t = T::new();
-        t.write(BUF, &5u32.to_le_bytes());
-        assert_eq!(t.call(SYS_FUTEX, [BUF, 128, 4, 0, 0, 0]), -11, "value mismatch");
-        assert_eq!(t.call(SYS_FUTEX, [BUF, 128, 5, 0, 0, 0]), -11, "nobody could wake us");
-        assert_eq!(t.call(SYS_FUTEX, [BUF, 1, 1, 0, 0, 0]), 0);
-        assert_eq!(t.call(SYS_FUTEX, [BUF + 1, 1, 1, 0, 0, 0]), -22);
-        // A wait with a short timeout times out.
-        t.write(BUF + 64, &timespec_bytes(0, 1_000_000));
-        assert_eq!(t.call(SYS_FUTEX, [BUF, 0, 5, BUF + 64, 0, 0]), -110);
-        // FUTEX_WAKE_OP applies its operation: *uaddr2 += 3.
-        t.write(BUF + 8, &10u32.to_le_bytes());
-        assert_eq!(t.call(SYS_FUTEX, [BUF, 5, 1, 1, BUF + 8, (1 << 28) | (3 << 12)]), 0);
-        assert_eq!(t.read(BUF + 8, 4), 13u32.to_le_bytes());
-        assert_eq!(t.call(SYS_FUTEX, [BUF, 6, 0, 0, 0, 0]), -38);
-    }
-
-    #[test]
     fn affinity_and_sysinfo() {
         let mut t = T::new();
         assert_eq!(t.call(SYS_SCHED_GETAFFINITY, [0, 128, BUF, 0, 0, 0]), 8);
@@ -1797,12 +1688,6 @@ mod tests {
         t.write(BUF, &timespec_bytes((target / 1_000_000_000) as i64, (target % 1_000_000_000) as i64));
         assert_eq!(t.call(SYS_CLOCK_NANOSLEEP, [1, 1, BUF, 0, 0, 0]), 0);
         assert_eq!(t.now(1), target + CLOCK_QUANTUM_NS);
-        // A futex wait with a timeout times out in virtual time.
-        t.write(BUF + 64, &0u32.to_le_bytes());
-        t.write(BUF + 128, &timespec_bytes(7, 0));
-        let before = t.now(1);
-        assert_eq!(t.call(SYS_FUTEX, [BUF + 64, 0, 0, BUF + 128, 0, 0]), -110);
-        assert_eq!(t.now(1), before + 7_000_000_000 + CLOCK_QUANTUM_NS);
         // A second reseed continues from the last values seen: time never goes back.
         let (real, mono) = (t.now(0), t.now(1));
         reseed(&mut t.os, [2; 32], true);

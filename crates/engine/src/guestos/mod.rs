@@ -8,6 +8,8 @@
 //! - [`mm`]: the address space as the guest sees it: mmap, munmap, mprotect, brk, mremap.
 //! - [`vfs`] and [`files`]: guest paths resolved inside the sandbox's file system, and the fd table.
 //! - [`misc`]: identity, time, randomness, limits, signals bookkeeping, thread-area setup.
+//! - [`thread`] and [`futex`]: a process's threads (host-side state, switched on its one vCPU by
+//!   `vmm::threads`) and the futexes they wait on.
 //! - [`signal`]: signals (generation, handler frames, sigreturn), kill, and waiting for children.
 //! - [`crng`]: the sandbox CRNG every guest random byte comes from (seedable for replays).
 //! - [`futex_shared`]: futexes on shared pages, which wake waiters in other guest processes.
@@ -17,12 +19,14 @@
 pub mod crng;
 pub mod exec;
 pub mod files;
+pub mod futex;
 pub mod futex_shared;
 pub mod misc;
 pub mod mm;
 pub mod persist;
 pub mod sched;
 pub mod signal;
+pub mod thread;
 pub mod tree;
 pub mod vfs;
 
@@ -195,6 +199,8 @@ pub struct GuestOs {
     pub agent: Option<std::sync::Arc<files::OpenFile>>,
     /// Pending signals, children and parent (see [`signal`]).
     pub sig: signal::SigState,
+    /// The process's threads (see [`thread`]).
+    pub threads: thread::Threads,
 }
 
 impl GuestOs {
@@ -209,6 +215,7 @@ impl GuestOs {
             stdio: None,
             agent: None,
             sig: Default::default(),
+            threads: Default::default(),
         }
     }
 
@@ -369,6 +376,12 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
     let nr = ctx.regs.rax;
     let a = [ctx.regs.rdi, ctx.regs.rsi, ctx.regs.rdx, ctx.regs.r10, ctx.regs.r8, ctx.regs.r9];
     let res = match nr {
+        // One thread of several ends; the process goes on (see `thread`).
+        nr::EXIT if os.threads.multi() => {
+            thread::exit_current(os, ctx);
+            ctx.regs.rax = 0;
+            return ctx.stop.take();
+        }
         nr::EXIT | nr::EXIT_GROUP => {
             crate::trace::mark("guest.exit");
             return Some(RunExit::Exited { code: a[0] as i32 });
@@ -378,7 +391,8 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
             return Some(RunExit::Yield { value: a[0] });
         }
         _ => {
-            let r = mm::dispatch(os, ctx, nr, a)
+            let r = thread::dispatch(os, ctx, nr, a)
+                .or_else(|| mm::dispatch(os, ctx, nr, a))
                 .or_else(|| files::dispatch(os, ctx, nr, a))
                 .or_else(|| misc::dispatch(os, ctx, nr, a))
                 .or_else(|| signal::dispatch(os, ctx, nr, a));

@@ -49,6 +49,8 @@ pub struct OsState {
     pub mm: Mm,
     pub proc: Proc,
     pub enosys: BTreeMap<u64, u64>,
+    /// The process's threads: the loaded one's registers are the vCPU's, the others' are here.
+    pub threads: super::thread::Threads,
     /// Descriptions, and the fd table as (fd, index into `files`, cloexec): dup'd fds share.
     pub files: Vec<FileState>,
     pub fds: Vec<(i32, u32, bool)>,
@@ -155,6 +157,7 @@ impl OsState {
             mm: os.mm.clone(),
             proc: Proc { next_pid: super::signal::host::next_pid().unwrap_or(os.proc.next_pid), ..os.proc.clone() },
             enosys: os.enosys.clone(),
+            threads: os.threads.clone(),
             files,
             fds,
             root,
@@ -177,6 +180,7 @@ impl OsState {
         os.mm = self.mm.clone();
         os.proc = self.proc.clone();
         os.enosys = self.enosys.clone();
+        os.threads = self.threads.clone();
         os.files = reopen(&os.vfs, &self.files, &self.fds)?;
         // The agent channel is the file at fd 3 if that is one.
         os.agent = os.files.file(3).ok().filter(|f| matches!(f.kind, Kind::Agent(_)));

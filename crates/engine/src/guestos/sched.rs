@@ -219,8 +219,14 @@ fn members(r: &Region) -> usize {
     r.slots.iter().filter(|s| matches!(s.state.load(Ordering::SeqCst), 1 | 2) && s.pid.load(Ordering::SeqCst) != 0).count()
 }
 
-/// Whether the tree takes turns now: replay mode, this process a member, and another member.
+/// Whether blocking calls take turns instead of waiting on the host: the tree takes turns
+/// ([`tree_active`]), or other threads of this process can run meanwhile ([`set_thread_turns`]).
 pub fn active() -> bool {
+    THREAD_TURNS.load(Ordering::Relaxed) || tree_active()
+}
+
+/// Whether the tree takes turns now: replay mode, this process a member, and another member.
+pub fn tree_active() -> bool {
     // The process count first: one atomic load, where most runs (a process alone) end.
     REPLAY.load(Ordering::Relaxed)
         && !super::signal::host::alone()
@@ -311,7 +317,14 @@ fn take_now(r: &Region) {
 /// ns) once it has returned, and restart it. False when the tree does not take turns: the caller
 /// waits on the host as before.
 pub fn yield_blocked(deadline: Option<u64>) -> bool {
-    if !active() {
+    if THREAD_TURNS.load(Ordering::Relaxed) {
+        // Another thread of this process runs meanwhile (`vmm::threads`); the call is retried
+        // when this thread's turn comes back (from `deadline` on, if it has one).
+        THREAD_DEADLINE.store(deadline.unwrap_or(u64::MAX), Ordering::SeqCst);
+        THREAD_YIELD.store(true, Ordering::SeqCst);
+        return true;
+    }
+    if !tree_active() {
         return false;
     }
     YIELD_DEADLINE.store(deadline.unwrap_or(u64::MAX), Ordering::SeqCst);
@@ -321,7 +334,7 @@ pub fn yield_blocked(deadline: Option<u64>) -> bool {
 
 /// The syscall being served (rip after it, number, first four arguments), and the deadline a
 /// blocked call computed: a restart of the same call keeps it; any other call drops it.
-#[derive(Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, PartialEq, Eq, Default, Debug)]
 struct CallKey {
     rip: u64,
     nr: u64,
@@ -388,6 +401,93 @@ pub fn write_continues(regs: &mut kvm_bindings::kvm_regs, fd: i32, buf: u64, cou
     if let Ok(mut w) = WRITE.lock() {
         *w = Some(WriteCarry { rip: regs.rip, fd, buf, count, written, regs: caller });
     }
+}
+
+// --- threads of this process ---------------------------------------------------------------
+
+/// Whether another thread of this process can run while the loaded one would block (set by the
+/// VMM's thread scheduler, `vmm::threads`, each time it loads a thread).
+static THREAD_TURNS: AtomicBool = AtomicBool::new(false);
+/// The loaded thread's blocking call asked to yield to the other threads, with this deadline
+/// (the scheduler's clock, `guestos::thread::now`; u64::MAX for none).
+static THREAD_YIELD: AtomicBool = AtomicBool::new(false);
+static THREAD_DEADLINE: AtomicU64 = AtomicU64::new(u64::MAX);
+/// The yield is a sleep's: nothing but its deadline (or a signal) can end it, so the scheduler
+/// does not retry it before then.
+static THREAD_SLEEP: AtomicBool = AtomicBool::new(false);
+
+/// [`yield_blocked`] for a sleep that only its deadline ends (nanosleep, clock_nanosleep).
+pub fn yield_sleeping(deadline: u64) -> bool {
+    if !yield_blocked(Some(deadline)) {
+        return false;
+    }
+    if THREAD_YIELD.load(Ordering::SeqCst) {
+        THREAD_SLEEP.store(true, Ordering::SeqCst);
+    }
+    true
+}
+
+pub fn set_thread_turns(on: bool) {
+    THREAD_TURNS.store(on, Ordering::Relaxed);
+}
+
+/// The yield the loaded thread's last syscall asked for, if any: Some((deadline, whether it is
+/// a sleep, see [`yield_sleeping`])).
+pub fn take_thread_yield() -> Option<(Option<u64>, bool)> {
+    let sleep = THREAD_SLEEP.swap(false, Ordering::SeqCst);
+    if !THREAD_YIELD.swap(false, Ordering::SeqCst) {
+        return None;
+    }
+    let d = THREAD_DEADLINE.swap(u64::MAX, Ordering::SeqCst);
+    Some(((d != u64::MAX).then_some(d), sleep))
+}
+
+/// A thread's share of this module's per-call bookkeeping (the deadline a restarted call keeps,
+/// a blocking write's carry): saved when the thread is parked, put back when it is loaded.
+#[derive(Clone, Copy, Default)]
+pub struct ThreadCarry {
+    call: Option<(CallKey, Option<(CallKey, u64)>)>,
+    write: Option<WriteCarry>,
+}
+
+impl std::fmt::Debug for ThreadCarry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ThreadCarry")
+    }
+}
+
+impl PartialEq for ThreadCarry {
+    fn eq(&self, _: &Self) -> bool {
+        true // bookkeeping, not state: two threads never differ by it in any way that matters
+    }
+}
+
+/// Take the loaded thread's bookkeeping out (it is being parked).
+pub fn save_carry() -> ThreadCarry {
+    ThreadCarry {
+        call: CALL.lock().ok().map(|mut c| std::mem::replace(&mut *c, (CallKey::default(), None))),
+        write: WRITE.lock().ok().and_then(|mut w| w.take()),
+    }
+}
+
+/// Put a thread's bookkeeping back (it is being loaded).
+pub fn restore_carry(c: ThreadCarry) {
+    if let (Some(v), Ok(mut call)) = (c.call, CALL.lock()) {
+        *call = v;
+    }
+    if let Ok(mut w) = WRITE.lock() {
+        *w = c.write;
+    }
+}
+
+/// The loaded thread has nothing to do and the tree takes turns: pass the token as a blocked
+/// process would (until `deadline`, virtual ns) and wait for it to come back. False if the run's
+/// deadline passed first.
+pub fn idle_turn(mono: u64, advance: &mut dyn FnMut(u64), deadline: Option<u64>, run_deadline: Instant) -> bool {
+    YIELD_DEADLINE.store(deadline.unwrap_or(u64::MAX), Ordering::SeqCst);
+    YIELD.store(1, Ordering::SeqCst);
+    PROGRESS.store(false, Ordering::Relaxed);
+    matches!(gate(true, mono, advance, run_deadline), Gate::Run)
 }
 
 /// Whether this process runs in replay mode inside a sandbox tree (members or not).
@@ -470,7 +570,7 @@ pub fn gate(replay: bool, mono: u64, advance: &mut dyn FnMut(u64), deadline: Ins
     let me = ME.load(Ordering::SeqCst);
     let asked = YIELD.swap(0, Ordering::SeqCst);
     let preempted = PREEMPTED.swap(false, Ordering::SeqCst);
-    if !active() {
+    if !tree_active() {
         // Alone or not in replay: run freely (holding the token, if anyone is to take turns later).
         if replay && me != 0 && r.token.load(Ordering::SeqCst) != me && is_member(r, me) && (super::signal::host::alone() || members(r) <= 1) {
             take_now(r);

@@ -1124,7 +1124,7 @@ fn sigtimedwait(os: &mut GuestOs, ctx: &mut Ctx, a: [u64; 6]) -> SysResult {
     };
     // Taking turns (see `guestos::sched`): the timeout is a deadline on the tree's virtual time.
     let sched_deadline = if crate::guestos::sched::active() {
-        let now = os.proc.clocks.mono_now();
+        let now = crate::guestos::thread::now(&os.proc.clocks);
         match crate::guestos::files::poll::timeout_ts(ctx, a[2])? {
             Some(t) => {
                 let d = crate::guestos::sched::deadline(now, t.as_nanos().min(u64::MAX as u128) as u64);
@@ -1425,6 +1425,31 @@ pub mod host {
     pub fn set_next_pid(next: i32) {
         if let Some(w) = page_word(NEXT_PID_WORD) {
             w.store(next.max(2) as u32, Ordering::SeqCst);
+        }
+    }
+
+    // A word of the shared page before the next pid: the threads the sandbox's processes have
+    // beyond their first (`guestos::thread`), for the sandbox's thread cap.
+    const THREADS_WORD: usize = 1022;
+
+    /// Count one more thread if the sandbox has fewer than `limit` extra threads (true outside a
+    /// sandbox tree, where the caller's own cap applies).
+    pub fn add_thread(limit: u32) -> bool {
+        page_word(THREADS_WORD).is_none_or(|c| c.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < limit).then_some(n + 1)).is_ok())
+    }
+
+    /// `n` threads ended (exits, the others at an exit_group, execve or a fork's child).
+    pub fn threads_gone(n: u32) {
+        if let Some(c) = page_word(THREADS_WORD) {
+            let _ = c.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| Some(v.saturating_sub(n)));
+        }
+    }
+
+    /// The sandbox's only process is this one, with `extra` threads beyond its first (a new
+    /// sandbox tree, a reset).
+    pub fn set_thread_count(extra: u32) {
+        if let Some(c) = page_word(THREADS_WORD) {
+            c.store(extra, Ordering::SeqCst);
         }
     }
 

@@ -9,6 +9,7 @@
 mod prefault;
 mod process;
 mod spawn;
+mod threads;
 pub(crate) mod jail;
 mod syscalls;
 
@@ -243,6 +244,7 @@ impl Machine {
             stdio: None,
             agent: None,
             sig: Default::default(),
+            threads: Default::default(),
         };
         os.set_stdio(stdio)?;
         if spec.agent {
@@ -345,7 +347,7 @@ impl Machine {
         let start = Instant::now();
         let mut out = guestos::Output::default();
         if let Some(exit) = self.exited {
-            return Ok(RunResult { exit, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false, agent: vec![], others: 0 });
+            return Ok(RunResult { exit, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false, agent: vec![], others: 0, nondeterministic: false });
         }
         let deadline = start + timeout;
         crate::guestos::sched::back();
@@ -358,12 +360,18 @@ impl Machine {
         // the controller's GetRegs).
         let res = res.and_then(|exit| self.sync.settle(&mut self.vcpu).map(|_| exit));
         crate::trace::mark("run.end");
+        threads::run_ended();
+        let report = threads::take_report();
+        if !report.is_empty() {
+            self.emit_stderr(&mut out, report.as_bytes());
+        }
         drop(guard);
         self.preempter.disarm()?;
         self.vcpu.set_kvm_immediate_exit(0);
         let exit = res?;
         if let RunExit::Exited { .. } | RunExit::Signaled { .. } = exit {
             self.exited = Some(exit);
+            threads::process_ended(self);
             process::guest_ended(self);
             crate::guestos::sched::leave();
         } else if let Some(os) = &self.os {
@@ -371,7 +379,20 @@ impl Machine {
         }
         self.runtime.enosys += out.enosys;
         let others = if self.os.is_some() { crate::guestos::signal::host::live_processes().saturating_sub(1) } else { 0 };
-        Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false, agent: vec![], others })
+        let nondeterministic = threads::take_nondeterministic();
+        Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false, agent: vec![], others, nondeterministic })
+    }
+
+    /// Write `msg` where the guest's stderr goes (the sandbox's stderr pipe, else the run's output).
+    fn emit_stderr(&self, out: &mut guestos::Output, msg: &[u8]) {
+        match self.os.as_ref().and_then(|os| os.stdio.as_ref()) {
+            Some([_, err]) => {
+                // SAFETY: writing a local buffer to our stderr pipe; a short write loses the tail
+                // of a diagnostic only.
+                unsafe { libc::write(err.as_raw_fd(), msg.as_ptr().cast(), msg.len()) };
+            }
+            None => out.stderr.extend_from_slice(msg),
+        }
     }
 
     /// Grow slot 0 over every frame the guest has been given before it runs (see `vstate::vm`).
@@ -394,6 +415,10 @@ impl Machine {
                 let (replay, mono) = (clocks.replay, clocks.mono_now());
                 if let crate::guestos::sched::Gate::Timeout = crate::guestos::sched::gate(replay, mono, &mut |ns| clocks.pass(ns), deadline) {
                     return Ok(RunExit::Timeout);
+                }
+                // The process's threads take turns on this vCPU (see `threads`).
+                if let Some(exit) = threads::schedule(self, deadline)? {
+                    return Ok(exit);
                 }
             }
             self.cover_frames()?;
@@ -460,6 +485,7 @@ impl Machine {
                         crate::trace::count_fault();
                     }
                     let fault = self.exception(vector)?;
+                    threads::count_event();
                     // A Linux guest gets a signal (its handler runs, or it dies by it).
                     let exit = process::on_fault(self, fault)?;
                     if let Some(exit) = spawn::filter_exit(self, exit)? {
@@ -552,6 +578,7 @@ impl Machine {
             }
         };
         crate::guestos::sched::after_syscall();
+        threads::count_event();
         let exit = process::after_syscall(self, &entry, &mut r, exit)?;
         self.return_to_user(&r, sregs)?;
         Ok(exit)
@@ -657,6 +684,7 @@ impl Machine {
             // Guest pids start over where the template's did.
             crate::guestos::signal::host::set_next_pid(os.proc.next_pid);
         }
+        threads::count_in_new_tree(self);
         Ok(ResetStats { dirty_pages, duration: start.elapsed() })
     }
 

@@ -13,14 +13,17 @@
 //! so the parent's wait sees exactly what Linux would report. It never talks to the controller;
 //! its output reaches it through the sandbox's stdout/stderr pipes, which it shares.
 //!
-//! Threads do not exist: clone with CLONE_VM and without CLONE_VFORK (or with CLONE_THREAD)
-//! answers EAGAIN, which pthread_create reports and Python's threading turns into "can't start
-//! new thread". CLONE_VM | CLONE_VFORK (posix_spawn, vfork, CPython's subprocess) does not copy
+//! clone with CLONE_THREAD makes a thread of this process (`vmm::threads`); CLONE_VM without
+//! CLONE_THREAD and without CLONE_VFORK answers EAGAIN. A fork of a multi-threaded process copies
+//! only the calling thread, which becomes the child's first thread, as on Linux; execve ends the
+//! other threads. CLONE_VM | CLONE_VFORK (posix_spawn, vfork, CPython's subprocess) does not copy
 //! this process: the child runs on this process's vCPU until it execs or exits, and its program
-//! then starts in fresh memory in a host process forked without the guest memory (`spawn`). `COLLIMATE_VFORK=copy` serves it as a copying fork instead,
-//! as before (the child in a copy of the memory, the parent not waiting for its exec), to compare.
-//! A guest child's execve loads the program into fresh memory too (a new VM, no old image to
-//! unmap); the sandbox's first process execs in place, in the memory its snapshot maps.
+//! then starts in fresh memory in a host process forked without the guest memory (`spawn`). A
+//! multi-threaded process's vfork is a copying fork instead (its other threads would otherwise be
+//! scheduled while the child's identity is installed), and so is every vfork with
+//! `COLLIMATE_VFORK=copy`, to compare. A guest child's execve loads the program into fresh memory
+//! too (a new VM, no old image to unmap); the sandbox's first process execs in place, in the
+//! memory its snapshot maps.
 //!
 //! # Lifetimes
 //! Guest processes die with their sandbox: each child asks the host for a parent-death signal. If
@@ -229,9 +232,13 @@ fn check_clone(c: &CloneArgs) -> std::result::Result<(), Errno> {
     if f & CLONE_THREAD != 0 && f & CLONE_SIGHAND == 0 || f & CLONE_SIGHAND != 0 && f & CLONE_VM == 0 {
         return Err(EINVAL);
     }
-    // Threads are not supported (one vCPU per VMM process, and a guest process is a VMM process):
-    // pthread_create fails with EAGAIN.
-    if f & CLONE_THREAD != 0 || f & CLONE_VM != 0 && f & CLONE_VFORK == 0 {
+    // A thread of this process, on its vCPU (see `vmm::threads`).
+    if f & CLONE_THREAD != 0 {
+        let t = super::threads::NewThread { flags: f, sp: child_sp(&c), parent_tid: c.parent_tid, child_tid: c.child_tid, tls: c.tls };
+        return super::threads::clone_thread(m, r, t);
+    }
+    // Shared memory without being a thread (CLONE_VM alone) is not offered.
+    if f & CLONE_VM != 0 && f & CLONE_VFORK == 0 {
         return Err(crate::guestos::EAGAIN);
     }
     if f & CLONE_NAMESPACES != 0 {
@@ -287,6 +294,7 @@ pub(super) fn serving(m: &mut Machine, chan: &Channel, pool: &Pool) {
         // here until the new one replaces it), else from the snapshot's count.
         let next = host::next_pid().or(m.os.as_ref().map(|os| os.proc.next_pid)).unwrap_or(2);
         host::new_process_count(next);
+        super::threads::count_in_new_tree(m);
         crate::guestos::sched::new_tree(m.os.as_ref().map_or(1, |os| os.proc.pid));
         crate::guestos::futex_shared::new_tree();
         // SAFETY: plain prctl on this process.
@@ -503,6 +511,8 @@ pub(super) fn enter_child_process(m: &mut Machine, guest_pid: i32, parent_host: 
     host::reset_child();
     crate::guestos::sched::child_started(guest_pid);
     crate::guestos::futex_shared::child_started();
+    // Only the calling thread is copied (its siblings stay the parent's, and counted there).
+    super::threads::only_current(m, false);
     // No core files on the host when the guest dies by a core-dumping signal (RLIMIT_CORE is 0
     // in the guest too, so the wait status carries no core flag either way).
     let no_core = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
@@ -764,6 +774,9 @@ fn exec(
 /// the thread's bookkeeping.
 pub(super) fn on_exec_state(os: &mut GuestOs) {
     signal::on_exec(os);
+    // The other threads end; the calling one becomes the first (its tid is the pid).
+    let gone = os.threads.only_current();
+    host::threads_gone(gone as u32);
     os.files.close_on_exec();
     os.proc.clear_child_tid = 0;
     os.proc.robust_list = (0, 0);

@@ -95,9 +95,11 @@ fn copying() -> bool {
     *COPY.get_or_init(|| std::env::var_os("COLLIMATE_VFORK").is_some_and(|v| v == "copy"))
 }
 
-/// Whether a clone with these flags is served here (a vfork, not nested in another).
+/// Whether a clone with these flags is served here (a vfork, not nested in another, from a
+/// process with one thread: the thread scheduler would run the parent's other threads while the
+/// child's identity is installed).
 pub(super) fn serves(m: &Machine, c: &CloneArgs) -> bool {
-    c.is_vfork() && !active(m) && !copying()
+    c.is_vfork() && !active(m) && !copying() && !m.os.as_ref().is_some_and(|os| os.threads.multi())
 }
 
 /// vfork / clone(CLONE_VM | CLONE_VFORK): become the child. `r` and `sregs` are what the guest

@@ -95,7 +95,7 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
             return Ok(revents);
         }
         let deadline = timeout.map(|t| {
-            let now = os.proc.clocks.mono_now();
+            let now = crate::guestos::thread::now(&os.proc.clocks);
             (now, crate::guestos::sched::deadline(now, t.as_nanos().min(u64::MAX as u128) as u64))
         });
         if let Some((now, d)) = deadline {

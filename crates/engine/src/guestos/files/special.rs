@@ -59,8 +59,10 @@ const PROC_FILES: [(&str, u8); 6] = [
     ("stat", DT_REG),
     ("mounts", DT_LNK),
 ];
-const SELF_FILES: [(&str, u8); 10] = [
+const SELF_FILES: [(&str, u8); 12] = [
     ("exe", DT_LNK),
+    ("task", DT_DIR),
+    ("comm", DT_REG),
     ("cwd", DT_LNK),
     ("root", DT_LNK),
     ("fd", DT_DIR),
@@ -120,6 +122,9 @@ pub fn lookup(os: &GuestOs, path: &str) -> Option<Node> {
                     return Some(Node::File);
                 }
             }
+            if let Some(rest) = p.strip_prefix("/proc/self/task") {
+                return task_node(os, rest);
+            }
             let n = fd_number(p.strip_prefix("/proc/self/fd/")?)?;
             os.files.get(n).ok()?;
             Node::Fd(n)
@@ -143,6 +148,11 @@ pub fn list(os: &GuestOs, path: &str) -> Option<Vec<(String, u8)>> {
             v.extend(super::pty::held_numbers(os).into_iter().map(|n| (n.to_string(), DT_CHR)));
             return Some(v);
         }
+        "/proc/self/task" => {
+            v.extend(os.threads.list.iter().map(|t| (t.tid_in(pid(os)).to_string(), DT_DIR)));
+            return Some(v);
+        }
+        p if p.starts_with("/proc/self/task/") && task_of(os, p).is_some() => &TASK_FILES,
         _ => return None,
     };
     v.extend(fixed.iter().filter(|(n, _)| !(path == "/proc/self" && *n == "exe" && exe(os).is_none())).map(|(n, t)| (n.to_string(), *t)));
@@ -167,6 +177,8 @@ fn content(os: &GuestOs, ctx: &Ctx, path: &str) -> Vec<u8> {
         }
         "/proc/self/mounts" => mounts(os),
         "/proc/self/maps" => return maps(os),
+        "/proc/self/comm" => format!("{}\n", comm(os)),
+        p if p.starts_with("/proc/self/task/") => return task_content(os, p),
         _ => String::new(),
     };
     s.into_bytes()
@@ -204,6 +216,63 @@ fn meminfo(ctx: &Ctx) -> String {
     s
 }
 
+/// The files of a thread's directory, /proc/self/task/<tid>.
+const TASK_FILES: [(&str, u8); 3] = [("comm", DT_REG), ("status", DT_REG), ("stat", DT_REG)];
+
+/// The thread a /proc/self/task/<tid>[/...] path names (its index in the thread table).
+fn task_of(os: &GuestOs, path: &str) -> Option<usize> {
+    let rest = path.strip_prefix("/proc/self/task/")?;
+    let tid = fd_number(rest.split('/').next()?)?;
+    os.threads.index_of(tid, pid(os))
+}
+
+/// What /proc/self/task + `rest` names.
+fn task_node(os: &GuestOs, rest: &str) -> Option<Node> {
+    if rest.is_empty() {
+        return Some(Node::Dir);
+    }
+    let path = format!("/proc/self/task{rest}");
+    task_of(os, &path)?;
+    let parts: Vec<&str> = rest.trim_start_matches('/').split('/').collect();
+    match parts.as_slice() {
+        [_] => Some(Node::Dir),
+        [_, f] if TASK_FILES.iter().any(|(n, _)| n == f) => Some(Node::File),
+        _ => None,
+    }
+}
+
+/// The name of thread `i` (the loaded thread's is the process's current `comm`).
+fn thread_comm(os: &GuestOs, i: usize) -> String {
+    if i == os.threads.cur && os.threads.loaded {
+        return comm(os);
+    }
+    let name = os.threads.list.get(i).map(|t| t.name()).unwrap_or_default();
+    if name.is_empty() {
+        comm(os)
+    } else {
+        name
+    }
+}
+
+fn task_content(os: &GuestOs, path: &str) -> Vec<u8> {
+    let Some(i) = task_of(os, path) else { return Vec::new() };
+    let tid = os.threads.list[i].tid_in(pid(os));
+    let s = match path.rsplit('/').next() {
+        Some("comm") => format!("{}\n", thread_comm(os, i)),
+        Some("stat") => {
+            let p = pid(os);
+            format!("{tid} ({}) R {} {p} {p} 0 -1 4194304 0 0 0 0 0 0 0 0 20 0 1 0 0 0 0\n", thread_comm(os, i), os.proc.ppid)
+        }
+        Some("status") => {
+            let s = status(os);
+            s.replacen(&format!("Pid:\t{}\n", pid(os)), &format!("Pid:\t{tid}\n"), 1)
+                .replacen(&format!("Name:\t{}\n", comm(os)), &format!("Name:\t{}\n", thread_comm(os, i)), 1)
+        }
+        _ => String::new(),
+    };
+    s.into_bytes()
+}
+
 fn comm(os: &GuestOs) -> String {
     let c = &os.proc.comm;
     let n = c.iter().position(|&b| b == 0).unwrap_or(c.len());
@@ -230,7 +299,7 @@ fn status(os: &GuestOs) -> String {
     let groups: Vec<String> = os.proc.groups.iter().map(|g| g.to_string()).collect();
     format!(
         "Name:\t{}\nUmask:\t{:04o}\nState:\tR (running)\nTgid:\t{p}\nNgid:\t0\nPid:\t{p}\nPPid:\t{}\nTracerPid:\t0\n\
-Uid:\t{}\t{}\t{}\t{}\nGid:\t{}\t{}\t{}\t{}\nFDSize:\t{}\nGroups:\t{}\nThreads:\t1\n\
+Uid:\t{}\t{}\t{}\t{}\nGid:\t{}\t{}\t{}\t{}\nFDSize:\t{}\nGroups:\t{}\nThreads:\t{}\n\
 SigQ:\t0/0\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000000000\nSigBlk:\t{:016x}\n\
 SigIgn:\t{ign:016x}\nSigCgt:\t{cgt:016x}\nCapInh:\t0000000000000000\nCapPrm:\t0000000000000000\n\
 CapEff:\t0000000000000000\nCapBnd:\t0000000000000000\nCapAmb:\t0000000000000000\nNoNewPrivs:\t1\nSeccomp:\t0\n\
@@ -249,6 +318,7 @@ voluntary_ctxt_switches:\t0\nnonvoluntary_ctxt_switches:\t0\n",
         g[3],
         os.files.limit,
         groups.join(" "),
+        os.threads.list.len(),
         os.proc.sigmask,
     )
 }

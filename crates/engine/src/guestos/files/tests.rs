@@ -66,6 +66,7 @@ impl H {
             stdio: None,
             agent: None,
             sig: Default::default(),
+            threads: Default::default(),
         };
         os.proc.cwd = "/".into();
         let mut mem = GuestMemory::anonymous(MEM).unwrap();

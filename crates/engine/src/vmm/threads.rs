@@ -1,0 +1,575 @@
+//! The thread scheduler: a guest process's threads take turns on its one vCPU (M:1; the thread
+//! state itself is `guestos::thread`).
+//!
+//! # When threads switch
+//! The run loop asks [`schedule`] before every KVM_RUN. The loaded thread keeps the vCPU until
+//! - its syscall parks it: a futex wait, sched_yield, exit, or a blocking call (a read of an empty
+//!   pipe, a wait, a sleep, a poll) that asked to yield (`guestos::sched::yield_blocked`) and is
+//!   re-executed when the thread runs again;
+//! - its slice ends while another thread could run: after [`SLICE`] of wall time (a tick timer
+//!   kicks the vCPU out of KVM_RUN), or in replay mode after [`QUANTUM`] syscalls and faults,
+//!   which is a function of the program alone. Replay mode keeps a wall-clock guard
+//!   ([`REPLAY_GUARD`]) for a thread that spins without a syscall; a switch made by it depends on
+//!   the host's speed, and the run is marked as not reproducible ([`nondeterministic`]).
+//!
+//! The next thread is the first runnable one after the current in creation order (round robin).
+//! Threads in a blocking call are retried when nobody is runnable, once per idle round, with a
+//! short host pause between rounds. When every thread waits on a futex, the process waits for the
+//! earliest deadline: on the host, or in replay mode by moving virtual time there at once (when
+//! the sandbox's other processes take turns, by passing the turn). No deadline, no other process
+//! that could signal it and no signal pending is a deadlock: the process ends by SIGABRT with a
+//! report listing every thread on its stderr, instead of hanging until the run's timeout.
+//!
+//! # Signals
+//! Dispositions are the process's. The loaded thread's mask is `Proc::sigmask`; a parked thread
+//! keeps its own. A process-directed signal that the loaded thread blocks goes to the first thread
+//! that does not: a thread waiting on a futex is woken with EINTR, one in a blocking call retries
+//! it (and gets EINTR or a restart by the usual rules), and it is run next. A signal sent with
+//! tgkill waits in the thread's own set until it is loaded; it is then pending for the process
+//! (delivered at once unless that thread blocks it).
+
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use kvm_bindings::kvm_regs;
+
+use super::Machine;
+use crate::arch::x86_64::regs;
+use crate::error::{Error, Result};
+use crate::guestos::signal::{self, host};
+use crate::guestos::thread::{self, RunState, Switch, Thread};
+use crate::guestos::{sched, Errno, EAGAIN, EINVAL};
+use crate::protocol::RunExit;
+
+/// Wall time a thread runs before another runnable thread gets the vCPU (CPython's switch
+/// interval is 5 ms too).
+pub const SLICE: Duration = Duration::from_millis(5);
+/// In replay mode, syscalls and faults a thread makes before another runnable thread gets a turn.
+pub const QUANTUM: u32 = 100;
+/// In replay mode, wall time a thread may run without reaching [`QUANTUM`] (a spin loop) before it
+/// is switched out anyway.
+pub const REPLAY_GUARD: Duration = Duration::from_millis(200);
+/// Most threads a sandbox's processes may have beyond their first ones (RLIMIT_NPROC lower still).
+pub const MAX_THREADS: u32 = 512;
+/// The pause between idle rounds (every thread in a blocking call, none got anywhere).
+const IDLE_PAUSE: Duration = Duration::from_millis(1);
+const ETIMEDOUT: Errno = Errno(110);
+
+/// Set when a switch happened that replay cannot reproduce (see [`REPLAY_GUARD`]); cleared by
+/// [`take_nondeterministic`].
+static NONDETERMINISTIC: AtomicBool = AtomicBool::new(false);
+
+/// Whether a replay run switched threads by the wall clock since the last call (and so may not
+/// reproduce), clearing the mark.
+pub fn take_nondeterministic() -> bool {
+    NONDETERMINISTIC.swap(false, Ordering::SeqCst)
+}
+
+/// Per-process scheduler bookkeeping that is not guest state.
+struct Slice {
+    /// When the loaded thread was loaded.
+    since: Instant,
+    /// Its syscalls and faults since then.
+    events: u32,
+    /// Idle rounds so far (see the module comment).
+    round: u64,
+}
+
+static SLICE_STATE: std::sync::Mutex<Option<Slice>> = std::sync::Mutex::new(None);
+
+fn with_slice<T>(f: impl FnOnce(&mut Slice) -> T) -> T {
+    let mut g = SLICE_STATE.lock().unwrap_or_else(|p| p.into_inner());
+    let s = g.get_or_insert_with(|| Slice { since: Instant::now(), events: 0, round: 0 });
+    f(s)
+}
+
+/// A syscall or fault of the loaded thread (replay mode's quantum counts these).
+pub(super) fn count_event() {
+    with_slice(|s| s.events = s.events.saturating_add(1));
+}
+
+// --- clone -------------------------------------------------------------------------------------
+
+/// What clone(CLONE_THREAD) asked for.
+pub(super) struct NewThread {
+    pub flags: u64,
+    /// The new thread's stack pointer (None: the caller's).
+    pub sp: Option<u64>,
+    pub parent_tid: u64,
+    pub child_tid: u64,
+    pub tls: u64,
+}
+
+const CLONE_VM: u64 = 0x100;
+const CLONE_FS: u64 = 0x200;
+const CLONE_FILES: u64 = 0x400;
+const CLONE_SIGHAND: u64 = 0x800;
+const CLONE_THREAD: u64 = 0x1_0000;
+const CLONE_SYSVSEM: u64 = 0x4_0000;
+const CLONE_SETTLS: u64 = 0x8_0000;
+const CLONE_PARENT_SETTID: u64 = 0x10_0000;
+const CLONE_CHILD_CLEARTID: u64 = 0x20_0000;
+const CLONE_DETACHED: u64 = 0x40_0000;
+const CLONE_UNTRACED: u64 = 0x80_0000;
+const CLONE_CHILD_SETTID: u64 = 0x100_0000;
+const CLONE_IO: u64 = 0x8000_0000;
+
+/// clone with CLONE_THREAD: a new thread of this process, runnable, resuming after the syscall
+/// with rax = 0 on its own stack and TLS. Returns its tid to the caller.
+pub(super) fn clone_thread(m: &mut Machine, r: &kvm_regs, t: NewThread) -> std::result::Result<u64, Errno> {
+    let need = CLONE_VM | CLONE_SIGHAND | CLONE_THREAD;
+    let allowed = need | CLONE_FS | CLONE_FILES | CLONE_SYSVSEM | CLONE_SETTLS | CLONE_PARENT_SETTID | CLONE_CHILD_CLEARTID
+        | CLONE_DETACHED | CLONE_UNTRACED | CLONE_CHILD_SETTID | CLONE_IO;
+    // A thread shares memory, handlers, files and the fs context (one process, one table each).
+    if t.flags & need != need || t.flags & !allowed != 0 || t.flags & (CLONE_FS | CLONE_FILES) != CLONE_FS | CLONE_FILES {
+        return Err(EINVAL);
+    }
+    if t.flags & CLONE_SETTLS != 0 && t.tls >= crate::guestos::mm::TASK_SIZE {
+        return Err(crate::guestos::EPERM);
+    }
+    let Some(os) = m.os.as_ref() else { return Err(crate::guestos::ENOSYS) };
+    if host::stale() {
+        return Err(EAGAIN);
+    }
+    let nproc = os.proc.rlimits.get(6).map_or(u64::MAX, |l| l.cur);
+    if !host::add_thread(nproc.min(MAX_THREADS as u64) as u32) || os.threads.list.len() > MAX_THREADS as usize {
+        return Err(EAGAIN);
+    }
+    let sregs = m.vcpu.get_sregs().map_err(|_| EAGAIN)?;
+    let xsave = m.vcpu.get_xsave().map_err(|_| EAGAIN)?;
+    // SAFETY: getpid cannot fail (the fallback outside a sandbox tree, which has no counter).
+    let tid = host::alloc_pid().unwrap_or_else(|| unsafe { libc::getpid() } + m.os.as_ref().map_or(1, |o| o.threads.list.len() as i32));
+    let Some(os) = m.os.as_mut() else { return Err(crate::guestos::ENOSYS) };
+    let mut th = Thread::new(tid);
+    th.regs = *r;
+    th.regs.rax = 0;
+    if let Some(sp) = t.sp {
+        th.regs.rsp = sp;
+    }
+    th.fs_base = if t.flags & CLONE_SETTLS != 0 { t.tls } else { sregs.fs.base };
+    th.gs_base = sregs.gs.base;
+    th.xsave = xsave.region.to_vec();
+    th.sigmask = os.proc.sigmask;
+    th.comm = os.proc.comm;
+    th.clear_child_tid = if t.flags & CLONE_CHILD_CLEARTID != 0 { t.child_tid } else { 0 };
+    let tid_bytes = tid.to_le_bytes();
+    let aspace = &m.runtime.aspace;
+    if t.flags & CLONE_PARENT_SETTID != 0 {
+        let _ = aspace.write_virt(&mut m.mem, t.parent_tid, &tid_bytes, true);
+    }
+    if t.flags & CLONE_CHILD_SETTID != 0 {
+        let _ = aspace.write_virt(&mut m.mem, t.child_tid, &tid_bytes, true);
+    }
+    os.threads.list.push(th);
+    sched::set_thread_turns(true);
+    Ok(tid as u64)
+}
+
+// --- switching ---------------------------------------------------------------------------------
+
+/// Save the loaded thread into its record, with run state `state` (the vCPU is in ring 3).
+fn park(m: &mut Machine, state: RunState) -> Result<()> {
+    let regs = m.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
+    let sregs = m.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+    let xs = m.vcpu.get_xsave().map_err(Error::kvm("KVM_GET_XSAVE"))?;
+    let Some(os) = m.os.as_mut() else { return Ok(()) };
+    let i = os.threads.cur;
+    let Some(t) = os.threads.list.get_mut(i) else { return Ok(()) };
+    t.regs = regs;
+    t.fs_base = sregs.fs.base;
+    t.gs_base = sregs.gs.base;
+    t.xsave.clear();
+    t.xsave.extend_from_slice(&xs.region);
+    t.sigmask = os.proc.sigmask;
+    t.altstack = os.proc.altstack;
+    t.clear_child_tid = os.proc.clear_child_tid;
+    t.robust_list = os.proc.robust_list;
+    t.comm = os.proc.comm;
+    t.sleep = os.proc.sleep.take();
+    t.saved_mask = os.sig.saved_mask.take();
+    t.carry = sched::save_carry();
+    t.state = state;
+    os.threads.loaded = false;
+    Ok(())
+}
+
+/// Load thread `i` into the vCPU and the per-thread fields of the OS state.
+fn load(m: &mut Machine, i: usize) -> Result<()> {
+    let Some(os) = m.os.as_mut() else { return Ok(()) };
+    let Some(t) = os.threads.list.get_mut(i) else { return Ok(()) };
+    let mut sregs = m.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+    sregs.fs.base = t.fs_base;
+    sregs.gs.base = t.gs_base;
+    sregs.cs = regs::user_code_segment();
+    sregs.ss = regs::user_data_segment();
+    m.vcpu.set_sregs(&sregs).map_err(Error::kvm("KVM_SET_SREGS"))?;
+    m.vcpu.set_regs(&t.regs).map_err(Error::kvm("KVM_SET_REGS"))?;
+    if t.xsave.len() == 1024 {
+        let mut xs = m.vcpu.get_xsave().map_err(Error::kvm("KVM_GET_XSAVE"))?;
+        xs.region.copy_from_slice(&t.xsave);
+        // SAFETY: a complete kvm_xsave captured from this vCPU by `park` or `clone_thread`.
+        unsafe { m.vcpu.set_xsave(&xs) }.map_err(Error::kvm("KVM_SET_XSAVE"))?;
+    }
+    os.proc.sigmask = t.sigmask;
+    os.proc.altstack = t.altstack;
+    os.proc.clear_child_tid = t.clear_child_tid;
+    os.proc.robust_list = t.robust_list;
+    os.proc.comm = t.comm;
+    os.proc.sleep = t.sleep.take();
+    os.sig.saved_mask = t.saved_mask.take();
+    sched::restore_carry(std::mem::take(&mut t.carry));
+    // Signals sent to this thread are the process's now that it runs (see the module comment).
+    os.sig.pending |= std::mem::take(&mut t.pending);
+    t.state = RunState::Runnable;
+    os.threads.cur = i;
+    os.threads.loaded = true;
+    with_slice(|s| {
+        s.since = Instant::now();
+        s.events = 0;
+    });
+    set_turns(m);
+    Ok(())
+}
+
+/// Tell blocking calls whether another thread could run meanwhile, and keep the tick timer armed
+/// exactly then.
+fn set_turns(m: &Machine) {
+    let Some(os) = m.os.as_ref() else { return };
+    let th = &os.threads;
+    let others = th.list.iter().enumerate().any(|(i, t)| {
+        i != th.cur
+            && match t.state {
+                RunState::Runnable | RunState::Retry { .. } | RunState::Sleep { .. } => true,
+                RunState::Futex { deadline, .. } => deadline.is_some(),
+            }
+    });
+    sched::set_thread_turns(others && th.multi());
+    let tick = if !others || !th.multi() {
+        None
+    } else if os.proc.clocks.replay {
+        Some(REPLAY_GUARD)
+    } else {
+        Some(SLICE)
+    };
+    ticker::set(tick);
+}
+
+/// Whether a thread other than the loaded one can run now (runnable, or its deadline passed).
+fn others_ready(m: &Machine, now: u64) -> bool {
+    let Some(os) = m.os.as_ref() else { return false };
+    let th = &os.threads;
+    th.list.iter().enumerate().any(|(i, t)| {
+        i != th.cur
+            && match t.state {
+                RunState::Runnable | RunState::Retry { deadline: None } => true,
+                RunState::Futex { deadline: Some(d), .. } | RunState::Retry { deadline: Some(d) } | RunState::Sleep { deadline: d } => d <= now,
+                RunState::Futex { deadline: None, .. } => false,
+            }
+    })
+}
+
+/// Before every KVM_RUN of a Linux guest: switch threads if the loaded one is done for now, and
+/// wait if nobody can run. `Some(exit)` ends the run (its deadline passed while every thread
+/// waited, or the process is deadlocked).
+pub(super) fn schedule(m: &mut Machine, deadline: Instant) -> Result<Option<RunExit>> {
+    let Some(os) = m.os.as_mut() else { return Ok(None) };
+    let th = &mut os.threads;
+    if !th.multi() && th.loaded && th.switch.is_none() {
+        return Ok(None);
+    }
+    // Switching reads and writes the registers with the ioctls: apply a write still pending in
+    // kvm_run's sync area first (the return from the last syscall; see `vstate::sync`).
+    m.sync.settle(&mut m.vcpu)?;
+    let Some(os) = m.os.as_mut() else { return Ok(None) };
+    let th = &mut os.threads;
+    th.apply_wakes();
+    let replay = os.proc.clocks.replay;
+    let thread_yield = sched::take_thread_yield();
+    if os.threads.loaded {
+        match os.threads.switch.take() {
+            Some(Switch::Exit) => {
+                let i = os.threads.cur;
+                os.threads.list.remove(i);
+                os.threads.loaded = false;
+                os.threads.cur = if i == 0 { os.threads.list.len().saturating_sub(1) } else { i - 1 };
+                let _ = sched::save_carry();
+                host::threads_gone(1);
+            }
+            Some(Switch::Futex { key, bitset, deadline }) => park(m, RunState::Futex { key, bitset, deadline })?,
+            Some(Switch::Yield) => park(m, RunState::Runnable)?,
+            None => match thread_yield {
+                Some((Some(d), true)) => park(m, RunState::Sleep { deadline: d })?,
+                Some((d, _)) => park(m, RunState::Retry { deadline: d })?,
+                None => {
+                    if !os.threads.multi() {
+                        return Ok(None);
+                    }
+                    let (since, events) = with_slice(|s| (s.since, s.events));
+                    let guard = replay && since.elapsed() >= REPLAY_GUARD;
+                    let due = if replay { events >= QUANTUM || guard } else { since.elapsed() >= SLICE };
+                    let mut now = thread::now(&os.proc.clocks);
+                    if guard && events < QUANTUM && !others_ready(m, now) && in_ring3(m)? {
+                        // A thread computing without syscalls while others wait for a deadline
+                        // (CPython's GIL: the waiter's 5 ms): virtual time would never get
+                        // there. The guard lets it come, at a point the host's speed chose.
+                        if let Some(d) = m.os.as_ref().and_then(|os| os.threads.earliest_deadline()) {
+                            if let Some(os) = m.os.as_mut() {
+                                os.proc.clocks.pass(d.saturating_sub(now));
+                                now = thread::now(&os.proc.clocks);
+                            }
+                        }
+                    }
+                    if !due || !others_ready(m, now) || !in_ring3(m)? {
+                        set_turns(m);
+                        return Ok(None);
+                    }
+                    if replay && events < QUANTUM {
+                        NONDETERMINISTIC.store(true, Ordering::SeqCst);
+                    }
+                    park(m, RunState::Runnable)?
+                }
+            },
+        }
+    }
+    pick(m, deadline)
+}
+
+fn in_ring3(m: &Machine) -> Result<bool> {
+    let sregs = m.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+    Ok(sregs.cs.selector & 3 == 3)
+}
+
+/// Nothing is loaded: load the next thread to run, waiting for one if need be.
+fn pick(m: &mut Machine, deadline: Instant) -> Result<Option<RunExit>> {
+    loop {
+        let Some(os) = m.os.as_mut() else { return Ok(None) };
+        let replay = os.proc.clocks.replay;
+        if os.threads.list.is_empty() {
+            // Cannot happen (the last thread's exit is the process's), but never run nothing.
+            return Ok(Some(RunExit::Exited { code: 0 }));
+        }
+        signal::gather(os);
+        let now = thread::now(&os.proc.clocks);
+        let pending = os.sig.pending;
+        let th = &mut os.threads;
+        // Deadlines that passed.
+        for t in th.list.iter_mut() {
+            match t.state {
+                RunState::Futex { deadline: Some(d), .. } if d <= now => {
+                    th.futex.cancel(t.tid);
+                    t.state = RunState::Runnable;
+                    t.regs.rax = (-(ETIMEDOUT.0 as i64)) as u64;
+                }
+                RunState::Retry { deadline: Some(d) } | RunState::Sleep { deadline: d } if d <= now => t.state = RunState::Runnable,
+                _ => {}
+            }
+        }
+        // A signal goes to the first thread that does not block it (see the module comment).
+        let mut signalled = None;
+        for (i, t) in th.list.iter_mut().enumerate() {
+            let p = (pending | t.pending) & !(t.sigmask & !signal::UNBLOCKABLE);
+            if p == 0 {
+                continue;
+            }
+            match t.state {
+                RunState::Futex { .. } => {
+                    th.futex.cancel(t.tid);
+                    t.state = RunState::Runnable;
+                    t.regs.rax = (-(crate::guestos::EINTR.0 as i64)) as u64;
+                }
+                RunState::Retry { .. } | RunState::Sleep { .. } => t.state = RunState::Runnable,
+                RunState::Runnable => {}
+            }
+            signalled = Some(i);
+            break;
+        }
+        let n = th.list.len();
+        let start = (th.cur + 1) % n;
+        let order = (0..n).map(|k| (start + k) % n);
+        let runnable = signalled.or_else(|| order.clone().find(|&i| th.list[i].state == RunState::Runnable));
+        if let Some(i) = runnable {
+            load(m, i)?;
+            return Ok(None);
+        }
+        let round = with_slice(|s| s.round);
+        let retry = order.clone().find(|&i| matches!(th.list[i].state, RunState::Retry { .. }) && th.list[i].idle_round != round);
+        if let Some(i) = retry {
+            th.list[i].idle_round = round;
+            load(m, i)?;
+            return Ok(None);
+        }
+        let any_retry = th.list.iter().any(|t| matches!(t.state, RunState::Retry { .. }));
+        if Instant::now() >= deadline {
+            return Ok(Some(RunExit::Timeout));
+        }
+        let earliest = th.earliest_deadline();
+        if any_retry {
+            // Every thread is in a blocking call and each has retried once: a short pause.
+            with_slice(|s| s.round += 1);
+            if replay && sched::tree_active() {
+                let clocks = &mut os.proc.clocks;
+                let mono = clocks.mono_now();
+                if !sched::idle_turn(mono, &mut |ns| clocks.pass(ns), earliest, deadline) {
+                    return Ok(Some(RunExit::Timeout));
+                }
+            } else if let (true, Some(d)) = (replay, earliest) {
+                // Replay mode: a whole round got nowhere and nothing outside the process can act
+                // (no other process takes turns): the next deadline comes at once.
+                os.proc.clocks.pass(d.saturating_sub(now));
+            } else {
+                host_pause(IDLE_PAUSE);
+            }
+            continue;
+        }
+        // Every thread waits on a futex.
+        let shared = th.list.iter().any(|t| matches!(t.state, RunState::Futex { key: crate::guestos::futex::FutexKey::Shared { .. }, .. }));
+        if earliest.is_none() && !shared && host::alone() && !host::pending() {
+            return Ok(Some(deadlock(m)));
+        }
+        if replay && sched::tree_active() {
+            let clocks = &mut os.proc.clocks;
+            let mono = clocks.mono_now();
+            if !sched::idle_turn(mono, &mut |ns| clocks.pass(ns), earliest, deadline) {
+                return Ok(Some(RunExit::Timeout));
+            }
+            continue;
+        }
+        match earliest {
+            // Replay mode: nothing else can happen before the deadline, so it comes at once.
+            Some(d) if replay => os.proc.clocks.pass(d.saturating_sub(now)),
+            Some(d) => host_pause(Duration::from_nanos(d.saturating_sub(now)).min(Duration::from_millis(50))),
+            None => host_pause(Duration::from_millis(10)),
+        }
+    }
+}
+
+/// Sleep on the host (a guest signal from another process cuts it short).
+fn host_pause(d: Duration) {
+    let ts = libc::timespec { tv_sec: d.as_secs() as i64, tv_nsec: d.subsec_nanos() as i64 };
+    // SAFETY: a relative sleep on a local timespec; an early return is fine.
+    unsafe { libc::clock_nanosleep(libc::CLOCK_MONOTONIC, 0, &ts, std::ptr::null_mut()) };
+}
+
+/// Every thread waits and nothing can wake any of them: say so on the sandbox's stderr and end
+/// the process (SIGABRT), rather than hang until the run's timeout.
+fn deadlock(m: &mut Machine) -> RunExit {
+    if let Some(os) = m.os.as_ref() {
+        let msg = format!(
+            "collimate: deadlock in guest process {}: every thread waits and nothing can wake them:\n{}",
+            os.proc.pid,
+            os.threads.describe(os.proc.pid)
+        );
+        report(&msg);
+    }
+    RunExit::Signaled { signo: signal::SIGABRT }
+}
+
+/// The process ends (exit_group, a fatal signal): its other threads give their tasks back.
+pub(super) fn process_ended(m: &mut Machine) {
+    ticker::set(None);
+    sched::set_thread_turns(false);
+    if let Some(os) = m.os.as_mut() {
+        let extra = os.threads.list.len().saturating_sub(1) as u32;
+        host::threads_gone(extra);
+    }
+}
+
+/// The run ends: no ticks while the guest is paused.
+pub(super) fn run_ended() {
+    ticker::set(None);
+}
+
+/// Only the calling thread goes on: in a guest fork's child, whose copies of the other threads
+/// were never its own (they live on in the parent and stay counted there: `give_back` false).
+pub(super) fn only_current(m: &mut Machine, give_back: bool) {
+    if let Some(os) = m.os.as_mut() {
+        let gone = os.threads.only_current();
+        if give_back {
+            host::threads_gone(gone as u32);
+        }
+    }
+    sched::set_thread_turns(false);
+    ticker::set(None);
+}
+
+/// A new sandbox tree begins with this process (a sandbox fork): its extra threads are counted.
+pub(super) fn count_in_new_tree(m: &Machine) {
+    let extra = m.os.as_ref().map_or(0, |os| os.threads.list.len().saturating_sub(1));
+    host::set_thread_count(extra as u32);
+}
+
+/// The tick timer: a one-shot per slice, signalling a VMM-private real-time signal whose handler
+/// kicks the vCPU out of KVM_RUN. It is SA_RESTART, so host calls the engine makes are restarted
+/// rather than failing with EINTR. POSIX timers are not inherited across fork: each process
+/// makes its own on first use.
+mod ticker {
+    use super::*;
+
+    static TIMER: AtomicUsize = AtomicUsize::new(0);
+    static OWNER: AtomicI32 = AtomicI32::new(0);
+    static ARMED: AtomicBool = AtomicBool::new(false);
+
+    fn signal() -> libc::c_int {
+        libc::SIGRTMIN() + 4
+    }
+
+    extern "C" fn on_tick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+        host::kick();
+    }
+
+    fn timer() -> Option<libc::timer_t> {
+        // SAFETY: getpid cannot fail.
+        let me = unsafe { libc::getpid() };
+        if OWNER.load(Ordering::SeqCst) != me {
+            // SAFETY: a zeroed sigaction/sigevent is valid; we fill what we use.
+            unsafe {
+                let mut sa: libc::sigaction = std::mem::zeroed();
+                sa.sa_sigaction = on_tick as *const () as usize;
+                sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+                libc::sigemptyset(&mut sa.sa_mask);
+                libc::sigaction(signal(), &sa, std::ptr::null_mut());
+                let mut sev: libc::sigevent = std::mem::zeroed();
+                sev.sigev_notify = libc::SIGEV_SIGNAL;
+                sev.sigev_signo = signal();
+                let mut t: libc::timer_t = std::ptr::null_mut();
+                if libc::timer_create(libc::CLOCK_MONOTONIC, &mut sev, &mut t) != 0 {
+                    return None;
+                }
+                TIMER.store(t as usize, Ordering::SeqCst);
+            }
+            OWNER.store(me, Ordering::SeqCst);
+            ARMED.store(false, Ordering::SeqCst);
+        }
+        Some(TIMER.load(Ordering::SeqCst) as libc::timer_t)
+    }
+
+    /// Tick every `every` (None: no ticks).
+    pub(super) fn set(every: Option<Duration>) {
+        if every.is_none() && !ARMED.load(Ordering::SeqCst) {
+            return;
+        }
+        let Some(t) = timer() else { return };
+        let d = every.unwrap_or(Duration::ZERO);
+        let ts = libc::timespec { tv_sec: d.as_secs() as i64, tv_nsec: d.subsec_nanos() as i64 };
+        let spec = libc::itimerspec { it_interval: ts, it_value: ts };
+        if every.is_some() && ARMED.load(Ordering::SeqCst) {
+            return; // already ticking; the slice start decides
+        }
+        // SAFETY: our timer and a valid itimerspec (zero disarms).
+        unsafe { libc::timer_settime(t, 0, &spec, std::ptr::null_mut()) };
+        ARMED.store(every.is_some(), Ordering::SeqCst);
+    }
+}
+
+/// What the scheduler has to tell the guest's stderr (a deadlock report), for the run's output.
+static REPORT: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+
+fn report(msg: &str) {
+    REPORT.lock().unwrap_or_else(|p| p.into_inner()).push_str(msg);
+}
+
+/// Take what [`report`] collected (the run appends it to the guest's stderr).
+pub(super) fn take_report() -> String {
+    std::mem::take(&mut *REPORT.lock().unwrap_or_else(|p| p.into_inner()))
+}
+
