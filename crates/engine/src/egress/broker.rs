@@ -240,6 +240,16 @@ impl SandboxNet {
         })
     }
 
+    /// A sandbox reused for a new owner (a recycled clone): no network, an empty log, no flows.
+    pub fn clear(&self) {
+        let mut g = self.lock();
+        while !g.flows.is_empty() {
+            g.finish(0);
+        }
+        let closed = g.closed;
+        *g = Inner { closed, ..Default::default() };
+    }
+
     /// The sandbox is gone: close every flow (the guest's copies went with its processes).
     pub fn close(&self) {
         let mut g = self.lock();
