@@ -701,6 +701,21 @@ fn set_egress_resolver(spec: &str) -> PyResult<()> {
     collimate_engine::egress::broker::set_resolver(r).map_err(|e| EngineError::new_err(e.to_string()))
 }
 
+/// The engine's reading of one egress rule, printed back in canonical form (the SDK's parser is
+/// checked against it); a bad rule raises ValueError saying what a valid rule looks like.
+#[pyfunction]
+fn egress_canonical(rule: &str) -> PyResult<String> {
+    collimate_engine::egress::policy::parse_rule(rule).map(|r| r.to_string()).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// Start the engine's egress broker thread now (the package does on import, so that its thread
+/// and wake-up descriptor never look like a leak of the first sandbox's). Not in a VMM process,
+/// which must stay single-threaded: it loads only this extension, never the package.
+#[pyfunction]
+fn egress_start() -> PyResult<()> {
+    collimate_engine::egress::broker::start().map_err(|e| EngineError::new_err(e.to_string()))
+}
+
 /// Sandboxes the broker serves now (for leak checks).
 #[pyfunction]
 fn egress_broker_sandboxes() -> usize {
@@ -719,6 +734,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_vmm_main, m)?)?;
     m.add_function(wrap_pyfunction!(set_egress_resolver, m)?)?;
     m.add_function(wrap_pyfunction!(egress_broker_sandboxes, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_canonical, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_start, m)?)?;
     m.add("SNAPSHOT_FORMAT", collimate_engine::persist::FORMAT_VERSION)?;
     Ok(())
 }

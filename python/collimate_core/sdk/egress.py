@@ -349,3 +349,28 @@ def parse_ceiling(text: str) -> Egress:
     inet = "internet" in parts
     e = Egress.allow(*[r for r in parts if r != "internet"])
     return Egress(e.rules, inet)
+
+
+def resolver_spec(r: Any) -> str:
+    """The engine's form of a resolver setting: "system", "dns:HOST:PORT", or a {name: [ip]} map."""
+    if isinstance(r, dict):
+        parts = []
+        for name, ips in r.items():
+            ips = [ips] if isinstance(ips, str) else list(ips)
+            for ip in ips:
+                ipaddress.ip_address(ip)  # a bad address raises ValueError here, with the address
+            parts.append(f"{name}={','.join(ips)}")
+        return "hosts:" + ";".join(parts)
+    if isinstance(r, str):
+        return r
+    raise InvalidArgument(f"egress_resolver is 'system', 'dns:HOST:PORT' or a {{name: [ip, ...]}} map, not {r!r}")
+
+
+def set_resolver(r: Any) -> None:
+    """Where the engine's broker resolves admitted names, for every sandbox of this process."""
+    from collimate_core import _core
+
+    try:
+        _core.set_egress_resolver(resolver_spec(r))
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None

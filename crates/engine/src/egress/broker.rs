@@ -575,6 +575,11 @@ fn resolver() -> Resolver {
     }
 }
 
+/// Start the broker thread now (it starts on first use otherwise).
+pub fn start() -> Result<(), BrokerError> {
+    broker().map(|_| ())
+}
+
 /// Where admitted names are resolved from now on, for every sandbox of this process.
 pub fn set_resolver(r: Resolver) -> Result<(), BrokerError> {
     *broker()?.resolver.lock().unwrap_or_else(|p| p.into_inner()) = r;
