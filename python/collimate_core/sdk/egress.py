@@ -98,7 +98,7 @@ def _name(rule: str, text: str) -> str:
     return name
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Rule:
     """One parsed rule. `kind` is "name", "wildcard" or "net"; `port` None means any port."""
 
@@ -143,6 +143,10 @@ class Rule:
         if self.kind == "wildcard":
             return name.endswith("." + self.value)
         return False
+
+
+def _order(r: Rule) -> tuple:
+    return (r.kind, r.value, -1 if r.port is None else r.port)
 
 
 def parse_rule(rule: Any) -> Rule:
@@ -218,7 +222,7 @@ class Egress:
         """Admit what `rules` name (see the module doc for their form)."""
         if len(rules) == 1 and isinstance(rules[0], (list, tuple)):
             rules = tuple(rules[0])
-        parsed = tuple(sorted(set(parse_rule(r) for r in rules)))
+        parsed = tuple(sorted(set(parse_rule(r) for r in rules), key=_order))
         return cls(parsed, False)
 
     @classmethod
@@ -305,7 +309,7 @@ class Egress:
     def __or__(self, other: "Egress") -> "Egress":
         """The union of two policies (e.g. `Egress.internet() | Egress.allow("10.0.0.5:80")`)."""
         o = coerce(other)
-        return Egress(tuple(sorted(set(self.rules) | set(o.rules))), self.internet_access or o.internet_access)
+        return Egress(tuple(sorted(set(self.rules) | set(o.rules), key=_order)), self.internet_access or o.internet_access)
 
     __add__ = __or__
 

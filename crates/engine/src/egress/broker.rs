@@ -135,6 +135,14 @@ struct Flow {
     names: Vec<String>,
     tcp: OwnedFd,
     live: OwnedFd,
+    /// The byte counts when the broker reset it (a disconnect clears the kernel's counters).
+    frozen: Option<(u64, u64)>,
+}
+
+impl Flow {
+    fn bytes(&self) -> (u64, u64) {
+        self.frozen.unwrap_or_else(|| tcp_bytes(self.tcp.as_raw_fd()))
+    }
 }
 
 #[derive(Default)]
@@ -163,7 +171,7 @@ impl Inner {
 
     fn finish(&mut self, i: usize) {
         let f = self.flows.swap_remove(i);
-        let (o, n) = tcp_bytes(f.tcp.as_raw_fd());
+        let (o, n) = f.bytes();
         self.done_out += o;
         self.done_in += n;
         if let Some(e) = self.log.get_mut(f.log) {
@@ -201,8 +209,13 @@ impl SandboxNet {
         g.policy = p;
         let mut reset = 0;
         let mut verdicts = Vec::new();
-        for (i, f) in g.flows.iter().enumerate() {
-            if let Verdict::Denied(_) = g.policy.check(f.addr.ip(), f.addr.port(), &f.names) {
+        let policy = g.policy.clone();
+        for (i, f) in g.flows.iter_mut().enumerate() {
+            if f.frozen.is_some() {
+                continue; // reset already
+            }
+            if let Verdict::Denied(_) = policy.check(f.addr.ip(), f.addr.port(), &f.names) {
+                f.frozen = Some(tcp_bytes(f.tcp.as_raw_fd()));
                 reset_socket(f.tcp.as_raw_fd());
                 verdicts.push((i, f.log));
                 reset += 1;
@@ -223,7 +236,7 @@ impl SandboxNet {
         let mut log = g.log.clone();
         for f in &g.flows {
             if let Some(e) = log.get_mut(f.log) {
-                let (o, n) = tcp_bytes(f.tcp.as_raw_fd());
+                let (o, n) = f.bytes();
                 e.bytes_out = o;
                 e.bytes_in = n;
             }
@@ -235,7 +248,7 @@ impl SandboxNet {
     pub fn bytes(&self) -> (u64, u64) {
         let g = self.lock();
         g.flows.iter().fold((g.done_out, g.done_in), |(o, n), f| {
-            let (a, b) = tcp_bytes(f.tcp.as_raw_fd());
+            let (a, b) = f.bytes();
             (o + a, n + b)
         })
     }
@@ -407,7 +420,7 @@ impl SandboxNet {
             let mut e = entry("allowed", Some(rule), String::new(), name);
             e.open = true;
             let log = g.push(e);
-            g.flows.push(Flow { log, addr: target, names, tcp: sock, live: live_ours });
+            g.flows.push(Flow { log, addr: target, names, tcp: sock, live: live_ours, frozen: None });
             drop(g);
             broker_wake();
         };
