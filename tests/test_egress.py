@@ -611,3 +611,78 @@ def test_flows_and_broker_registrations_do_not_leak(http_server):
         time.sleep(0.05)
     assert len(os.listdir("/proc/self/fd")) <= base_fds
     assert _core.egress_broker_sandboxes() <= base_reg
+
+
+# --- over HTTP: the server's ceiling ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ceiling_server(tmp_path_factory, http_server, echo_server):
+    """`collimate serve --egress-ceiling` admitting the loopback HTTP server's port only."""
+    if not HAVE_KVM:
+        pytest.skip("needs /dev/kvm and COLLIMATE_ROOTFS")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_http import Server, _cli
+
+    store = tmp_path_factory.mktemp("egress-keys") / "keys.json"
+    key = _cli("keys", "--key-store", str(store), "create", "--tenant", "carol").strip()
+    ceiling = f"127.0.0.1:{http_server},127.0.0.1:{echo_server},pkg.test"
+    srv = Server(tmp_path_factory.mktemp("egress-srv"), store, "--egress-ceiling", ceiling, "--preload", "python")
+    yield srv, key
+    srv.stop()
+
+
+@kvm
+def test_over_http_the_ceiling_holds_and_flows_are_logged(ceiling_server, http_server, echo_server):
+    import httpx
+
+    from collimate_core import RemoteClient
+
+    srv, key = ceiling_server
+    h = {"Authorization": f"Bearer {key}"}
+    with RemoteClient(key, srv.url) as rc:
+        # Wider than the ceiling: a clear 403, and no sandbox.
+        for wide in ({"internet": True}, {"rules": ["127.0.0.0/8"]}, {"rules": ["*.test"]}):
+            r = httpx.post(f"{srv.url}/v1/sandboxes", json={"template": "python", "egress": wide}, headers=h, timeout=60)
+            assert r.status_code == 403, r.text
+            assert "--egress-ceiling" in r.json()["error"]["message"]
+        assert rc.sandboxes() == []
+        r = httpx.post(f"{srv.url}/v1/sandboxes", json={"egress": {"rules": ["not a rule"]}}, headers=h, timeout=60)
+        assert r.status_code == 400 and "a rule is a host name" in r.json()["error"]["message"]
+        with pytest.raises(InvalidArgument, match="egress-ceiling"):
+            Sandbox("python", client=rc, egress=Egress.internet()).start()
+        # Within it: the same SDK surface as the embedded engine.
+        with Sandbox("python", client=rc, egress=Egress.allow(f"127.0.0.1:{http_server}", f"127.0.0.1:{echo_server}")) as sb:
+            assert run(sb, fetch(f"http://127.0.0.1:{http_server}/")) == _Body.body.decode()
+            info = httpx.get(f"{srv.url}/v1/sandboxes/{sb.session_id}", headers=h, timeout=30).json()
+            assert sorted(info["egress"]["rules"]) == sorted([f"127.0.0.1:{http_server}", f"127.0.0.1:{echo_server}"])
+            log = sb.egress_log()
+            assert [e["verdict"] for e in log] == ["allowed"] and log[0]["bytes_in"] > 0
+            # Fork groups narrow and cannot widen, over HTTP too (checked by the client and the server).
+            with pytest.raises(InvalidArgument, match="may only narrow"):
+                sb.fork_group(2, egress=Egress.allow("pkg.test"))
+            r = httpx.post(f"{srv.url}/v1/sandboxes/{sb.session_id}/fork_group",
+                           json={"width": 2, "egress": {"rules": ["pkg.test"]}}, headers=h, timeout=60)
+            assert r.status_code == 400 and "may only narrow" in r.text
+            with sb.fork_group(2, egress=Egress.allow(f"127.0.0.1:{echo_server}")) as g:
+                for child in g:
+                    assert child.egress == Egress.allow(f"127.0.0.1:{echo_server}")
+                    assert "ConnectionRefusedError" in run(child, fetch(f"http://127.0.0.1:{http_server}/"))
+            # set_egress over HTTP: within the ceiling only; it resets what it forbids.
+            assert run(sb, OPEN_ECHO.format(port=echo_server)) == "ping\n"
+            with pytest.raises(InvalidArgument, match="egress-ceiling"):
+                sb.set_egress(Egress.internet())
+            sb.set_egress(Egress.allow(f"127.0.0.1:{http_server}"))
+            assert run(sb, USE_ECHO) == "ERR ConnectionResetError\n"
+            sid = sb.session_id
+        usage = rc.usage()
+        assert usage.egress_bytes_in > len(_Body.body) and usage.egress_bytes_out > 0
+    # Each flow is a JSON line of the server's log.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not [e for e in srv.events() if e.get("event") == "egress" and e.get("sandbox") == sid and e.get("verdict") == "reset"]:
+        time.sleep(0.1)
+    flows = [e for e in srv.events() if e.get("event") == "egress" and e.get("sandbox") == sid]
+    assert {f["verdict"] for f in flows} == {"allowed", "reset"}
+    assert all({"time", "pid", "address", "port", "rule", "bytes_out", "bytes_in"} <= f.keys() for f in flows)
