@@ -686,3 +686,66 @@ def test_over_http_the_ceiling_holds_and_flows_are_logged(ceiling_server, http_s
     flows = [e for e in srv.events() if e.get("event") == "egress" and e.get("sandbox") == sid]
     assert {f["verdict"] for f in flows} == {"allowed", "reset"}
     assert all({"time", "pid", "address", "port", "rule", "bytes_out", "bytes_in"} <= f.keys() for f in flows)
+
+
+@kvm
+def test_the_async_twin_takes_the_same_parameters(client, http_server, echo_server):
+    import asyncio
+
+    from collimate_core import aio
+
+    async def main():
+        ac = aio.AsyncClient(client)
+        pol = Egress.allow(f"127.0.0.1:{http_server}", f"127.0.0.1:{echo_server}")
+        async with aio.Sandbox("python", client=ac, egress=pol) as sb:
+            assert sb.egress == pol
+            r = await sb.exec(code=fetch(f"http://127.0.0.1:{http_server}/"))
+            assert r.stdout == _Body.body.decode()
+            async with sb.fork_group(2, egress=Egress.allow(f"127.0.0.1:{echo_server}")) as g:
+                r = await g[0].exec(code=fetch(f"http://127.0.0.1:{http_server}/"))
+                assert "ConnectionRefusedError" in r.stdout
+            await sb.set_egress(Egress.none())
+            assert [e["verdict"] for e in await sb.egress_log()] == ["allowed"]
+        r = await aio.rollout_once("python", code=fetch(f"http://127.0.0.1:{http_server}/"), client=ac,
+                                   egress=Egress.allow(f"127.0.0.1:{http_server}"))
+        assert r.stdout == _Body.body.decode()
+        async with ac.session("python", egress=Egress.allow(f"127.0.0.1:{http_server}")) as s:
+            assert (await s.exec(code=fetch(f"http://127.0.0.1:{http_server}/"))).stdout == _Body.body.decode()
+
+    asyncio.run(main())
+
+
+@kvm
+def test_bake_with_egress_installs_and_its_sandboxes_start_with_none(tmp_path_factory, http_server):
+    """Template.bake(egress=...) is for the bake and its Ready step: Ready fetches from the loopback
+    server (as a package install would from an index); the template's sandboxes have no network."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from imagefixtures import Layer, write_oci_layout
+
+    from collimate_core import Ready, Template
+
+    cache = tmp_path_factory.mktemp("egress-bake")
+    store = cache / "images"
+    store.mkdir()
+    base = Layer().tree(Path(os.environ["COLLIMATE_ROOTFS"]), skip=(".collimate-rootfs.json",)).bytes()
+    write_oci_layout(store / "netapp", [base], {"Env": ["PATH=/usr/bin:/bin"], "WorkingDir": "/work"}, ref_name="1.0")
+    install = (
+        "import urllib.request\n"
+        f"open('/work/installed.txt', 'wb').write(urllib.request.urlopen('http://127.0.0.1:{http_server}/', timeout=10).read())\n"
+    )
+    c = EmbeddedClient(cache=cache)
+    try:
+        failed = Template.bake(c, name="offline", image="netapp:1.0", ready=Ready(code=install)).wait(600)
+        assert failed.phase == "Failed" and "Ready(code=...)" in (failed.error or "")
+        st = Template.bake(c, name="online", image="netapp:1.0", ready=Ready(code=install),
+                           egress=Egress.allow(f"127.0.0.1:{http_server}")).wait(600)
+        assert st.phase == "Live", st.log
+        assert "egress: connect" in st.log and "allowed" in st.log
+        with Sandbox("online", client=c) as sb:
+            assert sb.download("/work/installed.txt") == _Body.body
+            assert sb.egress == Egress.none()
+            assert "ConnectionRefusedError" in run(sb, fetch(f"http://127.0.0.1:{http_server}/"))
+    finally:
+        c.close()

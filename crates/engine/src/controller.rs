@@ -188,7 +188,8 @@ impl Vm {
             Response::Ready { linux, jail, .. } => {
                 vm.jail = jail;
                 warn_unjailed(jail);
-                if linux && vm.stdio.is_none() {
+                // New pipes (a restored VM has none yet) and, with them, its broker socket.
+                if linux && (vm.stdio.is_none() || !vm.net_sent) {
                     vm.attach_stdio()?;
                 }
                 Ok(vm)
