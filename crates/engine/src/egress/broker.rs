@@ -409,14 +409,21 @@ impl SandboxNet {
                 let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENOBUFS }, &[]);
                 return;
             };
+            // Checked again, and registered, under the lock `set_policy` takes: a policy change
+            // that raced this dial either comes after (and resets the registered flow) or before
+            // (and the connection is refused here, never handed over).
+            let mut g = net.lock();
+            let still = !g.closed && matches!(g.policy.check(target.ip(), target.port(), &names), Verdict::Allowed(_));
+            if !still {
+                g.push(entry("denied", None, "the policy changed while the connection was being made".into(), name));
+                drop(g);
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ECONNREFUSED }, &[]);
+                return;
+            }
             if wire::send(reply.as_raw_fd(), &NetReply::Connected, &[sock.as_raw_fd(), live_theirs.as_raw_fd()]).is_err() {
                 return; // the asking process is gone: drop the connection
             }
             drop(live_theirs);
-            let mut g = net.lock();
-            if g.closed {
-                return;
-            }
             let mut e = entry("allowed", Some(rule), String::new(), name);
             e.open = true;
             let log = g.push(e);
