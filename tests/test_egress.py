@@ -41,7 +41,7 @@ ISSUE_RULES = ["pypi.org", "*.pythonhosted.org", "host:443", "203.0.113.0/24", "
 def test_the_issue_rules_parse_in_both_parsers():
     for r in ISSUE_RULES:
         assert str(eg.parse_rule(r)) == r
-        assert _core.egress_canonical(r) == r
+        assert _core._egress_canonical(r) == r
 
 
 label = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,10}[a-z0-9])?", fullmatch=True)
@@ -75,7 +75,7 @@ def valid_rule(draw):
 def test_valid_rules_round_trip_and_both_parsers_agree(rule):
     parsed = eg.parse_rule(rule)
     assert eg.parse_rule(str(parsed)) == parsed
-    assert _core.egress_canonical(rule) == str(parsed)
+    assert _core._egress_canonical(rule) == str(parsed)
 
 
 @settings(max_examples=300, deadline=None)
@@ -87,7 +87,7 @@ def test_any_string_is_a_rule_or_a_clear_error_in_both_parsers(text):
         assert "a rule is a host name" in str(e) and repr(text) in str(e)
         py = None
     try:
-        rs = _core.egress_canonical(text)
+        rs = _core._egress_canonical(text)
     except ValueError as e:
         assert "a rule is a host name" in str(e)
         rs = None
@@ -598,7 +598,7 @@ def test_flows_and_broker_registrations_do_not_leak(http_server):
         with Sandbox("python", client=c) as warm:
             run(warm, "print(1)")
         base_fds = len(os.listdir("/proc/self/fd"))
-        base_reg = _core.egress_broker_sandboxes()
+        base_reg = _core._egress_broker_sandboxes()
         for _ in range(5):
             with Sandbox("python", client=c, egress=Egress.allow(f"127.0.0.1:{http_server}")) as sb:
                 run(sb, fetch(f"http://127.0.0.1:{http_server}/") + "import socket\nkeep = socket.create_connection(('127.0.0.1', %d))\n" % http_server)
@@ -606,11 +606,11 @@ def test_flows_and_broker_registrations_do_not_leak(http_server):
         c.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and (
-        len(os.listdir("/proc/self/fd")) > base_fds or _core.egress_broker_sandboxes() > base_reg
+        len(os.listdir("/proc/self/fd")) > base_fds or _core._egress_broker_sandboxes() > base_reg
     ):
         time.sleep(0.05)
     assert len(os.listdir("/proc/self/fd")) <= base_fds
-    assert _core.egress_broker_sandboxes() <= base_reg
+    assert _core._egress_broker_sandboxes() <= base_reg
 
 
 # --- over HTTP: the server's ceiling ------------------------------------------------------------

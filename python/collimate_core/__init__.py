@@ -19,7 +19,7 @@ The public names are the ones below, re-exported here; the subpackages' modules 
 """
 
 from collimate_core._core import SNAPSHOT_FORMAT, RunResult, Vm
-from collimate_core._core import egress_start as _egress_start
+from collimate_core._core import _egress_start
 from collimate_core.templates.bake import BuildError, Ready, Template, TemplateHandle, TemplateStatus
 from collimate_core.sdk.client import connect
 from collimate_core.sdk.egress import Egress

@@ -695,7 +695,7 @@ impl PyVm {
 /// Where the engine's broker resolves the names egress policies admit, for every sandbox of this
 /// process: "system" (the host's resolver), "dns:HOST:PORT" (an upstream DNS server) or
 /// "hosts:NAME=IP[,IP];NAME=IP" (a fixed map). A bad spec raises ValueError.
-#[pyfunction]
+#[pyfunction(name = "_set_egress_resolver")]
 fn set_egress_resolver(spec: &str) -> PyResult<()> {
     let r = collimate_engine::egress::Resolver::parse(spec).map_err(|e| PyValueError::new_err(e.to_string()))?;
     collimate_engine::egress::broker::set_resolver(r).map_err(|e| EngineError::new_err(e.to_string()))
@@ -703,7 +703,7 @@ fn set_egress_resolver(spec: &str) -> PyResult<()> {
 
 /// The engine's reading of one egress rule, printed back in canonical form (the SDK's parser is
 /// checked against it); a bad rule raises ValueError saying what a valid rule looks like.
-#[pyfunction]
+#[pyfunction(name = "_egress_canonical")]
 fn egress_canonical(rule: &str) -> PyResult<String> {
     collimate_engine::egress::policy::parse_rule(rule).map(|r| r.to_string()).map_err(|e| PyValueError::new_err(e.to_string()))
 }
@@ -711,13 +711,13 @@ fn egress_canonical(rule: &str) -> PyResult<String> {
 /// Start the engine's egress broker thread now (the package does on import, so that its thread
 /// and wake-up descriptor never look like a leak of the first sandbox's). Not in a VMM process,
 /// which must stay single-threaded: it loads only this extension, never the package.
-#[pyfunction]
+#[pyfunction(name = "_egress_start")]
 fn egress_start() -> PyResult<()> {
     collimate_engine::egress::broker::start().map_err(|e| EngineError::new_err(e.to_string()))
 }
 
 /// Sandboxes the broker serves now (for leak checks).
-#[pyfunction]
+#[pyfunction(name = "_egress_broker_sandboxes")]
 fn egress_broker_sandboxes() -> usize {
     collimate_engine::egress::broker::registered()
 }

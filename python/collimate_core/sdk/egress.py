@@ -375,6 +375,6 @@ def set_resolver(r: Any) -> None:
     from collimate_core import _core
 
     try:
-        _core.set_egress_resolver(resolver_spec(r))
+        _core._set_egress_resolver(resolver_spec(r))
     except ValueError as e:
         raise InvalidArgument(str(e)) from None

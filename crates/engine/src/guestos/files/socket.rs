@@ -369,10 +369,10 @@ pub fn sys_sendmsg(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, msgp: u64, flags: i
     }
     let f = os.files.file(fd)?;
     let net = f.net.as_ref();
-    if m.name != 0 && !net.is_some_and(|n| n.is_dns()) {
-        if net.is_none() {
-            return Err(EOPNOTSUPP);
-        }
+    // A destination: for an engine DNS socket, where the query goes; ignored on a connected TCP
+    // socket (as Linux does); not served on Unix sockets.
+    if m.name != 0 && net.is_none() {
+        return Err(EOPNOTSUPP);
     }
     let mut data = Vec::new();
     for (base, len) in iovecs(ctx, m.iov, m.iovlen)? {
