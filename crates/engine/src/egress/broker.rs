@@ -462,7 +462,10 @@ fn tcp_bytes(fd: RawFd) -> (u64, u64) {
     if r != 0 {
         return (0, 0);
     }
-    (ti.tcpi_bytes_acked, ti.tcpi_bytes_received)
+    // The kernel's count of acknowledged bytes includes our SYN, and our FIN once it is
+    // acknowledged (FIN_WAIT2, TIME_WAIT): neither is data.
+    let fin_acked = matches!(ti.tcpi_state, 5 | 6);
+    (ti.tcpi_bytes_acked.saturating_sub(1 + fin_acked as u64), ti.tcpi_bytes_received)
 }
 
 /// Reset a connection every holder shares: connect(AF_UNSPEC) disconnects a TCP socket with a RST
@@ -702,4 +705,105 @@ fn broker_loop() {
 /// Sandboxes the broker serves now (for leak tests).
 pub fn registered() -> usize {
     broker().map(|b| b.reg.lock().unwrap_or_else(|p| p.into_inner()).len()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+
+    fn policy(rules: &[&str]) -> Policy {
+        Policy::parse(&rules.iter().map(|s| s.to_string()).collect::<Vec<_>>(), false).unwrap()
+    }
+
+    /// The VMM's side of a connect, as `guestos::files::inet` makes it.
+    fn connect(vmm: &OwnedFd, addr: SocketAddr) -> (NetReply, Vec<OwnedFd>) {
+        wire::call(vmm.as_raw_fd(), &NetRequest::Connect { pid: 7, addr }, 5000).unwrap()
+    }
+
+    #[test]
+    fn a_connect_is_checked_dialled_handed_over_logged_and_closed() {
+        let server = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = server.local_addr().unwrap();
+        let net = SandboxNet::new(Policy::default());
+        let vmm = register(net.clone()).unwrap();
+        // No network by default: refused, logged.
+        let (r, fds) = connect(&vmm, addr);
+        assert!(matches!(r, NetReply::Refused { errno: libc::ECONNREFUSED }) && fds.is_empty());
+        // An IP rule for it: the connected socket and the liveness end come back.
+        net.set_policy(policy(&[&format!("127.0.0.1:{}", addr.port())]));
+        let (r, mut fds) = connect(&vmm, addr);
+        assert!(matches!(r, NetReply::Connected) && fds.len() == 2);
+        let live = fds.pop().unwrap();
+        let mut tcp = std::net::TcpStream::from(fds.pop().unwrap());
+        let (mut peer, _) = server.accept().unwrap();
+        tcp.write_all(b"ping").unwrap();
+        let mut b = [0u8; 4];
+        peer.read_exact(&mut b).unwrap();
+        peer.write_all(b"pong!").unwrap();
+        let mut got = [0u8; 5];
+        tcp.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"pong!");
+        let log = net.log();
+        assert_eq!(log.iter().map(|e| e.verdict.as_str()).collect::<Vec<_>>(), ["denied", "allowed"]);
+        assert_eq!(log[1].pid, 7);
+        assert!(log[1].open);
+        // The guest closes it (its socket and the liveness end): the broker lets go of its copy,
+        // so the peer sees EOF, and the bytes stay in the log.
+        drop(tcp);
+        drop(live);
+        peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut rest = Vec::new();
+        peer.read_to_end(&mut rest).unwrap();
+        for _ in 0..200 {
+            if !net.log()[1].open {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let e = &net.log()[1];
+        assert!(!e.open && e.bytes_out == 4 && e.bytes_in == 5, "{e:?}");
+        assert_eq!(net.bytes(), (4, 5));
+    }
+
+    #[test]
+    fn set_policy_resets_what_it_forbids_and_keeps_the_counts() {
+        let server = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = server.local_addr().unwrap();
+        let net = SandboxNet::new(policy(&[&format!("127.0.0.1:{}", addr.port())]));
+        let vmm = register(net.clone()).unwrap();
+        let (_, mut fds) = connect(&vmm, addr);
+        let _live = fds.pop().unwrap();
+        let mut tcp = std::net::TcpStream::from(fds.pop().unwrap());
+        let (mut peer, _) = server.accept().unwrap();
+        tcp.write_all(b"abc").unwrap();
+        let mut b = [0u8; 3];
+        peer.read_exact(&mut b).unwrap();
+        assert_eq!(net.set_policy(policy(&["pypi.org"])), 1);
+        let mut x = [0u8; 1];
+        let err = tcp.read(&mut x).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ECONNRESET));
+        let e = &net.log()[0];
+        assert_eq!((e.verdict.as_str(), e.bytes_out), ("reset", 3));
+    }
+
+    #[test]
+    fn names_are_answered_for_admitted_names_only_and_private_answers_are_withheld() {
+        set_resolver(Resolver::parse("hosts:pkg.test=203.0.113.9;loop.test=127.0.0.1").unwrap()).unwrap();
+        let net = SandboxNet::new(policy(&["pkg.test:80", "loop.test"]));
+        let vmm = register(net.clone()).unwrap();
+        let ask = |name: &str| wire::call(vmm.as_raw_fd(), &NetRequest::Resolve { pid: 1, name: name.into(), v6: false }, 5000).unwrap().0;
+        assert!(matches!(ask("pkg.test"), NetReply::Addrs(a) if a == vec!["203.0.113.9".parse::<IpAddr>().unwrap()]));
+        assert!(matches!(ask("loop.test"), NetReply::Addrs(a) if a.is_empty()));
+        assert!(matches!(ask("other.test"), NetReply::NxDomain));
+        // The answered address is admitted for its name's rule (port 80 only), not as a literal.
+        let g = net.lock();
+        let names = g.names.get(&"203.0.113.9".parse::<IpAddr>().unwrap()).cloned().unwrap_or_default();
+        assert_eq!(names, vec!["pkg.test".to_string()]);
+        assert!(matches!(g.policy.check("203.0.113.9".parse().unwrap(), 80, &names), Verdict::Allowed(_)));
+        assert!(matches!(g.policy.check("203.0.113.9".parse().unwrap(), 81, &names), Verdict::Denied(_)));
+        drop(g);
+        set_resolver(Resolver::System).unwrap();
+    }
 }
