@@ -43,7 +43,12 @@ fn bits(a: IpAddr) -> (u128, u8) {
 impl Net {
     fn range(&self) -> (u128, u128, u8) {
         let (v, w) = bits(self.addr);
-        let host = if self.prefix == w { 0 } else { (1u128 << (w - self.prefix)) - 1 };
+        // The host part's mask: all of it for a /0 (a shift by the full 128 bits would overflow).
+        let host = match w - self.prefix {
+            0 => 0,
+            128 => u128::MAX,
+            n => (1u128 << n) - 1,
+        };
         (v & !host, v | host, w)
     }
 
@@ -439,5 +444,18 @@ mod tests {
         assert!(!p(&["10.0.0.0/24"]).narrower_than(&inet));
         assert!(!inet.narrower_than(&p(&["x.org"])));
         assert!(Policy::default().narrower_than(&Policy::default()));
+    }
+
+    #[test]
+    fn whole_address_families() {
+        let all6 = p(&["::/0"]);
+        let all4 = p(&["0.0.0.0/0:443"]);
+        assert!(matches!(all6.check("2001:db8::5".parse().unwrap(), 1, &[]), Verdict::Allowed(_)));
+        assert!(matches!(all6.check("::1".parse().unwrap(), 1, &[]), Verdict::Allowed(_)), "an explicit block admits loopback");
+        assert!(matches!(all4.check("198.51.100.1".parse().unwrap(), 443, &[]), Verdict::Allowed(_)));
+        assert!(matches!(all4.check("198.51.100.1".parse().unwrap(), 80, &[]), Verdict::Denied(_)));
+        let inet = Policy { rules: vec![], internet: true };
+        assert!(!all6.narrower_than(&inet) && !all4.narrower_than(&inet));
+        assert!(p(&["2001:db8::/32"]).narrower_than(&all6));
     }
 }
