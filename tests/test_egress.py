@@ -749,3 +749,23 @@ def test_bake_with_egress_installs_and_its_sandboxes_start_with_none(tmp_path_fa
             assert "ConnectionRefusedError" in run(sb, fetch(f"http://127.0.0.1:{http_server}/"))
     finally:
         c.close()
+
+
+@kvm
+def test_socket_options_set_before_connect_reach_the_real_socket(client, echo_server):
+    code = (
+        "import socket\n"
+        "s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n"
+        "s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)\n"
+        "s.settimeout(10)\n"
+        f"s.connect(('127.0.0.1', {echo_server}))\n"
+        "print(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0,\n"
+        "      s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0,\n"
+        "      s.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) == socket.SOCK_STREAM,\n"
+        "      s.family == socket.AF_INET, s.getpeername() == ('127.0.0.1', %d),\n"
+        "      s.getsockname()[0])\n"
+        "s.sendall(b'hi'); print(s.recv(2)); s.shutdown(socket.SHUT_WR); print(s.recv(1)); s.close()\n"
+    ) % echo_server
+    with Sandbox("python", client=client, egress=Egress.allow(f"127.0.0.1:{echo_server}")) as sb:
+        assert run(sb, code) == "True True True True True 127.0.0.1\nb'hi'\nb''\n"

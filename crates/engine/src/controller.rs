@@ -505,6 +505,11 @@ impl Vm {
         self.quota
     }
 
+    /// This sandbox's network state, shared (for callers that must not wait for a running exec).
+    pub fn net(&self) -> Arc<SandboxNet> {
+        self.net.clone()
+    }
+
     /// This sandbox's egress policy (`Policy::default()`: no network).
     pub fn egress(&self) -> Policy {
         self.net.policy()
@@ -661,8 +666,9 @@ impl Vm {
             }
             Process::Gone => return,
         }
-        // Its flows go with it (the broker's copies too).
+        // Its flows go with it (the broker's copies too), and so does its broker socket.
         self.net.close();
+        crate::egress::broker::forget(&self.net);
         // Our descriptor of its tmpfs was the last: its space goes back now.
         self.scratch = None;
         // The sandbox's private writable directories (if it had any) go with it.

@@ -286,11 +286,15 @@ fn bytes_repr(buf: &[u8], limit: usize) -> String {
 #[pyclass(name = "Vm", module = "collimate_core._core", frozen)]
 struct PyVm {
     inner: Mutex<Option<collimate_engine::Vm>>,
+    /// The sandbox's network state (policy, flows, log): reached without the Vm's lock, so a
+    /// policy change or a usage report never waits for an exec that is running.
+    net: std::sync::Arc<collimate_engine::egress::SandboxNet>,
 }
 
 impl PyVm {
     fn wrap(vm: collimate_engine::Vm) -> Self {
-        PyVm { inner: Mutex::new(Some(vm)) }
+        let net = vm.net();
+        PyVm { inner: Mutex::new(Some(vm)), net }
     }
 
     fn lock(&self) -> MutexGuard<'_, Option<collimate_engine::Vm>> {
@@ -605,28 +609,26 @@ impl PyVm {
     #[pyo3(signature = (rules, internet = false))]
     fn set_egress(&self, py: Python<'_>, rules: Vec<String>, internet: bool) -> PyResult<usize> {
         let p = collimate_engine::egress::Policy::parse(&rules, internet).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        self.with(py, "Vm.set_egress", |vm| Ok(vm.set_egress(p)))
+        Ok(py.detach(|| self.net.set_policy(p)))
     }
 
     /// Forget this sandbox's network past (for a recycled clone's next owner): no network, an
     /// empty log, its connections closed.
     fn clear_egress(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, "Vm.clear_egress", |vm| {
-            vm.clear_egress();
-            Ok(())
-        })
+        py.detach(|| self.net.clear());
+        Ok(())
     }
 
     /// This sandbox's egress policy as (rule strings, internet).
-    fn egress(&self, py: Python<'_>) -> PyResult<(Vec<String>, bool)> {
-        let p = self.with(py, "Vm.egress", |vm| Ok(vm.egress()))?;
+    fn egress(&self) -> PyResult<(Vec<String>, bool)> {
+        let p = self.net.policy();
         Ok((p.rules.iter().map(|r| r.to_string()).collect(), p.internet))
     }
 
     /// This sandbox's connection attempts and DNS answers, oldest first: dicts with time, pid,
     /// kind ("connect", "dns"), name, address, port, rule, verdict, detail, bytes_out, bytes_in, open.
     fn egress_log<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let log = self.with(py, "Vm.egress_log", |vm| Ok(vm.egress_log()))?;
+        let log = py.detach(|| self.net.log());
         log.into_iter()
             .map(|e| {
                 let d = PyDict::new(py);
@@ -649,7 +651,7 @@ impl PyVm {
 
     /// Egress bytes of this sandbox's connections: (sent and acknowledged by the peer, received).
     fn egress_bytes(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
-        self.with(py, "Vm.egress_bytes", |vm| Ok(vm.egress_bytes()))
+        Ok(py.detach(|| self.net.bytes()))
     }
 
     /// Kills and reaps the VMM process. Idempotent.

@@ -202,6 +202,10 @@ impl SandboxNet {
         self.lock().policy.clone()
     }
 
+    fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
     /// Replace the policy; open connections the new one forbids are reset (the guest reads
     /// ECONNRESET, the peer gets a RST). Returns how many were reset.
     pub fn set_policy(&self, p: Policy) -> usize {
@@ -567,6 +571,8 @@ struct Registered {
 
 struct Broker {
     reg: Mutex<Vec<Registered>>,
+    /// Signalled each time the broker thread has dropped the registrations of closed sandboxes.
+    swept: std::sync::Condvar,
     wake: OwnedFd,
     resolver: Mutex<Resolver>,
 }
@@ -583,7 +589,12 @@ fn broker() -> Result<&'static Broker, BrokerError> {
             }
             let resolver = std::env::var("COLLIMATE_EGRESS_RESOLVER").ok().and_then(|s| Resolver::parse(&s).ok()).unwrap_or(Resolver::System);
             // SAFETY: a fresh descriptor we own.
-            let b = Broker { reg: Mutex::new(Vec::new()), wake: unsafe { OwnedFd::from_raw_fd(fd) }, resolver: Mutex::new(resolver) };
+            let b = Broker {
+                reg: Mutex::new(Vec::new()),
+                swept: std::sync::Condvar::new(),
+                wake: unsafe { OwnedFd::from_raw_fd(fd) },
+                resolver: Mutex::new(resolver),
+            };
             std::thread::Builder::new().name("collimate-broker".into()).spawn(broker_loop).map_err(|e| format!("thread: {e}"))?;
             Ok(b)
         })
@@ -628,6 +639,26 @@ pub fn register(net: Arc<SandboxNet>) -> Result<OwnedFd, BrokerError> {
     Ok(theirs)
 }
 
+/// A closed sandbox (`SandboxNet::close`) leaves the broker: wait until the broker thread has
+/// dropped its socket (it alone may close what it polls), so that a destroyed sandbox holds no
+/// descriptor when its destroy returns. Bounded: at most a second.
+pub fn forget(net: &Arc<SandboxNet>) {
+    let Ok(b) = broker() else { return };
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let mut reg = b.reg.lock().unwrap_or_else(|p| p.into_inner());
+    while reg.iter().any(|r| Arc::ptr_eq(&r.net, net)) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        broker_wake();
+        reg = match b.swept.wait_timeout(reg, left.min(Duration::from_millis(50))) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+    }
+}
+
 fn broker_loop() {
     // Wait until the OnceLock holds the broker (we are started from inside its initializer).
     let b = loop {
@@ -638,9 +669,15 @@ fn broker_loop() {
         }
     };
     loop {
-        // What to watch: the wake-up, each sandbox's socket, each flow's liveness end.
+        // What to watch: the wake-up, each sandbox's socket, each flow's liveness end. Closed
+        // sandboxes leave first (here, between polls: nothing closes a descriptor being polled).
         let (socks, nets): (Vec<RawFd>, Vec<Arc<SandboxNet>>) = {
-            let reg = b.reg.lock().unwrap_or_else(|p| p.into_inner());
+            let mut reg = b.reg.lock().unwrap_or_else(|p| p.into_inner());
+            let before = reg.len();
+            reg.retain(|r| !r.net.is_closed());
+            if reg.len() != before {
+                b.swept.notify_all();
+            }
             reg.iter().map(|r| (r.sock.as_raw_fd(), r.net.clone())).unzip()
         };
         let mut pfds = vec![libc::pollfd { fd: b.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
@@ -698,6 +735,7 @@ fn broker_loop() {
                 }
                 keep
             });
+            b.swept.notify_all();
         }
     }
 }

@@ -298,20 +298,20 @@ pub fn sockopt(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, level: i32, name: i32, 
             return Err(EINVAL);
         }
         let v = ctx.read_vec(val, len as usize)?;
-        if !connected && (level != libc::SOL_SOCKET || n.is_dns()) {
-            // Before connect (or on the engine's DNS socket) a TCP/IP option waits for the real socket.
+        if !connected {
+            // Before connect every option waits for the real socket (the placeholder is another
+            // socket: what is set on it would be lost); the engine's DNS socket takes and ignores them.
             if !n.is_dns() {
                 n.lock().pending.push((level, name, v));
             }
             return Ok(0);
         }
         // SAFETY: setsockopt with a buffer of `len` bytes we own.
-        let r = unsafe { libc::setsockopt(h, level, name, v.as_ptr().cast(), len as libc::socklen_t) };
-        return if r < 0 && !connected { Ok(0) } else { cvt(r as i64).map(|_| 0) };
+        return cvt(unsafe { libc::setsockopt(h, level, name, v.as_ptr().cast(), len as libc::socklen_t) } as i64).map(|_| 0);
     }
     let b = ctx.read_vec(len, 4)?;
     let room = u32::from_le_bytes([b[0], b[1], b[2], b[3]]).min(256);
-    if !connected && level != libc::SOL_SOCKET {
+    if !connected && (level != libc::SOL_SOCKET || n.lock().pending.iter().any(|(l, nm, _)| *l == level && *nm == name)) {
         let st = n.lock();
         let v = st.pending.iter().rev().find(|(l, nm, _)| *l == level && *nm == name).map(|p| p.2.clone());
         drop(st);
