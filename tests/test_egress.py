@@ -278,7 +278,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def testnet():
+def testnet(tmp_path_factory):
     """A network namespace with an HTTP server at 203.0.113.2 (TEST-NET-3), reached from the host
     over a veth pair: a 'public' address that is nowhere on the internet."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
@@ -297,8 +297,7 @@ def testnet():
         _ip("-n", ns, "addr", "add", f"{NETNS_PEER}/24", "dev", peer_if)
         _ip("-n", ns, "link", "set", peer_if, "up")
         _ip("-n", ns, "link", "set", "lo", "up")
-        root = Path(__file__).parent / f".netns-www-{tag}"
-        root.mkdir(exist_ok=True)
+        root = tmp_path_factory.mktemp("netns-www")
         (root / "index.html").write_bytes(b"served from inside the test network namespace\n")
         server = subprocess.Popen(
             ["ip", "netns", "exec", ns, "/usr/bin/python3", "-m", "http.server", "--bind", NETNS_PEER, "8080",
@@ -320,7 +319,6 @@ def testnet():
             server.wait(5)
         _ip("link", "del", host_if, check=False)
         _ip("netns", "del", ns, check=False)
-        shutil.rmtree(Path(__file__).parent / f".netns-www-{tag}", ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
