@@ -589,10 +589,11 @@ fn broker() -> Result<&'static Broker, BrokerError> {
             }
             let resolver = std::env::var("COLLIMATE_EGRESS_RESOLVER").ok().and_then(|s| Resolver::parse(&s).ok()).unwrap_or(Resolver::System);
             // SAFETY: a fresh descriptor we own.
+            let wake = unsafe { OwnedFd::from_raw_fd(fd) };
             let b = Broker {
                 reg: Mutex::new(Vec::new()),
                 swept: std::sync::Condvar::new(),
-                wake: unsafe { OwnedFd::from_raw_fd(fd) },
+                wake,
                 resolver: Mutex::new(resolver),
             };
             std::thread::Builder::new().name("collimate-broker".into()).spawn(broker_loop).map_err(|e| format!("thread: {e}"))?;
