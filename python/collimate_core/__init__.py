@@ -19,8 +19,10 @@ The public names are the ones below, re-exported here; the subpackages' modules 
 """
 
 from collimate_core._core import SNAPSHOT_FORMAT, RunResult, Vm
+from collimate_core._core import _egress_start
 from collimate_core.templates.bake import BuildError, Ready, Template, TemplateHandle, TemplateStatus
 from collimate_core.sdk.client import connect
+from collimate_core.sdk.egress import Egress
 from collimate_core.sdk.embedded import EmbeddedClient, Usage
 from collimate_core.sdk.errors import (
     AuthenticationError,
@@ -60,6 +62,7 @@ __all__ = [
     "BuildError",
     "CapacityError",
     "CollimateError",
+    "Egress",
     "EmbeddedClient",
     "EngineError",
     "Env",
@@ -105,3 +108,7 @@ __all__ = [
     "seed_from_key",
     "trl_reward_func",
 ]
+
+# The egress broker (the trusted side of sandboxes' network access, docs/egress.md) runs from
+# import on: its thread and descriptor are the package's, not the first sandbox's.
+_egress_start()

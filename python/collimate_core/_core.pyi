@@ -61,6 +61,20 @@ class _JailStatus(TypedDict):
 _RunKind = Literal["exited", "signaled", "yield", "io", "fault", "timeout", "shutdown"]
 
 @final
+class _EgressEntry(TypedDict):
+    time: float
+    pid: int
+    kind: str
+    name: str | None
+    address: str | None
+    port: int
+    rule: str | None
+    verdict: str
+    detail: str
+    bytes_out: int
+    bytes_in: int
+    open: bool
+
 class RunResult:
     """The outcome of one `Vm.run()`; fields that do not apply to `kind` are None."""
 
@@ -184,6 +198,17 @@ class Vm:
     @property
     def pid(self) -> int:
         """Host pid of the VMM process."""
+    def set_egress(self, rules: list[str], internet: bool = False) -> int:
+        """Replace this sandbox's egress policy; open connections it forbids are reset (returns how
+        many). Later forks start from it. A bad rule raises ValueError."""
+    def clear_egress(self) -> None:
+        """Forget this sandbox's network past (a recycled clone): no network, an empty log."""
+    def egress(self) -> tuple[list[str], bool]:
+        """This sandbox's egress policy: (rule strings, internet)."""
+    def egress_log(self) -> list[_EgressEntry]:
+        """Connection attempts and DNS answers, oldest first."""
+    def egress_bytes(self) -> tuple[int, int]:
+        """Egress bytes of this sandbox's connections: (sent and acknowledged, received)."""
     def destroy(self) -> None:
         """Kill and reap the VMM process. Idempotent."""
     def __enter__(self) -> Self: ...
@@ -199,3 +224,16 @@ SNAPSHOT_FORMAT: int
 
 def _vmm_main() -> None:
     """Entry point of a VMM process (a fresh interpreter); serves fd 3 and exits the process."""
+
+def _set_egress_resolver(spec: str) -> None:
+    """Where the broker resolves admitted names, for every sandbox of this process: "system",
+    "dns:HOST:PORT" or "hosts:NAME=IP[,IP];NAME=IP". A bad spec raises ValueError."""
+
+def _egress_broker_sandboxes() -> int:
+    """Sandboxes the broker serves now (for leak checks)."""
+
+def _egress_canonical(rule: str) -> str:
+    """The engine's reading of one egress rule, in canonical form; ValueError for a bad rule."""
+
+def _egress_start() -> None:
+    """Start the egress broker thread (the package does on import; never in a VMM process)."""

@@ -59,6 +59,7 @@ from collimate_core import *  # noqa: F403 - the non-IO names, as the sync packa
 from collimate_core import __all__ as _sync_all
 from collimate_core.sdk import session as _session
 from collimate_core.sdk.errors import CollimateError, GroupError, InvalidArgument
+from collimate_core.sdk.egress import coerce as _coerce_egress
 from collimate_core.sdk.embedded import check_exec_args
 from collimate_core.sdk.results import ExecResult
 
@@ -195,10 +196,10 @@ class AsyncClient:
     async def release_template(self, template: str) -> None:
         await self._call(self.sync.release_template, template)
 
-    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None) -> "Sandbox":
+    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None, egress: Any = None) -> "Sandbox":
         from collimate_core.sdk.embedded import _template_name
 
-        return Sandbox(_template_name(handle), client=self, disk_quota=disk_quota)
+        return Sandbox(_template_name(handle), client=self, disk_quota=disk_quota, egress=egress)
 
     def env(self, ref: Any, width: int = 1) -> "Env":
         from collimate_core.sdk.embedded import _template_name
@@ -293,10 +294,10 @@ class Sandbox:
     """`collimate_core.Sandbox`, awaited: `async with Sandbox("python", client=c) as sb`."""
 
     def __init__(self, template: Any = "python", *, client: Any = None, default_seed: str | None = None,
-                 disk_quota: int | str | None = None):
+                 disk_quota: int | str | None = None, egress: Any = None):
         self.client = _async_client(client)
         self.sync = _session.Sandbox(template, client=self.client.sync, default_seed=default_seed,
-                                     disk_quota=disk_quota)
+                                     disk_quota=disk_quota, egress=egress)
         self._interrupt: _Interrupt | None = None
 
     @classmethod
@@ -389,13 +390,27 @@ class Sandbox:
     async def reset(self) -> None:
         await self.client._call(self.sync.reset)
 
-    def fork_group(self, width: int, *, seed: str | None = None) -> _Pending:
+    # network
+    @property
+    def egress(self) -> Any:
+        """This sandbox's network policy (an Egress)."""
+        return self.sync.egress
+
+    async def set_egress(self, egress: Any) -> None:
+        """Change the live sandbox's network policy; connections it forbids are reset."""
+        await self.client._call(self.sync.set_egress, egress)
+
+    async def egress_log(self) -> list[dict]:
+        """The sandbox's connection attempts and DNS answers (see `Sandbox.egress_log`)."""
+        return await self.client._call(self.sync.egress_log)
+
+    def fork_group(self, width: int, *, seed: str | None = None, egress: Any = None) -> _Pending:
         """`async with sb.fork_group(n) as grp` (or `grp = await sb.fork_group(n)`): `n` live
         children; leaving the block destroys every child."""
 
         async def make() -> ForkGroup:
             def fork() -> ForkGroup:
-                return ForkGroup(self.client, self.sync.fork_group(width, seed=seed))
+                return ForkGroup(self.client, self.sync.fork_group(width, seed=seed, egress=egress))
 
             return await self.client._call(fork, undo=lambda g: g._sync.close())
 
@@ -547,17 +562,19 @@ class Env:
 
 async def rollout_once(template: Any = "python", *, code: str | None = None, command: str | None = None,
                        seed: str | None = None, client: Any = None, timeout_seconds: float = 60.0,
-                       env: dict[str, str] | None = None, disk_quota: int | str | None = None) -> ExecResult:
+                       env: dict[str, str] | None = None, disk_quota: int | str | None = None,
+                       egress: Any = None) -> ExecResult:
     """Fork an ephemeral clone, run once, discard it: the sync `rollout_once` on one worker
     thread (so a sandbox exists only while a thread works on it). Cancelled, it stops the guest
     and destroys the clone."""
     check_exec_args(code, command, timeout_seconds, seed)
+    _coerce_egress(egress)  # bad rules raise before anything is forked
     a = _async_client(client)
     made: list[_Interrupt] = []
     cancelled = threading.Event()
 
     def run() -> ExecResult | None:
-        sb = _session.Sandbox(template, client=a.sync, disk_quota=disk_quota)
+        sb = _session.Sandbox(template, client=a.sync, disk_quota=disk_quota, egress=egress)
         with sb:
             made.append(_Interrupt(a.sync, sb._box))
             try:

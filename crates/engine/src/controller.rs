@@ -12,7 +12,10 @@ use std::time::{Duration, Instant};
 
 use kvm_bindings::kvm_regs;
 
+use std::sync::Arc;
+
 use crate::channel::{Channel, RecvError};
+use crate::egress::{LogEntry, Policy, SandboxNet};
 use crate::error::{Error, Result};
 use crate::protocol::{JailStatus, MemStats, Request, ResetStats, Response, RunResult};
 use crate::quota::{DiskQuota, DiskUsage, Scratch};
@@ -97,6 +100,11 @@ pub struct Vm {
     /// The disk quota of the children this VM forks (and of this VM, if it has a tmpfs); `None`
     /// where the host cannot make tmpfs instances (no CAP_SYS_ADMIN).
     quota: Option<DiskQuota>,
+    /// This sandbox's network state on the trusted side (`crate::egress`): its policy, flows and
+    /// log. A fork gets a copy of the policy; its broker socket goes to the VMM with the first
+    /// stdio pipes (`net_sent`).
+    net: Arc<SandboxNet>,
+    net_sent: bool,
 }
 
 struct Stdio {
@@ -170,6 +178,8 @@ impl Vm {
             rotate_stdio: false,
             scratch: None,
             quota: crate::quota::available().then_some(crate::quota::DEFAULT_QUOTA),
+            net: SandboxNet::new(Policy::default()),
+            net_sent: false,
         };
         if let Err(e) = vm.chan.send(&first, fds) {
             return Err(vm.died(format!("send failed: {e}")));
@@ -178,7 +188,8 @@ impl Vm {
             Response::Ready { linux, jail, .. } => {
                 vm.jail = jail;
                 warn_unjailed(jail);
-                if linux && vm.stdio.is_none() {
+                // New pipes (a restored VM has none yet) and, with them, its broker socket.
+                if linux && (vm.stdio.is_none() || !vm.net_sent) {
                     vm.attach_stdio()?;
                 }
                 Ok(vm)
@@ -375,6 +386,9 @@ impl Vm {
                         rotate_stdio: false,
                         scratch: None,
                         quota: self.quota,
+                        // Copied, never shared: a fork's policy changes alone.
+                        net: SandboxNet::new(self.net.policy()),
+                        net_sent: false,
                     });
                 }
                 Ok((Response::Err(e), _)) => return Err(e.into()),
@@ -412,10 +426,20 @@ impl Vm {
     /// Give this (Linux) VM new stdout/stderr pipes.
     fn attach_stdio(&mut self) -> Result<()> {
         let (stdio, ends) = Stdio::new()?;
-        if let Err(e) = self.chan.send(&Request::SetStdio, &[ends[0].as_raw_fd(), ends[1].as_raw_fd()]) {
+        let mut fds = vec![ends[0].as_raw_fd(), ends[1].as_raw_fd()];
+        let broker = if self.net_sent {
+            None
+        } else {
+            let b = crate::egress::broker::register(self.net.clone()).map_err(|e| Error::Remote(e.to_string()))?;
+            fds.push(b.as_raw_fd());
+            Some(b)
+        };
+        if let Err(e) = self.chan.send(&Request::SetStdio, &fds) {
             return Err(self.died(format!("send failed: {e}")));
         }
         drop(ends);
+        drop(broker); // the VMM holds it now
+        self.net_sent = true;
         match self.recv(CONTROL_TIMEOUT)? {
             Response::Ok => {
                 self.stdio = Some(stdio);
@@ -479,6 +503,37 @@ impl Vm {
     /// The quota this VM's children get (`None`: no quotas on this host).
     pub fn disk_quota(&self) -> Option<DiskQuota> {
         self.quota
+    }
+
+    /// This sandbox's network state, shared (for callers that must not wait for a running exec).
+    pub fn net(&self) -> Arc<SandboxNet> {
+        self.net.clone()
+    }
+
+    /// This sandbox's egress policy (`Policy::default()`: no network).
+    pub fn egress(&self) -> Policy {
+        self.net.policy()
+    }
+
+    /// Replace this sandbox's egress policy; its open connections the new policy forbids are reset.
+    /// Returns how many were. Its later forks start from this policy.
+    pub fn set_egress(&mut self, p: Policy) -> usize {
+        self.net.set_policy(p)
+    }
+
+    /// Forget this sandbox's network past (a recycled clone's next owner): no network, empty log.
+    pub fn clear_egress(&mut self) {
+        self.net.clear()
+    }
+
+    /// This sandbox's connection attempts and DNS answers, oldest first.
+    pub fn egress_log(&self) -> Vec<LogEntry> {
+        self.net.log()
+    }
+
+    /// Egress bytes of this sandbox's connections: (sent and acknowledged, received).
+    pub fn egress_bytes(&self) -> (u64, u64) {
+        self.net.bytes()
     }
 
     /// One child: see [`Vm::fork`].
@@ -611,6 +666,9 @@ impl Vm {
             }
             Process::Gone => return,
         }
+        // Its flows go with it (the broker's copies too), and so does its broker socket.
+        self.net.close();
+        crate::egress::broker::forget(&self.net);
         // Our descriptor of its tmpfs was the last: its space goes back now.
         self.scratch = None;
         // The sandbox's private writable directories (if it had any) go with it.

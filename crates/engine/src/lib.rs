@@ -10,6 +10,7 @@
 pub mod arch;
 pub mod channel;
 pub mod controller;
+pub mod egress;
 pub mod error;
 pub mod guestos;
 pub mod loader;

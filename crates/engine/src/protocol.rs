@@ -23,7 +23,8 @@ pub enum Request {
     /// a pidfd.
     Fork { n: u32 },
     /// Replace the guest's stdout and stderr with the two pipe write ends attached to this message
-    /// (every descriptor of the guest that referred to the old ones).
+    /// (every descriptor of the guest that referred to the old ones). A third descriptor, if
+    /// attached, is the sandbox's broker socket (`crate::egress`): sent once to each new sandbox.
     SetStdio,
     /// Keep `n` pre-forked children ready so that `Fork` answers without creating a VM.
     SparePool { n: u32 },

@@ -289,11 +289,15 @@ fn bytes_repr(buf: &[u8], limit: usize) -> String {
 #[pyclass(name = "Vm", module = "collimate_core._core", frozen)]
 struct PyVm {
     inner: Mutex<Option<collimate_engine::Vm>>,
+    /// The sandbox's network state (policy, flows, log): reached without the Vm's lock, so a
+    /// policy change or a usage report never waits for an exec that is running.
+    net: std::sync::Arc<collimate_engine::egress::SandboxNet>,
 }
 
 impl PyVm {
     fn wrap(vm: collimate_engine::Vm) -> Self {
-        PyVm { inner: Mutex::new(Some(vm)) }
+        let net = vm.net();
+        PyVm { inner: Mutex::new(Some(vm)), net }
     }
 
     fn lock(&self) -> MutexGuard<'_, Option<collimate_engine::Vm>> {
@@ -602,6 +606,57 @@ impl PyVm {
         self.with(py, "Vm.pid", |vm| Ok(vm.pid()))
     }
 
+    /// Replace this sandbox's egress policy (rule strings, and whether public addresses are
+    /// admitted on any port); open connections the new policy forbids are reset. Returns how many
+    /// were. Forks made afterwards start from this policy. A bad rule raises ValueError.
+    #[pyo3(signature = (rules, internet = false))]
+    fn set_egress(&self, py: Python<'_>, rules: Vec<String>, internet: bool) -> PyResult<usize> {
+        let p = collimate_engine::egress::Policy::parse(&rules, internet).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(py.detach(|| self.net.set_policy(p)))
+    }
+
+    /// Forget this sandbox's network past (for a recycled clone's next owner): no network, an
+    /// empty log, its connections closed.
+    fn clear_egress(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.net.clear());
+        Ok(())
+    }
+
+    /// This sandbox's egress policy as (rule strings, internet).
+    fn egress(&self) -> PyResult<(Vec<String>, bool)> {
+        let p = self.net.policy();
+        Ok((p.rules.iter().map(|r| r.to_string()).collect(), p.internet))
+    }
+
+    /// This sandbox's connection attempts and DNS answers, oldest first: dicts with time, pid,
+    /// kind ("connect", "dns"), name, address, port, rule, verdict, detail, bytes_out, bytes_in, open.
+    fn egress_log<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let log = py.detach(|| self.net.log());
+        log.into_iter()
+            .map(|e| {
+                let d = PyDict::new(py);
+                d.set_item("time", e.time)?;
+                d.set_item("pid", e.pid)?;
+                d.set_item("kind", e.kind)?;
+                d.set_item("name", e.name)?;
+                d.set_item("address", e.addr.map(|a| a.to_string()))?;
+                d.set_item("port", e.port)?;
+                d.set_item("rule", e.rule)?;
+                d.set_item("verdict", e.verdict)?;
+                d.set_item("detail", e.detail)?;
+                d.set_item("bytes_out", e.bytes_out)?;
+                d.set_item("bytes_in", e.bytes_in)?;
+                d.set_item("open", e.open)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// Egress bytes of this sandbox's connections: (sent and acknowledged by the peer, received).
+    fn egress_bytes(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
+        Ok(py.detach(|| self.net.bytes()))
+    }
+
     /// Kills and reaps the VMM process. Idempotent.
     fn destroy(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| match self.lock().take() {
@@ -642,6 +697,36 @@ impl PyVm {
     }
 }
 
+/// Where the engine's broker resolves the names egress policies admit, for every sandbox of this
+/// process: "system" (the host's resolver), "dns:HOST:PORT" (an upstream DNS server) or
+/// "hosts:NAME=IP[,IP];NAME=IP" (a fixed map). A bad spec raises ValueError.
+#[pyfunction(name = "_set_egress_resolver")]
+fn set_egress_resolver(spec: &str) -> PyResult<()> {
+    let r = collimate_engine::egress::Resolver::parse(spec).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    collimate_engine::egress::broker::set_resolver(r).map_err(|e| EngineError::new_err(e.to_string()))
+}
+
+/// The engine's reading of one egress rule, printed back in canonical form (the SDK's parser is
+/// checked against it); a bad rule raises ValueError saying what a valid rule looks like.
+#[pyfunction(name = "_egress_canonical")]
+fn egress_canonical(rule: &str) -> PyResult<String> {
+    collimate_engine::egress::policy::parse_rule(rule).map(|r| r.to_string()).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// Start the engine's egress broker thread now (the package does on import, so that its thread
+/// and wake-up descriptor never look like a leak of the first sandbox's). Not in a VMM process,
+/// which must stay single-threaded: it loads only this extension, never the package.
+#[pyfunction(name = "_egress_start")]
+fn egress_start() -> PyResult<()> {
+    collimate_engine::egress::broker::start().map_err(|e| EngineError::new_err(e.to_string()))
+}
+
+/// Sandboxes the broker serves now (for leak checks).
+#[pyfunction(name = "_egress_broker_sandboxes")]
+fn egress_broker_sandboxes() -> usize {
+    collimate_engine::egress::broker::registered()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -652,6 +737,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SnapshotError", py.get_type::<SnapshotError>())?;
     m.add("VmDestroyedError", py.get_type::<VmDestroyedError>())?;
     m.add_function(wrap_pyfunction!(_vmm_main, m)?)?;
+    m.add_function(wrap_pyfunction!(set_egress_resolver, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_broker_sandboxes, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_canonical, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_start, m)?)?;
     m.add("SNAPSHOT_FORMAT", collimate_engine::persist::FORMAT_VERSION)?;
     Ok(())
 }

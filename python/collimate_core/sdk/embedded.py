@@ -27,7 +27,9 @@ from collimate_core.sdk.errors import (
     NotFoundError,
     SandboxDied,
 )
+from collimate_core.sdk import egress as _egress
 from collimate_core.sdk import quota as _quota
+from collimate_core.sdk.egress import Egress, set_resolver
 from collimate_core.sdk.meter import Meter
 from collimate_core.sdk.results import ExecResult
 from collimate_core.sdk.seeds import crng_stream, fresh_seed, parse_seed
@@ -90,6 +92,10 @@ class Usage:
     bytes_in: int = 0
     bytes_out: int = 0
     live_sandboxes: int = 0
+    # Network egress (see sdk/egress.py): bytes the sandboxes' connections sent (acknowledged by
+    # the peer) and received.
+    egress_bytes_out: int = 0
+    egress_bytes_in: int = 0
 
 
 class _Template:
@@ -167,6 +173,8 @@ class _Box:
     # Its disk quota, and what admission charged for it (guest memory + disk quota).
     disk_quota: int = 0
     charge: int = 0
+    # Its network policy (the engine enforces it; this is the SDK's copy, for narrowing checks).
+    egress: Egress = field(default_factory=Egress.none)
 
 
 class EmbeddedClient:
@@ -180,8 +188,13 @@ class EmbeddedClient:
         capacity_timeout: float = 60.0,
         disk_quota: int | str | None = None,
         memory_budget: int | str | None = None,
+        egress_resolver: str | dict | None = None,
     ):
         self.cache = Path(cache) if cache else None
+        # Where the engine resolves names egress policies admit: "system", "dns:HOST:PORT", or a
+        # {name: [ip, ...]} map (tests, air-gapped hosts). Process-wide: the broker is one thread.
+        if egress_resolver is not None:
+            set_resolver(egress_resolver)
         self.max_sandboxes = max_sandboxes
         self.capacity_timeout = capacity_timeout
         # Every sandbox's writable mounts share one quota (see quota.py); the budget is admission by
@@ -308,7 +321,8 @@ class EmbeddedClient:
             self._boxes[box.id] = box
         return box
 
-    def create(self, template: str, disk_quota: int | str | None = None) -> _Box:
+    def create(self, template: str, disk_quota: int | str | None = None, egress: Any = None) -> _Box:
+        policy = _egress.coerce(egress)  # bad rules raise before anything is forked
         quota = _quota.disk_quota(disk_quota) if disk_quota is not None else None
         t = self._template(template)
         quota = quota or t.disk_quota
@@ -318,6 +332,10 @@ class EmbeddedClient:
             warm = vm is not None
             if vm is None:
                 vm, warm = t.clone()
+            else:
+                vm.clear_egress()  # a recycled clone: nothing of its last owner's network
+            if not policy.is_none:
+                vm.set_egress(policy.rule_strings(), policy.internet_access)
             # Its own quota (or back to the template's, for a recycled one that had another).
             if vm.disk_quota is not None and vm.disk_quota[0] != quota:
                 try:
@@ -333,7 +351,8 @@ class EmbeddedClient:
                 raise _engine_error(e, f"forking a sandbox of {template!r}") from e
             raise
         self._count("sandboxes", 1)
-        box = _Box("sbx_" + secrets.token_hex(8), template, vm, time.time(), warm, origin=t, disk_quota=quota, charge=charge)
+        box = _Box("sbx_" + secrets.token_hex(8), template, vm, time.time(), warm, origin=t, disk_quota=quota, charge=charge,
+                   egress=policy)
         return self._register(box)
 
     def get(self, sandbox_id: str) -> _Box:
@@ -348,6 +367,7 @@ class EmbeddedClient:
             if box.closed:
                 return
             box.closed = True
+            self._count_egress(box)
             with self._slots:
                 self._boxes.pop(box.id, None)
                 self._charged -= box.charge
@@ -384,9 +404,12 @@ class EmbeddedClient:
                 self._reaping -= queued
                 self._slots.notify_all()
 
-    def fork(self, box: _Box, n: int) -> list[_Box]:
+    def fork(self, box: _Box, n: int, egress: Any = None) -> list[_Box]:
         if not isinstance(n, int) or n < 1:
             raise InvalidArgument(f"a fork group needs width >= 1, not {n!r}")
+        # A fork inherits its parent's policy and may only narrow it: checked before forking.
+        policy = box.egress if egress is None else _egress.coerce(egress)
+        policy.check_narrower(box.egress, "fork_group(egress=...)")
         # Children get their parent's quota (and start with its files).
         charge = self._admit(n, box.disk_quota or self.disk_quota)
         try:
@@ -395,6 +418,9 @@ class EmbeddedClient:
                     self._restore(box)  # as exec does: the last program ended the agent, start from the template
                 vms = box.vm.fork(n)
                 lost = box.lost  # the children start from the template too: their first exec says so
+            if egress is not None and policy != box.egress:
+                for vm in vms:
+                    vm.set_egress(policy.rule_strings(), policy.internet_access)
         except BaseException as e:
             self._unreserve(n, charge)
             if isinstance(e, _CoreEngineError):
@@ -405,7 +431,7 @@ class EmbeddedClient:
         return [
             self._register(
                 _Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin, lost=lost,
-                     disk_quota=box.disk_quota, charge=charge)
+                     disk_quota=box.disk_quota, charge=charge, egress=policy)
             )
             for vm in vms
         ]
@@ -565,6 +591,37 @@ class EmbeddedClient:
         self._count("bytes_out", len(data))
         return data
 
+    # --- network egress ----------------------------------------------------------------------
+
+    def set_egress(self, box: _Box, egress: Any) -> int:
+        """Replace a live sandbox's policy; its connections the new one forbids are reset (returns
+        how many were)."""
+        policy = _egress.coerce(egress)
+        with box.lock:
+            if box.closed:
+                raise NotFoundError(f"sandbox {box.id} is gone")
+            try:
+                n = box.vm.set_egress(policy.rule_strings(), policy.internet_access)
+            except _CoreEngineError as e:
+                raise _engine_error(e, f"set_egress on sandbox {box.id}") from e
+            box.egress = policy
+            return n
+
+    def egress_log(self, box: _Box) -> list[dict]:
+        """The sandbox's connection attempts and DNS answers (see `Sandbox.egress_log`)."""
+        try:
+            return box.vm.egress_log()
+        except _CoreEngineError as e:
+            raise _engine_error(e, f"egress_log of sandbox {box.id}") from e
+
+    def _count_egress(self, box: _Box) -> None:
+        try:
+            out, inn = box.vm.egress_bytes()
+        except CollimateError:
+            return
+        if out or inn:
+            self._count("egress_bytes_out", out, egress_bytes_in=inn)
+
     # --- metering ----------------------------------------------------------------------------
 
     def _count(self, what: str, amount: float, **more: float) -> None:
@@ -587,11 +644,21 @@ class EmbeddedClient:
             # No bound: every bucket whole (the current second's is not over yet).
             w = self._meter.window(-math.inf if since is None else lo, math.inf if until is None else hi)
             live = [(b.created, hi) for b in self._boxes.values()]
+            live_boxes = list(self._boxes.values())
         u = Usage(
             sandboxes=round(w["sandboxes"]), execs=round(w["execs"]), forks=round(w["forks"]),
             bytes_in=round(w["bytes_in"]), bytes_out=round(w["bytes_out"]), live_sandboxes=len(live),
         )
         u.sandbox_seconds = w["sandbox_seconds"] + sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in live)
+        u.egress_bytes_out, u.egress_bytes_in = round(w["egress_bytes_out"]), round(w["egress_bytes_in"])
+        if until is None:  # live sandboxes' connections count as of now
+            for b in live_boxes:
+                try:
+                    o, i = b.vm.egress_bytes()
+                except CollimateError:
+                    continue
+                u.egress_bytes_out += o
+                u.egress_bytes_in += i
         return u
 
     def close(self) -> None:
@@ -610,10 +677,10 @@ class EmbeddedClient:
 
     # --- the SDK surface on the client -------------------------------------------------------
 
-    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None):
+    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None, egress: Any = None):
         from collimate_core.sdk.session import Session
 
-        return Session(_template_name(handle), client=self, disk_quota=disk_quota)
+        return Session(_template_name(handle), client=self, disk_quota=disk_quota, egress=egress)
 
     def env(self, ref: Any, width: int = 1):
         from collimate_core.sdk.session import Env

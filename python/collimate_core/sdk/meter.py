@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 
-FIELDS = ("sandboxes", "execs", "forks", "bytes_in", "bytes_out", "sandbox_seconds")
+FIELDS = ("sandboxes", "execs", "forks", "bytes_in", "bytes_out", "sandbox_seconds", "egress_bytes_out", "egress_bytes_in")
 FINE_SPAN = 3600  # seconds kept at one-second resolution; older ones at one minute
 
 

@@ -33,10 +33,12 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from collimate_core.templates.bake import Ready, TemplateHandle, TemplateStatus, check_bake_args
+from collimate_core.sdk import egress as _egress
+from collimate_core.sdk.egress import Egress
 from collimate_core.sdk.embedded import Usage
 from collimate_core.sdk.errors import (
     AuthenticationError,
@@ -82,6 +84,7 @@ class RemoteSandbox:
     warm_hit: bool
     parent: str | None = None
     created: float = 0.0
+    egress: Egress = field(default_factory=Egress.none)
 
 
 class RemoteClient:
@@ -151,6 +154,7 @@ class RemoteClient:
 
     def _box(self, d: dict) -> RemoteSandbox:
         box = RemoteSandbox(d["id"], d["template"], bool(d["warm_hit"]), d.get("parent"), float(d.get("created", 0.0)))
+        box.egress = _egress.coerce(d.get("egress"))
         return self._hold(box, float(d.get("idle_timeout_seconds", 600.0)))
 
     def _period(self) -> float:
@@ -173,10 +177,12 @@ class RemoteClient:
 
     # --- the client surface (as EmbeddedClient) ----------------------------------------------
 
-    def create(self, template: str, disk_quota: int | str | None = None) -> RemoteSandbox:
+    def create(self, template: str, disk_quota: int | str | None = None, egress: Any = None) -> RemoteSandbox:
         if not isinstance(template, str) or not template:
             raise InvalidArgument(f"template must be a template name such as 'python', not {template!r}")
         body: dict[str, Any] = {"template": template}
+        if egress is not None:
+            body["egress"] = _egress.coerce(egress).to_json()
         if disk_quota is not None:
             from collimate_core.sdk.quota import disk_quota as _check_quota
 
@@ -251,12 +257,30 @@ class RemoteClient:
     def reset(self, box: RemoteSandbox) -> None:
         self._json("POST", f"/v1/sandboxes/{_q(box.id)}/reset")
 
-    def fork(self, box: RemoteSandbox, n: int) -> list[RemoteSandbox]:
-        """`n` live children of `box`: all of them, or an error and none (strict width)."""
+    def fork(self, box: RemoteSandbox, n: int, egress: Any = None) -> list[RemoteSandbox]:
+        """`n` live children of `box`: all of them, or an error and none (strict width). `egress`:
+        the children's policy, no wider than `box`'s (checked here and by the server)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidArgument(f"a fork group needs width >= 1, not {n!r}")
-        d = self._json("POST", f"/v1/sandboxes/{_q(box.id)}/fork_group", json={"width": n}, timeout=max(self._timeout, 330.0))
+        body: dict[str, Any] = {"width": n}
+        if egress is not None:
+            policy = _egress.coerce(egress)
+            policy.check_narrower(getattr(box, "egress", None) or Egress.none(), "fork_group(egress=...)")
+            body["egress"] = policy.to_json()
+        d = self._json("POST", f"/v1/sandboxes/{_q(box.id)}/fork_group", json=body, timeout=max(self._timeout, 330.0))
         return [self._box(c) for c in d["sandboxes"]]
+
+    def set_egress(self, box: RemoteSandbox, egress: Any) -> int:
+        """Replace the sandbox's network policy (PUT /v1/sandboxes/{id}/egress); returns how many
+        open connections it reset."""
+        policy = _egress.coerce(egress)
+        d = self._json("PUT", f"/v1/sandboxes/{_q(box.id)}/egress", json=policy.to_json())
+        box.egress = policy
+        return int(d["reset"])
+
+    def egress_log(self, box: RemoteSandbox) -> list[dict]:
+        """The sandbox's connection attempts and DNS answers (GET /v1/sandboxes/{id}/egress)."""
+        return self._json("GET", f"/v1/sandboxes/{_q(box.id)}/egress")["entries"]
 
     def expect_width(self, template: str, width: int) -> None:
         """Ask the server to keep `width` clones of `template` ready before a burst."""
@@ -299,11 +323,11 @@ class RemoteClient:
             raise NotFoundError(f"no image {name!r}")
         self._request("DELETE", f"/v1/images/{_q(name)}", params={"digest": digest} if digest else None)
 
-    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None):
+    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None, egress: Any = None):
         from collimate_core.sdk.embedded import _template_name
         from collimate_core.sdk.session import Session
 
-        return Session(_template_name(handle), client=self, disk_quota=disk_quota)
+        return Session(_template_name(handle), client=self, disk_quota=disk_quota, egress=egress)
 
     def env(self, ref: Any, width: int = 1):
         from collimate_core.sdk.embedded import _template_name
@@ -445,7 +469,8 @@ class RemoteTemplates:
                 os.unlink(packed)
 
     def bake(self, name: str, image: Any, ready: Ready | None = None, width: int = 1, *,
-             store: str | os.PathLike | None = None, cache: str | os.PathLike | None = None) -> RemoteTemplateHandle:
+             store: str | os.PathLike | None = None, cache: str | os.PathLike | None = None,
+             egress: Any = None) -> RemoteTemplateHandle:
         if cache is not None:
             raise InvalidArgument("Template.bake(cache=...) is for the embedded engine; a remote server keeps its own")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}", name):
@@ -459,6 +484,8 @@ class RemoteTemplates:
             body["ready"]["cmd"] = ready.cmd
         if ready.code is not None:
             body["ready"]["code"] = ready.code
+        if egress is not None and not _egress.coerce(egress).is_none:
+            body["egress"] = _egress.coerce(egress).to_json()
         d = self.client._json("POST", "/v1/templates", json=body, timeout=max(self.client._timeout, 120.0))
         return RemoteTemplateHandle(self.client, _status_of(d))
 

@@ -6,6 +6,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
+from collimate_core.sdk.egress import Egress
+from collimate_core.sdk.egress import coerce as coerce_egress
 from collimate_core.sdk.embedded import check_exec_args
 from collimate_core.sdk.errors import CollimateError, GroupError, InvalidArgument
 from collimate_core.sdk.results import ExecResult
@@ -28,6 +30,7 @@ class Sandbox:
         client: Any = None,
         default_seed: str | None = None,
         disk_quota: int | str | None = None,
+        egress: Any = None,
     ):
         from collimate_core.sdk.client import connect
         from collimate_core.sdk.quota import disk_quota as _check_quota
@@ -37,15 +40,19 @@ class Sandbox:
         self.default_seed = default_seed
         # Bytes (or "512M", "2G") for /tmp, /work and /dev/shm together; None: the template's.
         self.disk_quota = _check_quota(disk_quota) if disk_quota is not None else None
+        # Its network policy (default: none); bad rules raise here, before anything is forked.
+        self.egress_policy = coerce_egress(egress)
         self._box = None
 
     # lifecycle
     def start(self) -> "Sandbox":
         if self._box is None:
-            if self.disk_quota is None:
-                self._box = self.client.create(self.template)
-            else:
-                self._box = self.client.create(self.template, disk_quota=self.disk_quota)
+            kw: dict[str, Any] = {}
+            if self.disk_quota is not None:
+                kw["disk_quota"] = self.disk_quota
+            if not self.egress_policy.is_none:
+                kw["egress"] = self.egress_policy
+            self._box = self.client.create(self.template, **kw)
         return self
 
     def __enter__(self) -> "Sandbox":
@@ -71,6 +78,7 @@ class Sandbox:
         sb.template = sb._box.template
         sb.default_seed = None
         sb.disk_quota = None
+        sb.egress_policy = getattr(sb._box, "egress", None) or Egress.none()
         return sb
 
     def _live(self):
@@ -125,11 +133,41 @@ class Sandbox:
         """Return to the pristine template (memory, files, registers), keeping the same id."""
         self.client.reset(self._live())
 
-    def fork_group(self, width: int, *, seed: str | None = None) -> "ForkGroup":
-        """Fork this live sandbox into `width` children that inherit its memory and files."""
+    def fork_group(self, width: int, *, seed: str | None = None, egress: Any = None) -> "ForkGroup":
+        """Fork this live sandbox into `width` children that inherit its memory and files.
+
+        The children inherit its egress policy; `egress=` may only narrow it (a wider policy
+        raises InvalidArgument before anything is forked)."""
         base = fresh_seed() if seed is None else parse_seed(seed).hex()
-        boxes = self.client.fork(self._live(), width)
-        return ForkGroup(self.client, boxes, base, self.template)
+        policy = self.egress_policy
+        if egress is not None:
+            policy = coerce_egress(egress)
+            policy.check_narrower(self.egress_policy, "fork_group(egress=...)")
+        if egress is None:
+            boxes = self.client.fork(self._live(), width)
+        else:
+            boxes = self.client.fork(self._live(), width, egress=policy)
+        return ForkGroup(self.client, boxes, base, self.template, policy)
+
+    # network
+    @property
+    def egress(self) -> Egress:
+        """This sandbox's network policy."""
+        return self.egress_policy
+
+    def set_egress(self, egress: Any) -> None:
+        """Change this live sandbox's network policy; its open connections the new policy
+        forbids are reset (the guest reads ECONNRESET). Its later forks start from this one."""
+        policy = coerce_egress(egress)
+        self.client.set_egress(self._live(), policy)
+        self.egress_policy = policy
+
+    def egress_log(self) -> list[dict]:
+        """This sandbox's connection attempts and DNS answers, oldest first: dicts with time,
+        pid (the guest process), kind ("connect" or "dns"), name, address, port, rule (the one that
+        matched), verdict ("allowed", "denied", "nxdomain", "reset", "failed"), detail, bytes_out,
+        bytes_in, open."""
+        return self.client.egress_log(self._live())
 
     def __repr__(self) -> str:
         state = self._box.id if self._box is not None else "not started"
@@ -145,7 +183,7 @@ class ForkGroup:
     Strict width: `map` returns all results or raises; a partial group is never returned.
     """
 
-    def __init__(self, client: Any, boxes: list, base_seed: str, template: str):
+    def __init__(self, client: Any, boxes: list, base_seed: str, template: str, egress: Any = None):
         self.client = client
         self.base_seed = base_seed
         seeds = group_seeds(base_seed, len(boxes))
@@ -153,6 +191,8 @@ class ForkGroup:
         for box, s in zip(boxes, seeds):
             child = Sandbox.__new__(Sandbox)
             child.client, child._box, child.template, child.default_seed = client, box, template, s
+            child.disk_quota = None
+            child.egress_policy = coerce_egress(egress)
             self.children.append(child)
         self._lock = threading.Lock()
 
@@ -237,8 +277,9 @@ def rollout_once(
     timeout_seconds: float = 60.0,
     env: dict[str, str] | None = None,
     disk_quota: int | str | None = None,
+    egress: Any = None,
 ) -> ExecResult:
-    """Fork an ephemeral clone, run once, discard it."""
+    """Fork an ephemeral clone, run once, discard it (`egress=`: its network policy)."""
     check_exec_args(code, command, timeout_seconds, seed)  # bad input raises before anything is forked
-    with Sandbox(template, client=client, disk_quota=disk_quota) as sb:
+    with Sandbox(template, client=client, disk_quota=disk_quota, egress=egress) as sb:
         return sb.exec(command, code=code, timeout_seconds=timeout_seconds, seed=seed, env=env)

@@ -43,12 +43,15 @@ from collimate_core.server.log import configure_logging, _event, log
 from collimate_core.server.models import (
     BakeRequest,
     CreateSandbox,
+    EgressLog,
+    EgressSpec,
     ErrorBody,
     ExecRequest,
     ExecResponse,
     ExpectRequest,
     ForkGroupRequest,
     ForkGroupResponse,
+    ForkRequest,
     ImageDetail,
     ImageInfo,
     ImageList,
@@ -56,6 +59,7 @@ from collimate_core.server.models import (
     KeepaliveResponse,
     SandboxInfo,
     SandboxList,
+    SetEgressResponse,
     TemplateInfo,
     TemplateList,
     UploadResponse,
@@ -369,7 +373,7 @@ def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: 
               tags=["sandboxes"],
               responses={**_errs(402, 404, 409, 429, 503), 201: {"description": "the new sandbox", "links": _SANDBOX_LINKS}})
     async def create_sandbox(body: CreateSandbox = Body(default_factory=CreateSandbox), tenant: str = Tenant) -> SandboxInfo:
-        return await cp.create(tenant, body.template, body.disk_quota)
+        return await cp.create(tenant, body.template, body.disk_quota, body.egress)
 
     @app.post("/v1/keepalive", response_model=KeepaliveResponse, operation_id="keepalive",
               tags=["sandboxes"], responses=_errs())
@@ -422,14 +426,29 @@ def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: 
     @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, response_model=SandboxInfo, operation_id="fork",
               tags=["sandboxes"],
               responses={**_errs(402, 404, 409, 410, 429, 503), 201: {"description": "the child", "links": _SANDBOX_LINKS}})
-    async def fork(sandbox_id: str, tenant: str = Tenant) -> SandboxInfo:
-        return (await cp.fork(tenant, sandbox_id, 1))[0]
+    async def fork(sandbox_id: str, body: ForkRequest = Body(default_factory=ForkRequest), tenant: str = Tenant) -> SandboxInfo:
+        """One child; its egress policy is its parent's or, with `egress`, a narrower one."""
+        return (await cp.fork(tenant, sandbox_id, 1, body.egress))[0]
 
     @app.post("/v1/sandboxes/{sandbox_id}/fork_group", status_code=201, response_model=ForkGroupResponse,
               operation_id="fork_group", tags=["sandboxes"], responses=_errs(402, 404, 409, 410, 429, 503))
     async def fork_group(sandbox_id: str, body: ForkGroupRequest, tenant: str = Tenant) -> ForkGroupResponse:
-        """Strict width: `width` live children, or an error and none."""
-        return ForkGroupResponse(sandboxes=await cp.fork(tenant, sandbox_id, body.width))
+        """Strict width: `width` live children, or an error and none. They inherit the parent's
+        egress policy; `egress` may only narrow it (a wider one: 400, before anything is forked)."""
+        return ForkGroupResponse(sandboxes=await cp.fork(tenant, sandbox_id, body.width, body.egress))
+
+    @app.put("/v1/sandboxes/{sandbox_id}/egress", response_model=SetEgressResponse, operation_id="set_egress",
+             tags=["sandboxes"], responses=_errs(403, 404))
+    async def set_egress(sandbox_id: str, body: EgressSpec, tenant: str = Tenant) -> SetEgressResponse:
+        """Replace a live sandbox's network policy (within the server's --egress-ceiling: 403 if
+        wider); its open connections the new policy forbids are reset."""
+        return await cp.set_egress(tenant, sandbox_id, body)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/egress", response_model=EgressLog, operation_id="egress_log",
+             tags=["sandboxes"], responses=_errs(404))
+    async def egress_log(sandbox_id: str, tenant: str = Tenant) -> EgressLog:
+        """The sandbox's network policy, and its connection attempts and DNS answers."""
+        return await cp.egress_log(tenant, sandbox_id)
 
     # usage
     @app.get("/v1/usage", response_model=UsageResponse, operation_id="usage", tags=["usage"], responses=_errs())

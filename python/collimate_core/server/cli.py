@@ -38,6 +38,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--disk-quota", default=None, metavar="SIZE",
                    help="each sandbox's /tmp, /work and /dev/shm together, e.g. 512M (default: COLLIMATE_DISK_QUOTA "
                    "or 1G); also the most a request may ask for")
+    s.add_argument("--egress-ceiling", default=None, metavar="RULES",
+                   help="the widest network policy a request may ask for: 'none', 'internet', or comma-separated "
+                        "rules ('pypi.org,*.pythonhosted.org,203.0.113.0/24'; add 'internet' to them); a wider "
+                        "request gets 403 (default: no ceiling)")
     s.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="admit sandboxes while guest memory (1 GiB each) plus disk quota of all live ones stays "
                    "within SIZE, e.g. 200G; beyond it a create waits, then gets 429 (default: COLLIMATE_MEMORY_BUDGET "
@@ -73,6 +77,9 @@ def run(args: argparse.Namespace) -> bool:
             disk_quota = _quota.disk_quota(args.disk_quota) if args.disk_quota else _quota.default_disk_quota()
             memory_budget = (_quota.parse_size(args.memory_budget, "--memory-budget") if args.memory_budget
                              else _quota.default_memory_budget())
+            from collimate_core.sdk.egress import parse_ceiling
+
+            ceiling = parse_ceiling(args.egress_ceiling) if args.egress_ceiling is not None else None
         except InvalidArgument as e:
             sys.exit(f"collimate serve: {e}")
 
@@ -82,7 +89,7 @@ def run(args: argparse.Namespace) -> bool:
             max_upload=args.max_upload, max_image_upload=args.max_image_upload, max_bakes=args.max_bakes,
             image_quota=args.image_quota, cache=args.cache, key_store=args.key_store,
             preload=tuple(t for t in args.preload.split(",") if t),
-            disk_quota=disk_quota, memory_budget=memory_budget,
+            disk_quota=disk_quota, memory_budget=memory_budget, egress_ceiling=ceiling,
         ))
     elif args.cmd == "keys":
         _keys(args)

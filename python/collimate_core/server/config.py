@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 API_VERSION = "1.0.0"
@@ -41,3 +42,5 @@ class ServerConfig:
     # the host budget (guest memory + disk quota of every live sandbox; None: no budget). See sdk/quota.py.
     disk_quota: int = 1 << 30
     memory_budget: int | None = None
+    # The widest network policy any request may ask for (an sdk.egress.Egress; None: no ceiling).
+    egress_ceiling: Any = None

@@ -20,6 +20,8 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from collimate_core.templates import cache as _cache
+from collimate_core.sdk import egress as _egress
+from collimate_core.sdk.egress import Egress
 from collimate_core.sdk.errors import CollimateError, EngineError, InvalidArgument, NotFoundError
 from collimate_core.server.keys import KeyStore
 from collimate_core.sdk.meter import Meter as _Meter
@@ -49,6 +51,9 @@ from collimate_core.server.metrics import _Metrics
 from collimate_core.server.models import (
     BakeRequest,
     DiskUsage,
+    EgressEntry,
+    EgressLog,
+    EgressSpec,
     ExecRequest,
     ExecResponse,
     ImageDetail,
@@ -56,6 +61,7 @@ from collimate_core.server.models import (
     ImageList,
     KeepaliveResponse,
     SandboxInfo,
+    SetEgressResponse,
     TemplateInfo,
     UploadResponse,
     UsageResponse,
@@ -65,13 +71,14 @@ from collimate_core.server.models import (
 class _Owned:
     """A live sandbox of a tenant."""
 
-    __slots__ = ("box", "tenant", "template", "parent", "created", "last_used", "busy")
+    __slots__ = ("box", "tenant", "template", "parent", "created", "last_used", "busy", "logged")
 
     def __init__(self, box: Any, tenant: str, template: str, parent: str | None):
         self.box, self.tenant, self.template, self.parent = box, tenant, template, parent
         self.created = time.time()
         self.last_used = time.monotonic()
         self.busy = 0
+        self.logged = 0  # egress log entries already written to the server's log
 
 
 class ControlPlane:
@@ -317,6 +324,7 @@ class ControlPlane:
                                             "under another name")
         ref = _check_image_reference(req.image)
         ready = Ready(cmd=req.ready.cmd, code=req.ready.code, timeout=req.ready.timeout_seconds)
+        policy = self.egress_policy(req.egress)
         self.check_spend(tenant)
         internal = self.engine_name(tenant, name)
         with self._lock:
@@ -349,7 +357,7 @@ class ControlPlane:
                         raise missing from None
                     raise InvalidArgument(f"image {ref!r}: {e}") from None
                 return Template.bake(self.engine, name=internal, image=image, ready=ready, width=req.width,
-                                     store=store)
+                                     store=store, egress=policy)
 
             try:
                 handle = await self.run(start)
@@ -517,7 +525,58 @@ class ControlPlane:
             id=rec.box.id, template=rec.template, warm_hit=bool(rec.box.warm_hit), parent=rec.parent,
             created=rec.created, idle_seconds=round(max(0.0, time.monotonic() - rec.last_used), 3),
             idle_timeout_seconds=self.config.idle_reap, disk=DiskUsage(**disk) if disk else None,
+            egress=EgressSpec(**_box_egress(rec.box).to_json()),
         )
+
+    # network egress
+    def egress_policy(self, spec: EgressSpec | None, parent: Egress | None = None) -> Egress:
+        """The policy a request asks for, checked against the server's ceiling (403 if wider) and,
+        for a fork, against its parent's (400 if wider)."""
+        if spec is None:
+            return parent if parent is not None else Egress.none()
+        policy = _egress.coerce(spec.model_dump())
+        ceiling = self.config.egress_ceiling
+        if ceiling is not None and not policy.narrower_than(ceiling):
+            raise ApiError(403, "invalid_argument",
+                           f"egress {policy} is wider than this server's --egress-ceiling {ceiling}: ask for "
+                           "rules within it")
+        if parent is not None:
+            policy.check_narrower(parent, "a fork's egress")
+        return policy
+
+    async def set_egress(self, tenant: str, sandbox_id: str, spec: EgressSpec) -> SetEgressResponse:
+        policy = self.egress_policy(spec)
+        with self.use(tenant, sandbox_id) as rec:
+            n = await self.run(self.engine.set_egress, rec.box, policy)
+            _event("egress_set", tenant=tenant, sandbox=sandbox_id, egress=policy.to_json(), reset=n)
+            return SetEgressResponse(egress=EgressSpec(**policy.to_json()), reset=n)
+
+    async def egress_log(self, tenant: str, sandbox_id: str) -> EgressLog:
+        with self.use(tenant, sandbox_id) as rec:
+            entries = await self.run(self.engine.egress_log, rec.box)
+            return EgressLog(egress=EgressSpec(**_box_egress(rec.box).to_json()),
+                             entries=[EgressEntry(**e) for e in entries])
+
+    def _log_flows(self, rec: _Owned, final: bool) -> None:
+        """Write the sandbox's finished egress entries to the server log, one JSON line each (at
+        the end of an exec, and all of them when the sandbox goes)."""
+        try:
+            entries = self.engine.egress_log(rec.box)
+        except CollimateError:
+            return
+        i = rec.logged
+        while i < len(entries) and (final or not entries[i]["open"]):
+            _event("egress", tenant=rec.tenant, sandbox=rec.box.id, **entries[i])
+            i += 1
+        rec.logged = i
+        if final:
+            out = sum(e["bytes_out"] for e in entries if e["kind"] == "connect")
+            inn = sum(e["bytes_in"] for e in entries if e["kind"] == "connect")
+            if out or inn:
+                with self._lock:
+                    m = self._meter(rec.tenant)
+                    m.add("egress_bytes_out", out)
+                    m.add("egress_bytes_in", inn)
 
     def _own(self, box: Any, tenant: str, template: str, parent: str | None) -> _Owned:
         rec = _Owned(box, tenant, template, parent)
@@ -546,7 +605,9 @@ class ControlPlane:
             recs = [r for r in self._owned.values() if r.tenant == tenant]
         return [self.info(r) for r in sorted(recs, key=lambda r: r.created)]
 
-    async def create(self, tenant: str, template: str, disk_quota: int | None = None) -> SandboxInfo:
+    async def create(self, tenant: str, template: str, disk_quota: int | None = None,
+                     egress: EgressSpec | None = None) -> SandboxInfo:
+        policy = self.egress_policy(egress)
         internal = self.resolve_template(tenant, template)
         self.check_spend(tenant)
         if disk_quota is not None and disk_quota > self.config.disk_quota:
@@ -560,7 +621,7 @@ class ControlPlane:
             # failure, and a created sandbox is owned (and reaped if nobody claims it).
             t = time.perf_counter()
             try:
-                box = self.engine.create(internal, disk_quota=disk_quota)
+                box = self.engine.create(internal, disk_quota=disk_quota, egress=policy)
             except BaseException as e:
                 self._release_soon(1)
                 if internal == template or not isinstance(e, CollimateError):
@@ -578,16 +639,18 @@ class ControlPlane:
 
         return self.info(await self.run(work))
 
-    async def fork(self, tenant: str, sandbox_id: str, width: int) -> list[SandboxInfo]:
+    async def fork(self, tenant: str, sandbox_id: str, width: int, egress: EgressSpec | None = None) -> list[SandboxInfo]:
         """`width` live children of the sandbox: all of them or an error, never part of a group."""
         with self.use(tenant, sandbox_id) as parent:
+            # The children's policy: the parent's, or narrower (checked before anything is forked).
+            policy = self.egress_policy(egress, _box_egress(parent.box))
             self.check_spend(tenant)
             await self.admission.acquire(width)
 
             def work() -> list[_Owned]:
                 t = time.perf_counter()
                 try:
-                    boxes = self.engine.fork(parent.box, width)
+                    boxes = self.engine.fork(parent.box, width, egress=policy)
                 except BaseException:
                     self._release_soon(width)
                     raise
@@ -603,6 +666,7 @@ class ControlPlane:
     def _teardown(self, rec: _Owned, reason: str) -> None:
         """Destroy an owned sandbox already removed from the table (in a worker thread)."""
         try:
+            self._log_flows(rec, final=True)
             self.engine.destroy(rec.box)
         finally:
             with self._lock:
@@ -639,6 +703,7 @@ class ControlPlane:
                 self.engine.exec, rec.box, code=req.code, command=req.command, timeout=req.timeout_seconds,
                 seed=req.seed, env=req.env, cwd=req.cwd,
             )
+            self._log_flows(rec, final=False)
         self.metrics.exec_seconds.observe(time.perf_counter() - t)
         self.metrics.execs.inc()
         with self._lock:
@@ -699,11 +764,20 @@ class ControlPlane:
             w = self._meter(tenant).window(lo, hi)
             live = [r for r in self._owned.values() if r.tenant == tenant]
             live_seconds = sum(max(0.0, min(now, hi) - max(r.created, lo)) for r in live)
+        egress_out, egress_in = round(w["egress_bytes_out"]), round(w["egress_bytes_in"])
+        if until is None:  # live sandboxes' connections, as of now
+            for r in live:
+                try:
+                    o, i = r.box.vm.egress_bytes()
+                except (CollimateError, AttributeError):
+                    continue
+                egress_out, egress_in = egress_out + o, egress_in + i
         return UsageResponse(
             tenant=tenant, since=since, until=now if until is None else until,
             sandbox_seconds=round(w["sandbox_seconds"] + live_seconds, 6),
             sandboxes=round(w["sandboxes"]), execs=round(w["execs"]), forks=round(w["forks"]),
             bytes_in=round(w["bytes_in"]), bytes_out=round(w["bytes_out"]), live_sandboxes=len(live),
+            egress_bytes_out=egress_out, egress_bytes_in=egress_in,
             spend_limit_seconds=self.config.spend_limit, spent_seconds=round(self.spent(tenant), 6),
         )
 
@@ -733,3 +807,8 @@ async def _stream(request: Request) -> Any:
             yield chunk
     except ClientDisconnect:
         raise ApiError(400, "invalid_argument", "the client went away before the whole body arrived") from None
+
+
+def _box_egress(box: Any) -> Egress:
+    """The policy the engine holds for `box` (none for a client that has no egress)."""
+    return getattr(box, "egress", None) or Egress.none()

@@ -71,6 +71,8 @@ class BakeRequest(BaseModel):
                        "(name, name:tag, name@sha256:...); never a path")
     ready: ReadySpec = Field(default_factory=ReadySpec)
     width: int = Field(1, ge=1, le=MAX_WIDTH, description="how wide you expect to fork (keeps clones ready)")
+    egress: EgressSpec | None = Field(None, description="the network policy of the bake and its Ready step only "
+                                      "(the template's sandboxes start with none), within the server's ceiling")
 
 
 class ImageInfo(BaseModel):
@@ -102,9 +104,25 @@ class ExpectRequest(BaseModel):
     width: int = Field(ge=0, le=MAX_WIDTH, description="how many clones to keep ready (a hint; clamped to the pool limit)")
 
 
+class EgressSpec(BaseModel):
+    """A sandbox's network policy (docs/egress.md). `{}` (or absent): no network."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    internet: bool = Field(False, description="public addresses on any port (never loopback, private, "
+                           "link-local or metadata addresses: only an IP or CIDR rule admits those)")
+    rules: list[str] = Field(
+        default_factory=list, max_length=256,
+        description='each a host name ("pypi.org"), a wildcard ("*.pythonhosted.org"), either with an optional '
+        '":port", or an IP address or CIDR block with an optional port ("203.0.113.0/24", "203.0.113.7:5432", '
+        '"[2001:db8::1]:443")',
+    )
+
+
 class CreateSandbox(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     template: str = Field("python", min_length=1, max_length=128)
+    egress: EgressSpec | None = Field(None, description="the sandbox's network policy (default: none), within the "
+                                      "server's --egress-ceiling")
     disk_quota: int | None = Field(
         None, ge=1 << 20, description="bytes for /tmp, /work and /dev/shm together (default: the template's, "
         "else the server's --disk-quota, which is also the most a request may ask for)",
@@ -127,6 +145,7 @@ class SandboxInfo(BaseModel):
     idle_seconds: float
     idle_timeout_seconds: float = Field(description="an untouched sandbox is destroyed after this long")
     disk: DiskUsage | None = Field(None, description="the writable mounts' usage and quota (null: no quotas on this host)")
+    egress: EgressSpec = Field(default_factory=EgressSpec, description="the sandbox's network policy")
 
 
 class SandboxList(BaseModel):
@@ -178,6 +197,39 @@ class UploadResponse(BaseModel):
 class ForkGroupRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     width: int = Field(ge=1, le=MAX_WIDTH)
+    egress: EgressSpec | None = Field(None, description="the children's network policy: the parent's (default) "
+                                      "or a narrower one; a wider one is refused before anything is forked")
+
+
+class ForkRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    egress: EgressSpec | None = Field(None, description="the child's network policy: the parent's (default) or a "
+                                      "narrower one")
+
+
+class EgressEntry(BaseModel):
+    time: float = Field(description="Unix time")
+    pid: int = Field(description="the guest process")
+    kind: str = Field(description="connect or dns")
+    name: str | None = Field(description="the name asked (dns), or whose answer gave the address (connect)")
+    address: str | None
+    port: int
+    rule: str | None = Field(description="the rule that admitted it (null: denied)")
+    verdict: str = Field(description="allowed, denied, nxdomain, reset (a policy change forbade it) or failed")
+    detail: str
+    bytes_out: int = Field(description="bytes sent and acknowledged by the peer")
+    bytes_in: int
+    open: bool
+
+
+class EgressLog(BaseModel):
+    egress: EgressSpec
+    entries: list[EgressEntry]
+
+
+class SetEgressResponse(BaseModel):
+    egress: EgressSpec
+    reset: int = Field(description="open connections the new policy forbade, now reset")
 
 
 class ForkGroupResponse(BaseModel):
@@ -205,5 +257,7 @@ class UsageResponse(BaseModel):
     bytes_in: int
     bytes_out: int
     live_sandboxes: int
+    egress_bytes_out: int = Field(0, description="bytes the sandboxes' connections sent (acknowledged by the peer)")
+    egress_bytes_in: int = Field(0, description="bytes the sandboxes' connections received")
     spend_limit_seconds: float | None = Field(description="this tenant's limit in sandbox-seconds (null: none)")
     spent_seconds: float = Field(description="sandbox-seconds counted against the limit")

@@ -424,6 +424,9 @@ class _Spec:
     cache: Path
     store: Path
     disk_quota: int | None = None
+    # The network policy of the bake and its Ready step only (the template's sandboxes start from
+    # their own default, no network).
+    egress: Any = None
 
 
 class _Build:
@@ -573,6 +576,9 @@ class _Build:
                               uid=user["uid"], gid=user["gid"], groups=user["groups"])
             except (_CoreEngineError, ValueError, OSError) as e:
                 raise BuildError(f"starting the agent in the image failed: {e}") from None
+            if spec.egress is not None and not spec.egress.is_none:
+                vm.set_egress(spec.egress.rule_strings(), spec.egress.internet_access)
+                say(f"egress for the bake and its Ready step: {spec.egress}")
             r = vm.run(AGENT_START_TIMEOUT)
             if (r.kind, r.value) != ("yield", AGENT_IDLE):
                 say(f"agent stdout:\n{_tail(r.stdout)}" if r.stdout else "agent stdout: (empty)")
@@ -598,6 +604,10 @@ class _Build:
                 if reply["exit_code"] != 0:
                     raise BuildError(f"Ready({what}=...) exited with status {reply['exit_code']}")
                 say(f"Ready({what}=...) done in {r.duration:.2f}s")
+            if spec.egress is not None and not spec.egress.is_none:
+                for e in vm.egress_log():
+                    say(f"egress: {e['kind']} {e['name'] or ''} {e['address'] or ''}:{e['port']} {e['verdict']} "
+                        f"{e['rule'] or ''} out={e['bytes_out']} in={e['bytes_in']}")
 
             # Checkpoint, and check that a clone of it answers.
             say("checkpointing")
@@ -779,6 +789,7 @@ class Template:
         store: str | os.PathLike | None = None,
         cache: str | os.PathLike | None = None,
         disk_quota: int | str | None = None,
+        egress: Any = None,
     ) -> TemplateHandle:
         """Bake `image` into template `name` in the background; returns at once.
 
@@ -790,9 +801,13 @@ class Template:
         clones ready, up to the engine's pool limit, while the template is registered).
         `disk_quota`: bytes (or "512M", "2G") for /tmp, /work and /dev/shm together in each of the
         template's sandboxes (default: the client's, 1 GiB).
+        `egress`: the network policy of the bake and its Ready step (e.g. a package index to install
+        from); the template's sandboxes then start from their own default, no network.
         """
+        from collimate_core.sdk import egress as _egress
         from collimate_core.sdk import quota as _quota
 
+        policy = _egress.coerce(egress)  # bad rules raise before anything is baked
         quota = _quota.disk_quota(disk_quota) if disk_quota is not None else None
         if client is None:
             from collimate_core.sdk.client import connect
@@ -804,13 +819,13 @@ class Template:
                     "Template.bake(disk_quota=...) is for the embedded engine; over HTTP the server's --disk-quota "
                     "applies, and each sandbox may ask for less (Sandbox(..., disk_quota=...))"
                 )
-            return client._remote_templates.bake(name, image, ready, width, store=store, cache=cache)
+            return client._remote_templates.bake(name, image, ready, width, store=store, cache=cache, egress=policy)
         if not hasattr(client, "register_template"):
             raise InvalidArgument("Template.bake needs the embedded engine (connect() without an API key)")
         _check_name(name)
         ready = check_bake_args(image, ready, width)
         c = _cache(client, cache)
-        spec = _Spec(name, image, ready, width, c, Path(store) if store else _oci.default_store(c), quota)
+        spec = _Spec(name, image, ready, width, c, Path(store) if store else _oci.default_store(c), quota, policy)
         def register(baked: ImageBaked) -> None:
             client.register_template(name, baked)
             if width > 1 and hasattr(client, "expect_width"):

@@ -19,6 +19,7 @@ mod path;
 pub(crate) mod poll;
 pub mod pty;
 mod epoll;
+pub mod inet;
 mod socket;
 pub mod special;
 #[cfg(test)]
@@ -107,6 +108,8 @@ pub struct OpenFile {
     pub stream: bool,
     /// On a read-only mount: metadata changes through the fd (fchmod, futimens...) fail with EROFS.
     pub ro: bool,
+    /// A guest network socket: what the engine keeps beside its host descriptor (see `inet`).
+    pub net: Option<Box<inet::NetSock>>,
 }
 
 impl OpenFile {
@@ -121,6 +124,7 @@ impl OpenFile {
             dir,
             stream: false,
             ro: true,
+            net: None,
         }
     }
 
@@ -140,6 +144,7 @@ impl OpenFile {
             dir: fmt == libc::S_IFDIR,
             stream: matches!(fmt, libc::S_IFIFO | libc::S_IFSOCK | libc::S_IFCHR),
             ro,
+            net: None,
         }
     }
 
@@ -434,6 +439,7 @@ pub mod nr {
     pub const SENDTO: u64 = 44;
     pub const RECVFROM: u64 = 45;
     pub const SENDMSG: u64 = 46;
+    pub const SENDMMSG: u64 = 307;
     pub const RECVMSG: u64 = 47;
     pub const SHUTDOWN: u64 = 48;
     pub const BIND: u64 = 49;
@@ -584,6 +590,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         SENDTO => socket::sys_sendto(os, ctx, fd0, a[1], a[2], a[3] as i32, a[4]),
         RECVFROM => socket::sys_recvfrom(os, ctx, fd0, a[1], a[2], a[3] as i32, a[4], a[5]),
         SENDMSG => socket::sys_sendmsg(os, ctx, fd0, a[1], a[2] as i32),
+        SENDMMSG => socket::sys_sendmmsg(os, ctx, fd0, a[1], a[2] as u32, a[3] as i32),
         RECVMSG => socket::sys_recvmsg(os, ctx, fd0, a[1], a[2] as i32),
         SHUTDOWN => socket::sys_shutdown(os, fd0, a[1] as i32),
         SETSOCKOPT => socket::sys_sockopt(os, ctx, fd0, a[1] as i32, a[2] as i32, a[3], a[4], true),
@@ -786,6 +793,10 @@ fn sys_read(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, count: u64, off:
 
 fn sys_write(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, count: u64, off: Option<u64>) -> SysResult {
     let f = os.files.file(fd)?;
+    if let Some(n) = f.net.as_ref().filter(|n| n.is_dns()) {
+        let data = ctx.read_vec(buf, (count as usize).min(MAX_IO))?;
+        return inet::dns_send(os, n, &data, None);
+    }
     // Taking turns (`guestos::sched`), a blocking write to a pipe that does not fit goes on in the
     // writer's next turns, and returns once, with the whole count, as under Linux.
     let turns = off.is_none() && f.stream && super::sched::active() && f.status_flags().is_ok_and(|fl| fl & libc::O_NONBLOCK == 0);

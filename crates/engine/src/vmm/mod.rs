@@ -1049,7 +1049,16 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 Ok(Response::Ok)
             }
             Request::SetStdio => match m.os.as_mut() {
-                Some(os) => os.set_stdio(fds).map(|_| Response::Ok),
+                Some(os) => {
+                    // A third descriptor is the sandbox's broker socket (see `guestos::files::inet`).
+                    let mut fds = fds;
+                    if fds.len() == 3 {
+                        if let Some(b) = fds.pop() {
+                            guestos::files::inet::set_broker(os, b);
+                        }
+                    }
+                    os.set_stdio(fds).map(|_| Response::Ok)
+                }
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no stdio".into())),
             },
             Request::Reset => m.reset().map(Response::Reset),

@@ -3,7 +3,9 @@
 //! so the processes of one sandbox that share it (a guest fork shares its descriptors) talk through
 //! it; a path socket is bound in the sandbox's own directories, which no other sandbox sees.
 //!
-//! Not served: other families (no network: EAFNOSUPPORT), abstract addresses (the host's socket
+//! Network sockets (AF_INET, AF_INET6) are `inet`'s: each call here hands them over.
+//!
+//! Not served: other families (EAFNOSUPPORT), abstract addresses (the host's socket
 //! namespace may be shared by clones of one template: EACCES), passing descriptors or credentials
 //! (control messages: EOPNOTSUPP). Blocking calls wait in slices, as reads of a pipe do.
 
@@ -67,6 +69,9 @@ pub fn sys_socketpair(os: &mut GuestOs, ctx: &mut Ctx, domain: u64, ty: i32, pro
 }
 
 pub fn sys_socket(os: &mut GuestOs, domain: u64, ty: i32, proto: i32) -> SysResult {
+    if domain == libc::AF_INET as u64 || domain == libc::AF_INET6 as u64 {
+        return super::inet::socket(os, domain as i32, ty, proto);
+    }
     if domain != AF_UNIX {
         return Err(EAFNOSUPPORT);
     }
@@ -175,6 +180,9 @@ fn in_dir(dir: &OwnedFd, name: &CString, call: impl FnOnce(&libc::sockaddr_un, u
 
 pub fn sys_bind(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, addr: u64, len: u32) -> SysResult {
     let h = host_socket(os, fd)?;
+    if os.files.file(fd)?.net.is_some() {
+        return super::inet::bind(ctx, addr, len);
+    }
     let (dir, name) = unix_path(os, ctx, addr, len, true)?;
     let umask = os.proc.umask;
     // SAFETY: bind of our socket to a sockaddr_un built by `in_dir`.
@@ -184,6 +192,10 @@ pub fn sys_bind(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, addr: u64, len: u32) -
 
 pub fn sys_connect(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, addr: u64, len: u32) -> SysResult {
     let h = host_socket(os, fd)?;
+    let f = os.files.file(fd)?;
+    if let Some(n) = f.net.as_ref() {
+        return super::inet::connect(os, ctx, &f, n, addr, len);
+    }
     let (dir, name) = unix_path(os, ctx, addr, len, false)?;
     // SAFETY: connect of our socket to a sockaddr_un built by `in_dir`.
     sliced(h, libc::POLLOUT, false, || in_dir(&dir, &name, |sa, l| unsafe { libc::connect(h, (sa as *const libc::sockaddr_un).cast(), l) } as i64))
@@ -192,6 +204,9 @@ pub fn sys_connect(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, addr: u64, len: u32
 
 pub fn sys_listen(os: &mut GuestOs, fd: i32, backlog: i32) -> SysResult {
     let h = host_socket(os, fd)?;
+    if os.files.file(fd)?.net.is_some() {
+        return super::inet::listen();
+    }
     // SAFETY: listen on our socket.
     cvt(unsafe { libc::listen(h, backlog) } as i64).map(|_| 0)
 }
@@ -202,6 +217,9 @@ pub fn sys_accept(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, addr: u64, lenp: u64
         return Err(EINVAL);
     }
     let h = host_socket(os, fd)?;
+    if os.files.file(fd)?.net.is_some() {
+        return super::inet::listen();
+    }
     let host_flags = libc::SOCK_CLOEXEC | (flags & libc::SOCK_NONBLOCK);
     // SAFETY: accept4 without an address (we report the unnamed family ourselves).
     let new = sliced(h, libc::POLLIN, false, || unsafe { libc::accept4(h, std::ptr::null_mut(), std::ptr::null_mut(), host_flags) } as i64)?;
@@ -226,6 +244,10 @@ fn write_unnamed(ctx: &mut Ctx, addr: u64, lenp: u64) -> Result<(), Errno> {
 /// (the last component the socket was bound with).
 pub fn sys_getname(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, addr: u64, lenp: u64, peer: bool) -> SysResult {
     let h = host_socket(os, fd)?;
+    let f = os.files.file(fd)?;
+    if let Some(n) = f.net.as_ref() {
+        return super::inet::getname(ctx, &f, n, addr, lenp, peer);
+    }
     // SAFETY: a zeroed sockaddr_un is valid; the host fills at most its size.
     let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
@@ -261,6 +283,22 @@ fn pipe_signal(os: &mut GuestOs, r: &Result<u64, Errno>, flags: i32) {
 pub fn sys_sendto(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, len: u64, flags: i32, dest: u64) -> SysResult {
     check_msg_flags(flags)?;
     let h = host_socket(os, fd)?;
+    let f = os.files.file(fd)?;
+    if let Some(n) = f.net.as_ref() {
+        let data = ctx.read_vec(buf, (len as usize).min(super::MAX_IO))?;
+        if n.is_dns() {
+            let to = if dest != 0 { Some(super::inet::read_dest(ctx, dest, 28)?) } else { None };
+            return super::inet::dns_send(os, n, &data, to);
+        }
+        // A destination on a connected TCP socket is ignored, as Linux does.
+        let host_flags = flags | libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
+        // SAFETY: send of a buffer we own.
+        let r = sliced(h, libc::POLLOUT, flags & libc::MSG_DONTWAIT != 0, || unsafe {
+            libc::send(h, data.as_ptr().cast(), data.len(), host_flags)
+        } as i64);
+        pipe_signal(os, &r, flags);
+        return r;
+    }
     if dest != 0 {
         return Err(EOPNOTSUPP);
     }
@@ -288,7 +326,10 @@ pub fn sys_recvfrom(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, len: u64
     } as i64)?;
     ctx.write(buf, &data[..(got as usize).min(n)])?;
     if addr != 0 && lenp != 0 {
-        ctx.write(lenp, &0u32.to_le_bytes())?;
+        match os.files.file(fd)?.net.as_ref() {
+            Some(ns) => super::inet::write_source(ctx, ns, addr, lenp)?,
+            None => ctx.write(lenp, &0u32.to_le_bytes())?,
+        }
     }
     Ok(got)
 }
@@ -296,6 +337,7 @@ pub fn sys_recvfrom(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, len: u64
 /// struct msghdr on x86-64: name, namelen (+pad), iov, iovlen, control, controllen, flags.
 struct MsgHdr {
     name: u64,
+    namelen: u32,
     iov: u64,
     iovlen: u64,
     controllen: u64,
@@ -304,7 +346,7 @@ struct MsgHdr {
 fn read_msghdr(ctx: &Ctx, p: u64) -> Result<MsgHdr, Errno> {
     let b = ctx.read_vec(p, 56)?;
     let q = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
-    Ok(MsgHdr { name: q(0), iov: q(16), iovlen: q(24), controllen: q(40) })
+    Ok(MsgHdr { name: q(0), namelen: u32::from_le_bytes(b[8..12].try_into().unwrap_or_default()), iov: q(16), iovlen: q(24), controllen: q(40) })
 }
 
 fn iovecs(ctx: &Ctx, iov: u64, n: u64) -> Result<Vec<(u64, usize)>, Errno> {
@@ -325,7 +367,11 @@ pub fn sys_sendmsg(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, msgp: u64, flags: i
     if m.controllen != 0 {
         return Err(EOPNOTSUPP); // passing descriptors or credentials
     }
-    if m.name != 0 {
+    let f = os.files.file(fd)?;
+    let net = f.net.as_ref();
+    // A destination: for an engine DNS socket, where the query goes; ignored on a connected TCP
+    // socket (as Linux does); not served on Unix sockets.
+    if m.name != 0 && net.is_none() {
         return Err(EOPNOTSUPP);
     }
     let mut data = Vec::new();
@@ -334,6 +380,10 @@ pub fn sys_sendmsg(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, msgp: u64, flags: i
             return Err(EINVAL);
         }
         data.extend_from_slice(&ctx.read_vec(base, len)?);
+    }
+    if let Some(n) = net.filter(|n| n.is_dns()) {
+        let to = if m.name != 0 { Some(super::inet::read_dest(ctx, m.name, m.namelen)?) } else { None };
+        return super::inet::dns_send(os, n, &data, to);
     }
     let host_flags = flags | libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
     // SAFETY: send of a buffer we own.
@@ -369,8 +419,14 @@ pub fn sys_recvmsg(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, msgp: u64, flags: i
         ctx.write(base, &left[..n])?;
         left = &left[n..];
     }
-    // namelen = 0 (unnamed sender), controllen = 0, flags as the host set them.
-    ctx.write(msgp + 8, &0u32.to_le_bytes())?;
+    // namelen = 0 (unnamed sender; a network socket's peer), controllen = 0, flags as the host set them.
+    match os.files.file(fd)?.net.as_ref() {
+        Some(ns) if m.name != 0 => {
+            ctx.write(msgp + 8, &m.namelen.to_le_bytes())?;
+            super::inet::write_source(ctx, ns, m.name, msgp + 8)?;
+        }
+        _ => ctx.write(msgp + 8, &0u32.to_le_bytes())?,
+    }
     ctx.write(msgp + 40, &0u64.to_le_bytes())?;
     ctx.write(msgp + 48, &hdr.msg_flags.to_le_bytes())?;
     Ok(got)
@@ -405,6 +461,10 @@ const SOCKOPTS: &[i32] = &[
 #[allow(clippy::too_many_arguments)]
 pub fn sys_sockopt(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, level: i32, name: i32, val: u64, len: u64, set: bool) -> SysResult {
     let h = host_socket(os, fd)?;
+    let f = os.files.file(fd)?;
+    if let Some(n) = f.net.as_ref() {
+        return super::inet::sockopt(ctx, &f, n, level, name, val, len, set);
+    }
     if level != libc::SOL_SOCKET || !SOCKOPTS.contains(&name) {
         return Err(ENOPROTOOPT);
     }
@@ -425,4 +485,24 @@ pub fn sys_sockopt(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, level: i32, name: i
     ctx.write(val, &v[..(l as usize).min(room as usize)])?;
     ctx.write(len, &l.to_le_bytes())?;
     Ok(0)
+}
+
+/// sendmmsg: each message as sendmsg would send it (glibc's resolver sends its A and AAAA
+/// queries in one call); the count sent, or the first error if none was.
+pub fn sys_sendmmsg(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, vec: u64, vlen: u32, flags: i32) -> SysResult {
+    let n = vlen.min(1024) as u64;
+    let mut sent = 0u64;
+    for i in 0..n {
+        // struct mmsghdr: a msghdr (56 bytes) and the count sent (u32, padded to 64).
+        let entry = vec + i * 64;
+        match sys_sendmsg(os, ctx, fd, entry, flags) {
+            Ok(len) => {
+                ctx.write(entry + 56, &(len as u32).to_le_bytes())?;
+                sent += 1;
+            }
+            Err(e) if sent == 0 => return Err(e),
+            Err(_) => break,
+        }
+    }
+    Ok(sent)
 }

@@ -1,0 +1,848 @@
+//! The broker: the trusted side of every sandbox's network access.
+//!
+//! One thread in the controller's process (started on first use) serves every sandbox's broker
+//! socket (`wire`). For a guest `connect` it checks the sandbox's policy against the address the
+//! VMM copied once from guest memory, dials itself (non-blocking, bounded by [`DIAL_TIMEOUT`]) from
+//! the host's network namespace, and hands the connected socket to the VMM with SCM_RIGHTS; the VMM
+//! then does the guest's I/O on it directly (no relay in the data path). For a guest DNS query it
+//! answers for names the policy admits by resolving them itself ([`Resolver`]) and remembers which
+//! addresses it gave for which name: a name rule admits a connection only to an address the
+//! broker's own answer gave for that name, never to an address the guest chose.
+//!
+//! Flows: the broker keeps a duplicate of each connected socket (to count its bytes with TCP_INFO
+//! and to reset it when `set_egress` forbids it) and one end of a liveness pair whose other end
+//! lives beside the guest's socket in the VMM: when every VMM process has closed it (the guest
+//! closed the socket, or the sandbox died) the broker sees the hang-up and closes its duplicate, so
+//! its copy never keeps a connection open.
+//!
+//! Fail closed: a VMM whose broker is gone gets ECONNREFUSED and NXDOMAIN.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use super::dns;
+use super::policy::{self, Policy, Verdict};
+use super::wire::{self, NetReply, NetRequest};
+
+/// Longest a dial may take before the guest's connect fails with ETIMEDOUT.
+pub const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one upstream DNS question may take (it is asked twice at most).
+const DNS_TIMEOUT: Duration = Duration::from_secs(2);
+/// Most log entries one sandbox keeps (later ones are counted, not kept).
+const MAX_LOG: usize = 10_000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    /// Setting up the broker (its thread, its sockets) failed.
+    #[error("egress broker: {0}")]
+    Setup(String),
+    /// A resolver specification that is not one.
+    #[error("egress resolver {0:?}: use \"system\", \"dns:HOST:PORT\" (an upstream DNS server) or \"hosts:NAME=IP[,IP];NAME=IP\"")]
+    BadResolver(String),
+}
+
+/// Where the broker resolves admitted names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Resolver {
+    /// The host's own resolver (getaddrinfo in the controller's process).
+    System,
+    /// An upstream DNS server asked over UDP.
+    Upstream(SocketAddr),
+    /// A fixed map (tests, air-gapped hosts): names not in it are NXDOMAIN.
+    Hosts(HashMap<String, Vec<IpAddr>>),
+}
+
+impl Resolver {
+    /// `system`, `dns:HOST:PORT`, or `hosts:NAME=IP[,IP];NAME=IP`.
+    pub fn parse(spec: &str) -> Result<Resolver, BrokerError> {
+        let bad = || BrokerError::BadResolver(spec.to_string());
+        if spec == "system" || spec.is_empty() {
+            return Ok(Resolver::System);
+        }
+        if let Some(a) = spec.strip_prefix("dns:") {
+            return a.parse::<SocketAddr>().map(Resolver::Upstream).map_err(|_| bad());
+        }
+        if let Some(m) = spec.strip_prefix("hosts:") {
+            let mut map = HashMap::new();
+            for entry in m.split(';').filter(|e| !e.is_empty()) {
+                let (name, ips) = entry.split_once('=').ok_or_else(bad)?;
+                let ips = ips.split(',').map(|i| i.parse::<IpAddr>().map_err(|_| bad())).collect::<Result<Vec<_>, _>>()?;
+                map.insert(policy::normal_name(name), ips);
+            }
+            return Ok(Resolver::Hosts(map));
+        }
+        Err(bad())
+    }
+
+    fn resolve(&self, name: &str, v6: bool) -> Result<Vec<IpAddr>, String> {
+        let keep = |a: &IpAddr| a.is_ipv6() == v6;
+        match self {
+            Resolver::Hosts(m) => Ok(m.get(name).map(|v| v.iter().copied().filter(keep).collect()).unwrap_or_default()),
+            Resolver::Upstream(s) => match dns::ask_upstream(*s, name, v6, DNS_TIMEOUT) {
+                Ok(Ok(v)) => Ok(v),
+                Ok(Err(dns::RCODE_NXDOMAIN)) => Ok(vec![]),
+                Ok(Err(rc)) => Err(format!("upstream DNS answered rcode {rc}")),
+                Err(e) => Err(e.to_string()),
+            },
+            Resolver::System => match (name, 0u16).to_socket_addrs() {
+                Ok(it) => {
+                    let mut v: Vec<IpAddr> = it.map(|s| s.ip()).filter(keep).collect();
+                    v.dedup();
+                    Ok(v)
+                }
+                Err(_) => Ok(vec![]),
+            },
+        }
+    }
+}
+
+fn now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+/// One entry of a sandbox's egress log: a connection attempt or a DNS answer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LogEntry {
+    /// Seconds since the epoch.
+    pub time: f64,
+    /// The guest process that asked.
+    pub pid: i32,
+    /// "connect" or "dns".
+    pub kind: &'static str,
+    /// The name: the one asked (dns), or the name whose answer gave the address (connect).
+    pub name: Option<String>,
+    pub addr: Option<IpAddr>,
+    pub port: u16,
+    /// The rule that admitted it (None when denied).
+    pub rule: Option<String>,
+    /// "allowed", "denied", "nxdomain", "reset" (a live change forbade it), "failed" (the dial).
+    pub verdict: String,
+    /// Why, for a denial or failure; the addresses given, for a DNS answer.
+    pub detail: String,
+    /// Bytes the guest sent that the peer acknowledged, and bytes received.
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+    /// Whether the connection is still open.
+    pub open: bool,
+}
+
+struct Flow {
+    log: usize,
+    addr: SocketAddr,
+    names: Vec<String>,
+    tcp: OwnedFd,
+    live: OwnedFd,
+    /// The byte counts when the broker reset it (a disconnect clears the kernel's counters).
+    frozen: Option<(u64, u64)>,
+}
+
+impl Flow {
+    fn bytes(&self) -> (u64, u64) {
+        self.frozen.unwrap_or_else(|| tcp_bytes(self.tcp.as_raw_fd()))
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    policy: Policy,
+    /// Address -> the names whose answers gave it (this sandbox's own DNS answers only).
+    names: HashMap<IpAddr, Vec<String>>,
+    log: Vec<LogEntry>,
+    dropped: u64,
+    flows: Vec<Flow>,
+    /// Bytes of flows already closed.
+    done_out: u64,
+    done_in: u64,
+    closed: bool,
+}
+
+impl Inner {
+    fn push(&mut self, e: LogEntry) -> usize {
+        if self.log.len() >= MAX_LOG {
+            self.dropped += 1;
+            return usize::MAX;
+        }
+        self.log.push(e);
+        self.log.len() - 1
+    }
+
+    fn finish(&mut self, i: usize) {
+        let f = self.flows.swap_remove(i);
+        let (o, n) = f.bytes();
+        self.done_out += o;
+        self.done_in += n;
+        if let Some(e) = self.log.get_mut(f.log) {
+            e.bytes_out = o;
+            e.bytes_in = n;
+            e.open = false;
+        }
+    }
+}
+
+/// One sandbox's network state on the trusted side: its policy, its DNS answers, its flows and
+/// its log. A fork gets a copy of the policy (never a shared one).
+pub struct SandboxNet {
+    inner: Mutex<Inner>,
+}
+
+/// What a fork of this sandbox may start from.
+impl SandboxNet {
+    pub fn new(policy: Policy) -> Arc<SandboxNet> {
+        Arc::new(SandboxNet { inner: Mutex::new(Inner { policy, ..Default::default() }) })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.lock().policy.clone()
+    }
+
+    fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    /// Replace the policy; open connections the new one forbids are reset (the guest reads
+    /// ECONNRESET, the peer gets a RST). Returns how many were reset.
+    pub fn set_policy(&self, p: Policy) -> usize {
+        let mut g = self.lock();
+        g.policy = p;
+        let mut reset = 0;
+        let mut verdicts = Vec::new();
+        let policy = g.policy.clone();
+        for (i, f) in g.flows.iter_mut().enumerate() {
+            if f.frozen.is_some() {
+                continue; // reset already
+            }
+            if let Verdict::Denied(_) = policy.check(f.addr.ip(), f.addr.port(), &f.names) {
+                f.frozen = Some(tcp_bytes(f.tcp.as_raw_fd()));
+                reset_socket(f.tcp.as_raw_fd());
+                verdicts.push((i, f.log));
+                reset += 1;
+            }
+        }
+        for (_, log) in verdicts {
+            if let Some(e) = g.log.get_mut(log) {
+                e.verdict = "reset".into();
+                e.detail = "the sandbox's policy changed and no longer admits this connection".into();
+            }
+        }
+        reset
+    }
+
+    /// The log, with the live byte counts of open flows.
+    pub fn log(&self) -> Vec<LogEntry> {
+        let g = self.lock();
+        let mut log = g.log.clone();
+        for f in &g.flows {
+            if let Some(e) = log.get_mut(f.log) {
+                let (o, n) = f.bytes();
+                e.bytes_out = o;
+                e.bytes_in = n;
+            }
+        }
+        log
+    }
+
+    /// Egress bytes (out, in) of every flow this sandbox opened, closed or open.
+    pub fn bytes(&self) -> (u64, u64) {
+        let g = self.lock();
+        g.flows.iter().fold((g.done_out, g.done_in), |(o, n), f| {
+            let (a, b) = f.bytes();
+            (o + a, n + b)
+        })
+    }
+
+    /// A sandbox reused for a new owner (a recycled clone): no network, an empty log, no flows.
+    pub fn clear(&self) {
+        let mut g = self.lock();
+        while !g.flows.is_empty() {
+            g.finish(0);
+        }
+        let closed = g.closed;
+        *g = Inner { closed, ..Default::default() };
+    }
+
+    /// The sandbox is gone: close every flow (the guest's copies went with its processes).
+    pub fn close(&self) {
+        let mut g = self.lock();
+        g.closed = true;
+        while !g.flows.is_empty() {
+            g.finish(0);
+        }
+    }
+
+    fn handle(self: &Arc<Self>, req: NetRequest, reply: OwnedFd) {
+        match req {
+            NetRequest::Resolve { pid, name, v6 } => self.resolve(pid, name, v6, reply),
+            NetRequest::Connect { pid, addr } => self.connect(pid, addr, reply),
+        }
+    }
+
+    fn resolve(self: &Arc<Self>, pid: i32, name: String, v6: bool, reply: OwnedFd) {
+        let name = policy::normal_name(&name);
+        let admitted = {
+            let g = self.lock();
+            !g.closed && g.policy.admits_name(&name)
+        };
+        if !admitted {
+            self.lock().push(LogEntry {
+                time: now(),
+                pid,
+                kind: "dns",
+                name: Some(name),
+                addr: None,
+                port: 53,
+                rule: None,
+                verdict: "nxdomain".into(),
+                detail: "no rule admits this name; nothing was asked upstream".into(),
+                bytes_out: 0,
+                bytes_in: 0,
+                open: false,
+            });
+            let _ = wire::send(reply.as_raw_fd(), &NetReply::NxDomain, &[]);
+            return;
+        }
+        // Upstream I/O: off the broker thread.
+        let net = self.clone();
+        let job = move || {
+            let res = resolver().resolve(&name, v6);
+            let mut g = net.lock();
+            let (answer, verdict, detail) = match res {
+                Ok(addrs) => {
+                    let (ok, hidden): (Vec<IpAddr>, Vec<IpAddr>) = addrs.into_iter().partition(|a| !policy::is_special(*a));
+                    for a in &ok {
+                        let names = g.names.entry(policy::canonical(*a)).or_default();
+                        if !names.contains(&name) {
+                            names.push(name.clone());
+                        }
+                    }
+                    let mut detail = ok.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(",");
+                    if !hidden.is_empty() {
+                        detail = format!("{detail} (withheld, not public: {})", hidden.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(","));
+                    }
+                    (NetReply::Addrs(ok), "allowed", detail)
+                }
+                Err(e) => (NetReply::NxDomain, "failed", e),
+            };
+            let rule = g.policy.rules.iter().find(|r| r.admits_name(&name)).map(|r| r.to_string()).or_else(|| g.policy.internet.then(|| "internet()".to_string()));
+            g.push(LogEntry {
+                time: now(),
+                pid,
+                kind: "dns",
+                name: Some(name),
+                addr: None,
+                port: 53,
+                rule,
+                verdict: verdict.into(),
+                detail,
+                bytes_out: 0,
+                bytes_in: 0,
+                open: false,
+            });
+            drop(g);
+            let _ = wire::send(reply.as_raw_fd(), &answer, &[]);
+        };
+        if std::thread::Builder::new().name("collimate-dns".into()).spawn(job).is_err() {
+            // No thread: the reply socket closes, the VMM fails closed (SERVFAIL).
+        }
+    }
+
+    fn connect(self: &Arc<Self>, pid: i32, addr: SocketAddr, reply: OwnedFd) {
+        let ip = policy::canonical(addr.ip());
+        let target = SocketAddr::new(ip, addr.port());
+        let (verdict, names) = {
+            let g = self.lock();
+            let names = g.names.get(&ip).cloned().unwrap_or_default();
+            if g.closed {
+                (Verdict::Denied("the sandbox is gone"), names)
+            } else {
+                (g.policy.check(ip, addr.port(), &names), names)
+            }
+        };
+        let entry = move |verdict: &str, rule: Option<String>, detail: String, name: Option<String>| LogEntry {
+            time: now(),
+            pid,
+            kind: "connect",
+            name,
+            addr: Some(ip),
+            port: addr.port(),
+            rule,
+            verdict: verdict.into(),
+            detail,
+            bytes_out: 0,
+            bytes_in: 0,
+            open: false,
+        };
+        let rule = match verdict {
+            Verdict::Denied(why) => {
+                self.lock().push(entry("denied", None, why.into(), names.first().cloned()));
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ECONNREFUSED }, &[]);
+                return;
+            }
+            Verdict::Allowed(rule) => rule,
+        };
+        // The name whose rule admitted it (for the log).
+        let name = {
+            let g = self.lock();
+            names.iter().find(|n| g.policy.rules.iter().any(|r| r.to_string() == rule && r.admits_name(n))).cloned().or_else(|| names.first().cloned())
+        };
+        let sock = match dial_start(target) {
+            Ok(s) => s,
+            Err(e) => {
+                self.lock().push(entry("failed", Some(rule), format!("dial: {e}"), name));
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: e.raw_os_error().unwrap_or(libc::ECONNREFUSED) }, &[]);
+                return;
+            }
+        };
+        let net = self.clone();
+        let finish = move |sock: std::io::Result<OwnedFd>| {
+            let sock = match sock {
+                Ok(s) => s,
+                Err(e) => {
+                    net.lock().push(entry("failed", Some(rule), format!("dial: {e}"), name));
+                    let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: e.raw_os_error().unwrap_or(libc::ETIMEDOUT) }, &[]);
+                    return;
+                }
+            };
+            let Ok((live_ours, live_theirs)) = wire::seqpacket_pair() else {
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENOBUFS }, &[]);
+                return;
+            };
+            // Checked again, and registered, under the lock `set_policy` takes: a policy change
+            // that raced this dial either comes after (and resets the registered flow) or before
+            // (and the connection is refused here, never handed over).
+            let mut g = net.lock();
+            let still = !g.closed && matches!(g.policy.check(target.ip(), target.port(), &names), Verdict::Allowed(_));
+            if !still {
+                g.push(entry("denied", None, "the policy changed while the connection was being made".into(), name));
+                drop(g);
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ECONNREFUSED }, &[]);
+                return;
+            }
+            if wire::send(reply.as_raw_fd(), &NetReply::Connected, &[sock.as_raw_fd(), live_theirs.as_raw_fd()]).is_err() {
+                return; // the asking process is gone: drop the connection
+            }
+            drop(live_theirs);
+            let mut e = entry("allowed", Some(rule), String::new(), name);
+            e.open = true;
+            let log = g.push(e);
+            g.flows.push(Flow { log, addr: target, names, tcp: sock, live: live_ours, frozen: None });
+            drop(g);
+            broker_wake();
+        };
+        match sock {
+            Dial::Done(s) => finish(Ok(s)),
+            Dial::Pending(s) => {
+                let job = move || finish(dial_wait(s, DIAL_TIMEOUT));
+                let _ = std::thread::Builder::new().name("collimate-dial".into()).spawn(job);
+            }
+        }
+    }
+
+    fn live_fds(&self) -> Vec<RawFd> {
+        self.lock().flows.iter().map(|f| f.live.as_raw_fd()).collect()
+    }
+
+    fn hung_up(&self, live: RawFd) {
+        let mut g = self.lock();
+        if let Some(i) = g.flows.iter().position(|f| f.live.as_raw_fd() == live) {
+            g.finish(i);
+        }
+    }
+}
+
+/// (bytes acknowledged by the peer, bytes received) of a TCP socket.
+fn tcp_bytes(fd: RawFd) -> (u64, u64) {
+    // SAFETY: a zeroed tcp_info is valid; getsockopt fills at most `len` bytes of it.
+    let mut ti: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: TCP_INFO into a buffer of `len` bytes we own.
+    let r = unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, (&mut ti as *mut libc::tcp_info).cast(), &mut len) };
+    if r != 0 {
+        return (0, 0);
+    }
+    // The kernel's count of acknowledged bytes includes our SYN, and our FIN once it is
+    // acknowledged (FIN_WAIT2, TIME_WAIT): neither is data.
+    let fin_acked = matches!(ti.tcpi_state, 5 | 6);
+    (ti.tcpi_bytes_acked.saturating_sub(1 + fin_acked as u64), ti.tcpi_bytes_received)
+}
+
+/// Reset a connection every holder shares: connect(AF_UNSPEC) disconnects a TCP socket with a RST
+/// and leaves ECONNRESET pending for the next call on it (shutdown as a fallback).
+fn reset_socket(fd: RawFd) {
+    // SAFETY: a zeroed sockaddr with family AF_UNSPEC.
+    let mut sa: libc::sockaddr = unsafe { std::mem::zeroed() };
+    sa.sa_family = libc::AF_UNSPEC as u16;
+    // SAFETY: connect on a socket we hold, with the sockaddr above.
+    let r = unsafe { libc::connect(fd, &sa, std::mem::size_of::<libc::sockaddr>() as u32) };
+    if r != 0 {
+        // SAFETY: shutdown on a socket we hold.
+        unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+    }
+}
+
+enum Dial {
+    Done(OwnedFd),
+    Pending(OwnedFd),
+}
+
+fn dial_start(addr: SocketAddr) -> std::io::Result<Dial> {
+    let fam = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    // SAFETY: socket with constant arguments; the result is checked and owned below.
+    let fd = unsafe { libc::socket(fam, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor we own.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let (sa, len) = sockaddr(addr);
+    // SAFETY: connect with a sockaddr_storage holding `len` valid bytes.
+    let r = unsafe { libc::connect(fd, (&sa as *const libc::sockaddr_storage).cast(), len) };
+    if r == 0 {
+        return Ok(Dial::Done(sock));
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EINPROGRESS) {
+        return Ok(Dial::Pending(sock));
+    }
+    Err(e)
+}
+
+fn dial_wait(sock: OwnedFd, timeout: Duration) -> std::io::Result<OwnedFd> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::from_raw_os_error(libc::ETIMEDOUT));
+        }
+        let mut pfd = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+        if r < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+            continue;
+        }
+        if r > 0 {
+            let mut err: i32 = 0;
+            let mut len = 4 as libc::socklen_t;
+            // SAFETY: SO_ERROR into an int we own.
+            unsafe { libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_ERROR, (&mut err as *mut i32).cast(), &mut len) };
+            return if err == 0 { Ok(sock) } else { Err(std::io::Error::from_raw_os_error(err)) };
+        }
+    }
+}
+
+/// A socket address as the kernel takes it.
+pub fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: a zeroed sockaddr_storage is valid; we fill the variant that fits.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in.
+            let sin = unsafe { &mut *(&mut ss as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in>() };
+            sin.sin_family = libc::AF_INET as u16;
+            sin.sin_port = a.port().to_be();
+            sin.sin_addr.s_addr = u32::from_ne_bytes(a.ip().octets());
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            // SAFETY: as above, for sockaddr_in6.
+            let sin6 = unsafe { &mut *(&mut ss as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in6>() };
+            sin6.sin6_family = libc::AF_INET6 as u16;
+            sin6.sin6_port = a.port().to_be();
+            sin6.sin6_addr.s6_addr = a.ip().octets();
+            sin6.sin6_scope_id = a.scope_id();
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (ss, len as libc::socklen_t)
+}
+
+// The broker thread and its registry.
+
+struct Registered {
+    sock: OwnedFd,
+    net: Arc<SandboxNet>,
+}
+
+struct Broker {
+    reg: Mutex<Vec<Registered>>,
+    /// Signalled each time the broker thread has dropped the registrations of closed sandboxes.
+    swept: std::sync::Condvar,
+    wake: OwnedFd,
+    resolver: Mutex<Resolver>,
+}
+
+static BROKER: OnceLock<std::result::Result<Broker, String>> = OnceLock::new();
+
+fn broker() -> Result<&'static Broker, BrokerError> {
+    BROKER
+        .get_or_init(|| {
+            // SAFETY: eventfd with constant flags; the result is checked and owned below.
+            let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+            if fd < 0 {
+                return Err(format!("eventfd: {}", std::io::Error::last_os_error()));
+            }
+            let resolver = std::env::var("COLLIMATE_EGRESS_RESOLVER").ok().and_then(|s| Resolver::parse(&s).ok()).unwrap_or(Resolver::System);
+            // SAFETY: a fresh descriptor we own.
+            let wake = unsafe { OwnedFd::from_raw_fd(fd) };
+            let b = Broker {
+                reg: Mutex::new(Vec::new()),
+                swept: std::sync::Condvar::new(),
+                wake,
+                resolver: Mutex::new(resolver),
+            };
+            std::thread::Builder::new().name("collimate-broker".into()).spawn(broker_loop).map_err(|e| format!("thread: {e}"))?;
+            Ok(b)
+        })
+        .as_ref()
+        .map_err(|e| BrokerError::Setup(e.clone()))
+}
+
+fn resolver() -> Resolver {
+    match broker() {
+        Ok(b) => b.resolver.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        Err(_) => Resolver::Hosts(HashMap::new()),
+    }
+}
+
+/// Start the broker thread now (it starts on first use otherwise).
+pub fn start() -> Result<(), BrokerError> {
+    broker().map(|_| ())
+}
+
+/// Where admitted names are resolved from now on, for every sandbox of this process.
+pub fn set_resolver(r: Resolver) -> Result<(), BrokerError> {
+    *broker()?.resolver.lock().unwrap_or_else(|p| p.into_inner()) = r;
+    Ok(())
+}
+
+fn broker_wake() {
+    if let Ok(b) = broker() {
+        let one: u64 = 1;
+        // SAFETY: an 8-byte write to our eventfd.
+        unsafe { libc::write(b.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+}
+
+/// Serve `net` on a new broker socket; the returned end goes to the sandbox's VMM.
+pub fn register(net: Arc<SandboxNet>) -> Result<OwnedFd, BrokerError> {
+    let b = broker()?;
+    let (ours, theirs) = wire::seqpacket_pair().map_err(|e| BrokerError::Setup(e.to_string()))?;
+    // SAFETY: fcntl on our own descriptor.
+    unsafe { libc::fcntl(ours.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+    b.reg.lock().unwrap_or_else(|p| p.into_inner()).push(Registered { sock: ours, net });
+    broker_wake();
+    Ok(theirs)
+}
+
+/// A closed sandbox (`SandboxNet::close`) leaves the broker: wait until the broker thread has
+/// dropped its socket (it alone may close what it polls), so that a destroyed sandbox holds no
+/// descriptor when its destroy returns. Bounded: at most a second.
+pub fn forget(net: &Arc<SandboxNet>) {
+    let Ok(b) = broker() else { return };
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let mut reg = b.reg.lock().unwrap_or_else(|p| p.into_inner());
+    while reg.iter().any(|r| Arc::ptr_eq(&r.net, net)) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        broker_wake();
+        reg = match b.swept.wait_timeout(reg, left.min(Duration::from_millis(50))) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+    }
+}
+
+fn broker_loop() {
+    // Wait until the OnceLock holds the broker (we are started from inside its initializer).
+    let b = loop {
+        match BROKER.get() {
+            Some(Ok(b)) => break b,
+            Some(Err(_)) => return,
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+    };
+    loop {
+        // What to watch: the wake-up, each sandbox's socket, each flow's liveness end. Closed
+        // sandboxes leave first (here, between polls: nothing closes a descriptor being polled).
+        let (socks, nets): (Vec<RawFd>, Vec<Arc<SandboxNet>>) = {
+            let mut reg = b.reg.lock().unwrap_or_else(|p| p.into_inner());
+            let before = reg.len();
+            reg.retain(|r| !r.net.is_closed());
+            if reg.len() != before {
+                b.swept.notify_all();
+            }
+            reg.iter().map(|r| (r.sock.as_raw_fd(), r.net.clone())).unzip()
+        };
+        let mut pfds = vec![libc::pollfd { fd: b.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        pfds.extend(socks.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }));
+        let mut lives: Vec<(usize, RawFd)> = Vec::new();
+        for (i, n) in nets.iter().enumerate() {
+            for fd in n.live_fds() {
+                lives.push((i, fd));
+                pfds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+            }
+        }
+        // SAFETY: `pfds` is a valid array of pollfds.
+        let r = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, 1000) };
+        if r <= 0 {
+            continue;
+        }
+        if pfds[0].revents != 0 {
+            let mut v: u64 = 0;
+            // SAFETY: an 8-byte read from our eventfd.
+            unsafe { libc::read(b.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        }
+        let mut gone = Vec::new();
+        for (i, &fd) in socks.iter().enumerate() {
+            let re = pfds[1 + i].revents;
+            if re & libc::POLLIN != 0 {
+                // Serve what is queued (bounded, so one sandbox cannot starve the rest).
+                for _ in 0..64 {
+                    match wire::recv::<NetRequest>(fd) {
+                        Ok((req, mut fds)) if fds.len() == 1 => nets[i].handle(req, fds.remove(0)),
+                        Ok(_) => {}
+                        Err(wire::WireError::Sys { source, .. }) if source.raw_os_error() == Some(libc::EAGAIN) => break,
+                        Err(wire::WireError::Closed) => {
+                            gone.push(fd);
+                            break;
+                        }
+                        Err(_) => {}
+                    }
+                }
+            } else if re & (libc::POLLHUP | libc::POLLERR) != 0 {
+                gone.push(fd);
+            }
+        }
+        for (k, (i, fd)) in lives.iter().enumerate() {
+            if pfds[1 + socks.len() + k].revents != 0 {
+                nets[*i].hung_up(*fd);
+            }
+        }
+        if !gone.is_empty() {
+            // Every VMM process of these sandboxes is gone: so are their flows.
+            let mut reg = b.reg.lock().unwrap_or_else(|p| p.into_inner());
+            reg.retain(|r| {
+                let keep = !gone.contains(&r.sock.as_raw_fd());
+                if !keep {
+                    r.net.close();
+                }
+                keep
+            });
+            b.swept.notify_all();
+        }
+    }
+}
+
+/// Sandboxes the broker serves now (for leak tests).
+pub fn registered() -> usize {
+    broker().map(|b| b.reg.lock().unwrap_or_else(|p| p.into_inner()).len()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+
+    fn policy(rules: &[&str]) -> Policy {
+        Policy::parse(&rules.iter().map(|s| s.to_string()).collect::<Vec<_>>(), false).unwrap()
+    }
+
+    /// The VMM's side of a connect, as `guestos::files::inet` makes it.
+    fn connect(vmm: &OwnedFd, addr: SocketAddr) -> (NetReply, Vec<OwnedFd>) {
+        wire::call(vmm.as_raw_fd(), &NetRequest::Connect { pid: 7, addr }, 5000).unwrap()
+    }
+
+    #[test]
+    fn a_connect_is_checked_dialled_handed_over_logged_and_closed() {
+        let server = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = server.local_addr().unwrap();
+        let net = SandboxNet::new(Policy::default());
+        let vmm = register(net.clone()).unwrap();
+        // No network by default: refused, logged.
+        let (r, fds) = connect(&vmm, addr);
+        assert!(matches!(r, NetReply::Refused { errno: libc::ECONNREFUSED }) && fds.is_empty());
+        // An IP rule for it: the connected socket and the liveness end come back.
+        net.set_policy(policy(&[&format!("127.0.0.1:{}", addr.port())]));
+        let (r, mut fds) = connect(&vmm, addr);
+        assert!(matches!(r, NetReply::Connected) && fds.len() == 2);
+        let live = fds.pop().unwrap();
+        let mut tcp = std::net::TcpStream::from(fds.pop().unwrap());
+        let (mut peer, _) = server.accept().unwrap();
+        tcp.write_all(b"ping").unwrap();
+        let mut b = [0u8; 4];
+        peer.read_exact(&mut b).unwrap();
+        peer.write_all(b"pong!").unwrap();
+        let mut got = [0u8; 5];
+        tcp.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"pong!");
+        let log = net.log();
+        assert_eq!(log.iter().map(|e| e.verdict.as_str()).collect::<Vec<_>>(), ["denied", "allowed"]);
+        assert_eq!(log[1].pid, 7);
+        assert!(log[1].open);
+        // The guest closes it (its socket and the liveness end): the broker lets go of its copy,
+        // so the peer sees EOF, and the bytes stay in the log.
+        drop(tcp);
+        drop(live);
+        peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut rest = Vec::new();
+        peer.read_to_end(&mut rest).unwrap();
+        for _ in 0..200 {
+            if !net.log()[1].open {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let e = &net.log()[1];
+        assert!(!e.open && e.bytes_out == 4 && e.bytes_in == 5, "{e:?}");
+        assert_eq!(net.bytes(), (4, 5));
+    }
+
+    #[test]
+    fn set_policy_resets_what_it_forbids_and_keeps_the_counts() {
+        let server = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = server.local_addr().unwrap();
+        let net = SandboxNet::new(policy(&[&format!("127.0.0.1:{}", addr.port())]));
+        let vmm = register(net.clone()).unwrap();
+        let (_, mut fds) = connect(&vmm, addr);
+        let _live = fds.pop().unwrap();
+        let mut tcp = std::net::TcpStream::from(fds.pop().unwrap());
+        let (mut peer, _) = server.accept().unwrap();
+        tcp.write_all(b"abc").unwrap();
+        let mut b = [0u8; 3];
+        peer.read_exact(&mut b).unwrap();
+        assert_eq!(net.set_policy(policy(&["pypi.org"])), 1);
+        let mut x = [0u8; 1];
+        let err = tcp.read(&mut x).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ECONNRESET));
+        let e = &net.log()[0];
+        assert_eq!((e.verdict.as_str(), e.bytes_out), ("reset", 3));
+    }
+
+    #[test]
+    fn names_are_answered_for_admitted_names_only_and_private_answers_are_withheld() {
+        set_resolver(Resolver::parse("hosts:pkg.test=203.0.113.9;loop.test=127.0.0.1").unwrap()).unwrap();
+        let net = SandboxNet::new(policy(&["pkg.test:80", "loop.test"]));
+        let vmm = register(net.clone()).unwrap();
+        let ask = |name: &str| wire::call(vmm.as_raw_fd(), &NetRequest::Resolve { pid: 1, name: name.into(), v6: false }, 5000).unwrap().0;
+        assert!(matches!(ask("pkg.test"), NetReply::Addrs(a) if a == vec!["203.0.113.9".parse::<IpAddr>().unwrap()]));
+        assert!(matches!(ask("loop.test"), NetReply::Addrs(a) if a.is_empty()));
+        assert!(matches!(ask("other.test"), NetReply::NxDomain));
+        // The answered address is admitted for its name's rule (port 80 only), not as a literal.
+        let g = net.lock();
+        let names = g.names.get(&"203.0.113.9".parse::<IpAddr>().unwrap()).cloned().unwrap_or_default();
+        assert_eq!(names, vec!["pkg.test".to_string()]);
+        assert!(matches!(g.policy.check("203.0.113.9".parse().unwrap(), 80, &names), Verdict::Allowed(_)));
+        assert!(matches!(g.policy.check("203.0.113.9".parse().unwrap(), 81, &names), Verdict::Denied(_)));
+        drop(g);
+        set_resolver(Resolver::System).unwrap();
+    }
+}

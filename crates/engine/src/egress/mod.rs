@@ -1,0 +1,16 @@
+//! Network egress: each sandbox's policy and the broker that enforces it (docs/egress.md).
+//!
+//! The VMM processes stay in their empty network namespace under seccomp: they cannot open a
+//! network socket of their own. A guest `connect` on a TCP socket, and a guest DNS query, become a
+//! request on the sandbox's broker socket ([`wire`]); the broker ([`broker`]), on the trusted side
+//! in the controller's process, checks the sandbox's [`policy`], resolves names itself, dials, and
+//! passes the connected socket back. DNS is answered inside the engine ([`dns`]): nothing the guest
+//! sends reaches a DNS server.
+
+pub mod broker;
+pub mod dns;
+pub mod policy;
+pub mod wire;
+
+pub use broker::{LogEntry, Resolver, SandboxNet};
+pub use policy::{Policy, RuleError};

@@ -1,0 +1,419 @@
+//! Guest network sockets (AF_INET, AF_INET6): TCP through the broker, DNS answered by the engine.
+//!
+//! A VMM process lives in an empty network namespace and may not open a network socket (seccomp);
+//! the broker on the trusted side does that (`crate::egress`). A guest TCP socket starts as a
+//! placeholder host socket (an AF_UNIX one: it polls, reads and fstats as a socket, and holds the
+//! guest fd's host descriptor number). `connect` copies the address once from guest memory and
+//! asks the broker over the sandbox's broker socket; on success the broker passes the connected
+//! TCP socket back and it is `dup3`'d over the placeholder, so every later read, write, poll, epoll,
+//! shutdown and sockopt is the host's own call on it, as for any other host descriptor. A denied
+//! connect fails with ECONNREFUSED (a policy denial behaves like a host that refuses: immediate,
+//! never a hang; ENETUNREACH would say there is no route, which is not what happened).
+//!
+//! DNS: a UDP socket sends only to port 53, and its datagrams never leave the VMM: the VMM reads
+//! the query, asks the broker (which answers for admitted names only), and queues the answer on the
+//! guest's socket (one end of an AF_UNIX datagram pair, so poll and recv work as usual), from the
+//! address the guest sent to (glibc checks it). Other UDP destinations are unreachable
+//! (ENETUNREACH); raw sockets need a capability the guest lacks (EPERM); no socket listens.
+//!
+//! A sandbox fork (not a guest fork) gets a broker socket of its own (`set_broker`); the TCP
+//! connections it inherited belong to its parent and read as closed in the child.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex};
+
+use super::{cvt, OpenFile};
+use crate::egress::{dns, wire};
+use crate::guestos::{Ctx, Errno, GuestOs, SysResult, EINVAL};
+
+const EAFNOSUPPORT: Errno = Errno(97);
+const EPERM: Errno = Errno(1);
+const EISCONN: Errno = Errno(106);
+const ENOTCONN: Errno = Errno(107);
+const ECONNREFUSED: Errno = Errno(111);
+const ENETUNREACH: Errno = Errno(101);
+const EOPNOTSUPP: Errno = Errno(95);
+const EPROTONOSUPPORT: Errno = Errno(93);
+const ESOCKTNOSUPPORT: Errno = Errno(94);
+const EADDRNOTAVAIL: Errno = Errno(99);
+const DNS_PORT: u16 = 53;
+/// How long a VMM waits for the broker before failing closed (a dial's own bound plus slack).
+const BROKER_WAIT_MS: i32 = 13_000;
+
+/// The sandbox's broker socket (the VMM end), shared by its processes.
+static BROKER: Mutex<Option<OwnedFd>> = Mutex::new(None);
+
+fn broker_fd() -> Option<RawFd> {
+    BROKER.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|f| f.as_raw_fd())
+}
+
+/// What the engine keeps beside a guest network socket's host descriptor.
+pub struct NetSock {
+    pub family: i32,
+    /// SOCK_STREAM (TCP) or SOCK_DGRAM (DNS).
+    pub kind: i32,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// TCP: the peer, once connected; UDP: the connected (DNS server) address.
+    peer: Option<SocketAddr>,
+    /// TCP: the liveness end the broker watches (see `egress::broker`).
+    live: Option<OwnedFd>,
+    /// TCP: options set before connect (applied to the real socket after it).
+    pending: Vec<(i32, i32, Vec<u8>)>,
+    /// UDP: the VMM's end of the datagram pair (answers are queued through it), and where the
+    /// last query went (the answers' source address).
+    dns_end: Option<OwnedFd>,
+    last_server: Option<SocketAddr>,
+    /// A sandbox fork's copy of its parent's connection.
+    inherited: bool,
+}
+
+impl NetSock {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn is_dns(&self) -> bool {
+        self.kind == libc::SOCK_DGRAM
+    }
+}
+
+fn pair(ty: i32) -> Result<(OwnedFd, OwnedFd), Errno> {
+    let mut sv = [0 as RawFd; 2];
+    // SAFETY: socketpair writes two descriptors into `sv`.
+    cvt(unsafe { libc::socketpair(libc::AF_UNIX, ty | libc::SOCK_CLOEXEC, 0, sv.as_mut_ptr()) } as i64)?;
+    // SAFETY: two fresh descriptors we own.
+    Ok(unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) })
+}
+
+/// socket(AF_INET or AF_INET6, ...).
+pub fn socket(os: &mut GuestOs, domain: i32, ty: i32, proto: i32) -> SysResult {
+    let kind = ty & 0xf;
+    if ty & !(0xf | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC) != 0 {
+        return Err(EINVAL);
+    }
+    let (nonblock, cloexec) = (ty & libc::SOCK_NONBLOCK != 0, ty & libc::SOCK_CLOEXEC != 0);
+    let flags = if nonblock { libc::SOCK_NONBLOCK } else { 0 };
+    let (fd, dns_end) = match kind {
+        libc::SOCK_STREAM if proto == 0 || proto == libc::IPPROTO_TCP => (pair(libc::SOCK_STREAM | flags)?.0, None),
+        libc::SOCK_DGRAM if proto == 0 || proto == libc::IPPROTO_UDP => {
+            let (guest, vmm) = pair(libc::SOCK_DGRAM | flags)?;
+            (guest, Some(vmm))
+        }
+        libc::SOCK_RAW => return Err(EPERM),
+        libc::SOCK_STREAM | libc::SOCK_DGRAM => return Err(EPROTONOSUPPORT),
+        _ => return Err(ESOCKTNOSUPPORT),
+    };
+    let mut f = OpenFile::host(fd, None, false);
+    f.net = Some(Box::new(NetSock { family: domain, kind, state: Mutex::new(State { dns_end, ..Default::default() }) }));
+    os.files.alloc(0, Arc::new(f), cloexec).map(|fd| fd as u64)
+}
+
+/// A guest sockaddr_in or sockaddr_in6, copied once.
+fn read_addr(ctx: &Ctx, addr: u64, len: u32) -> Result<SocketAddr, Errno> {
+    if len < 2 {
+        return Err(EINVAL);
+    }
+    let b = ctx.read_vec(addr, (len as usize).min(28))?;
+    let fam = u16::from_le_bytes([b[0], b[1]]) as i32;
+    match fam {
+        libc::AF_INET if b.len() >= 16 => {
+            let port = u16::from_be_bytes([b[2], b[3]]);
+            Ok(SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::new(b[4], b[5], b[6], b[7]), port)))
+        }
+        libc::AF_INET6 if b.len() >= 24 => {
+            let port = u16::from_be_bytes([b[2], b[3]]);
+            let mut a = [0u8; 16];
+            a.copy_from_slice(&b[8..24]);
+            let scope = if b.len() >= 28 { u32::from_le_bytes([b[24], b[25], b[26], b[27]]) } else { 0 };
+            Ok(SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::from(a), port, 0, scope)))
+        }
+        libc::AF_INET | libc::AF_INET6 => Err(EINVAL),
+        _ => Err(EAFNOSUPPORT),
+    }
+}
+
+/// Write `a` as the guest's sockaddr (truncated to the room the guest gave, as Linux does).
+fn write_addr(ctx: &mut Ctx, a: Option<SocketAddr>, family: i32, addr: u64, lenp: u64) -> Result<(), Errno> {
+    if addr == 0 || lenp == 0 {
+        return Ok(());
+    }
+    let a = a.unwrap_or(if family == libc::AF_INET6 {
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)
+    } else {
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
+    });
+    let a = match (family, a) {
+        // An IPv6 socket sees IPv4 peers as mapped addresses.
+        (libc::AF_INET6, SocketAddr::V4(v4)) => SocketAddr::new(IpAddr::V6(v4.ip().to_ipv6_mapped()), v4.port()),
+        (_, a) => a,
+    };
+    let (ss, len) = crate::egress::broker::sockaddr(a);
+    // SAFETY: sockaddr_storage is plain bytes; `len` of them are filled.
+    let bytes = unsafe { std::slice::from_raw_parts((&ss as *const libc::sockaddr_storage).cast::<u8>(), len as usize) };
+    let b = ctx.read_vec(lenp, 4)?;
+    let room = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+    ctx.write(addr, &bytes[..room.min(bytes.len())])?;
+    ctx.write(lenp, &len.to_le_bytes())
+}
+
+/// connect on a guest network socket.
+pub fn connect(os: &mut GuestOs, ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr: u64, len: u32) -> SysResult {
+    let to = read_addr(ctx, addr, len)?;
+    if n.family == libc::AF_INET && to.is_ipv6() {
+        return Err(EAFNOSUPPORT);
+    }
+    let to = unmap(to);
+    if n.is_dns() {
+        if to.port() != DNS_PORT {
+            return Err(ENETUNREACH);
+        }
+        n.lock().peer = Some(to);
+        return Ok(0);
+    }
+    if n.lock().peer.is_some() {
+        return Err(EISCONN);
+    }
+    let h = f.host_fd().ok_or(EINVAL)?;
+    let Some(broker) = broker_fd() else { return Err(ECONNREFUSED) };
+    let req = wire::NetRequest::Connect { pid: os.proc.pid, addr: to };
+    let (reply, fds) = wire::call(broker, &req, BROKER_WAIT_MS).map_err(|_| ECONNREFUSED)?;
+    match reply {
+        wire::NetReply::Connected if fds.len() == 2 => {
+            let mut fds = fds.into_iter();
+            let (tcp, live) = match (fds.next(), fds.next()) {
+                (Some(t), Some(l)) => (t, l),
+                _ => return Err(ECONNREFUSED),
+            };
+            // SAFETY: F_GETFL on the placeholder we hold.
+            let fl = unsafe { libc::fcntl(h, libc::F_GETFL) };
+            // SAFETY: dup3 of the received socket over the placeholder's number: the guest fd's
+            // host descriptor now names the connected socket (the placeholder is closed).
+            cvt(unsafe { libc::dup3(tcp.as_raw_fd(), h, libc::O_CLOEXEC) } as i64)?;
+            drop(tcp);
+            // SAFETY: F_SETFL on our descriptor: the guest's O_NONBLOCK, as it had set it.
+            unsafe { libc::fcntl(h, libc::F_SETFL, if fl >= 0 { fl & libc::O_NONBLOCK } else { 0 }) };
+            let mut st = n.lock();
+            for (level, name, v) in st.pending.drain(..) {
+                // SAFETY: setsockopt with a buffer we own.
+                unsafe { libc::setsockopt(h, level, name, v.as_ptr().cast(), v.len() as libc::socklen_t) };
+            }
+            st.peer = Some(to);
+            st.live = Some(live);
+            Ok(0)
+        }
+        wire::NetReply::Refused { errno } => Err(Errno(errno)),
+        _ => Err(ECONNREFUSED),
+    }
+}
+
+fn unmap(a: SocketAddr) -> SocketAddr {
+    match a {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
+            None => a,
+        },
+        a => a,
+    }
+}
+
+/// bind: a client socket may bind the any-address with port 0 (what bind-before-connect code
+/// does); nothing else (nothing listens in a sandbox).
+pub fn bind(ctx: &mut Ctx, addr: u64, len: u32) -> SysResult {
+    let a = read_addr(ctx, addr, len)?;
+    if a.port() == 0 && a.ip().is_unspecified() {
+        return Ok(0);
+    }
+    Err(EADDRNOTAVAIL)
+}
+
+/// getsockname / getpeername.
+pub fn getname(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr: u64, lenp: u64, peer: bool) -> SysResult {
+    let st = n.lock();
+    if n.is_dns() || st.peer.is_none() || st.inherited {
+        if peer && st.peer.is_none() {
+            return Err(ENOTCONN);
+        }
+        let a = if peer { st.peer } else { None };
+        drop(st);
+        return write_addr(ctx, a, n.family, addr, lenp).map(|_| 0);
+    }
+    drop(st);
+    let h = f.host_fd().ok_or(EINVAL)?;
+    // SAFETY: a zeroed sockaddr_storage is valid; the host fills at most its size.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    let p = (&mut ss as *mut libc::sockaddr_storage).cast();
+    // SAFETY: our socket, a buffer of `len` bytes.
+    cvt(unsafe { if peer { libc::getpeername(h, p, &mut len) } else { libc::getsockname(h, p, &mut len) } } as i64)?;
+    // SAFETY: reading the variant the family says the kernel wrote.
+    let a = unsafe {
+        match ss.ss_family as i32 {
+            libc::AF_INET => {
+                let s = &*(&ss as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>();
+                SocketAddr::new(IpAddr::V4(Ipv4Addr::from(u32::from_be(s.sin_addr.s_addr))), u16::from_be(s.sin_port))
+            }
+            _ => {
+                let s = &*(&ss as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>();
+                SocketAddr::new(IpAddr::V6(Ipv6Addr::from(s.sin6_addr.s6_addr)), u16::from_be(s.sin6_port))
+            }
+        }
+    };
+    write_addr(ctx, Some(a), n.family, addr, lenp).map(|_| 0)
+}
+
+/// The socket options of a network socket: SOL_SOCKET identity options answered by the engine
+/// (the placeholder is an AF_UNIX socket), options set before connect remembered and applied
+/// after it; common TCP and IP options passed to the real socket.
+#[allow(clippy::too_many_arguments)]
+pub fn sockopt(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, level: i32, name: i32, val: u64, len: u64, set: bool) -> SysResult {
+    let connected = n.lock().peer.is_some() && !n.is_dns();
+    let ident = match (level, name) {
+        (libc::SOL_SOCKET, libc::SO_DOMAIN) => Some(n.family),
+        (libc::SOL_SOCKET, libc::SO_TYPE) => Some(n.kind),
+        (libc::SOL_SOCKET, libc::SO_PROTOCOL) => Some(if n.is_dns() { libc::IPPROTO_UDP } else { libc::IPPROTO_TCP }),
+        (libc::SOL_SOCKET, libc::SO_ACCEPTCONN) => Some(0),
+        _ => None,
+    };
+    if let (Some(v), false) = (ident, set) {
+        return put_int(ctx, val, len, v);
+    }
+    let known = matches!(
+        (level, name),
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE | libc::SO_RCVBUF | libc::SO_SNDBUF | libc::SO_ERROR | libc::SO_LINGER | libc::SO_REUSEADDR | libc::SO_REUSEPORT | libc::SO_RCVTIMEO | libc::SO_SNDTIMEO | libc::SO_BROADCAST | libc::SO_RCVLOWAT | libc::SO_SNDLOWAT)
+            | (libc::IPPROTO_TCP, libc::TCP_NODELAY | libc::TCP_KEEPIDLE | libc::TCP_KEEPINTVL | libc::TCP_KEEPCNT | libc::TCP_USER_TIMEOUT | libc::TCP_QUICKACK | libc::TCP_MAXSEG | libc::TCP_INFO | libc::TCP_CORK)
+            | (libc::IPPROTO_IP, libc::IP_TOS | libc::IP_TTL | libc::IP_RECVERR | libc::IP_MTU_DISCOVER)
+            | (libc::IPPROTO_IPV6, libc::IPV6_V6ONLY | libc::IPV6_TCLASS | libc::IPV6_RECVERR | libc::IPV6_UNICAST_HOPS)
+    );
+    if !known {
+        return Err(Errno(92)); // ENOPROTOOPT
+    }
+    let h = f.host_fd().ok_or(EINVAL)?;
+    if set {
+        if len > 256 {
+            return Err(EINVAL);
+        }
+        let v = ctx.read_vec(val, len as usize)?;
+        if !connected {
+            // Before connect every option waits for the real socket (the placeholder is another
+            // socket: what is set on it would be lost); the engine's DNS socket takes and ignores them.
+            if !n.is_dns() {
+                n.lock().pending.push((level, name, v));
+            }
+            return Ok(0);
+        }
+        // SAFETY: setsockopt with a buffer of `len` bytes we own.
+        return cvt(unsafe { libc::setsockopt(h, level, name, v.as_ptr().cast(), len as libc::socklen_t) } as i64).map(|_| 0);
+    }
+    let b = ctx.read_vec(len, 4)?;
+    let room = u32::from_le_bytes([b[0], b[1], b[2], b[3]]).min(256);
+    if !connected && (level != libc::SOL_SOCKET || n.lock().pending.iter().any(|(l, nm, _)| *l == level && *nm == name)) {
+        let st = n.lock();
+        let v = st.pending.iter().rev().find(|(l, nm, _)| *l == level && *nm == name).map(|p| p.2.clone());
+        drop(st);
+        let v = v.unwrap_or_else(|| 0i32.to_le_bytes().to_vec());
+        ctx.write(val, &v[..v.len().min(room as usize)])?;
+        return ctx.write(len, &(v.len() as u32).to_le_bytes()).map(|_| 0);
+    }
+    let mut v = [0u8; 256];
+    let mut l = room as libc::socklen_t;
+    // SAFETY: getsockopt into a buffer of `l` bytes we own.
+    cvt(unsafe { libc::getsockopt(h, level, name, v.as_mut_ptr().cast(), &mut l) } as i64)?;
+    ctx.write(val, &v[..(l as usize).min(room as usize)])?;
+    ctx.write(len, &l.to_le_bytes())?;
+    Ok(0)
+}
+
+fn put_int(ctx: &mut Ctx, val: u64, lenp: u64, v: i32) -> SysResult {
+    let b = ctx.read_vec(lenp, 4)?;
+    let room = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+    ctx.write(val, &v.to_le_bytes()[..room.min(4)])?;
+    ctx.write(lenp, &4u32.to_le_bytes())?;
+    Ok(0)
+}
+
+/// A datagram the guest sends on a UDP socket: to `dest` (sendto) or the connected address.
+/// Only DNS is served: the engine answers it (see the module comment).
+pub fn dns_send(os: &GuestOs, n: &NetSock, data: &[u8], dest: Option<SocketAddr>) -> SysResult {
+    let to = match dest.map(unmap) {
+        Some(d) => d,
+        None => n.lock().peer.ok_or(Errno(89))?, // EDESTADDRREQ
+    };
+    if to.port() != DNS_PORT {
+        return Err(ENETUNREACH);
+    }
+    let reply = dns_answer(os, data);
+    let mut st = n.lock();
+    st.last_server = Some(to);
+    if let (Some(reply), Some(end)) = (reply, st.dns_end.as_ref()) {
+        // SAFETY: send of a buffer we own on our end of the datagram pair.
+        unsafe { libc::send(end.as_raw_fd(), reply.as_ptr().cast(), reply.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+    }
+    Ok(data.len() as u64)
+}
+
+/// The engine's answer to a guest's DNS message (None: not even an id to answer).
+fn dns_answer(os: &GuestOs, msg: &[u8]) -> Option<Vec<u8>> {
+    let Some(q) = dns::parse_query(msg) else { return dns::formerr(msg) };
+    if q.qclass != 1 {
+        return Some(dns::answer(&q, dns::RCODE_NXDOMAIN, &[]));
+    }
+    let v6 = q.qtype == dns::TYPE_AAAA;
+    let Some(broker) = broker_fd() else { return Some(dns::answer(&q, dns::RCODE_NXDOMAIN, &[])) };
+    let req = wire::NetRequest::Resolve { pid: os.proc.pid, name: q.name.clone(), v6 };
+    Some(match wire::call(broker, &req, BROKER_WAIT_MS) {
+        Ok((wire::NetReply::Addrs(a), _)) => dns::answer(&q, 0, &a),
+        Ok((wire::NetReply::NxDomain, _)) => dns::answer(&q, dns::RCODE_NXDOMAIN, &[]),
+        _ => dns::answer(&q, dns::RCODE_SERVFAIL, &[]),
+    })
+}
+
+/// The source address of a DNS socket's answers (where its last query went).
+pub fn dns_source(n: &NetSock) -> Option<SocketAddr> {
+    let st = n.lock();
+    st.last_server.or(st.peer)
+}
+
+/// Fill a recvfrom/recvmsg source address for a network socket.
+pub fn write_source(ctx: &mut Ctx, n: &NetSock, addr: u64, lenp: u64) -> Result<(), Errno> {
+    let a = if n.is_dns() { dns_source(n) } else { n.lock().peer };
+    write_addr(ctx, a, n.family, addr, lenp)
+}
+
+/// A destination address given with sendto/sendmsg.
+pub fn read_dest(ctx: &Ctx, addr: u64, len: u32) -> Result<SocketAddr, Errno> {
+    read_addr(ctx, addr, len)
+}
+
+pub fn listen() -> SysResult {
+    Err(EOPNOTSUPP)
+}
+
+/// This sandbox's broker socket, from the controller. A new one means this VMM process is a new
+/// sandbox (a fork): the TCP connections it inherited are its parent's and read as closed here.
+pub fn set_broker(os: &GuestOs, fd: OwnedFd) {
+    let mut b = BROKER.lock().unwrap_or_else(|p| p.into_inner());
+    if b.is_some() {
+        for gfd in os.files.open_fds().collect::<Vec<_>>() {
+            let Ok(f) = os.files.file(gfd) else { continue };
+            let (Some(n), Some(h)) = (f.net.as_ref(), f.host_fd()) else { continue };
+            let mut st = n.lock();
+            if n.is_dns() || st.live.is_none() || st.inherited {
+                continue;
+            }
+            if let Ok((dead, other)) = pair(libc::SOCK_STREAM) {
+                drop(other);
+                // SAFETY: dup3 of a closed pair's end over this guest socket's host descriptor
+                // (our copy of the parent's connection is closed; the parent keeps its own).
+                unsafe { libc::dup3(dead.as_raw_fd(), h, libc::O_CLOEXEC) };
+            }
+            st.live = None;
+            st.inherited = true;
+        }
+    }
+    *b = Some(fd);
+}

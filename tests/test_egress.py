@@ -1,0 +1,769 @@
+"""Per-sandbox network egress (docs/egress.md): the policy, and its enforcement by the engine.
+
+Real sockets only to loopback and to a network namespace this file creates itself (a veth pair with
+TEST-NET-3 addresses, 203.0.113.0/24): nothing here reaches any other address. The broker's
+upstream DNS is a DNS server this file runs on loopback, which records every question it is asked.
+"""
+
+from __future__ import annotations
+
+import errno
+import http.server
+import ipaddress
+import os
+import secrets
+import shutil
+import socket
+import socketserver
+import struct
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from collimate_core import Egress, EmbeddedClient, InvalidArgument, Sandbox
+from collimate_core import _core
+from collimate_core.sdk import egress as eg
+
+HAVE_KVM = os.path.exists("/dev/kvm") and bool(os.environ.get("COLLIMATE_ROOTFS"))
+kvm = pytest.mark.skipif(not HAVE_KVM, reason="needs /dev/kvm and COLLIMATE_ROOTFS (a built rootfs)")
+
+
+# --- the policy: parsing ----------------------------------------------------------------------
+
+ISSUE_RULES = ["pypi.org", "*.pythonhosted.org", "host:443", "203.0.113.0/24", "203.0.113.7:5432", "[2001:db8::1]:443"]
+
+
+def test_the_issue_rules_parse_in_both_parsers():
+    for r in ISSUE_RULES:
+        assert str(eg.parse_rule(r)) == r
+        assert _core._egress_canonical(r) == r
+
+
+label = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,10}[a-z0-9])?", fullmatch=True)
+name = st.lists(label, min_size=1, max_size=4).map(".".join).filter(lambda n: not n.replace(".", "").isdigit())
+port = st.integers(1, 65535)
+
+
+@st.composite
+def valid_rule(draw):
+    kind = draw(st.sampled_from(["name", "wild", "v4", "v6"]))
+    p = draw(st.none() | port)
+    if kind in ("name", "wild"):
+        host = draw(name)
+        host = ("*." + host) if kind == "wild" else host
+        return host if p is None else f"{host}:{p}"
+    if kind == "v4":
+        plen = draw(st.integers(0, 32))
+        net = ipaddress.IPv4Network((draw(st.integers(0, 2**32 - 1)), plen), strict=False)
+        text = str(net.network_address) if plen == 32 else str(net)
+        return text if p is None else f"{text}:{p}"
+    plen = draw(st.integers(0, 128))
+    net = ipaddress.IPv6Network((draw(st.integers(0, 2**128 - 1)), plen), strict=False)
+    if net.network_address.ipv4_mapped is not None:
+        net = ipaddress.ip_network("2001:db8::/32")  # the two libraries print mapped forms differently
+    text = str(net.network_address) if net.prefixlen == 128 else str(net)
+    return text if p is None else f"[{text}]:{p}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(valid_rule())
+def test_valid_rules_round_trip_and_both_parsers_agree(rule):
+    parsed = eg.parse_rule(rule)
+    assert eg.parse_rule(str(parsed)) == parsed
+    assert _core._egress_canonical(rule) == str(parsed)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ab.*:/[]-_019 \t", max_size=20))
+def test_any_string_is_a_rule_or_a_clear_error_in_both_parsers(text):
+    try:
+        py = str(eg.parse_rule(text))
+    except InvalidArgument as e:
+        assert "a rule is a host name" in str(e) and repr(text) in str(e)
+        py = None
+    try:
+        rs = _core._egress_canonical(text)
+    except ValueError as e:
+        assert "a rule is a host name" in str(e)
+        rs = None
+    assert py == rs, (text, py, rs)
+
+
+@pytest.mark.parametrize(
+    "bad", ["", " pypi.org", "a b", "1.2.3", "1.2.3.4/33", "1.2.3.4/24", "x:0", "x:65536", "x:080", "*x.com",
+            "a.*.com", "[::1", "[1.2.3.4]:80", "a..b", "-a.com", "host:", ":80", "http://x.org", 5, None]
+)
+def test_malformed_rules_say_what_a_rule_looks_like(bad):
+    with pytest.raises(InvalidArgument, match=r"a rule is a host name \(\"pypi.org\"\)"):
+        Egress.allow(bad)
+
+
+def test_bad_egress_values_are_refused_before_anything_is_forked():
+    with pytest.raises(InvalidArgument, match="egress= takes an Egress"):
+        eg.coerce(42)
+    with pytest.raises(InvalidArgument, match="a rule is"):
+        Sandbox("python", client=object(), egress=["not a rule!"])
+
+
+# --- the policy: what it admits ---------------------------------------------------------------
+
+SPECIAL = ["127.0.0.1", "127.9.9.9", "10.1.2.3", "172.16.0.1", "172.31.255.1", "192.168.1.1", "169.254.169.254",
+           "0.0.0.0", "::1", "::", "fd00::1", "fe80::1", "::ffff:127.0.0.1", "::ffff:169.254.169.254"]
+
+
+@pytest.mark.parametrize("addr", SPECIAL)
+def test_special_addresses_are_never_reached_by_names_or_internet(addr):
+    assert not Egress.internet().admits(addr, 80)
+    assert not Egress.allow("metadata.test", "*.test").admits(addr, 80, name="metadata.test")
+    # Only an IP or CIDR rule that contains them admits them.
+    v4 = ipaddress.ip_address(addr)
+    v4 = v4.ipv4_mapped or v4 if v4.version == 6 else v4
+    rule = f"[{v4}]:80" if v4.version == 6 else f"{v4}:80"
+    assert Egress.allow(rule).admits(addr, 80)
+    assert not Egress.allow(rule).admits(addr, 81)
+
+
+def test_a_name_rule_admits_only_the_engines_own_answers():
+    p = Egress.allow("pypi.org:443", "*.pythonhosted.org")
+    assert not p.admits("203.0.113.9", 443)  # an IP literal under a name-only policy
+    assert p.admits("203.0.113.9", 443, name="pypi.org")
+    assert not p.admits("203.0.113.9", 80, name="pypi.org")
+    assert p.admits("203.0.113.9", 80, name="files.pythonhosted.org")
+    assert p.admits_name("a.b.pythonhosted.org") and not p.admits_name("pythonhosted.org")
+    assert not p.admits_name("evilpythonhosted.org") and not p.admits_name("pypi.org.evil.test")
+    assert Egress.internet().admits("203.0.113.9", 1) and not Egress.none().admits("203.0.113.9", 1)
+
+
+NARROWER = [
+    ("a.pypi.org", "*.pypi.org"),
+    ("*.a.pypi.org", "*.pypi.org"),
+    ("pypi.org:443", "pypi.org"),
+    ("203.0.113.0/25", "203.0.113.0/24"),
+    ("203.0.113.7:5432", "203.0.113.0/24"),
+    ("[2001:db8::1]:443", "2001:db8::/32"),
+]
+
+
+@pytest.mark.parametrize("child,parent", NARROWER)
+def test_narrower(child, parent):
+    assert Egress.allow(child).narrower_than(Egress.allow(parent))
+    assert not Egress.allow(parent).narrower_than(Egress.allow(child))
+    Egress.allow(child).check_narrower(Egress.allow(parent))
+    with pytest.raises(InvalidArgument, match="may only narrow"):
+        Egress.allow(parent).check_narrower(Egress.allow(child))
+
+
+def test_narrower_with_internet_and_none():
+    inet = Egress.internet()
+    assert Egress.none().narrower_than(Egress.none())
+    assert Egress.none().narrower_than(inet) and not inet.narrower_than(Egress.none())
+    assert Egress.allow("x.org", "8.8.8.0/24").narrower_than(inet)
+    assert not Egress.allow("10.0.0.0/24").narrower_than(inet)  # private: internet() does not reach it
+    assert not Egress.allow("0.0.0.0/0").narrower_than(inet)
+    assert (inet | Egress.allow("10.0.0.5:80")).narrower_than(inet | Egress.allow("10.0.0.0/24"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(valid_rule(), max_size=4), st.lists(valid_rule(), max_size=4), st.booleans())
+def test_narrower_is_sound(a, b, inet):
+    """If A is narrower than B, every (address, port, name) A admits, B admits: checked on the
+    addresses and names A's own rules name."""
+    pa, pb = Egress.allow(*a), Egress(Egress.allow(*b).rules, inet)
+    assert pa.narrower_than(pa) and pa.narrower_than(pa | pb)
+    if not pa.narrower_than(pb):
+        return
+    for r in pa.rules:
+        ports = [r.port] if r.port is not None else [1, 443, 65535]
+        for p in ports:
+            if r.kind == "net":
+                for addr in (r.net.network_address, r.net.broadcast_address):
+                    if pa.admits(str(addr), p):
+                        assert pb.admits(str(addr), p), (r, addr, p)
+            else:
+                n = r.value if r.kind == "name" else "x." + r.value
+                assert pb.admits_name(n)
+                assert pb.admits("203.0.113.5", p, name=n), (r, n, p)
+
+
+def test_json_form_round_trips():
+    p = Egress.allow(*ISSUE_RULES) | Egress.internet()
+    assert eg.coerce(p.to_json()) == p
+    assert eg.coerce(None) == Egress.none() and eg.coerce("internet") == Egress.internet()
+    with pytest.raises(InvalidArgument, match="unknown egress field"):
+        eg.coerce({"rules": [], "allow": []})
+
+
+# --- enforcement: fixtures --------------------------------------------------------------------
+
+
+class _Body(http.server.BaseHTTPRequestHandler):
+    body = b"served from the host's loopback\n"
+    hits = 0
+
+    def do_GET(self):
+        type(self).hits += 1
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Body)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv.server_address[1]
+    srv.shutdown()
+    srv.server_close()
+
+
+class DnsServer:
+    """A tiny authoritative DNS server on loopback for the broker's upstream: answers A records
+    from `zone`, NXDOMAIN otherwise, and records every question."""
+
+    def __init__(self, zone: dict[str, str]):
+        self.zone = zone
+        self.asked: list[str] = []
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stop:
+            try:
+                msg, peer = self.sock.recvfrom(4096)
+            except (socket.timeout, OSError):
+                continue
+            qid, = struct.unpack("!H", msg[:2])
+            i, labels = 12, []
+            while msg[i]:
+                labels.append(msg[i + 1 : i + 1 + msg[i]].decode())
+                i += 1 + msg[i]
+            qname = ".".join(labels).lower()
+            qtype, = struct.unpack("!H", msg[i + 1 : i + 3])
+            self.asked.append(qname)
+            question = msg[12 : i + 5]
+            ip = self.zone.get(qname)
+            if ip is None:
+                self.sock.sendto(struct.pack("!HHHHHH", qid, 0x8183, 1, 0, 0, 0) + question, peer)
+                continue
+            answers = b""
+            if qtype == 1:
+                answers = b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 30, 4) + socket.inet_aton(ip)
+            self.sock.sendto(struct.pack("!HHHHHH", qid, 0x8180, 1, 1 if answers else 0, 0, 0) + question + answers, peer)
+
+    def close(self):
+        self.stop = True
+        self.thread.join(2)
+        self.sock.close()
+
+
+NETNS_HOST, NETNS_PEER = "203.0.113.1", "203.0.113.2"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+@pytest.fixture(scope="module")
+def testnet(tmp_path_factory):
+    """A network namespace with an HTTP server at 203.0.113.2 (TEST-NET-3), reached from the host
+    over a veth pair: a 'public' address that is nowhere on the internet."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to create a network namespace (ip netns add)")
+    tag = secrets.token_hex(3)
+    ns, host_if, peer_if = f"cx-eg-{tag}", f"cxeh{tag}", f"cxep{tag}"
+    made = _ip("netns", "add", ns, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"ip netns add is impossible here: {made.stderr.strip()}")
+    server = None
+    try:
+        _ip("link", "add", host_if, "type", "veth", "peer", "name", peer_if)
+        _ip("link", "set", peer_if, "netns", ns)
+        _ip("addr", "add", f"{NETNS_HOST}/24", "dev", host_if)
+        _ip("link", "set", host_if, "up")
+        _ip("-n", ns, "addr", "add", f"{NETNS_PEER}/24", "dev", peer_if)
+        _ip("-n", ns, "link", "set", peer_if, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        root = tmp_path_factory.mktemp("netns-www")
+        (root / "index.html").write_bytes(b"served from inside the test network namespace\n")
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", ns, "/usr/bin/python3", "-m", "http.server", "--bind", NETNS_PEER, "8080",
+             "--directory", str(root)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        for _ in range(100):  # bounded: up to 10 s for the server to listen
+            try:
+                socket.create_connection((NETNS_PEER, 8080), timeout=0.5).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            pytest.skip("the HTTP server in the test namespace did not start")
+        yield {"ns": ns, "addr": NETNS_PEER, "port": 8080}
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait(5)
+        _ip("link", "del", host_if, check=False)
+        _ip("netns", "del", ns, check=False)
+
+
+@pytest.fixture(scope="module")
+def dns(testnet):
+    server = DnsServer({"pkg.test": testnet["addr"], "loop.test": "127.0.0.1", "meta.test": "169.254.169.254"})
+    eg.set_resolver(f"dns:127.0.0.1:{server.port}")
+    yield server
+    eg.set_resolver("system")
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = EmbeddedClient()
+    yield c
+    c.close()
+
+
+def fetch(url: str, timeout: float = 10) -> str:
+    """Guest code: GET `url`, print the body or the error's errno/class."""
+    return (
+        "import urllib.request, socket\n"
+        "try:\n"
+        f"    print(urllib.request.urlopen({url!r}, timeout={timeout}).read().decode(), end='')\n"
+        "except Exception as e:\n"
+        "    r = getattr(e, 'reason', e)\n"
+        "    print('ERR', type(r).__name__, getattr(r, 'errno', None))\n"
+    )
+
+
+def run(sb, code: str) -> str:
+    r = sb.exec(code=code, timeout_seconds=60)
+    assert r.ok, r.stderr
+    return r.stdout
+
+
+# --- enforcement ------------------------------------------------------------------------------
+
+
+@kvm
+def test_default_is_no_network_and_the_denial_is_logged(client, http_server):
+    with Sandbox("python", client=client) as sb:
+        assert sb.egress == Egress.none()
+        out = run(sb, fetch(f"http://127.0.0.1:{http_server}/"))
+        assert out == f"ERR ConnectionRefusedError {errno.ECONNREFUSED}\n"
+        (entry,) = sb.egress_log()
+        assert entry["kind"] == "connect" and entry["verdict"] == "denied" and entry["rule"] is None
+        assert (entry["address"], entry["port"]) == ("127.0.0.1", http_server)
+        assert entry["pid"] >= 1 and entry["time"] > 0
+
+
+@kvm
+def test_an_explicit_ip_rule_admits_a_loopback_server(client, http_server):
+    before = client.usage()
+    hits = _Body.hits
+    with Sandbox("python", client=client, egress=Egress.allow(f"127.0.0.1:{http_server}")) as sb:
+        assert run(sb, fetch(f"http://127.0.0.1:{http_server}/")) == _Body.body.decode()
+        assert _Body.hits == hits + 1  # the server's own count agrees
+        # Another port of loopback stays closed.
+        assert "ConnectionRefusedError" in run(sb, fetch(f"http://127.0.0.1:{http_server + 1 if http_server < 65535 else 1}/"))
+        log = sb.egress_log()
+        ok = [e for e in log if e["verdict"] == "allowed"]
+        assert len(ok) == 1 and ok[0]["rule"] == f"127.0.0.1:{http_server}" and not ok[0]["open"]
+        assert ok[0]["bytes_out"] > 50 and ok[0]["bytes_in"] > len(_Body.body)
+        assert [e["verdict"] for e in log].count("denied") == 1
+        live = client.usage()
+        assert live.egress_bytes_in - before.egress_bytes_in >= ok[0]["bytes_in"]
+    after = client.usage()
+    assert after.egress_bytes_out - before.egress_bytes_out == ok[0]["bytes_out"]
+    assert after.egress_bytes_in - before.egress_bytes_in == ok[0]["bytes_in"]
+
+
+@kvm
+def test_internet_does_not_reach_loopback_or_metadata(client, http_server):
+    with Sandbox("python", client=client, egress=Egress.internet()) as sb:
+        assert "ConnectionRefusedError" in run(sb, fetch(f"http://127.0.0.1:{http_server}/"))
+        assert "ConnectionRefusedError" in run(sb, fetch("http://169.254.169.254/latest/meta-data/", 3))
+        assert "ConnectionRefusedError" in run(sb, fetch(f"http://[::1]:{http_server}/"))
+        assert all(e["verdict"] == "denied" for e in sb.egress_log())
+
+
+@kvm
+def test_a_name_rule_resolved_by_the_broker_reaches_the_test_network(client, dns, testnet):
+    url = f"http://pkg.test:{testnet['port']}/index.html"
+    with Sandbox("python", client=client, egress=Egress.allow(f"pkg.test:{testnet['port']}")) as sb:
+        assert run(sb, fetch(url)) == "served from inside the test network namespace\n"
+        log = sb.egress_log()
+        answers = [e for e in log if e["kind"] == "dns" and e["verdict"] == "allowed"]
+        assert answers and answers[0]["name"] == "pkg.test" and testnet["addr"] in answers[0]["detail"]
+        (flow,) = [e for e in log if e["kind"] == "connect"]
+        assert (flow["name"], flow["address"], flow["rule"], flow["verdict"]) == (
+            "pkg.test", testnet["addr"], f"pkg.test:{testnet['port']}", "allowed")
+        # The same address as an IP literal: a guest-chosen IP never satisfies a name rule.
+        out = run(sb, fetch(f"http://{testnet['addr']}:{testnet['port']}/index.html"))
+        # (it was answered for pkg.test in this sandbox, so only the port decides here)
+        assert out == "served from inside the test network namespace\n"
+    with Sandbox("python", client=client, egress=Egress.allow(f"pkg.test:{testnet['port']}")) as sb:
+        # A fresh sandbox that never asked for pkg.test: the literal is refused.
+        out = run(sb, fetch(f"http://{testnet['addr']}:{testnet['port']}/index.html"))
+        assert out == f"ERR ConnectionRefusedError {errno.ECONNREFUSED}\n"
+
+
+@kvm
+def test_internet_reaches_a_public_test_address(client, testnet):
+    with Sandbox("python", client=client, egress=Egress.internet()) as sb:
+        out = run(sb, fetch(f"http://{testnet['addr']}:{testnet['port']}/index.html"))
+        assert out == "served from inside the test network namespace\n"
+        assert sb.egress_log()[-1]["rule"] == "internet()"
+
+
+@kvm
+def test_names_resolving_to_private_addresses_are_withheld(client, dns, http_server):
+    with Sandbox("python", client=client, egress=Egress.allow("loop.test", "meta.test")) as sb:
+        code = (
+            "import socket\n"
+            "for n in ['loop.test', 'meta.test']:\n"
+            "    try:\n"
+            "        print(n, socket.getaddrinfo(n, 80, socket.AF_INET, socket.SOCK_STREAM))\n"
+            "    except socket.gaierror as e:\n"
+            "        print(n, 'gaierror')\n"
+        )
+        assert run(sb, code) == "loop.test gaierror\nmeta.test gaierror\n"
+        assert "withheld" in " ".join(e["detail"] for e in sb.egress_log())
+        # and the loopback server stays out of reach by its address too
+        assert "ConnectionRefusedError" in run(sb, fetch(f"http://127.0.0.1:{http_server}/"))
+
+
+@kvm
+def test_names_not_admitted_are_nxdomain_and_no_query_leaves(client, dns, testnet):
+    secret = "exfil-" + secrets.token_hex(6) + ".pkg.test"
+    with Sandbox("python", client=client, egress=Egress.allow("pkg.test")) as sb:
+        code = (
+            "import socket\n"
+            f"for n in [{secret!r}, 'elsewhere.test', 'pkg.test']:\n"
+            "    try:\n"
+            "        print(n, sorted({a[4][0] for a in socket.getaddrinfo(n, 80)}))\n"
+            "    except socket.gaierror as e:\n"
+            "        print(n, 'gaierror', e.errno == socket.EAI_NONAME)\n"
+        )
+        out = run(sb, code).splitlines()
+        assert out == [f"{secret} gaierror True", "elsewhere.test gaierror True", f"pkg.test ['{testnet['addr']}']"]
+        nx = {e["name"] for e in sb.egress_log() if e["verdict"] == "nxdomain"}
+        assert {secret, "elsewhere.test"} <= nx and "pkg.test" not in nx
+    # No packet left for the names the policy does not admit: the upstream server never saw them.
+    assert secret not in dns.asked and "elsewhere.test" not in dns.asked
+    assert "pkg.test" in dns.asked
+
+
+@kvm
+def test_udp_beyond_dns_raw_and_packet_sockets_are_refused(client):
+    with Sandbox("python", client=client, egress=Egress.internet()) as sb:
+        code = (
+            "import socket\n"
+            "u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            "for call in (lambda: u.sendto(b'x', ('203.0.113.2', 9)), lambda: u.connect(('203.0.113.2', 9))):\n"
+            "    try:\n"
+            "        call(); print('sent')\n"
+            "    except OSError as e:\n"
+            "        print(e.errno)\n"
+            "for fam, ty in ((socket.AF_INET, socket.SOCK_RAW), (socket.AF_PACKET, socket.SOCK_RAW)):\n"
+            "    try:\n"
+            "        socket.socket(fam, ty, 0); print('made')\n"
+            "    except OSError as e:\n"
+            "        print(e.errno)\n"
+        )
+        assert run(sb, code).split() == [str(errno.ENETUNREACH), str(errno.ENETUNREACH), str(errno.EPERM), str(errno.EAFNOSUPPORT)]
+
+
+class _Echo(socketserver.BaseRequestHandler):
+    def handle(self):
+        try:
+            while data := self.request.recv(65536):
+                self.request.sendall(data)
+        except OSError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def echo_server():
+    srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Echo)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv.server_address[1]
+    srv.shutdown()
+    srv.server_close()
+
+
+OPEN_ECHO = (
+    "import socket\n"
+    "s = socket.create_connection(('127.0.0.1', {port}), timeout=10)\n"
+    "s.sendall(b'ping'); print(s.recv(4).decode())\n"
+)
+USE_ECHO = (
+    "try:\n"
+    "    s.sendall(b'again'); d = s.recv(5)\n"
+    "    print(d.decode() if d else 'EOF')\n"
+    "except OSError as e:\n"
+    "    print('ERR', type(e).__name__)\n"
+)
+
+
+@kvm
+def test_set_egress_resets_the_connections_it_forbids(client, echo_server):
+    rule = f"127.0.0.1:{echo_server}"
+    with Sandbox("python", client=client, egress=Egress.allow(rule, "pkg.test")) as sb:
+        assert run(sb, OPEN_ECHO.format(port=echo_server)) == "ping\n"
+        sb.set_egress(Egress.allow(rule))  # still admitted: the connection lives on
+        assert run(sb, USE_ECHO) == "again\n"
+        sb.set_egress(Egress.allow("pkg.test"))
+        assert sb.egress == Egress.allow("pkg.test")
+        assert run(sb, USE_ECHO) == "ERR ConnectionResetError\n"
+        flow = [e for e in sb.egress_log() if e["kind"] == "connect"][0]
+        assert (flow["verdict"], flow["bytes_out"], flow["bytes_in"]) == ("reset", 9, 9)  # ping + again, echoed
+        # and a new connection is refused
+        out = sb.exec(code=OPEN_ECHO.format(port=echo_server), timeout_seconds=30)
+        assert not out.ok and "ConnectionRefusedError" in out.stderr
+
+
+@kvm
+def test_fork_group_inherits_narrows_and_cannot_widen(client, http_server, echo_server):
+    parent_policy = Egress.allow(f"127.0.0.1:{http_server}", f"127.0.0.1:{echo_server}")
+    with Sandbox("python", client=client, egress=parent_policy) as sb:
+        assert run(sb, OPEN_ECHO.format(port=echo_server)) == "ping\n"  # a connection the forks inherit
+        live_before = client.usage().live_sandboxes
+        with pytest.raises(InvalidArgument, match="may only narrow"):
+            sb.fork_group(2, egress=Egress.internet())
+        with pytest.raises(InvalidArgument, match="may only narrow"):
+            sb.fork_group(2, egress=Egress.allow("127.0.0.0/8"))
+        assert client.usage().live_sandboxes == live_before  # nothing was forked
+        with sb.fork_group(2) as g:
+            for child in g:
+                assert child.egress == parent_policy
+                assert run(child, fetch(f"http://127.0.0.1:{http_server}/")) == _Body.body.decode()
+                # The parent's connection is not shared: it reads as closed in the child.
+                assert run(child, USE_ECHO) in ("EOF\n", "ERR BrokenPipeError\n", "ERR ConnectionResetError\n")
+        assert run(sb, USE_ECHO) == "again\n"  # and the parent's still works
+        with sb.fork_group(2, egress=Egress.allow(f"127.0.0.1:{echo_server}")) as g:
+            for child in g:
+                assert child.egress == Egress.allow(f"127.0.0.1:{echo_server}")
+                assert "ConnectionRefusedError" in run(child, fetch(f"http://127.0.0.1:{http_server}/"))
+            # Policies are copied, never shared: changing one child changes nothing else.
+            g[0].set_egress(Egress.none())
+            assert run(g[1], OPEN_ECHO.format(port=echo_server)) == "ping\n"
+        assert run(sb, fetch(f"http://127.0.0.1:{http_server}/")) == _Body.body.decode()
+
+
+@kvm
+def test_session_and_rollout_once_take_egress(client, http_server):
+    from collimate_core import rollout_once
+
+    r = rollout_once("python", code=fetch(f"http://127.0.0.1:{http_server}/"), client=client,
+                     egress=Egress.allow(f"127.0.0.1:{http_server}"))
+    assert r.stdout == _Body.body.decode()
+    r = rollout_once("python", code=fetch(f"http://127.0.0.1:{http_server}/"), client=client)
+    assert "ConnectionRefusedError" in r.stdout
+    with client.session("python", egress=Egress.allow(f"127.0.0.1:{http_server}")) as sess:
+        assert run(sess, fetch(f"http://127.0.0.1:{http_server}/")) == _Body.body.decode()
+
+
+@kvm
+def test_a_recycled_sandbox_keeps_nothing_of_its_last_owners_network(client, http_server):
+    for _ in range(3):  # bounded: enough for the pool to hand a recycled clone back
+        with Sandbox("python", client=client, egress=Egress.allow(f"127.0.0.1:{http_server}")) as sb:
+            run(sb, fetch(f"http://127.0.0.1:{http_server}/"))
+        time.sleep(0.2)
+        with Sandbox("python", client=client) as sb:
+            assert sb.egress_log() == []
+            assert "ConnectionRefusedError" in run(sb, fetch(f"http://127.0.0.1:{http_server}/"))
+
+
+@kvm
+def test_flows_and_broker_registrations_do_not_leak(http_server):
+    c = EmbeddedClient()
+    try:
+        with Sandbox("python", client=c) as warm:
+            run(warm, "print(1)")
+        base_fds = len(os.listdir("/proc/self/fd"))
+        base_reg = _core._egress_broker_sandboxes()
+        for _ in range(5):
+            with Sandbox("python", client=c, egress=Egress.allow(f"127.0.0.1:{http_server}")) as sb:
+                run(sb, fetch(f"http://127.0.0.1:{http_server}/") + "import socket\nkeep = socket.create_connection(('127.0.0.1', %d))\n" % http_server)
+    finally:
+        c.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (
+        len(os.listdir("/proc/self/fd")) > base_fds or _core._egress_broker_sandboxes() > base_reg
+    ):
+        time.sleep(0.05)
+    assert len(os.listdir("/proc/self/fd")) <= base_fds
+    assert _core._egress_broker_sandboxes() <= base_reg
+
+
+# --- over HTTP: the server's ceiling ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ceiling_server(tmp_path_factory, http_server, echo_server):
+    """`collimate serve --egress-ceiling` admitting the loopback HTTP server's port only."""
+    if not HAVE_KVM:
+        pytest.skip("needs /dev/kvm and COLLIMATE_ROOTFS")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_http import Server, _cli
+
+    store = tmp_path_factory.mktemp("egress-keys") / "keys.json"
+    key = _cli("keys", "--key-store", str(store), "create", "--tenant", "carol").strip()
+    ceiling = f"127.0.0.1:{http_server},127.0.0.1:{echo_server},pkg.test"
+    srv = Server(tmp_path_factory.mktemp("egress-srv"), store, "--egress-ceiling", ceiling, "--preload", "python")
+    yield srv, key
+    srv.stop()
+
+
+@kvm
+def test_over_http_the_ceiling_holds_and_flows_are_logged(ceiling_server, http_server, echo_server):
+    import httpx
+
+    from collimate_core import RemoteClient
+
+    srv, key = ceiling_server
+    h = {"Authorization": f"Bearer {key}"}
+    with RemoteClient(key, srv.url) as rc:
+        # Wider than the ceiling: a clear 403, and no sandbox.
+        for wide in ({"internet": True}, {"rules": ["127.0.0.0/8"]}, {"rules": ["*.test"]}):
+            r = httpx.post(f"{srv.url}/v1/sandboxes", json={"template": "python", "egress": wide}, headers=h, timeout=60)
+            assert r.status_code == 403, r.text
+            assert "--egress-ceiling" in r.json()["error"]["message"]
+        assert rc.sandboxes() == []
+        r = httpx.post(f"{srv.url}/v1/sandboxes", json={"egress": {"rules": ["not a rule"]}}, headers=h, timeout=60)
+        assert r.status_code == 400 and "a rule is a host name" in r.json()["error"]["message"]
+        with pytest.raises(InvalidArgument, match="egress-ceiling"):
+            Sandbox("python", client=rc, egress=Egress.internet()).start()
+        # Within it: the same SDK surface as the embedded engine.
+        with Sandbox("python", client=rc, egress=Egress.allow(f"127.0.0.1:{http_server}", f"127.0.0.1:{echo_server}")) as sb:
+            assert run(sb, fetch(f"http://127.0.0.1:{http_server}/")) == _Body.body.decode()
+            info = httpx.get(f"{srv.url}/v1/sandboxes/{sb.session_id}", headers=h, timeout=30).json()
+            assert sorted(info["egress"]["rules"]) == sorted([f"127.0.0.1:{http_server}", f"127.0.0.1:{echo_server}"])
+            log = sb.egress_log()
+            assert [e["verdict"] for e in log] == ["allowed"] and log[0]["bytes_in"] > 0
+            # Fork groups narrow and cannot widen, over HTTP too (checked by the client and the server).
+            with pytest.raises(InvalidArgument, match="may only narrow"):
+                sb.fork_group(2, egress=Egress.allow("pkg.test"))
+            r = httpx.post(f"{srv.url}/v1/sandboxes/{sb.session_id}/fork_group",
+                           json={"width": 2, "egress": {"rules": ["pkg.test"]}}, headers=h, timeout=60)
+            assert r.status_code == 400 and "may only narrow" in r.text
+            with sb.fork_group(2, egress=Egress.allow(f"127.0.0.1:{echo_server}")) as g:
+                for child in g:
+                    assert child.egress == Egress.allow(f"127.0.0.1:{echo_server}")
+                    assert "ConnectionRefusedError" in run(child, fetch(f"http://127.0.0.1:{http_server}/"))
+            # set_egress over HTTP: within the ceiling only; it resets what it forbids.
+            assert run(sb, OPEN_ECHO.format(port=echo_server)) == "ping\n"
+            with pytest.raises(InvalidArgument, match="egress-ceiling"):
+                sb.set_egress(Egress.internet())
+            sb.set_egress(Egress.allow(f"127.0.0.1:{http_server}"))
+            assert run(sb, USE_ECHO) == "ERR ConnectionResetError\n"
+            sid = sb.session_id
+        usage = rc.usage()
+        assert usage.egress_bytes_in > len(_Body.body) and usage.egress_bytes_out > 0
+    # Each flow is a JSON line of the server's log.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not [e for e in srv.events() if e.get("event") == "egress" and e.get("sandbox") == sid and e.get("verdict") == "reset"]:
+        time.sleep(0.1)
+    flows = [e for e in srv.events() if e.get("event") == "egress" and e.get("sandbox") == sid]
+    assert {f["verdict"] for f in flows} == {"allowed", "reset"}
+    assert all({"time", "pid", "address", "port", "rule", "bytes_out", "bytes_in"} <= f.keys() for f in flows)
+
+
+@kvm
+def test_the_async_twin_takes_the_same_parameters(client, http_server, echo_server):
+    import asyncio
+
+    from collimate_core import aio
+
+    async def main():
+        ac = aio.AsyncClient(client)
+        pol = Egress.allow(f"127.0.0.1:{http_server}", f"127.0.0.1:{echo_server}")
+        async with aio.Sandbox("python", client=ac, egress=pol) as sb:
+            assert sb.egress == pol
+            r = await sb.exec(code=fetch(f"http://127.0.0.1:{http_server}/"))
+            assert r.stdout == _Body.body.decode()
+            async with sb.fork_group(2, egress=Egress.allow(f"127.0.0.1:{echo_server}")) as g:
+                r = await g[0].exec(code=fetch(f"http://127.0.0.1:{http_server}/"))
+                assert "ConnectionRefusedError" in r.stdout
+            await sb.set_egress(Egress.none())
+            assert [e["verdict"] for e in await sb.egress_log()] == ["allowed"]
+        r = await aio.rollout_once("python", code=fetch(f"http://127.0.0.1:{http_server}/"), client=ac,
+                                   egress=Egress.allow(f"127.0.0.1:{http_server}"))
+        assert r.stdout == _Body.body.decode()
+        async with ac.session("python", egress=Egress.allow(f"127.0.0.1:{http_server}")) as s:
+            assert (await s.exec(code=fetch(f"http://127.0.0.1:{http_server}/"))).stdout == _Body.body.decode()
+
+    asyncio.run(main())
+
+
+@kvm
+def test_bake_with_egress_installs_and_its_sandboxes_start_with_none(tmp_path_factory, http_server):
+    """Template.bake(egress=...) is for the bake and its Ready step: Ready fetches from the loopback
+    server (as a package install would from an index); the template's sandboxes have no network."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from imagefixtures import Layer, write_oci_layout
+
+    from collimate_core import Ready, Template
+
+    cache = tmp_path_factory.mktemp("egress-bake")
+    store = cache / "images"
+    store.mkdir()
+    base = Layer().tree(Path(os.environ["COLLIMATE_ROOTFS"]), skip=(".collimate-rootfs.json",)).bytes()
+    write_oci_layout(store / "netapp", [base], {"Env": ["PATH=/usr/bin:/bin"], "WorkingDir": "/work"}, ref_name="1.0")
+    install = (
+        "import urllib.request\n"
+        f"open('/work/installed.txt', 'wb').write(urllib.request.urlopen('http://127.0.0.1:{http_server}/', timeout=10).read())\n"
+    )
+    c = EmbeddedClient(cache=cache)
+    try:
+        failed = Template.bake(c, name="offline", image="netapp:1.0", ready=Ready(code=install)).wait(600)
+        assert failed.phase == "Failed" and "Ready(code=...)" in (failed.error or "")
+        st = Template.bake(c, name="online", image="netapp:1.0", ready=Ready(code=install),
+                           egress=Egress.allow(f"127.0.0.1:{http_server}")).wait(600)
+        assert st.phase == "Live", st.log
+        assert "egress: connect" in st.log and "allowed" in st.log
+        with Sandbox("online", client=c) as sb:
+            assert sb.download("/work/installed.txt") == _Body.body
+            assert sb.egress == Egress.none()
+            assert "ConnectionRefusedError" in run(sb, fetch(f"http://127.0.0.1:{http_server}/"))
+    finally:
+        c.close()
+
+
+@kvm
+def test_socket_options_set_before_connect_reach_the_real_socket(client, echo_server):
+    code = (
+        "import socket\n"
+        "s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n"
+        "s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)\n"
+        "s.settimeout(10)\n"
+        f"s.connect(('127.0.0.1', {echo_server}))\n"
+        "print(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0,\n"
+        "      s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0,\n"
+        "      s.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) == socket.SOCK_STREAM,\n"
+        "      s.family == socket.AF_INET, s.getpeername() == ('127.0.0.1', %d),\n"
+        "      s.getsockname()[0])\n"
+        "s.sendall(b'hi'); print(s.recv(2)); s.shutdown(socket.SHUT_WR); print(s.recv(1)); s.close()\n"
+    ) % echo_server
+    with Sandbox("python", client=client, egress=Egress.allow(f"127.0.0.1:{echo_server}")) as sb:
+        assert run(sb, code) == "True True True True True 127.0.0.1\nb'hi'\nb''\n"
