@@ -155,6 +155,12 @@ pub(super) fn syscall(m: &mut Machine, r: &mut kvm_regs, sregs: &mut kvm_sregs) 
             match args.and_then(|c| check_clone(&c).map(|_| c)) {
                 // A vfork child that forks becomes a process of its own first (see `spawn`).
                 Ok(_) if super::spawn::active(m) => super::spawn::nested_fork(m, nr, r, sregs)?,
+                // A thread of this process, on its vCPU (see `vmm::threads`).
+                Ok(c) if c.flags & CLONE_THREAD != 0 => {
+                    let t = super::threads::NewThread { flags: c.flags, sp: child_sp(&c), parent_tid: c.parent_tid, child_tid: c.child_tid, tls: c.tls };
+                    let res = super::threads::clone_thread(m, r, t);
+                    ret(r, res);
+                }
                 Ok(c) if super::spawn::serves(m, &c) => {
                     let res = super::spawn::begin(m, r, sregs, &c).map(|_| 0);
                     ret(r, res);
@@ -232,10 +238,9 @@ fn check_clone(c: &CloneArgs) -> std::result::Result<(), Errno> {
     if f & CLONE_THREAD != 0 && f & CLONE_SIGHAND == 0 || f & CLONE_SIGHAND != 0 && f & CLONE_VM == 0 {
         return Err(EINVAL);
     }
-    // A thread of this process, on its vCPU (see `vmm::threads`).
+    // A thread of this process, on its vCPU: `threads::clone_thread` checks its flags.
     if f & CLONE_THREAD != 0 {
-        let t = super::threads::NewThread { flags: f, sp: child_sp(&c), parent_tid: c.parent_tid, child_tid: c.child_tid, tls: c.tls };
-        return super::threads::clone_thread(m, r, t);
+        return Ok(());
     }
     // Shared memory without being a thread (CLONE_VM alone) is not offered.
     if f & CLONE_VM != 0 && f & CLONE_VFORK == 0 {

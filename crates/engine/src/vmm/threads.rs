@@ -8,9 +8,10 @@
 //!   re-executed when the thread runs again;
 //! - its slice ends while another thread could run: after [`SLICE`] of wall time (a tick timer
 //!   kicks the vCPU out of KVM_RUN), or in replay mode after [`QUANTUM`] syscalls and faults,
-//!   which is a function of the program alone. Replay mode keeps a wall-clock guard
-//!   ([`REPLAY_GUARD`]) for a thread that spins without a syscall; a switch made by it depends on
-//!   the host's speed, and the run is marked as not reproducible ([`nondeterministic`]).
+//!   which is a function of the program alone. Replay mode keeps a guard of the VMM's CPU
+//!   time ([`REPLAY_GUARD`]; CPU, not wall time, so that a loaded host does not set it off) for a
+//!   thread that spins without a syscall; a switch made by it depends on the host's speed, and the
+//!   run is marked as not reproducible ([`nondeterministic`]).
 //!
 //! The next thread is the first runnable one after the current in creation order (round robin).
 //! Threads in a blocking call are retried when nobody is runnable, once per idle round, with a
@@ -69,6 +70,10 @@ pub fn take_nondeterministic() -> bool {
 struct Slice {
     /// When the loaded thread was loaded.
     since: Instant,
+    /// This VMM thread's CPU time (ns) then: the replay guard counts CPU time, not wall time, so
+    /// that a loaded host keeping the process off the CPU does not make it fire (and a run lose
+    /// its reproducibility) while the thread is not computing at all.
+    cpu: u64,
     /// Its syscalls and faults since then.
     events: u32,
     /// Idle rounds so far (see the module comment).
@@ -77,9 +82,19 @@ struct Slice {
 
 static SLICE_STATE: std::sync::Mutex<Option<Slice>> = std::sync::Mutex::new(None);
 
+/// The calling host thread's CPU time in ns (guest time in KVM_RUN included).
+fn cpu_ns() -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec we own.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } != 0 {
+        return 0;
+    }
+    (t.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(t.tv_nsec as u64)
+}
+
 fn with_slice<T>(f: impl FnOnce(&mut Slice) -> T) -> T {
     let mut g = SLICE_STATE.lock().unwrap_or_else(|p| p.into_inner());
-    let s = g.get_or_insert_with(|| Slice { since: Instant::now(), events: 0, round: 0 });
+    let s = g.get_or_insert_with(|| Slice { since: Instant::now(), cpu: cpu_ns(), events: 0, round: 0 });
     f(s)
 }
 
@@ -225,6 +240,7 @@ fn load(m: &mut Machine, i: usize) -> Result<()> {
     os.threads.loaded = true;
     with_slice(|s| {
         s.since = Instant::now();
+        s.cpu = cpu_ns();
         s.events = 0;
     });
     set_turns(m);
@@ -304,8 +320,8 @@ pub(super) fn schedule(m: &mut Machine, deadline: Instant) -> Result<Option<RunE
                     if !os.threads.multi() {
                         return Ok(None);
                     }
-                    let (since, events) = with_slice(|s| (s.since, s.events));
-                    let guard = replay && since.elapsed() >= REPLAY_GUARD;
+                    let (since, cpu, events) = with_slice(|s| (s.since, s.cpu, s.events));
+                    let guard = replay && cpu_ns().saturating_sub(cpu) >= REPLAY_GUARD.as_nanos() as u64;
                     let due = if replay { events >= QUANTUM || guard } else { since.elapsed() >= SLICE };
                     let mut now = thread::now(&os.proc.clocks);
                     if guard && events < QUANTUM && !others_ready(m, now) && in_ring3(m)? {
