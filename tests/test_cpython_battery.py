@@ -64,7 +64,8 @@ MODULES = [
 # test_multiprocessing_fork's classes whose tests need no threads of the parent (issue 15: shared
 # memory and futexes between the sandbox's processes): multiprocessing's Lock, Semaphore, Event,
 # Value, Array, sharedctypes, its heap, shared_memory and Pipe connections between forked
-# processes. Not here: Pool, Queue, managers and the thread flavours (they need threads), and
+# processes. Not here yet: Pool, Queue, managers and the thread flavours (they needed threads,
+# which came in the same merge: tests/test_shared_memory.py runs Pool, Queue, Lock and Value), and
 # WithProcessesTestCondition (each of its notify tests starts a process and a thread, then joins
 # the process, which nobody notifies when the thread could not start: a deadlock, not a failure).
 MULTIPROCESSING = [

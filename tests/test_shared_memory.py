@@ -313,3 +313,36 @@ def test_a_reset_drops_the_shared_mappings_and_the_sandbox_goes_on(client):
         assert sb.exec(code=maps).stdout == "0\n"
         assert run(client, ANON_ACROSS_FORK).startswith("b'FIRST'")
         assert sb.exec(code=ANON_ACROSS_FORK).stdout.startswith("b'FIRST'")
+
+
+POOL_AND_QUEUE = """
+import multiprocessing as mp
+ctx = mp.get_context("fork")
+with ctx.Pool(2) as p:  # worker processes, and the pool's handler threads in this one
+    print(p.map(abs, range(-5, 5)))
+q = ctx.Queue()  # a feeder thread, a pipe and a lock in shared memory
+pr = ctx.Process(target=q.put, args=("hello",))
+pr.start()
+print(q.get(timeout=30))
+pr.join()
+v, lock = ctx.Value("i", 0), ctx.Lock()
+def inc():
+    for _ in range(200):
+        with lock:
+            v.value += 1
+ps = [ctx.Process(target=inc) for _ in range(2)]
+for p in ps:
+    p.start()
+for p in ps:
+    p.join()
+print(v.value, [p.exitcode for p in ps])
+"""
+
+
+def test_multiprocessing_pool_queue_lock_and_value_with_threads_and_shared_memory(client):
+    """What needs both halves of issue 15: Pool(2).map (worker processes fed by the pool's threads
+    over pipes with shared locks), a Queue (its feeder thread), a Lock and a Value across
+    processes; with a seed twice, the same output."""
+    want = "[5, 4, 3, 2, 1, 0, 1, 2, 3, 4]\nhello\n400 [0, 0]\n"
+    assert run(client, POOL_AND_QUEUE) == want
+    assert run(client, POOL_AND_QUEUE, seed=SEED) == run(client, POOL_AND_QUEUE, seed=SEED) == want
