@@ -20,8 +20,9 @@ prepared template, keyed by the modules the tests import, is shared as it is in 
 template is prepared before timing, as a trainer pays it once per run.
 
 Printed after the benchmarks: median and p99 per round, grades/s (candidates / median) and the
-ratio to the subprocess peer's grades/s (> 1.00x: faster than no sandbox), with the load average.
-Timings are printed, never asserted.
+ratio to the subprocess peer's grades/s (> 1.00x: faster than no sandbox), with the load average;
+then the same methods interleaved (every method once a round, the order rotated), whose ratios a
+load that drifts during the run (a shared host) skews less. Timings are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,6 +49,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /d
 
 WORKERS = os.cpu_count() or 2
 ROUNDS = 5
+INTERLEAVED_ROUNDS = 5
 TIMEOUT = 10.0
 GRPO_PROBLEMS, GRPO_WIDTH = 16, 8
 BWRAP = shutil.which("bwrap") or ("/usr/bin/bwrap" if os.path.exists("/usr/bin/bwrap") else None)
@@ -54,6 +57,7 @@ BWRAP_ARGS = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpf
               "--unshare-all", "--die-with-parent", "--chdir", "/tmp"]
 
 _runs: dict[str, dict[str, list[float]]] = {"grpo": {}, "per_spec": {}}
+_interleaved: dict[str, dict[str, list[float]]] = {"grpo": {}, "per_spec": {}}
 _sizes = {"grpo": GRPO_PROBLEMS * GRPO_WIDTH, "per_spec": 164}
 _round = itertools.count()
 
@@ -167,36 +171,66 @@ def test_bubblewrap(benchmark, shape):
     _bench(benchmark, shape, "bubblewrap", lambda pairs: _host([BWRAP, *BWRAP_ARGS], pairs))
 
 
+def _grade_batch_per_problem(client, pairs) -> list[float]:
+    pairs = _specs(pairs)
+    rewards = []
+    for k in range(0, len(pairs), GRPO_WIDTH):
+        group = pairs[k : k + GRPO_WIDTH]
+        rewards += [g.reward for g in grade_batch([c for c, _ in group], group[0][1], client=client,
+                                                   max_workers=WORKERS)]
+    return rewards
+
+
+def _grade_many(client, pairs) -> list[float]:
+    return [g.reward for g in grade_many(_specs(pairs), client=client, max_workers=WORKERS)]
+
+
+def _grade_loop(client, pairs) -> list[float]:
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        return [g.reward for g in pool.map(lambda p: grade(p[0], p[1], client=client), _specs(pairs))]
+
+
 def test_grpo_grade_batch_per_problem(benchmark, client):
     """16 grade_batch calls (one per problem) of 8 candidates, WORKERS at a time."""
-    def run(pairs):
-        pairs = _specs(pairs)
-        rewards = []
-        for k in range(0, len(pairs), GRPO_WIDTH):
-            group = pairs[k : k + GRPO_WIDTH]
-            rewards += [g.reward for g in grade_batch([c for c, _ in group], group[0][1], client=client,
-                                                       max_workers=WORKERS)]
-        return rewards
-
-    _bench(benchmark, "grpo", "grade_batch per problem", run, setup=lambda: _drain(client))
+    _bench(benchmark, "grpo", "grade_batch per problem", lambda pairs: _grade_batch_per_problem(client, pairs),
+           setup=lambda: _drain(client))
 
 
 @pytest.mark.parametrize("shape", ["grpo", "per_spec"])
 def test_grade_many(benchmark, client, shape):
     """One grade_many call over every pair of the shape, WORKERS at a time."""
-    def run(pairs):
-        return [g.reward for g in grade_many(_specs(pairs), client=client, max_workers=WORKERS)]
-
-    _bench(benchmark, shape, "grade_many", run, setup=lambda: _drain(client))
+    _bench(benchmark, shape, "grade_many", lambda pairs: _grade_many(client, pairs), setup=lambda: _drain(client))
 
 
 def test_per_spec_grade_loop(benchmark, client):
     """grade(code, spec) per pair, from WORKERS threads."""
-    def run(pairs):
-        with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-            return [g.reward for g in pool.map(lambda p: grade(p[0], p[1], client=client), _specs(pairs))]
+    _bench(benchmark, "per_spec", "loop of grade(...)", lambda pairs: _grade_loop(client, pairs),
+           setup=lambda: _drain(client))
 
-    _bench(benchmark, "per_spec", "loop of grade(...)", run, setup=lambda: _drain(client))
+
+def test_interleaved(client):
+    """The same methods again, INTERLEAVED_ROUNDS rounds, each round running every method once (in
+    an order rotated per round), so that a load that drifts during the run (a shared host) reaches
+    every method alike; printed as a second table, timed with perf_counter, never asserted."""
+    peers = [("subprocess", lambda pairs: _host([], pairs))]
+    if BWRAP is not None and subprocess.run([BWRAP, *BWRAP_ARGS, HOST_PYTHON, "-c", "pass"],
+                                            capture_output=True, timeout=60).returncode == 0:
+        peers.append(("bubblewrap", lambda pairs: _host([BWRAP, *BWRAP_ARGS], pairs)))
+    methods = [("grpo", name, fn) for name, fn in peers]
+    methods += [("grpo", "grade_batch per problem", lambda pairs: _grade_batch_per_problem(client, pairs)),
+                ("grpo", "grade_many", lambda pairs: _grade_many(client, pairs))]
+    methods += [("per_spec", name, fn) for name, fn in peers]
+    methods += [("per_spec", "grade_many", lambda pairs: _grade_many(client, pairs)),
+                ("per_spec", "loop of grade(...)", lambda pairs: _grade_loop(client, pairs))]
+    for r in range(INTERLEAVED_ROUNDS):
+        for k in range(len(methods)):
+            shape, name, fn = methods[(k + r) % len(methods)]
+            pairs = _fresh(shape)
+            _drain(client)
+            t = time.perf_counter()
+            rewards = fn(pairs)
+            _interleaved[shape].setdefault(name, []).append(time.perf_counter() - t)
+            assert all(x == 1.0 for x in rewards), f"{name}: a canonical solution graded below 1.0"
 
 
 def _p99(data: list[float]) -> float:
@@ -204,30 +238,39 @@ def _p99(data: list[float]) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
-def test_print_grading_specs_table(capsys):
-    """The table (runs after the benchmarks above)."""
-    if not any(_runs.values()):
-        pytest.skip("needs the benchmarks of this file in the same run")
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    lines = ["", f"grading HumanEval's canonical solutions, {WORKERS} workers each ({os.cpu_count()} cores; "
-             f"load average {load}; host interpreter {HOST_PYTHON})"]
+def _table(title: str, runs_by_shape: dict[str, dict[str, list[float]]]) -> list[str]:
     titles = {"grpo": f"GRPO shape: {GRPO_PROBLEMS} problems x {GRPO_WIDTH} candidates",
               "per_spec": "one candidate per spec: 164 problems x 1"}
-    for shape, runs in _runs.items():
+    lines = ["", title]
+    for shape, runs in runs_by_shape.items():
         if not runs:
             continue
         n = _sizes[shape]
         base = runs.get("subprocess")
         base_rate = n / statistics.median(base) if base else None
-        lines += ["", f"{titles[shape]} ({n} grades a round)",
-                  f"{'method':<26} {'rounds':>6} {'median':>10} {'p99':>10} {'grades/s':>9} {'x subprocess':>13}"]
+        lines += [f"  {titles[shape]} ({n} grades a round)",
+                  f"  {'method':<26} {'rounds':>6} {'median':>10} {'p99':>10} {'grades/s':>9} {'x subprocess':>13}"]
         for name, data in runs.items():
             median = statistics.median(data)
             rate = n / median
             ratio = f"{rate / base_rate:12.2f}x" if base_rate else f"{'-':>13}"
-            lines.append(f"{name:<26} {len(data):>6} {median * 1e3:7.0f} ms {_p99(data) * 1e3:7.0f} ms "
+            lines.append(f"  {name:<26} {len(data):>6} {median * 1e3:7.0f} ms {_p99(data) * 1e3:7.0f} ms "
                          f"{rate:9.1f} {ratio}")
-    lines.append("(x subprocess = grades/s / the subprocess peer's grades/s in this run; > 1.00x is faster than "
-                 "no sandbox)")
+    return lines
+
+
+def test_print_grading_specs_table(capsys):
+    """The tables (run after the benchmarks above)."""
+    if not any(_runs.values()) and not any(_interleaved.values()):
+        pytest.skip("needs the benchmarks of this file in the same run")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    lines = ["", f"grading HumanEval's canonical solutions, {WORKERS} workers each ({os.cpu_count()} cores; "
+             f"load average now {load}; host interpreter {HOST_PYTHON})"]
+    if any(_runs.values()):
+        lines += _table("pytest-benchmark, one method after the other:", _runs)
+    if any(_interleaved.values()):
+        lines += _table("interleaved, every method once a round (order rotated):", _interleaved)
+    lines.append("(x subprocess = grades/s / the subprocess peer's grades/s in the same table; > 1.00x is faster "
+                 "than no sandbox)")
     with capsys.disabled():
         print("\n".join(lines))
