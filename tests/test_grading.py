@@ -309,6 +309,35 @@ def test_strict_equality():
     assert strict_eq(float("inf"), float("inf")) and not strict_eq(float("nan"), float("nan"))
 
 
+
+def test_tests_rewrite_every_equality_assert_at_any_depth_and_nothing_else():
+    """The tests as sent: one string per top-level statement, each `assert a == b` (nested in a
+    function or a class too) a call of the strict equality, other asserts and compares as they
+    were; and the modules the tests import, found from the same parse."""
+    from collimate_core.grading.grade import _rewritten, _split_tests
+
+    src = (
+        "import math\nfrom os.path import join\n"
+        "def check(f):\n    assert f(1) == [1], 'one'\n    assert f(2) != 3\n    assert not f(3) == 4\n"
+        "    assert f(0) == 0 == 0\n    assert (f(5)) == (5)\n    if True:\n        assert [i for i in range(2)] == [0, 1]\n"
+        "class T:\n    def m(self):\n        assert self == 1\n"
+        "x = 1; assert x == 1\n"
+        "check(lambda n: n)\n"
+    )
+    assert _split_tests(src, "EQ") == [
+        "import math",
+        "from os.path import join",
+        "def check(f):\n    assert EQ(f(1), [1]), 'one'\n    assert f(2) != 3\n    assert not f(3) == 4\n"
+        "    assert f(0) == 0 == 0\n    assert EQ(f(5), 5)\n    if True:\n        assert EQ([i for i in range(2)], [0, 1])",
+        "class T:\n\n    def m(self):\n        assert EQ(self, 1)",
+        "x = 1",
+        "assert EQ(x, 1)",
+        "check(lambda n: n)",
+    ]
+    eq_name, tests, modules = _rewritten(src)
+    assert modules == ("math", "os", "os.path")
+    assert tests[2].startswith("def check(f):\n    assert " + eq_name + "(f(1), [1])")
+
 @pytest.mark.kvm
 @needs_kvm
 def test_one_spec_per_candidate(client):

@@ -129,22 +129,33 @@ def _imports(*sources: str) -> tuple[str, ...]:
             tree = ast.parse(src or "")
         except SyntaxError:
             continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                found = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found = [node.module]
-            else:
-                continue
-            for name in found:
-                parts = name.split(".")
-                names.update(".".join(parts[: k + 1]) for k in range(len(parts)))
+        names.update(_tree_imports(tree))
     return tuple(sorted(names))
+
+
+def _tree_imports(tree: ast.AST) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found = [node.module]
+        else:
+            continue
+        for name in found:
+            parts = name.split(".")
+            names.update(".".join(parts[: k + 1]) for k in range(len(parts)))
+    return names
 
 
 def _spec_imports(spec) -> tuple[str, ...]:
     if isinstance(spec, PropertyReward):
         return _imports(spec.reference, spec.generator)
+    if isinstance(spec.tests, str):
+        try:
+            return _rewritten(spec.tests)[2]  # parsed once, with the rewrite the tests need anyway
+        except InvalidArgument:
+            pass
     return _imports(spec.tests)
 
 
@@ -185,32 +196,35 @@ def verdict_without_sandbox(code: str) -> GradeResult | None:
     return None
 
 
-class _StrictAsserts(ast.NodeTransformer):
-    """`assert x == y` -> `assert <eq_name>(x, y)` (the grader's strict equality)."""
-
-    def __init__(self, eq_name: str):
-        self.eq_name = eq_name
-
-    def visit_Assert(self, node: ast.Assert) -> ast.AST:
-        self.generic_visit(node)
-        t = node.test
-        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
-            call = ast.Call(func=ast.Name(self.eq_name, ast.Load()), args=[t.left, t.comparators[0]], keywords=[])
-            node.test = ast.copy_location(call, t)
-        return node
+def _strict_asserts(stmt: ast.AST, eq_name: str) -> None:
+    """`assert x == y` -> `assert <eq_name>(x, y)` (the grader's strict equality), in place, at
+    every depth of `stmt`. One ast.walk (an assert's test holds no assert, so the order of the
+    rewrites does not matter); no locations are fixed: the statement is unparsed, not compiled."""
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Assert):
+            t = node.test
+            if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
+                node.test = ast.Call(func=ast.Name(eq_name, ast.Load()), args=[t.left, t.comparators[0]], keywords=[])
 
 
 def _split_tests(tests: str, eq_name: str = "__collimate_eq") -> list[str]:
+    return _split_tree(_parse_tests(tests), eq_name)
+
+
+def _parse_tests(tests: str) -> ast.Module:
     if not isinstance(tests, str):
         raise InvalidArgument(f"tests must be Python source (str), not {type(tests).__name__}")
     try:
-        tree = ast.parse(tests)
+        return ast.parse(tests)
     except SyntaxError as e:
         raise InvalidArgument(f"the tests do not parse as Python: {e}") from None
+
+
+def _split_tree(tree: ast.Module, eq_name: str) -> list[str]:
+    """The top-level statements of parsed tests, `assert a == b` made strict (rewrites `tree`)."""
     out = []
     for stmt in tree.body:
-        stmt = _StrictAsserts(eq_name).visit(stmt)
-        ast.fix_missing_locations(stmt)
+        _strict_asserts(stmt, eq_name)
         out.append(ast.unparse(stmt))
     if not out:
         raise InvalidArgument("tests is empty: give at least one assert statement")
@@ -229,7 +243,9 @@ def _rewritten(tests: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     tests text in this process; a candidate never sees it before the tests arrive), the
     rewritten top-level statements, and the modules they import. Raises InvalidArgument."""
     eq_name = "__collimate_eq_" + secrets.token_hex(8)
-    return eq_name, tuple(_split_tests(tests, eq_name)), tuple(_imports(tests))
+    tree = _parse_tests(tests)  # one parse: the imports first, then the rewrite (which changes it)
+    modules = tuple(sorted(_tree_imports(tree)))
+    return eq_name, tuple(_split_tree(tree, eq_name)), modules
 
 
 def _harness(nonce: str, spec: "UnitTestReward") -> tuple[str, int]:
@@ -313,12 +329,12 @@ def _verdict(stdout: str, token: str) -> list[bool] | None:
     return v if isinstance(v, list) and all(isinstance(x, bool) for x in v) else None
 
 
-def _grade_in(sandbox, code: str, spec, seed: str | None) -> GradeResult:
+def _grade_in(sandbox, code: str, spec, seed: str | None, *, checked: bool = False) -> GradeResult:
     """Grade `code` in a live sandbox where `_prepare` ran (consumed: its state is the candidate's
-    afterwards)."""
+    afterwards). `checked`: the caller already found verdict_without_sandbox(code) to be None."""
     if not isinstance(code, str):
         raise InvalidArgument(f"the candidate code must be a str, not {type(code).__name__}")
-    early = verdict_without_sandbox(code)
+    early = None if checked else verdict_without_sandbox(code)
     if early is not None:
         return early
     nonce = secrets.token_hex(16)

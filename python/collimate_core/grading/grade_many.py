@@ -145,9 +145,9 @@ def grade_many(
                 return early
             if name is not None:
                 with Sandbox(name, client=client) as sb:
-                    return _grading._grade_in(sb, code, spec, seeds[i])
+                    return _grading._grade_in(sb, code, spec, seeds[i], checked=True)
             with parent.fork_group(1, seed=seeds[i]) as grp:
-                return _grading._grade_in(grp[0], code, spec, seeds[i])
+                return _grading._grade_in(grp[0], code, spec, seeds[i], checked=True)
 
         def work() -> None:
             while True:

