@@ -64,6 +64,10 @@ pub enum State {
     /// A process left over from an earlier exec (a background job): it runs on its own, in real
     /// time, and takes no turns (see [`new_exec`]).
     Detached = 4,
+    /// Done (it left, or was killed) while its host process is still ending: until that is gone it
+    /// holds its descriptors, so the other end of a pipe it wrote sees no EOF yet. It takes no
+    /// turns, but a round without progress does not count while it ends ([`sweep_leaving`]).
+    Leaving = 5,
 }
 
 /// One process's slot.
@@ -202,6 +206,10 @@ fn slot_of(r: &Region, pid: u32) -> Option<&Slot> {
 }
 
 fn register(r: &Region, pid: u32, host: i32, state: State, pgid: u32) {
+    if !r.slots.iter().any(|s| s.pid.load(Ordering::SeqCst) == 0) {
+        // Full: outside replay mode nobody else frees the slots of processes that have ended.
+        sweep_leaving(r);
+    }
     with_lock(r, || {
         let slot = slot_of(r, pid).or_else(|| r.slots.iter().find(|s| s.pid.load(Ordering::SeqCst) == 0));
         if let Some(s) = slot {
@@ -497,7 +505,7 @@ pub fn replaying() -> bool {
 
 /// Whether guest process `pid` is a member of the tree (live and not left).
 pub fn member(pid: i32) -> bool {
-    region().is_some_and(|r| slot_of(r, pid as u32).is_some())
+    region().is_some_and(|r| slot_of(r, pid as u32).is_some_and(|s| s.state.load(Ordering::SeqCst) != State::Leaving as u32))
 }
 
 /// A guest process of this sandbox as its slot records it.
@@ -519,7 +527,7 @@ pub fn processes() -> Vec<Process> {
             .iter()
             .filter_map(|s| {
                 let pid = s.pid.load(Ordering::SeqCst);
-                (pid != 0).then(|| Process {
+                (pid != 0 && s.state.load(Ordering::SeqCst) != State::Leaving as u32).then(|| Process {
                     pid: pid as i32,
                     host: s.host.load(Ordering::SeqCst),
                     pgid: s.pgid.load(Ordering::SeqCst) as i32,
@@ -642,22 +650,83 @@ pub fn back() {
     }
 }
 
-/// This process is done (exit or fatal signal): leave, handing the token on.
+/// This process is done (exit or fatal signal): leave, handing the token on. Its slot stays
+/// (as [`State::Leaving`]) until its host process is gone.
 pub fn leave() {
     let Some(r) = region() else { return };
     let me = ME.swap(0, Ordering::SeqCst);
     if me == 0 {
         return;
     }
-    forget(r, me);
+    HOLDING.store(false, Ordering::SeqCst);
+    ending(r, me);
 }
 
 /// Guest process `pid` of this tree was killed outright (a host SIGKILL): the sender, which holds
-/// the token, removes it at once, so nobody waits for it.
+/// the token, takes it out of the turns at once, so nobody waits for it.
 pub fn killed(pid: i32) {
     if let Some(r) = region() {
-        forget(r, pid as u32);
+        ending(r, pid as u32);
     }
+}
+
+/// Process `pid` is done: out of the turns, its slot kept while its host process ends (one that
+/// never started has nothing to wait for; the sandbox's first process does not end with its guest).
+fn ending(r: &Region, pid: u32) {
+    let top = super::signal::host::top();
+    let started = with_lock(r, || match slot_of(r, pid) {
+        Some(s) if s.host.load(Ordering::SeqCst) > 0 && s.host.load(Ordering::SeqCst) != top => {
+            s.state.store(State::Leaving as u32, Ordering::SeqCst);
+            true
+        }
+        _ => false,
+    });
+    if !started {
+        forget(r, pid);
+        return;
+    }
+    // A process that ends is progress (its parent's wait, a read of the pipe it wrote may now
+    // succeed): the passes without progress counted before it left do not add up to a round
+    // with the passes after it.
+    r.idle.store(0, Ordering::SeqCst);
+    if r.token.load(Ordering::SeqCst) == pid {
+        hand_on(r, pid);
+    }
+}
+
+/// What [`sweep_leaving`] found.
+#[derive(PartialEq, Eq, Debug)]
+enum Leaving {
+    None,
+    /// Some were gone and their slots are free now.
+    Gone,
+    /// Some are still ending.
+    Ending,
+}
+
+/// Free the slots of leaving processes whose host process is gone.
+fn sweep_leaving(r: &Region) -> Leaving {
+    let mut found = Leaving::None;
+    for s in r.slots.iter() {
+        let pid = s.pid.load(Ordering::SeqCst);
+        if pid == 0 || s.state.load(Ordering::SeqCst) != State::Leaving as u32 {
+            continue;
+        }
+        if alive(s.host.load(Ordering::SeqCst)) {
+            found = Leaving::Ending;
+        } else {
+            with_lock(r, || {
+                if s.pid.load(Ordering::SeqCst) == pid && s.state.load(Ordering::SeqCst) == State::Leaving as u32 {
+                    s.state.store(State::Free as u32, Ordering::SeqCst);
+                    s.pid.store(0, Ordering::SeqCst);
+                }
+            });
+            if found == Leaving::None {
+                found = Leaving::Gone;
+            }
+        }
+    }
+    found
 }
 
 fn forget(r: &Region, pid: u32) {
@@ -667,6 +736,7 @@ fn forget(r: &Region, pid: u32) {
             s.pid.store(0, Ordering::SeqCst);
         }
     });
+    r.idle.store(0, Ordering::SeqCst); // as in `ending`
     if r.token.load(Ordering::SeqCst) == pid {
         hand_on(r, pid);
     }
@@ -702,7 +772,19 @@ fn pass(r: &Region, me: u32, mono: u64, deadline: Option<u64>) {
     let progress = PROGRESS.swap(false, Ordering::Relaxed);
     let idle = if progress { r.idle.store(1, Ordering::SeqCst); 1 } else { r.idle.fetch_add(1, Ordering::SeqCst) + 1 };
     if idle as usize >= members(r) {
-        everybody_waits(r);
+        // Nobody made progress in a round, but a process that left may not be gone yet: until
+        // it is, what it holds (a pipe's write end) has not changed, so its end is not visible
+        // yet. That is no reason for time to move: wait for it (it is ending), and everybody
+        // looks again once it is gone. A child that wrote its output and exited in one turn had
+        // its parent's `communicate(timeout=999)` expire at once.
+        match sweep_leaving(r) {
+            Leaving::None => everybody_waits(r),
+            Leaving::Gone => r.idle.store(0, Ordering::SeqCst),
+            Leaving::Ending => {
+                r.idle.store(0, Ordering::SeqCst);
+                std::thread::sleep(IDLE_PAUSE);
+            }
+        }
     }
     hand_on(r, me);
 }
