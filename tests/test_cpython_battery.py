@@ -105,10 +105,6 @@ KNOWN_GAPS: dict[str, str] = {
     "test.test_zipfile.PyZipFileTests.test_write_": _NS + "writing next to the installed stdlib: the root filesystem is read-only",
     # The manager's server process serves its clients with threads: it cannot start, and the
     # client's connect finds no socket.
-    "test.test_multiprocessing_fork.WithProcessesTestSharedMemory.test_shared_memory_SharedMemoryManager_":
-        _NS + "threads (SharedMemoryManager's server process serves with threads)",
-    "test.test_multiprocessing_fork.WithProcessesTestSharedMemory.test_shared_memory_SharedMemoryServer_ignores_sigint":
-        _NS + "threads (SharedMemoryManager's server process serves with threads)",
     "test.test_multiprocessing_fork.WithProcessesTestConnection.test_fd_transfer":
         _NS + "passing descriptors over Unix sockets (SCM_RIGHTS): EOPNOTSUPP",
     "test.test_multiprocessing_fork.WithProcessesTestConnection.test_large_fd_transfer":
@@ -117,6 +113,14 @@ KNOWN_GAPS: dict[str, str] = {
 # Tests the sandbox run leaves out because they would hang it (and so lose the whole module's
 # results at the timeout): test id -> reason. Listed with the known gaps.
 SANDBOX_SKIPS: dict[str, str] = {
+    # With threads, SharedMemoryManager's server process starts and serves its clients from
+    # threads, over a socket; the run hangs (threads and shared memory came in one merge; not
+    # investigated yet, issue 15).
+    **{
+        f"test.test_multiprocessing_fork.WithProcessesTestSharedMemory.test_shared_memory_{t}":
+            _NS + "SharedMemoryManager's threaded server process hangs in the sandbox (under investigation)"
+        for t in ("SharedMemoryManager_basics", "SharedMemoryManager_reuses_resource_tracker", "SharedMemoryServer_ignores_sigint")
+    },
     # Its child runs with -I (isolated: PYTHONPATH ignored) and imports test.test_threading in
     # each thread; the sandbox's test tree is in /work/lib (the stdlib is read-only), so every
     # thread dies on the import and the child waits for them forever.

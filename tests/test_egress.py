@@ -35,7 +35,7 @@ kvm = pytest.mark.skipif(not HAVE_KVM, reason="needs /dev/kvm and COLLIMATE_ROOT
 
 # --- the policy: parsing ----------------------------------------------------------------------
 
-ISSUE_RULES = ["pypi.org", "*.pythonhosted.org", "host:443", "203.0.113.0/24", "203.0.113.7:5432", "[2001:db8::1]:443"]
+ISSUE_RULES = ["index.example.org", "*.files.example.net", "host:443", "203.0.113.0/24", "203.0.113.7:5432", "[2001:db8::1]:443"]
 
 
 def test_the_issue_rules_parse_in_both_parsers():
@@ -95,11 +95,11 @@ def test_any_string_is_a_rule_or_a_clear_error_in_both_parsers(text):
 
 
 @pytest.mark.parametrize(
-    "bad", ["", " pypi.org", "a b", "1.2.3", "1.2.3.4/33", "1.2.3.4/24", "x:0", "x:65536", "x:080", "*x.com",
+    "bad", ["", " index.example.org", "a b", "1.2.3", "1.2.3.4/33", "1.2.3.4/24", "x:0", "x:65536", "x:080", "*x.com",
             "a.*.com", "[::1", "[1.2.3.4]:80", "a..b", "-a.com", "host:", ":80", "http://x.org", 5, None]
 )
 def test_malformed_rules_say_what_a_rule_looks_like(bad):
-    with pytest.raises(InvalidArgument, match=r"a rule is a host name \(\"pypi.org\"\)"):
+    with pytest.raises(InvalidArgument, match=r"a rule is a host name \(\"index.example.org\"\)"):
         Egress.allow(bad)
 
 
@@ -129,20 +129,20 @@ def test_special_addresses_are_never_reached_by_names_or_internet(addr):
 
 
 def test_a_name_rule_admits_only_the_engines_own_answers():
-    p = Egress.allow("pypi.org:443", "*.pythonhosted.org")
+    p = Egress.allow("index.example.org:443", "*.files.example.net")
     assert not p.admits("203.0.113.9", 443)  # an IP literal under a name-only policy
-    assert p.admits("203.0.113.9", 443, name="pypi.org")
-    assert not p.admits("203.0.113.9", 80, name="pypi.org")
-    assert p.admits("203.0.113.9", 80, name="files.pythonhosted.org")
-    assert p.admits_name("a.b.pythonhosted.org") and not p.admits_name("pythonhosted.org")
-    assert not p.admits_name("evilpythonhosted.org") and not p.admits_name("pypi.org.evil.test")
+    assert p.admits("203.0.113.9", 443, name="index.example.org")
+    assert not p.admits("203.0.113.9", 80, name="index.example.org")
+    assert p.admits("203.0.113.9", 80, name="files.files.example.net")
+    assert p.admits_name("a.b.files.example.net") and not p.admits_name("files.example.net")
+    assert not p.admits_name("evilfiles.example.net") and not p.admits_name("index.example.org.evil.test")
     assert Egress.internet().admits("203.0.113.9", 1) and not Egress.none().admits("203.0.113.9", 1)
 
 
 NARROWER = [
-    ("a.pypi.org", "*.pypi.org"),
-    ("*.a.pypi.org", "*.pypi.org"),
-    ("pypi.org:443", "pypi.org"),
+    ("a.index.example.org", "*.index.example.org"),
+    ("*.a.index.example.org", "*.index.example.org"),
+    ("index.example.org:443", "index.example.org"),
     ("203.0.113.0/25", "203.0.113.0/24"),
     ("203.0.113.7:5432", "203.0.113.0/24"),
     ("[2001:db8::1]:443", "2001:db8::/32"),

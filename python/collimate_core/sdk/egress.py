@@ -4,7 +4,7 @@ A policy is a value (immutable, hashable, comparable). The default everywhere is
 no network. `Egress.allow(*rules)` admits what its rules name; `Egress.internet()` admits public
 addresses on any port. A rule is one of:
 
-- a host name, `"pypi.org"`, or a wildcard, `"*.pythonhosted.org"` (any name below it, not the name
+- a host name, `"index.example.org"`, or a wildcard, `"*.files.example.net"` (any name below it, not the name
   itself), either with an optional port: `"host:443"`;
 - an IP address or CIDR block, optionally with a port: `"203.0.113.0/24"`, `"203.0.113.7:5432"`,
   `"[2001:db8::1]:443"`, `"2001:db8::/32"`.
@@ -28,7 +28,7 @@ from typing import Any, Union
 from collimate_core.sdk.errors import InvalidArgument
 
 RULE_HELP = (
-    'a rule is a host name ("pypi.org") or wildcard ("*.pythonhosted.org"), either with an optional '
+    'a rule is a host name ("index.example.org") or wildcard ("*.files.example.net"), either with an optional '
     '":port" ("host:443"), or an IP address or CIDR block with an optional port ("203.0.113.0/24", '
     '"203.0.113.7:5432", "[2001:db8::1]:443", "2001:db8::/32"); ports are 1..65535'
 )

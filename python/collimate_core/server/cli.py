@@ -40,7 +40,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    "or 1G); also the most a request may ask for")
     s.add_argument("--egress-ceiling", default=None, metavar="RULES",
                    help="the widest network policy a request may ask for: 'none', 'internet', or comma-separated "
-                        "rules ('pypi.org,*.pythonhosted.org,203.0.113.0/24'; add 'internet' to them); a wider "
+                        "rules ('index.example.org,*.files.example.net,203.0.113.0/24'; add 'internet' to them); a wider "
                         "request gets 403 (default: no ceiling)")
     s.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="admit sandboxes while guest memory (1 GiB each) plus disk quota of all live ones stays "

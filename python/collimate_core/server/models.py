@@ -112,7 +112,7 @@ class EgressSpec(BaseModel):
                            "link-local or metadata addresses: only an IP or CIDR rule admits those)")
     rules: list[str] = Field(
         default_factory=list, max_length=256,
-        description='each a host name ("pypi.org"), a wildcard ("*.pythonhosted.org"), either with an optional '
+        description='each a host name ("index.example.org"), a wildcard ("*.files.example.net"), either with an optional '
         '":port", or an IP address or CIDR block with an optional port ("203.0.113.0/24", "203.0.113.7:5432", '
         '"[2001:db8::1]:443")',
     )

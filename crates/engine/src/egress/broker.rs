@@ -819,7 +819,7 @@ mod tests {
         tcp.write_all(b"abc").unwrap();
         let mut b = [0u8; 3];
         peer.read_exact(&mut b).unwrap();
-        assert_eq!(net.set_policy(policy(&["pypi.org"])), 1);
+        assert_eq!(net.set_policy(policy(&["index.example.org"])), 1);
         let mut x = [0u8; 1];
         let err = tcp.read(&mut x).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::ECONNRESET));

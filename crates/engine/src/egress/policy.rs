@@ -1,8 +1,8 @@
 //! The egress policy of one sandbox: rules, and the questions the broker asks of them.
 //!
 //! The Rust twin of the SDK's `collimate_core.sdk.egress` (same rule strings, same answers; the
-//! Python tests check both agree). A rule is a host name (`pypi.org`), a wildcard
-//! (`*.pythonhosted.org`: names strictly below it), an IP address or a CIDR block, each with an
+//! Python tests check both agree). A rule is a host name (`index.example.org`), a wildcard
+//! (`*.files.example.net`: names strictly below it), an IP address or a CIDR block, each with an
 //! optional port (`host:443`, `203.0.113.7:5432`, `[2001:db8::1]:443`). `internet` admits public
 //! addresses on any port. Loopback, private, link-local, metadata and multicast addresses
 //! ([`is_special`]) are reached only through an IP or CIDR rule that contains them: never through a
@@ -22,7 +22,7 @@ pub struct RuleError {
 }
 
 /// What a valid rule looks like (the end of every [`RuleError`]).
-pub const HELP: &str = "a rule is a host name (\"pypi.org\") or wildcard (\"*.pythonhosted.org\"), either with an \
+pub const HELP: &str = "a rule is a host name (\"index.example.org\") or wildcard (\"*.files.example.net\"), either with an \
 optional \":port\" (\"host:443\"), or an IP address or CIDR block with an optional port (\"203.0.113.0/24\", \
 \"203.0.113.7:5432\", \"[2001:db8::1]:443\", \"2001:db8::/32\"); ports are 1..65535";
 
@@ -399,7 +399,7 @@ mod tests {
 
     #[test]
     fn the_issue_rules_parse_and_print_back() {
-        for r in ["pypi.org", "*.pythonhosted.org", "host:443", "203.0.113.0/24", "203.0.113.7:5432", "[2001:db8::1]:443", "2001:db8::/32"] {
+        for r in ["index.example.org", "*.files.example.net", "host:443", "203.0.113.0/24", "203.0.113.7:5432", "[2001:db8::1]:443", "2001:db8::/32"] {
             assert_eq!(parse_rule(r).unwrap().to_string(), r);
         }
         for r in ["", "a b", "1.2.3", "1.2.3.4/33", "x:0", "x:65536", "*x.com", "[::1", "1.2.3.4/24", "a..b", "-a.com", "host:", "[1.2.3.4]:80", "x:080"] {
@@ -423,20 +423,20 @@ mod tests {
 
     #[test]
     fn a_name_rule_needs_the_engines_own_answer() {
-        let pol = p(&["pypi.org:443", "*.pythonhosted.org"]);
+        let pol = p(&["index.example.org:443", "*.files.example.net"]);
         let ip: IpAddr = "203.0.113.9".parse().unwrap();
         assert!(matches!(pol.check(ip, 443, &[]), Verdict::Denied(_)));
-        assert_eq!(pol.check(ip, 443, &["pypi.org".into()]), Verdict::Allowed("pypi.org:443".into()));
-        assert!(matches!(pol.check(ip, 80, &["pypi.org".into()]), Verdict::Denied(_)));
-        assert!(pol.admits_name("files.pythonhosted.org."));
-        assert!(!pol.admits_name("pythonhosted.org"));
-        assert!(!pol.admits_name("evil-pythonhosted.org"));
+        assert_eq!(pol.check(ip, 443, &["index.example.org".into()]), Verdict::Allowed("index.example.org:443".into()));
+        assert!(matches!(pol.check(ip, 80, &["index.example.org".into()]), Verdict::Denied(_)));
+        assert!(pol.admits_name("files.files.example.net."));
+        assert!(!pol.admits_name("files.example.net"));
+        assert!(!pol.admits_name("evil-files.example.net"));
     }
 
     #[test]
     fn narrower() {
-        assert!(p(&["a.pypi.org"]).narrower_than(&p(&["*.pypi.org"])));
-        assert!(!p(&["*.pypi.org"]).narrower_than(&p(&["a.pypi.org"])));
+        assert!(p(&["a.index.example.org"]).narrower_than(&p(&["*.index.example.org"])));
+        assert!(!p(&["*.index.example.org"]).narrower_than(&p(&["a.index.example.org"])));
         assert!(p(&["203.0.113.0/25:80"]).narrower_than(&p(&["203.0.113.0/24"])));
         assert!(!p(&["203.0.113.0/24"]).narrower_than(&p(&["203.0.113.0/24:80"])));
         let inet = Policy { rules: vec![], internet: true };
