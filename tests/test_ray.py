@@ -267,6 +267,54 @@ sys.stdin.read()  # until killed
 """
 
 
+def test_egress_policies_on_ray(client):
+    """Egress through a host actor as through the embedded engine: a session's policy reaches its
+    server (a counting HTTP server on this machine's loopback), its fork group inherits it, a
+    live change forbids the next request, the log lists the flows, and no policy is no network."""
+    import http.server
+    import threading
+
+    from collimate_rl import Egress
+
+    class Counting(http.server.BaseHTTPRequestHandler):
+        hits = 0
+
+        def do_GET(self):
+            type(self).hits += 1
+            self.send_response(200)
+            self.send_header("Content-Length", "3")
+            self.end_headers()
+            self.wfile.write(b"ok\n")
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Counting)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    get = (
+        "import urllib.request\n"
+        "try:\n"
+        f"    print(urllib.request.urlopen('http://127.0.0.1:{port}/', timeout=10).read().decode(), end='')\n"
+        "except Exception as e:\n"
+        "    print('ERR', type(getattr(e, 'reason', e)).__name__)\n"
+    )
+    try:
+        with client.session("python", egress=Egress.allow(f"127.0.0.1:{port}")) as sess:
+            assert sess.exec(code=get).stdout == "ok\n"
+            with sess.fork_group(2) as grp:
+                assert grp.map(lambda i, child: child.exec(code=get).stdout) == ["ok\n", "ok\n"]
+            assert any(e.get("port") == port for e in sess.egress_log())
+            sess.set_egress(Egress.none())
+            assert sess.exec(code=get).stdout.startswith("ERR")
+        with client.session("python") as plain:
+            assert plain.exec(code=get).stdout.startswith("ERR")
+        assert Counting.hits == 3
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_a_dead_drivers_sandboxes_go_at_the_end_of_their_lease(cluster, client):
     env = dict(os.environ, COLLIMATE_RAY_LEASE="2")
     p = subprocess.Popen([sys.executable, "-c", DRIVER, cluster.address], stdin=subprocess.PIPE,

@@ -35,6 +35,7 @@ class RaySandbox:
     warm_hit: bool
     host: str
     parent: str | None = None
+    egress: Any = None  # its network policy (collimate_core.sdk.egress.Egress), as its host keeps it
 
 
 @dataclass
@@ -204,7 +205,10 @@ class RayClient:
 
     # --- the client surface (as EmbeddedClient) -----------------------------------------------
 
-    def create(self, template: str, disk_quota: int | str | None = None) -> RaySandbox:
+    def create(self, template: str, disk_quota: int | str | None = None, egress: Any = None) -> RaySandbox:
+        from collimate_core.sdk import egress as _egress
+
+        policy = _egress.coerce(egress)  # bad rules raise before anything is placed
         if not isinstance(template, str) or not template:
             raise InvalidArgument(f"template must be a template name such as 'python', not {template!r}")
         if disk_quota is not None:
@@ -213,14 +217,14 @@ class RayClient:
             disk_quota = _check_quota(disk_quota)
         h, cold = self._place(template)
         try:
-            box_id, warm = self._call(h, "create", template, disk_quota, self.lease)
+            box_id, warm = self._call(h, "create", template, disk_quota, self.lease, policy)
         except BaseException:
             with self._lock:
                 h.live = max(0, h.live - 1)
                 if cold:
                     h.starting[template] -= 1
             raise
-        box = RaySandbox(box_id, template, warm, h.node_id)
+        box = RaySandbox(box_id, template, warm, h.node_id, egress=policy)
         with self._lock:
             h.warm.add(template)
             if cold:
@@ -264,10 +268,14 @@ class RayClient:
         kw = {"code": code, "command": command, "timeout": timeout, "seed": seed, "env": env, "cwd": cwd}
         return self._call(self._host_of(box), "exec", box.id, kw, timeout=float(timeout) + self.call_timeout)
 
-    def fork(self, box: RaySandbox, n: int) -> list[RaySandbox]:
-        """`n` children of `box`, all on its host (a group is never split)."""
+    def fork(self, box: RaySandbox, n: int, egress: Any = None) -> list[RaySandbox]:
+        """`n` children of `box`, all on its host (a group is never split). They inherit its egress
+        policy, or get `egress` (which may only narrow it: the host's engine checks)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidArgument(f"a fork group needs width >= 1, not {n!r}")
+        from collimate_core.sdk import egress as _egress
+
+        policy = None if egress is None else _egress.coerce(egress)
         h = self._host_of(box)
         with self._lock:
             if h.live + n > h.slots and not h.lost:
@@ -276,12 +284,12 @@ class RayClient:
             h.live += n
             self._log(op="fork", template=box.template, host=h.node_id, parent=box.id, width=n)
         try:
-            ids = self._call(h, "fork", box.id, n, self.lease)
+            ids = self._call(h, "fork", box.id, n, self.lease, policy)
         except BaseException:
             with self._lock:
                 h.live = max(0, h.live - n)
             raise
-        kids = [RaySandbox(i, box.template, False, h.node_id, parent=box.id) for i in ids]
+        kids = [RaySandbox(i, box.template, False, h.node_id, parent=box.id, egress=policy or box.egress) for i in ids]
         with self._lock:
             for k in kids:
                 self._boxes[k.id] = k
@@ -289,6 +297,17 @@ class RayClient:
 
     def reset(self, box: RaySandbox) -> None:
         self._call(self._host_of(box), "reset", box.id)
+
+    def set_egress(self, box: RaySandbox, egress: Any) -> int:
+        from collimate_core.sdk import egress as _egress
+
+        policy = _egress.coerce(egress)
+        n = self._call(self._host_of(box), "set_egress", box.id, policy)
+        box.egress = policy
+        return n
+
+    def egress_log(self, box: RaySandbox) -> list[dict]:
+        return self._call(self._host_of(box), "egress_log", box.id)
 
     def upload(self, box: RaySandbox, path: str, data: bytes) -> None:
         if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -331,10 +350,10 @@ class RayClient:
                 setattr(total, f.name, getattr(total, f.name) + getattr(u, f.name))
         return total
 
-    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None):
+    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None, egress: Any = None):
         from collimate_core.sdk.session import Session
 
-        return Session(_template_name(handle), client=self, disk_quota=disk_quota)
+        return Session(_template_name(handle), client=self, disk_quota=disk_quota, egress=egress)
 
     def env(self, ref: Any, width: int = 1):
         from collimate_core.sdk.session import Env
@@ -422,14 +441,15 @@ class RayTemplates:
             return [h for h in self.client._hosts.values() if not h.lost]
 
     def bake(self, name: str, image: Any, ready: Any = None, width: int = 1, *, store: Any = None,
-             cache: Any = None) -> RayTemplateHandle:
+             cache: Any = None, egress: Any = None) -> RayTemplateHandle:
         from collimate_core.templates.bake import check_bake_args
 
         if cache is not None:
             raise InvalidArgument("Template.bake(cache=...) is for the embedded engine; each Ray host keeps its own")
         ready = check_bake_args(image, ready, width)
         versions = [self.client._call(h, "bake", name, os.fspath(image), ready, width,
-                                      None if store is None else os.fspath(store)).version for h in self._alive()]
+                                      None if store is None else os.fspath(store), egress).version
+                    for h in self._alive()]
         for h in self._alive():
             self.client._log(op="bake", template=name, host=h.node_id)
         return RayTemplateHandle(self.client, name, max((v for v in versions if v is not None), default=None))

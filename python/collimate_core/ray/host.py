@@ -105,12 +105,18 @@ class HostActor:
         return {"node_id": self.node_id, "slots": self.slots, "live": live, "warm": warm, "pid": os.getpid(),
                 "token": os.environ.get("COLLIMATE_HOST_TOKEN")}
 
-    def create(self, template: str, disk_quota: int | None = None, lease: float = 600.0) -> tuple[str, bool]:
-        box = self.client.create(template, disk_quota)
+    def create(self, template: str, disk_quota: int | None = None, lease: float = 600.0, egress: Any = None) -> tuple[str, bool]:
+        box = self.client.create(template, disk_quota, egress=egress)
         return self._keep(box, lease), box.warm_hit
 
-    def fork(self, box_id: str, n: int, lease: float = 600.0) -> list[str]:
-        return [self._keep(b, lease) for b in self.client.fork(self._box(box_id), n)]
+    def fork(self, box_id: str, n: int, lease: float = 600.0, egress: Any = None) -> list[str]:
+        return [self._keep(b, lease) for b in self.client.fork(self._box(box_id), n, egress=egress)]
+
+    def set_egress(self, box_id: str, egress: Any) -> int:
+        return self.client.set_egress(self._box(box_id), egress)
+
+    def egress_log(self, box_id: str) -> list[dict]:
+        return self.client.egress_log(self._box(box_id))
 
     def exec(self, box_id: str, kw: dict) -> Any:
         box = self._box(box_id)
@@ -162,10 +168,10 @@ class HostActor:
         self.client.expect_width(template, width)
 
     # templates: Template.bake/list/get/delete on this host's engine
-    def bake(self, name: str, image: str, ready: Any, width: int, store: str | None) -> Any:
+    def bake(self, name: str, image: str, ready: Any, width: int, store: str | None, egress: Any = None) -> Any:
         from collimate_core.templates.bake import Template
 
-        handle = Template.bake(self.client, name=name, image=image, ready=ready, width=width, store=store)
+        handle = Template.bake(self.client, name=name, image=image, ready=ready, width=width, store=store, egress=egress)
         with self._lock:
             self._bakes[name] = handle
         return handle.status()
