@@ -346,3 +346,40 @@ def test_multiprocessing_pool_queue_lock_and_value_with_threads_and_shared_memor
     want = "[5, 4, 3, 2, 1, 0, 1, 2, 3, 4]\nhello\n400 [0, 0]\n"
     assert run(client, POOL_AND_QUEUE) == want
     assert run(client, POOL_AND_QUEUE, seed=SEED) == run(client, POOL_AND_QUEUE, seed=SEED) == want
+
+
+SHARED_MEMORY_MANAGER = """
+import os, socket
+from multiprocessing.managers import SharedMemoryManager
+# A Unix socket's name reads back as it was bound (the manager hands its listener's
+# getsockname() to its clients), relative or absolute.
+os.chdir("/tmp")
+for name in ("/tmp/named.sock", "rel.sock"):
+    s = socket.socket(socket.AF_UNIX); s.bind(name); s.listen()
+    c = socket.socket(socket.AF_UNIX); c.connect(name)
+    a, _ = s.accept()
+    print(s.getsockname(), a.getsockname(), c.getpeername())
+    for x in (a, c, s):
+        x.close()
+    os.unlink(name)
+with SharedMemoryManager() as smm:  # a server process that accepts and serves from threads
+    sl = smm.ShareableList(range(5))
+    sl[0] = 42
+    sm = smm.SharedMemory(size=64)
+    sm.buf[:3] = b"abc"
+    print(list(sl), bytes(sm.buf[:3]), sm.size >= 64)
+"""
+
+
+def test_shared_memory_manager_serves_from_its_threads(client):
+    """SharedMemoryManager's server process accepts on a Unix socket in one thread while its main
+    thread waits (a blocking accept must let the other threads run), and the address it hands
+    its clients is its listener's getsockname() (the name as bound, not the host's last
+    component); with a seed twice, the same output."""
+    want = (
+        "/tmp/named.sock /tmp/named.sock /tmp/named.sock\n"
+        "rel.sock rel.sock rel.sock\n"
+        "[42, 1, 2, 3, 4] b'abc' True\n"
+    )
+    assert run(client, SHARED_MEMORY_MANAGER) == want
+    assert run(client, SHARED_MEMORY_MANAGER, seed=SEED) == run(client, SHARED_MEMORY_MANAGER, seed=SEED) == want
