@@ -383,3 +383,27 @@ def test_shared_memory_manager_serves_from_its_threads(client):
     )
     assert run(client, SHARED_MEMORY_MANAGER) == want
     assert run(client, SHARED_MEMORY_MANAGER, seed=SEED) == run(client, SHARED_MEMORY_MANAGER, seed=SEED) == want
+
+
+DEFINED_IN_THE_EXEC = """
+import multiprocessing as mp, pickle
+def square(x):
+    return x * x
+class Point:
+    def __init__(self, x):
+        self.x = x
+print(pickle.loads(pickle.dumps(Point(3))).x, pickle.loads(pickle.dumps(square))(4))
+with mp.get_context("fork").Pool(2) as p:
+    print(p.map(square, range(5)), p.apply(Point, (7,)).x)
+"""
+
+
+def test_what_an_exec_defines_pickles_by_reference_as_a_scripts_main_does(client):
+    """Code of an exec(code=...) runs as `__main__`, so a function or class it defines pickles by
+    reference: Pool.map of it, an instance sent back from a worker. Across two execs of one
+    sandbox, the second sees what the first defined."""
+    assert run(client, DEFINED_IN_THE_EXEC) == "3 16\n[0, 1, 4, 9, 16] 7\n"
+    with Sandbox("python", client=client) as sb:
+        sb.exec(code="def cube(x):\n    return x ** 3\n")
+        r = sb.exec(code="import multiprocessing as mp\nwith mp.get_context('fork').Pool(2) as p:\n    print(p.map(cube, range(4)))\n")
+        assert r.exit_code == 0 and r.stdout == "[0, 1, 8, 27]\n", (r.stdout, r.stderr)
