@@ -103,8 +103,6 @@ KNOWN_GAPS: dict[str, str] = {
     # pass with COLLIMATE_MAX_FILE_SIZE=8589934592 in the engine's environment.
     "test.test_mmap.LargeMmapTests.": _NS + "files over the sandbox's file size limit (1 GiB by default, the jail's RLIMIT_FSIZE)",
     "test.test_zipfile.PyZipFileTests.test_write_": _NS + "writing next to the installed stdlib: the root filesystem is read-only",
-    # The manager's server process serves its clients with threads: it cannot start, and the
-    # client's connect finds no socket.
     "test.test_multiprocessing_fork.WithProcessesTestConnection.test_fd_transfer":
         _NS + "passing descriptors over Unix sockets (SCM_RIGHTS): EOPNOTSUPP",
     "test.test_multiprocessing_fork.WithProcessesTestConnection.test_large_fd_transfer":
@@ -113,14 +111,6 @@ KNOWN_GAPS: dict[str, str] = {
 # Tests the sandbox run leaves out because they would hang it (and so lose the whole module's
 # results at the timeout): test id -> reason. Listed with the known gaps.
 SANDBOX_SKIPS: dict[str, str] = {
-    # With threads, SharedMemoryManager's server process starts and serves its clients from
-    # threads, over a socket; the run hangs (threads and shared memory came in one merge; not
-    # investigated yet, issue 15).
-    **{
-        f"test.test_multiprocessing_fork.WithProcessesTestSharedMemory.test_shared_memory_{t}":
-            _NS + "SharedMemoryManager's threaded server process hangs in the sandbox (under investigation)"
-        for t in ("SharedMemoryManager_basics", "SharedMemoryManager_reuses_resource_tracker", "SharedMemoryServer_ignores_sigint")
-    },
     # Its child runs with -I (isolated: PYTHONPATH ignored) and imports test.test_threading in
     # each thread; the sandbox's test tree is in /work/lib (the stdlib is read-only), so every
     # thread dies on the import and the child waits for them forever.

@@ -346,3 +346,64 @@ def test_multiprocessing_pool_queue_lock_and_value_with_threads_and_shared_memor
     want = "[5, 4, 3, 2, 1, 0, 1, 2, 3, 4]\nhello\n400 [0, 0]\n"
     assert run(client, POOL_AND_QUEUE) == want
     assert run(client, POOL_AND_QUEUE, seed=SEED) == run(client, POOL_AND_QUEUE, seed=SEED) == want
+
+
+SHARED_MEMORY_MANAGER = """
+import os, socket
+from multiprocessing.managers import SharedMemoryManager
+# A Unix socket's name reads back as it was bound (the manager hands its listener's
+# getsockname() to its clients), relative or absolute.
+os.chdir("/tmp")
+for name in ("/tmp/named.sock", "rel.sock"):
+    s = socket.socket(socket.AF_UNIX); s.bind(name); s.listen()
+    c = socket.socket(socket.AF_UNIX); c.connect(name)
+    a, _ = s.accept()
+    print(s.getsockname(), a.getsockname(), c.getpeername())
+    for x in (a, c, s):
+        x.close()
+    os.unlink(name)
+with SharedMemoryManager() as smm:  # a server process that accepts and serves from threads
+    sl = smm.ShareableList(range(5))
+    sl[0] = 42
+    sm = smm.SharedMemory(size=64)
+    sm.buf[:3] = b"abc"
+    print(list(sl), bytes(sm.buf[:3]), sm.size >= 64)
+"""
+
+
+def test_shared_memory_manager_serves_from_its_threads(client):
+    """SharedMemoryManager's server process accepts on a Unix socket in one thread while its main
+    thread waits (a blocking accept must let the other threads run), and the address it hands
+    its clients is its listener's getsockname() (the name as bound, not the host's last
+    component); with a seed twice, the same output."""
+    want = (
+        "/tmp/named.sock /tmp/named.sock /tmp/named.sock\n"
+        "rel.sock rel.sock rel.sock\n"
+        "[42, 1, 2, 3, 4] b'abc' True\n"
+    )
+    assert run(client, SHARED_MEMORY_MANAGER) == want
+    assert run(client, SHARED_MEMORY_MANAGER, seed=SEED) == run(client, SHARED_MEMORY_MANAGER, seed=SEED) == want
+
+
+DEFINED_IN_THE_EXEC = """
+import multiprocessing as mp, pickle
+def square(x):
+    return x * x
+class Point:
+    def __init__(self, x):
+        self.x = x
+print(pickle.loads(pickle.dumps(Point(3))).x, pickle.loads(pickle.dumps(square))(4))
+with mp.get_context("fork").Pool(2) as p:
+    print(p.map(square, range(5)), p.apply(Point, (7,)).x)
+"""
+
+
+def test_what_an_exec_defines_pickles_by_reference_as_a_scripts_main_does(client):
+    """Code of an exec(code=...) runs as `__main__`, so a function or class it defines pickles by
+    reference: Pool.map of it, an instance sent back from a worker. Across two execs of one
+    sandbox, the second sees what the first defined."""
+    assert run(client, DEFINED_IN_THE_EXEC) == "3 16\n[0, 1, 4, 9, 16] 7\n"
+    with Sandbox("python", client=client) as sb:
+        sb.exec(code="def cube(x):\n    return x ** 3\n")
+        r = sb.exec(code="import multiprocessing as mp\nwith mp.get_context('fork').Pool(2) as p:\n    print(p.map(cube, range(4)))\n")
+        assert r.exit_code == 0 and r.stdout == "[0, 1, 8, 27]\n", (r.stdout, r.stderr)

@@ -84,11 +84,14 @@ def _timed(fn) -> float:
     return _ms(t)
 
 
-def _interleave(rounds: int, pairs: list[tuple[Series, object]], warmup: int = 1) -> None:
-    """`rounds` rounds; each times every (series, fn) once, in alternating order."""
+def _interleave(rounds: int, pairs: list[tuple[Series, object]], warmup: int = 1, client=None) -> None:
+    """`rounds` rounds after `warmup` untimed ones; each times every (series, fn) once, in
+    alternating order. With `client`, its teardowns of the previous call finish first, untimed."""
     for r in range(warmup + rounds):
         order = pairs if r % 2 == 0 else pairs[::-1]
         for series, fn in order:
+            if client is not None:
+                _drain(client)
             ms = _timed(fn)
             if r >= warmup:
                 series.samples.append(ms)
@@ -163,13 +166,7 @@ def bench_fork_group(client, rounds: int, width: int) -> list[Series]:
             if codes != [0] * width:
                 raise RuntimeError(f"fork group exit codes {codes}")
 
-        for r in range(1 + rounds):
-            order = [(group, one_group), (base, lambda: _host_forks(width))]
-            for series, fn in (order if r % 2 == 0 else order[::-1]):
-                _drain(client)
-                ms = _timed(fn)
-                if r >= 1:
-                    series.samples.append(ms)
+        _interleave(rounds, [(group, one_group), (base, lambda: _host_forks(width))], client=client)
     _drain(client)
     return [group, base]
 
@@ -228,13 +225,8 @@ def bench_grading(client, rounds: int, width: int) -> list[Series]:
         if rewards != expected:
             raise RuntimeError(f"subprocess grader rewards {rewards}, expected {expected}")
 
-    for r in range(1 + rounds):  # the first round prepares grade_batch's template: untimed
-        order = [(ours, batch), (base, plain)]
-        for series, fn in (order if r % 2 == 0 else order[::-1]):
-            _drain(client)
-            ms = _timed(fn)
-            if r >= 1:
-                series.samples.append(ms)
+    # The untimed first round prepares grade_batch's template.
+    _interleave(rounds, [(ours, batch), (base, plain)], client=client)
     _drain(client)
     return [ours, base]
 

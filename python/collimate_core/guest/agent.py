@@ -115,7 +115,15 @@ def run_command(command, env, cwd):
 
 
 def main():
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    # The user's code runs in a module of its own that is `__main__` (this agent's own globals
+    # stay its functions'), as a script's does: what it defines pickles by reference
+    # (multiprocessing.Pool.map of a function defined in an exec, a class's instances).
+    import types
+
+    user = types.ModuleType("__main__")
+    user.__builtins__ = __builtins__
+    sys.modules["__main__"] = user
+    namespace = user.__dict__
     while True:
         req = recv()
         op = req.get("op")

@@ -67,3 +67,28 @@ class HostLost(GroupError):
 
 class AuthenticationError(CollimateError):
     """The API key is missing or wrong."""
+
+
+# How an error crosses HTTP (the control plane's responses, `collimate_core.server.errors`, and the
+# remote client's exceptions, `sdk/remote.py`): the exception, the status of its response and the
+# response's stable `type`. The server answers an exception with the first row it is an instance
+# of (subclasses first); the remote client raises, for a `type`, the exception of its first row.
+WIRE_ERRORS: tuple[tuple[type[CollimateError], int, str], ...] = (
+    (AuthenticationError, 401, "authentication"),
+    (InvalidArgument, 400, "invalid_argument"),
+    (NotFoundError, 404, "not_found"),
+    (VmDestroyedError, 404, "not_found"),
+    (CapacityError, 503, "capacity"),
+    (SandboxTimeout, 504, "timeout"),
+    (SandboxDied, 410, "sandbox_died"),
+    (EngineError, 500, "engine_error"),
+)
+# The `type`s of the server's own refusals (not raised by the SDK as such) -> the exception a
+# remote client raises for them.
+REFUSAL_ERRORS: dict[str, type[CollimateError]] = {
+    "conflict": InvalidArgument,
+    "forbidden_path": InvalidArgument,
+    "payload_too_large": InvalidArgument,
+    "image_quota": CapacityError,
+    "spend_limit": CapacityError,
+}

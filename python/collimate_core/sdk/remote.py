@@ -46,6 +46,8 @@ from collimate_core.sdk.errors import (
     CollimateError,
     EngineError,
     InvalidArgument,
+    REFUSAL_ERRORS,
+    WIRE_ERRORS,
     NotFoundError,
     SandboxDied,
     SandboxTimeout,
@@ -55,20 +57,9 @@ from collimate_core.sdk.results import ExecResult
 DEFAULT_BASE_URL = "http://127.0.0.1:8477"
 
 # The error `type` of a response -> the exception the embedded engine raises for the same failure.
-_ERRORS: dict[str, type[CollimateError]] = {
-    "invalid_argument": InvalidArgument,
-    "conflict": InvalidArgument,
-    "forbidden_path": InvalidArgument,
-    "payload_too_large": InvalidArgument,
-    "image_quota": CapacityError,
-    "authentication": AuthenticationError,
-    "not_found": NotFoundError,
-    "capacity": CapacityError,
-    "spend_limit": CapacityError,
-    "timeout": SandboxTimeout,
-    "sandbox_died": SandboxDied,
-    "engine_error": EngineError,
-}
+_ERRORS: dict[str, type[CollimateError]] = {**REFUSAL_ERRORS}
+for _cls, _status, _kind in reversed(WIRE_ERRORS):  # the first row of a type wins
+    _ERRORS[_kind] = _cls
 _BY_STATUS: dict[int, type[CollimateError]] = {
     400: InvalidArgument, 401: AuthenticationError, 402: CapacityError, 403: InvalidArgument, 404: NotFoundError, 409: CapacityError,
     410: SandboxDied, 413: InvalidArgument, 429: CapacityError, 503: CapacityError, 504: SandboxTimeout,

@@ -11,15 +11,12 @@ from fastapi import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from collimate_core.sdk.errors import (
-    AuthenticationError,
-    CapacityError,
     CollimateError,
-    EngineError,
     InvalidArgument,
     NotFoundError,
     SandboxDied,
-    SandboxTimeout,
     VmDestroyedError,
+    WIRE_ERRORS,
 )
 
 
@@ -37,22 +34,15 @@ def _error_of(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     msg = str(exc)
-    if isinstance(exc, AuthenticationError):
-        return ApiError(401, "authentication", msg, {"WWW-Authenticate": 'Bearer realm="collimate"'})
-    if isinstance(exc, InvalidArgument):
-        return ApiError(400, "invalid_argument", msg)
-    if isinstance(exc, (NotFoundError, VmDestroyedError)):
-        return ApiError(404, "not_found", msg)
-    if isinstance(exc, CapacityError):
-        return ApiError(503, "capacity", msg, {"Retry-After": "1"})
-    if isinstance(exc, SandboxTimeout):
-        return ApiError(504, "timeout", msg)
-    if isinstance(exc, SandboxDied):
-        return ApiError(410, "sandbox_died", msg)
-    if isinstance(exc, EngineError):
-        if "invalid argument" in msg:  # the engine refused the request in the sandbox's state
-            return ApiError(409, "conflict", msg)
-        return ApiError(500, "engine_error", msg)
+    for cls, status, kind in WIRE_ERRORS:
+        if isinstance(exc, cls):
+            if kind == "authentication":
+                return ApiError(status, kind, msg, {"WWW-Authenticate": 'Bearer realm="collimate"'})
+            if kind == "capacity":
+                return ApiError(status, kind, msg, {"Retry-After": "1"})
+            if kind == "engine_error" and "invalid argument" in msg:
+                return ApiError(409, "conflict", msg)  # the engine refused the request in the sandbox's state
+            return ApiError(status, kind, msg)
     return ApiError(500, "internal", f"internal error ({type(exc).__name__}); the server log has the details")
 
 

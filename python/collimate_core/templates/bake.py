@@ -879,9 +879,7 @@ class Template:
         version on disk. NotFoundError if there is neither."""
         if getattr(client, "_remote_templates", None) is not None:
             return client._remote_templates.get(name)
-        c = _cache(client, cache)
-        with _lock:
-            b = _builds.get((str(c), name))
+        c, b = _local_build(client, cache, name)
         if b is not None and not b.done.is_set():
             return TemplateHandle(b, client=client)
         tdir = _tdir(c, name)
@@ -904,9 +902,7 @@ class Template:
         the last of them ends (at a later bake or delete). NotFoundError if there is no such template."""
         if getattr(client, "_remote_templates", None) is not None:
             return client._remote_templates.delete(name)
-        c = _cache(client, cache)
-        with _lock:
-            b = _builds.get((str(c), name))
+        c, b = _local_build(client, cache, name)
         if b is not None and not b.done.is_set():
             raise InvalidArgument(f"template {name!r} is still building; wait for it, then delete it")
         tdir = _tdir(c, name)
@@ -921,6 +917,14 @@ class Template:
         _prune(c)
         with _lock:
             _builds.pop((str(c), name), None)
+
+
+def _local_build(client: Any, cache: str | os.PathLike | None, name: str) -> tuple[Path, Any]:
+    """The cache template `name` lives in for `client`, and this process's bake of it there (done
+    or not; None if this process never baked it)."""
+    c = _cache(client, cache)
+    with _lock:
+        return c, _builds.get((str(c), name))
 
 
 # --- catalog images: client.env(ref) bakes in one step -----------------------------------------

@@ -110,6 +110,8 @@ pub struct OpenFile {
     pub ro: bool,
     /// A guest network socket: what the engine keeps beside its host descriptor (see `inet`).
     pub net: Option<Box<inet::NetSock>>,
+    /// A Unix socket's names as the guest gave them (see `socket::sys_getname`).
+    pub unix_names: std::sync::Mutex<socket::UnixNames>,
 }
 
 impl OpenFile {
@@ -125,6 +127,7 @@ impl OpenFile {
             stream: false,
             ro: true,
             net: None,
+            unix_names: Default::default(),
         }
     }
 
@@ -145,6 +148,7 @@ impl OpenFile {
             stream: matches!(fmt, libc::S_IFIFO | libc::S_IFSOCK | libc::S_IFCHR),
             ro,
             net: None,
+            unix_names: Default::default(),
         }
     }
 

@@ -116,6 +116,24 @@ fn sliced(h: RawFd, events: i16, dontwait: bool, mut op: impl FnMut() -> i64) ->
     Err(signal::ERESTARTSYS)
 }
 
+/// The names of a Unix socket as the guest sees them. The host socket is bound (and connected)
+/// by a name relative to its directory (see [`in_dir`]), so the host's getsockname gives only that
+/// last component, and a program that passes the name on (multiprocessing's managers send their
+/// listener's `getsockname()` to their clients) would hand out a path that does not exist.
+#[derive(Default, Clone)]
+pub struct UnixNames {
+    /// The path it was bound to; for an accepted socket, its listener's.
+    pub local: Option<Vec<u8>>,
+    /// The path it connected to.
+    pub peer: Option<Vec<u8>>,
+}
+
+/// The path of a guest sockaddr_un (up to its NUL), as given.
+fn sun_path(ctx: &Ctx, addr: u64, len: u32) -> Result<Vec<u8>, Errno> {
+    let b = ctx.read_vec(addr, len as usize)?;
+    Ok(b.get(2..).unwrap_or_default().iter().copied().take_while(|&c| c != 0).collect())
+}
+
 /// A guest sockaddr_un naming a path in the sandbox: the host directory and name to bind or
 /// connect to (relative to that directory).
 fn unix_path(os: &GuestOs, ctx: &Ctx, addr: u64, len: u32, create: bool) -> Result<(OwnedFd, CString), Errno> {
@@ -187,7 +205,12 @@ pub fn sys_bind(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, addr: u64, len: u32) -
     let umask = os.proc.umask;
     // SAFETY: bind of our socket to a sockaddr_un built by `in_dir`.
     let r = super::with_umask(umask, || in_dir(&dir, &name, |sa, l| unsafe { libc::bind(h, (sa as *const libc::sockaddr_un).cast(), l) } as i64));
-    cvt(r).map(|_| 0)
+    cvt(r)?;
+    let path = sun_path(ctx, addr, len)?;
+    if let Ok(mut names) = os.files.file(fd)?.unix_names.lock() {
+        names.local = Some(path);
+    }
+    Ok(0)
 }
 
 pub fn sys_connect(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, addr: u64, len: u32) -> SysResult {
@@ -198,8 +221,14 @@ pub fn sys_connect(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, addr: u64, len: u32
     }
     let (dir, name) = unix_path(os, ctx, addr, len, false)?;
     // SAFETY: connect of our socket to a sockaddr_un built by `in_dir`.
-    sliced(h, libc::POLLOUT, false, || in_dir(&dir, &name, |sa, l| unsafe { libc::connect(h, (sa as *const libc::sockaddr_un).cast(), l) } as i64))
-        .map(|_| 0)
+    sliced(h, libc::POLLOUT, false, || in_dir(&dir, &name, |sa, l| unsafe { libc::connect(h, (sa as *const libc::sockaddr_un).cast(), l) } as i64))?;
+    // The listener's name, as this side knows it (Linux reports the name the listener bound,
+    // which is this path unless it was bound by another relative one).
+    let path = sun_path(ctx, addr, len)?;
+    if let Ok(mut names) = f.unix_names.lock() {
+        names.peer = Some(path);
+    }
+    Ok(0)
 }
 
 pub fn sys_listen(os: &mut GuestOs, fd: i32, backlog: i32) -> SysResult {
@@ -221,11 +250,23 @@ pub fn sys_accept(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, addr: u64, lenp: u64
         return super::inet::listen();
     }
     let host_flags = libc::SOCK_CLOEXEC | (flags & libc::SOCK_NONBLOCK);
+    // A blocking accept with no connection pending must not block the VMM on the host: the
+    // connecting process may be waiting for its turn, or the connecting thread for this one's
+    // (a manager's server thread accepting while its main thread waits: SharedMemoryManager).
+    // So it waits as a read of an empty pipe does, and accept4 runs once one is pending. While
+    // processes take turns (or with threads) nobody else can take that connection in between.
+    if !nonblocking(h) {
+        super::wait_stream(h, libc::POLLIN)?;
+    }
     // SAFETY: accept4 without an address (we report the unnamed family ourselves).
     let new = sliced(h, libc::POLLIN, false, || unsafe { libc::accept4(h, std::ptr::null_mut(), std::ptr::null_mut(), host_flags) } as i64)?;
     // SAFETY: a fresh descriptor we own.
     let owned = unsafe { OwnedFd::from_raw_fd(new as RawFd) };
     let gfd = add(os, owned, flags & libc::SOCK_CLOEXEC != 0)?;
+    let local = os.files.file(fd)?.unix_names.lock().ok().and_then(|n| n.local.clone());
+    if let Ok(mut names) = os.files.file(gfd)?.unix_names.lock() {
+        names.local = local;
+    }
     if addr != 0 && lenp != 0 {
         write_unnamed(ctx, addr, lenp)?;
     }
@@ -240,13 +281,32 @@ fn write_unnamed(ctx: &mut Ctx, addr: u64, lenp: u64) -> Result<(), Errno> {
     ctx.write(lenp, &2u32.to_le_bytes())
 }
 
-/// getsockname/getpeername: the family and, for a named socket, its name as the host keeps it
-/// (the last component the socket was bound with).
+/// getsockname/getpeername: the family and, for a named socket, its name as the guest gave it
+/// ([`UnixNames`]); else what the host keeps.
 pub fn sys_getname(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, addr: u64, lenp: u64, peer: bool) -> SysResult {
     let h = host_socket(os, fd)?;
     let f = os.files.file(fd)?;
     if let Some(n) = f.net.as_ref() {
         return super::inet::getname(ctx, &f, n, addr, lenp, peer);
+    }
+    let known = f.unix_names.lock().ok().and_then(|n| if peer { n.peer.clone() } else { n.local.clone() });
+    if let Some(path) = known {
+        // Still connected? A peer that is gone makes getpeername fail as the host says.
+        if peer {
+            // SAFETY: a zeroed sockaddr_un is valid; the host fills at most its size.
+            let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+            // SAFETY: our socket, a buffer of `len` bytes.
+            cvt(unsafe { libc::getpeername(h, (&mut sa as *mut libc::sockaddr_un).cast(), &mut len) } as i64)?;
+        }
+        let mut bytes = (AF_UNIX as u16).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&path);
+        bytes.push(0);
+        let b = ctx.read_vec(lenp, 4)?;
+        let room = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+        ctx.write(addr, &bytes[..room.min(bytes.len())])?;
+        ctx.write(lenp, &(bytes.len() as u32).to_le_bytes())?;
+        return Ok(0);
     }
     // SAFETY: a zeroed sockaddr_un is valid; the host fills at most its size.
     let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
