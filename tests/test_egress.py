@@ -767,3 +767,84 @@ def test_socket_options_set_before_connect_reach_the_real_socket(client, echo_se
     ) % echo_server
     with Sandbox("python", client=client, egress=Egress.allow(f"127.0.0.1:{echo_server}")) as sb:
         assert run(sb, code) == "True True True True True 127.0.0.1\nb'hi'\nb''\n"
+
+
+# --- record and replay --------------------------------------------------------------------------
+
+
+class _Counting(http.server.BaseHTTPRequestHandler):
+    """Answers each request with its own number: a live second request could never repeat the first."""
+
+    requests: list[str] = []
+
+    def do_GET(self):
+        type(self).requests.append(self.path)
+        body = f"answer {len(self.requests)} to {self.path}\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+RECORDED = (
+    "import random, urllib.request\n"
+    "path = '/item/%d' % random.getrandbits(32)\n"  # the seed decides what the guest sends
+    "print(urllib.request.urlopen('http://127.0.0.1:{port}' + path, timeout=10).read().decode(), end='')\n"
+)
+
+
+@kvm
+def test_a_recorded_exec_replays_from_the_recording_and_a_divergence_is_reset(client, tmp_path):
+    _Counting.requests = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Counting)
+    port = srv.server_address[1]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    seed = secrets.token_hex(32)
+    policy = Egress.allow(f"127.0.0.1:{port}", record=True)
+    code = RECORDED.format(port=port)
+    try:
+        with Sandbox("python", client=client, egress=policy) as sb:
+            first = sb.exec(code=code, seed=seed, timeout_seconds=60)
+            assert first.ok, first.stderr
+            assert first.egress_replay == "recorded" and first.egress_error == ""
+            (flow,) = [e for e in sb.egress_log() if e["kind"] == "connect"]
+            assert flow["verdict"] == "allowed" and flow["detail"] == "recorded"
+        assert len(_Counting.requests) == 1 and first.stdout == f"answer 1 to {_Counting.requests[0]}\n"
+    finally:
+        srv.shutdown()
+        srv.server_close()  # the server is gone: a replay that dialled would be refused
+    for _ in range(2):  # a fresh sandbox of the same template, the same seed: served from the recording
+        with Sandbox("python", client=client, egress=policy) as sb:
+            again = sb.exec(code=code, seed=seed, timeout_seconds=60)
+            assert again.ok, again.stderr
+            assert (again.stdout, again.egress_replay, again.egress_error) == (first.stdout, "replayed", "")
+            (flow,) = [e for e in sb.egress_log() if e["kind"] == "connect"]
+            assert flow["verdict"] == "replayed" and flow["bytes_in"] > len(first.stdout)
+    assert len(_Counting.requests) == 1  # the server saw no new request
+    # Changed code with the same seed: it sends other bytes than the recording has, and is reset.
+    changed = code.replace("'/item/%d'", "'/other/%d'")
+    with Sandbox("python", client=client, egress=policy) as sb:
+        r = sb.exec(code=changed, seed=seed, timeout_seconds=60)
+        assert not r.ok and "ConnectionResetError" in r.stderr, r.stderr
+        assert r.egress_replay == "diverged" and "different bytes than the recording at byte 5" in r.egress_error
+        assert "replay diverged" in r.note
+        (flow,) = [e for e in sb.egress_log() if e["kind"] == "connect"]
+        assert flow["verdict"] == "diverged" and "different bytes" in flow["detail"]
+    assert len(_Counting.requests) == 1
+    # Without record=True the same exec goes to the network (and the server is gone).
+    with Sandbox("python", client=client, egress=Egress.allow(f"127.0.0.1:{port}")) as sb:
+        r = sb.exec(code=code, seed=seed, timeout_seconds=60)
+        assert "ConnectionRefusedError" in r.stderr and r.egress_replay == ""
+
+
+def test_record_is_part_of_the_policy_value():
+    p = Egress.allow("127.0.0.1:80", record=True)
+    assert p.record and p != Egress.allow("127.0.0.1:80") and "record=True" in str(p)
+    assert eg.coerce(p.to_json()) == p and p.to_json()["record"] is True
+    assert "record" not in Egress.allow("127.0.0.1:80").to_json()
+    assert Egress.allow("127.0.0.1:80").narrower_than(p) and p.narrower_than(Egress.allow("127.0.0.0/8"))
+    with pytest.raises(InvalidArgument, match="record= is True or False"):
+        Egress.allow("x.org", record="yes")

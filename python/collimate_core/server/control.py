@@ -716,6 +716,7 @@ class ControlPlane:
             stderr_b64=None if r.stderr.encode() == r.stderr_bytes else base64.b64encode(r.stderr_bytes).decode(),
             seed=r.seed, seed_ack=r.seed_ack, duration=r.duration, timed_out=r.timed_out, truncated=r.truncated,
             interpreter_died=r.interpreter_died, interpreter_restarted=r.interpreter_restarted, note=r.note,
+            egress_replay=r.egress_replay, egress_error=r.egress_error,
         )
 
     async def upload(self, tenant: str, sandbox_id: str, path: str, request: Request) -> UploadResponse:

@@ -34,8 +34,10 @@ pub enum NetRequest {
 
 #[derive(Debug, Serialize, Deserialize)]
 pub enum NetReply {
-    /// The connected socket and the liveness descriptor ride with this message.
-    Connected,
+    /// The connected socket and the liveness descriptor ride with this message. `relay`: the
+    /// socket is one end of a socket pair the broker relays or serves from a recording
+    /// (`egress::tape`), and this is the local address the guest's socket answers.
+    Connected { relay: Option<SocketAddr> },
     /// The connection is refused with this errno (policy: ECONNREFUSED; a failed dial: its errno).
     Refused { errno: i32 },
     /// The name is admitted; its addresses (possibly none: NODATA).

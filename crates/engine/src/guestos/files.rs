@@ -797,6 +797,9 @@ fn sys_write(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, count: u64, off
         let data = ctx.read_vec(buf, (count as usize).min(MAX_IO))?;
         return inet::dns_send(os, n, &data, None);
     }
+    if let (Some(n), Some(h)) = (f.net.as_ref(), f.host_fd()) {
+        inet::pending_reset(n, h)?;
+    }
     // Taking turns (`guestos::sched`), a blocking write to a pipe that does not fit goes on in the
     // writer's next turns, and returns once, with the whole count, as under Linux.
     let turns = off.is_none() && f.stream && super::sched::active() && f.status_flags().is_ok_and(|fl| fl & libc::O_NONBLOCK == 0);

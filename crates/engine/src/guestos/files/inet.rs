@@ -17,7 +17,7 @@
 //! (ENETUNREACH); raw sockets need a capability the guest lacks (EPERM); no socket listens.
 //!
 //! A sandbox fork (not a guest fork) gets a broker socket of its own (`set_broker`); the TCP
-//! connections it inherited belong to its parent and read as closed in the child.
+//! connections it inherited belong to its parent and read as reset in the child.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -70,6 +70,10 @@ struct State {
     last_server: Option<SocketAddr>,
     /// A sandbox fork's copy of its parent's connection.
     inherited: bool,
+    /// TCP through a recording (`egress::tape`): the host descriptor is a socket pair's end the
+    /// broker relays or serves, and this is the local address getsockname answers. TCP and IP
+    /// options are then kept by the engine (there is no TCP socket here to take them).
+    relay: Option<SocketAddr>,
 }
 
 impl NetSock {
@@ -183,7 +187,7 @@ pub fn connect(os: &mut GuestOs, ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr:
     let req = wire::NetRequest::Connect { pid: os.proc.pid, addr: to };
     let (reply, fds) = wire::call(broker, &req, BROKER_WAIT_MS).map_err(|_| ECONNREFUSED)?;
     match reply {
-        wire::NetReply::Connected if fds.len() == 2 => {
+        wire::NetReply::Connected { relay } if fds.len() == 2 => {
             let mut fds = fds.into_iter();
             let (tcp, live) = match (fds.next(), fds.next()) {
                 (Some(t), Some(l)) => (t, l),
@@ -204,6 +208,7 @@ pub fn connect(os: &mut GuestOs, ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr:
             }
             st.peer = Some(to);
             st.live = Some(live);
+            st.relay = relay;
             Ok(0)
         }
         wire::NetReply::Refused { errno } => Err(Errno(errno)),
@@ -234,11 +239,11 @@ pub fn bind(ctx: &mut Ctx, addr: u64, len: u32) -> SysResult {
 /// getsockname / getpeername.
 pub fn getname(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr: u64, lenp: u64, peer: bool) -> SysResult {
     let st = n.lock();
-    if n.is_dns() || st.peer.is_none() || st.inherited {
+    if n.is_dns() || st.peer.is_none() || st.inherited || st.relay.is_some() {
         if peer && st.peer.is_none() {
             return Err(ENOTCONN);
         }
-        let a = if peer { st.peer } else { None };
+        let a = if peer { st.peer } else { st.relay };
         drop(st);
         return write_addr(ctx, a, n.family, addr, lenp).map(|_| 0);
     }
@@ -271,7 +276,10 @@ pub fn getname(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr: u64, lenp: u64, p
 /// after it; common TCP and IP options passed to the real socket.
 #[allow(clippy::too_many_arguments)]
 pub fn sockopt(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, level: i32, name: i32, val: u64, len: u64, set: bool) -> SysResult {
-    let connected = n.lock().peer.is_some() && !n.is_dns();
+    let connected = {
+        let st = n.lock();
+        st.peer.is_some() && st.relay.is_none() && !n.is_dns()
+    };
     let ident = match (level, name) {
         (libc::SOL_SOCKET, libc::SO_DOMAIN) => Some(n.family),
         (libc::SOL_SOCKET, libc::SO_TYPE) => Some(n.kind),
@@ -300,7 +308,8 @@ pub fn sockopt(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, level: i32, name: i32, 
         let v = ctx.read_vec(val, len as usize)?;
         if !connected {
             // Before connect every option waits for the real socket (the placeholder is another
-            // socket: what is set on it would be lost); the engine's DNS socket takes and ignores them.
+            // socket: what is set on it would be lost); the engine's DNS socket takes and ignores
+            // them, and a relayed one keeps them (its real socket is the broker's).
             if !n.is_dns() {
                 n.lock().pending.push((level, name, v));
             }
@@ -389,12 +398,29 @@ pub fn read_dest(ctx: &Ctx, addr: u64, len: u32) -> Result<SocketAddr, Errno> {
     read_addr(ctx, addr, len)
 }
 
+/// Before a send on a network socket: a sandbox fork's inherited connection reports the reset
+/// pending on it (SO_ERROR reads and clears it, so a later read sees EOF, as under Linux).
+pub fn pending_reset(n: &NetSock, h: RawFd) -> Result<(), Errno> {
+    if n.is_dns() || !n.lock().inherited {
+        return Ok(());
+    }
+    let mut err: i32 = 0;
+    let mut len = 4 as libc::socklen_t;
+    // SAFETY: SO_ERROR into an int we own, on our descriptor.
+    unsafe { libc::getsockopt(h, libc::SOL_SOCKET, libc::SO_ERROR, (&mut err as *mut i32).cast(), &mut len) };
+    if err != 0 {
+        return Err(Errno(err));
+    }
+    Ok(())
+}
+
 pub fn listen() -> SysResult {
     Err(EOPNOTSUPP)
 }
 
 /// This sandbox's broker socket, from the controller. A new one means this VMM process is a new
-/// sandbox (a fork): the TCP connections it inherited are its parent's and read as closed here.
+/// sandbox (a fork): the TCP connections it inherited are its parent's and read as reset here
+/// (ECONNRESET on the next call, as after a RST, then EOF and EPIPE), and the parent keeps them.
 pub fn set_broker(os: &GuestOs, fd: OwnedFd) {
     let mut b = BROKER.lock().unwrap_or_else(|p| p.into_inner());
     if b.is_some() {
@@ -406,9 +432,14 @@ pub fn set_broker(os: &GuestOs, fd: OwnedFd) {
                 continue;
             }
             if let Ok((dead, other)) = pair(libc::SOCK_STREAM) {
+                // A pair end whose peer closed with a byte unread: Linux leaves ECONNRESET pending
+                // on it (unix_release_sock), which the next read reports; `pending_reset` makes a
+                // send report it too, as a reset TCP socket's first call does.
+                // SAFETY: a one-byte send on our fresh pair; then its other end is closed.
+                unsafe { libc::send(dead.as_raw_fd(), b"r".as_ptr().cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
                 drop(other);
-                // SAFETY: dup3 of a closed pair's end over this guest socket's host descriptor
-                // (our copy of the parent's connection is closed; the parent keeps its own).
+                // SAFETY: dup3 of that end over this guest socket's host descriptor (our copy of
+                // the parent's connection is closed; the parent keeps its own).
                 unsafe { libc::dup3(dead.as_raw_fd(), h, libc::O_CLOEXEC) };
             }
             st.live = None;
