@@ -487,6 +487,66 @@ def test_udp_beyond_dns_raw_and_packet_sockets_are_refused(client):
         assert run(sb, code).split() == [str(errno.ENETUNREACH), str(errno.ENETUNREACH), str(errno.EPERM), str(errno.EAFNOSUPPORT)]
 
 
+@pytest.fixture
+def udp_echo():
+    """A UDP echo server on loopback that counts the datagrams it gets (bounded: it stops with the test)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(0.2)
+    got: list[bytes] = []
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                data, peer = sock.recvfrom(65536)
+            except (socket.timeout, OSError):
+                continue
+            got.append(data)
+            sock.sendto(b"echo:" + data, peer)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield sock.getsockname()[1], got
+    stop.set()
+    t.join(2)
+    sock.close()
+
+
+UDP_CODE = (
+    "import socket\n"
+    "u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.settimeout(10)\n"
+    "u.sendto(b'one', ('127.0.0.1', {port}))\n"
+    "data, src = u.recvfrom(100); print(data.decode(), src == ('127.0.0.1', {port}))\n"
+    "c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.settimeout(10)\n"
+    "c.connect(('127.0.0.1', {port})); c.send(b'two'); print(c.recv(100).decode(), c.getpeername()[1] == {port})\n"
+    "for call in (lambda: u.sendto(b'x', ('127.0.0.1', {other})), lambda: c.connect(('203.0.113.2', 9))):\n"
+    "    try:\n"
+    "        call(); print('sent')\n"
+    "    except OSError as e:\n"
+    "        print(e.errno)\n"
+)
+
+
+@kvm
+def test_udp_under_a_rule_naming_its_port_reaches_a_loopback_echo_server(client, udp_echo):
+    port, got = udp_echo
+    other = port + 1 if port < 65535 else port - 1
+    code = UDP_CODE.format(port=port, other=other)
+    with Sandbox("python", client=client, egress=Egress.allow(f"127.0.0.1:{port}")) as sb:
+        assert run(sb, code).split("\n") == ["echo:one True", "echo:two True", str(errno.ENETUNREACH), str(errno.ENETUNREACH), ""]
+        assert got == [b"one", b"two"]  # the server's own count agrees
+        log = [e for e in sb.egress_log() if e["kind"] == "udp"]
+        assert [(e["verdict"], e["port"]) for e in log] == [("allowed", port), ("allowed", port), ("denied", other), ("denied", 9)]
+        assert log[0]["rule"] == f"127.0.0.1:{port}" and "needs a rule with a port" in log[2]["detail"]
+    # A rule without a port is for TCP: it does not admit UDP to that address.
+    with Sandbox("python", client=client, egress=Egress.allow("127.0.0.1")) as sb:
+        out = run(sb, "import socket\nu = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                      "try:\n    u.sendto(b'x', ('127.0.0.1', %d)); print('sent')\nexcept OSError as e:\n    print(e.errno)\n" % port)
+        assert out == f"{errno.ENETUNREACH}\n"
+    assert got == [b"one", b"two"]
+
+
 class _Echo(socketserver.BaseRequestHandler):
     def handle(self):
         try:

@@ -629,7 +629,7 @@ impl PyVm {
     }
 
     /// This sandbox's connection attempts and DNS answers, oldest first: dicts with time, pid,
-    /// kind ("connect", "dns"), name, address, port, rule, verdict, detail, bytes_out, bytes_in, open.
+    /// kind ("connect", "udp", "dns"), name, address, port, rule, verdict, detail, bytes_out, bytes_in, open.
     fn egress_log<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let log = py.detach(|| self.net.log());
         log.into_iter()

@@ -570,8 +570,10 @@ class ControlPlane:
             i += 1
         rec.logged = i
         if final:
-            out = sum(e["bytes_out"] for e in entries if e["kind"] == "connect")
-            inn = sum(e["bytes_in"] for e in entries if e["kind"] == "connect")
+            # Network bytes: a flow served from a recording (verdict replayed/diverged) sent nothing.
+            net = [e for e in entries if e["kind"] == "connect" and e["verdict"] not in ("replayed", "diverged")]
+            out = sum(e["bytes_out"] for e in net)
+            inn = sum(e["bytes_in"] for e in net)
             if out or inn:
                 with self._lock:
                     m = self._meter(rec.tenant)

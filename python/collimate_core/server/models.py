@@ -215,12 +215,13 @@ class ForkRequest(BaseModel):
 class EgressEntry(BaseModel):
     time: float = Field(description="Unix time")
     pid: int = Field(description="the guest process")
-    kind: str = Field(description="connect or dns")
+    kind: str = Field(description="connect (TCP), udp or dns")
     name: str | None = Field(description="the name asked (dns), or whose answer gave the address (connect)")
     address: str | None
     port: int
     rule: str | None = Field(description="the rule that admitted it (null: denied)")
-    verdict: str = Field(description="allowed, denied, nxdomain, reset (a policy change forbade it) or failed")
+    verdict: str = Field(description="allowed, denied, nxdomain, reset (a policy change forbade it), failed, "
+                         "or, under record=true, replayed (served from a recording) or diverged (reset: it differed)")
     detail: str
     bytes_out: int = Field(description="bytes sent and acknowledged by the peer")
     bytes_in: int

@@ -339,7 +339,72 @@ impl SandboxNet {
         match req {
             NetRequest::Resolve { pid, name, v6 } => self.resolve(pid, name, v6, reply),
             NetRequest::Connect { pid, addr } => self.connect(pid, addr, reply),
+            NetRequest::ConnectUdp { pid, addr } => self.connect_udp(pid, addr, reply),
         }
+    }
+
+    /// A UDP flow: checked like a TCP connect (a rule that names the port, `Policy::check_udp`),
+    /// then a UDP socket connected to the address is handed over: it sends only to that peer and
+    /// receives only from it. Denied: ENETUNREACH (what the guest got for UDP before any rule).
+    /// Live even under `record` (recordings are of TCP streams).
+    fn connect_udp(self: &Arc<Self>, pid: i32, addr: SocketAddr, reply: OwnedFd) {
+        let ip = policy::canonical(addr.ip());
+        let target = SocketAddr::new(ip, addr.port());
+        let mut g = self.lock();
+        let names = g.names.get(&ip).cloned().unwrap_or_default();
+        let verdict = if g.closed { Verdict::Denied("the sandbox is gone") } else { g.policy.check_udp(ip, addr.port(), &names) };
+        let mut e = LogEntry {
+            time: now(),
+            pid,
+            kind: "udp",
+            name: names.first().cloned(),
+            addr: Some(ip),
+            port: addr.port(),
+            rule: None,
+            verdict: "denied".into(),
+            detail: String::new(),
+            bytes_out: 0,
+            bytes_in: 0,
+            open: false,
+        };
+        let rule = match verdict {
+            Verdict::Denied(why) => {
+                e.detail = why.into();
+                g.push(e);
+                drop(g);
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENETUNREACH }, &[]);
+                return;
+            }
+            Verdict::Allowed(r) => r,
+        };
+        e.rule = Some(rule);
+        let sock = udp_connect(target);
+        let (sock, (live_ours, live_theirs)) = match (sock, wire::seqpacket_pair()) {
+            (Ok(s), Ok(l)) => (s, l),
+            (Err(err), _) => {
+                e.verdict = "failed".into();
+                e.detail = format!("udp: {err}");
+                g.push(e);
+                drop(g);
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: err.raw_os_error().unwrap_or(libc::ENETUNREACH) }, &[]);
+                return;
+            }
+            (_, Err(_)) => {
+                drop(g);
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENOBUFS }, &[]);
+                return;
+            }
+        };
+        if wire::send(reply.as_raw_fd(), &NetReply::Connected { relay: None }, &[sock.as_raw_fd(), live_theirs.as_raw_fd()]).is_err() {
+            return;
+        }
+        drop(live_theirs);
+        e.verdict = "allowed".into();
+        e.open = true;
+        let log = g.push(e);
+        g.flows.push(Flow { log, addr: target, names, tcp: Some(sock), live: live_ours, frozen: None, relayed: false, served: None });
+        drop(g);
+        broker_wake();
     }
 
     fn resolve(self: &Arc<Self>, pid: i32, name: String, v6: bool, reply: OwnedFd) {
@@ -633,6 +698,24 @@ impl SandboxNet {
     }
 }
 
+/// A UDP socket connected to `addr` (a connect that sends nothing: it completes at once).
+fn udp_connect(addr: SocketAddr) -> std::io::Result<OwnedFd> {
+    let fam = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    // SAFETY: socket with constant arguments; the result is checked and owned below.
+    let fd = unsafe { libc::socket(fam, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor we own.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let (sa, len) = sockaddr(addr);
+    // SAFETY: connect with a sockaddr_storage holding `len` valid bytes.
+    if unsafe { libc::connect(fd, (&sa as *const libc::sockaddr_storage).cast(), len) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(sock)
+}
+
 /// An AF_UNIX stream pair with close-on-exec (a relayed or replayed flow's two ends).
 fn stream_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
     let mut sv = [0 as RawFd; 2];
@@ -688,6 +771,16 @@ fn tcp_bytes(fd: RawFd) -> (u64, u64) {
 /// Reset a connection every holder shares: connect(AF_UNSPEC) disconnects a TCP socket with a RST
 /// and leaves ECONNRESET pending for the next call on it (shutdown as a fallback).
 fn reset_socket(fd: RawFd) {
+    let mut ty: i32 = 0;
+    let mut len = 4 as libc::socklen_t;
+    // SAFETY: SO_TYPE into an int we own.
+    unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_TYPE, (&mut ty as *mut i32).cast(), &mut len) };
+    if ty == libc::SOCK_DGRAM {
+        // A UDP flow: disconnecting it would let it receive from anyone; shut it instead.
+        // SAFETY: shutdown on a socket we hold.
+        unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+        return;
+    }
     // SAFETY: a zeroed sockaddr with family AF_UNSPEC.
     let mut sa: libc::sockaddr = unsafe { std::mem::zeroed() };
     sa.sa_family = libc::AF_UNSPEC as u16;

@@ -28,6 +28,8 @@ pub enum WireError {
 pub enum NetRequest {
     /// Dial `addr` (as the guest gave it) for guest process `pid`.
     Connect { pid: i32, addr: SocketAddr },
+    /// A UDP socket connected to `addr` (as the guest gave it), for guest process `pid`.
+    ConnectUdp { pid: i32, addr: SocketAddr },
     /// Resolve `name`: IPv6 addresses if `v6`, else IPv4.
     Resolve { pid: i32, name: String, v6: bool },
 }

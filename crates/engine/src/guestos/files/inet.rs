@@ -10,11 +10,15 @@
 //! connect fails with ECONNREFUSED (a policy denial behaves like a host that refuses: immediate,
 //! never a hang; ENETUNREACH would say there is no route, which is not what happened).
 //!
-//! DNS: a UDP socket sends only to port 53, and its datagrams never leave the VMM: the VMM reads
-//! the query, asks the broker (which answers for admitted names only), and queues the answer on the
-//! guest's socket (one end of an AF_UNIX datagram pair, so poll and recv work as usual), from the
-//! address the guest sent to (glibc checks it). Other UDP destinations are unreachable
-//! (ENETUNREACH); raw sockets need a capability the guest lacks (EPERM); no socket listens.
+//! DNS: a datagram to port 53 never leaves the VMM: the VMM reads the query, asks the broker (which
+//! answers for admitted names only), and queues the answer on the guest's socket (one end of an
+//! AF_UNIX datagram pair, so poll and recv work as usual), from the address the guest sent to
+//! (glibc checks it). Other UDP destinations are brokered like TCP: a connect, or a send to a new
+//! destination, asks the broker, which admits it only under a rule naming that port and hands back
+//! a UDP socket connected to it; that is `dup3`'d over the guest's socket, which from then on
+//! sends to and receives from that peer alone (an unconnected socket that sends elsewhere is
+//! connected anew: answers from the earlier peer are no longer received). Denied: ENETUNREACH.
+//! Raw sockets need a capability the guest lacks (EPERM); no socket listens.
 //!
 //! A sandbox fork (not a guest fork) gets a broker socket of its own (`set_broker`); the TCP
 //! connections it inherited belong to its parent and read as reset in the child.
@@ -70,6 +74,8 @@ struct State {
     last_server: Option<SocketAddr>,
     /// A sandbox fork's copy of its parent's connection.
     inherited: bool,
+    /// UDP: the destination of the brokered UDP socket the guest's descriptor now is.
+    udp_to: Option<SocketAddr>,
     /// TCP through a recording (`egress::tape`): the host descriptor is a socket pair's end the
     /// broker relays or serves, and this is the local address getsockname answers. TCP and IP
     /// options are then kept by the engine (there is no TCP socket here to take them).
@@ -174,7 +180,10 @@ pub fn connect(os: &mut GuestOs, ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr:
     let to = unmap(to);
     if n.is_dns() {
         if to.port() != DNS_PORT {
-            return Err(ENETUNREACH);
+            let h = f.host_fd().ok_or(EINVAL)?;
+            udp_broker(os, h, n, to)?;
+        } else if n.lock().udp_to.is_some() {
+            return Err(ENETUNREACH); // DNS is the engine's, on a socket of its own
         }
         n.lock().peer = Some(to);
         return Ok(0);
@@ -278,7 +287,7 @@ pub fn getname(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr: u64, lenp: u64, p
 pub fn sockopt(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, level: i32, name: i32, val: u64, len: u64, set: bool) -> SysResult {
     let connected = {
         let st = n.lock();
-        st.peer.is_some() && st.relay.is_none() && !n.is_dns()
+        (st.peer.is_some() && st.relay.is_none() && !n.is_dns()) || st.udp_to.is_some()
     };
     let ident = match (level, name) {
         (libc::SOL_SOCKET, libc::SO_DOMAIN) => Some(n.family),
@@ -345,15 +354,53 @@ fn put_int(ctx: &mut Ctx, val: u64, lenp: u64, v: i32) -> SysResult {
     Ok(0)
 }
 
-/// A datagram the guest sends on a UDP socket: to `dest` (sendto) or the connected address.
-/// Only DNS is served: the engine answers it (see the module comment).
-pub fn dns_send(os: &GuestOs, n: &NetSock, data: &[u8], dest: Option<SocketAddr>) -> SysResult {
+/// Make the guest's UDP socket (host descriptor `h`) a UDP socket the broker connected to `to`.
+fn udp_broker(os: &GuestOs, h: RawFd, n: &NetSock, to: SocketAddr) -> Result<(), Errno> {
+    if n.family == libc::AF_INET && to.is_ipv6() {
+        return Err(EAFNOSUPPORT);
+    }
+    let Some(broker) = broker_fd() else { return Err(ENETUNREACH) };
+    let req = wire::NetRequest::ConnectUdp { pid: os.proc.pid, addr: to };
+    let (reply, fds) = wire::call(broker, &req, BROKER_WAIT_MS).map_err(|_| ENETUNREACH)?;
+    match reply {
+        wire::NetReply::Connected { .. } if fds.len() == 2 => {
+            let mut fds = fds.into_iter();
+            let (Some(udp), Some(live)) = (fds.next(), fds.next()) else { return Err(ENETUNREACH) };
+            // SAFETY: F_GETFL on the guest socket's descriptor.
+            let fl = unsafe { libc::fcntl(h, libc::F_GETFL) };
+            // SAFETY: dup3 of the received UDP socket over the guest socket's host descriptor.
+            cvt(unsafe { libc::dup3(udp.as_raw_fd(), h, libc::O_CLOEXEC) } as i64)?;
+            // SAFETY: F_SETFL on our descriptor: the guest's O_NONBLOCK, as it had set it.
+            unsafe { libc::fcntl(h, libc::F_SETFL, if fl >= 0 { fl & libc::O_NONBLOCK } else { 0 }) };
+            let mut st = n.lock();
+            st.udp_to = Some(to);
+            st.live = Some(live);
+            st.dns_end = None;
+            Ok(())
+        }
+        wire::NetReply::Refused { errno } => Err(Errno(errno)),
+        _ => Err(ENETUNREACH),
+    }
+}
+
+/// A datagram the guest sends on a UDP socket (host descriptor `h`): to `dest` (sendto) or the
+/// connected address. DNS is answered by the engine; other destinations are brokered (see the
+/// module comment).
+pub fn dns_send(os: &GuestOs, h: RawFd, n: &NetSock, data: &[u8], dest: Option<SocketAddr>) -> SysResult {
     let to = match dest.map(unmap) {
         Some(d) => d,
         None => n.lock().peer.ok_or(Errno(89))?, // EDESTADDRREQ
     };
-    if to.port() != DNS_PORT {
-        return Err(ENETUNREACH);
+    let brokered = n.lock().udp_to;
+    if to.port() != DNS_PORT || brokered.is_some() {
+        if to.port() == DNS_PORT {
+            return Err(ENETUNREACH); // DNS is the engine's, on a socket of its own
+        }
+        if brokered != Some(to) {
+            udp_broker(os, h, n, to)?;
+        }
+        // SAFETY: send of a buffer we own on the connected UDP socket.
+        return cvt(unsafe { libc::send(h, data.as_ptr().cast(), data.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) } as i64);
     }
     let reply = dns_answer(os, data);
     let mut st = n.lock();
@@ -384,7 +431,7 @@ fn dns_answer(os: &GuestOs, msg: &[u8]) -> Option<Vec<u8>> {
 /// The source address of a DNS socket's answers (where its last query went).
 pub fn dns_source(n: &NetSock) -> Option<SocketAddr> {
     let st = n.lock();
-    st.last_server.or(st.peer)
+    st.udp_to.or(st.last_server).or(st.peer)
 }
 
 /// Fill a recvfrom/recvmsg source address for a network socket.
@@ -428,6 +475,19 @@ pub fn set_broker(os: &GuestOs, fd: OwnedFd) {
             let Ok(f) = os.files.file(gfd) else { continue };
             let (Some(n), Some(h)) = (f.net.as_ref(), f.host_fd()) else { continue };
             let mut st = n.lock();
+            if n.is_dns() && st.udp_to.is_some() {
+                // A brokered UDP socket is the parent's: the child's starts over (its next send
+                // asks the child's own broker).
+                if let Ok((guest, vmm)) = pair(libc::SOCK_DGRAM) {
+                    // SAFETY: dup3 of a fresh datagram pair's end over this socket's descriptor.
+                    unsafe { libc::dup3(guest.as_raw_fd(), h, libc::O_CLOEXEC) };
+                    st.dns_end = Some(vmm);
+                }
+                st.udp_to = None;
+                st.live = None;
+                st.peer = None;
+                continue;
+            }
             if n.is_dns() || st.live.is_none() || st.inherited {
                 continue;
             }
