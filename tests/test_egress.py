@@ -923,3 +923,45 @@ def test_record_is_part_of_the_policy_value():
     assert Egress.allow("127.0.0.1:80").narrower_than(p) and p.narrower_than(Egress.allow("127.0.0.0/8"))
     with pytest.raises(InvalidArgument, match="record= is True or False"):
         Egress.allow("x.org", record="yes")
+
+
+NONBLOCKING_CONNECT = (
+    "import errno, select, socket\n"
+    "def attempt(port, poller, again=False):\n"
+    "    s = socket.socket(); s.setblocking(False)\n"
+    "    err = s.connect_ex(('127.0.0.1', port))\n"
+    # Asked again at once: still under way (EALREADY) or done (EISCONN). (After a failure Linux
+    # reports the error to that second connect and SO_ERROR is then 0: not asked for those.)
+    "    again = s.connect_ex(('127.0.0.1', port)) if again else errno.EALREADY\n"
+    "    if poller == 'select':\n"
+    "        _, w, _ = select.select([], [s], [], 10); ready = bool(w)\n"
+    "    else:\n"
+    "        p = select.epoll(); p.register(s, select.EPOLLOUT); ready = bool(p.poll(10))\n"
+    "    so = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)\n"
+    "    out = [errno.errorcode.get(err, err), errno.errorcode.get(again, again) in ('EALREADY', 'EISCONN'),\n"
+    "           ready, errno.errorcode.get(so, so)]\n"
+    "    if so == 0:\n"
+    "        s.setblocking(True); s.sendall(b'nb'); out.append(s.recv(2).decode())\n"
+    "    print(*out)\n"
+    "attempt({port}, 'select', True); attempt({port}, 'epoll'); attempt({closed}, 'select'); attempt({denied}, 'epoll')\n"
+)
+
+
+@kvm
+def test_a_non_blocking_connect_answers_einprogress_and_completes_by_poll(client, echo_server):
+    """The guest is not held for the broker's dial: EINPROGRESS, then select/epoll for POLLOUT and
+    SO_ERROR give the outcome (0, ECONNREFUSED from the dial, ECONNREFUSED from the policy)."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    closed = probe.getsockname()[1]  # bound, never listening: a dial to it is refused
+    try:
+        denied = closed + 1 if closed < 65535 else closed - 1
+        pol = Egress.allow(f"127.0.0.1:{echo_server}", f"127.0.0.1:{closed}")
+        with Sandbox("python", client=client, egress=pol) as sb:
+            out = run(sb, NONBLOCKING_CONNECT.format(port=echo_server, closed=closed, denied=denied)).splitlines()
+            assert out == ["EINPROGRESS True True 0 nb", "EINPROGRESS True True 0 nb",
+                           "EINPROGRESS True True ECONNREFUSED", "EINPROGRESS True True ECONNREFUSED"], out
+            verdicts = [e["verdict"] for e in sb.egress_log() if e["kind"] == "connect"]
+            assert verdicts == ["allowed", "allowed", "failed", "denied"]
+    finally:
+        probe.close()

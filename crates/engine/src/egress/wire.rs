@@ -150,9 +150,20 @@ pub fn recv<T: for<'de> Deserialize<'de>>(sock: RawFd) -> Result<(T, Vec<OwnedFd
 /// attached, then wait for the reply on the other (at most `timeout_ms`; then the broker is taken
 /// as gone: fail closed).
 pub fn call(broker: RawFd, req: &NetRequest, timeout_ms: i32) -> Result<(NetReply, Vec<OwnedFd>), WireError> {
+    let ours = start(broker, req)?;
+    answer(&ours, timeout_ms)
+}
+
+/// Send a request and return the socket its reply will come on (readable once it has: a
+/// non-blocking connect polls it).
+pub fn start(broker: RawFd, req: &NetRequest) -> Result<OwnedFd, WireError> {
     let (ours, theirs) = seqpacket_pair()?;
     send(broker, req, &[theirs.as_raw_fd()])?;
-    drop(theirs);
+    Ok(ours)
+}
+
+/// The reply on `ours` (from `start`), waiting at most `timeout_ms` (0: only if it is there).
+pub fn answer(ours: &OwnedFd, timeout_ms: i32) -> Result<(NetReply, Vec<OwnedFd>), WireError> {
     let mut pfd = libc::pollfd { fd: ours.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     loop {
         // SAFETY: one valid pollfd.

@@ -6,7 +6,10 @@
 //! guest fd's host descriptor number). `connect` copies the address once from guest memory and
 //! asks the broker over the sandbox's broker socket; on success the broker passes the connected
 //! TCP socket back and it is `dup3`'d over the placeholder, so every later read, write, poll, epoll,
-//! shutdown and sockopt is the host's own call on it, as for any other host descriptor. A denied
+//! shutdown and sockopt is the host's own call on it, as for any other host descriptor.
+//! On a non-blocking socket the connect answers EINPROGRESS and the broker's reply is taken later
+//! (`finish_connect`): poll watches the reply socket for the guest's POLLOUT, and SO_ERROR, a
+//! second connect or a send take it. A denied
 //! connect fails with ECONNREFUSED (a policy denial behaves like a host that refuses: immediate,
 //! never a hang; ENETUNREACH would say there is no route, which is not what happened).
 //!
@@ -41,6 +44,8 @@ const EOPNOTSUPP: Errno = Errno(95);
 const EPROTONOSUPPORT: Errno = Errno(93);
 const ESOCKTNOSUPPORT: Errno = Errno(94);
 const EADDRNOTAVAIL: Errno = Errno(99);
+const EINPROGRESS: Errno = Errno(115);
+const EALREADY: Errno = Errno(114);
 const DNS_PORT: u16 = 53;
 /// How long a VMM waits for the broker before failing closed (a dial's own bound plus slack).
 const BROKER_WAIT_MS: i32 = 13_000;
@@ -74,6 +79,11 @@ struct State {
     last_server: Option<SocketAddr>,
     /// A sandbox fork's copy of its parent's connection.
     inherited: bool,
+    /// TCP: a non-blocking connect under way: the socket its reply comes on, where to, and the
+    /// placeholder's peer (held, so the placeholder reads EAGAIN rather than EOF meanwhile).
+    connecting: Option<(OwnedFd, SocketAddr, OwnedFd)>,
+    /// TCP: how a non-blocking connect ended, for SO_ERROR (read once).
+    connect_err: Option<Errno>,
     /// UDP: the destination of the brokered UDP socket the guest's descriptor now is.
     udp_to: Option<SocketAddr>,
     /// TCP through a recording (`egress::tape`): the host descriptor is a socket pair's end the
@@ -188,13 +198,73 @@ pub fn connect(os: &mut GuestOs, ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr:
         n.lock().peer = Some(to);
         return Ok(0);
     }
+    let h = f.host_fd().ok_or(EINVAL)?;
+    if n.lock().connecting.is_some() {
+        // Asked again while a non-blocking connect is under way: as Linux answers.
+        return match finish_connect(h, n, 0) {
+            None => Err(EALREADY),
+            Some(Ok(())) => Err(EISCONN),
+            Some(Err(e)) => {
+                n.lock().connect_err = None;
+                Err(e)
+            }
+        };
+    }
     if n.lock().peer.is_some() {
         return Err(EISCONN);
     }
-    let h = f.host_fd().ok_or(EINVAL)?;
     let Some(broker) = broker_fd() else { return Err(ECONNREFUSED) };
     let req = wire::NetRequest::Connect { pid: os.proc.pid, addr: to };
+    // SAFETY: F_GETFL on the placeholder we hold.
+    let nonblocking = unsafe { libc::fcntl(h, libc::F_GETFL) } & libc::O_NONBLOCK != 0;
+    if nonblocking {
+        // The dial goes on in the broker while the guest runs: EINPROGRESS now, and the reply is
+        // taken when the guest polls for POLLOUT, reads SO_ERROR, connects again or sends.
+        let ours = wire::start(broker, &req).map_err(|_| ECONNREFUSED)?;
+        let (placeholder, peer) = pair(libc::SOCK_STREAM | libc::SOCK_NONBLOCK)?;
+        // SAFETY: dup3 of a fresh pair's end over the placeholder (whose peer was dropped, so it
+        // read EOF); we hold this one's peer until the connect ends.
+        cvt(unsafe { libc::dup3(placeholder.as_raw_fd(), h, libc::O_CLOEXEC) } as i64)?;
+        n.lock().connecting = Some((ours, to, peer));
+        return Err(EINPROGRESS);
+    }
     let (reply, fds) = wire::call(broker, &req, BROKER_WAIT_MS).map_err(|_| ECONNREFUSED)?;
+    adopt(h, n, to, reply, fds)
+}
+
+/// The reply of a non-blocking connect, if it has come (`wait_ms` 0: only look): the connect's
+/// end (also kept for SO_ERROR), or None while it is under way.
+pub fn finish_connect(h: RawFd, n: &NetSock, wait_ms: i32) -> Option<Result<(), Errno>> {
+    let (ours, to, peer) = n.lock().connecting.take()?;
+    if wait_ms == 0 && !ready(&ours) {
+        n.lock().connecting = Some((ours, to, peer));
+        return None;
+    }
+    let res = match wire::answer(&ours, wait_ms) {
+        Ok((reply, fds)) => adopt(h, n, to, reply, fds).map(|_| ()),
+        Err(_) => Err(ECONNREFUSED), // the broker closed without answering, or is gone: fail closed
+    };
+    drop(peer);
+    if let Err(e) = res {
+        n.lock().connect_err = Some(e);
+    }
+    Some(res)
+}
+
+/// Whether a reply socket has something: the reply, or the broker's hang-up.
+fn ready(fd: &OwnedFd) -> bool {
+    let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, no waiting.
+    unsafe { libc::poll(&mut pfd, 1, 0) > 0 }
+}
+
+/// The reply socket of a non-blocking connect under way (poll watches it for the guest's POLLOUT).
+pub fn connecting_fd(n: &NetSock) -> Option<RawFd> {
+    n.lock().connecting.as_ref().map(|c| c.0.as_raw_fd())
+}
+
+/// The broker's answer to a connect: the connected socket goes over the placeholder.
+fn adopt(h: RawFd, n: &NetSock, to: SocketAddr, reply: wire::NetReply, fds: Vec<OwnedFd>) -> SysResult {
     match reply {
         wire::NetReply::Connected { relay } if fds.len() == 2 => {
             let mut fds = fds.into_iter();
@@ -298,6 +368,17 @@ pub fn sockopt(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, level: i32, name: i32, 
     };
     if let (Some(v), false) = (ident, set) {
         return put_int(ctx, val, len, v);
+    }
+    if (level, name, set) == (libc::SOL_SOCKET, libc::SO_ERROR, false) && !n.is_dns() {
+        // A non-blocking connect's outcome (0 while it is under way), read once.
+        let h = f.host_fd().ok_or(EINVAL)?;
+        let _ = finish_connect(h, n, 0);
+        if let Some(Errno(e)) = n.lock().connect_err.take() {
+            return put_int(ctx, val, len, e);
+        }
+        if n.lock().connecting.is_some() {
+            return put_int(ctx, val, len, 0);
+        }
     }
     let known = matches!(
         (level, name),
@@ -445,10 +526,24 @@ pub fn read_dest(ctx: &Ctx, addr: u64, len: u32) -> Result<SocketAddr, Errno> {
     read_addr(ctx, addr, len)
 }
 
-/// Before a send on a network socket: a sandbox fork's inherited connection reports the reset
-/// pending on it (SO_ERROR reads and clears it, so a later read sees EOF, as under Linux).
+/// Before a send on a network socket: a non-blocking connect under way ends here if its reply
+/// has come (else EAGAIN, as Linux says for a send on a connecting socket); a sandbox fork's
+/// inherited connection reports the reset pending on it (SO_ERROR reads and clears it, so a later
+/// read sees EOF, as under Linux).
 pub fn pending_reset(n: &NetSock, h: RawFd) -> Result<(), Errno> {
-    if n.is_dns() || !n.lock().inherited {
+    if n.is_dns() {
+        return Ok(());
+    }
+    if n.lock().connecting.is_some() {
+        return match finish_connect(h, n, 0) {
+            None => Err(crate::guestos::EAGAIN),
+            Some(r) => {
+                n.lock().connect_err = None;
+                r
+            }
+        };
+    }
+    if !n.lock().inherited {
         return Ok(());
     }
     let mut err: i32 = 0;
