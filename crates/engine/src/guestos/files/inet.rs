@@ -82,6 +82,9 @@ struct State {
     /// TCP: a non-blocking connect under way: the socket its reply comes on, where to, and the
     /// placeholder's peer (held, so the placeholder reads EAGAIN rather than EOF meanwhile).
     connecting: Option<(OwnedFd, SocketAddr, OwnedFd)>,
+    /// In replay mode the first look at a connect under way waits for its end, so that what the
+    /// guest sees does not depend on how fast the broker dialled.
+    settle: bool,
     /// TCP: how a non-blocking connect ended, for SO_ERROR (read once).
     connect_err: Option<Errno>,
     /// UDP: the destination of the brokered UDP socket the guest's descriptor now is.
@@ -225,7 +228,9 @@ pub fn connect(os: &mut GuestOs, ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr:
         // SAFETY: dup3 of a fresh pair's end over the placeholder (whose peer was dropped, so it
         // read EOF); we hold this one's peer until the connect ends.
         cvt(unsafe { libc::dup3(placeholder.as_raw_fd(), h, libc::O_CLOEXEC) } as i64)?;
-        n.lock().connecting = Some((ours, to, peer));
+        let mut st = n.lock();
+        st.connecting = Some((ours, to, peer));
+        st.settle = os.proc.clocks.replay;
         return Err(EINPROGRESS);
     }
     let (reply, fds) = wire::call(broker, &req, BROKER_WAIT_MS).map_err(|_| ECONNREFUSED)?;
@@ -235,6 +240,7 @@ pub fn connect(os: &mut GuestOs, ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr:
 /// The reply of a non-blocking connect, if it has come (`wait_ms` 0: only look): the connect's
 /// end (also kept for SO_ERROR), or None while it is under way.
 pub fn finish_connect(h: RawFd, n: &NetSock, wait_ms: i32) -> Option<Result<(), Errno>> {
+    let wait_ms = if n.lock().settle { BROKER_WAIT_MS } else { wait_ms };
     let (ours, to, peer) = n.lock().connecting.take()?;
     if wait_ms == 0 && !ready(&ours) {
         n.lock().connecting = Some((ours, to, peer));
@@ -259,8 +265,17 @@ fn ready(fd: &OwnedFd) -> bool {
 }
 
 /// The reply socket of a non-blocking connect under way (poll watches it for the guest's POLLOUT).
-pub fn connecting_fd(n: &NetSock) -> Option<RawFd> {
-    n.lock().connecting.as_ref().map(|c| c.0.as_raw_fd())
+/// In replay mode the connect ends here instead (see `State::settle`), and poll looks at the socket.
+pub fn connecting_fd(h: RawFd, n: &NetSock) -> Option<RawFd> {
+    let (pending, settle) = {
+        let st = n.lock();
+        (st.connecting.as_ref().map(|c| c.0.as_raw_fd()), st.settle)
+    };
+    if pending.is_some() && settle {
+        let _ = finish_connect(h, n, BROKER_WAIT_MS);
+        return None;
+    }
+    pending
 }
 
 /// The broker's answer to a connect: the connected socket goes over the placeholder.

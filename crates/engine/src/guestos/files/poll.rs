@@ -72,7 +72,7 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
             Kind::Host(h) => {
                 use std::os::fd::AsRawFd;
                 // A non-blocking connect under way: its POLLOUT is the broker's reply arriving.
-                if let Some(reply) = f.file.net.as_ref().and_then(|n| super::inet::connecting_fd(n)) {
+                if let Some(reply) = f.file.net.as_ref().and_then(|n| super::inet::connecting_fd(h.as_raw_fd(), n)) {
                     connecting.push((host.len(), i, f.file.clone()));
                     host.push(libc::pollfd { fd: reply, events: libc::POLLIN, revents: 0 });
                 } else {
