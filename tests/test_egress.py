@@ -762,6 +762,25 @@ def test_over_http_the_ceiling_holds_and_flows_are_logged(ceiling_server, http_s
 
 
 @kvm
+def test_over_http_record_and_replay(ceiling_server, http_server):
+    from collimate_core import RemoteClient
+
+    srv, key = ceiling_server
+    seed = secrets.token_hex(32)
+    pol = Egress.allow(f"127.0.0.1:{http_server}", record=True)
+    with RemoteClient(key, srv.url) as rc:
+        hits = _Body.hits
+        outs = []
+        for _ in range(2):
+            with Sandbox("python", client=rc, egress=pol) as sb:
+                assert sb.egress == pol
+                r = sb.exec(code=fetch(f"http://127.0.0.1:{http_server}/"), seed=seed, timeout_seconds=60)
+                outs.append((r.stdout, r.egress_replay, [e["verdict"] for e in sb.egress_log()]))
+        assert outs == [(_Body.body.decode(), "recorded", ["allowed"]), (_Body.body.decode(), "replayed", ["replayed"])]
+        assert _Body.hits == hits + 1  # the replay reached no server
+
+
+@kvm
 def test_the_async_twin_takes_the_same_parameters(client, http_server, echo_server):
     import asyncio
 
