@@ -672,8 +672,8 @@ def test_flows_and_broker_registrations_do_not_leak(http_server):
             run(warm, "print(1)")
         base_fds = len(os.listdir("/proc/self/fd"))
         base_reg = _core._egress_broker_sandboxes()
-        for _ in range(5):
-            with Sandbox("python", client=c, egress=Egress.allow(f"127.0.0.1:{http_server}")) as sb:
+        for i in range(6):  # live flows, and flows relayed by a recording (record=True)
+            with Sandbox("python", client=c, egress=Egress.allow(f"127.0.0.1:{http_server}", record=i % 2 == 1)) as sb:
                 run(sb, fetch(f"http://127.0.0.1:{http_server}/") + "import socket\nkeep = socket.create_connection(('127.0.0.1', %d))\n" % http_server)
     finally:
         c.close()

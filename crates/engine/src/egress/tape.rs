@@ -169,6 +169,8 @@ impl Session {
                         errors.push(e.to_string());
                     }
                 }
+                // Connections that outlive the exec go on relaying, no longer written down.
+                size.store(u64::MAX / 2, Ordering::Relaxed);
                 Outcome { mode: "recorded", path, flows: n, errors }
             }
             Session::Replay { path, next, .. } => Outcome { mode: "replayed", path, flows: next, errors },
