@@ -984,3 +984,45 @@ def test_a_non_blocking_connect_answers_einprogress_and_completes_by_poll(client
             assert verdicts == ["allowed", "allowed", "failed", "denied"]
     finally:
         probe.close()
+
+
+@kvm
+def test_https_replays_byte_exact_from_its_recording(client, tmp_path):
+    """TLS: the guest's handshake draws its randomness from the seeded CRNG and reads virtual clocks,
+    so a replay sends the same ClientHello, key share and Finished again, and the recorded server
+    flight decrypts as before: the same page with the server gone."""
+    import ssl
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=tls.test"],
+                   check=True, capture_output=True)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    _Counting.requests = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Counting)
+    srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    port = srv.server_address[1]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    code = (
+        "import random, ssl, urllib.request\n"
+        "ctx = ssl.create_default_context(); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE\n"
+        f"url = 'https://127.0.0.1:{port}/secret/%d' % random.getrandbits(32)\n"
+        "print(urllib.request.urlopen(url, context=ctx, timeout=10).read().decode(), end='')\n"
+    )
+    seed = secrets.token_hex(32)
+    policy = Egress.allow(f"127.0.0.1:{port}", record=True)
+    try:
+        with Sandbox("python", client=client, egress=policy) as sb:
+            first = sb.exec(code=code, seed=seed, timeout_seconds=60)
+        assert first.ok and first.egress_replay == "recorded", first.stderr
+        assert first.stdout.startswith("answer 1 to /secret/")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    with Sandbox("python", client=client, egress=policy) as sb:
+        again = sb.exec(code=code, seed=seed, timeout_seconds=60)
+    assert (again.stdout, again.egress_replay, again.egress_error) == (first.stdout, "replayed", ""), again.stderr
+    assert len(_Counting.requests) == 1
