@@ -1113,6 +1113,79 @@ mod tests {
     }
 
     #[test]
+    fn a_recorded_flow_is_served_back_without_the_network_and_a_different_one_is_reset() {
+        use std::os::unix::net::UnixStream;
+        let server = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = server.local_addr().unwrap();
+        let rule = format!("127.0.0.1:{}", addr.port());
+        let path = std::env::temp_dir().join(format!("cx-broker-tape-{}", std::process::id())).join("t.tape");
+        let _ = std::fs::remove_file(&path);
+        // Record: the guest gets a relayed socket pair's end; the peer sees the bytes.
+        let net = SandboxNet::new(policy(&[&rule]));
+        let vmm = register(net.clone()).unwrap();
+        assert_eq!(net.begin_tape(path.clone()).unwrap(), "record");
+        let (r, mut fds) = connect(&vmm, addr);
+        assert!(matches!(r, NetReply::Connected { relay: Some(_) }) && fds.len() == 2);
+        let live = fds.pop().unwrap();
+        let mut s = UnixStream::from(fds.pop().unwrap());
+        let (mut peer, _) = server.accept().unwrap();
+        s.write_all(b"ask").unwrap();
+        let mut b = [0u8; 3];
+        peer.read_exact(&mut b).unwrap();
+        peer.write_all(b"answer").unwrap();
+        drop(peer);
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).unwrap();
+        assert_eq!(got, b"answer");
+        drop((s, live));
+        let o = net.end_tape();
+        assert_eq!((o.mode, o.flows, o.errors.len()), ("recorded", 1, 0));
+        drop(server); // nothing listens there now
+        // Replay, twice: the same bytes are answered from the recording, nothing is dialled.
+        for (ask, diverges) in [(&b"ask"[..], false), (&b"asK"[..], true)] {
+            let net = SandboxNet::new(policy(&[&rule]));
+            let vmm = register(net.clone()).unwrap();
+            assert_eq!(net.begin_tape(path.clone()).unwrap(), "replay");
+            let (r, mut fds) = connect(&vmm, addr);
+            assert!(matches!(r, NetReply::Connected { relay: Some(_) }) && fds.len() == 2);
+            let _live = fds.pop().unwrap();
+            let mut s = UnixStream::from(fds.pop().unwrap());
+            s.write_all(ask).unwrap();
+            let mut got = Vec::new();
+            let r = s.read_to_end(&mut got);
+            if diverges {
+                assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::ECONNRESET));
+                for _ in 0..200 {
+                    if net.log()[0].verdict == "diverged" {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                let e = &net.log()[0];
+                assert!(e.verdict == "diverged" && e.detail.contains("at byte 2"), "{e:?}");
+                let o = net.end_tape();
+                assert!(o.mode == "replayed" && o.errors.len() == 1 && o.errors[0].contains("b\"K\""), "{o:?}");
+            } else {
+                r.unwrap();
+                assert_eq!(got, b"answer");
+                assert_eq!(net.log()[0].verdict, "replayed");
+                assert_eq!(net.bytes(), (0, 0)); // nothing left the host
+                let o = net.end_tape();
+                assert_eq!((o.mode, o.errors.len()), ("replayed", 0));
+            }
+        }
+        // A second connect the recording does not have is refused, and said so.
+        let net = SandboxNet::new(policy(&[&rule]));
+        let vmm = register(net.clone()).unwrap();
+        net.begin_tape(path.clone()).unwrap();
+        let (_, _first) = connect(&vmm, addr);
+        let (r, fds) = connect(&vmm, addr);
+        assert!(matches!(r, NetReply::Refused { errno: libc::ECONNREFUSED }) && fds.is_empty());
+        assert!(net.end_tape().errors[0].contains("one more"));
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    #[test]
     fn set_policy_resets_what_it_forbids_and_keeps_the_counts() {
         let server = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = server.local_addr().unwrap();
