@@ -982,6 +982,16 @@ def test_a_non_blocking_connect_answers_einprogress_and_completes_by_poll(client
                            "EINPROGRESS True True ECONNREFUSED", "EINPROGRESS True True ECONNREFUSED"], out
             verdicts = [e["verdict"] for e in sb.egress_log() if e["kind"] == "connect"]
             assert verdicts == ["allowed", "allowed", "failed", "denied"]
+        # Outside replay mode (an engine-level call without a seed, as a bake's Ready step runs)
+        # the connect's end is taken when its reply has come, never waited for at the first look.
+        from collimate_core.templates.catalog import frame
+
+        box = client.create("python", egress=pol)
+        try:
+            r = box.vm.agent_call(frame({"op": "exec", "code": NONBLOCKING_CONNECT.format(port=echo_server, closed=closed, denied=denied)}), 60.0)
+            assert r.stdout.decode().splitlines() == out, r.stderr
+        finally:
+            client.destroy(box)
     finally:
         probe.close()
 
