@@ -4,7 +4,8 @@ GET + close to loopback servers, from a sandbox (through the engine's broker) an
 
 Also: a 1 KiB request/response round trip on an open connection (the data path: the guest's
 reads and writes go straight to the connected socket, no relay), and a 100 MiB bulk download, as
-throughput. Printed: median and p99 of each, and the ratio sandbox / native. Nothing is asserted
+throughput. A third side runs the same under `record=True` (the broker relays and writes down
+every flow; the recordings are deleted afterwards). Printed: median and p99 of each, and the ratio sandbox / native. Nothing is asserted
 about speed (the issue's targets are printed beside the figures).
 
     python3 benches/bench_egress.py            # or: pytest -s benches/bench_egress.py
@@ -199,6 +200,26 @@ def run() -> dict:
 
             out["sandbox"] = _side(sandboxed)
             out["native_after"] = _side(native)
+        # The same through a recording (record=True): the broker relays and writes down every
+        # flow. The recordings it leaves (over 100 MiB) are deleted afterwards.
+        from collimate_core.templates.catalog import cache_dir
+
+        tapes = (c.cache or cache_dir()) / "egress-tapes"
+        before = set(tapes.rglob("*.tape")) if tapes.exists() else set()
+        try:
+            with Sandbox("python", client=c, egress=Egress.allow(*[f"127.0.0.1:{p}" for p in ports], record=True)) as sb:
+                sb.upload_bytes("/tmp/bench_egress.py", GUEST.encode())
+                sb.exec(command="true")
+
+                def recorded() -> None:
+                    r = sb.exec(command="python3 /tmp/bench_egress.py " + " ".join(args), timeout_seconds=600)
+                    if not r.ok or int(r.stdout) != BULK or r.egress_replay != "recorded":
+                        raise RuntimeError(r.stderr or r.stdout or r.egress_error)
+
+                out["recording"] = _side(recorded)
+        finally:
+            for t in (set(tapes.rglob("*.tape")) if tapes.exists() else set()) - before:
+                t.unlink(missing_ok=True)
     finally:
         c.close()
     return out
@@ -214,10 +235,14 @@ def report(out: dict) -> str:
         sm, sp = _stats(out["sandbox"][key])
         lines.append(f"{label + ' native':34} {nm * 1e6:8.0f}us {np_ * 1e6:8.0f}us {'1.00':>16}")
         lines.append(f"{label + ' sandbox':34} {sm * 1e6:8.0f}us {sp * 1e6:8.0f}us {sm / nm:16.2f}")
+        rm, rp = _stats(out["recording"][key])
+        lines.append(f"{label + ' recording':34} {rm * 1e6:8.0f}us {rp * 1e6:8.0f}us {rm / nm:16.2f}")
     nb = max(o["bulk_bytes"] / o["bulk_s"] for o in (out["native"], out["native_after"]))
     sb = out["sandbox"]["bulk_bytes"] / out["sandbox"]["bulk_s"]
     lines.append(f"{'bulk download native':34} {nb / 2**20:8.0f} MiB/s")
     lines.append(f"{'bulk download sandbox':34} {sb / 2**20:8.0f} MiB/s {'':10} {sb / nb:16.2f}")
+    rb = out["recording"]["bulk_bytes"] / out["recording"]["bulk_s"]
+    lines.append(f"{'bulk download recording':34} {rb / 2**20:8.0f} MiB/s {'':10} {rb / nb:16.2f}")
     lines.append("targets (issue 16): connect <= 3 VM exits' worth (~90 us over native); bulk >= 50% of native")
     return "\n".join(lines)
 
