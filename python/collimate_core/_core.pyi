@@ -75,6 +75,12 @@ class _EgressEntry(TypedDict):
     bytes_in: int
     open: bool
 
+class _TapeOutcome(TypedDict):
+    mode: str
+    path: str
+    flows: int
+    errors: list[str]
+
 class RunResult:
     """The outcome of one `Vm.run()`; fields that do not apply to `kind` are None."""
 
@@ -209,6 +215,10 @@ class Vm:
         """Connection attempts and DNS answers, oldest first."""
     def egress_bytes(self) -> tuple[int, int]:
         """Egress bytes of this sandbox's connections: (sent and acknowledged, received)."""
+    def egress_tape_begin(self, path: str | PathLike[str]) -> str:
+        """Open the next exec's egress recording: "replay" (the file exists) or "record"."""
+    def egress_tape_end(self) -> _TapeOutcome:
+        """Close the exec's recording (saved when it recorded); its mode, flows and errors."""
     def destroy(self) -> None:
         """Kill and reap the VMM process. Idempotent."""
     def __enter__(self) -> Self: ...

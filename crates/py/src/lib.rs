@@ -629,7 +629,7 @@ impl PyVm {
     }
 
     /// This sandbox's connection attempts and DNS answers, oldest first: dicts with time, pid,
-    /// kind ("connect", "dns"), name, address, port, rule, verdict, detail, bytes_out, bytes_in, open.
+    /// kind ("connect", "udp", "dns"), name, address, port, rule, verdict, detail, bytes_out, bytes_in, open.
     fn egress_log<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let log = py.detach(|| self.net.log());
         log.into_iter()
@@ -650,6 +650,26 @@ impl PyVm {
                 Ok(d)
             })
             .collect()
+    }
+
+    /// Open the egress recording of the exec about to run: replay the file at `path` if it
+    /// exists, else record to it (docs/egress.md, "Record and replay"). Returns "replay" or
+    /// "record". A file that is not a valid recording raises ValueError saying so.
+    fn egress_tape_begin(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<&'static str> {
+        py.detach(|| self.net.begin_tape(path)).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// Close the exec's recording (saving it when it recorded): a dict with mode ("recorded",
+    /// "replayed", or "" when none was open), path, flows, and errors (each divergence of a
+    /// replay, in words).
+    fn egress_tape_end<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let o = py.detach(|| self.net.end_tape());
+        let d = PyDict::new(py);
+        d.set_item("mode", o.mode)?;
+        d.set_item("path", o.path.to_string_lossy().into_owned())?;
+        d.set_item("flows", o.flows)?;
+        d.set_item("errors", o.errors)?;
+        Ok(d)
     }
 
     /// Egress bytes of this sandbox's connections: (sent and acknowledged by the peer, received).

@@ -14,7 +14,9 @@ Loopback, private, link-local and metadata addresses (127/8, 10/8, 172.16/12, 19
 `internet()`: only an IP or CIDR rule that contains them admits them.
 
 The engine enforces a policy at the socket (see docs/egress.md): names are resolved by the
-engine's broker, never trusted from the guest. The Rust twin of this module is the engine's
+engine's broker, never trusted from the guest. `record=True` (on `allow` or `internet`) records
+each exec's flows with its seed, and a replay of that exec (the same sandbox state and seed) is
+served the recorded bytes instead of the network (docs/egress.md, "Record and replay"). The Rust twin of this module is the engine's
 `egress::policy`; both parse the same rule strings and must agree (tests check it).
 """
 
@@ -210,6 +212,8 @@ class Egress:
 
     rules: tuple[Rule, ...] = ()
     internet_access: bool = False
+    # Record each exec's flows, and replay them for an exec with the same state and seed.
+    record: bool = False
 
     # constructors
     @classmethod
@@ -218,17 +222,18 @@ class Egress:
         return cls()
 
     @classmethod
-    def allow(cls, *rules: str) -> "Egress":
-        """Admit what `rules` name (see the module doc for their form)."""
+    def allow(cls, *rules: str, record: bool = False) -> "Egress":
+        """Admit what `rules` name (see the module doc for their form). `record=True`: record each
+        exec's flows with its seed, and serve them back to a replay of that exec."""
         if len(rules) == 1 and isinstance(rules[0], (list, tuple)):
             rules = tuple(rules[0])
         parsed = tuple(sorted(set(parse_rule(r) for r in rules), key=_order))
-        return cls(parsed, False)
+        return cls(parsed, False, _record_flag(record))
 
     @classmethod
-    def internet(cls) -> "Egress":
+    def internet(cls, *, record: bool = False) -> "Egress":
         """Public addresses on any port (never loopback, private, link-local or metadata)."""
-        return cls((), True)
+        return cls((), True, _record_flag(record))
 
     # questions
     @property
@@ -287,7 +292,10 @@ class Egress:
 
     # wire form (HTTP bodies, the engine)
     def to_json(self) -> dict:
-        return {"internet": self.internet_access, "rules": [str(r) for r in self.rules]}
+        d: dict = {"internet": self.internet_access, "rules": [str(r) for r in self.rules]}
+        if self.record:
+            d["record"] = True
+        return d
 
     @classmethod
     def from_json(cls, d: Any) -> "Egress":
@@ -300,16 +308,19 @@ class Egress:
         if self.is_none:
             return "Egress.none()"
         parts = [repr(str(r)) for r in self.rules]
+        rec = "record=True" if self.record else ""
         if self.internet_access:
-            return "Egress.internet()" if not parts else f"Egress.internet() + Egress.allow({', '.join(parts)})"
-        return f"Egress.allow({', '.join(parts)})"
+            inet = f"Egress.internet({rec})"
+            return inet if not parts else f"{inet} + Egress.allow({', '.join(parts)})"
+        return f"Egress.allow({', '.join(parts + ([rec] if rec else []))})"
 
     __repr__ = __str__
 
     def __or__(self, other: "Egress") -> "Egress":
         """The union of two policies (e.g. `Egress.internet() | Egress.allow("10.0.0.5:80")`)."""
         o = coerce(other)
-        return Egress(tuple(sorted(set(self.rules) | set(o.rules), key=_order)), self.internet_access or o.internet_access)
+        return Egress(tuple(sorted(set(self.rules) | set(o.rules), key=_order)), self.internet_access or o.internet_access,
+                      self.record or o.record)
 
     __add__ = __or__
 
@@ -328,20 +339,27 @@ def coerce(p: Any) -> Egress:
             return Egress.internet()
         return Egress.allow(p)
     if isinstance(p, dict):
-        unknown = set(p) - {"internet", "rules"}
+        unknown = set(p) - {"internet", "rules", "record"}
         if unknown:
-            raise InvalidArgument(f"unknown egress field(s) {sorted(unknown)}: an egress policy is {{'internet': bool, 'rules': [rule, ...]}}")
+            raise InvalidArgument(f"unknown egress field(s) {sorted(unknown)}: an egress policy is "
+                                  "{'internet': bool, 'rules': [rule, ...], 'record': bool}")
         inet = p.get("internet", False)
         if not isinstance(inet, bool):
             raise InvalidArgument(f"egress 'internet' is true or false, not {inet!r}")
         rules = p.get("rules") or []
         if not isinstance(rules, (list, tuple)):
             raise InvalidArgument(f"egress 'rules' is a list of rule strings, not {rules!r}")
-        e = Egress.allow(*rules)
-        return Egress(e.rules, inet)
+        e = Egress.allow(*rules, record=p.get("record", False))
+        return Egress(e.rules, inet, e.record)
     if isinstance(p, (list, tuple)):
         return Egress.allow(*p)
     raise InvalidArgument(f"egress= takes an Egress (Egress.none(), Egress.allow(...), Egress.internet()), not {p!r}")
+
+
+def _record_flag(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise InvalidArgument(f"egress record= is True or False, not {v!r}")
+    return v
 
 
 def parse_ceiling(text: str) -> Egress:

@@ -36,7 +36,7 @@ from collimate_core.sdk.results import ExecResult
 from collimate_core.sdk.seeds import crng_stream, fresh_seed, parse_seed
 from collimate_core.templates.catalog import frame as _frame
 from collimate_core.templates.catalog import unframe as _unframe
-from collimate_core.templates.catalog import AGENT_IDLE, Baked, bake_catalog
+from collimate_core.templates.catalog import AGENT_IDLE, Baked, bake_catalog, cache_dir
 
 ACK_CONTEXT = b"collimate/seed-ack/v1"
 MAX_UPLOAD = 256 << 20
@@ -121,6 +121,10 @@ class _Template:
         self.spares = 0
         self.recycled: list[Vm] = []
         self.set_spares(DEFAULT_SPARES)
+        # The state its sandboxes start from, as egress recordings name it: the snapshot file
+        # (a re-bake writes a new one), so a recording made in one process replays in another.
+        st = Path(baked.path).stat()
+        self.state = hashlib.sha256(f"{baked.name}\0{baked.path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
 
     def take_recycled(self) -> Vm | None:
         with self.lock:
@@ -179,6 +183,22 @@ class _Box:
     charge: int = 0
     # Its network policy (the engine enforces it; this is the SDK's copy, for narrowing checks).
     egress: Egress = field(default_factory=Egress.none)
+    # The guest state it is in, as egress recordings name it (`_state_after`): its template's,
+    # then a digest of each exec and upload since; a fork's children start from their parent's.
+    state: str = ""
+
+
+def _state_after(state: str, *parts: bytes) -> str:
+    """The state after one more step (an exec: its seed and request; an upload: path and data)."""
+    h = hashlib.sha256(b"collimate/egress-state/v1\0" + state.encode())
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little") + p)
+    return h.hexdigest()
+
+
+def _tape_name(state: str, seed: bytes) -> str:
+    """The recording of the exec with `seed` run in `state`: what a replay must match."""
+    return hashlib.sha256(b"collimate/egress-tape/v1\0" + state.encode() + b"\0" + seed).hexdigest()
 
 
 class EmbeddedClient:
@@ -356,7 +376,7 @@ class EmbeddedClient:
             raise
         self._count("sandboxes", 1)
         box = _Box("sbx_" + secrets.token_hex(8), template, vm, time.time(), warm, origin=t, disk_quota=quota, charge=charge,
-                   egress=policy)
+                   egress=policy, state=t.state)
         return self._register(box)
 
     def get(self, sandbox_id: str) -> _Box:
@@ -422,6 +442,7 @@ class EmbeddedClient:
                     self._restore(box)  # as exec does: the last program ended the agent, start from the template
                 vms = box.vm.fork(n)
                 lost = box.lost  # the children start from the template too: their first exec says so
+                state = box.state
             if egress is not None and policy != box.egress:
                 for vm in vms:
                     vm.set_egress(policy.rule_strings(), policy.internet_access)
@@ -435,7 +456,7 @@ class EmbeddedClient:
         return [
             self._register(
                 _Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin, lost=lost,
-                     disk_quota=box.disk_quota, charge=charge, egress=policy)
+                     disk_quota=box.disk_quota, charge=charge, egress=policy, state=state)
             )
             for vm in vms
         ]
@@ -455,6 +476,8 @@ class EmbeddedClient:
             except _CoreEngineError as e:
                 raise _engine_error(e, f"resetting sandbox {box.id}") from e
             box.agent_alive = True
+            if box.origin is not None:
+                box.state = box.origin.state
 
     def exec(
         self,
@@ -488,10 +511,17 @@ class EmbeddedClient:
                 raise NotFoundError(f"sandbox {box.id} was destroyed")
             if not box.agent_alive:
                 self._restore(box)  # the previous program ended the agent: start from the template
+            frame = _frame(req)
+            tape = self._tape_begin(box, seed_bytes) if box.egress.record else None
             try:
-                r = box.vm.agent_call(_frame(req), float(timeout), seed_bytes, True)
+                r = box.vm.agent_call(frame, float(timeout), seed_bytes, True)
             except _CoreEngineError as e:
                 raise _engine_error(e, f"exec in sandbox {box.id}") from e
+            finally:
+                outcome = box.vm.egress_tape_end() if tape is not None else None
+            # The next exec starts from the state this one left (the request, code included, is
+            # part of it: a replay of a later exec needs the same earlier ones).
+            box.state = _state_after(box.state, b"exec", frame)
             restarted, box.lost = box.lost, ""
             died = False
             timed_out = r.kind == "timeout"
@@ -541,6 +571,14 @@ class EmbeddedClient:
                 what + "; the next exec runs in a fresh interpreter restored from the template "
                 "(Python state, processes and files in /tmp and /work are lost)"
             )
+        replay, replay_error = "", ""
+        if outcome is not None:
+            replay = "diverged" if outcome["mode"] == "replayed" and outcome["errors"] else outcome["mode"]
+            replay_error = "; ".join(outcome["errors"])
+            if replay == "diverged":
+                notes.append(f"this exec's network replay diverged from its recording: {replay_error}")
+            elif replay_error:
+                notes.append(replay_error)
         note = "; ".join(notes)
         self._count("execs", 1, bytes_out=len(r.stdout) + len(r.stderr))
         return ExecResult(
@@ -557,7 +595,19 @@ class EmbeddedClient:
             interpreter_died=died,
             interpreter_restarted=bool(restarted),
             note=note,
+            egress_replay=replay,
+            egress_error=replay_error,
         )
+
+    def _tape_begin(self, box: _Box, seed: bytes) -> str:
+        """Open the recording of this exec (`record=True`): replay it if one exists for this
+        state and seed, else record it (docs/egress.md, "Record and replay")."""
+        name = _tape_name(box.state, seed)
+        path = (self.cache or cache_dir()) / "egress-tapes" / name[:2] / f"{name}.tape"
+        try:
+            return box.vm.egress_tape_begin(str(path))
+        except ValueError as e:
+            raise CollimateError(f"exec in sandbox {box.id}: {e}") from e
 
     def upload(self, box: _Box, path: str, data: bytes) -> None:
         if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -575,6 +625,7 @@ class EmbeddedClient:
                 box.vm.upload(path, bytes(data))
             except _CoreEngineError as e:
                 raise _invalid_or_died(e, f"upload to {path}") from e
+            box.state = _state_after(box.state, b"upload", path.encode(), hashlib.sha256(bytes(data)).digest())
         self._count("bytes_in", len(data))
 
     def disk_usage(self, box: _Box) -> dict | None:

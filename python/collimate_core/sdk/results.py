@@ -22,6 +22,13 @@ class ExecResult:
     set: it runs in a fresh interpreter, and everything earlier execs left (variables, imports,
     processes, files in /tmp and /work) is gone. The same holds after an exec that timed out.
     `note` says what happened in words ("" when nothing did).
+
+    Under an egress policy with `record=True`, `egress_replay` says what the exec did with the
+    network: "recorded" (its flows were recorded with its seed), "replayed" (they were served from
+    the recording of an exec with the same sandbox state and seed: nothing was dialled), or
+    "diverged" (a replay whose guest sent bytes the recording does not have, or made another
+    connection: that connection was reset or refused, and `egress_error` says where); "" without
+    recording.
     """
 
     exit_code: int
@@ -38,6 +45,8 @@ class ExecResult:
     interpreter_died: bool = False
     interpreter_restarted: bool = False
     note: str = ""
+    egress_replay: str = ""
+    egress_error: str = ""
 
     @property
     def ok(self) -> bool:

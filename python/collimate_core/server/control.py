@@ -570,8 +570,10 @@ class ControlPlane:
             i += 1
         rec.logged = i
         if final:
-            out = sum(e["bytes_out"] for e in entries if e["kind"] == "connect")
-            inn = sum(e["bytes_in"] for e in entries if e["kind"] == "connect")
+            # Network bytes: a flow served from a recording (verdict replayed/diverged) sent nothing.
+            net = [e for e in entries if e["kind"] == "connect" and e["verdict"] not in ("replayed", "diverged")]
+            out = sum(e["bytes_out"] for e in net)
+            inn = sum(e["bytes_in"] for e in net)
             if out or inn:
                 with self._lock:
                     m = self._meter(rec.tenant)
@@ -716,6 +718,7 @@ class ControlPlane:
             stderr_b64=None if r.stderr.encode() == r.stderr_bytes else base64.b64encode(r.stderr_bytes).decode(),
             seed=r.seed, seed_ack=r.seed_ack, duration=r.duration, timed_out=r.timed_out, truncated=r.truncated,
             interpreter_died=r.interpreter_died, interpreter_restarted=r.interpreter_restarted, note=r.note,
+            egress_replay=r.egress_replay, egress_error=r.egress_error,
         )
 
     async def upload(self, tenant: str, sandbox_id: str, path: str, request: Request) -> UploadResponse:

@@ -116,6 +116,8 @@ class EgressSpec(BaseModel):
         '":port", or an IP address or CIDR block with an optional port ("203.0.113.0/24", "203.0.113.7:5432", '
         '"[2001:db8::1]:443")',
     )
+    record: bool = Field(False, description="record each exec's flows with its seed; a replay of that exec (the same "
+                         "sandbox state and seed) is served the recorded bytes instead of the network")
 
 
 class CreateSandbox(BaseModel):
@@ -187,6 +189,9 @@ class ExecResponse(BaseModel):
         "died or timed out, and its Python state, processes and files in /tmp and /work are gone",
     )
     note: str = Field("", description="what happened to the interpreter, in words ('' when nothing did)")
+    egress_replay: str = Field("", description="under an egress policy with record=true: recorded, replayed or "
+                               "diverged (docs/egress.md); '' otherwise")
+    egress_error: str = Field("", description="where a replay diverged from its recording, in words ('' when it did not)")
 
 
 class UploadResponse(BaseModel):
@@ -210,12 +215,13 @@ class ForkRequest(BaseModel):
 class EgressEntry(BaseModel):
     time: float = Field(description="Unix time")
     pid: int = Field(description="the guest process")
-    kind: str = Field(description="connect or dns")
+    kind: str = Field(description="connect (TCP), udp or dns")
     name: str | None = Field(description="the name asked (dns), or whose answer gave the address (connect)")
     address: str | None
     port: int
     rule: str | None = Field(description="the rule that admitted it (null: denied)")
-    verdict: str = Field(description="allowed, denied, nxdomain, reset (a policy change forbade it) or failed")
+    verdict: str = Field(description="allowed, denied, nxdomain, reset (a policy change forbade it), failed, "
+                         "or, under record=true, replayed (served from a recording) or diverged (reset: it differed)")
     detail: str
     bytes_out: int = Field(description="bytes sent and acknowledged by the peer")
     bytes_in: int

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::dns;
 use super::policy::{self, Policy, Verdict};
+use super::tape::{self, FlowTape, Outcome, Served, Session};
 use super::wire::{self, NetReply, NetRequest};
 
 /// Longest a dial may take before the guest's connect fails with ETIMEDOUT.
@@ -133,15 +134,27 @@ struct Flow {
     log: usize,
     addr: SocketAddr,
     names: Vec<String>,
-    tcp: OwnedFd,
+    /// The broker's copy of the dialled connection (None for a flow served from a recording).
+    tcp: Option<OwnedFd>,
     live: OwnedFd,
     /// The byte counts when the broker reset it (a disconnect clears the kernel's counters).
     frozen: Option<(u64, u64)>,
+    /// Relayed by a recording (`tape::record`): the guest holds a socket pair's end, not `tcp`.
+    relayed: bool,
+    /// Served from a recording (`tape::serve`): what was served (no byte left the host).
+    served: Option<Arc<Served>>,
 }
 
 impl Flow {
     fn bytes(&self) -> (u64, u64) {
-        self.frozen.unwrap_or_else(|| tcp_bytes(self.tcp.as_raw_fd()))
+        if let Some(f) = self.frozen {
+            return f;
+        }
+        match (&self.tcp, &self.served) {
+            (Some(t), _) => tcp_bytes(t.as_raw_fd()),
+            (None, Some(s)) => (s.out.load(std::sync::atomic::Ordering::Relaxed), s.inn.load(std::sync::atomic::Ordering::Relaxed)),
+            _ => (0, 0),
+        }
     }
 }
 
@@ -153,10 +166,14 @@ struct Inner {
     log: Vec<LogEntry>,
     dropped: u64,
     flows: Vec<Flow>,
-    /// Bytes of flows already closed.
+    /// Bytes of flows already closed (network bytes: flows served from a recording are not counted).
     done_out: u64,
     done_in: u64,
     closed: bool,
+    /// The recording of the exec running now, if its policy records (`tape`).
+    tape: Option<Session>,
+    /// Its divergences, in words.
+    tape_errors: Vec<String>,
 }
 
 impl Inner {
@@ -172,8 +189,15 @@ impl Inner {
     fn finish(&mut self, i: usize) {
         let f = self.flows.swap_remove(i);
         let (o, n) = f.bytes();
-        self.done_out += o;
-        self.done_in += n;
+        if f.served.is_none() {
+            self.done_out += o;
+            self.done_in += n;
+        }
+        if let (true, Some(t)) = (f.relayed, &f.tcp) {
+            // The relay's threads hold the connection too: end it (the guest has closed its end).
+            // SAFETY: shutdown of a socket we hold.
+            unsafe { libc::shutdown(t.as_raw_fd(), libc::SHUT_RDWR) };
+        }
         if let Some(e) = self.log.get_mut(f.log) {
             e.bytes_out = o;
             e.bytes_in = n;
@@ -219,8 +243,9 @@ impl SandboxNet {
                 continue; // reset already
             }
             if let Verdict::Denied(_) = policy.check(f.addr.ip(), f.addr.port(), &f.names) {
-                f.frozen = Some(tcp_bytes(f.tcp.as_raw_fd()));
-                reset_socket(f.tcp.as_raw_fd());
+                let Some(tcp) = f.tcp.as_ref() else { continue }; // served from a recording: no network
+                f.frozen = Some(tcp_bytes(tcp.as_raw_fd()));
+                reset_socket(tcp.as_raw_fd());
                 verdicts.push((i, f.log));
                 reset += 1;
             }
@@ -251,7 +276,7 @@ impl SandboxNet {
     /// Egress bytes (out, in) of every flow this sandbox opened, closed or open.
     pub fn bytes(&self) -> (u64, u64) {
         let g = self.lock();
-        g.flows.iter().fold((g.done_out, g.done_in), |(o, n), f| {
+        g.flows.iter().filter(|f| f.served.is_none()).fold((g.done_out, g.done_in), |(o, n), f| {
             let (a, b) = f.bytes();
             (o + a, n + b)
         })
@@ -267,6 +292,40 @@ impl SandboxNet {
         *g = Inner { closed, ..Default::default() };
     }
 
+    /// Open the recording of the exec about to run (`tape::Session::open`): it replays `path` if
+    /// that exists, else records to it. Returns "replay" or "record".
+    pub fn begin_tape(&self, path: std::path::PathBuf) -> Result<&'static str, tape::TapeError> {
+        let s = Session::open(path)?;
+        let mode = if matches!(s, Session::Replay { .. }) { "replay" } else { "record" };
+        let mut g = self.lock();
+        g.tape = Some(s);
+        g.tape_errors.clear();
+        Ok(mode)
+    }
+
+    /// The exec is over: save its recording (or report its replay) and close the tape.
+    pub fn end_tape(&self) -> Outcome {
+        let mut g = self.lock();
+        let errors = std::mem::take(&mut g.tape_errors);
+        match g.tape.take() {
+            Some(s) => {
+                drop(g);
+                s.close(errors)
+            }
+            None => Outcome { errors, ..Default::default() },
+        }
+    }
+
+    /// A replayed flow diverged: the reason goes to its log entry and to the exec's outcome.
+    fn diverged(&self, log: usize, why: String) {
+        let mut g = self.lock();
+        if let Some(e) = g.log.get_mut(log) {
+            e.verdict = "diverged".into();
+            e.detail = format!("replay: {why}; the connection was reset");
+        }
+        g.tape_errors.push(why);
+    }
+
     /// The sandbox is gone: close every flow (the guest's copies went with its processes).
     pub fn close(&self) {
         let mut g = self.lock();
@@ -280,7 +339,72 @@ impl SandboxNet {
         match req {
             NetRequest::Resolve { pid, name, v6 } => self.resolve(pid, name, v6, reply),
             NetRequest::Connect { pid, addr } => self.connect(pid, addr, reply),
+            NetRequest::ConnectUdp { pid, addr } => self.connect_udp(pid, addr, reply),
         }
+    }
+
+    /// A UDP flow: checked like a TCP connect (a rule that names the port, `Policy::check_udp`),
+    /// then a UDP socket connected to the address is handed over: it sends only to that peer and
+    /// receives only from it. Denied: ENETUNREACH (what the guest got for UDP before any rule).
+    /// Live even under `record` (recordings are of TCP streams).
+    fn connect_udp(self: &Arc<Self>, pid: i32, addr: SocketAddr, reply: OwnedFd) {
+        let ip = policy::canonical(addr.ip());
+        let target = SocketAddr::new(ip, addr.port());
+        let mut g = self.lock();
+        let names = g.names.get(&ip).cloned().unwrap_or_default();
+        let verdict = if g.closed { Verdict::Denied("the sandbox is gone") } else { g.policy.check_udp(ip, addr.port(), &names) };
+        let mut e = LogEntry {
+            time: now(),
+            pid,
+            kind: "udp",
+            name: names.first().cloned(),
+            addr: Some(ip),
+            port: addr.port(),
+            rule: None,
+            verdict: "denied".into(),
+            detail: String::new(),
+            bytes_out: 0,
+            bytes_in: 0,
+            open: false,
+        };
+        let rule = match verdict {
+            Verdict::Denied(why) => {
+                e.detail = why.into();
+                g.push(e);
+                drop(g);
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENETUNREACH }, &[]);
+                return;
+            }
+            Verdict::Allowed(r) => r,
+        };
+        e.rule = Some(rule);
+        let sock = udp_connect(target);
+        let (sock, (live_ours, live_theirs)) = match (sock, wire::seqpacket_pair()) {
+            (Ok(s), Ok(l)) => (s, l),
+            (Err(err), _) => {
+                e.verdict = "failed".into();
+                e.detail = format!("udp: {err}");
+                g.push(e);
+                drop(g);
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: err.raw_os_error().unwrap_or(libc::ENETUNREACH) }, &[]);
+                return;
+            }
+            (_, Err(_)) => {
+                drop(g);
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENOBUFS }, &[]);
+                return;
+            }
+        };
+        if wire::send(reply.as_raw_fd(), &NetReply::Connected { relay: None }, &[sock.as_raw_fd(), live_theirs.as_raw_fd()]).is_err() {
+            return;
+        }
+        drop(live_theirs);
+        e.verdict = "allowed".into();
+        e.open = true;
+        let log = g.push(e);
+        g.flows.push(Flow { log, addr: target, names, tcp: Some(sock), live: live_ours, frozen: None, relayed: false, served: None });
+        drop(g);
+        broker_wake();
     }
 
     fn resolve(self: &Arc<Self>, pid: i32, name: String, v6: bool, reply: OwnedFd) {
@@ -309,9 +433,19 @@ impl SandboxNet {
         }
         // Upstream I/O: off the broker thread.
         let net = self.clone();
+        let recorded = match &self.lock().tape {
+            Some(Session::Replay { tape, .. }) => tape.answer(&name, v6),
+            _ => None,
+        };
         let job = move || {
-            let res = resolver().resolve(&name, v6);
+            let res = match recorded {
+                Some(a) => Ok(a),
+                None => resolver().resolve(&name, v6),
+            };
             let mut g = net.lock();
+            if let (Some(Session::Record { dns, .. }), Ok(a)) = (g.tape.as_mut(), &res) {
+                dns.insert((name.clone(), v6), a.clone());
+            }
             let (answer, verdict, detail) = match res {
                 Ok(addrs) => {
                     let (ok, hidden): (Vec<IpAddr>, Vec<IpAddr>) = addrs.into_iter().partition(|a| !policy::is_special(*a));
@@ -391,11 +525,90 @@ impl SandboxNet {
             let g = self.lock();
             names.iter().find(|n| g.policy.rules.iter().any(|r| r.to_string() == rule && r.admits_name(n))).cloned().or_else(|| names.first().cloned())
         };
+        // A replay: the n-th connection of the recorded exec is served from the recording, and
+        // nothing is dialled (the policy above still decides whether it may be made at all).
+        let replay = {
+            let mut g = self.lock();
+            match g.tape.as_mut() {
+                Some(Session::Replay { tape, next, .. }) => {
+                    let i = *next;
+                    *next += 1;
+                    Some(tape.flows.get(i).cloned().map(|f| (i, f)).ok_or(tape.flows.len()))
+                }
+                _ => None,
+            }
+        };
+        if let Some(r) = replay {
+            let why = match &r {
+                Err(n) => Some(format!("connect to {target}: the recording has {n} connection(s), and this is one more")),
+                Ok((i, f)) if f.addr != Some(target) => Some(format!(
+                    "connect to {target}: connection {i} of the recording went to {}",
+                    f.addr.map(|a| a.to_string()).unwrap_or_else(|| "nowhere".into())
+                )),
+                Ok(_) => None,
+            };
+            let flow = match (why, r) {
+                (None, Ok((_, flow))) => flow,
+                (why, _) => {
+                    let why = why.unwrap_or_default();
+                    let mut g = self.lock();
+                    g.push(entry("diverged", Some(rule), format!("replay: {why}; refused"), name));
+                    g.tape_errors.push(why);
+                    drop(g);
+                    let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ECONNREFUSED }, &[]);
+                    return;
+                }
+            };
+            if let Some(errno) = flow.refused {
+                self.lock().push(entry("failed", Some(rule), format!("replay: the recorded dial failed ({})", std::io::Error::from_raw_os_error(errno)), name));
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno }, &[]);
+                return;
+            }
+            let (Ok((ours, theirs)), Ok((live_ours, live_theirs))) = (stream_pair(), wire::seqpacket_pair()) else {
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENOBUFS }, &[]);
+                return;
+            };
+            let local = flow.local.unwrap_or_else(|| SocketAddr::new(if target.is_ipv4() { IpAddr::from([0u8; 4]) } else { IpAddr::from([0u8; 16]) }, 0));
+            if wire::send(reply.as_raw_fd(), &NetReply::Connected { relay: Some(local) }, &[theirs.as_raw_fd(), live_theirs.as_raw_fd()]).is_err() {
+                return;
+            }
+            drop((theirs, live_theirs));
+            let served = Arc::new(Served::default());
+            let mut g = self.lock();
+            let mut e = entry("replayed", Some(rule), "served from the recording; nothing was dialled".into(), name);
+            e.open = true;
+            let log = g.push(e);
+            g.flows.push(Flow { log, addr: target, names, tcp: None, live: live_ours, frozen: None, relayed: false, served: Some(served.clone()) });
+            drop(g);
+            let net = self.clone();
+            let _ = tape::serve(ours, flow, served, move |why| net.diverged(log, why));
+            broker_wake();
+            return;
+        }
+        // Recording: the flow's place in the recording is the order the guest asked in.
+        let recording = {
+            let mut g = self.lock();
+            match g.tape.as_mut() {
+                Some(Session::Record { flows, size, .. }) => {
+                    let f = Arc::new(Mutex::new(FlowTape { addr: Some(target), ..Default::default() }));
+                    flows.push(f.clone());
+                    Some((f, size.clone()))
+                }
+                _ => None,
+            }
+        };
+        let refused = move |rec: &Option<(Arc<Mutex<FlowTape>>, Arc<std::sync::atomic::AtomicU64>)>, errno: i32| {
+            if let Some((f, _)) = rec {
+                f.lock().unwrap_or_else(|p| p.into_inner()).refused = Some(errno);
+            }
+        };
         let sock = match dial_start(target) {
             Ok(s) => s,
             Err(e) => {
+                let errno = e.raw_os_error().unwrap_or(libc::ECONNREFUSED);
+                refused(&recording, errno);
                 self.lock().push(entry("failed", Some(rule), format!("dial: {e}"), name));
-                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: e.raw_os_error().unwrap_or(libc::ECONNREFUSED) }, &[]);
+                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno }, &[]);
                 return;
             }
         };
@@ -404,12 +617,15 @@ impl SandboxNet {
             let sock = match sock {
                 Ok(s) => s,
                 Err(e) => {
+                    let errno = e.raw_os_error().unwrap_or(libc::ETIMEDOUT);
+                    refused(&recording, errno);
                     net.lock().push(entry("failed", Some(rule), format!("dial: {e}"), name));
-                    let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: e.raw_os_error().unwrap_or(libc::ETIMEDOUT) }, &[]);
+                    let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno }, &[]);
                     return;
                 }
             };
             let Ok((live_ours, live_theirs)) = wire::seqpacket_pair() else {
+                refused(&recording, libc::ENOBUFS);
                 let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENOBUFS }, &[]);
                 return;
             };
@@ -419,19 +635,45 @@ impl SandboxNet {
             let mut g = net.lock();
             let still = !g.closed && matches!(g.policy.check(target.ip(), target.port(), &names), Verdict::Allowed(_));
             if !still {
+                refused(&recording, libc::ECONNREFUSED);
                 g.push(entry("denied", None, "the policy changed while the connection was being made".into(), name));
                 drop(g);
                 let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ECONNREFUSED }, &[]);
                 return;
             }
-            if wire::send(reply.as_raw_fd(), &NetReply::Connected, &[sock.as_raw_fd(), live_theirs.as_raw_fd()]).is_err() {
-                return; // the asking process is gone: drop the connection
-            }
+            let (tcp, relayed) = match recording {
+                None => {
+                    if wire::send(reply.as_raw_fd(), &NetReply::Connected { relay: None }, &[sock.as_raw_fd(), live_theirs.as_raw_fd()]).is_err() {
+                        return; // the asking process is gone: drop the connection
+                    }
+                    (sock, false)
+                }
+                Some((ftape, size)) => {
+                    // Recording: the guest gets a socket pair's end and the broker relays.
+                    let local = local_addr(sock.as_raw_fd());
+                    ftape.lock().unwrap_or_else(|p| p.into_inner()).local = local;
+                    let (Ok((ours, theirs)), Ok(copy)) = (stream_pair(), sock.try_clone()) else {
+                        let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENOBUFS }, &[]);
+                        return;
+                    };
+                    // SAFETY: fcntl on our socket: the relay's reads and writes block.
+                    unsafe { libc::fcntl(sock.as_raw_fd(), libc::F_SETFL, 0) };
+                    let relay = Some(local.unwrap_or(target));
+                    if wire::send(reply.as_raw_fd(), &NetReply::Connected { relay }, &[theirs.as_raw_fd(), live_theirs.as_raw_fd()]).is_err() {
+                        return;
+                    }
+                    drop(theirs);
+                    if tape::record(ours, sock, ftape, size).is_err() {
+                        return; // no thread: the guest's end reads EOF
+                    }
+                    (copy, true)
+                }
+            };
             drop(live_theirs);
-            let mut e = entry("allowed", Some(rule), String::new(), name);
+            let mut e = entry("allowed", Some(rule), if relayed { "recorded".into() } else { String::new() }, name);
             e.open = true;
             let log = g.push(e);
-            g.flows.push(Flow { log, addr: target, names, tcp: sock, live: live_ours, frozen: None });
+            g.flows.push(Flow { log, addr: target, names, tcp: Some(tcp), live: live_ours, frozen: None, relayed, served: None });
             drop(g);
             broker_wake();
         };
@@ -456,6 +698,60 @@ impl SandboxNet {
     }
 }
 
+/// A UDP socket connected to `addr` (a connect that sends nothing: it completes at once).
+fn udp_connect(addr: SocketAddr) -> std::io::Result<OwnedFd> {
+    let fam = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    // SAFETY: socket with constant arguments; the result is checked and owned below.
+    let fd = unsafe { libc::socket(fam, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor we own.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let (sa, len) = sockaddr(addr);
+    // SAFETY: connect with a sockaddr_storage holding `len` valid bytes.
+    if unsafe { libc::connect(fd, (&sa as *const libc::sockaddr_storage).cast(), len) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(sock)
+}
+
+/// An AF_UNIX stream pair with close-on-exec (a relayed or replayed flow's two ends).
+fn stream_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut sv = [0 as RawFd; 2];
+    // SAFETY: socketpair writes two descriptors into `sv`.
+    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0, sv.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: two fresh descriptors we own.
+    Ok(unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) })
+}
+
+/// The local address of a connected TCP socket.
+fn local_addr(fd: RawFd) -> Option<SocketAddr> {
+    // SAFETY: a zeroed sockaddr_storage is valid; the kernel fills at most `len` bytes.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    // SAFETY: getsockname on our socket into the buffer above.
+    if unsafe { libc::getsockname(fd, (&mut ss as *mut libc::sockaddr_storage).cast(), &mut len) } != 0 {
+        return None;
+    }
+    // SAFETY: reading the variant the family says the kernel wrote.
+    unsafe {
+        match ss.ss_family as i32 {
+            libc::AF_INET => {
+                let s = &*(&ss as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>();
+                Some(SocketAddr::new(IpAddr::from(u32::from_be(s.sin_addr.s_addr).to_be_bytes()), u16::from_be(s.sin_port)))
+            }
+            libc::AF_INET6 => {
+                let s = &*(&ss as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>();
+                Some(SocketAddr::new(IpAddr::from(s.sin6_addr.s6_addr), u16::from_be(s.sin6_port)))
+            }
+            _ => None,
+        }
+    }
+}
+
 /// (bytes acknowledged by the peer, bytes received) of a TCP socket.
 fn tcp_bytes(fd: RawFd) -> (u64, u64) {
     // SAFETY: a zeroed tcp_info is valid; getsockopt fills at most `len` bytes of it.
@@ -475,6 +771,16 @@ fn tcp_bytes(fd: RawFd) -> (u64, u64) {
 /// Reset a connection every holder shares: connect(AF_UNSPEC) disconnects a TCP socket with a RST
 /// and leaves ECONNRESET pending for the next call on it (shutdown as a fallback).
 fn reset_socket(fd: RawFd) {
+    let mut ty: i32 = 0;
+    let mut len = 4 as libc::socklen_t;
+    // SAFETY: SO_TYPE into an int we own.
+    unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_TYPE, (&mut ty as *mut i32).cast(), &mut len) };
+    if ty == libc::SOCK_DGRAM {
+        // A UDP flow: disconnecting it would let it receive from anyone; shut it instead.
+        // SAFETY: shutdown on a socket we hold.
+        unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+        return;
+    }
     // SAFETY: a zeroed sockaddr with family AF_UNSPEC.
     let mut sa: libc::sockaddr = unsafe { std::mem::zeroed() };
     sa.sa_family = libc::AF_UNSPEC as u16;
@@ -773,7 +1079,7 @@ mod tests {
         // An IP rule for it: the connected socket and the liveness end come back.
         net.set_policy(policy(&[&format!("127.0.0.1:{}", addr.port())]));
         let (r, mut fds) = connect(&vmm, addr);
-        assert!(matches!(r, NetReply::Connected) && fds.len() == 2);
+        assert!(matches!(r, NetReply::Connected { relay: None }) && fds.len() == 2);
         let live = fds.pop().unwrap();
         let mut tcp = std::net::TcpStream::from(fds.pop().unwrap());
         let (mut peer, _) = server.accept().unwrap();
@@ -804,6 +1110,79 @@ mod tests {
         let e = &net.log()[1];
         assert!(!e.open && e.bytes_out == 4 && e.bytes_in == 5, "{e:?}");
         assert_eq!(net.bytes(), (4, 5));
+    }
+
+    #[test]
+    fn a_recorded_flow_is_served_back_without_the_network_and_a_different_one_is_reset() {
+        use std::os::unix::net::UnixStream;
+        let server = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = server.local_addr().unwrap();
+        let rule = format!("127.0.0.1:{}", addr.port());
+        let path = std::env::temp_dir().join(format!("cx-broker-tape-{}", std::process::id())).join("t.tape");
+        let _ = std::fs::remove_file(&path);
+        // Record: the guest gets a relayed socket pair's end; the peer sees the bytes.
+        let net = SandboxNet::new(policy(&[&rule]));
+        let vmm = register(net.clone()).unwrap();
+        assert_eq!(net.begin_tape(path.clone()).unwrap(), "record");
+        let (r, mut fds) = connect(&vmm, addr);
+        assert!(matches!(r, NetReply::Connected { relay: Some(_) }) && fds.len() == 2);
+        let live = fds.pop().unwrap();
+        let mut s = UnixStream::from(fds.pop().unwrap());
+        let (mut peer, _) = server.accept().unwrap();
+        s.write_all(b"ask").unwrap();
+        let mut b = [0u8; 3];
+        peer.read_exact(&mut b).unwrap();
+        peer.write_all(b"answer").unwrap();
+        drop(peer);
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).unwrap();
+        assert_eq!(got, b"answer");
+        drop((s, live));
+        let o = net.end_tape();
+        assert_eq!((o.mode, o.flows, o.errors.len()), ("recorded", 1, 0));
+        drop(server); // nothing listens there now
+        // Replay, twice: the same bytes are answered from the recording, nothing is dialled.
+        for (ask, diverges) in [(&b"ask"[..], false), (&b"asK"[..], true)] {
+            let net = SandboxNet::new(policy(&[&rule]));
+            let vmm = register(net.clone()).unwrap();
+            assert_eq!(net.begin_tape(path.clone()).unwrap(), "replay");
+            let (r, mut fds) = connect(&vmm, addr);
+            assert!(matches!(r, NetReply::Connected { relay: Some(_) }) && fds.len() == 2);
+            let _live = fds.pop().unwrap();
+            let mut s = UnixStream::from(fds.pop().unwrap());
+            s.write_all(ask).unwrap();
+            let mut got = Vec::new();
+            let r = s.read_to_end(&mut got);
+            if diverges {
+                assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::ECONNRESET));
+                for _ in 0..200 {
+                    if net.log()[0].verdict == "diverged" {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                let e = &net.log()[0];
+                assert!(e.verdict == "diverged" && e.detail.contains("at byte 2"), "{e:?}");
+                let o = net.end_tape();
+                assert!(o.mode == "replayed" && o.errors.len() == 1 && o.errors[0].contains("b\"K\""), "{o:?}");
+            } else {
+                r.unwrap();
+                assert_eq!(got, b"answer");
+                assert_eq!(net.log()[0].verdict, "replayed");
+                assert_eq!(net.bytes(), (0, 0)); // nothing left the host
+                let o = net.end_tape();
+                assert_eq!((o.mode, o.errors.len()), ("replayed", 0));
+            }
+        }
+        // A second connect the recording does not have is refused, and said so.
+        let net = SandboxNet::new(policy(&[&rule]));
+        let vmm = register(net.clone()).unwrap();
+        net.begin_tape(path.clone()).unwrap();
+        let (_, _first) = connect(&vmm, addr);
+        let (r, fds) = connect(&vmm, addr);
+        assert!(matches!(r, NetReply::Refused { errno: libc::ECONNREFUSED }) && fds.is_empty());
+        assert!(net.end_tape().errors[0].contains("one more"));
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 
     #[test]

@@ -349,6 +349,17 @@ impl Policy {
         }
     }
 
+    /// A UDP flow to `addr`:`port`: as [`Policy::check`], but only a rule that names this port
+    /// admits it (a rule without a port, and `internet()`, are for TCP: UDP is opened port by
+    /// port, so that a rule for a host's web server does not admit datagrams to all its ports).
+    pub fn check_udp(&self, addr: IpAddr, port: u16, names: &[String]) -> Verdict {
+        let ported = Policy { rules: self.rules.iter().filter(|r| r.port == Some(port)).cloned().collect(), internet: false };
+        match ported.check(addr, port, names) {
+            Verdict::Denied(_) => Verdict::Denied("no rule names this address and port (UDP needs a rule with a port)"),
+            ok => ok,
+        }
+    }
+
     /// Whether everything this policy admits, `other` admits (conservative: each rule must fit in
     /// one rule of `other`, or be a name or public block under `other`'s internet).
     pub fn narrower_than(&self, other: &Policy) -> bool {
@@ -406,6 +417,21 @@ mod tests {
             let e = parse_rule(r).unwrap_err();
             assert!(e.to_string().contains("a rule is a host name"), "{e}");
         }
+    }
+
+    #[test]
+    fn udp_needs_a_rule_that_names_the_port() {
+        let ip: IpAddr = "203.0.113.7".parse().unwrap();
+        let allowed = |pol: &Policy, port, names: &[String]| matches!(pol.check_udp(ip, port, names), Verdict::Allowed(_));
+        assert!(allowed(&p(&["203.0.113.7:5353"]), 5353, &[]));
+        assert!(!allowed(&p(&["203.0.113.7:5353"]), 5354, &[]));
+        assert!(!allowed(&p(&["203.0.113.7", "203.0.113.0/24"]), 5353, &[]));
+        assert!(!allowed(&Policy { rules: vec![], internet: true }, 5353, &[]));
+        let name = ["svc.test".to_string()];
+        assert!(allowed(&p(&["svc.test:5353"]), 5353, &name));
+        assert!(!allowed(&p(&["svc.test:5353"]), 5353, &[])); // an IP literal under a name rule
+        assert!(!allowed(&p(&["svc.test"]), 5353, &name));
+        assert!(matches!(p(&["203.0.113.7"]).check(ip, 5353, &[]), Verdict::Allowed(_))); // TCP: any port
     }
 
     #[test]

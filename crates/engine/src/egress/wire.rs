@@ -28,14 +28,18 @@ pub enum WireError {
 pub enum NetRequest {
     /// Dial `addr` (as the guest gave it) for guest process `pid`.
     Connect { pid: i32, addr: SocketAddr },
+    /// A UDP socket connected to `addr` (as the guest gave it), for guest process `pid`.
+    ConnectUdp { pid: i32, addr: SocketAddr },
     /// Resolve `name`: IPv6 addresses if `v6`, else IPv4.
     Resolve { pid: i32, name: String, v6: bool },
 }
 
 #[derive(Debug, Serialize, Deserialize)]
 pub enum NetReply {
-    /// The connected socket and the liveness descriptor ride with this message.
-    Connected,
+    /// The connected socket and the liveness descriptor ride with this message. `relay`: the
+    /// socket is one end of a socket pair the broker relays or serves from a recording
+    /// (`egress::tape`), and this is the local address the guest's socket answers.
+    Connected { relay: Option<SocketAddr> },
     /// The connection is refused with this errno (policy: ECONNREFUSED; a failed dial: its errno).
     Refused { errno: i32 },
     /// The name is admitted; its addresses (possibly none: NODATA).
@@ -146,9 +150,20 @@ pub fn recv<T: for<'de> Deserialize<'de>>(sock: RawFd) -> Result<(T, Vec<OwnedFd
 /// attached, then wait for the reply on the other (at most `timeout_ms`; then the broker is taken
 /// as gone: fail closed).
 pub fn call(broker: RawFd, req: &NetRequest, timeout_ms: i32) -> Result<(NetReply, Vec<OwnedFd>), WireError> {
+    let ours = start(broker, req)?;
+    answer(&ours, timeout_ms)
+}
+
+/// Send a request and return the socket its reply will come on (readable once it has: a
+/// non-blocking connect polls it).
+pub fn start(broker: RawFd, req: &NetRequest) -> Result<OwnedFd, WireError> {
     let (ours, theirs) = seqpacket_pair()?;
     send(broker, req, &[theirs.as_raw_fd()])?;
-    drop(theirs);
+    Ok(ours)
+}
+
+/// The reply on `ours` (from `start`), waiting at most `timeout_ms` (0: only if it is there).
+pub fn answer(ours: &OwnedFd, timeout_ms: i32) -> Result<(NetReply, Vec<OwnedFd>), WireError> {
     let mut pfd = libc::pollfd { fd: ours.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     loop {
         // SAFETY: one valid pollfd.

@@ -797,9 +797,12 @@ fn sys_read(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, count: u64, off:
 
 fn sys_write(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, count: u64, off: Option<u64>) -> SysResult {
     let f = os.files.file(fd)?;
-    if let Some(n) = f.net.as_ref().filter(|n| n.is_dns()) {
+    if let (Some(n), Some(h)) = (f.net.as_ref().filter(|n| n.is_dns()), f.host_fd()) {
         let data = ctx.read_vec(buf, (count as usize).min(MAX_IO))?;
-        return inet::dns_send(os, n, &data, None);
+        return inet::dns_send(os, h, n, &data, None);
+    }
+    if let (Some(n), Some(h)) = (f.net.as_ref(), f.host_fd()) {
+        inet::pending_reset(n, h)?;
     }
     // Taking turns (`guestos::sched`), a blocking write to a pipe that does not fit goes on in the
     // writer's next turns, and returns once, with the whole count, as under Linux.

@@ -6,18 +6,25 @@
 //! guest fd's host descriptor number). `connect` copies the address once from guest memory and
 //! asks the broker over the sandbox's broker socket; on success the broker passes the connected
 //! TCP socket back and it is `dup3`'d over the placeholder, so every later read, write, poll, epoll,
-//! shutdown and sockopt is the host's own call on it, as for any other host descriptor. A denied
+//! shutdown and sockopt is the host's own call on it, as for any other host descriptor.
+//! On a non-blocking socket the connect answers EINPROGRESS and the broker's reply is taken later
+//! (`finish_connect`): poll watches the reply socket for the guest's POLLOUT, and SO_ERROR, a
+//! second connect or a send take it. A denied
 //! connect fails with ECONNREFUSED (a policy denial behaves like a host that refuses: immediate,
 //! never a hang; ENETUNREACH would say there is no route, which is not what happened).
 //!
-//! DNS: a UDP socket sends only to port 53, and its datagrams never leave the VMM: the VMM reads
-//! the query, asks the broker (which answers for admitted names only), and queues the answer on the
-//! guest's socket (one end of an AF_UNIX datagram pair, so poll and recv work as usual), from the
-//! address the guest sent to (glibc checks it). Other UDP destinations are unreachable
-//! (ENETUNREACH); raw sockets need a capability the guest lacks (EPERM); no socket listens.
+//! DNS: a datagram to port 53 never leaves the VMM: the VMM reads the query, asks the broker (which
+//! answers for admitted names only), and queues the answer on the guest's socket (one end of an
+//! AF_UNIX datagram pair, so poll and recv work as usual), from the address the guest sent to
+//! (glibc checks it). Other UDP destinations are brokered like TCP: a connect, or a send to a new
+//! destination, asks the broker, which admits it only under a rule naming that port and hands back
+//! a UDP socket connected to it; that is `dup3`'d over the guest's socket, which from then on
+//! sends to and receives from that peer alone (an unconnected socket that sends elsewhere is
+//! connected anew: answers from the earlier peer are no longer received). Denied: ENETUNREACH.
+//! Raw sockets need a capability the guest lacks (EPERM); no socket listens.
 //!
 //! A sandbox fork (not a guest fork) gets a broker socket of its own (`set_broker`); the TCP
-//! connections it inherited belong to its parent and read as closed in the child.
+//! connections it inherited belong to its parent and read as reset in the child.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -37,6 +44,8 @@ const EOPNOTSUPP: Errno = Errno(95);
 const EPROTONOSUPPORT: Errno = Errno(93);
 const ESOCKTNOSUPPORT: Errno = Errno(94);
 const EADDRNOTAVAIL: Errno = Errno(99);
+const EINPROGRESS: Errno = Errno(115);
+const EALREADY: Errno = Errno(114);
 const DNS_PORT: u16 = 53;
 /// How long a VMM waits for the broker before failing closed (a dial's own bound plus slack).
 const BROKER_WAIT_MS: i32 = 13_000;
@@ -70,6 +79,20 @@ struct State {
     last_server: Option<SocketAddr>,
     /// A sandbox fork's copy of its parent's connection.
     inherited: bool,
+    /// TCP: a non-blocking connect under way: the socket its reply comes on, where to, and the
+    /// placeholder's peer (held, so the placeholder reads EAGAIN rather than EOF meanwhile).
+    connecting: Option<(OwnedFd, SocketAddr, OwnedFd)>,
+    /// In replay mode the first look at a connect under way waits for its end, so that what the
+    /// guest sees does not depend on how fast the broker dialled.
+    settle: bool,
+    /// TCP: how a non-blocking connect ended, for SO_ERROR (read once).
+    connect_err: Option<Errno>,
+    /// UDP: the destination of the brokered UDP socket the guest's descriptor now is.
+    udp_to: Option<SocketAddr>,
+    /// TCP through a recording (`egress::tape`): the host descriptor is a socket pair's end the
+    /// broker relays or serves, and this is the local address getsockname answers. TCP and IP
+    /// options are then kept by the engine (there is no TCP socket here to take them).
+    relay: Option<SocketAddr>,
 }
 
 impl NetSock {
@@ -170,20 +193,95 @@ pub fn connect(os: &mut GuestOs, ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr:
     let to = unmap(to);
     if n.is_dns() {
         if to.port() != DNS_PORT {
-            return Err(ENETUNREACH);
+            let h = f.host_fd().ok_or(EINVAL)?;
+            udp_broker(os, h, n, to)?;
+        } else if n.lock().udp_to.is_some() {
+            return Err(ENETUNREACH); // DNS is the engine's, on a socket of its own
         }
         n.lock().peer = Some(to);
         return Ok(0);
     }
+    let h = f.host_fd().ok_or(EINVAL)?;
+    if n.lock().connecting.is_some() {
+        // Asked again while a non-blocking connect is under way: as Linux answers.
+        return match finish_connect(h, n, 0) {
+            None => Err(EALREADY),
+            Some(Ok(())) => Err(EISCONN),
+            Some(Err(e)) => {
+                n.lock().connect_err = None;
+                Err(e)
+            }
+        };
+    }
     if n.lock().peer.is_some() {
         return Err(EISCONN);
     }
-    let h = f.host_fd().ok_or(EINVAL)?;
     let Some(broker) = broker_fd() else { return Err(ECONNREFUSED) };
     let req = wire::NetRequest::Connect { pid: os.proc.pid, addr: to };
+    // SAFETY: F_GETFL on the placeholder we hold.
+    let nonblocking = unsafe { libc::fcntl(h, libc::F_GETFL) } & libc::O_NONBLOCK != 0;
+    if nonblocking {
+        // The dial goes on in the broker while the guest runs: EINPROGRESS now, and the reply is
+        // taken when the guest polls for POLLOUT, reads SO_ERROR, connects again or sends.
+        let ours = wire::start(broker, &req).map_err(|_| ECONNREFUSED)?;
+        let (placeholder, peer) = pair(libc::SOCK_STREAM | libc::SOCK_NONBLOCK)?;
+        // SAFETY: dup3 of a fresh pair's end over the placeholder (whose peer was dropped, so it
+        // read EOF); we hold this one's peer until the connect ends.
+        cvt(unsafe { libc::dup3(placeholder.as_raw_fd(), h, libc::O_CLOEXEC) } as i64)?;
+        let mut st = n.lock();
+        st.connecting = Some((ours, to, peer));
+        st.settle = os.proc.clocks.replay;
+        return Err(EINPROGRESS);
+    }
     let (reply, fds) = wire::call(broker, &req, BROKER_WAIT_MS).map_err(|_| ECONNREFUSED)?;
+    adopt(h, n, to, reply, fds)
+}
+
+/// The reply of a non-blocking connect, if it has come (`wait_ms` 0: only look): the connect's
+/// end (also kept for SO_ERROR), or None while it is under way.
+pub fn finish_connect(h: RawFd, n: &NetSock, wait_ms: i32) -> Option<Result<(), Errno>> {
+    let wait_ms = if n.lock().settle { BROKER_WAIT_MS } else { wait_ms };
+    let (ours, to, peer) = n.lock().connecting.take()?;
+    if wait_ms == 0 && !ready(&ours) {
+        n.lock().connecting = Some((ours, to, peer));
+        return None;
+    }
+    let res = match wire::answer(&ours, wait_ms) {
+        Ok((reply, fds)) => adopt(h, n, to, reply, fds).map(|_| ()),
+        Err(_) => Err(ECONNREFUSED), // the broker closed without answering, or is gone: fail closed
+    };
+    drop(peer);
+    if let Err(e) = res {
+        n.lock().connect_err = Some(e);
+    }
+    Some(res)
+}
+
+/// Whether a reply socket has something: the reply, or the broker's hang-up.
+fn ready(fd: &OwnedFd) -> bool {
+    let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, no waiting.
+    unsafe { libc::poll(&mut pfd, 1, 0) > 0 }
+}
+
+/// The reply socket of a non-blocking connect under way (poll watches it for the guest's POLLOUT).
+/// In replay mode the connect ends here instead (see `State::settle`), and poll looks at the socket.
+pub fn connecting_fd(h: RawFd, n: &NetSock) -> Option<RawFd> {
+    let (pending, settle) = {
+        let st = n.lock();
+        (st.connecting.as_ref().map(|c| c.0.as_raw_fd()), st.settle)
+    };
+    if pending.is_some() && settle {
+        let _ = finish_connect(h, n, BROKER_WAIT_MS);
+        return None;
+    }
+    pending
+}
+
+/// The broker's answer to a connect: the connected socket goes over the placeholder.
+fn adopt(h: RawFd, n: &NetSock, to: SocketAddr, reply: wire::NetReply, fds: Vec<OwnedFd>) -> SysResult {
     match reply {
-        wire::NetReply::Connected if fds.len() == 2 => {
+        wire::NetReply::Connected { relay } if fds.len() == 2 => {
             let mut fds = fds.into_iter();
             let (tcp, live) = match (fds.next(), fds.next()) {
                 (Some(t), Some(l)) => (t, l),
@@ -204,6 +302,7 @@ pub fn connect(os: &mut GuestOs, ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr:
             }
             st.peer = Some(to);
             st.live = Some(live);
+            st.relay = relay;
             Ok(0)
         }
         wire::NetReply::Refused { errno } => Err(Errno(errno)),
@@ -234,11 +333,11 @@ pub fn bind(ctx: &mut Ctx, addr: u64, len: u32) -> SysResult {
 /// getsockname / getpeername.
 pub fn getname(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr: u64, lenp: u64, peer: bool) -> SysResult {
     let st = n.lock();
-    if n.is_dns() || st.peer.is_none() || st.inherited {
+    if n.is_dns() || st.peer.is_none() || st.inherited || st.relay.is_some() {
         if peer && st.peer.is_none() {
             return Err(ENOTCONN);
         }
-        let a = if peer { st.peer } else { None };
+        let a = if peer { st.peer } else { st.relay };
         drop(st);
         return write_addr(ctx, a, n.family, addr, lenp).map(|_| 0);
     }
@@ -271,7 +370,10 @@ pub fn getname(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr: u64, lenp: u64, p
 /// after it; common TCP and IP options passed to the real socket.
 #[allow(clippy::too_many_arguments)]
 pub fn sockopt(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, level: i32, name: i32, val: u64, len: u64, set: bool) -> SysResult {
-    let connected = n.lock().peer.is_some() && !n.is_dns();
+    let connected = {
+        let st = n.lock();
+        (st.peer.is_some() && st.relay.is_none() && !n.is_dns()) || st.udp_to.is_some()
+    };
     let ident = match (level, name) {
         (libc::SOL_SOCKET, libc::SO_DOMAIN) => Some(n.family),
         (libc::SOL_SOCKET, libc::SO_TYPE) => Some(n.kind),
@@ -281,6 +383,17 @@ pub fn sockopt(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, level: i32, name: i32, 
     };
     if let (Some(v), false) = (ident, set) {
         return put_int(ctx, val, len, v);
+    }
+    if (level, name, set) == (libc::SOL_SOCKET, libc::SO_ERROR, false) && !n.is_dns() {
+        // A non-blocking connect's outcome (0 while it is under way), read once.
+        let h = f.host_fd().ok_or(EINVAL)?;
+        let _ = finish_connect(h, n, 0);
+        if let Some(Errno(e)) = n.lock().connect_err.take() {
+            return put_int(ctx, val, len, e);
+        }
+        if n.lock().connecting.is_some() {
+            return put_int(ctx, val, len, 0);
+        }
     }
     let known = matches!(
         (level, name),
@@ -300,7 +413,8 @@ pub fn sockopt(ctx: &mut Ctx, f: &OpenFile, n: &NetSock, level: i32, name: i32, 
         let v = ctx.read_vec(val, len as usize)?;
         if !connected {
             // Before connect every option waits for the real socket (the placeholder is another
-            // socket: what is set on it would be lost); the engine's DNS socket takes and ignores them.
+            // socket: what is set on it would be lost); the engine's DNS socket takes and ignores
+            // them, and a relayed one keeps them (its real socket is the broker's).
             if !n.is_dns() {
                 n.lock().pending.push((level, name, v));
             }
@@ -336,15 +450,53 @@ fn put_int(ctx: &mut Ctx, val: u64, lenp: u64, v: i32) -> SysResult {
     Ok(0)
 }
 
-/// A datagram the guest sends on a UDP socket: to `dest` (sendto) or the connected address.
-/// Only DNS is served: the engine answers it (see the module comment).
-pub fn dns_send(os: &GuestOs, n: &NetSock, data: &[u8], dest: Option<SocketAddr>) -> SysResult {
+/// Make the guest's UDP socket (host descriptor `h`) a UDP socket the broker connected to `to`.
+fn udp_broker(os: &GuestOs, h: RawFd, n: &NetSock, to: SocketAddr) -> Result<(), Errno> {
+    if n.family == libc::AF_INET && to.is_ipv6() {
+        return Err(EAFNOSUPPORT);
+    }
+    let Some(broker) = broker_fd() else { return Err(ENETUNREACH) };
+    let req = wire::NetRequest::ConnectUdp { pid: os.proc.pid, addr: to };
+    let (reply, fds) = wire::call(broker, &req, BROKER_WAIT_MS).map_err(|_| ENETUNREACH)?;
+    match reply {
+        wire::NetReply::Connected { .. } if fds.len() == 2 => {
+            let mut fds = fds.into_iter();
+            let (Some(udp), Some(live)) = (fds.next(), fds.next()) else { return Err(ENETUNREACH) };
+            // SAFETY: F_GETFL on the guest socket's descriptor.
+            let fl = unsafe { libc::fcntl(h, libc::F_GETFL) };
+            // SAFETY: dup3 of the received UDP socket over the guest socket's host descriptor.
+            cvt(unsafe { libc::dup3(udp.as_raw_fd(), h, libc::O_CLOEXEC) } as i64)?;
+            // SAFETY: F_SETFL on our descriptor: the guest's O_NONBLOCK, as it had set it.
+            unsafe { libc::fcntl(h, libc::F_SETFL, if fl >= 0 { fl & libc::O_NONBLOCK } else { 0 }) };
+            let mut st = n.lock();
+            st.udp_to = Some(to);
+            st.live = Some(live);
+            st.dns_end = None;
+            Ok(())
+        }
+        wire::NetReply::Refused { errno } => Err(Errno(errno)),
+        _ => Err(ENETUNREACH),
+    }
+}
+
+/// A datagram the guest sends on a UDP socket (host descriptor `h`): to `dest` (sendto) or the
+/// connected address. DNS is answered by the engine; other destinations are brokered (see the
+/// module comment).
+pub fn dns_send(os: &GuestOs, h: RawFd, n: &NetSock, data: &[u8], dest: Option<SocketAddr>) -> SysResult {
     let to = match dest.map(unmap) {
         Some(d) => d,
         None => n.lock().peer.ok_or(Errno(89))?, // EDESTADDRREQ
     };
-    if to.port() != DNS_PORT {
-        return Err(ENETUNREACH);
+    let brokered = n.lock().udp_to;
+    if to.port() != DNS_PORT || brokered.is_some() {
+        if to.port() == DNS_PORT {
+            return Err(ENETUNREACH); // DNS is the engine's, on a socket of its own
+        }
+        if brokered != Some(to) {
+            udp_broker(os, h, n, to)?;
+        }
+        // SAFETY: send of a buffer we own on the connected UDP socket.
+        return cvt(unsafe { libc::send(h, data.as_ptr().cast(), data.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) } as i64);
     }
     let reply = dns_answer(os, data);
     let mut st = n.lock();
@@ -375,7 +527,7 @@ fn dns_answer(os: &GuestOs, msg: &[u8]) -> Option<Vec<u8>> {
 /// The source address of a DNS socket's answers (where its last query went).
 pub fn dns_source(n: &NetSock) -> Option<SocketAddr> {
     let st = n.lock();
-    st.last_server.or(st.peer)
+    st.udp_to.or(st.last_server).or(st.peer)
 }
 
 /// Fill a recvfrom/recvmsg source address for a network socket.
@@ -389,12 +541,43 @@ pub fn read_dest(ctx: &Ctx, addr: u64, len: u32) -> Result<SocketAddr, Errno> {
     read_addr(ctx, addr, len)
 }
 
+/// Before a send on a network socket: a non-blocking connect under way ends here if its reply
+/// has come (else EAGAIN, as Linux says for a send on a connecting socket); a sandbox fork's
+/// inherited connection reports the reset pending on it (SO_ERROR reads and clears it, so a later
+/// read sees EOF, as under Linux).
+pub fn pending_reset(n: &NetSock, h: RawFd) -> Result<(), Errno> {
+    if n.is_dns() {
+        return Ok(());
+    }
+    if n.lock().connecting.is_some() {
+        return match finish_connect(h, n, 0) {
+            None => Err(crate::guestos::EAGAIN),
+            Some(r) => {
+                n.lock().connect_err = None;
+                r
+            }
+        };
+    }
+    if !n.lock().inherited {
+        return Ok(());
+    }
+    let mut err: i32 = 0;
+    let mut len = 4 as libc::socklen_t;
+    // SAFETY: SO_ERROR into an int we own, on our descriptor.
+    unsafe { libc::getsockopt(h, libc::SOL_SOCKET, libc::SO_ERROR, (&mut err as *mut i32).cast(), &mut len) };
+    if err != 0 {
+        return Err(Errno(err));
+    }
+    Ok(())
+}
+
 pub fn listen() -> SysResult {
     Err(EOPNOTSUPP)
 }
 
 /// This sandbox's broker socket, from the controller. A new one means this VMM process is a new
-/// sandbox (a fork): the TCP connections it inherited are its parent's and read as closed here.
+/// sandbox (a fork): the TCP connections it inherited are its parent's and read as reset here
+/// (ECONNRESET on the next call, as after a RST, then EOF and EPIPE), and the parent keeps them.
 pub fn set_broker(os: &GuestOs, fd: OwnedFd) {
     let mut b = BROKER.lock().unwrap_or_else(|p| p.into_inner());
     if b.is_some() {
@@ -402,13 +585,31 @@ pub fn set_broker(os: &GuestOs, fd: OwnedFd) {
             let Ok(f) = os.files.file(gfd) else { continue };
             let (Some(n), Some(h)) = (f.net.as_ref(), f.host_fd()) else { continue };
             let mut st = n.lock();
+            if n.is_dns() && st.udp_to.is_some() {
+                // A brokered UDP socket is the parent's: the child's starts over (its next send
+                // asks the child's own broker).
+                if let Ok((guest, vmm)) = pair(libc::SOCK_DGRAM) {
+                    // SAFETY: dup3 of a fresh datagram pair's end over this socket's descriptor.
+                    unsafe { libc::dup3(guest.as_raw_fd(), h, libc::O_CLOEXEC) };
+                    st.dns_end = Some(vmm);
+                }
+                st.udp_to = None;
+                st.live = None;
+                st.peer = None;
+                continue;
+            }
             if n.is_dns() || st.live.is_none() || st.inherited {
                 continue;
             }
             if let Ok((dead, other)) = pair(libc::SOCK_STREAM) {
+                // A pair end whose peer closed with a byte unread: Linux leaves ECONNRESET pending
+                // on it (unix_release_sock), which the next read reports; `pending_reset` makes a
+                // send report it too, as a reset TCP socket's first call does.
+                // SAFETY: a one-byte send on our fresh pair; then its other end is closed.
+                unsafe { libc::send(dead.as_raw_fd(), b"r".as_ptr().cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
                 drop(other);
-                // SAFETY: dup3 of a closed pair's end over this guest socket's host descriptor
-                // (our copy of the parent's connection is closed; the parent keeps its own).
+                // SAFETY: dup3 of that end over this guest socket's host descriptor (our copy of
+                // the parent's connection is closed; the parent keeps its own).
                 unsafe { libc::dup3(dead.as_raw_fd(), h, libc::O_CLOEXEC) };
             }
             st.live = None;

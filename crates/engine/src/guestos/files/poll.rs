@@ -57,6 +57,7 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
     let mut host: Vec<libc::pollfd> = Vec::new();
     let mut host_idx: Vec<usize> = Vec::new();
     let mut ready = 0;
+    let mut connecting: Vec<(usize, usize, std::sync::Arc<super::OpenFile>)> = Vec::new();
     for (i, &(fd, events)) in fds.iter().enumerate() {
         if fd < 0 {
             continue;
@@ -70,7 +71,13 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
         let r = match &f.file.kind {
             Kind::Host(h) => {
                 use std::os::fd::AsRawFd;
-                host.push(libc::pollfd { fd: h.as_raw_fd(), events, revents: 0 });
+                // A non-blocking connect under way: its POLLOUT is the broker's reply arriving.
+                if let Some(reply) = f.file.net.as_ref().and_then(|n| super::inet::connecting_fd(h.as_raw_fd(), n)) {
+                    connecting.push((host.len(), i, f.file.clone()));
+                    host.push(libc::pollfd { fd: reply, events: libc::POLLIN, revents: 0 });
+                } else {
+                    host.push(libc::pollfd { fd: h.as_raw_fd(), events, revents: 0 });
+                }
                 host_idx.push(i);
                 continue;
             }
@@ -91,6 +98,7 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
             return Err(Errno::last());
         }
         ready += host_revents(&host, &host_idx, fds, &mut revents);
+        ready = connected(&host, &connecting, fds, &mut revents, ready);
         if ready > 0 {
             return Ok(revents);
         }
@@ -124,6 +132,7 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
         return Err(Errno::last());
     }
     ready += host_revents(&host, &host_idx, fds, &mut revents);
+    ready = connected(&host, &connecting, fds, &mut revents, ready);
     if ready == 0 && wait > Duration::ZERO && replay && timeout.is_some() {
         os.proc.clocks.pass(wait.as_nanos() as u64);
     } else if ready > 0 && wait > Duration::ZERO && replay {
@@ -140,6 +149,30 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
 
 /// Copy the host poll's results into `revents` (for the guest's events and the ones that are
 /// always reported); how many became ready.
+/// Non-blocking connects whose reply came: taken now (the socket is the connected one from here
+/// on), and reported as Linux does: POLLOUT, with POLLERR and POLLHUP if it failed.
+fn connected(host: &[libc::pollfd], connecting: &[(usize, usize, std::sync::Arc<super::OpenFile>)], fds: &[(i32, i16)], revents: &mut [i16], mut ready: usize) -> usize {
+    for (k, i, f) in connecting {
+        let was = revents[*i] != 0;
+        revents[*i] = 0;
+        if host[*k].revents != 0 {
+            if let (Some(n), Some(h)) = (f.net.as_ref(), f.host_fd()) {
+                revents[*i] = match super::inet::finish_connect(h, n, 0) {
+                    None => 0,
+                    Some(Ok(())) => fds[*i].1 & (libc::POLLOUT | libc::POLLWRNORM),
+                    Some(Err(_)) => libc::POLLOUT | libc::POLLERR | libc::POLLHUP,
+                };
+            }
+        }
+        match (was, revents[*i] != 0) {
+            (true, false) => ready -= 1,
+            (false, true) => ready += 1,
+            _ => {}
+        }
+    }
+    ready
+}
+
 fn host_revents(host: &[libc::pollfd], host_idx: &[usize], fds: &[(i32, i16)], revents: &mut [i16]) -> usize {
     const ALWAYS: i16 = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
     let mut ready = 0;

@@ -348,8 +348,9 @@ pub fn sys_sendto(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, len: u64, 
         let data = ctx.read_vec(buf, (len as usize).min(super::MAX_IO))?;
         if n.is_dns() {
             let to = if dest != 0 { Some(super::inet::read_dest(ctx, dest, 28)?) } else { None };
-            return super::inet::dns_send(os, n, &data, to);
+            return super::inet::dns_send(os, h, n, &data, to);
         }
+        super::inet::pending_reset(n, h)?;
         // A destination on a connected TCP socket is ignored, as Linux does.
         let host_flags = flags | libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
         // SAFETY: send of a buffer we own.
@@ -443,7 +444,10 @@ pub fn sys_sendmsg(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, msgp: u64, flags: i
     }
     if let Some(n) = net.filter(|n| n.is_dns()) {
         let to = if m.name != 0 { Some(super::inet::read_dest(ctx, m.name, m.namelen)?) } else { None };
-        return super::inet::dns_send(os, n, &data, to);
+        return super::inet::dns_send(os, h, n, &data, to);
+    }
+    if let Some(n) = net {
+        super::inet::pending_reset(n, h)?;
     }
     let host_flags = flags | libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
     // SAFETY: send of a buffer we own.
