@@ -759,7 +759,7 @@ fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, scratch: &Sc
     }
     // Every restore and reset is a new clone of the snapshot: an unseeded CRNG gets fresh entropy.
     let mut os = state.rebuild(dirs)?;
-    guestos::misc::diverge(&mut os);
+    guestos::random::diverge(&mut os);
     Ok(os)
 }
 
@@ -959,7 +959,7 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Op
     // fresh entropy: unseeded clones never share randomness.
     let privatized = match m.os.as_mut() {
         Some(os) => {
-            guestos::misc::diverge(os);
+            guestos::random::diverge(os);
             crate::guestos::persist::privatize(os, &m.scratch)
                 .and_then(|_| os.mm.privatize_windows(&mut m.mem).map_err(Error::sys("copy a shared mapping for a forked sandbox")))
                 .map_err(|e| match e {
@@ -1064,7 +1064,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             Request::Reset => m.reset().map(Response::Reset),
             Request::AgentCall { input, timeout, reseed } => match m.os.as_mut().map(|os| {
                 if let Some((seed, replay)) = reseed {
-                    guestos::misc::reseed(os, seed, replay);
+                    guestos::random::reseed(os, seed, replay);
                 }
                 os.agent_send(&input)
             }) {
@@ -1089,7 +1089,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             },
             Request::Reseed { seed, replay } => match m.os.as_mut() {
                 Some(os) => {
-                    guestos::misc::reseed(os, seed, replay);
+                    guestos::random::reseed(os, seed, replay);
                     Ok(Response::Ok)
                 }
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no CRNG to reseed".into())),
