@@ -14,7 +14,7 @@ pub enum Request {
     /// First message to a launched VMM process: load an ELF into a new VM.
     Boot { elf: Vec<u8>, mem_size: u64 },
     /// First message to a launched VMM process: run a Linux program from a root filesystem.
-    Spawn { spec: SpawnSpec, mem_size: u64 },
+    Spawn { spec: SpawnSpec, mem_size: u64, cpus: Option<u32> },
     /// First message to a launched VMM process: restore a snapshot directory.
     Restore { dir: PathBuf },
     Run { timeout: Duration },

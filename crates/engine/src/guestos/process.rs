@@ -62,6 +62,10 @@ pub struct Proc {
     pub crng: Crng,
     /// What the guest's clocks show: the host's, or virtual time in replay mode.
     pub clocks: Clocks,
+    /// How many CPUs the guest sees, and the affinity mask sched_setaffinity left (bit i: CPU i,
+    /// within the first `cpus`); see [`super::cpu`]. Every thread still runs on the one vCPU.
+    pub cpus: u32,
+    pub affinity: u64,
 }
 
 fn first_child_pid() -> i32 {
@@ -108,6 +112,8 @@ impl Default for Proc {
             sleep: None,
             crng: Crng::from_host_entropy(),
             clocks: Clocks::default(),
+            cpus: 1,
+            affinity: 1,
         }
     }
 }

@@ -224,7 +224,7 @@ impl Machine {
         Ok(())
     }
     /// A new VM running a Linux program from a root filesystem.
-    pub fn spawn(spec: &SpawnSpec, mem_size: u64, stdio: Vec<OwnedFd>) -> Result<Machine> {
+    pub fn spawn(spec: &SpawnSpec, mem_size: u64, cpus: Option<u32>, stdio: Vec<OwnedFd>) -> Result<Machine> {
         if spec.argv.is_empty() {
             return Err(Error::InvalidArgument("argv is empty; argv[0] names the program".into()));
         }
@@ -255,6 +255,11 @@ impl Machine {
             os.proc.gid = [u.gid; 4];
             os.proc.groups = u.groups.clone();
         }
+        let cpus = match cpus {
+            Some(n) => n,
+            None => guestos::cpu::default_cpus().map_err(Error::InvalidArgument)?,
+        };
+        guestos::cpu::set_cpus(&mut os.proc, cpus).map_err(Error::InvalidArgument)?;
         os.proc.cwd = guestos::vfs::join("/", spec.cwd.as_bytes())
             .map_err(|e| Error::InvalidArgument(format!("cwd {:?}: errno {}", spec.cwd, e.0)))?;
         let mut m = Machine::boot_with(mem_size, |mem, frames, aspace| {
@@ -1141,7 +1146,7 @@ pub fn serve_fd(fd: RawFd) -> ! {
     let machine = match first {
         Request::Boot { elf, mem_size } => Machine::boot(&elf, mem_size),
         Request::Restore { dir } => Machine::restore(&dir),
-        Request::Spawn { spec, mem_size } => Machine::spawn(&spec, mem_size, fds),
+        Request::Spawn { spec, mem_size, cpus } => Machine::spawn(&spec, mem_size, cpus, fds),
         _ => Err(Error::Protocol("the first request must be Boot, Spawn or Restore".into())),
     };
     match machine {

@@ -327,6 +327,30 @@ fn affinity_and_sysinfo() {
     assert_eq!(t.call(SYS_MEMBARRIER, [0; 6]), 0);
 }
 
+#[test]
+fn the_cpu_count_is_configurable() {
+    let mut t = T::new();
+    assert!(set_cpus(&mut t.os.proc, 0).is_err() && set_cpus(&mut t.os.proc, MAX_CPUS + 1).is_err());
+    set_cpus(&mut t.os.proc, 4).unwrap();
+    assert_eq!(t.call(SYS_SCHED_GETAFFINITY, [0, 128, BUF, 0, 0, 0]), 8);
+    assert_eq!(t.read(BUF, 8), 0xfu64.to_le_bytes());
+    // Narrow to CPUs 1 and 3 (bit 9 names no CPU of the sandbox: ignored); getcpu follows.
+    t.write(BUF, &0x20au64.to_le_bytes());
+    assert_eq!(t.call(SYS_SCHED_SETAFFINITY, [0, 8, BUF, 0, 0, 0]), 0);
+    assert_eq!(t.call(SYS_SCHED_GETAFFINITY, [0, 8, BUF + 64, 0, 0, 0]), 8);
+    assert_eq!(t.read(BUF + 64, 8), 0xau64.to_le_bytes());
+    assert_eq!(t.call(SYS_GETCPU, [BUF + 128, 0, 0, 0, 0, 0]), 0);
+    assert_eq!(t.read(BUF + 128, 4), 1u32.to_le_bytes());
+    // A mask with none of its CPUs; a one-byte mask.
+    t.write(BUF, &0x10u64.to_le_bytes());
+    assert_eq!(t.call(SYS_SCHED_SETAFFINITY, [0, 8, BUF, 0, 0, 0]), -22);
+    t.write(BUF, &[0x04]);
+    assert_eq!(t.call(SYS_SCHED_SETAFFINITY, [0, 1, BUF, 0, 0, 0]), 0);
+    assert_eq!(t.os.proc.affinity, 4);
+    assert_eq!((cpu_list(1), cpu_list(4), mask_list(0b1101_0110)), ("0".into(), "0-3".into(), "1-2,4,6-7".into()));
+    assert_eq!(all_cpus(64), u64::MAX);
+}
+
 fn ts_ns(b: &[u8]) -> u64 {
     let s = i64::from_le_bytes(b[..8].try_into().unwrap());
     let ns = i64::from_le_bytes(b[8..16].try_into().unwrap());
