@@ -151,9 +151,11 @@ class Vm:
         uid: int | None = None,
         gid: int | None = None,
         groups: list[int] | None = None,
+        cpus: int | None = None,
     ) -> Vm:
         """Start a VMM process running the Linux program `argv[0]` from root filesystem `root`,
-        as `uid`/`gid` with supplementary `groups` (default: root)."""
+        as `uid`/`gid` with supplementary `groups` (default: root). The guest sees `cpus` CPUs
+        (1 to 64; default `COLLIMATE_CPUS` or 1); its threads still share one vCPU."""
     @staticmethod
     def restore(dir: str | PathLike[str]) -> Vm:
         """Start a VMM process from a snapshot directory (`vm.state`, `vm.mem`)."""

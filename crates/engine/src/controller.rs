@@ -33,11 +33,15 @@ pub struct Launcher {
 pub struct VmConfig {
     /// Guest-physical memory in bytes (sparse: only touched pages cost host memory).
     pub mem_size: u64,
+    /// How many CPUs a Linux guest sees (sched_getaffinity, sysconf, /proc/cpuinfo,
+    /// /sys/devices/system/cpu); its threads still take turns on one vCPU. None: the engine's
+    /// default, `COLLIMATE_CPUS` or 1 (see `guestos::cpu`).
+    pub cpus: Option<u32>,
 }
 
 impl Default for VmConfig {
     fn default() -> Self {
-        VmConfig { mem_size: 1 << 30 }
+        VmConfig { mem_size: 1 << 30, cpus: None }
     }
 }
 
@@ -208,7 +212,7 @@ impl Vm {
     pub fn spawn(launcher: &Launcher, spec: &crate::protocol::SpawnSpec, cfg: &VmConfig) -> Result<Vm> {
         let (stdio, ends) = Stdio::new()?;
         let fds = [ends[0].as_raw_fd(), ends[1].as_raw_fd()];
-        Self::launch_with(launcher, Request::Spawn { spec: spec.clone(), mem_size: cfg.mem_size }, Some(stdio), &fds)
+        Self::launch_with(launcher, Request::Spawn { spec: spec.clone(), mem_size: cfg.mem_size, cpus: cfg.cpus }, Some(stdio), &fds)
     }
 
     /// Start a VMM process with the snapshot in `dir`, paused.

@@ -14,7 +14,7 @@ pub enum Request {
     /// First message to a launched VMM process: load an ELF into a new VM.
     Boot { elf: Vec<u8>, mem_size: u64 },
     /// First message to a launched VMM process: run a Linux program from a root filesystem.
-    Spawn { spec: SpawnSpec, mem_size: u64 },
+    Spawn { spec: SpawnSpec, mem_size: u64, cpus: Option<u32> },
     /// First message to a launched VMM process: restore a snapshot directory.
     Restore { dir: PathBuf },
     Run { timeout: Duration },
@@ -43,7 +43,7 @@ pub enum Request {
     /// Read a file of a Linux guest's file system, byte-exact.
     Download { path: String },
     /// Reseed a Linux guest's sandbox CRNG with `seed` (32 bytes) and, with `replay`, switch its
-    /// clocks to deterministic virtual time (see `guestos::misc::reseed` and docs/replay.md).
+    /// clocks to deterministic virtual time (see `guestos::random::reseed` and docs/replay.md).
     Reseed { seed: [u8; 32], replay: bool },
     ReadMem { gva: u64, len: u64 },
     WriteMem { gva: u64, data: Vec<u8> },

@@ -346,7 +346,7 @@ impl PyVm {
     #[pyo3(signature = (elf, mem_size = 1 << 30), text_signature = "(elf, mem_size=1073741824)")]
     fn boot(py: Python<'_>, elf: PyBackedBytes, mem_size: u64) -> PyResult<PyVm> {
         let launcher = launcher(py)?;
-        let cfg = VmConfig { mem_size };
+        let cfg = VmConfig { mem_size, ..Default::default() };
         py.detach(|| collimate_engine::Vm::boot(launcher, &elf, &cfg))
             .map(PyVm::wrap)
             .map_err(|e| engine_error(&format!("Vm.boot(mem_size={mem_size})"), e))
@@ -355,8 +355,10 @@ impl PyVm {
     /// Starts a fresh VMM process running the Linux program `argv[0]` from the root filesystem
     /// `root`, with writable host directories `mounts` ({guest path: host dir}); paused until run().
     /// `uid`/`gid`/`groups`: the identity it starts with (default root), e.g. an image's User.
+    /// `cpus`: how many CPUs the guest sees (1 to 64; default `COLLIMATE_CPUS` or 1), fixed for
+    /// the sandbox, its snapshots and forks; its threads still share one vCPU.
     #[staticmethod]
-    #[pyo3(signature = (root, argv, env = None, cwd = "/".to_string(), mounts = None, mem_size = 1 << 30, ro_mounts = None, agent = false, uid = None, gid = None, groups = None))]
+    #[pyo3(signature = (root, argv, env = None, cwd = "/".to_string(), mounts = None, mem_size = 1 << 30, ro_mounts = None, agent = false, uid = None, gid = None, groups = None, cpus = None))]
     #[allow(clippy::too_many_arguments)]
     fn spawn(
         py: Python<'_>,
@@ -371,6 +373,7 @@ impl PyVm {
         uid: Option<u32>,
         gid: Option<u32>,
         groups: Option<Vec<u32>>,
+        cpus: Option<u32>,
     ) -> PyResult<PyVm> {
         if argv.is_empty() {
             return Err(PyValueError::new_err("Vm.spawn: argv is empty; argv[0] names the program"));
@@ -396,7 +399,7 @@ impl PyVm {
                 groups: groups.unwrap_or_default(),
             }),
         };
-        let cfg = VmConfig { mem_size };
+        let cfg = VmConfig { mem_size, cpus };
         py.detach(|| collimate_engine::Vm::spawn(launcher, &spec, &cfg))
             .map(PyVm::wrap)
             .map_err(|e| engine_error(&format!("Vm.spawn({:?})", argv[0]), e))

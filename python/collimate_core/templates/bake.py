@@ -60,7 +60,7 @@ from collimate_core.sdk.errors import (
     NotFoundError,
     SandboxTimeout,
 )
-from collimate_core.templates.catalog import AGENT_DIR, AGENT_IDLE, CATALOG, Baked, cache_dir
+from collimate_core.templates.catalog import AGENT_DIR, AGENT_IDLE, CATALOG, Baked, cache_dir, guest_cpus
 from collimate_core.templates.catalog import frame as _frame
 from collimate_core.templates.catalog import unframe as _unframe
 
@@ -427,6 +427,8 @@ class _Spec:
     # The network policy of the bake and its Ready step only (the template's sandboxes start from
     # their own default, no network).
     egress: Any = None
+    # How many CPUs its sandboxes see (catalog.guest_cpus).
+    cpus: int = 1
 
 
 class _Build:
@@ -573,7 +575,7 @@ class _Build:
             try:
                 vm = Vm.spawn(root, argv, env=env, cwd=workdir, mounts=mounts,
                               ro_mounts={"/opt/collimate": agent_dir}, agent=True,
-                              uid=user["uid"], gid=user["gid"], groups=user["groups"])
+                              uid=user["uid"], gid=user["gid"], groups=user["groups"], cpus=spec.cpus)
             except (_CoreEngineError, ValueError, OSError) as e:
                 raise BuildError(f"starting the agent in the image failed: {e}") from None
             if spec.egress is not None and not spec.egress.is_none:
@@ -639,6 +641,7 @@ class _Build:
                 "image_format": getattr(img, "format", ""),
                 "handshake": kind == "python",  # the agent acks reseeds (seed_ack "verified")
                 "disk_quota": spec.disk_quota,  # its sandboxes' quota (None: the client's)
+                "cpus": spec.cpus,  # the CPU count its sandboxes see
             }
             _write_json(self.vtmp / "template.json", meta)
             (self.vtmp / "building.json").unlink(missing_ok=True)
@@ -790,6 +793,7 @@ class Template:
         cache: str | os.PathLike | None = None,
         disk_quota: int | str | None = None,
         egress: Any = None,
+        cpus: int | None = None,
     ) -> TemplateHandle:
         """Bake `image` into template `name` in the background; returns at once.
 
@@ -803,12 +807,17 @@ class Template:
         template's sandboxes (default: the client's, 1 GiB).
         `egress`: the network policy of the bake and its Ready step (e.g. a package index to install
         from); the template's sandboxes then start from their own default, no network.
+        `cpus`: how many CPUs its sandboxes see (sched_getaffinity, os.cpu_count(), /proc/cpuinfo;
+        default COLLIMATE_CPUS, else 1), fixed at the bake since libraries read it once (OpenBLAS
+        sizes its pool when numpy loads). The threads still take turns on one vCPU: a count above 1
+        only makes thread pools start more workers.
         """
         from collimate_core.sdk import egress as _egress
         from collimate_core.sdk import quota as _quota
 
         policy = _egress.coerce(egress)  # bad rules raise before anything is baked
         quota = _quota.disk_quota(disk_quota) if disk_quota is not None else None
+        ncpus = guest_cpus(cpus)
         if client is None:
             from collimate_core.sdk.client import connect
 
@@ -819,13 +828,15 @@ class Template:
                     "Template.bake(disk_quota=...) is for the embedded engine; over HTTP the server's --disk-quota "
                     "applies, and each sandbox may ask for less (Sandbox(..., disk_quota=...))"
                 )
+            if cpus is not None:
+                raise InvalidArgument("Template.bake(cpus=...) is for the embedded engine")
             return client._remote_templates.bake(name, image, ready, width, store=store, cache=cache, egress=policy)
         if not hasattr(client, "register_template"):
             raise InvalidArgument("Template.bake needs the embedded engine (connect() without an API key)")
         _check_name(name)
         ready = check_bake_args(image, ready, width)
         c = _cache(client, cache)
-        spec = _Spec(name, image, ready, width, c, Path(store) if store else _oci.default_store(c), quota, policy)
+        spec = _Spec(name, image, ready, width, c, Path(store) if store else _oci.default_store(c), quota, policy, ncpus)
         def register(baked: ImageBaked) -> None:
             client.register_template(name, baked)
             if width > 1 and hasattr(client, "expect_width"):
@@ -963,7 +974,7 @@ def find_or_bake(name: str, cache: Path | None) -> Baked | None:
             if ref is None:
                 raise NotFoundError(str(e)) from None
             return None
-        build = _Build(_Spec(name, name, Ready(), 1, c, store))
+        build = _Build(_Spec(name, name, Ready(), 1, c, store, cpus=guest_cpus()))
         try:
             baked = build.run()
         except BuildError as e:

@@ -21,7 +21,7 @@ from typing import Callable
 
 from collimate_core.templates import cache as _cache
 from collimate_core._core import SNAPSHOT_FORMAT, Vm
-from collimate_core.sdk.errors import EngineError, NotFoundError
+from collimate_core.sdk.errors import EngineError, InvalidArgument, NotFoundError
 
 AGENT_DIR = Path(__file__).resolve().parent.parent / "guest"
 AGENT_IDLE = 0x6167656E7400
@@ -103,6 +103,25 @@ def _agent_hash() -> str:
     return h.hexdigest()[:16]
 
 
+MAX_CPUS = 64
+
+
+def guest_cpus(value: object = None) -> int:
+    """How many CPUs a template's sandboxes see: `value`, else COLLIMATE_CPUS, else 1. Fixed at the
+    bake (libraries read it once: OpenBLAS sizes its pool when numpy loads), so it is part of the
+    template; the threads still take turns on one vCPU (crates/engine/src/guestos/cpu.rs)."""
+    what = "cpus"
+    if value is None:
+        value, what = os.environ.get("COLLIMATE_CPUS") or 1, "COLLIMATE_CPUS"
+    try:
+        n = int(str(value).strip()) if not isinstance(value, bool) else None
+    except ValueError:
+        n = None
+    if n is None or not 1 <= n <= MAX_CPUS:
+        raise InvalidArgument(f"{what}={value!r}: a sandbox sees 1 to {MAX_CPUS} CPUs")
+    return n
+
+
 def _python_index(cache: Path, wanted_root: str | None, recipe: str) -> Baked | None:
     """The template `templates/python.json` names, if it is finished and still what is wanted."""
     try:
@@ -112,6 +131,7 @@ def _python_index(cache: Path, wanted_root: str | None, recipe: str) -> Baked | 
             meta.get("version") == TEMPLATE_VERSION
             and meta.get("snapshot_format") == SNAPSHOT_FORMAT
             and meta.get("agent") == _agent_hash()
+            and meta.get("cpus", 1) == guest_cpus()
             and (path / "vm.state").exists()
             and Path(meta["root"], "usr/bin/python3").exists()
             and (Path(wanted_root) == Path(meta["root"]) if wanted_root else meta.get("recipe") == recipe)
@@ -122,7 +142,7 @@ def _python_index(cache: Path, wanted_root: str | None, recipe: str) -> Baked | 
     return None
 
 
-def _bake_snapshot(tmp: Path, root: Path, say: Callable[[str], None]) -> None:
+def _bake_snapshot(tmp: Path, root: Path, say: Callable[[str], None], cpus: int = 1) -> None:
     """Boot the agent on `root` to its ready point and checkpoint it into `tmp`."""
     say("starting the agent")
     work = Path(tempfile.mkdtemp(prefix="collimate-bake-"))
@@ -140,6 +160,7 @@ def _bake_snapshot(tmp: Path, root: Path, say: Callable[[str], None]) -> None:
             mounts={"/work": work / "work", "/tmp": work / "tmp", "/dev/shm": work / "shm"},
             ro_mounts={"/opt/collimate": AGENT_DIR},
             agent=True,
+            cpus=cpus,
         )
         try:
             r = vm.run(120.0)
@@ -174,17 +195,18 @@ def bake_python(cache: Path | None = None, progress: Callable[[str], None] | Non
     bar = _Progress("baking template python") if progress is None else None
     say = progress or bar
     root = Path(wanted_root or _rootfs.build_rootfs("python", cache=cache, progress=say))
-    key = hashlib.sha256(f"{TEMPLATE_VERSION}|{SNAPSHOT_FORMAT}|{root}|{_agent_hash()}".encode()).hexdigest()[:16]
+    cpus = guest_cpus()
+    key = hashlib.sha256(f"{TEMPLATE_VERSION}|{SNAPSHOT_FORMAT}|{root}|{_agent_hash()}|{cpus}".encode()).hexdigest()[:16]
     path = cache / "templates" / f"python-{key}"
     # A finished template directory is never replaced (sandboxes of other processes map it);
     # only a leftover without vm.state is.
-    _cache.build_once(path, lambda p: (p / "vm.state").exists(), lambda tmp: _bake_snapshot(tmp, root, say),
+    _cache.build_once(path, lambda p: (p / "vm.state").exists(), lambda tmp: _bake_snapshot(tmp, root, say, cpus),
                       kind="template", key=path.name, cache=cache, say=say)
     # Written whole and renamed (readers see the old index or the new one); concurrent bakers
     # write the same content.
     _cache.write_atomic(cache / "templates" / "python.json", json.dumps(
         {"version": TEMPLATE_VERSION, "snapshot_format": SNAPSHOT_FORMAT, "recipe": recipe,
-         "agent": _agent_hash(), "path": str(path), "root": str(root)}))
+         "agent": _agent_hash(), "path": str(path), "root": str(root), "cpus": cpus}))
     if bar:
         bar.done()
     return Baked("python", path, root, True)

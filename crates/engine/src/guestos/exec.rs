@@ -20,7 +20,7 @@ use goblin::elf::program_header::{ProgramHeader, PF_R, PF_W, PF_X, PT_INTERP, PT
 use goblin::elf::Elf;
 
 use super::mm::{page_down, page_up, FileId, Mm, Space, Vma, MMAP_MIN_ADDR, MMAP_TOP, PROT_EXEC, PROT_READ, PROT_WRITE, TASK_SIZE};
-use super::{misc, Errno, GuestOs, EACCES, EINVAL, ELOOP, ENOMEM};
+use super::{random, signal_state, Errno, GuestOs, EACCES, EINVAL, ELOOP, ENOMEM};
 use crate::arch::x86_64::layout::{PAGE_SIZE, STACK_TOP};
 use crate::arch::x86_64::paging::{AddressSpace, FrameAllocator};
 use crate::vstate::memory::GuestMemory;
@@ -193,7 +193,7 @@ pub fn commit(
     os.mm.insert(stack_lo, Vma::anon(STACK_TOP, PROT_READ | PROT_WRITE, "[stack]"));
 
     let mut random = [0u8; 16];
-    misc::random_bytes(&mut os.proc, &mut random)?;
+    random::random_bytes(&mut os.proc, &mut random)?;
     let aux = AuxInfo { main, entry: main.entry, at_base, random, uid: os.proc.uid, gid: os.proc.gid };
     let rsp = build_stack(&mut sp, &argv, envp, &exec_fn, &aux)?;
     os.proc.exe = prog.path.clone();
@@ -556,7 +556,7 @@ fn build_stack(sp: &mut Space, argv: &[Vec<u8>], envp: &[Vec<u8>], exec_fn: &[u8
         (AT_CLKTCK, 100),
         (AT_PLATFORM, platform),
         (AT_EXECFN, execfn),
-        (AT_MINSIGSTKSZ, misc::MINSIGSTKSZ),
+        (AT_MINSIGSTKSZ, signal_state::MINSIGSTKSZ),
         (AT_NULL, 0),
     ];
     let mut words: Vec<u64> = Vec::with_capacity(3 + ptrs.len() + 2 * auxv.len());

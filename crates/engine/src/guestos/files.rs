@@ -29,7 +29,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::misc::{self, Proc};
+use super::limits;
+use super::process::Proc;
+use super::random;
 use super::{Ctx, Errno, GuestOs, Output, SysResult};
 use super::{EAGAIN, EBADF, EFAULT, EINTR, EINVAL, EISDIR, EMFILE, ENOTDIR, ENOTTY, ESPIPE};
 use crate::vmm::OUTPUT_CAP;
@@ -474,7 +476,7 @@ pub mod nr {
 pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option<SysResult> {
     use nr::*;
     // The fd limit follows setrlimit(RLIMIT_NOFILE).
-    if let Some(r) = os.proc.rlimits.get(misc::RLIMIT_NOFILE) {
+    if let Some(r) = os.proc.rlimits.get(limits::RLIMIT_NOFILE) {
         os.files.limit = usize::try_from(r.cur).unwrap_or(usize::MAX).min(MAX_NOFILE);
     }
     let fd0 = a[0] as i32;
@@ -675,7 +677,7 @@ pub fn file_read(f: &OpenFile, proc: &mut Proc, n: usize, off: Option<u64>) -> R
         Kind::Zero => return Ok(vec![0; n]),
         Kind::Random => {
             let mut v = vec![0; n];
-            misc::random_bytes(proc, &mut v)?;
+            random::random_bytes(proc, &mut v)?;
             return Ok(v);
         }
         Kind::Data(d) => {

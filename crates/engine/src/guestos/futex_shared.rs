@@ -10,7 +10,7 @@
 //! the word, and waits; a waker marks up to `n` matching records woken, oldest first, and wakes
 //! them with a host FUTEX_WAKE on the record's state word.
 //!
-//! The hook: the guest's futex call (`misc::futex` today; `futex.rs` once private futexes move
+//! The hook: the guest's futex call (`thread::futex`; `futex.rs` once private futexes move
 //! there) first asks [`futex`] here, which answers only for a non-private futex whose word lies
 //! in a shared mapping of a sandbox that has other processes; for everything else it returns
 //! `None` and the private path goes on as before (a FUTEX_PRIVATE_FLAG futex never crosses
@@ -43,7 +43,7 @@
 use std::sync::atomic::{AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::misc::Proc;
+use super::process::Proc;
 use super::signal::ERESTARTSYS;
 use super::{Ctx, Errno, SysResult, EAGAIN, EINVAL, ENOSYS};
 
@@ -318,7 +318,7 @@ fn wait(
     timeout: &TimeoutFn<'_>,
 ) -> SysResult {
     let replay = p.clocks.replay && super::sched::active();
-    let now = |p: &Proc| if replay { p.clocks.mono_now() } else { super::misc::monotonic_ns() };
+    let now = |p: &Proc| if replay { p.clocks.mono_now() } else { super::clock::monotonic_ns() };
     let this = |w: &Pending| w.rip == ctx.regs.rip && w.uaddr == uaddr && w.op == op;
     let earlier = PENDING.lock().ok().and_then(|mut g| g.take());
     let pending = match earlier {

@@ -7,7 +7,11 @@
 //! - [`exec`]: loading ELF programs (static, PIE, with PT_INTERP) and the initial stack.
 //! - [`mm`]: the address space as the guest sees it: mmap, munmap, mprotect, brk, mremap.
 //! - [`vfs`] and [`files`]: guest paths resolved inside the sandbox's file system, and the fd table.
-//! - [`misc`]: identity, time, randomness, limits, signals bookkeeping, thread-area setup.
+//! - [`process`]: a process's state ([`process::Proc`]), pids, process groups, sessions, prctl;
+//!   around it, one module per concept: [`identity`] (user and group ids, uname), [`limits`]
+//!   (rlimits), [`clock`] (clocks, sleeps, the replay clocks), [`random`] (getrandom, reseeding),
+//!   [`signal_state`] (dispositions, mask, alternate stack), [`cpu`] (the CPUs the guest sees,
+//!   affinity, scheduling settings, sysinfo) and [`thread_area`] (arch_prctl, robust lists).
 //! - [`thread`] and [`futex`]: a process's threads (host-side state, switched on its one vCPU by
 //!   `vmm::threads`) and the futexes they wait on.
 //! - [`signal`]: signals (generation, handler frames, sigreturn), kill, and waiting for children.
@@ -16,17 +20,24 @@
 //!
 //! A syscall nobody services returns ENOSYS and is counted per number, so gaps show up in reports.
 
+pub mod clock;
+pub mod cpu;
 pub mod crng;
 pub mod exec;
 pub mod files;
 pub mod futex;
 pub mod futex_shared;
-pub mod misc;
+pub mod identity;
+pub mod limits;
 pub mod mm;
 pub mod persist;
+pub mod process;
+pub mod random;
 pub mod sched;
 pub mod signal;
+pub mod signal_state;
 pub mod thread;
+pub mod thread_area;
 pub mod tree;
 pub mod vfs;
 
@@ -190,7 +201,7 @@ pub struct GuestOs {
     pub mm: mm::Mm,
     pub files: files::Files,
     pub vfs: vfs::Vfs,
-    pub proc: misc::Proc,
+    pub proc: process::Proc,
     /// ENOSYS answers by syscall number since the process started.
     pub enosys: BTreeMap<u64, u64>,
     /// The sandbox's stdout and stderr pipes (write ends), shared by all its guest processes.
@@ -394,7 +405,14 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
             let r = thread::dispatch(os, ctx, nr, a)
                 .or_else(|| mm::dispatch(os, ctx, nr, a))
                 .or_else(|| files::dispatch(os, ctx, nr, a))
-                .or_else(|| misc::dispatch(os, ctx, nr, a))
+                .or_else(|| thread_area::dispatch(os, ctx, nr, a))
+                .or_else(|| limits::dispatch(os, ctx, nr, a))
+                .or_else(|| identity::dispatch(os, ctx, nr, a))
+                .or_else(|| process::dispatch(os, ctx, nr, a))
+                .or_else(|| random::dispatch(os, ctx, nr, a))
+                .or_else(|| clock::dispatch(os, ctx, nr, a))
+                .or_else(|| cpu::dispatch(os, ctx, nr, a))
+                .or_else(|| signal_state::dispatch(os, ctx, nr, a))
                 .or_else(|| signal::dispatch(os, ctx, nr, a));
             match r {
                 Some(r) => r,

@@ -22,7 +22,7 @@ use std::os::fd::AsFd;
 
 use super::files::{Files, Kind, OpenFile};
 use super::tree;
-use super::misc::Proc;
+use super::process::Proc;
 use super::mm::{MapFd, Mm, Vma};
 use super::vfs::Vfs;
 use super::GuestOs;

@@ -125,7 +125,7 @@ static TURN_START: AtomicU64 = AtomicU64::new(0);
 /// This process takes the token (it was not holding it): its turn starts now.
 fn start_turn() {
     if !HOLDING.swap(true, Ordering::SeqCst) {
-        TURN_START.store(crate::guestos::misc::monotonic_ns(), Ordering::SeqCst);
+        TURN_START.store(crate::guestos::clock::monotonic_ns(), Ordering::SeqCst);
     }
 }
 
@@ -316,7 +316,7 @@ fn take_now(r: &Region) {
         r.token.store(me, Ordering::SeqCst);
         start_turn();
         if let Some(s) = slot_of(r, me) {
-            s.since.store(crate::guestos::misc::monotonic_ns(), Ordering::SeqCst);
+            s.since.store(crate::guestos::clock::monotonic_ns(), Ordering::SeqCst);
         }
     }
 }
@@ -762,7 +762,7 @@ fn pass(r: &Region, me: u32, mono: u64, deadline: Option<u64>) {
         // It is not a round without progress: counting it as one let time jump to the earliest
         // deadline, and a child that was slow to start on a loaded host (a Python start-up over
         // PREEMPT) saw its parent's 10 s select timeout expire at once.
-        let turn = crate::guestos::misc::monotonic_ns().saturating_sub(TURN_START.load(Ordering::SeqCst));
+        let turn = crate::guestos::clock::monotonic_ns().saturating_sub(TURN_START.load(Ordering::SeqCst));
         r.mono.fetch_add(turn, Ordering::SeqCst);
         PROGRESS.store(false, Ordering::Relaxed);
         r.idle.store(0, Ordering::SeqCst);
@@ -834,7 +834,7 @@ fn hand_on(r: &Region, me: u32) {
     // The new holder's time starts now (it may still be starting up: the waiters' preemption
     // counts from here).
     if let Some(s) = slot_of(r, to) {
-        s.since.store(crate::guestos::misc::monotonic_ns(), Ordering::SeqCst);
+        s.since.store(crate::guestos::clock::monotonic_ns(), Ordering::SeqCst);
     }
     if to == 0 && slot_of(r, me).is_some_and(|s| matches!(s.state.load(Ordering::SeqCst), 1 | 2)) {
         // Alone among the members: keep it.
@@ -857,7 +857,7 @@ fn acquire(r: &Region, me: u32, deadline: Instant) -> bool {
             start_turn();
             PROGRESS.store(false, Ordering::Relaxed);
             if let Some(s) = slot_of(r, me) {
-                s.since.store(crate::guestos::misc::monotonic_ns(), Ordering::SeqCst);
+                s.since.store(crate::guestos::clock::monotonic_ns(), Ordering::SeqCst);
                 s.state.store(State::Run as u32, Ordering::SeqCst);
             }
             return true;
@@ -894,7 +894,7 @@ fn check_holder(r: &Region, pid: u32) {
         return;
     }
     let since = s.since.load(Ordering::SeqCst);
-    let now = crate::guestos::misc::monotonic_ns();
+    let now = crate::guestos::clock::monotonic_ns();
     let someone_has_a_deadline = r.slots.iter().any(|s| {
         s.pid.load(Ordering::SeqCst) != 0 && s.state.load(Ordering::SeqCst) == State::Blocked as u32 && s.deadline.load(Ordering::SeqCst) != u64::MAX
     });

@@ -30,7 +30,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::futex::{FutexKey, FutexTable};
-use super::misc::{AltStack, PendingSleep};
+use super::clock::PendingSleep;
+use super::signal_state::AltStack;
 use super::{Ctx, Errno, GuestOs, SysResult, EINVAL};
 
 const ETIMEDOUT: Errno = Errno(110);
@@ -246,11 +247,11 @@ impl Threads {
 }
 
 /// The clock thread deadlines are on: virtual CLOCK_MONOTONIC in replay mode, the host's otherwise.
-pub fn now(clocks: &super::misc::Clocks) -> u64 {
+pub fn now(clocks: &super::clock::Clocks) -> u64 {
     if clocks.replay {
         clocks.mono_now()
     } else {
-        super::misc::monotonic_ns()
+        super::clock::monotonic_ns()
     }
 }
 
@@ -321,7 +322,7 @@ impl super::futex::Words for CtxWords<'_, '_> {
         self.0.write(addr, &v.to_le_bytes())
     }
     fn read_timespec(&mut self, addr: u64) -> Result<u64, Errno> {
-        super::misc::read_timespec(self.0, addr)
+        super::clock::read_timespec(self.0, addr)
     }
 }
 
@@ -349,7 +350,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
             match idx {
                 // To itself (pthread_kill of the calling thread): pending for it at once.
                 Some(_) if tid == me && tgid.is_none_or(|g| g == pid) && tid != pid => {
-                    if sig > super::misc::NSIG as u64 {
+                    if sig > super::signal_state::NSIG as u64 {
                         Err(EINVAL)
                     } else {
                         if sig != 0 {
@@ -359,7 +360,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
                     }
                 }
                 Some(i) if tid != me && tgid.is_none_or(|g| g == pid) && tid > 0 => {
-                    if sig > super::misc::NSIG as u64 {
+                    if sig > super::signal_state::NSIG as u64 {
                         Err(EINVAL)
                     } else {
                         if sig != 0 {
@@ -387,7 +388,7 @@ fn futex(os: &mut GuestOs, ctx: &mut Ctx, a: [u64; 6]) -> SysResult {
     // A word in a shared mapping may be waited on and woken by other processes: served there
     // (`futex_shared`, which answers only for those).
     let (op, timeout) = (a[1], a[3]);
-    if let Some(r) = super::futex_shared::futex(&mut os.proc, ctx, a, &|p, ctx| super::misc::futex_timeout(p, ctx, op, timeout)) {
+    if let Some(r) = super::futex_shared::futex(&mut os.proc, ctx, a, &|p, ctx| super::clock::futex_timeout(p, ctx, op, timeout)) {
         return r;
     }
     let call = super::futex::Call::decode(a);
@@ -404,7 +405,7 @@ fn futex(os: &mut GuestOs, ctx: &mut Ctx, a: [u64; 6]) -> SysResult {
                 // Guest CLOCK_MONOTONIC is the scheduler's clock (virtual in replay mode).
                 Some(super::futex::Timeout::AbsMonotonic(t)) => Some(t),
                 Some(super::futex::Timeout::AbsRealtime(t)) => {
-                    let real = super::misc::clock_now_ns(&mut os.proc, libc::CLOCK_REALTIME)?;
+                    let real = super::clock::clock_now_ns(&mut os.proc, libc::CLOCK_REALTIME)?;
                     Some(now.saturating_add(t.saturating_sub(real)))
                 }
             };

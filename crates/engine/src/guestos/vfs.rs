@@ -41,7 +41,7 @@ pub const NAME_MAX: usize = 255;
 pub const MAX_SYMLINKS: u32 = 40;
 
 /// Guest directories the engine serves itself (see `files::special`).
-pub const VIRTUAL_ROOTS: [&str; 2] = ["/dev", "/proc"];
+pub const VIRTUAL_ROOTS: [&str; 3] = ["/dev", "/proc", "/sys"];
 
 /// How every single-component host lookup is made.
 pub const RESOLVE_ONE: u64 = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
@@ -130,7 +130,8 @@ pub fn is_under(p: &str, prefix: &str) -> bool {
     p == prefix || (p.len() > prefix.len() && p.starts_with(prefix) && p.as_bytes()[prefix.len()] == b'/')
 }
 
-/// Whether the normalised guest path `p` lies in a tree the engine serves (`/dev`, `/proc`).
+/// Whether the normalised guest path `p` lies in a tree the engine serves (`/dev`, `/proc`,
+/// `/sys`).
 pub fn is_virtual(p: &str) -> bool {
     VIRTUAL_ROOTS.iter().any(|r| is_under(p, r))
 }

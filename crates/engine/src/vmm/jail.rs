@@ -137,7 +137,7 @@ fn plan(first: &mut Request, binds: &mut Vec<Bind>) -> u64 {
     };
     match first {
         Request::Boot { mem_size, .. } => *mem_size,
-        Request::Spawn { spec, mem_size } => {
+        Request::Spawn { spec, mem_size, .. } => {
             add(&mut spec.root, false);
             for (_, p) in &mut spec.ro_mounts {
                 add(p, false);
@@ -675,7 +675,7 @@ mod tests {
             mounts: vec![("/work".into(), d.join("work")), ("/gone".into(), d.join("missing"))],
             ..Default::default()
         };
-        let mut req = Request::Spawn { spec, mem_size: 2 << 30 };
+        let mut req = Request::Spawn { spec, mem_size: 2 << 30, cpus: None };
         let mut binds = Vec::new();
         assert_eq!(plan(&mut req, &mut binds), 2 << 30);
         let canon = std::fs::canonicalize(&d).unwrap();

@@ -224,7 +224,7 @@ impl Machine {
         Ok(())
     }
     /// A new VM running a Linux program from a root filesystem.
-    pub fn spawn(spec: &SpawnSpec, mem_size: u64, stdio: Vec<OwnedFd>) -> Result<Machine> {
+    pub fn spawn(spec: &SpawnSpec, mem_size: u64, cpus: Option<u32>, stdio: Vec<OwnedFd>) -> Result<Machine> {
         if spec.argv.is_empty() {
             return Err(Error::InvalidArgument("argv is empty; argv[0] names the program".into()));
         }
@@ -255,6 +255,11 @@ impl Machine {
             os.proc.gid = [u.gid; 4];
             os.proc.groups = u.groups.clone();
         }
+        let cpus = match cpus {
+            Some(n) => n,
+            None => guestos::cpu::default_cpus().map_err(Error::InvalidArgument)?,
+        };
+        guestos::cpu::set_cpus(&mut os.proc, cpus).map_err(Error::InvalidArgument)?;
         os.proc.cwd = guestos::vfs::join("/", spec.cwd.as_bytes())
             .map_err(|e| Error::InvalidArgument(format!("cwd {:?}: errno {}", spec.cwd, e.0)))?;
         let mut m = Machine::boot_with(mem_size, |mem, frames, aspace| {
@@ -759,7 +764,7 @@ fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, scratch: &Sc
     }
     // Every restore and reset is a new clone of the snapshot: an unseeded CRNG gets fresh entropy.
     let mut os = state.rebuild(dirs)?;
-    guestos::misc::diverge(&mut os);
+    guestos::random::diverge(&mut os);
     Ok(os)
 }
 
@@ -959,7 +964,7 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Op
     // fresh entropy: unseeded clones never share randomness.
     let privatized = match m.os.as_mut() {
         Some(os) => {
-            guestos::misc::diverge(os);
+            guestos::random::diverge(os);
             crate::guestos::persist::privatize(os, &m.scratch)
                 .and_then(|_| os.mm.privatize_windows(&mut m.mem).map_err(Error::sys("copy a shared mapping for a forked sandbox")))
                 .map_err(|e| match e {
@@ -1064,7 +1069,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             Request::Reset => m.reset().map(Response::Reset),
             Request::AgentCall { input, timeout, reseed } => match m.os.as_mut().map(|os| {
                 if let Some((seed, replay)) = reseed {
-                    guestos::misc::reseed(os, seed, replay);
+                    guestos::random::reseed(os, seed, replay);
                 }
                 os.agent_send(&input)
             }) {
@@ -1089,7 +1094,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             },
             Request::Reseed { seed, replay } => match m.os.as_mut() {
                 Some(os) => {
-                    guestos::misc::reseed(os, seed, replay);
+                    guestos::random::reseed(os, seed, replay);
                     Ok(Response::Ok)
                 }
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no CRNG to reseed".into())),
@@ -1141,7 +1146,7 @@ pub fn serve_fd(fd: RawFd) -> ! {
     let machine = match first {
         Request::Boot { elf, mem_size } => Machine::boot(&elf, mem_size),
         Request::Restore { dir } => Machine::restore(&dir),
-        Request::Spawn { spec, mem_size } => Machine::spawn(&spec, mem_size, fds),
+        Request::Spawn { spec, mem_size, cpus } => Machine::spawn(&spec, mem_size, cpus, fds),
         _ => Err(Error::Protocol("the first request must be Boot, Spawn or Restore".into())),
     };
     match machine {

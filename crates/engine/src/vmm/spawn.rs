@@ -55,7 +55,7 @@ use crate::arch::x86_64::regs;
 use crate::error::{Error, Result};
 use crate::guestos::exec;
 use crate::guestos::files::{Files, OpenFile};
-use crate::guestos::misc::Proc;
+use crate::guestos::process::Proc;
 use crate::guestos::signal::{self, host, Child, SigState};
 use crate::guestos::{Errno, EAGAIN, ENOSYS};
 use crate::protocol::RunExit;

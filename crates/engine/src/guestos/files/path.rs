@@ -731,7 +731,7 @@ fn guest_now(os: &mut GuestOs, times: Option<[libc::timespec; 2]>) -> Result<Opt
     }
     let mut t = times.unwrap_or([libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_NOW }; 2]);
     if t.iter().any(|ts| ts.tv_nsec == libc::UTIME_NOW) {
-        let (sec, nsec) = crate::guestos::misc::clock_now(&mut os.proc, libc::CLOCK_REALTIME)?;
+        let (sec, nsec) = crate::guestos::clock::clock_now(&mut os.proc, libc::CLOCK_REALTIME)?;
         for ts in t.iter_mut().filter(|ts| ts.tv_nsec == libc::UTIME_NOW) {
             *ts = libc::timespec { tv_sec: sec, tv_nsec: nsec };
         }

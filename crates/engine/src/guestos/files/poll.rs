@@ -3,7 +3,7 @@
 //! [`WAIT_SLICE_MS`] ends after that slice with EINTR if nothing is ready, so the VMM never blocks
 //! past its run's deadline (libc and Python retry with the remaining time).
 //!
-//! In replay mode the guest's clocks are virtual (see `misc`): a wait that ends with nothing ready
+//! In replay mode the guest's clocks are virtual (see `clock`): a wait that ends with nothing ready
 //! lets virtual time pass by what it waited, as a sleep does, so that a retry with "the remaining
 //! time" ends; one that another process ends lets the real time it waited pass. A wait on nothing but engine files (or on no fds at all: `select(0, ..., timeout)`,
 //! a common sleep) cannot be ended by anything but its timeout: it returns at once, like a sleep.

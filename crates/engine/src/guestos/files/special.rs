@@ -5,6 +5,8 @@
 //! ptmx and pts/ (pseudo-terminals: host ones, see `pty`).
 //! `/proc`: self (exe, cwd, root, fd/, maps, status, stat, cmdline, environ, mounts),
 //! thread-self, cpuinfo, meminfo, stat, mounts.
+//! `/sys`: devices/system/cpu only, with online, possible, present and a cpuN directory per CPU,
+//! which with /proc/cpuinfo and /proc/stat show the sandbox's CPU count (see `guestos::cpu`).
 //!
 //! The symlinks of these trees are named in `vfs::virtual_link` (the walk follows them); the
 //! `/proc/self/fd/N` links are "magic": following one gives the open file itself.
@@ -113,7 +115,11 @@ pub fn lookup(os: &GuestOs, path: &str) -> Option<Node> {
         "/dev/zero" => Node::Zero,
         "/dev/random" | "/dev/urandom" => Node::Random,
         "/proc/cpuinfo" | "/proc/meminfo" | "/proc/stat" => Node::File,
+        "/sys" | "/sys/devices" | "/sys/devices/system" | SYS_CPU => Node::Dir,
         p => {
+            if let Some(name) = p.strip_prefix("/sys/devices/system/cpu/") {
+                return sys_cpu_node(os, name);
+            }
             if let Some(name) = p.strip_prefix("/dev/pts/") {
                 return super::pty::lookup(os, name).map(Node::Pty);
             }
@@ -153,6 +159,21 @@ pub fn list(os: &GuestOs, path: &str) -> Option<Vec<(String, u8)>> {
             return Some(v);
         }
         p if p.starts_with("/proc/self/task/") && task_of(os, p).is_some() => &TASK_FILES,
+        "/sys" | "/sys/devices" | "/sys/devices/system" => {
+            let name = match path {
+                "/sys" => "devices",
+                "/sys/devices" => "system",
+                _ => "cpu",
+            };
+            v.push((name.to_string(), DT_DIR));
+            return Some(v);
+        }
+        SYS_CPU => {
+            v.extend(SYS_CPU_FILES.iter().map(|n| (n.to_string(), DT_REG)));
+            v.extend((0..os.proc.cpus).map(|i| (format!("cpu{i}"), DT_DIR)));
+            return Some(v);
+        }
+        p if p.strip_prefix("/sys/devices/system/cpu/").is_some_and(|n| matches!(sys_cpu_node(os, n), Some(Node::Dir))) => &[],
         _ => return None,
     };
     v.extend(fixed.iter().filter(|(n, _)| !(path == "/proc/self" && *n == "exe" && exe(os).is_none())).map(|(n, t)| (n.to_string(), *t)));
@@ -167,9 +188,10 @@ pub fn list(os: &GuestOs, path: &str) -> Option<Vec<(String, u8)>> {
 /// Generated contents of file node `path`.
 fn content(os: &GuestOs, ctx: &Ctx, path: &str) -> Vec<u8> {
     let s = match path {
-        "/proc/cpuinfo" => CPUINFO.to_string(),
+        "/proc/cpuinfo" => cpuinfo(os.proc.cpus),
         "/proc/meminfo" => meminfo(ctx),
-        "/proc/stat" => PROC_STAT.to_string(),
+        "/proc/stat" => proc_stat(os.proc.cpus),
+        p if p.starts_with("/sys/devices/system/cpu/") => format!("{}\n", crate::guestos::cpu::cpu_list(os.proc.cpus)),
         "/proc/self/status" => status(os),
         "/proc/self/stat" => {
             let p = pid(os);
@@ -184,17 +206,47 @@ fn content(os: &GuestOs, ctx: &Ctx, path: &str) -> Vec<u8> {
     s.into_bytes()
 }
 
-const CPUINFO: &str = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 85\n\
+/// /proc/cpuinfo for `n` CPUs: one block per CPU, all of one package.
+fn cpuinfo(n: u32) -> String {
+    let mut s = String::new();
+    for i in 0..n {
+        s.push_str(&format!(
+            "processor\t: {i}\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 85\n\
 model name\t: collimate virtual CPU\nstepping\t: 0\ncpu MHz\t\t: 2000.000\ncache size\t: 16384 KB\n\
-physical id\t: 0\nsiblings\t: 1\ncore id\t\t: 0\ncpu cores\t: 1\napicid\t\t: 0\nfpu\t\t: yes\n\
+physical id\t: 0\nsiblings\t: {n}\ncore id\t\t: {i}\ncpu cores\t: {n}\napicid\t\t: {i}\nfpu\t\t: yes\n\
 fpu_exception\t: yes\ncpuid level\t: 13\nwp\t\t: yes\n\
 flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr \
 sse sse2 syscall nx lm constant_tsc nopl pni pclmulqdq ssse3 cx16 sse4_1 sse4_2 popcnt aes xsave avx\n\
 bogomips\t: 4000.00\nclflush size\t: 64\ncache_alignment\t: 64\n\
-address sizes\t: 46 bits physical, 48 bits virtual\npower management:\n\n";
+address sizes\t: 46 bits physical, 48 bits virtual\npower management:\n\n"
+        ));
+    }
+    s
+}
 
-const PROC_STAT: &str = "cpu  0 0 0 0 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0 0 0\nintr 0\nctxt 0\nbtime 0\n\
-processes 1\nprocs_running 1\nprocs_blocked 0\nsoftirq 0 0 0 0 0 0 0 0 0 0 0\n";
+/// /proc/stat for `n` CPUs (glibc counts its cpuN lines when /sys is missing).
+fn proc_stat(n: u32) -> String {
+    let mut s = String::from("cpu  0 0 0 0 0 0 0 0 0 0\n");
+    for i in 0..n {
+        s.push_str(&format!("cpu{i} 0 0 0 0 0 0 0 0 0 0\n"));
+    }
+    s.push_str("intr 0\nctxt 0\nbtime 0\nprocesses 1\nprocs_running 1\nprocs_blocked 0\nsoftirq 0 0 0 0 0 0 0 0 0 0 0\n");
+    s
+}
+
+/// The CPU directory of /sys, and the CPU lists in it (each "0-<n-1>").
+const SYS_CPU: &str = "/sys/devices/system/cpu";
+const SYS_CPU_FILES: [&str; 3] = ["online", "possible", "present"];
+
+/// What `name` (a path below /sys/devices/system/cpu) names: a CPU list, or an (empty) cpuN
+/// directory of a CPU the sandbox has.
+fn sys_cpu_node(os: &GuestOs, name: &str) -> Option<Node> {
+    if SYS_CPU_FILES.contains(&name) {
+        return Some(Node::File);
+    }
+    let i: u32 = name.strip_prefix("cpu").filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))?.parse().ok()?;
+    (i < os.proc.cpus && name == format!("cpu{i}")).then_some(Node::Dir)
+}
 
 fn meminfo(ctx: &Ctx) -> String {
     let total = ctx.mem.size() / 1024;
@@ -303,7 +355,7 @@ Uid:\t{}\t{}\t{}\t{}\nGid:\t{}\t{}\t{}\t{}\nFDSize:\t{}\nGroups:\t{}\nThreads:\t
 SigQ:\t0/0\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000000000\nSigBlk:\t{:016x}\n\
 SigIgn:\t{ign:016x}\nSigCgt:\t{cgt:016x}\nCapInh:\t0000000000000000\nCapPrm:\t0000000000000000\n\
 CapEff:\t0000000000000000\nCapBnd:\t0000000000000000\nCapAmb:\t0000000000000000\nNoNewPrivs:\t1\nSeccomp:\t0\n\
-Cpus_allowed:\t1\nCpus_allowed_list:\t0\nMems_allowed:\t1\nMems_allowed_list:\t0\n\
+Cpus_allowed:\t{:x}\nCpus_allowed_list:\t{}\nMems_allowed:\t1\nMems_allowed_list:\t0\n\
 voluntary_ctxt_switches:\t0\nnonvoluntary_ctxt_switches:\t0\n",
         comm(os),
         os.proc.umask,
@@ -320,6 +372,8 @@ voluntary_ctxt_switches:\t0\nnonvoluntary_ctxt_switches:\t0\n",
         groups.join(" "),
         os.threads.list.len(),
         os.proc.sigmask,
+        os.proc.affinity,
+        crate::guestos::cpu::mask_list(os.proc.affinity),
     )
 }
 
@@ -511,7 +565,13 @@ pub fn file_stat(f: &OpenFile) -> Result<libc::stat, Errno> {
 pub fn statfs(path: &str) -> libc::statfs {
     // SAFETY: libc::statfs is plain data; all-zero is valid.
     let mut s: libc::statfs = unsafe { std::mem::zeroed() };
-    s.f_type = if vfs::is_under(path, "/dev") { 0x0102_1994 } else { 0x9fa0 };
+    s.f_type = if vfs::is_under(path, "/dev") {
+        0x0102_1994
+    } else if vfs::is_under(path, "/sys") {
+        0x6265_6572 // SYSFS_MAGIC
+    } else {
+        0x9fa0
+    };
     s.f_bsize = 4096;
     s.f_namelen = 255;
     s.f_frsize = 4096;

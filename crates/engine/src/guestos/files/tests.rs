@@ -268,7 +268,7 @@ fn lowest_free_fd_dup2_and_cloexec() {
     assert_eq!(h.call(FCNTL, &[10, libc::F_GETFD as u64]), e(EBADF));
     assert_eq!(h.call(FCNTL, &[7, libc::F_GETFD as u64]), 0);
     // The limit.
-    h.os.proc.rlimits[crate::guestos::misc::RLIMIT_NOFILE].cur = 12;
+    h.os.proc.rlimits[crate::guestos::limits::RLIMIT_NOFILE].cur = 12;
     while h.call(DUP, &[0]) >= 0 {}
     assert_eq!(h.call(DUP, &[0]), e(EMFILE));
     assert_eq!(h.os.files.open_fds().count(), 12);
