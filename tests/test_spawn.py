@@ -222,3 +222,45 @@ def test_a_vfork_child_that_blocks_before_its_exec_times_out_cleanly(sb):
     assert r.timed_out and "parent resumed" not in r.stdout, r
     r = sb.exec(command="echo after", timeout_seconds=30)
     assert r.exit_code == 0 and r.stdout == "after\n", r
+
+
+def test_a_command_starts_by_the_engines_spawn_call_with_what_subprocess_would_give_it(sb):
+    # exec(command=...) starts /bin/sh by the engine's spawn call (one VM exit instead of the vfork
+    # child's pre-exec code); the shell must see what subprocess.run gave it: only fds 0-2 (an
+    # inheritable fd 9 of the agent is closed), SIGPIPE and SIGXFSZ at their default (the agent
+    # ignores both), the exec's env and cwd, and wait statuses that say how it ended.
+    assert run(sb, (
+        "import os, signal, sys\n"
+        "m = sys.modules['__main__']\n"
+        "fd = os.open('/etc/hostname', os.O_RDONLY)\n"
+        "os.dup2(fd, 9)\n"
+        "os.set_inheritable(9, True)\n"
+        "print(m._spawn is not None, signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN)\n"
+    )).split() == ["True", "True"]
+    r = sb.exec(command="(: <&9) 2>/dev/null && echo open || echo closed; echo \"$FOO\"; pwd",
+                env={"FOO": "bar baz"}, cwd="/tmp")
+    assert (r.exit_code, r.stdout.splitlines()) == (0, ["closed", "bar baz", "/tmp"]), r
+    assert sb.exec(command="kill -PIPE $$; echo survived").exit_code == 128 + 13
+    assert sb.exec(command="kill -XFSZ $$; echo survived").exit_code == 128 + 25
+    r = sb.exec(command="echo out; echo err >&2; kill -TERM $$")
+    assert (r.exit_code, r.stdout, r.stderr) == (128 + 15, "out\n", "err\n"), r
+    assert sb.exec(command="exit 7").exit_code == 7
+
+
+def test_the_spawn_call_reports_errors_and_a_threaded_agent_falls_back_to_subprocess(sb):
+    out = run(sb, (
+        "import os, sys\n"
+        "m = sys.modules['__main__']\n"
+        "for argv in ([b'/nonexistent'], [b'/etc/hostname']):\n"
+        "    try:\n"
+        "        m._spawn(argv, [])\n"
+        "    except OSError as e:\n"
+        "        print(type(e).__name__, e.errno)\n"
+        "pid = m._spawn([b'/bin/sh', b'-c', b'exit 5'], [b'A=1'])\n"
+        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+    ))
+    assert out.splitlines() == ["FileNotFoundError 2", "PermissionError 13", "5"], out
+    # With a second thread in the agent the call is not served in place (ENOSYS): subprocess runs it.
+    run(sb, "import threading, time\nthreading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n")
+    r = sb.exec(command="echo via-subprocess; exit 3")
+    assert (r.exit_code, r.stdout) == (3, "via-subprocess\n"), r

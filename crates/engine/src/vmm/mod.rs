@@ -9,6 +9,7 @@
 mod prefault;
 mod process;
 mod spawn;
+mod teardown;
 mod threads;
 pub(crate) mod jail;
 mod syscalls;
@@ -784,6 +785,7 @@ fn exit_process(code: i32) -> ! {
     crate::trace::mark_n("host.exit", code as u64);
     crate::guestos::sched::leave();
     crate::guestos::futex_shared::leave();
+    teardown::defer();
     // SAFETY: _exit never returns; skipping atexit handlers is deliberate (the launcher may be a Python
     // interpreter whose teardown we do not want to run in a VMM process).
     unsafe { libc::_exit(code) }
