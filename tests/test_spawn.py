@@ -264,3 +264,31 @@ def test_the_spawn_call_reports_errors_and_a_threaded_agent_falls_back_to_subpro
     run(sb, "import threading, time\nthreading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n")
     r = sb.exec(command="echo via-subprocess; exit 3")
     assert (r.exit_code, r.stdout) == (3, "via-subprocess\n"), r
+
+
+def test_programs_started_again_from_a_cached_image_see_their_own_arguments_and_files(sb):
+    # A program's loaded image is cached by the spawning process (crates/engine/src/vmm/image_cache.rs)
+    # and later spawns of the same file start over it: each run must still see its own arguments
+    # and environment, the image must follow the file (replaced by another program at the same
+    # path: static busybox, then dynamic bash with its interpreter), and a second program in the
+    # same process must not get the first one's image.
+    out = run(sb, (
+        "import os, shutil, sys\n"
+        "m = sys.modules['__main__']\n"
+        "def go(*argv, env=(b'WORD=w',)):\n"
+        "    sys.stdout.flush()\n"
+        "    pid = m._spawn(list(argv), list(env))\n"
+        "    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])\n"
+        "shutil.copy('/bin/busybox', '/tmp/sh')\n"
+        "for word in (b'one', b'two'):\n"
+        "    go(b'/tmp/sh', b'-c', b'echo $0 $WORD', word, env=[b'WORD=' + word])\n"
+        "os.unlink('/tmp/sh')\n"
+        "shutil.copy('/usr/bin/bash', '/tmp/sh')\n"
+        "for i in (b'3', b'4'):\n"
+        "    go(b'/tmp/sh', b'-c', b'echo bash $BASH_VERSINFO $0; exit $0', i)\n"
+        "print(go(b'/tmp/sh', b'-c', b'exit 9'), go(b'/bin/sh', b'-c', b'exit 8'), go(b'/usr/bin/printf', b'%s\\\\n', b'printf'))\n"
+    ))
+    lines = out.splitlines()
+    assert lines[:2] == ["one one", "two two"], out
+    assert [ln.split()[0] + " " + ln.split()[2] for ln in lines[2:4]] == ["bash 3", "bash 4"] and lines[2].split()[1].isdigit(), out
+    assert lines[4:] == ["printf", "9 8 0"], out

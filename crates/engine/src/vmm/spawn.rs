@@ -287,6 +287,11 @@ fn fork_child(m: &mut Machine, then: Then, r: &mut kvm_regs, sregs: &mut kvm_sre
     let Some(vf) = m.vfork.as_ref() else { return Err(ENOSYS) };
     let (pid, generation) = (vf.pid, vf.generation);
     let copy = matches!(then, Then::Copy(_));
+    // A program spawned again is cached here, before the fork: this process's later spawns, and
+    // the processes it forks, load it without copying (see `image_cache`).
+    if let Then::Exec(p, _) = &then {
+        super::image_cache::ensure(m.mem.size(), p, false);
+    }
     // The child tells us once it holds no descriptor but its own (see `child_main`).
     let mut ends = [0; 2];
     // SAFETY: pipe2 fills two descriptors on success; checked.
@@ -412,8 +417,12 @@ pub(super) fn load_fresh(m: &mut Machine, old_mapped: bool, prepared: exec::Prep
     let Some(mut os) = m.os.take() else { return Err(Error::Protocol("no guest OS".into())) };
     process::on_exec_state(&mut os);
     let bytes = prepared.image_bytes();
-    let loaded = m.replace_image(old_mapped, bytes, |mem, frames, aspace| {
-        exec::commit(&mut os, mem, frames, aspace, prepared, envp)
+    let (base, laid) = match super::image_cache::lookup(m.mem.size(), &prepared) {
+        Some(h) => (Some((h.file, h.frames, h.aspace)), Some(h.laid)),
+        None => (None, None),
+    };
+    let loaded = m.replace_image(old_mapped, bytes, base, |mem, frames, aspace| {
+        exec::commit_laid(&mut os, mem, frames, aspace, prepared, envp, laid)
             .map(|img| (img.entry, img.rsp))
             .map_err(|e| Error::Image(format!("exec: errno {}", e.0)))
     });

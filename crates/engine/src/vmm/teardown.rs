@@ -78,10 +78,12 @@ pub(super) fn defer() {
     let args = stack.cast::<Args>();
     // SAFETY: the mapping is STACK_SIZE bytes, writable and aligned for Args; the helper reads it.
     unsafe { args.write(Args { pidfd, keep: k, closed: AtomicU32::new(0) }) };
-    // SAFETY: sigset operations on a local set; the helper starts with every signal blocked (it
-    // inherits the mask), and this process's mask is put back after the clone.
+    // SAFETY: a zeroed sigset_t is a valid (empty) set.
     let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
     let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: sigset operations on local sets; the helper starts with every signal blocked (it
+    // inherits the mask), and this process's mask is put back after the clone.
     unsafe {
         libc::sigfillset(&mut all);
         libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
