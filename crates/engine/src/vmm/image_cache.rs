@@ -21,7 +21,8 @@
 //!
 //! Entries are per VMM process and inherited by its forks: a program's second spawn caches it in
 //! the process that spawns, before the host fork (a program started once does not pay for it),
-//! and a template's VMM caches `/bin/sh` before it forks sandboxes ([`warm`]); at most
+//! and a template's VMM caches `/bin/sh` and `/usr/bin/python3` before it forks sandboxes
+//! ([`warm`]); at most
 //! [`MAX_ENTRIES`] programs, the oldest goes first. An entry holds the program's bytes (the key is their identity, so a changed file is
 //! a new entry). `COLLIMATE_EXEC_CACHE=0` turns the cache off, to compare.
 
@@ -105,6 +106,7 @@ pub(super) fn lookup(mem_size: u64, p: &exec::Prepared) -> Option<Hit> {
     // try_lock: a process forked by another thread while it held the lock must not wait forever.
     let cache = CACHE.try_lock().ok()?;
     let e = cache.iter().find(|e| e.is_for(mem_size, p))?;
+    crate::trace::mark("image_cache.hit");
     Some(Hit { file: e.file.try_clone().ok()?, frames: e.frames.clone(), aspace: e.aspace.clone(), laid: e.laid.clone() })
 }
 
@@ -127,10 +129,16 @@ pub(super) fn ensure(mem_size: u64, p: &exec::Prepared, always: bool) {
     crate::trace::mark("image_cache.built");
 }
 
-/// Cache `/bin/sh` (what every `exec(command=...)` starts), if the guest has one.
+/// What a template's commands start most: the shell (every `exec(command=...)`) and Python
+/// (which the shell execs in place, where only what an ancestor cached is found).
+const WARM: &[&[u8]] = &[b"/bin/sh", b"/usr/bin/python3"];
+
+/// Cache the programs of [`WARM`] the guest has.
 pub(super) fn warm(os: &GuestOs, mem_size: u64) {
-    if let Ok(p) = exec::prepare(os, b"/bin/sh", &[b"sh".to_vec()], &[]) {
-        ensure(mem_size, &p, true);
+    for path in WARM {
+        if let Ok(p) = exec::prepare(os, path, &[path.to_vec()], &[]) {
+            ensure(mem_size, &p, true);
+        }
     }
 }
 

@@ -1132,8 +1132,8 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
     }
 }
 
-/// Before this process forks sandboxes: cache the image of `/bin/sh`, which their commands start
-/// (once; the forks inherit it, see `image_cache`).
+/// Before this process forks sandboxes: cache the images of the programs their commands start
+/// (once; the forks inherit them, see `image_cache::warm`).
 fn warm_image_cache(m: &Machine) {
     static DONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     if DONE.swap(true, std::sync::atomic::Ordering::Relaxed) {
