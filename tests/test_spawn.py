@@ -222,3 +222,73 @@ def test_a_vfork_child_that_blocks_before_its_exec_times_out_cleanly(sb):
     assert r.timed_out and "parent resumed" not in r.stdout, r
     r = sb.exec(command="echo after", timeout_seconds=30)
     assert r.exit_code == 0 and r.stdout == "after\n", r
+
+
+def test_a_command_starts_by_the_engines_spawn_call_with_what_subprocess_would_give_it(sb):
+    # exec(command=...) starts /bin/sh by the engine's spawn call (one VM exit instead of the vfork
+    # child's pre-exec code); the shell must see what subprocess.run gave it: only fds 0-2 (an
+    # inheritable fd 9 of the agent is closed), SIGPIPE and SIGXFSZ at their default (the agent
+    # ignores both), the exec's env and cwd, and wait statuses that say how it ended.
+    assert run(sb, (
+        "import os, signal, sys\n"
+        "m = sys.modules['__main__']\n"
+        "fd = os.open('/etc/hostname', os.O_RDONLY)\n"
+        "os.dup2(fd, 9)\n"
+        "os.set_inheritable(9, True)\n"
+        "print(m._spawn is not None, signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN)\n"
+    )).split() == ["True", "True"]
+    r = sb.exec(command="(: <&9) 2>/dev/null && echo open || echo closed; echo \"$FOO\"; pwd",
+                env={"FOO": "bar baz"}, cwd="/tmp")
+    assert (r.exit_code, r.stdout.splitlines()) == (0, ["closed", "bar baz", "/tmp"]), r
+    assert sb.exec(command="kill -PIPE $$; echo survived").exit_code == 128 + 13
+    assert sb.exec(command="kill -XFSZ $$; echo survived").exit_code == 128 + 25
+    r = sb.exec(command="echo out; echo err >&2; kill -TERM $$")
+    assert (r.exit_code, r.stdout, r.stderr) == (128 + 15, "out\n", "err\n"), r
+    assert sb.exec(command="exit 7").exit_code == 7
+
+
+def test_the_spawn_call_reports_errors_and_a_threaded_agent_falls_back_to_subprocess(sb):
+    out = run(sb, (
+        "import os, sys\n"
+        "m = sys.modules['__main__']\n"
+        "for argv in ([b'/nonexistent'], [b'/etc/hostname']):\n"
+        "    try:\n"
+        "        m._spawn(argv, [])\n"
+        "    except OSError as e:\n"
+        "        print(type(e).__name__, e.errno)\n"
+        "pid = m._spawn([b'/bin/sh', b'-c', b'exit 5'], [b'A=1'])\n"
+        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+    ))
+    assert out.splitlines() == ["FileNotFoundError 2", "PermissionError 13", "5"], out
+    # With a second thread in the agent the call is not served in place (ENOSYS): subprocess runs it.
+    run(sb, "import threading, time\nthreading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n")
+    r = sb.exec(command="echo via-subprocess; exit 3")
+    assert (r.exit_code, r.stdout) == (3, "via-subprocess\n"), r
+
+
+def test_programs_started_again_from_a_cached_image_see_their_own_arguments_and_files(sb):
+    # A program's loaded image is cached by the spawning process (crates/engine/src/vmm/image_cache.rs)
+    # and later spawns of the same file start over it: each run must still see its own arguments
+    # and environment, the image must follow the file (replaced by another program at the same
+    # path: static busybox, then dynamic bash with its interpreter), and a second program in the
+    # same process must not get the first one's image.
+    out = run(sb, (
+        "import os, shutil, sys\n"
+        "m = sys.modules['__main__']\n"
+        "def go(*argv, env=(b'WORD=w',)):\n"
+        "    sys.stdout.flush()\n"
+        "    pid = m._spawn(list(argv), list(env))\n"
+        "    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])\n"
+        "shutil.copy('/bin/busybox', '/tmp/sh')\n"
+        "for word in (b'one', b'two'):\n"
+        "    go(b'/tmp/sh', b'-c', b'echo $0 $WORD', word, env=[b'WORD=' + word])\n"
+        "os.unlink('/tmp/sh')\n"
+        "shutil.copy('/usr/bin/bash', '/tmp/sh')\n"
+        "for i in (b'3', b'4'):\n"
+        "    go(b'/tmp/sh', b'-c', b'echo bash $BASH_VERSINFO $0; exit $0', i)\n"
+        "print(go(b'/tmp/sh', b'-c', b'exit 9'), go(b'/bin/sh', b'-c', b'exit 8'), go(b'/usr/bin/printf', b'%s\\\\n', b'printf'))\n"
+    ))
+    lines = out.splitlines()
+    assert lines[:2] == ["one one", "two two"], out
+    assert [ln.split()[0] + " " + ln.split()[2] for ln in lines[2:4]] == ["bash 3", "bash 4"] and lines[2].split()[1].isdigit(), out
+    assert lines[4:] == ["printf", "9 8 0"], out

@@ -123,6 +123,11 @@ impl Prepared {
     pub fn image_bytes(&self) -> u64 {
         (self.prog.bytes.len() + self.interp.as_ref().map_or(0, |i| i.bytes.len())) as u64
     }
+
+    /// The bytes of the program and of its interpreter (what a load of it depends on).
+    pub fn files(&self) -> (&std::sync::Arc<Vec<u8>>, Option<&std::sync::Arc<Vec<u8>>>) {
+        (&self.prog.bytes, self.interp.as_ref().map(|i| &i.bytes))
+    }
 }
 
 /// Read the program at `path` (following `#!` scripts) and its interpreter, and check their ELF
@@ -170,16 +175,31 @@ pub fn commit(
     p: Prepared,
     envp: &[Vec<u8>],
 ) -> Result<Image, Errno> {
+    commit_laid(os, mem, frames, aspace, p, envp, None)
+}
+
+/// [`commit`], where `laid` (if given) says the program's files are already mapped in `mem`,
+/// `frames` and `aspace`: what [`lay_out`] returned for the same files.
+pub fn commit_laid(
+    os: &mut GuestOs,
+    mem: &mut GuestMemory,
+    frames: &mut FrameAllocator,
+    aspace: &AddressSpace,
+    p: Prepared,
+    envp: &[Vec<u8>],
+    laid: Option<Laid>,
+) -> Result<Image, Errno> {
     let Prepared { prog, interp, argv, exec_fn } = p;
     let mut sp = Space::new(mem, frames, aspace);
-    os.mm = Mm::default();
-    let (main, _) = map_elf(&mut os.mm, &mut sp, &prog, PIE_BASE, true)?;
-    let (entry, at_base) = match &interp {
-        Some(interp) => {
-            let (m, _) = map_elf(&mut os.mm, &mut sp, interp, INTERP_BASE, false)?;
-            (m.entry, m.bias)
+    let (main, entry, at_base) = match laid {
+        Some(l) => {
+            os.mm = l.mm;
+            (l.main, l.entry, l.at_base)
         }
-        None => (main.entry, 0),
+        None => {
+            os.mm = Mm::default();
+            map_program(&mut os.mm, &mut sp, &prog, interp.as_ref())?
+        }
     };
     os.mm.brk_start = main.end;
     os.mm.brk = main.end;
@@ -199,6 +219,41 @@ pub fn commit(
     os.proc.exe = prog.path.clone();
     os.proc.set_comm_from_path(&exec_fn);
     Ok(Image { entry, rsp })
+}
+
+/// The part of a load that depends only on the files, not on the process, its arguments or
+/// environment: the program's and its interpreter's segments, into `mm` (fresh). Returns the
+/// program's mapping, the entry point and the interpreter's base.
+fn map_program(mm: &mut Mm, sp: &mut Space, prog: &Program, interp: Option<&Program>) -> Result<(Mapped, u64, u64), Errno> {
+    let (main, _) = map_elf(mm, sp, prog, PIE_BASE, true)?;
+    let (entry, at_base) = match interp {
+        Some(interp) => {
+            let (m, _) = map_elf(mm, sp, interp, INTERP_BASE, false)?;
+            (m.entry, m.bias)
+        }
+        None => (main.entry, 0),
+    };
+    Ok((main, entry, at_base))
+}
+
+/// What [`map_program`] leaves besides the memory it wrote (see [`lay_out`]).
+#[derive(Clone, Debug)]
+pub struct Laid {
+    mm: Mm,
+    main: Mapped,
+    entry: u64,
+    at_base: u64,
+}
+
+/// What [`commit`] does first, in fresh memory laid out by `setup_address_space`: map the
+/// program's files. For `vmm::image_cache`, which keeps the memory, the frame allocator and
+/// address space, and this result, and gives them to [`commit_laid`] for the next load of the
+/// same files: the same code would have written the same bytes.
+pub fn lay_out(mem: &mut GuestMemory, frames: &mut FrameAllocator, aspace: &AddressSpace, p: &Prepared) -> Result<Laid, Errno> {
+    let mut sp = Space::new(mem, frames, aspace);
+    let mut mm = Mm::default();
+    let (main, entry, at_base) = map_program(&mut mm, &mut sp, &p.prog, p.interp.as_ref())?;
+    Ok(Laid { mm, main, entry, at_base })
 }
 
 /// Reject argument lists Linux would refuse (E2BIG) or could not represent (a NUL inside a string).

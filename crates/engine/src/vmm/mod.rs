@@ -8,7 +8,9 @@
 
 mod prefault;
 mod process;
+mod image_cache;
 mod spawn;
+mod teardown;
 mod threads;
 pub(crate) mod jail;
 mod syscalls;
@@ -118,6 +120,7 @@ impl Image {
         cpuid: &CpuId,
         mem_size: u64,
         prefault: u64,
+        base: Option<(std::fs::File, FrameAllocator, AddressSpace)>,
         load: impl FnOnce(&mut GuestMemory, &mut FrameAllocator, &AddressSpace) -> Result<(u64, u64)>,
     ) -> Result<Image> {
         if mem_size < MIN_MEM_SIZE || mem_size % PAGE_SIZE != 0 {
@@ -125,11 +128,19 @@ impl Image {
                 "mem_size {mem_size} must be a multiple of 4096 and at least {MIN_MEM_SIZE}"
             )));
         }
-        let mut mem = GuestMemory::anonymous(mem_size)?;
-        let mut frames = FrameAllocator::new(mem_size);
-        let aspace = setup_address_space(&mut mem, &mut frames)?;
-        // The program's bytes go into the frames after the layout's.
-        mem.populate_for_write(frames.next, prefault);
+        // Over a cached image of the program (`image_cache`), the layout and the program's
+        // segments are there already (and `load` knows it): nothing to write or fault in.
+        let (mut mem, mut frames, aspace) = match base {
+            Some((file, frames, aspace)) => (GuestMemory::over_image(file, mem_size)?, frames, aspace),
+            None => {
+                let mut mem = GuestMemory::anonymous(mem_size)?;
+                let mut frames = FrameAllocator::new(mem_size);
+                let aspace = setup_address_space(&mut mem, &mut frames)?;
+                // The program's bytes go into the frames after the layout's.
+                mem.populate_for_write(frames.next, prefault);
+                (mem, frames, aspace)
+            }
+        };
         crate::trace::mark("image.layout");
         let (entry, rsp) = load(&mut mem, &mut frames, &aspace)?;
         crate::trace::mark("image.program");
@@ -169,7 +180,7 @@ impl Machine {
     ) -> Result<Machine> {
         let kvm = open_kvm()?;
         let cpuid = guest_cpuid(&kvm)?;
-        let img = Image::new(&kvm, &cpuid, mem_size, 0, load)?;
+        let img = Image::new(&kvm, &cpuid, mem_size, 0, None, load)?;
         let msr_list = supported_msrs(&img.vcpu, regs::SNAPSHOT_MSRS);
         Ok(Machine {
             vcpu: img.vcpu,
@@ -203,9 +214,10 @@ impl Machine {
         &mut self,
         old_mapped: bool,
         prefault: u64,
+        base: Option<(std::fs::File, FrameAllocator, AddressSpace)>,
         load: impl FnOnce(&mut GuestMemory, &mut FrameAllocator, &AddressSpace) -> Result<(u64, u64)>,
     ) -> Result<()> {
-        let img = Image::new(&self.kvm, &self.cpuid, self.mem.size(), prefault, load)?;
+        let img = Image::new(&self.kvm, &self.cpuid, self.mem.size(), prefault, base, load)?;
         let vcpu = std::mem::replace(&mut self.vcpu, img.vcpu);
         let vm = std::mem::replace(&mut self.vm, img.vm);
         let mem = std::mem::replace(&mut self.mem, img.mem);
@@ -789,6 +801,7 @@ fn exit_process(code: i32) -> ! {
     crate::trace::mark_n("host.exit", code as u64);
     crate::guestos::sched::leave();
     crate::guestos::futex_shared::leave();
+    teardown::defer();
     // SAFETY: _exit never returns; skipping atexit handlers is deliberate (the launcher may be a Python
     // interpreter whose teardown we do not want to run in a VMM process).
     unsafe { libc::_exit(code) }
@@ -1027,6 +1040,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             Request::Snapshot { dir } => spawn::settle(m).and_then(|_| jail::in_snapshot_dest(&dir, fds, |d| m.snapshot(d))).map(|_| Response::Ok),
             Request::Fork { n } => {
                 m.add_scratch(fds);
+                warm_image_cache(m);
                 let forked = fork_children(m, &mut chan, &mut pool, n);
                 pool.trim_stock(m);
                 match forked {
@@ -1036,6 +1050,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             }
             Request::SparePool { n } => {
                 m.add_scratch(fds);
+                warm_image_cache(m);
                 if n > MAX_SPARES {
                     Err(Error::InvalidArgument(format!("spare pool of {n}; at most {MAX_SPARES}")))
                 } else {
@@ -1119,6 +1134,18 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             crate::trace::mark("serve.replied");
             m.report_first_run();
         }
+    }
+}
+
+/// Before this process forks sandboxes: cache the images of the programs their commands start
+/// (once; the forks inherit them, see `image_cache::warm`).
+fn warm_image_cache(m: &Machine) {
+    static DONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if DONE.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    if let Some(os) = m.os.as_ref() {
+        image_cache::warm(os, m.mem.size());
     }
 }
 

@@ -71,6 +71,12 @@ const SYS_VFORK: u64 = 58;
 const SYS_EXECVE: u64 = 59;
 const SYS_EXECVEAT: u64 = 322;
 const SYS_CLONE3: u64 = 435;
+/// Engine call (not Linux): start a program as a new child process, see [`super::spawn::direct`].
+pub const SYS_SPAWN: u64 = 0x4000_0001;
+/// `SYS_SPAWN` flags: the child keeps only fds 0-2 (CPython's `close_fds=True`) ...
+pub const SPAWN_CLOSE_FDS: u64 = 1;
+/// ... and starts with SIGPIPE and SIGXFSZ at their default (CPython's `restore_signals=True`).
+pub const SPAWN_RESTORE_SIGNALS: u64 = 2;
 
 /// Most processes a sandbox may have at once (zombies included, as Linux counts RLIMIT_NPROC).
 pub const MAX_PROCESSES: u32 = 256;
@@ -103,7 +109,7 @@ const CLONE_HARMLESS: u64 = CLONE_FS | CLONE_PTRACE | CLONE_SYSVSEM | CLONE_DETA
 
 /// Whether the VMM (not `guestos::dispatch`) serves syscall `nr` of a Linux guest.
 pub(super) fn intercepts(nr: u64) -> bool {
-    matches!(nr, SYS_RT_SIGRETURN | SYS_CLONE | SYS_FORK | SYS_VFORK | SYS_EXECVE | SYS_EXECVEAT | SYS_CLONE3)
+    matches!(nr, SYS_RT_SIGRETURN | SYS_CLONE | SYS_FORK | SYS_VFORK | SYS_EXECVE | SYS_EXECVEAT | SYS_CLONE3 | SYS_SPAWN)
 }
 
 /// A syscall as it was entered: its number and the address after the `syscall` instruction.
@@ -175,6 +181,12 @@ pub(super) fn syscall(m: &mut Machine, r: &mut kvm_regs, sregs: &mut kvm_sregs) 
         SYS_EXECVE => return exec(m, r, sregs, libc::AT_FDCWD, a[0], a[1], a[2], 0),
         SYS_EXECVEAT => return exec(m, r, sregs, a[0] as i32, a[1], a[2], a[3], a[4] as i32),
         SYS_RT_SIGRETURN => return sigreturn(m, r),
+        SYS_SPAWN => {
+            crate::trace::take_counts("image");
+            if let Err(e) = spawn_call(m, r, sregs, a) {
+                ret(r, Err(e));
+            }
+        }
         _ => {}
     }
     Ok(None)
@@ -560,7 +572,10 @@ pub(super) fn detach_agent(os: &mut GuestOs) -> Option<std::sync::Arc<crate::gue
 /// Run the guest of a child process until it ends, then end this process the same way.
 fn child_loop(m: &mut Machine) -> ! {
     loop {
-        match m.run(Duration::from_secs(3600)) {
+        let ran = m.run(Duration::from_secs(3600));
+        // However it ends, the memory and the VM are freed after the parent saw the end.
+        super::teardown::arm(m.vm.fd.as_raw_fd(), m.vcpu.as_raw_fd());
+        match ran {
             Ok(r) => match r.exit {
                 RunExit::Exited { code } => exit_process(code & 0xff),
                 RunExit::Signaled { signo } => die_by(signo),
@@ -582,6 +597,7 @@ fn die_by(sig: i32) -> ! {
     crate::trace::mark_n("host.die", sig as u64);
     crate::guestos::sched::leave();
     crate::guestos::futex_shared::leave();
+    super::teardown::defer();
     // SAFETY: resetting and unblocking `sig`, then sending it to ourselves; SIGKILL if it did not
     // end us (it always does: the guest only dies by terminating signals).
     unsafe {
@@ -676,6 +692,31 @@ fn read_strv(m: &Machine, va: u64, total: &mut usize) -> std::result::Result<Vec
         v.push(s);
     }
     Ok(v)
+}
+
+/// `SYS_SPAWN(path, argv, envp, flags)`: what a vfork, the child's resets and its execve do, in one
+/// call and without running the child's pre-exec code in the guest. Returns the child's pid in rax
+/// (Ok), or the errno the caller gets: ENOSYS where the call is not served in place (the caller
+/// falls back to vfork and execve), else what the execve would have failed with.
+fn spawn_call(m: &mut Machine, r: &mut kvm_regs, sregs: &mut kvm_sregs, a: [u64; 6]) -> std::result::Result<(), Errno> {
+    let flags = a[3];
+    if flags & !(SPAWN_CLOSE_FDS | SPAWN_RESTORE_SIGNALS) != 0 {
+        return Err(EINVAL);
+    }
+    let c = CloneArgs { flags: CLONE_VM | CLONE_VFORK, exit_signal: signal::SIGCHLD as u64, ..Default::default() };
+    if !super::spawn::serves(m, &c) {
+        return Err(crate::guestos::ENOSYS);
+    }
+    crate::trace::mark("spawn.enter");
+    let path = read_cstr(m, a[0], crate::guestos::vfs::PATH_MAX)?;
+    let mut total = 0;
+    let argv = read_strv(m, a[1], &mut total)?;
+    let envp = read_strv(m, a[2], &mut total)?;
+    let os = m.os.as_ref().ok_or(crate::guestos::ENOSYS)?;
+    let prepared = exec::prepare(os, &path, &argv, &envp)?;
+    crate::trace::mark("exec.prepared");
+    let resets = super::spawn::Resets { close_fds: flags & SPAWN_CLOSE_FDS != 0, restore_signals: flags & SPAWN_RESTORE_SIGNALS != 0 };
+    super::spawn::direct(m, r, sregs, &c, resets, prepared, &envp)
 }
 
 #[allow(clippy::too_many_arguments)]

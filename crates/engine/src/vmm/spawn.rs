@@ -38,6 +38,17 @@
 //! ([`abandon`]), a snapshot first makes it a real process ([`settle`]). The agent's channel
 //! stays reachable for the controller meanwhile (the child's descriptors of it read /dev/null).
 //!
+//! # The engine's spawn call
+//! A vfork child's own code before its execve still runs in the guest, one VM exit per syscall:
+//! CPython's `_posixsubprocess` (and glibc's posix_spawn) reset every signal's disposition one
+//! by one, about 68 syscalls and 3.3 ms here before the program starts. `SYS_SPAWN` (not Linux,
+//! 0x4000_0001: path, argv, envp, flags) does what that code does for the common case (keep fds
+//! 0-2, SIGPIPE and SIGXFSZ back to default; handlers are reset by the exec anyway) inside the
+//! VMM, and then what a vfork child's execve does ([`direct`]): one exit for the whole spawn.
+//! The child is the same as a vfork child's (pid, CRNG derivation, roster slot, pidfd), so wait,
+//! signals and replays see no difference. The agent uses it for `exec(command=...)` and falls
+//! back to `subprocess` on ENOSYS (a multi-threaded caller, `COLLIMATE_VFORK=copy`).
+//!
 //! # Limits
 //! Until it execs or exits, the child has no slot of its own in the sandbox's process roster:
 //! another process's kill of its pid finds none (ESRCH), and /proc lists it after its exec.
@@ -205,6 +216,61 @@ fn resume_parent(m: &mut Machine, child: Option<Child>, r: &mut kvm_regs, sregs:
     Ok(())
 }
 
+/// What a [`direct`] spawn does to the child before its exec (see `process::SYS_SPAWN`).
+pub(super) struct Resets {
+    /// Close every fd but 0, 1 and 2.
+    pub(super) close_fds: bool,
+    /// SIGPIPE and SIGXFSZ back to their default disposition (the Python agent ignores both).
+    pub(super) restore_signals: bool,
+}
+
+/// The engine's spawn call: become a vfork child (`c`), apply `resets`, exec `prepared` in a
+/// process of its own; the parent resumes with the child's pid in `r.rax`. An error leaves no
+/// child behind and the parent as it was.
+pub(super) fn direct(
+    m: &mut Machine,
+    r: &mut kvm_regs,
+    sregs: &mut kvm_sregs,
+    c: &CloneArgs,
+    resets: Resets,
+    prepared: exec::Prepared,
+    envp: &[Vec<u8>],
+) -> std::result::Result<(), Errno> {
+    let (saved_r, saved_s) = (*r, *sregs);
+    begin(m, r, sregs, c)?;
+    if let Some(os) = m.os.as_mut() {
+        if resets.close_fds {
+            let extra: Vec<i32> = os.files.open_fds().filter(|&fd| fd > 2).collect();
+            for fd in extra {
+                let _ = os.files.close(fd);
+            }
+        }
+        if resets.restore_signals {
+            for sig in [signal::SIGPIPE, signal::SIGXFSZ] {
+                if let Some(a) = os.proc.sigactions.get_mut(sig as usize - 1) {
+                    *a = crate::guestos::misc::SigAction::default();
+                }
+            }
+        }
+    }
+    crate::trace::mark("vfork.exec");
+    match fork_child(m, Then::Exec(prepared, envp), r, sregs) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            if active(m) {
+                // No process was made: undo the child's count and identity.
+                host::process_gone();
+                *r = saved_r;
+                *sregs = saved_s;
+                resume_parent(m, None, r, sregs).map_err(|_| EAGAIN)?;
+                *r = saved_r;
+                *sregs = saved_s;
+            }
+            Err(e)
+        }
+    }
+}
+
 /// How the host child of [`fork_child`] goes on.
 enum Then<'a> {
     /// Load the program into fresh memory and run it.
@@ -221,6 +287,11 @@ fn fork_child(m: &mut Machine, then: Then, r: &mut kvm_regs, sregs: &mut kvm_sre
     let Some(vf) = m.vfork.as_ref() else { return Err(ENOSYS) };
     let (pid, generation) = (vf.pid, vf.generation);
     let copy = matches!(then, Then::Copy(_));
+    // A program spawned again is cached here, before the fork: this process's later spawns, and
+    // the processes it forks, load it without copying (see `image_cache`).
+    if let Then::Exec(p, _) = &then {
+        super::image_cache::ensure(m.mem.size(), p, false);
+    }
     // The child tells us once it holds no descriptor but its own (see `child_main`).
     let mut ends = [0; 2];
     // SAFETY: pipe2 fills two descriptors on success; checked.
@@ -346,8 +417,12 @@ pub(super) fn load_fresh(m: &mut Machine, old_mapped: bool, prepared: exec::Prep
     let Some(mut os) = m.os.take() else { return Err(Error::Protocol("no guest OS".into())) };
     process::on_exec_state(&mut os);
     let bytes = prepared.image_bytes();
-    let loaded = m.replace_image(old_mapped, bytes, |mem, frames, aspace| {
-        exec::commit(&mut os, mem, frames, aspace, prepared, envp)
+    let (base, laid) = match super::image_cache::lookup(m.mem.size(), &prepared) {
+        Some(h) => (Some((h.file, h.frames, h.aspace)), Some(h.laid)),
+        None => (None, None),
+    };
+    let loaded = m.replace_image(old_mapped, bytes, base, |mem, frames, aspace| {
+        exec::commit_laid(&mut os, mem, frames, aspace, prepared, envp, laid)
             .map(|img| (img.entry, img.rsp))
             .map_err(|e| Error::Image(format!("exec: errno {}", e.0)))
     });

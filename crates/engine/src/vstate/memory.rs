@@ -107,6 +107,13 @@ impl GuestMemory {
         Self::map(file, size)
     }
 
+    /// Fresh memory over a cached program image (`vmm::image_cache`): `file`, of `size` bytes,
+    /// holds what laying the program out wrote; the guest's and the loader's writes make private
+    /// copies of the pages they change, as over a snapshot's memory file.
+    pub fn over_image(file: File, size: u64) -> Result<GuestMemory> {
+        Self::map(file, size)
+    }
+
     /// Memory backed by a snapshot's memory file (opened read-only: the file is never written).
     pub fn from_file(path: &Path, size: u64) -> Result<GuestMemory> {
         let file = File::open(path).map_err(Error::sys("open snapshot memory file"))?;
