@@ -327,16 +327,21 @@ def test_tests_rewrite_every_equality_assert_at_any_depth_and_nothing_else():
     assert _split_tests(src, "EQ") == [
         "import math",
         "from os.path import join",
-        "def check(f):\n    assert EQ(f(1), [1]), 'one'\n    assert f(2) != 3\n    assert not f(3) == 4\n"
-        "    assert f(0) == 0 == 0\n    assert EQ(f(5), 5)\n    if True:\n        assert EQ([i for i in range(2)], [0, 1])",
-        "class T:\n\n    def m(self):\n        assert EQ(self, 1)",
+        "def check(f):\n    assert EQ((f(1)), ([1])), 'one'\n    assert f(2) != 3\n    assert not f(3) == 4\n"
+        "    assert f(0) == 0 == 0\n    assert EQ((f(5)), (5))\n    if True:\n        assert EQ(([i for i in range(2)]), ([0, 1]))",
+        "class T:\n    def m(self):\n        assert EQ((self), (1))",
         "x = 1",
-        "assert EQ(x, 1)",
+        "assert EQ((x), (1))",
         "check(lambda n: n)",
     ]
+    # Spliced from the source, not unparsed: decorators, comments, non-ASCII text and line
+    # continuations stay as written, and each statement parses to the tree of the rewrite.
+    tricky = "@dec\n@dec2(1)\ndef g():\n    assert x == 'é€'  # c\n    assert [\n 1, # one\n 2] == \\\n  y\n"
+    assert _split_tests(tricky, "EQ") == [
+        "@dec\n@dec2(1)\ndef g():\n    assert EQ((x), ('é€'))  # c\n    assert EQ(([\n 1, # one\n 2]), (y))"]
     eq_name, tests, modules = _rewritten(src)
     assert modules == ("math", "os", "os.path")
-    assert tests[2].startswith("def check(f):\n    assert " + eq_name + "(f(1), [1])")
+    assert tests[2].startswith("def check(f):\n    assert " + eq_name + "((f(1)), ([1]))")
 
 @pytest.mark.kvm
 @needs_kvm

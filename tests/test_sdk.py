@@ -116,6 +116,26 @@ def test_attach_and_reset(client):
         assert r.stdout == "False False\n"
 
 
+def test_reset_forgets_mappings_and_memory_whatever_its_size(client):
+    """A reset puts back the template's memory: in place for a few pages (the guest's translations of
+    them dropped, so a mapping made before the reset is gone after it), by dropping the private
+    copies past a bound (16 MiB); rounds of both, in one sandbox, each back at the template."""
+    probe = "import ctypes, mmap\nm = mmap.mmap(-1, 1 << 16)\nm[:6] = b'marker'\naddr = ctypes.addressof(ctypes.c_char.from_buffer(m))\nprint(addr)"
+    with Sandbox("python", client=client) as sb:
+        for size_mib in (0, 32, 0, 0):
+            r = sb.exec(code=probe + f"\nbig = bytearray({size_mib} << 20)\nbig[::4096] = b'x' * len(big[::4096])")
+            assert r.ok, r.stderr
+            addr = int(r.stdout)
+            sb.reset()
+            # The page that held the marker is not mapped any more: reading it kills the interpreter
+            # (a stale translation would read the frame instead).
+            r = sb.exec(code=f"import ctypes\nprint(ctypes.string_at({addr}, 6))")
+            assert not r.ok and r.interpreter_died, (size_mib, r.stdout, r.stderr)
+            r = sb.exec(code="print('m' in globals(), 'big' in globals())")
+            assert r.stdout == "False False\n", (size_mib, r.stdout)
+            sb.reset()
+
+
 def test_user_errors_are_results_not_exceptions(client):
     with Sandbox("python", client=client) as sb:
         r = sb.exec(code="raise ValueError('nope')")
