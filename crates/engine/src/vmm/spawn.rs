@@ -248,7 +248,7 @@ pub(super) fn direct(
         if resets.restore_signals {
             for sig in [signal::SIGPIPE, signal::SIGXFSZ] {
                 if let Some(a) = os.proc.sigactions.get_mut(sig as usize - 1) {
-                    *a = crate::guestos::misc::SigAction::default();
+                    *a = crate::guestos::signal_state::SigAction::default();
                 }
             }
         }
