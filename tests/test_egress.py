@@ -1036,3 +1036,16 @@ def test_https_replays_byte_exact_from_its_recording(client, tmp_path):
         again = sb.exec(code=code, seed=seed, timeout_seconds=60)
     assert (again.stdout, again.egress_replay, again.egress_error) == (first.stdout, "replayed", ""), again.stderr
     assert len(_Counting.requests) == 1
+
+
+@kvm
+def test_an_exec_that_times_out_leaves_no_recording(client, http_server):
+    seed = secrets.token_hex(32)
+    policy = Egress.allow(f"127.0.0.1:{http_server}", record=True)
+    spin = fetch(f"http://127.0.0.1:{http_server}/") + "while True:\n    pass\n"
+    with Sandbox("python", client=client, egress=policy) as sb:
+        r = sb.exec(code=spin, seed=seed, timeout_seconds=2)
+        assert r.timed_out and r.egress_replay == "" and "was not saved" in r.egress_error
+    with Sandbox("python", client=client, egress=policy) as sb:  # same state and seed: records anew
+        r = sb.exec(code=fetch(f"http://127.0.0.1:{http_server}/"), seed=seed, timeout_seconds=60)
+        assert (r.stdout, r.egress_replay) == (_Body.body.decode(), "recorded")

@@ -219,8 +219,8 @@ class Vm:
         """Egress bytes of this sandbox's connections: (sent and acknowledged, received)."""
     def egress_tape_begin(self, path: str | PathLike[str]) -> str:
         """Open the next exec's egress recording: "replay" (the file exists) or "record"."""
-    def egress_tape_end(self) -> _TapeOutcome:
-        """Close the exec's recording (saved when it recorded); its mode, flows and errors."""
+    def egress_tape_end(self, save: bool = True) -> _TapeOutcome:
+        """Close the exec's recording (saved when it recorded, if `save`); its mode, flows and errors."""
     def destroy(self) -> None:
         """Kill and reap the VMM process. Idempotent."""
     def __enter__(self) -> Self: ...

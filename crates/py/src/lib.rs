@@ -662,11 +662,12 @@ impl PyVm {
         py.detach(|| self.net.begin_tape(path)).map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
-    /// Close the exec's recording (saving it when it recorded): a dict with mode ("recorded",
-    /// "replayed", or "" when none was open), path, flows, and errors (each divergence of a
-    /// replay, in words).
-    fn egress_tape_end<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let o = py.detach(|| self.net.end_tape());
+    /// Close the exec's recording (saving it when it recorded, if `save`): a dict with mode
+    /// ("recorded", "replayed", or "" when none was open or it was not saved), path, flows, and
+    /// errors (each divergence of a replay, in words).
+    #[pyo3(signature = (save = true))]
+    fn egress_tape_end<'py>(&self, py: Python<'py>, save: bool) -> PyResult<Bound<'py, PyDict>> {
+        let o = py.detach(|| self.net.end_tape(save));
         let d = PyDict::new(py);
         d.set_item("mode", o.mode)?;
         d.set_item("path", o.path.to_string_lossy().into_owned())?;

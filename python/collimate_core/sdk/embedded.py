@@ -515,10 +515,17 @@ class EmbeddedClient:
             tape = self._tape_begin(box, seed_bytes) if box.egress.record else None
             try:
                 r = box.vm.agent_call(frame, float(timeout), seed_bytes, True)
-            except _CoreEngineError as e:
-                raise _engine_error(e, f"exec in sandbox {box.id}") from e
-            finally:
-                outcome = box.vm.egress_tape_end() if tape is not None else None
+            except BaseException as e:
+                if tape is not None:
+                    box.vm.egress_tape_end(False)  # an exec that failed records nothing
+                if isinstance(e, _CoreEngineError):
+                    raise _engine_error(e, f"exec in sandbox {box.id}") from e
+                raise
+            # Not saved for an exec that timed out: where a timeout cuts a run is the host's
+            # speed, and a recording that ends there would make every replay of the exec diverge.
+            outcome = box.vm.egress_tape_end(r.kind != "timeout") if tape is not None else None
+            if outcome is not None and tape == "record" and r.kind == "timeout":
+                outcome["errors"].append("this exec timed out: its network recording was not saved")
             # The next exec starts from the state this one left (the request, code included, is
             # part of it: a replay of a later exec needs the same earlier ones).
             box.state = _state_after(box.state, b"exec", frame)

@@ -303,14 +303,14 @@ impl SandboxNet {
         Ok(mode)
     }
 
-    /// The exec is over: save its recording (or report its replay) and close the tape.
-    pub fn end_tape(&self) -> Outcome {
+    /// The exec is over: save its recording if `save` (or report its replay) and close the tape.
+    pub fn end_tape(&self, save: bool) -> Outcome {
         let mut g = self.lock();
         let errors = std::mem::take(&mut g.tape_errors);
         match g.tape.take() {
             Some(s) => {
                 drop(g);
-                s.close(errors)
+                s.close(errors, save)
             }
             None => Outcome { errors, ..Default::default() },
         }
@@ -1138,7 +1138,7 @@ mod tests {
         s.read_to_end(&mut got).unwrap();
         assert_eq!(got, b"answer");
         drop((s, live));
-        let o = net.end_tape();
+        let o = net.end_tape(true);
         assert_eq!((o.mode, o.flows, o.errors.len()), ("recorded", 1, 0));
         drop(server); // nothing listens there now
         // Replay, twice: the same bytes are answered from the recording, nothing is dialled.
@@ -1163,14 +1163,14 @@ mod tests {
                 }
                 let e = &net.log()[0];
                 assert!(e.verdict == "diverged" && e.detail.contains("at byte 2"), "{e:?}");
-                let o = net.end_tape();
+                let o = net.end_tape(true);
                 assert!(o.mode == "replayed" && o.errors.len() == 1 && o.errors[0].contains("b\"K\""), "{o:?}");
             } else {
                 r.unwrap();
                 assert_eq!(got, b"answer");
                 assert_eq!(net.log()[0].verdict, "replayed");
                 assert_eq!(net.bytes(), (0, 0)); // nothing left the host
-                let o = net.end_tape();
+                let o = net.end_tape(true);
                 assert_eq!((o.mode, o.errors.len()), ("replayed", 0));
             }
         }
@@ -1181,7 +1181,7 @@ mod tests {
         let (_, _first) = connect(&vmm, addr);
         let (r, fds) = connect(&vmm, addr);
         assert!(matches!(r, NetReply::Refused { errno: libc::ECONNREFUSED }) && fds.is_empty());
-        assert!(net.end_tape().errors[0].contains("one more"));
+        assert!(net.end_tape(true).errors[0].contains("one more"));
         let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 

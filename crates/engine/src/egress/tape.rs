@@ -152,10 +152,15 @@ impl Session {
         Ok(Session::Record { path, flows: Vec::new(), dns: HashMap::new(), size: Arc::new(AtomicU64::new(0)) })
     }
 
-    /// The exec is over: a recording is saved (what its flows carried until now; the relays go on
-    /// relaying, unrecorded, for connections that outlive the exec).
-    pub fn close(self, mut errors: Vec<String>) -> Outcome {
+    /// The exec is over: a recording is saved if `save` (what its flows carried until now; the
+    /// relays go on relaying, unrecorded, for connections that outlive the exec). An unsaved one
+    /// reports mode "".
+    pub fn close(self, mut errors: Vec<String>, save: bool) -> Outcome {
         match self {
+            Session::Record { path, size, .. } if !save => {
+                size.store(u64::MAX / 2, Ordering::Relaxed);
+                Outcome { mode: "", path, flows: 0, errors }
+            }
             Session::Record { path, flows, dns, size } => {
                 let n = flows.len();
                 if size.load(Ordering::Relaxed) > MAX_TAPE_BYTES {
