@@ -1,4 +1,4 @@
-"""Per-spec grading (issue 17): HumanEval's canonical solutions, two shapes, beside two peers
+"""Per-spec grading (issue 17): HumanEval's canonical solutions, two shapes, beside three peers
 measured in the same run.
 
 Shapes (every candidate is a canonical solution; every grade must be 1.0):
@@ -10,6 +10,10 @@ Methods, all with WORKERS at a time (the host's cores):
   distribution's interpreter, called directly), no isolation; the verdict is the exit status;
 - bubblewrap: the same program under Debian's bwrap per candidate: a read-only bind of /, a tmpfs
   /tmp, fresh /dev and /proc, every namespace unshared (--unshare-all: no network);
+- fork server: the practical limit without a sandbox: one warm HOST_PYTHON per worker, started
+  before timing with the modules the graders preload already imported, forks a child per candidate
+  (the child runs candidate + tests + check, its exit status is the verdict); no isolation beyond
+  the fork, nothing paid for an interpreter start;
 - grade_batch per problem (GRPO shape only): 16 calls of 8 candidates, one after the other;
 - grade_many: one call over every (code, spec) pair of the shape;
 - a loop of grade(...) (one candidate per spec only): one grade per pair, WORKERS threads.
@@ -22,7 +26,9 @@ template is prepared before timing, as a trainer pays it once per run.
 Printed after the benchmarks: median and p99 per round, grades/s (candidates / median) and the
 ratio to the subprocess peer's grades/s (> 1.00x: faster than no sandbox), with the load average;
 then the same methods interleaved (every method once a round, the order rotated), whose ratios a
-load that drifts during the run (a shared host) skews less. Timings are printed, never asserted.
+load that drifts during the run (a shared host) skews less; last, the CPU time a grade costs
+(this process and its descendants, user + system: what bounds grades/s on an idle host, and what a
+busy host's scheduling skews least). Timings are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,6 +64,7 @@ BWRAP_ARGS = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpf
               "--unshare-all", "--die-with-parent", "--chdir", "/tmp"]
 
 _runs: dict[str, dict[str, list[float]]] = {"grpo": {}, "per_spec": {}}
+_cpu: dict[tuple[str, str], list[float]] = {}
 _interleaved: dict[str, dict[str, list[float]]] = {"grpo": {}, "per_spec": {}}
 _sizes = {"grpo": GRPO_PROBLEMS * GRPO_WIDTH, "per_spec": 164}
 _round = itertools.count()
@@ -112,6 +120,81 @@ def client():
 def _drain(c: EmbeddedClient) -> None:
     """Untimed: wait until the last round's sandboxes are torn down or recycled."""
     c._reaper.submit(lambda: None).result()
+
+
+# The fork server's program (HOST_PYTHON -c): requests on stdin, one length-prefixed source each;
+# a forked child runs it (stdout and stderr to /dev/null) and the exit status goes back, one byte.
+_FORK_SERVER = r"""
+import os, sys
+import bisect, collections, copy, functools, heapq, itertools, math, operator, random, re, string, typing
+inp, out = sys.stdin.buffer, sys.stdout.buffer
+devnull = os.open(os.devnull, os.O_WRONLY)
+while True:
+    head = inp.read(4)
+    if len(head) < 4:
+        break
+    src = inp.read(int.from_bytes(head, "little")).decode()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        try:
+            exec(compile(src, "<candidate>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    out.write(bytes([0 if os.waitstatus_to_exitcode(status) == 0 else 1]))
+    out.flush()
+"""
+
+
+class ForkServers:
+    """WORKERS warm fork servers (see _FORK_SERVER), one per worker thread."""
+
+    def __init__(self, n: int) -> None:
+        self.procs = [subprocess.Popen([HOST_PYTHON, "-c", _FORK_SERVER], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, cwd="/tmp") for _ in range(n)]
+
+    def grade(self, k: int, src: str) -> float:
+        p = self.procs[k]
+        data = src.encode()
+        p.stdin.write(len(data).to_bytes(4, "little") + data)
+        p.stdin.flush()
+        return 1.0 if p.stdout.read(1) == b"\x00" else 0.0
+
+    def run(self, pairs) -> list[float]:
+        out = [0.0] * len(pairs)
+        todo = iter(range(len(pairs)))
+        lock = threading.Lock()
+
+        def serve(k):
+            while True:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                code, tests = pairs[i]
+                out[i] = self.grade(k, code + "\n" + tests)
+
+        with ThreadPoolExecutor(max_workers=len(self.procs)) as pool:
+            list(pool.map(serve, range(len(self.procs))))
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.stdin.close()
+            p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def fork_servers():
+    servers = ForkServers(WORKERS)
+    yield servers
+    servers.close()
 
 
 def _host(argv_prefix: list[str], pairs) -> list[float]:
@@ -171,6 +254,14 @@ def test_bubblewrap(benchmark, shape):
     _bench(benchmark, shape, "bubblewrap", lambda pairs: _host([BWRAP, *BWRAP_ARGS], pairs))
 
 
+@pytest.mark.parametrize("shape", ["grpo", "per_spec"])
+def test_fork_server(benchmark, fork_servers, shape):
+    """The practical limit without a sandbox: a warm fork server per worker (no interpreter start)."""
+    if len(PROBLEMS) != 164:
+        pytest.skip("needs HumanEval's 164 problems")
+    _bench(benchmark, shape, "fork server", fork_servers.run)
+
+
 def _grade_batch_per_problem(client, pairs) -> list[float]:
     pairs = _specs(pairs)
     rewards = []
@@ -208,7 +299,7 @@ def test_per_spec_grade_loop(benchmark, client):
            setup=lambda: _drain(client))
 
 
-def test_interleaved(client):
+def test_interleaved(client, fork_servers):
     """The same methods again, INTERLEAVED_ROUNDS rounds, each round running every method once (in
     an order rotated per round), so that a load that drifts during the run (a shared host) reaches
     every method alike; printed as a second table, timed with perf_counter, never asserted."""
@@ -216,6 +307,7 @@ def test_interleaved(client):
     if BWRAP is not None and subprocess.run([BWRAP, *BWRAP_ARGS, HOST_PYTHON, "-c", "pass"],
                                             capture_output=True, timeout=60).returncode == 0:
         peers.append(("bubblewrap", lambda pairs: _host([BWRAP, *BWRAP_ARGS], pairs)))
+    peers.append(("fork server", fork_servers.run))
     methods = [("grpo", name, fn) for name, fn in peers]
     methods += [("grpo", "grade_batch per problem", lambda pairs: _grade_batch_per_problem(client, pairs)),
                 ("grpo", "grade_many", lambda pairs: _grade_many(client, pairs))]
@@ -231,6 +323,50 @@ def test_interleaved(client):
             rewards = fn(pairs)
             _interleaved[shape].setdefault(name, []).append(time.perf_counter() - t)
             assert all(x == 1.0 for x in rewards), f"{name}: a canonical solution graded below 1.0"
+
+
+def _tree_cpu() -> float:
+    """CPU seconds (user + system) of this process and every descendant alive, plus what the
+    reaped ones left in their parents' accounts (the sandboxes' VMM processes are grandchildren)."""
+    stats: dict[int, tuple[int, int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                f = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(d)] = (int(f[1]), sum(map(int, f[11:15])))
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0))[1]
+        todo += children.get(pid, [])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_cpu_per_grade(client, fork_servers):
+    """CPU per grade, INTERLEAVED_ROUNDS rounds of each method (a round whose count went down, a
+    process that ended between the two reads, is dropped); printed by the table below."""
+    methods = [("grpo", "subprocess", lambda pairs: _host([], pairs)),
+               ("grpo", "fork server", fork_servers.run),
+               ("grpo", "grade_batch per problem", lambda pairs: _grade_batch_per_problem(client, pairs)),
+               ("per_spec", "subprocess", lambda pairs: _host([], pairs)),
+               ("per_spec", "fork server", fork_servers.run),
+               ("per_spec", "grade_many", lambda pairs: _grade_many(client, pairs))]
+    for _ in range(INTERLEAVED_ROUNDS):
+        for shape, name, fn in methods:
+            pairs = _fresh(shape)
+            _drain(client)
+            before = _tree_cpu()
+            rewards = fn(pairs)
+            _drain(client)
+            used = _tree_cpu() - before
+            assert all(x == 1.0 for x in rewards), f"{name}: a canonical solution graded below 1.0"
+            if used > 0:
+                _cpu.setdefault((shape, name), []).append(used / len(pairs))
 
 
 def _p99(data: list[float]) -> float:
@@ -261,7 +397,7 @@ def _table(title: str, runs_by_shape: dict[str, dict[str, list[float]]]) -> list
 
 def test_print_grading_specs_table(capsys):
     """The tables (run after the benchmarks above)."""
-    if not any(_runs.values()) and not any(_interleaved.values()):
+    if not any(_runs.values()) and not any(_interleaved.values()) and not _cpu:
         pytest.skip("needs the benchmarks of this file in the same run")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     lines = ["", f"grading HumanEval's canonical solutions, {WORKERS} workers each ({os.cpu_count()} cores; "
@@ -270,6 +406,15 @@ def test_print_grading_specs_table(capsys):
         lines += _table("pytest-benchmark, one method after the other:", _runs)
     if any(_interleaved.values()):
         lines += _table("interleaved, every method once a round (order rotated):", _interleaved)
+    if _cpu:
+        lines += ["", "CPU per grade (this process and its descendants, user + system):",
+                  f"  {'shape':<9} {'method':<26} {'rounds':>6} {'median':>10} {'range':>17} {'x subprocess':>13}"]
+        for (shape, name), data in _cpu.items():
+            base = _cpu.get((shape, "subprocess"))
+            ratio = f"{statistics.median(base) / statistics.median(data):12.2f}x" if base else f"{'-':>13}"
+            lines.append(f"  {shape:<9} {name:<26} {len(data):>6} {statistics.median(data) * 1e3:7.2f} ms "
+                         f"{min(data) * 1e3:7.2f}-{max(data) * 1e3:.2f} ms {ratio}")
+        lines.append("  (x subprocess here = the subprocess peer's CPU per grade / the method's)")
     lines.append("(x subprocess = grades/s / the subprocess peer's grades/s in the same table; > 1.00x is faster "
                  "than no sandbox)")
     with capsys.disabled():
