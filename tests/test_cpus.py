@@ -50,7 +50,7 @@ def guest(rootfs: str, code: str, *, cpus: int | None = None, env: dict | None =
 
 
 WHAT_THE_GUEST_SEES = r"""
-import json, os
+import json, os, subprocess, sys
 def read(p):
     try:
         with open(p) as f:
@@ -69,6 +69,8 @@ print(json.dumps({
     "possible": read("/sys/devices/system/cpu/possible"),
     "sys": sorted(os.listdir("/sys/devices/system/cpu")),
     "allowed": [l for l in status.splitlines() if l.startswith("Cpus_allowed_list")],
+    "child": subprocess.run([sys.executable, "-c", "import os; print(os.cpu_count(), len(os.sched_getaffinity(0)))"],
+                            capture_output=True, text=True).stdout.split(),
 }))
 """
 
@@ -78,6 +80,7 @@ def test_one_cpu_by_default(rootfs, monkeypatch):
     s = guest(rootfs, WHAT_THE_GUEST_SEES)
     assert (s["cpu_count"], s["affinity"], s["onln"], s["conf"], s["cpuinfo"]) == (1, [0], 1, 1, 1)
     assert s["stat"] == ["cpu", "cpu0"] and s["online"] == "0\n" and s["sys"] == ["cpu0", "online", "possible", "present"]
+    assert s["child"] == ["1", "1"]
 
 
 def test_every_interface_shows_the_configured_count(rootfs):
@@ -87,6 +90,7 @@ def test_every_interface_shows_the_configured_count(rootfs):
     assert s["online"] == s["possible"] == "0-3\n"
     assert s["sys"] == ["cpu0", "cpu1", "cpu2", "cpu3", "online", "possible", "present"]
     assert s["allowed"] == ["Cpus_allowed_list:\t0-3"]
+    assert s["child"] == ["4", "4"], "a process the sandbox starts sees the same count"
 
 
 def test_affinity_can_narrow_within_the_count(rootfs):
