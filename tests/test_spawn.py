@@ -231,7 +231,7 @@ def test_a_command_starts_by_the_engines_spawn_call_with_what_subprocess_would_g
     # ignores both), the exec's env and cwd, and wait statuses that say how it ended.
     assert run(sb, (
         "import os, signal, sys\n"
-        "m = sys.modules['__main__']\n"
+        "m = sys.modules['collimate_agent']  # the agent's module (its code runs as __main__)\n"
         "fd = os.open('/etc/hostname', os.O_RDONLY)\n"
         "os.dup2(fd, 9)\n"
         "os.set_inheritable(9, True)\n"
@@ -250,7 +250,7 @@ def test_a_command_starts_by_the_engines_spawn_call_with_what_subprocess_would_g
 def test_the_spawn_call_reports_errors_and_a_threaded_agent_falls_back_to_subprocess(sb):
     out = run(sb, (
         "import os, sys\n"
-        "m = sys.modules['__main__']\n"
+        "m = sys.modules['collimate_agent']  # the agent's module (its code runs as __main__)\n"
         "for argv in ([b'/nonexistent'], [b'/etc/hostname']):\n"
         "    try:\n"
         "        m._spawn(argv, [])\n"
@@ -274,7 +274,7 @@ def test_programs_started_again_from_a_cached_image_see_their_own_arguments_and_
     # same process must not get the first one's image.
     out = run(sb, (
         "import os, shutil, sys\n"
-        "m = sys.modules['__main__']\n"
+        "m = sys.modules['collimate_agent']  # the agent's module (its code runs as __main__)\n"
         "def go(*argv, env=(b'WORD=w',)):\n"
         "    sys.stdout.flush()\n"
         "    pid = m._spawn(list(argv), list(env))\n"
