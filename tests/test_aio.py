@@ -20,6 +20,7 @@ import pytest
 import collimate_core
 import collimate_rl
 from collimate_rl import aio
+from hostprocs import alive
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -453,12 +454,6 @@ def _utime(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        st = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return st != "Z"
 
 
 async def _until(cond, what: str):
@@ -483,7 +478,7 @@ def test_cancelling_a_task_mid_exec_frees_its_sandbox(embedded):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert sb.sync._box is None and not _alive(pid)
+        assert sb.sync._box is None and not alive(pid)
         with pytest.raises(aio.InvalidArgument, match="not running"):
             await sb.exec(code="print(1)")
 
@@ -500,7 +495,7 @@ def test_cancelling_a_task_mid_exec_frees_its_sandbox(embedded):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not _alive(pids[0])
+        assert not alive(pids[0])
 
         # 3. a cancelled rollout_once, and a cancelled map over a group
         task = asyncio.create_task(aio.rollout_once("python", code="while True: pass", timeout_seconds=600, client=ac))
@@ -523,7 +518,7 @@ def test_cancelling_a_task_mid_exec_frees_its_sandbox(embedded):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert len(grp) == 0 and not any(_alive(p) for p in kids)
+            assert len(grp) == 0 and not any(alive(p) for p in kids)
             assert (await sess.exec(code="print('parent fine')")).stdout == "parent fine\n"
         await ac.close()
 

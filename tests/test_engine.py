@@ -71,6 +71,7 @@ from guestprogs import (
     pack_regs_in,
     unpack_regs,
 )
+from hostprocs import alive, describe
 
 pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 
@@ -162,15 +163,6 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 def fd_count(pid: int | str = "self") -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def alive(pid: int) -> bool:
-    """True unless the process is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 # --- fixtures ----------------------------------------------------------------------------------
@@ -537,7 +529,7 @@ def test_destroyed_vm_raises_a_clear_error(zygote):
     c = zygote.clone()
     pid = c.pid
     c.destroy()
-    assert not alive(pid)
+    assert not alive(pid), describe(pid)
     assert repr(c) == "<Vm destroyed>"
     for call in (
         lambda: c.run(1.0),
@@ -556,7 +548,7 @@ def test_context_manager_destroys_even_on_error(zygote):
         with zygote.clone() as c:
             pid = c.pid
             raise RuntimeError("boom")
-    assert not alive(pid)
+    assert not alive(pid), describe(pid)
 
 
 def test_dropping_a_vm_kills_its_process(zygote):

@@ -25,6 +25,7 @@ import pytest
 from collimate_rl import CapacityError, GroupError, NotFoundError, Sandbox, connect
 from collimate_core import EmbeddedClient, Vm
 from collimate_core.templates.catalog import bake_python
+from hostprocs import GONE
 
 pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 
@@ -75,7 +76,7 @@ def descendants(root: int | None = None) -> set[int]:
         except OSError:
             continue
         fields = text[text.rindex(")") + 2 :].split()
-        if fields[0] != "Z":
+        if fields[0] not in GONE:
             parent[int(stat.split("/")[2])] = int(fields[1])
     mine, todo = set(), [os.getpid() if root is None else root]
     while todo:

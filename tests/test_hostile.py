@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from collimate_core import CollimateError, EmbeddedClient, Sandbox
+from hostprocs import GONE
 
 pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 
@@ -77,7 +78,7 @@ def vmm_processes() -> set[tuple[int, int]]:
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
         st = stat_of(int(entry.name))
-        if st and st[0] != "Z":
+        if st and st[0] not in GONE:
             found.add((int(entry.name), st[2]))
     return found
 
@@ -93,7 +94,7 @@ def descendants(pid: int) -> set[int]:
             continue
         for c in kids:
             st = stat_of(c)
-            if st and st[0] != "Z" and c not in out:
+            if st and st[0] not in GONE and c not in out:
                 out.add(c)
                 todo.append(c)
     return out

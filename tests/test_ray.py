@@ -24,6 +24,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import collimate_core  # noqa: E402
 from collimate_rl import HostLost, Sandbox, UnitTestReward, aio, connect, grade_batch, rollout_once  # noqa: E402
+from hostprocs import GONE, alive  # noqa: E402
 
 pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 
@@ -46,16 +47,11 @@ def host_vmms(token: str = "") -> list[int]:
         except OSError:
             continue
         mine = [e for e in env if e.startswith(b"COLLIMATE_HOST_TOKEN=")]
-        if mine and (not token or mine[0] == b"COLLIMATE_HOST_TOKEN=" + token.encode()) and state != "Z":
+        if mine and (not token or mine[0] == b"COLLIMATE_HOST_TOKEN=" + token.encode()) and state not in GONE:
             out.append(int(d.name))
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _until(cond, what: str, bound: float = 60.0) -> None:
@@ -218,7 +214,7 @@ def test_cancelling_an_aio_exec_on_ray_frees_its_sandbox(cluster, client):
         return actor, live, pid, sb
 
     actor, live, pid, sb = asyncio.run(run())
-    assert sb.sync._box is None and not _alive(pid)  # killed on its host, not left to its timeout
+    assert sb.sync._box is None and not alive(pid)  # killed on its host, not left to its timeout
     assert ray.get(actor.info.remote())["live"] == live - 1
 
 
@@ -324,7 +320,7 @@ def test_a_dead_drivers_sandboxes_go_at_the_end_of_their_lease(cluster, client):
         actor = client._hosts[host].actor
         pid = ray.get(actor.vmm_pid.remote(box_id))
         time.sleep(3)  # longer than the lease: the live driver's keepalive holds it
-        assert _alive(pid)
+        assert alive(pid)
         live = ray.get(actor.info.remote())["live"]  # (info touches no sandbox)
     finally:
         p.kill()
@@ -346,7 +342,7 @@ def test_a_node_removed_mid_group_raises_host_lost_and_nothing_is_scored(cluster
             def run(i, child):
                 if i == 0:
                     cluster.remove_node(victim, allow_graceful=False)
-                    _until(lambda: not _alive(actor_pid), "the host actor's process ending")
+                    _until(lambda: not alive(actor_pid), "the host actor's process ending")
                     r = child.exec(code="print(0)")
                 else:
                     r = child.exec(code="while True: pass", timeout_seconds=300)  # in flight when it goes
