@@ -29,3 +29,17 @@ def pytest_runtest_makereport(item, call):
             f"{item.nodeid} needs KVM and was skipped, but COLLIMATE_REQUIRE_KVM=1: "
             "this host has /dev/kvm, so the KVM tests must run (check its permissions)"
         )
+
+
+@pytest.fixture(scope="module")
+def rootfs() -> str:
+    """The python template's root filesystem, for tests that run guest programs below the SDK
+    (scripts/test.sh builds it and sets COLLIMATE_ROOTFS)."""
+    if not os.path.exists("/dev/kvm"):
+        pytest.skip("needs /dev/kvm")
+    root = os.environ.get("COLLIMATE_ROOTFS")
+    if not root:
+        if os.environ.get("COLLIMATE_REQUIRE_KVM") == "1":
+            pytest.fail("COLLIMATE_ROOTFS is not set: build it with `python3 guest/rootfs/build.py`")
+        pytest.skip("no python rootfs (set COLLIMATE_ROOTFS)")
+    return root

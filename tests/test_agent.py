@@ -19,16 +19,6 @@ AGENT_DIR = Path(__file__).resolve().parent.parent / "python" / "collimate_core"
 AGENT_IDLE = 0x6167656E7400
 
 
-@pytest.fixture(scope="module")
-def rootfs() -> str:
-    root = os.environ.get("COLLIMATE_ROOTFS")
-    if not root:
-        if os.environ.get("COLLIMATE_REQUIRE_KVM") == "1":
-            pytest.fail("COLLIMATE_ROOTFS is not set: build it with `python3 guest/rootfs/build.py`")
-        pytest.skip("no python rootfs (set COLLIMATE_ROOTFS)")
-    return root
-
-
 def frame(obj) -> bytes:
     data = json.dumps(obj).encode()
     return len(data).to_bytes(4, "little") + data

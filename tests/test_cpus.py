@@ -27,16 +27,6 @@ NUMPY = "numpy==1.26.4"  # the newest numpy with a cp311 manylinux2014 wheel and
 WHEEL_GLOB = "numpy-1.26.4-cp311-cp311-manylinux*_x86_64.whl"
 
 
-@pytest.fixture(scope="module")
-def rootfs() -> str:
-    root = os.environ.get("COLLIMATE_ROOTFS")
-    if not root:
-        if os.environ.get("COLLIMATE_REQUIRE_KVM") == "1":
-            pytest.fail("COLLIMATE_ROOTFS is not set: build it with `python3 guest/rootfs/build.py`")
-        pytest.skip("no python rootfs (set COLLIMATE_ROOTFS)")
-    return root
-
-
 def guest(rootfs: str, code: str, *, cpus: int | None = None, env: dict | None = None, ro_mounts=None,
           timeout: float = 120) -> dict:
     """Run `code` in Debian's python3 in a fresh sandbox; it prints one JSON line, returned."""

@@ -5,7 +5,6 @@ rootfs)."""
 from __future__ import annotations
 
 import json
-import os
 import string
 from pathlib import Path
 
@@ -197,18 +196,6 @@ first = os.urandom(32).hex()
 import random, time
 print(first, random.random(), time.time())
 """
-
-
-@pytest.fixture(scope="module")
-def rootfs() -> str:
-    if not os.path.exists("/dev/kvm"):
-        pytest.skip("needs /dev/kvm")
-    root = os.environ.get("COLLIMATE_ROOTFS")
-    if not root:
-        if os.environ.get("COLLIMATE_REQUIRE_KVM") == "1":
-            pytest.fail("COLLIMATE_ROOTFS is not set: build it with `python3 guest/rootfs/build.py`")
-        pytest.skip("no python rootfs (set COLLIMATE_ROOTFS)")
-    return root
 
 
 @pytest.mark.kvm
