@@ -405,14 +405,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
             let r = thread::dispatch(os, ctx, nr, a)
                 .or_else(|| mm::dispatch(os, ctx, nr, a))
                 .or_else(|| files::dispatch(os, ctx, nr, a))
-                .or_else(|| thread_area::dispatch(os, ctx, nr, a))
-                .or_else(|| limits::dispatch(os, ctx, nr, a))
-                .or_else(|| identity::dispatch(os, ctx, nr, a))
-                .or_else(|| process::dispatch(os, ctx, nr, a))
-                .or_else(|| random::dispatch(os, ctx, nr, a))
-                .or_else(|| clock::dispatch(os, ctx, nr, a))
-                .or_else(|| cpu::dispatch(os, ctx, nr, a))
-                .or_else(|| signal_state::dispatch(os, ctx, nr, a))
+                .or_else(|| per_process_dispatch(os, ctx, nr, a))
                 .or_else(|| signal::dispatch(os, ctx, nr, a));
             match r {
                 Some(r) => r,
@@ -434,4 +427,18 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
         Err(e) => (-(e.0 as i64)) as u64,
     };
     ctx.stop.take()
+}
+
+/// The per-process calls (process tree, identity, limits, clocks, randomness, signal bookkeeping,
+/// CPU and thread-area setup), asked after the thread, memory and file calls; their unit tests
+/// (`process/tests.rs`) dispatch through this too.
+pub(crate) fn per_process_dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option<SysResult> {
+    thread_area::dispatch(os, ctx, nr, a)
+        .or_else(|| limits::dispatch(os, ctx, nr, a))
+        .or_else(|| identity::dispatch(os, ctx, nr, a))
+        .or_else(|| process::dispatch(os, ctx, nr, a))
+        .or_else(|| random::dispatch(os, ctx, nr, a))
+        .or_else(|| clock::dispatch(os, ctx, nr, a))
+        .or_else(|| cpu::dispatch(os, ctx, nr, a))
+        .or_else(|| signal_state::dispatch(os, ctx, nr, a))
 }

@@ -10,22 +10,9 @@ use crate::guestos::process::*;
 use crate::guestos::random::*;
 use crate::guestos::signal_state::*;
 use crate::guestos::thread_area::*;
-use crate::guestos::{Ctx, Output, GuestOs, SysResult};
+use crate::guestos::{Ctx, GuestOs, Output};
 use crate::vstate::memory::GuestMemory;
 use kvm_bindings::{kvm_regs, kvm_sregs};
-
-/// The per-process calls, as `guestos::dispatch` asks them after the thread, memory and file ones.
-fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option<SysResult> {
-    use crate::guestos::{clock, cpu, identity, limits, process, random, signal_state, thread_area};
-    thread_area::dispatch(os, ctx, nr, a)
-        .or_else(|| limits::dispatch(os, ctx, nr, a))
-        .or_else(|| identity::dispatch(os, ctx, nr, a))
-        .or_else(|| process::dispatch(os, ctx, nr, a))
-        .or_else(|| random::dispatch(os, ctx, nr, a))
-        .or_else(|| clock::dispatch(os, ctx, nr, a))
-        .or_else(|| cpu::dispatch(os, ctx, nr, a))
-        .or_else(|| signal_state::dispatch(os, ctx, nr, a))
-}
 
 const BUF: u64 = 0x1000_0000;
 
@@ -76,7 +63,7 @@ impl T {
             stop: None,
             lazy: self.os.mm.lazy_areas(),
         };
-        match dispatch(&mut self.os, &mut ctx, nr, a) {
+        match crate::guestos::per_process_dispatch(&mut self.os, &mut ctx, nr, a) {
             Some(Ok(v)) => v as i64,
             Some(Err(e)) => -(e.0 as i64),
             None => panic!("syscall {nr} not handled"),
