@@ -5,9 +5,10 @@ commands refused in the template's sandboxes, which start with `Egress.none()`.
 Real parts only: the image is the catalog python rootfs plus a layer of Debian's own python3-pip
 and git packages (what `RUN apt-get install -y python3-pip git` adds to an image), the wheel is
 built here by hand (METADATA, WHEEL, RECORD with its hashes), the index is a PEP 503 "simple"
-directory and the repository a bare one after `git update-server-info` ("dumb" HTTP), both served
-by a static HTTP server on loopback that counts the connections and requests it gets. Nothing here
-reaches any other address (Debian packages come from apt's configured sources, through apt).
+directory, and the repository a bare one served both as "dumb" HTTP (its files, after
+`git update-server-info`) and as smart HTTP (the host's `git http-backend` as a CGI program), all
+from one HTTP server on loopback that counts the connections and requests it gets. Nothing here
+reaches any other address (the Debian packages come from apt's configured sources, through apt).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def write_repo(root: Path, work: Path) -> str:
 
 
 class _Static(http.server.SimpleHTTPRequestHandler):
-    """Files under the server's directory, HTTP/1.0 (one request per connection), counted."""
+    """Files under the server's directory (the index, dumb HTTP), `git http-backend` under /smart/
+    (smart HTTP); HTTP/1.0, so one request per connection; connections and requests counted."""
 
     def setup(self):
         super().setup()
@@ -114,6 +116,39 @@ class _Static(http.server.SimpleHTTPRequestHandler):
 
     def log_message(self, fmt, *args):
         pass
+
+
+    def do_GET(self):
+        if self.path.startswith("/smart/"):
+            return self.smart()
+        return super().do_GET()
+
+    def do_POST(self):
+        if self.path.startswith("/smart/"):
+            return self.smart()
+        self.send_error(405)
+
+    def smart(self):
+        """Smart HTTP under /smart/: the host's `git http-backend`, run as a CGI program (RFC 3875
+        variables in, a header block then the body out), one process per request, 60 s at most."""
+        path, _, query = self.path[len("/smart"):].partition("?")
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_PROJECT_ROOT": self.directory,
+               "GIT_HTTP_EXPORT_ALL": "1", "GATEWAY_INTERFACE": "CGI/1.1", "REQUEST_METHOD": self.command,
+               "PATH_INFO": path, "QUERY_STRING": query, "CONTENT_TYPE": self.headers.get("Content-Type", ""),
+               "CONTENT_LENGTH": str(len(body)), "REMOTE_ADDR": self.client_address[0],
+               "HTTP_GIT_PROTOCOL": self.headers.get("Git-Protocol", "")}
+        out = subprocess.run(["git", "http-backend"], input=body, env=env, capture_output=True, timeout=60).stdout
+        head, _, payload = out.partition(b"\r\n\r\n")
+        headers = [line.split(b":", 1) for line in head.split(b"\r\n") if b":" in line]
+        status = next((int(v.split()[0]) for k, v in headers if k.lower() == b"status"), 200)
+        self.send_response(status)
+        for k, v in headers:
+            if k.lower() != b"status":
+                self.send_header(k.decode(), v.strip().decode())
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
 
 
 class StaticServer:
@@ -248,32 +283,42 @@ def test_pip_install_from_a_local_index_works_in_a_bake_with_an_allow_rule_only(
 # --- git clone --------------------------------------------------------------------------------
 
 
-def test_git_clone_over_http_works_in_a_bake_with_an_allow_rule_only(client, www):
+@pytest.mark.parametrize("protocol", ["dumb", "smart"])
+def test_git_clone_over_http_works_in_a_bake_with_an_allow_rule_only(client, www, protocol):
     port = www.port
-    url = f"http://127.0.0.1:{port}/repo.git"
+    url = f"http://127.0.0.1:{port}{'/smart' if protocol == 'smart' else ''}/repo.git"
     ready = Ready(cmd=f"git clone {url} /work/repo")
+    name = f"git-{protocol}"
 
     before = www.connections
-    offline = Template.bake(client, name="git-offline", image="tools:1.0", ready=ready).wait(600)
+    offline = Template.bake(client, name=f"{name}-offline", image="tools:1.0", ready=ready).wait(600)
     assert offline.phase == "Failed" and "Ready(cmd=...) exited with status 128" in (offline.error or ""), offline.log
     assert f"Failed to connect to 127.0.0.1 port {port}" in offline.log, offline.log
     assert_bake_refused(offline, port)
     assert www.connections == before, "a bake without an allow rule reached the git server"
 
-    st = Template.bake(client, name="git-online", image="tools:1.0", ready=ready,
+    st = Template.bake(client, name=name, image="tools:1.0", ready=ready,
                        egress=Egress.allow(f"127.0.0.1:{port}")).wait(600)
     assert st.phase == "Live", st.log
     got = www.requests[len(www.requests) - (www.connections - before):]
     paths = [p for p, _ in got]
-    # Dumb HTTP: the smart probe (a static info/refs answers it), HEAD, the loose objects of the
-    # second commit, then the pack list, the pack's index and the pack for the first.
-    assert paths[0] == "/repo.git/info/refs?service=git-upload-pack" and "/repo.git/HEAD" in paths, paths
-    assert "/repo.git/objects/info/packs" in paths and any(p.endswith(".pack") for p in paths), paths
-    assert any(p.startswith("/repo.git/objects/") and len(p.split("/")[-1]) == 38 for p in paths), paths
+    repo = "/smart/repo.git" if protocol == "smart" else "/repo.git"
+    assert paths[0] == f"{repo}/info/refs?service=git-upload-pack", got
+    if protocol == "dumb":
+        # A static info/refs answers the smart probe; then HEAD, the loose objects of the second
+        # commit, the first's as loose objects (404: they are packed), the pack list, the pack's
+        # index and the pack.
+        assert "/repo.git/HEAD" in paths and "/repo.git/objects/info/packs" in paths, paths
+        assert all(c == 200 or (c == 404 and p.startswith("/repo.git/objects/")) for p, c in got), got
+        assert any(p.endswith(".pack") for p in paths), paths
+        assert any(p.startswith("/repo.git/objects/") and len(p.split("/")[-1]) == 38 for p in paths), paths
+    else:
+        # The server packs what the clone wants; the guest's git index-pack takes the stream.
+        assert set(paths[1:]) == {f"{repo}/git-upload-pack"} and all(c == 200 for _, c in got), got
     assert www.connections - before == len(got) == allowed_connects(st.log, port), (got, st.log)
 
     seen = www.connections
-    with Sandbox("git-online", client=client) as sb:
+    with Sandbox(name, client=client) as sb:
         r = sb.exec(command="git -C /work/repo log --format=%H%x20%s && cat /work/repo/solve.py && git -C /work/repo fsck")
         assert r.exit_code == 0, r.stderr
         assert r.stdout.startswith(f"{www.head} second\n") and "first\n" in r.stdout and "return x * 2" in r.stdout
@@ -284,7 +329,7 @@ def test_git_clone_over_http_works_in_a_bake_with_an_allow_rule_only(client, www
     assert www.connections == seen, "a sandbox without an allow rule reached the git server"
 
     # The image is not the difference: the same clone in a sandbox allowed to reach the server.
-    with Sandbox("git-online", client=client, egress=Egress.allow(f"127.0.0.1:{port}")) as sb:
+    with Sandbox(name, client=client, egress=Egress.allow(f"127.0.0.1:{port}")) as sb:
         r = sb.exec(command=f"git clone -q {url} /work/again && git -C /work/again rev-parse HEAD", timeout_seconds=120)
         assert r.exit_code == 0 and r.stdout == f"{www.head}\n", r.stderr
     assert www.connections > seen
