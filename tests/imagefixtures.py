@@ -13,8 +13,11 @@ import hashlib
 import io
 import json
 import os
+import importlib.util
 import shutil
+import subprocess
 import tarfile
+import tempfile
 from pathlib import Path
 
 MTIME = 1_700_000_000
@@ -124,6 +127,38 @@ def busybox_layer(busybox: str | os.PathLike, applets=("sh", "echo", "cat", "ls"
     layer.file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000:app:/home/app:/bin/sh\n")
     layer.file("etc/group", b"root:x:0:\napp:x:1000:\n")
     return layer.bytes()
+
+
+def _rootfs_module():
+    """The rootfs builder (python/collimate_core/templates/rootfs.py), loaded by path as
+    guest/rootfs/build.py does."""
+    src = Path(__file__).resolve().parents[1] / "python/collimate_core/templates/rootfs.py"
+    spec = importlib.util.spec_from_file_location("collimate_rootfs", src)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def debian_layer(packages: list[str], base: str | os.PathLike, debdir: str | os.PathLike) -> bytes:
+    """The layer `RUN apt-get install -y PACKAGES` would add on top of the built rootfs `base`:
+    the Depends closure of `packages` less what `base`'s manifest already has, downloaded with
+    `apt-get download` into `debdir` (reused) and unpacked with `dpkg -x`, as the rootfs builder
+    does (no maintainer script runs), with the usrmerge moves a Debian 12 install makes."""
+    rootfs = _rootfs_module()
+    have = {p["name"] for p in json.loads((Path(base) / rootfs.MANIFEST).read_text())["packages"]}
+    names, _excluded = rootfs._closure(packages)
+    extra = [n for n in names if n not in have]
+    debs = rootfs._download(rootfs._package_info(extra), Path(debdir), lambda msg: None)
+    with tempfile.TemporaryDirectory(prefix="debian-layer-") as tmp:
+        root = Path(tmp)
+        for deb in debs:
+            subprocess.run(["dpkg", "-x", str(deb), tmp], check=True, capture_output=True)
+        for d in ("bin", "sbin", "lib", "lib64"):  # the base has these as links into /usr
+            if (root / d).is_dir() and not (root / d).is_symlink():
+                (root / "usr" / d).mkdir(parents=True, exist_ok=True)
+                rootfs._merge_into(root / d, root / "usr" / d, root)
+        rootfs._relativize_links(root)
+        return Layer().tree(root).bytes()
 
 
 def image_config(layers_uncompressed: list[bytes], config: dict | None = None, *, arch: str = "amd64") -> dict:

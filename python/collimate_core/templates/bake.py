@@ -415,6 +415,18 @@ def _tail(b: bytes) -> str:
     return s if len(s) <= LOG_OUTPUT_CAP else "[...]\n" + s[-LOG_OUTPUT_CAP:]
 
 
+def _refused_hint(refused: list[dict], policy: Any) -> str:
+    """What to add to a failed Ready step's error when the bake's egress policy refused some of
+    its network: the likely cause, and the fix."""
+    if not refused:
+        return ""
+    where = sorted({e["name"] or f"{e['address']}:{e['port']}" for e in refused})
+    shown = ", ".join(where[:5]) + (f" and {len(where) - 5} more" if len(where) > 5 else "")
+    return (f"; the bake's egress policy ({policy if policy is not None else 'Egress.none()'}) refused "
+            f"{len(refused)} network request(s) ({shown}): a Ready step that installs or clones needs "
+            "Template.bake(..., egress=Egress.allow(...)) naming those servers (docs/egress.md)")
+
+
 @dataclass
 class _Spec:
     name: str
@@ -447,6 +459,7 @@ class _Build:
         self.tdir = _tdir(spec.cache, spec.name)
         self.vtmp: Path | None = None
         self.baked: ImageBaked | None = None
+        self.egress_logged = 0  # entries of the guest's egress log already in the bake's log
         self._reserve()
 
     def log(self, msg: str) -> None:
@@ -599,17 +612,15 @@ class _Build:
                     say(f"Ready({what}) stdout:\n{_tail(r.stdout)}")
                 if r.stderr:
                     say(f"Ready({what}) stderr:\n{_tail(r.stderr)}")
+                refused = self._log_egress(vm)
                 if reply is None or "exit_code" not in reply:
                     how = (f"ran out of its {spec.ready.timeout:g}s" if r.kind == "timeout"
                            else f"ended the agent ({r.kind}{f', status {r.code}' if r.code is not None else ''})")
-                    raise BuildError(f"Ready({what}=...) {how}")
+                    raise BuildError(f"Ready({what}=...) {how}{_refused_hint(refused, spec.egress)}")
                 if reply["exit_code"] != 0:
-                    raise BuildError(f"Ready({what}=...) exited with status {reply['exit_code']}")
+                    raise BuildError(f"Ready({what}=...) exited with status {reply['exit_code']}"
+                                     f"{_refused_hint(refused, spec.egress)}")
                 say(f"Ready({what}=...) done in {r.duration:.2f}s")
-            if spec.egress is not None and not spec.egress.is_none:
-                for e in vm.egress_log():
-                    say(f"egress: {e['kind']} {e['name'] or ''} {e['address'] or ''}:{e['port']} {e['verdict']} "
-                        f"{e['rule'] or ''} out={e['bytes_out']} in={e['bytes_in']}")
 
             # Checkpoint, and check that a clone of it answers.
             say("checkpointing")
@@ -693,6 +704,17 @@ class _Build:
             if image_id is not None:
                 with _lock:
                     _rootfs_in_use[image_id] -= 1
+
+    def _log_egress(self, vm: Any) -> list[dict]:
+        """Write the Ready step's new egress log entries to the bake's log (whatever the policy:
+        a refusal is how a bake without an allow rule fails); return the refused ones."""
+        entries = vm.egress_log()[self.egress_logged:]
+        self.egress_logged += len(entries)
+        for e in entries:
+            detail = f" ({e['detail']})" if e["verdict"] != "allowed" and e["detail"] else ""
+            self.log(f"egress: {e['kind']} {e['name'] or ''} {e['address'] or ''}:{e['port']} {e['verdict']} "
+                     f"{e['rule'] or ''} out={e['bytes_out']} in={e['bytes_in']}{detail}")
+        return [e for e in entries if e["verdict"] in ("denied", "nxdomain")]
 
     def _cleanup(self, created_rootfs: str | None) -> None:
         """Leave nothing behind: the version directory, the name's directory if it held only
