@@ -89,6 +89,34 @@ print(state)
     assert r.stdout == "ESRCH 3\n{'steps': 2}\n", r
 
 
+def test_kill_minus_one_reaches_the_children_forked_while_it_goes_out(sb):
+    # Three processes that keep forking sleepers while pid 1 sends kill(-1, SIGKILL): on Linux a
+    # fork and that signal exclude each other, so no child may survive, however many had been
+    # made. A survivor would hold the life pipe open. The forking starts in one exec and the kill
+    # comes in the next, so that they fork in real time (between execs background processes do
+    # not take turns) while the kill goes out.
+    run(sb, SLEEPERS + """
+started_r, started_w = os.pipe()
+
+def forker():
+    os.write(started_w, b"x")
+    for _ in range(25):
+        try:
+            sleeper()
+        except OSError:
+            break
+
+forkers = [sleeper(forker) for _ in range(3)]
+os.close(life_w)
+os.read(started_r, 3)
+""")
+    r = run(sb, """
+os.kill(-1, signal.SIGKILL)
+print([os.waitpid(f, 0)[1] for f in forkers], "all dead", all_dead())
+""")
+    assert r.stdout == "[9, 9, 9] all dead True\n", r
+
+
 def test_kill_minus_one_from_a_child_spares_pid_1_and_the_caller(sb):
     # pid 1 -> A (sleeps), B (sleeps), C -> G (sleeps), C -> D, and D sends kill(-1, SIGKILL).
     # Everybody but pid 1 and D dies: A and B (D's uncles), C (D's own parent, not pid 1) and G

@@ -83,6 +83,9 @@ pub struct Slot {
     deadline: AtomicU64,
     /// Host CLOCK_MONOTONIC ns when it last took the token.
     since: AtomicU64,
+    /// Set when a SIGKILL meant for this process came while it was still starting (no host pid
+    /// yet): it kills itself once it has one (see [`doom`]).
+    doomed: AtomicU32,
 }
 
 /// The scheduler's shared memory: a few pages every VMM process of the sandbox maps.
@@ -217,6 +220,7 @@ fn register(r: &Region, pid: u32, host: i32, state: State, pgid: u32) {
             s.state.store(state as u32, Ordering::SeqCst);
             s.deadline.store(u64::MAX, Ordering::SeqCst);
             s.pgid.store(pgid, Ordering::SeqCst);
+            s.doomed.store(0, Ordering::SeqCst);
             s.pid.store(pid, Ordering::SeqCst);
         }
     });
@@ -306,7 +310,27 @@ pub fn child_started(pid: i32) {
     if let Some(s) = region().and_then(|r| slot_of(r, pid as u32)) {
         // SAFETY: getpid cannot fail.
         s.host.store(unsafe { libc::getpid() }, Ordering::SeqCst);
+        // After the store: a sender that saw no host pid has set `doomed` first (see `doom`).
+        if s.doomed.load(Ordering::SeqCst) != 0 {
+            killed(pid);
+            // SAFETY: this process ends by the signal it was sent.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
     }
+}
+
+/// A SIGKILL for guest process `pid`, which has a slot but may not have started yet: if it has no
+/// host pid, it kills itself as soon as it has one ([`child_started`]). Returns the host pid it
+/// has now (0: none yet, the process dies on its own), for the caller to signal it. A process
+/// that has started may be signalled twice: SIGKILL is idempotent.
+pub fn doom(pid: i32) -> i32 {
+    let Some(s) = region().and_then(|r| slot_of(r, pid as u32)) else { return 0 };
+    if s.host.load(Ordering::SeqCst) > 0 {
+        return s.host.load(Ordering::SeqCst);
+    }
+    s.doomed.store(1, Ordering::SeqCst);
+    // After the store: a child that stored its host pid before it sees `doomed` is ours to signal.
+    s.host.load(Ordering::SeqCst)
 }
 
 /// Make this process the holder without waiting (it is the one running).

@@ -1027,17 +1027,71 @@ fn sys_kill(os: &mut GuestOs, pid: i32, sig: u64) -> SysResult {
     // Success if one process got it (ESRCH if there was none, as on Linux).
     let mut ok = false;
     let mut err = ESRCH;
+    // What the sweep below reaches for certain: started processes, and the caller's children (by
+    // their pidfds). Anything else is looked at again afterwards (`kill_latecomers`).
+    let seen: Vec<i32> = crate::guestos::sched::processes()
+        .iter()
+        .filter(|p| p.host > 0)
+        .map(|p| p.pid)
+        .chain(os.sig.children.iter().map(|c| c.pid))
+        .collect();
     for t in broadcast_targets(os, pid) {
         match send(os, t, sig, SI_USER) {
             Ok(()) => ok = true,
             Err(e) => err = e,
         }
     }
+    if sig == SIGKILL {
+        ok |= kill_latecomers(os, pid, seen);
+    }
     if ok {
         Ok(0)
     } else {
         Err(err)
     }
+}
+
+/// After a SIGKILL to many processes (`kill(pid <= 0, SIGKILL)`): the processes forked while it
+/// went out. On Linux a fork and a signal to a group exclude each other (the fork is undone if the
+/// signal came first, else the child is signalled with the rest). Here a target that was forking
+/// when its SIGKILL came may have made its child all the same, after the list of targets was
+/// taken; the child's slot is made before the fork (`sched::before_fork`), so another look at the
+/// slots once every target has been sent its signal finds it. A child that has not started yet
+/// is doomed: it kills itself when it starts (`sched::doom`). Looks again until nothing new turns
+/// up (each round, only forks already under way when the last round's signals went out).
+fn kill_latecomers(os: &GuestOs, pid: i32, mut seen: Vec<i32>) -> bool {
+    use crate::guestos::sched;
+    let me = os.proc.pid;
+    let group = match pid {
+        -1 => None,
+        0 => Some(os.proc.pgid),
+        g => Some(-g),
+    };
+    let mut any = false;
+    for _ in 0..16 {
+        let late: Vec<sched::Process> = sched::processes()
+            .into_iter()
+            .filter(|p| p.pid != me && p.pid != 1 && !seen.contains(&p.pid) && group.is_none_or(|g| p.pgid == g))
+            .collect();
+        if late.is_empty() {
+            break;
+        }
+        for p in late {
+            seen.push(p.pid);
+            let host = if p.host > 0 { p.host } else { sched::doom(p.pid) };
+            if host <= 0 {
+                any = true; // it dies when it starts
+                continue;
+            }
+            if let Ok(fd) = roster::open(p.pid, host) {
+                if host::send_pidfd(fd.as_raw_fd(), SIGKILL, false, from(os)).is_ok() {
+                    sched::killed(p.pid);
+                    any = true;
+                }
+            }
+        }
+    }
+    any
 }
 
 /// tgkill(2) (`tgid` > 0) and tkill(2) (`tgid` None).
