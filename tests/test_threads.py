@@ -318,6 +318,47 @@ stop.set(); t.join()
     assert r.stdout.split()[1] == "1", r.stdout
 
 
+def test_a_threaded_server_answers_without_waiting_for_its_main_threads_timeout(sb):
+    """A server process: one thread blocks in accept(), its main thread waits with Event.wait(1);
+    the client (this process) times its requests on the guest's clock. In replay mode that clock
+    is virtual and deterministic: a request costs microseconds of it. Virtual time jumps to the
+    earliest deadline only after a whole round in which nobody could move; the server's threads
+    answering a request are progress, so its main thread's deadline must not come first (it did:
+    a second per request). The figure checked is virtual time, which depends on the schedule
+    alone, not on the host's speed."""
+    r = run(
+        sb,
+        r'''
+import socket, subprocess, sys, time
+SERVER = """
+import os, socket, threading
+s = socket.socket(socket.AF_UNIX); s.bind("/tmp/echo.sock"); s.listen()
+def serve():
+    while True:
+        c, _ = s.accept(); c.sendall(c.recv(100)); c.close()
+threading.Thread(target=serve, daemon=True).start()
+print("up", flush=True)
+stop = threading.Event()
+while not stop.is_set():
+    stop.wait(1)
+"""
+p = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE)
+assert p.stdout.readline() == b"up\n"
+took = []
+for i in range(10):
+    t = time.monotonic()
+    c = socket.socket(socket.AF_UNIX); c.connect("/tmp/echo.sock"); c.sendall(b"%d" % i)
+    assert c.recv(100) == b"%d" % i
+    c.close()
+    took.append(time.monotonic() - t)
+p.kill(); p.wait()
+print(max(took))
+''',
+        seed=SEED,
+    )
+    assert float(r.stdout) < 0.5, r.stdout
+
+
 RACE = """
 import threading, random, time
 items, lock = [], threading.Lock()

@@ -512,13 +512,19 @@ pub fn restore_carry(c: ThreadCarry) {
     }
 }
 
-/// The loaded thread has nothing to do and the tree takes turns: pass the token as a blocked
+/// Every thread of this process waits and the tree takes turns: pass the token as a blocked
 /// process would (until `deadline`, virtual ns) and wait for it to come back. False if the run's
 /// deadline passed first.
+///
+/// What the threads did in this turn counts, as a blocked process's calls before the one that
+/// blocked do: a thread that accepted a connection, answered it and blocked in accept again made
+/// progress, and the client blocked on the answer must get its turn before anybody concludes that
+/// nobody can move (which would move virtual time to the earliest deadline: a server whose main
+/// thread waits with `Event.wait(1)` had its clients see a second pass per request). The calls
+/// that only yielded to other threads are not progress ([`after_syscall`]).
 pub fn idle_turn(mono: u64, advance: &mut dyn FnMut(u64), deadline: Option<u64>, run_deadline: Instant) -> bool {
     YIELD_DEADLINE.store(deadline.unwrap_or(u64::MAX), Ordering::SeqCst);
     YIELD.store(1, Ordering::SeqCst);
-    PROGRESS.store(false, Ordering::Relaxed);
     matches!(gate(true, mono, advance, run_deadline), Gate::Run)
 }
 
@@ -568,10 +574,10 @@ pub fn set_pgid(pgid: i32) {
     }
 }
 
-/// After every syscall: one that did not ask to yield is progress (a round of passes without any
-/// means everybody is blocked).
+/// After every syscall: one that did not ask to yield (to the other processes, or to the other
+/// threads of this one) is progress (a round of passes without any means everybody is blocked).
 pub fn after_syscall() {
-    if YIELD.load(Ordering::Relaxed) == 0 {
+    if YIELD.load(Ordering::Relaxed) == 0 && !THREAD_YIELD.load(Ordering::Relaxed) {
         PROGRESS.store(true, Ordering::Relaxed);
     }
 }

@@ -164,7 +164,7 @@ pub(super) fn syscall(m: &mut Machine, r: &mut kvm_regs, sregs: &mut kvm_sregs) 
                 // A thread of this process, on its vCPU (see `vmm::threads`).
                 Ok(c) if c.flags & CLONE_THREAD != 0 => {
                     let t = super::threads::NewThread { flags: c.flags, sp: child_sp(&c), parent_tid: c.parent_tid, child_tid: c.child_tid, tls: c.tls };
-                    let res = super::threads::clone_thread(m, r, t);
+                    let res = super::threads::clone_thread(m, r, sregs, t);
                     ret(r, res);
                 }
                 Ok(c) if super::spawn::serves(m, &c) => {

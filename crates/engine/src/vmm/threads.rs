@@ -32,7 +32,7 @@
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use kvm_bindings::kvm_regs;
+use kvm_bindings::{kvm_regs, kvm_sregs, kvm_xsave};
 
 use super::Machine;
 use crate::arch::x86_64::regs;
@@ -131,7 +131,7 @@ const CLONE_IO: u64 = 0x8000_0000;
 
 /// clone with CLONE_THREAD: a new thread of this process, runnable, resuming after the syscall
 /// with rax = 0 on its own stack and TLS. Returns its tid to the caller.
-pub(super) fn clone_thread(m: &mut Machine, r: &kvm_regs, t: NewThread) -> std::result::Result<u64, Errno> {
+pub(super) fn clone_thread(m: &mut Machine, r: &kvm_regs, sregs: &kvm_sregs, t: NewThread) -> std::result::Result<u64, Errno> {
     let need = CLONE_VM | CLONE_SIGHAND | CLONE_THREAD;
     let allowed = need | CLONE_FS | CLONE_FILES | CLONE_SYSVSEM | CLONE_SETTLS | CLONE_PARENT_SETTID | CLONE_CHILD_CLEARTID
         | CLONE_DETACHED | CLONE_UNTRACED | CLONE_CHILD_SETTID | CLONE_IO;
@@ -150,7 +150,6 @@ pub(super) fn clone_thread(m: &mut Machine, r: &kvm_regs, t: NewThread) -> std::
     if !host::add_thread(nproc.min(MAX_THREADS as u64) as u32) || os.threads.list.len() > MAX_THREADS as usize {
         return Err(EAGAIN);
     }
-    let sregs = m.vcpu.get_sregs().map_err(|_| EAGAIN)?;
     let xsave = m.vcpu.get_xsave().map_err(|_| EAGAIN)?;
     // SAFETY: getpid cannot fail (the fallback outside a sandbox tree, which has no counter).
     let tid = host::alloc_pid().unwrap_or_else(|| unsafe { libc::getpid() } + m.os.as_ref().map_or(1, |o| o.threads.list.len() as i32));
@@ -183,9 +182,13 @@ pub(super) fn clone_thread(m: &mut Machine, r: &kvm_regs, t: NewThread) -> std::
 // --- switching ---------------------------------------------------------------------------------
 
 /// Save the loaded thread into its record, with run state `state` (the vCPU is in ring 3).
+///
+/// The general and special registers go through `kvm_run`'s sync area (`vstate::sync`): after a
+/// syscall they are the pending write of its return, read without an ioctl, and [`load`] leaves
+/// the next thread's as the pending write. Under kvm_pvm each register ioctl costs about as much
+/// as a VM exit (15-19 us), so a switch costs the two xsave ioctls only.
 fn park(m: &mut Machine, state: RunState) -> Result<()> {
-    let regs = m.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
-    let sregs = m.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+    let (regs, sregs) = m.sync.current(&mut m.vcpu)?;
     let xs = m.vcpu.get_xsave().map_err(Error::kvm("KVM_GET_XSAVE"))?;
     let Some(os) = m.os.as_mut() else { return Ok(()) };
     let i = os.threads.cur;
@@ -212,15 +215,14 @@ fn park(m: &mut Machine, state: RunState) -> Result<()> {
 fn load(m: &mut Machine, i: usize) -> Result<()> {
     let Some(os) = m.os.as_mut() else { return Ok(()) };
     let Some(t) = os.threads.list.get_mut(i) else { return Ok(()) };
-    let mut sregs = m.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+    let (_, mut sregs) = m.sync.current(&mut m.vcpu)?;
     sregs.fs.base = t.fs_base;
     sregs.gs.base = t.gs_base;
     sregs.cs = regs::user_code_segment();
     sregs.ss = regs::user_data_segment();
-    m.vcpu.set_sregs(&sregs).map_err(Error::kvm("KVM_SET_SREGS"))?;
-    m.vcpu.set_regs(&t.regs).map_err(Error::kvm("KVM_SET_REGS"))?;
+    m.sync.write(&mut m.vcpu, &t.regs, &sregs)?;
     if t.xsave.len() == 1024 {
-        let mut xs = m.vcpu.get_xsave().map_err(Error::kvm("KVM_GET_XSAVE"))?;
+        let mut xs = kvm_xsave::default();
         xs.region.copy_from_slice(&t.xsave);
         // SAFETY: a complete kvm_xsave captured from this vCPU by `park` or `clone_thread`.
         unsafe { m.vcpu.set_xsave(&xs) }.map_err(Error::kvm("KVM_SET_XSAVE"))?;
@@ -293,11 +295,6 @@ pub(super) fn schedule(m: &mut Machine, deadline: Instant) -> Result<Option<RunE
     if !th.multi() && th.loaded && th.switch.is_none() {
         return Ok(None);
     }
-    // Switching reads and writes the registers with the ioctls: apply a write still pending in
-    // kvm_run's sync area first (the return from the last syscall; see `vstate::sync`).
-    m.sync.settle(&mut m.vcpu)?;
-    let Some(os) = m.os.as_mut() else { return Ok(None) };
-    let th = &mut os.threads;
     th.apply_wakes();
     let replay = os.proc.clocks.replay;
     let thread_yield = sched::take_thread_yield();
@@ -350,8 +347,8 @@ pub(super) fn schedule(m: &mut Machine, deadline: Instant) -> Result<Option<RunE
     pick(m, deadline)
 }
 
-fn in_ring3(m: &Machine) -> Result<bool> {
-    let sregs = m.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
+fn in_ring3(m: &mut Machine) -> Result<bool> {
+    let (_, sregs) = m.sync.current(&mut m.vcpu)?;
     Ok(sregs.cs.selector & 3 == 3)
 }
 

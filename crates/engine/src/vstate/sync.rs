@@ -80,6 +80,20 @@ impl RegSync {
         Ok(())
     }
 
+    /// The registers the next run starts with: a write still pending, else the vCPU's own (the
+    /// ioctls). For code that switches what the vCPU runs (`vmm::threads`) without settling: a
+    /// thread switch after a syscall then costs no register ioctls, where settling and reading
+    /// back cost four.
+    pub fn current(&self, vcpu: &mut VcpuFd) -> Result<(kvm_regs, kvm_sregs)> {
+        if let Some(p) = &self.pending {
+            if vcpu.get_kvm_run().kvm_dirty_regs & BOTH != 0 {
+                return Ok((p.0, p.1));
+            }
+        }
+        let r = vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
+        Ok((r, vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?))
+    }
+
     /// Apply a write KVM has not taken yet with the ioctls, so that KVM_GET_REGS and friends see
     /// it (and nothing is applied twice).
     pub fn settle(&mut self, vcpu: &mut VcpuFd) -> Result<()> {

@@ -137,11 +137,8 @@ impl FrameAllocator {
 /// Clear one guest page. A page that already reads as zero is left alone, so that a freed page the
 /// guest never wrote stays shared with the backing file instead of becoming a private copy.
 pub fn zero_page(mem: &mut GuestMemory, pa: u64) -> Result<()> {
-    let mut buf = [0u8; PAGE_SIZE as usize];
-    mem.read(pa, &mut buf)?;
-    if buf.iter().any(|&b| b != 0) {
-        buf.fill(0);
-        mem.write(pa, &buf)?;
+    if !mem.is_zero(pa, PAGE_SIZE as usize)? {
+        mem.write(pa, &[0u8; PAGE_SIZE as usize])?;
     }
     Ok(())
 }
