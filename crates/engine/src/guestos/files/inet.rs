@@ -233,8 +233,11 @@ pub fn connect(os: &mut GuestOs, ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr:
         st.settle = os.proc.clocks.replay;
         return Err(EINPROGRESS);
     }
+    crate::trace::mark("net.connect");
     let (reply, fds) = wire::call(broker, &req, BROKER_WAIT_MS).map_err(|_| ECONNREFUSED)?;
-    adopt(h, n, to, reply, fds)
+    let r = adopt(h, n, to, reply, fds);
+    crate::trace::mark("net.connected");
+    r
 }
 
 /// The reply of a non-blocking connect, if it has come (`wait_ms` 0: only look): the connect's
