@@ -2,7 +2,8 @@
 GET + close to loopback servers, from a sandbox (through the engine's broker) and from native
 /usr/bin/python3 on the host, the same code in the same run.
 
-Also: a 1 KiB request/response round trip on an open connection (the data path: the guest's
+Also: the price of one syscall (getppid; a VM exit in a sandbox) in the same run, the unit of
+the issue's connect target, and a 1 KiB request/response round trip on an open connection (the data path: the guest's
 reads and writes go straight to the connected socket, no relay), and a 100 MiB bulk download, as
 throughput. A third side runs the same under `record=True` (the broker relays and writes down
 every flow; the recordings are deleted afterwards). Printed: median and p99 of each, and the ratio sandbox / native. Nothing is asserted
@@ -33,8 +34,14 @@ BULK = 100 << 20  # bytes of the bulk download
 # (arrival of each request or message, with the host's clock): a sandbox's own clocks run on
 # virtual time in a seeded exec (docs/replay.md), so they would not measure anything real.
 GUEST = r"""
-import socket, sys
-port, echo, bulk, acc, once, n, rtt_n, size = (int(a) for a in sys.argv[1:9])
+import os, socket, sys
+port, echo, bulk, acc, once, mark, n, rtt_n, size = (int(a) for a in sys.argv[1:10])
+# The price of one syscall (a VM exit in a sandbox), in this run: EXIT_K getppid calls between
+# two connections to the mark server.
+for _ in range(EXIT_ROUNDS + 1):
+    socket.create_connection(("127.0.0.1", mark)).close()
+    for _ in range(EXIT_K):
+        os.getppid()
 for _ in range(n):
     socket.create_connection(("127.0.0.1", acc)).close()
 msg = b"x" * 1024
@@ -71,14 +78,20 @@ while got < size:
 s.sendall(b"k")
 s.close()
 print(got)
-"""
+""".replace("EXIT_ROUNDS", "5").replace("EXIT_K", "2000")
+EXIT_K = 2000
 
-ARRIVALS: dict[str, list[float]] = {"conn": [], "once": [], "get": [], "rtt": [], "bulk": []}
+ARRIVALS: dict[str, list[float]] = {"conn": [], "once": [], "get": [], "rtt": [], "bulk": [], "exit": []}
 
 
 class _Accept(socketserver.BaseRequestHandler):
     def handle(self):
         ARRIVALS["conn"].append(time.perf_counter())
+
+
+class _Mark(socketserver.BaseRequestHandler):
+    def handle(self):
+        ARRIVALS["exit"].append(time.perf_counter())
 
 
 class _Hello(http.server.BaseHTTPRequestHandler):
@@ -167,7 +180,7 @@ def _side(go) -> dict:
             break
         time.sleep(0.01)
     return {"conn": _intervals(ARRIVALS["conn"]), "once": _intervals(ARRIVALS["once"]), "get": _intervals(ARRIVALS["get"]),
-            "rtt": _intervals(ARRIVALS["rtt"]), "bulk_s": ARRIVALS["bulk"][0], "bulk_bytes": BULK}
+            "rtt": _intervals(ARRIVALS["rtt"]), "exit": [i / EXIT_K for i in _intervals(ARRIVALS["exit"])], "bulk_s": ARRIVALS["bulk"][0], "bulk_bytes": BULK}
 
 
 def run() -> dict:
@@ -179,6 +192,7 @@ def run() -> dict:
         _serve(_Server(("127.0.0.1", 0), _Bulk)),
         _serve(_Server(("127.0.0.1", 0), _Accept)),
         _serve(_Server(("127.0.0.1", 0), _EchoOnce)),
+        _serve(_Server(("127.0.0.1", 0), _Mark)),
     ]
     args = [*map(str, ports), str(N), str(RTT_N), str(BULK)]
 
@@ -228,6 +242,10 @@ def run() -> dict:
 def report(out: dict) -> str:
     lines = [f"egress benchmark (loopback; sandbox through the broker vs native {NATIVE}, same run)"]
     lines.append(f"{'what':34} {'median':>10} {'p99':>10} {'ratio (median)':>16}")
+    ne, _ = _stats(out["native"]["exit"] + out["native_after"]["exit"])
+    se, _ = _stats(out["sandbox"]["exit"])
+    lines.append(f"{'one syscall (getppid) native':34} {ne * 1e6:8.1f}us")
+    lines.append(f"{'one syscall (getppid) sandbox':34} {se * 1e6:8.1f}us {'':10} {'(one VM exit)':>16}")
     for key, label, n in (("conn", "connect+close", N), ("once", "connect+1 KiB req/resp+close", N),
                           ("get", "connect+GET+close", N),
                           ("rtt", "1 KiB round trip (open conn)", RTT_N)):
@@ -237,6 +255,8 @@ def report(out: dict) -> str:
         lines.append(f"{label + ' sandbox':34} {sm * 1e6:8.0f}us {sp * 1e6:8.0f}us {sm / nm:16.2f}")
         rm, rp = _stats(out["recording"][key])
         lines.append(f"{label + ' recording':34} {rm * 1e6:8.0f}us {rp * 1e6:8.0f}us {rm / nm:16.2f}")
+        if key in ("conn", "once"):
+            lines.append(f"{'  sandbox over native, in exits':34} {(sm - nm) / se:8.1f}   {'':10} {'':>16}")
     nb = max(o["bulk_bytes"] / o["bulk_s"] for o in (out["native"], out["native_after"]))
     sb = out["sandbox"]["bulk_bytes"] / out["sandbox"]["bulk_s"]
     lines.append(f"{'bulk download native':34} {nb / 2**20:8.0f} MiB/s")

@@ -4,7 +4,10 @@
 //! socket (`wire`). For a guest `connect` it checks the sandbox's policy against the address the
 //! VMM copied once from guest memory, dials itself (non-blocking, bounded by [`DIAL_TIMEOUT`]) from
 //! the host's network namespace, and hands the connected socket to the VMM with SCM_RIGHTS; the VMM
-//! then does the guest's I/O on it directly (no relay in the data path). For a guest DNS query it
+//! then does the guest's I/O on it directly (no relay in the data path). A dial that has ended when
+//! its connect returns (loopback, a near peer) is answered in the same turn of the broker thread;
+//! one still under way is watched by the broker thread's own poll, never by a thread of its own:
+//! a hand-off to another thread on the way back costs more than the dial (see docs/egress.md). For a guest DNS query it
 //! answers for names the policy admits by resolving them itself ([`Resolver`]) and remembers which
 //! addresses it gave for which name: a name rule admits a connection only to an address the
 //! broker's own answer gave for that name, never to an address the guest chose.
@@ -372,7 +375,7 @@ impl SandboxNet {
                 e.detail = why.into();
                 g.push(e);
                 drop(g);
-                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENETUNREACH }, &[]);
+                refuse(&reply, libc::ENETUNREACH);
                 return;
             }
             Verdict::Allowed(r) => r,
@@ -386,12 +389,12 @@ impl SandboxNet {
                 e.detail = format!("udp: {err}");
                 g.push(e);
                 drop(g);
-                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: err.raw_os_error().unwrap_or(libc::ENETUNREACH) }, &[]);
+                refuse(&reply, err.raw_os_error().unwrap_or(libc::ENETUNREACH));
                 return;
             }
             (_, Err(_)) => {
                 drop(g);
-                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENOBUFS }, &[]);
+                refuse(&reply, libc::ENOBUFS);
                 return;
             }
         };
@@ -487,6 +490,7 @@ impl SandboxNet {
     }
 
     fn connect(self: &Arc<Self>, pid: i32, addr: SocketAddr, reply: OwnedFd) {
+        crate::trace::mark("broker.connect");
         let ip = policy::canonical(addr.ip());
         let target = SocketAddr::new(ip, addr.port());
         let (verdict, names) = {
@@ -515,7 +519,7 @@ impl SandboxNet {
         let rule = match verdict {
             Verdict::Denied(why) => {
                 self.lock().push(entry("denied", None, why.into(), names.first().cloned()));
-                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ECONNREFUSED }, &[]);
+                refuse(&reply, libc::ECONNREFUSED);
                 return;
             }
             Verdict::Allowed(rule) => rule,
@@ -555,17 +559,17 @@ impl SandboxNet {
                     g.push(entry("diverged", Some(rule), format!("replay: {why}; refused"), name));
                     g.tape_errors.push(why);
                     drop(g);
-                    let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ECONNREFUSED }, &[]);
+                    refuse(&reply, libc::ECONNREFUSED);
                     return;
                 }
             };
             if let Some(errno) = flow.refused {
                 self.lock().push(entry("failed", Some(rule), format!("replay: the recorded dial failed ({})", std::io::Error::from_raw_os_error(errno)), name));
-                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno }, &[]);
+                refuse(&reply, errno);
                 return;
             }
             let (Ok((ours, theirs)), Ok((live_ours, live_theirs))) = (stream_pair(), wire::seqpacket_pair()) else {
-                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENOBUFS }, &[]);
+                refuse(&reply, libc::ENOBUFS);
                 return;
             };
             let local = flow.local.unwrap_or_else(|| SocketAddr::new(if target.is_ipv4() { IpAddr::from([0u8; 4]) } else { IpAddr::from([0u8; 16]) }, 0));
@@ -602,31 +606,23 @@ impl SandboxNet {
                 f.lock().unwrap_or_else(|p| p.into_inner()).refused = Some(errno);
             }
         };
-        let sock = match dial_start(target) {
-            Ok(s) => s,
-            Err(e) => {
-                let errno = e.raw_os_error().unwrap_or(libc::ECONNREFUSED);
-                refused(&recording, errno);
-                self.lock().push(entry("failed", Some(rule), format!("dial: {e}"), name));
-                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno }, &[]);
-                return;
-            }
-        };
+        // What a dial's end does, whenever and wherever it ends (at once, or on the broker
+        // thread's poll): a failed dial (its start or its wait) is refused with its errno here.
         let net = self.clone();
         let finish = move |sock: std::io::Result<OwnedFd>| {
             let sock = match sock {
                 Ok(s) => s,
                 Err(e) => {
-                    let errno = e.raw_os_error().unwrap_or(libc::ETIMEDOUT);
+                    let errno = e.raw_os_error().unwrap_or(libc::ECONNREFUSED);
                     refused(&recording, errno);
                     net.lock().push(entry("failed", Some(rule), format!("dial: {e}"), name));
-                    let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno }, &[]);
+                    refuse(&reply, errno);
                     return;
                 }
             };
             let Ok((live_ours, live_theirs)) = wire::seqpacket_pair() else {
                 refused(&recording, libc::ENOBUFS);
-                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENOBUFS }, &[]);
+                refuse(&reply, libc::ENOBUFS);
                 return;
             };
             // Checked again, and registered, under the lock `set_policy` takes: a policy change
@@ -638,7 +634,7 @@ impl SandboxNet {
                 refused(&recording, libc::ECONNREFUSED);
                 g.push(entry("denied", None, "the policy changed while the connection was being made".into(), name));
                 drop(g);
-                let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ECONNREFUSED }, &[]);
+                refuse(&reply, libc::ECONNREFUSED);
                 return;
             }
             let (tcp, relayed) = match recording {
@@ -646,6 +642,7 @@ impl SandboxNet {
                     if wire::send(reply.as_raw_fd(), &NetReply::Connected { relay: None }, &[sock.as_raw_fd(), live_theirs.as_raw_fd()]).is_err() {
                         return; // the asking process is gone: drop the connection
                     }
+                    crate::trace::mark("broker.replied");
                     (sock, false)
                 }
                 Some((ftape, size)) => {
@@ -653,7 +650,7 @@ impl SandboxNet {
                     let local = local_addr(sock.as_raw_fd());
                     ftape.lock().unwrap_or_else(|p| p.into_inner()).local = local;
                     let (Ok((ours, theirs)), Ok(copy)) = (stream_pair(), sock.try_clone()) else {
-                        let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno: libc::ENOBUFS }, &[]);
+                        refuse(&reply, libc::ENOBUFS);
                         return;
                     };
                     // SAFETY: fcntl on our socket: the relay's reads and writes block.
@@ -677,12 +674,21 @@ impl SandboxNet {
             drop(g);
             broker_wake();
         };
-        match sock {
-            Dial::Done(s) => finish(Ok(s)),
-            Dial::Pending(s) => {
-                let job = move || finish(dial_wait(s, DIAL_TIMEOUT));
-                let _ = std::thread::Builder::new().name("collimate-dial".into()).spawn(job);
-            }
+        match dial_start(target) {
+            Err(e) => finish(Err(e)),
+            Ok(Dial::Done(s)) => finish(Ok(s)),
+            // A loopback or LAN peer has usually answered the SYN before connect returns: end the
+            // dial now, in this turn of the broker thread (no hand-off to another thread on the
+            // way back to the VMM). Otherwise the broker thread's poll watches it.
+            Ok(Dial::Pending(s)) => match dial_done(&s, 0) {
+                Some(r) => finish(r.map(|_| s)),
+                None => {
+                    if let Ok(b) = broker() {
+                        let deadline = Instant::now() + DIAL_TIMEOUT;
+                        b.dials.lock().unwrap_or_else(|p| p.into_inner()).push(PendingDial { sock: s, deadline, finish: Box::new(finish) });
+                    }
+                }
+            },
         }
     }
 
@@ -819,27 +825,32 @@ fn dial_start(addr: SocketAddr) -> std::io::Result<Dial> {
     Err(e)
 }
 
-fn dial_wait(sock: OwnedFd, timeout: Duration) -> std::io::Result<OwnedFd> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::Error::from_raw_os_error(libc::ETIMEDOUT));
-        }
-        let mut pfd = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
-        // SAFETY: one valid pollfd.
-        let r = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
-        if r < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-            continue;
-        }
-        if r > 0 {
-            let mut err: i32 = 0;
-            let mut len = 4 as libc::socklen_t;
-            // SAFETY: SO_ERROR into an int we own.
-            unsafe { libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_ERROR, (&mut err as *mut i32).cast(), &mut len) };
-            return if err == 0 { Ok(sock) } else { Err(std::io::Error::from_raw_os_error(err)) };
-        }
+/// How a dial under way ended, if it has (waiting at most `timeout_ms`): connected, or its error.
+fn dial_done(sock: &OwnedFd, timeout_ms: i32) -> Option<std::io::Result<()>> {
+    let mut pfd = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+    // SAFETY: one valid pollfd.
+    if unsafe { libc::poll(&mut pfd, 1, timeout_ms) } <= 0 {
+        return None;
     }
+    Some(dial_error(sock))
+}
+
+/// A dial's outcome once its socket is writable (or in error): SO_ERROR, read once.
+fn dial_error(sock: &OwnedFd) -> std::io::Result<()> {
+    let mut err: i32 = 0;
+    let mut len = 4 as libc::socklen_t;
+    // SAFETY: SO_ERROR into an int we own.
+    unsafe { libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_ERROR, (&mut err as *mut i32).cast(), &mut len) };
+    if err == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::from_raw_os_error(err))
+    }
+}
+
+/// Refuse a request with `errno` (a closed reply socket means the asker is gone: nothing to do).
+fn refuse(reply: &OwnedFd, errno: i32) {
+    let _ = wire::send(reply.as_raw_fd(), &NetReply::Refused { errno }, &[]);
 }
 
 /// A socket address as the kernel takes it.
@@ -875,8 +886,19 @@ struct Registered {
     net: Arc<SandboxNet>,
 }
 
+/// A dial under way that did not end at once: the broker thread's poll watches its socket and
+/// runs `finish` when it connects, fails, or passes its deadline ([`DIAL_TIMEOUT`]).
+struct PendingDial {
+    sock: OwnedFd,
+    deadline: Instant,
+    finish: Box<dyn FnOnce(std::io::Result<OwnedFd>) + Send>,
+}
+
 struct Broker {
     reg: Mutex<Vec<Registered>>,
+    /// Dials started by requests this turn (only the broker thread serves requests); the loop
+    /// takes them into its own list before it polls.
+    dials: Mutex<Vec<PendingDial>>,
     /// Signalled each time the broker thread has dropped the registrations of closed sandboxes.
     swept: std::sync::Condvar,
     wake: OwnedFd,
@@ -898,6 +920,7 @@ fn broker() -> Result<&'static Broker, BrokerError> {
             let wake = unsafe { OwnedFd::from_raw_fd(fd) };
             let b = Broker {
                 reg: Mutex::new(Vec::new()),
+                dials: Mutex::new(Vec::new()),
                 swept: std::sync::Condvar::new(),
                 wake,
                 resolver: Mutex::new(resolver),
@@ -975,9 +998,12 @@ fn broker_loop() {
             None => std::thread::sleep(Duration::from_millis(1)),
         }
     };
+    let mut dials: Vec<PendingDial> = Vec::new();
     loop {
-        // What to watch: the wake-up, each sandbox's socket, each flow's liveness end. Closed
-        // sandboxes leave first (here, between polls: nothing closes a descriptor being polled).
+        // What to watch: the wake-up, each sandbox's socket, each flow's liveness end, each dial
+        // under way. Closed sandboxes leave first (here, between polls: nothing closes a
+        // descriptor being polled).
+        dials.append(&mut b.dials.lock().unwrap_or_else(|p| p.into_inner()));
         let (socks, nets): (Vec<RawFd>, Vec<Arc<SandboxNet>>) = {
             let mut reg = b.reg.lock().unwrap_or_else(|p| p.into_inner());
             let before = reg.len();
@@ -996,8 +1022,29 @@ fn broker_loop() {
                 pfds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
             }
         }
+        let first_dial = pfds.len();
+        pfds.extend(dials.iter().map(|d| libc::pollfd { fd: d.sock.as_raw_fd(), events: libc::POLLOUT, revents: 0 }));
+        let now = Instant::now();
+        let timeout = dials.iter().map(|d| d.deadline.saturating_duration_since(now)).min().unwrap_or(Duration::from_secs(1)).min(Duration::from_secs(1));
         // SAFETY: `pfds` is a valid array of pollfds.
-        let r = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, 1000) };
+        let r = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout.as_millis() as i32 + 1) };
+        if !dials.is_empty() {
+            // Dials that ended (or ran out of time) are finished here, in the order they started.
+            let now = Instant::now();
+            let mut left = Vec::with_capacity(dials.len());
+            for (k, d) in std::mem::take(&mut dials).into_iter().enumerate() {
+                let PendingDial { sock, deadline, finish } = d;
+                if r > 0 && pfds[first_dial + k].revents != 0 {
+                    let res = dial_error(&sock);
+                    finish(res.map(|_| sock));
+                } else if now >= deadline {
+                    finish(Err(std::io::Error::from_raw_os_error(libc::ETIMEDOUT)));
+                } else {
+                    left.push(PendingDial { sock, deadline, finish });
+                }
+            }
+            dials = left;
+        }
         if r <= 0 {
             continue;
         }
@@ -1110,6 +1157,38 @@ mod tests {
         let e = &net.log()[1];
         assert!(!e.open && e.bytes_out == 4 && e.bytes_in == 5, "{e:?}");
         assert_eq!(net.bytes(), (4, 5));
+    }
+
+    #[test]
+    fn a_dial_that_does_not_end_at_once_is_finished_by_the_broker_thread() {
+        use std::os::fd::AsRawFd;
+        // A listener whose accept queue is full drops SYNs: the broker's dial stays under way
+        // (SYN_SENT) until the queue has room and the SYN is sent again (about a second later).
+        let server = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = server.local_addr().unwrap();
+        // SAFETY: listen on our own socket, with the smallest queue (one connection).
+        assert_eq!(unsafe { libc::listen(server.as_raw_fd(), 0) }, 0);
+        let first = std::net::TcpStream::connect(addr).unwrap(); // fills the queue
+        let net = SandboxNet::new(policy(&[&format!("127.0.0.1:{}", addr.port())]));
+        let vmm = register(net.clone()).unwrap();
+        let ours = wire::start(vmm.as_raw_fd(), &NetRequest::Connect { pid: 3, addr }).unwrap();
+        // Another connect is served meanwhile (the broker thread does not wait on the dial).
+        let other = TcpListener::bind("127.0.0.1:0").unwrap();
+        net.set_policy(policy(&[&format!("127.0.0.1:{}", addr.port()), &format!("127.0.0.1:{}", other.local_addr().unwrap().port())]));
+        let (r, fds) = connect(&vmm, other.local_addr().unwrap());
+        assert!(matches!(r, NetReply::Connected { relay: None }) && fds.len() == 2);
+        // Room in the queue: the dial ends and its socket comes back on the first request's reply.
+        let (_a, _) = server.accept().unwrap();
+        let (r, fds) = wire::answer(&ours, 8000).unwrap();
+        assert!(matches!(r, NetReply::Connected { relay: None }) && fds.len() == 2, "{r:?}");
+        let (mut peer, _) = server.accept().unwrap();
+        let mut tcp = std::net::TcpStream::from(fds.into_iter().next().unwrap());
+        tcp.write_all(b"late").unwrap();
+        let mut b = [0u8; 4];
+        peer.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"late");
+        assert_eq!(net.log().iter().filter(|e| e.verdict == "allowed").count(), 2);
+        drop(first);
     }
 
     #[test]

@@ -108,8 +108,10 @@ fn cmsg_space(n: usize) -> usize {
 
 /// Receive one datagram and up to 4 descriptors (blocking unless `sock` is non-blocking).
 pub fn recv<T: for<'de> Deserialize<'de>>(sock: RawFd) -> Result<(T, Vec<OwnedFd>), WireError> {
-    let mut buf = vec![0u8; MAX_MSG];
-    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // Not zeroed: the kernel writes what it received and only that is read (a message is a few
+    // dozen bytes; clearing 64 KiB for each would cost more than the call).
+    let mut buf: Vec<u8> = Vec::with_capacity(MAX_MSG);
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: MAX_MSG };
     let space = cmsg_space(4);
     let mut cbuf = vec![0u64; space.div_ceil(8)];
     // SAFETY: a zeroed msghdr is valid; its buffers outlive the call.
@@ -123,6 +125,8 @@ pub fn recv<T: for<'de> Deserialize<'de>>(sock: RawFd) -> Result<(T, Vec<OwnedFd
     if n < 0 {
         return Err(WireError::Sys { op: "recvmsg", source: std::io::Error::last_os_error() });
     }
+    // SAFETY: recvmsg wrote `n` bytes (at most MAX_MSG, the capacity) at the start of `buf`.
+    unsafe { buf.set_len(n as usize) };
     let mut fds = Vec::new();
     // SAFETY: walking the control messages the kernel wrote into `cbuf`; each SCM_RIGHTS payload
     // holds descriptors the kernel installed for us (we take ownership of each once).
@@ -142,7 +146,7 @@ pub fn recv<T: for<'de> Deserialize<'de>>(sock: RawFd) -> Result<(T, Vec<OwnedFd
     if n == 0 && fds.is_empty() {
         return Err(WireError::Closed);
     }
-    let msg = postcard::from_bytes(&buf[..n as usize]).map_err(|e| WireError::Decode(e.to_string()))?;
+    let msg = postcard::from_bytes(&buf).map_err(|e| WireError::Decode(e.to_string()))?;
     Ok((msg, fds))
 }
 

@@ -691,6 +691,9 @@ pub fn file_read(f: &OpenFile, proc: &mut Proc, n: usize, off: Option<u64>) -> R
         }
     };
     if f.stream && n > 0 {
+        if let Some(ns) = f.net.as_ref() {
+            inet::await_peer(ns, fd, false);
+        }
         wait_stream(fd, libc::POLLIN)?;
     }
     let mut v: Vec<u8> = Vec::with_capacity(n);

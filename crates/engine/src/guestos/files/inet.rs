@@ -233,8 +233,11 @@ pub fn connect(os: &mut GuestOs, ctx: &mut Ctx, f: &OpenFile, n: &NetSock, addr:
         st.settle = os.proc.clocks.replay;
         return Err(EINPROGRESS);
     }
+    crate::trace::mark("net.connect");
     let (reply, fds) = wire::call(broker, &req, BROKER_WAIT_MS).map_err(|_| ECONNREFUSED)?;
-    adopt(h, n, to, reply, fds)
+    let r = adopt(h, n, to, reply, fds);
+    crate::trace::mark("net.connected");
+    r
 }
 
 /// The reply of a non-blocking connect, if it has come (`wait_ms` 0: only look): the connect's
@@ -569,6 +572,31 @@ pub fn pending_reset(n: &NetSock, h: RawFd) -> Result<(), Errno> {
         return Err(Errno(err));
     }
     Ok(())
+}
+
+/// How long a blocking receive on a TCP socket waits on the host, holding its turn, before the
+/// turn is handed on (see [`await_peer`]).
+const PEER_GRACE_MS: i32 = 1;
+
+/// Before a blocking receive on network socket `n` (host descriptor `h`) while processes take
+/// turns (`guestos::sched`): its peer is outside the sandbox (through the broker), never another
+/// guest process, so nothing the others do in their turns can bring its data. A loopback or LAN
+/// answer comes within a moment: wait that moment on the host ([`PEER_GRACE_MS`]) before the
+/// turn goes round. (Handed on at once, a turn with nobody else able to run comes back after a
+/// pause of the scheduler's, and a first exchange on a new connection cost about a millisecond
+/// more than on an open one.) Whether the data has come by then depends on the network, as it
+/// did when the turn came back.
+pub fn await_peer(n: &NetSock, h: RawFd, dontwait: bool) {
+    if n.is_dns() || dontwait || !crate::guestos::sched::tree_active() {
+        return;
+    }
+    // SAFETY: F_GETFL on a descriptor we hold.
+    if unsafe { libc::fcntl(h, libc::F_GETFL) } & libc::O_NONBLOCK != 0 {
+        return;
+    }
+    let mut p = libc::pollfd { fd: h, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd.
+    unsafe { libc::poll(&mut p, 1, PEER_GRACE_MS) };
 }
 
 pub fn listen() -> SysResult {

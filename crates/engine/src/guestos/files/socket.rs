@@ -379,13 +379,21 @@ pub fn sys_recvfrom(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, len: u64
     check_msg_flags(flags)?;
     let h = host_socket(os, fd)?;
     let n = (len as usize).min(super::MAX_IO);
-    let mut data = vec![0u8; n];
+    // Not zeroed: only what the host call wrote is copied out (a recv(65536) of a short message
+    // would otherwise clear 64 KiB each time).
+    let mut data: Vec<u8> = Vec::with_capacity(n);
     let host_flags = (flags | libc::MSG_DONTWAIT) & !libc::MSG_WAITALL;
-    // SAFETY: recv into a buffer we own of `n` bytes.
+    if let Some(ns) = os.files.file(fd)?.net.as_ref() {
+        super::inet::await_peer(ns, h, flags & libc::MSG_DONTWAIT != 0);
+    }
+    // SAFETY: recv into the spare capacity of `data`, `n` bytes.
     let got = sliced(h, libc::POLLIN, flags & libc::MSG_DONTWAIT != 0, || unsafe {
         libc::recv(h, data.as_mut_ptr().cast(), n, host_flags)
     } as i64)?;
-    ctx.write(buf, &data[..(got as usize).min(n)])?;
+    // SAFETY: the host call wrote `got` bytes (at most `n`, the capacity; MSG_TRUNC on a datagram
+    // socket may report more than it wrote, hence the min).
+    unsafe { data.set_len((got as usize).min(n)) };
+    ctx.write(buf, &data)?;
     if addr != 0 && lenp != 0 {
         match os.files.file(fd)?.net.as_ref() {
             Some(ns) => super::inet::write_source(ctx, ns, addr, lenp)?,
@@ -472,6 +480,9 @@ pub fn sys_recvmsg(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, msgp: u64, flags: i
     let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
     hdr.msg_iov = &mut vec;
     hdr.msg_iovlen = 1;
+    if let Some(ns) = os.files.file(fd)?.net.as_ref() {
+        super::inet::await_peer(ns, h, flags & libc::MSG_DONTWAIT != 0);
+    }
     // SAFETY: recvmsg into the msghdr above, whose one iovec is our buffer.
     let got = sliced(h, libc::POLLIN, flags & libc::MSG_DONTWAIT != 0, || unsafe { libc::recvmsg(h, &mut hdr, host_flags) } as i64)?;
     let mut left = &data[..(got as usize).min(total)];
