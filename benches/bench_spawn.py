@@ -2,8 +2,10 @@
 in the same run; see benches/conftest.py for the summary table (median, p99, ratio to a host fork)
 and the `x_native` ratio under it (sandbox median / native median; above 1, we are slower):
 
-- `exec(command="true")` against `/bin/sh -c true`, and the same command through the agent's
-  `subprocess` fallback (the path before the engine's spawn call, in a second sandbox of this run);
+- `exec(command="true")` against `/bin/sh -c true` (the agent starts busybox's `true` applet for
+  it, not the shell: see agent.py's _STATUS_APPLETS), `exec(command="true;")` (the same through
+  `/bin/sh -c`), and `true` through the agent's `subprocess` fallback (the path before the
+  engine's spawn call, in a second sandbox of this run);
 - `exec(command="echo hi | wc -c")` against `/bin/sh -c "echo hi | wc -c"`;
 - `exec(command="cd /work && python3 task.py")` against `cd <dir> && /usr/bin/python3 task.py`;
 - `fork_group(64)` + a map of `exec(command="true")` (the map's default: up to 32 at a time)
@@ -83,11 +85,20 @@ def test_sandbox_command_true(benchmark, sb):
     _record(benchmark, "true", "native true")
 
 
+def test_sandbox_command_true_through_the_shell(benchmark, sb):
+    def run():
+        r = sb.exec(command="true;")
+        assert r.exit_code == 0, r
+
+    benchmark.pedantic(run, rounds=60, warmup_rounds=3)
+    _record(benchmark, "true;", "native true")
+
+
 @pytest.fixture(scope="module")
 def sb_subprocess(client):
     # The agent's fallback: subprocess.run's vfork child runs CPython's pre-exec code in the guest.
     with Sandbox("python", client=client) as s:
-        r = s.exec(code="import sys; m = sys.modules['__main__']; print(m._spawn is not None); m._spawn = None")
+        r = s.exec(code="import sys; m = sys.modules['collimate_agent']; print(m._spawn is not None); m._spawn = None")
         assert r.stdout == "True\n", r
         assert s.exec(command="true").ok
         yield s

@@ -136,6 +136,20 @@ def test_reset_forgets_mappings_and_memory_whatever_its_size(client):
             sb.reset()
 
 
+def test_reset_drops_memory_written_past_the_first_memory_slot(client):
+    """A guest that grows its memory is covered by growth slots added above KVM's first memory
+    slot (crates/engine/src/vstate/vm.rs); their dirty logs must count like the first slot's, or a
+    reset would keep the pages written there and hand them out again as fresh (zero) memory."""
+    with Sandbox("python", client=client) as sb:
+        for _ in range(2):
+            r = sb.exec(code="big = bytearray(b'Z') * (300 << 20)\nprint(big.count(b'Z') == len(big))")
+            assert r.stdout == "True\n", r
+            sb.reset()
+            r = sb.exec(code="fresh = bytearray(300 << 20)\nprint(fresh.count(0) == len(fresh), 'big' in globals())")
+            assert r.stdout == "True False\n", r
+            sb.reset()
+
+
 def test_user_errors_are_results_not_exceptions(client):
     with Sandbox("python", client=client) as sb:
         r = sb.exec(code="raise ValueError('nope')")

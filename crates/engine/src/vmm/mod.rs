@@ -412,13 +412,15 @@ impl Machine {
         }
     }
 
-    /// Grow slot 0 over every frame the guest has been given before it runs (see `vstate::vm`).
+    /// Cover every frame the guest has been given with slots before it runs (see `vstate::vm`).
     fn cover_frames(&mut self) -> Result<()> {
         let need = slot_size_for(self.runtime.frames.next, self.mem.size());
         if need > self.vm.slot_size() {
-            let log = self.vm.take_dirty_log()?;
-            self.mem.sync_dirty(&log);
-            self.vm.replace_slot(need)?;
+            // A growth slot (see `vstate::vm`); the fallback replaces slot 0, whose log it hands
+            // back first.
+            if let Some(log) = self.vm.grow(need)? {
+                self.mem.sync_dirty(&log);
+            }
         }
         Ok(())
     }

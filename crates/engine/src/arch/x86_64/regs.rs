@@ -137,7 +137,12 @@ pub fn initial_regs(entry: u64, rsp: u64) -> kvm_regs {
 
 /// The CPUID the guest is given: the host's supported set without RDRAND and RDSEED, so that
 /// randomness comes from the host (note: under kvm_pvm, CPUID executed in ring 3 is not filtered).
+///
+/// On Intel, leaf 2's cache descriptors are given explicitly (see [`cache_descriptors`]);
+/// `COLLIMATE_CPUID_LEAF2=host` keeps the host's, to compare.
 pub fn filter_cpuid(cpuid: &mut CpuId) {
+    let host_leaf2 = std::env::var_os("COLLIMATE_CPUID_LEAF2").is_some_and(|v| v == "host");
+    let descriptors = if host_leaf2 { None } else { cache_descriptors(cpuid.as_slice()) };
     for e in cpuid.as_mut_slice() {
         if e.function == 1 {
             e.ecx &= !(1 << 30); // RDRAND
@@ -145,5 +150,120 @@ pub fn filter_cpuid(cpuid: &mut CpuId) {
         if e.function == 7 && e.index == 0 {
             e.ebx &= !(1 << 18); // RDSEED
         }
+        if let (2, Some((eax, ebx, ecx))) = (e.function, descriptors) {
+            (e.eax, e.ebx, e.ecx, e.edx) = (eax, ebx, ecx, 0);
+        }
+    }
+}
+
+/// Leaf 2 descriptors (`(size, descriptor)`, 64-byte lines) for each cache, from the table glibc
+/// and the Intel SDM share, smallest first.
+const L1D_DESCRIPTORS: &[(u64, u8)] = &[(16 << 10, 0x0d), (24 << 10, 0x0e), (32 << 10, 0x2c)];
+const L1I_DESCRIPTORS: &[(u64, u8)] = &[(32 << 10, 0x30)];
+const L2_DESCRIPTORS: &[(u64, u8)] =
+    &[(128 << 10, 0x39), (256 << 10, 0x21), (512 << 10, 0x7b), (1 << 20, 0x7c), (2 << 20, 0x7d), (3 << 20, 0x48), (6 << 20, 0x4e)];
+const L3_DESCRIPTORS: &[(u64, u8)] = &[
+    (512 << 10, 0xd0),
+    (1 << 20, 0xd1),
+    (2 << 20, 0xd2),
+    (4 << 20, 0xe3),
+    (8 << 20, 0xe4),
+    (12 << 20, 0xea),
+    (18 << 20, 0xeb),
+    (24 << 20, 0xec),
+];
+
+/// Leaf 2 (EAX, EBX, ECX) naming the caches of leaf 4 with explicit descriptors, where the host's
+/// leaf 2 says "see leaf 4" (descriptor 0xff, every recent Intel CPU); None otherwise.
+///
+/// Why: glibc's start-up (every static program, and ld.so for every dynamic one) asks for a dozen
+/// cache parameters, and with 0xff each one walks leaf 4 from sub-leaf 0 until it finds its
+/// level: about 37 CPUID instructions, each a VM exit under kvm_pvm (~30-40 us), 1.3 ms of every
+/// program start (busybox `sh` makes 67 CPUIDs in all). With descriptors each parameter is one
+/// leaf-2 CPUID. Each cache gets the largest descriptor not above its leaf-4 size (the guest's
+/// sysconf cache sizes become those); leaf 4 itself is unchanged (glibc still reads it for the
+/// threads sharing a cache).
+pub fn cache_descriptors(entries: &[kvm_bindings::kvm_cpuid_entry2]) -> Option<(u32, u32, u32)> {
+    let leaf2 = entries.iter().find(|e| e.function == 2)?;
+    let has_ff = [leaf2.eax & !0xff, leaf2.ebx, leaf2.ecx, leaf2.edx]
+        .iter()
+        .any(|&r| r & 0x8000_0000 == 0 && r.to_le_bytes().contains(&0xff));
+    if !has_ff {
+        return None;
+    }
+    let mut sizes = [0u64; 4]; // L1d, L1i, L2, L3
+    for e in entries.iter().filter(|e| e.function == 4) {
+        let (kind, level) = (e.eax & 0x1f, (e.eax >> 5) & 7);
+        let size = (((e.ebx >> 22) + 1) as u64) * ((((e.ebx >> 12) & 0x3ff) + 1) as u64) * (((e.ebx & 0xfff) + 1) as u64) * (e.ecx as u64 + 1);
+        let slot = match (level, kind) {
+            (1, 1) => 0,
+            (1, 2) => 1,
+            (2, _) => 2,
+            (3, _) => 3,
+            _ => continue,
+        };
+        sizes[slot] = size;
+    }
+    let pick = |table: &[(u64, u8)], size: u64| -> u32 {
+        if size == 0 {
+            return 0;
+        }
+        table.iter().rev().find(|(s, _)| *s <= size).or(table.first()).map_or(0, |&(_, d)| d as u32)
+    };
+    let (l1d, l1i, l2, l3) =
+        (pick(L1D_DESCRIPTORS, sizes[0]), pick(L1I_DESCRIPTORS, sizes[1]), pick(L2_DESCRIPTORS, sizes[2]), pick(L3_DESCRIPTORS, sizes[3]));
+    // EAX's low byte: one round of leaf 2. 0xf0: 64-byte prefetching; 0xfe: TLBs in leaf 0x18 (as
+    // the host says).
+    Some((1 | l1d << 8 | l1i << 16 | l2 << 24, 0xf0 | l3 << 8, 0xfe))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvm_bindings::kvm_cpuid_entry2;
+
+    fn leaf(function: u32, index: u32, eax: u32, ebx: u32, ecx: u32) -> kvm_cpuid_entry2 {
+        kvm_cpuid_entry2 { function, index, eax, ebx, ecx, ..Default::default() }
+    }
+
+    /// The development host's leaves 2 and 4: 48 KiB L1d, 64 KiB L1i, 2 MiB L2, 480 MiB L3.
+    fn host() -> Vec<kvm_cpuid_entry2> {
+        vec![
+            leaf(2, 0, 0x00fe_ff01, 0xf0, 0),
+            leaf(4, 0, 0x0400_0121, 0x02c0_003f, 0x3f),
+            leaf(4, 1, 0x0400_0122, 0x03c0_003f, 0x3f),
+            leaf(4, 2, 0x0400_0143, 0x03c0_003f, 0x7ff),
+            leaf(4, 3, 0x0400_4163, 0x03c0_003f, 0x77fff),
+            leaf(4, 4, 0, 0, 0),
+        ]
+    }
+
+    #[test]
+    fn leaf2_names_each_cache_without_leaf4() {
+        let (eax, ebx, ecx) = cache_descriptors(&host()).expect("0xff in leaf 2");
+        // 32 KiB L1d (0x2c), 32 KiB L1i (0x30), 2 MiB L2 (0x7d), 24 MiB L3 (0xec).
+        assert_eq!(eax, 0x7d30_2c01);
+        assert_eq!(ebx, 0xecf0);
+        assert_eq!(ecx, 0xfe);
+        for r in [eax >> 8, ebx, ecx] {
+            assert!(!r.to_le_bytes().contains(&0xff), "no 'see leaf 4' left: {r:#x}");
+        }
+    }
+
+    #[test]
+    fn leaf2_kept_without_0xff() {
+        let mut e = host();
+        e[0].eax = 0x0001_2c01; // explicit descriptors already (or an AMD host's zeros)
+        assert_eq!(cache_descriptors(&e), None);
+        e[0].eax = 0;
+        assert_eq!(cache_descriptors(&e), None);
+    }
+
+    #[test]
+    fn small_caches_take_the_smallest_descriptor() {
+        let mut e = host();
+        e[3].ecx = 0x3f; // 64 KiB L2: below every L2 descriptor
+        let (eax, _, _) = cache_descriptors(&e).unwrap();
+        assert_eq!(eax >> 24, 0x39);
     }
 }
