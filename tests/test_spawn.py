@@ -292,23 +292,3 @@ def test_programs_started_again_from_a_cached_image_see_their_own_arguments_and_
     assert lines[:2] == ["one one", "two two"], out
     assert [ln.split()[0] + " " + ln.split()[2] for ln in lines[2:4]] == ["bash 3", "bash 4"] and lines[2].split()[1].isdigit(), out
     assert lines[4:] == ["printf", "9 8 0"], out
-
-
-def test_true_and_false_start_as_busybox_applets_with_the_shells_results(sb):
-    # exec(command="true") and "false" start busybox as its `true` / `false` applet instead of
-    # `/bin/sh -c` (the agent's _STATUS_APPLETS: /bin/sh is busybox here): the same exit status
-    # and output as the shell's builtins ("true;" still goes through the shell), and one process
-    # each, as the shell was (the next process's pid moves on by as much).
-    assert run(sb, "import sys; print(sorted(sys.modules['collimate_agent']._STATUS_APPLETS))") == "[b'false', b'true']\n"
-    results = []
-    for cmd in ("true", "true;", "false", "false;"):
-        before = int(sb.exec(command="echo $$").stdout)
-        r = sb.exec(command=cmd)
-        after = int(sb.exec(command="echo $$").stdout)
-        results.append((cmd, r.exit_code, r.stdout, r.stderr, after - before))
-    assert results == [
-        ("true", 0, "", "", 2),
-        ("true;", 0, "", "", 2),
-        ("false", 1, "", "", 2),
-        ("false;", 1, "", "", 2),
-    ], results

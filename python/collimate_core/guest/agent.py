@@ -123,10 +123,10 @@ def _spawn_call():
     f.restype = ctypes.c_long
     f.argtypes = (ctypes.c_long, ctypes.c_char_p, strv, strv, ctypes.c_long)
 
-    def spawn(argv, envp, path=None):
+    def spawn(argv, envp):
         a = (ctypes.c_char_p * (len(argv) + 1))(*argv, None)
         e = (ctypes.c_char_p * (len(envp) + 1))(*envp, None)
-        pid = f(SYS_SPAWN, path or argv[0], a, e, SPAWN_CLOSE_FDS | SPAWN_RESTORE_SIGNALS)
+        pid = f(SYS_SPAWN, argv[0], a, e, SPAWN_CLOSE_FDS | SPAWN_RESTORE_SIGNALS)
         if pid < 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
@@ -150,35 +150,12 @@ def _encode_env(env):
     return out
 
 
-def _status_applets():
-    """The commands run as busybox applets instead of `/bin/sh -c` (see below): those of `true` and
-    `false` where /bin/sh is busybox and /bin/true and /bin/false are that busybox too."""
-    try:
-        sh = os.path.realpath("/bin/sh")
-        if os.path.basename(sh) != "busybox":
-            return frozenset()
-        return frozenset(os.fsencode(n) for n in ("true", "false") if os.path.realpath(f"/bin/{n}") == sh)
-    except OSError:
-        return frozenset()
-
-
-# `sh -c true` is a process that starts a shell, runs its builtin `true` and exits 0 (`false`: 1);
-# the same busybox started as its `true` applet is a process that exits 0 too, without the
-# shell's start-up (10 of its 26 syscalls, and the pages they touch, each a VM exit here). Only
-# the exact command: with arguments, the applet would answer `--help` where the builtin does not.
-# The root filesystem is read-only, so what is found here at start stays true.
-_STATUS_APPLETS = _status_applets()
-
-
 def run_command(command, env, cwd):
     script = os.fsencode(command)
     envp = _encode_env(env) if _spawn is not None and b"\0" not in script else None
     if envp is not None:
         try:
-            if script in _STATUS_APPLETS:
-                pid = _spawn([script], envp, b"/bin/sh")
-            else:
-                pid = _spawn([b"/bin/sh", b"-c", script], envp)
+            pid = _spawn([b"/bin/sh", b"-c", script], envp)
         except OSError as e:
             # ENOSYS: not served in place (user code started threads): subprocess below.
             if e.errno != 38:
