@@ -2,9 +2,8 @@
 in the same run; see benches/conftest.py for the summary table (median, p99, ratio to a host fork)
 and the `x_native` ratio under it (sandbox median / native median; above 1, we are slower):
 
-- `exec(command="true")` against `/bin/sh -c true` (the agent starts busybox's `true` applet for
-  it, not the shell: see agent.py's _STATUS_APPLETS), `exec(command="true;")` (the same through
-  `/bin/sh -c`), and `true` through the agent's `subprocess` fallback (the path before the
+- `exec(command="true")` against `/bin/sh -c true`, `exec(command="true;")` (a compound command,
+  the same shell path), and `true` through the agent's `subprocess` fallback (the path before the
   engine's spawn call, in a second sandbox of this run);
 - `exec(command="echo hi | wc -c")` against `/bin/sh -c "echo hi | wc -c"`;
 - `exec(command="cd /work && python3 task.py")` against `cd <dir> && /usr/bin/python3 task.py`;
