@@ -238,6 +238,14 @@ t = threading.Thread(target=lambda: got.extend((time.monotonic_ns(), sys_mono(),
 t.start(); t.join()
 print("steps", b - a, c - b, e - d, f - e, got[1] - got[0], got[2] - got[1])
 print("times", a, d, got[0], time.time_ns(), time.process_time_ns())
+class TV(ctypes.Structure):
+    _fields_ = [("s", ctypes.c_long), ("us", ctypes.c_long)]
+tv = TV()
+r0 = time.time_ns(); assert libc.gettimeofday(ctypes.byref(tv), None) == 0; r1 = time.time_ns()
+t = ctypes.c_long(); s = libc.time(ctypes.byref(t))
+p0 = time.process_time_ns(); time.monotonic_ns(); p1 = time.process_time_ns()
+print("realtime", tv.s * 10**9 + tv.us * 1000 - r0, r1 - (tv.s * 10**9 + tv.us * 1000), s == t.value == r1 // 10**9, p1 - p0)
+print("res", time.clock_getres(time.CLOCK_MONOTONIC), time.clock_getres(time.CLOCK_REALTIME), time.clock_getres(6))
 "#;
 
 #[test]
@@ -262,6 +270,10 @@ fn vdso_reads_and_syscall_reads_share_the_virtual_clock() {
     assert!(first.contains("mapped True\n"), "{first}");
     // Every read is one quantum (1 us) after the one before, whichever way it was made.
     assert!(first.contains("steps 1000 1000 1000 1000 1000 1000\n"), "{first}");
+    // gettimeofday and time through the vDSO, on the REALTIME clock; CPU time moves by the
+    // quantum per read, the vDSO's included; clock_getres's fixed answers (4 ms: MONOTONIC_COARSE).
+    assert!(first.contains("realtime 1000 1000 True 2000\n"), "{first}");
+    assert!(first.contains("res 1e-09 1e-09 0.004\n"), "{first}");
     for k in kids.iter_mut() {
         assert_eq!(finish_vdso(k), first, "a fork at the pause replays the rest");
     }
