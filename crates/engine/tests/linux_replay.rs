@@ -279,7 +279,7 @@ fn vdso_reads_and_syscall_reads_share_the_virtual_clock() {
     }
     // Through a snapshot on disk, its restore's clone, and a reset of that clone.
     let snap = dir.join("snap");
-    let mut at_pause = kids.pop().unwrap();
+    let at_pause = kids.pop().unwrap();
     drop(kids);
     let mut again = Vm::spawn(&launcher(), &s, &VmConfig::default()).unwrap();
     again.reseed(S1, true).unwrap();

@@ -209,8 +209,7 @@ mod tests {
         w[LAST_MONO] = w[ELAPSED];
         assert_eq!(fold_words(&mut c, &w), 3);
         // The same reads as syscalls.
-        let mut p = super::super::process::Proc::default();
-        p.clocks = by_syscall;
+        let mut p = super::super::process::Proc { clocks: by_syscall, ..Default::default() };
         for clock in [libc::CLOCK_MONOTONIC, libc::CLOCK_REALTIME, libc::CLOCK_MONOTONIC] {
             super::super::clock::clock_now_ns(&mut p, clock).unwrap();
         }
