@@ -14,11 +14,13 @@ Targets on this machine (issue 15): create+join <= 100 us; a ping-pong round tri
 worth. Measured (noisy shared host, same-run native baselines) in the branch's report.
 
 Where the time goes (COLLIMATE_TRACE=2 counts the guest's syscalls, each one VM exit): a
-create+join is 32 syscalls, 17 of them clock_gettime (no vDSO is mapped, and replay mode's
-virtual clock moves by a quantum per read, so every read is an exit), 4 rt_sigprocmask, 3 gettid,
-2 futex; an Event round trip is 22, 18 of them clock_gettime (CPython's GIL waits are timed) and
-4 futex. At one exit's cost (measure it in the same run: a loop of os.getppid()), that is most
-of either figure; a thread switch adds two xsave ioctls.
+create+join is 15 syscalls (4 rt_sigprocmask, 3 gettid, 2 futex, ...) and 17 clock reads, which
+the vDSO answers in the guest in replay mode (`guestos::vdso`); an Event round trip is 4 futex
+syscalls and 18 clock reads (CPython's GIL waits are timed). Before the vDSO every read was an
+exit too: 32 and 22 exits; same-run medians went from 3.2-4.8 ms to 1.8-2.5 ms per create+join
+and from 2.8-3.0 ms to 0.42-0.58 ms per round trip on a loaded host. At one exit's cost (measure
+it in the same run: a loop of os.getppid()), the syscalls are most of either figure; a thread
+switch adds two xsave ioctls.
 """
 
 from __future__ import annotations

@@ -42,6 +42,14 @@ pub fn syscall(nr: u64) {
     }
 }
 
+/// Mark `n` clock reads the vDSO answered in the guest since the last exit (with
+/// `COLLIMATE_TRACE=2`; replay mode, see `guestos::vdso`).
+pub fn vdso_reads(n: u64) {
+    if state() == 3 {
+        mark_with("vdso", Some(n));
+    }
+}
+
 /// Record that this process reached step `what` now (see the module docs).
 pub fn mark(what: &str) {
     if !on() {

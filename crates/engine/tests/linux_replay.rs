@@ -213,3 +213,91 @@ fn guest_forks_draw_derived_streams() {
     assert_ne!(outs[0], outs[2]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Clock reads through the vDSO (glibc's `clock_gettime`, which `time.monotonic_ns` calls) and
+/// through the syscall (ctypes' `syscall(228, ...)`) advance one virtual clock by one quantum each,
+/// in the main thread and in another, before and after a pause where the host snapshots, forks
+/// and resets the process. Also: the vDSO is mapped and named as Linux names it.
+const VDSO_PROGRAM: &str = r#"
+import ctypes, threading, time
+libc = ctypes.CDLL(None)
+libc.getauxval.restype = ctypes.c_ulong
+class TS(ctypes.Structure):
+    _fields_ = [("s", ctypes.c_long), ("ns", ctypes.c_long)]
+def sys_mono():
+    ts = TS()
+    assert libc.syscall(228, 1, ctypes.byref(ts)) == 0
+    return ts.s * 10**9 + ts.ns
+maps = open("/proc/self/maps").read()
+print("mapped", "[vdso]" in maps and "[vvar]" in maps and libc.getauxval(33) != 0)
+a = time.monotonic_ns(); b = sys_mono(); c = time.monotonic_ns()
+libc.syscall(0x40000000, 7)
+d = time.monotonic_ns(); e = sys_mono(); f = time.monotonic_ns()
+got = []
+t = threading.Thread(target=lambda: got.extend((time.monotonic_ns(), sys_mono(), time.monotonic_ns())))
+t.start(); t.join()
+print("steps", b - a, c - b, e - d, f - e, got[1] - got[0], got[2] - got[1])
+print("times", a, d, got[0], time.time_ns(), time.process_time_ns())
+class TV(ctypes.Structure):
+    _fields_ = [("s", ctypes.c_long), ("us", ctypes.c_long)]
+tv = TV()
+r0 = time.time_ns(); assert libc.gettimeofday(ctypes.byref(tv), None) == 0; r1 = time.time_ns()
+t = ctypes.c_long(); s = libc.time(ctypes.byref(t))
+p0 = time.process_time_ns(); time.monotonic_ns(); p1 = time.process_time_ns()
+print("realtime", tv.s * 10**9 + tv.us * 1000 - r0, r1 - (tv.s * 10**9 + tv.us * 1000), s == t.value == r1 // 10**9, p1 - p0)
+print("res", time.clock_getres(time.CLOCK_MONOTONIC), time.clock_getres(time.CLOCK_REALTIME), time.clock_getres(6))
+"#;
+
+#[test]
+fn vdso_reads_and_syscall_reads_share_the_virtual_clock() {
+    if python_rootfs().is_none() {
+        eprintln!("no python rootfs: skipping");
+        return;
+    }
+    let dir = scratch("linux-replay-vdso");
+    let mut s = spec(&dir);
+    s.argv[2] = VDSO_PROGRAM.as_bytes().to_vec();
+    let finish_vdso = |vm: &mut Vm| {
+        let r = vm.run(T).unwrap();
+        assert_eq!(r.exit, RunExit::Exited { code: 0 }, "{}", String::from_utf8_lossy(&r.stderr));
+        String::from_utf8(r.stdout).unwrap()
+    };
+    let mut vm = Vm::spawn(&launcher(), &s, &VmConfig::default()).unwrap();
+    vm.reseed(S1, true).unwrap();
+    run_to_pause(&mut vm);
+    let mut kids = vm.fork(2).unwrap();
+    let first = finish_vdso(&mut vm);
+    assert!(first.contains("mapped True\n"), "{first}");
+    // Every read is one quantum (1 us) after the one before, whichever way it was made.
+    assert!(first.contains("steps 1000 1000 1000 1000 1000 1000\n"), "{first}");
+    // gettimeofday and time through the vDSO, on the REALTIME clock; CPU time moves by the
+    // quantum per read, the vDSO's included; clock_getres's fixed answers (4 ms: MONOTONIC_COARSE).
+    assert!(first.contains("realtime 1000 1000 True 2000\n"), "{first}");
+    assert!(first.contains("res 1e-09 1e-09 0.004\n"), "{first}");
+    for k in kids.iter_mut() {
+        assert_eq!(finish_vdso(k), first, "a fork at the pause replays the rest");
+    }
+    // Through a snapshot on disk, its restore's clone, and a reset of that clone.
+    let snap = dir.join("snap");
+    let at_pause = kids.pop().unwrap();
+    drop(kids);
+    let mut again = Vm::spawn(&launcher(), &s, &VmConfig::default()).unwrap();
+    again.reseed(S1, true).unwrap();
+    run_to_pause(&mut again);
+    again.snapshot(&snap).unwrap();
+    again.destroy().unwrap();
+    let mut zygote = Vm::restore(&launcher(), &snap).unwrap();
+    let mut clone = zygote.clone_vm().unwrap();
+    // (The thread's part of a restored process differs from a fork's by one read, before the
+    // vDSO too: the thread scheduler's count of events is host state, which a fork keeps and a
+    // restore starts afresh. Between restores it replays.)
+    let restored = finish_vdso(&mut clone);
+    assert!(restored.contains("steps 1000 1000 1000 1000 1000 1000\n"), "{restored}");
+    assert_eq!(restored.split("times").next(), first.split("times").next());
+    clone.reset().unwrap();
+    assert_eq!(finish_vdso(&mut clone), restored, "a reset to the pause replays the rest");
+    assert_eq!(finish_vdso(&mut zygote), restored);
+    at_pause.destroy().unwrap();
+    drop((clone, vm));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -25,8 +25,9 @@ from collimate_core.sdk.errors import EngineError, InvalidArgument, NotFoundErro
 
 AGENT_DIR = Path(__file__).resolve().parent.parent / "guest"
 AGENT_IDLE = 0x6167656E7400
-# Bump when the template's contents change shape (agent protocol, mounts, environment).
-TEMPLATE_VERSION = 2
+# Bump when the template's contents change shape (agent protocol, mounts, environment, what exec
+# maps into a process: 3 added the vDSO, which a template baked before lacks).
+TEMPLATE_VERSION = 3
 CATALOG = ("python",)
 GUEST_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",

@@ -16,6 +16,9 @@
 //! turn on and ends when the tree's time reaches its deadline (the other processes run meanwhile,
 //! as under Linux: a parent that sleeps to let its child start, a `timeout` on a child). Virtual
 //! time moves by exactly the length either way. CPU-time clocks advance by the quantum only.
+//! Most of these reads happen in the guest's vDSO (`super::vdso`), which keeps a copy of the
+//! virtual clocks in a page of its own; the run loop folds its reads back into [`Proc::clocks`]
+//! at every exit, so every function here sees them.
 //! Replay mode stays on until the next reseed (which may turn it off) or a reset to a state without
 //! it. It is part of [`Proc`], so snapshots, forks and resets carry it. See docs/replay.md.
 //!

@@ -9,8 +9,8 @@
 //! - an 8 MiB stack ends at `STACK_TOP` and starts with argc, argv, envp and the auxiliary vector.
 //!
 //! Every mapping is a VMA in [`super::mm::Mm`], so the guest's later mmap/munmap/mprotect/brk (and
-//! /proc/self/maps) see the same picture as on Linux. No vDSO is mapped (no AT_SYSINFO_EHDR): glibc
-//! then makes real syscalls for clock_gettime and friends, which the engine answers.
+//! /proc/self/maps) see the same picture as on Linux, with the vDSO (`super::vdso`) below the stack
+//! and its address in AT_SYSINFO_EHDR.
 
 use std::io::Read;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -64,6 +64,7 @@ const AT_SECURE: u64 = 23;
 const AT_RANDOM: u64 = 25;
 const AT_HWCAP2: u64 = 26;
 const AT_EXECFN: u64 = 31;
+const AT_SYSINFO_EHDR: u64 = 33;
 const AT_MINSIGSTKSZ: u64 = 51;
 
 /// Where the loaded program starts.
@@ -211,10 +212,11 @@ pub fn commit_laid(
     }
     Mm::populate(&mut sp, stack_lo, STACK_TOP, PROT_READ | PROT_WRITE)?;
     os.mm.insert(stack_lo, Vma::anon(STACK_TOP, PROT_READ | PROT_WRITE, "[stack]"));
+    let vdso = super::vdso::map(&mut os.mm, &mut sp)?;
 
     let mut random = [0u8; 16];
     random::random_bytes(&mut os.proc, &mut random)?;
-    let aux = AuxInfo { main, entry: main.entry, at_base, random, uid: os.proc.uid, gid: os.proc.gid };
+    let aux = AuxInfo { main, entry: main.entry, at_base, random, uid: os.proc.uid, gid: os.proc.gid, vdso };
     let rsp = build_stack(&mut sp, &argv, envp, &exec_fn, &aux)?;
     os.proc.exe = prog.path.clone();
     os.proc.set_comm_from_path(&exec_fn);
@@ -551,6 +553,8 @@ struct AuxInfo {
     random: [u8; 16],
     uid: [u32; 4],
     gid: [u32; 4],
+    /// The vDSO's ELF header.
+    vdso: u64,
 }
 
 /// The host CPU's feature bits (CPUID leaf 1, EDX), as Linux reports them in AT_HWCAP.
@@ -592,7 +596,8 @@ fn build_stack(sp: &mut Space, argv: &[Vec<u8>], envp: &[Vec<u8>], exec_fn: &[u8
     let platform = push(sp, b"x86_64\0")?;
     let random = push(sp, &aux.random)?;
 
-    let auxv: [(u64, u64); 20] = [
+    let auxv: [(u64, u64); 21] = [
+        (AT_SYSINFO_EHDR, aux.vdso),
         (AT_PHDR, aux.main.phdr),
         (AT_PHENT, std::mem::size_of::<goblin::elf64::program_header::ProgramHeader>() as u64),
         (AT_PHNUM, aux.main.phnum),
@@ -756,7 +761,14 @@ mod tests {
         assert_eq!(aux[&AT_CLKTCK], 100);
         assert_eq!(aux[&AT_MINSIGSTKSZ], 2048);
         assert_eq!(aux[&AT_SECURE], 0);
-        assert!(!aux.contains_key(&33), "no vDSO");
+        // The vDSO: its ELF header where AT_SYSINFO_EHDR says, readable and executable by the
+        // program, its data page writable, both named in /proc/self/maps.
+        assert_eq!(aux[&AT_SYSINFO_EHDR], super::super::vdso::VDSO_VA);
+        assert_eq!(t.u64_at(aux[&AT_SYSINFO_EHDR]) as u32, 0x464c_457f);
+        let f = t.flags(aux[&AT_SYSINFO_EHDR]);
+        assert_eq!(f & (PTE_U | PTE_W | PTE_NX), PTE_U);
+        let f = t.flags(super::super::vdso::VVAR_VA);
+        assert_eq!(f & (PTE_U | PTE_W | PTE_NX), PTE_U | PTE_W | PTE_NX);
         assert_eq!(t.cstr_at(aux[&AT_PLATFORM]), "x86_64");
         assert_eq!(t.cstr_at(aux[&AT_EXECFN]), argv[0]);
         assert_ne!(aux[&AT_HWCAP] & (1 << 25), 0, "SSE");
@@ -772,6 +784,7 @@ mod tests {
         assert_eq!(t.os.mm.brk, t.os.mm.brk_start);
         let maps = t.os.mm.maps();
         assert!(maps.contains("[stack]"), "{maps}");
+        assert!(maps.contains("r-xp 00000000 00:00 0") && maps.contains("[vdso]") && maps.contains("[vvar]"), "{maps}");
         // The entry point is mapped executable.
         let f = t.flags(img.entry);
         assert_eq!(f & (PTE_U | PTE_NX), PTE_U, "entry {:#x} not executable", img.entry);

@@ -39,6 +39,7 @@ pub mod signal_state;
 pub mod thread;
 pub mod thread_area;
 pub mod tree;
+pub mod vdso;
 pub mod vfs;
 
 use std::collections::BTreeMap;

@@ -442,9 +442,25 @@ impl Machine {
             }
             self.cover_frames()?;
             self.vm.sync_windows(&self.mem)?;
+            // The vDSO's clock state (see `guestos::vdso`): the clocks out before the guest runs,
+            // its reads back in before anything else looks at time.
+            if let Some(os) = self.os.as_ref() {
+                let budget = threads::vdso_budget(self);
+                crate::guestos::vdso::publish(os, &mut self.mem, &self.runtime.aspace, budget);
+            }
             let traced = crate::trace::on().then(Instant::now);
             self.sync.before_run(&mut self.vcpu);
             let ran = self.vcpu.run();
+            if let Some(os) = self.os.as_mut() {
+                let reads = crate::guestos::vdso::fold(os, &self.mem, &self.runtime.aspace);
+                if reads > 0 {
+                    // What those reads' syscalls would have done to the schedulers.
+                    threads::count_events(reads);
+                    crate::guestos::sched::begin_syscall(crate::guestos::vdso::VDSO_VA, crate::guestos::clock::SYS_CLOCK_GETTIME, [0; 4]);
+                    crate::guestos::sched::after_syscall();
+                    crate::trace::vdso_reads(reads);
+                }
+            }
             if let Some(t) = traced {
                 crate::trace::count_run(t.elapsed().as_nanos() as u64);
             }

@@ -100,7 +100,44 @@ fn with_slice<T>(f: impl FnOnce(&mut Slice) -> T) -> T {
 
 /// A syscall or fault of the loaded thread (replay mode's quantum counts these).
 pub(super) fn count_event() {
-    with_slice(|s| s.events = s.events.saturating_add(1));
+    count_events(1);
+}
+
+/// `n` events: the clock reads the vDSO answered without an exit count as the syscalls they were.
+pub(super) fn count_events(n: u64) {
+    with_slice(|s| s.events = s.events.saturating_add(n.min(u32::MAX as u64) as u32));
+}
+
+/// How many clock reads the loaded thread may make in the vDSO before the read after which
+/// [`schedule`] would switch threads in replay mode (at least [`QUANTUM`] events, and another
+/// thread ready: runnable, or its deadline reached by the quanta those reads add). That read makes
+/// the syscall, so the switch comes where every read exiting would have put it (`guestos::vdso`).
+/// No limit with one thread; outside replay mode the vDSO makes every read a syscall anyway.
+pub(super) fn vdso_budget(m: &Machine) -> u64 {
+    let Some(os) = m.os.as_ref() else { return 0 };
+    let th = &os.threads;
+    if !os.proc.clocks.replay || !th.multi() || !th.loaded {
+        return if os.proc.clocks.replay && !th.multi() { u64::MAX } else { 0 };
+    }
+    let events = with_slice(|s| s.events) as u64;
+    let to_quantum = (QUANTUM as u64).saturating_sub(events);
+    let now = thread::now(&os.proc.clocks);
+    let to_ready = if others_ready(m, now) {
+        0
+    } else {
+        th.list
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != th.cur)
+            .filter_map(|(_, t)| match t.state {
+                RunState::Futex { deadline, .. } | RunState::Retry { deadline } => deadline,
+                RunState::Sleep { deadline } => Some(deadline),
+                RunState::Runnable => None,
+            })
+            .min()
+            .map_or(u64::MAX, |d| d.saturating_sub(now).div_ceil(crate::guestos::clock::CLOCK_QUANTUM_NS))
+    };
+    to_quantum.max(to_ready).saturating_sub(1)
 }
 
 // --- clone -------------------------------------------------------------------------------------
