@@ -12,9 +12,9 @@ in another order, as natively, so it is compared to rounding. The worker thread 
 natively on the very files of the sandbox (the unpacked image, through its own loader).
 
 The .debs (~235 MiB, 357 packages) are downloaded once into the deb cache (COLLIMATE_DEB_CACHE);
-without apt-get/dpkg the test skips, but a failed download fails it. About 2-3 minutes after the
-first download (building the 1 GiB layer ~1 min, the bake ~35 s, each `import torch` in a sandbox
-~20 s on a loaded 2-core host: benches/bench_torch.py).
+without apt-get/dpkg the test skips, but a failed download fails it. 2.5 minutes after the first
+download on a loaded 2-core host (the 1 GiB layer and its bytecode ~1-2 min, the bake ~35 s, the
+work in a sandbox ~10-25 s; benches/bench_torch.py times the import).
 """
 
 from __future__ import annotations
