@@ -19,7 +19,8 @@ its wall time inside KVM_RUN (COLLIMATE_TRACE's image.run_us). Largest parts:
   library mapped privately and touched page by page: 29 us a page). Natively the import's RSS is
   255 MiB (112 MiB anonymous, 142 MiB of file pages): ~65,000 pages, about 2-3 s in a sandbox.
 - syscall exits: 29,482 per import (natively 15,300 syscalls), ~30 us each, about 0.9 s; 14,018
-  of them are clock_gettime, which natively never leaves the vDSO; then newfstatat 5,383, read
+  of them are clock_gettime (from CPython's PyThread_acquire_lock as the import system takes its
+  locks, ~18 per module: gdb on the native run), which natively never leaves the vDSO; then newfstatat 5,383, read
   2,026, lseek 1,624, mmap 1,509, openat 1,404, close 1,249, ioctl 819, brk 500, mprotect 324.
 - the VMM's own work outside KVM_RUN, 1.5-2.3 s: mostly the eager copy of every private file
   mapping up to 64 MiB (guestos/mm.rs LAZY_MAP_MIN): 316 files, 501 MiB mapped, of which only
