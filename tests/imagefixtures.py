@@ -139,11 +139,17 @@ def _rootfs_module():
     return mod
 
 
-def debian_layer(packages: list[str], base: str | os.PathLike, debdir: str | os.PathLike) -> bytes:
+def debian_layer(packages: list[str], base: str | os.PathLike, debdir: str | os.PathLike,
+                 links: dict[str, str] | None = None, bytecode: bool = False) -> bytes:
     """The layer `RUN apt-get install -y PACKAGES` would add on top of the built rootfs `base`:
     the Depends closure of `packages` less what `base`'s manifest already has, downloaded with
     `apt-get download` into `debdir` (reused) and unpacked with `dpkg -x`, as the rootfs builder
-    does (no maintainer script runs), with the usrmerge moves a Debian 12 install makes."""
+    does (no maintainer script runs), with the usrmerge moves a Debian 12 install makes.
+    `links` (path -> target, relative to the root) are symlinks the maintainer scripts would have
+    made, such as update-alternatives' `usr/lib/x86_64-linux-gnu/libblas.so.3`. `bytecode`: compile
+    the layer's Python modules as py3compile in the packages' postinst does (an install ships
+    __pycache__/*.pyc; without them every import compiles from source, and a read-only sandbox
+    cannot cache the result). The sources get the layer's fixed mtime first, so the .pyc match."""
     rootfs = _rootfs_module()
     have = {p["name"] for p in json.loads((Path(base) / rootfs.MANIFEST).read_text())["packages"]}
     names, _excluded = rootfs._closure(packages)
@@ -157,8 +163,33 @@ def debian_layer(packages: list[str], base: str | os.PathLike, debdir: str | os.
             if (root / d).is_dir() and not (root / d).is_symlink():
                 (root / "usr" / d).mkdir(parents=True, exist_ok=True)
                 rootfs._merge_into(root / d, root / "usr" / d, root)
+        for link, target in (links or {}).items():
+            if not (root / link).parent.joinpath(target).exists():
+                raise FileNotFoundError(f"debian_layer: link {link} -> {target}: no such file in the layer")
+            (root / link).unlink(missing_ok=True)
+            (root / link).symlink_to(target)
         rootfs._relativize_links(root)
+        if bytecode:
+            _compile_bytecode(root, base)
         return Layer().tree(root).bytes()
+
+
+def _compile_bytecode(root: Path, base: str | os.PathLike) -> None:
+    """`python3 -m compileall` (the base tree's interpreter, natively) over root's dist-packages,
+    with the in-image paths in the code objects. A module that does not compile (py3compile skips
+    such files too) leaves no .pyc and exit status 1; anything else is an error."""
+    site = root / "usr/lib/python3/dist-packages"
+    if not site.is_dir():
+        return
+    for dirpath, _dirs, files in os.walk(site):
+        for n in files:
+            if n.endswith(".py"):
+                os.utime(os.path.join(dirpath, n), (MTIME, MTIME), follow_symlinks=False)
+    argv, env = native_python(base)
+    r = subprocess.run([*argv, "-m", "compileall", "-q", "-j", "0", "-s", str(root), "-p", "/", str(site)],
+                       env=env, capture_output=True, text=True)
+    if r.returncode not in (0, 1):
+        raise RuntimeError(f"compileall failed ({r.returncode}): {r.stderr[-2000:]}")
 
 
 def image_config(layers_uncompressed: list[bytes], config: dict | None = None, *, arch: str = "amd64") -> dict:
@@ -279,3 +310,38 @@ def corrupt_blob(layout: Path, digest: str, offset: int = 600) -> None:
 def copy_layout(src: Path, dest: Path) -> Path:
     shutil.copytree(src, dest, copy_function=os.link)
     return dest
+
+
+# Debian 12's torch (1.13) as `RUN apt-get install -y python3-torch` adds it to the catalog python
+# rootfs. torch links libblas.so.3 and liblapack.so.3, which update-alternatives points at a BLAS
+# (the closure's first alternative is the reference libblas3/liblapack3); dpkg -x runs no
+# maintainer script, so the links are made here.
+TORCH_PACKAGES = ["python3-torch"]
+TORCH_LINKS = {
+    "usr/lib/x86_64-linux-gnu/libblas.so.3": "blas/libblas.so.3",
+    "usr/lib/x86_64-linux-gnu/liblapack.so.3": "lapack/liblapack.so.3",
+}
+
+
+def torch_image(store: Path, base: str | os.PathLike, debdir: str | os.PathLike, ref: str = "torch") -> str:
+    """An OCI layout `store/<ref>` (an image store entry): the rootfs `base` plus Debian's torch.
+    Returns the reference to bake (`<ref>:1.13`). The .debs (~235 MiB) are kept in `debdir`."""
+    base_layer = Layer().tree(base, skip=(".collimate-rootfs.json",)).bytes()
+    torch = debian_layer(TORCH_PACKAGES, base, debdir, links=TORCH_LINKS, bytecode=True)
+    write_oci_layout(Path(store) / ref, [base_layer, torch], {"Env": ["PATH=/usr/bin:/bin"], "WorkingDir": "/work"},
+                     ref_name="1.13")
+    return f"{ref}:1.13"
+
+
+def native_python(root: str | os.PathLike) -> tuple[list[str], dict[str, str]]:
+    """argv prefix and environment that run the tree `root`'s python3 on the host, through the
+    tree's own loader and libraries (as the rootfs builder's "verify tree natively" does), so a
+    native baseline runs the very files a sandbox of that tree runs. /lib and /usr/lib are on the
+    path as well: the guest's loader searches them by default, and Debian's torch keeps libgloo
+    there. It writes no .pyc into the tree (a sandbox's root filesystem is read-only)."""
+    root = Path(root).resolve()
+    libpath = ":".join(f"{root}/{d}" for d in ("lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu", "lib", "usr/lib"))
+    argv = [f"{root}/usr/lib64/ld-linux-x86-64.so.2", "--inhibit-cache", "--library-path", libpath,
+            f"{root}/usr/bin/python3.11"]
+    return argv, {"PYTHONHOME": f"{root}/usr", "PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8",
+                  "PYTHONDONTWRITEBYTECODE": "1"}
