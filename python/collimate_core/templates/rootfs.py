@@ -31,7 +31,7 @@ else:  # loaded by path (guest/rootfs/build.py, tests/test_rootfs.py): its sibli
     _spec.loader.exec_module(_cache)
 
 # Bump whenever the build steps change, so that existing trees are not reused.
-BUILD_VERSION = 5
+BUILD_VERSION = 6
 
 RECIPES: dict[str, tuple[str, ...]] = {
     # bash, tar, zip and unzip: what programs (and CPython's own tests) run as external tools;
@@ -171,6 +171,8 @@ def _build(root: Path, name: str, plan: dict, cache: Path, say, t0: float, t_res
     t_extract = time.monotonic() - t1
     say("finish tree: usrmerge, links, /etc")
     _finish_tree(root)
+    say("byte-compile the standard library")
+    _compile_stdlib(root)
     say("verify tree natively")
     version = _verify(root)
     say(f"verified: python {version}")
@@ -398,17 +400,43 @@ print(sys.version.split()[0])
 """
 
 
-def _verify(root: Path) -> str:
-    """Run the tree's python and busybox natively with the tree's own loader and libraries."""
-    root = root.resolve()
+def _native_python(root: Path) -> tuple[list[str], dict[str, str]]:
+    """The command (loader, library path, interpreter) and environment that run the tree's python
+    natively, with the tree's own loader and libraries."""
     loader = root / "usr/lib64/ld-linux-x86-64.so.2"
     if not str(loader.resolve()).startswith(f"{root}/") or not loader.resolve().is_file():
         raise RootfsError(f"verify: {loader.relative_to(root)} does not resolve within the tree")
     libpath = f"{root}/lib/x86_64-linux-gnu:{root}/usr/lib/x86_64-linux-gnu"
     env = {"PYTHONHOME": f"{root}/usr", "PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
+    return [str(loader), "--inhibit-cache", "--library-path", libpath, f"{root}/usr/bin/python3.11"], env
+
+
+# Left uncompiled, as Debian's py3compile leaves them: the test suite and lib2to3's test data
+# (files with syntax errors on purpose).
+_NO_BYTECODE = r"/(test|tests|idle_test)/|/lib2to3/tests/"
+
+
+def _compile_stdlib(root: Path) -> None:
+    """What the python packages' postinst does with py3compile (dpkg -x runs no maintainer
+    scripts): byte-compile the standard library. A sandbox's root filesystem is read-only, so
+    CPython cannot write __pycache__ there: without this, every import of a standard module in a
+    new interpreter (`python3 task.py`, a grader's subprocess) compiled it from source again.
+    Hash-checked .pyc (PEP 552): valid whatever the files' times, and still checked against their
+    source; the names in them are the guest's (/usr/lib/python3.11/...), not the build's."""
+    root = root.resolve()
+    cmd, env = _native_python(root)
+    lib = root / "usr/lib/python3.11"
+    _run(cmd + ["-S", "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "checked-hash",
+                "-s", str(root), "-p", "/", "-x", _NO_BYTECODE, str(lib)],
+         "byte-compile the standard library", env=env)
+
+
+def _verify(root: Path) -> str:
+    """Run the tree's python and busybox natively with the tree's own loader and libraries."""
+    root = root.resolve()
+    python, env = _native_python(root)
     code = _VERIFY_CODE.format(modules=", ".join(VERIFY_MODULES))
-    cmd = [str(loader), "--inhibit-cache", "--library-path", libpath, f"{root}/usr/bin/python3.11",
-           "-S", "-c", code, str(root)]
+    cmd = python + ["-S", "-c", code, str(root)]
     version = _run(cmd, "verify python (import " + ", ".join(VERIFY_MODULES) + ")", env=env).strip()
     if _run([f"{root}/bin/busybox", "echo", "ok"], "verify busybox").strip() != "ok":
         raise RootfsError("verify: busybox echo ok did not print ok")
