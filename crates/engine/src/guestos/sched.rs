@@ -32,9 +32,7 @@
 //! timeout, nor a process that spins on memory another one writes; where it was preempted depends
 //! on the host's speed, so the exec is then reported as not reproducible ([`take_irreproducible`]).
 //! The guard counts the holder's CPU time, not wall time: on a loaded host a process that computes
-//! for a few milliseconds can hold the token for seconds of wall time without spinning. A holder
-//! that keeps the token for [`PREEMPT_WALL`] whatever it computed (blocked on the host in a call
-//! that does not hand its turn on) is preempted too. Between execs (the agent is idle, [`State::Away`]) background processes go
+//! for a few milliseconds can hold the token for seconds of wall time without spinning. Between execs (the agent is idle, [`State::Away`]) background processes go
 //! on in real time, as before, and a new exec no longer takes turns with them ([`new_exec`]).
 //!
 //! Outside replay mode, or with one process, none of this applies and processes run in parallel.
@@ -49,9 +47,6 @@ pub const SLOTS: usize = 256;
 pub const PREEMPT: Duration = Duration::from_millis(200);
 /// How long it may when nobody has a deadline (a process that spins on memory another one writes).
 pub const PREEMPT_ANYWAY: Duration = Duration::from_secs(2);
-/// The backstop in wall time: a holder that keeps the token this long whatever CPU it used (one
-/// blocked on the host in a call that does not hand its turn on) is preempted too.
-pub const PREEMPT_WALL: Duration = Duration::from_secs(5);
 /// How long a waiter sleeps on the token before it checks the holder (alive? preempt it?).
 const CHECK: Duration = Duration::from_millis(10);
 /// The real pause per round when the whole tree waits for something outside it.
@@ -91,8 +86,6 @@ pub struct Slot {
     /// Its VMM's CPU time (ns) when it last took the token (u64::MAX: not known yet, the token was
     /// handed to it and it has not taken it up).
     since_cpu: AtomicU64,
-    /// Host CLOCK_MONOTONIC ns then (for [`PREEMPT_WALL`]).
-    since_wall: AtomicU64,
     /// Set when a SIGKILL meant for this process came while it was still starting (no host pid
     /// yet): it kills itself once it has one (see [`doom`]).
     doomed: AtomicU32,
@@ -145,7 +138,6 @@ fn start_turn() {
         // The preemption guard counts this turn's CPU time from here (see `check_holder`).
         if let Some(s) = region().and_then(|r| slot_of(r, ME.load(Ordering::SeqCst))) {
             s.since_cpu.store(own_cpu_ns(), Ordering::SeqCst);
-            s.since_wall.store(crate::guestos::clock::monotonic_ns(), Ordering::SeqCst);
         }
     }
 }
@@ -361,7 +353,6 @@ fn take_now(r: &Region) {
         start_turn();
         if let Some(s) = slot_of(r, me) {
             s.since_cpu.store(own_cpu_ns(), Ordering::SeqCst);
-            s.since_wall.store(crate::guestos::clock::monotonic_ns(), Ordering::SeqCst);
         }
     }
 }
@@ -947,7 +938,6 @@ fn acquire(r: &Region, me: u32, deadline: Instant) -> bool {
             PROGRESS.store(false, Ordering::Relaxed);
             if let Some(s) = slot_of(r, me) {
                 s.since_cpu.store(own_cpu_ns(), Ordering::SeqCst);
-                s.since_wall.store(crate::guestos::clock::monotonic_ns(), Ordering::SeqCst);
                 s.state.store(State::Run as u32, Ordering::SeqCst);
             }
             return true;
@@ -994,12 +984,8 @@ fn check_holder(r: &Region, pid: u32) {
         s.pid.load(Ordering::SeqCst) != 0 && s.state.load(Ordering::SeqCst) == State::Blocked as u32 && s.deadline.load(Ordering::SeqCst) != u64::MAX
     });
     let limit = if someone_has_a_deadline { PREEMPT } else { PREEMPT_ANYWAY };
-    let wall = crate::guestos::clock::monotonic_ns();
-    let too_long = now.saturating_sub(since) > limit.as_nanos() as u64
-        || wall.saturating_sub(s.since_wall.load(Ordering::SeqCst)) > PREEMPT_WALL.as_nanos() as u64;
-    if s.state.load(Ordering::SeqCst) == State::Run as u32 && too_long {
+    if s.state.load(Ordering::SeqCst) == State::Run as u32 && now.saturating_sub(since) > limit.as_nanos() as u64 {
         s.since_cpu.store(now, Ordering::SeqCst);
-        s.since_wall.store(wall, Ordering::SeqCst);
         // SAFETY: a signal to a process of our own sandbox tree.
         unsafe { libc::kill(host, preempt_signal()) };
     }
