@@ -26,13 +26,11 @@
 //! - A process that is done (exit, fatal signal) leaves its slot and hands the token on; one that
 //!   died without doing so (a host SIGKILL) is noticed by the waiters (its pidfd) and removed.
 //!
-//! Not deterministic, by design: a process that keeps the token for more than [`PREEMPT`] of CPU
-//! time while another waits for a deadline (or [`PREEMPT_ANYWAY`] in any case) is preempted (the
-//! waiters signal it), so that a spinning child cannot starve the parent that would kill it on a
-//! timeout, nor a process that spins on memory another one writes; where it was preempted depends
-//! on the host's speed, so the exec is then reported as not reproducible ([`take_irreproducible`]).
-//! The guard counts the holder's CPU time, not wall time: on a loaded host a process that computes
-//! for a few milliseconds can hold the token for seconds of wall time without spinning. Between execs (the agent is idle, [`State::Away`]) background processes go
+//! Not deterministic, by design: a process that keeps the token for more than [`PREEMPT`] while
+//! another waits for a deadline (or [`PREEMPT_ANYWAY`] in any case) is preempted (the waiters
+//! signal it), so that a spinning child cannot starve the parent that would kill it on a timeout,
+//! nor a process that spins on memory another one writes; where it was preempted depends on the
+//! host's speed. Between execs (the agent is idle, [`State::Away`]) background processes go
 //! on in real time, as before, and a new exec no longer takes turns with them ([`new_exec`]).
 //!
 //! Outside replay mode, or with one process, none of this applies and processes run in parallel.
@@ -83,9 +81,8 @@ pub struct Slot {
     pgid: AtomicU32,
     /// Virtual monotonic ns the process waits for (u64::MAX: none).
     deadline: AtomicU64,
-    /// Its VMM's CPU time (ns) when it last took the token (u64::MAX: not known yet, the token was
-    /// handed to it and it has not taken it up).
-    since_cpu: AtomicU64,
+    /// Host CLOCK_MONOTONIC ns when it last took the token.
+    since: AtomicU64,
     /// Set when a SIGKILL meant for this process came while it was still starting (no host pid
     /// yet): it kills itself once it has one (see [`doom`]).
     doomed: AtomicU32,
@@ -103,9 +100,6 @@ pub struct Region {
     _pad: u32,
     /// The tree's virtual monotonic time (ns), as the last holder published it.
     mono: AtomicU64,
-    /// Set when a holder was preempted (or a process's threads were switched by their guard)
-    /// during the current exec: where, depends on the host's speed ([`take_irreproducible`]).
-    irreproducible: AtomicU32,
     slots: [Slot; SLOTS],
 }
 
@@ -135,10 +129,6 @@ static TURN_START: AtomicU64 = AtomicU64::new(0);
 fn start_turn() {
     if !HOLDING.swap(true, Ordering::SeqCst) {
         TURN_START.store(crate::guestos::clock::monotonic_ns(), Ordering::SeqCst);
-        // The preemption guard counts this turn's CPU time from here (see `check_holder`).
-        if let Some(s) = region().and_then(|r| slot_of(r, ME.load(Ordering::SeqCst))) {
-            s.since_cpu.store(own_cpu_ns(), Ordering::SeqCst);
-        }
     }
 }
 
@@ -229,7 +219,6 @@ fn register(r: &Region, pid: u32, host: i32, state: State, pgid: u32) {
             s.host.store(host, Ordering::SeqCst);
             s.state.store(state as u32, Ordering::SeqCst);
             s.deadline.store(u64::MAX, Ordering::SeqCst);
-            s.since_cpu.store(u64::MAX, Ordering::SeqCst);
             s.pgid.store(pgid, Ordering::SeqCst);
             s.doomed.store(0, Ordering::SeqCst);
             s.pid.store(pid, Ordering::SeqCst);
@@ -272,7 +261,6 @@ pub fn new_exec(replay: bool) {
     if me == 0 {
         return;
     }
-    r.irreproducible.store(0, Ordering::SeqCst);
     with_lock(r, || {
         for s in r.slots.iter() {
             let pid = s.pid.load(Ordering::SeqCst);
@@ -352,44 +340,9 @@ fn take_now(r: &Region) {
         r.token.store(me, Ordering::SeqCst);
         start_turn();
         if let Some(s) = slot_of(r, me) {
-            s.since_cpu.store(own_cpu_ns(), Ordering::SeqCst);
+            s.since.store(crate::guestos::clock::monotonic_ns(), Ordering::SeqCst);
         }
     }
-}
-
-/// This process's CPU time (ns): what the preemption guard counts.
-fn own_cpu_ns() -> u64 {
-    cpu_ns_of(libc::CLOCK_PROCESS_CPUTIME_ID).unwrap_or(0)
-}
-
-fn cpu_ns_of(clock: libc::clockid_t) -> Option<u64> {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime writes a timespec we own.
-    (unsafe { libc::clock_gettime(clock, &mut ts) } == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
-}
-
-/// Host process `pid`'s CPU time (ns), None if it cannot be read.
-fn cpu_ns_of_process(pid: i32) -> Option<u64> {
-    let mut clock: libc::clockid_t = 0;
-    // SAFETY: clock_getcpuclockid writes a clock id we own.
-    if unsafe { libc::clock_getcpuclockid(pid, &mut clock) } != 0 {
-        return None;
-    }
-    cpu_ns_of(clock)
-}
-
-/// Mark the current exec as not reproducible (see the module docs).
-pub fn mark_irreproducible() {
-    if let Some(r) = region() {
-        r.irreproducible.store(1, Ordering::SeqCst);
-    }
-}
-
-/// Whether a holder was preempted (or threads switched by their guard) in any process of the
-/// tree since the exec began, clearing the mark. Asked by the sandbox's first process when its
-/// run ends.
-pub fn take_irreproducible() -> bool {
-    region().is_some_and(|r| r.irreproducible.swap(0, Ordering::SeqCst) != 0)
 }
 
 /// The current syscall would block: pass the token (blocked until `deadline`, virtual monotonic
@@ -663,9 +616,6 @@ pub fn gate(replay: bool, mono: u64, advance: &mut dyn FnMut(u64), deadline: Ins
         return Gate::Run;
     }
     if HOLDING.load(Ordering::SeqCst) && (asked == 1 || preempted) {
-        if asked != 1 {
-            r.irreproducible.store(1, Ordering::SeqCst);
-        }
         pass(r, me, mono, if asked == 1 { Some(YIELD_DEADLINE.load(Ordering::SeqCst)) } else { None });
     }
     if HOLDING.load(Ordering::SeqCst) || r.token.load(Ordering::SeqCst) == me {
@@ -911,10 +861,10 @@ fn hand_on(r: &Region, me: u32) {
         }
     }
     let to = next.or(first).unwrap_or(0);
-    // The new holder's turn starts when it takes the token up (it may still be starting up: the
-    // waiters' preemption counts its CPU time from then).
+    // The new holder's time starts now (it may still be starting up: the waiters' preemption
+    // counts from here).
     if let Some(s) = slot_of(r, to) {
-        s.since_cpu.store(u64::MAX, Ordering::SeqCst);
+        s.since.store(crate::guestos::clock::monotonic_ns(), Ordering::SeqCst);
     }
     if to == 0 && slot_of(r, me).is_some_and(|s| matches!(s.state.load(Ordering::SeqCst), 1 | 2)) {
         // Alone among the members: keep it.
@@ -937,7 +887,7 @@ fn acquire(r: &Region, me: u32, deadline: Instant) -> bool {
             start_turn();
             PROGRESS.store(false, Ordering::Relaxed);
             if let Some(s) = slot_of(r, me) {
-                s.since_cpu.store(own_cpu_ns(), Ordering::SeqCst);
+                s.since.store(crate::guestos::clock::monotonic_ns(), Ordering::SeqCst);
                 s.state.store(State::Run as u32, Ordering::SeqCst);
             }
             return true;
@@ -973,19 +923,14 @@ fn check_holder(r: &Region, pid: u32) {
         }
         return;
     }
-    // The holder's CPU time in this turn: one that has not taken the token up yet (it was handed
-    // to it, and the host has not run it since) is not computing, and is left alone.
-    let since = s.since_cpu.load(Ordering::SeqCst);
-    if since == u64::MAX {
-        return;
-    }
-    let Some(now) = cpu_ns_of_process(host) else { return };
+    let since = s.since.load(Ordering::SeqCst);
+    let now = crate::guestos::clock::monotonic_ns();
     let someone_has_a_deadline = r.slots.iter().any(|s| {
         s.pid.load(Ordering::SeqCst) != 0 && s.state.load(Ordering::SeqCst) == State::Blocked as u32 && s.deadline.load(Ordering::SeqCst) != u64::MAX
     });
     let limit = if someone_has_a_deadline { PREEMPT } else { PREEMPT_ANYWAY };
     if s.state.load(Ordering::SeqCst) == State::Run as u32 && now.saturating_sub(since) > limit.as_nanos() as u64 {
-        s.since_cpu.store(now, Ordering::SeqCst);
+        s.since.store(now, Ordering::SeqCst);
         // SAFETY: a signal to a process of our own sandbox tree.
         unsafe { libc::kill(host, preempt_signal()) };
     }

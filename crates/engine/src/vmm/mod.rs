@@ -396,8 +396,7 @@ impl Machine {
         }
         self.runtime.enosys += out.enosys;
         let others = if self.os.is_some() { crate::guestos::signal::host::live_processes().saturating_sub(1) } else { 0 };
-        // Either flag: threads switched by the guard here, or anywhere in the tree (see sched).
-        let nondeterministic = threads::take_nondeterministic() | crate::guestos::sched::take_irreproducible();
+        let nondeterministic = threads::take_nondeterministic();
         Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false, agent: vec![], others, nondeterministic })
     }
 

@@ -375,7 +375,6 @@ pub(super) fn schedule(m: &mut Machine, deadline: Instant) -> Result<Option<RunE
                     }
                     if replay && events < QUANTUM {
                         NONDETERMINISTIC.store(true, Ordering::SeqCst);
-                        crate::guestos::sched::mark_irreproducible();
                     }
                     park(m, RunState::Runnable)?
                 }
