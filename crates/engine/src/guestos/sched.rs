@@ -86,6 +86,10 @@ pub struct Slot {
     /// Set when a SIGKILL meant for this process came while it was still starting (no host pid
     /// yet): it kills itself once it has one (see [`doom`]).
     doomed: AtomicU32,
+    /// The call it last passed the token from, blocked (number, first two arguments): what a
+    /// report of a run that timed out says it waits in ([`describe_tree`]).
+    call_nr: AtomicU64,
+    call_args: [AtomicU64; 2],
 }
 
 /// The scheduler's shared memory: a few pages every VMM process of the sandbox maps.
@@ -567,6 +571,51 @@ pub fn processes() -> Vec<Process> {
     })
 }
 
+/// A line per process of the tree for a report of a run that timed out: its pid, whether it holds
+/// the turn, and what it waits in (the call it last passed the turn from). Empty when this process
+/// is alone or the tree does not take turns (outside replay mode nothing here is current).
+pub fn describe_tree() -> String {
+    let Some(r) = region() else { return String::new() };
+    if !REPLAY.load(Ordering::Relaxed) || members(r) <= 1 {
+        return String::new();
+    }
+    let token = r.token.load(Ordering::SeqCst);
+    let mut lines: Vec<(u32, String)> = r
+        .slots
+        .iter()
+        .filter_map(|s| {
+            let pid = s.pid.load(Ordering::SeqCst);
+            let state = s.state.load(Ordering::SeqCst);
+            if pid == 0 || state == State::Free as u32 {
+                return None;
+            }
+            let what = match state {
+                1 if pid == token => "running (holds the turn)".to_string(),
+                1 => "runnable".to_string(),
+                2 => {
+                    let call = super::nr::describe_call(
+                        s.call_nr.load(Ordering::Relaxed),
+                        [s.call_args[0].load(Ordering::Relaxed), s.call_args[1].load(Ordering::Relaxed), 0, 0],
+                    );
+                    let timeout = if s.deadline.load(Ordering::SeqCst) == u64::MAX { "" } else { " with a timeout" };
+                    format!("blocked in {call}{timeout}")
+                }
+                3 => "serving its controller".to_string(),
+                4 => "detached (left over from an earlier exec)".to_string(),
+                _ => "ending".to_string(),
+            };
+            Some((pid, format!("  process {pid}: {what}\n")))
+        })
+        .collect();
+    lines.sort_unstable_by_key(|(pid, _)| *pid);
+    lines.into_iter().map(|(_, l)| l).collect()
+}
+
+/// The call a parked thread was in (number, arguments), from its bookkeeping.
+pub fn carried_call(c: &ThreadCarry) -> Option<(u64, [u64; 4])> {
+    c.call.map(|(k, _)| (k.nr, k.args))
+}
+
 /// This process's group changed (setpgid, setsid).
 pub fn set_pgid(pgid: i32) {
     if let Some(s) = region().and_then(|r| slot_of(r, ME.load(Ordering::SeqCst))) {
@@ -780,6 +829,11 @@ fn pass(r: &Region, me: u32, mono: u64, deadline: Option<u64>) {
     if let Some(s) = slot_of(r, me) {
         match deadline {
             Some(d) => {
+                if let Ok(c) = CALL.lock() {
+                    s.call_nr.store(c.0.nr, Ordering::Relaxed);
+                    s.call_args[0].store(c.0.args[0], Ordering::Relaxed);
+                    s.call_args[1].store(c.0.args[1], Ordering::Relaxed);
+                }
                 s.deadline.store(d, Ordering::SeqCst);
                 s.state.store(State::Blocked as u32, Ordering::SeqCst);
             }

@@ -237,7 +237,10 @@ impl Threads {
                         None => format!("futex wait on {at}, no timeout (a lock, a condition, a join)"),
                     }
                 }
-                RunState::Retry { .. } => "blocked in a system call".to_string(),
+                RunState::Retry { deadline } => {
+                    let call = super::sched::carried_call(&t.carry).map_or("a system call".to_string(), |(nr, a)| super::nr::describe_call(nr, a));
+                    format!("blocked in {call}{}", if deadline.is_some() { " with a timeout" } else { "" })
+                }
                 RunState::Sleep { .. } => "sleeping".to_string(),
             };
             s.push_str(&format!("  thread {} ({}): {} at rip {:#x}\n", t.tid_in(pid), t.name(), what, t.regs.rip));

@@ -382,6 +382,12 @@ impl Machine {
         if !report.is_empty() {
             self.emit_stderr(&mut out, report.as_bytes());
         }
+        if let Ok(RunExit::Timeout) = res {
+            let report = self.timeout_report();
+            if !report.is_empty() {
+                self.emit_stderr(&mut out, report.as_bytes());
+            }
+        }
         drop(guard);
         self.preempter.disarm()?;
         self.vcpu.set_kvm_immediate_exit(0);
@@ -398,6 +404,26 @@ impl Machine {
         let others = if self.os.is_some() { crate::guestos::signal::host::live_processes().saturating_sub(1) } else { 0 };
         let nondeterministic = threads::take_nondeterministic();
         Ok(RunResult { exit, stdout: out.stdout, stderr: out.stderr, duration: start.elapsed(), enosys: out.enosys, truncated: false, agent: vec![], others, nondeterministic })
+    }
+
+    /// What a run that timed out leaves on the guest's stderr: what each process of the sandbox
+    /// (in replay mode, where they take turns) and each thread of this one was doing, so that a
+    /// program that hangs says where. Empty for a lone single-threaded process (its own output
+    /// says enough).
+    fn timeout_report(&self) -> String {
+        let Some(os) = self.os.as_ref() else { return String::new() };
+        let tree = crate::guestos::sched::describe_tree();
+        let threads = if os.threads.multi() { os.threads.describe(os.proc.pid) } else { String::new() };
+        if tree.is_empty() && threads.is_empty() {
+            return String::new();
+        }
+        let mut s = String::from("collimate: the run timed out; what the sandbox was doing:\n");
+        s.push_str(&tree);
+        if !threads.is_empty() {
+            s.push_str(&format!("  the threads of process {}:\n", os.proc.pid));
+            s.push_str(&threads.lines().map(|l| format!("  {l}\n")).collect::<String>());
+        }
+        s
     }
 
     /// Write `msg` where the guest's stderr goes (the sandbox's stderr pipe, else the run's output).
