@@ -673,4 +673,3 @@ def test_a_lost_reseed_is_a_mismatch_never_verified(client):
 def test_a_program_that_ends_the_agent_is_no_ack(client):
     r = rollout_once("python", code="import os; os._exit(0)", seed=SEED, client=client)
     assert r.exit_code == 0 and r.seed_ack == "no-ack" and r.seed == SEED
-

@@ -382,49 +382,37 @@ pub mod nr {
     /// Engine hypercall (not Linux): pause and hand `rdi` to the host.
     pub const YIELD: u64 = 0x4000_0000;
 
-    /// The name of a call a process or thread can wait in, for reports of what each was doing
-    /// (a run that timed out, a deadlock); `None` for the others.
-    pub fn blocking_name(nr: u64) -> Option<&'static str> {
-        Some(match nr {
-            0 => "read",
-            1 => "write",
-            7 => "poll",
-            19 => "readv",
-            20 => "writev",
-            23 => "select",
-            34 => "pause",
-            35 => "nanosleep",
-            42 => "connect",
-            43 => "accept",
-            44 => "sendto",
-            45 => "recvfrom",
-            46 => "sendmsg",
-            47 => "recvmsg",
-            61 => "wait4",
-            128 => "rt_sigtimedwait",
-            130 => "rt_sigsuspend",
-            202 => "futex",
-            230 => "clock_nanosleep",
-            232 => "epoll_wait",
-            247 => "waitid",
-            270 => "pselect6",
-            271 => "ppoll",
-            281 => "epoll_pwait",
-            288 => "accept4",
-            _ => return None,
-        })
-    }
-
-    /// `name(arg0, arg1)` for a report; the number where the call has no name here.
+    /// A call a process or thread can wait in, as a report of what each was doing says it (a run
+    /// that timed out): `read(fd 4)`, `futex(0x.., op 265)`; the number for calls not named here.
     pub fn describe_call(nr: u64, args: [u64; 4]) -> String {
-        match blocking_name(nr) {
-            Some(n @ ("read" | "write" | "readv" | "writev" | "connect" | "accept" | "accept4" | "sendto" | "recvfrom" | "sendmsg" | "recvmsg")) => {
-                format!("{n}(fd {})", args[0] as i32)
-            }
-            Some(n @ "futex") => format!("{n}({:#x}, op {})", args[0], args[1]),
-            Some(n @ ("wait4" | "waitid")) => format!("{n}({})", args[0] as i64),
-            Some(n) => format!("{n}()"),
-            None => format!("syscall {nr}"),
+        let fd = args[0] as i32;
+        match nr {
+            0 => format!("read(fd {fd})"),
+            1 => format!("write(fd {fd})"),
+            19 => format!("readv(fd {fd})"),
+            20 => format!("writev(fd {fd})"),
+            42 => format!("connect(fd {fd})"),
+            43 => format!("accept(fd {fd})"),
+            44 => format!("sendto(fd {fd})"),
+            45 => format!("recvfrom(fd {fd})"),
+            46 => format!("sendmsg(fd {fd})"),
+            47 => format!("recvmsg(fd {fd})"),
+            288 => format!("accept4(fd {fd})"),
+            202 => format!("futex({:#x}, op {})", args[0], args[1]),
+            61 => format!("wait4({})", args[0] as i64),
+            247 => format!("waitid({})", args[0] as i64),
+            7 => "poll()".into(),
+            23 => "select()".into(),
+            34 => "pause()".into(),
+            35 => "nanosleep()".into(),
+            128 => "rt_sigtimedwait()".into(),
+            130 => "rt_sigsuspend()".into(),
+            230 => "clock_nanosleep()".into(),
+            232 => "epoll_wait()".into(),
+            270 => "pselect6()".into(),
+            271 => "ppoll()".into(),
+            281 => "epoll_pwait()".into(),
+            _ => format!("syscall {nr}"),
         }
     }
 }

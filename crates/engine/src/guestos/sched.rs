@@ -590,9 +590,9 @@ pub fn describe_tree() -> String {
                 return None;
             }
             let what = match state {
-                1 if pid == token => "running (holds the turn)".to_string(),
-                1 => "runnable".to_string(),
-                2 => {
+                x if x == State::Run as u32 && pid == token => "running (holds the turn)".to_string(),
+                x if x == State::Run as u32 => "runnable".to_string(),
+                x if x == State::Blocked as u32 => {
                     let call = super::nr::describe_call(
                         s.call_nr.load(Ordering::Relaxed),
                         [s.call_args[0].load(Ordering::Relaxed), s.call_args[1].load(Ordering::Relaxed), 0, 0],
@@ -600,8 +600,8 @@ pub fn describe_tree() -> String {
                     let timeout = if s.deadline.load(Ordering::SeqCst) == u64::MAX { "" } else { " with a timeout" };
                     format!("blocked in {call}{timeout}")
                 }
-                3 => "serving its controller".to_string(),
-                4 => "detached (left over from an earlier exec)".to_string(),
+                x if x == State::Away as u32 => "serving its controller".to_string(),
+                x if x == State::Detached as u32 => "detached (left over from an earlier exec)".to_string(),
                 _ => "ending".to_string(),
             };
             Some((pid, format!("  process {pid}: {what}\n")))
