@@ -305,6 +305,53 @@ def test_a_blocking_pipe_write_is_whole_while_processes_take_turns(client):
     assert r.ok and r.stdout == "300006 300000\n3000000 3000000\n", (r.stdout, r.stderr)
 
 
+def test_host_signals_at_the_vmm_do_not_make_a_read_of_an_empty_pipe_wait_holding_the_turn(client):
+    """A read of an empty pipe asks poll(2) (zero timeout) whether data is there; a host signal at
+    the VMM (its thread tick, a waiter's preemption) makes that poll fail with EINTR, which was
+    taken for "ready": the read then waited on the host while its process held the turn, and the
+    writer, which needed the turn, never came (a multiprocessing Pool hung now and then in CI).
+    Here the test sends the first VMM the scheduler's own preemption signal in a stream (bounded
+    in count and time) while its guest plays ping-pong with a child over two pipes."""
+    import signal
+    import threading
+    import time
+
+    code = (
+        "import os\n"
+        "a_r, a_w = os.pipe(); b_r, b_w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    while (m := os.read(a_r, 1)) != b'q': os.write(b_w, m)\n"
+        "    os._exit(0)\n"
+        "n = 0\n"
+        "for i in range(1500):\n"
+        "    os.write(a_w, b'x'); n += len(os.read(b_r, 1))\n"
+        "os.write(a_w, b'q'); os.wait(); print(n)\n"
+    )
+    with Sandbox("python", client=client) as sb:
+        sb.exec(code="pass", seed=SEED)  # the VMM installs its signal handlers on its first run
+        pid = sb._box.vm.pid
+        done = threading.Event()
+        sent = 0
+
+        def stream():
+            nonlocal sent
+            end = time.monotonic() + 90
+            while not done.is_set() and time.monotonic() < end and sent < 500_000:
+                os.kill(pid, signal.SIGRTMIN + 3)  # the VMM's preemption signal (guestos::sched)
+                sent += 1
+                time.sleep(0.0001)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        try:
+            r = sb.exec(code=code, seed=SEED, timeout_seconds=60)
+        finally:
+            done.set()
+            t.join()
+    assert sent > 100, sent
+    assert r.ok and r.stdout == "1500\n", (sent, r.stdout, r.stderr[-2000:])
+
+
 def test_a_spinning_child_cannot_starve_its_parents_timeout(client):
     """Turns are not preemptive for determinism's sake, but a process that keeps the token while
     another waits for a deadline is preempted: a parent's timeout on a child that computes forever

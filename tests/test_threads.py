@@ -296,6 +296,39 @@ b.acquire()
     assert nxt.stdout == "fresh\n" and nxt.interpreter_restarted
 
 
+def test_a_thread_spinning_on_what_a_blocked_sibling_drains_lets_it_run(sb):
+    """multiprocessing's Pool in miniature: one thread is blocked in a read of an empty pipe (the
+    result handler), and once data comes, another (the worker handler) polls the same pipe in a
+    loop until the reader has drained it. poll() answers at once, so the poller never blocks; on
+    Linux the write wakes the reader. The M:1 scheduler must retry the blocked read between the
+    poller's slices: it always loaded a runnable thread before any blocked one, and a Pool.map
+    hung now and then in CI with a result in its pipe. Seeded, so the schedule is the same in
+    every run: with the old order this program hung every time."""
+    r = run(
+        sb,
+        """
+import os, select, threading, time
+r, w = os.pipe()
+got = []
+reader = threading.Thread(target=lambda: got.append(os.read(r, 16)))
+reader.start()
+time.sleep(0.2)  # the reader is in its read now
+os.write(w, b"result")
+p = select.poll()
+p.register(r, select.POLLIN)
+spins = 0
+while reader.is_alive():
+    p.poll(50)  # at once while the data is there; after the read, a short wait
+    spins += 1
+reader.join()
+print(got, spins > 0)
+""",
+        timeout=60,
+        seed=SEED,
+    )
+    assert r.stdout == "[b'result'] True\n", r
+
+
 def test_fork_from_a_threaded_process_copies_the_calling_thread(sb):
     r = run(
         sb,

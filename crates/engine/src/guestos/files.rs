@@ -316,6 +316,22 @@ impl Files {
     }
 }
 
+/// Which of `fds` are ready now (poll(2) with a zero timeout): how many. A zero-timeout poll still
+/// fails with EINTR when a host signal comes (the thread tick, a preemption: both have handlers),
+/// which says nothing about the descriptors: it is asked again. Taking EINTR for "ready" sent a
+/// read of an empty pipe to wait on the host while its process held the turn, and the writer,
+/// which needed the turn, never came (a `multiprocessing.Pool` that hung now and then).
+pub(crate) fn poll_now(fds: &mut [libc::pollfd]) -> Result<usize, Errno> {
+    loop {
+        // SAFETY: a valid array of pollfds of the length we pass; no waiting.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+        match cvt(n as i64) {
+            Err(e) if e == EINTR => continue,
+            r => return r.map(|n| n as usize),
+        }
+    }
+}
+
 fn cvt(r: i64) -> Result<u64, Errno> {
     if r < 0 {
         Err(Errno::last())
@@ -635,8 +651,7 @@ fn wait_host_stream(fd: RawFd, events: i16) -> Result<(), Errno> {
 
 fn wait_stream_or_turn(fd: RawFd, events: i16, turns: bool) -> Result<(), Errno> {
     let mut p = libc::pollfd { fd, events, revents: 0 };
-    // SAFETY: one valid pollfd.
-    if unsafe { libc::poll(&mut p, 1, 0) } != 0 {
+    if poll_now(std::slice::from_mut(&mut p))? != 0 {
         return Ok(());
     }
     if cvt(unsafe_fcntl(fd, libc::F_GETFL, 0))? as i32 & libc::O_NONBLOCK != 0 {

@@ -76,7 +76,7 @@ pub struct Thread {
     /// snapshots (a restored thread restarts its call afresh).
     #[serde(skip)]
     pub carry: super::sched::ThreadCarry,
-    /// The idle round in which it last retried its blocking call (see `vmm::threads`).
+    /// The round in which it last retried its blocking call (see `vmm::threads`).
     #[serde(skip)]
     pub idle_round: u64,
 }

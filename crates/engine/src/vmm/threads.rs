@@ -13,9 +13,13 @@
 //!   thread that spins without a syscall; a switch made by it depends on the host's speed, and the
 //!   run is marked as not reproducible ([`nondeterministic`]).
 //!
-//! The next thread is the first runnable one after the current in creation order (round robin).
-//! Threads in a blocking call are retried when nobody is runnable, once per idle round, with a
-//! short host pause between rounds. When every thread waits on a futex, the process waits for the
+//! The next thread is the first one after the current in creation order (round robin) that is
+//! runnable or in a blocking call it has not retried since a runnable thread last ran. So a
+//! blocked call is retried once per slice of the threads that compute: a thread that spins on a
+//! condition that a blocked sibling must clear (multiprocessing's worker handler polls the
+//! result pipe that the result handler's read would drain) lets that sibling go on, as Linux's
+//! wake-up would. When every thread is in a blocking call and each has retried once, there is a
+//! short host pause before the next round. When every thread waits on a futex, the process waits for the
 //! earliest deadline: on the host, or in replay mode by moving virtual time there at once (when
 //! the sandbox's other processes take turns, by passing the turn). No deadline, no other process
 //! that could signal it and no signal pending is a deadlock: the process ends by SIGABRT with a
@@ -76,7 +80,8 @@ struct Slice {
     cpu: u64,
     /// Its syscalls and faults since then.
     events: u32,
-    /// Idle rounds so far (see the module comment).
+    /// Rounds so far: a round ends when a runnable thread is loaded, or when every thread waited and
+    /// each blocked call was retried once (see the module comment and `pick`).
     round: u64,
 }
 
@@ -433,18 +438,26 @@ fn pick(m: &mut Machine, deadline: Instant) -> Result<Option<RunExit>> {
             signalled = Some(i);
             break;
         }
+        // The next in round-robin order that can go on: a runnable thread, or one in a blocking
+        // call that has not retried it in this round. A round ends when a runnable thread is
+        // loaded (what it does may be what a blocked call waits for), or when every thread waits
+        // and each has retried once (the idle pause below).
         let n = th.list.len();
         let start = (th.cur + 1) % n;
-        let order = (0..n).map(|k| (start + k) % n);
-        let runnable = signalled.or_else(|| order.clone().find(|&i| th.list[i].state == RunState::Runnable));
-        if let Some(i) = runnable {
-            load(m, i)?;
-            return Ok(None);
-        }
         let round = with_slice(|s| s.round);
-        let retry = order.clone().find(|&i| matches!(th.list[i].state, RunState::Retry { .. }) && th.list[i].idle_round != round);
-        if let Some(i) = retry {
-            th.list[i].idle_round = round;
+        let next = signalled.or_else(|| {
+            (0..n).map(|k| (start + k) % n).find(|&i| match th.list[i].state {
+                RunState::Runnable => true,
+                RunState::Retry { .. } => th.list[i].idle_round != round,
+                RunState::Futex { .. } | RunState::Sleep { .. } => false,
+            })
+        });
+        if let Some(i) = next {
+            if matches!(th.list[i].state, RunState::Retry { .. }) {
+                th.list[i].idle_round = round;
+            } else {
+                with_slice(|s| s.round += 1);
+            }
             load(m, i)?;
             return Ok(None);
         }

@@ -92,11 +92,7 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
     // Replay mode with other processes: one look, then their turn (see `guestos::sched`); a
     // timeout is a deadline on the tree's shared virtual time.
     if ready == 0 && crate::guestos::sched::active() {
-        // SAFETY: `host` is a valid array of pollfds of the length we pass; no waiting.
-        let n = unsafe { libc::poll(host.as_mut_ptr(), host.len() as libc::nfds_t, 0) };
-        if n < 0 {
-            return Err(Errno::last());
-        }
+        super::poll_now(&mut host)?;
         ready += host_revents(&host, &host_idx, fds, &mut revents);
         ready = connected(&host, &connecting, fds, &mut revents, ready);
         if ready > 0 {
