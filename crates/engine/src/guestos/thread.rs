@@ -78,7 +78,7 @@ pub struct Thread {
     pub carry: super::sched::ThreadCarry,
     /// The round in which it last retried its blocking call (see `vmm::threads`).
     #[serde(skip)]
-    pub idle_round: u64,
+    pub retried_in: u64,
 }
 
 impl Thread {
@@ -99,7 +99,7 @@ impl Thread {
             sleep: None,
             saved_mask: None,
             carry: Default::default(),
-            idle_round: 0,
+            retried_in: 0,
         }
     }
 

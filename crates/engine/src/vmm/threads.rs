@@ -19,8 +19,8 @@
 //! condition that a blocked sibling must clear (multiprocessing's worker handler polls the
 //! result pipe that the result handler's read would drain) lets that sibling go on, as Linux's
 //! wake-up would. When every thread is in a blocking call and each has retried once, there is a
-//! short host pause before the next round. When every thread waits on a futex, the process waits for the
-//! earliest deadline: on the host, or in replay mode by moving virtual time there at once (when
+//! short host pause before the next round. When every thread waits on a futex, the process waits
+//! for the earliest deadline: on the host, or in replay mode by moving virtual time there at once (when
 //! the sandbox's other processes take turns, by passing the turn). No deadline, no other process
 //! that could signal it and no signal pending is a deadlock: the process ends by SIGABRT with a
 //! report listing every thread on its stderr, instead of hanging until the run's timeout.
@@ -448,13 +448,13 @@ fn pick(m: &mut Machine, deadline: Instant) -> Result<Option<RunExit>> {
         let next = signalled.or_else(|| {
             (0..n).map(|k| (start + k) % n).find(|&i| match th.list[i].state {
                 RunState::Runnable => true,
-                RunState::Retry { .. } => th.list[i].idle_round != round,
+                RunState::Retry { .. } => th.list[i].retried_in != round,
                 RunState::Futex { .. } | RunState::Sleep { .. } => false,
             })
         });
         if let Some(i) = next {
             if matches!(th.list[i].state, RunState::Retry { .. }) {
-                th.list[i].idle_round = round;
+                th.list[i].retried_in = round;
             } else {
                 with_slice(|s| s.round += 1);
             }
