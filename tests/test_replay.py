@@ -720,3 +720,26 @@ def test_a_lost_reseed_is_a_mismatch_never_verified(client):
 def test_a_program_that_ends_the_agent_is_no_ack(client):
     r = rollout_once("python", code="import os; os._exit(0)", seed=SEED, client=client)
     assert r.exit_code == 0 and r.seed_ack == "no-ack" and r.seed == SEED
+
+
+def test_a_run_that_times_out_says_what_each_process_was_doing(client):
+    """A program that hangs ends at its timeout with a report on its stderr: each process of the
+    sandbox (which holds the turn, which call each waits in), and the first one's threads when it
+    has several. The parent waits for a child that reads a pipe nobody writes; the child says on
+    stdout that it is running first, so the report has both processes to describe. (The timeout is
+    generous: with 3 s a loaded host had not forked the child yet, and there was nothing to say.)"""
+    code = (
+        "import os, sys\n"
+        "r, w = os.pipe()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.write(1, b'child running\\n')\n"
+        "    os.read(r, 1)\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+    )
+    with Sandbox("python", client=client) as sb:
+        r = sb.exec(code=code, seed=SEED, timeout_seconds=20)
+    assert r.exit_code == 124 and r.stdout == "child running\n", (r.exit_code, r.stdout, r.stderr)
+    assert "collimate: the run timed out; what the sandbox was doing:" in r.stderr, r.stderr
+    assert "process 2: blocked in read(fd " in r.stderr, r.stderr
