@@ -7,6 +7,7 @@ upstream DNS is a DNS server this file runs on loopback, which records every que
 
 from __future__ import annotations
 
+import ast
 import errno
 import http.server
 import ipaddress
@@ -1049,3 +1050,202 @@ def test_an_exec_that_times_out_leaves_no_recording(client, http_server):
     with Sandbox("python", client=client, egress=policy) as sb:  # same state and seed: records anew
         r = sb.exec(code=fetch(f"http://127.0.0.1:{http_server}/"), seed=seed, timeout_seconds=60)
         assert (r.stdout, r.egress_replay) == (_Body.body.decode(), "recorded")
+
+
+# --- resets, UDP recordings, and a connect racing a policy change --------------------------------
+
+
+class _ResetAfter(socketserver.BaseRequestHandler):
+    """Reads b'hello', answers b'part', reads b'more', then resets the connection (SO_LINGER 0)."""
+
+    connections = 0
+
+    def handle(self):
+        type(self).connections += 1
+        s = self.request
+        got = b""
+        while len(got) < 5 and (d := s.recv(5 - len(got))):
+            got += d
+        s.sendall(b"part")
+        got = b""
+        while len(got) < 4 and (d := s.recv(4 - len(got))):
+            got += d
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()  # a RST, not a FIN
+
+    def finish(self):
+        pass
+
+
+RESET_CODE = (
+    "import socket\n"
+    "s = socket.create_connection(('127.0.0.1', {port}), timeout=10)\n"
+    "s.sendall(b'hello'); print(s.recv(4)); s.sendall(b'more')\n"
+    "for call in (lambda: s.recv(10), lambda: s.recv(10), lambda: s.sendall(b'x')):\n"
+    "    try:\n"
+    "        d = call(); print('EOF' if d == b'' else d)\n"
+    "    except OSError as e:\n"
+    "        print('ERR', type(e).__name__)\n"
+)
+
+
+@kvm
+def test_a_peers_reset_reads_as_econnreset_live_while_recording_and_in_a_replay(client):
+    """A server that resets its connection: the guest's next call fails with ECONNRESET, then it
+    sees the end, and a send fails with EPIPE, as on Linux; the same when the broker relays the flow
+    to record it (a socket pair carries no RST), and when a replay serves it from the recording."""
+    srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _ResetAfter)
+    srv.daemon_threads = True
+    port = srv.server_address[1]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    want = "b'part'\nERR ConnectionResetError\nEOF\nERR BrokenPipeError\n"
+    seed = secrets.token_hex(32)
+    code = RESET_CODE.format(port=port)
+    rec = Egress.allow(f"127.0.0.1:{port}", record=True)
+    try:
+        with Sandbox("python", client=client, egress=Egress.allow(f"127.0.0.1:{port}")) as sb:
+            assert run(sb, code) == want  # the guest holds the real socket: the kernel's own reset
+        with Sandbox("python", client=client, egress=rec) as sb:
+            r = sb.exec(code=code, seed=seed, timeout_seconds=60)
+            assert (r.ok, r.stdout, r.egress_replay, r.egress_error) == (True, want, "recorded", ""), r.stderr
+        assert _ResetAfter.connections == 2
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    with Sandbox("python", client=client, egress=rec) as sb:
+        r = sb.exec(code=code, seed=seed, timeout_seconds=60)
+        assert (r.ok, r.stdout, r.egress_replay, r.egress_error) == (True, want, "replayed", ""), r.stderr
+    assert _ResetAfter.connections == 2  # nothing dialled: the server is gone anyway
+
+
+@kvm
+def test_a_set_egress_reset_of_a_recorded_flow_reads_as_econnreset(client, echo_server):
+    rule = f"127.0.0.1:{echo_server}"
+    with Sandbox("python", client=client, egress=Egress.allow(rule, record=True)) as sb:
+        r = sb.exec(code=OPEN_ECHO.format(port=echo_server), seed=secrets.token_hex(32), timeout_seconds=60)
+        assert (r.stdout, r.egress_replay) == ("ping\n", "recorded"), r.stderr
+        sb.set_egress(Egress.none())
+        assert run(sb, RECV_FIRST) == "ERR ConnectionResetError\nEOF\nERR BrokenPipeError\n"
+        (flow,) = [e for e in sb.egress_log() if e["kind"] == "connect"]
+        assert flow["verdict"] == "reset"
+
+
+@kvm
+def test_udp_flows_are_recorded_and_replayed_datagram_by_datagram(client, udp_echo):
+    port, got = udp_echo
+    other = port + 1 if port < 65535 else port - 1
+    code = UDP_CODE.format(port=port, other=other)
+    want = ["echo:one True", "echo:two True", str(errno.ENETUNREACH), str(errno.ENETUNREACH), ""]
+    seed = secrets.token_hex(32)
+    pol = Egress.allow(f"127.0.0.1:{port}", record=True)
+    with Sandbox("python", client=client, egress=pol) as sb:
+        r = sb.exec(code=code, seed=seed, timeout_seconds=60)
+        assert (r.ok, r.stdout.split("\n"), r.egress_replay, r.egress_error) == (True, want, "recorded", ""), r.stderr
+        log = [e for e in sb.egress_log() if e["kind"] == "udp"]
+        assert [(e["verdict"], e["detail"]) for e in log[:2]] == [("allowed", "recorded")] * 2
+    assert got == [b"one", b"two"]
+    for _ in range(2):  # fresh sandboxes, the same seed: the answers come from the recording
+        with Sandbox("python", client=client, egress=pol) as sb:
+            r = sb.exec(code=code, seed=seed, timeout_seconds=60)
+            assert (r.ok, r.stdout.split("\n"), r.egress_replay, r.egress_error) == (True, want, "replayed", ""), r.stderr
+            log = [e for e in sb.egress_log() if e["kind"] == "udp"]
+            assert [e["verdict"] for e in log] == ["replayed", "replayed", "denied", "denied"]
+            assert (log[0]["bytes_out"], log[0]["bytes_in"]) == (3, 8)
+    assert got == [b"one", b"two"]  # the server heard nothing new
+    # Another datagram than the recording's: that flow diverges, and the result says where.
+    with Sandbox("python", client=client, egress=pol) as sb:
+        r = sb.exec(code=code.replace("b'one'", "b'uno'"), seed=seed, timeout_seconds=60)
+        assert r.egress_replay == "diverged" and "UDP datagram 0 differs from the recording" in r.egress_error, r.egress_error
+    assert got == [b"one", b"two"]
+
+
+class _CountingEcho(socketserver.BaseRequestHandler):
+    accepted = 0
+
+    def handle(self):
+        type(self).accepted += 1
+        try:
+            while data := self.request.recv(65536):
+                self.request.sendall(data)
+        except OSError:
+            pass
+
+
+RACE_CODE = (
+    "import socket\n"
+    "kept, seen = [], {{}}\n"
+    "for i in range({n}):\n"
+    "    try:\n"
+    "        s = socket.create_connection(('127.0.0.1', {port}), timeout=10)\n"
+    "        s.sendall(b'p'); d = s.recv(1)\n"
+    "        k = 'ok' if d == b'p' else 'eof'\n"
+    "        kept.append(s)\n"
+    "    except OSError as e:\n"
+    "        k = type(e).__name__\n"
+    "    seen[k] = seen.get(k, 0) + 1\n"
+    "print(sorted(seen.items()))\n"
+)
+AFTER_RACE = (
+    "alive = 0\n"
+    "for s in kept:\n"
+    "    try:\n"
+    "        s.sendall(b'q'); alive += s.recv(1) == b'q'\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "print(len(kept), alive)\n"
+)
+
+
+@kvm
+def test_connects_racing_policy_changes_never_leave_a_forbidden_connection_open(client):
+    """While the guest makes connection after connection (and keeps each open), the host flips its
+    policy between admitting the server and nothing. Each connect is refused or admitted whole;
+    after the last change to nothing, none of the kept connections works (each admitted one was
+    reset, including those whose dial raced a change), the log has no open admitted flow, and the
+    server's own count of accepted connections equals the dials the log shows."""
+    from collimate_core.templates.catalog import frame
+
+    _CountingEcho.accepted = 0
+    srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _CountingEcho)
+    srv.daemon_threads = True
+    port = srv.server_address[1]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    box = client.create("python", egress=Egress.allow(f"127.0.0.1:{port}"))
+    try:
+        done = threading.Event()
+        flips = [0]
+
+        def flip():
+            deadline = time.monotonic() + 60  # bounded in time and count
+            while not done.is_set() and time.monotonic() < deadline and flips[0] < 20_000:
+                box.vm.set_egress([] if flips[0] % 2 == 0 else [f"127.0.0.1:{port}"], False)
+                flips[0] += 1
+                time.sleep(0.001)
+
+        t = threading.Thread(target=flip, daemon=True)
+        t.start()
+        try:
+            r = box.vm.agent_call(frame({"op": "exec", "code": RACE_CODE.format(n=200, port=port)}), 120.0)
+        finally:
+            done.set()
+            t.join(10)
+        box.vm.set_egress([], False)
+        out = r.stdout.decode()
+        seen = dict(ast.literal_eval(out))  # e.g. [('ConnectionRefusedError', 93), ('ok', 107)]
+        assert set(seen) <= {"ok", "ConnectionRefusedError", "ConnectionResetError", "BrokenPipeError", "eof"}, (out, r.stderr)
+        assert sum(seen.values()) == 200 and flips[0] > 10
+        assert seen.get("ok", 0) > 0 and seen.get("ConnectionRefusedError", 0) > 0, out  # the race was run
+        kept, alive = map(int, box.vm.agent_call(frame({"op": "exec", "code": AFTER_RACE}), 60.0).stdout.split())
+        assert kept == seen.get("ok", 0) + seen.get("eof", 0) and alive == 0
+        log = [e for e in box.vm.egress_log() if e["kind"] == "connect"]
+        assert not [e for e in log if e["open"] and e["verdict"] == "allowed"]
+        dialled = [e for e in log if e["verdict"] in ("allowed", "reset") or "changed while the connection was being made" in e["detail"]]
+        for _ in range(100):  # the server's accept loop may trail the last dial (bounded: 1 s)
+            if _CountingEcho.accepted >= len(dialled):
+                break
+            time.sleep(0.01)
+        assert _CountingEcho.accepted == len(dialled)
+    finally:
+        client.destroy(box)
+        srv.shutdown()
+        srv.server_close()

@@ -349,7 +349,7 @@ impl SandboxNet {
     /// A UDP flow: checked like a TCP connect (a rule that names the port, `Policy::check_udp`),
     /// then a UDP socket connected to the address is handed over: it sends only to that peer and
     /// receives only from it. Denied: ENETUNREACH (what the guest got for UDP before any rule).
-    /// Live even under `record` (recordings are of TCP streams).
+    /// Under `record` the broker relays it and writes each datagram down; a replay serves them.
     fn connect_udp(self: &Arc<Self>, pid: i32, addr: SocketAddr, reply: OwnedFd) {
         let ip = policy::canonical(addr.ip());
         let target = SocketAddr::new(ip, addr.port());
@@ -381,15 +381,78 @@ impl SandboxNet {
             Verdict::Allowed(r) => r,
         };
         e.rule = Some(rule);
+        // A replay: the n-th flow of the recorded exec (TCP and UDP count alike, in the order the
+        // guest asked) must be this datagram flow; it is served from the recording.
+        if let Some(Session::Replay { tape, next, .. }) = g.tape.as_mut() {
+            let i = *next;
+            *next += 1;
+            let flow = tape.flows.get(i).cloned();
+            let why = match &flow {
+                None => Some(format!("UDP to {target}: the recording has {} flow(s), and this is one more", tape.flows.len())),
+                Some(f) if !f.datagram || f.addr != Some(target) => Some(format!(
+                    "UDP to {target}: flow {i} of the recording was {} to {}",
+                    if f.datagram { "UDP" } else { "a TCP connection" },
+                    f.addr.map(|a| a.to_string()).unwrap_or_else(|| "nowhere".into())
+                )),
+                Some(_) => None,
+            };
+            let (Some(flow), None) = (flow, why.clone()) else {
+                let why = why.unwrap_or_default();
+                e.verdict = "diverged".into();
+                e.detail = format!("replay: {why}; refused");
+                g.push(e);
+                g.tape_errors.push(why);
+                drop(g);
+                refuse(&reply, libc::ECONNREFUSED);
+                return;
+            };
+            let (Ok((ours, theirs)), Ok((live_ours, live_theirs))) = (wire::seqpacket_pair(), wire::seqpacket_pair()) else {
+                drop(g);
+                refuse(&reply, libc::ENOBUFS);
+                return;
+            };
+            let Ok(live_serve) = live_ours.try_clone() else {
+                drop(g);
+                refuse(&reply, libc::ENOBUFS);
+                return;
+            };
+            if wire::send(reply.as_raw_fd(), &NetReply::Connected { relay: None }, &[theirs.as_raw_fd(), live_theirs.as_raw_fd()]).is_err() {
+                return;
+            }
+            drop((theirs, live_theirs));
+            e.verdict = "replayed".into();
+            e.detail = "served from the recording; nothing was sent".into();
+            e.open = true;
+            let log = g.push(e);
+            let served = Arc::new(Served::default());
+            g.flows.push(Flow { log, addr: target, names, tcp: None, live: live_ours, frozen: None, relayed: false, served: Some(served.clone()) });
+            drop(g);
+            let net = self.clone();
+            let _ = tape::serve(ours, live_serve, flow, served, move |why| net.diverged(log, why));
+            broker_wake();
+            return;
+        }
+        let recording = match g.tape.as_mut() {
+            Some(Session::Record { flows, size, .. }) => {
+                let f = Arc::new(Mutex::new(FlowTape { addr: Some(target), datagram: true, ..Default::default() }));
+                flows.push(f.clone());
+                Some((f, size.clone()))
+            }
+            _ => None,
+        };
         let sock = udp_connect(target);
         let (sock, (live_ours, live_theirs)) = match (sock, wire::seqpacket_pair()) {
             (Ok(s), Ok(l)) => (s, l),
             (Err(err), _) => {
+                let errno = err.raw_os_error().unwrap_or(libc::ENETUNREACH);
+                if let Some((f, _)) = &recording {
+                    f.lock().unwrap_or_else(|p| p.into_inner()).refused = Some(errno);
+                }
                 e.verdict = "failed".into();
                 e.detail = format!("udp: {err}");
                 g.push(e);
                 drop(g);
-                refuse(&reply, err.raw_os_error().unwrap_or(libc::ENETUNREACH));
+                refuse(&reply, errno);
                 return;
             }
             (_, Err(_)) => {
@@ -398,14 +461,37 @@ impl SandboxNet {
                 return;
             }
         };
-        if wire::send(reply.as_raw_fd(), &NetReply::Connected { relay: None }, &[sock.as_raw_fd(), live_theirs.as_raw_fd()]).is_err() {
+        // Recording: the guest gets a SOCK_SEQPACKET pair's end and the broker relays the
+        // datagrams (`tape::record_datagrams`); else the connected UDP socket itself.
+        let relayed = recording.is_some();
+        let guest_end = match recording {
+            None => None,
+            Some((ftape, size)) => {
+                let (Ok((ours, theirs)), Ok(copy)) = (wire::seqpacket_pair(), sock.try_clone()) else {
+                    drop(g);
+                    refuse(&reply, libc::ENOBUFS);
+                    return;
+                };
+                if tape::record_datagrams(ours, copy, ftape, size).is_err() {
+                    drop(g);
+                    refuse(&reply, libc::ENOBUFS);
+                    return;
+                }
+                Some(theirs)
+            }
+        };
+        let handed = guest_end.as_ref().map_or(sock.as_raw_fd(), |t| t.as_raw_fd());
+        if wire::send(reply.as_raw_fd(), &NetReply::Connected { relay: None }, &[handed, live_theirs.as_raw_fd()]).is_err() {
             return;
         }
-        drop(live_theirs);
+        drop((guest_end, live_theirs));
         e.verdict = "allowed".into();
+        if relayed {
+            e.detail = "recorded".into();
+        }
         e.open = true;
         let log = g.push(e);
-        g.flows.push(Flow { log, addr: target, names, tcp: Some(sock), live: live_ours, frozen: None, relayed: false, served: None });
+        g.flows.push(Flow { log, addr: target, names, tcp: Some(sock), live: live_ours, frozen: None, relayed, served: None });
         drop(g);
         broker_wake();
     }
@@ -545,8 +631,9 @@ impl SandboxNet {
         if let Some(r) = replay {
             let why = match &r {
                 Err(n) => Some(format!("connect to {target}: the recording has {n} connection(s), and this is one more")),
-                Ok((i, f)) if f.addr != Some(target) => Some(format!(
-                    "connect to {target}: connection {i} of the recording went to {}",
+                Ok((i, f)) if f.addr != Some(target) || f.datagram => Some(format!(
+                    "connect to {target}: flow {i} of the recording was {} to {}",
+                    if f.datagram { "UDP" } else { "a TCP connection" },
                     f.addr.map(|a| a.to_string()).unwrap_or_else(|| "nowhere".into())
                 )),
                 Ok(_) => None,
@@ -572,6 +659,10 @@ impl SandboxNet {
                 refuse(&reply, libc::ENOBUFS);
                 return;
             };
+            let Ok(live_serve) = live_ours.try_clone() else {
+                refuse(&reply, libc::ENOBUFS);
+                return;
+            };
             let local = flow.local.unwrap_or_else(|| SocketAddr::new(if target.is_ipv4() { IpAddr::from([0u8; 4]) } else { IpAddr::from([0u8; 16]) }, 0));
             if wire::send(reply.as_raw_fd(), &NetReply::Connected { relay: Some(local) }, &[theirs.as_raw_fd(), live_theirs.as_raw_fd()]).is_err() {
                 return;
@@ -585,7 +676,7 @@ impl SandboxNet {
             g.flows.push(Flow { log, addr: target, names, tcp: None, live: live_ours, frozen: None, relayed: false, served: Some(served.clone()) });
             drop(g);
             let net = self.clone();
-            let _ = tape::serve(ours, flow, served, move |why| net.diverged(log, why));
+            let _ = tape::serve(ours, live_serve, flow, served, move |why| net.diverged(log, why));
             broker_wake();
             return;
         }
@@ -649,7 +740,7 @@ impl SandboxNet {
                     // Recording: the guest gets a socket pair's end and the broker relays.
                     let local = local_addr(sock.as_raw_fd());
                     ftape.lock().unwrap_or_else(|p| p.into_inner()).local = local;
-                    let (Ok((ours, theirs)), Ok(copy)) = (stream_pair(), sock.try_clone()) else {
+                    let (Ok((ours, theirs)), Ok(copy), Ok(live_relay)) = (stream_pair(), sock.try_clone(), live_ours.try_clone()) else {
                         refuse(&reply, libc::ENOBUFS);
                         return;
                     };
@@ -660,7 +751,7 @@ impl SandboxNet {
                         return;
                     }
                     drop(theirs);
-                    if tape::record(ours, sock, ftape, size).is_err() {
+                    if tape::record(ours, sock, live_relay, ftape, size).is_err() {
                         return; // no thread: the guest's end reads EOF
                     }
                     (copy, true)

@@ -15,6 +15,16 @@
 //! stream socket closed while its receive queue holds unread bytes gives its peer ECONNRESET: the
 //! server leaves the diverging bytes unread, then closes.
 //!
+//! A peer's reset (RST, or a `set_egress` that forbade the flow) is written down too, and reaches
+//! the guest as ECONNRESET both live and in a replay: an AF_UNIX stream cannot carry a reset, so the
+//! relay says so on the flow's liveness pair (the VMM's end sits beside the guest's socket) before it
+//! ends the stream, and the VMM reports the reset where the guest would otherwise read the end
+//! (`guestos::files::inet::reset_at_end`).
+//!
+//! UDP flows under a rule naming their port are recorded too, a datagram per event: the guest's
+//! socket is then one end of a SOCK_SEQPACKET pair (message boundaries kept, as UDP keeps them)
+//! that one relay thread joins to the real UDP socket; a replay compares each datagram whole.
+//!
 //! File: magic, format version, a postcard payload, and a CRC-32 of the payload; a tape that does
 //! not check is an error, never a partial replay.
 
@@ -28,7 +38,10 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 const MAGIC: &[u8; 8] = b"CXTAPE\0\0";
-const VERSION: u32 = 1;
+/// 2: UDP flows (`FlowTape::datagram`) and peer resets (`Event::Reset`).
+const VERSION: u32 = 2;
+/// What the relay sends on a flow's liveness pair when the peer reset the connection.
+pub const RESET_MARK: u8 = b'R';
 /// Most bytes one exec's recording holds; a bigger one is not saved (the exec ran live).
 pub const MAX_TAPE_BYTES: u64 = 256 << 20;
 
@@ -51,8 +64,10 @@ pub enum Event {
     In(Vec<u8>),
     /// The guest shut its sending side (or closed).
     OutEnd,
-    /// The peer shut its sending side (or reset: both read as the end of the stream).
+    /// The peer shut its sending side.
     InEnd,
+    /// The peer reset the connection (after the bytes before it): the guest reads ECONNRESET.
+    Reset,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -63,6 +78,8 @@ pub struct FlowTape {
     pub local: Option<SocketAddr>,
     /// The dial failed with this errno (a replay fails the connect alike).
     pub refused: Option<i32>,
+    /// A UDP flow: each `Out` and `In` is one datagram.
+    pub datagram: bool,
     pub events: Vec<Event>,
 }
 
@@ -92,13 +109,17 @@ impl Tape {
             return Err(bad("no recording header"));
         }
         let version = u32::from_le_bytes(raw[8..12].try_into().map_err(|_| bad("short header"))?);
-        if version != VERSION {
-            return Err(bad(&format!("format version {version}, this engine reads {VERSION}")));
+        if version != VERSION && version != 1 {
+            return Err(bad(&format!("format version {version}, this engine reads 1 and {VERSION}")));
         }
         let (body, sum) = raw[12..].split_at(raw.len() - 16);
         let sum = u32::from_le_bytes(sum.try_into().map_err(|_| bad("short checksum"))?);
         if crc32fast::hash(body) != sum {
             return Err(bad("checksum mismatch"));
+        }
+        if version == 1 {
+            let v1: TapeV1 = postcard::from_bytes(body).map_err(|e| bad(&e.to_string()))?;
+            return Ok(v1.into());
         }
         postcard::from_bytes(body).map_err(|e| bad(&e.to_string()))
     }
@@ -122,6 +143,29 @@ impl Tape {
 
     pub fn answer(&self, name: &str, v6: bool) -> Option<Vec<IpAddr>> {
         self.dns.iter().find(|(n, six, _)| n == name && *six == v6).map(|(_, _, a)| a.clone())
+    }
+}
+
+/// Format 1: TCP flows only, without `FlowTape::datagram` (its events are a prefix of today's:
+/// postcard numbers the variants, and `Reset` came last).
+#[derive(Deserialize)]
+struct TapeV1 {
+    flows: Vec<FlowTapeV1>,
+    dns: Vec<(String, bool, Vec<IpAddr>)>,
+}
+
+#[derive(Deserialize)]
+struct FlowTapeV1 {
+    addr: Option<SocketAddr>,
+    local: Option<SocketAddr>,
+    refused: Option<i32>,
+    events: Vec<Event>,
+}
+
+impl From<TapeV1> for Tape {
+    fn from(t: TapeV1) -> Tape {
+        let flows = t.flows.into_iter().map(|f| FlowTape { addr: f.addr, local: f.local, refused: f.refused, datagram: false, events: f.events }).collect();
+        Tape { flows, dns: t.dns }
     }
 }
 
@@ -217,34 +261,70 @@ fn shutdown(fd: RawFd, how: i32) {
     unsafe { libc::shutdown(fd, how) };
 }
 
-/// Relay `guest` (the broker's end of the guest's socket pair) and `tcp` (the dialled connection)
-/// both ways, writing down each chunk before passing it on. Chunks past `MAX_TAPE_BYTES` are relayed
-/// and not kept (the recording is then not saved).
-pub fn record(guest: OwnedFd, tcp: OwnedFd, flow: Arc<Mutex<FlowTape>>, size: Arc<AtomicU64>) -> std::io::Result<()> {
-    let guest = Arc::new(guest);
-    let tcp = Arc::new(tcp);
-    let note = move |flow: &Mutex<FlowTape>, e: Event| {
+/// Tell the VMM that the peer reset the flow (see the module comment), then end the guest's
+/// stream both ways: its reads give what came before, then ECONNRESET, then the end; its sends
+/// fail (EPIPE), as on a reset TCP socket.
+fn post_reset(guest: RawFd, live: RawFd) {
+    // SAFETY: a one-byte send on our end of the liveness pair; a VMM that is gone is no error.
+    unsafe { libc::send(live, [RESET_MARK].as_ptr().cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+    shutdown(guest, libc::SHUT_RDWR);
+}
+
+/// Whether a TCP connection whose receive just read the end was reset rather than closed: after a
+/// RST (or our own disconnect) the kernel puts it straight into TCP_CLOSE, while a peer's FIN
+/// leaves it in CLOSE_WAIT, or TIME_WAIT and CLOSING if we had shut our side first. A RST that
+/// another thread's call reported first (its error is reported once) still leaves TCP_CLOSE.
+fn was_reset(tcp: RawFd) -> bool {
+    // SAFETY: a zeroed tcp_info is valid; getsockopt fills at most `len` bytes of it.
+    let mut ti: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: TCP_INFO into a buffer of `len` bytes we own.
+    let r = unsafe { libc::getsockopt(tcp, libc::IPPROTO_TCP, libc::TCP_INFO, (&mut ti as *mut libc::tcp_info).cast(), &mut len) };
+    r == 0 && ti.tcpi_state == 7 // TCP_CLOSE
+}
+
+/// Write down one event unless the recording is over its size limit (it is then not saved).
+#[derive(Clone)]
+struct Note {
+    flow: Arc<Mutex<FlowTape>>,
+    size: Arc<AtomicU64>,
+}
+
+impl Note {
+    fn push(&self, e: Event) {
         let n = match &e {
             Event::Out(b) | Event::In(b) => b.len() as u64,
             _ => 0,
         };
-        if size.fetch_add(n, Ordering::Relaxed) + n <= MAX_TAPE_BYTES {
-            flow.lock().unwrap_or_else(|p| p.into_inner()).events.push(e);
+        if self.size.fetch_add(n, Ordering::Relaxed) + n <= MAX_TAPE_BYTES {
+            self.flow.lock().unwrap_or_else(|p| p.into_inner()).events.push(e);
         }
-    };
+    }
+}
+
+/// Relay `guest` (the broker's end of the guest's socket pair) and `tcp` (the dialled connection)
+/// both ways, writing down each chunk before passing it on. Chunks past `MAX_TAPE_BYTES` are relayed
+/// and not kept (the recording is then not saved). `live` is the broker's end of the flow's
+/// liveness pair, where a reset is posted.
+pub fn record(guest: OwnedFd, tcp: OwnedFd, live: OwnedFd, flow: Arc<Mutex<FlowTape>>, size: Arc<AtomicU64>) -> std::io::Result<()> {
+    let guest = Arc::new(guest);
+    let tcp = Arc::new(tcp);
+    let note = Note { flow, size };
     let note2 = note.clone();
-    let (g, t, f) = (guest.clone(), tcp.clone(), flow.clone());
+    let (g, t) = (guest.clone(), tcp.clone());
     std::thread::Builder::new().name("collimate-tape-out".into()).spawn(move || {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
             let n = recv(g.as_raw_fd(), &mut buf, 0);
             if n <= 0 {
-                note(&f, Event::OutEnd);
+                note.push(Event::OutEnd);
                 shutdown(t.as_raw_fd(), libc::SHUT_WR);
                 return;
             }
-            note(&f, Event::Out(buf[..n as usize].to_vec()));
+            note.push(Event::Out(buf[..n as usize].to_vec()));
             if !write_all(t.as_raw_fd(), &buf[..n as usize]) {
+                // The connection failed under the send (a reset): the other thread's receive
+                // sees it too and tells the guest; what the guest sends meanwhile goes nowhere.
                 shutdown(g.as_raw_fd(), libc::SHUT_RD);
                 return;
             }
@@ -254,15 +334,73 @@ pub fn record(guest: OwnedFd, tcp: OwnedFd, flow: Arc<Mutex<FlowTape>>, size: Ar
         let mut buf = vec![0u8; 64 * 1024];
         loop {
             let n = recv(tcp.as_raw_fd(), &mut buf, 0);
-            if n <= 0 {
-                note2(&flow, Event::InEnd);
+            if n < 0 || (n == 0 && was_reset(tcp.as_raw_fd())) {
+                note2.push(Event::Reset);
+                post_reset(guest.as_raw_fd(), live.as_raw_fd());
+                return;
+            }
+            if n == 0 {
+                note2.push(Event::InEnd);
                 shutdown(guest.as_raw_fd(), libc::SHUT_WR);
                 return;
             }
-            note2(&flow, Event::In(buf[..n as usize].to_vec()));
+            note2.push(Event::In(buf[..n as usize].to_vec()));
             if !write_all(guest.as_raw_fd(), &buf[..n as usize]) {
                 shutdown(tcp.as_raw_fd(), libc::SHUT_RD);
                 return;
+            }
+        }
+    })?;
+    Ok(())
+}
+
+/// Relay a UDP flow: `guest` (the broker's end of the guest's SOCK_SEQPACKET pair) and `udp` (a
+/// UDP socket connected to the peer), one datagram at a time both ways, writing each down before
+/// passing it on. One thread, so the tape has the datagrams in the order the relay saw them. It
+/// ends when the guest closes its socket, or when `udp` is shut (`set_egress` forbade the flow:
+/// the guest's sends then fail).
+pub fn record_datagrams(guest: OwnedFd, udp: OwnedFd, flow: Arc<Mutex<FlowTape>>, size: Arc<AtomicU64>) -> std::io::Result<()> {
+    let note = Note { flow, size };
+    std::thread::Builder::new().name("collimate-tape-udp".into()).spawn(move || {
+        let mut buf = vec![0u8; 65536];
+        let (g, u) = (guest.as_raw_fd(), udp.as_raw_fd());
+        loop {
+            let mut fds = [libc::pollfd { fd: g, events: libc::POLLIN, revents: 0 }, libc::pollfd { fd: u, events: libc::POLLIN, revents: 0 }];
+            // SAFETY: poll on two descriptors we own.
+            if unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) } < 0 {
+                if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                return;
+            }
+            if fds[0].revents != 0 {
+                // A zero-length read is the guest's end closing (a SOCK_SEQPACKET pair); a
+                // zero-length datagram from the guest reads alike and ends the relay too.
+                let n = recv(g, &mut buf, libc::MSG_DONTWAIT);
+                if n == 0 || (n < 0 && fds[0].revents & (libc::POLLHUP | libc::POLLERR) != 0) {
+                    note.push(Event::OutEnd);
+                    return;
+                }
+                if n > 0 {
+                    note.push(Event::Out(buf[..n as usize].to_vec()));
+                    // SAFETY: send of a buffer we own on the connected UDP socket (a datagram
+                    // the network drops is dropped, as UDP does).
+                    unsafe { libc::send(u, buf.as_ptr().cast(), n as usize, libc::MSG_NOSIGNAL) };
+                }
+            }
+            if fds[1].revents != 0 {
+                let n = recv(u, &mut buf, libc::MSG_DONTWAIT);
+                if n == 0 {
+                    // The broker shut the socket (or a zero-length datagram came, which a
+                    // SOCK_SEQPACKET pair could not tell from its end): the relay ends.
+                    return;
+                }
+                if n > 0 {
+                    note.push(Event::In(buf[..n as usize].to_vec()));
+                    // SAFETY: send of a buffer we own on our end of the guest's pair.
+                    unsafe { libc::send(g, buf.as_ptr().cast(), n as usize, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+                }
+                // n < 0: an ICMP error (ECONNREFUSED) read and cleared; the relay goes on.
             }
         }
     })?;
@@ -279,16 +417,59 @@ pub struct Served {
 /// Serve `flow` to `guest` (the broker's end of the guest's socket pair): the recorded answers in
 /// order, each after the guest has sent what preceded it. On the first byte that differs, or a
 /// stream that ends where the recording does not, `diverged` gets the reason and the guest's
-/// connection is reset.
-pub fn serve(guest: OwnedFd, flow: FlowTape, served: Arc<Served>, diverged: impl FnOnce(String) + Send + 'static) -> std::io::Result<()> {
+/// connection is reset. `live` is the broker's end of the flow's liveness pair (a recorded reset
+/// is posted there, as the recording relay posted it).
+pub fn serve(guest: OwnedFd, live: OwnedFd, flow: FlowTape, served: Arc<Served>, diverged: impl FnOnce(String) + Send + 'static) -> std::io::Result<()> {
     std::thread::Builder::new().name("collimate-tape-serve".into()).spawn(move || {
-        if let Err(why) = serve_events(guest.as_raw_fd(), &flow.events, &served) {
+        let (g, l) = (guest.as_raw_fd(), live.as_raw_fd());
+        let r = if flow.datagram { serve_datagrams(g, &flow.events, &served) } else { serve_events(g, l, &flow.events, &served) };
+        if let Err(why) = r {
             diverged(why);
-            // Make sure something is unread in our queue (the guest's diverging bytes normally
-            // are), then close: the guest's next call on the socket reads ECONNRESET.
+            // Closing our end with the guest's diverging bytes unread in its queue resets the
+            // guest's end (ECONNRESET at its next call); a guest that ended its stream early left
+            // nothing unread, so the reset goes by the liveness pair.
+            let mut b = [0u8; 1];
+            if !flow.datagram && recv(g, &mut b, libc::MSG_PEEK | libc::MSG_DONTWAIT) <= 0 {
+                post_reset(g, l);
+            }
             drop(guest);
         }
     })?;
+    Ok(())
+}
+
+/// A recorded UDP flow, datagram by datagram: each of the guest's must equal the recorded one.
+fn serve_datagrams(g: RawFd, events: &[Event], served: &Served) -> Result<(), String> {
+    let mut buf = vec![0u8; 65536];
+    let mut k = 0usize; // the guest's datagrams matched so far
+    for e in events {
+        match e {
+            Event::Out(want) => {
+                let n = recv(g, &mut buf, 0);
+                if n <= 0 {
+                    return Err(format!("the guest closed its UDP socket after {k} datagram(s), where the recording has it send {}", show(want)));
+                }
+                let got = &buf[..n as usize];
+                if got != &want[..] {
+                    return Err(format!("the guest's UDP datagram {k} differs from the recording: {} where the recording has {}", show(got), show(want)));
+                }
+                k += 1;
+                served.out.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            Event::In(d) => {
+                // SAFETY: send of a buffer we own on our end of the guest's pair.
+                if unsafe { libc::send(g, d.as_ptr().cast(), d.len(), libc::MSG_NOSIGNAL) } < 0 {
+                    return Ok(()); // the guest is gone
+                }
+                served.inn.fetch_add(d.len() as u64, Ordering::Relaxed);
+            }
+            Event::OutEnd | Event::InEnd | Event::Reset => return Ok(()),
+        }
+    }
+    let n = recv(g, &mut buf, 0);
+    if n > 0 {
+        return Err(format!("the guest sent UDP datagram {k} past the end of the recording: {}", show(&buf[..n as usize])));
+    }
     Ok(())
 }
 
@@ -301,7 +482,7 @@ fn show(b: &[u8]) -> String {
     }
 }
 
-fn serve_events(g: RawFd, events: &[Event], served: &Served) -> Result<(), String> {
+fn serve_events(g: RawFd, live: RawFd, events: &[Event], served: &Served) -> Result<(), String> {
     let mut buf = vec![0u8; 64 * 1024];
     let mut at = 0u64; // bytes of the guest's stream matched so far
     for e in events {
@@ -345,6 +526,10 @@ fn serve_events(g: RawFd, events: &[Event], served: &Served) -> Result<(), Strin
                 }
             }
             Event::InEnd => shutdown(g, libc::SHUT_WR),
+            Event::Reset => {
+                post_reset(g, live);
+                return Ok(());
+            }
         }
     }
     // The recording ends here (the exec it came from ended with the connection open): anything
@@ -367,12 +552,148 @@ mod tests {
         (a, OwnedFd::from(b))
     }
 
+    /// A liveness pair: (the VMM's end, the broker's).
+    fn live() -> (OwnedFd, OwnedFd) {
+        crate::egress::wire::seqpacket_pair().unwrap()
+    }
+
+    /// The reset mark on the VMM's end of a liveness pair, waiting up to 5 s.
+    fn mark(vmm: &OwnedFd) -> Option<u8> {
+        let mut p = libc::pollfd { fd: vmm.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: poll on one descriptor we own.
+        unsafe { libc::poll(&mut p, 1, 5000) };
+        let mut b = [0u8; 1];
+        (recv(vmm.as_raw_fd(), &mut b, libc::MSG_DONTWAIT) == 1).then_some(b[0])
+    }
+
+    fn seqpacket() -> (OwnedFd, OwnedFd) {
+        crate::egress::wire::seqpacket_pair().unwrap()
+    }
+
+    fn send(fd: &OwnedFd, b: &[u8]) {
+        // SAFETY: send of a buffer we own.
+        assert_eq!(unsafe { libc::send(fd.as_raw_fd(), b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL) }, b.len() as isize);
+    }
+
+    fn recv_msg(fd: &OwnedFd) -> Vec<u8> {
+        let mut b = vec![0u8; 65536];
+        let n = recv(fd.as_raw_fd(), &mut b, 0);
+        b.truncate(n.max(0) as usize);
+        b
+    }
+
+    #[test]
+    fn a_peers_reset_is_written_down_and_posted_both_live_and_in_a_replay() {
+        let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let tcp = std::net::TcpStream::connect(server.local_addr().unwrap()).unwrap();
+        let (mut peer, _) = server.accept().unwrap();
+        let (mut guest, end) = pair();
+        let (vmm, broker) = live();
+        let flow = Arc::new(Mutex::new(FlowTape::default()));
+        record(end, OwnedFd::from(tcp), broker, flow.clone(), Arc::new(AtomicU64::new(0))).unwrap();
+        guest.write_all(b"hi").unwrap();
+        let mut b = [0u8; 2];
+        peer.read_exact(&mut b).unwrap();
+        peer.write_all(b"yo").unwrap();
+        // SO_LINGER with a zero timeout: the close sends a RST.
+        let lg = libc::linger { l_onoff: 1, l_linger: 0 };
+        // SAFETY: setsockopt with a linger struct we own.
+        unsafe { libc::setsockopt(peer.as_raw_fd(), libc::SOL_SOCKET, libc::SO_LINGER, (&lg as *const libc::linger).cast(), std::mem::size_of::<libc::linger>() as u32) };
+        std::thread::sleep(std::time::Duration::from_millis(50)); // "yo" reaches the relay first
+        drop(peer);
+        let mut got = Vec::new();
+        guest.read_to_end(&mut got).unwrap(); // the bytes before the reset, then the stream's end ...
+        assert_eq!(got, b"yo");
+        assert_eq!(mark(&vmm), Some(RESET_MARK)); // ... and the mark, which the VMM reads as ECONNRESET
+        // (The guest's side ends with the reset: the relay's reading of it writes down its end.)
+        for _ in 0..200 {
+            if flow.lock().unwrap().events.len() == 4 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let ev = flow.lock().unwrap().events.clone();
+        assert_eq!(ev, vec![Event::Out(b"hi".to_vec()), Event::In(b"yo".to_vec()), Event::Reset, Event::OutEnd]);
+        // The replay serves the same: the answer, the end, the mark.
+        let (mut guest, end) = pair();
+        let (vmm, broker) = live();
+        let f = FlowTape { events: ev, ..Default::default() };
+        serve(end, broker, f, Arc::new(Served::default()), |why| panic!("{why}")).unwrap();
+        guest.write_all(b"hi").unwrap();
+        let mut got = Vec::new();
+        guest.read_to_end(&mut got).unwrap();
+        assert_eq!(got, b"yo");
+        assert_eq!(mark(&vmm), Some(RESET_MARK));
+        // A flow that ends normally posts nothing.
+        let (mut guest, end) = pair();
+        let (vmm, broker) = live();
+        let f = FlowTape { events: vec![Event::Out(b"hi".to_vec()), Event::In(b"yo".to_vec()), Event::InEnd], ..Default::default() };
+        serve(end, broker, f, Arc::new(Served::default()), |why| panic!("{why}")).unwrap();
+        guest.write_all(b"hi").unwrap();
+        let mut got = Vec::new();
+        guest.read_to_end(&mut got).unwrap();
+        assert_eq!(got, b"yo");
+        drop(guest);
+        assert_eq!(mark(&vmm), None);
+    }
+
+    #[test]
+    fn udp_datagrams_are_recorded_whole_and_served_back_or_diverge() {
+        let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        udp.connect(server.local_addr().unwrap()).unwrap();
+        let echo = std::thread::spawn(move || {
+            let mut b = [0u8; 64];
+            for _ in 0..2 {
+                let (n, from) = server.recv_from(&mut b).unwrap();
+                let mut answer = b"re:".to_vec();
+                answer.extend_from_slice(&b[..n]);
+                server.send_to(&answer, from).unwrap();
+            }
+        });
+        let (guest, end) = seqpacket();
+        let flow = Arc::new(Mutex::new(FlowTape { datagram: true, ..Default::default() }));
+        record_datagrams(end, OwnedFd::from(udp), flow.clone(), Arc::new(AtomicU64::new(0))).unwrap();
+        for q in [&b"one"[..], b"two"] {
+            send(&guest, q);
+            assert_eq!(recv_msg(&guest), [&b"re:"[..], q].concat());
+        }
+        echo.join().unwrap();
+        drop(guest);
+        for _ in 0..200 {
+            if flow.lock().unwrap().events.last() == Some(&Event::OutEnd) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let f = flow.lock().unwrap().clone();
+        assert_eq!(f.events, vec![Event::Out(b"one".to_vec()), Event::In(b"re:one".to_vec()), Event::Out(b"two".to_vec()), Event::In(b"re:two".to_vec()), Event::OutEnd]);
+        // Served back: the same datagrams get the same answers, nothing dialled.
+        let (guest, end) = seqpacket();
+        serve(end, live().1, f.clone(), Arc::new(Served::default()), |why| panic!("{why}")).unwrap();
+        for q in [&b"one"[..], b"two"] {
+            send(&guest, q);
+            assert_eq!(recv_msg(&guest), [&b"re:"[..], q].concat());
+        }
+        drop(guest);
+        // A different datagram diverges, whole (not a prefix match as on a stream).
+        let (guest, end) = seqpacket();
+        let (tx, rx) = std::sync::mpsc::channel();
+        serve(end, live().1, f, Arc::new(Served::default()), move |why| tx.send(why).unwrap()).unwrap();
+        send(&guest, b"one!");
+        let why = rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap();
+        assert!(why.contains("datagram 0 differs") && why.contains("b\"one!\""), "{why}");
+    }
+
     #[test]
     fn a_tape_round_trips_and_a_damaged_one_is_refused() {
         let dir = std::env::temp_dir().join(format!("cx-tape-{}", std::process::id()));
         let p = dir.join("t.tape");
         let t = Tape {
-            flows: vec![FlowTape { addr: Some("127.0.0.1:80".parse().unwrap()), local: None, refused: None, events: vec![Event::Out(b"GET".to_vec()), Event::In(b"OK".to_vec()), Event::InEnd] }],
+            flows: vec![
+                FlowTape { addr: Some("127.0.0.1:80".parse().unwrap()), events: vec![Event::Out(b"GET".to_vec()), Event::In(b"OK".to_vec()), Event::InEnd, Event::Reset], ..Default::default() },
+                FlowTape { addr: Some("127.0.0.1:53".parse().unwrap()), datagram: true, events: vec![Event::Out(b"q".to_vec())], ..Default::default() },
+            ],
             dns: vec![("a.test".into(), false, vec!["203.0.113.9".parse().unwrap()])],
         };
         t.save(&p).unwrap();
@@ -382,16 +703,27 @@ mod tests {
         raw[k] ^= 1;
         std::fs::write(&p, &raw).unwrap();
         assert!(matches!(Tape::load(&p), Err(TapeError::Bad { .. })));
+        // A recording of format 1 (before UDP flows and resets) still loads.
+        #[derive(Serialize)]
+        struct V1Flow<'a>(Option<SocketAddr>, Option<SocketAddr>, Option<i32>, &'a [Event]);
+        let body = postcard::to_stdvec(&(vec![V1Flow(t.flows[0].addr, None, None, &t.flows[0].events[..3])], &t.dns)).unwrap();
+        let mut raw = MAGIC.to_vec();
+        raw.extend_from_slice(&1u32.to_le_bytes());
+        raw.extend_from_slice(&body);
+        raw.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
+        std::fs::write(&p, &raw).unwrap();
+        let old = Tape::load(&p).unwrap();
+        assert_eq!((old.flows.len(), &old.flows[0].events[..], old.flows[0].datagram, &old.dns), (1, &t.flows[0].events[..3], false, &t.dns));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn a_replay_serves_the_answers_and_resets_on_different_bytes() {
-        let flow = FlowTape { addr: None, local: None, refused: None, events: vec![Event::Out(b"hello".to_vec()), Event::In(b"world".to_vec()), Event::InEnd] };
+        let flow = FlowTape { events: vec![Event::Out(b"hello".to_vec()), Event::In(b"world".to_vec()), Event::InEnd], ..Default::default() };
         // The same bytes (in two writes): the recorded answer, then the end of the stream.
         let (mut guest, end) = pair();
         let served = Arc::new(Served::default());
-        serve(end, flow.clone(), served.clone(), |why| panic!("{why}")).unwrap();
+        serve(end, live().1, flow.clone(), served.clone(), |why| panic!("{why}")).unwrap();
         guest.write_all(b"hel").unwrap();
         guest.write_all(b"lo").unwrap();
         let mut got = Vec::new();
@@ -400,7 +732,7 @@ mod tests {
         // Different bytes: a reset, and the reason.
         let (mut guest, end) = pair();
         let (tx, rx) = std::sync::mpsc::channel();
-        serve(end, flow, Arc::new(Served::default()), move |why| tx.send(why).unwrap()).unwrap();
+        serve(end, live().1, flow, Arc::new(Served::default()), move |why| tx.send(why).unwrap()).unwrap();
         guest.write_all(b"help!").unwrap();
         let why = rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap();
         assert!(why.contains("at byte 3") && why.contains("b\"p!\""), "{why}");
@@ -415,7 +747,7 @@ mod tests {
         let (mut peer, _) = server.accept().unwrap();
         let (mut guest, end) = pair();
         let flow = Arc::new(Mutex::new(FlowTape::default()));
-        record(end, OwnedFd::from(tcp), flow.clone(), Arc::new(AtomicU64::new(0))).unwrap();
+        record(end, OwnedFd::from(tcp), live().1, flow.clone(), Arc::new(AtomicU64::new(0))).unwrap();
         guest.write_all(b"ping").unwrap();
         let mut b = [0u8; 4];
         peer.read_exact(&mut b).unwrap();

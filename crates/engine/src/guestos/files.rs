@@ -720,6 +720,9 @@ pub fn file_read(f: &OpenFile, proc: &mut Proc, n: usize, off: Option<u64>) -> R
         }
     };
     let got = cvt(r as i64)? as usize;
+    if let (0, true, Some(ns)) = (got, n > 0, f.net.as_ref()) {
+        inet::reset_at_end(ns)?;
+    }
     // SAFETY: the kernel initialised `got <= n` bytes.
     unsafe { v.set_len(got.min(n)) };
     Ok(v)

@@ -501,7 +501,7 @@ impl PartialEq for ThreadCarry {
 /// Take the loaded thread's bookkeeping out (it is being parked).
 pub fn save_carry() -> ThreadCarry {
     ThreadCarry {
-        call: CALL.lock().ok().map(|mut c| std::mem::replace(&mut *c, (CallKey::default(), None))),
+        call: CALL.lock().ok().map(|mut c| std::mem::take(&mut *c)),
         write: WRITE.lock().ok().and_then(|mut w| w.take()),
     }
 }

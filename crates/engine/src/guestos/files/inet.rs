@@ -39,6 +39,7 @@ const EPERM: Errno = Errno(1);
 const EISCONN: Errno = Errno(106);
 const ENOTCONN: Errno = Errno(107);
 const ECONNREFUSED: Errno = Errno(111);
+const ECONNRESET: Errno = Errno(104);
 const ENETUNREACH: Errno = Errno(101);
 const EOPNOTSUPP: Errno = Errno(95);
 const EPROTONOSUPPORT: Errno = Errno(93);
@@ -561,6 +562,9 @@ pub fn pending_reset(n: &NetSock, h: RawFd) -> Result<(), Errno> {
             }
         };
     }
+    if n.lock().relay.is_some() {
+        return reset_at_end(n);
+    }
     if !n.lock().inherited {
         return Ok(());
     }
@@ -570,6 +574,23 @@ pub fn pending_reset(n: &NetSock, h: RawFd) -> Result<(), Errno> {
     unsafe { libc::getsockopt(h, libc::SOL_SOCKET, libc::SO_ERROR, (&mut err as *mut i32).cast(), &mut len) };
     if err != 0 {
         return Err(Errno(err));
+    }
+    Ok(())
+}
+
+/// A connection through a recording (`egress::tape`) whose peer reset it: the recording relay, or
+/// its replay, posts a mark on the flow's liveness pair before it ends the stream (a socket pair
+/// cannot carry a RST). Called where a read found the end of the stream, and before a send: the
+/// first call after the reset fails with ECONNRESET, later ones see the end, as on a reset TCP
+/// socket. A connection the guest holds directly gets the kernel's own reset and no mark.
+pub fn reset_at_end(n: &NetSock) -> Result<(), Errno> {
+    let st = n.lock();
+    let (Some(_), Some(live)) = (st.relay, st.live.as_ref()) else { return Ok(()) };
+    let mut b = [0u8; 1];
+    // SAFETY: a one-byte non-blocking receive into a buffer we own, on our liveness end.
+    let r = unsafe { libc::recv(live.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_DONTWAIT) };
+    if r == 1 && b[0] == crate::egress::tape::RESET_MARK {
+        return Err(ECONNRESET);
     }
     Ok(())
 }

@@ -390,6 +390,9 @@ pub fn sys_recvfrom(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, len: u64
     let got = sliced(h, libc::POLLIN, flags & libc::MSG_DONTWAIT != 0, || unsafe {
         libc::recv(h, data.as_mut_ptr().cast(), n, host_flags)
     } as i64)?;
+    if let (0, Some(ns)) = (got, os.files.file(fd)?.net.as_ref()) {
+        super::inet::reset_at_end(ns)?;
+    }
     // SAFETY: the host call wrote `got` bytes (at most `n`, the capacity; MSG_TRUNC on a datagram
     // socket may report more than it wrote, hence the min).
     unsafe { data.set_len((got as usize).min(n)) };
@@ -485,6 +488,9 @@ pub fn sys_recvmsg(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, msgp: u64, flags: i
     }
     // SAFETY: recvmsg into the msghdr above, whose one iovec is our buffer.
     let got = sliced(h, libc::POLLIN, flags & libc::MSG_DONTWAIT != 0, || unsafe { libc::recvmsg(h, &mut hdr, host_flags) } as i64)?;
+    if let (0, Some(ns)) = (got, os.files.file(fd)?.net.as_ref()) {
+        super::inet::reset_at_end(ns)?;
+    }
     let mut left = &data[..(got as usize).min(total)];
     for (base, len) in iov {
         if left.is_empty() {
