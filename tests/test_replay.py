@@ -696,7 +696,7 @@ class _NoReseed:
     def reseed(self, seed, replay=True):
         pass
 
-    def agent_call(self, input, timeout, seed=None, replay=True):
+    def agent_call(self, input, timeout, seed=None, replay=True, wall_clock_ns=None):
         return self._vm.agent_call(input, timeout)  # the reseed that would ride along is lost
 
     def __getattr__(self, name):

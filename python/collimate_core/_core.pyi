@@ -171,9 +171,11 @@ class Vm:
         """One copy-on-write child: `fork(1)[0]`."""
     def reset(self) -> _ResetStats:
         """Return to the snapshot this VM was restored or cloned from."""
-    def agent_call(self, input: bytes, timeout: float, seed: bytes | None = None, replay: bool = True) -> RunResult:
+    def agent_call(self, input: bytes, timeout: float, seed: bytes | None = None, replay: bool = True,
+                   wall_clock_ns: int | None = None) -> RunResult:
         """Send `input` to the in-guest agent (fd 3); run until it waits again. Reply in `.agent`.
-        With `seed` (32 bytes), reseed first as `reseed(seed, replay)`, in the same round trip."""
+        With `seed` (32 bytes), reseed first as `reseed(seed, replay)`, in the same round trip;
+        with `wall_clock_ns` too, virtual REALTIME starts no earlier than that."""
     def upload(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write a file into a Linux guest's file system (/tmp and /work), byte-exact."""
     def download(self, path: str) -> bytes:
@@ -217,8 +219,9 @@ class Vm:
         """Connection attempts and DNS answers, oldest first."""
     def egress_bytes(self) -> tuple[int, int]:
         """Egress bytes of this sandbox's connections: (sent and acknowledged, received)."""
-    def egress_tape_begin(self, path: str | PathLike[str]) -> str:
-        """Open the next exec's egress recording: "replay" (the file exists) or "record"."""
+    def egress_tape_begin(self, path: str | PathLike[str]) -> tuple[str, int | None]:
+        """Open the next exec's egress recording: ("replay" (the file exists) or "record", the wall
+        clock the exec's virtual REALTIME starts at: now, or the recording's)."""
     def egress_tape_end(self, save: bool = True) -> _TapeOutcome:
         """Close the exec's recording (saved when it recorded, if `save`); its mode, flows and errors."""
     def destroy(self) -> None:

@@ -566,9 +566,10 @@ impl Vm {
         self.run_request(Request::AgentCall { input: input.to_vec(), timeout, reseed: None }, timeout)
     }
 
-    /// [`Vm::reseed`] then [`Vm::agent_call`], in one round trip to the VMM.
-    pub fn agent_call_seeded(&mut self, input: &[u8], timeout: Duration, seed: [u8; 32], replay: bool) -> Result<RunResult> {
-        self.run_request(Request::AgentCall { input: input.to_vec(), timeout, reseed: Some((seed, replay)) }, timeout)
+    /// [`Vm::reseed`] then [`Vm::agent_call`], in one round trip to the VMM (with
+    /// `seed.wall_clock_ns`, virtual REALTIME starts no earlier than that).
+    pub fn agent_call_seeded(&mut self, input: &[u8], timeout: Duration, seed: crate::protocol::ExecSeed) -> Result<RunResult> {
+        self.run_request(Request::AgentCall { input: input.to_vec(), timeout, reseed: Some(seed) }, timeout)
     }
 
     /// Write a file into the guest's file system (a Linux guest's writable mounts), byte-exact.

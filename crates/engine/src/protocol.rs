@@ -9,6 +9,18 @@ use serde::{Deserialize, Serialize};
 use crate::error::RemoteError;
 use crate::vstate::vcpu::VcpuState;
 
+/// How an agent call reseeds the guest first (see `Request::AgentCall`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecSeed {
+    pub seed: [u8; 32],
+    /// Switch the clocks to virtual time (`guestos::random::reseed`).
+    pub replay: bool,
+    /// Virtual REALTIME starts at least here (nanoseconds since the epoch): the host's wall clock
+    /// for a sandbox with a network, a recording's for its replay (docs/replay.md). None: where
+    /// the guest last saw it.
+    pub wall_clock_ns: Option<u64>,
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Request {
     /// First message to a launched VMM process: load an ELF into a new VM.
@@ -36,7 +48,7 @@ pub enum Request {
     /// Queue `input` for the in-guest agent (its fd 3) and run until the agent waits for more (the
     /// run ends with `Yield { value: AGENT_IDLE_YIELD }`); the result carries what it wrote.
     /// With `reseed`, the sandbox CRNG is reseeded first (as `Reseed`): one round trip per exec.
-    AgentCall { input: Vec<u8>, timeout: Duration, reseed: Option<([u8; 32], bool)> },
+    AgentCall { input: Vec<u8>, timeout: Duration, reseed: Option<ExecSeed> },
     /// Write a file into a Linux guest's file system (writable mounts only), byte-exact; parent
     /// directories are created.
     Upload { path: String, data: Vec<u8>, mode: u32 },

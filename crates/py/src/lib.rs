@@ -453,9 +453,10 @@ impl PyVm {
 
     /// Sends `input` to the in-guest agent (its fd 3) and runs until the agent waits again; the
     /// result's `agent` holds its reply. With `seed` (32 bytes), the sandbox CRNG is reseeded
-    /// first, as `reseed(seed, replay)` would, in the same round trip.
-    #[pyo3(signature = (input, timeout, seed = None, replay = true))]
-    fn agent_call(&self, py: Python<'_>, input: PyBackedBytes, timeout: f64, seed: Option<PyBackedBytes>, replay: bool) -> PyResult<RunResult> {
+    /// first, as `reseed(seed, replay)` would, in the same round trip; with `wall_clock_ns` too,
+    /// virtual REALTIME starts no earlier than that (nanoseconds since the epoch).
+    #[pyo3(signature = (input, timeout, seed = None, replay = true, wall_clock_ns = None))]
+    fn agent_call(&self, py: Python<'_>, input: PyBackedBytes, timeout: f64, seed: Option<PyBackedBytes>, replay: bool, wall_clock_ns: Option<u64>) -> PyResult<RunResult> {
         let timeout = duration_from_secs("Vm.agent_call", timeout)?;
         let seed: Option<[u8; 32]> = match seed {
             None => None,
@@ -465,7 +466,7 @@ impl PyVm {
         };
         let result = self.with(py, "Vm.agent_call", |vm| {
             Ok(match seed {
-                Some(seed) => vm.agent_call_seeded(&input, timeout, seed, replay)?,
+                Some(seed) => vm.agent_call_seeded(&input, timeout, collimate_engine::protocol::ExecSeed { seed, replay, wall_clock_ns })?,
                 None => vm.agent_call(&input, timeout)?,
             })
         })?;
@@ -656,9 +657,11 @@ impl PyVm {
     }
 
     /// Open the egress recording of the exec about to run: replay the file at `path` if it
-    /// exists, else record to it (docs/egress.md, "Record and replay"). Returns "replay" or
-    /// "record". A file that is not a valid recording raises ValueError saying so.
-    fn egress_tape_begin(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<&'static str> {
+    /// exists, else record to it (docs/egress.md, "Record and replay"). Returns ("replay" or
+    /// "record", the wall clock the exec's virtual REALTIME is to start at: now when recording, the
+    /// recording's when replaying, None for a recording without one). A file that is not a valid
+    /// recording raises ValueError saying so.
+    fn egress_tape_begin(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<(&'static str, Option<u64>)> {
         py.detach(|| self.net.begin_tape(path)).map_err(|e| PyValueError::new_err(e.to_string()))
     }
 

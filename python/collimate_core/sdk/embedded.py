@@ -512,9 +512,14 @@ class EmbeddedClient:
             if not box.agent_alive:
                 self._restore(box)  # the previous program ended the agent: start from the template
             frame = _frame(req)
-            tape = self._tape_begin(box, seed_bytes) if box.egress.record else None
+            tape, wall = self._tape_begin(box, seed_bytes) if box.egress.record else (None, None)
+            if tape is None and not box.egress.is_none:
+                # A sandbox with a network reads the true date (TLS certificates, signed API
+                # requests, HTTP dates need it): its virtual REALTIME starts at the host's clock.
+                # With record=True the recording keeps that start and its replay starts there.
+                wall = time.time_ns()
             try:
-                r = box.vm.agent_call(frame, float(timeout), seed_bytes, True)
+                r = box.vm.agent_call(frame, float(timeout), seed_bytes, True, wall)
             except BaseException as e:
                 if tape is not None:
                     box.vm.egress_tape_end(False)  # an exec that failed records nothing
@@ -606,9 +611,11 @@ class EmbeddedClient:
             egress_error=replay_error,
         )
 
-    def _tape_begin(self, box: _Box, seed: bytes) -> str:
+    def _tape_begin(self, box: _Box, seed: bytes) -> tuple[str, int | None]:
         """Open the recording of this exec (`record=True`): replay it if one exists for this
-        state and seed, else record it (docs/egress.md, "Record and replay")."""
+        state and seed, else record it (docs/egress.md, "Record and replay"). Returns the mode and
+        where the exec's virtual wall clock starts (now when recording, the recording's when
+        replaying)."""
         name = _tape_name(box.state, seed)
         path = (self.cache or cache_dir()) / "egress-tapes" / name[:2] / f"{name}.tape"
         try:

@@ -296,14 +296,16 @@ impl SandboxNet {
     }
 
     /// Open the recording of the exec about to run (`tape::Session::open`): it replays `path` if
-    /// that exists, else records to it. Returns "replay" or "record".
-    pub fn begin_tape(&self, path: std::path::PathBuf) -> Result<&'static str, tape::TapeError> {
+    /// that exists, else records to it. Returns "replay" or "record", and where the exec's
+    /// virtual REALTIME is to start (`Session::wall_clock_ns`).
+    pub fn begin_tape(&self, path: std::path::PathBuf) -> Result<(&'static str, Option<u64>), tape::TapeError> {
         let s = Session::open(path)?;
         let mode = if matches!(s, Session::Replay { .. }) { "replay" } else { "record" };
+        let wall = s.wall_clock_ns();
         let mut g = self.lock();
         g.tape = Some(s);
         g.tape_errors.clear();
-        Ok(mode)
+        Ok((mode, wall))
     }
 
     /// The exec is over: save its recording if `save` (or report its replay) and close the tape.
@@ -1293,7 +1295,8 @@ mod tests {
         // Record: the guest gets a relayed socket pair's end; the peer sees the bytes.
         let net = SandboxNet::new(policy(&[&rule]));
         let vmm = register(net.clone()).unwrap();
-        assert_eq!(net.begin_tape(path.clone()).unwrap(), "record");
+        let (mode, wall) = net.begin_tape(path.clone()).unwrap();
+        assert!(mode == "record" && wall.is_some());
         let (r, mut fds) = connect(&vmm, addr);
         assert!(matches!(r, NetReply::Connected { relay: Some(_) }) && fds.len() == 2);
         let live = fds.pop().unwrap();
@@ -1315,7 +1318,7 @@ mod tests {
         for (ask, diverges) in [(&b"ask"[..], false), (&b"asK"[..], true)] {
             let net = SandboxNet::new(policy(&[&rule]));
             let vmm = register(net.clone()).unwrap();
-            assert_eq!(net.begin_tape(path.clone()).unwrap(), "replay");
+            assert_eq!(net.begin_tape(path.clone()).unwrap(), ("replay", wall)); // the recording's clock
             let (r, mut fds) = connect(&vmm, addr);
             assert!(matches!(r, NetReply::Connected { relay: Some(_) }) && fds.len() == 2);
             let _live = fds.pop().unwrap();

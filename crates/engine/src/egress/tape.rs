@@ -99,6 +99,9 @@ impl FlowTape {
 pub struct Tape {
     pub flows: Vec<FlowTape>,
     pub dns: Vec<(String, bool, Vec<IpAddr>)>,
+    /// The host's wall clock when the recorded exec began (ns since the epoch; 0 in format 1):
+    /// its virtual REALTIME started there, and a replay starts there again.
+    pub wall_clock_ns: u64,
 }
 
 impl Tape {
@@ -165,13 +168,13 @@ struct FlowTapeV1 {
 impl From<TapeV1> for Tape {
     fn from(t: TapeV1) -> Tape {
         let flows = t.flows.into_iter().map(|f| FlowTape { addr: f.addr, local: f.local, refused: f.refused, datagram: false, events: f.events }).collect();
-        Tape { flows, dns: t.dns }
+        Tape { flows, dns: t.dns, wall_clock_ns: 0 }
     }
 }
 
 /// What an exec with a tape does: record it, or replay it.
 pub enum Session {
-    Record { path: PathBuf, flows: Vec<Arc<Mutex<FlowTape>>>, dns: HashMap<(String, bool), Vec<IpAddr>>, size: Arc<AtomicU64> },
+    Record { path: PathBuf, flows: Vec<Arc<Mutex<FlowTape>>>, dns: HashMap<(String, bool), Vec<IpAddr>>, size: Arc<AtomicU64>, wall_clock_ns: u64 },
     Replay { path: PathBuf, tape: Tape, next: usize },
 }
 
@@ -193,7 +196,17 @@ impl Session {
             let tape = Tape::load(&path)?;
             return Ok(Session::Replay { path, tape, next: 0 });
         }
-        Ok(Session::Record { path, flows: Vec::new(), dns: HashMap::new(), size: Arc::new(AtomicU64::new(0)) })
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        Ok(Session::Record { path, flows: Vec::new(), dns: HashMap::new(), size: Arc::new(AtomicU64::new(0)), wall_clock_ns: now })
+    }
+
+    /// Where the exec's virtual REALTIME is to start: the host's wall clock now when recording
+    /// (written down), the recording's when replaying; None for a format-1 recording.
+    pub fn wall_clock_ns(&self) -> Option<u64> {
+        match self {
+            Session::Record { wall_clock_ns, .. } => Some(*wall_clock_ns),
+            Session::Replay { tape, .. } => (tape.wall_clock_ns != 0).then_some(tape.wall_clock_ns),
+        }
     }
 
     /// The exec is over: a recording is saved if `save` (what its flows carried until now; the
@@ -205,7 +218,7 @@ impl Session {
                 size.store(u64::MAX / 2, Ordering::Relaxed);
                 Outcome { mode: "", path, flows: 0, errors }
             }
-            Session::Record { path, flows, dns, size } => {
+            Session::Record { path, flows, dns, size, wall_clock_ns } => {
                 let n = flows.len();
                 if size.load(Ordering::Relaxed) > MAX_TAPE_BYTES {
                     errors.push(format!("the recording is over {} MiB and was not saved: this exec ran live", MAX_TAPE_BYTES >> 20));
@@ -213,6 +226,7 @@ impl Session {
                     let tape = Tape {
                         flows: flows.iter().map(|f| f.lock().unwrap_or_else(|p| p.into_inner()).clone()).collect(),
                         dns: dns.into_iter().map(|((n, v6), a)| (n, v6, a)).collect(),
+                        wall_clock_ns,
                     };
                     if let Err(e) = tape.save(&path) {
                         errors.push(e.to_string());
@@ -695,6 +709,7 @@ mod tests {
                 FlowTape { addr: Some("127.0.0.1:53".parse().unwrap()), datagram: true, events: vec![Event::Out(b"q".to_vec())], ..Default::default() },
             ],
             dns: vec![("a.test".into(), false, vec!["203.0.113.9".parse().unwrap()])],
+            wall_clock_ns: 1_764_000_000_000_000_000,
         };
         t.save(&p).unwrap();
         assert_eq!(Tape::load(&p).unwrap(), t);

@@ -107,6 +107,13 @@ impl Clocks {
         self.cpu_elapsed = 0;
     }
 
+    /// Before replay mode starts (`start_replay`): virtual REALTIME is to start no earlier than
+    /// `ns` (the host's wall clock for a sandbox with a network, a recording's for its replay).
+    /// Never backwards: a guest that saw a later time starts there.
+    pub fn start_real_at_least(&mut self, ns: u64) {
+        self.seen_real = self.seen_real.max(ns);
+    }
+
     /// Virtual time of `kind` now (replay mode), without advancing it.
     fn virtual_ns(&self, kind: ClockKind) -> u64 {
         match kind {

@@ -1127,8 +1127,11 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             },
             Request::Reset => m.reset().map(Response::Reset),
             Request::AgentCall { input, timeout, reseed } => match m.os.as_mut().map(|os| {
-                if let Some((seed, replay)) = reseed {
-                    guestos::random::reseed(os, seed, replay);
+                if let Some(s) = reseed {
+                    if let Some(ns) = s.wall_clock_ns {
+                        os.proc.clocks.start_real_at_least(ns);
+                    }
+                    guestos::random::reseed(os, s.seed, s.replay);
                 }
                 os.agent_send(&input)
             }) {
