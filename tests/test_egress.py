@@ -1403,3 +1403,4 @@ def test_a_sandbox_with_a_network_reads_the_true_date_and_a_replay_the_recorded_
     with Sandbox("python", client=client, egress=pol) as sb:
         r = sb.exec(code=WALL, seed=seed)
         assert (r.egress_replay, float(r.stdout)) == ("replayed", recorded)
+
