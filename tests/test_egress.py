@@ -1404,3 +1404,64 @@ def test_a_sandbox_with_a_network_reads_the_true_date_and_a_replay_the_recorded_
         r = sb.exec(code=WALL, seed=seed)
         assert (r.egress_replay, float(r.stdout)) == ("replayed", recorded)
 
+
+
+@pytest.fixture(scope="module")
+def late_server():
+    """A TCP server that answers each request 1 s after it came (a slow API, an index under load)."""
+
+    class Late(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.recv(100)
+            time.sleep(1.0)
+            self.request.sendall(b"late answer")
+
+    srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Late)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv.server_address[1]
+    srv.shutdown()
+    srv.server_close()
+
+
+LATE_WAIT = """
+import os, socket, threading, time
+def ask():
+    s = socket.create_connection(('127.0.0.1', {port}), timeout=20)
+    s.sendall(b'hi')
+    t = time.monotonic()
+    try:
+        got = s.recv(100).decode()
+    except OSError as e:
+        got = type(e).__name__
+    print(got, round(time.monotonic() - t, 3), flush=True)
+def in_a_thread():
+    t = threading.Thread(target=ask)
+    t.start()
+    t.join()
+if {mode!r} == 'thread':
+    in_a_thread()
+else:
+    pid = os.fork()
+    if pid == 0:
+        ask() if {mode!r} == 'fork' else in_a_thread()
+        os._exit(0)
+    os.waitpid(pid, 0)
+"""
+
+
+@kvm
+@pytest.mark.parametrize("mode", ["fork", "thread", "thread in a child"])
+def test_a_timed_network_wait_in_a_seeded_exec_waits_for_the_answer(client, late_server, mode):
+    """In a seeded exec the processes and threads of a sandbox share virtual time, which jumps to
+    the next deadline when all of them wait. A wait on a network socket waits for the world
+    outside: its time passes as on the host. It once jumped, and a 20 s read timeout on a server
+    that answers after 1 s expired at once; and a later exec's child counted an earlier exec's wait
+    again. The guest's own measure of the wait is about the server's delay, exec after exec."""
+    with Sandbox("python", client=client, egress=Egress.allow(f"127.0.0.1:{late_server}")) as sb:
+        for i in range(3):
+            r = sb.exec(code=LATE_WAIT.format(port=late_server, mode=mode), seed=f"{i + 1:064x}", timeout_seconds=60)
+            assert r.ok, r.stderr
+            got, waited = r.stdout.strip().rsplit(" ", 1)
+            assert got == "late answer", r.stdout
+            assert 0.9 <= float(waited) < 1.9, (i, r.stdout)

@@ -90,6 +90,10 @@ pub struct Slot {
     /// report of a run that timed out says it waits in ([`describe_tree`]).
     call_nr: AtomicU64,
     call_args: [AtomicU64; 2],
+    /// 1 while it is blocked in a call that waits (also) on a network socket: what it waits for
+    /// comes from outside the sandbox, in real time, so a round without progress must not move
+    /// virtual time to its deadline ([`everybody_waits`]).
+    network: AtomicU32,
 }
 
 /// The scheduler's shared memory: a few pages every VMM process of the sandbox maps.
@@ -223,6 +227,7 @@ fn register(r: &Region, pid: u32, host: i32, state: State, pgid: u32) {
             s.host.store(host, Ordering::SeqCst);
             s.state.store(state as u32, Ordering::SeqCst);
             s.deadline.store(u64::MAX, Ordering::SeqCst);
+            s.network.store(0, Ordering::SeqCst);
             s.pgid.store(pgid, Ordering::SeqCst);
             s.doomed.store(0, Ordering::SeqCst);
             s.pid.store(pid, Ordering::SeqCst);
@@ -258,13 +263,18 @@ fn is_member(r: &Region, pid: u32) -> bool {
 /// no longer takes turns with it. Those run on their own in real time (they did between the
 /// execs already); the processes this exec starts take turns. Without this a job spinning in
 /// the background would hold every later exec up until it is preempted.
-pub fn new_exec(replay: bool) {
+pub fn new_exec(replay: bool, mono: u64) {
     REPLAY.store(replay, Ordering::Relaxed);
     let Some(r) = region() else { return };
     let me = ME.load(Ordering::SeqCst);
     if me == 0 {
         return;
     }
+    // The tree's time starts where the first process's clock does (a replay's from where the guest
+    // last saw it), not where an earlier run's processes left it: a child of this run that took
+    // its first turn caught up to that and saw a wait's time counted again (a 0.3 s answer read
+    // 0.6 s, 0.9 s, ... late in successive runs).
+    r.mono.store(mono, Ordering::SeqCst);
     with_lock(r, || {
         for s in r.slots.iter() {
             let pid = s.pid.load(Ordering::SeqCst);
@@ -353,7 +363,17 @@ fn take_now(r: &Region) {
 /// ns) once it has returned, and restart it. False when the tree does not take turns: the caller
 /// waits on the host as before.
 pub fn yield_blocked(deadline: Option<u64>) -> bool {
+    yield_blocked_on(deadline, false)
+}
+
+/// [`yield_blocked`] for a call that waits (also) on a network socket (`network`): its peer is
+/// outside the sandbox, so while it waits virtual time moves with real time instead of jumping
+/// to its deadline when nobody else can move (a 20 s read timeout on a server that takes 0.3 s to
+/// answer expired at once). The network makes such a run irreproducible anyway; a recording's
+/// replay answers at once and is not affected.
+pub fn yield_blocked_on(deadline: Option<u64>, network: bool) -> bool {
     if THREAD_TURNS.load(Ordering::Relaxed) {
+        NETWORK_WAIT.store(network, Ordering::SeqCst);
         // Another thread of this process runs meanwhile (`vmm::threads`); the call is retried
         // when this thread's turn comes back (from `deadline` on, if it has one).
         THREAD_DEADLINE.store(deadline.unwrap_or(u64::MAX), Ordering::SeqCst);
@@ -364,8 +384,22 @@ pub fn yield_blocked(deadline: Option<u64>) -> bool {
         return false;
     }
     YIELD_DEADLINE.store(deadline.unwrap_or(u64::MAX), Ordering::SeqCst);
+    NETWORK_WAIT.store(network, Ordering::SeqCst);
     YIELD.store(1, Ordering::SeqCst);
     true
+}
+
+/// Whether the call that last yielded waits on a network socket (see [`yield_blocked_on`]):
+/// read once, by the pass that follows or by the thread scheduler parking the thread.
+static NETWORK_WAIT: AtomicBool = AtomicBool::new(false);
+
+pub fn take_network_wait() -> bool {
+    NETWORK_WAIT.swap(false, Ordering::SeqCst)
+}
+
+/// The thread scheduler's idle turn is for threads of which one waits on a network socket.
+pub fn mark_network_wait() {
+    NETWORK_WAIT.store(true, Ordering::SeqCst);
 }
 
 /// The syscall being served (rip after it, number, first four arguments), and the deadline a
@@ -835,9 +869,13 @@ fn pass(r: &Region, me: u32, mono: u64, deadline: Option<u64>) {
                     s.call_args[1].store(c.0.args[1], Ordering::Relaxed);
                 }
                 s.deadline.store(d, Ordering::SeqCst);
+                s.network.store(take_network_wait() as u32, Ordering::SeqCst);
                 s.state.store(State::Blocked as u32, Ordering::SeqCst);
             }
-            None => s.state.store(State::Run as u32, Ordering::SeqCst),
+            None => {
+                s.network.store(0, Ordering::SeqCst);
+                s.state.store(State::Run as u32, Ordering::SeqCst);
+            }
         }
     }
     if deadline.is_none() {
@@ -877,7 +915,11 @@ fn pass(r: &Region, me: u32, mono: u64, deadline: Option<u64>) {
 /// tree waits for the host (or is deadlocked, as it would be under Linux): pause a little.
 fn everybody_waits(r: &Region) {
     r.idle.store(0, Ordering::SeqCst);
-    let away = r.slots.iter().any(|s| s.pid.load(Ordering::SeqCst) != 0 && s.state.load(Ordering::SeqCst) == State::Away as u32);
+    // Between execs (the agent away), or while a process waits on the network, time is the host's.
+    let away = r.slots.iter().any(|s| {
+        let (pid, state) = (s.pid.load(Ordering::SeqCst), s.state.load(Ordering::SeqCst));
+        pid != 0 && (state == State::Away as u32 || (state == State::Blocked as u32 && s.network.load(Ordering::SeqCst) == 1))
+    });
     let next = r
         .slots
         .iter()

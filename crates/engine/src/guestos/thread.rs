@@ -79,6 +79,11 @@ pub struct Thread {
     /// The round in which it last retried its blocking call (see `vmm::threads`).
     #[serde(skip)]
     pub retried_in: u64,
+    /// Its blocking call waits (also) on a network socket, whose peer is outside the sandbox:
+    /// while every thread waits, time then passes as on the host instead of jumping to the
+    /// earliest deadline (`vmm::threads`, `guestos::sched::yield_blocked_on`).
+    #[serde(skip)]
+    pub network: bool,
 }
 
 impl Thread {
@@ -100,6 +105,7 @@ impl Thread {
             saved_mask: None,
             carry: Default::default(),
             retried_in: 0,
+            network: false,
         }
     }
 

@@ -1136,7 +1136,8 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 os.agent_send(&input)
             }) {
                 Some(Ok(())) => {
-                    crate::guestos::sched::new_exec(m.os.as_ref().is_some_and(|os| os.proc.clocks.replay));
+                    let (replay, mono) = m.os.as_ref().map_or((false, 0), |os| (os.proc.clocks.replay, guestos::thread::now(&os.proc.clocks)));
+                    crate::guestos::sched::new_exec(replay, mono);
                     m.run(timeout)
                 }
                 .and_then(|mut r| {

@@ -354,7 +354,13 @@ pub(super) fn schedule(m: &mut Machine, deadline: Instant) -> Result<Option<RunE
             Some(Switch::Yield) => park(m, RunState::Runnable)?,
             None => match thread_yield {
                 Some((Some(d), true)) => park(m, RunState::Sleep { deadline: d })?,
-                Some((d, _)) => park(m, RunState::Retry { deadline: d })?,
+                Some((d, _)) => {
+                    let network = sched::take_network_wait();
+                    park(m, RunState::Retry { deadline: d })?;
+                    if let Some(t) = m.os.as_mut().and_then(|os| os.threads.list.get_mut(os.threads.cur)) {
+                        t.network = network;
+                    }
+                }
                 None => {
                     if !os.threads.multi() {
                         return Ok(None);
@@ -467,20 +473,29 @@ fn pick(m: &mut Machine, deadline: Instant) -> Result<Option<RunExit>> {
         }
         let earliest = th.earliest_deadline();
         if any_retry {
-            // Every thread is in a blocking call and each has retried once: a short pause.
+            // Every thread is in a blocking call and each has retried once: a short pause. One
+            // that waits on the network waits for the world outside: time passes as on the host.
             with_slice(|s| s.round += 1);
+            let network = th.list.iter().any(|t| t.network && matches!(t.state, RunState::Retry { .. }));
             if replay && sched::tree_active() {
+                if network {
+                    sched::mark_network_wait();
+                }
                 let clocks = &mut os.proc.clocks;
                 let mono = clocks.mono_now();
                 if !sched::idle_turn(mono, &mut |ns| clocks.pass(ns), earliest, deadline) {
                     return Ok(Some(RunExit::Timeout));
                 }
-            } else if let (true, Some(d)) = (replay, earliest) {
+            } else if let (true, Some(d), false) = (replay, earliest, network) {
                 // Replay mode: a whole round got nowhere and nothing outside the process can act
                 // (no other process takes turns): the next deadline comes at once.
                 os.proc.clocks.pass(d.saturating_sub(now));
             } else {
+                let from = Instant::now();
                 host_pause(IDLE_PAUSE);
+                if replay && network {
+                    os.proc.clocks.pass(from.elapsed().as_nanos() as u64);
+                }
             }
             continue;
         }

@@ -104,6 +104,12 @@ impl NetSock {
     pub fn is_dns(&self) -> bool {
         self.kind == libc::SOCK_DGRAM
     }
+
+    /// Whether what it carries comes from outside the sandbox: a TCP socket, or a UDP socket the
+    /// broker connected (not the engine's own DNS socket, which the VMM answers itself).
+    pub fn external(&self) -> bool {
+        !self.is_dns() || self.lock().udp_to.is_some()
+    }
 }
 
 fn pair(ty: i32) -> Result<(OwnedFd, OwnedFd), Errno> {

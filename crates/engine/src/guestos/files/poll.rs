@@ -58,6 +58,8 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
     let mut host_idx: Vec<usize> = Vec::new();
     let mut ready = 0;
     let mut connecting: Vec<(usize, usize, std::sync::Arc<super::OpenFile>)> = Vec::new();
+    // Whether one of the descriptors is a network socket (its peer is outside the sandbox).
+    let mut network = false;
     for (i, &(fd, events)) in fds.iter().enumerate() {
         if fd < 0 {
             continue;
@@ -71,6 +73,7 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
         let r = match &f.file.kind {
             Kind::Host(h) => {
                 use std::os::fd::AsRawFd;
+                network |= f.file.net.as_ref().is_some_and(|n| n.external());
                 // A non-blocking connect under way: its POLLOUT is the broker's reply arriving.
                 if let Some(reply) = f.file.net.as_ref().and_then(|n| super::inet::connecting_fd(h.as_raw_fd(), n)) {
                     connecting.push((host.len(), i, f.file.clone()));
@@ -107,7 +110,7 @@ pub fn poll_fds(os: &mut GuestOs, fds: &[(i32, i16)], timeout: Timeout) -> Resul
                 return Ok(revents);
             }
         }
-        if crate::guestos::sched::yield_blocked(deadline.map(|(_, d)| d)) {
+        if crate::guestos::sched::yield_blocked_on(deadline.map(|(_, d)| d), network) {
             return Err(crate::guestos::signal::ERESTARTSYS);
         }
     }
