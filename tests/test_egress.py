@@ -1465,3 +1465,73 @@ def test_a_timed_network_wait_in_a_seeded_exec_waits_for_the_answer(client, late
             got, waited = r.stdout.strip().rsplit(" ", 1)
             assert got == "late answer", r.stdout
             assert 0.9 <= float(waited) < 1.9, (i, r.stdout)
+
+
+@pytest.fixture(scope="module")
+def bulk_server():
+    """A TCP server that sends 24 MiB of seeded pseudo-random bytes to each client, then closes."""
+    import random
+
+    data = random.Random(16).randbytes(24 << 20)
+
+    class Bulk(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.sendall(data)
+
+    srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Bulk)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    import hashlib
+
+    yield srv.server_address[1], hashlib.sha256(data).hexdigest()
+    srv.shutdown()
+    srv.server_close()
+
+
+BULK_READS = """
+import hashlib, mmap, os, socket
+def download(how):
+    s = socket.create_connection(('127.0.0.1', {port}), timeout=30)
+    h, total = hashlib.sha256(), 0
+    if how == 'recv':  # a new buffer each time (recv's own bytes object)
+        while d := s.recv(1 << 20):
+            h.update(d); total += len(d)
+    elif how == 'recv_into':  # one buffer reused, at an offset that is not page aligned
+        buf = bytearray(3 << 20)
+        view = memoryview(buf)[4093:4093 + (2 << 20) + 7]
+        while n := s.recv_into(view):
+            h.update(view[:n]); total += n
+    else:  # a fresh anonymous mapping each time: no page of it has a frame before the receive
+        while True:
+            m = mmap.mmap(-1, 1 << 20)
+            n = s.recv_into(m)
+            if not n:
+                break
+            h.update(m[:n]); total += n
+            m.close()
+    s.close()
+    return total, h.hexdigest()
+for how in ('recv', 'recv_into', 'mmap'):
+    print(how, *download(how))
+pid = os.fork()
+if pid == 0:
+    print('child', *download('recv_into'), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+@kvm
+def test_a_bulk_download_lands_byte_exact_in_every_kind_of_buffer(client, bulk_server):
+    """24 MiB from a server land byte-exact in every kind of guest buffer a receive is given: a new
+    one each time (recv), one reused at an offset that is not page aligned (recv_into), a fresh
+    anonymous mapping whose pages have no frame yet, and in a forked child (whose pages are copies
+    of its parent's)."""
+    port, digest = bulk_server
+    with Sandbox("python", client=client, egress=Egress.allow(f"127.0.0.1:{port}")) as sb:
+        r = sb.exec(code=BULK_READS.format(port=port), timeout_seconds=120)
+        assert r.ok, r.stderr
+        lines = r.stdout.split("\n")[:-1]
+        assert [ln.split()[0] for ln in lines] == ["recv", "recv_into", "mmap", "child"], r.stdout
+        for ln in lines:
+            assert ln.split()[1:] == [str(24 << 20), digest], ln
