@@ -722,24 +722,39 @@ def test_a_program_that_ends_the_agent_is_no_ack(client):
     assert r.exit_code == 0 and r.seed_ack == "no-ack" and r.seed == SEED
 
 
+HANGS_IN_A_CHILD = (
+    "import os, sys\n"
+    "r, w = os.pipe()\n"
+    "pid = os.fork()\n"
+    "if pid == 0:\n"
+    "    os.write(1, b'child running\\n')\n"
+    "    os.read(r, 1)\n"
+    "    os._exit(0)\n"
+    "os.waitpid(pid, 0)\n"
+)
+
+
+def test_a_sandbox_restored_after_its_interpreter_ended_takes_turns_again(client):
+    """The sandbox's first process leaves the turns when its guest ends (`os._exit` in an exec);
+    the sandbox is restored before its next exec, and the restored first process takes turns
+    again. It did not: its children took turns alone, so their schedule left it out, and a run
+    that timed out had nobody to describe (the earlier test in this file failed that way when it
+    got a recycled sandbox)."""
+    with Sandbox("python", client=client) as sb:
+        assert sb.exec(code="import os; os._exit(3)").exit_code == 3
+        r = sb.exec(code=HANGS_IN_A_CHILD, seed=SEED, timeout_seconds=20)
+    assert r.exit_code == 124 and r.stdout == "child running\n", (r.exit_code, r.stdout, r.stderr)
+    assert "  process 1: " in r.stderr and "  process 2: blocked in read(fd " in r.stderr, r.stderr
+
+
 def test_a_run_that_times_out_says_what_each_process_was_doing(client):
     """A program that hangs ends at its timeout with a report on its stderr: each process of the
     sandbox (which holds the turn, which call each waits in), and the first one's threads when it
     has several. The parent waits for a child that reads a pipe nobody writes; the child says on
     stdout that it is running first, so the report has both processes to describe. (The timeout is
     generous: with 3 s a loaded host had not forked the child yet, and there was nothing to say.)"""
-    code = (
-        "import os, sys\n"
-        "r, w = os.pipe()\n"
-        "pid = os.fork()\n"
-        "if pid == 0:\n"
-        "    os.write(1, b'child running\\n')\n"
-        "    os.read(r, 1)\n"
-        "    os._exit(0)\n"
-        "os.waitpid(pid, 0)\n"
-    )
     with Sandbox("python", client=client) as sb:
-        r = sb.exec(code=code, seed=SEED, timeout_seconds=20)
+        r = sb.exec(code=HANGS_IN_A_CHILD, seed=SEED, timeout_seconds=20)
     assert r.exit_code == 124 and r.stdout == "child running\n", (r.exit_code, r.stdout, r.stderr)
     assert "collimate: the run timed out; what the sandbox was doing:" in r.stderr, r.stderr
     assert "process 2: blocked in read(fd " in r.stderr, r.stderr

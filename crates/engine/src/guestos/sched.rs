@@ -180,16 +180,25 @@ fn attach(mem: *mut u8, pid: i32) {
     super::signal::roster::leave_tree();
 }
 
-/// The sandbox is back to its first process alone (a reset): every other slot is freed.
-pub fn reset() {
+/// The sandbox is back to its first process (guest pid `pid`) alone (a reset): every other slot
+/// is freed, and the first process is a member again. One whose guest had ended had left the
+/// turns (`leave`); the sandbox restored after that took turns without it, so its children
+/// were alone in the tree (a timeout report saw no one to describe, and their turns did not
+/// include the first process).
+pub fn reset(pid: i32) {
     let Some(r) = region() else { return };
-    let me = ME.load(Ordering::SeqCst);
+    let me = pid as u32;
+    ME.store(me, Ordering::SeqCst);
     with_lock(r, || {
         for s in r.slots.iter().filter(|s| s.pid.load(Ordering::SeqCst) != me) {
             s.state.store(State::Free as u32, Ordering::SeqCst);
             s.pid.store(0, Ordering::SeqCst);
         }
     });
+    if slot_of(r, me).is_none() {
+        // Between runs, as `away` leaves it. SAFETY: getpid cannot fail.
+        register(r, me, unsafe { libc::getpid() }, State::Away, me);
+    }
     r.token.store(0, Ordering::SeqCst);
     r.idle.store(0, Ordering::SeqCst);
     HOLDING.store(false, Ordering::SeqCst);

@@ -637,7 +637,7 @@ pub(super) fn kill_children(m: &mut Machine) {
         signal::wait_children_gone(std::time::Duration::from_secs(2));
         // The process budget starts over with the world (see `host::reset_process_count`).
         host::reset_process_count();
-        crate::guestos::sched::reset();
+        crate::guestos::sched::reset(m.os.as_ref().map_or(1, |os| os.proc.pid));
         crate::guestos::futex_shared::reset();
     }
 }
