@@ -925,7 +925,7 @@ fn pass(r: &Region, me: u32, mono: u64, deadline: Option<u64>) {
 fn everybody_waits(r: &Region) {
     r.idle.store(0, Ordering::SeqCst);
     // Between execs (the agent away), or while a process waits on the network, time is the host's.
-    let away = r.slots.iter().any(|s| {
+    let host_time = r.slots.iter().any(|s| {
         let (pid, state) = (s.pid.load(Ordering::SeqCst), s.state.load(Ordering::SeqCst));
         pid != 0 && (state == State::Away as u32 || (state == State::Blocked as u32 && s.network.load(Ordering::SeqCst) == 1))
     });
@@ -938,13 +938,13 @@ fn everybody_waits(r: &Region) {
         .filter(|&d| d != u64::MAX);
     match next {
         // Between execs, background processes live in real time.
-        Some(d) if !away => {
+        Some(d) if !host_time => {
             r.mono.fetch_max(d, Ordering::SeqCst);
         }
         _ => {
             let t = Instant::now();
             std::thread::sleep(IDLE_PAUSE);
-            if away || next.is_some() {
+            if host_time || next.is_some() {
                 r.mono.fetch_add(t.elapsed().as_nanos() as u64, Ordering::SeqCst);
             }
         }
