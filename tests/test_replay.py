@@ -7,6 +7,7 @@ str hash secret of the agent's interpreter is fixed in the template) it says so 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -386,6 +387,45 @@ def test_a_busy_child_does_not_make_its_parents_timeout_expire_early(client):
         for seed in (SEED, None):
             r = sb.exec(code=code, seed=seed, timeout_seconds=120)
             assert r.ok and r.stdout.startswith("True [0, 0] ['done'"), (seed, r.stdout, r.stderr)
+
+
+def test_a_parent_polling_its_child_without_blocking_hands_it_the_turn(client):
+    """A parent that never blocks (`while p.poll() is None: pass`, a `waitpid(WNOHANG)` loop) kept
+    the turn from the child it had just forked until the waiters preempted it, 2 s later: each such
+    wait took 2 s, and how many times the loop went round depended on the host's speed. Now a
+    holder hands the turn on after `sched::TURN_QUANTUM` syscalls while another process is runnable
+    (docs/replay.md, "Preemption"): the loop goes round a few dozen times (not tens of thousands,
+    2 s of polling), and as often in every replay."""
+    code = (
+        "import os, subprocess\n"
+        "counts = []\n"
+        "for args in (['/bin/sh', '-c', 'echo child'], ['/bin/true']):\n"
+        "    p = subprocess.Popen(args, stdout=subprocess.DEVNULL)\n"
+        "    n = 0\n"
+        "    while p.poll() is None:\n"
+        "        n += 1\n"
+        "    counts.append((p.returncode, n))\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(7)\n"
+        "n = 0\n"
+        "while not (r := os.waitpid(pid, os.WNOHANG))[0]:\n"
+        "    n += 1\n"
+        "counts.append((r[1] >> 8, n))\n"
+        "print(counts)\n"
+    )
+    outs = []
+    for _ in range(2):
+        with Sandbox("python", client=client) as sb:
+            outs.append([sb.exec(code=code, seed=SEED, timeout_seconds=120) for _ in range(2)])
+    for runs in outs:
+        for r in runs:
+            assert r.ok and r.seed_ack == "verified", (r.stdout, r.stderr)
+            counts = ast.literal_eval(r.stdout)
+            assert [c for c, _ in counts] == [0, 0, 7], counts
+            assert all(0 < n < 1_000 for _, n in counts), counts
+    # The same in a fresh sandbox: exec by exec.
+    assert [r.stdout for r in outs[0]] == [r.stdout for r in outs[1]], outs
 
 
 def test_a_child_that_writes_and_exits_in_one_turn_is_seen_to_end_before_time_moves(client):

@@ -26,6 +26,10 @@
 //! - A process that is done (exit, fatal signal) leaves its slot and hands the token on; one that
 //!   died without doing so (a host SIGKILL) is noticed by the waiters (its pidfd) and removed.
 //!
+//! A holder that makes syscalls without blocking hands the token on after [`TURN_QUANTUM`] of them
+//! when another process is runnable and none waits for a deadline ([`count_call`]): a count, so
+//! replay reproduces it.
+//!
 //! Not deterministic, by design: a process that keeps the token for more than [`PREEMPT`] while
 //! another waits for a deadline (or [`PREEMPT_ANYWAY`] in any case) is preempted (the waiters
 //! signal it), so that a spinning child cannot starve the parent that would kill it on a timeout,
@@ -45,6 +49,9 @@ pub const SLOTS: usize = 256;
 pub const PREEMPT: Duration = Duration::from_millis(200);
 /// How long it may when nobody has a deadline (a process that spins on memory another one writes).
 pub const PREEMPT_ANYWAY: Duration = Duration::from_secs(2);
+/// Syscalls the holder makes in one turn, while another member is runnable and nobody waits for a
+/// deadline, before it hands the turn on (and stays runnable): see [`count_call`].
+pub const TURN_QUANTUM: u32 = 100;
 /// How long a waiter sleeps on the token before it checks the holder (alive? preempt it?).
 const CHECK: Duration = Duration::from_millis(10);
 /// The real pause per round when the whole tree waits for something outside it.
@@ -133,10 +140,17 @@ static PROGRESS: AtomicBool = AtomicBool::new(false);
 /// preempted turn moves the tree's virtual time by its length, see [`pass`]).
 static TURN_START: AtomicU64 = AtomicU64::new(0);
 
+/// Syscalls that completed (did not yield) in this process's current turn.
+static TURN_CALLS: AtomicU32 = AtomicU32::new(0);
+/// The turn's quantum is used up and another member is runnable: the gate hands the turn on.
+static QUANTUM_DUE: AtomicBool = AtomicBool::new(false);
+
 /// This process takes the token (it was not holding it): its turn starts now.
 fn start_turn() {
     if !HOLDING.swap(true, Ordering::SeqCst) {
         TURN_START.store(crate::guestos::clock::monotonic_ns(), Ordering::SeqCst);
+        TURN_CALLS.store(0, Ordering::Relaxed);
+        QUANTUM_DUE.store(false, Ordering::Relaxed);
     }
 }
 
@@ -674,6 +688,46 @@ pub fn after_syscall() {
     }
 }
 
+/// After every syscall the guest made (not the vDSO's clock reads, whose count between two exits
+/// depends on the host): a holder that completed [`TURN_QUANTUM`] calls in its turn while another
+/// member waits for the token runnable (a child it forked that never ran, one preempted or
+/// passed the same way) hands the turn on at the gate, runnable itself. Without this a process
+/// that never blocks (a parent polling a child with `waitpid(WNOHANG)` in a loop) kept the turn
+/// until the waiters preempted it, 2 s later, at a point the host's speed chose; the count makes
+/// the hand-off a function of the program. Not while a member waits for a deadline: then the
+/// holder's turn is what moves virtual time there ([`PREEMPT`], real time), as before. Not to
+/// members blocked without a deadline either: they retry when the holder blocks, as before (a
+/// busy child would otherwise hand its waiting parent a pointless turn every quantum).
+pub fn count_call() {
+    if !HOLDING.load(Ordering::Relaxed) || YIELD.load(Ordering::Relaxed) != 0 || THREAD_YIELD.load(Ordering::Relaxed) {
+        return;
+    }
+    if TURN_CALLS.fetch_add(1, Ordering::Relaxed) + 1 < TURN_QUANTUM {
+        return;
+    }
+    TURN_CALLS.store(0, Ordering::Relaxed);
+    let Some(r) = region() else { return };
+    if !tree_active() {
+        return;
+    }
+    let me = ME.load(Ordering::SeqCst);
+    let (mut runnable, mut deadline) = (false, false);
+    for s in r.slots.iter() {
+        let pid = s.pid.load(Ordering::SeqCst);
+        if pid == 0 || pid == me {
+            continue;
+        }
+        match s.state.load(Ordering::SeqCst) {
+            x if x == State::Run as u32 => runnable = true,
+            x if x == State::Blocked as u32 => deadline |= s.deadline.load(Ordering::SeqCst) != u64::MAX,
+            _ => {}
+        }
+    }
+    if runnable && !deadline {
+        QUANTUM_DUE.store(true, Ordering::Relaxed);
+    }
+}
+
 /// Host signal handler side: the waiters want the token.
 pub fn preempt_requested() {
     PREEMPTED.store(true, Ordering::SeqCst);
@@ -700,6 +754,7 @@ pub fn gate(replay: bool, mono: u64, advance: &mut dyn FnMut(u64), deadline: Ins
     let me = ME.load(Ordering::SeqCst);
     let asked = YIELD.swap(0, Ordering::SeqCst);
     let preempted = PREEMPTED.swap(false, Ordering::SeqCst);
+    let quantum = QUANTUM_DUE.swap(false, Ordering::Relaxed);
     if !tree_active() {
         // Alone or not in replay: run freely (holding the token, if anyone is to take turns later).
         if replay && me != 0 && r.token.load(Ordering::SeqCst) != me && is_member(r, me) && (super::signal::host::alone() || members(r) <= 1) {
@@ -709,6 +764,8 @@ pub fn gate(replay: bool, mono: u64, advance: &mut dyn FnMut(u64), deadline: Ins
     }
     if HOLDING.load(Ordering::SeqCst) && (asked == 1 || preempted) {
         pass(r, me, mono, if asked == 1 { Some(YIELD_DEADLINE.load(Ordering::SeqCst)) } else { None });
+    } else if HOLDING.load(Ordering::SeqCst) && quantum {
+        pass_runnable(r, me, mono);
     }
     if HOLDING.load(Ordering::SeqCst) || r.token.load(Ordering::SeqCst) == me {
         start_turn();
@@ -917,6 +974,20 @@ fn pass(r: &Region, me: u32, mono: u64, deadline: Option<u64>) {
             }
         }
     }
+    hand_on(r, me);
+}
+
+/// Hand the turn on after a used-up quantum ([`count_call`]): runnable, no time passes (the
+/// holder's clock reads moved it as far as it went), and the turn was progress.
+fn pass_runnable(r: &Region, me: u32, mono: u64) {
+    HOLDING.store(false, Ordering::SeqCst);
+    r.mono.fetch_max(mono, Ordering::SeqCst);
+    if let Some(s) = slot_of(r, me) {
+        s.network.store(0, Ordering::SeqCst);
+        s.state.store(State::Run as u32, Ordering::SeqCst);
+    }
+    PROGRESS.store(false, Ordering::Relaxed);
+    r.idle.store(0, Ordering::SeqCst);
     hand_on(r, me);
 }
 

@@ -639,6 +639,7 @@ impl Machine {
             }
         };
         crate::guestos::sched::after_syscall();
+        crate::guestos::sched::count_call();
         threads::count_event();
         let exit = process::after_syscall(self, &entry, &mut r, exit)?;
         self.return_to_user(&r, sregs)?;
