@@ -329,6 +329,41 @@ print(got, spins > 0)
     assert r.stdout == "[b'result'] True\n", r
 
 
+def test_a_switch_by_the_wall_clock_guard_says_not_reproducible(sb):
+    """docs/replay.md's `not-reproducible` verdict, pinned: a thread that spins without a syscall
+    while its sibling's sleep is due can only be switched out by the replay guard (CPU time, so
+    where it comes depends on the host); the seed took, but the exec says so. Threads that switch
+    at their blocking calls only (an Event ping-pong) stay `verified`, and so does the next exec of
+    the same sandbox (the mark is the exec's, not the sandbox's)."""
+    spin = """
+import threading, time
+stop = False
+def spin():
+    n = 0
+    while not stop:
+        n += 1
+t = threading.Thread(target=spin); t.start()
+time.sleep(0.05)
+stop = True
+t.join()
+print("ok")
+"""
+    ping = """
+import threading
+a, b = threading.Event(), threading.Event()
+def other():
+    for _ in range(50):
+        a.wait(); a.clear(); b.set()
+t = threading.Thread(target=other); t.start()
+for _ in range(50):
+    a.set(); b.wait(); b.clear()
+t.join()
+print("ok")
+"""
+    got = [(r.stdout, r.seed_ack) for r in (run(sb, code, seed=SEED) for code in (spin, ping, spin, ping))]
+    assert got == [("ok\n", "not-reproducible"), ("ok\n", "verified")] * 2, got
+
+
 def test_fork_from_a_threaded_process_copies_the_calling_thread(sb):
     r = run(
         sb,
