@@ -711,19 +711,11 @@ pub fn count_call() {
         return;
     }
     let me = ME.load(Ordering::SeqCst);
-    let (mut runnable, mut deadline) = (false, false);
-    for s in r.slots.iter() {
+    let runnable = r.slots.iter().any(|s| {
         let pid = s.pid.load(Ordering::SeqCst);
-        if pid == 0 || pid == me {
-            continue;
-        }
-        match s.state.load(Ordering::SeqCst) {
-            x if x == State::Run as u32 => runnable = true,
-            x if x == State::Blocked as u32 => deadline |= s.deadline.load(Ordering::SeqCst) != u64::MAX,
-            _ => {}
-        }
-    }
-    if runnable && !deadline {
+        pid != 0 && pid != me && s.state.load(Ordering::SeqCst) == State::Run as u32
+    });
+    if runnable && !deadline_waited_for(r) {
         QUANTUM_DUE.store(true, Ordering::Relaxed);
     }
 }
@@ -762,10 +754,14 @@ pub fn gate(replay: bool, mono: u64, advance: &mut dyn FnMut(u64), deadline: Ins
         }
         return Gate::Run;
     }
-    if HOLDING.load(Ordering::SeqCst) && (asked == 1 || preempted) {
-        pass(r, me, mono, if asked == 1 { Some(YIELD_DEADLINE.load(Ordering::SeqCst)) } else { None });
-    } else if HOLDING.load(Ordering::SeqCst) && quantum {
-        pass_runnable(r, me, mono);
+    if HOLDING.load(Ordering::SeqCst) {
+        if asked == 1 {
+            pass(r, me, mono, Pass::Blocked(YIELD_DEADLINE.load(Ordering::SeqCst)));
+        } else if preempted {
+            pass(r, me, mono, Pass::Preempted);
+        } else if quantum {
+            pass(r, me, mono, Pass::Quantum);
+        }
     }
     if HOLDING.load(Ordering::SeqCst) || r.token.load(Ordering::SeqCst) == me {
         start_turn();
@@ -921,9 +917,23 @@ fn forget(r: &Region, pid: u32) {
     }
 }
 
-/// Pass the token on from `me`: blocked until `deadline` (Some; u64::MAX for none) or preempted
-/// (None).
-fn pass(r: &Region, me: u32, mono: u64, deadline: Option<u64>) {
+/// Why the holder passes the token.
+#[derive(Clone, Copy)]
+enum Pass {
+    /// Its call would block until this virtual deadline (u64::MAX: none).
+    Blocked(u64),
+    /// The waiters preempted it while busy (see [`PREEMPT`]).
+    Preempted,
+    /// It used up its quantum while another member is runnable ([`count_call`]).
+    Quantum,
+}
+
+/// Pass the token on from `me`.
+fn pass(r: &Region, me: u32, mono: u64, why: Pass) {
+    let deadline = match why {
+        Pass::Blocked(d) => Some(d),
+        Pass::Preempted | Pass::Quantum => None,
+    };
     HOLDING.store(false, Ordering::SeqCst);
     r.mono.fetch_max(mono, Ordering::SeqCst);
     if let Some(s) = slot_of(r, me) {
@@ -947,11 +957,15 @@ fn pass(r: &Region, me: u32, mono: u64, deadline: Option<u64>) {
     if deadline.is_none() {
         // Preempted while busy: the turn took real time, and so much virtual time passes for the
         // others (a parent's timeout on a spinning child fires after about as long as on Linux).
-        // It is not a round without progress: counting it as one let time jump to the earliest
+        // A quantum's hand-off passes none (the holder's clock reads moved time as far as it
+        // went): it is a count, and replays must see the same time.
+        // Neither is a round without progress: counting it as one let time jump to the earliest
         // deadline, and a child that was slow to start on a loaded host (a Python start-up over
         // PREEMPT) saw its parent's 10 s select timeout expire at once.
-        let turn = crate::guestos::clock::monotonic_ns().saturating_sub(TURN_START.load(Ordering::SeqCst));
-        r.mono.fetch_add(turn, Ordering::SeqCst);
+        if let Pass::Preempted = why {
+            let turn = crate::guestos::clock::monotonic_ns().saturating_sub(TURN_START.load(Ordering::SeqCst));
+            r.mono.fetch_add(turn, Ordering::SeqCst);
+        }
         PROGRESS.store(false, Ordering::Relaxed);
         r.idle.store(0, Ordering::SeqCst);
         hand_on(r, me);
@@ -974,20 +988,6 @@ fn pass(r: &Region, me: u32, mono: u64, deadline: Option<u64>) {
             }
         }
     }
-    hand_on(r, me);
-}
-
-/// Hand the turn on after a used-up quantum ([`count_call`]): runnable, no time passes (the
-/// holder's clock reads moved it as far as it went), and the turn was progress.
-fn pass_runnable(r: &Region, me: u32, mono: u64) {
-    HOLDING.store(false, Ordering::SeqCst);
-    r.mono.fetch_max(mono, Ordering::SeqCst);
-    if let Some(s) = slot_of(r, me) {
-        s.network.store(0, Ordering::SeqCst);
-        s.state.store(State::Run as u32, Ordering::SeqCst);
-    }
-    PROGRESS.store(false, Ordering::Relaxed);
-    r.idle.store(0, Ordering::SeqCst);
     hand_on(r, me);
 }
 
@@ -1101,15 +1101,19 @@ fn check_holder(r: &Region, pid: u32) {
     }
     let since = s.since.load(Ordering::SeqCst);
     let now = crate::guestos::clock::monotonic_ns();
-    let someone_has_a_deadline = r.slots.iter().any(|s| {
-        s.pid.load(Ordering::SeqCst) != 0 && s.state.load(Ordering::SeqCst) == State::Blocked as u32 && s.deadline.load(Ordering::SeqCst) != u64::MAX
-    });
-    let limit = if someone_has_a_deadline { PREEMPT } else { PREEMPT_ANYWAY };
+    let limit = if deadline_waited_for(r) { PREEMPT } else { PREEMPT_ANYWAY };
     if s.state.load(Ordering::SeqCst) == State::Run as u32 && now.saturating_sub(since) > limit.as_nanos() as u64 {
         s.since.store(now, Ordering::SeqCst);
         // SAFETY: a signal to a process of our own sandbox tree.
         unsafe { libc::kill(host, preempt_signal()) };
     }
+}
+
+/// Whether a member is blocked until a deadline (a sleep, a timeout).
+fn deadline_waited_for(r: &Region) -> bool {
+    r.slots.iter().any(|s| {
+        s.pid.load(Ordering::SeqCst) != 0 && s.state.load(Ordering::SeqCst) == State::Blocked as u32 && s.deadline.load(Ordering::SeqCst) != u64::MAX
+    })
 }
 
 /// Whether host process `pid` is still running (not exited, not a zombie).
