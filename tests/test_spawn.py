@@ -292,3 +292,44 @@ def test_programs_started_again_from_a_cached_image_see_their_own_arguments_and_
     assert lines[:2] == ["one one", "two two"], out
     assert [ln.split()[0] + " " + ln.split()[2] for ln in lines[2:4]] == ["bash 3", "bash 4"] and lines[2].split()[1].isdigit(), out
     assert lines[4:] == ["printf", "9 8 0"], out
+
+
+PREFAULT_RUNNER = """
+import os, sys
+os.environ.pop("COLLIMATE_API_KEY", None)
+from collimate_core import Sandbox, connect
+with Sandbox("python", client=connect()) as sb:
+    for i in range(8):
+        r = sb.exec(command="i=0; while [ $i -lt 50 ]; do i=$((i+1)); done; echo $i; echo hi | wc -c")
+        sys.stderr.write(f"EXEC {i} {r.exit_code} {r.stdout!r}\\n")
+"""
+
+
+@pytest.mark.parametrize("prefault", ["1", "0"])
+def test_spawns_after_two_runs_of_an_image_start_with_the_pages_both_touched(prefault):
+    # crates/engine/src/vmm/spawn_prefault.rs: the first two runs of a cached image report the pages
+    # they touched; later spawns get those pages ready before their VM runs. The commands write and
+    # read their data (a loop, a pipeline's fork and exec) and must give the same output every time;
+    # the trace marks say when the hint was applied (never with COLLIMATE_SPAWN_PREFAULT=0).
+    import subprocess
+    import sys
+
+    env = dict(os.environ, COLLIMATE_TRACE="1", COLLIMATE_SPAWN_PREFAULT=prefault)
+    p = subprocess.run([sys.executable, "-c", PREFAULT_RUNNER], env=env, capture_output=True, text=True, timeout=300)
+    lines = p.stderr.splitlines()
+    execs = [ln.split(" ", 3) for ln in lines if ln.startswith("EXEC ")]
+    assert [(e[2], e[3]) for e in execs] == [("0", repr("50\n3\n"))] * 8, p.stderr[-3000:]
+    # Each exec's marks lie between its EXEC line and the previous one.
+    applied, k = [], 0
+    for ln in lines:
+        if ln.startswith("EXEC "):
+            k += 1
+        elif ln.startswith("collimate-trace ") and ln.split()[3] == "spawn_prefault.pages":
+            applied.append((k, int(ln.split()[4])))
+    if prefault == "0":
+        assert applied == [], applied
+    else:
+        # The shell of exec 0 and 1 (and the pipeline stages that exec busybox) report; from the
+        # third exec on, every shell starts with the hint.
+        assert {k for k, _ in applied} >= set(range(2, 8)), applied
+        assert all(n > 20 for _, n in applied), applied

@@ -36,6 +36,8 @@ use crate::error::{Error, Result};
 use crate::guestos::{exec, GuestOs};
 use crate::vstate::memory::GuestMemory;
 
+use super::spawn_prefault::Touched;
+
 /// Programs kept at most (the oldest goes first).
 const MAX_ENTRIES: usize = 8;
 
@@ -48,6 +50,8 @@ struct Entry {
     frames: FrameAllocator,
     aspace: AddressSpace,
     laid: exec::Laid,
+    /// The pages its runs touch (`spawn_prefault`).
+    touched: Option<Touched>,
 }
 
 /// A cached image to load a program over.
@@ -57,6 +61,7 @@ pub(super) struct Hit {
     pub(super) frames: FrameAllocator,
     pub(super) aspace: AddressSpace,
     pub(super) laid: exec::Laid,
+    pub(super) touched: Option<Touched>,
 }
 
 impl Entry {
@@ -107,7 +112,7 @@ pub(super) fn lookup(mem_size: u64, p: &exec::Prepared) -> Option<Hit> {
     let cache = CACHE.try_lock().ok()?;
     let e = cache.iter().find(|e| e.is_for(mem_size, p))?;
     crate::trace::mark("image_cache.hit");
-    Some(Hit { file: e.file.try_clone().ok()?, frames: e.frames.clone(), aspace: e.aspace.clone(), laid: e.laid.clone() })
+    Some(Hit { file: e.file.try_clone().ok()?, frames: e.frames.clone(), aspace: e.aspace.clone(), laid: e.laid.clone(), touched: e.touched })
 }
 
 /// Cache the image of `p` for memory of `mem_size` bytes if this is its second spawn here (or
@@ -161,5 +166,5 @@ fn build(mem_size: u64, p: &exec::Prepared) -> Result<Entry> {
     file.set_len(mem_size).map_err(Error::sys("ftruncate a program image"))?;
     file.write_all_at(&bytes, 0).map_err(Error::sys("write a program image"))?;
     let (prog, interp) = p.files();
-    Ok(Entry { prog: prog.clone(), interp: interp.cloned(), mem_size, file, frames, aspace, laid })
+    Ok(Entry { prog: prog.clone(), interp: interp.cloned(), mem_size, file, frames, aspace, laid, touched: Touched::new() })
 }

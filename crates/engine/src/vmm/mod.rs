@@ -9,6 +9,7 @@
 mod prefault;
 mod process;
 mod image_cache;
+mod spawn_prefault;
 mod spawn;
 mod teardown;
 mod threads;
@@ -83,6 +84,9 @@ pub struct Machine {
     quota_mode: bool,
     /// Set while this process runs its vfork child on its own vCPU (see `spawn`).
     vfork: Option<Box<spawn::Vfork>>,
+    /// The cached image this process's program was loaded from, while it still wants a report of
+    /// the pages a run touches (`spawn_prefault`).
+    touched: Option<spawn_prefault::Touched>,
     /// Register writes through `kvm_run` waiting for the next run (see `vstate::sync`).
     sync: crate::vstate::sync::RegSync,
 }
@@ -200,6 +204,7 @@ impl Machine {
             scratch_stock: Vec::new(),
             quota_mode: false,
             vfork: None,
+            touched: None,
             sync: Default::default(),
         })
     }
@@ -325,6 +330,7 @@ impl Machine {
             scratch_stock: Vec::new(),
             quota_mode: false,
             vfork: None,
+            touched: None,
             sync: Default::default(),
         })
     }

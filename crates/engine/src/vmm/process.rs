@@ -497,6 +497,8 @@ pub(super) fn enter_child_process(m: &mut Machine, guest_pid: i32, parent_host: 
     GUEST_CHILD.store(true, Ordering::SeqCst);
     // A guest process is not a sandbox fork: it reports nothing to `prefault` and forks no sandboxes.
     m.learn = Default::default();
+    // Nor, until it loads a cached program of its own, to `spawn_prefault`.
+    m.touched = None;
     // Tmpfs instances kept for the controller's children to come are not a guest child's.
     m.scratch_stock.clear();
     // SAFETY: plain prctl/getppid calls; the parent-death signal has a handler (install_reaper).
@@ -575,6 +577,12 @@ fn child_loop(m: &mut Machine) -> ! {
         let ran = m.run(Duration::from_secs(3600));
         // However it ends, the memory and the VM are freed after the parent saw the end.
         super::teardown::arm(m.vm.fd.as_raw_fd(), m.vcpu.as_raw_fd());
+        // A run that ended reports the pages it touched, if its image still wants reports.
+        if ran.as_ref().is_ok_and(|r| matches!(r.exit, RunExit::Exited { .. } | RunExit::Signaled { .. })) {
+            if let Some(t) = m.touched.take() {
+                t.report(&m.mem, &m.runtime.aspace);
+            }
+        }
         match ran {
             Ok(r) => match r.exit {
                 RunExit::Exited { code } => exit_process(code & 0xff),

@@ -417,14 +417,22 @@ pub(super) fn load_fresh(m: &mut Machine, old_mapped: bool, prepared: exec::Prep
     let Some(mut os) = m.os.take() else { return Err(Error::Protocol("no guest OS".into())) };
     process::on_exec_state(&mut os);
     let bytes = prepared.image_bytes();
-    let (base, laid) = match super::image_cache::lookup(m.mem.size(), &prepared) {
-        Some(h) => (Some((h.file, h.frames, h.aspace)), Some(h.laid)),
-        None => (None, None),
+    let (base, laid, touched) = match super::image_cache::lookup(m.mem.size(), &prepared) {
+        Some(h) => (Some((h.file, h.frames, h.aspace)), Some(h.laid), h.touched),
+        None => (None, None, None),
     };
+    // The pages earlier runs of this image touched, made ready before the VM exists; a run
+    // without them reports its own while reports are wanted (see `spawn_prefault`).
+    let hint = touched.and_then(|t| t.hint());
+    m.touched = touched.filter(|t| hint.is_none() && t.wants_report());
     let loaded = m.replace_image(old_mapped, bytes, base, |mem, frames, aspace| {
-        exec::commit_laid(&mut os, mem, frames, aspace, prepared, envp, laid)
+        let img = exec::commit_laid(&mut os, mem, frames, aspace, prepared, envp, laid)
             .map(|img| (img.entry, img.rsp))
-            .map_err(|e| Error::Image(format!("exec: errno {}", e.0)))
+            .map_err(|e| Error::Image(format!("exec: errno {}", e.0)))?;
+        if let Some(pages) = &hint {
+            super::spawn_prefault::apply(mem, aspace, pages);
+        }
+        Ok(img)
     });
     m.os = Some(os);
     loaded?;

@@ -29,6 +29,7 @@ pub const PTE_P: u64 = 1;
 pub const PTE_W: u64 = 1 << 1;
 pub const PTE_U: u64 = 1 << 2;
 pub const PTE_A: u64 = 1 << 5;
+pub const PTE_D: u64 = 1 << 6;
 /// In a page-directory entry: maps a 2 MiB large page instead of pointing at a page table.
 pub const PTE_PS: u64 = 1 << 7;
 pub const PTE_NX: u64 = 1 << 63;
@@ -359,6 +360,22 @@ impl AddressSpace {
             table = e & ADDR_MASK;
         }
         Ok(Some((table + index(va, 0) * 8, copy)))
+    }
+
+    /// Mark the leaf entry for `va` accessed, and dirty if it is writable: what the guest's first
+    /// use of the page makes KVM write there (see `vmm::spawn_prefault`). Returns the page's frame;
+    /// `None` if `va` is not mapped, or mapped by a large page.
+    pub fn mark_used(&self, mem: &mut GuestMemory, va: u64) -> Result<Option<u64>> {
+        let Some((slot, None)) = self.leaf_slot(mem, va)? else { return Ok(None) };
+        let e = mem.read_u64(slot)?;
+        if e & PTE_P == 0 {
+            return Ok(None);
+        }
+        let used = e | PTE_A | if e & PTE_W != 0 { PTE_D } else { 0 };
+        if used != e {
+            mem.write_u64(slot, used)?;
+        }
+        Ok(Some(e & ADDR_MASK))
     }
 
     /// The leaf entry for `va` (0 if absent).
