@@ -112,7 +112,7 @@ pub(super) fn lookup(mem_size: u64, p: &exec::Prepared) -> Option<Hit> {
     let cache = CACHE.try_lock().ok()?;
     let e = cache.iter().find(|e| e.is_for(mem_size, p))?;
     crate::trace::mark("image_cache.hit");
-    Some(Hit { file: e.file.try_clone().ok()?, frames: e.frames.clone(), aspace: e.aspace.clone(), laid: e.laid.clone(), touched: e.touched })
+    Some(Hit { file: e.file.try_clone().ok()?, frames: e.frames.clone(), aspace: e.aspace.clone(), laid: e.laid.clone(), touched: e.touched.clone() })
 }
 
 /// Cache the image of `p` for memory of `mem_size` bytes if this is its second spawn here (or

@@ -423,7 +423,7 @@ pub(super) fn load_fresh(m: &mut Machine, old_mapped: bool, prepared: exec::Prep
     };
     // The pages earlier runs of this image touched, made ready before the VM exists; a run
     // without them reports its own while reports are wanted (see `spawn_prefault`).
-    let hint = touched.and_then(|t| t.hint());
+    let hint = touched.as_ref().and_then(|t| t.hint());
     m.touched = touched.filter(|t| hint.is_none() && t.wants_report());
     let loaded = m.replace_image(old_mapped, bytes, base, |mem, frames, aspace| {
         let img = exec::commit_laid(&mut os, mem, frames, aspace, prepared, envp, laid)

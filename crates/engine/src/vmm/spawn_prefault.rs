@@ -27,6 +27,7 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 
 use crate::arch::x86_64::layout::PAGE_SIZE;
 use crate::arch::x86_64::paging::{AddressSpace, PTE_A, PTE_U};
@@ -62,14 +63,26 @@ fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var_os("COLLIMATE_SPAWN_PREFAULT").is_none_or(|v| v != "0"))
 }
 
-/// One cached image's region (see the module comment). Copies name the same region; it lives as
-/// long as the process (an image cache entry is never unmapped while a spawn may use it).
-#[derive(Clone, Copy)]
-pub(super) struct Touched(NonNull<Region>);
+/// A region's mapping, unmapped when the last holder in this process lets go.
+struct Mapping(NonNull<Region>);
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping `Touched::new` made; no reference into it outlives its last holder.
+        unsafe { libc::munmap(self.0.as_ptr().cast(), region_size()) };
+    }
+}
+
+/// One cached image's region (see the module comment). Clones name the same region: the image
+/// cache entry holds it, and so does a process loaded from the image until it has reported.
+#[derive(Clone)]
+pub(super) struct Touched(Arc<Mapping>);
 
 // SAFETY: the region is shared only through its atomics, and written once per report slot by the
-// process that claimed it.
-unsafe impl Send for Touched {}
+// process that claimed it; the VMM process is single-threaded.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
 
 impl Touched {
     /// A new, empty region; `None` if it cannot be made (then the image is spawned without).
@@ -84,12 +97,13 @@ impl Touched {
         if p == libc::MAP_FAILED {
             return None;
         }
-        NonNull::new(p.cast::<Region>()).map(Touched)
+        NonNull::new(p.cast::<Region>()).map(|r| Touched(Arc::new(Mapping(r))))
     }
 
     fn region(&self) -> &Region {
-        // SAFETY: a live mapping of region_size() bytes made by `new`, never unmapped.
-        unsafe { self.0.as_ref() }
+        // SAFETY: a live mapping of region_size() bytes made by `new`, unmapped only when the
+        // last `Touched` holding it is dropped.
+        unsafe { self.0 .0.as_ref() }
     }
 
     /// The pages every report named, once all reports are in.
@@ -126,7 +140,7 @@ impl Touched {
             Err(_) => Vec::new(),
         };
         let n = if pages.len() > MAX_PAGES { 0 } else { pages.len() };
-        let rep = self.0.as_ptr();
+        let rep = self.0 .0.as_ptr();
         // SAFETY: this process claimed `slot` and is its only writer; readers look at its pages
         // only after the Release store of its state below. `n` <= MAX_PAGES entries.
         unsafe {
