@@ -333,3 +333,45 @@ def test_spawns_after_two_runs_of_an_image_start_with_the_pages_both_touched(pre
         # third exec on, every shell starts with the hint.
         assert {k for k, _ in applied} >= set(range(2, 8)), applied
         assert all(n > 20 for _, n in applied), applied
+
+
+EXEC_RUNNER = """
+import os, sys
+os.environ.pop("COLLIMATE_API_KEY", None)
+from collimate_core import Sandbox, connect
+with Sandbox("python", client=connect()) as sb:
+    for i in range(6):
+        r = sb.exec(command="python3 -c 'import sys; print(6 * 7, sys.argv[1:])' a b")
+        sys.stderr.write(f"EXEC {i} {r.exit_code} {r.stdout!r}\\n")
+"""
+
+
+def test_a_shell_that_execs_its_command_learns_its_pages_too():
+    # A single command makes busybox's shell exec it in place, so the shell's run never ends: it
+    # reports the pages it touched at its execve (crates/engine/src/vmm/spawn.rs, load_fresh).
+    # From the third exec on, the shell starts with the hint (a spawn_prefault.pages mark before
+    # its exec.enter), and so does the program it execs (one after). Before, only the program had one.
+    import subprocess
+    import sys
+
+    env = dict(os.environ, COLLIMATE_TRACE="1")
+    p = subprocess.run([sys.executable, "-c", EXEC_RUNNER], env=env, capture_output=True, text=True, timeout=300)
+    lines = p.stderr.splitlines()
+    execs = [ln.split(" ", 3) for ln in lines if ln.startswith("EXEC ")]
+    assert [(e[2], e[3]) for e in execs] == [("0", repr("42 ['a', 'b']\n"))] * 6, p.stderr[-3000:]
+    # For each exec (the marks between its EXEC line and the previous one): where the hint marks lie
+    # relative to the shell's execve.
+    per_exec: list[list[str]] = [[] for _ in range(6)]
+    k = 0
+    for ln in lines:
+        if ln.startswith("EXEC "):
+            k += 1
+        elif ln.startswith("collimate-trace ") and k < 6:
+            what = ln.split()[3]
+            if what == "exec.enter":
+                per_exec[k].append("exec")
+            elif what == "spawn_prefault.pages":
+                per_exec[k].append("hint")
+    for k in range(2, 6):
+        assert per_exec[k] == ["hint", "exec", "hint"], (k, per_exec)
+    assert per_exec[0] == ["exec"], per_exec

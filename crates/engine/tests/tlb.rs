@@ -75,6 +75,18 @@ fn write_protect_faults_after_invalidate_frames() {
     assert_eq!(v, 5);
 }
 
+/// A block with many frames to invalidate takes one mprotect pair (the path of `invalidate_frames`
+/// for more than a few pages), and the guest sees the edits the same way.
+#[test]
+fn remap_unmap_write_protect_are_seen_after_one_mprotect_pair_for_the_block() {
+    assert_eq!(remap(Flush::MprotectOldFramesBlock), Outcome::Done(Y));
+    let o = unmap(Flush::MprotectOldFramesBlock);
+    assert!(is_page_fault_at(o, A, 0x4), "{o:x?}");
+    let (o, v) = write_protect(Flush::MprotectOldFramesBlock);
+    assert!(is_page_fault_at(o, A, 0x7), "{o:x?}");
+    assert_eq!(v, 5);
+}
+
 #[test]
 fn remap_unmap_write_protect_are_seen_after_flush_guest_tlb() {
     assert_eq!(remap(Flush::MemslotReadd), Outcome::Done(Y));
@@ -205,15 +217,17 @@ fn flush_guest_tlb_keeps_the_dirty_log() {
     assert_ne!(log[(fx_page / 64) as usize] & (1 << (fx_page % 64)), 0);
 }
 
-/// `invalidate_frames` leaves guest memory as it was (contents and host write access), makes one
-/// mprotect pair per 2 MiB block of host memory, and refuses addresses outside guest memory.
+/// `invalidate_frames` leaves guest memory as it was (contents and host write access), drops a few
+/// frames of a block exactly and makes one mprotect pair per 2 MiB block of host memory with many,
+/// and refuses addresses outside guest memory.
 #[test]
 fn invalidate_frames_is_harmless_to_guest_memory() {
     let mut r = Rig::new(MEM);
     let fx = r.frame(X);
     r.map(A, fx, PTE_W | PTE_NX);
     assert_eq!(r.read(A), Outcome::Done(X));
-    assert_eq!(invalidate_frames(&r.mem, &[fx]).unwrap(), 1);
+    // A few frames are dropped exactly: no mprotect pair, and the contents stay.
+    assert_eq!(invalidate_frames(&r.mem, &[fx]).unwrap(), 0);
     assert_eq!(r.mem.read_u64(fx).unwrap(), X);
     r.mem.write_u64(fx, 42).unwrap(); // would SIGSEGV if the mapping were left read-only
     assert_eq!(r.read(A), Outcome::Done(42));
@@ -222,10 +236,55 @@ fn invalidate_frames_is_harmless_to_guest_memory() {
     let block_start = (base + fx) / INVALIDATION_BLOCK * INVALIDATION_BLOCK - base;
     let same_block = [block_start, block_start + 4096 * 7, block_start + INVALIDATION_BLOCK - 4096];
     let same_block: Vec<u64> = same_block.into_iter().filter(|&g| g < r.mem.size()).collect();
-    assert_eq!(invalidate_frames(&r.mem, &same_block).unwrap(), 1);
+    assert_eq!(invalidate_frames(&r.mem, &same_block).unwrap(), 0);
     let two_blocks = [block_start + INVALIDATION_BLOCK, fx, fx];
-    assert_eq!(invalidate_frames(&r.mem, &two_blocks).unwrap(), 2);
+    assert_eq!(invalidate_frames(&r.mem, &two_blocks).unwrap(), 0);
+    // Many frames of one block: one pair for the block (its neighbour's single frame: none).
+    let many: Vec<u64> = (0..100).map(|i| block_start + 4096 * i).chain([block_start + INVALIDATION_BLOCK]).collect();
+    assert_eq!(invalidate_frames(&r.mem, &many).unwrap(), 1);
+    let in_two: Vec<u64> =
+        (0..200).map(|i| block_start + 4096 * i).chain((0..80).map(|i| block_start + INVALIDATION_BLOCK + 4096 * i)).collect();
+    assert_eq!(invalidate_frames(&r.mem, &in_two).unwrap(), 2);
+    assert_eq!(r.mem.read_u64(fx).unwrap(), 42);
     assert_eq!(invalidate_frames(&r.mem, &[]).unwrap(), 0);
     assert!(invalidate_frames(&r.mem, &[r.mem.size()]).is_err());
     assert_eq!(r.read(A), Outcome::Done(42));
+}
+
+/// `GuestMemory::zap_in_place` (the exact path of `invalidate_frames`) keeps every page's contents
+/// over a file-backed private mapping: a page written here (private, different from the file), a
+/// page still the file's, a private page written back to the file's bytes, and a hole of the file.
+#[test]
+fn zapping_pages_in_place_keeps_what_they_held() {
+    use std::io::Write;
+    const P: usize = 4096;
+    let size = 8 << 20;
+    // SAFETY: memfd_create with a valid name; checked below.
+    let fd = unsafe { libc::memfd_create(c"zap-test".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: a descriptor we just made and own.
+    let mut file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    file.set_len(size).unwrap();
+    // Pages 0..4 of the file hold 0xA0 + i; from page 4 on it is a hole.
+    for i in 0..4u8 {
+        file.write_all(&[0xA0 + i; P]).unwrap();
+    }
+    let mut mem = collimate_engine::vstate::memory::GuestMemory::over_image(file, size).unwrap();
+    mem.write(P as u64, &[0x11; P]).unwrap(); // page 1: private, differs from the file
+    mem.write(2 * P as u64, &[0xA2; P]).unwrap(); // page 2: private, the file's bytes
+    mem.write(5 * P as u64 + 8, &[0x55; 16]).unwrap(); // page 5: in the hole, written
+    let page = |mem: &collimate_engine::vstate::memory::GuestMemory, i: usize| {
+        let mut b = vec![0u8; P];
+        mem.read((i * P) as u64, &mut b).unwrap();
+        b
+    };
+    let before: Vec<Vec<u8>> = (0..8).map(|i| page(&mem, i)).collect();
+    assert!(mem.file_backed(0, 8 * P as u64));
+    mem.zap_in_place(0, 8 * P as u64).unwrap();
+    for (i, b) in before.iter().enumerate() {
+        assert_eq!(&page(&mem, i), b, "page {i}");
+    }
+    // Still writable from the host.
+    mem.write(P as u64, &[0x22; 8]).unwrap();
+    assert!(mem.zap_in_place(size - P as u64, 2 * P as u64).is_err(), "past the end");
 }

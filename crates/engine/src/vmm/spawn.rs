@@ -415,6 +415,12 @@ fn child_main(m: &mut Machine, then: Then, pid: i32, generation: u32, ready: Own
 /// loaded into fresh memory with a new VM and vCPU.
 pub(super) fn load_fresh(m: &mut Machine, old_mapped: bool, prepared: exec::Prepared, envp: &[Vec<u8>]) -> Result<()> {
     let Some(mut os) = m.os.take() else { return Err(Error::Protocol("no guest OS".into())) };
+    // A program that execs another (the shell running a single command, `sh -c 'python3 ...'`)
+    // reports the pages its run touched too, before its image goes: otherwise a shell whose every
+    // run ends in an exec never gets a hint.
+    if let Some(t) = m.touched.take() {
+        t.report(&m.mem, &m.runtime.aspace);
+    }
     process::on_exec_state(&mut os);
     let bytes = prepared.image_bytes();
     let (base, laid, touched) = match super::image_cache::lookup(m.mem.size(), &prepared) {

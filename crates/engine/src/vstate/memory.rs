@@ -235,6 +235,43 @@ impl GuestMemory {
         std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, gpa).map_err(Error::sys("read guest memory file"))
     }
 
+    /// Whether [`GuestMemory::zap_in_place`] may be used on [gpa, gpa + len): guest memory below
+    /// the large-page region (whose blocks may be anonymous memory rather than the file's).
+    pub fn file_backed(&self, gpa: u64, len: u64) -> bool {
+        let limit = huge_region(self.size).map_or(self.size, |(start, _)| start);
+        gpa.checked_add(len).is_some_and(|end| end <= limit)
+    }
+
+    /// Drop the host's page-table entries of [gpa, gpa + len) (page aligned,
+    /// [`GuestMemory::file_backed`]) and keep what they held: their contents are saved,
+    /// `MADV_DONTNEED` makes the range show the backing file again, and the pages that differ from
+    /// the file get their contents back as private pages. The MMU notifier of the `MADV_DONTNEED`
+    /// covers exactly this range, so KVM drops the guest's translations of these pages and of no
+    /// others (`vstate::tlb`). For a few pages at a time: it copies each page up to three times.
+    pub fn zap_in_place(&self, gpa: u64, len: u64) -> Result<()> {
+        self.check(gpa, len as usize)?;
+        debug_assert!(gpa % PAGE_SIZE == 0 && len % PAGE_SIZE == 0 && self.file_backed(gpa, len));
+        let n = len as usize;
+        let mut saved = vec![0u8; n];
+        let mut file = vec![0u8; n];
+        // SAFETY: bounds checked above; the mapping is valid for `size` bytes and nothing else
+        // writes it meanwhile (the VMM's one thread is here, between two guest runs).
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(gpa as usize), saved.as_mut_ptr(), n) };
+        // Read as the file has it (a hole reads as zero without allocating a page of it).
+        std::os::unix::fs::FileExt::read_exact_at(&self.file, &mut file, gpa).map_err(Error::sys("read guest memory file"))?;
+        // SAFETY: advice on pages of our own private mapping, whose contents are saved above.
+        if unsafe { libc::madvise(self.ptr.add(gpa as usize).cast(), n, libc::MADV_DONTNEED) } != 0 {
+            return Err(Error::last_os("madvise(MADV_DONTNEED) for a guest TLB invalidation"));
+        }
+        for (i, (mine, theirs)) in saved.chunks(PAGE_SIZE as usize).zip(file.chunks(PAGE_SIZE as usize)).enumerate() {
+            if mine != theirs {
+                // SAFETY: as above; the page is inside the checked range.
+                unsafe { std::ptr::copy_nonoverlapping(mine.as_ptr(), self.ptr.add(gpa as usize + i * PAGE_SIZE as usize), mine.len()) };
+            }
+        }
+        Ok(())
+    }
+
     /// Leave this memory out of (or back in) the host processes this one forks: a child that
     /// will load a program of its own (`vmm::spawn`) then copies no page table of it, and the
     /// fork write-protects none of its pages here.

@@ -86,10 +86,11 @@ pub const INVALIDATION_BLOCK: u64 = 2 << 20;
 /// Use after removing, narrowing or redirecting translations to these frames, before the guest runs
 /// again. How: `mprotect(PROT_READ)` then `mprotect(PROT_READ | PROT_WRITE)` of the host pages backing
 /// the frames, one pair per 2 MiB block of host virtual memory (spanning the first to the last
-/// frame given in that block); KVM's MMU notifier zaps the shadow PTEs of that range. Guest memory
-/// contents are not touched. Call it between two `KVM_RUN`s, from the thread that owns `mem` (no
-/// other thread may write guest memory meanwhile: for a moment it is read-only). Returns how many
-/// mprotect pairs were made.
+/// frame given in that block); KVM's MMU notifier zaps the shadow PTEs of that range. A block with
+/// only a few such frames has exactly those dropped instead ([`EXACT_MAX_PAGES`]). Guest memory
+/// contents are not changed. Call it between two `KVM_RUN`s, from the thread that owns `mem` (no
+/// other thread may write guest memory meanwhile: for a moment it is read-only, or its pages are
+/// dropped and put back). Returns how many mprotect pairs were made.
 pub fn invalidate_frames(mem: &GuestMemory, gpas: &[u64]) -> Result<usize> {
     let base = mem.host_addr();
     // Host pages, with the protection to restore: guest memory's, or a shared window's (see
@@ -120,11 +121,47 @@ pub fn invalidate_frames(mem: &GuestMemory, gpas: &[u64]) -> Result<usize> {
         while j + 1 < pages.len() && pages[j + 1].0 / INVALIDATION_BLOCK == block && pages[j + 1].2 == mapping {
             j += 1;
         }
-        protect_cycle(pages[i].0, pages[j].0 + PAGE_SIZE - pages[i].0, prot)?;
-        pairs += 1;
+        let (first, len) = (pages[i].0 - base, pages[j].0 + PAGE_SIZE - pages[i].0);
+        if mapping == 0 && j - i < EXACT_MAX_PAGES && exact_enabled() && mem.file_backed(first, len) {
+            // Runs of consecutive pages, each dropped in place.
+            let mut k = i;
+            while k <= j {
+                let mut l = k;
+                while l < j && pages[l + 1].0 == pages[l].0 + PAGE_SIZE {
+                    l += 1;
+                }
+                mem.zap_in_place(pages[k].0 - base, pages[l].0 + PAGE_SIZE - pages[k].0)?;
+                k = l + 1;
+            }
+        } else {
+            protect_cycle(pages[i].0, len, prot)?;
+            pairs += 1;
+        }
         i = j + 1;
     }
     Ok(pairs)
+}
+
+/// A block with at most this many frames to invalidate has them dropped exactly
+/// ([`GuestMemory::zap_in_place`]) instead of by an mprotect pair.
+///
+/// Why: an mprotect of part of the mapping splits its area in two, and the kernel then splits any
+/// huge-page entry at the new edge, whose MMU notifier covers the whole 2 MiB block whether or not
+/// the entry was a huge page: KVM drops the translations of all 512 pages around the few that
+/// changed, and the guest refaults every one of them it uses (25-30 us each on kvm_pvm). A
+/// program's start narrows a few pages many times (the RELRO `mprotect` of itself and of each
+/// library, `munmap`s): CPython's start made 24 such pairs, 48 MiB of translations dropped, and
+/// busybox's RELRO step alone refaulted some 20 of its text pages. `MADV_DONTNEED` zaps exactly
+/// its range and splits nothing; since guest memory is a private mapping, the pages' contents are
+/// saved and put back around it, a copy or three per page: worth it for a few pages, not for
+/// thousands.
+const EXACT_MAX_PAGES: usize = 64;
+
+/// Whether the exact path is taken (`COLLIMATE_EXACT_INVALIDATION=0`: mprotect pairs only, to
+/// compare).
+fn exact_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("COLLIMATE_EXACT_INVALIDATION").is_none_or(|v| v != "0"))
 }
 
 /// Less access, then `prot` again: the first call fires the MMU notifier.

@@ -80,10 +80,13 @@ pub enum Flush {
     MprotectOldFrames,
     /// The same, but on the host page of the edited guest page-table page (not the data frame).
     MprotectPtPage,
+    /// `invalidate_frames` of the old frames and 64 more of their 2 MiB block: past
+    /// `EXACT_MAX_PAGES` a block takes one mprotect pair instead of dropping pages exactly.
+    MprotectOldFramesBlock,
 }
 
 impl Flush {
-    pub const ALL: [Flush; 10] = [
+    pub const ALL: [Flush; 11] = [
         Flush::None,
         Flush::SregsSameCr3,
         Flush::Cr4PgeToggle,
@@ -93,6 +96,7 @@ impl Flush {
         Flush::MemslotDirtyLogToggle,
         Flush::MprotectPtPage,
         Flush::MprotectOldFrames,
+        Flush::MprotectOldFramesBlock,
         Flush::MemslotReadd,
     ];
 }
@@ -320,6 +324,19 @@ impl Rig {
             }
             Flush::MprotectPtPage => {
                 tlb::invalidate_frames(&self.mem, pt_pages).unwrap();
+            }
+            Flush::MprotectOldFramesBlock => {
+                let block = |gpa: u64| (self.mem.host_addr() + gpa) / tlb::INVALIDATION_BLOCK;
+                let mut frames = old_frames.to_vec();
+                let mut gpa = old_frames[0] & !4095;
+                while frames.len() < old_frames.len() + 64 {
+                    let up = gpa + 4096;
+                    gpa = if block(up) == block(old_frames[0]) && up < self.mem.size() { up } else { gpa - 4096 };
+                    if !frames.contains(&gpa) {
+                        frames.push(gpa);
+                    }
+                }
+                assert_eq!(tlb::invalidate_frames(&self.mem, &frames).unwrap(), 1);
             }
         }
     }

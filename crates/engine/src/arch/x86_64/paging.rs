@@ -32,6 +32,10 @@ pub const PTE_A: u64 = 1 << 5;
 pub const PTE_D: u64 = 1 << 6;
 /// In a page-directory entry: maps a 2 MiB large page instead of pointing at a page table.
 pub const PTE_PS: u64 = 1 << 7;
+/// A bit the MMU ignores (one of those left to software): set on entries the host marked accessed
+/// when it filled their pages from a file (`guestos::mm`), so that a report of the pages a run
+/// touched (`vmm::spawn_prefault`) can tell them from the pages the guest used.
+pub const PTE_FILLED: u64 = 1 << 9;
 pub const PTE_NX: u64 = 1 << 63;
 const ADDR_MASK: u64 = 0x000f_ffff_ffff_f000;
 
