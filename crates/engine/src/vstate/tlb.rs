@@ -42,7 +42,10 @@
 //!   block (one mprotect pair each time), about 29 us per block for frames scattered over many
 //!   blocks. This kernel zaps the whole 2 MiB-aligned block of host virtual memory around the
 //!   protected range (traced with `kvm_mmu_set_spte`: exactly the 512 pages of that block refault),
-//!   so up to 511 neighbouring pages refault too: at most about 250 us more per block.
+//!   so up to 511 neighbouring pages refault too: at most about 250 us more per block. (Traced
+//!   later with `kvm_unmap_hva_range`: the mprotect's own notifier covers only its range; the
+//!   block-wide one comes from splitting the mapping's area at the range's edge. A block with few
+//!   frames therefore takes the exact path instead, [`EXACT_MAX_PAGES`].)
 //! * [`flush_guest_tlb`]: about 310 us with 4,096 pages in the shadow, 0.9-1.1 ms with 16,384, then
 //!   the refault of every page the guest touches. Past about 30 blocks of frames to invalidate it
 //!   costs the same as [`invalidate_frames`].
