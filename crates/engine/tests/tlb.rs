@@ -9,7 +9,7 @@
 mod tlb_rig;
 
 use collimate_engine::arch::x86_64::paging::{PTE_NX, PTE_P, PTE_U, PTE_W};
-use collimate_engine::vstate::tlb::{flush_guest_tlb, invalidate_frames, INVALIDATION_BLOCK};
+use collimate_engine::vstate::tlb::{flush_guest_tlb, invalidate_frames, invalidate_frames_exact, INVALIDATION_BLOCK};
 use tlb_rig::{Flush, Outcome, Rig, DATA_VA};
 
 const MEM: u64 = 64 << 20;
@@ -75,8 +75,18 @@ fn write_protect_faults_after_invalidate_frames() {
     assert_eq!(v, 5);
 }
 
-/// A block with many frames to invalidate takes one mprotect pair (the path of `invalidate_frames`
-/// for more than a few pages), and the guest sees the edits the same way.
+/// The exact path (`invalidate_frames_exact` of a few frames) and, with many frames in a block, its
+/// mprotect pair for the block: the guest sees the edits the same way.
+#[test]
+fn remap_unmap_write_protect_are_seen_after_an_exact_invalidation() {
+    assert_eq!(remap(Flush::ExactOldFrames), Outcome::Done(Y));
+    let o = unmap(Flush::ExactOldFrames);
+    assert!(is_page_fault_at(o, A, 0x4), "{o:x?}");
+    let (o, v) = write_protect(Flush::ExactOldFrames);
+    assert!(is_page_fault_at(o, A, 0x7), "{o:x?}");
+    assert_eq!(v, 5);
+}
+
 #[test]
 fn remap_unmap_write_protect_are_seen_after_one_mprotect_pair_for_the_block() {
     assert_eq!(remap(Flush::MprotectOldFramesBlock), Outcome::Done(Y));
@@ -217,17 +227,20 @@ fn flush_guest_tlb_keeps_the_dirty_log() {
     assert_ne!(log[(fx_page / 64) as usize] & (1 << (fx_page % 64)), 0);
 }
 
-/// `invalidate_frames` leaves guest memory as it was (contents and host write access), drops a few
-/// frames of a block exactly and makes one mprotect pair per 2 MiB block of host memory with many,
-/// and refuses addresses outside guest memory.
+/// `invalidate_frames` leaves guest memory as it was (contents and host write access) and makes one
+/// mprotect pair per 2 MiB block of host memory; `invalidate_frames_exact` drops a few frames of a
+/// block exactly and makes a pair only for a block with many; both refuse addresses outside guest
+/// memory.
 #[test]
 fn invalidate_frames_is_harmless_to_guest_memory() {
     let mut r = Rig::new(MEM);
     let fx = r.frame(X);
     r.map(A, fx, PTE_W | PTE_NX);
     assert_eq!(r.read(A), Outcome::Done(X));
-    // A few frames are dropped exactly: no mprotect pair, and the contents stay.
-    assert_eq!(invalidate_frames(&r.mem, &[fx]).unwrap(), 0);
+    assert_eq!(invalidate_frames(&r.mem, &[fx]).unwrap(), 1);
+    assert_eq!(r.mem.read_u64(fx).unwrap(), X);
+    // The exact path drops a few frames without an mprotect pair, and the contents stay.
+    assert_eq!(invalidate_frames_exact(&r.mem, &[fx]).unwrap(), 0);
     assert_eq!(r.mem.read_u64(fx).unwrap(), X);
     r.mem.write_u64(fx, 42).unwrap(); // would SIGSEGV if the mapping were left read-only
     assert_eq!(r.read(A), Outcome::Done(42));
@@ -236,15 +249,17 @@ fn invalidate_frames_is_harmless_to_guest_memory() {
     let block_start = (base + fx) / INVALIDATION_BLOCK * INVALIDATION_BLOCK - base;
     let same_block = [block_start, block_start + 4096 * 7, block_start + INVALIDATION_BLOCK - 4096];
     let same_block: Vec<u64> = same_block.into_iter().filter(|&g| g < r.mem.size()).collect();
-    assert_eq!(invalidate_frames(&r.mem, &same_block).unwrap(), 0);
+    assert_eq!(invalidate_frames(&r.mem, &same_block).unwrap(), 1);
+    assert_eq!(invalidate_frames_exact(&r.mem, &same_block).unwrap(), 0);
     let two_blocks = [block_start + INVALIDATION_BLOCK, fx, fx];
-    assert_eq!(invalidate_frames(&r.mem, &two_blocks).unwrap(), 0);
+    assert_eq!(invalidate_frames(&r.mem, &two_blocks).unwrap(), 2);
+    assert_eq!(invalidate_frames_exact(&r.mem, &two_blocks).unwrap(), 0);
     // Many frames of one block: one pair for the block (its neighbour's single frame: none).
     let many: Vec<u64> = (0..100).map(|i| block_start + 4096 * i).chain([block_start + INVALIDATION_BLOCK]).collect();
-    assert_eq!(invalidate_frames(&r.mem, &many).unwrap(), 1);
+    assert_eq!(invalidate_frames_exact(&r.mem, &many).unwrap(), 1);
     let in_two: Vec<u64> =
         (0..200).map(|i| block_start + 4096 * i).chain((0..80).map(|i| block_start + INVALIDATION_BLOCK + 4096 * i)).collect();
-    assert_eq!(invalidate_frames(&r.mem, &in_two).unwrap(), 2);
+    assert_eq!(invalidate_frames_exact(&r.mem, &in_two).unwrap(), 2);
     assert_eq!(r.mem.read_u64(fx).unwrap(), 42);
     assert_eq!(invalidate_frames(&r.mem, &[]).unwrap(), 0);
     assert!(invalidate_frames(&r.mem, &[r.mem.size()]).is_err());

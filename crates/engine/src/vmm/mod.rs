@@ -620,7 +620,7 @@ impl Machine {
                 if flush {
                     crate::vstate::tlb::flush_guest_tlb(&mut self.vm, &mut self.mem)?;
                 } else if !stale.is_empty() {
-                    crate::vstate::tlb::invalidate_frames(&self.mem, &stale)?;
+                    crate::vstate::tlb::invalidate_frames_exact(&self.mem, &stale)?;
                 }
                 // Replay turns: a call that would block handed the turn on and is to be restarted.
                 // Take the turn back here and retry it at once, instead of through the guest

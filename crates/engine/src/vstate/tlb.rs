@@ -89,12 +89,25 @@ pub const INVALIDATION_BLOCK: u64 = 2 << 20;
 /// Use after removing, narrowing or redirecting translations to these frames, before the guest runs
 /// again. How: `mprotect(PROT_READ)` then `mprotect(PROT_READ | PROT_WRITE)` of the host pages backing
 /// the frames, one pair per 2 MiB block of host virtual memory (spanning the first to the last
-/// frame given in that block); KVM's MMU notifier zaps the shadow PTEs of that range. A block with
-/// only a few such frames has exactly those dropped instead ([`EXACT_MAX_PAGES`]). Guest memory
-/// contents are not changed. Call it between two `KVM_RUN`s, from the thread that owns `mem` (no
-/// other thread may write guest memory meanwhile: for a moment it is read-only, or its pages are
-/// dropped and put back). Returns how many mprotect pairs were made.
+/// frame given in that block); KVM's MMU notifier zaps the shadow PTEs of that range. Guest memory
+/// contents, and which host pages are present, are not changed. Call it between two `KVM_RUN`s,
+/// from the thread that owns `mem` (no other thread may write guest memory meanwhile: for a moment
+/// it is read-only). Returns how many mprotect pairs were made.
 pub fn invalidate_frames(mem: &GuestMemory, gpas: &[u64]) -> Result<usize> {
+    invalidate(mem, gpas, false)
+}
+
+/// [`invalidate_frames`] for the translations a guest's own syscall narrowed or removed (mprotect,
+/// munmap, mremap, ...): a block with only a few such frames has exactly those dropped instead
+/// ([`EXACT_MAX_PAGES`], [`GuestMemory::zap_in_place`]), keeping the translations of the rest of
+/// its block. Their contents stay; a page that reads as the file's afterwards is the file's again
+/// (not present on the host until touched), which is why a reset, which has just put pages back
+/// to the file's contents and wants them present for the next run, uses [`invalidate_frames`].
+pub fn invalidate_frames_exact(mem: &GuestMemory, gpas: &[u64]) -> Result<usize> {
+    invalidate(mem, gpas, exact_enabled())
+}
+
+fn invalidate(mem: &GuestMemory, gpas: &[u64], exact: bool) -> Result<usize> {
     let base = mem.host_addr();
     // Host pages, with the protection to restore: guest memory's, or a shared window's (see
     // `vstate::shared`: the same MMU notifier drops the translations of its pages).
@@ -125,7 +138,7 @@ pub fn invalidate_frames(mem: &GuestMemory, gpas: &[u64]) -> Result<usize> {
             j += 1;
         }
         let (first, len) = (pages[i].0 - base, pages[j].0 + PAGE_SIZE - pages[i].0);
-        if mapping == 0 && j - i < EXACT_MAX_PAGES && exact_enabled() && mem.file_backed(first, len) {
+        if exact && mapping == 0 && j - i < EXACT_MAX_PAGES && mem.file_backed(first, len) {
             // Runs of consecutive pages, each dropped in place.
             let mut k = i;
             while k <= j {

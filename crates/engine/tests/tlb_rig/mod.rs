@@ -80,13 +80,15 @@ pub enum Flush {
     MprotectOldFrames,
     /// The same, but on the host page of the edited guest page-table page (not the data frame).
     MprotectPtPage,
-    /// `invalidate_frames` of the old frames and 64 more of their 2 MiB block: past
+    /// `invalidate_frames_exact` of the old frames: each dropped by `GuestMemory::zap_in_place`.
+    ExactOldFrames,
+    /// `invalidate_frames_exact` of the old frames and 64 more of their 2 MiB block: past
     /// `EXACT_MAX_PAGES` a block takes one mprotect pair instead of dropping pages exactly.
     MprotectOldFramesBlock,
 }
 
 impl Flush {
-    pub const ALL: [Flush; 11] = [
+    pub const ALL: [Flush; 12] = [
         Flush::None,
         Flush::SregsSameCr3,
         Flush::Cr4PgeToggle,
@@ -96,6 +98,7 @@ impl Flush {
         Flush::MemslotDirtyLogToggle,
         Flush::MprotectPtPage,
         Flush::MprotectOldFrames,
+        Flush::ExactOldFrames,
         Flush::MprotectOldFramesBlock,
         Flush::MemslotReadd,
     ];
@@ -325,6 +328,9 @@ impl Rig {
             Flush::MprotectPtPage => {
                 tlb::invalidate_frames(&self.mem, pt_pages).unwrap();
             }
+            Flush::ExactOldFrames => {
+                assert_eq!(tlb::invalidate_frames_exact(&self.mem, old_frames).unwrap(), 0);
+            }
             Flush::MprotectOldFramesBlock => {
                 let block = |gpa: u64| (self.mem.host_addr() + gpa) / tlb::INVALIDATION_BLOCK;
                 let mut frames = old_frames.to_vec();
@@ -336,7 +342,7 @@ impl Rig {
                         frames.push(gpa);
                     }
                 }
-                assert_eq!(tlb::invalidate_frames(&self.mem, &frames).unwrap(), 1);
+                assert_eq!(tlb::invalidate_frames_exact(&self.mem, &frames).unwrap(), 1);
             }
         }
     }
