@@ -175,7 +175,7 @@ const EXACT_MAX_PAGES: usize = 64;
 
 /// Whether the exact path is taken (`COLLIMATE_EXACT_INVALIDATION=0`: mprotect pairs only, to
 /// compare).
-fn exact_enabled() -> bool {
+pub fn exact_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("COLLIMATE_EXACT_INVALIDATION").is_none_or(|v| v != "0"))
 }
