@@ -294,15 +294,26 @@ def test_programs_started_again_from_a_cached_image_see_their_own_arguments_and_
     assert lines[4:] == ["printf", "9 8 0"], out
 
 
-PREFAULT_RUNNER = """
+TRACED_RUNNER = """
 import os, sys
 os.environ.pop("COLLIMATE_API_KEY", None)
 from collimate_core import Sandbox, connect
 with Sandbox("python", client=connect()) as sb:
-    for i in range(8):
-        r = sb.exec(command="i=0; while [ $i -lt 50 ]; do i=$((i+1)); done; echo $i; echo hi | wc -c")
+    for i in range(int(sys.argv[2])):
+        r = sb.exec(command=sys.argv[1])
         sys.stderr.write(f"EXEC {i} {r.exit_code} {r.stdout!r}\\n")
 """
+
+
+def run_traced(command: str, n: int, **env: str) -> list[str]:
+    """Run `command` n times in one sandbox of a fresh engine with COLLIMATE_TRACE=1; its stderr
+    lines: the trace marks, and an `EXEC i exit_code stdout` line after each exec."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, COLLIMATE_TRACE="1", **env)
+    p = subprocess.run([sys.executable, "-c", TRACED_RUNNER, command, str(n)], env=env, capture_output=True, text=True, timeout=300)
+    return p.stderr.splitlines()
 
 
 @pytest.mark.parametrize("prefault", ["1", "0"])
@@ -311,14 +322,9 @@ def test_spawns_after_two_runs_of_an_image_start_with_the_pages_both_touched(pre
     # they touched; later spawns get those pages ready before their VM runs. The commands write and
     # read their data (a loop, a pipeline's fork and exec) and must give the same output every time;
     # the trace marks say when the hint was applied (never with COLLIMATE_SPAWN_PREFAULT=0).
-    import subprocess
-    import sys
-
-    env = dict(os.environ, COLLIMATE_TRACE="1", COLLIMATE_SPAWN_PREFAULT=prefault)
-    p = subprocess.run([sys.executable, "-c", PREFAULT_RUNNER], env=env, capture_output=True, text=True, timeout=300)
-    lines = p.stderr.splitlines()
+    lines = run_traced("i=0; while [ $i -lt 50 ]; do i=$((i+1)); done; echo $i; echo hi | wc -c", 8, COLLIMATE_SPAWN_PREFAULT=prefault)
     execs = [ln.split(" ", 3) for ln in lines if ln.startswith("EXEC ")]
-    assert [(e[2], e[3]) for e in execs] == [("0", repr("50\n3\n"))] * 8, p.stderr[-3000:]
+    assert [(e[2], e[3]) for e in execs] == [("0", repr("50\n3\n"))] * 8, lines[-40:]
     # Each exec's marks lie between its EXEC line and the previous one.
     applied, k = [], 0
     for ln in lines:
@@ -335,30 +341,14 @@ def test_spawns_after_two_runs_of_an_image_start_with_the_pages_both_touched(pre
         assert all(n > 20 for _, n in applied), applied
 
 
-EXEC_RUNNER = """
-import os, sys
-os.environ.pop("COLLIMATE_API_KEY", None)
-from collimate_core import Sandbox, connect
-with Sandbox("python", client=connect()) as sb:
-    for i in range(6):
-        r = sb.exec(command="python3 -c 'import sys; print(6 * 7, sys.argv[1:])' a b")
-        sys.stderr.write(f"EXEC {i} {r.exit_code} {r.stdout!r}\\n")
-"""
-
-
 def test_a_shell_that_execs_its_command_learns_its_pages_too():
     # A single command makes busybox's shell exec it in place, so the shell's run never ends: it
     # reports the pages it touched at its execve (crates/engine/src/vmm/spawn.rs, load_fresh).
     # From the third exec on, the shell starts with the hint (a spawn_prefault.pages mark before
     # its exec.enter), and so does the program it execs (one after). Before, only the program had one.
-    import subprocess
-    import sys
-
-    env = dict(os.environ, COLLIMATE_TRACE="1")
-    p = subprocess.run([sys.executable, "-c", EXEC_RUNNER], env=env, capture_output=True, text=True, timeout=300)
-    lines = p.stderr.splitlines()
+    lines = run_traced("python3 -c 'import sys; print(6 * 7, sys.argv[1:])' a b", 6)
     execs = [ln.split(" ", 3) for ln in lines if ln.startswith("EXEC ")]
-    assert [(e[2], e[3]) for e in execs] == [("0", repr("42 ['a', 'b']\n"))] * 6, p.stderr[-3000:]
+    assert [(e[2], e[3]) for e in execs] == [("0", repr("42 ['a', 'b']\n"))] * 6, lines[-40:]
     # For each exec (the marks between its EXEC line and the previous one): where the hint marks lie
     # relative to the shell's execve.
     per_exec: list[list[str]] = [[] for _ in range(6)]

@@ -75,36 +75,31 @@ fn write_protect_faults_after_invalidate_frames() {
     assert_eq!(v, 5);
 }
 
+/// After `how`, the guest sees all three edits: the remap, the unmap and the write protection.
+fn assert_remap_unmap_write_protect_seen(how: Flush) {
+    assert_eq!(remap(how), Outcome::Done(Y));
+    let o = unmap(how);
+    assert!(is_page_fault_at(o, A, 0x4), "{o:x?}");
+    let (o, v) = write_protect(how);
+    assert!(is_page_fault_at(o, A, 0x7), "{o:x?}");
+    assert_eq!(v, 5);
+}
+
 /// The exact path (`invalidate_frames_exact` of a few frames) and, with many frames in a block, its
 /// mprotect pair for the block: the guest sees the edits the same way.
 #[test]
 fn remap_unmap_write_protect_are_seen_after_an_exact_invalidation() {
-    assert_eq!(remap(Flush::ExactOldFrames), Outcome::Done(Y));
-    let o = unmap(Flush::ExactOldFrames);
-    assert!(is_page_fault_at(o, A, 0x4), "{o:x?}");
-    let (o, v) = write_protect(Flush::ExactOldFrames);
-    assert!(is_page_fault_at(o, A, 0x7), "{o:x?}");
-    assert_eq!(v, 5);
+    assert_remap_unmap_write_protect_seen(Flush::ExactOldFrames);
 }
 
 #[test]
 fn remap_unmap_write_protect_are_seen_after_one_mprotect_pair_for_the_block() {
-    assert_eq!(remap(Flush::MprotectOldFramesBlock), Outcome::Done(Y));
-    let o = unmap(Flush::MprotectOldFramesBlock);
-    assert!(is_page_fault_at(o, A, 0x4), "{o:x?}");
-    let (o, v) = write_protect(Flush::MprotectOldFramesBlock);
-    assert!(is_page_fault_at(o, A, 0x7), "{o:x?}");
-    assert_eq!(v, 5);
+    assert_remap_unmap_write_protect_seen(Flush::MprotectOldFramesBlock);
 }
 
 #[test]
 fn remap_unmap_write_protect_are_seen_after_flush_guest_tlb() {
-    assert_eq!(remap(Flush::MemslotReadd), Outcome::Done(Y));
-    let o = unmap(Flush::MemslotReadd);
-    assert!(is_page_fault_at(o, A, 0x4), "{o:x?}");
-    let (o, v) = write_protect(Flush::MemslotReadd);
-    assert!(is_page_fault_at(o, A, 0x7), "{o:x?}");
-    assert_eq!(v, 5);
+    assert_remap_unmap_write_protect_seen(Flush::MemslotReadd);
 }
 
 /// (a) Adding a translation needs no flush: neither a page the guest never touched, nor one it

@@ -484,8 +484,6 @@ pub fn page_down(x: u64) -> u64 {
     x & !(PAGE_SIZE - 1)
 }
 
-/// Page-table flags of an accessible page with protection `prot`; PROT_NONE gives a present page
-/// that ring 3 cannot touch.
 /// Leaf flags besides [`pte_flags`] for pages the host fills from a file before the guest runs
 /// again (a private file mapping copied in at mmap, a lazy mapping's fault-around block): marked
 /// accessed, and dirty where writable, as the guest's first use of each would leave them.
@@ -508,6 +506,8 @@ fn filled_flags(prot: u32) -> u64 {
     PTE_A | PTE_FILLED | if prot & PROT_WRITE != 0 { PTE_D } else { 0 }
 }
 
+/// Page-table flags of an accessible page with protection `prot`; PROT_NONE gives a present page
+/// that ring 3 cannot touch.
 pub fn pte_flags(prot: u32) -> u64 {
     if prot & (PROT_READ | PROT_WRITE | PROT_EXEC) == 0 {
         return PTE_NX;

@@ -33,8 +33,8 @@ use crate::error::{Error, Result};
 pub const KEEP_PAGES: u64 = 4096;
 /// Runs and pages of a reset in place that are dropped one run at a time (see
 /// `GuestMemory::restore_in_place`).
-pub const EXACT_RESET_RUNS: usize = 512;
-pub const EXACT_RESET_PAGES: u64 = 2048;
+const EXACT_RESET_RUNS: usize = 512;
+const EXACT_RESET_PAGES: u64 = 2048;
 
 /// A page bitmap.
 #[derive(Clone, Debug)]
@@ -430,8 +430,8 @@ impl GuestMemory {
     /// (12.3-12.4 -> 7.6-8.5 ms for `Sandbox` enter + exec + exit). The reset itself costs more
     /// (a host copy-on-write fault per page: 100 pages 190 -> 309 us, 1,000 pages 1.0 -> 2.2 ms),
     /// which the next run gets back. More runs or pages than
-    /// [`EXACT_RESET_RUNS`] / [`EXACT_RESET_PAGES`] take the pairs (each page filled this way is a
-    /// host copy-on-write fault, a syscall per run).
+    /// [`EXACT_RESET_RUNS`] / [`EXACT_RESET_PAGES`] take the pairs (each page copied this way is a
+    /// host copy-on-write fault, and each run two syscalls).
     ///
     /// [`tlb::invalidate_frames`]: super::tlb::invalidate_frames
     fn restore_in_place(&mut self) -> Result<()> {
@@ -443,18 +443,14 @@ impl GuestMemory {
         if exact {
             for &(page, count) in &runs {
                 let (gpa, len) = (page * PAGE_SIZE, count * PAGE_SIZE);
-                // SAFETY: a range of our private mapping (checked by file_backed); its pages get
-                // the file's contents, which is all MADV_DONTNEED leaves, back just below.
-                let p = unsafe { self.ptr.add(gpa as usize) }.cast();
-                if unsafe { libc::madvise(p, len as usize, libc::MADV_DONTNEED) } != 0 {
+                // SAFETY: a range of our private mapping (checked by file_backed): its pages then
+                // show the file's contents, which is what the reset gives back.
+                if unsafe { libc::madvise(self.ptr.add(gpa as usize).cast(), len as usize, libc::MADV_DONTNEED) } != 0 {
                     return Err(Error::last_os("madvise(MADV_DONTNEED) for a reset in place"));
                 }
-                // Private copies of the file's pages again, made in the kernel's own loop (a
-                // fault per page from here costs several times more); without it, a copy.
-                // SAFETY: as above.
-                if unsafe { libc::madvise(p, len as usize, libc::MADV_POPULATE_WRITE) } != 0 {
-                    self.fill_from_file(gpa, len)?;
-                }
+                // Private copies of them again, present for the next run (best effort: without
+                // it they fault in from the file).
+                self.populate_for_write(gpa, len);
             }
             return Ok(());
         }
