@@ -136,6 +136,33 @@ def test_reset_forgets_mappings_and_memory_whatever_its_size(client):
             sb.reset()
 
 
+def test_reset_puts_back_template_pages_a_clone_wrote_before_its_first_reset(client):
+    """A clone's VM starts without KVM's dirty log (crates/engine/src/vmm/prefault.rs): until its
+    first reset the page-table entries' dirty bits are the record of what it wrote. A page of the
+    template the clone overwrites and then mprotects (which rewrites its entry) must still be put
+    back by the reset, in this clone and in the next."""
+    probe = (
+        "import ctypes, os\n"
+        "addr = id(os.__doc__) + 64\n"
+        "before = ctypes.string_at(addr, 16)\n"
+        "ctypes.memmove(addr, b'X' * 16, 16)\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\n"
+        "page = addr & ~4095\n"
+        "assert libc.mprotect(page, 8192, 7) == 0, ctypes.get_errno()\n"
+        "print(addr, before.hex(), ctypes.string_at(addr, 16) == b'X' * 16)"
+    )
+    for _ in range(2):
+        with Sandbox("python", client=client) as sb:
+            r = sb.exec(code=probe)
+            assert r.ok, r.stderr
+            addr, before, wrote = r.stdout.split()
+            assert wrote == "True"
+            sb.reset()
+            r = sb.exec(code=f"import ctypes\nprint(ctypes.string_at({addr}, 16).hex())")
+            assert r.stdout.strip() == before, (r.stdout, r.stderr)
+
+
 def test_reset_drops_memory_written_past_the_first_memory_slot(client):
     """A guest that grows its memory is covered by growth slots added above KVM's first memory
     slot (crates/engine/src/vstate/vm.rs); their dirty logs must count like the first slot's, or a

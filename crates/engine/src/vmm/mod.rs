@@ -134,6 +134,7 @@ impl Image {
         }
         // Over a cached image of the program (`image_cache`), the layout and the program's
         // segments are there already (and `load` knows it): nothing to write or fault in.
+        let base_cached = base.as_ref().map(|_| ());
         let (mut mem, mut frames, aspace) = match base {
             Some((file, frames, aspace)) => (GuestMemory::over_image(file, mem_size)?, frames, aspace),
             None => {
@@ -148,7 +149,11 @@ impl Image {
         crate::trace::mark("image.layout");
         let (entry, rsp) = load(&mut mem, &mut frames, &aspace)?;
         crate::trace::mark("image.program");
-        let vm = KvmVm::new(kvm, &mem, slot_size_for(frames.next, mem_size))?;
+        // A program loaded over a cached image starts without KVM's dirty log, like a forked
+        // sandbox (see `prefault`): its spawn hint's pages then fault in with their writable
+        // neighbours too.
+        let logged = base_cached.is_none() || !lazy_dirty_log();
+        let vm = KvmVm::with_log(kvm, &mem, slot_size_for(frames.next, mem_size), logged)?;
         let vcpu = new_vcpu(&vm, cpuid)?;
         crate::trace::mark("image.vm");
         let sregs = vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
@@ -349,6 +354,20 @@ impl Machine {
         self.os.is_some()
     }
 
+    /// If the VM has no dirty log (a forked sandbox's first stretch, see `prefault`): count the
+    /// pages its entries' dirty bits name as written, and turn KVM's log on from here. Before
+    /// anything needs the record of written pages, and before an operation that drops entries
+    /// wholesale (an execve).
+    pub(crate) fn end_unlogged(&mut self) -> Result<()> {
+        if !self.vm.unlogged() {
+            return Ok(());
+        }
+        for gpa in self.runtime.aspace.dirty_frames(&self.mem)? {
+            self.mem.mark_dirty(gpa);
+        }
+        self.vm.start_dirty_log()
+    }
+
     /// Capture the vCPU. kvm_pvm reads XCR0 back as 0 after we set it (AVX keeps working); an XCR0
     /// without the x87 bit is architecturally invalid and would be refused on restore, so we record
     /// the value we set instead.
@@ -361,6 +380,7 @@ impl Machine {
     }
 
     fn sync_dirty(&mut self) -> Result<()> {
+        self.end_unlogged()?;
         let log = self.vm.take_dirty_log()?;
         self.mem.sync_dirty(&log);
         Ok(())
@@ -617,6 +637,13 @@ impl Machine {
                 let exit = guestos::dispatch(os, &mut ctx);
                 let flush = ctx.flush_tlb;
                 let stale = std::mem::take(&mut ctx.stale_frames);
+                if self.vm.unlogged() {
+                    // Without a dirty log the entries' dirty bits are the record, and these
+                    // entries were just removed or narrowed: count their frames as written.
+                    for &gpa in &stale {
+                        self.mem.mark_dirty(gpa);
+                    }
+                }
                 if flush {
                     crate::vstate::tlb::flush_guest_tlb(&mut self.vm, &mut self.mem)?;
                 } else if !stale.is_empty() {
@@ -682,6 +709,8 @@ impl Machine {
 
     pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(Error::sys("create snapshot directory"))?;
+        // Before anything below edits page-table entries.
+        self.end_unlogged()?;
         // Shared mappings live outside guest memory, in host mappings of the sandbox's files and
         // memfds that a snapshot file cannot hold (see `guestos::mm`): read-only ones become
         // private copies of their files, writable ones refuse the snapshot.
@@ -776,20 +805,23 @@ impl Machine {
         Ok(MemStats { private_bytes: 0, dirty_pages: self.mem.dirty().count() })
     }
 
-    /// In a fork, after its first run: report the guest pages it wrote to the parent (`prefault`),
-    /// if asked to. Taking KVM's dirty log folds it into the private-page record, as always.
+    /// In a fork, after its first run: report the guest pages it touched to the parent
+    /// (`prefault`), if it claimed a report.
     fn report_first_run(&mut self) {
         if let Some(slot) = self.learn.take_report() {
-            if let Ok(log) = self.vm.take_dirty_log() {
-                self.mem.sync_dirty(&log);
-                slot.write(&log);
-            }
+            slot.write(&self.mem, &self.runtime.aspace);
         }
     }
 
     /// In a freshly forked child: a new VM and vCPU over the inherited memory, in `state`.
     fn rebuild_after_fork(&mut self, state: &VcpuState) -> Result<()> {
-        let vm = KvmVm::new(&self.kvm, &self.mem, slot_size_for(self.runtime.frames.next, self.mem.size()))?;
+        self.rebuild_after_fork_logged(state, true)
+    }
+
+    /// [`Machine::rebuild_after_fork`], the new VM dirty-logged or not (a forked sandbox's is not,
+    /// until its first [`Machine::sync_dirty`]: see `prefault`).
+    fn rebuild_after_fork_logged(&mut self, state: &VcpuState, logged: bool) -> Result<()> {
+        let vm = KvmVm::with_log(&self.kvm, &self.mem, slot_size_for(self.runtime.frames.next, self.mem.size()), logged)?;
         let vcpu = new_vcpu(&vm, &self.cpuid)?;
         state.restore(&vcpu)?;
         // The old VM and vCPU belong to the parent's address space; dropping them here only closes our
@@ -956,6 +988,16 @@ fn spawn_child(m: &mut Machine, state: &VcpuState, chan: &Channel, pool: &mut Po
     Ok(Spare { pid, pidfd, chan: ours.into_owned_fd() })
 }
 
+/// Whether the VMs of forked sandboxes and of programs loaded over a cached image start without
+/// KVM's dirty log, which keeps KVM's fault handler from mapping a faulting page's writable
+/// neighbours (see `prefault`); the record of written pages then comes from the page-table
+/// entries' dirty bits until it is first needed ([`Machine::end_unlogged`]).
+/// `COLLIMATE_LAZY_DIRTY_LOG=0` logs from the start, as before, to compare.
+fn lazy_dirty_log() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("COLLIMATE_LAZY_DIRTY_LOG").is_none_or(|v| v != "0"))
+}
+
 /// Fork into `n` children; each child replies `Ready` on its own channel, the parent sends the
 /// controller one `Forked` message per child carrying that channel and a pidfd.
 fn fork_children(m: &mut Machine, chan: &mut Channel, pool: &mut Pool, n: u32) -> Result<()> {
@@ -1040,8 +1082,8 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Op
         }
         None => Ok(()),
     };
-    m.learn.in_fork(&m.mem, m.runtime.frames.end);
-    match privatized.and_then(|_| m.rebuild_after_fork(state)) {
+    m.learn.in_fork(&mut m.mem, &m.runtime.aspace);
+    match privatized.and_then(|_| m.rebuild_after_fork_logged(state, !lazy_dirty_log())) {
         Ok(()) => {
             // SAFETY: getpid cannot fail.
             let pid = unsafe { libc::getpid() };

@@ -1,39 +1,60 @@
-//! Private copies, made before a fork runs, of the guest pages it is going to write.
+//! The guest pages a fork is going to touch, made ready before it runs: private and writable on
+//! the host, their guest page-table entries marked accessed, so that KVM maps each with its
+//! touched neighbours at one shadow fault.
 //!
+//! # Why
 //! A forked sandbox shares its guest memory with its parent copy-on-write, and its new KVM VM
-//! starts with no shadow page tables. Traced on kvm_pvm (fork_group(64) of the python template, each
-//! child's first exec of `pass`): a child's guest writes about 170 shared pages, and each costs two
-//! or three shadow faults instead of one. KVM's fault handler breaks the host's copy-on-write,
-//! whose MMU-notifier invalidation makes the same fault retry; a page read before it is written
-//! was mapped read-only (the host page was not writable then) and faults once more. Pages that are
-//! already private and writable when the VM starts take one fault each, and a read maps them
-//! writable at once. So each fork makes private copies (`MADV_POPULATE_WRITE`) of the pages its
-//! siblings wrote, before its VM exists (no shadow entries to invalidate yet).
+//! starts with no shadow page tables, so every page its guest touches first is a shadow fault (a
+//! world switch, 20-30 us on kvm_pvm). Traced (fork_group(64) of the python template, each
+//! child's first exec of `pass`): 588 faults a child, 460 of them reads. KVM's fault handler also
+//! maps up to 7 neighbours of the faulting entry (the aligned group of 8), but only entries whose
+//! accessed bit is set and whose host page is present and writable (looked up for write, without
+//! faulting): a page shared copy-on-write with the parent is read-only on the host, so a fork
+//! took one fault per page it read. A page it wrote took two or three: KVM's fault breaks the
+//! host's copy-on-write, whose MMU-notifier invalidation makes the same fault retry, and a page
+//! read before it is written was mapped read-only first.
 //!
-//! Which pages: a VMM process that forks keeps a small shared region; its first two forks since
-//! its guest last ran write there the pages their first run wrote, from KVM's dirty log of their
-//! fresh VM (after replying, so the run's caller does not wait for it). Later forks copy the pages
-//! both reported, so a page only one child's own work wrote is left alone. Until the first reports
-//! arrive, the hint inherited from this process's own parent stands in (a sandbox and its siblings
-//! run the same agent). A template's zygote never runs, so it learns once from its first clones. A wrong guess costs a page copy, never correctness: a private copy holds what the shared
-//! page held. `COLLIMATE_PREFAULT=0` turns the copying off, to compare.
+//! # How
+//! Each fork makes private copies (`MADV_POPULATE_WRITE`, a few us a page) of the pages its
+//! siblings touched, and sets their entries' accessed bit, before its VM exists (no shadow entries
+//! to invalidate yet). The dirty bit is left as it was: KVM does not prefetch a writable entry
+//! with the dirty bit set while the slot's dirty log is on (every slot's is, for resets and
+//! snapshots), but it does map a clean one read-only.
+//!
+//! Which pages: a VMM process that forks keeps a small shared region. The first two forks since
+//! its guest last ran claim a report each; such a fork clears the accessed bit of every user page
+//! before its VM starts, and after its first run (after replying, so the run's caller does not
+//! wait for it) writes there the pages whose bit KVM set again: the pages the run touched. Later
+//! forks take the pages both reported, so a page only one child's own work touched is left alone.
+//! Until the first reports arrive, the hint inherited from this process's own parent stands in (a
+//! sandbox and its siblings run the same agent). A template's zygote never runs, so it learns once
+//! from its first clones. A wrong guess costs a page copy, never correctness: a private copy holds
+//! what the shared page held, and the guest does not see the accessed bits. The price is memory: a
+//! fork holds private copies of the hinted pages (at most [`MAX_PAGES`], 32 MiB; about 2.5 MiB
+//! for the python template's agent) instead of sharing them. `COLLIMATE_PREFAULT=0` turns it off,
+//! to compare.
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::arch::x86_64::layout::PAGE_SIZE;
+use crate::arch::x86_64::paging::{AddressSpace, PTE_A, PTE_D, PTE_U};
 use crate::vstate::memory::GuestMemory;
 
-/// Most pages one report holds; a first run that wrote more is not a typical one and reports none.
+/// Most pages one report holds; a first run that touched more is not a typical one and reports none.
 const MAX_PAGES: usize = 8192;
 /// Reports per batch.
 const REPORTS: usize = 2;
+/// In a report and the hint, set in a page's address (bit 0: addresses are page-aligned) if the
+/// run wrote the page.
+const WRITTEN: u64 = 1;
 
 #[repr(C)]
 struct Report {
     /// 0 while being written, then 1 + the number of pages.
     state: AtomicU32,
-    pages: [u32; MAX_PAGES],
+    /// Guest-virtual page addresses, ascending, with [`WRITTEN`].
+    pages: [u64; MAX_PAGES],
 }
 
 #[repr(C)]
@@ -48,10 +69,11 @@ pub struct Learner {
     /// The region this process's forks report into, and the pid that made it (a fork inherits the
     /// mapping and makes its own before it forks in turn).
     region: Option<(NonNull<Region>, i32)>,
-    /// Set in a fork: the parent's region, until this process has reported its first run.
-    report_to: Option<NonNull<Region>>,
-    /// Guest-physical page numbers to copy in a fork, ascending.
-    hint: Vec<u32>,
+    /// Set in a fork that claimed a report: the parent's region and the slot, until this process
+    /// has reported its first run.
+    report_to: Option<(NonNull<Region>, usize)>,
+    /// Guest-virtual pages to make ready in a fork, ascending, with [`WRITTEN`].
+    hint: Vec<u64>,
     /// This process's guest ran since the reports were opened: the next batch asks for new ones.
     stale: bool,
 }
@@ -65,7 +87,7 @@ fn region_size() -> usize {
 }
 
 impl Learner {
-    /// This process's guest ran (or changed otherwise): what its forks write may differ now.
+    /// This process's guest ran (or changed otherwise): what its forks touch may differ now.
     pub fn guest_changed(&mut self) {
         self.stale = true;
     }
@@ -87,7 +109,7 @@ impl Learner {
             Some((r, owner)) if owner == me => {
                 // SAFETY: our own live mapping of a Region.
                 let region = unsafe { r.as_ref() };
-                let mut sets: Vec<&[u32]> = Vec::new();
+                let mut sets: Vec<&[u64]> = Vec::new();
                 for rep in &region.reports {
                     let s = rep.state.load(Ordering::Acquire);
                     if s > 0 {
@@ -95,9 +117,15 @@ impl Learner {
                     }
                 }
                 if let Some((first, rest)) = sets.split_first() {
-                    let mut h: Vec<u32> = first.to_vec();
+                    let mut h: Vec<u64> = first.to_vec();
                     for s in rest {
-                        h.retain(|p| s.binary_search(p).is_ok());
+                        h.retain_mut(|p| match s.binary_search_by_key(&(*p & !WRITTEN), |q| q & !WRITTEN) {
+                            Ok(k) => {
+                                *p |= s[k] & WRITTEN;
+                                true
+                            }
+                            Err(_) => false,
+                        });
                     }
                     self.hint = h;
                 }
@@ -129,39 +157,44 @@ impl Learner {
         }
     }
 
-    /// In a fork, before its VM exists: copy the hinted pages, and report this fork's first run
-    /// to the parent.
-    pub fn in_fork(&mut self, mem: &GuestMemory, frames_end: u64) {
-        self.report_to = self.region.map(|(r, _)| r);
-        let limit = (frames_end.min(mem.size()) / PAGE_SIZE) as u32;
+    /// In a fork, before its VM exists (which has no dirty log: see the module comment): clear
+    /// the dirty bits of the user pages (the accessed bits too if this fork claims a report of
+    /// the batch), then make the hinted pages ready.
+    pub fn in_fork(&mut self, mem: &mut GuestMemory, aspace: &AddressSpace) {
+        self.report_to = self.region.and_then(|(r, _)| {
+            // SAFETY: the parent's shared mapping of a Region, inherited and never unmapped here.
+            let slot = unsafe { r.as_ref() }.claims.fetch_add(1, Ordering::AcqRel) as usize;
+            (slot < REPORTS).then_some((r, slot))
+        });
+        let bits = if self.report_to.is_some() { PTE_A | PTE_D } else { PTE_D };
+        if aspace.clear_used_bits(mem, bits).is_err() {
+            self.report_to = None;
+        }
+        let written: std::collections::HashSet<u64> = self.hint.iter().filter(|&&p| p & WRITTEN != 0).map(|&p| p & !WRITTEN).collect();
+        let touched: Vec<u64> = self.hint.iter().map(|&p| p & !WRITTEN).collect();
+        let mut frames: Vec<u64> = super::spawn_prefault::with_gaps(&touched)
+            .into_iter()
+            .filter_map(|va| aspace.mark_touched(mem, va, written.contains(&va)).ok().flatten())
+            .collect();
+        crate::trace::mark_n("prefault.pages", frames.len() as u64);
+        frames.sort_unstable();
+        frames.dedup();
         let mut i = 0;
-        while i < self.hint.len() {
-            let start = self.hint[i];
-            let mut end = start + 1;
-            while i + 1 < self.hint.len() && self.hint[i + 1] == end {
-                end += 1;
-                i += 1;
+        while i < frames.len() {
+            let mut j = i;
+            while j + 1 < frames.len() && frames[j + 1] == frames[j] + PAGE_SIZE {
+                j += 1;
             }
-            i += 1;
-            if end > limit {
-                continue;
-            }
-            let addr = mem.host_addr() + start as u64 * PAGE_SIZE;
-            // SAFETY: a range of our guest-memory mapping; MADV_POPULATE_WRITE only faults pages in
-            // writable (private copies of the same contents). Failure (an old kernel) costs speed.
-            unsafe {
-                libc::madvise(addr as *mut libc::c_void, ((end - start) as u64 * PAGE_SIZE) as usize, libc::MADV_POPULATE_WRITE)
-            };
+            // Failure (an old kernel) costs speed only.
+            mem.populate_for_write(frames[i], frames[j] + PAGE_SIZE - frames[i]);
+            i = j + 1;
         }
     }
 
-    /// After a run in a fork: the report slot this run is to fill, if it is the fork's first run
-    /// and a slot of the batch is left. The caller hands it KVM's dirty log of its VM.
+    /// After a run in a fork: the report this run is to fill, if it is the first run of a fork
+    /// that claimed one.
     pub fn take_report(&mut self) -> Option<ReportSlot> {
-        let region = self.report_to.take()?;
-        // SAFETY: the parent's shared mapping of a Region, inherited and never unmapped here.
-        let slot = unsafe { region.as_ref() }.claims.fetch_add(1, Ordering::AcqRel) as usize;
-        (slot < REPORTS).then_some(ReportSlot { region, slot })
+        self.report_to.take().map(|(region, slot)| ReportSlot { region, slot })
     }
 }
 
@@ -172,102 +205,153 @@ pub struct ReportSlot {
 }
 
 impl ReportSlot {
-    /// Write the pages set in `log` (a KVM dirty bitmap: bit n is guest page n), ascending.
-    pub fn write(self, log: &[u64]) {
+    /// Write the user pages of `aspace` whose accessed bit is set (the pages touched since the
+    /// fork cleared the bits), ascending, with [`WRITTEN`] where the dirty bit is set too.
+    pub fn write(self, mem: &GuestMemory, aspace: &AddressSpace) {
+        let pages: Vec<u64> = match aspace.present_pages(mem, 0, u64::MAX) {
+            Ok(p) => p
+                .into_iter()
+                .filter(|&(_, e)| e & (PTE_A | PTE_U) == PTE_A | PTE_U)
+                .map(|(va, e)| va | if e & PTE_D != 0 { WRITTEN } else { 0 })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        let n = if pages.len() > MAX_PAGES { 0 } else { pages.len() }; // not a typical first run: none
         // SAFETY: the slot was claimed by this process alone (the claim counter), in a live shared
-        // mapping; the parent reads it only after the release store below.
-        let rep = unsafe { &mut (*self.region.as_ptr()).reports[self.slot] };
-        let mut n = 0usize;
-        'words: for (w, &word) in log.iter().enumerate() {
-            let mut bits = word;
-            while bits != 0 {
-                let b = bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                if n == MAX_PAGES {
-                    n = 0; // not a typical first run: report nothing
-                    break 'words;
-                }
-                rep.pages[n] = (w * 64 + b) as u32;
-                n += 1;
-            }
+        // mapping; the parent reads it only after the release store below. `n` <= MAX_PAGES.
+        unsafe {
+            let dst = std::ptr::addr_of_mut!((*self.region.as_ptr()).reports[self.slot].pages).cast::<u64>();
+            std::ptr::copy_nonoverlapping(pages.as_ptr(), dst, n);
+            (*self.region.as_ptr()).reports[self.slot].state.store(n as u32 + 1, Ordering::Release);
         }
-        rep.state.store(n as u32 + 1, Ordering::Release);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arch::x86_64::paging::{setup_address_space, FrameAllocator, PTE_W};
 
-    fn log_of(pages: &[usize]) -> Vec<u64> {
-        let mut log = vec![0u64; 64];
-        for &p in pages {
-            log[p / 64] |= 1 << (p % 64);
-        }
-        log
-    }
+    const P: u64 = PAGE_SIZE;
+    const BASE: u64 = 0x40_0000;
 
-    /// Whether guest page `page` is a private (anonymous) copy in this process: /proc/self/pagemap
-    /// says present and not file-backed.
-    fn private(mem: &GuestMemory, page: u64) -> bool {
+    /// Whether the guest page at `gpa` is a copy of this process's own: /proc/self/pagemap says
+    /// present and mapped exclusively (not shared with the parent copy-on-write).
+    fn private(mem: &GuestMemory, gpa: u64) -> bool {
         use std::os::unix::fs::FileExt;
         let f = std::fs::File::open("/proc/self/pagemap").unwrap();
         let mut e = [0u8; 8];
-        f.read_exact_at(&mut e, (mem.host_addr() / PAGE_SIZE + page) * 8).unwrap();
+        f.read_exact_at(&mut e, (mem.host_addr() / PAGE_SIZE + gpa / PAGE_SIZE) * 8).unwrap();
         let e = u64::from_le_bytes(e);
-        e & (1 << 63) != 0 && e & (1 << 61) == 0
+        e & (1 << 63) != 0 && e & (1 << 56) != 0
+    }
+
+    /// 64 writable user pages at BASE, every entry accessed and dirty (a parent's history) but
+    /// those of pages 8..16, which were never touched.
+    fn space() -> (GuestMemory, AddressSpace) {
+        const MEM: u64 = 16 << 20;
+        let mut mem = GuestMemory::anonymous(MEM).unwrap();
+        let mut fr = FrameAllocator::new(MEM);
+        let a = setup_address_space(&mut mem, &mut fr).unwrap();
+        for i in 0..64 {
+            let frame = fr.alloc_zeroed(&mut mem).unwrap();
+            let used = if (8..16).contains(&i) { 0 } else { PTE_A | PTE_D };
+            a.map_page(&mut mem, &mut fr, BASE + i * P, frame, PTE_U | PTE_W | used).unwrap();
+        }
+        (mem, a)
+    }
+
+    fn bits(mem: &GuestMemory, a: &AddressSpace, i: u64) -> u64 {
+        a.pte(mem, BASE + i * P).unwrap() & (PTE_A | PTE_D)
+    }
+
+    /// A fork's first run, as KVM would leave it: `read` pages accessed, `wrote` accessed and dirty.
+    fn run(mem: &mut GuestMemory, a: &AddressSpace, read: &[u64], wrote: &[u64]) {
+        for &i in read {
+            a.mark_touched(mem, BASE + i * P, false).unwrap();
+        }
+        for &i in wrote {
+            a.mark_touched(mem, BASE + i * P, true).unwrap();
+        }
     }
 
     #[test]
-    fn forks_copy_the_pages_both_first_reports_wrote() {
-        let mem = GuestMemory::anonymous(16 << 20).unwrap();
+    fn two_forks_report_what_they_touched_and_later_forks_get_what_both_did() {
+        let (mut mem, a) = space();
         let mut parent = Learner::default();
         parent.before_forks();
         assert!(parent.hint.is_empty());
-        // Three forks of the batch report their first runs; only two reports are kept.
-        let mut forks: Vec<Learner> = (0..3).map(|_| Learner { region: parent.region, ..Default::default() }).collect();
-        for f in &mut forks {
-            f.report_to = f.region.map(|(r, _)| r);
-        }
-        forks[0].take_report().unwrap().write(&log_of(&[5, 6, 7, 100, 700]));
-        forks[1].take_report().unwrap().write(&log_of(&[6, 7, 200, 700, 4095]));
-        assert!(forks[2].take_report().is_none(), "two reports per batch");
-        assert!(forks[0].take_report().is_none(), "one report per fork");
-        parent.before_forks();
-        assert_eq!(parent.hint, [6, 7, 700]);
-        // Until the parent's guest runs, nobody else reports.
-        let mut f = Learner { region: parent.region, ..Default::default() };
-        f.report_to = f.region.map(|(r, _)| r);
-        assert!(f.take_report().is_none());
-        // After it ran, the next batch reports afresh: with one report, that one is the hint.
-        parent.guest_changed();
-        parent.before_forks();
-        assert_eq!(parent.hint, [6, 7, 700], "the last batch's, until new reports are in");
-        f.report_to = f.region.map(|(r, _)| r);
-        f.take_report().unwrap().write(&log_of(&[6, 7, 8]));
-        parent.before_forks();
-        assert_eq!(parent.hint, [6, 7, 8]);
-        // No report in a batch: the hint stands.
-        parent.guest_changed();
-        parent.before_forks();
-        assert_eq!(parent.hint, [6, 7, 8]);
+        let fork = |parent: &Learner| Learner { region: parent.region, ..Default::default() };
 
-        // A real fork copies exactly the hinted pages (below the frame pool's end).
-        parent.hint = vec![6, 7, 8, 3000, 4000];
-        // SAFETY: the test process may have threads; the child only makes raw syscalls and exits.
+        // The first two forks of the batch claim the reports: their entries lose the accessed and
+        // dirty bits before their VM runs; a third fork's lose the dirty bit only.
+        let mut f0 = fork(&parent);
+        f0.in_fork(&mut mem, &a);
+        assert!(f0.report_to.is_some());
+        assert_eq!(bits(&mem, &a, 5), 0, "a reporting fork starts with clean entries");
+        assert_eq!(bits(&mem, &a, 30), 0);
+        run(&mut mem, &a, &[5, 12], &[6, 7]);
+        f0.take_report().unwrap().write(&mem, &a);
+        assert!(f0.take_report().is_none(), "one report per fork");
+
+        let mut f1 = fork(&parent);
+        f1.in_fork(&mut mem, &a);
+        run(&mut mem, &a, &[6, 20], &[5, 7]);
+        f1.take_report().unwrap().write(&mem, &a);
+
+        let mut f2 = fork(&parent);
+        f2.in_fork(&mut mem, &a);
+        assert!(f2.report_to.is_none(), "two reports per batch");
+
+        // Both touched 5, 6 and 7; written by either: 5, 6 and 7 (5 by the second, 6 by the first).
+        parent.before_forks();
+        assert_eq!(parent.hint, [BASE + 5 * P | WRITTEN, BASE + 6 * P | WRITTEN, BASE + 7 * P | WRITTEN]);
+
+        // Until the parent's guest runs, nobody else reports; after it ran, the next batch does.
+        let mut f = fork(&parent);
+        f.region = parent.region;
+        assert!(Learner { region: parent.region, ..Default::default() }.take_report().is_none());
+        parent.guest_changed();
+        parent.before_forks();
+        assert_eq!(parent.hint.len(), 3, "the last batch's, until new reports are in");
+        f.in_fork(&mut mem, &a);
+        assert!(f.report_to.is_some());
+        run(&mut mem, &a, &[9], &[]);
+        f.take_report().unwrap().write(&mem, &a);
+        parent.before_forks();
+        assert_eq!(parent.hint, [BASE + 9 * P], "a page only read is not marked written");
+    }
+
+    #[test]
+    fn a_fork_marks_and_copies_the_hinted_pages_and_the_gaps_of_their_groups() {
+        let (mut mem, a) = space();
+        // Page 9 read, page 12 written: group 8..16 is filled from 8 to 12.
+        let hint = vec![BASE + 9 * P, BASE + 12 * P | WRITTEN, BASE + 40 * P];
+        // SAFETY: the test process may have threads; the child only touches its own memory,
+        // reads /proc and exits.
         let pid = unsafe { libc::fork() };
         if pid == 0 {
-            let mut child = Learner { region: parent.region, hint: parent.hint.clone(), ..Default::default() };
-            child.in_fork(&mem, 3500 * PAGE_SIZE);
-            let ok = [6, 7, 8, 3000].iter().all(|&p| private(&mem, p))
-                && ![5, 9, 2999, 4000].iter().any(|&p| private(&mem, p))
-                && child.report_to.is_some();
+            let mut child = Learner { hint, ..Default::default() };
+            child.in_fork(&mut mem, &a);
+            let frame = |i: u64| a.translate(&mem, BASE + i * P).unwrap().0;
+            let checks = [
+                bits(&mem, &a, 9) == PTE_A,
+                bits(&mem, &a, 12) == PTE_A | PTE_D,
+                bits(&mem, &a, 8) == PTE_A,
+                bits(&mem, &a, 13) == 0,
+                bits(&mem, &a, 3) == PTE_A, // the dirty bit cleared, the accessed one kept
+                bits(&mem, &a, 40) == PTE_A,
+                (8..=12).chain([40]).all(|i| private(&mem, frame(i))),
+                ![7, 13, 39, 41].iter().any(|&i| private(&mem, frame(i))),
+            ];
+            let failed = checks.iter().position(|&c| !c).map_or(0, |k| k + 1);
             // SAFETY: ending the forked child without running the parent's destructors.
-            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+            unsafe { libc::_exit(failed as i32) };
         }
         let mut status = 0;
         // SAFETY: waiting for the child forked above.
         unsafe { libc::waitpid(pid, &mut status, 0) };
-        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the fork's private pages are not the hinted ones");
+        assert!(libc::WIFEXITED(status), "the fork died: {status:#x}");
+        assert_eq!(libc::WEXITSTATUS(status), 0, "check number {} failed in the fork", libc::WEXITSTATUS(status));
     }
 }

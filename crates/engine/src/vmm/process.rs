@@ -791,7 +791,9 @@ fn exec(
         *sregs = m.vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
         return Ok(None);
     }
-    // The point of no return: the old image goes away.
+    // The point of no return: the old image goes away (and with it the entries' dirty bits, the
+    // record of written pages where the VM has no dirty log yet).
+    m.end_unlogged()?;
     let Some(os) = m.os.as_mut() else { return Ok(None) };
     let mut sp = Space::new(&mut m.mem, &mut m.runtime.frames, &m.runtime.aspace);
     let unmapped = os.mm.unmap_range(&mut sp, 0, TASK_SIZE);

@@ -176,7 +176,7 @@ pub(super) fn apply(mem: &mut GuestMemory, aspace: &AddressSpace, pages: &[u64])
 /// with two or more touched pages, every page from the group's first up to its last touched one,
 /// since KVM's prefetch walks the group from its start and stops at the first entry it cannot map;
 /// a page touched alone in its group is made ready by itself (nothing to prefetch around it).
-fn with_gaps(touched: &[u64]) -> Vec<u64> {
+pub(super) fn with_gaps(touched: &[u64]) -> Vec<u64> {
     let mut out = Vec::with_capacity(touched.len() * 2);
     let mut i = 0;
     while i < touched.len() {

@@ -381,6 +381,13 @@ impl GuestMemory {
         self.write(gpa, &v.to_le_bytes())
     }
 
+    /// Count the page holding `gpa` as written (guest memory only; a window's pages are not kept).
+    pub fn mark_dirty(&mut self, gpa: u64) {
+        if gpa < self.size {
+            self.dirty.set(gpa / PAGE_SIZE);
+        }
+    }
+
     /// Fold a KVM dirty-log bitmap (guest writes) into the private-page set.
     pub fn sync_dirty(&mut self, kvm_log: &[u64]) {
         self.dirty.or_words(kvm_log);

@@ -65,6 +65,9 @@ pub struct KvmVm {
     windows: BTreeMap<u64, (u32, u64, u64)>,
     /// `GuestMemory::windows`' generation they were synced at (None: never).
     windows_synced: Option<u64>,
+    /// The base slots have no dirty log yet (a forked sandbox's VM until its first
+    /// `Machine::sync_dirty`: see `vmm::prefault`); `take_dirty_log` hands back an empty log.
+    unlogged: bool,
 }
 
 impl KvmVm {
@@ -72,6 +75,14 @@ impl KvmVm {
     /// child: a KVM VM is tied to the address space that created it, so a child cannot use its
     /// parent's.
     pub fn new(kvm: &Kvm, mem: &GuestMemory, slot_size: u64) -> Result<KvmVm> {
+        Self::with_log(kvm, mem, slot_size, true)
+    }
+
+    /// [`KvmVm::new`], with or without KVM's dirty log on the base slots. Without it, KVM's fault
+    /// handler also maps the writable neighbours of a faulting entry (it does not while the slot
+    /// is dirty-logged), and the caller keeps the record of written pages itself until it turns
+    /// the log on ([`KvmVm::start_dirty_log`]).
+    pub fn with_log(kvm: &Kvm, mem: &GuestMemory, slot_size: u64, logged: bool) -> Result<KvmVm> {
         // KVM_CREATE_VM fails with EINTR when a signal arrives meanwhile: a guest process forked
         // by a parent that exits at once (`sh -c 'job &'`) gets its parent-death signal here, and
         // used to die at birth. It is retried (the signal's handler has run by then).
@@ -93,6 +104,7 @@ impl KvmVm {
             limit,
             windows: BTreeMap::new(),
             windows_synced: None,
+            unlogged: !logged,
         };
         vm.set_base(0, 0, vm.slot_size, "KVM_SET_USER_MEMORY_REGION")?;
         vm.base.push((0, 0, vm.slot_size));
@@ -158,11 +170,12 @@ impl KvmVm {
         unsafe { self.fd.set_user_memory_region(r) }.map_err(Error::kvm(op))
     }
 
-    /// Add (or, with `size` 0, delete) the dirty-logged slot `slot` over [gpa, gpa + size).
+    /// Add (or, with `size` 0, delete) the base slot `slot` over [gpa, gpa + size), dirty-logged
+    /// unless the VM is [`unlogged`](KvmVm::unlogged).
     fn set_base(&self, slot: u32, gpa: u64, size: u64, op: &'static str) -> Result<()> {
         let region = kvm_userspace_memory_region {
             slot,
-            flags: KVM_MEM_LOG_DIRTY_PAGES,
+            flags: if self.unlogged { 0 } else { KVM_MEM_LOG_DIRTY_PAGES },
             guest_phys_addr: gpa,
             memory_size: size,
             userspace_addr: self.host_addr + gpa,
@@ -171,6 +184,24 @@ impl KvmVm {
         // empty, which deletes the slot), which outlives the VM (both are owned by the same
         // `Machine`, the VM is dropped first).
         unsafe { self.fd.set_user_memory_region(region) }.map_err(Error::kvm(op))
+    }
+
+    /// Whether the base slots have no dirty log (see [`KvmVm::with_log`]).
+    pub fn unlogged(&self) -> bool {
+        self.unlogged
+    }
+
+    /// Turn KVM's dirty log on for the base slots (KVM write-protects their translations, so
+    /// every page written from now on is logged). A no-op if it is on.
+    pub fn start_dirty_log(&mut self) -> Result<()> {
+        if !self.unlogged {
+            return Ok(());
+        }
+        self.unlogged = false;
+        for &(slot, gpa, size) in &self.base {
+            self.set_base(slot, gpa, size, "KVM_SET_USER_MEMORY_REGION (dirty log on)")?;
+        }
+        Ok(())
     }
 
     /// Bytes of guest-physical memory from 0 that slot 0 and the growth slots cover.
@@ -220,6 +251,10 @@ impl KvmVm {
     /// of 64 pages, so their bitmaps follow one another word by word).
     pub fn take_dirty_log(&self) -> Result<Vec<u64>> {
         let mut log = Vec::with_capacity((self.slot_size / PAGE_BYTES).div_ceil(64) as usize);
+        if self.unlogged {
+            log.resize((self.slot_size / PAGE_BYTES).div_ceil(64) as usize, 0);
+            return Ok(log);
+        }
         for &(slot, gpa, size) in &self.base {
             debug_assert_eq!(gpa % (64 * PAGE_BYTES), 0);
             debug_assert_eq!(log.len() as u64, gpa / (64 * PAGE_BYTES));

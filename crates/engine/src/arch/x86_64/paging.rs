@@ -382,6 +382,85 @@ impl AddressSpace {
         Ok(Some(e & ADDR_MASK))
     }
 
+    /// Set the accessed bit of the leaf entry for `va`, and the dirty bit too if `dirty` and the
+    /// entry is writable (see `vmm::prefault`). Returns the page's frame; `None` if `va` is not
+    /// mapped, or mapped by a large page.
+    pub fn mark_touched(&self, mem: &mut GuestMemory, va: u64, dirty: bool) -> Result<Option<u64>> {
+        let Some((slot, None)) = self.leaf_slot(mem, va)? else { return Ok(None) };
+        let e = mem.read_u64(slot)?;
+        if e & PTE_P == 0 {
+            return Ok(None);
+        }
+        let want = e | PTE_A | if dirty && e & PTE_W != 0 { PTE_D } else { 0 };
+        if want != e {
+            mem.write_u64(slot, want)?;
+        }
+        Ok(Some(e & ADDR_MASK))
+    }
+
+    /// Clear `bits` (of [`PTE_A`] and [`PTE_D`]) in every user 4 KiB leaf entry of the lower half
+    /// (large pages are left alone), so that the bits KVM sets from now on say which pages the
+    /// guest touched and wrote. Only for a VM whose translations are all gone (a new one): KVM
+    /// sets the bits when it walks an entry to make a translation. The guest does not see its
+    /// page tables. Returns how many entries changed.
+    pub fn clear_used_bits(&self, mem: &mut GuestMemory, bits: u64) -> Result<usize> {
+        let mut n = 0;
+        self.clear_bits_in(mem, self.root, 3, bits & (PTE_A | PTE_D), &mut n)?;
+        Ok(n)
+    }
+
+    fn clear_bits_in(&self, mem: &mut GuestMemory, table: u64, level: u32, bits: u64, n: &mut usize) -> Result<()> {
+        // The lower half only: entries 0..256 of the root.
+        let last = if level == 3 { 255 } else { 511 };
+        for i in 0..=last {
+            let slot = table + i * 8;
+            let e = mem.read_u64(slot)?;
+            if e & PTE_P == 0 {
+                continue;
+            }
+            if level == 0 {
+                if e & PTE_U != 0 && e & bits != 0 {
+                    mem.write_u64(slot, e & !bits)?;
+                    *n += 1;
+                }
+            } else if !(level == 1 && e & PTE_PS != 0) {
+                self.clear_bits_in(mem, e & ADDR_MASK, level - 1, bits, n)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The frames of every present leaf entry, both halves, whose dirty bit is set (a large page's
+    /// whole block), for a VM without a dirty log (see `KvmVm::with_log`): the pages written
+    /// through it since the bits were cleared, and possibly more.
+    pub fn dirty_frames(&self, mem: &GuestMemory) -> Result<Vec<u64>> {
+        let mut out = Vec::new();
+        self.dirty_in(mem, self.root, 3, &mut out)?;
+        Ok(out)
+    }
+
+    fn dirty_in(&self, mem: &GuestMemory, table: u64, level: u32, out: &mut Vec<u64>) -> Result<()> {
+        for i in 0..512 {
+            let e = mem.read_u64(table + i * 8)?;
+            if e & PTE_P == 0 {
+                continue;
+            }
+            if level == 0 {
+                if e & PTE_D != 0 {
+                    out.push(e & ADDR_MASK);
+                }
+            } else if level == 1 && e & PTE_PS != 0 {
+                if e & PTE_D != 0 {
+                    let block = e & ADDR_MASK & !(HUGE_PAGE - 1);
+                    out.extend((0..512).map(|k| block + k * PAGE_SIZE));
+                }
+            } else {
+                self.dirty_in(mem, e & ADDR_MASK, level - 1, out)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The leaf entry for `va` (0 if absent).
     pub fn pte(&self, mem: &GuestMemory, va: u64) -> Result<u64> {
         match self.leaf_slot(mem, va)? {
@@ -412,7 +491,9 @@ impl AddressSpace {
         if e & PTE_P == 0 {
             return Ok(None);
         }
-        let new = (e & ADDR_MASK) | flags | PTE_P;
+        // The dirty bit stays, as on Linux: it is the record of a write where no dirty log keeps one
+        // (`dirty_frames`).
+        let new = (e & (ADDR_MASK | PTE_D)) | flags | PTE_P;
         if new != e {
             mem.write_u64(slot, new)?;
         }
@@ -736,5 +817,37 @@ mod tests {
         let v = a.present_pages(&mem, 0x40_1000, 0x40_2000).unwrap();
         assert_eq!(v.len(), 1);
         assert_eq!(v[0].0, 0x40_1000);
+    }
+
+    #[test]
+    fn used_bits_are_cleared_and_the_dirty_ones_name_the_written_frames() {
+        const MEM: u64 = 16 << 20;
+        let mut mem = GuestMemory::anonymous(MEM).unwrap();
+        let mut fr = FrameAllocator::new(MEM);
+        let a = setup_address_space(&mut mem, &mut fr).unwrap();
+        let va = 0x40_0000;
+        let frames: Vec<u64> = (0..4).map(|_| fr.alloc_zeroed(&mut mem).unwrap()).collect();
+        for (i, &f) in frames.iter().enumerate() {
+            a.map_page(&mut mem, &mut fr, va + i as u64 * PAGE_SIZE, f, PTE_U | PTE_W | PTE_A | PTE_D).unwrap();
+        }
+        let before = a.dirty_frames(&mem).unwrap();
+        assert!(frames.iter().all(|f| before.contains(f)));
+        // The dirty bits go (the accessed ones stay unless asked for): no frame of ours is dirty.
+        assert_eq!(a.clear_used_bits(&mut mem, PTE_D).unwrap(), 4);
+        assert_eq!(a.pte(&mem, va).unwrap() & (PTE_A | PTE_D), PTE_A);
+        assert!(!a.dirty_frames(&mem).unwrap().iter().any(|f| frames.contains(f)));
+        // A write (as KVM would record it), then an mprotect that keeps the page writable: the
+        // dirty bit stays, so the frame is still named.
+        a.mark_touched(&mut mem, va + PAGE_SIZE, true).unwrap();
+        a.set_flags(&mut mem, va + PAGE_SIZE, PTE_U | PTE_W).unwrap();
+        a.mark_touched(&mut mem, va + 2 * PAGE_SIZE, false).unwrap();
+        let after = a.dirty_frames(&mem).unwrap();
+        assert!(after.contains(&frames[1]) && !after.contains(&frames[2]) && !after.contains(&frames[0]));
+        assert_eq!(a.clear_used_bits(&mut mem, PTE_A | PTE_D).unwrap(), 4);
+        assert_eq!(a.pte(&mem, va + PAGE_SIZE).unwrap() & (PTE_A | PTE_D), 0);
+        // A read-only entry never gets the dirty bit from a touch.
+        a.set_flags(&mut mem, va + 3 * PAGE_SIZE, PTE_U).unwrap();
+        a.mark_touched(&mut mem, va + 3 * PAGE_SIZE, true).unwrap();
+        assert_eq!(a.pte(&mem, va + 3 * PAGE_SIZE).unwrap() & (PTE_A | PTE_D), PTE_A);
     }
 }
