@@ -163,6 +163,49 @@ def test_reset_puts_back_template_pages_a_clone_wrote_before_its_first_reset(cli
             assert r.stdout.strip() == before, (r.stdout, r.stderr)
 
 
+def test_reset_keeping_translations_puts_back_what_each_run_writes_and_takes_back_widened_rights(client):
+    """A sandbox's reset leaves the guest's translations of the pages it restores in place (its VM
+    keeps running without KVM's dirty log: Machine::reset_memory_mapped in crates/engine/src/vmm),
+    so a page written in one run is written again in the next without a fault or a dirty bit
+    to record it. Every reset must still put such a page back, and a read-only page of the
+    template that a run made writable must be read-only again (a write kills the interpreter),
+    with its contents back."""
+    with Sandbox("python", client=client) as sb:
+        addr, before = sb.exec(code="import ctypes, os\naddr = id(os.__doc__) + 64\nprint(addr, ctypes.string_at(addr, 16).hex())").stdout.split()
+        for i in range(4):
+            r = sb.exec(code=f"import ctypes\nctypes.memmove({addr}, b'{i}' * 16, 16)\nprint(ctypes.string_at({addr}, 16))")
+            assert r.stdout == f"b'{str(i) * 16}'\n", r
+            sb.reset()
+            r = sb.exec(code=f"import ctypes\nprint(ctypes.string_at({addr}, 16).hex())")
+            assert r.stdout.strip() == before, (i, r.stdout, r.stderr)
+            sb.reset()
+        widen = (
+            "import ctypes\n"
+            "for line in open('/proc/self/maps'):\n"
+            "    f = line.split()\n"
+            "    if f[1] == 'r--p' and 'libc.so' in f[-1]:\n"
+            "        page = int(f[0].split('-')[0], 16) + 4096\n"
+            "        break\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\n"
+            "assert libc.mprotect(page, 4096, 3) == 0, ctypes.get_errno()\n"
+            "was = ctypes.string_at(page, 16)\n"
+            "ctypes.memmove(page, b'W' * 16, 16)\n"
+            "print(page, was.hex(), ctypes.string_at(page, 16) == b'W' * 16)"
+        )
+        for _ in range(2):
+            r = sb.exec(code=widen)
+            assert r.ok, r.stderr
+            page, was, wrote = r.stdout.split()
+            assert wrote == "True"
+            sb.reset()
+            r = sb.exec(code=f"import ctypes\nprint(ctypes.string_at({page}, 16).hex())")
+            assert r.stdout.strip() == was, (r.stdout, r.stderr)
+            r = sb.exec(code=f"import ctypes\nctypes.memmove({page}, b'V', 1)\nprint('wrote a read-only page')")
+            assert not r.ok and r.interpreter_died and "wrote" not in r.stdout, (r.stdout, r.stderr)
+            sb.reset()
+
+
 def test_reset_drops_memory_written_past_the_first_memory_slot(client):
     """A guest that grows its memory is covered by growth slots added above KVM's first memory
     slot (crates/engine/src/vstate/vm.rs); their dirty logs must count like the first slot's, or a

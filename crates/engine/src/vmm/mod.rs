@@ -70,6 +70,8 @@ pub struct Machine {
     preempter: Preempter,
     /// How the guest ended (`Exited` or `Signaled`), once it has.
     exited: Option<RunExit>,
+    /// Whether the guest ran since the last reset (see `GuestMemory::end_mapped`).
+    ran: bool,
     /// The Linux personality, for VMs that run Linux programs (`spawn`); `None` for the engine's
     /// bare test guests, which get the minimal syscall set in `syscalls`.
     os: Option<GuestOs>,
@@ -202,6 +204,7 @@ impl Machine {
             reset_point: None,
             preempter: Preempter::new()?,
             exited: None,
+            ran: false,
             os: None,
             os_reset_point: None,
             learn: prefault::Learner::default(),
@@ -328,6 +331,7 @@ impl Machine {
             reset_point: Some((state.vcpu, state.runtime)),
             preempter: Preempter::new()?,
             exited: None,
+            ran: false,
             os,
             os_reset_point,
             learn: prefault::Learner::default(),
@@ -365,6 +369,7 @@ impl Machine {
         for gpa in self.runtime.aspace.dirty_frames(&self.mem)? {
             self.mem.mark_dirty(gpa);
         }
+        self.mem.end_mapped(self.ran);
         self.vm.start_dirty_log()
     }
 
@@ -393,6 +398,7 @@ impl Machine {
             return Ok(RunResult { exit, stdout: vec![], stderr: vec![], duration: Duration::ZERO, enosys: 0, truncated: false, agent: vec![], others: 0, nondeterministic: false });
         }
         let deadline = start + timeout;
+        self.ran = true;
         crate::guestos::sched::back();
         self.vcpu.set_kvm_immediate_exit(0);
         self.preempter.attach(&mut self.vcpu);
@@ -763,8 +769,14 @@ impl Machine {
         };
         spawn::abandon(self);
         process::kill_children(self);
-        self.sync_dirty()?;
-        let dirty_pages = self.mem.discard_private()?;
+        let dirty_pages = match self.reset_memory_mapped(&runtime)? {
+            Some(n) => n,
+            None => {
+                self.sync_dirty()?;
+                self.mem.discard_private()?
+            }
+        };
+        self.ran = false;
         // The template had no shared mappings (a snapshot refuses them): every one is new.
         self.mem.windows.clear();
         vcpu.restore(&self.vcpu)?;
@@ -783,6 +795,39 @@ impl Machine {
         }
         threads::count_in_new_tree(self);
         Ok(ResetStats { dirty_pages, duration: start.elapsed() })
+    }
+
+    /// The memory half of a reset for a VM without KVM's dirty log (a forked or recycled
+    /// sandbox, see `lazy_dirty_log`), which stays without it: the pages the run wrote are those
+    /// its entries' dirty bits name and the host wrote, plus those earlier such resets left mapped;
+    /// they get the file's contents back in place, keeping the guest's translations, except the
+    /// translations the restored page tables take away ([`AddressSpace::changed_translations`]),
+    /// which are dropped; then the dirty bits are cleared for the next run. `None`, having changed
+    /// nothing, where this does not apply (a logged VM, another address space than the reset
+    /// point's, more pages than a reset keeps, `COLLIMATE_KEEP_MAPPED=0`): the caller resets with
+    /// the log. See `GuestMemory::discard_private_mapped` for why.
+    ///
+    /// [`AddressSpace::changed_translations`]: crate::arch::x86_64::paging::AddressSpace::changed_translations
+    fn reset_memory_mapped(&mut self, to: &RuntimeState) -> Result<Option<u64>> {
+        if !self.vm.unlogged() || !keep_mapped() || to.aspace.root != self.runtime.aspace.root {
+            return Ok(None);
+        }
+        let written = self.runtime.aspace.dirty_frames(&self.mem)?;
+        let before = self.mem.dirty().clone();
+        for &gpa in &written {
+            self.mem.mark_dirty(gpa);
+        }
+        let stale = {
+            let mem = &self.mem;
+            self.runtime.aspace.changed_translations(mem, |gpa| mem.is_dirty(gpa), |gpa, buf| mem.read_original(gpa, buf))?
+        };
+        let Some(n) = self.mem.discard_private_mapped(&stale)? else {
+            self.mem.set_dirty(before);
+            return Ok(None);
+        };
+        crate::vstate::tlb::invalidate_frames_exact(&self.mem, &stale)?;
+        to.aspace.clear_dirty_bits(&mut self.mem)?;
+        Ok(Some(n))
     }
 
     pub fn read_mem(&self, gva: u64, len: u64) -> Result<Vec<u8>> {
@@ -828,6 +873,8 @@ impl Machine {
         // copies of the descriptors and unmaps our copy of its kvm_run page.
         self.vcpu = vcpu;
         self.vm = vm;
+        // The new VM has no translations: none of the pages a reset left mapped is mapped here.
+        self.mem.forget_mapped();
         self.sync.reset();
         // POSIX timers are not inherited across fork: make ours. Forget the parent's handle rather
         // than deleting it, since the id may equal the one just created.
@@ -996,6 +1043,14 @@ fn spawn_child(m: &mut Machine, state: &VcpuState, chan: &Channel, pool: &mut Po
 fn lazy_dirty_log() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("COLLIMATE_LAZY_DIRTY_LOG").is_none_or(|v| v != "0"))
+}
+
+/// Whether a reset of a VM without a dirty log keeps it so and leaves the restored pages mapped
+/// ([`Machine::reset_memory_mapped`]). `COLLIMATE_KEEP_MAPPED=0` resets with the log, as before,
+/// to compare.
+fn keep_mapped() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("COLLIMATE_KEEP_MAPPED").is_none_or(|v| v != "0"))
 }
 
 /// Fork into `n` children; each child replies `Ready` on its own channel, the parent sends the

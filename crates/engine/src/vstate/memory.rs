@@ -49,6 +49,14 @@ impl Bitmap {
     pub fn set(&mut self, page: u64) {
         self.words[(page / 64) as usize] |= 1 << (page % 64);
     }
+    pub fn contains(&self, page: u64) -> bool {
+        self.words.get((page / 64) as usize).is_some_and(|w| w & (1 << (page % 64)) != 0)
+    }
+    pub fn unset(&mut self, page: u64) {
+        if let Some(w) = self.words.get_mut((page / 64) as usize) {
+            *w &= !(1 << (page % 64));
+        }
+    }
     pub fn or_words(&mut self, other: &[u64]) {
         for (w, o) in self.words.iter_mut().zip(other) {
             *w |= *o;
@@ -93,6 +101,12 @@ pub struct GuestMemory {
     /// Pages restored in place by a reset ([`GuestMemory::discard_private`]): private copies that
     /// hold the file's contents.
     kept: Bitmap,
+    /// Pages restored in place whose guest translations stayed ([`GuestMemory::discard_private_mapped`]):
+    /// in a VM without a dirty log the guest may write them again without anything recording it (a
+    /// translation made writable keeps working after the reset cleared the entry's dirty bit), so
+    /// every later reset restores them too, and the end of that mode counts them written
+    /// ([`GuestMemory::end_mapped`]).
+    mapped: Bitmap,
     /// Guest-physical starts of the 2 MiB blocks backed by anonymous huge pages (see the module
     /// comment).
     anon_blocks: Vec<u64>,
@@ -189,6 +203,7 @@ impl GuestMemory {
             file,
             dirty: Bitmap::new(size / PAGE_SIZE),
             kept: Bitmap::new(size / PAGE_SIZE),
+            mapped: Bitmap::new(size / PAGE_SIZE),
             anon_blocks: Vec::new(),
             windows: Windows::default(),
         })
@@ -381,6 +396,32 @@ impl GuestMemory {
         self.write(gpa, &v.to_le_bytes())
     }
 
+    /// [`GuestMemory::write_u64`] without counting the page as written: for bits whose value no
+    /// snapshot or reset needs to keep (a page-table entry's dirty bit, which the guest never
+    /// sees). Guest memory only.
+    pub fn write_u64_unrecorded(&mut self, gpa: u64, v: u64) -> Result<()> {
+        self.check(gpa, 8)?;
+        // SAFETY: bounds checked above; the mapping is valid and writable for `size` bytes.
+        unsafe { std::ptr::write_unaligned(self.ptr.add(gpa as usize).cast::<u64>(), v) };
+        Ok(())
+    }
+
+    /// Put back a record of written pages taken with `dirty().clone()`.
+    pub fn set_dirty(&mut self, dirty: Bitmap) {
+        self.dirty = dirty;
+    }
+
+    /// Whether the page holding `gpa` counts as written ([`GuestMemory::dirty`]).
+    pub fn is_dirty(&self, gpa: u64) -> bool {
+        self.dirty.contains(gpa / PAGE_SIZE)
+    }
+
+    /// The backing file's contents of the page at `gpa` (what a reset gives back).
+    pub fn read_original(&self, gpa: u64, buf: &mut [u8]) -> Result<()> {
+        self.check(gpa, buf.len())?;
+        std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, gpa).map_err(Error::sys("read guest memory file"))
+    }
+
     /// Count the page holding `gpa` as written (guest memory only; a window's pages are not kept).
     pub fn mark_dirty(&mut self, gpa: u64) {
         if gpa < self.size {
@@ -420,9 +461,66 @@ impl GuestMemory {
             self.drop_private()?;
             self.dirty = dirty;
             self.kept.clear();
+            // Dropped pages lose their translations (the MMU notifier of `MADV_DONTNEED`).
+            self.mapped.clear();
         }
         self.dirty.clear();
         Ok(n)
+    }
+
+    /// The reset of a VM without a dirty log: [`GuestMemory::discard_private`] that leaves the
+    /// guest's translations of the restored pages in place, except those of `stale` (frames whose
+    /// translations the restored page tables no longer allow; the caller drops them). `dirty`
+    /// holds the pages written since the last reset (the entries' dirty bits and the host's
+    /// writes); the pages restored by earlier such resets are restored again ([`GuestMemory::mapped`]).
+    ///
+    /// Why: with KVM's dirty log, a reset has KVM write-protect every page it reports, and each
+    /// page the next run writes again takes a fault to be logged: a recycled sandbox's
+    /// `exec(code="print(1)")` took 345 of them, about 6.5 of its 7 ms on kvm_pvm, where every
+    /// fault is a world switch. Here the restored pages stay mapped as they were (the file's
+    /// contents are copied over them in place), so the next run finds them mapped.
+    ///
+    /// Returns the number of pages restored (those left mapped count: whether the guest wrote
+    /// them is not known), or `None`, having changed nothing, when more than [`KEEP_PAGES`] would
+    /// stay private: the caller then takes [`GuestMemory::discard_private`], which drops them
+    /// (and their translations).
+    pub fn discard_private_mapped(&mut self, stale: &[u64]) -> Result<Option<u64>> {
+        let mut restore = self.dirty.clone();
+        restore.or_words(&self.mapped.words);
+        let n = restore.count();
+        let mut union = self.kept.clone();
+        union.or_words(&restore.words);
+        if union.count() > KEEP_PAGES {
+            return Ok(None);
+        }
+        for (page, count) in restore.runs() {
+            self.fill_from_file(page * PAGE_SIZE, count * PAGE_SIZE)?;
+        }
+        for &gpa in stale {
+            restore.unset(gpa / PAGE_SIZE);
+        }
+        self.mapped = restore;
+        self.kept = union;
+        self.dirty.clear();
+        Ok(Some(n))
+    }
+
+    /// The VM gets KVM's dirty log from here (which write-protects every translation): the pages
+    /// left mapped by [`GuestMemory::discard_private_mapped`] count as written if the guest ran
+    /// since, as it may have written them unrecorded.
+    pub fn end_mapped(&mut self, ran: bool) {
+        if ran {
+            let mapped = std::mem::replace(&mut self.mapped, Bitmap::new(0));
+            self.dirty.or_words(&mapped.words);
+            self.mapped = mapped;
+        }
+        self.mapped.clear();
+    }
+
+    /// Pages left mapped by resets ([`GuestMemory::discard_private_mapped`]); in a new VM (a fork)
+    /// there are none.
+    pub fn forget_mapped(&mut self) {
+        self.mapped.clear();
     }
 
     /// The dirty pages get the file's contents back, in place; the guest's translations of them

@@ -461,6 +461,127 @@ impl AddressSpace {
         Ok(())
     }
 
+    /// Clear the dirty bit of every present leaf entry, both halves, large pages included, without
+    /// counting the tables as written ([`GuestMemory::write_u64_unrecorded`]): after a reset of a
+    /// VM without a dirty log, so that the bits KVM sets from here say which pages the next run
+    /// wrote ([`AddressSpace::dirty_frames`]). A translation KVM already made writable stays
+    /// writable without setting the bit again: the caller keeps those frames on its own record
+    /// (`GuestMemory::discard_private_mapped`). Returns how many entries changed.
+    pub fn clear_dirty_bits(&self, mem: &mut GuestMemory) -> Result<usize> {
+        let mut n = 0;
+        self.clear_dirty_in(mem, self.root, 3, &mut n)?;
+        Ok(n)
+    }
+
+    fn clear_dirty_in(&self, mem: &mut GuestMemory, table: u64, level: u32, n: &mut usize) -> Result<()> {
+        for i in 0..512 {
+            let slot = table + i * 8;
+            let e = mem.read_u64(slot)?;
+            if e & PTE_P == 0 {
+                continue;
+            }
+            if level == 0 || (level == 1 && e & PTE_PS != 0) {
+                if e & PTE_D != 0 {
+                    mem.write_u64_unrecorded(slot, e & !PTE_D)?;
+                    *n += 1;
+                }
+            } else {
+                self.clear_dirty_in(mem, e & ADDR_MASK, level - 1, n)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The frames whose guest translations may be wrong once the page tables are put back as they
+    /// are in `original` (a reset to the memory file's contents): for each table page that counts
+    /// as written (`written`), every entry that differs from the original in more than its
+    /// accessed and dirty bits and the bits the MMU ignores, the frames it maps now (all of a
+    /// subtree's leaves, for a table entry) and, for a leaf, the frame it mapped originally. Tables
+    /// not written are the original's, and only their subtrees are looked into.
+    ///
+    /// Entries the run removed or narrowed had their frames invalidated then (`vstate::tlb`'s
+    /// rules); these are the ones it added, widened or redirected, whose translations the reset
+    /// takes away again.
+    pub fn changed_translations(
+        &self,
+        mem: &GuestMemory,
+        written: impl Fn(u64) -> bool,
+        original: impl Fn(u64, &mut [u8]) -> Result<()>,
+    ) -> Result<Vec<u64>> {
+        let mut out = Vec::new();
+        let mut page = vec![0u8; PAGE_SIZE as usize];
+        self.changed_in(mem, self.root, 3, &written, &original, &mut page, &mut out)?;
+        out.sort_unstable();
+        out.dedup();
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn changed_in(
+        &self,
+        mem: &GuestMemory,
+        table: u64,
+        level: u32,
+        written: &impl Fn(u64) -> bool,
+        original: &impl Fn(u64, &mut [u8]) -> Result<()>,
+        page: &mut Vec<u8>,
+        out: &mut Vec<u64>,
+    ) -> Result<()> {
+        // What the MMU reads of an entry: not the accessed and dirty bits, nor the software bits.
+        const IGNORED: u64 = PTE_A | PTE_D | (0x7 << 9) | (0x7f << 52);
+        let was: Option<Vec<u64>> = if written(table) {
+            original(table, page)?;
+            Some(page.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+        } else {
+            None
+        };
+        for i in 0..512usize {
+            let e = mem.read_u64(table + i as u64 * 8)?;
+            let leaf = level == 0 || (level == 1 && e & PTE_PS != 0);
+            if let Some(was) = &was {
+                let w = was[i];
+                if (e ^ w) & !IGNORED != 0 {
+                    if e & PTE_P != 0 {
+                        self.frames_under(mem, e, level, out)?;
+                    }
+                    let was_leaf = level == 0 || (level == 1 && w & PTE_PS != 0);
+                    if w & PTE_P != 0 && was_leaf {
+                        Self::leaf_frames(w, level, out);
+                    }
+                    continue;
+                }
+            }
+            if e & PTE_P != 0 && !leaf {
+                self.changed_in(mem, e & ADDR_MASK, level - 1, written, original, page, out)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The frames a present entry at `level` maps: its own for a leaf, every leaf's below a table.
+    fn frames_under(&self, mem: &GuestMemory, e: u64, level: u32, out: &mut Vec<u64>) -> Result<()> {
+        if level == 0 || (level == 1 && e & PTE_PS != 0) {
+            Self::leaf_frames(e, level, out);
+            return Ok(());
+        }
+        for i in 0..512 {
+            let c = mem.read_u64((e & ADDR_MASK) + i * 8)?;
+            if c & PTE_P != 0 {
+                self.frames_under(mem, c, level - 1, out)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn leaf_frames(e: u64, level: u32, out: &mut Vec<u64>) {
+        if level == 0 {
+            out.push(e & ADDR_MASK);
+        } else {
+            let block = e & ADDR_MASK & !(HUGE_PAGE - 1);
+            out.extend((0..512).map(|k| block + k * PAGE_SIZE));
+        }
+    }
+
     /// The leaf entry for `va` (0 if absent).
     pub fn pte(&self, mem: &GuestMemory, va: u64) -> Result<u64> {
         match self.leaf_slot(mem, va)? {
@@ -639,6 +760,53 @@ mod tests {
         assert_eq!(gdt_flags & PTE_W, 0);
         let (_, stack_flags) = a.translate(&mem, kva(RING0_STACK_TOP_GPA - 8)).unwrap();
         assert_ne!(stack_flags & PTE_W, 0);
+    }
+
+    #[test]
+    fn changed_translations_names_what_a_reset_takes_away_and_nothing_else() {
+        // The template: two user pages, the first read-only, written to a memory file.
+        let dir = std::env::temp_dir().join(format!("collimate-changed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("mem");
+        let mut fr = FrameAllocator::new(16 << 20);
+        let a = {
+            let mut mem = GuestMemory::anonymous(16 << 20).unwrap();
+            let a = setup_address_space(&mut mem, &mut fr).unwrap();
+            a.map_fresh(&mut mem, &mut fr, 0x40_0000, 2 * 4096, PTE_U | PTE_W).unwrap();
+            a.set_flags(&mut mem, 0x40_0000, PTE_U).unwrap();
+            mem.write_image(&path).unwrap();
+            a
+        };
+        let mut mem = GuestMemory::over_image(std::fs::File::open(&path).unwrap(), 16 << 20).unwrap();
+        let changed = |mem: &GuestMemory| {
+            a.changed_translations(mem, |gpa| mem.is_dirty(gpa), |gpa, buf| mem.read_original(gpa, buf)).unwrap()
+        };
+        assert!(changed(&mem).is_empty(), "nothing written yet");
+        let (ro, _) = a.translate(&mem, 0x40_0000).unwrap();
+        let (rw, _) = a.translate(&mem, 0x40_1000).unwrap();
+        // What the guest's use writes (accessed and dirty bits) and a software bit: no change.
+        a.mark_used(&mut mem, 0x40_1000).unwrap();
+        a.set_flags(&mut mem, 0x40_1000, PTE_U | PTE_W | PTE_FILLED).unwrap();
+        assert!(changed(&mem).is_empty());
+        // A widened page (its frame), a page mapped under a new table (the table's pages), a
+        // narrowed one (its frame: narrowing was invalidated when made, the reset widens it again).
+        a.set_flags(&mut mem, 0x40_0000, PTE_U | PTE_W).unwrap();
+        a.map_fresh(&mut mem, &mut fr, 0x80_0000, 4096, PTE_U | PTE_W).unwrap();
+        let (new, _) = a.translate(&mem, 0x80_0000).unwrap();
+        assert_eq!(changed(&mem), { let mut v = vec![ro, new]; v.sort(); v });
+        a.set_flags(&mut mem, 0x40_1000, PTE_U).unwrap();
+        assert_eq!(changed(&mem), { let mut v = vec![ro, rw, new]; v.sort(); v });
+        // Tables not counted as written are taken as the original's (a VM's own writes of the
+        // accessed and dirty bits are not recorded): only written tables are compared.
+        let mut clean = GuestMemory::over_image(std::fs::File::open(&path).unwrap(), 16 << 20).unwrap();
+        let (slot, _) = a.leaf_slot(&clean, 0x40_0000).unwrap().unwrap();
+        let e = clean.read_u64(slot).unwrap();
+        clean.write_u64_unrecorded(slot, e | PTE_A | PTE_D).unwrap();
+        assert!(changed(&clean).is_empty());
+        assert_eq!(a.clear_dirty_bits(&mut clean).unwrap(), 1);
+        assert_eq!(clean.read_u64(slot).unwrap(), e | PTE_A);
+        assert!(clean.dirty().is_empty(), "cleared without counting the table as written");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
