@@ -685,16 +685,7 @@ impl Mm {
         }
         let mut frames = Vec::new();
         Self::populate_into(sp, start, end, pte_flags(prot) | PTE_A | PTE_D | PTE_FILLED, Some(&mut frames))?;
-        frames.sort_unstable();
-        let mut i = 0;
-        while i < frames.len() {
-            let mut j = i;
-            while j + 1 < frames.len() && frames[j + 1] == frames[j] + PAGE_SIZE {
-                j += 1;
-            }
-            sp.mem.populate_for_write(frames[i], frames[j] + PAGE_SIZE - frames[i]);
-            i = j + 1;
-        }
+        sp.mem.populate_frames_for_write(frames);
         Ok(())
     }
 

@@ -802,10 +802,11 @@ impl Machine {
     /// its entries' dirty bits name and the host wrote, plus those earlier such resets left mapped;
     /// they get the file's contents back in place, keeping the guest's translations, except the
     /// translations the restored page tables take away ([`AddressSpace::changed_translations`]),
-    /// which are dropped; then the dirty bits are cleared for the next run. `None`, having changed
-    /// nothing, where this does not apply (a logged VM, another address space than the reset
-    /// point's, more pages than a reset keeps, `COLLIMATE_KEEP_MAPPED=0`): the caller resets with
-    /// the log. See `GuestMemory::discard_private_mapped` for why.
+    /// which are dropped; then the dirty bits are cleared for the next run. More pages than a
+    /// reset keeps in place are all dropped, with every translation, and the VM still goes on
+    /// without a log. `None`, having changed nothing, where this does not apply (a logged VM,
+    /// another address space than the reset point's, `COLLIMATE_KEEP_MAPPED=0`): the caller
+    /// resets with the log. See `GuestMemory::discard_private_mapped` for why.
     ///
     /// [`AddressSpace::changed_translations`]: crate::arch::x86_64::paging::AddressSpace::changed_translations
     fn reset_memory_mapped(&mut self, to: &RuntimeState) -> Result<Option<u64>> {
@@ -813,7 +814,6 @@ impl Machine {
             return Ok(None);
         }
         let written = self.runtime.aspace.dirty_frames(&self.mem)?;
-        let before = self.mem.dirty().clone();
         for &gpa in &written {
             self.mem.mark_dirty(gpa);
         }
@@ -821,11 +821,22 @@ impl Machine {
             let mem = &self.mem;
             self.runtime.aspace.changed_translations(mem, |gpa| mem.is_dirty(gpa), |gpa, buf| mem.read_original(gpa, buf))?
         };
-        let Some(n) = self.mem.discard_private_mapped(&stale)? else {
-            self.mem.set_dirty(before);
-            return Ok(None);
+        let n = match self.mem.discard_private_mapped(&stale)? {
+            Some((n, let_go)) => {
+                crate::vstate::tlb::invalidate_frames_exact(&self.mem, &stale)?;
+                crate::vstate::tlb::invalidate_frames_exact(&self.mem, &let_go)?;
+                n
+            }
+            None => {
+                // More than a reset keeps in place: every private page goes (those left mapped,
+                // which may hold unrecorded writes, among them), and every translation with them
+                // (the large-page region's blocks are filled, not dropped); no log still.
+                self.mem.end_mapped(true);
+                let n = self.mem.discard_private()?;
+                crate::vstate::tlb::flush_guest_tlb(&mut self.vm, &mut self.mem)?;
+                n
+            }
         };
-        crate::vstate::tlb::invalidate_frames_exact(&self.mem, &stale)?;
         to.aspace.clear_dirty_bits(&mut self.mem)?;
         Ok(Some(n))
     }

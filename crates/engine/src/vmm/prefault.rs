@@ -172,23 +172,13 @@ impl Learner {
         }
         let written: std::collections::HashSet<u64> = self.hint.iter().filter(|&&p| p & WRITTEN != 0).map(|&p| p & !WRITTEN).collect();
         let touched: Vec<u64> = self.hint.iter().map(|&p| p & !WRITTEN).collect();
-        let mut frames: Vec<u64> = super::spawn_prefault::with_gaps(&touched)
+        let frames: Vec<u64> = super::spawn_prefault::with_gaps(&touched)
             .into_iter()
             .filter_map(|va| aspace.mark_touched(mem, va, written.contains(&va)).ok().flatten())
             .collect();
         crate::trace::mark_n("prefault.pages", frames.len() as u64);
-        frames.sort_unstable();
-        frames.dedup();
-        let mut i = 0;
-        while i < frames.len() {
-            let mut j = i;
-            while j + 1 < frames.len() && frames[j + 1] == frames[j] + PAGE_SIZE {
-                j += 1;
-            }
-            // Failure (an old kernel) costs speed only.
-            mem.populate_for_write(frames[i], frames[j] + PAGE_SIZE - frames[i]);
-            i = j + 1;
-        }
+        // Failure (an old kernel) costs speed only.
+        mem.populate_frames_for_write(frames);
     }
 
     /// After a run in a fork: the report this run is to fill, if it is the first run of a fork

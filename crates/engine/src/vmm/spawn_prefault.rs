@@ -158,18 +158,8 @@ impl Touched {
 pub(super) fn apply(mem: &mut GuestMemory, aspace: &AddressSpace, pages: &[u64]) {
     let vas = with_gaps(pages);
     crate::trace::mark_n("spawn_prefault.pages", vas.len() as u64);
-    let mut frames: Vec<u64> = vas.iter().filter_map(|&va| aspace.mark_used(mem, va).ok().flatten()).collect();
-    frames.sort_unstable();
-    frames.dedup();
-    let mut i = 0;
-    while i < frames.len() {
-        let mut j = i;
-        while j + 1 < frames.len() && frames[j + 1] == frames[j] + PAGE_SIZE {
-            j += 1;
-        }
-        mem.populate_for_write(frames[i], frames[j] + PAGE_SIZE - frames[i]);
-        i = j + 1;
-    }
+    let frames: Vec<u64> = vas.iter().filter_map(|&va| aspace.mark_used(mem, va).ok().flatten()).collect();
+    mem.populate_frames_for_write(frames);
 }
 
 /// The pages to make ready for `touched` (ascending): in each aligned group of [`GROUP`] entries

@@ -35,6 +35,9 @@ pub const KEEP_PAGES: u64 = 4096;
 /// `GuestMemory::restore_in_place`).
 const EXACT_RESET_RUNS: usize = 512;
 const EXACT_RESET_PAGES: u64 = 2048;
+/// Pages left mapped by resets past which those that no run changed are let go
+/// ([`GuestMemory::discard_private_mapped`]): a recycled agent writes a few hundred.
+pub const MAPPED_SOFT_MAX: u64 = 1024;
 
 /// A page bitmap.
 #[derive(Clone, Debug)]
@@ -315,6 +318,22 @@ impl GuestMemory {
         unsafe { libc::madvise(self.ptr.add(start as usize).cast(), (end - start) as usize, libc::MADV_POPULATE_WRITE) };
     }
 
+    /// [`GuestMemory::populate_for_write`] for the frames `frames` (guest-physical page addresses,
+    /// any order, repeats allowed), one call per run of adjacent ones.
+    pub fn populate_frames_for_write(&self, mut frames: Vec<u64>) {
+        frames.sort_unstable();
+        frames.dedup();
+        let mut i = 0;
+        while i < frames.len() {
+            let mut j = i;
+            while j + 1 < frames.len() && frames[j + 1] == frames[j] + PAGE_SIZE {
+                j += 1;
+            }
+            self.populate_for_write(frames[i], frames[j] + PAGE_SIZE - frames[i]);
+            i = j + 1;
+        }
+    }
+
     /// Drop this value without unmapping: in a process forked while the memory was excluded
     /// ([`GuestMemory::exclude_from_fork`]) the range is not mapped, and another mapping may
     /// already be there. The backing file is closed.
@@ -406,11 +425,6 @@ impl GuestMemory {
         Ok(())
     }
 
-    /// Put back a record of written pages taken with `dirty().clone()`.
-    pub fn set_dirty(&mut self, dirty: Bitmap) {
-        self.dirty = dirty;
-    }
-
     /// Whether the page holding `gpa` counts as written ([`GuestMemory::dirty`]).
     pub fn is_dirty(&self, gpa: u64) -> bool {
         self.dirty.contains(gpa / PAGE_SIZE)
@@ -480,19 +494,42 @@ impl GuestMemory {
     /// fault is a world switch. Here the restored pages stay mapped as they were (the file's
     /// contents are copied over them in place), so the next run finds them mapped.
     ///
+    /// Past [`MAPPED_SOFT_MAX`] pages left mapped (a run that once wrote much more than the usual
+    /// working set), those that hold the file's contents again without having been restored (not
+    /// changed since the last reset, or changed back) are let go: returned with the restored count
+    /// for the caller to drop their translations, so that a later write to them is seen again.
+    ///
     /// Returns the number of pages restored (those left mapped count: whether the guest wrote
-    /// them is not known), or `None`, having changed nothing, when more than [`KEEP_PAGES`] would
-    /// stay private: the caller then takes [`GuestMemory::discard_private`], which drops them
-    /// (and their translations).
-    pub fn discard_private_mapped(&mut self, stale: &[u64]) -> Result<Option<u64>> {
+    /// them is not known) and the pages let go, or `None`, having changed nothing, when more than
+    /// [`KEEP_PAGES`] would stay private: the caller then takes [`GuestMemory::discard_private`],
+    /// which drops them.
+    pub fn discard_private_mapped(&mut self, stale: &[u64]) -> Result<Option<(u64, Vec<u64>)>> {
         let mut restore = self.dirty.clone();
-        restore.or_words(&self.mapped.words);
-        let n = restore.count();
+        let mut unchanged = Vec::new();
+        if self.mapped.count() > MAPPED_SOFT_MAX {
+            let mut file = vec![0u8; PAGE_SIZE as usize];
+            for (first, count) in self.mapped.runs() {
+                for page in (first..first + count).filter(|&p| !self.dirty.contains(p)) {
+                    let gpa = page * PAGE_SIZE;
+                    self.read_original(gpa, &mut file)?;
+                    // SAFETY: a page of our mapping (the bitmaps cover guest memory only).
+                    let now = unsafe { std::slice::from_raw_parts(self.ptr.add(gpa as usize), PAGE_SIZE as usize) };
+                    if now == file.as_slice() {
+                        unchanged.push(gpa);
+                    } else {
+                        restore.set(page);
+                    }
+                }
+            }
+        } else {
+            restore.or_words(&self.mapped.words);
+        }
         let mut union = self.kept.clone();
         union.or_words(&restore.words);
         if union.count() > KEEP_PAGES {
             return Ok(None);
         }
+        let n = restore.count();
         for (page, count) in restore.runs() {
             self.fill_from_file(page * PAGE_SIZE, count * PAGE_SIZE)?;
         }
@@ -502,7 +539,7 @@ impl GuestMemory {
         self.mapped = restore;
         self.kept = union;
         self.dirty.clear();
-        Ok(Some(n))
+        Ok(Some((n, unchanged)))
     }
 
     /// The VM gets KVM's dirty log from here (which write-protects every translation): the pages
@@ -730,6 +767,37 @@ mod tests {
             let mut b = [0u8; 5];
             m.read(16 * 4096, &mut b).unwrap();
             assert_eq!(&b, b"again");
+        }
+    }
+
+    /// A reset that leaves translations mapped restores those pages at every later reset, since
+    /// a write through such a translation is not recorded; past [`MAPPED_SOFT_MAX`] pages left
+    /// mapped, those holding the file's contents again are let go instead.
+    #[test]
+    fn resets_keeping_translations_restore_what_they_left_mapped_and_let_go_of_unchanged_pages() {
+        for pages in [10u64, MAPPED_SOFT_MAX + 10] {
+            let mut m = GuestMemory::anonymous(64 << 20).unwrap();
+            for p in 0..pages {
+                m.write((16 + p) * 4096 + 8, b"dirty").unwrap();
+            }
+            // The first page's translation goes (stale): it is not left mapped.
+            let (n, let_go) = m.discard_private_mapped(&[16 * 4096]).unwrap().unwrap();
+            assert_eq!((n, let_go.len()), (pages, 0));
+            assert!(m.is_zero(16 * 4096, (pages * 4096) as usize).unwrap());
+            assert!(m.dirty().is_empty());
+            // A write nothing records, through a translation left writable.
+            m.write_u64_unrecorded(17 * 4096, 7).unwrap();
+            let (n, let_go) = m.discard_private_mapped(&[]).unwrap().unwrap();
+            assert!(m.is_zero(17 * 4096, 4096).unwrap(), "{pages}: restored though no record said written");
+            if pages > MAPPED_SOFT_MAX {
+                assert_eq!((n, let_go.len() as u64), (1, pages - 2));
+                assert!(!let_go.contains(&(17 * 4096)));
+                // Only the page that had changed is left mapped now.
+                let (n, let_go) = m.discard_private_mapped(&[]).unwrap().unwrap();
+                assert_eq!((n, let_go.len()), (1, 0));
+            } else {
+                assert_eq!((n, let_go.len()), (pages - 1, 0));
+            }
         }
     }
 

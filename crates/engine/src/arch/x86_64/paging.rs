@@ -172,6 +172,18 @@ pub struct AddressSpace {
     pub huge: RefCell<Vec<HugeChunk>>,
 }
 
+/// The 512 entries of the page table at `table`, read in one go (walks over a whole address space
+/// read every entry of every table).
+fn entries(mem: &GuestMemory, table: u64) -> Result<Box<[u64; 512]>> {
+    let mut bytes = [0u8; PAGE_SIZE as usize];
+    mem.read(table, &mut bytes)?;
+    let mut out = Box::new([0u64; 512]);
+    for (e, b) in out.iter_mut().zip(bytes.chunks_exact(8)) {
+        *e = u64::from_le_bytes(b.try_into().expect("8 bytes"));
+    }
+    Ok(out)
+}
+
 fn index(va: u64, level: u32) -> u64 {
     (va >> (12 + 9 * level)) & 0x1ff
 }
@@ -440,8 +452,7 @@ impl AddressSpace {
     }
 
     fn dirty_in(&self, mem: &GuestMemory, table: u64, level: u32, out: &mut Vec<u64>) -> Result<()> {
-        for i in 0..512 {
-            let e = mem.read_u64(table + i * 8)?;
+        for e in *entries(mem, table)? {
             if e & PTE_P == 0 {
                 continue;
             }
@@ -474,9 +485,8 @@ impl AddressSpace {
     }
 
     fn clear_dirty_in(&self, mem: &mut GuestMemory, table: u64, level: u32, n: &mut usize) -> Result<()> {
-        for i in 0..512 {
-            let slot = table + i * 8;
-            let e = mem.read_u64(slot)?;
+        for (i, &e) in entries(mem, table)?.iter().enumerate() {
+            let slot = table + i as u64 * 8;
             if e & PTE_P == 0 {
                 continue;
             }
@@ -535,8 +545,7 @@ impl AddressSpace {
         } else {
             None
         };
-        for i in 0..512usize {
-            let e = mem.read_u64(table + i as u64 * 8)?;
+        for (i, &e) in entries(mem, table)?.iter().enumerate() {
             let leaf = level == 0 || (level == 1 && e & PTE_PS != 0);
             if let Some(was) = &was {
                 let w = was[i];
@@ -564,8 +573,7 @@ impl AddressSpace {
             Self::leaf_frames(e, level, out);
             return Ok(());
         }
-        for i in 0..512 {
-            let c = mem.read_u64((e & ADDR_MASK) + i * 8)?;
+        for c in *entries(mem, e & ADDR_MASK)? {
             if c & PTE_P != 0 {
                 self.frames_under(mem, c, level - 1, out)?;
             }
