@@ -154,13 +154,20 @@ def test_reset_puts_back_template_pages_a_clone_wrote_before_its_first_reset(cli
     )
     for _ in range(2):
         with Sandbox("python", client=client) as sb:
-            r = sb.exec(code=probe)
-            assert r.ok, r.stderr
-            addr, before, wrote = r.stdout.split()
-            assert wrote == "True"
-            sb.reset()
-            r = sb.exec(code=f"import ctypes\nprint(ctypes.string_at({addr}, 16).hex())")
-            assert r.stdout.strip() == before, (r.stdout, r.stderr)
+            _write_reset_read_back(sb, probe)
+
+
+def _write_reset_read_back(sb, probe: str) -> str:
+    """Run `probe` (which prints an address, the 16 bytes it held, and whether it overwrote them),
+    reset, and check the address holds those bytes again; returns the address."""
+    r = sb.exec(code=probe)
+    assert r.ok, r.stderr
+    addr, before, wrote = r.stdout.split()
+    assert wrote == "True"
+    sb.reset()
+    r = sb.exec(code=f"import ctypes\nprint(ctypes.string_at({addr}, 16).hex())")
+    assert r.stdout.strip() == before, (r.stdout, r.stderr)
+    return addr
 
 
 def test_reset_keeping_translations_puts_back_what_each_run_writes_and_takes_back_widened_rights(client):
@@ -194,13 +201,7 @@ def test_reset_keeping_translations_puts_back_what_each_run_writes_and_takes_bac
             "print(page, was.hex(), ctypes.string_at(page, 16) == b'W' * 16)"
         )
         for _ in range(2):
-            r = sb.exec(code=widen)
-            assert r.ok, r.stderr
-            page, was, wrote = r.stdout.split()
-            assert wrote == "True"
-            sb.reset()
-            r = sb.exec(code=f"import ctypes\nprint(ctypes.string_at({page}, 16).hex())")
-            assert r.stdout.strip() == was, (r.stdout, r.stderr)
+            page = _write_reset_read_back(sb, widen)
             r = sb.exec(code=f"import ctypes\nctypes.memmove({page}, b'V', 1)\nprint('wrote a read-only page')")
             assert not r.ok and r.interpreter_died and "wrote" not in r.stdout, (r.stdout, r.stderr)
             sb.reset()

@@ -366,9 +366,7 @@ impl Machine {
         if !self.vm.unlogged() {
             return Ok(());
         }
-        for gpa in self.runtime.aspace.dirty_frames(&self.mem)? {
-            self.mem.mark_dirty(gpa);
-        }
+        self.record_dirty_bits()?;
         self.mem.end_mapped(self.ran);
         self.vm.start_dirty_log()
     }
@@ -382,6 +380,15 @@ impl Machine {
             s.xcrs.xcrs[0].value = XCR0;
         }
         Ok(s)
+    }
+
+    /// Count as written the frames whose page-table entries' dirty bits are set: the record of
+    /// a VM without KVM's dirty log (see `lazy_dirty_log`).
+    fn record_dirty_bits(&mut self) -> Result<()> {
+        for gpa in self.runtime.aspace.dirty_frames(&self.mem)? {
+            self.mem.mark_dirty(gpa);
+        }
+        Ok(())
     }
 
     fn sync_dirty(&mut self) -> Result<()> {
@@ -813,18 +820,15 @@ impl Machine {
         if !self.vm.unlogged() || !keep_mapped() || to.aspace.root != self.runtime.aspace.root {
             return Ok(None);
         }
-        let written = self.runtime.aspace.dirty_frames(&self.mem)?;
-        for &gpa in &written {
-            self.mem.mark_dirty(gpa);
-        }
-        let stale = {
+        self.record_dirty_bits()?;
+        let mut stale = {
             let mem = &self.mem;
             self.runtime.aspace.changed_translations(mem, |gpa| mem.is_dirty(gpa), |gpa, buf| mem.read_original(gpa, buf))?
         };
         let n = match self.mem.discard_private_mapped(&stale)? {
             Some((n, let_go)) => {
+                stale.extend(let_go);
                 crate::vstate::tlb::invalidate_frames_exact(&self.mem, &stale)?;
-                crate::vstate::tlb::invalidate_frames_exact(&self.mem, &let_go)?;
                 n
             }
             None => {

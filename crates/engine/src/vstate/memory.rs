@@ -547,9 +547,7 @@ impl GuestMemory {
     /// since, as it may have written them unrecorded.
     pub fn end_mapped(&mut self, ran: bool) {
         if ran {
-            let mapped = std::mem::replace(&mut self.mapped, Bitmap::new(0));
-            self.dirty.or_words(&mapped.words);
-            self.mapped = mapped;
+            self.dirty.or_words(&self.mapped.words);
         }
         self.mapped.clear();
     }
