@@ -270,6 +270,8 @@ def _require_matplotlib():
 
 
 def _fmt(ms: float) -> str:
+    if ms >= 1000:
+        return f"{ms / 1e3:.2f} s"
     return f"{ms * 1e3:.0f} us" if ms < 1 else f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
 
 
