@@ -13,6 +13,7 @@ import sys
 import pytest
 
 import collimate_core
+from collimate_core import bench
 
 pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 
@@ -23,10 +24,13 @@ def test_bench_quick_writes_png_and_json(tmp_path):
     import matplotlib.image  # the bench extra; scripts/setup.sh installs it
 
     out = tmp_path / "bench"
+    readme = tmp_path / "README.md"  # a checkout's README with its figures markers
+    readme.write_text(f"# title\n\n{bench.FIGURES_BEGIN}\nold figures\n{bench.FIGURES_END}\n\n## after\n")
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(collimate_core.__file__))  # the package under test
     env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    p = subprocess.run([sys.executable, "-m", "collimate_core", "bench", "--quick", "--output", str(out)],
+    p = subprocess.run([sys.executable, "-m", "collimate_core", "bench", "--quick", "--output", str(out),
+                        "--write-readme", str(readme)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
 
@@ -61,3 +65,16 @@ def test_bench_quick_writes_png_and_json(tmp_path):
     for s in series:
         assert s["name"][:58] in p.stdout, s["name"]
     assert "where we lose" in p.stdout or "we lose nowhere" in p.stdout
+
+    # The markdown block: printed, written beside the PNG, put between README's markers (the rest of
+    # README untouched), this run's JSON and PNG beside it in docs/; a pure rendering of the JSON.
+    block = (out / "figures.md").read_text()
+    assert block == bench.markdown(doc) and block in p.stdout
+    text = readme.read_text()
+    assert text == f"# title\n\n{bench.FIGURES_BEGIN}\n{block}{bench.FIGURES_END}\n\n## after\n"
+    assert json.loads((tmp_path / "docs" / "bench.json").read_text()) == doc
+    assert (tmp_path / "docs" / "bench.png").read_bytes() == png
+    measured = [s for s in series if s["baseline"] is not None]
+    rows = [line for line in block.splitlines() if line.startswith("| ") and "x |" in line]
+    assert len(rows) == len(measured)
+    assert "platform kvm_" in block.splitlines()[0] and "cores" in block.splitlines()[0]

@@ -1,6 +1,7 @@
 """`collimate` (= `python -m collimate_core`): `demo`, the main job end to end on this host; `serve`
 and `keys`, the control-plane worker and its API keys (server/cli.py); `bench`, the benchmarks against
-their host baselines as a PNG and a JSON (bench.py).
+their host baselines as a PNG, a JSON and
+(`--markdown`, `--write-readme`) README's figures table (bench.py).
 
 `demo` bakes the python template (Debian's CPython with the in-guest agent, checkpointed at its ready
 point; cached after the first run), forks sandboxes from it and measures the fork latency, then

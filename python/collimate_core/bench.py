@@ -1,6 +1,9 @@
 """`collimate bench`: the fork, exec, command and grading benchmarks, each next to its host baseline
 measured in the same run, written as a PNG (latency distributions against the baselines) and a JSON
-(every sample) in one directory, with a table on stdout.
+(every sample) in one directory, with a table on stdout. `--markdown` adds the figures as a markdown
+table whose header names the date, the platform (the KVM module) and the machine; `--write-readme`
+puts that block between README's figures markers and the run's JSON and PNG in docs/, so README never
+holds a figure no run produced (tests/test_docs.py re-renders the block from docs/bench.json).
 
 Families (rounds interleave each measured operation with its baseline, alternating which goes first,
 so a busy spell of a shared machine lands on both):
@@ -25,6 +28,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -231,9 +235,20 @@ def bench_grading(client, rounds: int, width: int) -> list[Series]:
     return [ours, base]
 
 
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def _machine() -> dict:
-    info = {"cores": os.cpu_count(), "python": platform.python_version(), "host_python": HOST_PYTHON,
-            "kernel": platform.release(), "kvm_module": None}
+    info = {"cores": os.cpu_count(), "cpu": _cpu_model(), "python": platform.python_version(),
+            "host_python": HOST_PYTHON, "kernel": platform.release(), "kvm_module": None}
     info["kvm_module"] = next((m for m in ("kvm_pvm", "kvm_intel", "kvm_amd")
                                if os.path.isdir(f"/sys/module/{m}")), None)
     return info
@@ -255,6 +270,8 @@ def _require_matplotlib():
 
 
 def _fmt(ms: float) -> str:
+    if ms >= 1000:
+        return f"{ms / 1e3:.2f} s"
     return f"{ms * 1e3:.0f} us" if ms < 1 else f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
 
 
@@ -384,16 +401,111 @@ def _table(doc: dict) -> None:
         print(f"  {s['family']}: {s['name']} at {s['ratio']:.2f}x {s['baseline']}")
 
 
+FIGURES_BEGIN = "<!-- figures:begin: written by `collimate bench --write-readme` from docs/bench.json; do not edit -->"
+FIGURES_END = "<!-- figures:end -->"
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def markdown(doc: dict) -> str:
+    """The figures block of one run: a header naming the date, the platform and the machine, then one
+    line per measured series against its baseline of the same run. A pure function of bench.json, so
+    README's block can be checked against the run that produced it."""
+    meta, m = doc["meta"], doc["meta"]["machine"]
+    by_name = {s["name"]: s for s in doc["series"]}
+    platform_name = m.get("kvm_module") or "no KVM module found"
+    load = f"load average {meta['load_before'][0]:.1f} -> {meta['load_after'][0]:.1f}"
+    lines = [
+        f"Measured {meta['date']} by `collimate bench` on platform {platform_name}: "
+        f"{m['cores']} cores, {m.get('cpu') or 'CPU model unknown'}, Linux {m['kernel']}; {load}"
+        f"{' (a shared, busy machine)' if meta['load_before'][0] > m['cores'] else ''}; "
+        f"n = {meta['samples']} per operation, {meta['group_rounds']} per group of {meta['width']}.",
+        "",
+        "| operation | ours: median (p99) | baseline, same run: median (p99) | ratio |",
+        "|---|---|---|---|",
+    ]
+    for s in doc["series"]:
+        if s["baseline"] is None:
+            continue
+        b = by_name[s["baseline"]]
+        lines.append(f"| {_md_cell(s['name'])} | {_fmt(s['median'])} ({_fmt(s['p99'])}) | "
+                     f"{_md_cell(b['name'])}: {_fmt(b['median'])} ({_fmt(b['p99'])}) | {s['ratio']:.2f}x |")
+    lines += ["", "ratio = our median / the baseline's median: above 1, we are slower. "
+              "Every sample: [docs/bench.json](docs/bench.json); the distributions: [docs/bench.png](docs/bench.png)."]
+    return "\n".join(lines) + "\n"
+
+
+def readme_block(text: str, path: str = "README.md") -> str:
+    """The figures block between README's markers (without them)."""
+    try:
+        start = text.index(FIGURES_BEGIN) + len(FIGURES_BEGIN)
+        end = text.index(FIGURES_END, start)
+    except ValueError:
+        raise SystemExit(f"{path} has no figures block: put the two lines\n{FIGURES_BEGIN}\n{FIGURES_END}\n"
+                         "where the figures go, then run `collimate bench --write-readme` again") from None
+    return text[start:end].strip("\n") + "\n"
+
+
+def write_readme(readme: str, block: str, doc: dict, png: str | None) -> None:
+    """Replace README's figures block, and put the run's JSON (and PNG) beside it in docs/, so the
+    block, bench.json and bench.png always come from the same run."""
+    with open(readme) as f:
+        text = f.read()
+    readme_block(text, readme)  # the markers are there
+    start = text.index(FIGURES_BEGIN) + len(FIGURES_BEGIN)
+    end = text.index(FIGURES_END, start)
+    text = text[:start] + "\n" + block + text[end:]
+    docs = os.path.join(os.path.dirname(os.path.abspath(readme)), "docs")
+    os.makedirs(docs, exist_ok=True)
+    with open(os.path.join(docs, "bench.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    if png is not None and os.path.abspath(png) != os.path.join(docs, "bench.png"):
+        shutil.copyfile(png, os.path.join(docs, "bench.png"))
+    with open(readme, "w") as f:
+        f.write(text)
+    print(f"wrote the figures block into {readme}, and docs/bench.json" + (" and docs/bench.png" if png else ""))
+
+
 def add_subcommand(sub) -> None:
     b = sub.add_parser("bench", help="fork, exec, command and grading benchmarks against host baselines: PNG + JSON")
     b.add_argument("--output", default="collimate-bench", help="directory for bench.png and bench.json")
     b.add_argument("--quick", action="store_true", help="few samples (tests, CI)")
     b.add_argument("--samples", type=int, default=None, help="samples per fast operation (default 200; --quick 12)")
     b.add_argument("--width", type=int, default=64, help="fork group and GRPO group width")
+    b.add_argument("--markdown", action="store_true",
+                   help="also print the figures as a markdown table and write figures.md beside the PNG")
+    b.add_argument("--write-readme", nargs="?", const="README.md", default=None, metavar="README",
+                   help="(implies --markdown) put the figures block between README's figures markers and this "
+                        "run's bench.json and bench.png in its docs/ (default README.md)")
+    b.add_argument("--from-json", default=None, metavar="BENCH_JSON",
+                   help="measure nothing: render the markdown (and README's block) from an earlier run's bench.json")
 
 
 def run_cli(args) -> None:
     samples = args.samples if args.samples is not None else (12 if args.quick else 200)
     if samples < 1 or args.width < 1:
         raise SystemExit("--samples and --width must be at least 1")
-    run(args.output, samples, args.width, args.quick)
+    if args.write_readme is not None and not os.path.isfile(args.write_readme):
+        raise SystemExit(f"--write-readme {args.write_readme}: no such file (run from the checkout, or name the README)")
+    if args.write_readme is not None:
+        with open(args.write_readme) as f:
+            readme_block(f.read(), args.write_readme)  # fail before a minute of measuring, not after
+    if args.from_json is not None:
+        with open(args.from_json) as f:
+            doc = json.load(f)
+        png = os.path.join(os.path.dirname(args.from_json), "bench.png")
+        png = png if os.path.exists(png) else None
+    else:
+        doc = run(args.output, samples, args.width, args.quick)
+        png = os.path.join(args.output, "bench.png")
+    if args.markdown or args.write_readme is not None:
+        block = markdown(doc)
+        if args.from_json is None:
+            with open(os.path.join(args.output, "figures.md"), "w") as f:
+                f.write(block)
+        print("\n" + block, end="")
+        if args.write_readme is not None:
+            write_readme(args.write_readme, block, doc, png)
