@@ -497,8 +497,14 @@ class _Build:
         workdirs: Path | None = None
         try:
             say(f"baking template {spec.name!r} v{self.status.version} from {spec.image}")
+            image = spec.image
+            if not isinstance(image, (str, os.PathLike)):  # an Image builder: its layers, as an OCI layout
+                try:
+                    image = image.layout(spec.cache, say)
+                except _oci.ImageError as e:
+                    raise BuildError(str(e)) from None
             try:
-                img = _oci.resolve(spec.image, spec.store, say)
+                img = _oci.resolve(image, spec.store, say)
             except _oci.ImageError as e:
                 raise BuildError(str(e)) from None
             image_id = img.id
@@ -795,8 +801,12 @@ def check_bake_args(image: Any, ready: Any, width: Any) -> Ready:
         raise InvalidArgument(f"ready must be a Ready(cmd=... | code=...), not {ready!r}")
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise InvalidArgument(f"width must be a positive int, not {width!r}")
+    from collimate_core.templates.image import Image
+
+    if isinstance(image, Image):
+        return ready
     if not isinstance(image, (str, os.PathLike)) or not str(image).strip():
-        raise InvalidArgument(f"image must be a path or an image reference, not {image!r}")
+        raise InvalidArgument(f"image must be an Image, a path or an image reference, not {image!r}")
     return ready
 
 
@@ -807,7 +817,7 @@ class Template:
     def bake(
         client: Any,
         name: str,
-        image: str | os.PathLike,
+        image: Any,
         ready: Ready | None = None,
         width: int = 1,
         *,
@@ -819,7 +829,7 @@ class Template:
     ) -> TemplateHandle:
         """Bake `image` into template `name` in the background; returns at once.
 
-        `image`: a path to an OCI image layout (directory or archive) or a `docker save` archive
+        `image`: an `Image` (the SDK's builder: Image.debian_slim().apt_install(...)...), a path to an OCI image layout (directory or archive) or a `docker save` archive
         (optionally `@sha256:<digest>`), or a reference (`name`, `name:tag`, `name@sha256:...`)
         in the local image store `store` (default $COLLIMATE_IMAGES, else <cache>/images/).
         `ready`: what to run before the checkpoint (Ready(cmd=...) and/or Ready(code=...)).
@@ -852,6 +862,11 @@ class Template:
                 )
             if cpus is not None:
                 raise InvalidArgument("Template.bake(cpus=...) is for the embedded engine")
+            if not isinstance(image, (str, os.PathLike)):
+                raise InvalidArgument(
+                    "Template.bake over HTTP takes an image reference in the server's image store: write the Image "
+                    "there with image.export_oci(path) and pass its name"
+                )
             return client._remote_templates.bake(name, image, ready, width, store=store, cache=cache, egress=policy)
         if not hasattr(client, "register_template"):
             raise InvalidArgument("Template.bake needs the embedded engine (connect() without an API key)")
