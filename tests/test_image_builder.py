@@ -109,3 +109,48 @@ def test_a_baked_builder_image_runs_debian_and_pypi_programs(tmp_path):
         assert r.stdout.splitlines()[3].startswith("pytest "), r.stdout
         assert r.stdout.splitlines()[4] == "hello from the image"
     Template.delete(client, "test-image-builder")
+
+
+@pytest.mark.kvm
+@pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
+def test_home_is_writable_so_pip_installs_land_there(tmp_path):
+    """`pip install --user`, and `pip install -e .` (pip falls back to the user site when the
+    system's is read-only), in a sandbox without network: into HOME, the sandbox's own copy of the
+    image's, which a fork inherits and a reset drops."""
+    proj = tmp_path / "proj"
+    (proj / "greet").mkdir(parents=True)
+    (proj / "greet" / "__init__.py").write_text("def hello():\n    return 'hello from greet'\n")
+    (proj / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=64"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        '[project]\nname = "greet"\nversion = "0.1"\n'
+    )
+    image = Image.debian_slim().pip_install("pip", "setuptools", "wheel").add_local_dir(proj, "/work/proj")
+    client = connect()
+    handle = Template.bake(client, name="test-image-builder-home", image=image)
+    st = handle.wait(timeout=900)
+    assert st.phase == "Live", st.log
+    pip = "python3 -m pip install --no-index --no-build-isolation --disable-pip-version-check"
+    check = "cd / && python3 -c 'import greet; print(greet.hello(), greet.__file__)'"
+    try:
+        with client.session(handle) as s:
+            assert s.exec(command="echo $HOME > ~/written && cat /root/written").stdout == "/root\n"
+            r = s.exec(command=f"cd /work/proj && {pip} -e .", timeout_seconds=600)
+            assert r.ok and "user installation" in r.stdout + r.stderr, (r.stdout, r.stderr)
+            r = s.exec(command=check)
+            assert r.ok and r.stdout == "hello from greet /work/proj/greet/__init__.py\n", r
+            # Editable: an edit shows at once.
+            assert s.exec(command="sed -i 's/hello from/howdy from/' /work/proj/greet/__init__.py").ok
+            assert s.exec(command=check).stdout.startswith("howdy from greet")
+            with s.fork_group(1) as grp:
+                assert grp[0].exec(command=check).stdout.startswith("howdy from greet")
+            s.reset()
+            assert s.exec(command=check).exit_code == 1  # the install is gone with the reset
+            assert s.exec(command="test -e /root/written").exit_code == 1
+            r = s.exec(command=f"{pip} --user /work/proj", timeout_seconds=600)
+            assert r.ok, (r.stdout, r.stderr)
+            r = s.exec(command=check)
+            assert r.ok and "/root/.local/lib/python3.11/site-packages/greet/" in r.stdout, r
+            # The rest of the root is still the image's, read-only.
+            assert "Read-only file system" in s.exec(command="touch /usr/local/x").stderr
+    finally:
+        Template.delete(client, "test-image-builder-home")

@@ -15,7 +15,8 @@ A bake, in a background thread (`handle.wait()` blocks on it; `handle.status()` 
      small static helper compiled from `guest/exec_helper.c` on the first such bake (command execs
      only, seed_ack "off"). Both speak agent.py's fd-3 protocol and are mounted at /opt/collimate.
      The agent runs with the image's Env (plus HOME from its User), in its WorkingDir (/work if it
-     has none); the image's /work and /tmp contents seed the writable /work and /tmp;
+     has none); the image's /work and /tmp contents seed the writable /work and /tmp, and its HOME
+     (/root, /home/<user>) is writable too, seeded with the image's (`_writable_home`);
   5. run `Ready(cmd=...)` as a command exec and `Ready(code=...)` in the agent's interpreter; a
      non-zero exit fails the bake. Modules Ready imports are loaded in every clone;
   6. checkpoint the agent at its idle read, check a clone answers, and commit the version;
@@ -410,6 +411,29 @@ def _copy_owned(src: str, dst: Path) -> None:
             os.lchown(os.path.normpath(os.path.join(dst, rel, name)), st.st_uid, st.st_gid)
 
 
+# Largest HOME of an image that becomes writable (it is copied into every sandbox, as /work is).
+HOME_COPY_LIMIT = 64 << 20
+# Where a HOME is part of the system's tree, never made a writable copy of its own.
+_SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/opt", "/proc", "/sys", "/dev", "/var", "/srv")
+
+
+def _writable_home(home: str, tree: Any, say: Any) -> str | None:
+    """The image's HOME, if it becomes a writable mount (pip install --user, dotfiles, caches):
+    not /, not inside the writable mounts already or a system directory, and small enough to copy
+    into each sandbox."""
+    home = "/" + home.strip("/") if home.startswith("/") else ""
+    if home in ("", "/") or any(home == d or home.startswith(d + "/") for d in ("/work", "/tmp", "/dev/shm", *_SYSTEM_DIRS)):
+        return None
+    src = tree.resolve(home)
+    if src and os.path.isdir(src):
+        size = sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(src) for f in fs)
+        if size > HOME_COPY_LIMIT:
+            say(f"HOME {home} stays read-only: the image has {size >> 20} MiB there (more than "
+                f"{HOME_COPY_LIMIT >> 20} MiB to copy into every sandbox)")
+            return None
+    return home
+
+
 def _tail(b: bytes) -> str:
     s = b.decode(errors="replace")
     return s if len(s) <= LOG_OUTPUT_CAP else "[...]\n" + s[-LOG_OUTPUT_CAP:]
@@ -589,6 +613,18 @@ class _Build:
                     host.mkdir()
                 os.chmod(host, mode)
                 mounts[guest] = host
+            home = _writable_home(env["HOME"], tree, say)
+            if home is not None:
+                host = workdirs / "home"
+                src = tree.resolve(home)
+                if src and os.path.isdir(src):
+                    _copy_owned(src, host)
+                else:
+                    host.mkdir(mode=0o700)
+                    if os.geteuid() == 0:
+                        os.chown(host, user["uid"], user["gid"])
+                mounts[home] = host
+                say(f"HOME {home} is writable (the sandbox's own copy of the image's, in its disk quota)")
 
             # Boot the agent to its idle point, then the ready state.
             try:

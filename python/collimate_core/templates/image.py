@@ -109,7 +109,8 @@ class Image:
     """A container image described step by step; every method returns a new Image.
 
     Start from `Image.debian_slim()` (Debian 12 with its CPython 3.11, busybox, bash and tar: the
-    python template's root filesystem). Nothing is built until `build`, `export_oci` or
+    python template's root filesystem, without Debian's EXTERNALLY-MANAGED marker, so that pip
+    installs as in Python's official images). Nothing is built until `build`, `export_oci` or
     `Template.bake(image=...)` asks.
     """
 
@@ -268,7 +269,14 @@ def _build_step(ctx: _Context, step: _Step) -> BuiltLayer:
         manifest = json.loads((root / _rootfs.MANIFEST).read_text())
         ctx.base_packages = frozenset(p["name"] for p in manifest["packages"])
         ctx.python_version = ".".join(str(manifest["python_version"]).split(".")[:2])
-        return _layer(ctx, ("base", root.name), f"Debian 12 base ({root.name})", lambda d: _copy_tree(root, d))
+        def fill_base(d: Path) -> None:
+            _copy_tree(root, d)
+            # As Python's official images: pip installs without --break-system-packages (PEP 668's
+            # marker is Debian's, for a system whose Python apt manages; an image's is the user's).
+            for marker in d.glob("usr/lib/python3*/EXTERNALLY-MANAGED"):
+                marker.unlink()
+
+        return _layer(ctx, ("base", root.name, "no-EXTERNALLY-MANAGED"), f"Debian 12 base ({root.name})", fill_base)
     if step.kind == "apt":
         return _apt_layer(ctx, step.args)
     if step.kind == "pip":
