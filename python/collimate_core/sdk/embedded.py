@@ -579,7 +579,7 @@ class EmbeddedClient:
                 box.lost = "died (" + _how_it_ended(r) + ")"
         notes = []
         if restarted:
-            kept = restarted.startswith("did not stop")
+            kept = restarted.endswith("after a timeout")  # replaced over its files (_end_exec)
             notes.append(
                 f"this exec ran in a fresh interpreter: the sandbox's interpreter {restarted} in an earlier exec "
                 + (

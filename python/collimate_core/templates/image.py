@@ -159,7 +159,9 @@ class Image:
         a wheel, a project directory). `find_links`: directories of wheels and sdists to take
         packages from; `offline=True`: only from there (no index at all). Pin versions for a
         reproducible image: a cached layer is reused for the same requirement strings."""
-        reqs = _strings(requirements, "pip_install")
+        # A local path (sdist, wheel, project directory) is taken as it is now, wherever the
+        # build runs from.
+        reqs = [str(Path(r).resolve()) if os.path.exists(r) else r for r in _strings(requirements, "pip_install")]
         links = [find_links] if isinstance(find_links, (str, os.PathLike)) else list(find_links)
         links = [str(Path(p).resolve()) for p in links]
         local = tuple(sorted(_file_digest(Path(r)) for r in reqs if os.path.exists(r)))
