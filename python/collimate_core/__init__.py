@@ -39,6 +39,7 @@ from collimate_core.sdk.errors import (
     VmDestroyedError,
 )
 from collimate_core.templates.oci import ImageError
+from collimate_core.templates.image import Image, ImageBuildError
 from collimate_core.grading.grade import (
     GradeResult,
     PropertyReward,
@@ -73,6 +74,8 @@ __all__ = [
     "HostLost",
     "IOGradeResult",
     "IOTestReward",
+    "Image",
+    "ImageBuildError",
     "ImageError",
     "InvalidArgument",
     "NotFoundError",

@@ -169,13 +169,18 @@ class Vm:
         """Keep `n` pre-forked children ready so `fork`/`clone` only hand one over (template zygotes)."""
     def clone(self) -> Vm:
         """One copy-on-write child: `fork(1)[0]`."""
-    def reset(self) -> _ResetStats:
-        """Return to the snapshot this VM was restored or cloned from."""
+    def reset(self, keep_files: bool = False) -> _ResetStats:
+        """Return to the snapshot this VM was restored or cloned from; with `keep_files`, its
+        writable mounts (/tmp, /work) stay as they are."""
     def agent_call(self, input: bytes, timeout: float, seed: bytes | None = None, replay: bool = True,
                    wall_clock_ns: int | None = None) -> RunResult:
         """Send `input` to the in-guest agent (fd 3); run until it waits again. Reply in `.agent`.
         With `seed` (32 bytes), reseed first as `reseed(seed, replay)`, in the same round trip;
         with `wall_clock_ns` too, virtual REALTIME starts no earlier than that."""
+    def end_exec(self, signal: int, timeout: float) -> RunResult:
+        """After an agent_call that timed out: SIGKILL every guest process that exec started, send
+        the agent guest signal `signal` (0: none) and run until it waits again (at most `timeout`
+        seconds). Files and the agent's memory are kept."""
     def upload(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write a file into a Linux guest's file system (/tmp and /work), byte-exact."""
     def download(self, path: str) -> bytes:

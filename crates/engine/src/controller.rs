@@ -547,7 +547,17 @@ impl Vm {
 
     /// Return to the snapshot this VM descends from: drop its private pages, restore the vCPU.
     pub fn reset(&mut self) -> Result<ResetStats> {
-        match self.call(&Request::Reset, CONTROL_TIMEOUT)? {
+        self.reset_request(Request::Reset)
+    }
+
+    /// [`Vm::reset`] that keeps the sandbox's writable mounts as they are (see
+    /// `Request::ResetKeepFiles`).
+    pub fn reset_keep_files(&mut self) -> Result<ResetStats> {
+        self.reset_request(Request::ResetKeepFiles)
+    }
+
+    fn reset_request(&mut self, req: Request) -> Result<ResetStats> {
+        match self.call(&req, CONTROL_TIMEOUT)? {
             Response::Reset(s) => {
                 // Output the guest wrote before the reset belongs to no one now.
                 if let Some(stdio) = &self.stdio {
@@ -570,6 +580,12 @@ impl Vm {
     /// `seed.wall_clock_ns`, virtual REALTIME starts no earlier than that).
     pub fn agent_call_seeded(&mut self, input: &[u8], timeout: Duration, seed: crate::protocol::ExecSeed) -> Result<RunResult> {
         self.run_request(Request::AgentCall { input: input.to_vec(), timeout, reseed: Some(seed) }, timeout)
+    }
+
+    /// After an agent call that timed out: end what that exec started and let the agent answer
+    /// (see `Request::EndExec`).
+    pub fn end_exec(&mut self, signal: i32, timeout: Duration) -> Result<RunResult> {
+        self.run_request(Request::EndExec { signal, timeout }, timeout)
     }
 
     /// Write a file into the guest's file system (a Linux guest's writable mounts), byte-exact.

@@ -45,10 +45,20 @@ pub enum Request {
     /// quota), and none is made without. The controller sends as many as it will ask children for.
     AddScratch,
     Reset,
+    /// `Reset` that keeps the sandbox's writable mounts (/tmp, /work, ... as they are now): a
+    /// fresh agent from the template over the files the sandbox has (an interpreter that had to
+    /// be given up after a timeout).
+    ResetKeepFiles,
     /// Queue `input` for the in-guest agent (its fd 3) and run until the agent waits for more (the
     /// run ends with `Yield { value: AGENT_IDLE_YIELD }`); the result carries what it wrote.
     /// With `reseed`, the sandbox CRNG is reseeded first (as `Reseed`): one round trip per exec.
     AgentCall { input: Vec<u8>, timeout: Duration, reseed: Option<ExecSeed> },
+    /// After an `AgentCall` that timed out: SIGKILL every guest process that exec started (the
+    /// sandbox's first process, the agent, excepted; files and the agent's memory are kept), send
+    /// the agent guest signal `signal` if it is not 0 (SIGINT ends a code exec's Python with
+    /// KeyboardInterrupt), and run until the agent waits for its next request, as `AgentCall`
+    /// does, for at most `timeout`.
+    EndExec { signal: i32, timeout: Duration },
     /// Write a file into a Linux guest's file system (writable mounts only), byte-exact; parent
     /// directories are created.
     Upload { path: String, data: Vec<u8>, mode: u32 },
@@ -105,12 +115,14 @@ impl Request {
             self,
             Request::Run { .. }
                 | Request::Reset
+                | Request::ResetKeepFiles
                 | Request::WriteMem { .. }
                 | Request::SetRegs(_)
                 | Request::SetStdio
                 | Request::Upload { .. }
                 | Request::Reseed { .. }
                 | Request::AgentCall { .. }
+                | Request::EndExec { .. }
         )
     }
 }

@@ -442,9 +442,11 @@ impl PyVm {
         self.with(py, "Vm.clone", |vm| Ok(vm.clone_vm()?)).map(PyVm::wrap)
     }
 
-    /// Returns the VM to the snapshot it was restored or cloned from.
-    fn reset<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let stats = self.with(py, "Vm.reset", |vm| Ok(vm.reset()?))?;
+    /// Returns the VM to the snapshot it was restored or cloned from; with `keep_files`, its
+    /// writable mounts (/tmp, /work) stay as they are.
+    #[pyo3(signature = (keep_files = false))]
+    fn reset<'py>(&self, py: Python<'py>, keep_files: bool) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.with(py, "Vm.reset", |vm| Ok(if keep_files { vm.reset_keep_files()? } else { vm.reset()? }))?;
         let out = PyDict::new(py);
         out.set_item("dirty_pages", stats.dirty_pages)?;
         out.set_item("duration", stats.duration.as_secs_f64())?;
@@ -470,6 +472,17 @@ impl PyVm {
                 None => vm.agent_call(&input, timeout)?,
             })
         })?;
+        Ok(RunResult::new(py, result))
+    }
+
+    /// After an `agent_call` that timed out: SIGKILLs every guest process that exec started,
+    /// sends the agent guest signal `signal` (0: none; SIGINT ends running Python code with
+    /// KeyboardInterrupt) and runs until the agent waits again, for at most `timeout` seconds.
+    /// Files and the agent's memory are kept. The result is as `agent_call`'s.
+    #[pyo3(signature = (signal, timeout))]
+    fn end_exec(&self, py: Python<'_>, signal: i32, timeout: f64) -> PyResult<RunResult> {
+        let timeout = duration_from_secs("Vm.end_exec", timeout)?;
+        let result = self.with(py, "Vm.end_exec", |vm| Ok(vm.end_exec(signal, timeout)?))?;
         Ok(RunResult::new(py, result))
     }
 

@@ -162,6 +162,11 @@ class _Template:
             return self.zygote.clone(), warm
 
 
+# How long an exec that timed out has, once its processes are killed, for its interpreter to
+# answer (seconds of wall time).
+END_EXEC_GRACE = 10.0
+
+
 @dataclass
 class _Box:
     id: str
@@ -537,8 +542,16 @@ class EmbeddedClient:
             restarted, box.lost = box.lost, ""
             died = False
             timed_out = r.kind == "timeout"
+            stdout, stderr = r.stdout, r.stderr
+            ended = ""
+            if timed_out:
+                # End what the exec started and keep the sandbox (docs/sessions.md).
+                stdout, stderr, ended = self._end_exec(box, code is not None, stdout, stderr)
             reply = _unframe(r.agent) if r.kind == "yield" and r.value == AGENT_IDLE else None
-            if reply is not None and "exit_code" in reply:
+            if timed_out:
+                exit_code = 124
+                verdict = "no-ack" if handshake else "off"
+            elif reply is not None and "exit_code" in reply:
                 exit_code = int(reply["exit_code"])
                 ack = reply.get("seed_ack")
                 if not handshake:
@@ -552,36 +565,37 @@ class EmbeddedClient:
                     # took, but a replay may interleave the threads differently.
                     verdict = "not-reproducible"
             else:
-                # The program ended or stopped the agent (os._exit, a fatal signal) or ran out of
-                # time: the sandbox is restored from its template before its next exec.
+                # The program ended or stopped the agent (os._exit, a fatal signal): the sandbox
+                # is restored from its template before its next exec.
                 box.agent_alive = False
                 verdict = "no-ack" if handshake else "off"
-                if timed_out:
-                    exit_code = 124
-                elif r.kind == "exited":
+                if r.kind == "exited":
                     exit_code = r.code or 0
                 elif r.kind == "signaled":
                     exit_code = 128 + (getattr(r, "signal", 0) or 0)
                 else:
                     exit_code = 128 + 11 if r.kind in ("fault", "shutdown") else 1
-                died = not timed_out
-                box.lost = "timed out" if timed_out else "died (" + _how_it_ended(r) + ")"
+                died = True
+                box.lost = "died (" + _how_it_ended(r) + ")"
         notes = []
         if restarted:
+            kept = restarted.endswith("after a timeout")  # replaced over its files (_end_exec)
             notes.append(
-                f"this exec ran in a fresh interpreter: the sandbox's interpreter {restarted} in an earlier exec, "
-                "and the sandbox was restored from its template (earlier Python state, processes and files in "
-                "/tmp and /work are gone)"
+                f"this exec ran in a fresh interpreter: the sandbox's interpreter {restarted} in an earlier exec "
+                + (
+                    "(earlier Python state and processes are gone; files in /tmp and /work were kept)"
+                    if kept
+                    else "and the sandbox was restored from its template (earlier Python state, processes and "
+                    "files in /tmp and /work are gone)"
+                )
             )
-        if died or timed_out:
-            what = (
-                f"the sandbox's interpreter (the agent, guest pid 1) {box.lost} during this exec"
-                if died
-                else "this exec timed out and its interpreter is abandoned"
-            )
+        if ended:
+            notes.append(ended)
+        if died:
             notes.append(
-                what + "; the next exec runs in a fresh interpreter restored from the template "
-                "(Python state, processes and files in /tmp and /work are lost)"
+                f"the sandbox's interpreter (the agent, guest pid 1) {box.lost} during this exec; the next exec "
+                "runs in a fresh interpreter restored from the template (Python state, processes and files in "
+                "/tmp and /work are lost)"
             )
         replay, replay_error = "", ""
         if outcome is not None:
@@ -592,23 +606,56 @@ class EmbeddedClient:
             elif replay_error:
                 notes.append(replay_error)
         note = "; ".join(notes)
-        self._count("execs", 1, bytes_out=len(r.stdout) + len(r.stderr))
+        self._count("execs", 1, bytes_out=len(stdout) + len(stderr))
         return ExecResult(
             exit_code=exit_code,
-            stdout=r.stdout.decode(errors="replace"),
-            stderr=r.stderr.decode(errors="replace"),
+            stdout=stdout.decode(errors="replace"),
+            stderr=stderr.decode(errors="replace"),
             seed=seed_hex,
             seed_ack=verdict,
             duration=r.duration,
             timed_out=timed_out,
             truncated=r.truncated,
-            stdout_bytes=r.stdout,
-            stderr_bytes=r.stderr,
+            stdout_bytes=stdout,
+            stderr_bytes=stderr,
             interpreter_died=died,
             interpreter_restarted=bool(restarted),
             note=note,
             egress_replay=replay,
             egress_error=replay_error,
+        )
+
+    def _end_exec(self, box: _Box, python: bool, stdout: bytes, stderr: bytes) -> tuple[bytes, bytes, str]:
+        """An exec ran out of time: SIGKILL every process it started, interrupt the interpreter
+        if it was running the exec's Python code (SIGINT: KeyboardInterrupt), and let it answer.
+        Files are kept either way; the interpreter's state too if it answers within
+        END_EXEC_GRACE. If it does not (it ignores SIGINT, is stuck in C code), it is replaced
+        by a fresh one from the template over the sandbox's files, and the next exec says so
+        (`interpreter_restarted`). Returns the output with what came meanwhile, and a note."""
+        try:
+            r = box.vm.end_exec(int(_signal.SIGINT) if python else 0, END_EXEC_GRACE)
+        except _CoreEngineError as e:
+            raise _engine_error(e, f"ending the timed-out exec in sandbox {box.id}") from e
+        stdout, stderr = stdout + r.stdout, stderr + r.stderr
+        reply = _unframe(r.agent) if r.kind == "yield" and r.value == AGENT_IDLE else None
+        what = "its Python code was interrupted (KeyboardInterrupt) and " if python else ""
+        if reply is not None and "exit_code" in reply:
+            return stdout, stderr, (
+                "this exec timed out: the processes it started were killed, " + what + "the sandbox is kept "
+                "(files in /tmp and /work, the interpreter's state, processes earlier execs left running)"
+            )
+        how = "did not stop within {:g}s of the timeout".format(END_EXEC_GRACE) if r.kind == "timeout" else (
+            "died (" + _how_it_ended(r) + ")"
+        )
+        try:
+            box.vm.reset(keep_files=True)
+        except _CoreEngineError as e:
+            raise _engine_error(e, f"restarting the interpreter of sandbox {box.id}") from e
+        box.agent_alive = True
+        box.lost = "did not stop after a timeout" if r.kind == "timeout" else "died after a timeout"
+        return stdout, stderr, (
+            f"this exec timed out and the sandbox's interpreter {how}: the next exec runs in a fresh interpreter "
+            "(Python state and processes are lost; files in /tmp and /work are kept)"
         )
 
     def _tape_begin(self, box: _Box, seed: bytes) -> tuple[str, int | None]:

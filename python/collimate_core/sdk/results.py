@@ -20,7 +20,13 @@ class ExecResult:
     `os.kill(os.getpid(), 9)`, a crash), that exec's result has `interpreter_died` set, and the
     sandbox is restored from its template before its next exec, which has `interpreter_restarted`
     set: it runs in a fresh interpreter, and everything earlier execs left (variables, imports,
-    processes, files in /tmp and /work) is gone. The same holds after an exec that timed out.
+    processes, files in /tmp and /work) is gone.
+
+    An exec that runs out of time (`timed_out`, exit code 124) is not a death: every process it
+    started is killed, Python code it was running in the interpreter gets KeyboardInterrupt, and
+    the sandbox is kept (files, the interpreter's state, what earlier execs left running). Only
+    an interpreter that does not stop within a grace period is replaced, over the same files,
+    and the next exec has `interpreter_restarted` set (docs/sessions.md).
     `note` says what happened in words ("" when nothing did).
 
     Under an egress policy with `record=True`, `egress_replay` says what the exec did with the

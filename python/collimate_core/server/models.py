@@ -185,8 +185,9 @@ class ExecResponse(BaseModel):
     )
     interpreter_restarted: bool = Field(
         False,
-        description="this exec ran in a fresh interpreter restored from the template: an earlier exec's interpreter "
-        "died or timed out, and its Python state, processes and files in /tmp and /work are gone",
+        description="this exec ran in a fresh interpreter: an earlier exec's interpreter died (the sandbox was restored "
+        "from the template: Python state, processes and files in /tmp and /work are gone) or did not stop after a "
+        "timeout (replaced over the same files; docs/sessions.md)",
     )
     note: str = Field("", description="what happened to the interpreter, in words ('' when nothing did)")
     egress_replay: str = Field("", description="under an egress policy with record=true: recorded, replayed or "

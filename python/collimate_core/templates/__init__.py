@@ -5,6 +5,8 @@
   agent's channel framing;
 - bake.py: `Template.bake` from an image (`Template`, `Ready`, `TemplateHandle`): the bake, its
   ready point, the template store;
+- image.py: `Image`, the SDK's image builder (Debian packages, PyPI wheels, local files; cached
+  content-addressed layers; an OCI layout out);
 - oci.py: OCI images and `docker save` archives: digests, layers, the image store, a root filesystem
   from an image;
 - rootfs.py: the python template's root filesystem recipe from Debian's packages (stdlib only: also

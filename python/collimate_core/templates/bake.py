@@ -15,7 +15,8 @@ A bake, in a background thread (`handle.wait()` blocks on it; `handle.status()` 
      small static helper compiled from `guest/exec_helper.c` on the first such bake (command execs
      only, seed_ack "off"). Both speak agent.py's fd-3 protocol and are mounted at /opt/collimate.
      The agent runs with the image's Env (plus HOME from its User), in its WorkingDir (/work if it
-     has none); the image's /work and /tmp contents seed the writable /work and /tmp;
+     has none); the image's /work and /tmp contents seed the writable /work and /tmp, and its HOME
+     (/root, /home/<user>) is writable too, seeded with the image's (`_writable_home`);
   5. run `Ready(cmd=...)` as a command exec and `Ready(code=...)` in the agent's interpreter; a
      non-zero exit fails the bake. Modules Ready imports are loaded in every clone;
   6. checkpoint the agent at its idle read, check a clone answers, and commit the version;
@@ -410,6 +411,29 @@ def _copy_owned(src: str, dst: Path) -> None:
             os.lchown(os.path.normpath(os.path.join(dst, rel, name)), st.st_uid, st.st_gid)
 
 
+# Largest HOME of an image that becomes writable (it is copied into every sandbox, as /work is).
+HOME_COPY_LIMIT = 64 << 20
+# Where a HOME is part of the system's tree, never made a writable copy of its own.
+_SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/opt", "/proc", "/sys", "/dev", "/var", "/srv")
+
+
+def _writable_home(home: str, tree: Any, say: Any) -> str | None:
+    """The image's HOME, if it becomes a writable mount (pip install --user, dotfiles, caches):
+    not /, not inside the writable mounts already or a system directory, and small enough to copy
+    into each sandbox."""
+    home = "/" + home.strip("/") if home.startswith("/") else ""
+    if home in ("", "/") or any(home == d or home.startswith(d + "/") for d in ("/work", "/tmp", "/dev/shm", *_SYSTEM_DIRS)):
+        return None
+    src = tree.resolve(home)
+    if src and os.path.isdir(src):
+        size = sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(src) for f in fs)
+        if size > HOME_COPY_LIMIT:
+            say(f"HOME {home} stays read-only: the image has {size >> 20} MiB there (more than "
+                f"{HOME_COPY_LIMIT >> 20} MiB to copy into every sandbox)")
+            return None
+    return home
+
+
 def _tail(b: bytes) -> str:
     s = b.decode(errors="replace")
     return s if len(s) <= LOG_OUTPUT_CAP else "[...]\n" + s[-LOG_OUTPUT_CAP:]
@@ -497,8 +521,14 @@ class _Build:
         workdirs: Path | None = None
         try:
             say(f"baking template {spec.name!r} v{self.status.version} from {spec.image}")
+            image = spec.image
+            if not isinstance(image, (str, os.PathLike)):  # an Image builder: its layers, as an OCI layout
+                try:
+                    image = image.layout(spec.cache, say)
+                except _oci.ImageError as e:
+                    raise BuildError(str(e)) from None
             try:
-                img = _oci.resolve(spec.image, spec.store, say)
+                img = _oci.resolve(image, spec.store, say)
             except _oci.ImageError as e:
                 raise BuildError(str(e)) from None
             image_id = img.id
@@ -583,6 +613,18 @@ class _Build:
                     host.mkdir()
                 os.chmod(host, mode)
                 mounts[guest] = host
+            home = _writable_home(env["HOME"], tree, say)
+            if home is not None:
+                host = workdirs / "home"
+                src = tree.resolve(home)
+                if src and os.path.isdir(src):
+                    _copy_owned(src, host)
+                else:
+                    host.mkdir(mode=0o700)
+                    if os.geteuid() == 0:
+                        os.chown(host, user["uid"], user["gid"])
+                mounts[home] = host
+                say(f"HOME {home} is writable (the sandbox's own copy of the image's, in its disk quota)")
 
             # Boot the agent to its idle point, then the ready state.
             try:
@@ -795,8 +837,12 @@ def check_bake_args(image: Any, ready: Any, width: Any) -> Ready:
         raise InvalidArgument(f"ready must be a Ready(cmd=... | code=...), not {ready!r}")
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise InvalidArgument(f"width must be a positive int, not {width!r}")
+    from collimate_core.templates.image import Image
+
+    if isinstance(image, Image):
+        return ready
     if not isinstance(image, (str, os.PathLike)) or not str(image).strip():
-        raise InvalidArgument(f"image must be a path or an image reference, not {image!r}")
+        raise InvalidArgument(f"image must be an Image, a path or an image reference, not {image!r}")
     return ready
 
 
@@ -807,7 +853,7 @@ class Template:
     def bake(
         client: Any,
         name: str,
-        image: str | os.PathLike,
+        image: Any,
         ready: Ready | None = None,
         width: int = 1,
         *,
@@ -819,7 +865,7 @@ class Template:
     ) -> TemplateHandle:
         """Bake `image` into template `name` in the background; returns at once.
 
-        `image`: a path to an OCI image layout (directory or archive) or a `docker save` archive
+        `image`: an `Image` (the SDK's builder: Image.debian_slim().apt_install(...)...), a path to an OCI image layout (directory or archive) or a `docker save` archive
         (optionally `@sha256:<digest>`), or a reference (`name`, `name:tag`, `name@sha256:...`)
         in the local image store `store` (default $COLLIMATE_IMAGES, else <cache>/images/).
         `ready`: what to run before the checkpoint (Ready(cmd=...) and/or Ready(code=...)).
@@ -852,6 +898,11 @@ class Template:
                 )
             if cpus is not None:
                 raise InvalidArgument("Template.bake(cpus=...) is for the embedded engine")
+            if not isinstance(image, (str, os.PathLike)):
+                raise InvalidArgument(
+                    "Template.bake over HTTP takes an image reference in the server's image store: write the Image "
+                    "there with image.export_oci(path) and pass its name"
+                )
             return client._remote_templates.bake(name, image, ready, width, store=store, cache=cache, egress=policy)
         if not hasattr(client, "register_template"):
             raise InvalidArgument("Template.bake needs the embedded engine (connect() without an API key)")

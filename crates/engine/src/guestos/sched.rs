@@ -628,6 +628,27 @@ pub fn processes() -> Vec<Process> {
     })
 }
 
+/// The processes the current exec started (members of the turns: running, runnable or
+/// blocked), this one excepted; what earlier execs left is detached ([`new_exec`]) and not
+/// listed.
+pub fn exec_processes() -> Vec<Process> {
+    let Some(r) = region() else { return Vec::new() };
+    let me = ME.load(Ordering::SeqCst);
+    with_lock(r, || {
+        r.slots
+            .iter()
+            .filter_map(|s| {
+                let pid = s.pid.load(Ordering::SeqCst);
+                (pid != 0 && pid != me && matches!(s.state.load(Ordering::SeqCst), 1 | 2)).then(|| Process {
+                    pid: pid as i32,
+                    host: s.host.load(Ordering::SeqCst),
+                    pgid: s.pgid.load(Ordering::SeqCst) as i32,
+                })
+            })
+            .collect()
+    })
+}
+
 /// A line per process of the tree for a report of a run that timed out: its pid, whether it holds
 /// the turn, and what it waits in (the call it last passed the turn from). Empty when this process
 /// is alone or the tree does not take turns (outside replay mode nothing here is current).

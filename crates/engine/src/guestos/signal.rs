@@ -1094,6 +1094,43 @@ fn kill_latecomers(os: &GuestOs, pid: i32, mut seen: Vec<i32>) -> bool {
     any
 }
 
+/// An exec of the sandbox's first process ran out of time: SIGKILL every process that exec
+/// started (`sched::exec_processes`: the members of its turns; what earlier execs left in the
+/// background is detached and spared). Its own children keep their entries, so the agent's wait
+/// reports them killed. Looks again for forks that were under way (as `kill_latecomers`).
+/// Returns how many were signalled.
+pub fn kill_exec_processes(os: &mut GuestOs) -> usize {
+    use crate::guestos::sched;
+    let me = os.proc.pid;
+    let mut seen: Vec<i32> = Vec::new();
+    for _ in 0..16 {
+        let targets: Vec<sched::Process> = sched::exec_processes().into_iter().filter(|p| p.pid != me && !seen.contains(&p.pid)).collect();
+        if targets.is_empty() {
+            break;
+        }
+        for p in targets {
+            seen.push(p.pid);
+            let own = os.sig.children.iter().find(|c| c.pid == p.pid).and_then(|c| c.pidfd.as_ref());
+            if let Some(fd) = own {
+                if host::send_pidfd(fd.as_raw_fd(), SIGKILL, false, (0, 0)).is_ok() {
+                    sched::killed(p.pid);
+                }
+                continue;
+            }
+            let host_pid = if p.host > 0 { p.host } else { sched::doom(p.pid) };
+            if host_pid <= 0 {
+                continue; // it dies when it starts
+            }
+            if let Ok(fd) = roster::open(p.pid, host_pid) {
+                if host::send_pidfd(fd.as_raw_fd(), SIGKILL, false, (0, 0)).is_ok() {
+                    sched::killed(p.pid);
+                }
+            }
+        }
+    }
+    seen.len()
+}
+
 /// tgkill(2) (`tgid` > 0) and tkill(2) (`tgid` None).
 fn sys_tgkill(os: &mut GuestOs, tgid: Option<i32>, tid: i32, sig: u64) -> SysResult {
     let sig = check_signal(sig)?;

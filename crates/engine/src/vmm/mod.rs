@@ -768,6 +768,12 @@ impl Machine {
     }
 
     pub fn reset(&mut self) -> Result<ResetStats> {
+        self.reset_with(false)
+    }
+
+    /// [`Machine::reset`]; with `keep_files`, the writable mounts stay as they are (the guest's
+    /// memory, processes, open files and registers still go back to the reset point).
+    pub fn reset_with(&mut self, keep_files: bool) -> Result<ResetStats> {
         let start = Instant::now();
         let Some((vcpu, runtime)) = self.reset_point.clone() else {
             return Err(Error::ResetUnavailable(
@@ -791,10 +797,18 @@ impl Machine {
         self.exited = None;
         if let (Some((os_state, snap)), Some(os)) = (&self.os_reset_point, self.os.as_mut()) {
             let stdio = os.stdio.take();
+            let kept = if keep_files { Some(current_mounts(os, os_state)?) } else { None };
             // The old files go first: on the sandbox's tmpfs, what it wrote is freed at once.
             os.files = Default::default();
             os.mm = Default::default();
-            let mut fresh = restore_os(os_state, snap, &self.scratch)?;
+            let mut fresh = match kept {
+                Some(dirs) => {
+                    let mut o = os_state.rebuild(dirs)?;
+                    guestos::random::diverge(&mut o);
+                    o
+                }
+                None => restore_os(os_state, snap, &self.scratch)?,
+            };
             fresh.stdio = stdio;
             *os = fresh;
             // Guest pids start over where the template's did.
@@ -923,6 +937,25 @@ fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, scratch: &Sc
     let mut os = state.rebuild(dirs)?;
     guestos::random::diverge(&mut os);
     Ok(os)
+}
+
+/// The writable mounts of `os` as they are now, in the order of `state.mounts` (what
+/// `OsState::rebuild` takes), for a reset that keeps them.
+fn current_mounts(os: &GuestOs, state: &crate::guestos::persist::OsState) -> Result<Vec<(OwnedFd, PathBuf)>> {
+    state
+        .mounts
+        .iter()
+        .map(|at| {
+            let at = crate::guestos::vfs::join("/", at.as_bytes()).map_err(|e| Error::Remote(format!("mount {at}: errno {}", e.0)))?;
+            let m = os
+                .vfs
+                .mounts
+                .iter()
+                .find(|m| m.at == at && m.writable)
+                .ok_or_else(|| Error::Remote(format!("the sandbox has no writable mount at {at} to keep")))?;
+            Ok((m.dir.try_clone().map_err(Error::sys("dup a writable mount"))?, m.host.clone()))
+        })
+        .collect()
 }
 
 /// This process's own directory under the runtime directory.
@@ -1193,7 +1226,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             pool.invalidate();
             m.learn.guest_changed();
         }
-        let runs = matches!(req, Request::Run { .. } | Request::AgentCall { .. });
+        let runs = matches!(req, Request::Run { .. } | Request::AgentCall { .. } | Request::EndExec { .. });
         if runs {
             crate::trace::mark("serve.run");
         }
@@ -1245,6 +1278,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no stdio".into())),
             },
             Request::Reset => m.reset().map(Response::Reset),
+            Request::ResetKeepFiles => m.reset_with(true).map(Response::Reset),
             Request::AgentCall { input, timeout, reseed } => match m.os.as_mut().map(|os| {
                 if let Some(s) = reseed {
                     if let Some(ns) = s.wall_clock_ns {
@@ -1265,6 +1299,19 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 }),
                 Some(Err(e)) => Err(e),
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no agent".into())),
+            },
+            Request::EndExec { signal, timeout } => match m.os.is_some() {
+                true => process::end_exec(m, signal)
+                    .and_then(|_| {
+                        let (replay, mono) = m.os.as_ref().map_or((false, 0), |os| (os.proc.clocks.replay, guestos::thread::now(&os.proc.clocks)));
+                        crate::guestos::sched::new_exec(replay, mono);
+                        m.run(timeout)
+                    })
+                    .and_then(|mut r| {
+                        r.agent = m.os.as_ref().map(|os| os.agent_take()).transpose()?.unwrap_or_default();
+                        Ok(Response::Run(r))
+                    }),
+                false => Err(Error::InvalidArgument("this VM runs no Linux program; it has no agent".into())),
             },
             Request::Upload { path, data, mode } => match m.os.as_ref() {
                 Some(os) => os.upload(&path, &data, mode).map(|_| Response::Ok),

@@ -650,6 +650,24 @@ pub(super) fn kill_children(m: &mut Machine) {
     }
 }
 
+/// An exec ran out of time (`Request::EndExec`): end what it started and keep the sandbox. A
+/// vfork child running in place here ends as if SIGKILLed (its parent resumes); every other
+/// process the exec started is SIGKILLed (`signal::kill_exec_processes`), so the agent's wait
+/// for its command returns; the agent itself is sent `interrupt` (0: nothing). Its memory, its
+/// files and the processes earlier execs left running are untouched: unlike a reset.
+pub(super) fn end_exec(m: &mut Machine, interrupt: i32) -> Result<()> {
+    if super::spawn::active(m) {
+        super::spawn::filter_exit(m, Some(RunExit::Signaled { signo: signal::SIGKILL }))?;
+    }
+    if let Some(os) = m.os.as_mut() {
+        signal::kill_exec_processes(os);
+        if interrupt > 0 && os.proc.pid == 1 && host::top() != 0 {
+            host::send_top(interrupt, (0, 0)).map_err(|e| Error::Remote(format!("cannot interrupt the agent: errno {}", e.0)))?;
+        }
+    }
+    Ok(())
+}
+
 // --- execve ------------------------------------------------------------------------------------
 
 const MAX_ARG_STRLEN: usize = 32 * 4096;
