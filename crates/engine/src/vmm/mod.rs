@@ -14,6 +14,7 @@ mod spawn;
 mod teardown;
 mod threads;
 pub(crate) mod jail;
+mod lifeline;
 mod syscalls;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -1198,6 +1199,9 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             crate::trace::mark("serve.run");
         }
         process::serving(m, &chan, &pool);
+        if runs {
+            lifeline::arm(chan.raw_fd());
+        }
         let resp = match req {
             Request::Run { timeout } => m.run(timeout).map(Response::Run),
             Request::Snapshot { dir } => spawn::settle(m).and_then(|_| jail::in_snapshot_dest(&dir, fds, |d| m.snapshot(d))).map(|_| Response::Ok),
@@ -1296,6 +1300,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 Err(Error::InvalidArgument("this VMM process already has a VM".into()))
             }
         };
+        lifeline::disarm();
         reply(&mut chan, resp);
         if runs {
             crate::trace::mark("serve.replied");
