@@ -964,8 +964,12 @@ fn exit_discarding(code: i32) -> ! {
 }
 
 fn reply(chan: &mut Channel, r: Result<Response>) {
+    reply_with_fds(chan, r, &[])
+}
+
+fn reply_with_fds(chan: &mut Channel, r: Result<Response>, fds: &[RawFd]) {
     let msg = r.unwrap_or_else(|e| Response::Err(RemoteError::from(&e)));
-    if chan.send(&msg, &[]).is_err() {
+    if chan.send(&msg, fds).is_err() {
         exit_discarding(0); // controller gone
     }
 }
@@ -1274,8 +1278,14 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 Some(os) => os.upload(&path, &data, mode).map(|_| Response::Ok),
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no files".into())),
             },
-            Request::Download { path } => match m.os.as_ref() {
-                Some(os) => os.download(&path).map(Response::File),
+            Request::Download { path, max } => match m.os.as_ref() {
+                Some(os) => match os.download(&path, max) {
+                    Ok((fd, size)) => {
+                        reply_with_fds(&mut chan, Ok(Response::FileFd { size }), &[fd.as_raw_fd()]);
+                        continue;
+                    }
+                    Err(e) => Err(e),
+                },
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no files".into())),
             },
             Request::Reseed { seed, replay } => match m.os.as_mut() {
