@@ -41,6 +41,11 @@ from collimate_core.templates.catalog import AGENT_IDLE, Baked, bake_catalog, ca
 
 ACK_CONTEXT = b"collimate/seed-ack/v1"
 MAX_UPLOAD = 256 << 20
+# The largest code= an exec sends (the agent compiles it whole; 20 MiB ended in a bare MemoryError
+# inside the guest) and the largest command= (Linux's MAX_ARG_STRLEN, 128 KiB with its NUL: sh -c
+# gets the command as one argument).
+MAX_CODE = 1 << 20
+MAX_COMMAND = (128 << 10) - 1
 # The largest file `download` reads (COLLIMATE_MAX_DOWNLOAD or the client's max_download): a
 # sparse file costs the sandbox no quota but its whole size to read.
 MAX_DOWNLOAD = 256 << 20
@@ -72,6 +77,17 @@ def check_exec_args(code: Any, command: Any, timeout: Any, seed: Any) -> bytes |
         raise InvalidArgument("exec needs exactly one of code= (Python source) or command= (a shell command)")
     if not isinstance(code if code is not None else command, str):
         raise InvalidArgument("code= and command= take a str")
+    n = len((code if code is not None else command).encode("utf-8", "surrogatepass"))
+    if code is not None and n > MAX_CODE:
+        raise InvalidArgument(
+            f"code= is {n} bytes, over the limit of {MAX_CODE} ({MAX_CODE >> 20} MiB); put the program in a file "
+            "(upload_bytes('/work/main.py', source)) and run it (command='python3 /work/main.py')"
+        )
+    if command is not None and n > MAX_COMMAND:
+        raise InvalidArgument(
+            f"command= is {n} bytes, over Linux's limit of {MAX_COMMAND} bytes for one argument (sh -c takes it as "
+            "one); put the script in a file (upload_bytes('/work/run.sh', script)) and run it (command='sh /work/run.sh')"
+        )
     if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
         raise InvalidArgument(f"timeout_seconds must be a positive number, not {timeout!r}")
     if seed is None:
@@ -548,6 +564,11 @@ class EmbeddedClient:
             died = False
             timed_out = r.kind == "timeout"
             reply = _unframe(r.agent) if r.kind == "yield" and r.value == AGENT_IDLE else None
+            if reply is not None and "cwd_error" in reply:
+                raise InvalidArgument(
+                    f"exec cwd={cwd!r}: cannot change to it in the sandbox: {reply['cwd_error']}; nothing ran. "
+                    f"Create it first (exec(command='mkdir -p {cwd}')) or pass an existing directory"
+                )
             if reply is not None and "exit_code" in reply:
                 exit_code = int(reply["exit_code"])
                 ack = reply.get("seed_ack")
