@@ -482,7 +482,7 @@ class _Build:
         with _NameLock(self.tdir):
             n = max([*_versions(self.tdir), _current(self.tdir) or 0, 0]) + 1
             self.vtmp = self.tdir / f".v{n}.{os.getpid()}.tmp"
-            self.vtmp.mkdir()
+            self.vtmp.mkdir(mode=0o700)  # private: vm.mem holds what the Ready step loaded
         self.status.version = n
 
     # the work ---------------------------------------------------------------------------------

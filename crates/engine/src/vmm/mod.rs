@@ -722,7 +722,9 @@ impl Machine {
     }
 
     pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
-        std::fs::create_dir_all(dir).map_err(Error::sys("create snapshot directory"))?;
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+            .create(dir)
+            .map_err(Error::sys("create snapshot directory"))?;
         // Before anything below edits page-table entries.
         self.end_unlogged()?;
         // Shared mappings live outside guest memory, in host mappings of the sandbox's files and
