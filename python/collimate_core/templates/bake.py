@@ -378,6 +378,7 @@ def exec_helper(cache: Path, log=None) -> Path:
     t0 = time.monotonic()
 
     def build(tmp: Path) -> None:
+        os.chmod(tmp, 0o755)  # mounted into guests, whose user may not be root (a cache entry starts private)
         res = subprocess.run([cc, *flags, "-o", str(tmp / "collimate-exec"), str(HELPER_SRC)],
                              capture_output=True, text=True, check=False)
         if res.returncode != 0:
