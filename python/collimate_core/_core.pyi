@@ -183,8 +183,12 @@ class Vm:
         seconds). Files and the agent's memory are kept."""
     def upload(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write a file into a Linux guest's file system (/tmp and /work), byte-exact."""
-    def download(self, path: str) -> bytes:
-        """Read a file of a Linux guest's file system, byte-exact."""
+    def download(self, path: str, max_bytes: int = 268435456) -> bytes:
+        """Read a regular file of a Linux guest's file system, byte-exact, if it holds at most
+        `max_bytes` (a FIFO, a device or a directory is refused at once: CollimateError)."""
+    def open_download(self, path: str, max_bytes: int) -> tuple[int, int]:
+        """Open a regular file of a Linux guest's file system of at most `max_bytes` for reading:
+        (a file descriptor the caller owns and closes, the file's size)."""
     def reseed(self, seed: bytes, replay: bool = True) -> None:
         """Reseed the paused guest's sandbox CRNG with `seed` (exactly 32 bytes, else ValueError).
 

@@ -47,6 +47,8 @@ impl Default for VmConfig {
 
 /// Slack on top of a run's own budget before the controller decides the VMM process is hung.
 const HANG_GRACE: Duration = Duration::from_secs(30);
+/// The largest file [`Vm::download`] reads (the SDK's default download limit; uploads have the same).
+pub const DOWNLOAD_MAX: u64 = 256 << 20;
 /// How long a control request (not a run) may take.
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -241,6 +243,17 @@ impl Vm {
             return Err(self.died(format!("send failed: {e}")));
         }
         self.recv(timeout)
+    }
+
+    /// A request whose answer carries descriptors.
+    fn call_with_fds_back(&mut self, req: &Request, timeout: Duration) -> Result<(Response, Vec<OwnedFd>)> {
+        if matches!(self.process, Process::Gone) {
+            return Err(Error::Destroyed);
+        }
+        if let Err(e) = self.chan.send(req, &[]) {
+            return Err(self.died(format!("send failed: {e}")));
+        }
+        self.recv_with_fds(timeout)
     }
 
     fn recv(&mut self, timeout: Duration) -> Result<Response> {
@@ -600,11 +613,28 @@ impl Vm {
         self.expect_ok(&Request::Reseed { seed, replay })
     }
 
-    /// Read a file of the guest's file system, byte-exact.
+    /// Read a regular file of the guest's file system, byte-exact, if it holds at most
+    /// [`DOWNLOAD_MAX`] bytes (see [`Vm::open_download`]).
     pub fn download(&mut self, path: &str) -> Result<Vec<u8>> {
-        match self.call(&Request::Download { path: path.to_string() }, CONTROL_TIMEOUT)? {
-            Response::File(d) => Ok(d),
-            other => Err(Error::Protocol(format!("expected File, got {other:?}"))),
+        use std::io::Read;
+        let (f, size) = self.open_download(path, DOWNLOAD_MAX)?;
+        let mut out = Vec::with_capacity(size as usize);
+        f.take(size).read_to_end(&mut out).map_err(Error::sys("read downloaded file"))?;
+        Ok(out)
+    }
+
+    /// Open a regular file of the guest's file system for reading, and its size then: refused
+    /// (a clear error, and the sandbox goes on) for anything else (a FIFO, a device, a directory)
+    /// and for a file over `max` bytes. The VMM opens it without blocking and hands the open file
+    /// over, so reading it costs no memory in the VMM and none here beyond what the reader keeps
+    /// (a sparse file reads as its size in zeroes: bound it with `max`).
+    pub fn open_download(&mut self, path: &str, max: u64) -> Result<(std::fs::File, u64)> {
+        match self.call_with_fds_back(&Request::Download { path: path.to_string(), max }, CONTROL_TIMEOUT)? {
+            (Response::FileFd { size }, fds) if fds.len() == 1 => {
+                let fd = fds.into_iter().next().ok_or_else(|| Error::Protocol("no fd".into()))?;
+                Ok((std::fs::File::from(fd), size))
+            }
+            (other, _) => Err(Error::Protocol(format!("expected FileFd, got {other:?}"))),
         }
     }
 

@@ -86,7 +86,11 @@ pub fn decode(bytes: &[u8], path: &str) -> Result<SnapshotState> {
 pub fn write_state(dir: &Path, state: &SnapshotState) -> Result<()> {
     let bytes = encode(state)?;
     let tmp = dir.join(format!(".{STATE_FILE}.tmp"));
-    std::fs::write(&tmp, &bytes).map_err(Error::sys("write snapshot state"))?;
+    // Owner-only, as the memory file (see `GuestMemory::write_image`).
+    let mut f = std::os::unix::fs::OpenOptionsExt::mode(std::fs::OpenOptions::new().write(true).create(true).truncate(true), 0o600)
+        .open(&tmp)
+        .map_err(Error::sys("write snapshot state"))?;
+    std::io::Write::write_all(&mut f, &bytes).map_err(Error::sys("write snapshot state"))?;
     std::fs::rename(&tmp, dir.join(STATE_FILE)).map_err(Error::sys("rename snapshot state"))
 }
 

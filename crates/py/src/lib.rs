@@ -506,11 +506,30 @@ impl PyVm {
         self.with(py, "Vm.reseed", |vm| Ok(vm.reseed(seed, replay)?))
     }
 
-    /// Reads a file of a Linux guest's file system, byte-exact.
-    fn download<'py>(&self, py: Python<'py>, path: String) -> PyResult<Bound<'py, PyBytes>> {
+    /// Reads a regular file of a Linux guest's file system, byte-exact, if it holds at most
+    /// `max_bytes` (anything else, a FIFO or a device, is refused at once).
+    #[pyo3(signature = (path, max_bytes = collimate_engine::controller::DOWNLOAD_MAX))]
+    fn download<'py>(&self, py: Python<'py>, path: String, max_bytes: u64) -> PyResult<Bound<'py, PyBytes>> {
         let op = format!("Vm.download({path:?})");
-        let data = self.with(py, &op, |vm| Ok(vm.download(&path)?))?;
+        let data = self.with(py, &op, |vm| {
+            use std::io::Read;
+            let (f, size) = vm.open_download(&path, max_bytes)?;
+            let mut out = Vec::with_capacity(size as usize);
+            f.take(size).read_to_end(&mut out).map_err(|e| collimate_engine::Error::Sys { op: "read downloaded file", source: e })?;
+            Ok(out)
+        })?;
         Ok(PyBytes::new(py, &data))
+    }
+
+    /// Opens a regular file of a Linux guest's file system for reading, if it holds at most
+    /// `max_bytes`: returns (a file descriptor the caller owns and must close, its size). Reading
+    /// it costs the engine no memory: the caller streams or reads it as it likes.
+    fn open_download(&self, py: Python<'_>, path: String, max_bytes: u64) -> PyResult<(i32, u64)> {
+        let op = format!("Vm.open_download({path:?})");
+        self.with(py, &op, |vm| {
+            let (f, size) = vm.open_download(&path, max_bytes)?;
+            Ok((std::os::fd::IntoRawFd::into_raw_fd(f), size))
+        })
     }
 
     fn read_mem<'py>(&self, py: Python<'py>, addr: u64, n: usize) -> PyResult<Bound<'py, PyBytes>> {

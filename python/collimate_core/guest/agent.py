@@ -205,7 +205,12 @@ def main():
         ack = reseed(seed)
         cwd = req.get("cwd")
         if cwd:
-            os.chdir(cwd)
+            try:
+                os.chdir(cwd)
+            except OSError as e:
+                # Not the user's program failing: the host raises InvalidArgument with this.
+                send({"cwd_error": f"{e.strerror} (errno {e.errno})", "seed_ack": ack})
+                continue
         if req.get("code") is not None:
             code = run_code(req["code"], namespace)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 import secrets
 import signal as _signal
 import threading
@@ -40,6 +41,14 @@ from collimate_core.templates.catalog import AGENT_IDLE, Baked, bake_catalog, ca
 
 ACK_CONTEXT = b"collimate/seed-ack/v1"
 MAX_UPLOAD = 256 << 20
+# The largest code= an exec sends (the agent compiles it whole; 20 MiB ended in a bare MemoryError
+# inside the guest) and the largest command= (Linux's MAX_ARG_STRLEN, 128 KiB with its NUL: sh -c
+# gets the command as one argument).
+MAX_CODE = 1 << 20
+MAX_COMMAND = (128 << 10) - 1
+# The largest file `download` reads (COLLIMATE_MAX_DOWNLOAD or the client's max_download): a
+# sparse file costs the sandbox no quota but its whole size to read.
+MAX_DOWNLOAD = 256 << 20
 DEFAULT_SPARES = 2
 MAX_SPARES = 16
 RECYCLE_MAX = 8
@@ -68,6 +77,17 @@ def check_exec_args(code: Any, command: Any, timeout: Any, seed: Any) -> bytes |
         raise InvalidArgument("exec needs exactly one of code= (Python source) or command= (a shell command)")
     if not isinstance(code if code is not None else command, str):
         raise InvalidArgument("code= and command= take a str")
+    n = len((code if code is not None else command).encode("utf-8", "surrogatepass"))
+    if code is not None and n > MAX_CODE:
+        raise InvalidArgument(
+            f"code= is {n} bytes, over the limit of {MAX_CODE} ({MAX_CODE >> 20} MiB); put the program in a file "
+            "(upload_bytes('/work/main.py', source)) and run it (command='python3 /work/main.py')"
+        )
+    if command is not None and n > MAX_COMMAND:
+        raise InvalidArgument(
+            f"command= is {n} bytes, over Linux's limit of {MAX_COMMAND} bytes for one argument (sh -c takes it as "
+            "one); put the script in a file (upload_bytes('/work/run.sh', script)) and run it (command='sh /work/run.sh')"
+        )
     if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
         raise InvalidArgument(f"timeout_seconds must be a positive number, not {timeout!r}")
     if seed is None:
@@ -218,8 +238,14 @@ class EmbeddedClient:
         disk_quota: int | str | None = None,
         memory_budget: int | str | None = None,
         egress_resolver: str | dict | None = None,
+        max_download: int | str | None = None,
     ):
         self.cache = Path(cache) if cache else None
+        env = os.environ.get("COLLIMATE_MAX_DOWNLOAD")
+        self.max_download = (
+            _quota.parse_size(max_download, "max_download") if max_download is not None
+            else _quota.parse_size(env, "COLLIMATE_MAX_DOWNLOAD") if env else MAX_DOWNLOAD
+        )
         # Where the engine resolves names egress policies admit: "system", "dns:HOST:PORT", or a
         # {name: [ip, ...]} map (tests, air-gapped hosts). Process-wide: the broker is one thread.
         if egress_resolver is not None:
@@ -551,6 +577,11 @@ class EmbeddedClient:
             if timed_out:
                 exit_code = 124
                 verdict = "no-ack" if handshake else "off"
+            elif reply is not None and "cwd_error" in reply:
+                raise InvalidArgument(
+                    f"exec cwd={cwd!r}: cannot change to it in the sandbox: {reply['cwd_error']}; nothing ran. "
+                    f"Create it first (exec(command='mkdir -p {cwd}')) or pass an existing directory"
+                )
             elif reply is not None and "exit_code" in reply:
                 exit_code = int(reply["exit_code"])
                 ack = reply.get("seed_ack")
@@ -698,12 +729,29 @@ class EmbeddedClient:
             except _CoreEngineError as e:
                 raise _engine_error(e, f"disk usage of sandbox {box.id}") from e
 
-    def download(self, box: _Box, path: str) -> bytes:
+    def open_download(self, box: _Box, path: str, max_bytes: int | None = None) -> tuple[int, int]:
+        """Open a regular file of the sandbox of at most `max_bytes` (the client's max_download):
+        (a file descriptor the caller reads and closes, its size). A FIFO, a device or a
+        directory is refused at once (InvalidArgument) and the sandbox goes on."""
+        limit = self.max_download if max_bytes is None else max_bytes
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise InvalidArgument(f"download path must be an absolute guest path such as /work/x, not {path!r}")
         with box.lock:
             try:
-                data = box.vm.download(path)
+                return box.vm.open_download(path, limit)
             except _CoreEngineError as e:
                 raise _invalid_or_died(e, f"download of {path}") from e
+
+    def download(self, box: _Box, path: str) -> bytes:
+        fd, size = self.open_download(box, path)
+        # One bytes object of the file's size, read straight into (no copy in the VMM or here).
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            data = f.read(size) if size else b""
+            while len(data) < size:  # a regular file gives all of it at once; a shrunk one less
+                more = f.read(size - len(data))
+                if not more:
+                    break
+                data += more
         self._count("bytes_out", len(data))
         return data
 
@@ -831,6 +879,6 @@ def _how_it_ended(r: Any) -> str:
 
 def _invalid_or_died(e: _CoreEngineError, what: str) -> Exception:
     msg = str(e)
-    if "invalid argument" in msg or "No such file" in msg or "only /tmp and /work" in msg:
+    if "invalid argument" in msg or "No such file" in msg or _quota.WRITABLE_RULE in msg:
         return InvalidArgument(f"{what}: {msg}")
     return _engine_error(e, what)

@@ -16,12 +16,18 @@ CapacityError naming the budget. Off unless set: the worst case is far above wha
 needs small quotas for wide groups (64 x (1 GiB + 256 MiB) = 80 GiB).
 """
 
+
 from __future__ import annotations
 
 import os
 import re
 
 from collimate_core.sdk.errors import InvalidArgument
+
+# The guest directories the host may write into (uploads) and the guest's writes land in: the one
+# rule every error about a path that is not writable states (the engine's says the same).
+WRITABLE_DIRS = ("/tmp", "/work", "/dev/shm")
+WRITABLE_RULE = "only /tmp, /work and /dev/shm are writable"
 
 DEFAULT_DISK_QUOTA = 1 << 30
 # Inodes that come with a quota: one per 16 KiB, at least 4096 (the engine's default is 65,536 for

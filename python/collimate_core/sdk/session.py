@@ -117,11 +117,15 @@ class Sandbox:
         )
 
     def upload_bytes(self, path: str, data: bytes) -> None:
-        """Write `data` to `path` in the sandbox, byte-exact (under /work or /tmp)."""
+        """Write `data` to `path` in the sandbox, byte-exact (only /tmp, /work and /dev/shm are
+        writable; at most 256 MiB, over HTTP the server's --max-upload)."""
         self.client.upload(self._live(), path, data)
 
     def download(self, path: str) -> bytes:
-        """Read `path` from the sandbox, byte-exact."""
+        """Read `path` from the sandbox, byte-exact: a regular file of at most the client's
+        max_download (256 MiB unless set; `EmbeddedClient(max_download=)`, COLLIMATE_MAX_DOWNLOAD,
+        `collimate serve --max-download`). Anything else (a FIFO, a device, a directory, a larger
+        file) raises InvalidArgument at once, and the sandbox goes on."""
         return self.client.download(self._live(), path)
 
     def disk_usage(self) -> dict | None:

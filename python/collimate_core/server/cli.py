@@ -23,6 +23,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--spend-limit", type=float, default=None, metavar="SANDBOX_SECONDS",
                    help="sandbox-seconds each tenant may use over the server's life (default: no limit)")
     s.add_argument("--max-upload", type=int, default=64 << 20, metavar="BYTES", help="largest upload (default 64 MiB)")
+    s.add_argument("--max-download", type=int, default=256 << 20, metavar="BYTES",
+                   help="largest file a download reads (default 256 MiB)")
     s.add_argument("--max-image-upload", type=int, default=4 << 30, metavar="BYTES",
                    help="largest image archive a tenant may upload to bake from (default 4 GiB)")
     s.add_argument("--max-bakes", type=int, default=2, metavar="N",
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> bool:
         serve(ServerConfig(
             host=args.host, port=args.port, max_sandboxes=args.max_sandboxes, queue=args.queue,
             queue_timeout=args.queue_timeout, idle_reap=args.idle_reap, spend_limit=args.spend_limit,
-            max_upload=args.max_upload, max_image_upload=args.max_image_upload, max_bakes=args.max_bakes,
+            max_upload=args.max_upload, max_download=args.max_download, max_image_upload=args.max_image_upload, max_bakes=args.max_bakes,
             image_quota=args.image_quota, cache=args.cache, key_store=args.key_store,
             preload=tuple(t for t in args.preload.split(",") if t),
             disk_quota=disk_quota, memory_budget=memory_budget, egress_ceiling=ceiling,

@@ -8,12 +8,13 @@ import base64
 import functools
 import logging
 import math
+import os
 import re
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 import anyio
 
 from fastapi import Request
@@ -47,6 +48,9 @@ from collimate_core.server.images import (
     _verify_archive,
 )
 from collimate_core.server.log import _event, log
+
+# How much of a file a download reads at a time (the memory one download holds).
+DOWNLOAD_CHUNK = 1 << 20
 from collimate_core.server.metrics import _Metrics
 from collimate_core.server.models import (
     BakeRequest,
@@ -738,16 +742,31 @@ class ControlPlane:
             self._meter(tenant).add("bytes_in", size)
         return UploadResponse(path=path, bytes=size)
 
-    async def download(self, tenant: str, sandbox_id: str, path: str) -> bytes:
+    async def download(self, tenant: str, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """The file's bytes in chunks of DOWNLOAD_CHUNK, read as they are sent: a download holds
+        one chunk of memory, whatever the file's size (at most max_download)."""
         _check_path(path)
         with self.use(tenant, sandbox_id) as rec:
             try:
-                data = await self.run(self.engine.download, rec.box, path)
+                fd, size = await self.run(self.engine.open_download, rec.box, path, self.config.max_download)
             except (EngineError, InvalidArgument) as e:
                 raise _file_error(e, f"download of {path}") from e
         with self._lock:
-            self._meter(tenant).add("bytes_out", len(data))
-        return data
+            self._meter(tenant).add("bytes_out", size)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                left = size
+                while left > 0:
+                    b = await anyio.to_thread.run_sync(os.read, fd, min(left, DOWNLOAD_CHUNK))
+                    if not b:
+                        break
+                    left -= len(b)
+                    yield b
+            finally:
+                os.close(fd)
+
+        return chunks()
 
     async def reset(self, tenant: str, sandbox_id: str) -> SandboxInfo:
         with self.use(tenant, sandbox_id) as rec:

@@ -379,6 +379,7 @@ def exec_helper(cache: Path, log=None) -> Path:
     t0 = time.monotonic()
 
     def build(tmp: Path) -> None:
+        os.chmod(tmp, 0o755)  # mounted into guests, whose user may not be root (a cache entry starts private)
         res = subprocess.run([cc, *flags, "-o", str(tmp / "collimate-exec"), str(HELPER_SRC)],
                              capture_output=True, text=True, check=False)
         if res.returncode != 0:
@@ -506,7 +507,7 @@ class _Build:
         with _NameLock(self.tdir):
             n = max([*_versions(self.tdir), _current(self.tdir) or 0, 0]) + 1
             self.vtmp = self.tdir / f".v{n}.{os.getpid()}.tmp"
-            self.vtmp.mkdir()
+            self.vtmp.mkdir(mode=0o700)  # private: vm.mem holds what the Ready step loaded
         self.status.version = n
 
     # the work ---------------------------------------------------------------------------------

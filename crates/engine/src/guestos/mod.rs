@@ -352,14 +352,42 @@ impl GuestOs {
         Ok(())
     }
 
-    /// Read guest path `path`, as the host.
-    pub fn download(&self, path: &str) -> crate::error::Result<Vec<u8>> {
-        use std::io::Read;
-        let fd = self.vfs.open("/", path.as_bytes(), libc::O_RDONLY, 0).map_err(|e| errno_error("download", path, e))?;
-        let mut f = std::fs::File::from(fd);
-        let mut out = Vec::new();
-        f.read_to_end(&mut out).map_err(crate::Error::sys("read downloaded file"))?;
-        Ok(out)
+    /// Open guest path `path` for the host to read, as the host: a regular file only, opened
+    /// without blocking (a FIFO or a device the guest made would hang the opener) and at most
+    /// `max` bytes long. Returns the open file and its size; the caller reads it (the bytes are
+    /// not copied here: see `Request::Download`).
+    pub fn download(&self, path: &str, max: u64) -> crate::error::Result<(std::os::fd::OwnedFd, u64)> {
+        let flags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY;
+        let fd = self.vfs.open("/", path.as_bytes(), flags, 0).map_err(|e| errno_error("download", path, e))?;
+        // SAFETY: a plain C struct, for which all zeroes is a valid value.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat fills the struct we pass, on a descriptor we own.
+        if unsafe { libc::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd), &mut st) } != 0 {
+            return Err(crate::Error::last_os("fstat downloaded file"));
+        }
+        let kind = match st.st_mode & libc::S_IFMT {
+            libc::S_IFREG => None,
+            libc::S_IFDIR => Some("a directory"),
+            libc::S_IFIFO => Some("a FIFO (named pipe)"),
+            libc::S_IFSOCK => Some("a socket"),
+            libc::S_IFCHR => Some("a character device"),
+            libc::S_IFBLK => Some("a block device"),
+            _ => Some("not a regular file"),
+        };
+        if let Some(kind) = kind {
+            return Err(crate::Error::InvalidArgument(format!(
+                "download {path}: it is {kind}; only regular files can be downloaded (copy what you need into a file first, \
+                 e.g. with exec(command=\"cat {path} > /tmp/out\", timeout=...))"
+            )));
+        }
+        let size = st.st_size.max(0) as u64;
+        if size > max {
+            return Err(crate::Error::InvalidArgument(format!(
+                "download {path}: the file is {size} bytes, over the download limit of {max} bytes; \
+                 split or compress it in the sandbox, or raise the limit (max_download)"
+            )));
+        }
+        Ok((fd, size))
     }
 
     /// Make `fds` (pipe write ends from the controller: stdout, stderr) the guest's fds 1 and 2,

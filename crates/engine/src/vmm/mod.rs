@@ -14,6 +14,7 @@ mod spawn;
 mod teardown;
 mod threads;
 pub(crate) mod jail;
+mod lifeline;
 mod syscalls;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -721,7 +722,9 @@ impl Machine {
     }
 
     pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
-        std::fs::create_dir_all(dir).map_err(Error::sys("create snapshot directory"))?;
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+            .create(dir)
+            .map_err(Error::sys("create snapshot directory"))?;
         // Before anything below edits page-table entries.
         self.end_unlogged()?;
         // Shared mappings live outside guest memory, in host mappings of the sandbox's files and
@@ -996,8 +999,12 @@ fn exit_discarding(code: i32) -> ! {
 }
 
 fn reply(chan: &mut Channel, r: Result<Response>) {
+    reply_with_fds(chan, r, &[])
+}
+
+fn reply_with_fds(chan: &mut Channel, r: Result<Response>, fds: &[RawFd]) {
     let msg = r.unwrap_or_else(|e| Response::Err(RemoteError::from(&e)));
-    if chan.send(&msg, &[]).is_err() {
+    if chan.send(&msg, fds).is_err() {
         exit_discarding(0); // controller gone
     }
 }
@@ -1231,6 +1238,9 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             crate::trace::mark("serve.run");
         }
         process::serving(m, &chan, &pool);
+        if runs {
+            lifeline::arm(chan.raw_fd());
+        }
         let resp = match req {
             Request::Run { timeout } => m.run(timeout).map(Response::Run),
             Request::Snapshot { dir } => spawn::settle(m).and_then(|_| jail::in_snapshot_dest(&dir, fds, |d| m.snapshot(d))).map(|_| Response::Ok),
@@ -1317,8 +1327,14 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 Some(os) => os.upload(&path, &data, mode).map(|_| Response::Ok),
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no files".into())),
             },
-            Request::Download { path } => match m.os.as_ref() {
-                Some(os) => os.download(&path).map(Response::File),
+            Request::Download { path, max } => match m.os.as_ref() {
+                Some(os) => match os.download(&path, max) {
+                    Ok((fd, size)) => {
+                        reply_with_fds(&mut chan, Ok(Response::FileFd { size }), &[fd.as_raw_fd()]);
+                        continue;
+                    }
+                    Err(e) => Err(e),
+                },
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no files".into())),
             },
             Request::Reseed { seed, replay } => match m.os.as_mut() {
@@ -1343,6 +1359,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 Err(Error::InvalidArgument("this VMM process already has a VM".into()))
             }
         };
+        lifeline::disarm();
         reply(&mut chan, resp);
         if runs {
             crate::trace::mark("serve.replied");

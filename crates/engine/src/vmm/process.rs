@@ -520,6 +520,7 @@ pub(super) fn enter_child_process(m: &mut Machine, guest_pid: i32, parent_host: 
         }
     }
     // Nothing of the parent's conversation with its controller stays open here.
+    super::lifeline::forget();
     if let Ok(mut v) = CONTROL_FDS.lock() {
         for fd in v.drain(..) {
             // SAFETY: closing our copies of the controller's descriptors; the objects owning them
