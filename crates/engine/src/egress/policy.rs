@@ -4,9 +4,9 @@
 //! Python tests check both agree). A rule is a host name (`index.example.org`), a wildcard
 //! (`*.files.example.net`: names strictly below it), an IP address or a CIDR block, each with an
 //! optional port (`host:443`, `203.0.113.7:5432`, `[2001:db8::1]:443`). `internet` admits public
-//! addresses on any port. Loopback, private, link-local, metadata and multicast addresses
-//! ([`is_special`]) are reached only through an IP or CIDR rule that contains them: never through a
-//! name (whatever it resolves to) or `internet`.
+//! addresses on any port. Special addresses ([`is_special`]: IANA's special-purpose ranges, IPv4
+//! inside IPv6, the host's own addresses; `super::special`) are reached only through an IP or CIDR
+//! rule that contains them: never through a name (whatever it resolves to) or `internet`.
 
 use std::fmt;
 use std::net::IpAddr;
