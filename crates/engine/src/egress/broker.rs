@@ -480,7 +480,7 @@ impl SandboxNet {
         };
         let rule = match verdict {
             Verdict::Denied(why) => {
-                e.detail = why.into();
+                e.detail = why;
                 g.push(e);
                 drop(g);
                 refuse(&reply, libc::ENETUNREACH);
@@ -731,7 +731,7 @@ impl SandboxNet {
         };
         let rule = match verdict {
             Verdict::Denied(why) => {
-                self.lock().push(entry("denied", None, why.into(), names.first().cloned()));
+                self.lock().push(entry("denied", None, why, names.first().cloned()));
                 refuse(&reply, libc::ECONNREFUSED);
                 return;
             }
