@@ -259,8 +259,8 @@ def assert_bake_refused(status, port: int) -> None:
     """A bake without an allow rule: its error names the refusal and the fix, its log each refusal."""
     assert f"the bake's egress policy (Egress.none()) refused" in status.error, status.error
     assert f"(127.0.0.1:{port}): a Ready step that installs or clones needs Template.bake(..., egress=" in status.error
-    denied = status.log.count(f"egress: connect  127.0.0.1:{port} denied  out=0 in=0 (loopback, private, link-local "
-                              "or metadata address without an IP rule)")
+    denied = status.log.count(f"egress: connect  127.0.0.1:{port} denied  out=0 in=0 (127.0.0.1 is special-purpose: "
+                              "127.0.0.0/8 loopback (RFC 1122): refused without an IP rule that contains it)")
     assert denied >= 1 and f"refused {denied} network request(s)" in status.error, status.log
 
 

@@ -337,11 +337,15 @@ impl Policy {
             // Asked only here, for what a name or internet() would admit (the host's addresses
             // are read now: an interface added since the last check counts).
             Some(rule) => match super::special::reason(a) {
-                Some(why) => Verdict::Denied(format!("{why}: only an IP or CIDR rule that contains it admits it, never {rule}")),
+                Some(why) => Verdict::Denied(format!("{why}: refused without an IP rule that contains it ({rule} does not reach special addresses)")),
                 None => Verdict::Allowed(rule),
             },
-            None if names.is_empty() => Verdict::Denied("no rule admits this address".into()),
-            None => Verdict::Denied("no rule admits this name and port".into()),
+            // Refused either way; the log says why in the words that help most.
+            None => match super::special::reason(a) {
+                Some(why) => Verdict::Denied(format!("{why}: refused without an IP rule that contains it")),
+                None if names.is_empty() => Verdict::Denied("no rule admits this address".into()),
+                None => Verdict::Denied("no rule admits this name and port".into()),
+            },
         }
     }
 
@@ -352,7 +356,7 @@ impl Policy {
         let ported = Policy { rules: self.rules.iter().filter(|r| r.port == Some(port)).cloned().collect(), internet: false };
         match ported.check(addr, port, names) {
             Verdict::Denied(why) if why.starts_with("no rule") => Verdict::Denied("no rule names this address and port (UDP needs a rule with a port)".into()),
-            Verdict::Denied(why) => Verdict::Denied(why),
+            Verdict::Denied(why) => Verdict::Denied(format!("{why} (for UDP, an IP rule that names the port)")),
             ok => ok,
         }
     }
