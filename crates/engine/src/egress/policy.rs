@@ -356,7 +356,7 @@ impl Policy {
         let ported = Policy { rules: self.rules.iter().filter(|r| r.port == Some(port)).cloned().collect(), internet: false };
         match ported.check(addr, port, names) {
             Verdict::Denied(why) if why.starts_with("no rule") => Verdict::Denied("no rule names this address and port (UDP needs a rule with a port)".into()),
-            Verdict::Denied(why) => Verdict::Denied(format!("{why} (for UDP, an IP rule that names the port)")),
+            Verdict::Denied(why) => Verdict::Denied(format!("{why} (UDP needs a rule with a port)")),
             ok => ok,
         }
     }
