@@ -404,7 +404,7 @@ impl Vm {
                         scratch: None,
                         quota: self.quota,
                         // Copied, never shared: a fork's policy changes alone.
-                        net: SandboxNet::new(self.net.policy()),
+                        net: SandboxNet::forked(&self.net),
                         net_sent: false,
                     });
                 }

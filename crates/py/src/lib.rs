@@ -644,11 +644,23 @@ impl PyVm {
 
     /// Replace this sandbox's egress policy (rule strings, and whether public addresses are
     /// admitted on any port); open connections the new policy forbids are reset. Returns how many
-    /// were. Forks made afterwards start from this policy. A bad rule raises ValueError.
+    /// were. Forks made afterwards start from this policy. A bad rule, or a policy beyond the
+    /// sandbox's ceiling (`seal_egress`), raises ValueError saying so.
     #[pyo3(signature = (rules, internet = false))]
     fn set_egress(&self, py: Python<'_>, rules: Vec<String>, internet: bool) -> PyResult<usize> {
         let p = collimate_engine::egress::Policy::parse(&rules, internet).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok(py.detach(|| self.net.set_policy(p)))
+        py.detach(|| self.net.set_policy_within(p)).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// From now on `set_egress` may not go beyond this sandbox's policy now (a fork's ceiling:
+    /// its policy when it was forked); it may narrow below it and widen back up to it.
+    fn seal_egress(&self) {
+        self.net.seal()
+    }
+
+    /// The ceiling `seal_egress` set, as (rule strings, internet), or None.
+    fn egress_ceiling(&self) -> Option<(Vec<String>, bool)> {
+        self.net.ceiling().map(|p| (p.rules.iter().map(|r| r.to_string()).collect(), p.internet))
     }
 
     /// Forget this sandbox's network past (for a recycled clone's next owner): no network, an
@@ -671,6 +683,7 @@ impl PyVm {
         log.into_iter()
             .map(|e| {
                 let d = PyDict::new(py);
+                d.set_item("seq", e.seq)?;
                 d.set_item("time", e.time)?;
                 d.set_item("pid", e.pid)?;
                 d.set_item("kind", e.kind)?;
@@ -765,6 +778,50 @@ fn set_egress_resolver(spec: &str) -> PyResult<()> {
     collimate_engine::egress::broker::set_resolver(r).map_err(|e| EngineError::new_err(e.to_string()))
 }
 
+/// The special-purpose table (`egress::special`, the one copy): (CIDR block, name) pairs.
+#[pyfunction(name = "_egress_special_ranges")]
+fn egress_special_ranges() -> Vec<(String, String)> {
+    collimate_engine::egress::special::table().iter().map(|r| (r.net.to_string(), r.name.to_string())).collect()
+}
+
+/// Why an address is special (a registry range, IPv4 inside IPv6, or the host's own), or None.
+#[pyfunction(name = "_egress_special")]
+fn egress_special(addr: &str) -> PyResult<Option<String>> {
+    let a: std::net::IpAddr = addr.parse().map_err(|_| PyValueError::new_err(format!("{addr:?} is not an IP address")))?;
+    Ok(collimate_engine::egress::special::reason(a))
+}
+
+/// Whether no address of a CIDR block is special (narrowing under internet()).
+#[pyfunction(name = "_egress_net_is_public")]
+fn egress_net_is_public(cidr: &str) -> PyResult<bool> {
+    let n = collimate_engine::egress::policy::parse_net(cidr).map_err(PyValueError::new_err)?;
+    Ok(collimate_engine::egress::special::net_is_public(&n))
+}
+
+/// Declare special-purpose ranges public for this process ("" for none): a lab network.
+#[pyfunction(name = "_set_egress_public")]
+fn set_egress_public(spec: &str) -> PyResult<()> {
+    let nets = collimate_engine::egress::special::parse_public(spec).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    collimate_engine::egress::special::set_public(nets);
+    Ok(())
+}
+
+/// The ranges declared public now.
+#[pyfunction(name = "_egress_public")]
+fn egress_public() -> Vec<String> {
+    collimate_engine::egress::special::public().iter().map(|n| n.to_string()).collect()
+}
+
+/// The per-sandbox flow cap: with `n`, set it (ValueError out of 1..=2000); returns it.
+#[pyfunction(name = "_egress_max_flows")]
+#[pyo3(signature = (n = None))]
+fn egress_max_flows(n: Option<usize>) -> PyResult<usize> {
+    if let Some(n) = n {
+        collimate_engine::egress::broker::set_max_flows(n).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    }
+    Ok(collimate_engine::egress::broker::max_flows())
+}
+
 /// The engine's reading of one egress rule, printed back in canonical form (the SDK's parser is
 /// checked against it); a bad rule raises ValueError saying what a valid rule looks like.
 #[pyfunction(name = "_egress_canonical")]
@@ -800,6 +857,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(egress_broker_sandboxes, m)?)?;
     m.add_function(wrap_pyfunction!(egress_canonical, m)?)?;
     m.add_function(wrap_pyfunction!(egress_start, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_special_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_special, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_net_is_public, m)?)?;
+    m.add_function(wrap_pyfunction!(set_egress_public, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_public, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_max_flows, m)?)?;
     m.add("SNAPSHOT_FORMAT", collimate_engine::persist::FORMAT_VERSION)?;
     Ok(())
 }

@@ -208,6 +208,9 @@ class _Box:
     charge: int = 0
     # Its network policy (the engine enforces it; this is the SDK's copy, for narrowing checks).
     egress: Egress = field(default_factory=Egress.none)
+    # A fork's ceiling: its policy when it was forked (set_egress may not go beyond it); None for
+    # a sandbox made from a template.
+    ceiling: Egress | None = None
     # The guest state it is in, as egress recordings name it (`_state_after`): its template's,
     # then a digest of each exec and upload since; a fork's children start from their parent's.
     state: str = ""
@@ -474,9 +477,12 @@ class EmbeddedClient:
                 vms = box.vm.fork(n)
                 lost = box.lost  # the children start from the template too: their first exec says so
                 state = box.state
-            if egress is not None and policy != box.egress:
-                for vm in vms:
+            for vm in vms:
+                if egress is not None and policy != box.egress:
                     vm.set_egress(policy.rule_strings(), policy.internet_access)
+                # A fork's ceiling is its policy as forked: set_egress may narrow below it and widen
+                # back up to it, never beyond (the engine holds it too).
+                vm.seal_egress()
         except BaseException as e:
             self._unreserve(n, charge)
             if isinstance(e, _CoreEngineError):
@@ -487,7 +493,7 @@ class EmbeddedClient:
         return [
             self._register(
                 _Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin, lost=lost,
-                     disk_quota=box.disk_quota, charge=charge, egress=policy, state=state)
+                     disk_quota=box.disk_quota, charge=charge, egress=policy, state=state, ceiling=policy)
             )
             for vm in vms
         ]
@@ -761,6 +767,8 @@ class EmbeddedClient:
         """Replace a live sandbox's policy; its connections the new one forbids are reset (returns
         how many were)."""
         policy = _egress.coerce(egress)
+        if box.ceiling is not None:
+            policy.check_within(box.ceiling, box.id)
         with box.lock:
             if box.closed:
                 raise NotFoundError(f"sandbox {box.id} is gone")
@@ -768,13 +776,15 @@ class EmbeddedClient:
                 n = box.vm.set_egress(policy.rule_strings(), policy.internet_access)
             except _CoreEngineError as e:
                 raise _engine_error(e, f"set_egress on sandbox {box.id}") from e
+            except ValueError as e:  # beyond the engine's ceiling for it
+                raise InvalidArgument(f"sandbox {box.id}: {e}") from None
             box.egress = policy
             return n
 
-    def egress_log(self, box: _Box) -> list[dict]:
+    def egress_log(self, box: _Box) -> _egress.EgressLog:
         """The sandbox's connection attempts and DNS answers (see `Sandbox.egress_log`)."""
         try:
-            return box.vm.egress_log()
+            return _egress.EgressLog(box.vm.egress_log())
         except _CoreEngineError as e:
             raise _engine_error(e, f"egress_log of sandbox {box.id}") from e
 

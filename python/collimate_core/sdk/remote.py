@@ -270,9 +270,11 @@ class RemoteClient:
         box.egress = policy
         return int(d["reset"])
 
-    def egress_log(self, box: RemoteSandbox) -> list[dict]:
-        """The sandbox's connection attempts and DNS answers (GET /v1/sandboxes/{id}/egress)."""
-        return self._json("GET", f"/v1/sandboxes/{_q(box.id)}/egress")["entries"]
+    def egress_log(self, box: RemoteSandbox) -> _egress.EgressLog:
+        """The sandbox's connection attempts and DNS answers (GET /v1/sandboxes/{id}/egress), with
+        how many older entries the server's log dropped."""
+        d = self._json("GET", f"/v1/sandboxes/{_q(box.id)}/egress")
+        return _egress.EgressLog(d["entries"], int(d.get("dropped", 0)))
 
     def expect_width(self, template: str, width: int) -> None:
         """Ask the server to keep `width` clones of `template` ready before a burst."""

@@ -161,16 +161,20 @@ class Sandbox:
 
     def set_egress(self, egress: Any) -> None:
         """Change this live sandbox's network policy; its open connections the new policy
-        forbids are reset (the guest reads ECONNRESET). Its later forks start from this one."""
+        forbids are reset (the guest reads ECONNRESET). Its later forks start from this one.
+        A fork's ceiling is its policy when it was forked: it may narrow below it and widen
+        back up to it, never beyond (InvalidArgument says what the ceiling is)."""
         policy = coerce_egress(egress)
         self.client.set_egress(self._live(), policy)
         self.egress_policy = policy
 
     def egress_log(self) -> list[dict]:
-        """This sandbox's connection attempts and DNS answers, oldest first: dicts with time,
-        pid (the guest process), kind ("connect" or "dns"), name, address, port, rule (the one that
-        matched), verdict ("allowed", "denied", "nxdomain", "reset", "failed"), detail, bytes_out,
-        bytes_in, open."""
+        """This sandbox's connection attempts and DNS answers, oldest first: dicts with seq (the
+        entry's place since the sandbox started), time, pid (the guest process), kind ("connect",
+        "udp" or "dns"), name, address, port, rule (the one that matched), verdict ("allowed",
+        "denied", "nxdomain", "reset", "failed", "capped"), detail, bytes_out, bytes_in, open.
+        The log keeps the newest 10,000 entries: the result's `dropped` says how many older ones
+        it no longer holds."""
         return self.client.egress_log(self._live())
 
     def __repr__(self) -> str:

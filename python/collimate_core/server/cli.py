@@ -44,6 +44,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="the widest network policy a request may ask for: 'none', 'internet', or comma-separated "
                         "rules ('index.example.org,*.files.example.net,203.0.113.0/24'; add 'internet' to them); a wider "
                         "request gets 403 (default: no ceiling)")
+    s.add_argument("--egress-max-flows", type=int, default=None, metavar="N",
+                   help="the most flows (TCP connections and UDP flows) one sandbox holds open at once, 1..2000; past "
+                        "it the guest's connect fails with EMFILE and the egress log says why (default: "
+                        "COLLIMATE_EGRESS_MAX_FLOWS or 1024)")
     s.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="admit sandboxes while guest memory (1 GiB each) plus disk quota of all live ones stays "
                    "within SIZE, e.g. 200G; beyond it a create waits, then gets 429 (default: COLLIMATE_MEMORY_BUDGET "
@@ -82,6 +86,10 @@ def run(args: argparse.Namespace) -> bool:
             from collimate_core.sdk.egress import parse_ceiling
 
             ceiling = parse_ceiling(args.egress_ceiling) if args.egress_ceiling is not None else None
+            if args.egress_max_flows is not None:
+                from collimate_core.sdk.egress import set_max_flows
+
+                set_max_flows(args.egress_max_flows)
         except InvalidArgument as e:
             sys.exit(f"collimate serve: {e}")
 

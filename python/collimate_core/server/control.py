@@ -82,7 +82,7 @@ class _Owned:
         self.created = time.time()
         self.last_used = time.monotonic()
         self.busy = 0
-        self.logged = 0  # egress log entries already written to the server's log
+        self.logged = 0  # the seq of the next egress log entry to write to the server's log
 
 
 class ControlPlane:
@@ -559,7 +559,7 @@ class ControlPlane:
         with self.use(tenant, sandbox_id) as rec:
             entries = await self.run(self.engine.egress_log, rec.box)
             return EgressLog(egress=EgressSpec(**_box_egress(rec.box).to_json()),
-                             entries=[EgressEntry(**e) for e in entries])
+                             entries=[EgressEntry(**e) for e in entries], dropped=entries.dropped)
 
     def _log_flows(self, rec: _Owned, final: bool) -> None:
         """Write the sandbox's finished egress entries to the server log, one JSON line each (at
@@ -568,11 +568,17 @@ class ControlPlane:
             entries = self.engine.egress_log(rec.box)
         except CollimateError:
             return
-        i = rec.logged
+        # rec.logged: the seq of the next entry to write. The log keeps the newest entries: those
+        # dropped before they were written are counted in a line of their own.
+        if entries.dropped > rec.logged:
+            _event("egress_dropped", tenant=rec.tenant, sandbox=rec.box.id, dropped=entries.dropped - rec.logged,
+                   total_dropped=entries.dropped)
+            rec.logged = entries.dropped
+        i = rec.logged - entries.dropped
         while i < len(entries) and (final or not entries[i]["open"]):
-            _event("egress", tenant=rec.tenant, sandbox=rec.box.id, **entries[i])
+            _event("egress", tenant=rec.tenant, sandbox=rec.box.id, dropped=entries.dropped, **entries[i])
             i += 1
-        rec.logged = i
+        rec.logged = entries.dropped + i
         if final:
             # Network bytes: a flow served from a recording (verdict replayed/diverged) sent nothing.
             net = [e for e in entries if e["kind"] == "connect" and e["verdict"] not in ("replayed", "diverged")]

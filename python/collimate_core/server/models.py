@@ -214,6 +214,8 @@ class ForkRequest(BaseModel):
 
 
 class EgressEntry(BaseModel):
+    seq: int = Field(0, description="its place in the sandbox's log since the sandbox started (entries below the "
+                     "first one returned were dropped)")
     time: float = Field(description="Unix time")
     pid: int = Field(description="the guest process")
     kind: str = Field(description="connect (TCP), udp or dns")
@@ -222,6 +224,7 @@ class EgressEntry(BaseModel):
     port: int
     rule: str | None = Field(description="the rule that admitted it (null: denied)")
     verdict: str = Field(description="allowed, denied, nxdomain, reset (a policy change forbade it), failed, "
+                         "capped (the sandbox's flow cap: the guest got EMFILE), "
                          "or, under record=true, replayed (served from a recording) or diverged (reset: it differed)")
     detail: str
     bytes_out: int = Field(description="bytes sent and acknowledged by the peer")
@@ -231,7 +234,8 @@ class EgressEntry(BaseModel):
 
 class EgressLog(BaseModel):
     egress: EgressSpec
-    entries: list[EgressEntry]
+    entries: list[EgressEntry] = Field(description="the newest entries (at most 10,000), oldest first")
+    dropped: int = Field(0, description="older entries the sandbox's log no longer holds")
 
 
 class SetEgressResponse(BaseModel):

@@ -484,7 +484,7 @@ class _Build:
         self.tdir = _tdir(spec.cache, spec.name)
         self.vtmp: Path | None = None
         self.baked: ImageBaked | None = None
-        self.egress_logged = 0  # entries of the guest's egress log already in the bake's log
+        self.egress_logged = 0  # the seq of the next guest egress log entry for the bake's log
         self._reserve()
 
     def log(self, msg: str) -> None:
@@ -751,8 +751,10 @@ class _Build:
     def _log_egress(self, vm: Any) -> list[dict]:
         """Write the Ready step's new egress log entries to the bake's log (whatever the policy:
         a refusal is how a bake without an allow rule fails); return the refused ones."""
-        entries = vm.egress_log()[self.egress_logged:]
-        self.egress_logged += len(entries)
+        # By seq, not position: the log keeps the newest 10,000 entries (docs/egress.md).
+        entries = [e for e in vm.egress_log() if e["seq"] >= self.egress_logged]
+        if entries:
+            self.egress_logged = entries[-1]["seq"] + 1
         for e in entries:
             detail = f" ({e['detail']})" if e["verdict"] != "allowed" and e["detail"] else ""
             self.log(f"egress: {e['kind']} {e['name'] or ''} {e['address'] or ''}:{e['port']} {e['verdict']} "
