@@ -643,3 +643,28 @@ fn proc_self_fd_of_o_path_descriptors_changes_the_file() {
     let gone = h.cstr("/proc/self/fd/77");
     assert_eq!(h.call(FCHMODAT, &[libc::AT_FDCWD as u64, gone, 0o700, 0]), e(ENOENT));
 }
+
+/// /proc as procps reads it (issue 31, item 5): /proc/self is a symlink to the caller's pid,
+/// /proc/<pid> is its directory (listed in /proc), /proc/uptime and a 52-field stat line.
+#[test]
+fn proc_self_is_a_link_to_the_pid_directory() {
+    let mut h = H::new();
+    h.os.proc.pid = 7;
+    let p = h.cstr("/proc/self");
+    let b = h.buf(64);
+    let n = h.call(READLINK, &[p, b, 64]);
+    assert_eq!(h.get(b, n as usize), b"7");
+    assert_eq!(h.stat("/proc/self", libc::AT_SYMLINK_NOFOLLOW).unwrap().st_mode & libc::S_IFMT, libc::S_IFLNK);
+    assert_eq!(h.stat("/proc/7", libc::AT_SYMLINK_NOFOLLOW).unwrap().st_mode & libc::S_IFMT, libc::S_IFDIR);
+    assert_eq!(h.stat("/proc/self", 0).unwrap().st_mode & libc::S_IFMT, libc::S_IFDIR);
+    let d = h.open("/proc", libc::O_RDONLY | libc::O_DIRECTORY, 0);
+    let names: Vec<String> = h.list(d).into_iter().map(|(n, _)| n).collect();
+    assert!(names.contains(&"7".to_string()) && names.contains(&"uptime".to_string()), "{names:?}");
+    let stat = String::from_utf8(h.read_path("/proc/7/stat").unwrap()).unwrap();
+    assert!(stat.starts_with("7 (guest) R 0 1 1 "), "{stat}");
+    assert_eq!(stat.split_whitespace().count(), 52, "{stat}");
+    let up = String::from_utf8(h.read_path("/proc/uptime").unwrap()).unwrap();
+    assert_eq!(up.split_whitespace().count(), 2, "{up}");
+    // Another pid than the caller's: none here (no sandbox process table in these tests).
+    assert_eq!(h.open("/proc/8/stat", libc::O_RDONLY, 0), e(ENOENT));
+}
