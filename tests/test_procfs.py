@@ -200,3 +200,22 @@ def test_commands_get_the_images_environment(sb):
     names = {l.split("=", 1)[0] for l in r.stdout.splitlines() if "=" in l}
     assert "IMAGE_VAR" in names and "MINE" in names, r.stdout
     assert not names & {"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "COLLIMATE_AGENT_ENV"}, r.stdout
+
+
+SEED = "5eed" * 16
+
+
+def test_ps_replays(client):
+    """With a seed (replay mode: virtual clocks, the processes taking turns), what ps shows of the
+    sandbox's processes (pids, parents, start times, sizes, command lines) is the same in every
+    sandbox of the template."""
+    cmd = ("sleep 300 & /usr/bin/ps -eo pid,ppid,pgid,sid,vsz,rss,lstart,etime,stat,args; "
+           "tr '\\0' ' ' < /proc/$!/cmdline; cat /proc/$!/statm /proc/1/stat; kill %1")
+    outs = []
+    for _ in range(3):
+        with Sandbox("procfs", client=client) as s:
+            r = s.exec(command=cmd, timeout_seconds=120, seed=SEED)
+            assert r.exit_code == 0, r.stdout + r.stderr
+            outs.append(r.stdout)
+    assert "sleep 300" in outs[0] and "/usr/bin/ps -eo" in outs[0], outs[0]
+    assert outs[1] == outs[0] and outs[2] == outs[0], outs
