@@ -61,7 +61,7 @@ from collimate_core.sdk.errors import (
     NotFoundError,
     SandboxTimeout,
 )
-from collimate_core.templates.catalog import AGENT_DIR, AGENT_IDLE, CATALOG, Baked, cache_dir, guest_cpus
+from collimate_core.templates.catalog import AGENT_DIR, AGENT_IDLE, CATALOG, Baked, agent_env, cache_dir, guest_cpus
 from collimate_core.templates.catalog import frame as _frame
 from collimate_core.templates.catalog import unframe as _unframe
 
@@ -581,9 +581,9 @@ class _Build:
                     f"PATH={env['PATH']}, nor /usr/bin/python3): use Ready(cmd=...)"
                 )
             agent_cfg = {"entrypoint": icfg.entrypoint, "cmd": icfg.cmd, "shell": shell}
+            spawn_env = env
             if python:
-                env.setdefault("PYTHONDONTWRITEBYTECODE", "1")  # the root filesystem is read-only
-                env.setdefault("PYTHONUNBUFFERED", "1")
+                spawn_env = agent_env(env)  # its own settings, which commands do not inherit
                 argv = [python, "/opt/collimate/image_agent.py", json.dumps(agent_cfg)]
                 agent_dir = AGENT_DIR
                 kind = "python"
@@ -629,7 +629,7 @@ class _Build:
 
             # Boot the agent to its idle point, then the ready state.
             try:
-                vm = Vm.spawn(root, argv, env=env, cwd=workdir, mounts=mounts,
+                vm = Vm.spawn(root, argv, env=spawn_env, cwd=workdir, mounts=mounts,
                               ro_mounts={"/opt/collimate": agent_dir}, agent=True,
                               uid=user["uid"], gid=user["gid"], groups=user["groups"], cpus=spec.cpus)
             except (_CoreEngineError, ValueError, OSError) as e:

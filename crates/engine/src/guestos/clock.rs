@@ -240,6 +240,25 @@ fn clock_res(proc: &Proc, clock: i32) -> Result<(i64, i64), Errno> {
     Ok((ts.tv_sec, ts.tv_nsec))
 }
 
+/// The guest's CLOCK_MONOTONIC now, without counting a clock read (replay mode's reads each
+/// move virtual time): for the engine's own records, such as a process's start time.
+pub fn mono_peek(proc: &Proc) -> u64 {
+    if proc.clocks.replay {
+        proc.clocks.mono_now()
+    } else {
+        monotonic_ns()
+    }
+}
+
+/// The guest's CLOCK_REALTIME now, without counting a clock read (see [`mono_peek`]).
+pub fn real_peek(proc: &Proc) -> u64 {
+    if proc.clocks.replay {
+        proc.clocks.virtual_ns(ClockKind::Real)
+    } else {
+        host_clock_now(libc::CLOCK_REALTIME).map(ns_of).unwrap_or(0)
+    }
+}
+
 /// The host's CLOCK_MONOTONIC in nanoseconds (host-side deadlines; not what the guest sees).
 pub fn monotonic_ns() -> u64 {
     host_clock_now(libc::CLOCK_MONOTONIC).map(ns_of).unwrap_or(0)

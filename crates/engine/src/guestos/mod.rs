@@ -32,6 +32,7 @@ pub mod limits;
 pub mod mm;
 pub mod persist;
 pub mod process;
+pub mod proctab;
 pub mod random;
 pub mod sched;
 pub mod signal;
@@ -480,6 +481,16 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
             }
         }
     };
+    if res.is_ok() {
+        match proctab::changed_by(nr) {
+            0 => {}
+            1 => proctab::refresh(os, ctx.mem, ctx.aspace, ctx.frames),
+            _ => {
+                let (vsize, rss) = proctab::memory(os, ctx.frames);
+                proctab::publish_memory(os.proc.pid, vsize, rss);
+            }
+        }
+    }
     ctx.regs.rax = match res {
         Ok(v) => v,
         // Wait more: the guest re-executes its `syscall` (2 bytes) with rax = nr.

@@ -855,6 +855,7 @@ pub fn leave() {
         return;
     }
     HOLDING.store(false, Ordering::SeqCst);
+    super::proctab::leave(me as i32);
     ending(r, me);
 }
 

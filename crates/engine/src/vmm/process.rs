@@ -313,6 +313,10 @@ pub(super) fn serving(m: &mut Machine, chan: &Channel, pool: &Pool) {
         host::new_process_count(next);
         super::threads::count_in_new_tree(m);
         crate::guestos::sched::new_tree(m.os.as_ref().map_or(1, |os| os.proc.pid));
+        crate::guestos::proctab::new_tree();
+        if let Some(os) = m.os.as_ref() {
+            crate::guestos::proctab::refresh(os, &m.mem, &m.runtime.aspace, &m.runtime.frames);
+        }
         crate::guestos::futex_shared::new_tree();
         // SAFETY: plain prctl on this process.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
@@ -466,6 +470,7 @@ fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, guest_pid: i32, 
         os.sig.parent_host = parent_host;
         os.proc.pid = guest_pid;
         os.proc.ppid = parent_pid;
+        os.proc.started_ns = crate::guestos::clock::mono_peek(&os.proc);
         os.proc.sleep = None;
         // A stream of its own, derived from the parent's (deterministic for replays; see guestos::crng).
         os.proc.crng = os.proc.crng.fork_child();
@@ -530,6 +535,7 @@ pub(super) fn enter_child_process(m: &mut Machine, guest_pid: i32, parent_host: 
     }
     host::reset_child();
     crate::guestos::sched::child_started(guest_pid);
+    crate::guestos::proctab::child_started();
     crate::guestos::futex_shared::child_started();
     // Only the calling thread is copied (its siblings stay the parent's, and counted there).
     super::threads::only_current(m, false);
@@ -543,6 +549,9 @@ pub(super) fn enter_child_process(m: &mut Machine, guest_pid: i32, parent_host: 
 /// Run a child process's guest to its end. A panic must not unwind into the parent's stack
 /// frames, which this process inherited.
 pub(super) fn run_child(m: &mut Machine) -> ! {
+    if let Some(os) = m.os.as_ref() {
+        crate::guestos::proctab::refresh(os, &m.mem, &m.runtime.aspace, &m.runtime.frames);
+    }
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| child_loop(m)));
     die_by(libc::SIGKILL)
 }
@@ -647,6 +656,7 @@ pub(super) fn kill_children(m: &mut Machine) {
         // The process budget starts over with the world (see `host::reset_process_count`).
         host::reset_process_count();
         crate::guestos::sched::reset(m.os.as_ref().map_or(1, |os| os.proc.pid));
+        crate::guestos::proctab::reset(m.os.as_ref().map_or(1, |os| os.proc.pid));
         crate::guestos::futex_shared::reset();
     }
 }

@@ -140,6 +140,7 @@ pub(super) fn begin(m: &mut Machine, r: &mut kvm_regs, sregs: &mut kvm_sregs, c:
     let mut proc = os.proc.clone();
     proc.pid = pid;
     proc.ppid = parent_pid;
+    proc.started_ns = crate::guestos::clock::mono_peek(&proc);
     proc.sleep = None;
     proc.crng = proc.crng.fork_child();
     proc.clear_child_tid = 0;

@@ -36,7 +36,8 @@ fn own_proc_path(os: &GuestOs, path: &[u8]) -> Option<Vec<u8>> {
     let end = rest.iter().position(|&b| b == b'/').unwrap_or(rest.len());
     let (num, tail) = rest.split_at(end);
     let own = os.proc.pid.to_string();
-    (num == own.as_bytes()).then(|| [b"/proc/self".as_slice(), tail].concat())
+    // "/proc/<pid>" itself stays: a directory (lstat), where /proc/self is a symlink to it.
+    (num == own.as_bytes() && !tail.is_empty()).then(|| [b"/proc/self".as_slice(), tail].concat())
 }
 
 /// Look `path` up relative to `dirfd` (AT_FDCWD: the cwd; else the directory fd's guest path).
@@ -172,6 +173,51 @@ fn same_mount(a: &Resolved, b: &Resolved) -> Result<(), Errno> {
         (vfs::Target::Host { mount: x, .. }, vfs::Target::Host { mount: y, .. }) if x != y => Err(EXDEV),
         _ => Ok(()),
     }
+}
+
+/// The open file that `r`, a followed `/proc/self/fd/N`, names: those are "magic" links, and
+/// following one gives the open file itself, not a path (glibc's fchmodat with
+/// AT_SYMLINK_NOFOLLOW opens the file O_PATH and chmods "/proc/self/fd/N"). None for anything else.
+fn magic_file(os: &GuestOs, r: &Resolved, mode: Lookup) -> Option<Arc<OpenFile>> {
+    if mode != Lookup::Follow || !r.is_virtual() {
+        return None;
+    }
+    match special::lookup(os, &r.path) {
+        Some(special::Node::Fd(n)) => os.files.file(n).ok(),
+        _ => None,
+    }
+}
+
+/// The host descriptor of open file `f` for a change to its inode (any descriptor of it, O_PATH
+/// included): EROFS on a read-only mount, EACCES for the engine's own files.
+fn changeable_fd(f: &OpenFile) -> Result<RawFd, Errno> {
+    let h = f.host_fd().ok_or(EACCES)?;
+    if f.ro {
+        return Err(EROFS);
+    }
+    Ok(h)
+}
+
+/// chmod of the open file `f`, as fchmodat2(fd, "", mode, AT_EMPTY_PATH) (any descriptor).
+fn chmod_file(f: &OpenFile, mode: u32) -> SysResult {
+    const SYS_FCHMODAT2: libc::c_long = 452;
+    let h = changeable_fd(f)?;
+    // SAFETY: a descriptor we hold and an empty C string.
+    match cvt(unsafe { libc::syscall(SYS_FCHMODAT2, h, c"".as_ptr(), mode, libc::AT_EMPTY_PATH) }) {
+        // Hosts before Linux 6.6: fchmod (which an O_PATH descriptor refuses with EBADF).
+        // SAFETY: fchmod on a descriptor we hold.
+        Err(e) if e == crate::guestos::ENOSYS => cvt(unsafe { libc::fchmod(h, mode) } as i64),
+        other => other,
+    }
+}
+
+/// chown of the open file `f` (any descriptor), with chown(2)'s permission rules.
+fn chown_file(os: &GuestOs, f: &OpenFile, uid: u32, gid: u32) -> SysResult {
+    f.host_fd().ok_or(EACCES)?;
+    chown_permitted(os, &special::file_stat(f)?, uid, gid)?;
+    let h = changeable_fd(f)?;
+    // SAFETY: a descriptor we hold and an empty C string.
+    cvt(unsafe { libc::fchownat(h, c"".as_ptr(), uid, gid, libc::AT_EMPTY_PATH) } as i64)
 }
 
 pub(super) fn sys_openat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, flags: i32, mode: u32) -> SysResult {
@@ -606,9 +652,18 @@ pub(super) fn sys_fchmodat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u
     let Some(path) = path_or_empty(ctx, pathp, flags)? else {
         return sys_fchmod(os, dirfd, mode);
     };
-    let r = lookup!(os, dirfd, &path, follow_flag(flags))?;
+    let lk = follow_flag(flags);
+    let r = lookup!(os, dirfd, &path, lk)?;
+    if let Some(f) = magic_file(os, &r, lk) {
+        return chmod_file(&f, mode);
+    }
     if r.is_virtual() {
-        return Err(if special::lookup(os, &r.path).is_some() { EACCES } else { ENOENT });
+        return Err(match special::lookup(os, &r.path) {
+            // A symlink itself (not followed): Linux's symlinks take no mode.
+            Some(special::Node::Link(_) | special::Node::Fd(_)) => EOPNOTSUPP,
+            Some(_) => EACCES,
+            None => ENOENT,
+        });
     }
     let (d, n) = host_of(&r)?;
     let st = host_stat(d, n)?;
@@ -641,7 +696,11 @@ pub(super) fn sys_fchownat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u
         }
         return sys_fchown(os, dirfd, uid, gid);
     };
-    let r = lookup!(os, dirfd, &path, follow_flag(flags))?;
+    let lk = follow_flag(flags);
+    let r = lookup!(os, dirfd, &path, lk)?;
+    if let Some(f) = magic_file(os, &r, lk) {
+        return chown_file(os, &f, uid, gid);
+    }
     chown_resolved(os, &r, uid, gid, libc::AT_SYMLINK_NOFOLLOW)
 }
 
@@ -761,7 +820,16 @@ fn set_times(os: &mut GuestOs, dirfd: i32, path: Option<&[u8]>, times: Option<[l
         // SAFETY: futimens on an fd we own with a null or valid two-timespec array.
         return cvt(unsafe { libc::futimens(h, tp) } as i64);
     };
-    let r = lookup!(os, dirfd, path, follow_flag(flags))?;
+    let lk = follow_flag(flags);
+    let r = lookup!(os, dirfd, path, lk)?;
+    if let Some(f) = magic_file(os, &r, lk) {
+        let h = changeable_fd(&f)?;
+        if omit_all {
+            return Ok(0);
+        }
+        // SAFETY: a descriptor we hold, an empty C string and a null or valid two-timespec array.
+        return cvt(unsafe { libc::utimensat(h, c"".as_ptr(), tp, libc::AT_EMPTY_PATH) } as i64);
+    }
     if r.is_virtual() {
         special::stat(os, &r.path, true)?;
         return Err(EACCES);
