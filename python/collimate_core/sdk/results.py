@@ -21,7 +21,11 @@ class ExecResult:
     sandbox is restored from its template before its next exec, which has `interpreter_restarted`
     set: it runs in a fresh interpreter, and everything earlier execs left (variables, imports,
     processes, files in /tmp and /work) is gone. The same holds after an exec that timed out.
-    `note` says what happened in words ("" when nothing did).
+    `note` says what happened in words ("" when nothing did). `limit` names a limit of the sandbox
+    that refused something during this exec ("" when none did): "shared_memory" when its shared
+    memory (shared anonymous mappings such as `mmap.mmap(-1, n)`, memfds and /dev/shm, together
+    at most 512 MiB) was full, so that an mmap got ENOMEM, a write ENOSPC or a process SIGBUS;
+    `note` then says so too (docs/quotas.md).
 
     Under an egress policy with `record=True`, `egress_replay` says what the exec did with the
     network: "recorded" (its flows were recorded with its seed), "replayed" (they were served from
@@ -45,6 +49,7 @@ class ExecResult:
     interpreter_died: bool = False
     interpreter_restarted: bool = False
     note: str = ""
+    limit: str = ""
     egress_replay: str = ""
     egress_error: str = ""
 

@@ -189,6 +189,8 @@ class ExecResponse(BaseModel):
         "died or timed out, and its Python state, processes and files in /tmp and /work are gone",
     )
     note: str = Field("", description="what happened to the interpreter, in words ('' when nothing did)")
+    limit: str = Field("", description="a limit of the sandbox that refused something during this exec: "
+                       "'shared_memory' ('' when none did)")
     egress_replay: str = Field("", description="under an egress policy with record=true: recorded, replayed or "
                                "diverged (docs/egress.md); '' otherwise")
     egress_error: str = Field("", description="where a replay diverged from its recording, in words ('' when it did not)")

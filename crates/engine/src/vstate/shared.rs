@@ -209,11 +209,12 @@ impl Windows {
         Some(unsafe { w.ptr.add(at as usize) })
     }
 
+    /// Read through the window's file (`pread`), not its mapping: a page the file does not hold
+    /// yet reads as zeros without being allocated, so a full pool cannot raise SIGBUS in the VMM.
     pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Option<()> {
-        let p = self.host(gpa, buf.len())?;
-        // SAFETY: `host` checked the range lies inside a live mapping, in pages the file backs.
-        unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), buf.len()) };
-        Some(())
+        self.host(gpa, buf.len())?;
+        let w = self.find(gpa)?;
+        read_file_at(&w.fd, buf, w.offset + (gpa - w.gpa)).ok()
     }
 
     /// Write through the window (host side: a read-only window is written too, as Linux's kernel
@@ -225,6 +226,22 @@ impl Windows {
             return None;
         }
         let p = self.host(gpa, data.len())?;
+        // Through the file (`pwrite`) where it is not opened for appending: a page it has to
+        // allocate in a full tmpfs is ENOSPC there (EFAULT to the guest), where a store through
+        // the mapping would raise SIGBUS in the VMM.
+        // SAFETY: F_GETFL on a descriptor we hold.
+        let flags = unsafe { libc::fcntl(w.fd.as_raw_fd(), libc::F_GETFL) };
+        if flags >= 0 && flags & libc::O_APPEND == 0 {
+            let file = std::mem::ManuallyDrop::new(
+                // SAFETY: borrows the window's descriptor for the write; ManuallyDrop keeps it open.
+                unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(w.fd.as_raw_fd()) },
+            );
+            let written = std::os::unix::fs::FileExt::write_all_at(&*file, data, w.offset + (gpa - w.gpa));
+            if written.as_ref().is_err_and(|e| e.raw_os_error() == Some(libc::ENOSPC)) && !w.file {
+                note_limit_reached();
+            }
+            return written.ok();
+        }
         // SAFETY: `host` checked the range lies inside a live writable mapping backed by the file.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
         Some(())
@@ -243,15 +260,17 @@ impl Windows {
                 // Only the pages that show the file are read (the others would raise SIGBUS).
                 let shown = w.shown();
                 let out = std::fs::File::from(copy.try_clone()?);
+                // Read through the file, not the mapping: a read fault on a hole of a tmpfs file
+                // would allocate the page (in the parent's pool).
+                let mut buf = vec![0u8; 1 << 20];
                 let mut at = 0;
                 while at < shown {
-                    let n = (shown - at).min(1 << 20);
-                    // SAFETY: [at, at + n) lies inside the live mapping, in pages the file backs.
-                    let src = unsafe { std::slice::from_raw_parts(w.ptr.add(at as usize), n as usize) };
-                    if src.iter().any(|&b| b != 0) {
-                        std::os::unix::fs::FileExt::write_all_at(&out, src, at)?;
+                    let n = (shown - at).min(1 << 20) as usize;
+                    read_file_at(&w.fd, &mut buf[..n], w.offset + at)?;
+                    if buf[..n].iter().any(|&b| b != 0) {
+                        std::os::unix::fs::FileExt::write_all_at(&out, &buf[..n], at)?;
                     }
-                    at += n;
+                    at += n as u64;
                 }
                 (Arc::new(copy), 0)
             }
@@ -273,21 +292,126 @@ impl Windows {
     }
 }
 
-/// A new memfd of `len` bytes, for shared anonymous memory.
-pub fn memfd(len: u64) -> std::io::Result<OwnedFd> {
+/// The sandbox's shared-memory pool: the root of a tmpfs of its own (`crate::quota`, made by the
+/// controller with the sandbox's shared-memory limit as its size), where its shared anonymous
+/// memory, its guest memfds and its /dev/shm live. One per VMM process (a VMM process serves one
+/// sandbox); none in template zygotes and where the host cannot make tmpfs instances, where
+/// shared anonymous memory is a plain memfd, as before.
+static POOL: std::sync::Mutex<Option<Arc<OwnedFd>>> = std::sync::Mutex::new(None);
+
+/// Make `root` this process's shared-memory pool (a forked sandbox's, before its first run).
+pub fn set_pool(root: Option<Arc<OwnedFd>>) {
+    *POOL.lock().unwrap_or_else(|e| e.into_inner()) = root;
+}
+
+/// This process's shared-memory pool, if it has one.
+pub fn pool() -> Option<Arc<OwnedFd>> {
+    POOL.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// Bytes still free in the pool (None: no pool).
+pub fn pool_free() -> Option<u64> {
+    free_in(pool().as_deref())
+}
+
+fn free_in(root: Option<&OwnedFd>) -> Option<u64> {
+    crate::quota::usage_of(root?).ok().map(|u| u.quota_bytes.saturating_sub(u.bytes))
+}
+
+/// The name, in the pool's root (where the guest cannot reach: its /dev/shm is a directory
+/// below), of the empty file that says the pool's limit refused something since the controller
+/// last looked (`quota::Scratch::take_marker`). A file, because the refusal may happen in any of
+/// the sandbox's VMM processes.
+pub const LIMIT_MARKER: &std::ffi::CStr = c"limit-reached";
+
+/// Record that the sandbox's shared-memory limit refused something (an mmap, a page, a write).
+pub fn note_limit_reached() {
+    note_limit_reached_in(pool().as_deref());
+}
+
+fn note_limit_reached_in(root: Option<&OwnedFd>) {
+    if let Some(root) = root {
+        // SAFETY: openat relative to a directory descriptor we hold, with a valid C string.
+        let fd = unsafe { libc::openat(root.as_raw_fd(), LIMIT_MARKER.as_ptr(), libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC, 0o600) };
+        if fd >= 0 {
+            // SAFETY: the descriptor just opened.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+/// Whether the pool is full (less than 64 KiB left): a page the kernel could not give a
+/// shared mapping was refused by the limit, not by a file that shrank.
+pub fn pool_full() -> bool {
+    pool_free().is_some_and(|free| free < (64 << 10))
+}
+
+/// A new, empty, nameless file in the shared-memory pool (`O_TMPFILE`: it goes with its last
+/// descriptor and mapping), or a memfd where there is no pool. Its pages are the pool's: past the
+/// pool's size a write gets ENOSPC and a fault through a mapping SIGBUS, from the kernel.
+pub fn pool_file() -> std::io::Result<OwnedFd> {
+    pool_file_in(pool().as_deref())
+}
+
+fn pool_file_in(root: Option<&OwnedFd>) -> std::io::Result<OwnedFd> {
     use std::os::fd::FromRawFd;
-    // SAFETY: memfd_create with a valid NUL-terminated name; the result is checked.
-    let fd = unsafe { libc::memfd_create(c"collimate-shared".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = match root {
+        // SAFETY: openat relative to a directory descriptor we hold, with a valid C string; the
+        // result is checked.
+        Some(root) => unsafe { libc::openat(root.as_raw_fd(), c".".as_ptr(), libc::O_TMPFILE | libc::O_RDWR | libc::O_CLOEXEC, 0o600) },
+        // SAFETY: memfd_create with a valid NUL-terminated name; the result is checked.
+        None => unsafe { libc::memfd_create(c"collimate-shared".as_ptr(), libc::MFD_CLOEXEC) },
+    };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: a fresh descriptor we own.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A new file of `len` bytes for shared anonymous memory ([`pool_file`]). ENOMEM when `len` is
+/// more than the pool has free: the mapping could never be touched whole (Linux's strict
+/// overcommit answers the same at mmap).
+pub fn memfd(len: u64) -> std::io::Result<OwnedFd> {
+    memfd_in(pool().as_deref(), len)
+}
+
+fn memfd_in(root: Option<&OwnedFd>, len: u64) -> std::io::Result<OwnedFd> {
+    if free_in(root).is_some_and(|free| len > free) {
+        note_limit_reached_in(root);
+        return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
+    }
+    let fd = pool_file_in(root)?;
     // SAFETY: ftruncate on our own descriptor.
     if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(fd)
+}
+
+/// Fill `buf` from `fd` at `offset` with `pread`; what lies past the end of the file (in the last
+/// page it has a part of) reads as zeros, as through a mapping.
+fn read_file_at(fd: &OwnedFd, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let rest = &mut buf[done..];
+        // SAFETY: pread into the live buffer `rest`, of its length, from a descriptor we hold.
+        let n = unsafe { libc::pread(fd.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len(), (offset + done as u64) as libc::off_t) };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => {
+                rest.fill(0);
+                break;
+            }
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EINTR) {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// mmap `fd` shared, at `at` (replacing what is there) or where the kernel likes.
@@ -355,6 +479,41 @@ mod tests {
         assert!(Arc::ptr_eq(&new, &ws.find(a).unwrap().fd));
         assert!(ws.read(a + 2 * PAGE_SIZE, &mut b).is_some(), "the copy is a memfd as long as the window");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_pool_bounds_shared_memory_with_enomem_and_enospc_never_a_host_sigbus() {
+        if !crate::quota::available() {
+            eprintln!("skipped: no CAP_SYS_ADMIN for tmpfs instances");
+            return;
+        }
+        let pool = crate::quota::Scratch::new(crate::quota::DiskQuota { bytes: 1 << 20, inodes: 64 }).unwrap();
+        let root = Some(&pool.0);
+        // A mapping larger than the pool could never be touched whole: refused, and marked.
+        let e = memfd_in(root, 2 << 20).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOMEM));
+        assert!(pool.take_marker(LIMIT_MARKER) && !pool.take_marker(LIMIT_MARKER));
+        // Two that fit when made; writing both whole runs into the pool's size. The host's writes
+        // through a window go through the file: ENOSPC (None), where a store would be a SIGBUS.
+        let mut ws = Windows::default();
+        let (fa, fb) = (Arc::new(memfd_in(root, 1 << 20).unwrap()), Arc::new(memfd_in(root, 1 << 20).unwrap()));
+        let a = ws.map(fa, 0, 1 << 20, true, false).unwrap();
+        let b = ws.map(fb, 0, 1 << 20, true, false).unwrap();
+        let page = [7u8; PAGE_SIZE as usize];
+        for at in (0..1 << 20).step_by(PAGE_SIZE as usize) {
+            ws.write(a + at, &page).unwrap();
+        }
+        assert!(ws.write(b, &page).is_none(), "the pool is full");
+        assert_eq!(free_in(root), Some(0));
+        // Reads of pages the file does not hold allocate nothing and read zeros.
+        let mut buf = [1u8; 16];
+        ws.read(b + 8 * PAGE_SIZE, &mut buf).unwrap();
+        assert_eq!(buf, [0u8; 16]);
+        ws.read(a + 5, &mut buf).unwrap();
+        assert_eq!(buf, [7u8; 16]);
+        // Unmapping gives the room back (the files go with their last mapping and descriptor).
+        ws.clear();
+        assert_eq!(free_in(root), Some(1 << 20));
     }
 
     #[test]
