@@ -126,13 +126,13 @@ class CreateSandbox(BaseModel):
     egress: EgressSpec | None = Field(None, description="the sandbox's network policy (default: none), within the "
                                       "server's --egress-ceiling")
     disk_quota: int | None = Field(
-        None, ge=1 << 20, description="bytes for /tmp, /work and /dev/shm together (default: the template's, "
+        None, ge=1 << 20, description="bytes for /tmp and /work together (default: the template's, "
         "else the server's --disk-quota, which is also the most a request may ask for)",
     )
 
 
 class DiskUsage(BaseModel):
-    bytes: int = Field(description="what /tmp, /work and /dev/shm hold together")
+    bytes: int = Field(description="what /tmp and /work hold together")
     inodes: int
     quota_bytes: int = Field(description="past it the guest gets ENOSPC")
     quota_inodes: int
