@@ -117,7 +117,35 @@ impl Window {
 
 impl Drop for Window {
     fn drop(&mut self) {
-        // SAFETY: unmapping the host mapping this window made and owns.
+        if !self.ptr.is_null() {
+            // SAFETY: unmapping the host mapping this window made and owns.
+            unsafe { libc::munmap(self.ptr.cast(), self.len as usize) };
+        }
+    }
+}
+
+/// Windows up to this long are parked when their mappings go ([`Parked`]).
+const PARK_MAX_LEN: u64 = 2 << 20;
+/// At most this many parked windows per process.
+const PARK_MAX: usize = 8;
+
+/// A window whose guest mappings went, kept with its guest-physical range, its host address and so
+/// its KVM slot, for the next shared mapping of the same length. Deleting a KVM memory slot makes
+/// KVM drop every translation of the VM (with shadow paging, as on kvm_pvm: the guest then faults
+/// its whole working set in again), which made a 16 KiB `mmap.mmap(-1, n)`/`close` pair cost about
+/// 64 shadow faults; a parked window is re-pointed at the next file in place (`MAP_FIXED`, which
+/// drops the translations of that range only) and its slot never changes. Its host range holds an
+/// inaccessible anonymous mapping meanwhile: the file (and its memory in the pool) is let go at
+/// once, and nothing in the guest's page tables points there.
+struct Parked {
+    gpa: u64,
+    len: u64,
+    ptr: *mut u8,
+}
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the placeholder mapping this parked window owns.
         unsafe { libc::munmap(self.ptr.cast(), self.len as usize) };
     }
 }
@@ -126,6 +154,7 @@ impl Drop for Window {
 #[derive(Default)]
 pub struct Windows {
     map: BTreeMap<u64, Window>,
+    parked: Vec<Parked>,
     /// Bumped on every change, so the VMM re-syncs its KVM slots only when there is something new.
     generation: u64,
 }
@@ -144,19 +173,66 @@ impl Windows {
         self.map.values()
     }
 
+    /// The KVM slots the windows need, live and parked: (guest-physical start, length, host address).
+    pub fn slots(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        self.map.values().map(|w| (w.gpa, w.len, w.host_addr())).chain(self.parked.iter().map(|p| (p.gpa, p.len, p.ptr as u64)))
+    }
+
+    /// Park window `w` (its mappings went): see [`Parked`]. Returns it back if it is not parked.
+    fn park(&mut self, mut w: Window) -> Option<Window> {
+        if w.len > PARK_MAX_LEN || self.parked.len() >= PARK_MAX {
+            return Some(w);
+        }
+        // SAFETY: replaces, in place, the host mapping this window owns (exactly its range) with an
+        // inaccessible anonymous one; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                w.ptr.cast(),
+                w.len as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Some(w);
+        }
+        self.parked.push(Parked { gpa: w.gpa, len: w.len, ptr: w.ptr });
+        w.ptr = std::ptr::null_mut(); // the parked window owns the host range now
+        None
+    }
+
     /// Map `len` bytes (page multiple) of `fd` from `offset` shared; returns the window's
     /// guest-physical start.
     pub fn map(&mut self, fd: Arc<OwnedFd>, offset: u64, len: u64, writable: bool, file: bool) -> Result<u64, WindowError> {
-        if self.map.len() >= CAP.load(Ordering::Relaxed) {
+        let cap = CAP.load(Ordering::Relaxed);
+        if self.map.len() >= cap {
             return Err(WindowError::TooMany);
         }
-        let gpa = self.free_range(len).ok_or(WindowError::NoRoom)?;
         // SAFETY: a zeroed stat is valid; fstat on a descriptor we own.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: as above; the result is checked.
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
             return Err(WindowError::Map(std::io::Error::last_os_error()));
         }
+        // A parked window of this length: the file goes where it was, and the slot stays.
+        if let Some(i) = self.parked.iter().position(|p| p.len == len) {
+            let p = self.parked.swap_remove(i);
+            if host_map(&fd, offset, len, writable, Some(p.ptr)).is_ok() {
+                let (gpa, ptr) = (p.gpa, p.ptr);
+                std::mem::forget(p); // the window owns the host range now
+                self.map.insert(gpa, Window { gpa, len, ptr, fd, offset, writable, file, key: (st.st_dev, st.st_ino) });
+                self.generation += 1;
+                return Ok(gpa);
+            }
+            self.generation += 1; // dropped: its slot goes
+        }
+        // Room for a new slot: parked windows give theirs up first.
+        while self.map.len() + self.parked.len() >= cap && self.parked.pop().is_some() {
+            self.generation += 1;
+        }
+        let gpa = self.free_range(len).ok_or(WindowError::NoRoom)?;
         let ptr = host_map(&fd, offset, len, writable, None).map_err(WindowError::Map)?;
         self.map.insert(gpa, Window { gpa, len, ptr, fd, offset, writable, file, key: (st.st_dev, st.st_ino) });
         self.generation += 1;
@@ -165,12 +241,14 @@ impl Windows {
 
     /// The lowest free 2 MiB-aligned range of `len` bytes in the window space.
     fn free_range(&self, len: u64) -> Option<u64> {
+        let mut taken: Vec<(u64, u64)> = self.map.values().map(|w| (w.gpa, w.len)).chain(self.parked.iter().map(|p| (p.gpa, p.len))).collect();
+        taken.sort_unstable();
         let mut at = WINDOW_BASE;
-        for w in self.map.values() {
-            if w.gpa >= at.checked_add(len)? {
+        for (gpa, wlen) in taken {
+            if gpa >= at.checked_add(len)? {
                 break;
             }
-            at = (w.gpa + w.len).div_ceil(ALIGN) * ALIGN;
+            at = (gpa + wlen).div_ceil(ALIGN) * ALIGN;
         }
         (at.checked_add(len)? <= WINDOW_BASE + WINDOW_SPACE).then_some(at)
     }
@@ -181,18 +259,25 @@ impl Windows {
     }
 
     /// Keep only the windows `keep` holds on to (by guest-physical start); the others are unmapped.
+    /// Small ones are parked ([`Parked`]): their slots stay.
     pub fn retain(&mut self, keep: impl Fn(&Window) -> bool) {
-        let before = self.map.len();
-        self.map.retain(|_, w| keep(w));
-        if self.map.len() != before {
-            self.generation += 1;
+        let gone: Vec<u64> = self.map.values().filter(|w| !keep(w)).map(|w| w.gpa).collect();
+        if gone.is_empty() {
+            return;
         }
+        for gpa in gone {
+            if let Some(w) = self.map.remove(&gpa) {
+                drop(self.park(w));
+            }
+        }
+        self.generation += 1;
     }
 
-    /// Unmap every window.
+    /// Unmap every window, parked ones too.
     pub fn clear(&mut self) {
-        if !self.map.is_empty() {
+        if !self.map.is_empty() || !self.parked.is_empty() {
             self.map.clear();
+            self.parked.clear();
             self.generation += 1;
         }
     }
@@ -452,8 +537,32 @@ mod tests {
         let g = ws.generation();
         ws.retain(|w| w.gpa != a);
         assert!(ws.generation() > g && ws.len() == 1 && ws.find(a).is_none());
-        // The freed range is used again.
-        assert_eq!(ws.map(fd, 0, PAGE_SIZE, true, false).unwrap(), WINDOW_BASE);
+        // The freed range stays parked with its slot, and a mapping of its length takes it again.
+        assert_eq!(ws.slots().count(), 2);
+        assert_eq!(ws.map(fd.clone(), 0, PAGE_SIZE, true, false).unwrap(), 2 * ALIGN + WINDOW_BASE, "another length: a new range");
+        assert_eq!(ws.map(fd, 0, 3 * PAGE_SIZE, true, false).unwrap(), WINDOW_BASE);
+    }
+
+    #[test]
+    fn a_parked_window_keeps_its_slot_lets_its_file_go_and_shows_the_next_file() {
+        let mut ws = Windows::default();
+        let first = Arc::new(memfd(4 * PAGE_SIZE).unwrap());
+        let a = ws.map(first.clone(), 0, 4 * PAGE_SIZE, true, false).unwrap();
+        ws.write(a, b"old").unwrap();
+        let slots: Vec<_> = ws.slots().collect();
+        ws.retain(|_| false);
+        assert!(ws.is_empty() && ws.find(a).is_none());
+        assert_eq!(ws.slots().collect::<Vec<_>>(), slots, "the slot stays");
+        assert_eq!(Arc::strong_count(&first), 1, "the file is let go");
+        let b = ws.map(Arc::new(memfd(4 * PAGE_SIZE).unwrap()), 0, 4 * PAGE_SIZE, true, false).unwrap();
+        assert_eq!((b, ws.slots().collect::<Vec<_>>()), (a, slots));
+        let mut buf = [9u8; 3];
+        ws.read(b, &mut buf).unwrap();
+        assert_eq!(&buf, &[0, 0, 0], "the new file's contents, not the old one's");
+        // SAFETY: reading the live host mapping of the window, inside its length.
+        assert_eq!(unsafe { *(ws.find(b).unwrap().host_addr() as *const u8) }, 0);
+        ws.clear();
+        assert_eq!(ws.slots().count(), 0);
     }
 
     #[test]
