@@ -15,9 +15,11 @@
 //! never in the private-page record (`GuestMemory::dirty`): resets and snapshots do not see them.
 //! What snapshots, sandbox forks and resets do with them is in `guestos::mm`'s module comment.
 //!
-//! A window's host pages past the end of its file would raise SIGBUS in the VMM when touched, so
-//! host-side accesses ([`Windows::read`], [`Windows::write`]) check the file's size first and
-//! answer with an error (EFAULT to the guest) instead.
+//! A window's host pages past the end of its file, or that its tmpfs has no room for (the sandbox's
+//! shared-memory pool, [`pool`], or its disk quota is full), would raise SIGBUS in the VMM when
+//! touched, so host-side accesses ([`Windows::read`], [`Windows::write`]) check the file's size
+//! first and go through the file (`pread`, `pwrite`), answering with an error (EFAULT to the
+//! guest) instead.
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, OwnedFd};
