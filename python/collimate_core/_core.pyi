@@ -208,6 +208,11 @@ class Vm:
         children it forks from now on; refused below what they hold."""
     def disk_usage(self) -> _DiskUsage | None:
         """What the writable mounts hold and their quota; None without a tmpfs of its own."""
+    def take_shared_memory_limit_reached(self) -> bool:
+        """Whether the shared-memory limit refused anything since the last call."""
+    def shared_memory_usage(self) -> dict[str, int] | None:
+        """What the shared-memory pool (shared anonymous mappings, memfds, /dev/shm) holds
+        (`bytes`) and its limit (`quota_bytes`); None where disk_usage is None."""
     @property
     def disk_quota(self) -> tuple[int, int] | None:
         """The (bytes, inodes) quota this VM's children get; None if the host gives none."""

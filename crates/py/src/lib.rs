@@ -620,6 +620,26 @@ impl PyVm {
             .transpose()
     }
 
+    /// What this sandbox's shared memory (shared anonymous mappings, memfds, /dev/shm) holds and
+    /// its limit (`bytes`, `quota_bytes`), or None where `disk_usage` is None.
+    fn shared_memory_usage<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let usage = self.with(py, "Vm.shared_memory_usage", |vm| Ok(vm.shared_memory_usage()?))?;
+        usage
+            .map(|u| {
+                let out = PyDict::new(py);
+                out.set_item("bytes", u.bytes)?;
+                out.set_item("quota_bytes", u.quota_bytes)?;
+                Ok(out)
+            })
+            .transpose()
+    }
+
+    /// Whether this sandbox's shared-memory limit refused anything (an mmap, a page, a write)
+    /// since the last call.
+    fn take_shared_memory_limit_reached(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, "Vm.take_shared_memory_limit_reached", |vm| Ok(vm.take_shared_memory_limit_reached()))
+    }
+
     /// The disk quota (bytes, inodes) this VM's children get, or None if this host gives none.
     #[getter]
     fn disk_quota(&self, py: Python<'_>) -> PyResult<Option<(u64, u64)>> {

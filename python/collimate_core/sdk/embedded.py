@@ -256,7 +256,7 @@ class EmbeddedClient:
         self.max_sandboxes = max_sandboxes
         self.capacity_timeout = capacity_timeout
         # Every sandbox's writable mounts share one quota (see quota.py); the budget is admission by
-        # worst case (guest memory + disk quota of every live sandbox), off unless set.
+        # worst case (guest memory + shared memory + disk quota of every live sandbox), off unless set.
         self.disk_quota = _quota.disk_quota(disk_quota) if disk_quota is not None else _quota.default_disk_quota()
         self.memory_budget = (
             _quota.parse_size(memory_budget, "memory_budget") if memory_budget is not None else _quota.default_memory_budget()
@@ -325,12 +325,12 @@ class EmbeddedClient:
     # --- sandboxes ---------------------------------------------------------------------------
 
     def _admit(self, n: int, disk_quota: int) -> int:
-        """Reserve `n` sandbox slots under max_sandboxes, and their charge (guest memory + disk
-        quota each) under memory_budget, waiting up to capacity_timeout for room; returns the
+        """Reserve `n` sandbox slots under max_sandboxes, and their charge (guest memory, shared
+        memory and disk quota each) under memory_budget, waiting up to capacity_timeout for room; returns the
         charge of one. A reservation is held until the sandboxes are registered (or
         `_unreserve`d on failure), so concurrent callers can never overshoot a limit between
         admission and registration."""
-        charge = _quota.GUEST_MEMORY + disk_quota
+        charge = _quota.MEMORY_CHARGE + disk_quota
         if n > self.max_sandboxes:
             raise CapacityError(
                 f"a fork group of {n} can never fit under max_sandboxes={self.max_sandboxes}; "
@@ -339,7 +339,7 @@ class EmbeddedClient:
         budget = self.memory_budget
         if budget is not None and n * charge > budget:
             raise CapacityError(
-                f"{n} sandbox(es) of {charge >> 20} MiB each (guest memory + disk quota) can never fit in "
+                f"{n} sandbox(es) of {charge >> 20} MiB each (guest memory + shared memory + disk quota) can never fit in "
                 f"memory_budget={budget >> 20} MiB; raise the budget, give smaller disk quotas or use a narrower group"
             )
         deadline = time.monotonic() + self.capacity_timeout
@@ -358,7 +358,7 @@ class EmbeddedClient:
                         )
                     raise CapacityError(
                         f"memory_budget={budget >> 20} MiB reached: {self._charged >> 20} MiB held by live sandboxes, "
-                        f"{n} more need {n * charge >> 20} MiB (guest memory + disk quota; waited "
+                        f"{n} more need {n * charge >> 20} MiB (guest memory + shared memory + disk quota; waited "
                         f"{self.capacity_timeout:g}s); destroy some, raise the budget or give smaller disk quotas"
                     )
                 self._slots.wait(left)
@@ -615,6 +615,14 @@ class EmbeddedClient:
                 died = True
                 box.lost = "died (" + _how_it_ended(r) + ")"
         notes = []
+        limit = ""
+        if box.vm.take_shared_memory_limit_reached():
+            limit = "shared_memory"
+            notes.append(
+                f"the shared-memory limit of the sandbox ({_quota.SHARED_MEMORY >> 20} MiB) was reached by its shared "
+                "mappings during this exec (shared anonymous mappings such as mmap.mmap(-1, n), memfds and /dev/shm "
+                "together): an mmap got ENOMEM, a write ENOSPC or a process SIGBUS; map, write or keep less shared memory"
+            )
         if restarted:
             kept = restarted.endswith("after a timeout")  # replaced over its files (_end_exec)
             notes.append(
@@ -658,6 +666,7 @@ class EmbeddedClient:
             interpreter_died=died,
             interpreter_restarted=bool(restarted),
             note=note,
+            limit=limit,
             egress_replay=replay,
             egress_error=replay_error,
         )

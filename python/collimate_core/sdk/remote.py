@@ -231,6 +231,7 @@ class RemoteClient:
             duration=d["duration"], timed_out=d["timed_out"], truncated=d["truncated"], stdout_bytes=out, stderr_bytes=err,
             interpreter_died=bool(d.get("interpreter_died", False)),
             interpreter_restarted=bool(d.get("interpreter_restarted", False)), note=str(d.get("note") or ""),
+            limit=str(d.get("limit") or ""),
             egress_replay=str(d.get("egress_replay") or ""), egress_error=str(d.get("egress_error") or ""),
         )
 

@@ -38,7 +38,7 @@ class Sandbox:
         self.client = client if client is not None else connect()
         self.template = getattr(template, "name", template)
         self.default_seed = default_seed
-        # Bytes (or "512M", "2G") for /tmp, /work and /dev/shm together; None: the template's.
+        # Bytes (or "512M", "2G") for /tmp and /work together; None: the template's.
         self.disk_quota = _check_quota(disk_quota) if disk_quota is not None else None
         # Its network policy (default: none); bad rules raise here, before anything is forked.
         self.egress_policy = coerce_egress(egress)
@@ -129,7 +129,7 @@ class Sandbox:
         return self.client.download(self._live(), path)
 
     def disk_usage(self) -> dict | None:
-        """What /tmp, /work and /dev/shm hold together and their quota: bytes, inodes,
+        """What /tmp and /work hold together and their quota: bytes, inodes,
         quota_bytes, quota_inodes (None where the host gives no quotas)."""
         return self.client.disk_usage(self._live())
 

@@ -38,7 +38,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--key-store", type=Path, default=None, help="the key store (default: COLLIMATE_KEY_STORE or <cache>/keys.json)")
     s.add_argument("--preload", default="python", help="comma-separated templates to start at launch ('' for none)")
     s.add_argument("--disk-quota", default=None, metavar="SIZE",
-                   help="each sandbox's /tmp, /work and /dev/shm together, e.g. 512M (default: COLLIMATE_DISK_QUOTA "
+                   help="each sandbox's /tmp and /work together, e.g. 512M (default: COLLIMATE_DISK_QUOTA "
                    "or 1G); also the most a request may ask for")
     s.add_argument("--egress-ceiling", default=None, metavar="RULES",
                    help="the widest network policy a request may ask for: 'none', 'internet', or comma-separated "

@@ -727,7 +727,7 @@ class ControlPlane:
             stdout_b64=None if r.stdout.encode() == r.stdout_bytes else base64.b64encode(r.stdout_bytes).decode(),
             stderr_b64=None if r.stderr.encode() == r.stderr_bytes else base64.b64encode(r.stderr_bytes).decode(),
             seed=r.seed, seed_ack=r.seed_ack, duration=r.duration, timed_out=r.timed_out, truncated=r.truncated,
-            interpreter_died=r.interpreter_died, interpreter_restarted=r.interpreter_restarted, note=r.note,
+            interpreter_died=r.interpreter_died, interpreter_restarted=r.interpreter_restarted, note=r.note, limit=r.limit,
             egress_replay=r.egress_replay, egress_error=r.egress_error,
         )
 

@@ -126,13 +126,13 @@ class CreateSandbox(BaseModel):
     egress: EgressSpec | None = Field(None, description="the sandbox's network policy (default: none), within the "
                                       "server's --egress-ceiling")
     disk_quota: int | None = Field(
-        None, ge=1 << 20, description="bytes for /tmp, /work and /dev/shm together (default: the template's, "
+        None, ge=1 << 20, description="bytes for /tmp and /work together (default: the template's, "
         "else the server's --disk-quota, which is also the most a request may ask for)",
     )
 
 
 class DiskUsage(BaseModel):
-    bytes: int = Field(description="what /tmp, /work and /dev/shm hold together")
+    bytes: int = Field(description="what /tmp and /work hold together")
     inodes: int
     quota_bytes: int = Field(description="past it the guest gets ENOSPC")
     quota_inodes: int
@@ -190,6 +190,8 @@ class ExecResponse(BaseModel):
         "timeout (replaced over the same files; docs/sessions.md)",
     )
     note: str = Field("", description="what happened to the interpreter, in words ('' when nothing did)")
+    limit: str = Field("", description="a limit of the sandbox that refused something during this exec: "
+                       "'shared_memory' ('' when none did)")
     egress_replay: str = Field("", description="under an egress policy with record=true: recorded, replayed or "
                                "diverged (docs/egress.md); '' otherwise")
     egress_error: str = Field("", description="where a replay diverged from its recording, in words ('' when it did not)")

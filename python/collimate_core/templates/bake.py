@@ -874,7 +874,7 @@ class Template:
         `ready`: what to run before the checkpoint (Ready(cmd=...) and/or Ready(code=...)).
         `width`: how wide you expect to fork (a hint: recorded, and the zygote keeps that many
         clones ready, up to the engine's pool limit, while the template is registered).
-        `disk_quota`: bytes (or "512M", "2G") for /tmp, /work and /dev/shm together in each of the
+        `disk_quota`: bytes (or "512M", "2G") for /tmp and /work together in each of the
         template's sandboxes (default: the client's, 1 GiB).
         `egress`: the network policy of the bake and its Ready step (e.g. a package index to install
         from); the template's sandboxes then start from their own default, no network.

@@ -326,9 +326,18 @@ impl GuestOs {
         if let Err(e) = written {
             // SAFETY: removing our own temporary, relative to our directory fd.
             unsafe { libc::unlinkat(dir.as_raw_fd(), tmp.as_ptr(), 0) };
+            let shm = abs == persist::SHM_MOUNT || abs.starts_with(&format!("{}/", persist::SHM_MOUNT));
+            if shm && matches!(e.raw_os_error(), Some(libc::ENOSPC)) {
+                return Err(crate::Error::InvalidArgument(format!(
+                    "upload {abs}: {} bytes do not fit in the sandbox's shared memory ({} MiB for /dev/shm, shared mappings \
+                     and memfds together); free some or upload to /tmp or /work",
+                    data.len(),
+                    crate::quota::SHARED_MEMORY.bytes >> 20
+                )));
+            }
             if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
                 return Err(crate::Error::InvalidArgument(format!(
-                    "upload {abs}: {} bytes do not fit in the sandbox's disk quota (/tmp, /work and /dev/shm together); \
+                    "upload {abs}: {} bytes do not fit in the sandbox's disk quota (/tmp and /work together); \
                      free space in it or give the sandbox a larger disk_quota",
                     data.len()
                 )));

@@ -81,8 +81,9 @@ pub struct Machine {
     /// Where this sandbox's private copies of its writable mounts live: its own tmpfs (the disk
     /// quota, see `crate::quota`) or a directory under the runtime directory.
     scratch: ScratchRoot,
-    /// Tmpfs instances from the controller (`Request::AddScratch`) for the next children: each new
-    /// sandbox (a fork or a spare) takes one. Once any has come, children are never made without.
+    /// Tmpfs instances from the controller (`Request::AddScratch`) for the next children, in pairs
+    /// (disk quota, shared-memory pool): each new sandbox (a fork or a spare) takes a pair. Once any
+    /// has come, children are never made without.
     scratch_stock: Vec<OwnedFd>,
     quota_mode: bool,
     /// Set while this process runs its vfork child on its own vCPU (see `spawn`).
@@ -347,7 +348,8 @@ impl Machine {
 
     /// Keep the tmpfs instances attached to a request for the children to come; once any came,
     /// no child is made without one.
-    fn add_scratch(&mut self, fds: Vec<OwnedFd>) {
+    fn add_scratch(&mut self, mut fds: Vec<OwnedFd>) {
+        fds.truncate(fds.len() & !1); // pairs only
         if !fds.is_empty() {
             self.quota_mode = true;
             self.scratch_stock.extend(fds);
@@ -567,9 +569,14 @@ impl Machine {
                 }
                 // KVM could not reach the host page behind a guest page: with shared mappings,
                 // a page of a file that shrank under the mapping (another process truncated
-                // it). Linux raises SIGBUS there; the faulting address is not known here, so the
-                // process ends by SIGBUS (a handler of its own does not run: see `guestos::mm`).
-                Err(e) if e.errno() == libc::EFAULT && linux && self.mem.windows.iter().any(|w| w.file) => {
+                // it), or one the tmpfs behind it has no room for (the sandbox's shared-memory
+                // pool or its disk quota is full). Linux raises SIGBUS there; the faulting
+                // address is not known here, so the process ends by SIGBUS (a handler of its own
+                // does not run: see `guestos::mm`).
+                Err(e) if e.errno() == libc::EFAULT && linux && !self.mem.windows.is_empty() => {
+                    if crate::vstate::shared::pool_full() {
+                        crate::vstate::shared::note_limit_reached();
+                    }
                     return Ok(RunExit::Signaled { signo: crate::guestos::signal::SIGBUS });
                 }
                 Err(e) => return Err(Error::Kvm { op: "KVM_RUN", source: e }),
@@ -923,7 +930,7 @@ fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, scratch: &Sc
         let src = dir.join("fs").join(format!("m{i}"));
         let copied = crate::guestos::tree::open_dir_path(&src, false).and_then(|from| {
             use std::os::fd::AsFd;
-            scratch.fill(i, from.as_fd())
+            scratch.fill(i, &state.mounts[i], from.as_fd())
         });
         let d = copied.map_err(|e| {
             if e.raw_os_error() == Some(libc::ENOSPC) {
@@ -934,7 +941,7 @@ fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, scratch: &Sc
                 Error::SnapshotCorrupt { path: src.display().to_string(), reason: format!("cannot copy the writable mount: {e}") }
             }
         })?;
-        dirs.push((d, scratch.label(i)));
+        dirs.push((d, scratch.label(i, &state.mounts[i])));
     }
     // Every restore and reset is a new clone of the snapshot: an unseeded CRNG gets fresh entropy.
     let mut os = state.rebuild(dirs)?;
@@ -1048,7 +1055,7 @@ impl Pool {
     /// Keep only the tmpfs instances the spares still to be made need (each is an empty tmpfs:
     /// dropping one frees it).
     fn trim_stock(&self, m: &mut Machine) {
-        m.scratch_stock.truncate(self.target.saturating_sub(self.spares.len()));
+        m.scratch_stock.truncate(2 * self.target.saturating_sub(self.spares.len()));
     }
 
     fn invalidate(&mut self) {
@@ -1061,7 +1068,11 @@ pub const MAX_SPARES: u32 = 16;
 
 /// Fork one child in `state`. The child never returns from here: it serves its own channel.
 fn spawn_child(m: &mut Machine, state: &VcpuState, chan: &Channel, pool: &mut Pool) -> Result<Spare> {
-    let scratch = m.scratch_stock.pop();
+    // The pair's shared-memory pool was pushed after its disk tmpfs.
+    let scratch = match (m.scratch_stock.pop(), m.scratch_stock.pop()) {
+        (Some(shm), Some(disk)) => Some((disk, shm)),
+        _ => None,
+    };
     if scratch.is_none() && m.quota_mode {
         return Err(Error::Protocol("no tmpfs for the child's disk quota (send AddScratch before Fork)".into()));
     }
@@ -1168,14 +1179,17 @@ fn set_idle_priority(idle: bool) {
     unsafe { libc::sched_setscheduler(0, policy, &param) };
 }
 
-fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Option<OwnedFd>) -> ! {
+fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Option<(OwnedFd, OwnedFd)>) -> ! {
     // The siblings' tmpfs instances are not ours to hold (they would stay allocated while we live).
     m.scratch_stock.clear();
-    let scratch = scratch.map(std::sync::Arc::new);
+    let scratch = scratch.map(|(disk, shm)| (std::sync::Arc::new(disk), std::sync::Arc::new(shm)));
     m.scratch = match &scratch {
-        Some(fd) => ScratchRoot::Tmpfs(fd.clone()),
+        Some((disk, shm)) => ScratchRoot::Tmpfs { disk: disk.clone(), shm: Some(shm.clone()) },
         None => own_dir(),
     };
+    // Its shared anonymous memory, guest memfds and /dev/shm go in its shared-memory pool (a copy
+    // of the parent's shared anonymous memory too, made just below).
+    crate::vstate::shared::set_pool(scratch.as_ref().map(|(_, shm)| shm.clone()));
     // A forked sandbox gets its own copy of the writable mounts, and unless its CRNG was seeded,
     // fresh entropy: unseeded clones never share randomness.
     let privatized = match m.os.as_mut() {
@@ -1198,8 +1212,9 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Op
             // SAFETY: getpid cannot fail.
             let pid = unsafe { libc::getpid() };
             let linux = m.is_linux();
-            // The controller keeps a descriptor of our tmpfs: it reads the usage and sets the quota.
-            let fds: Vec<RawFd> = scratch.iter().map(|fd| fd.as_raw_fd()).collect();
+            // The controller keeps descriptors of our tmpfs instances: it reads the usage and sets
+            // the quota.
+            let fds: Vec<RawFd> = scratch.iter().flat_map(|(disk, shm)| [disk.as_raw_fd(), shm.as_raw_fd()]).collect();
             if chan.send(&Response::Ready { pid, linux, jail: jail::status() }, &fds).is_err() {
                 exit_discarding(0);
             }
