@@ -91,6 +91,9 @@ pub struct Machine {
     touched: Option<spawn_prefault::Touched>,
     /// Register writes through `kvm_run` waiting for the next run (see `vstate::sync`).
     sync: crate::vstate::sync::RegSync,
+    /// The vCPU stopped at an I/O exit whose instruction KVM completes on the next `KVM_RUN`
+    /// (upstream KVM; see [`Machine::complete_io`]).
+    io_pending: bool,
 }
 
 fn open_kvm() -> Result<Kvm> {
@@ -214,6 +217,7 @@ impl Machine {
             vfork: None,
             touched: None,
             sync: Default::default(),
+            io_pending: false,
         })
     }
 
@@ -244,6 +248,7 @@ impl Machine {
         }
         self.runtime = img.runtime;
         self.sync.reset();
+        self.io_pending = false;
         self.preempter.attach(&mut self.vcpu);
         crate::guestos::signal::host::set_kick(self.vcpu.get_kvm_run());
         Ok(())
@@ -341,6 +346,7 @@ impl Machine {
             vfork: None,
             touched: None,
             sync: Default::default(),
+            io_pending: false,
         })
     }
 
@@ -374,12 +380,38 @@ impl Machine {
     /// Capture the vCPU. kvm_pvm reads XCR0 back as 0 after we set it (AVX keeps working); an XCR0
     /// without the x87 bit is architecturally invalid and would be refused on restore, so we record
     /// the value we set instead.
-    fn capture(&self) -> Result<VcpuState> {
+    fn capture(&mut self) -> Result<VcpuState> {
+        self.complete_io()?;
         let mut s = VcpuState::capture(&self.vcpu, &self.msr_list)?;
         if s.xcrs.nr_xcrs >= 1 && s.xcrs.xcrs[0].xcr == 0 && s.xcrs.xcrs[0].value & 1 == 0 {
             s.xcrs.xcrs[0].value = XCR0;
         }
         Ok(s)
+    }
+
+    /// Let KVM finish the I/O instruction the vCPU stopped at, without running the guest any
+    /// further: a `KVM_RUN` with `immediate_exit = 1`, which completes the instruction (RIP past
+    /// it; an `in`'s value into RAX) and returns EINTR before entering the guest. Upstream KVM
+    /// leaves RIP at the instruction at a `KVM_EXIT_IO` and completes it on the next run
+    /// (`vstate::profile`), so state read or replaced before that run would be a vCPU that has
+    /// not executed its `out`: a snapshot stored so would execute it again when restored. Called
+    /// before every capture (snapshot, clone, fork), when a run hands the vCPU back (reset,
+    /// the controller's register requests) and before a thread switch overwrites the registers.
+    /// (Where the VMM writes another RIP, KVM's completion sees that and leaves it alone.)
+    fn complete_io(&mut self) -> Result<()> {
+        if !std::mem::take(&mut self.io_pending) {
+            return Ok(());
+        }
+        // A register write still in the sync area is applied by this run, before the completion.
+        self.sync.before_run(&mut self.vcpu);
+        self.vcpu.set_kvm_immediate_exit(1);
+        let ran = self.vcpu.run().map(|exit| format!("{exit:?}"));
+        self.vcpu.set_kvm_immediate_exit(0);
+        match ran {
+            Err(e) if e.errno() == libc::EINTR => Ok(()),
+            Err(e) => Err(Error::Kvm { op: "KVM_RUN (immediate_exit, to complete an I/O instruction)", source: e }),
+            Ok(exit) => Err(Error::Remote(format!("completing an I/O instruction entered the guest: exit {exit}"))),
+        }
     }
 
     /// Count as written the frames whose page-table entries' dirty bits are set: the record of
@@ -415,6 +447,9 @@ impl Machine {
         // Between runs the registers are read and written with the ioctls (captures, forks,
         // the controller's GetRegs).
         let res = res.and_then(|exit| self.sync.settle(&mut self.vcpu).map(|_| exit));
+        // Whoever looks at the vCPU next (a snapshot, a reset, the controller) sees it past
+        // the instruction it stopped at.
+        let res = res.and_then(|exit| self.complete_io().map(|_| exit));
         crate::trace::mark("run.end");
         threads::run_ended();
         let report = threads::take_report();
@@ -516,6 +551,8 @@ impl Machine {
             let traced = crate::trace::on().then(Instant::now);
             self.sync.before_run(&mut self.vcpu);
             let ran = self.vcpu.run();
+            self.io_pending = matches!(ran, Ok(VcpuExit::IoOut(..) | VcpuExit::IoIn(..)))
+                && crate::vstate::profile::current().io_completes_on_next_run();
             if let Some(os) = self.os.as_mut() {
                 let reads = crate::guestos::vdso::fold(os, &self.mem, &self.runtime.aspace);
                 if reads > 0 {
@@ -891,6 +928,7 @@ impl Machine {
         // The new VM has no translations: none of the pages a reset left mapped is mapped here.
         self.mem.forget_mapped();
         self.sync.reset();
+        self.io_pending = false;
         // POSIX timers are not inherited across fork: make ours. Forget the parent's handle rather
         // than deleting it, since the id may equal the one just created.
         std::mem::forget(std::mem::replace(&mut self.preempter, Preempter::new()?));
