@@ -249,6 +249,7 @@ impl Machine {
         self.runtime = img.runtime;
         self.sync.reset();
         self.io_pending = false;
+        crate::vstate::tlb::forget_guest_flush();
         self.preempter.attach(&mut self.vcpu);
         crate::guestos::signal::host::set_kick(self.vcpu.get_kvm_run());
         Ok(())
@@ -414,6 +415,57 @@ impl Machine {
         }
     }
 
+    /// Make this entry go through the ring-0 flush stub (`vstate::tlb::request_guest_flush`):
+    /// the registers the guest would resume with stay, except that it starts at the stub in ring
+    /// 0 with an `iretq` frame (written on the ring-0 stack) that returns to where it was. The
+    /// stub's bytes are written again if the memory lacks them (a snapshot made before it
+    /// existed).
+    fn enter_guest_flush(&mut self) -> Result<()> {
+        use crate::arch::x86_64::tables::flush_stub;
+        let (mut r, mut s) = self.sync.current(&mut self.vcpu)?;
+        if s.cs.selector & 3 != 3 {
+            // Not about to resume ring 3 (never expected): every translation goes from the host
+            // side instead, which KVM flushes after.
+            let log = self.vm.take_dirty_log()?;
+            self.mem.sync_dirty(&log);
+            return self.vm.replace_slot(self.vm.slot_size());
+        }
+        let stub = flush_stub();
+        let mut have = [0u8; crate::arch::x86_64::tables::FLUSH_STUB_LEN];
+        self.mem.read(STUBS_GPA + FLUSH_STUB_OFFSET, &mut have)?;
+        if have != stub {
+            self.mem.write(STUBS_GPA + FLUSH_STUB_OFFSET, &stub)?;
+        }
+        let mut frame = [0u8; 40];
+        for (i, v) in [r.rip, s.cs.selector as u64, r.rflags, r.rsp, s.ss.selector as u64].into_iter().enumerate() {
+            frame[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        self.mem.write(FLUSH_FRAME_GPA, &frame)?;
+        r.rip = kva(STUBS_GPA + FLUSH_STUB_OFFSET);
+        r.rsp = kva(FLUSH_FRAME_GPA);
+        r.rflags = 2;
+        s.cs = regs::kernel_code_segment();
+        s.ss = regs::kernel_data_segment();
+        self.sync.write(&mut self.vcpu, &r, &s)
+    }
+
+    /// Whether a guest page fault is one the page tables already allow: a translation the host
+    /// widened (a page made present or writable) that the guest's TLB still held in its old form
+    /// (hosts with EPT/NPT: the architecture lets a TLB keep a stricter entry until a flush, and
+    /// the #PF itself drops it), or a shadow entry KVM kept stale (kvm_pvm: its frame is
+    /// invalidated here). The guest retries the access; the fault is not the program's doing, so
+    /// it is not counted as an event of its threads' schedule (a fresh fork, whose TLB is empty,
+    /// takes fewer such faults than its parent, and must replay alike).
+    fn spurious_fault(&mut self, fault: &RunExit) -> Result<bool> {
+        let RunExit::Fault { vector: 14, error_code, cr2, .. } = *fault else { return Ok(false) };
+        let Ok((pa, pte)) = self.runtime.aspace.translate(&self.mem, cr2) else { return Ok(false) };
+        if error_code & 0x4 == 0 || !guestos::mm::Access::of_error_code(error_code).allowed_by_pte(pte) {
+            return Ok(false);
+        }
+        crate::vstate::tlb::invalidate_frames(&self.mem, &[pa & !(PAGE_SIZE - 1)])?;
+        Ok(true)
+    }
+
     /// Count as written the frames whose page-table entries' dirty bits are set: the record of
     /// a VM without KVM's dirty log (see `lazy_dirty_log`).
     fn record_dirty_bits(&mut self) -> Result<()> {
@@ -548,6 +600,10 @@ impl Machine {
                 let budget = threads::vdso_budget(self);
                 crate::guestos::vdso::publish(os, &mut self.mem, &self.runtime.aspace, budget);
             }
+            // Translations the host took away since the last entry (see `vstate::tlb`).
+            if crate::vstate::tlb::take_guest_flush() {
+                self.enter_guest_flush()?;
+            }
             let traced = crate::trace::on().then(Instant::now);
             self.sync.before_run(&mut self.vcpu);
             let ran = self.vcpu.run();
@@ -622,6 +678,9 @@ impl Machine {
                         crate::trace::count_fault();
                     }
                     let fault = self.exception(vector)?;
+                    if linux && self.spurious_fault(&fault)? {
+                        continue;
+                    }
                     threads::count_event();
                     // A Linux guest gets a signal (its handler runs, or it dies by it).
                     let exit = process::on_fault(self, fault)?;
@@ -824,6 +883,8 @@ impl Machine {
         // The template had no shared mappings (a snapshot refuses them): every one is new.
         self.mem.windows.clear();
         vcpu.restore(&self.vcpu)?;
+        // The restored page tables, under the same CR3, took translations away.
+        crate::vstate::tlb::request_guest_flush();
         self.runtime = runtime;
         self.exited = None;
         if let (Some((os_state, snap)), Some(os)) = (&self.os_reset_point, self.os.as_mut()) {
@@ -929,6 +990,7 @@ impl Machine {
         self.mem.forget_mapped();
         self.sync.reset();
         self.io_pending = false;
+        crate::vstate::tlb::forget_guest_flush();
         // POSIX timers are not inherited across fork: make ours. Forget the parent's handle rather
         // than deleting it, since the id may equal the one just created.
         std::mem::forget(std::mem::replace(&mut self.preempter, Preempter::new()?));
