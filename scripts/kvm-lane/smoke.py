@@ -7,7 +7,7 @@ import sys
 
 from collimate_rl import Sandbox, connect, rollout_once
 
-SEED = "c0ffee" * 10 + "c0ffee00"  # 64 hex digits: 32 bytes
+SEED = ("c0ffee" * 11)[:64]  # 32 bytes as 64 hex digits
 DRAW = "import os, random; print(os.urandom(8).hex(), random.random())"
 
 
