@@ -168,6 +168,56 @@ fn host_is_virtual() -> Option<bool> {
     None
 }
 
+/// The median cost of one exit to this process and back on this host: a real-mode guest that
+/// runs `out` in a loop, `samples` of them (`collimate doctor`; every figure names the host it was
+/// measured on, [`Profile::name`]).
+pub fn exit_cost(samples: usize) -> Result<std::time::Duration, String> {
+    use kvm_bindings::kvm_userspace_memory_region;
+    use kvm_ioctls::{Kvm, VcpuExit};
+    let kvm = Kvm::new().map_err(|e| format!("open /dev/kvm: {e}"))?;
+    let vm = kvm.create_vm().map_err(|e| format!("KVM_CREATE_VM: {e}"))?;
+    // SAFETY: a fresh anonymous shared mapping of one page, checked below; unmapped on return
+    // after the VM that maps it is dropped.
+    let page = unsafe {
+        libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1, 0)
+    };
+    if page == libc::MAP_FAILED {
+        return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+    }
+    struct Unmap(*mut libc::c_void);
+    impl Drop for Unmap {
+        fn drop(&mut self) {
+            // SAFETY: the page mapped above, no longer in any VM (dropped before this guard).
+            unsafe { libc::munmap(self.0, 4096) };
+        }
+    }
+    let _unmap = Unmap(page);
+    const LOOP: [u8; 4] = [0xe6, 0xe0, 0xeb, 0xfc]; // 1: out 0xe0, al; jmp 1b
+    // SAFETY: `page` is 4096 writable bytes.
+    unsafe { std::ptr::copy_nonoverlapping(LOOP.as_ptr(), page.cast::<u8>(), LOOP.len()) };
+    let region = kvm_userspace_memory_region { slot: 0, flags: 0, guest_phys_addr: 0x1000, memory_size: 4096, userspace_addr: page as u64 };
+    // SAFETY: the region is our live mapping, which outlives the VM (`_unmap` drops last).
+    unsafe { vm.set_user_memory_region(region) }.map_err(|e| format!("KVM_SET_USER_MEMORY_REGION: {e}"))?;
+    let mut vcpu = vm.create_vcpu(0).map_err(|e| format!("KVM_CREATE_VCPU: {e}"))?;
+    let mut sregs = vcpu.get_sregs().map_err(|e| format!("KVM_GET_SREGS: {e}"))?;
+    sregs.cs.base = 0;
+    sregs.cs.selector = 0;
+    vcpu.set_sregs(&sregs).map_err(|e| format!("KVM_SET_SREGS: {e}"))?;
+    let regs = kvm_bindings::kvm_regs { rip: 0x1000, rflags: 2, ..Default::default() };
+    vcpu.set_regs(&regs).map_err(|e| format!("KVM_SET_REGS: {e}"))?;
+    let mut times = Vec::with_capacity(samples.max(1));
+    for _ in 0..samples.max(1) + 1 {
+        let t = std::time::Instant::now();
+        match vcpu.run() {
+            Ok(VcpuExit::IoOut(..)) => times.push(t.elapsed()),
+            other => return Err(format!("the exit probe stopped with {other:?}")),
+        }
+    }
+    times.remove(0); // the first run maps the page
+    times.sort_unstable();
+    Ok(times[times.len() / 2])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
