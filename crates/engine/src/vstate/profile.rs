@@ -18,7 +18,8 @@
 //! | what | kvm_pvm | upstream, TDP | upstream, shadow | evidence |
 //! |---|---|---|---|---|
 //! | RIP at a `KVM_EXIT_IO` for `out`/`in` | past the instruction | at it: KVM completes it on the next `KVM_RUN` | same as TDP | `tests/vm.rs` `registers_and_ymm_survive_snapshot_restore_bit_for_bit` (lane: `Io { port: 224 }` without [`Profile::io_completes_on_next_run`]); `scripts/kvm-lane/probe.c` prints RIP at the first exit |
-//! | a host edit that narrows a guest translation | dropped by KVM's MMU notifier ([`vstate::tlb`](super::tlb)) | the guest's own TLB keeps it: needs a guest-side flush, [`FlushMethod`] | as kvm_pvm | `tests/tlb.rs` on kvm_pvm and in the lane with `npt=0`; TDP: see `vstate::tlb` |
+//! | a host edit that narrows a guest translation | dropped by KVM's MMU notifier ([`vstate::tlb`](super::tlb)) | the guest's own TLB keeps it: the ring-0 flush stub reloads CR3 on the next entry, [`FlushMethod`] | as kvm_pvm | `tests/tlb.rs` on kvm_pvm and in the lane with `npt=0`; `tests/flush_contract.rs` on every host (the stub's count) |
+//! | a #PF the page tables already allow | a stale shadow entry | a real TLB's stale entry after a widening | as kvm_pvm | `vmm::Machine::spurious_fault` |
 //! | `KVM_SET_SREGS` with the same CR3 | flushes nothing (shadow roots kept) | flushes only if CR0/CR3/CR4/EFER change | as TDP | `vstate::tlb`'s table (kvm_pvm); KVM's `__set_sregs` |
 //! | CPUID executed in ring 3 | not filtered: the host CPU answers | filtered by `KVM_SET_CPUID2` | filtered | `arch::x86_64::regs::filter_cpuid` |
 //! | cost of one exit | 20-55 us | about 1-3 us on bare metal | more (shadow faults exit) | docs/spawn.md, `collimate doctor` |
