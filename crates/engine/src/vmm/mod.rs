@@ -94,6 +94,8 @@ pub struct Machine {
     /// The vCPU stopped at an I/O exit whose instruction KVM completes on the next `KVM_RUN`
     /// (upstream KVM; see [`Machine::complete_io`]).
     io_pending: bool,
+    /// The last page fault retried as spurious (see [`Machine::spurious_fault`]).
+    last_spurious: Option<(u64, u64)>,
 }
 
 fn open_kvm() -> Result<Kvm> {
@@ -218,6 +220,7 @@ impl Machine {
             touched: None,
             sync: Default::default(),
             io_pending: false,
+            last_spurious: None,
         })
     }
 
@@ -348,6 +351,7 @@ impl Machine {
             touched: None,
             sync: Default::default(),
             io_pending: false,
+            last_spurious: None,
         })
     }
 
@@ -456,13 +460,23 @@ impl Machine {
     /// invalidated here). The guest retries the access; the fault is not the program's doing, so
     /// it is not counted as an event of its threads' schedule (a fresh fork, whose TLB is empty,
     /// takes fewer such faults than its parent, and must replay alike).
+    ///
+    /// Only user-mode faults without a reserved-bit or protection-key cause, and never the same
+    /// fault twice in a row: one that comes back after the invalidation is the program's.
     fn spurious_fault(&mut self, fault: &RunExit) -> Result<bool> {
         let RunExit::Fault { vector: 14, error_code, cr2, .. } = *fault else { return Ok(false) };
+        let again = std::mem::take(&mut self.last_spurious) == Some((cr2, error_code));
+        const USER: u64 = 1 << 2;
+        const RSVD_OR_PKEY: u64 = (1 << 3) | (1 << 5);
+        if again || error_code & USER == 0 || error_code & RSVD_OR_PKEY != 0 {
+            return Ok(false);
+        }
         let Ok((pa, pte)) = self.runtime.aspace.translate(&self.mem, cr2) else { return Ok(false) };
-        if error_code & 0x4 == 0 || !guestos::mm::Access::of_error_code(error_code).allowed_by_pte(pte) {
+        if !guestos::mm::Access::of_error_code(error_code).allowed_by_pte(pte) {
             return Ok(false);
         }
         crate::vstate::tlb::invalidate_frames(&self.mem, &[pa & !(PAGE_SIZE - 1)])?;
+        self.last_spurious = Some((cr2, error_code));
         Ok(true)
     }
 
@@ -719,6 +733,8 @@ impl Machine {
     }
 
     fn syscall(&mut self, out: &mut guestos::Output, deadline: Instant) -> Result<Option<RunExit>> {
+        // A syscall between two faults at one address makes the second a new one.
+        self.last_spurious = None;
         let (mut r, sregs) = self.sync.read(&self.vcpu)?;
         // `syscall` saved the return address in rcx and the flags in r11.
         r.rip = r.rcx;
