@@ -266,3 +266,21 @@ def _egress_canonical(rule: str) -> str:
 
 def _egress_start() -> None:
     """Start the egress broker thread (the package does on import; never in a VMM process)."""
+
+class _KvmProfile(TypedDict, total=False):
+    name: str
+    kind: Literal["pvm", "intel", "amd", "unknown"]
+    paging: Literal["shadow", "tdp"]
+    nested: bool | None
+    source: str
+    io_completes_on_next_run: bool
+    guest_tlb_flush: bool
+    cpuid_filtered: bool
+    exit_ns: int
+
+def _kvm_profile(measure_exit: bool = False) -> _KvmProfile:
+    """The KVM host profile this process detected (the engine's `vstate::profile`); with
+    `measure_exit`, also `exit_ns`, the median cost of one exit here (about 2,000 of a probe VM)."""
+
+def _quota_available() -> bool:
+    """Whether this process can give sandboxes disk quotas (tmpfs instances of their own)."""

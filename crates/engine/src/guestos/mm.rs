@@ -279,7 +279,7 @@ impl Access {
     }
 
     /// Whether the leaf entry `pte` of a present page allows it from ring 3.
-    fn allowed_by_pte(self, pte: u64) -> bool {
+    pub(crate) fn allowed_by_pte(self, pte: u64) -> bool {
         pte & PTE_U != 0
             && match self {
                 Access::Read => true,

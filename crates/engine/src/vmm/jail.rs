@@ -108,6 +108,8 @@ pub fn enter(first: &mut Request) -> Result<JailStatus> {
     let mem_size = plan(first, &mut binds);
 
     set_rlimits(mem_size)?;
+    // What kind of KVM this is, while /sys is still there (forks inherit it).
+    crate::vstate::profile::current();
     *KVM.lock().map_err(|_| Error::Protocol("kvm slot poisoned".into()))? = Some(Kvm::new());
     let namespaces = match unshare() {
         Ok(()) => {

@@ -93,6 +93,11 @@ pub struct Machine {
     touched: Option<spawn_prefault::Touched>,
     /// Register writes through `kvm_run` waiting for the next run (see `vstate::sync`).
     sync: crate::vstate::sync::RegSync,
+    /// The vCPU stopped at an I/O exit whose instruction KVM completes on the next `KVM_RUN`
+    /// (upstream KVM; see [`Machine::complete_io`]).
+    io_pending: bool,
+    /// The last page fault retried as spurious (see [`Machine::spurious_fault`]).
+    last_spurious: Option<(u64, u64)>,
 }
 
 fn open_kvm() -> Result<Kvm> {
@@ -216,6 +221,8 @@ impl Machine {
             vfork: None,
             touched: None,
             sync: Default::default(),
+            io_pending: false,
+            last_spurious: None,
         })
     }
 
@@ -246,6 +253,8 @@ impl Machine {
         }
         self.runtime = img.runtime;
         self.sync.reset();
+        self.io_pending = false;
+        crate::vstate::tlb::forget_guest_flush();
         self.preempter.attach(&mut self.vcpu);
         crate::guestos::signal::host::set_kick(self.vcpu.get_kvm_run());
         Ok(())
@@ -343,6 +352,8 @@ impl Machine {
             vfork: None,
             touched: None,
             sync: Default::default(),
+            io_pending: false,
+            last_spurious: None,
         })
     }
 
@@ -377,12 +388,99 @@ impl Machine {
     /// Capture the vCPU. kvm_pvm reads XCR0 back as 0 after we set it (AVX keeps working); an XCR0
     /// without the x87 bit is architecturally invalid and would be refused on restore, so we record
     /// the value we set instead.
-    fn capture(&self) -> Result<VcpuState> {
+    fn capture(&mut self) -> Result<VcpuState> {
+        self.complete_io()?;
         let mut s = VcpuState::capture(&self.vcpu, &self.msr_list)?;
         if s.xcrs.nr_xcrs >= 1 && s.xcrs.xcrs[0].xcr == 0 && s.xcrs.xcrs[0].value & 1 == 0 {
             s.xcrs.xcrs[0].value = XCR0;
         }
         Ok(s)
+    }
+
+    /// Let KVM finish the I/O instruction the vCPU stopped at, without running the guest any
+    /// further: a `KVM_RUN` with `immediate_exit = 1`, which completes the instruction (RIP past
+    /// it; an `in`'s value into RAX) and returns EINTR before entering the guest. Upstream KVM
+    /// leaves RIP at the instruction at a `KVM_EXIT_IO` and completes it on the next run
+    /// (`vstate::profile`), so state read or replaced before that run would be a vCPU that has
+    /// not executed its `out`: a snapshot stored so would execute it again when restored. Called
+    /// before every capture (snapshot, clone, fork), when a run hands the vCPU back (reset,
+    /// the controller's register requests) and before a thread switch overwrites the registers.
+    /// (Where the VMM writes another RIP, KVM's completion sees that and leaves it alone.)
+    fn complete_io(&mut self) -> Result<()> {
+        if !std::mem::take(&mut self.io_pending) {
+            return Ok(());
+        }
+        // A register write still in the sync area is applied by this run, before the completion.
+        self.sync.before_run(&mut self.vcpu);
+        self.vcpu.set_kvm_immediate_exit(1);
+        let ran = self.vcpu.run().map(|exit| format!("{exit:?}"));
+        self.vcpu.set_kvm_immediate_exit(0);
+        match ran {
+            Err(e) if e.errno() == libc::EINTR => Ok(()),
+            Err(e) => Err(Error::Kvm { op: "KVM_RUN (immediate_exit, to complete an I/O instruction)", source: e }),
+            Ok(exit) => Err(Error::Remote(format!("completing an I/O instruction entered the guest: exit {exit}"))),
+        }
+    }
+
+    /// Make this entry go through the ring-0 flush stub (`vstate::tlb::request_guest_flush`):
+    /// the registers the guest would resume with stay, except that it starts at the stub in ring
+    /// 0 with an `iretq` frame (written on the ring-0 stack) that returns to where it was. The
+    /// stub's bytes are written again if the memory lacks them (a snapshot made before it
+    /// existed).
+    fn enter_guest_flush(&mut self) -> Result<()> {
+        use crate::arch::x86_64::tables::flush_stub;
+        let (mut r, mut s) = self.sync.current(&mut self.vcpu)?;
+        if s.cs.selector & 3 != 3 {
+            // Not about to resume ring 3 (never expected): every translation goes from the host
+            // side instead, which KVM flushes after.
+            let log = self.vm.take_dirty_log()?;
+            self.mem.sync_dirty(&log);
+            return self.vm.replace_slot(self.vm.slot_size());
+        }
+        let stub = flush_stub();
+        let mut have = [0u8; crate::arch::x86_64::tables::FLUSH_STUB_LEN];
+        self.mem.read(STUBS_GPA + FLUSH_STUB_OFFSET, &mut have)?;
+        if have != stub {
+            self.mem.write(STUBS_GPA + FLUSH_STUB_OFFSET, &stub)?;
+        }
+        let mut frame = [0u8; 40];
+        for (i, v) in [r.rip, s.cs.selector as u64, r.rflags, r.rsp, s.ss.selector as u64].into_iter().enumerate() {
+            frame[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        self.mem.write(FLUSH_FRAME_GPA, &frame)?;
+        r.rip = kva(STUBS_GPA + FLUSH_STUB_OFFSET);
+        r.rsp = kva(FLUSH_FRAME_GPA);
+        r.rflags = 2;
+        s.cs = regs::kernel_code_segment();
+        s.ss = regs::kernel_data_segment();
+        self.sync.write(&mut self.vcpu, &r, &s)
+    }
+
+    /// Whether a guest page fault is one the page tables already allow: a translation the host
+    /// widened (a page made present or writable) that the guest's TLB still held in its old form
+    /// (hosts with EPT/NPT: the architecture lets a TLB keep a stricter entry until a flush, and
+    /// the #PF itself drops it), or a shadow entry KVM kept stale (kvm_pvm: its frame is
+    /// invalidated here). The guest retries the access; the fault is not the program's doing, so
+    /// it is not counted as an event of its threads' schedule (a fresh fork, whose TLB is empty,
+    /// takes fewer such faults than its parent, and must replay alike).
+    ///
+    /// Only user-mode faults without a reserved-bit or protection-key cause, and never the same
+    /// fault twice in a row: one that comes back after the invalidation is the program's.
+    fn spurious_fault(&mut self, fault: &RunExit) -> Result<bool> {
+        let RunExit::Fault { vector: 14, error_code, cr2, .. } = *fault else { return Ok(false) };
+        let again = std::mem::take(&mut self.last_spurious) == Some((cr2, error_code));
+        const USER: u64 = 1 << 2;
+        const RSVD_OR_PKEY: u64 = (1 << 3) | (1 << 5);
+        if again || error_code & USER == 0 || error_code & RSVD_OR_PKEY != 0 {
+            return Ok(false);
+        }
+        let Ok((pa, pte)) = self.runtime.aspace.translate(&self.mem, cr2) else { return Ok(false) };
+        if !guestos::mm::Access::of_error_code(error_code).allowed_by_pte(pte) {
+            return Ok(false);
+        }
+        crate::vstate::tlb::invalidate_frames(&self.mem, &[pa & !(PAGE_SIZE - 1)])?;
+        self.last_spurious = Some((cr2, error_code));
+        Ok(true)
     }
 
     /// Count as written the frames whose page-table entries' dirty bits are set: the record of
@@ -418,6 +516,9 @@ impl Machine {
         // Between runs the registers are read and written with the ioctls (captures, forks,
         // the controller's GetRegs).
         let res = res.and_then(|exit| self.sync.settle(&mut self.vcpu).map(|_| exit));
+        // Whoever looks at the vCPU next (a snapshot, a reset, the controller) sees it past
+        // the instruction it stopped at.
+        let res = res.and_then(|exit| self.complete_io().map(|_| exit));
         crate::trace::mark("run.end");
         threads::run_ended();
         let report = threads::take_report();
@@ -516,9 +617,15 @@ impl Machine {
                 let budget = threads::vdso_budget(self);
                 crate::guestos::vdso::publish(os, &mut self.mem, &self.runtime.aspace, budget);
             }
+            // Translations the host took away since the last entry (see `vstate::tlb`).
+            if crate::vstate::tlb::take_guest_flush() {
+                self.enter_guest_flush()?;
+            }
             let traced = crate::trace::on().then(Instant::now);
             self.sync.before_run(&mut self.vcpu);
             let ran = self.vcpu.run();
+            self.io_pending = matches!(ran, Ok(VcpuExit::IoOut(..) | VcpuExit::IoIn(..)))
+                && crate::vstate::profile::current().io_completes_on_next_run();
             if let Some(os) = self.os.as_mut() {
                 let reads = crate::guestos::vdso::fold(os, &self.mem, &self.runtime.aspace);
                 if reads > 0 {
@@ -593,6 +700,9 @@ impl Machine {
                         crate::trace::count_fault();
                     }
                     let fault = self.exception(vector)?;
+                    if linux && self.spurious_fault(&fault)? {
+                        continue;
+                    }
                     threads::count_event();
                     // A Linux guest gets a signal (its handler runs, or it dies by it).
                     let exit = process::on_fault(self, fault)?;
@@ -631,6 +741,8 @@ impl Machine {
     }
 
     fn syscall(&mut self, out: &mut guestos::Output, deadline: Instant) -> Result<Option<RunExit>> {
+        // A syscall between two faults at one address makes the second a new one.
+        self.last_spurious = None;
         let (mut r, sregs) = self.sync.read(&self.vcpu)?;
         // `syscall` saved the return address in rcx and the flags in r11.
         r.rip = r.rcx;
@@ -803,6 +915,8 @@ impl Machine {
         // The template had no shared mappings (a snapshot refuses them): every one is new.
         self.mem.windows.clear();
         vcpu.restore(&self.vcpu)?;
+        // The restored page tables, under the same CR3, took translations away.
+        crate::vstate::tlb::request_guest_flush();
         self.runtime = runtime;
         self.exited = None;
         if let (Some((os_state, snap)), Some(os)) = (&self.os_reset_point, self.os.as_mut()) {
@@ -915,6 +1029,8 @@ impl Machine {
         // The new VM has no translations: none of the pages a reset left mapped is mapped here.
         self.mem.forget_mapped();
         self.sync.reset();
+        self.io_pending = false;
+        crate::vstate::tlb::forget_guest_flush();
         // POSIX timers are not inherited across fork: make ours. Forget the parent's handle rather
         // than deleting it, since the id may equal the one just created.
         std::mem::forget(std::mem::replace(&mut self.preempter, Preempter::new()?));

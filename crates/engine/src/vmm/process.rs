@@ -382,6 +382,7 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
         return Err(crate::guestos::EAGAIN); // a reset ended this process's world: no new processes
     }
     let parent_pid = os.proc.pid;
+    let nproc = os.proc.rlimits.get(6).map_or(u64::MAX, |l| l.cur);
     // The child resumes after the syscall in ring 3 with rax = 0.
     let mut state = m.capture().map_err(|_| crate::guestos::EAGAIN)?;
     state.regs = *r;
@@ -396,7 +397,6 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
     }
     // A sandbox has at most MAX_PROCESSES processes (and no more than its RLIMIT_NPROC allows):
     // each is a VMM process with a VM of its own.
-    let nproc = os.proc.rlimits.get(6).map_or(u64::MAX, |l| l.cur);
     if !host::add_process(nproc.min(MAX_PROCESSES as u64) as u32) {
         return Err(crate::guestos::EAGAIN);
     }

@@ -256,6 +256,12 @@ fn park(m: &mut Machine, state: RunState) -> Result<()> {
 /// Load thread `i` into the vCPU and the per-thread fields of the OS state.
 fn load(m: &mut Machine, i: usize) -> Result<()> {
     let Some(os) = m.os.as_mut() else { return Ok(()) };
+    if os.threads.list.get(i).is_none() {
+        return Ok(());
+    }
+    // The registers are about to be replaced: the stopped instruction first (`Machine::complete_io`).
+    m.complete_io()?;
+    let Some(os) = m.os.as_mut() else { return Ok(()) };
     let Some(t) = os.threads.list.get_mut(i) else { return Ok(()) };
     let (_, mut sregs) = m.sync.current(&mut m.vcpu)?;
     sregs.fs.base = t.fs_base;
