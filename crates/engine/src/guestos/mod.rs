@@ -9,7 +9,8 @@
 //! - [`vfs`] and [`files`]: guest paths resolved inside the sandbox's file system, and the fd table.
 //! - [`process`]: a process's state ([`process::Proc`]), pids, process groups, sessions, prctl;
 //!   around it, one module per concept: [`identity`] (user and group ids, uname), [`limits`]
-//!   (rlimits), [`clock`] (clocks, sleeps, the replay clocks), [`random`] (getrandom, reseeding),
+//!   (rlimits), [`clock`] (clocks, sleeps, the replay clocks), [`timer`] (alarm, itimers, POSIX timers,
+//!   timerfd), [`random`] (getrandom, reseeding),
 //!   [`signal_state`] (dispositions, mask, alternate stack), [`cpu`] (the CPUs the guest sees,
 //!   affinity, scheduling settings, sysinfo) and [`thread_area`] (arch_prctl, robust lists).
 //! - [`thread`] and [`futex`]: a process's threads (host-side state, switched on its one vCPU by

@@ -641,3 +641,40 @@ fn sys_timerfd_settime(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, flags: i32, new
     fire_due(os);
     Ok(0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_interval_timer_reloads_past_now_and_counts_what_it_missed() {
+        let mut a = Arm { deadline: 1_000, interval: 250 };
+        assert_eq!(reload(&mut a, 1_000), 0);
+        assert_eq!(a.deadline, 1_250);
+        // Looked at late: three expirations went by unseen, the next is after now.
+        assert_eq!(reload(&mut a, 2_000), 3);
+        assert_eq!(a.deadline, 2_250);
+        let mut once = Arm { deadline: 5, interval: 0 };
+        assert_eq!(reload(&mut once, 9), 0);
+        assert_eq!(once.deadline, 0, "a one-shot timer is disarmed");
+    }
+
+    #[test]
+    fn itimer_values_read_as_timevals_rounded_up_to_microseconds() {
+        let b = timeval_pair((250_000_000, 1_500_000_001));
+        let f = |o: usize| i64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        assert_eq!((f(0), f(8), f(16), f(24)), (0, 250_000, 1, 500_001));
+    }
+
+    #[test]
+    fn a_fork_child_has_no_timers_and_execve_keeps_the_alarm() {
+        let mut t = Timers { real: Arm { deadline: 7, interval: 0 }, ..Default::default() };
+        t.posix.push(PosixTimer { id: 0, base: Base::Wall, realtime: true, signo: 14, value: 0, arm: Arm { deadline: 9, interval: 0 }, overrun: 0 });
+        assert_eq!(t.next_wall(), 7);
+        let mut child = t.clone();
+        child.on_fork();
+        assert!(!child.armed());
+        t.on_exec();
+        assert!(t.armed() && t.posix.is_empty() && t.next_wall() == 7);
+    }
+}
