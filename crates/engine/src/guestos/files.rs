@@ -22,6 +22,7 @@ mod epoll;
 pub mod inet;
 mod socket;
 pub mod special;
+pub mod stamp;
 #[cfg(test)]
 mod tests;
 
@@ -625,6 +626,19 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         EVENTFD2 => sys_eventfd(os, a[0] as u32, a[1] as i32),
         _ => return None,
     };
+    // In replay mode what the guest writes carries its clock's time (see `stamp`).
+    if os.proc.clocks.replay && r.as_ref().is_ok_and(|&n| n > 0 || matches!(nr, FTRUNCATE | FALLOCATE)) {
+        let out = match nr {
+            WRITE | PWRITE64 | WRITEV | PWRITEV | PWRITEV2 | FALLOCATE | FTRUNCATE | SENDFILE => Some(fd0),
+            COPY_FILE_RANGE => Some(a[2] as i32),
+            _ => None,
+        };
+        if let Some(f) = out.and_then(|fd| os.files.file(fd).ok()) {
+            if let (Some(h), false, false) = (f.host_fd(), f.stream, f.dir) {
+                stamp::written(&os.proc, h);
+            }
+        }
+    }
     Some(r)
 }
 

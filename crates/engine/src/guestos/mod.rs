@@ -9,7 +9,8 @@
 //! - [`vfs`] and [`files`]: guest paths resolved inside the sandbox's file system, and the fd table.
 //! - [`process`]: a process's state ([`process::Proc`]), pids, process groups, sessions, prctl;
 //!   around it, one module per concept: [`identity`] (user and group ids, uname), [`limits`]
-//!   (rlimits), [`clock`] (clocks, sleeps, the replay clocks), [`random`] (getrandom, reseeding),
+//!   (rlimits), [`clock`] (clocks, sleeps, the replay clocks), [`timer`] (alarm, itimers, POSIX timers,
+//!   timerfd), [`random`] (getrandom, reseeding),
 //!   [`signal_state`] (dispositions, mask, alternate stack), [`cpu`] (the CPUs the guest sees,
 //!   affinity, scheduling settings, sysinfo) and [`thread_area`] (arch_prctl, robust lists).
 //! - [`thread`] and [`futex`]: a process's threads (host-side state, switched on its one vCPU by
@@ -39,6 +40,7 @@ pub mod signal;
 pub mod signal_state;
 pub mod thread;
 pub mod thread_area;
+pub mod timer;
 pub mod tree;
 pub mod vdso;
 pub mod vfs;
@@ -321,6 +323,15 @@ impl GuestOs {
             if unsafe { libc::renameat(dir.as_raw_fd(), tmp.as_ptr(), dir.as_raw_fd(), target.as_ptr()) } != 0 {
                 return Err(std::io::Error::last_os_error());
             }
+            // Not in the guest's future: the file and its directory get the guest's time
+            // (`files::stamp`), not the host's.
+            let t = files::stamp::upload_time(&self.proc);
+            // SAFETY: futimens on our descriptor and utimensat on our directory fd, with local
+            // arrays of two timespecs.
+            unsafe {
+                libc::futimens(fd, [t, t].as_ptr());
+                libc::utimensat(dir.as_raw_fd(), c".".as_ptr(), [libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT }, t].as_ptr(), 0);
+            }
             Ok(())
         });
         if let Err(e) = written {
@@ -475,6 +486,9 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
             return Some(RunExit::Yield { value: a[0] });
         }
         _ => {
+            // A timer due by now fires first: a blocking call retried after the clock reached it
+            // sees its signal (or its timerfd readable).
+            timer::fire_due(os);
             let r = thread::dispatch(os, ctx, nr, a)
                 .or_else(|| mm::dispatch(os, ctx, nr, a))
                 .or_else(|| files::dispatch(os, ctx, nr, a))
@@ -522,6 +536,7 @@ pub(crate) fn per_process_dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: 
         .or_else(|| process::dispatch(os, ctx, nr, a))
         .or_else(|| random::dispatch(os, ctx, nr, a))
         .or_else(|| clock::dispatch(os, ctx, nr, a))
+        .or_else(|| timer::dispatch(os, ctx, nr, a))
         .or_else(|| cpu::dispatch(os, ctx, nr, a))
         .or_else(|| signal_state::dispatch(os, ctx, nr, a))
 }

@@ -75,6 +75,9 @@ pub struct Proc {
     /// within the first `cpus`); see [`super::cpu`]. Every thread still runs on the one vCPU.
     pub cpus: u32,
     pub affinity: u64,
+    /// alarm, the itimers and POSIX timers (see [`super::timer`]).
+    #[serde(default)]
+    pub timers: super::timer::Timers,
 }
 
 fn first_child_pid() -> i32 {
@@ -125,6 +128,7 @@ impl Default for Proc {
             clocks: Clocks::default(),
             cpus: 1,
             affinity: 1,
+            timers: Default::default(),
         }
     }
 }

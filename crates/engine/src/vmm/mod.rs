@@ -596,6 +596,8 @@ impl Machine {
 
     fn run_loop(&mut self, deadline: Instant, out: &mut guestos::Output) -> Result<RunExit> {
         let linux = self.os.is_some();
+        // Whether the preemption timer is armed short of the run's deadline, for a guest timer.
+        let mut short_armed = false;
         loop {
             // Replay mode: the sandbox's processes take turns (see `guestos::sched`).
             if let Some(os) = self.os.as_mut() {
@@ -614,14 +616,23 @@ impl Machine {
             // The vDSO's clock state (see `guestos::vdso`): the clocks out before the guest runs,
             // its reads back in before anything else looks at time.
             if let Some(os) = self.os.as_ref() {
-                let budget = threads::vdso_budget(self);
+                let budget = threads::vdso_budget(self).min(crate::guestos::timer::vdso_budget(os));
                 crate::guestos::vdso::publish(os, &mut self.mem, &self.runtime.aspace, budget);
             }
             // Translations the host took away since the last entry (see `vstate::tlb`).
             if crate::vstate::tlb::take_guest_flush() {
                 self.enter_guest_flush()?;
             }
+            // A guest timer due while the guest computes without exits: the preemption timer
+            // kicks the vCPU out when it is (see `guestos::timer`).
+            let timer_budget = self.os.as_ref().and_then(crate::guestos::timer::host_budget);
+            if timer_budget.is_some() || short_armed {
+                let left = deadline.saturating_duration_since(Instant::now());
+                short_armed = timer_budget.is_some_and(|b| b < left);
+                self.preempter.arm(timer_budget.map_or(left, |b| b.min(left)))?;
+            }
             let traced = crate::trace::on().then(Instant::now);
+            let entered = timer_budget.map(|_| Instant::now());
             self.sync.before_run(&mut self.vcpu);
             let ran = self.vcpu.run();
             self.io_pending = matches!(ran, Ok(VcpuExit::IoOut(..) | VcpuExit::IoIn(..)))
@@ -634,6 +645,12 @@ impl Machine {
                     crate::guestos::sched::begin_syscall(crate::guestos::vdso::VDSO_VA, crate::guestos::clock::SYS_CLOCK_GETTIME, [0; 4]);
                     crate::guestos::sched::after_syscall();
                     crate::trace::vdso_reads(reads);
+                }
+                // The CPU time this run burnt moves virtual time while a timer is due.
+                if let Some(t) = entered {
+                    if crate::guestos::timer::charge(os, t.elapsed()) {
+                        threads::mark_nondeterministic();
+                    }
                 }
             }
             if let Some(t) = traced {
@@ -690,7 +707,18 @@ impl Machine {
             };
             if let Some((port, value)) = exit {
                 if port == SYSCALL_PORT {
+                    // A process alone computing or waiting on the host with a timer armed: the
+                    // time its calls take counts towards the timer too (not a wait for the turn).
+                    let alone = self.os.as_ref().is_some_and(|os| os.proc.timers.armed()) && !crate::guestos::sched::tree_active();
+                    let called = alone.then(Instant::now);
                     let exit = self.syscall(out, deadline)?;
+                    if let (Some(t), Some(os)) = (called, self.os.as_mut()) {
+                        if crate::guestos::timer::charge(os, t.elapsed()) {
+                            threads::mark_nondeterministic();
+                            // Its signal is delivered before the guest goes on (`on_interrupt`).
+                            self.vcpu.set_kvm_immediate_exit(1);
+                        }
+                    }
                     if let Some(exit) = spawn::filter_exit(self, exit)? {
                         return Ok(exit);
                     }
@@ -796,6 +824,9 @@ impl Machine {
                         continue;
                     }
                 }
+                if os.sig.pending != 0 && crate::guestos::signal::has_ready(os) {
+                    crate::guestos::sched::cancel_yield();
+                }
                 break exit;
             },
             None => {
@@ -808,6 +839,9 @@ impl Machine {
         crate::guestos::sched::count_call();
         threads::count_event();
         let exit = process::after_syscall(self, &entry, &mut r, exit)?;
+        if r.rip != entry.rip().wrapping_sub(2) {
+            crate::guestos::sched::call_done();
+        }
         self.return_to_user(&r, sregs)?;
         Ok(exit)
     }

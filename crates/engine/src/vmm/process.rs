@@ -474,6 +474,8 @@ fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, guest_pid: i32, 
         os.proc.sleep = None;
         // A stream of its own, derived from the parent's (deterministic for replays; see guestos::crng).
         os.proc.crng = os.proc.crng.fork_child();
+        os.proc.timers.on_fork();
+        crate::guestos::sched::set_timer_deadline(u64::MAX);
         os.proc.clear_child_tid = if c.flags & CLONE_CHILD_CLEARTID != 0 { c.child_tid } else { 0 };
         if c.flags & CLONE_CLEAR_SIGHAND != 0 {
             signal::on_exec(os);
@@ -866,6 +868,7 @@ pub(super) fn on_exec_state(os: &mut GuestOs) {
     os.proc.clear_child_tid = 0;
     os.proc.robust_list = (0, 0);
     os.proc.sleep = None;
+    os.proc.timers.on_exec();
 }
 
 // --- signal delivery ---------------------------------------------------------------------------
@@ -915,6 +918,7 @@ pub(super) fn after_syscall(m: &mut Machine, entry: &Entry, r: &mut kvm_regs, ex
         let pid = os.proc.pid;
         signal::raise(os, SigInfo::sent(signal::SIGPIPE, signal::SI_USER, pid));
     }
+    crate::guestos::timer::fire_due(os);
     if os.sig.pending == 0 && !host::pending() && os.sig.children.iter().all(|c| c.notified) {
         if let Some(mask) = os.sig.saved_mask.take() {
             os.proc.sigmask = mask;

@@ -70,6 +70,12 @@ pub fn take_nondeterministic() -> bool {
     NONDETERMINISTIC.swap(false, Ordering::SeqCst)
 }
 
+/// A replay run did something whose place depends on the host's speed (a timer reached by
+/// computing, `guestos::timer::charge`).
+pub fn mark_nondeterministic() {
+    NONDETERMINISTIC.store(true, Ordering::SeqCst);
+}
+
 /// Per-process scheduler bookkeeping that is not guest state.
 struct Slice {
     /// When the loaded thread was loaded.

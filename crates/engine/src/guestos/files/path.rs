@@ -89,8 +89,10 @@ fn own_new_fd(os: &GuestOs, fd: RawFd) {
     }
 }
 
-/// Give the file named `n` in host directory `d`, just made by the guest, to the guest's ids.
+/// Give the file named `n` in host directory `d`, just made by the guest, to the guest's ids,
+/// with the guest's time (`stamp`).
 fn own_new_at(os: &GuestOs, d: RawFd, n: &CStr) {
+    super::stamp::created_at(&os.proc, d, n);
     if let Some((u, g)) = new_owner(os) {
         // SAFETY: valid fd and C string (one component); the link itself, never its target.
         unsafe { libc::fchownat(d, n.as_ptr(), u, g, libc::AT_SYMLINK_NOFOLLOW) };
@@ -234,10 +236,17 @@ pub(super) fn sys_openat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64
         let fd = if fifo {
             open_fifo(os, &r, flags)?
         } else if creates {
-            let new = tmpfile || (new_owner(os).is_some() && r.writable() && !exists(&r));
+            let existed = !tmpfile && exists(&r);
+            let new = tmpfile || (new_owner(os).is_some() && r.writable() && !existed);
             let fd = super::with_umask(os.proc.umask, || os.vfs.open_resolved(&r, flags, mode))?;
             if new {
                 own_new_fd(os, fd.as_raw_fd());
+            }
+            // The guest's time on what it made or emptied (`stamp`).
+            match r.host() {
+                Some((d, n)) if !existed && !tmpfile => super::stamp::created_at(&os.proc, d, n),
+                _ if flags & libc::O_TRUNC != 0 || tmpfile => super::stamp::written(&os.proc, fd.as_raw_fd()),
+                _ => {}
             }
             fd
         } else {
@@ -528,6 +537,7 @@ pub(super) fn sys_mknodat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u6
     // SAFETY: a valid fd and C string (one component); the new descriptor is closed at once.
     let fd = super::with_umask(os.proc.umask, || cvt(unsafe { libc::openat(d, n.as_ptr(), flags, mode & 0o7777) } as i64))?;
     own_new_fd(os, fd as RawFd);
+    super::stamp::created_at(&os.proc, d, n);
     // SAFETY: closing the descriptor just opened.
     unsafe { libc::close(fd as i32) };
     Ok(0)
@@ -551,7 +561,9 @@ pub(super) fn sys_unlinkat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u
         return Err(if st.st_mode & libc::S_IFMT == libc::S_IFDIR { EISDIR } else { ENOTDIR });
     }
     // SAFETY: a valid fd and C string (one component).
-    cvt(unsafe { libc::unlinkat(d, n.as_ptr(), flags) } as i64)
+    cvt(unsafe { libc::unlinkat(d, n.as_ptr(), flags) } as i64)?;
+    super::stamp::dir_changed(&os.proc, d);
+    Ok(0)
 }
 
 pub(super) fn sys_renameat2(os: &mut GuestOs, ctx: &mut Ctx, olddir: i32, oldp: u64, newdir: i32, newp: u64, flags: u32) -> SysResult {
@@ -574,7 +586,10 @@ pub(super) fn sys_renameat2(os: &mut GuestOs, ctx: &mut Ctx, olddir: i32, oldp: 
     let (d2, n2) = host_of(&rn)?;
     // SAFETY: valid fds and C strings (one component each).
     let r = unsafe { libc::renameat2(d1, n1.as_ptr(), d2, n2.as_ptr(), flags) };
-    cvt(r as i64)
+    cvt(r as i64)?;
+    super::stamp::dir_changed(&os.proc, d1);
+    super::stamp::dir_changed(&os.proc, d2);
+    Ok(0)
 }
 
 pub(super) fn sys_linkat(os: &mut GuestOs, ctx: &mut Ctx, olddir: i32, oldp: u64, newdir: i32, newp: u64, flags: i32) -> SysResult {
@@ -610,7 +625,9 @@ pub(super) fn sys_linkat(os: &mut GuestOs, ctx: &mut Ctx, olddir: i32, oldp: u64
             unsafe { libc::linkat(d1, n1.as_ptr(), d2, n2.as_ptr(), 0) }
         }
     };
-    cvt(r as i64)
+    cvt(r as i64)?;
+    super::stamp::dir_changed(&os.proc, d2);
+    Ok(0)
 }
 
 pub(super) fn sys_symlinkat(os: &mut GuestOs, ctx: &mut Ctx, targetp: u64, newdir: i32, linkp: u64) -> SysResult {

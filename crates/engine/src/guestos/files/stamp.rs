@@ -1,0 +1,74 @@
+//! File times from the guest's clock (docs/replay.md, "File times").
+//!
+//! The sandbox's files live on the host, whose kernel stamps what changes them with the host's
+//! time. In replay mode the guest's clock is virtual (it goes on from where the template last
+//! read it), so those stamps were ahead of it by the template's age: `make` warned of clock skew,
+//! GNU tar of time stamps in the future. So in replay mode what the guest changes is stamped
+//! again with the guest's own CLOCK_REALTIME (read without counting as a clock read, so the
+//! guest's clock readings are the same as without it): a write's mtime, a new file's or
+//! directory's times, and the mtime of the directory that got the new entry. Uploads between runs
+//! get the last time the guest read ([`upload_time`]), which no later reading precedes. Outside
+//! replay mode the guest's clock is the host's, and the host's stamps are already right.
+
+use std::ffi::CStr;
+use std::os::fd::RawFd;
+
+use crate::guestos::process::Proc;
+
+const OMIT: libc::timespec = libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT };
+
+fn ts(ns: u64) -> libc::timespec {
+    libc::timespec { tv_sec: (ns / 1_000_000_000) as i64, tv_nsec: (ns % 1_000_000_000) as i64 }
+}
+
+/// The guest's CLOCK_REALTIME now in replay mode, without advancing it; None outside replay mode.
+pub fn now(p: &Proc) -> Option<libc::timespec> {
+    p.clocks.replay.then(|| ts(p.clocks.real_now()))
+}
+
+/// The guest wrote to (or truncated, or allocated in) the host file `fd`: its mtime is now.
+pub fn written(p: &Proc, fd: RawFd) {
+    if let Some(t) = now(p) {
+        // SAFETY: futimens on a descriptor the caller holds, with a local array of two timespecs.
+        unsafe { libc::futimens(fd, [OMIT, t].as_ptr()) };
+    }
+}
+
+/// The guest made the entry `n` in host directory `d` (a file, directory, link, FIFO): its times
+/// and the directory's mtime are now.
+pub fn created_at(p: &Proc, d: RawFd, n: &CStr) {
+    if let Some(t) = now(p) {
+        // SAFETY: utimensat relative to a directory descriptor the caller holds, with valid C
+        // strings and a local array; the entry itself, never a link's target.
+        unsafe {
+            libc::utimensat(d, n.as_ptr(), [t, t].as_ptr(), libc::AT_SYMLINK_NOFOLLOW);
+            libc::utimensat(d, c".".as_ptr(), [OMIT, t].as_ptr(), 0);
+        }
+    }
+}
+
+/// An entry of host directory `d` went or was renamed: the directory's mtime is now.
+pub fn dir_changed(p: &Proc, d: RawFd) {
+    if let Some(t) = now(p) {
+        // SAFETY: as in `created_at`.
+        unsafe { libc::utimensat(d, c".".as_ptr(), [OMIT, t].as_ptr(), 0) };
+    }
+}
+
+/// The time a file uploaded between runs is stamped with: the last wall-clock time the guest was
+/// given (replay mode starts its next run there or later), or, for a guest that never read one,
+/// the replay epoch; never later than the host's time. So an upload is never in the guest's future.
+pub fn upload_time(p: &Proc) -> libc::timespec {
+    let seen = if p.clocks.replay {
+        p.clocks.real_now().min(p.clocks.seen_real.max(1))
+    } else if p.clocks.seen_real != 0 {
+        p.clocks.seen_real
+    } else {
+        crate::guestos::clock::REPLAY_EPOCH_NS
+    };
+    let mut host = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime into a local timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut host) };
+    let host_ns = (host.tv_sec.max(0) as u64) * 1_000_000_000 + host.tv_nsec.max(0) as u64;
+    ts(seen.min(host_ns))
+}
