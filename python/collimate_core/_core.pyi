@@ -225,6 +225,11 @@ class Vm:
     def set_egress(self, rules: list[str], internet: bool = False) -> int:
         """Replace this sandbox's egress policy; open connections it forbids are reset (returns how
         many). Later forks start from it. A bad rule raises ValueError."""
+    def seal_egress(self) -> None:
+        """From now on `set_egress` may not go beyond this sandbox's policy now (a fork's ceiling:
+        its policy when it was forked); it may narrow below it and widen back up to it."""
+    def egress_ceiling(self) -> tuple[list[str], bool] | None:
+        """The ceiling `seal_egress` set, as (rule strings, internet), or None."""
     def clear_egress(self) -> None:
         """Forget this sandbox's network past (a recycled clone): no network, an empty log."""
     def egress(self) -> tuple[list[str], bool]:
@@ -266,6 +271,26 @@ def _egress_canonical(rule: str) -> str:
 
 def _egress_start() -> None:
     """Start the egress broker thread (the package does on import; never in a VMM process)."""
+
+def _egress_special_ranges() -> list[tuple[str, str]]:
+    """The special-purpose table (the engine's one copy): (CIDR block, registry name) pairs."""
+
+def _egress_special(addr: str) -> str | None:
+    """Why an address is special (a registry range, IPv4 inside IPv6, the host's own), or None.
+    ValueError for a string that is not an IP address."""
+
+def _egress_net_is_public(cidr: str) -> bool:
+    """Whether no address of a CIDR block is special; ValueError for a bad block."""
+
+def _set_egress_public(spec: str) -> None:
+    """Declare special-purpose ranges public for this process ("" for none): a lab network.
+    ValueError for a bad spec or a range that may never be public (loopback, link-local)."""
+
+def _egress_public() -> list[str]:
+    """The ranges declared public now."""
+
+def _egress_max_flows(n: int | None = None) -> int:
+    """The per-sandbox flow cap: with `n`, set it (ValueError outside 1..=2000); returns it."""
 
 class _KvmProfile(TypedDict, total=False):
     name: str
