@@ -99,11 +99,13 @@ def test_touching_shared_mappings_past_the_limit_is_sigbus_named_as_the_memory_l
         assert r.stdout == "1\n" and r.limit == ""
 
 
-def test_memfds_are_shared_memory_too(client):
+@pytest.mark.parametrize("flags", ["0", "os.MFD_ALLOW_SEALING"])
+def test_memfds_are_shared_memory_too(client, flags):
+    # MFD_ALLOW_SEALING too: a sealable memfd was a host memfd outside every limit.
     with Sandbox("python", client=client) as sb:
-        r = sb.exec(code="""
+        r = sb.exec(code=f"""
 import errno, os
-fd, n, err = os.memfd_create("big"), 0, None
+fd, n, err = os.memfd_create("big", {flags}), 0, None
 try:
     while n < 1024:
         os.write(fd, b"m" * (1 << 20)); n += 1
@@ -114,6 +116,18 @@ print(n, err)
 """, timeout_seconds=300)
         n, err = r.stdout.split()
         assert err == "ENOSPC" and 400 <= int(n) <= 512, r.stdout + r.stderr
+        # Seals are refused as for a memfd made without MFD_ALLOW_SEALING (EPERM), never granted
+        # on memory outside the pool.
+        r = sb.exec(code=f"""
+import fcntl, os
+fd = os.memfd_create("s", {flags})
+try:
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    print("sealed")
+except PermissionError:
+    print("EPERM")
+""")
+        assert r.stdout.strip() == "EPERM", r.stdout + r.stderr
 
 
 def test_dev_shm_has_its_own_room_when_tmp_is_full(client):

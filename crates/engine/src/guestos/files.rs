@@ -1231,20 +1231,11 @@ fn sys_memfd_create(os: &mut GuestOs, ctx: &mut Ctx, name: u64, flags: u32) -> S
     if name.len() > 249 || flags & !KNOWN != 0 {
         return Err(EINVAL);
     }
-    let fd = if flags & libc::MFD_ALLOW_SEALING == 0 {
-        // A file of the sandbox's shared-memory pool, charged to its shared-memory limit (a
-        // memfd is shared memory): past it a write gets ENOSPC.
-        crate::vstate::shared::pool_file().map_err(|e| Errno(e.raw_os_error().unwrap_or(libc::ENOMEM)))?
-    } else {
-        // Seals need a real memfd (a tmpfs file refuses F_ADD_SEALS); it is still bounded by the
-        // jail's file size limit.
-        let host_flags = libc::MFD_CLOEXEC | (flags & (libc::MFD_ALLOW_SEALING | libc::MFD_NOEXEC_SEAL | libc::MFD_EXEC));
-        // SAFETY: a valid C string; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"guest".as_ptr(), host_flags) };
-        cvt(fd as i64)?;
-        // SAFETY: a fresh descriptor we own.
-        unsafe { OwnedFd::from_raw_fd(fd) }
-    };
+    // A file of the sandbox's shared-memory pool, charged to its shared-memory limit (a memfd is
+    // shared memory): past it a write gets ENOSPC. Also with MFD_ALLOW_SEALING: a sealable memfd
+    // would be host memory outside every limit of the sandbox, so the guest gets a memfd whose
+    // F_ADD_SEALS fails with EPERM, as Linux answers for one made without that flag.
+    let fd = crate::vstate::shared::pool_file().map_err(|e| Errno(e.raw_os_error().unwrap_or(libc::ENOMEM)))?;
     let mut f = OpenFile::host(fd, None, false);
     f.label = Some(format!("/memfd:{} (deleted)", String::from_utf8_lossy(&name)));
     os.files.alloc(0, Arc::new(f), flags & libc::MFD_CLOEXEC != 0).map(|fd| fd as u64)
