@@ -203,3 +203,16 @@ def test_tar_sees_no_time_stamp_in_the_future(client):
     r = run(client, cmd)
     assert "in the future" not in r.stderr, r.stderr
     assert r.exit_code == 0 and r.stdout.strip() == "True", (r.stdout, r.stderr)
+
+
+def test_a_written_files_ctime_is_not_after_its_mtime(client):
+    """After a write, Linux has ctime == mtime; CPython's test_filetime checks ctime <= mtime. The
+    host's kernel sets ctime from the host's clock, ahead of the guest's, and nothing can set it:
+    before this, stat reported a ctime in the guest's future, after the re-stamped mtime."""
+    code = ("import os; fn = '/tmp/ft'; open(fn, 'wb').write(b'foo')\n"
+            "with open(fn, 'ab', 0) as f: f.write(b'bar')\n"
+            "s = os.stat(fn); import time\n"
+            "print(s.st_ctime <= s.st_mtime, s.st_ctime <= time.time())\n")
+    with Sandbox("tools", client=client) as sb:
+        r = sb.exec(code=code, seed=SEED, timeout_seconds=60)
+    assert r.ok and r.stdout.split() == ["True", "True"], (r.stdout, r.stderr)

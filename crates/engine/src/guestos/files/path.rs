@@ -309,7 +309,8 @@ fn fd_stat(os: &GuestOs, fd: i32) -> Result<libc::stat, Errno> {
 }
 
 pub(super) fn sys_fstat(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64) -> SysResult {
-    let st = special::file_stat(&*os.files.file(fd)?)?;
+    let mut st = special::file_stat(&*os.files.file(fd)?)?;
+    super::stamp::stat_for_guest(&os.proc, &mut st);
     ctx.write(buf, bytes_of(&st))?;
     Ok(0)
 }
@@ -338,10 +339,11 @@ pub(super) fn sys_fstatat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u6
     if flags & !(libc::AT_SYMLINK_NOFOLLOW | libc::AT_EMPTY_PATH | libc::AT_NO_AUTOMOUNT) != 0 {
         return Err(EINVAL);
     }
-    let st = match path_or_empty(ctx, pathp, flags)? {
+    let mut st = match path_or_empty(ctx, pathp, flags)? {
         None => fd_stat(os, dirfd)?,
         Some(p) => path_stat(os, dirfd, &p, follow_flag(flags))?,
     };
+    super::stamp::stat_for_guest(&os.proc, &mut st);
     ctx.write(buf, bytes_of(&st))?;
     Ok(0)
 }
@@ -384,7 +386,7 @@ pub(super) fn sys_statx(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64,
         return Err(EINVAL);
     }
     let sync = flags & libc::AT_STATX_SYNC_TYPE;
-    let b = match path_or_empty(ctx, pathp, flags)? {
+    let mut b = match path_or_empty(ctx, pathp, flags)? {
         None if dirfd == libc::AT_FDCWD => {
             let r = lookup!(os, dirfd, b".", Lookup::Follow)?;
             let (d, n) = host_of(&r).map_err(|_| ENOENT)?;
@@ -408,6 +410,7 @@ pub(super) fn sys_statx(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64,
             }
         }
     };
+    super::stamp::statx_for_guest(&os.proc, &mut b);
     ctx.write(buf, &b)?;
     Ok(0)
 }

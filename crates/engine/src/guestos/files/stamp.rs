@@ -72,3 +72,34 @@ pub fn upload_time(p: &Proc) -> libc::timespec {
     let host_ns = (host.tv_sec.max(0) as u64) * 1_000_000_000 + host.tv_nsec.max(0) as u64;
     ts(seen.min(host_ns))
 }
+
+/// What the guest's stat reports of a file's ctime in replay mode. The host's kernel sets ctime
+/// at every change (a write, the re-stamp above, a chmod) from the host's time, which the guest's
+/// clock lags by the template's age, and nothing can set it: a ctime in the guest's future is
+/// reported as the file's mtime, which is what Linux holds after a write (ctime == mtime; CPython's
+/// test_filetime checks ctime <= mtime). Image files older than the guest's clock are untouched.
+fn guest_ctime(p: &Proc, ctime: (i64, i64), mtime: (i64, i64)) -> (i64, i64) {
+    if !p.clocks.replay {
+        return ctime;
+    }
+    let now = p.clocks.real_now() as i128;
+    let ns = |(s, n): (i64, i64)| s as i128 * 1_000_000_000 + n as i128;
+    if ns(ctime) > now { mtime } else { ctime }
+}
+
+/// [`guest_ctime`] on a struct stat.
+pub fn stat_for_guest(p: &Proc, st: &mut libc::stat) {
+    (st.st_ctime, st.st_ctime_nsec) = guest_ctime(p, (st.st_ctime, st.st_ctime_nsec), (st.st_mtime, st.st_mtime_nsec));
+}
+
+/// [`guest_ctime`] on a struct statx (stx_ctime at 96, stx_mtime at 112: sec i64, nsec u32).
+pub fn statx_for_guest(p: &Proc, b: &mut [u8]) {
+    let at = |b: &[u8], off: usize| {
+        let s = i64::from_le_bytes(b[off..off + 8].try_into().unwrap_or([0; 8]));
+        let n = u32::from_le_bytes(b[off + 8..off + 12].try_into().unwrap_or([0; 4])) as i64;
+        (s, n)
+    };
+    let (s, n) = guest_ctime(p, at(b, 96), at(b, 112));
+    b[96..104].copy_from_slice(&s.to_le_bytes());
+    b[104..108].copy_from_slice(&(n as u32).to_le_bytes());
+}
