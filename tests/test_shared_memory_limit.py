@@ -81,7 +81,9 @@ def test_shared_anonymous_memory_stops_at_the_limit_with_enomem_and_the_host_hol
         assert not r.timed_out
         # The mappings are still alive (the interpreter keeps them): the host holds them, and no more.
         held = rss_shmem(pid) - before
-        assert int(n) * 64 * MiB - 4 * MiB <= held <= LIMIT, f"the VMM holds {held / MiB:.0f} MiB of shared memory"
+        # (Beyond the pool, the exec may touch a few shared pages of the VMM's own: the process
+        # table /proc reads, one page a process.)
+        assert int(n) * 64 * MiB - 4 * MiB <= held <= LIMIT + MiB, f"the VMM holds {held / MiB:.0f} MiB of shared memory"
         # Once they are gone the memory is the sandbox's again.
         r = sb.exec(code="maps.clear(); import gc; gc.collect(); m = __import__('mmap').mmap(-1, 256 << 20); m[-1] = 1; print('ok')")
         assert r.stdout.strip() == "ok" and r.limit == "", r
