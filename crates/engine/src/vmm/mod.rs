@@ -1463,29 +1463,12 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 }
                 os.agent_send(&input)
             }) {
-                Some(Ok(())) => {
-                    let (replay, mono) = m.os.as_ref().map_or((false, 0), |os| (os.proc.clocks.replay, guestos::thread::now(&os.proc.clocks)));
-                    crate::guestos::sched::new_exec(replay, mono);
-                    m.run(timeout)
-                }
-                .and_then(|mut r| {
-                    r.agent = m.os.as_ref().map(|os| os.agent_take()).transpose()?.unwrap_or_default();
-                    Ok(Response::Run(r))
-                }),
+                Some(Ok(())) => run_agent_exec(m, timeout),
                 Some(Err(e)) => Err(e),
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no agent".into())),
             },
             Request::EndExec { signal, timeout } => match m.os.is_some() {
-                true => process::end_exec(m, signal)
-                    .and_then(|_| {
-                        let (replay, mono) = m.os.as_ref().map_or((false, 0), |os| (os.proc.clocks.replay, guestos::thread::now(&os.proc.clocks)));
-                        crate::guestos::sched::new_exec(replay, mono);
-                        m.run(timeout)
-                    })
-                    .and_then(|mut r| {
-                        r.agent = m.os.as_ref().map(|os| os.agent_take()).transpose()?.unwrap_or_default();
-                        Ok(Response::Run(r))
-                    }),
+                true => process::end_exec(m, signal).and_then(|_| run_agent_exec(m, timeout)),
                 false => Err(Error::InvalidArgument("this VM runs no Linux program; it has no agent".into())),
             },
             Request::Upload { path, data, mode } => match m.os.as_ref() {
@@ -1591,4 +1574,14 @@ pub fn serve_fd(fd: RawFd) -> ! {
 /// compare; a template keeps what it was baked with).
 fn large_pages() -> bool {
     std::env::var_os("COLLIMATE_LARGE_PAGES").is_none_or(|v| v != "0")
+}
+
+/// Run the agent's exec (or what is left of it after `EndExec`) as a new exec of the schedulers,
+/// and return the run with the agent's reply.
+fn run_agent_exec(m: &mut Machine, timeout: Duration) -> Result<Response> {
+    let (replay, mono) = m.os.as_ref().map_or((false, 0), |os| (os.proc.clocks.replay, guestos::thread::now(&os.proc.clocks)));
+    crate::guestos::sched::new_exec(replay, mono);
+    let mut r = m.run(timeout)?;
+    r.agent = m.os.as_ref().map(|os| os.agent_take()).transpose()?.unwrap_or_default();
+    Ok(Response::Run(r))
 }
