@@ -240,6 +240,12 @@ impl Machine {
         load: impl FnOnce(&mut GuestMemory, &mut FrameAllocator, &AddressSpace) -> Result<(u64, u64)>,
     ) -> Result<()> {
         let img = Image::new(&self.kvm, &self.cpuid, self.mem.size(), prefault, base, load)?;
+        // The kick (a signal handler: the run's preemption, a signal from another process) must
+        // never see the old vCPU's kvm_run page once it is unmapped: a preemption that fired
+        // between the drop below and the new `set_kick` wrote to a page that was gone and
+        // crashed the VMM (a guest child's execve died by SIGSEGV, 1 in 10 with threads in the
+        // parent). Until the new vCPU is registered, a kick only sets the flags it sets anyway.
+        crate::guestos::signal::host::set_kick(std::ptr::null_mut());
         let vcpu = std::mem::replace(&mut self.vcpu, img.vcpu);
         let vm = std::mem::replace(&mut self.vm, img.vm);
         let mem = std::mem::replace(&mut self.mem, img.mem);

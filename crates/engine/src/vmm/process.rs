@@ -816,6 +816,7 @@ fn exec(
     // reused frame to clear, a VM without the old image's shadow pages.
     if GUEST_CHILD.load(Ordering::SeqCst) {
         if super::spawn::load_fresh(m, true, prepared, &envp).is_err() {
+            crate::trace::mark("exec.load_fresh_failed");
             return Ok(Some(RunExit::Signaled { signo: signal::SIGSEGV }));
         }
         *r = m.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
@@ -838,7 +839,10 @@ fn exec(
     let img = match img {
         Ok(img) => img,
         // Too late to fail the call: the process dies, as on Linux.
-        Err(_) => return Ok(Some(RunExit::Signaled { signo: signal::SIGSEGV })),
+        Err(_) => {
+            crate::trace::mark("exec.commit_failed");
+            return Ok(Some(RunExit::Signaled { signo: signal::SIGSEGV }));
+        }
     };
     *r = regs::initial_regs(img.entry, img.rsp);
     sregs.fs.base = 0;
@@ -1008,6 +1012,10 @@ fn fault_signal(vector: u8, error_code: u64) -> (i32, i32) {
 /// gets the signal: its handler runs (Ok(None): go on), or the process dies by it.
 pub(super) fn on_fault(m: &mut Machine, exit: RunExit) -> Result<Option<RunExit>> {
     let RunExit::Fault { vector, error_code, rip, cr2 } = exit else { return Ok(Some(exit)) };
+    crate::trace::mark_n("fault.vector", vector as u64);
+    crate::trace::mark_n("fault.rip", rip);
+    crate::trace::mark_n("fault.cr2", cr2);
+    crate::trace::mark_n("fault.error_code", error_code);
     let Some(os) = m.os.as_mut() else { return Ok(Some(exit)) };
     let (mut sig, mut code) = fault_signal(vector, error_code);
     if vector == 14 {
