@@ -343,7 +343,10 @@ impl GuestOs {
                     "upload {abs}: {} bytes do not fit in the sandbox's shared memory ({} MiB for /dev/shm, shared mappings \
                      and memfds together); free some or upload to /tmp or /work",
                     data.len(),
-                    crate::quota::SHARED_MEMORY.bytes >> 20
+                    crate::vstate::shared::pool()
+                        .and_then(|p| crate::quota::usage_of(&p).ok())
+                        .map_or(crate::quota::SHARED_MEMORY.bytes, |u| u.quota_bytes)
+                        >> 20
                 )));
             }
             if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
