@@ -765,6 +765,12 @@ class ControlPlane:
             try:
                 fd, size = await self.run(self.engine.open_download, rec.box, path, self.config.max_download)
             except (EngineError, InvalidArgument) as e:
+                if "over the download limit" in str(e):
+                    # The engine names the embedded client's knob; here the limit is the server's.
+                    raise InvalidArgument(
+                        str(e).replace("raise the limit (max_download)",
+                                       "ask the server's operator to raise --max-download")
+                    ) from None
                 raise _file_error(e, f"download of {path}") from e
         with self._lock:
             self._meter(tenant).add("bytes_out", size)

@@ -401,7 +401,7 @@ impl GuestOs {
         if let Some(kind) = kind {
             return Err(crate::Error::InvalidArgument(format!(
                 "download {path}: it is {kind}; only regular files can be downloaded (copy what you need into a file first, \
-                 e.g. with exec(command=\"cat {path} > /tmp/out\", timeout=...))"
+                 e.g. with exec(command=\"cat {path} > /tmp/out\", timeout_seconds=...))"
             )));
         }
         let size = st.st_size.max(0) as u64;
