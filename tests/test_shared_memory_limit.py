@@ -190,6 +190,14 @@ def test_a_sandbox_of_64_mib_of_shared_memory_stops_at_64_mib_and_its_forks_too(
         n, err, r = fill(sb)
         # 64 MiB less what /dev/shm and the interpreter's own shared mappings already hold.
         assert err == "ENOSPC" and 64 - (pool["bytes"] >> 20) - 2 <= n <= 64, r
+        # The refused write is named too.
+        assert r.limit == "shared_memory" and "shared-memory limit of the sandbox (64 MiB)" in r.note, r
+        # As is one into a /dev/shm file.
+        r = sb.exec(command="head -c 100000000 /dev/zero > /dev/shm/fill; echo rc=$?; rm -f /dev/shm/fill")
+        assert r.stdout == "rc=1\n" and r.limit == "shared_memory", r
+        # The disk quota's ENOSPC is not (the pool has room).
+        r = sb.exec(command="head -c 100000000 /dev/zero > /tmp/fill; echo rc=$?; rm -f /tmp/fill")
+        assert r.stdout == "rc=1\n" and r.limit == "", r
         # A mapping longer than what is left: ENOMEM, and the result names the limit and its size.
         r = map_past(sb, 96)
         assert "shared-memory limit of the sandbox (64 MiB)" in r.note, r

@@ -524,7 +524,14 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
             ctx.regs.rip = ctx.regs.rip.wrapping_sub(2);
             nr
         }
-        Err(e) => (-(e.0 as i64)) as u64,
+        Err(e) => {
+            // A write the full shared-memory pool refused (a memfd, a /dev/shm file): the exec's
+            // result names the limit, as for a refused mapping or page (the same test of the pool).
+            if e.0 == libc::ENOSPC && crate::vstate::shared::pool_full() {
+                crate::vstate::shared::note_limit_reached();
+            }
+            (-(e.0 as i64)) as u64
+        }
     };
     ctx.stop.take()
 }
