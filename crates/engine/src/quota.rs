@@ -314,6 +314,23 @@ mod tests {
     }
 
     #[test]
+    fn a_pool_of_its_own_size_refuses_a_size_below_what_it_holds_and_below_1_mib() {
+        let e = shared_memory(4096).unwrap_err().to_string();
+        assert!(e.contains("give at least 1048576 bytes"), "{e}");
+        if !available() {
+            return;
+        }
+        let pool = Scratch::new(shared_memory(2 << 20).unwrap()).unwrap();
+        assert_eq!(pool.usage().unwrap().quota_bytes, 2 << 20);
+        file_in(&pool, "held").write_all(&vec![1u8; 3 << 19]).unwrap(); // 1.5 MiB
+        let e = pool.resize_pool(1 << 20).unwrap_err().to_string();
+        assert!(e.contains("below what the sandbox's shared memory holds") && e.contains("free some first"), "{e}");
+        pool.resize_pool(4 << 20).unwrap();
+        assert_eq!(pool.usage().unwrap().quota_bytes, 4 << 20);
+        assert_eq!(pool.usage().unwrap().quota_inodes, SHARED_MEMORY_INODES);
+    }
+
+    #[test]
     fn a_quota_below_the_minimum_is_refused() {
         assert!(matches!(Scratch::new(DiskQuota { bytes: 4096, inodes: 64 }), Err(Error::InvalidArgument(_))));
     }
