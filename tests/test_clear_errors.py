@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 from collimate_core import EmbeddedClient, InvalidArgument, Sandbox
@@ -108,3 +109,62 @@ def test_a_write_past_the_quota_gets_enospc_as_on_linux(client, tmp_path):
             "os.remove('/tmp/f')\n"
         ), timeout_seconds=120)
         assert r.stdout == "28 No space left on device\n", r
+
+
+# --- texts that issue 32's changes (shared memory in the budget, the download cap) made untrue ---
+
+
+def test_the_download_hint_for_a_fifo_names_a_keyword_exec_takes(client):
+    # The hint said exec(..., timeout=...): Sandbox.exec takes timeout_seconds=, so following it
+    # raised TypeError.
+    import inspect
+    import re
+
+    with Sandbox("python", client=client) as sb:
+        assert sb.exec(command="mkfifo /work/fifo").ok
+        with pytest.raises(InvalidArgument) as e:
+            sb.download("/work/fifo")
+        msg = str(e.value)
+        assert "it is a FIFO" in msg, msg
+        hint = re.search(r"exec\(command=\"([^\"]+)\", (\w+)=\.\.\.\)", msg)
+        assert hint, msg
+        assert hint.group(2) in inspect.signature(Sandbox.exec).parameters, msg
+        # The sandbox goes on.
+        assert sb.exec(command="echo ok").stdout == "ok\n"
+
+
+def test_serve_help_says_what_the_memory_budget_charges():
+    # The budget charges shared memory too (issue 32); the help said guest memory plus disk quota.
+    r = subprocess.run([sys.executable, "-m", "collimate_core", "serve", "--help"], capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if k not in ("COLLIMATE_API_KEY", "COLLIMATE_BASE_URL")},
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    budget = text[text.rindex("--memory-budget SIZE"):]  # the option's help, not the usage line
+    budget = budget[:budget.index("(default")]
+    assert "shared memory" in budget and "disk quota" in budget, budget
+    assert "--shared-memory SIZE" in text
+
+
+def test_a_download_over_the_servers_cap_names_the_servers_flag(tmp_path_factory):
+    # Over HTTP the cap is the server's --max-download; the message told the caller to raise
+    # max_download, a knob only the embedded client has.
+    from test_http import Server, _cli
+
+    from collimate_core import RemoteClient
+
+    store = tmp_path_factory.mktemp("keys") / "keys.json"
+    key = _cli("keys", "--key-store", str(store), "create", "--tenant", "t").strip()
+    srv = Server(tmp_path_factory.mktemp("srv"), store, "--max-download", str(1 << 20), "--disk-quota", "16M")
+    try:
+        with RemoteClient(key, srv.url) as c, Sandbox("python", client=c) as sb:
+            assert sb.exec(command="head -c 2000000 /dev/zero > /work/big").ok
+            with pytest.raises(InvalidArgument) as e:
+                sb.download("/work/big")
+            msg = str(e.value)
+            assert "over the download limit of 1048576 bytes" in msg and "--max-download" in msg, msg
+            assert "raise the limit (max_download)" not in msg, msg
+            sb.upload_bytes("/work/small", b"small")
+            assert sb.download("/work/small") == b"small"
+    finally:
+        srv.stop()

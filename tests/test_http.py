@@ -412,7 +412,7 @@ def test_downloads_of_a_fifo_or_of_a_file_over_the_limit_are_refused_at_once(ali
         assert r.ok, r
         with pytest.raises(InvalidArgument, match="FIFO.*only regular files can be downloaded"):
             sb.download("/work/fifo")
-        with pytest.raises(InvalidArgument, match="over the download limit of 268435456 bytes.*max_download"):
+        with pytest.raises(InvalidArgument, match="over the download limit of 268435456 bytes.*the server.s operator to raise --max-download"):
             sb.download("/work/sparse")
         url = f"{alice.base_url}/v1/sandboxes/{sb.session_id}/files"
         with httpx.stream("GET", url, params={"path": "/work/ok"}, headers=alice._http.headers) as resp:

@@ -176,3 +176,34 @@ def _swallow(fn, *args, **kw) -> None:
         fn(*args, **kw)
     except Exception:
         pass  # the server is killed under it
+
+
+def test_built_spares_wait_at_normal_priority():
+    """A template's spares are built at idle priority (SCHED_IDLE), and used to wait for their
+    first request so too. On a busy host an idle-priority process gets almost no CPU: when its
+    controller died, a spare needed CPU to notice and exit, and outlived it for as long as the host
+    stayed busy (the loaded failure of the tests above). Built, a spare waits at normal priority
+    (a wait costs nothing); only the build is at idle priority, armed by the lifeline."""
+    from collimate_core import EmbeddedClient, Sandbox
+
+    c = EmbeddedClient()
+    try:
+        with Sandbox("python", client=c) as sb:
+            assert sb.exec(code="print(1)").stdout == "1\n"
+            zygote = c._template("python").zygote.pid
+            deadline = time.monotonic() + 120  # a bound for a loaded host, not a measure
+            while True:
+                spares = [p for p in descendants(zygote) if _stat(p) is not None and _stat(p)[1] == zygote]
+                idle = []
+                for p in spares:
+                    try:
+                        if os.sched_getscheduler(p) == os.SCHED_IDLE:
+                            idle.append(p)
+                    except ProcessLookupError:
+                        pass
+                if len(spares) >= 2 and not idle:
+                    break
+                assert time.monotonic() < deadline, f"spares {idle} of {spares} still at idle priority"
+                time.sleep(0.5)
+    finally:
+        c.close()

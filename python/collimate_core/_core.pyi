@@ -213,6 +213,13 @@ class Vm:
     def shared_memory_usage(self) -> dict[str, int] | None:
         """What the shared-memory pool (shared anonymous mappings, memfds, /dev/shm) holds
         (`bytes`) and its limit (`quota_bytes`); None where disk_usage is None."""
+    def set_shared_memory(self, bytes: int) -> None:
+        """Shared-memory limit of this sandbox (its pool: shared anonymous mappings, memfds and
+        /dev/shm together) and of the children it forks from now on; at least 1 MiB, refused
+        below what the pool holds."""
+    @property
+    def shared_memory(self) -> int | None:
+        """The shared-memory limit in bytes this VM's children get; None if the host gives none."""
     @property
     def disk_quota(self) -> tuple[int, int] | None:
         """The (bytes, inodes) quota this VM's children get; None if the host gives none."""

@@ -196,10 +196,12 @@ class AsyncClient:
     async def release_template(self, template: str) -> None:
         await self._call(self.sync.release_template, template)
 
-    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None, egress: Any = None) -> "Sandbox":
+    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None, egress: Any = None,
+                shared_memory: int | str | None = None) -> "Sandbox":
         from collimate_core.sdk.embedded import _template_name
 
-        return Sandbox(_template_name(handle), client=self, disk_quota=disk_quota, egress=egress)
+        return Sandbox(_template_name(handle), client=self, disk_quota=disk_quota, egress=egress,
+                       shared_memory=shared_memory)
 
     def env(self, ref: Any, width: int = 1) -> "Env":
         from collimate_core.sdk.embedded import _template_name
@@ -294,10 +296,10 @@ class Sandbox:
     """`collimate_core.Sandbox`, awaited: `async with Sandbox("python", client=c) as sb`."""
 
     def __init__(self, template: Any = "python", *, client: Any = None, default_seed: str | None = None,
-                 disk_quota: int | str | None = None, egress: Any = None):
+                 disk_quota: int | str | None = None, egress: Any = None, shared_memory: int | str | None = None):
         self.client = _async_client(client)
         self.sync = _session.Sandbox(template, client=self.client.sync, default_seed=default_seed,
-                                     disk_quota=disk_quota, egress=egress)
+                                     disk_quota=disk_quota, egress=egress, shared_memory=shared_memory)
         self._interrupt: _Interrupt | None = None
 
     @classmethod
@@ -563,7 +565,7 @@ class Env:
 async def rollout_once(template: Any = "python", *, code: str | None = None, command: str | None = None,
                        seed: str | None = None, client: Any = None, timeout_seconds: float = 60.0,
                        env: dict[str, str] | None = None, disk_quota: int | str | None = None,
-                       egress: Any = None) -> ExecResult:
+                       egress: Any = None, shared_memory: int | str | None = None) -> ExecResult:
     """Fork an ephemeral clone, run once, discard it: the sync `rollout_once` on one worker
     thread (so a sandbox exists only while a thread works on it). Cancelled, it stops the guest
     and destroys the clone."""
@@ -574,7 +576,7 @@ async def rollout_once(template: Any = "python", *, code: str | None = None, com
     cancelled = threading.Event()
 
     def run() -> ExecResult | None:
-        sb = _session.Sandbox(template, client=a.sync, disk_quota=disk_quota, egress=egress)
+        sb = _session.Sandbox(template, client=a.sync, disk_quota=disk_quota, egress=egress, shared_memory=shared_memory)
         with sb:
             made.append(_Interrupt(a.sync, sb._box))
             try:

@@ -103,8 +103,11 @@ pub struct Vm {
     rotate_stdio: bool,
     /// This sandbox's own tmpfs (a descriptor of it, from its `Ready`): its disk usage and quota.
     scratch: Option<Scratch>,
-    /// Its shared-memory pool (`quota::SHARED_MEMORY`), from the same `Ready`.
+    /// Its shared-memory pool (`quota::SHARED_MEMORY` unless set), from the same `Ready`.
     shm: Option<Scratch>,
+    /// The shared-memory pool of the children this VM forks (and the size of this VM's own pool,
+    /// if it has one); `None` where `quota` is.
+    shm_quota: Option<DiskQuota>,
     /// The disk quota of the children this VM forks (and of this VM, if it has a tmpfs); `None`
     /// where the host cannot make tmpfs instances (no CAP_SYS_ADMIN).
     quota: Option<DiskQuota>,
@@ -187,6 +190,7 @@ impl Vm {
             scratch: None,
             shm: None,
             quota: crate::quota::available().then_some(crate::quota::DEFAULT_QUOTA),
+            shm_quota: crate::quota::available().then_some(crate::quota::SHARED_MEMORY),
             net: SandboxNet::new(Policy::default()),
             net_sent: false,
         };
@@ -408,6 +412,7 @@ impl Vm {
                         scratch: None,
                         shm: None,
                         quota: self.quota,
+                        shm_quota: self.shm_quota,
                         // Copied, never shared: a fork's policy changes alone.
                         net: SandboxNet::forked(&self.net),
                         net_sent: false,
@@ -435,6 +440,12 @@ impl Vm {
                 let u = s.usage()?;
                 if (u.quota_bytes, u.quota_inodes) != (q.bytes, q.inodes) {
                     s.resize(q)?;
+                }
+            }
+            // And the shared-memory limit.
+            if let (Some(s), Some(q)) = (&child.shm, child.shm_quota) {
+                if s.usage()?.quota_bytes != q.bytes {
+                    s.resize_pool(q.bytes)?;
                 }
             }
         }
@@ -496,7 +507,8 @@ impl Vm {
     fn make_scratch(&self, n: usize) -> Result<Vec<Scratch>> {
         match self.quota {
             Some(q) if self.stdio.is_some() => {
-                (0..n).flat_map(|_| [Scratch::new(q), Scratch::new(crate::quota::SHARED_MEMORY)]).collect()
+                let pool = self.shm_quota.unwrap_or(crate::quota::SHARED_MEMORY);
+                (0..n).flat_map(|_| [Scratch::new(q), Scratch::new(pool)]).collect()
             }
             _ => Ok(vec![]),
         }
@@ -519,6 +531,31 @@ impl Vm {
         }
         self.quota = Some(q);
         Ok(())
+    }
+
+    /// Set the shared-memory limit of this sandbox (the size of its shared-memory pool, if it has
+    /// one: a limit below what its shared memory holds is refused) and of the children it forks
+    /// from now on. `bytes` is at least `quota::MIN_SHARED_MEMORY`.
+    pub fn set_shared_memory(&mut self, bytes: u64) -> Result<()> {
+        if self.shm_quota.is_none() {
+            return Err(Error::InvalidArgument(
+                "this host cannot give sandboxes a shared-memory limit (making tmpfs instances needs CAP_SYS_ADMIN); \
+                 run as root, or leave shared_memory unset"
+                    .into(),
+            ));
+        }
+        let q = crate::quota::shared_memory(bytes)?;
+        if let Some(s) = &self.shm {
+            s.resize_pool(bytes)?;
+        }
+        self.shm_quota = Some(q);
+        Ok(())
+    }
+
+    /// The shared-memory limit of this VM's children (and its own), in bytes (`None`: no quotas
+    /// on this host).
+    pub fn shared_memory(&self) -> Option<u64> {
+        self.shm_quota.map(|q| q.bytes)
     }
 
     /// What this sandbox's writable mounts hold, and their quota; `None` if it has no tmpfs of its

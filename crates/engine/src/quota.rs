@@ -47,13 +47,33 @@ pub const DEFAULT_QUOTA: DiskQuota = DiskQuota { bytes: 1 << 30, inodes: 65536 }
 /// The smallest quota accepted: room for a template's writable mounts and a little more.
 pub const MIN_QUOTA: DiskQuota = DiskQuota { bytes: 1 << 20, inodes: 64 };
 
-/// A sandbox's shared-memory limit: the size of its shared-memory pool, a second tmpfs of its own
-/// that holds its shared anonymous mappings (`mmap(MAP_SHARED|MAP_ANONYMOUS)`, Python's
+/// A sandbox's default shared-memory limit: the size of its shared-memory pool, a second tmpfs of
+/// its own that holds its shared anonymous mappings (`mmap(MAP_SHARED|MAP_ANONYMOUS)`, Python's
 /// `mmap.mmap(-1, n)`), its guest memfds and its /dev/shm (`vstate::shared::pool`). Half of the
 /// sandbox's 1 GiB of guest memory, as Linux sizes /dev/shm by default at half of RAM. Past it a
 /// mapping larger than what is left gets ENOMEM, a write ENOSPC and a touch of a page of a mapping
-/// SIGBUS, all from the kernel's tmpfs accounting, and the exec's result names the limit.
-pub const SHARED_MEMORY: DiskQuota = DiskQuota { bytes: 512 << 20, inodes: 16384 };
+/// SIGBUS, all from the kernel's tmpfs accounting, and the exec's result names the limit. A
+/// sandbox may have another size ([`shared_memory`], `controller::Vm::set_shared_memory`).
+pub const SHARED_MEMORY: DiskQuota = DiskQuota { bytes: 512 << 20, inodes: SHARED_MEMORY_INODES };
+
+/// Files a shared-memory pool holds at most (each shared mapping, memfd and /dev/shm file is one),
+/// whatever its size.
+pub const SHARED_MEMORY_INODES: u64 = 16384;
+
+/// The smallest shared-memory limit accepted: a few POSIX semaphores and a small `multiprocessing`
+/// pool fit in 1 MiB.
+pub const MIN_SHARED_MEMORY: u64 = 1 << 20;
+
+/// The pool of a sandbox whose shared-memory limit is `bytes`; a limit below
+/// [`MIN_SHARED_MEMORY`] is refused, saying what is accepted.
+pub fn shared_memory(bytes: u64) -> Result<DiskQuota> {
+    if bytes < MIN_SHARED_MEMORY {
+        return Err(Error::InvalidArgument(format!(
+            "shared-memory limit of {bytes} bytes; give at least {MIN_SHARED_MEMORY} bytes (1 MiB)"
+        )));
+    }
+    Ok(DiskQuota { bytes, inodes: SHARED_MEMORY_INODES })
+}
 
 /// What a sandbox's writable mounts hold now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -155,18 +175,7 @@ impl Scratch {
     /// Change the quota of the live tmpfs. A quota below what it already holds is refused.
     pub fn resize(&self, q: DiskQuota) -> Result<()> {
         check(q)?;
-        let empty = c"";
-        // SAFETY: picks the superblock of the mount our descriptor names; the result is checked.
-        let fs = fd_result(
-            unsafe { libc::syscall(libc::SYS_fspick, self.0.as_raw_fd(), empty.as_ptr(), FSPICK_EMPTY_PATH | FSPICK_CLOEXEC) },
-            "fspick(sandbox tmpfs)",
-        )?;
-        let reconfigure = || -> std::io::Result<()> {
-            set_string(&fs, "size", &q.bytes.to_string())?;
-            set_string(&fs, "nr_inodes", &q.inodes.to_string())?;
-            command(&fs, FSCONFIG_CMD_RECONFIGURE)
-        };
-        reconfigure().map_err(|e| {
+        self.reconfigure(q).map_err(|e| {
             if e.raw_os_error() == Some(libc::EINVAL) {
                 let used = self.usage().unwrap_or_default();
                 Error::InvalidArgument(format!(
@@ -178,6 +187,39 @@ impl Scratch {
                 Error::Sys { op: "reconfigure a sandbox's tmpfs", source: e }
             }
         })
+    }
+
+    /// Change the size of a live shared-memory pool to `bytes` ([`shared_memory`]). A size below
+    /// what the sandbox's shared memory already holds is refused.
+    pub fn resize_pool(&self, bytes: u64) -> Result<()> {
+        let q = shared_memory(bytes)?;
+        self.reconfigure(q).map_err(|e| {
+            if e.raw_os_error() == Some(libc::EINVAL) {
+                let used = self.usage().unwrap_or_default();
+                Error::InvalidArgument(format!(
+                    "shared-memory limit of {bytes} bytes is below what the sandbox's shared memory holds ({} bytes \
+                     in /dev/shm, shared mappings and memfds); free some first or give a larger limit",
+                    used.bytes
+                ))
+            } else {
+                Error::Sys { op: "reconfigure a sandbox's shared-memory pool", source: e }
+            }
+        })
+    }
+
+    /// `fsconfig` the tmpfs's size and inodes anew (EINVAL: below what it holds).
+    fn reconfigure(&self, q: DiskQuota) -> std::io::Result<()> {
+        let empty = c"";
+        // SAFETY: picks the superblock of the mount our descriptor names; the result is checked.
+        let rc = unsafe { libc::syscall(libc::SYS_fspick, self.0.as_raw_fd(), empty.as_ptr(), FSPICK_EMPTY_PATH | FSPICK_CLOEXEC) };
+        if rc < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a descriptor the kernel just returned to us.
+        let fs = unsafe { OwnedFd::from_raw_fd(rc as i32) };
+        set_string(&fs, "size", &q.bytes.to_string())?;
+        set_string(&fs, "nr_inodes", &q.inodes.to_string())?;
+        command(&fs, FSCONFIG_CMD_RECONFIGURE)
     }
 }
 
@@ -269,6 +311,23 @@ mod tests {
         };
         assert_eq!(err.raw_os_error(), Some(libc::ENOSPC));
         assert_eq!(made, 63, "the root directory is the 64th inode");
+    }
+
+    #[test]
+    fn a_pool_of_its_own_size_refuses_a_size_below_what_it_holds_and_below_1_mib() {
+        let e = shared_memory(4096).unwrap_err().to_string();
+        assert!(e.contains("give at least 1048576 bytes"), "{e}");
+        if !available() {
+            return;
+        }
+        let pool = Scratch::new(shared_memory(2 << 20).unwrap()).unwrap();
+        assert_eq!(pool.usage().unwrap().quota_bytes, 2 << 20);
+        file_in(&pool, "held").write_all(&vec![1u8; 3 << 19]).unwrap(); // 1.5 MiB
+        let e = pool.resize_pool(1 << 20).unwrap_err().to_string();
+        assert!(e.contains("below what the sandbox's shared memory holds") && e.contains("free some first"), "{e}");
+        pool.resize_pool(4 << 20).unwrap();
+        assert_eq!(pool.usage().unwrap().quota_bytes, 4 << 20);
+        assert_eq!(pool.usage().unwrap().quota_inodes, SHARED_MEMORY_INODES);
     }
 
     #[test]

@@ -640,6 +640,20 @@ impl PyVm {
         self.with(py, "Vm.take_shared_memory_limit_reached", |vm| Ok(vm.take_shared_memory_limit_reached()))
     }
 
+    /// Sets the shared-memory limit of this sandbox (the size of its shared-memory pool: shared
+    /// anonymous mappings, memfds and /dev/shm together; refused below what they hold and below
+    /// 1 MiB) and of every child it forks from now on.
+    fn set_shared_memory(&self, py: Python<'_>, bytes: u64) -> PyResult<()> {
+        self.with(py, "Vm.set_shared_memory", |vm| Ok(vm.set_shared_memory(bytes)?))
+    }
+
+    /// The shared-memory limit in bytes this VM's children get (and its own), or None if this
+    /// host gives none.
+    #[getter]
+    fn shared_memory(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        self.with(py, "Vm.shared_memory", |vm| Ok(vm.shared_memory()))
+    }
+
     /// The disk quota (bytes, inodes) this VM's children get, or None if this host gives none.
     #[getter]
     fn disk_quota(&self, py: Python<'_>) -> PyResult<Option<(u64, u64)>> {

@@ -205,7 +205,8 @@ class RayClient:
 
     # --- the client surface (as EmbeddedClient) -----------------------------------------------
 
-    def create(self, template: str, disk_quota: int | str | None = None, egress: Any = None) -> RaySandbox:
+    def create(self, template: str, disk_quota: int | str | None = None, egress: Any = None,
+               shared_memory: int | str | None = None) -> RaySandbox:
         from collimate_core.sdk import egress as _egress
 
         policy = _egress.coerce(egress)  # bad rules raise before anything is placed
@@ -215,9 +216,13 @@ class RayClient:
             from collimate_core.sdk.quota import disk_quota as _check_quota
 
             disk_quota = _check_quota(disk_quota)
+        if shared_memory is not None:
+            from collimate_core.sdk.quota import shared_memory as _check_shared
+
+            shared_memory = _check_shared(shared_memory)
         h, cold = self._place(template)
         try:
-            box_id, warm = self._call(h, "create", template, disk_quota, self.lease, policy)
+            box_id, warm = self._call(h, "create", template, disk_quota, self.lease, policy, shared_memory)
         except BaseException:
             with self._lock:
                 h.live = max(0, h.live - 1)
@@ -350,10 +355,12 @@ class RayClient:
                 setattr(total, f.name, getattr(total, f.name) + getattr(u, f.name))
         return total
 
-    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None, egress: Any = None):
+    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None, egress: Any = None,
+                shared_memory: int | str | None = None):
         from collimate_core.sdk.session import Session
 
-        return Session(_template_name(handle), client=self, disk_quota=disk_quota, egress=egress)
+        return Session(_template_name(handle), client=self, disk_quota=disk_quota, egress=egress,
+                       shared_memory=shared_memory)
 
     def env(self, ref: Any, width: int = 1):
         from collimate_core.sdk.session import Env

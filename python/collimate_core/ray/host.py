@@ -105,8 +105,9 @@ class HostActor:
         return {"node_id": self.node_id, "slots": self.slots, "live": live, "warm": warm, "pid": os.getpid(),
                 "token": os.environ.get("COLLIMATE_HOST_TOKEN")}
 
-    def create(self, template: str, disk_quota: int | None = None, lease: float = 600.0, egress: Any = None) -> tuple[str, bool]:
-        box = self.client.create(template, disk_quota, egress=egress)
+    def create(self, template: str, disk_quota: int | None = None, lease: float = 600.0, egress: Any = None,
+               shared_memory: int | None = None) -> tuple[str, bool]:
+        box = self.client.create(template, disk_quota, egress=egress, shared_memory=shared_memory)
         return self._keep(box, lease), box.warm_hit
 
     def fork(self, box_id: str, n: int, lease: float = 600.0, egress: Any = None) -> list[str]:

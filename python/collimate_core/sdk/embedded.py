@@ -130,7 +130,7 @@ class _Template:
     tables and host mappings are warm, so its first exec is about twice as fast as a new clone's.
     """
 
-    def __init__(self, baked: Baked, disk_quota: int):
+    def __init__(self, baked: Baked, disk_quota: int, shared_memory: int = _quota.SHARED_MEMORY):
         self.baked = baked
         self.lock = threading.Lock()
         self.zygote = Vm.restore(baked.path)
@@ -138,6 +138,10 @@ class _Template:
         self.disk_quota = getattr(baked, "disk_quota", None) or disk_quota
         if self.zygote.disk_quota is not None:
             self.zygote.set_disk_quota(self.disk_quota, _quota.inodes_for(self.disk_quota))
+        # Their shared-memory limit: the template's own, else the client's.
+        self.shared_memory = getattr(baked, "shared_memory", None) or shared_memory
+        if self.zygote.shared_memory is not None and self.zygote.shared_memory != self.shared_memory:
+            self.zygote.set_shared_memory(self.shared_memory)
         self.spares = 0
         self.recycled: list[Vm] = []
         self.set_spares(DEFAULT_SPARES)
@@ -203,8 +207,10 @@ class _Box:
     # The _Template (version) this sandbox was made from: a re-baked name gets a new one, and a
     # sandbox of the old version must not be reset into the new version's pool.
     origin: Any = None
-    # Its disk quota, and what admission charged for it (guest memory + disk quota).
+    # Its disk quota and shared-memory limit, and what admission charged for it (guest memory +
+    # shared memory + disk quota).
     disk_quota: int = 0
+    shared_memory: int = _quota.SHARED_MEMORY
     charge: int = 0
     # Its network policy (the engine enforces it; this is the SDK's copy, for narrowing checks).
     egress: Egress = field(default_factory=Egress.none)
@@ -214,6 +220,11 @@ class _Box:
     # The guest state it is in, as egress recordings name it (`_state_after`): its template's,
     # then a digest of each exec and upload since; a fork's children start from their parent's.
     state: str = ""
+
+
+def _mib(n: int) -> str:
+    """`n` bytes as MiB, with a fraction only where there is one."""
+    return f"{n >> 20} MiB" if n % (1 << 20) == 0 else f"{n / (1 << 20):.2f} MiB"
 
 
 def _state_after(state: str, *parts: bytes) -> str:
@@ -242,6 +253,7 @@ class EmbeddedClient:
         memory_budget: int | str | None = None,
         egress_resolver: str | dict | None = None,
         max_download: int | str | None = None,
+        shared_memory: int | str | None = None,
     ):
         self.cache = Path(cache) if cache else None
         env = os.environ.get("COLLIMATE_MAX_DOWNLOAD")
@@ -260,6 +272,11 @@ class EmbeddedClient:
         self.disk_quota = _quota.disk_quota(disk_quota) if disk_quota is not None else _quota.default_disk_quota()
         self.memory_budget = (
             _quota.parse_size(memory_budget, "memory_budget") if memory_budget is not None else _quota.default_memory_budget()
+        )
+        # Each sandbox's shared-memory pool (shared mappings, memfds, /dev/shm; 512 MiB unless set).
+        self.shared_memory = (
+            _quota.shared_memory(shared_memory, self.memory_budget) if shared_memory is not None
+            else _quota.default_shared_memory(self.memory_budget)
         )
         self._charged = 0  # bytes of the budget held by live and admitted sandboxes
         self._templates: dict[str, _Template] = {}
@@ -287,13 +304,13 @@ class EmbeddedClient:
         baked = bake_catalog(name, self.cache)
         with self._lock:
             if name not in self._templates:
-                self._templates[name] = _Template(baked, self.disk_quota)
+                self._templates[name] = _Template(baked, self.disk_quota, self.shared_memory)
             return self._templates[name]
 
     def register_template(self, name: str, baked: Baked) -> None:
         with self._lock:
             old = self._templates.pop(name, None)
-            self._templates[name] = _Template(baked, self.disk_quota)
+            self._templates[name] = _Template(baked, self.disk_quota, self.shared_memory)
         if old is not None:
             old.drain()
             old.zygote.destroy()
@@ -324,13 +341,13 @@ class EmbeddedClient:
 
     # --- sandboxes ---------------------------------------------------------------------------
 
-    def _admit(self, n: int, disk_quota: int) -> int:
+    def _admit(self, n: int, disk_quota: int, shared_memory: int | None = None) -> int:
         """Reserve `n` sandbox slots under max_sandboxes, and their charge (guest memory, shared
         memory and disk quota each) under memory_budget, waiting up to capacity_timeout for room; returns the
         charge of one. A reservation is held until the sandboxes are registered (or
         `_unreserve`d on failure), so concurrent callers can never overshoot a limit between
         admission and registration."""
-        charge = _quota.MEMORY_CHARGE + disk_quota
+        charge = _quota.memory_charge(shared_memory) + disk_quota
         if n > self.max_sandboxes:
             raise CapacityError(
                 f"a fork group of {n} can never fit under max_sandboxes={self.max_sandboxes}; "
@@ -340,7 +357,7 @@ class EmbeddedClient:
         if budget is not None and n * charge > budget:
             raise CapacityError(
                 f"{n} sandbox(es) of {charge >> 20} MiB each (guest memory + shared memory + disk quota) can never fit in "
-                f"memory_budget={budget >> 20} MiB; raise the budget, give smaller disk quotas or use a narrower group"
+                f"memory_budget={budget >> 20} MiB; raise the budget, give smaller disk quotas or shared_memory, or use a narrower group"
             )
         deadline = time.monotonic() + self.capacity_timeout
         with self._slots:
@@ -359,7 +376,7 @@ class EmbeddedClient:
                     raise CapacityError(
                         f"memory_budget={budget >> 20} MiB reached: {self._charged >> 20} MiB held by live sandboxes, "
                         f"{n} more need {n * charge >> 20} MiB (guest memory + shared memory + disk quota; waited "
-                        f"{self.capacity_timeout:g}s); destroy some, raise the budget or give smaller disk quotas"
+                        f"{self.capacity_timeout:g}s); destroy some, raise the budget or give smaller disk quotas or shared_memory"
                     )
                 self._slots.wait(left)
             self._reserved += n
@@ -379,12 +396,15 @@ class EmbeddedClient:
             self._boxes[box.id] = box
         return box
 
-    def create(self, template: str, disk_quota: int | str | None = None, egress: Any = None) -> _Box:
+    def create(self, template: str, disk_quota: int | str | None = None, egress: Any = None,
+               shared_memory: int | str | None = None) -> _Box:
         policy = _egress.coerce(egress)  # bad rules raise before anything is forked
         quota = _quota.disk_quota(disk_quota) if disk_quota is not None else None
+        shm = _quota.shared_memory(shared_memory, self.memory_budget) if shared_memory is not None else None
         t = self._template(template)
         quota = quota or t.disk_quota
-        charge = self._admit(1, quota)
+        shm = shm or t.shared_memory
+        charge = self._admit(1, quota, shm)
         try:
             vm = t.take_recycled()
             warm = vm is not None
@@ -401,16 +421,24 @@ class EmbeddedClient:
                 except BaseException:
                     vm.destroy()
                     raise
+            # And its own shared-memory limit (or back to the template's).
+            if vm.shared_memory is not None and vm.shared_memory != shm:
+                try:
+                    vm.set_shared_memory(shm)
+                except BaseException:
+                    vm.destroy()
+                    raise
         except BaseException as e:
             self._unreserve(1, charge)
             if isinstance(e, _CoreEngineError):
                 if "invalid argument" in str(e):
-                    raise InvalidArgument(f"disk_quota for a sandbox of {template!r}: {e}") from e
+                    what = "shared_memory" if "shared-memory" in str(e) else "disk_quota"
+                    raise InvalidArgument(f"{what} for a sandbox of {template!r}: {e}") from e
                 raise _engine_error(e, f"forking a sandbox of {template!r}") from e
             raise
         self._count("sandboxes", 1)
         box = _Box("sbx_" + secrets.token_hex(8), template, vm, time.time(), warm, origin=t, disk_quota=quota, charge=charge,
-                   egress=policy, state=t.state)
+                   egress=policy, state=t.state, shared_memory=shm)
         return self._register(box)
 
     def get(self, sandbox_id: str) -> _Box:
@@ -468,8 +496,8 @@ class EmbeddedClient:
         # A fork inherits its parent's policy and may only narrow it: checked before forking.
         policy = box.egress if egress is None else _egress.coerce(egress)
         policy.check_narrower(box.egress, "fork_group(egress=...)")
-        # Children get their parent's quota (and start with its files).
-        charge = self._admit(n, box.disk_quota or self.disk_quota)
+        # Children get their parent's quota and shared-memory limit (and start with its files).
+        charge = self._admit(n, box.disk_quota or self.disk_quota, box.shared_memory)
         try:
             with box.lock:
                 if not box.agent_alive:
@@ -493,7 +521,8 @@ class EmbeddedClient:
         return [
             self._register(
                 _Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin, lost=lost,
-                     disk_quota=box.disk_quota, charge=charge, egress=policy, state=state, ceiling=policy)
+                     disk_quota=box.disk_quota, charge=charge, egress=policy, state=state, ceiling=policy,
+                     shared_memory=box.shared_memory)
             )
             for vm in vms
         ]
@@ -619,9 +648,10 @@ class EmbeddedClient:
         if box.vm.take_shared_memory_limit_reached():
             limit = "shared_memory"
             notes.append(
-                f"the shared-memory limit of the sandbox ({_quota.SHARED_MEMORY >> 20} MiB) was reached by its shared "
+                f"the shared-memory limit of the sandbox ({_mib(box.shared_memory)}) was reached by its shared "
                 "mappings during this exec (shared anonymous mappings such as mmap.mmap(-1, n), memfds and /dev/shm "
-                "together): an mmap got ENOMEM, a write ENOSPC or a process SIGBUS; map, write or keep less shared memory"
+                "together): an mmap got ENOMEM, a write ENOSPC or a process SIGBUS; map, write or keep less shared memory, "
+                "or give the sandbox more (shared_memory=)"
             )
         if restarted:
             kept = restarted.endswith("after a timeout")  # replaced over its files (_end_exec)
@@ -860,10 +890,12 @@ class EmbeddedClient:
 
     # --- the SDK surface on the client -------------------------------------------------------
 
-    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None, egress: Any = None):
+    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None, egress: Any = None,
+                shared_memory: int | str | None = None):
         from collimate_core.sdk.session import Session
 
-        return Session(_template_name(handle), client=self, disk_quota=disk_quota, egress=egress)
+        return Session(_template_name(handle), client=self, disk_quota=disk_quota, egress=egress,
+                       shared_memory=shared_memory)
 
     def env(self, ref: Any, width: int = 1):
         from collimate_core.sdk.session import Env

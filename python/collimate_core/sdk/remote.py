@@ -168,7 +168,8 @@ class RemoteClient:
 
     # --- the client surface (as EmbeddedClient) ----------------------------------------------
 
-    def create(self, template: str, disk_quota: int | str | None = None, egress: Any = None) -> RemoteSandbox:
+    def create(self, template: str, disk_quota: int | str | None = None, egress: Any = None,
+               shared_memory: int | str | None = None) -> RemoteSandbox:
         if not isinstance(template, str) or not template:
             raise InvalidArgument(f"template must be a template name such as 'python', not {template!r}")
         body: dict[str, Any] = {"template": template}
@@ -178,6 +179,10 @@ class RemoteClient:
             from collimate_core.sdk.quota import disk_quota as _check_quota
 
             body["disk_quota"] = _check_quota(disk_quota)
+        if shared_memory is not None:
+            from collimate_core.sdk.quota import shared_memory as _check_shared
+
+            body["shared_memory"] = _check_shared(shared_memory)
         # The server may queue the request until capacity frees up (its queue_timeout).
         return self._box(self._json("POST", "/v1/sandboxes", json=body, timeout=max(self._timeout, 330.0)))
 
@@ -318,11 +323,13 @@ class RemoteClient:
             raise NotFoundError(f"no image {name!r}")
         self._request("DELETE", f"/v1/images/{_q(name)}", params={"digest": digest} if digest else None)
 
-    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None, egress: Any = None):
+    def session(self, handle: Any = "python", *, disk_quota: int | str | None = None, egress: Any = None,
+                shared_memory: int | str | None = None):
         from collimate_core.sdk.embedded import _template_name
         from collimate_core.sdk.session import Session
 
-        return Session(_template_name(handle), client=self, disk_quota=disk_quota, egress=egress)
+        return Session(_template_name(handle), client=self, disk_quota=disk_quota, egress=egress,
+                       shared_memory=shared_memory)
 
     def env(self, ref: Any, width: int = 1):
         from collimate_core.sdk.embedded import _template_name

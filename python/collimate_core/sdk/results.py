@@ -30,8 +30,8 @@ class ExecResult:
     `note` says what happened in words ("" when nothing did). `limit` names a limit of the sandbox
     that refused something during this exec ("" when none did): "shared_memory" when its shared
     memory (shared anonymous mappings such as `mmap.mmap(-1, n)`, memfds and /dev/shm, together
-    at most 512 MiB) was full, so that an mmap got ENOMEM, a write ENOSPC or a process SIGBUS;
-    `note` then says so too (docs/quotas.md).
+    at most its `shared_memory`, 512 MiB unless set) was full, so that an mmap got ENOMEM, a
+    write ENOSPC or a process SIGBUS; `note` then says so too (docs/quotas.md).
 
     Under an egress policy with `record=True`, `egress_replay` says what the exec did with the
     network: "recorded" (its flows were recorded with its seed), "replayed" (they were served from

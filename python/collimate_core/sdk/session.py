@@ -31,15 +31,20 @@ class Sandbox:
         default_seed: str | None = None,
         disk_quota: int | str | None = None,
         egress: Any = None,
+        shared_memory: int | str | None = None,
     ):
         from collimate_core.sdk.client import connect
         from collimate_core.sdk.quota import disk_quota as _check_quota
+        from collimate_core.sdk.quota import shared_memory as _check_shared
 
         self.client = client if client is not None else connect()
         self.template = getattr(template, "name", template)
         self.default_seed = default_seed
         # Bytes (or "512M", "2G") for /tmp and /work together; None: the template's.
         self.disk_quota = _check_quota(disk_quota) if disk_quota is not None else None
+        # Bytes (or "256M") for its shared memory: shared mappings, memfds and /dev/shm together;
+        # None: the template's (512 MiB unless the client or server sets another).
+        self.shared_memory = _check_shared(shared_memory) if shared_memory is not None else None
         # Its network policy (default: none); bad rules raise here, before anything is forked.
         self.egress_policy = coerce_egress(egress)
         self._box = None
@@ -50,6 +55,8 @@ class Sandbox:
             kw: dict[str, Any] = {}
             if self.disk_quota is not None:
                 kw["disk_quota"] = self.disk_quota
+            if self.shared_memory is not None:
+                kw["shared_memory"] = self.shared_memory
             if not self.egress_policy.is_none:
                 kw["egress"] = self.egress_policy
             self._box = self.client.create(self.template, **kw)
@@ -78,6 +85,7 @@ class Sandbox:
         sb.template = sb._box.template
         sb.default_seed = None
         sb.disk_quota = None
+        sb.shared_memory = None
         sb.egress_policy = getattr(sb._box, "egress", None) or Egress.none()
         return sb
 
@@ -200,6 +208,7 @@ class ForkGroup:
             child = Sandbox.__new__(Sandbox)
             child.client, child._box, child.template, child.default_seed = client, box, template, s
             child.disk_quota = None
+            child.shared_memory = None
             child.egress_policy = coerce_egress(egress)
             self.children.append(child)
         self._lock = threading.Lock()
@@ -286,8 +295,9 @@ def rollout_once(
     env: dict[str, str] | None = None,
     disk_quota: int | str | None = None,
     egress: Any = None,
+    shared_memory: int | str | None = None,
 ) -> ExecResult:
     """Fork an ephemeral clone, run once, discard it (`egress=`: its network policy)."""
     check_exec_args(code, command, timeout_seconds, seed)  # bad input raises before anything is forked
-    with Sandbox(template, client=client, disk_quota=disk_quota, egress=egress) as sb:
+    with Sandbox(template, client=client, disk_quota=disk_quota, egress=egress, shared_memory=shared_memory) as sb:
         return sb.exec(command, code=code, timeout_seconds=timeout_seconds, seed=seed, env=env)

@@ -375,7 +375,7 @@ def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: 
               tags=["sandboxes"],
               responses={**_errs(402, 404, 409, 429, 503), 201: {"description": "the new sandbox", "links": _SANDBOX_LINKS}})
     async def create_sandbox(body: CreateSandbox = Body(default_factory=CreateSandbox), tenant: str = Tenant) -> SandboxInfo:
-        return await cp.create(tenant, body.template, body.disk_quota, body.egress)
+        return await cp.create(tenant, body.template, body.disk_quota, body.egress, body.shared_memory)
 
     @app.post("/v1/keepalive", response_model=KeepaliveResponse, operation_id="keepalive",
               tags=["sandboxes"], responses=_errs())

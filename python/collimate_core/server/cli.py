@@ -40,6 +40,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--disk-quota", default=None, metavar="SIZE",
                    help="each sandbox's /tmp and /work together, e.g. 512M (default: COLLIMATE_DISK_QUOTA "
                    "or 1G); also the most a request may ask for")
+    s.add_argument("--shared-memory", default=None, metavar="SIZE",
+                   help="each sandbox's shared memory (shared mappings, memfds and /dev/shm together), e.g. 256M "
+                   "(default: COLLIMATE_SHARED_MEMORY or 512M); also the most a request may ask for")
     s.add_argument("--egress-ceiling", default=None, metavar="RULES",
                    help="the widest network policy a request may ask for: 'none', 'internet', or comma-separated "
                         "rules ('index.example.org,*.files.example.net,203.0.113.0/24'; add 'internet' to them); a wider "
@@ -49,8 +52,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                         "it the guest's connect fails with EMFILE and the egress log says why (default: "
                         "COLLIMATE_EGRESS_MAX_FLOWS or 1024)")
     s.add_argument("--memory-budget", default=None, metavar="SIZE",
-                   help="admit sandboxes while guest memory (1 GiB each) plus disk quota of all live ones stays "
-                   "within SIZE, e.g. 200G; beyond it a create waits, then gets 429 (default: COLLIMATE_MEMORY_BUDGET "
+                   help="admit sandboxes while guest memory (1 GiB each), shared memory (--shared-memory) and disk "
+                   "quota of all live ones together stay within SIZE, e.g. 200G; beyond it a create waits, then gets 429 (default: COLLIMATE_MEMORY_BUDGET "
                    "or no budget)")
 
     k = sub.add_parser("keys", help="manage API keys: create, list, revoke")
@@ -83,6 +86,8 @@ def run(args: argparse.Namespace) -> bool:
             disk_quota = _quota.disk_quota(args.disk_quota) if args.disk_quota else _quota.default_disk_quota()
             memory_budget = (_quota.parse_size(args.memory_budget, "--memory-budget") if args.memory_budget
                              else _quota.default_memory_budget())
+            shared_memory = (_quota.shared_memory(args.shared_memory, memory_budget) if args.shared_memory
+                             else _quota.default_shared_memory(memory_budget))
             from collimate_core.sdk.egress import parse_ceiling
 
             ceiling = parse_ceiling(args.egress_ceiling) if args.egress_ceiling is not None else None
@@ -99,7 +104,7 @@ def run(args: argparse.Namespace) -> bool:
             max_upload=args.max_upload, max_download=args.max_download, max_image_upload=args.max_image_upload, max_bakes=args.max_bakes,
             image_quota=args.image_quota, cache=args.cache, key_store=args.key_store,
             preload=tuple(t for t in args.preload.split(",") if t),
-            disk_quota=disk_quota, memory_budget=memory_budget, egress_ceiling=ceiling,
+            disk_quota=disk_quota, memory_budget=memory_budget, egress_ceiling=ceiling, shared_memory=shared_memory,
         ))
     elif args.cmd == "keys":
         _keys(args)

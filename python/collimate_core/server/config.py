@@ -40,8 +40,12 @@ class ServerConfig:
     cache: Path | None = None
     preload: tuple[str, ...] = ("python",)
     # Each sandbox's writable mounts together (the default and the most a request may ask for), and
-    # the host budget (guest memory + disk quota of every live sandbox; None: no budget). See sdk/quota.py.
+    # the host budget (guest memory + shared memory + disk quota of every live sandbox; None: no budget).
+    # See sdk/quota.py.
     disk_quota: int = 1 << 30
     memory_budget: int | None = None
+    # Each sandbox's shared-memory pool (shared mappings, memfds, /dev/shm; the default and the most
+    # a request may ask for).
+    shared_memory: int = 512 << 20
     # The widest network policy any request may ask for (an sdk.egress.Egress; None: no ceiling).
     egress_ceiling: Any = None

@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from collimate_core.templates import cache as _cache
 from collimate_core.sdk import egress as _egress
+from collimate_core.sdk import quota as _quota
 from collimate_core.sdk.egress import Egress
 from collimate_core.sdk.errors import CollimateError, EngineError, InvalidArgument, NotFoundError
 from collimate_core.server.keys import KeyStore
@@ -121,7 +122,8 @@ class ControlPlane:
             # An absolute path: responses show a tenant its bake logs with the cache's path taken out.
             self.engine = EmbeddedClient(cache=Path(self.config.cache or cache_dir()).absolute(),
                                          max_sandboxes=self.config.max_sandboxes, capacity_timeout=5.0,
-                                         disk_quota=self.config.disk_quota, memory_budget=self.config.memory_budget)
+                                         disk_quota=self.config.disk_quota, memory_budget=self.config.memory_budget,
+                                         shared_memory=self.config.shared_memory)
         self.cache = Path(getattr(self.engine, "cache", None) or self.config.cache or cache_dir()).absolute()
         for name in self.config.preload:
             try:
@@ -618,7 +620,7 @@ class ControlPlane:
         return [self.info(r) for r in sorted(recs, key=lambda r: r.created)]
 
     async def create(self, tenant: str, template: str, disk_quota: int | None = None,
-                     egress: EgressSpec | None = None) -> SandboxInfo:
+                     egress: EgressSpec | None = None, shared_memory: int | None = None) -> SandboxInfo:
         policy = self.egress_policy(egress)
         internal = self.resolve_template(tenant, template)
         self.check_spend(tenant)
@@ -626,6 +628,13 @@ class ControlPlane:
             raise InvalidArgument(
                 f"disk_quota of {disk_quota} bytes is above this server's {self.config.disk_quota} (--disk-quota); ask for less"
             )
+        if shared_memory is not None:
+            shared_memory = _quota.shared_memory(shared_memory, self.config.memory_budget)
+            if shared_memory > self.config.shared_memory:
+                raise InvalidArgument(
+                    f"shared_memory of {shared_memory} bytes is above this server's {self.config.shared_memory} "
+                    "(--shared-memory); ask for less"
+                )
         await self.admission.acquire(1)
 
         def work() -> _Owned:
@@ -633,7 +642,7 @@ class ControlPlane:
             # failure, and a created sandbox is owned (and reaped if nobody claims it).
             t = time.perf_counter()
             try:
-                box = self.engine.create(internal, disk_quota=disk_quota, egress=policy)
+                box = self.engine.create(internal, disk_quota=disk_quota, egress=policy, shared_memory=shared_memory)
             except BaseException as e:
                 self._release_soon(1)
                 if internal == template or not isinstance(e, CollimateError):
@@ -756,6 +765,12 @@ class ControlPlane:
             try:
                 fd, size = await self.run(self.engine.open_download, rec.box, path, self.config.max_download)
             except (EngineError, InvalidArgument) as e:
+                if "over the download limit" in str(e):
+                    # The engine names the embedded client's knob; here the limit is the server's.
+                    raise InvalidArgument(
+                        str(e).replace("raise the limit (max_download)",
+                                       "ask the server's operator to raise --max-download")
+                    ) from None
                 raise _file_error(e, f"download of {path}") from e
         with self._lock:
             self._meter(tenant).add("bytes_out", size)

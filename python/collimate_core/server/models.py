@@ -129,6 +129,10 @@ class CreateSandbox(BaseModel):
         None, ge=1 << 20, description="bytes for /tmp and /work together (default: the template's, "
         "else the server's --disk-quota, which is also the most a request may ask for)",
     )
+    shared_memory: int | None = Field(
+        None, description="bytes of shared memory (shared mappings, memfds and /dev/shm together; at least 1 MiB; "
+        "default: the server's --shared-memory, which is also the most a request may ask for)",
+    )
 
 
 class DiskUsage(BaseModel):

@@ -275,7 +275,8 @@ def load_template(name: str, cache: Path) -> ImageBaked | None:
             kept = False
         if kept and (vdir / "snapshot" / "vm.state").is_file():
             return ImageBaked(name, vdir / "snapshot", root, True, seed_ack=bool(meta.get("handshake")), version=n,
-                              meta=meta, hold=hold, disk_quota=meta.get("disk_quota"))
+                              meta=meta, hold=hold, disk_quota=meta.get("disk_quota"),
+                              shared_memory=meta.get("shared_memory"))
         hold.close()
 
 
@@ -466,6 +467,8 @@ class _Spec:
     egress: Any = None
     # How many CPUs its sandboxes see (catalog.guest_cpus).
     cpus: int = 1
+    # The shared-memory limit of its sandboxes (None: the client's).
+    shared_memory: int | None = None
 
 
 class _Build:
@@ -696,6 +699,7 @@ class _Build:
                 "handshake": kind == "python",  # the agent acks reseeds (seed_ack "verified")
                 "disk_quota": spec.disk_quota,  # its sandboxes' quota (None: the client's)
                 "cpus": spec.cpus,  # the CPU count its sandboxes see
+                "shared_memory": spec.shared_memory,  # its sandboxes' shared-memory limit (None: the client's)
             }
             _write_json(self.vtmp / "template.json", meta)
             (self.vtmp / "building.json").unlink(missing_ok=True)
@@ -709,7 +713,8 @@ class _Build:
                 old_index = _read_json(self.tdir / "index.json")
                 try:
                     baked = ImageBaked(spec.name, vdir / "snapshot", root, True, seed_ack=kind == "python",
-                                       disk_quota=spec.disk_quota, version=n, meta=meta, hold=_hold(vdir))
+                                       disk_quota=spec.disk_quota, shared_memory=spec.shared_memory, version=n,
+                                       meta=meta, hold=_hold(vdir))
                     _write_json(self.tdir / "index.json", {"name": spec.name, "current": n})
                     if self.on_commit is not None:
                         self.on_commit(baked)
@@ -865,6 +870,7 @@ class Template:
         disk_quota: int | str | None = None,
         egress: Any = None,
         cpus: int | None = None,
+        shared_memory: int | str | None = None,
     ) -> TemplateHandle:
         """Bake `image` into template `name` in the background; returns at once.
 
@@ -876,6 +882,8 @@ class Template:
         clones ready, up to the engine's pool limit, while the template is registered).
         `disk_quota`: bytes (or "512M", "2G") for /tmp and /work together in each of the
         template's sandboxes (default: the client's, 1 GiB).
+        `shared_memory`: bytes (or "256M") of shared memory (shared mappings, memfds and /dev/shm
+        together) in each of the template's sandboxes (default: the client's, 512 MiB).
         `egress`: the network policy of the bake and its Ready step (e.g. a package index to install
         from); the template's sandboxes then start from their own default, no network.
         `cpus`: how many CPUs its sandboxes see (sched_getaffinity, os.cpu_count(), /proc/cpuinfo;
@@ -888,6 +896,7 @@ class Template:
 
         policy = _egress.coerce(egress)  # bad rules raise before anything is baked
         quota = _quota.disk_quota(disk_quota) if disk_quota is not None else None
+        shm = _quota.shared_memory(shared_memory, getattr(client, "memory_budget", None)) if shared_memory is not None else None
         ncpus = guest_cpus(cpus)
         if client is None:
             from collimate_core.sdk.client import connect
@@ -898,6 +907,11 @@ class Template:
                 raise InvalidArgument(
                     "Template.bake(disk_quota=...) is for the embedded engine; over HTTP the server's --disk-quota "
                     "applies, and each sandbox may ask for less (Sandbox(..., disk_quota=...))"
+                )
+            if shared_memory is not None:
+                raise InvalidArgument(
+                    "Template.bake(shared_memory=...) is for the embedded engine; over HTTP the server's "
+                    "--shared-memory applies, and each sandbox may ask for less (Sandbox(..., shared_memory=...))"
                 )
             if cpus is not None:
                 raise InvalidArgument("Template.bake(cpus=...) is for the embedded engine")
@@ -912,7 +926,8 @@ class Template:
         _check_name(name)
         ready = check_bake_args(image, ready, width)
         c = _cache(client, cache)
-        spec = _Spec(name, image, ready, width, c, Path(store) if store else _oci.default_store(c), quota, policy, ncpus)
+        spec = _Spec(name, image, ready, width, c, Path(store) if store else _oci.default_store(c), quota, policy, ncpus,
+                     shared_memory=shm)
         def register(baked: ImageBaked) -> None:
             client.register_template(name, baked)
             if width > 1 and hasattr(client, "expect_width"):

@@ -81,6 +81,8 @@ class Baked:
     seed_ack: bool = True
     # The disk quota of its sandboxes (None: the client's; see sdk/quota.py).
     disk_quota: int | None = None
+    # The shared-memory limit of its sandboxes (None: the client's; see sdk/quota.py).
+    shared_memory: int | None = None
 
 
 class _Progress:

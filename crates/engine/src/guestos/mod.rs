@@ -343,7 +343,10 @@ impl GuestOs {
                     "upload {abs}: {} bytes do not fit in the sandbox's shared memory ({} MiB for /dev/shm, shared mappings \
                      and memfds together); free some or upload to /tmp or /work",
                     data.len(),
-                    crate::quota::SHARED_MEMORY.bytes >> 20
+                    crate::vstate::shared::pool()
+                        .and_then(|p| crate::quota::usage_of(&p).ok())
+                        .map_or(crate::quota::SHARED_MEMORY.bytes, |u| u.quota_bytes)
+                        >> 20
                 )));
             }
             if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
@@ -398,7 +401,7 @@ impl GuestOs {
         if let Some(kind) = kind {
             return Err(crate::Error::InvalidArgument(format!(
                 "download {path}: it is {kind}; only regular files can be downloaded (copy what you need into a file first, \
-                 e.g. with exec(command=\"cat {path} > /tmp/out\", timeout=...))"
+                 e.g. with exec(command=\"cat {path} > /tmp/out\", timeout_seconds=...))"
             )));
         }
         let size = st.st_size.max(0) as u64;
@@ -521,7 +524,14 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
             ctx.regs.rip = ctx.regs.rip.wrapping_sub(2);
             nr
         }
-        Err(e) => (-(e.0 as i64)) as u64,
+        Err(e) => {
+            // A write the full shared-memory pool refused (a memfd, a /dev/shm file): the exec's
+            // result names the limit, as for a refused mapping or page (the same test of the pool).
+            if e.0 == libc::ENOSPC && crate::vstate::shared::pool_full() {
+                crate::vstate::shared::note_limit_reached();
+            }
+            (-(e.0 as i64)) as u64
+        }
     };
     ctx.stop.take()
 }

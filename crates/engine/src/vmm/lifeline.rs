@@ -13,6 +13,15 @@
 //! the controller process itself. Why only during runs: the controller writes nothing on the
 //! channel while it waits for a run's reply, so the signal means a hang-up there; between runs a
 //! request arriving would raise it too, interrupting whatever the VMM was doing.
+//!
+//! Two more stretches are armed: a template's zygote building a spare (`refill`; a request arriving
+//! then only restarts a `fork` or nothing: the handler ignores a channel that has not hung up), and
+//! a new child building itself (`child_main`, before its `Ready`: nothing is sent to it then). Both
+//! run at idle priority (SCHED_IDLE), where a process gets almost no CPU on a busy host: without
+//! the signal such a process went on building for as long as the host stayed busy, and only then
+//! noticed its controller was gone. The handler puts the process back at normal priority before it
+//! kills it, so that its exit is not starved either; and a built spare waits for its first request
+//! at normal priority (a wait costs no CPU).
 
 use std::sync::atomic::{AtomicI32, Ordering};
 
@@ -40,13 +49,18 @@ fn hung_up(fd: libc::c_int) -> bool {
 extern "C" fn on_hangup(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
     let fd = ARMED.load(Ordering::SeqCst);
     if fd >= 0 && hung_up(fd) {
-        // SAFETY: kill and getpid are async-signal-safe.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        let normal = libc::sched_param { sched_priority: 0 };
+        // SAFETY: sched_setscheduler, kill and getpid are async-signal-safe system calls. Out of
+        // idle priority first: the exit's own work (unmapping guest memory) runs at it.
+        unsafe {
+            libc::sched_setscheduler(0, libc::SCHED_OTHER, &normal);
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
     }
 }
 
-/// Before a run: have the kernel signal this process if the channel on `fd` hangs up, and end
-/// the process now if it already has.
+/// Before a run (or a spare's build): have the kernel signal this process if the channel on `fd`
+/// hangs up, and end the process now if it already has.
 pub(super) fn arm(fd: libc::c_int) {
     // SAFETY: getpid cannot fail.
     let me = unsafe { libc::getpid() };
@@ -76,8 +90,8 @@ pub(super) fn disarm() {
     }
 }
 
-/// In a new guest process (a fork during a run): the channel is not its own (it closes its copy),
-/// and the file's owner stays the process that armed it.
+/// In a new guest process (a fork during a run) or a new sandbox (a fork of its VMM): the channel
+/// is not its own (it closes its copy), and the file's owner stays the process that armed it.
 pub(super) fn forget() {
     ARMED.store(-1, Ordering::SeqCst);
 }

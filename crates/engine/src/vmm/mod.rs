@@ -1242,6 +1242,7 @@ fn spawn_child(m: &mut Machine, state: &VcpuState, chan: &Channel, pool: &mut Po
         // Child: drop every descriptor that belongs to the parent's conversations, so that each
         // peer sees EOF exactly when its own process goes away.
         drop(ours);
+        lifeline::forget(); // the parent's channel, closed just below
         // SAFETY: closing the parent's channel descriptor in the child; the parent's Channel value
         // is never used again in this process (child_main does not return).
         unsafe { libc::close(chan.raw_fd()) };
@@ -1317,10 +1318,14 @@ fn refill(m: &mut Machine, chan: &Channel, pool: &mut Pool) -> bool {
     if m.quota_mode && m.scratch_stock.is_empty() {
         return false; // the next Fork brings the tmpfs for the next spare
     }
+    // At idle priority a busy host may leave this process without CPU for long: the lifeline ends
+    // it if the controller goes meanwhile (see lifeline).
+    lifeline::arm(chan.raw_fd());
     set_idle_priority(true);
     m.learn.before_forks();
     let made = m.sync_dirty().and_then(|_| m.capture()).and_then(|st| spawn_child(m, &st, chan, pool));
     set_idle_priority(false);
+    lifeline::disarm();
     match made {
         Ok(spare) => pool.spares.push(spare),
         Err(_) => pool.target = 0, // no room for spares: serve without them
@@ -1336,6 +1341,9 @@ fn set_idle_priority(idle: bool) {
 }
 
 fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Option<(OwnedFd, OwnedFd)>) -> ! {
+    // A spare builds itself at its zygote's idle priority: if the zygote (and so the controller)
+    // goes meanwhile, the lifeline ends it (nothing is sent to it before its `Ready`).
+    lifeline::arm(chan.raw_fd());
     // The siblings' tmpfs instances are not ours to hold (they would stay allocated while we live).
     m.scratch_stock.clear();
     let scratch = scratch.map(|(disk, shm)| (std::sync::Arc::new(disk), std::sync::Arc::new(shm)));
@@ -1371,9 +1379,13 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Op
             // The controller keeps descriptors of our tmpfs instances: it reads the usage and sets
             // the quota.
             let fds: Vec<RawFd> = scratch.iter().flat_map(|(disk, shm)| [disk.as_raw_fd(), shm.as_raw_fd()]).collect();
+            lifeline::disarm();
             if chan.send(&Response::Ready { pid, linux, jail: jail::status() }, &fds).is_err() {
                 exit_discarding(0);
             }
+            // Built: wait at normal priority (a wait costs no CPU; at idle priority, noticing that
+            // the controller is gone and exiting could take as long as the host stays busy).
+            set_idle_priority(false);
         }
         Err(e) => {
             reply(&mut chan, Err(e));
