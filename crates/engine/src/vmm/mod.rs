@@ -102,9 +102,9 @@ pub struct Machine {
     io_pending: bool,
     /// The last page fault retried as spurious (see [`Machine::spurious_fault`]).
     last_spurious: Option<(u64, u64)>,
-    /// Whether the vCPU's CR4.TSD is set (`vstate::tsc_trap`); `None` where it is not known (a new
-    /// or restored vCPU, registers put back wholesale), so that the next run sets it as wanted.
-    tsd: Option<bool>,
+    /// Whether the vCPU's CR4.TSD is set (`vstate::tsc_trap`), as the state last written to it
+    /// says (kept with every write of whole register sets, so that no run has to read it).
+    tsd: bool,
 }
 
 fn open_kvm() -> Result<Kvm> {
@@ -236,7 +236,7 @@ impl Machine {
             sync: Default::default(),
             io_pending: false,
             last_spurious: None,
-            tsd: None,
+            tsd: false,
         })
     }
 
@@ -268,7 +268,7 @@ impl Machine {
         self.runtime = img.runtime;
         self.sync.reset();
         self.io_pending = false;
-        self.tsd = None;
+        self.tsd = false;
         crate::vstate::tlb::forget_guest_flush();
         self.preempter.attach(&mut self.vcpu);
         crate::guestos::signal::host::set_kick(self.vcpu.get_kvm_run());
@@ -341,6 +341,7 @@ impl Machine {
         let cpuid = kvm_cpuid(&cpu)?;
         let vcpu = new_vcpu(&vm, &cpuid)?;
         state.vcpu.restore(&vcpu)?;
+        let tsd = state.vcpu.sregs.cr4 & crate::vstate::tsc_trap::CR4_TSD != 0;
         let msr_list = supported_msrs(&vcpu, regs::SNAPSHOT_MSRS);
         let scratch = own_dir();
         let (os, os_reset_point) = match state.os {
@@ -374,7 +375,7 @@ impl Machine {
             sync: Default::default(),
             io_pending: false,
             last_spurious: None,
-            tsd: None,
+            tsd,
         })
     }
 
@@ -756,7 +757,7 @@ impl Machine {
                     if linux && self.spurious_fault(&fault)? {
                         continue;
                     }
-                    if vector == 13 && self.tsd == Some(true) && self.serve_rdtsc(&fault)? {
+                    if vector == 13 && self.tsd && self.serve_rdtsc(&fault)? {
                         threads::count_event();
                         continue;
                     }
@@ -787,13 +788,13 @@ impl Machine {
         use crate::vstate::tsc_trap::{Trap, CR4_TSD};
         let trap = crate::vstate::profile::current().rdtsc_trap();
         let want = trap != Trap::Off && self.os.as_ref().is_some_and(|os| os.proc.clocks.replay);
-        if self.tsd != Some(want) {
+        if self.tsd != want {
             let (r, mut s) = self.sync.current(&mut self.vcpu)?;
             if (s.cr4 & CR4_TSD != 0) != want {
                 s.cr4 ^= CR4_TSD;
                 self.sync.write(&mut self.vcpu, &r, &s)?;
             }
-            self.tsd = Some(want);
+            self.tsd = want;
         }
         Ok(want && trap == Trap::GuestCr4AndHostThread)
     }
@@ -1020,7 +1021,7 @@ impl Machine {
         // The template had no shared mappings (a snapshot refuses them): every one is new.
         self.mem.windows.clear();
         vcpu.restore(&self.vcpu)?;
-        self.tsd = None;
+        self.tsd = vcpu.sregs.cr4 & crate::vstate::tsc_trap::CR4_TSD != 0;
         // The restored page tables, under the same CR3, took translations away.
         crate::vstate::tlb::request_guest_flush();
         self.runtime = runtime;
@@ -1136,7 +1137,7 @@ impl Machine {
         self.mem.forget_mapped();
         self.sync.reset();
         self.io_pending = false;
-        self.tsd = None;
+        self.tsd = state.sregs.cr4 & crate::vstate::tsc_trap::CR4_TSD != 0;
         crate::vstate::tlb::forget_guest_flush();
         // POSIX timers are not inherited across fork: make ours. Forget the parent's handle rather
         // than deleting it, since the id may equal the one just created.

@@ -34,9 +34,11 @@ pub enum Trap {
     GuestCr4AndHostThread,
 }
 
-/// Whether `COLLIMATE_TRAP_RDTSC=1` asks for the trap where it costs (kvm_pvm).
+/// Whether `COLLIMATE_TRAP_RDTSC=1` asks for the trap where it costs (kvm_pvm); read once per
+/// process (asked before every `KVM_RUN`).
 pub fn opted_in() -> bool {
-    std::env::var_os("COLLIMATE_TRAP_RDTSC").is_some_and(|v| v == "1")
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("COLLIMATE_TRAP_RDTSC").is_some_and(|v| v == "1"))
 }
 
 /// The VMM thread's own TSD while a guest that traps `rdtsc` runs on kvm_pvm: set by
