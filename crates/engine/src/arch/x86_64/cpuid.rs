@@ -17,9 +17,10 @@
 //! ([`BASELINE_CLEARED`]):
 //! * **RDRAND, RDSEED**: hardware randomness the engine cannot trap or replay; hidden, a program
 //!   that checks CPUID draws its randomness from the sandbox CRNG instead (docs/replay.md).
-//! * **AVX-512 (every subset), AMX**: their register state is not enabled in the guest's XCR0
-//!   (x87, SSE, AVX only: `vmm::XCR0`), so the guest cannot use them; advertised, they would only
-//!   make a template demand them of every host it is cloned on.
+//! * **AVX-512 (every subset), AMX**: on upstream KVM their register state is not enabled in the
+//!   guest's XCR0 (x87, SSE, AVX only: `vmm::XCR0`), so the guest cannot use them; advertised,
+//!   they would only make a template demand them of every host it is cloned on. (Under kvm_pvm
+//!   the guest's `xgetbv` reads the host's XCR0 and AVX-512 runs: see below.)
 //! * **HLE, RTM** (TSX): present or not on one CPU model depending on microcode and the host
 //!   kernel's `tsx=`; glibc picks its `*_rtm` string functions by it.
 //! * **WAITPKG** (`umwait`, `tpause`): waits bounded by the TSC, which a replay does not
@@ -36,6 +37,8 @@
 //! feature registers (leaf 1 ECX/EDX, leaf 7 EBX/ECX/EDX) are the host CPU's whatever
 //! `KVM_SET_CPUID2` says (less a few kvm_pvm removes: PCID, INVPCID, ...), RDRAND and RDSEED
 //! included; the other registers (family and model, leaf 0xd, 0x80000001) are `KVM_SET_CPUID2`'s.
+//! Its XCR0 is the host's too, so numpy there dispatches to AVX-512 on an AVX-512 host
+//! (`tests/test_cpus.py`).
 //! The template then records what the host CPU shows there too ([`CpuTemplate::unfiltered`]), and
 //! a clone on a kvm_pvm host whose CPU shows other features is refused, since nothing could hide
 //! the difference.
