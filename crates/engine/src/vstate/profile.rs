@@ -91,7 +91,8 @@ impl Profile {
         }
     }
 
-    /// Whether CPUID executed by the guest in ring 3 gets the answers of `KVM_SET_CPUID2`.
+    /// Whether CPUID executed by the guest in ring 3 gets the answers of `KVM_SET_CPUID2` in every
+    /// register (under kvm_pvm the feature registers are the host CPU's: `arch::x86_64::cpuid`).
     pub fn cpuid_filtered(&self) -> bool {
         self.kind != Kind::Pvm
     }
