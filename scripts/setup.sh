@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v gcc >/dev/null || need_apt+=(gcc)
 command -v ld >/dev/null || need_apt+=(binutils)
+# glibc's static archive: the engine's tests build static C programs (crates/engine/tests/cpu_template.rs).
+[ -e /usr/lib/x86_64-linux-gnu/libc.a ] || need_apt+=(libc6-dev)
 if ((${#need_apt[@]})); then
     apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"
 fi

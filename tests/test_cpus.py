@@ -232,3 +232,59 @@ def test_the_python_template_follows_collimate_cpus(monkeypatch):
             assert outs == [["2", "2", "6"]] * 2
     finally:
         client.close()
+
+
+NUMPY_RUNTIME = r"""
+import ctypes, io, contextlib, json
+ctypes.CDLL(None).syscall(0x40000000, 7)
+import numpy as np
+from numpy.core._multiarray_umath import __cpu_baseline__, __cpu_dispatch__, __cpu_features__
+out = io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+    np.show_runtime()
+print(json.dumps({"show_runtime": [l for l in out.getvalue().splitlines() if "simd" in l.lower() or "'found'" in l or "not_found" in l or l.strip().startswith("'")],
+                  "found": sorted(f for f in __cpu_dispatch__ if __cpu_features__[f]),
+                  "not_found": sorted(f for f in __cpu_dispatch__ if not __cpu_features__[f]),
+                  "baseline": list(__cpu_baseline__)}))
+"""
+
+
+def test_numpy_simd_dispatch_is_the_same_in_every_clone(rootfs, numpy_dir, tmp_path):
+    """numpy picks its SIMD kernels from CPUID (and XCR0, by xgetbv) when it is imported
+    (np.show_runtime() lists them). Imported after the template's pause, in clones of one template
+    (two forks and a restore in this process), it finds the same extensions in each. Where ring-3
+    CPUID is filtered (upstream KVM) the CPU template hides AVX-512 (and the guest's XCR0 does not
+    enable it), so numpy runs no AVX-512 kernel; under kvm_pvm the guest sees the host CPU's
+    features and XCR0, and numpy uses AVX-512 exactly when the host CPU has it (docs/replay.md,
+    "The CPU and the time-stamp counter"). Across hosts the CPU template (the refusal of another
+    CPU under kvm_pvm) is what keeps this the same; on one host this shows that nothing per clone
+    changes it."""
+    from collimate_core._core import _kvm_profile
+
+    with Vm.spawn(rootfs, ["/usr/bin/python3", "-c", NUMPY_RUNTIME], env={"PYTHONPATH": "/work"},
+                  ro_mounts={"/work": str(numpy_dir)}) as vm:
+        r = vm.run(120)
+        assert (r.kind, r.value) == ("yield", 7), (r.kind, r.stderr.decode(errors="replace")[-2000:])
+        vm.snapshot(tmp_path / "snap")
+    outs = []
+    with Vm.restore(tmp_path / "snap") as zygote:
+        kids = zygote.fork(2)
+        with Vm.restore(tmp_path / "snap") as again:
+            kids.append(again.clone())
+        for k in kids:
+            with k:
+                k.reseed(bytes(32))
+                r = k.run(120)
+                assert (r.kind, r.code) == ("exited", 0), r.stderr.decode(errors="replace")[-2000:]
+                outs.append(json.loads(r.stdout.decode().strip().splitlines()[-1]))
+    assert outs[0] == outs[1] == outs[2]
+    assert outs[0]["found"], outs[0]
+    avx512 = [f for f in outs[0]["found"] if f.startswith("AVX512")]
+    if _kvm_profile()["cpuid_filtered"]:
+        assert not avx512, outs[0]["found"]
+    else:
+        with open("/proc/cpuinfo") as f:
+            host_avx512f = " avx512f " in f.read()
+        assert ("AVX512F" in avx512) == host_avx512f, (avx512, host_avx512f)
+    assert any("SSE" in b for b in outs[0]["baseline"])
+    assert outs[0]["show_runtime"], "np.show_runtime() printed its SIMD extensions"

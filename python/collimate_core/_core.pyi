@@ -14,7 +14,7 @@ class EngineError(CollimateError):
     """The engine (a VMM process, KVM or the host) failed to carry out an operation."""
 
 class SnapshotError(CollimateError):
-    """A snapshot directory cannot be used: corrupt, truncated, or another format version."""
+    """A snapshot directory cannot be used: corrupt, truncated, another format version, or its CPU template needs a feature this host's CPU lacks (bake it again on this host)."""
 
 class VmDestroyedError(CollimateError):
     """The Vm was destroyed; it can no longer be used."""

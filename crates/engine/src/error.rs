@@ -44,6 +44,11 @@ pub enum Error {
     #[error("snapshot {path} has format version {found}, this engine reads version {expected}; re-create it with this engine")]
     SnapshotVersion { path: String, found: u32, expected: u32 },
     /// Reset was asked of a VM that has no clean reset point.
+    /// The snapshot's CPU template asks for what this host's CPU cannot give
+    /// (`arch::x86_64::cpuid`).
+    #[error("snapshot {path} cannot run on this host: {reason}")]
+    HostCpu { path: String, reason: String },
+
     #[error("cannot reset: {0}")]
     ResetUnavailable(String),
     /// An argument was out of range.
@@ -82,6 +87,7 @@ impl Error {
 pub enum RemoteError {
     SnapshotCorrupt { path: String, reason: String },
     SnapshotVersion { path: String, found: u32, expected: u32 },
+    HostCpu { path: String, reason: String },
     ResetUnavailable(String),
     InvalidArgument(String),
     BadGuestAddress(u64),
@@ -100,6 +106,7 @@ impl From<&Error> for RemoteError {
             Error::SnapshotVersion { path, found, expected } => {
                 RemoteError::SnapshotVersion { path: path.clone(), found: *found, expected: *expected }
             }
+            Error::HostCpu { path, reason } => RemoteError::HostCpu { path: path.clone(), reason: reason.clone() },
             Error::ResetUnavailable(s) => RemoteError::ResetUnavailable(s.clone()),
             Error::InvalidArgument(s) => RemoteError::InvalidArgument(s.clone()),
             Error::BadGuestAddress(a) => RemoteError::BadGuestAddress(*a),
@@ -118,6 +125,7 @@ impl From<RemoteError> for Error {
             RemoteError::SnapshotVersion { path, found, expected } => {
                 Error::SnapshotVersion { path, found, expected }
             }
+            RemoteError::HostCpu { path, reason } => Error::HostCpu { path, reason },
             RemoteError::ResetUnavailable(s) => Error::ResetUnavailable(s),
             RemoteError::InvalidArgument(s) => Error::InvalidArgument(s),
             RemoteError::BadGuestAddress(a) => Error::BadGuestAddress(a),

@@ -23,7 +23,7 @@ use crate::vmm::RuntimeState;
 use crate::vstate::vcpu::VcpuState;
 
 pub const MAGIC: &[u8; 8] = b"CLMTSNAP";
-pub const FORMAT_VERSION: u32 = 10;
+pub const FORMAT_VERSION: u32 = 11;
 pub const STATE_FILE: &str = "vm.state";
 pub const MEMORY_FILE: &str = "vm.mem";
 const HEADER: usize = 20;
@@ -37,6 +37,9 @@ pub struct SnapshotState {
     /// The Linux personality's state, for VMs running a Linux program; the writable mounts'
     /// contents are in `fs/` beside the state file.
     pub os: Option<crate::guestos::persist::OsState>,
+    /// The CPUID the guest was given (`arch::x86_64::cpuid`), given again to every VM restored
+    /// from this snapshot. Since version 11.
+    pub cpu: crate::arch::x86_64::cpuid::CpuTemplate,
 }
 
 pub fn encode(state: &SnapshotState) -> Result<Vec<u8>> {
@@ -129,6 +132,7 @@ mod tests {
                 enosys: 0,
             },
             os: None,
+            cpu: crate::arch::x86_64::cpuid::CpuTemplate { entries: Vec::new(), unfiltered: None },
         }
     }
 

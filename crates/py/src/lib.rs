@@ -71,7 +71,7 @@ impl Failure {
 fn engine_error(op: &str, err: collimate_engine::Error) -> PyErr {
     use collimate_engine::Error as E;
     match err {
-        E::SnapshotCorrupt { .. } | E::SnapshotVersion { .. } => {
+        E::SnapshotCorrupt { .. } | E::SnapshotVersion { .. } | E::HostCpu { .. } => {
             SnapshotError::new_err(format!("{op}: {err}"))
         }
         E::Destroyed => Failure::Destroyed.into_pyerr(op),

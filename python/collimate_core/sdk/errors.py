@@ -2,7 +2,7 @@
 
     CollimateError
     ├── EngineError                 the engine failed (KVM, a VMM process, the host)
-    │   ├── SnapshotError           a snapshot file is damaged or from another version
+    │   ├── SnapshotError           a snapshot file is damaged, from another version, or needs a CPU feature this host lacks
     │   ├── VmDestroyedError        a call on a destroyed low-level Vm
     │   └── SandboxDied             a sandbox's VMM process died: the sandbox is lost
     ├── SandboxTimeout              an operation ran out of time (also a TimeoutError)

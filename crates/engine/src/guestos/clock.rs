@@ -191,6 +191,14 @@ pub fn clock_now_ns(proc: &mut Proc, clock: i32) -> Result<u64, Errno> {
     Ok(ns)
 }
 
+/// What a trapped `rdtsc` or `rdtscp` reads (`vstate::tsc_trap`, replay mode only): the virtual
+/// CLOCK_MONOTONIC in nanoseconds, so a counter of 1 GHz, and a clock read like any other (it
+/// advances virtual time by one quantum: two reads never return the same count).
+pub fn tsc_now(proc: &mut Proc) -> u64 {
+    // CLOCK_MONOTONIC always exists.
+    clock_now_ns(proc, libc::CLOCK_MONOTONIC).unwrap_or_default()
+}
+
 /// The host's time on the clock that stands for guest clock `clock`.
 fn host_clock_now(clock: i32) -> Result<(i64, i64), Errno> {
     let host = host_clock(clock)?;

@@ -561,7 +561,7 @@ pub fn allowed_syscalls() -> Vec<(i64, Vec<SeccompRule>)> {
         (SYS_futex, any()),
         (SYS_getrandom, any()),
         (SYS_getrusage, any()),
-        (SYS_prctl, one_of(0, &[PR_SET_NAME, PR_GET_NAME, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, PR_GET_PDEATHSIG].map(|o| o as u64))),
+        (SYS_prctl, one_of(0, &[PR_SET_NAME, PR_GET_NAME, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, PR_GET_PDEATHSIG, PR_SET_TSC].map(|o| o as u64))),
         // Resource limits: reading any, setting only RLIMIT_CORE (guest processes pin it at 0).
         (SYS_getrlimit, any()),
         (SYS_setrlimit, one_of(0, &[RLIMIT_CORE as u64])),

@@ -21,7 +21,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kvm_bindings::{CpuId, KVM_MAX_CPUID_ENTRIES};
+use kvm_bindings::CpuId;
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use serde::{Deserialize, Serialize};
 
@@ -30,6 +30,7 @@ use crate::guestos::persist::ScratchRoot;
 use crate::guestos::{self, GuestOs};
 use crate::protocol::SpawnSpec;
 use crate::arch::x86_64::paging::{setup_address_space, AddressSpace, FrameAllocator};
+use crate::arch::x86_64::cpuid::CpuTemplate;
 use crate::arch::x86_64::regs;
 use crate::channel::{Channel, RecvError};
 use crate::error::{Error, RemoteError, Result};
@@ -59,6 +60,9 @@ pub struct Machine {
     vm: KvmVm,
     mem: GuestMemory,
     kvm: Kvm,
+    /// The CPUID every vCPU of this sandbox gets (`arch::x86_64::cpuid`): this host's for a new
+    /// sandbox, the template's for one restored from a snapshot; forks and execs keep it.
+    cpu: CpuTemplate,
     cpuid: CpuId,
     msr_list: Vec<u32>,
     runtime: RuntimeState,
@@ -98,6 +102,9 @@ pub struct Machine {
     io_pending: bool,
     /// The last page fault retried as spurious (see [`Machine::spurious_fault`]).
     last_spurious: Option<(u64, u64)>,
+    /// Whether the vCPU's CR4.TSD is set (`vstate::tsc_trap`), as the state last written to it
+    /// says (kept with every write of whole register sets, so that no run has to read it).
+    tsd: bool,
 }
 
 fn open_kvm() -> Result<Kvm> {
@@ -105,10 +112,14 @@ fn open_kvm() -> Result<Kvm> {
     jail::take_kvm().unwrap_or_else(Kvm::new).map_err(Error::KvmUnavailable)
 }
 
-fn guest_cpuid(kvm: &Kvm) -> Result<CpuId> {
-    let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(Error::kvm("KVM_GET_SUPPORTED_CPUID"))?;
-    regs::filter_cpuid(&mut cpuid);
-    Ok(cpuid)
+/// This host's CPU template (`arch::x86_64::cpuid`).
+fn host_cpu(kvm: &Kvm) -> Result<CpuTemplate> {
+    let unfiltered = !crate::vstate::profile::current().cpuid_filtered();
+    CpuTemplate::of_host(kvm, unfiltered).map_err(Error::kvm("KVM_GET_SUPPORTED_CPUID"))
+}
+
+fn kvm_cpuid(cpu: &CpuTemplate) -> Result<CpuId> {
+    cpu.to_kvm().map_err(Error::InvalidArgument)
 }
 
 fn new_vcpu(vm: &KvmVm, cpuid: &CpuId) -> Result<VcpuFd> {
@@ -197,7 +208,8 @@ impl Machine {
         load: impl FnOnce(&mut GuestMemory, &mut FrameAllocator, &AddressSpace) -> Result<(u64, u64)>,
     ) -> Result<Machine> {
         let kvm = open_kvm()?;
-        let cpuid = guest_cpuid(&kvm)?;
+        let cpu = host_cpu(&kvm)?;
+        let cpuid = kvm_cpuid(&cpu)?;
         let img = Image::new(&kvm, &cpuid, mem_size, 0, None, load)?;
         let msr_list = supported_msrs(&img.vcpu, regs::SNAPSHOT_MSRS);
         Ok(Machine {
@@ -205,6 +217,7 @@ impl Machine {
             vm: img.vm,
             mem: img.mem,
             kvm,
+            cpu,
             cpuid,
             msr_list,
             runtime: img.runtime,
@@ -223,6 +236,7 @@ impl Machine {
             sync: Default::default(),
             io_pending: false,
             last_spurious: None,
+            tsd: false,
         })
     }
 
@@ -260,6 +274,7 @@ impl Machine {
         self.runtime = img.runtime;
         self.sync.reset();
         self.io_pending = false;
+        self.tsd = false;
         crate::vstate::tlb::forget_guest_flush();
         self.preempter.attach(&mut self.vcpu);
         crate::guestos::signal::host::set_kick(self.vcpu.get_kvm_run());
@@ -325,9 +340,14 @@ impl Machine {
         let kvm = open_kvm()?;
         let mem = GuestMemory::from_file(&dir.join(persist::MEMORY_FILE), state.mem_size)?;
         let vm = KvmVm::new(&kvm, &mem, slot_size_for(state.runtime.frames.next, state.mem_size))?;
-        let cpuid = guest_cpuid(&kvm)?;
+        // The template's CPU, if this host can give it (a clone never runs on another CPU than
+        // its template's without saying so).
+        state.cpu.check(&host_cpu(&kvm)?).map_err(|e| Error::HostCpu { path: dir.display().to_string(), reason: e.to_string() })?;
+        let cpu = state.cpu.clone();
+        let cpuid = kvm_cpuid(&cpu)?;
         let vcpu = new_vcpu(&vm, &cpuid)?;
         state.vcpu.restore(&vcpu)?;
+        let tsd = state.vcpu.sregs.cr4 & crate::vstate::tsc_trap::CR4_TSD != 0;
         let msr_list = supported_msrs(&vcpu, regs::SNAPSHOT_MSRS);
         let scratch = own_dir();
         let (os, os_reset_point) = match state.os {
@@ -342,6 +362,7 @@ impl Machine {
             vm,
             mem,
             kvm,
+            cpu,
             cpuid,
             msr_list,
             runtime: state.runtime.clone(),
@@ -360,6 +381,7 @@ impl Machine {
             sync: Default::default(),
             io_pending: false,
             last_spurious: None,
+            tsd,
         })
     }
 
@@ -639,8 +661,12 @@ impl Machine {
             }
             let traced = crate::trace::on().then(Instant::now);
             let entered = timer_budget.map(|_| Instant::now());
+            let host_tsd = self.arm_tsc_trap()?;
             self.sync.before_run(&mut self.vcpu);
-            let ran = self.vcpu.run();
+            let ran = {
+                let _tsd = crate::vstate::tsc_trap::HostTsd::enter(host_tsd);
+                self.vcpu.run()
+            };
             self.io_pending = matches!(ran, Ok(VcpuExit::IoOut(..) | VcpuExit::IoIn(..)))
                 && crate::vstate::profile::current().io_completes_on_next_run();
             if let Some(os) = self.os.as_mut() {
@@ -737,6 +763,10 @@ impl Machine {
                     if linux && self.spurious_fault(&fault)? {
                         continue;
                     }
+                    if vector == 13 && self.tsd && self.serve_rdtsc(&fault)? {
+                        threads::count_event();
+                        continue;
+                    }
                     threads::count_event();
                     // A Linux guest gets a signal (its handler runs, or it dies by it).
                     let exit = process::on_fault(self, fault)?;
@@ -756,6 +786,47 @@ impl Machine {
                 return Ok(RunExit::Timeout);
             }
         }
+    }
+
+    /// Before a run: the guest's CR4.TSD as replay mode wants it (`vstate::tsc_trap`). Returns
+    /// whether the VMM thread's TSD is to be set for the run too (kvm_pvm, opted in).
+    fn arm_tsc_trap(&mut self) -> Result<bool> {
+        use crate::vstate::tsc_trap::{Trap, CR4_TSD};
+        let trap = crate::vstate::profile::current().rdtsc_trap();
+        let want = trap != Trap::Off && self.os.as_ref().is_some_and(|os| os.proc.clocks.replay);
+        if self.tsd != want {
+            let (r, mut s) = self.sync.current(&mut self.vcpu)?;
+            if (s.cr4 & CR4_TSD != 0) != want {
+                s.cr4 ^= CR4_TSD;
+                self.sync.write(&mut self.vcpu, &r, &s)?;
+            }
+            self.tsd = want;
+        }
+        Ok(want && trap == Trap::GuestCr4AndHostThread)
+    }
+
+    /// A #GP in ring 3 while CR4.TSD is set: if the guest ran `rdtsc` or `rdtscp`, answer it from
+    /// the virtual clock and step past it (true); any other #GP is the program's (false).
+    fn serve_rdtsc(&mut self, fault: &RunExit) -> Result<bool> {
+        let RunExit::Fault { rip, .. } = *fault else { return Ok(false) };
+        let mut insn = [0u8; 3];
+        if self.runtime.aspace.read_virt(&self.mem, rip, &mut insn, false).is_err() {
+            return Ok(false);
+        }
+        let Some((rdtscp, len)) = crate::vstate::tsc_trap::decode(&insn) else { return Ok(false) };
+        let Some(os) = self.os.as_mut() else { return Ok(false) };
+        let tsc = crate::guestos::clock::tsc_now(&mut os.proc);
+        // `exception` left the vCPU in ring 3 at the instruction, its registers settled.
+        let mut r = self.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
+        r.rax = tsc & 0xffff_ffff;
+        r.rdx = tsc >> 32;
+        if rdtscp {
+            // IA32_TSC_AUX as Linux sets it: the CPU number (0) and NUMA node (0).
+            r.rcx = 0;
+        }
+        r.rip = rip.wrapping_add(len);
+        self.vcpu.set_regs(&r).map_err(Error::kvm("KVM_SET_REGS"))?;
+        Ok(true)
     }
 
     /// Back to ring 3: the stubs leave the vCPU in ring 0; the host restores the user segments.
@@ -920,7 +991,8 @@ impl Machine {
             Some(os) => Some(crate::guestos::persist::OsState::capture(os, Some(&dir.join("fs")))?),
             None => None,
         };
-        let state = SnapshotState { mem_size: self.mem.size(), vcpu: self.capture()?, runtime: self.runtime.clone(), os };
+        let state =
+            SnapshotState { mem_size: self.mem.size(), vcpu: self.capture()?, runtime: self.runtime.clone(), os, cpu: self.cpu.clone() };
         // Write beside, then rename: `dir` may be the snapshot this VM maps, and truncating a mapped
         // file under a running guest would fault it.
         let tmp = dir.join(format!(".{}.tmp", persist::MEMORY_FILE));
@@ -955,6 +1027,7 @@ impl Machine {
         // The template had no shared mappings (a snapshot refuses them): every one is new.
         self.mem.windows.clear();
         vcpu.restore(&self.vcpu)?;
+        self.tsd = vcpu.sregs.cr4 & crate::vstate::tsc_trap::CR4_TSD != 0;
         // The restored page tables, under the same CR3, took translations away.
         crate::vstate::tlb::request_guest_flush();
         self.runtime = runtime;
@@ -1070,6 +1143,7 @@ impl Machine {
         self.mem.forget_mapped();
         self.sync.reset();
         self.io_pending = false;
+        self.tsd = state.sregs.cr4 & crate::vstate::tsc_trap::CR4_TSD != 0;
         crate::vstate::tlb::forget_guest_flush();
         // POSIX timers are not inherited across fork: make ours. Forget the parent's handle rather
         // than deleting it, since the id may equal the one just created.

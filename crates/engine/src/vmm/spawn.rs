@@ -212,6 +212,7 @@ fn resume_parent(m: &mut Machine, child: Option<Child>, r: &mut kvm_regs, sregs:
     *sregs = psregs;
     m.vcpu.set_regs(r).map_err(Error::kvm("KVM_SET_REGS"))?;
     m.vcpu.set_sregs(sregs).map_err(Error::kvm("KVM_SET_SREGS"))?;
+    m.tsd = sregs.cr4 & crate::vstate::tsc_trap::CR4_TSD != 0;
     // SAFETY: a complete kvm_xsave captured from this vCPU.
     unsafe { m.vcpu.set_xsave(&xsave) }.map_err(Error::kvm("KVM_SET_XSAVE"))?;
     crate::trace::mark("vfork.resumed");

@@ -4,5 +4,6 @@ pub mod profile;
 pub mod shared;
 pub mod sync;
 pub mod tlb;
+pub mod tsc_trap;
 pub mod vcpu;
 pub mod vm;

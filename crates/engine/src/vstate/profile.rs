@@ -21,7 +21,8 @@
 //! | a host edit that narrows a guest translation | dropped by KVM's MMU notifier ([`vstate::tlb`](super::tlb)) | the guest's own TLB keeps it: the ring-0 flush stub reloads CR3 on the next entry, [`FlushMethod`] | as kvm_pvm | `tests/tlb.rs` on kvm_pvm and in the lane with `npt=0`; `tests/flush_contract.rs` on every host (the stub's count) |
 //! | a #PF the page tables already allow | a stale shadow entry | a real TLB's stale entry after a widening | as kvm_pvm | `vmm::Machine::spurious_fault` |
 //! | `KVM_SET_SREGS` with the same CR3 | flushes nothing (shadow roots kept) | flushes only if CR0/CR3/CR4/EFER change | as TDP | `vstate::tlb`'s table (kvm_pvm); KVM's `__set_sregs` |
-//! | CPUID executed in ring 3 | not filtered: the host CPU answers | filtered by `KVM_SET_CPUID2` | filtered | `arch::x86_64::regs::filter_cpuid` |
+//! | CPUID executed in ring 3 | exits, but the feature registers (leaf 1 ECX/EDX, leaf 7) are the host CPU's, RDRAND and RDSEED included; family, model, leaf 0xd, 0x80000001 are `KVM_SET_CPUID2`'s | `KVM_SET_CPUID2`'s (the CPU template) | same as TDP | `tests/cpu_template.rs` (`cpuid_in_ring3_is_what_the_profile_says`), `arch::x86_64::cpuid` |
+//! | ring-3 `rdtsc` with the guest's CR4.TSD set | runs natively; #GP only with the VMM thread's TSD set too (`PR_SET_TSC`), two CR4 writes per `KVM_RUN`: opt-in | #GP | #GP | `tests/cpu_template.rs`, [`vstate::tsc_trap`](super::tsc_trap) |
 //! | cost of one exit | 20-55 us | about 1-3 us on bare metal | more (shadow faults exit) | docs/spawn.md, `collimate doctor` |
 //!
 //! `COLLIMATE_KVM_PROFILE` (`kvm_pvm`, `tdp`, `shadow`) overrides the detection: to take the
@@ -90,9 +91,20 @@ impl Profile {
         }
     }
 
-    /// Whether CPUID executed by the guest in ring 3 gets the answers of `KVM_SET_CPUID2`.
+    /// Whether CPUID executed by the guest in ring 3 gets the answers of `KVM_SET_CPUID2` in every
+    /// register (under kvm_pvm the feature registers are the host CPU's: `arch::x86_64::cpuid`).
     pub fn cpuid_filtered(&self) -> bool {
         self.kind != Kind::Pvm
+    }
+
+    /// How ring-3 `rdtsc` is trapped in replay mode (`vstate::tsc_trap`).
+    pub fn rdtsc_trap(&self) -> super::tsc_trap::Trap {
+        use super::tsc_trap::{opted_in, Trap};
+        match self.kind {
+            Kind::Pvm if opted_in() => Trap::GuestCr4AndHostThread,
+            Kind::Pvm => Trap::Off,
+            _ => Trap::GuestCr4,
+        }
     }
 
     /// A short name: `kvm_pvm`, `kvm_amd/npt`, `kvm_intel/shadow`...

@@ -144,24 +144,13 @@ pub fn initial_regs(entry: u64, rsp: u64) -> kvm_regs {
     kvm_regs { rip: entry, rsp, rflags: INITIAL_RFLAGS, ..Default::default() }
 }
 
-/// The CPUID the guest is given: the host's supported set without RDRAND and RDSEED, so that
-/// randomness comes from the host (note: under kvm_pvm, CPUID executed in ring 3 is not filtered).
-///
-/// On Intel, leaf 2's cache descriptors are given explicitly (see [`cache_descriptors`]);
-/// `COLLIMATE_CPUID_LEAF2=host` keeps the host's, to compare.
+/// The CPUID a guest on this host is given: the baseline of [`super::cpuid::CpuTemplate`]
+/// (RDRAND, RDSEED and the features the guest cannot use hidden, leaf 2 as
+/// [`cache_descriptors`] gives it) applied to KVM's supported set in place. The engine records it
+/// per template (`arch::x86_64::cpuid`); this is for rigs that make a vCPU of their own.
 pub fn filter_cpuid(cpuid: &mut CpuId) {
-    let host_leaf2 = std::env::var_os("COLLIMATE_CPUID_LEAF2").is_some_and(|v| v == "host");
-    let descriptors = if host_leaf2 { None } else { cache_descriptors(cpuid.as_slice()) };
-    for e in cpuid.as_mut_slice() {
-        if e.function == 1 {
-            e.ecx &= !(1 << 30); // RDRAND
-        }
-        if e.function == 7 && e.index == 0 {
-            e.ebx &= !(1 << 18); // RDSEED
-        }
-        if let (2, Some((eax, ebx, ecx))) = (e.function, descriptors) {
-            (e.eax, e.ebx, e.ecx, e.edx) = (eax, ebx, ecx, 0);
-        }
+    if let Ok(c) = super::cpuid::CpuTemplate::from_supported(cpuid.as_slice()).to_kvm() {
+        *cpuid = c;
     }
 }
 
