@@ -222,4 +222,53 @@ mod tests {
         drop((big, root));
         let _ = std::fs::remove_dir_all(&image);
     }
+
+    fn at(dir: BorrowedFd<'_>, path: &str, f: impl FnOnce(libc::c_int, *const libc::c_char) -> libc::c_int) {
+        let c = CString::new(path).unwrap();
+        assert_eq!(f(dir.as_raw_fd(), c.as_ptr()), 0, "{path}: {}", std::io::Error::last_os_error());
+    }
+
+    #[test]
+    fn a_copied_upper_layer_keeps_deletions_and_replaced_directories() {
+        if !quota::available() {
+            eprintln!("skipped: no CAP_SYS_ADMIN for tmpfs instances");
+            return;
+        }
+        let image = std::env::temp_dir().join(format!("collimate-overlay-fork-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&image);
+        std::fs::create_dir_all(image.join("opt/pkg")).unwrap();
+        std::fs::create_dir_all(image.join("etc")).unwrap();
+        for f in ["etc/a", "etc/b", "opt/pkg/old1", "opt/pkg/old2"] {
+            std::fs::write(image.join(f), b"image\n").unwrap();
+        }
+        let lower = std::fs::File::open(&image).unwrap();
+        let q = DiskQuota { bytes: 2 << 20, inodes: 128 };
+        let (parent, child) = (Scratch::new(q).unwrap(), Scratch::new(q).unwrap());
+        let root = mount_root(&context().unwrap(), lower.as_fd(), parent.0.as_fd()).unwrap();
+        // SAFETY (all three closures): valid C strings relative to the overlay root we hold.
+        at(root.as_fd(), "etc/a", |d, p| unsafe { libc::unlinkat(d, p, 0) });
+        for f in ["opt/pkg/old1", "opt/pkg/old2"] {
+            at(root.as_fd(), f, |d, p| unsafe { libc::unlinkat(d, p, 0) });
+        }
+        at(root.as_fd(), "opt/pkg", |d, p| unsafe { libc::unlinkat(d, p, libc::AT_REMOVEDIR) });
+        at(root.as_fd(), "opt/pkg", |d, p| unsafe { libc::mkdirat(d, p, 0o755) });
+        open_at(root.as_fd(), "opt/pkg/new", libc::O_WRONLY | libc::O_CREAT).unwrap().write_all(b"mine\n").unwrap();
+        drop(root);
+
+        // A fork's copy: the parent's upper layer into the child's tmpfs, then its own overlay.
+        let from = open_at(parent.0.as_fd(), "root", libc::O_PATH | libc::O_DIRECTORY).unwrap();
+        at(child.0.as_fd(), "root", |d, p| unsafe { libc::mkdirat(d, p, 0o755) });
+        let to = open_at(child.0.as_fd(), "root", libc::O_PATH | libc::O_DIRECTORY).unwrap();
+        crate::guestos::tree::copy_tree_at(from.as_fd(), to.as_fd()).unwrap();
+        let root = mount_root(&context().unwrap(), lower.as_fd(), child.0.as_fd()).unwrap();
+        assert!(!exists_at(root.as_fd(), "etc/a"), "the deletion was lost (whiteout not copied)");
+        assert_eq!(names_at(root.as_fd(), "etc"), ["b"]);
+        assert_eq!(names_at(root.as_fd(), "opt/pkg"), ["new"], "the image's directory shows through (opaque marker not copied)");
+        let mut mine = String::new();
+        std::io::Read::read_to_string(&mut open_at(root.as_fd(), "opt/pkg/new", libc::O_RDONLY).unwrap(), &mut mine).unwrap();
+        assert_eq!(mine, "mine\n");
+        assert!(image.join("etc/a").exists() && image.join("opt/pkg/old1").exists(), "the image was written");
+        drop(root);
+        let _ = std::fs::remove_dir_all(&image);
+    }
 }

@@ -5,7 +5,10 @@
 //! `unlinkat` relative to a directory it holds, never following a symlink. A copy keeps what a
 //! sandbox can observe of its files: directories, regular files (contents, mode, holes), symlinks,
 //! and owners (a guest that runs as a user owns what it made). Hard links become separate files;
-//! FIFOs, sockets and device nodes are not copied.
+//! FIFOs, sockets and device nodes are not copied, except the 0/0 character device that marks a
+//! deleted file in an overlay's upper layer (a whiteout, see `crate::overlay`); overlayfs's own
+//! `user.overlay.*` attributes (an opaque directory's marker, a copied-up file's origin) are kept
+//! on directories and regular files, so a copied upper layer means the same over the same image.
 
 use std::ffi::{CStr, CString};
 use std::io;
@@ -104,6 +107,8 @@ pub fn copy_tree_at(src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> io::Result<()> 
                 let from = openat(src, &name, libc::O_PATH | libc::O_DIRECTORY, 0)?;
                 let to = openat(d.as_fd(), &name, libc::O_PATH | libc::O_DIRECTORY, 0)?;
                 copy_tree_at(from.as_fd(), to.as_fd())?;
+                let dirs = |fd: &OwnedFd| openat(fd.as_fd(), c".", libc::O_RDONLY | libc::O_DIRECTORY, 0);
+                copy_overlay_xattrs(&dirs(&from)?, &dirs(&to)?)?;
             }
             libc::S_IFLNK => {
                 let target = readlinkat(src, &name)?;
@@ -119,9 +124,46 @@ pub fn copy_tree_at(src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> io::Result<()> 
                 // be cleared by the writes).
                 cvt(unsafe { libc::fchmod(to.as_raw_fd(), est.st_mode & 0o7777) })?;
                 keep_owner(d.as_fd(), &name, &est)?;
+                copy_overlay_xattrs(&from, &to)?;
+            }
+            libc::S_IFCHR if est.st_rdev == 0 => {
+                // SAFETY: a valid C string relative to our directory; a 0/0 character device (an
+                // overlay whiteout) needs no CAP_MKNOD and is the one device the jail lets us make.
+                cvt(unsafe { libc::mknodat(d.as_raw_fd(), name.as_ptr(), libc::S_IFCHR, 0) })?;
+                keep_owner(d.as_fd(), &name, &est)?;
             }
             _ => {}
         }
+    }
+    Ok(())
+}
+
+/// Prefix of overlayfs's own extended attributes with `userxattr` (see `crate::overlay`).
+const OVERLAY_XATTR: &[u8] = b"user.overlay.";
+
+/// Copy the `user.overlay.*` extended attributes of `from` to `to` (open descriptors, not O_PATH).
+/// A file system without user attributes has none to copy.
+fn copy_overlay_xattrs(from: &OwnedFd, to: &OwnedFd) -> io::Result<()> {
+    let mut names = vec![0u8; 4096];
+    // SAFETY: flistxattr writes at most names.len() bytes into our buffer.
+    let n = unsafe { libc::flistxattr(from.as_raw_fd(), names.as_mut_ptr().cast(), names.len()) };
+    if n < 0 {
+        return match io::Error::last_os_error().raw_os_error() {
+            Some(libc::ENOTSUP) => Ok(()),
+            _ => Err(io::Error::last_os_error()),
+        };
+    }
+    names.truncate(n as usize);
+    let mut value = vec![0u8; 4096];
+    for name in names.split(|&b| b == 0).filter(|n| n.starts_with(OVERLAY_XATTR)) {
+        let name = CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: fgetxattr writes at most value.len() bytes into our buffer; the name is a C string.
+        let len = unsafe { libc::fgetxattr(from.as_raw_fd(), name.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
+        if len < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fsetxattr reads `len` bytes of our buffer; the name is a C string.
+        cvt(unsafe { libc::fsetxattr(to.as_raw_fd(), name.as_ptr(), value.as_ptr().cast(), len as usize, 0) })?;
     }
     Ok(())
 }

@@ -460,8 +460,15 @@ pub fn allowed_syscalls() -> Vec<(i64, Vec<SeccompRule>)> {
         (SYS_readlinkat, any()),
         (SYS_readlink, any()),
         (SYS_mkdirat, any()),
-        // FIFOs only (mknod of anything else is refused in guestos before it gets here).
-        (SYS_mknodat, vec![rule(vec![cond(2, Len::Dword, Op::MaskedEq(libc::S_IFMT as u64), libc::S_IFIFO as u64)])]),
+        // FIFOs (mknod of anything else is refused in guestos before it gets here), and the 0/0
+        // character device of an overlay whiteout (`guestos::tree` copying an upper layer).
+        (
+            SYS_mknodat,
+            vec![
+                rule(vec![cond(2, Len::Dword, Op::MaskedEq(libc::S_IFMT as u64), libc::S_IFIFO as u64)]),
+                rule(vec![cond(2, Len::Dword, Op::MaskedEq(libc::S_IFMT as u64), libc::S_IFCHR as u64), cond(3, Len::Qword, Op::Eq, 0)]),
+            ],
+        ),
         (SYS_mkdir, any()),
         (SYS_unlinkat, any()),
         (SYS_unlink, any()),
