@@ -30,10 +30,11 @@
 //! a new procfs or sysfs), but `fsconfig` and `fsmount` on a context it was handed reach only what
 //! its mount namespace already shows it. So the controller makes a context with each scratch
 //! tmpfs it sends (`Request::AddScratch`), and a VMM mounts the overlay only when its sandbox first
-//! writes outside its writable mounts. Measured on kvm_pvm's host kernel (6.18, 2 cores shared
-//! with other work, so noisy): a detached tmpfs costs 0.2 to 1.9 ms to make, an overlay over it
-//! 0.4 to 3 ms more, an unused overlay context 0.2 ms: clones that never write outside their
-//! writable mounts pay only the last.
+//! writes outside its writable mounts. Seen on kvm_pvm's host kernel (6.18, 2 cores shared with
+//! other work, so noisy; a loop of 200 in a one-off probe, not yet a bench in benches/): a detached
+//! tmpfs made and dropped in 0.2 to 1.9 ms, an overlay over it 0.4 to 3 ms more, an unused overlay
+//! context 0.2 ms: clones that never write outside their writable mounts would pay only the last.
+//! The wiring must measure `Sandbox` enter+exec+exit before and after, alternated in one run.
 //!
 //! Not wired in yet: the `Vfs` root is still the read-only image (EROFS outside /work, /tmp,
 //! /dev/shm and a baked image's HOME). What wiring needs:
@@ -198,9 +199,7 @@ mod tests {
         assert!(!exists_at(upper.as_fd(), "etc/os-release"), "an unwritten file was copied up");
 
         // Deleting an image file hides it in the merged view only; listings merge both layers.
-        let c = CString::new("etc/os-release").unwrap();
-        // SAFETY: a valid C string relative to the overlay root we hold.
-        assert_eq!(unsafe { libc::unlinkat(root.as_raw_fd(), c.as_ptr(), 0) }, 0);
+        unlink(root.as_fd(), "etc/os-release", 0);
         assert!(!exists_at(root.as_fd(), "etc/os-release"));
         assert!(image.join("etc/os-release").exists(), "a delete reached the image");
         assert_eq!(names_at(root.as_fd(), "etc"), ["hostname"]);
@@ -223,9 +222,16 @@ mod tests {
         let _ = std::fs::remove_dir_all(&image);
     }
 
-    fn at(dir: BorrowedFd<'_>, path: &str, f: impl FnOnce(libc::c_int, *const libc::c_char) -> libc::c_int) {
+    fn unlink(dir: BorrowedFd<'_>, path: &str, flags: libc::c_int) {
         let c = CString::new(path).unwrap();
-        assert_eq!(f(dir.as_raw_fd(), c.as_ptr()), 0, "{path}: {}", std::io::Error::last_os_error());
+        // SAFETY: a valid C string relative to a directory descriptor we hold.
+        assert_eq!(unsafe { libc::unlinkat(dir.as_raw_fd(), c.as_ptr(), flags) }, 0, "{path}: {}", std::io::Error::last_os_error());
+    }
+
+    fn mkdir(dir: BorrowedFd<'_>, path: &str) {
+        let c = CString::new(path).unwrap();
+        // SAFETY: a valid C string relative to a directory descriptor we hold.
+        assert_eq!(unsafe { libc::mkdirat(dir.as_raw_fd(), c.as_ptr(), 0o755) }, 0, "{path}: {}", std::io::Error::last_os_error());
     }
 
     #[test]
@@ -245,19 +251,17 @@ mod tests {
         let q = DiskQuota { bytes: 2 << 20, inodes: 128 };
         let (parent, child) = (Scratch::new(q).unwrap(), Scratch::new(q).unwrap());
         let root = mount_root(&context().unwrap(), lower.as_fd(), parent.0.as_fd()).unwrap();
-        // SAFETY (all three closures): valid C strings relative to the overlay root we hold.
-        at(root.as_fd(), "etc/a", |d, p| unsafe { libc::unlinkat(d, p, 0) });
-        for f in ["opt/pkg/old1", "opt/pkg/old2"] {
-            at(root.as_fd(), f, |d, p| unsafe { libc::unlinkat(d, p, 0) });
+        for f in ["etc/a", "opt/pkg/old1", "opt/pkg/old2"] {
+            unlink(root.as_fd(), f, 0);
         }
-        at(root.as_fd(), "opt/pkg", |d, p| unsafe { libc::unlinkat(d, p, libc::AT_REMOVEDIR) });
-        at(root.as_fd(), "opt/pkg", |d, p| unsafe { libc::mkdirat(d, p, 0o755) });
+        unlink(root.as_fd(), "opt/pkg", libc::AT_REMOVEDIR);
+        mkdir(root.as_fd(), "opt/pkg");
         open_at(root.as_fd(), "opt/pkg/new", libc::O_WRONLY | libc::O_CREAT).unwrap().write_all(b"mine\n").unwrap();
         drop(root);
 
         // A fork's copy: the parent's upper layer into the child's tmpfs, then its own overlay.
         let from = open_at(parent.0.as_fd(), "root", libc::O_PATH | libc::O_DIRECTORY).unwrap();
-        at(child.0.as_fd(), "root", |d, p| unsafe { libc::mkdirat(d, p, 0o755) });
+        mkdir(child.0.as_fd(), "root");
         let to = open_at(child.0.as_fd(), "root", libc::O_PATH | libc::O_DIRECTORY).unwrap();
         crate::guestos::tree::copy_tree_at(from.as_fd(), to.as_fd()).unwrap();
         let root = mount_root(&context().unwrap(), lower.as_fd(), child.0.as_fd()).unwrap();
