@@ -30,7 +30,9 @@
 //! a new procfs or sysfs), but `fsconfig` and `fsmount` on a context it was handed reach only what
 //! its mount namespace already shows it. So the controller makes a context with each scratch
 //! tmpfs it sends (`Request::AddScratch`), and a VMM mounts the overlay only when its sandbox first
-//! writes outside its writable mounts. Seen on kvm_pvm's host kernel (6.18, 2 cores shared with
+//! writes outside its writable mounts (seen to work: a context made by one process, configured
+//! and mounted by its child after `unshare(CLONE_NEWNS)`, over a lower layer on a read-only bind,
+//! as in the jail). Seen on kvm_pvm's host kernel (6.18, 2 cores shared with
 //! other work, so noisy; a loop of 200 in a one-off probe, not yet a bench in benches/): a detached
 //! tmpfs made and dropped in 0.2 to 1.9 ms, an overlay over it 0.4 to 3 ms more, an unused overlay
 //! context 0.2 ms: clones that never write outside their writable mounts would pay only the last.
@@ -41,8 +43,8 @@
 //! 1. the controller sends an overlay context with each scratch tmpfs (`AddScratch`, in pairs) and
 //!    with each `Reset` (a context mounts once, and a reset needs a fresh overlay: the old one's
 //!    cached lookups would outlive an emptied upper layer); the jail's seccomp filter allows
-//!    `fsconfig` and `fsmount` (not `fsopen`, `fspick`, `mount` or `move_mount`) and `mknodat` of
-//!    a 0/0 character device (a whiteout);
+//!    `fsconfig` and `fsmount` (not `fsopen`, `fspick`, `mount` or `move_mount`); `mknodat` of a
+//!    0/0 character device (a whiteout) it already allows;
 //! 2. `guestos`: a file syscall that fails with EROFS on the `/` mount while the sandbox holds an
 //!    unused context mounts the overlay (lower layer: the `/` mount's own descriptor, opened in the
 //!    jail, on its read-only bind), makes it the writable `/` mount and runs the syscall again,
@@ -50,8 +52,9 @@
 //!    guest path (`files::path`), so the retry sees the merged tree. A descriptor of an image file
 //!    opened before keeps the image's file (as on overlayfs: a read-only open sees the old copy);
 //! 3. what a fork, a snapshot's `fs/` and `ResetKeepFiles` copy of that mount is its *upper*
-//!    directory, not the merged view; `guestos::tree`'s copy keeps whiteouts and `user.overlay.*`
-//!    attributes, so a fork inherits deletions and opaque directories. A forked child fills its
+//!    directory, not the merged view (`guestos::tree`'s copy already keeps whiteouts and
+//!    `user.overlay.*` attributes, so a copy inherits deletions and opaque directories: see the
+//!    tests below). A forked child fills its
 //!    own tmpfs's [`UPPER`] and mounts its own context over it before anything looks through it
 //!    (overlayfs caches what it looked up: an upper layer must not change under a mount in use);
 //! 4. a reset drops the overlay with the tmpfs; a template whose bake wrote outside its writable
