@@ -117,7 +117,13 @@ def test_bad_egress_values_are_refused_before_anything_is_forked():
 # --- the policy: what it admits ---------------------------------------------------------------
 
 SPECIAL = ["127.0.0.1", "127.9.9.9", "10.1.2.3", "172.16.0.1", "172.31.255.1", "192.168.1.1", "169.254.169.254",
-           "0.0.0.0", "::1", "::", "fd00::1", "fe80::1", "::ffff:127.0.0.1", "::ffff:169.254.169.254"]
+           "0.0.0.0", "::1", "::", "fd00::1", "fe80::1", "::ffff:127.0.0.1", "::ffff:169.254.169.254",
+           # issue 32's gaps: CGNAT (a metadata service lives there), benchmarking, IETF assignments,
+           # NAT64 carrying 169.254.169.254, 6to4, IPv4-compatible, IPv4-mapped's block, site-local,
+           # discard-only, the IETF IPv6 block, documentation
+           "100.64.0.1", "100.100.100.200", "198.18.0.1", "198.19.255.255", "192.0.0.170", "64:ff9b::a9fe:a9fe",
+           "2002:a9fe:a9fe::1", "::169.254.169.254", "::a00:1", "fec0::1", "100::1", "2001::1", "2001:db8::1",
+           "192.0.2.1", "198.51.100.1", "203.0.113.1", "240.0.0.1", "255.255.255.255", "3fff::1", "5f00::1"]
 
 
 @pytest.mark.parametrize("addr", SPECIAL)
@@ -132,15 +138,76 @@ def test_special_addresses_are_never_reached_by_names_or_internet(addr):
     assert not Egress.allow(rule).admits(addr, 81)
 
 
+def _special_cases():
+    """Each range of the special-purpose table: its first and last address, and the addresses just
+    outside it (with the range they must not be blamed on)."""
+    cases = []
+    for net, name in eg.special_ranges():
+        first, last = net.network_address, net.broadcast_address
+        cases += [(str(first), f"{net} {name}", True), (str(last), f"{net} {name}", True)]
+        if int(first) > 0:
+            cases.append((str(first - 1), f"{net} {name}", False))
+        if int(last) < (1 << net.max_prefixlen) - 1:
+            cases.append((str(last + 1), f"{net} {name}", False))
+    return cases
+
+
+def test_the_special_table_is_the_registries_one_copy():
+    ranges = {str(n) for n, _ in eg.special_ranges()}
+    # Every entry the issue names (both IANA registries, multicast, site-local), from the one copy.
+    for r in ["0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+              "192.0.0.0/24", "192.0.2.0/24", "192.31.196.0/24", "192.52.193.0/24", "192.88.99.0/24",
+              "192.168.0.0/16", "192.175.48.0/24", "198.18.0.0/15", "198.51.100.0/24", "203.0.113.0/24",
+              "240.0.0.0/4", "255.255.255.255/32", "224.0.0.0/4", "::1/128", "::/128", "::ffff:0:0/96",
+              "64:ff9b::/96", "64:ff9b:1::/48", "100::/64", "2001::/23", "2001::/32", "2001:2::/48",
+              "2001:db8::/32", "2002::/16", "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8", "3fff::/20",
+              "5f00::/16"]:
+        assert r in ranges, r
+    assert not hasattr(eg, "SPECIAL_NETS")  # no second, hand-kept copy in Python
+
+
+@pytest.mark.parametrize("addr,range_,inside", _special_cases())
+def test_each_special_range_holds_inside_and_not_just_outside(addr, range_, inside):
+    why = eg.special_reason(addr)
+    if inside:
+        assert why is not None and not Egress.internet().admits(addr, 443), (addr, range_)
+    else:
+        # Just outside: special only through another range or an IPv4 address it carries.
+        assert why is None or not why.endswith(": " + range_), (addr, why)
+
+
+def test_ipv4_inside_ipv6_is_unwrapped_and_named():
+    why = eg.special_reason("64:ff9b::a9fe:a9fe")
+    assert why and "64:ff9b::/96" in why
+    why = eg.special_reason("::169.254.169.254")
+    assert why and "IPv4-compatible" in why and "169.254.0.0/16" in why
+    assert eg.special_reason("::8.8.8.8") is None and eg.special_reason("8.8.8.8") is None
+    assert not Egress.allow("8.8.0.0/16").narrower_than(Egress.allow("::/0")) and Egress.allow("100.64.0.0/10").narrower_than(
+        Egress.allow("100.64.0.0/10"))
+    assert not Egress.allow("100.64.0.0/10").narrower_than(Egress.internet())
+    assert not Egress.allow("::a00:0/120").narrower_than(Egress.internet())  # ::10.0.0.0/24
+
+
+def test_public_ranges_and_the_flow_cap_are_checked():
+    with pytest.raises(InvalidArgument, match="never public"):
+        eg.set_public_ranges(["127.0.0.0/16"])
+    with pytest.raises(InvalidArgument, match="never public"):
+        eg.set_public_ranges(["169.254.0.0/16"])
+    with pytest.raises(InvalidArgument, match="1..=2000"):
+        eg.set_max_flows(5000)
+    assert eg.max_flows() == 1024
+
+
 def test_a_name_rule_admits_only_the_engines_own_answers():
+    # (11.22.33.9: a public address, never dialled here; TEST-NET ranges are special-purpose)
     p = Egress.allow("index.example.org:443", "*.files.example.net")
-    assert not p.admits("203.0.113.9", 443)  # an IP literal under a name-only policy
-    assert p.admits("203.0.113.9", 443, name="index.example.org")
-    assert not p.admits("203.0.113.9", 80, name="index.example.org")
-    assert p.admits("203.0.113.9", 80, name="files.files.example.net")
+    assert not p.admits("11.22.33.9", 443)  # an IP literal under a name-only policy
+    assert p.admits("11.22.33.9", 443, name="index.example.org")
+    assert not p.admits("11.22.33.9", 80, name="index.example.org")
+    assert p.admits("11.22.33.9", 80, name="files.files.example.net")
     assert p.admits_name("a.b.files.example.net") and not p.admits_name("files.example.net")
     assert not p.admits_name("evilfiles.example.net") and not p.admits_name("index.example.org.evil.test")
-    assert Egress.internet().admits("203.0.113.9", 1) and not Egress.none().admits("203.0.113.9", 1)
+    assert Egress.internet().admits("11.22.33.9", 1) and not Egress.none().admits("11.22.33.9", 1)
 
 
 NARROWER = [
@@ -191,7 +258,7 @@ def test_narrower_is_sound(a, b, inet):
             else:
                 n = r.value if r.kind == "name" else "x." + r.value
                 assert pb.admits_name(n)
-                assert pb.admits("203.0.113.5", p, name=n), (r, n, p)
+                assert pb.admits("11.22.33.5", p, name=n), (r, n, p)  # a public address
 
 
 def test_json_form_round_trips():
@@ -275,6 +342,10 @@ class DnsServer:
 
 
 NETNS_HOST, NETNS_PEER = "203.0.113.1", "203.0.113.2"
+NETNS_HOST6, NETNS_PEER6 = "2001:db8:c0::1", "2001:db8:c0::2"
+# TEST-NET-3 and IPv6's documentation block are special-purpose (IANA): this file's test network
+# is declared public (egress.set_public_ranges) while it exists, as an operator would a lab network.
+TEST_PUBLIC = ["203.0.113.0/24", "2001:db8::/32"]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -284,7 +355,8 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def testnet(tmp_path_factory):
     """A network namespace with an HTTP server at 203.0.113.2 (TEST-NET-3), reached from the host
-    over a veth pair: a 'public' address that is nowhere on the internet."""
+    over a veth pair: a 'public' address that is nowhere on the internet. The host's end of the
+    pair has 203.0.113.1 and 2001:db8:c0::1: addresses of the host that are not loopback."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("needs root and iproute2 to create a network namespace (ip netns add)")
     tag = secrets.token_hex(3)
@@ -297,8 +369,10 @@ def testnet(tmp_path_factory):
         _ip("link", "add", host_if, "type", "veth", "peer", "name", peer_if)
         _ip("link", "set", peer_if, "netns", ns)
         _ip("addr", "add", f"{NETNS_HOST}/24", "dev", host_if)
+        _ip("addr", "add", f"{NETNS_HOST6}/64", "dev", host_if, "nodad")
         _ip("link", "set", host_if, "up")
         _ip("-n", ns, "addr", "add", f"{NETNS_PEER}/24", "dev", peer_if)
+        _ip("-n", ns, "addr", "add", f"{NETNS_PEER6}/64", "dev", peer_if, "nodad")
         _ip("-n", ns, "link", "set", peer_if, "up")
         _ip("-n", ns, "link", "set", "lo", "up")
         root = tmp_path_factory.mktemp("netns-www")
@@ -316,8 +390,11 @@ def testnet(tmp_path_factory):
                 time.sleep(0.1)
         else:
             pytest.skip("the HTTP server in the test namespace did not start")
-        yield {"ns": ns, "addr": NETNS_PEER, "port": 8080}
+        eg.set_public_ranges(TEST_PUBLIC)
+        yield {"ns": ns, "addr": NETNS_PEER, "port": 8080, "host_if": host_if, "host_addr": NETNS_HOST,
+               "host_addr6": NETNS_HOST6}
     finally:
+        eg.set_public_ranges([])
         if server is not None:
             server.kill()
             server.wait(5)
@@ -328,6 +405,7 @@ def testnet(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dns(testnet):
     server = DnsServer({"pkg.test": testnet["addr"], "loop.test": "127.0.0.1", "meta.test": "169.254.169.254",
+                        "rebind.test": testnet["host_addr"],
                         "a.tls.test": testnet["addr"], "b.tls.test": testnet["addr"]})
     eg.set_resolver(f"dns:127.0.0.1:{server.port}")
     yield server
@@ -1539,3 +1617,217 @@ def test_a_bulk_download_lands_byte_exact_in_every_kind_of_buffer(client, bulk_s
         assert [ln.split()[0] for ln in lines] == ["recv", "recv_into", "mmap", "child"], r.stdout
         for ln in lines:
             assert ln.split()[1:] == [str(24 << 20), digest], ln
+
+
+# --- issue 32: the host's own addresses, the log's newest entries, a fork's ceiling, the flow cap --
+
+
+class _HostService(http.server.BaseHTTPRequestHandler):
+    """A service of the host's, bound on every address (0.0.0.0, ::), like `serve --host 0.0.0.0`."""
+
+    hits = 0
+
+    def do_GET(self):
+        type(self).hits += 1
+        body = b"the host's own service\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+class _Http6(http.server.ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+    def server_bind(self):
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        super().server_bind()
+
+
+@pytest.fixture(scope="module")
+def host_service():
+    """The same service on 0.0.0.0 and on ::, each on a port of its own."""
+    v4 = http.server.ThreadingHTTPServer(("0.0.0.0", 0), _HostService)
+    v6 = _Http6(("::", 0), _HostService)
+    for s in (v4, v6):
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    yield {"v4": v4.server_address[1], "v6": v6.server_address[1]}
+    for s in (v4, v6):
+        s.shutdown()
+        s.server_close()
+
+
+@kvm
+def test_internet_and_name_rules_never_reach_the_hosts_own_addresses(client, dns, testnet, host_service):
+    host4, host6 = testnet["host_addr"], testnet["host_addr6"]
+    # From the host, the service answers on the test network's host end (so a refusal below is the policy's).
+    with socket.create_connection((host4, host_service["v4"]), timeout=5):
+        pass
+    with socket.create_connection((host6, host_service["v6"]), timeout=5):
+        pass
+    hits = _HostService.hits
+    with Sandbox("python", client=client, egress=Egress.internet()) as sb:
+        # The test network's peer is reached (its range is declared public here) ...
+        assert run(sb, fetch(f"http://{testnet['addr']}:{testnet['port']}/index.html")) == \
+            "served from inside the test network namespace\n"
+        # ... the host's own addresses on it are not, in either family, nor through an IPv6 form of them.
+        for url in (f"http://{host4}:{host_service['v4']}/", f"http://[{host6}]:{host_service['v6']}/",
+                    f"http://[::ffff:{host4}]:{host_service['v4']}/"):
+            assert run(sb, fetch(url, 5)) == f"ERR ConnectionRefusedError {errno.ECONNREFUSED}\n", url
+        denied = [e for e in sb.egress_log() if e["verdict"] == "denied"]
+        assert len(denied) == 3 and all("an address of this host" in e["detail"] for e in denied), denied
+    # DNS rebinding: an admitted name whose answer is the host's address resolves to nothing.
+    with Sandbox("python", client=client, egress=Egress.allow("rebind.test")) as sb:
+        code = (
+            "import socket\n"
+            "try:\n"
+            f"    print(socket.getaddrinfo('rebind.test', {host_service['v4']}, socket.AF_INET, socket.SOCK_STREAM))\n"
+            "except socket.gaierror:\n"
+            "    print('gaierror')\n"
+        )
+        assert run(sb, code) == "gaierror\n"
+        (answer,) = [e for e in sb.egress_log() if e["kind"] == "dns"]
+        assert "withheld" in answer["detail"] and "an address of this host" in answer["detail"], answer
+        assert "ConnectionRefusedError" in run(sb, fetch(f"http://{host4}:{host_service['v4']}/", 5))
+    assert _HostService.hits == hits  # the host's service never saw the sandbox
+    # An explicit IP rule still admits it (the operator's choice).
+    with Sandbox("python", client=client, egress=Egress.allow(f"{host4}:{host_service['v4']}")) as sb:
+        assert run(sb, fetch(f"http://{host4}:{host_service['v4']}/")) == "the host's own service\n"
+
+
+FLOOD = (
+    "import socket\n"
+    "refused = 0\n"
+    "for _ in range({n}):\n"
+    "    s = socket.socket()\n"
+    "    try:\n"
+    "        s.connect(('127.0.0.1', {denied}))\n"
+    "    except ConnectionRefusedError:\n"
+    "        refused += 1\n"
+    "    s.close()\n"
+    "s = socket.create_connection(('127.0.0.1', {allowed}))\n"
+    "s.sendall(b'after the flood\\n')\n"
+    "print(refused, s.recv(100).decode().strip())\n"
+    "s.close()\n"
+    "try:\n"
+    "    socket.create_connection(('127.0.0.1', {denied}))\n"
+    "except ConnectionRefusedError:\n"
+    "    print('last refused')\n"
+)
+
+
+def _check_flood_log(log, echo_server, http_server, n):
+    assert len(log) == 10_000 and log.dropped == n + 2 - 10_000, (len(log), log.dropped)
+    allowed, last = log[-2], log[-1]
+    assert (allowed["verdict"], allowed["port"], allowed["bytes_out"]) == ("allowed", echo_server, 16)
+    assert (last["verdict"], last["port"]) == ("denied", http_server)
+    assert [e["seq"] for e in log] == list(range(log.dropped, n + 2))
+
+
+@kvm
+def test_the_egress_log_keeps_the_newest_entries_and_says_how_many_it_dropped(client, echo_server, http_server):
+    n = 10_050
+    with Sandbox("python", client=client, egress=Egress.allow(f"127.0.0.1:{echo_server}")) as sb:
+        r = sb.exec(code=FLOOD.format(n=n, denied=http_server, allowed=echo_server), timeout_seconds=600)
+        assert r.ok, r.stderr
+        assert r.stdout == f"{n} after the flood\nlast refused\n"
+        _check_flood_log(sb.egress_log(), echo_server, http_server, n)
+
+
+CONNECT_MANY = (
+    "import socket, errno\n"
+    "held = []\n"
+    "try:\n"
+    "    for _ in range({n}):\n"
+    "        held.append(socket.create_connection(('127.0.0.1', {port})))\n"
+    "except OSError as e:\n"
+    "    print(len(held), errno.errorcode.get(e.errno))\n"
+    "held.pop().close()\n"
+    "held.append(socket.create_connection(('127.0.0.1', {port})))\n"
+    "print('again', len(held))\n"
+)
+
+
+@kvm
+def test_past_the_flow_cap_connect_fails_with_emfile_and_the_log_says_why(client, echo_server):
+    before = eg.max_flows()
+    eg.set_max_flows(8)
+    try:
+        with Sandbox("python", client=client, egress=Egress.allow(f"127.0.0.1:{echo_server}")) as sb:
+            out = run(sb, CONNECT_MANY.format(n=20, port=echo_server))
+            assert out == "8 EMFILE\nagain 8\n", out
+            (capped,) = [e for e in sb.egress_log() if e["verdict"] == "capped"]
+            assert "8 open flows" in capped["detail"] and "EMFILE" in capped["detail"]
+    finally:
+        eg.set_max_flows(before)
+
+
+@kvm
+def test_a_fork_cannot_widen_past_its_policy_at_fork_time(client, http_server, echo_server):
+    import asyncio
+
+    from collimate_core import aio
+
+    echo = f"127.0.0.1:{echo_server}"
+    with Sandbox("python", client=client, egress=Egress.allow(f"127.0.0.1:{http_server}", echo)) as sb:
+        with sb.fork_group(1, egress=Egress.allow(echo)) as g:
+            child = g[0]
+            for wide in (Egress.internet(), Egress.allow(f"127.0.0.1:{http_server}"), Egress.allow("127.0.0.0/8")):
+                with pytest.raises(InvalidArgument, match=r"is a fork: .*Egress.allow\('127.0.0.1:%d'\)" % echo_server):
+                    child.set_egress(wide)
+            assert "ConnectionRefusedError" in run(child, fetch(f"http://127.0.0.1:{http_server}/"))
+            # Narrow below it, and widen back up to it.
+            child.set_egress(Egress.none())
+            assert "ConnectionRefusedError" in run(child, fetch(f"http://{echo}/", 3))
+            child.set_egress(Egress.allow(echo))
+            assert run(child, OPEN_ECHO.format(port=echo_server)) == "ping\n"
+            # The engine holds the ceiling too: its own call is refused.
+            with pytest.raises(ValueError, match="is a fork"):
+                child._box.vm.set_egress(["127.0.0.0/8"], False)
+        with sb.fork_group(1, egress=Egress.none()) as g:
+            with pytest.raises(InvalidArgument, match="Egress.none()"):
+                g[0].set_egress(Egress.allow(echo))
+        # The parent (made from a template) is not a fork: it may widen.
+        sb.set_egress(Egress.allow(f"127.0.0.1:{http_server}", echo, "127.0.0.1:1"))
+
+    async def main():
+        async with aio.Sandbox("python", client=aio.AsyncClient(client), egress=Egress.allow(echo)) as asb:
+            async with asb.fork_group(1, egress=Egress.none()) as grp:
+                with pytest.raises(InvalidArgument, match="is a fork"):
+                    await grp[0].set_egress(Egress.allow(echo))
+
+    asyncio.run(main())
+
+
+@kvm
+def test_over_http_a_forks_ceiling_holds_and_the_log_reports_its_drops(ceiling_server, http_server, echo_server):
+    import httpx
+
+    from collimate_core import RemoteClient
+
+    srv, key = ceiling_server
+    h = {"Authorization": f"Bearer {key}"}
+    echo = f"127.0.0.1:{echo_server}"
+    n = 10_050
+    with RemoteClient(key, srv.url) as rc:
+        with Sandbox("python", client=rc, egress=Egress.allow(echo)) as sb:
+            with sb.fork_group(1, egress=Egress.none()) as g:
+                child = g[0]
+                r = httpx.put(f"{srv.url}/v1/sandboxes/{child.session_id}/egress", json={"rules": [echo]}, headers=h, timeout=60)
+                assert r.status_code == 400 and "is a fork" in r.text and "Egress.none()" in r.text, r.text
+                with pytest.raises(InvalidArgument, match="is a fork"):
+                    child.set_egress(Egress.allow(echo))
+            r = sb.exec(code=FLOOD.format(n=n, denied=http_server, allowed=echo_server), timeout_seconds=600)
+            assert r.ok and r.stdout == f"{n} after the flood\nlast refused\n", r.stderr
+            _check_flood_log(sb.egress_log(), echo_server, http_server, n)
+            sid = sb.session_id
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not [e for e in srv.events() if e.get("event") == "egress_dropped" and e.get("sandbox") == sid]:
+        time.sleep(0.1)
+    (drop,) = [e for e in srv.events() if e.get("event") == "egress_dropped" and e.get("sandbox") == sid]
+    assert drop["dropped"] == drop["total_dropped"] == n + 2 - 10_000
+    lines = [e for e in srv.events() if e.get("event") == "egress" and e.get("sandbox") == sid]
+    assert len(lines) == 10_000 and lines[-2]["verdict"] == "allowed" and lines[-1]["dropped"] == n + 2 - 10_000

@@ -14,6 +14,7 @@ reaches any other address (the Debian packages come from apt's configured source
 from __future__ import annotations
 
 import base64
+import ctypes
 import hashlib
 import http.server
 import io
@@ -153,11 +154,38 @@ class _Static(http.server.SimpleHTTPRequestHandler):
         self.wfile.write(payload)
 
 
+def _in_netns(ns: str, make):
+    """`make()` run in a thread that has joined network namespace `ns` (setns moves only the
+    calling thread): a socket it makes lives in `ns`, whichever thread serves it afterwards."""
+    out: dict = {}
+
+    def run():
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                    raise OSError(ctypes.get_errno(), f"setns into {ns}")
+            finally:
+                os.close(fd)
+            out["value"] = make()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 class StaticServer:
-    def __init__(self, directory: Path, host: str = "127.0.0.1"):
+    def __init__(self, directory: Path, host: str = "127.0.0.1", netns: str | None = None):
         handler = lambda *a, **kw: _Static(*a, directory=str(directory), **kw)  # noqa: E731
         self.root = directory
-        self.srv = http.server.ThreadingHTTPServer((host, 0), handler)
+        make = lambda: http.server.ThreadingHTTPServer((host, 0), handler)  # noqa: E731
+        self.srv = make() if netns is None else _in_netns(netns, make)
         self.srv.lock, self.srv.connections, self.srv.requests = threading.Lock(), 0, []
         self.port = self.srv.server_address[1]
         self.thread = threading.Thread(target=self.srv.serve_forever, daemon=True)
@@ -231,8 +259,8 @@ def assert_bake_refused(status, port: int) -> None:
     """A bake without an allow rule: its error names the refusal and the fix, its log each refusal."""
     assert f"the bake's egress policy (Egress.none()) refused" in status.error, status.error
     assert f"(127.0.0.1:{port}): a Ready step that installs or clones needs Template.bake(..., egress=" in status.error
-    denied = status.log.count(f"egress: connect  127.0.0.1:{port} denied  out=0 in=0 (loopback, private, link-local "
-                              "or metadata address without an IP rule)")
+    denied = status.log.count(f"egress: connect  127.0.0.1:{port} denied  out=0 in=0 (127.0.0.1 is special-purpose: "
+                              "127.0.0.0/8 loopback (RFC 1122): refused without an IP rule that contains it)")
     assert denied >= 1 and f"refused {denied} network request(s)" in status.error, status.log
 
 
@@ -340,34 +368,43 @@ def test_git_clone_over_http_works_in_a_bake_with_an_allow_rule_only(client, www
 
 # --- by name: the guest's own resolver --------------------------------------------------------
 
-TESTNET_ADDR = "203.0.113.77"  # TEST-NET-3: a public address that is nowhere on the internet
+TESTNET_ADDR = "203.0.113.77"  # TEST-NET-3: an address that is nowhere on the internet
+TESTNET_HOST = "203.0.113.76"  # the host's end of the veth pair
 
 
 @pytest.fixture(scope="module")
 def named_www(www):
-    """The same files served at a TEST-NET-3 address on the host (one end of a veth pair this
-    fixture makes), and the broker resolving `www.test` to it: a name that resolves to a public
-    address (loopback answers are withheld from name rules)."""
+    """The same files served at a TEST-NET-3 address in a network namespace this fixture makes
+    (reached over a veth pair), and the broker resolving `www.test` to it: a name that resolves to
+    an address that is neither loopback nor the host's own (answers with those are withheld from
+    name rules). TEST-NET-3 is special-purpose, so it is declared public meanwhile, as an operator
+    would a lab network."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to add a test address (ip link add ... type veth)")
+        pytest.skip("needs root and iproute2 to make a network namespace (ip netns add)")
     tag = secrets.token_hex(3)
-    a, b = f"cxwa{tag}", f"cxwb{tag}"
-    made = subprocess.run(["ip", "link", "add", a, "type", "veth", "peer", "name", b], capture_output=True, text=True)
+    ns, a, b = f"cx-wb-{tag}", f"cxwa{tag}", f"cxwb{tag}"
+    made = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
     if made.returncode != 0:
-        pytest.skip(f"ip link add is impossible here: {made.stderr.strip()}")
+        pytest.skip(f"ip netns add is impossible here: {made.stderr.strip()}")
     srv = None
     try:
-        for args in (["addr", "add", f"{TESTNET_ADDR}/32", "dev", a], ["link", "set", a, "up"], ["link", "set", b, "up"]):
+        for args in (["link", "add", a, "type", "veth", "peer", "name", b], ["link", "set", b, "netns", ns],
+                     ["addr", "add", f"{TESTNET_HOST}/24", "dev", a], ["link", "set", a, "up"],
+                     ["-n", ns, "addr", "add", f"{TESTNET_ADDR}/24", "dev", b], ["-n", ns, "link", "set", b, "up"],
+                     ["-n", ns, "link", "set", "lo", "up"]):
             subprocess.run(["ip", *args], check=True, capture_output=True)
-        srv = StaticServer(www.root, host=TESTNET_ADDR)
+        srv = StaticServer(www.root, host=TESTNET_ADDR, netns=ns)
         srv.head = www.head
         eg.set_resolver({"www.test": TESTNET_ADDR})
+        eg.set_public_ranges(["203.0.113.0/24"])
         yield srv
     finally:
+        eg.set_public_ranges([])
         eg.set_resolver("system")
         if srv is not None:
             srv.close()
         subprocess.run(["ip", "link", "del", a], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def test_git_and_curl_reach_an_admitted_name_through_the_guests_own_resolver(client, named_www):

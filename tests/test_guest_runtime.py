@@ -146,6 +146,23 @@ def test_busybox_applets_and_the_environment(sb):
     assert r.stdout == "hello\n"
 
 
+def test_commands_get_the_template_environment_not_the_agents(sb):
+    """The agent's own PYTHONUNBUFFERED / PYTHONDONTWRITEBYTECODE (issue 31, item 6) reach no command
+    nor the processes it starts; the template's env and the exec's envs do."""
+    r = sh(sb, "env; python3 -c 'import os, sys; print(\"py\", sorted(k for k in os.environ if k.startswith(\"PYTHON\")), "
+               "sys.flags.dont_write_bytecode)'", env={"MINE": "1"})
+    assert r.ok, r.stderr
+    names = {line.split("=", 1)[0] for line in r.stdout.splitlines() if "=" in line}
+    assert "PYTHONUNBUFFERED" not in names and "PYTHONDONTWRITEBYTECODE" not in names, r.stdout
+    assert not any(n.startswith("COLLIMATE") for n in names), r.stdout
+    assert {"PATH", "HOME", "LANG", "MINE"} <= names, r.stdout
+    assert "py [] 0\n" in r.stdout, r.stdout
+    # A code exec's subprocesses inherit the same environment.
+    r = sb.exec(code="import subprocess; print(subprocess.run(['env'], capture_output=True, text=True).stdout)",
+                timeout_seconds=60)
+    assert r.ok and "PATH=" in r.stdout and "PYTHONUNBUFFERED" not in r.stdout, r.stdout + r.stderr
+
+
 # --- files ---------------------------------------------------------------------------------------
 
 

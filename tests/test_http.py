@@ -375,8 +375,10 @@ def test_errors_come_back_as_the_sdk_exceptions(alice):
     with pytest.raises(NotFoundError):
         Sandbox.attach(alice, "sbx_0000000000000000")
     with Sandbox("python", client=alice) as sb:
-        with pytest.raises(InvalidArgument, match="writable"):
+        with pytest.raises(InvalidArgument, match="writable") as e:
             sb.upload_bytes("/usr/bin/evil", b"x")
+        # One rule, the engine's (issue 32: the server added "only /tmp and /work" to it).
+        assert str(e.value).count("writable") == 1 and "only /tmp, /work and /dev/shm are writable" in str(e.value)
         with pytest.raises(NotFoundError, match="no such file"):
             sb.download("/work/missing")
         with pytest.raises(InvalidArgument):
@@ -397,6 +399,25 @@ def test_errors_come_back_as_the_sdk_exceptions(alice):
     ]:
         raw = httpx.request(method, alice.base_url + path, headers={**h, **kw.pop("headers", {})}, **kw)
         assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_argument", (path, raw.text)
+
+
+@pytest.mark.kvm
+def test_downloads_of_a_fifo_or_of_a_file_over_the_limit_are_refused_at_once(alice):
+    """Issue 32, findings 5 and 6: a FIFO tied a request up for 120 s, then the sandbox was lost;
+    a sparse file was read whole into the server's memory. Both are 400 at once now, the
+    sandbox goes on, and a file under the limit streams."""
+    with Sandbox("python", client=alice) as sb:
+        r = sb.exec(command="mkfifo /work/fifo && truncate -s 900M /work/sparse && printf 'x%.0s' $(seq 5000) > /work/ok",
+                    timeout_seconds=60)
+        assert r.ok, r
+        with pytest.raises(InvalidArgument, match="FIFO.*only regular files can be downloaded"):
+            sb.download("/work/fifo")
+        with pytest.raises(InvalidArgument, match="over the download limit of 268435456 bytes.*max_download"):
+            sb.download("/work/sparse")
+        url = f"{alice.base_url}/v1/sandboxes/{sb.session_id}/files"
+        with httpx.stream("GET", url, params={"path": "/work/ok"}, headers=alice._http.headers) as resp:
+            assert resp.status_code == 200 and resp.read() == b"x" * 5000
+        assert sb.exec(command="echo alive").stdout == "alive\n"
 
 
 @pytest.mark.kvm

@@ -30,7 +30,7 @@ from collimate_core import (
     rollout_once,
 )
 from collimate_core.sdk.embedded import _frame, _unframe
-from collimate_core.templates.catalog import AGENT_DIR, AGENT_IDLE, GUEST_ENV, Baked, bake_python
+from collimate_core.templates.catalog import AGENT_DIR, AGENT_IDLE, GUEST_ENV, Baked, agent_env, bake_python
 
 pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 
@@ -653,7 +653,7 @@ def _bake_variant(tmp: Path, name: str, edit, seed_ack: bool = True) -> Baked:
     vm = Vm.spawn(
         root,
         ["/usr/bin/python3", "/opt/collimate/agent.py"],
-        env=GUEST_ENV,
+        env=agent_env(GUEST_ENV),
         cwd="/work",
         mounts={"/work": tmp / f"{name}-work", "/tmp": tmp / f"{name}-tmp"},
         ro_mounts={"/opt/collimate": agent_dir},

@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     from collimate_core.ray import client as _ray
 
     _ray.add_subcommand(sub)  # ray-host
+    from collimate_core import doctor
+
+    doctor.add_subcommand(sub)  # doctor
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         demo(args.width, args.samples)
@@ -127,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
         bench.run_cli(args)
     elif args.cmd == "ray-host":
         _ray.run_cli(args)
+    elif args.cmd == "doctor":
+        doctor.run_cli(args)
     else:
         run(args)
 

@@ -183,8 +183,12 @@ class Vm:
         seconds). Files and the agent's memory are kept."""
     def upload(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write a file into a Linux guest's file system (/tmp and /work), byte-exact."""
-    def download(self, path: str) -> bytes:
-        """Read a file of a Linux guest's file system, byte-exact."""
+    def download(self, path: str, max_bytes: int = 268435456) -> bytes:
+        """Read a regular file of a Linux guest's file system, byte-exact, if it holds at most
+        `max_bytes` (a FIFO, a device or a directory is refused at once: CollimateError)."""
+    def open_download(self, path: str, max_bytes: int) -> tuple[int, int]:
+        """Open a regular file of a Linux guest's file system of at most `max_bytes` for reading:
+        (a file descriptor the caller owns and closes, the file's size)."""
     def reseed(self, seed: bytes, replay: bool = True) -> None:
         """Reseed the paused guest's sandbox CRNG with `seed` (exactly 32 bytes, else ValueError).
 
@@ -204,6 +208,11 @@ class Vm:
         children it forks from now on; refused below what they hold."""
     def disk_usage(self) -> _DiskUsage | None:
         """What the writable mounts hold and their quota; None without a tmpfs of its own."""
+    def take_shared_memory_limit_reached(self) -> bool:
+        """Whether the shared-memory limit refused anything since the last call."""
+    def shared_memory_usage(self) -> dict[str, int] | None:
+        """What the shared-memory pool (shared anonymous mappings, memfds, /dev/shm) holds
+        (`bytes`) and its limit (`quota_bytes`); None where disk_usage is None."""
     @property
     def disk_quota(self) -> tuple[int, int] | None:
         """The (bytes, inodes) quota this VM's children get; None if the host gives none."""
@@ -216,6 +225,11 @@ class Vm:
     def set_egress(self, rules: list[str], internet: bool = False) -> int:
         """Replace this sandbox's egress policy; open connections it forbids are reset (returns how
         many). Later forks start from it. A bad rule raises ValueError."""
+    def seal_egress(self) -> None:
+        """From now on `set_egress` may not go beyond this sandbox's policy now (a fork's ceiling:
+        its policy when it was forked); it may narrow below it and widen back up to it."""
+    def egress_ceiling(self) -> tuple[list[str], bool] | None:
+        """The ceiling `seal_egress` set, as (rule strings, internet), or None."""
     def clear_egress(self) -> None:
         """Forget this sandbox's network past (a recycled clone): no network, an empty log."""
     def egress(self) -> tuple[list[str], bool]:
@@ -257,3 +271,41 @@ def _egress_canonical(rule: str) -> str:
 
 def _egress_start() -> None:
     """Start the egress broker thread (the package does on import; never in a VMM process)."""
+
+def _egress_special_ranges() -> list[tuple[str, str]]:
+    """The special-purpose table (the engine's one copy): (CIDR block, registry name) pairs."""
+
+def _egress_special(addr: str) -> str | None:
+    """Why an address is special (a registry range, IPv4 inside IPv6, the host's own), or None.
+    ValueError for a string that is not an IP address."""
+
+def _egress_net_is_public(cidr: str) -> bool:
+    """Whether no address of a CIDR block is special; ValueError for a bad block."""
+
+def _set_egress_public(spec: str) -> None:
+    """Declare special-purpose ranges public for this process ("" for none): a lab network.
+    ValueError for a bad spec or a range that may never be public (loopback, link-local)."""
+
+def _egress_public() -> list[str]:
+    """The ranges declared public now."""
+
+def _egress_max_flows(n: int | None = None) -> int:
+    """The per-sandbox flow cap: with `n`, set it (ValueError outside 1..=2000); returns it."""
+
+class _KvmProfile(TypedDict, total=False):
+    name: str
+    kind: Literal["pvm", "intel", "amd", "unknown"]
+    paging: Literal["shadow", "tdp"]
+    nested: bool | None
+    source: str
+    io_completes_on_next_run: bool
+    guest_tlb_flush: bool
+    cpuid_filtered: bool
+    exit_ns: int
+
+def _kvm_profile(measure_exit: bool = False) -> _KvmProfile:
+    """The KVM host profile this process detected (the engine's `vstate::profile`); with
+    `measure_exit`, also `exit_ns`, the median cost of one exit here (about 2,000 of a probe VM)."""
+
+def _quota_available() -> bool:
+    """Whether this process can give sandboxes disk quotas (tmpfs instances of their own)."""

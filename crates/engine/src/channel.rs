@@ -75,8 +75,14 @@ impl Channel {
         let mut header = [0u8; 4];
         let mut fds_raw = [-1 as RawFd; MAX_FDS];
         let mut iov = [libc::iovec { iov_base: header.as_mut_ptr().cast(), iov_len: header.len() }];
-        // SAFETY: the iovec points at `header`, which we own mutably for the duration of the call.
-        let res = unsafe { self.sock.recv_with_fds(&mut iov, &mut fds_raw) };
+        let res = loop {
+            // SAFETY: the iovec points at `header`, which we own mutably for the duration of the call.
+            match unsafe { self.sock.recv_with_fds(&mut iov, &mut fds_raw) } {
+                // A signal handler ran (a VMM's preemption, parent-death or hang-up signals).
+                Err(e) if e.errno() == libc::EINTR => continue,
+                r => break r,
+            }
+        };
         let (n, nfds) = match res {
             Ok(v) => v,
             Err(e) if e.errno() == libc::EAGAIN || e.errno() == libc::EWOULDBLOCK => {

@@ -47,6 +47,8 @@ impl Default for VmConfig {
 
 /// Slack on top of a run's own budget before the controller decides the VMM process is hung.
 const HANG_GRACE: Duration = Duration::from_secs(30);
+/// The largest file [`Vm::download`] reads (the SDK's default download limit; uploads have the same).
+pub const DOWNLOAD_MAX: u64 = 256 << 20;
 /// How long a control request (not a run) may take.
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -101,6 +103,8 @@ pub struct Vm {
     rotate_stdio: bool,
     /// This sandbox's own tmpfs (a descriptor of it, from its `Ready`): its disk usage and quota.
     scratch: Option<Scratch>,
+    /// Its shared-memory pool (`quota::SHARED_MEMORY`), from the same `Ready`.
+    shm: Option<Scratch>,
     /// The disk quota of the children this VM forks (and of this VM, if it has a tmpfs); `None`
     /// where the host cannot make tmpfs instances (no CAP_SYS_ADMIN).
     quota: Option<DiskQuota>,
@@ -181,6 +185,7 @@ impl Vm {
             jail: JailStatus::default(),
             rotate_stdio: false,
             scratch: None,
+            shm: None,
             quota: crate::quota::available().then_some(crate::quota::DEFAULT_QUOTA),
             net: SandboxNet::new(Policy::default()),
             net_sent: false,
@@ -241,6 +246,17 @@ impl Vm {
             return Err(self.died(format!("send failed: {e}")));
         }
         self.recv(timeout)
+    }
+
+    /// A request whose answer carries descriptors.
+    fn call_with_fds_back(&mut self, req: &Request, timeout: Duration) -> Result<(Response, Vec<OwnedFd>)> {
+        if matches!(self.process, Process::Gone) {
+            return Err(Error::Destroyed);
+        }
+        if let Err(e) = self.chan.send(req, &[]) {
+            return Err(self.died(format!("send failed: {e}")));
+        }
+        self.recv_with_fds(timeout)
     }
 
     fn recv(&mut self, timeout: Duration) -> Result<Response> {
@@ -356,7 +372,8 @@ impl Vm {
             return Ok(vec![]);
         }
         let n32 = u32::try_from(n).map_err(|_| Error::InvalidArgument(format!("fork of {n} children")))?;
-        // Each child takes a tmpfs of its own (its disk quota): sent with the request, or ahead of
+        // Each child takes two tmpfs instances of its own (its disk quota and its shared-memory
+        // pool): sent with the request, or ahead of
         // it in batches when there are more than one message can carry.
         let scratch = self.make_scratch(n)?;
         let with_fork: Vec<RawFd> = if scratch.len() <= MAX_FDS_PER_MESSAGE { scratch.iter().map(|s| s.0.as_raw_fd()).collect() } else { vec![] };
@@ -389,9 +406,10 @@ impl Vm {
                         jail: self.jail,
                         rotate_stdio: false,
                         scratch: None,
+                        shm: None,
                         quota: self.quota,
                         // Copied, never shared: a fork's policy changes alone.
-                        net: SandboxNet::new(self.net.policy()),
+                        net: SandboxNet::forked(&self.net),
                         net_sent: false,
                     });
                 }
@@ -406,7 +424,9 @@ impl Vm {
             match child.recv_with_fds(CONTROL_TIMEOUT)? {
                 (Response::Ready { jail, .. }, fds) => {
                     child.jail = jail;
-                    child.scratch = fds.into_iter().next().map(Scratch);
+                    let mut fds = fds.into_iter();
+                    child.scratch = fds.next().map(Scratch);
+                    child.shm = fds.next().map(Scratch);
                 }
                 (other, _) => return Err(Error::Protocol(format!("expected Ready, got {other:?}"))),
             }
@@ -470,11 +490,14 @@ impl Vm {
         })
     }
 
-    /// `n` new tmpfs instances of this VM's children's quota (none if quotas are off, or for the
-    /// engine's bare test guests, which have no files).
+    /// `n` pairs of new tmpfs instances for this VM's children, one after the other: a disk of
+    /// their quota and a shared-memory pool (none if quotas are off, or for the engine's bare test
+    /// guests, which have no files).
     fn make_scratch(&self, n: usize) -> Result<Vec<Scratch>> {
         match self.quota {
-            Some(q) if self.stdio.is_some() => (0..n).map(|_| Scratch::new(q)).collect(),
+            Some(q) if self.stdio.is_some() => {
+                (0..n).flat_map(|_| [Scratch::new(q), Scratch::new(crate::quota::SHARED_MEMORY)]).collect()
+            }
             _ => Ok(vec![]),
         }
     }
@@ -502,6 +525,18 @@ impl Vm {
     /// own (a template zygote, a booted or restored VM, or a host without quotas).
     pub fn disk_usage(&self) -> Result<Option<DiskUsage>> {
         self.scratch.as_ref().map(Scratch::usage).transpose()
+    }
+
+    /// What this sandbox's shared memory holds (shared anonymous mappings, memfds, /dev/shm) and
+    /// its limit, in the same form; `None` where [`Vm::disk_usage`] is.
+    pub fn shared_memory_usage(&self) -> Result<Option<DiskUsage>> {
+        self.shm.as_ref().map(Scratch::usage).transpose()
+    }
+
+    /// Whether this sandbox's shared-memory limit refused anything (an mmap, a page, a write)
+    /// since the last call.
+    pub fn take_shared_memory_limit_reached(&self) -> bool {
+        self.shm.as_ref().is_some_and(|s| s.take_marker(crate::vstate::shared::LIMIT_MARKER))
     }
 
     /// The quota this VM's children get (`None`: no quotas on this host).
@@ -600,11 +635,28 @@ impl Vm {
         self.expect_ok(&Request::Reseed { seed, replay })
     }
 
-    /// Read a file of the guest's file system, byte-exact.
+    /// Read a regular file of the guest's file system, byte-exact, if it holds at most
+    /// [`DOWNLOAD_MAX`] bytes (see [`Vm::open_download`]).
     pub fn download(&mut self, path: &str) -> Result<Vec<u8>> {
-        match self.call(&Request::Download { path: path.to_string() }, CONTROL_TIMEOUT)? {
-            Response::File(d) => Ok(d),
-            other => Err(Error::Protocol(format!("expected File, got {other:?}"))),
+        use std::io::Read;
+        let (f, size) = self.open_download(path, DOWNLOAD_MAX)?;
+        let mut out = Vec::with_capacity(size as usize);
+        f.take(size).read_to_end(&mut out).map_err(Error::sys("read downloaded file"))?;
+        Ok(out)
+    }
+
+    /// Open a regular file of the guest's file system for reading, and its size then: refused
+    /// (a clear error, and the sandbox goes on) for anything else (a FIFO, a device, a directory)
+    /// and for a file over `max` bytes. The VMM opens it without blocking and hands the open file
+    /// over, so reading it costs no memory in the VMM and none here beyond what the reader keeps
+    /// (a sparse file reads as its size in zeroes: bound it with `max`).
+    pub fn open_download(&mut self, path: &str, max: u64) -> Result<(std::fs::File, u64)> {
+        match self.call_with_fds_back(&Request::Download { path: path.to_string(), max }, CONTROL_TIMEOUT)? {
+            (Response::FileFd { size }, fds) if fds.len() == 1 => {
+                let fd = fds.into_iter().next().ok_or_else(|| Error::Protocol("no fd".into()))?;
+                Ok((std::fs::File::from(fd), size))
+            }
+            (other, _) => Err(Error::Protocol(format!("expected FileFd, got {other:?}"))),
         }
     }
 
@@ -692,6 +744,7 @@ impl Vm {
         crate::egress::broker::forget(&self.net);
         // Our descriptor of its tmpfs was the last: its space goes back now.
         self.scratch = None;
+        self.shm = None;
         // The sandbox's private writable directories (if it had any) go with it.
         let _ = std::fs::remove_dir_all(crate::guestos::persist::vm_dir(self.pid));
     }

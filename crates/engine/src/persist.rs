@@ -23,7 +23,7 @@ use crate::vmm::RuntimeState;
 use crate::vstate::vcpu::VcpuState;
 
 pub const MAGIC: &[u8; 8] = b"CLMTSNAP";
-pub const FORMAT_VERSION: u32 = 9;
+pub const FORMAT_VERSION: u32 = 10;
 pub const STATE_FILE: &str = "vm.state";
 pub const MEMORY_FILE: &str = "vm.mem";
 const HEADER: usize = 20;
@@ -86,7 +86,11 @@ pub fn decode(bytes: &[u8], path: &str) -> Result<SnapshotState> {
 pub fn write_state(dir: &Path, state: &SnapshotState) -> Result<()> {
     let bytes = encode(state)?;
     let tmp = dir.join(format!(".{STATE_FILE}.tmp"));
-    std::fs::write(&tmp, &bytes).map_err(Error::sys("write snapshot state"))?;
+    // Owner-only, as the memory file (see `GuestMemory::write_image`).
+    let mut f = std::os::unix::fs::OpenOptionsExt::mode(std::fs::OpenOptions::new().write(true).create(true).truncate(true), 0o600)
+        .open(&tmp)
+        .map_err(Error::sys("write snapshot state"))?;
+    std::io::Write::write_all(&mut f, &bytes).map_err(Error::sys("write snapshot state"))?;
     std::fs::rename(&tmp, dir.join(STATE_FILE)).map_err(Error::sys("rename snapshot state"))
 }
 

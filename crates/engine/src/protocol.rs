@@ -62,8 +62,10 @@ pub enum Request {
     /// Write a file into a Linux guest's file system (writable mounts only), byte-exact; parent
     /// directories are created.
     Upload { path: String, data: Vec<u8>, mode: u32 },
-    /// Read a file of a Linux guest's file system, byte-exact.
-    Download { path: String },
+    /// Open a regular file of a Linux guest's file system, at most `max` bytes long, for the
+    /// controller to read: the reply (`FileFd`) carries the open file, so its bytes are neither
+    /// copied in the VMM nor framed on the channel.
+    Download { path: String, max: u64 },
     /// Reseed a Linux guest's sandbox CRNG with `seed` (32 bytes) and, with `replay`, switch its
     /// clocks to deterministic virtual time (see `guestos::random::reseed` and docs/replay.md).
     Reseed { seed: [u8; 32], replay: bool },
@@ -136,7 +138,8 @@ pub enum Response {
     Forked { pids: Vec<i32> },
     Reset(ResetStats),
     Mem(Vec<u8>),
-    File(Vec<u8>),
+    /// The file a `Download` opened is attached (one descriptor); `size` is its length when opened.
+    FileFd { size: u64 },
     Regs(kvm_regs),
     VcpuState(Box<VcpuState>),
     MemStats(MemStats),

@@ -1,7 +1,10 @@
-//! A sandbox's disk quota: its own tmpfs, made by the controller and never attached anywhere.
+//! A sandbox's disk quota and its shared-memory limit: two tmpfs instances of its own, made by the
+//! controller and never attached anywhere.
 //!
-//! A sandbox's writable mounts (`/tmp`, `/work`, `/dev/shm`, ...) are the directories `m0`, `m1`,
-//! ... of one tmpfs of its own, created with `fsopen("tmpfs")` + `fsconfig(size, nr_inodes)` +
+//! A sandbox's writable mounts (`/tmp`, `/work`, ...) are the directories `m0`, `m1`, ... of one
+//! tmpfs of its own (its disk quota); /dev/shm, its shared anonymous memory and its guest memfds
+//! are in a second one, its shared-memory pool ([`SHARED_MEMORY`]): shared memory is memory, and
+//! a full /tmp must not stop `multiprocessing.Lock()`. Each is created with `fsopen("tmpfs")` + `fsconfig(size, nr_inodes)` +
 //! `fsmount` (the new mount API) by the controller, which runs in the host's mount namespace, and
 //! handed to the VMM process as a descriptor. The tmpfs is a *detached* mount: it appears in no
 //! mount table, the VMM reaches it only through that descriptor (and the directory descriptors it
@@ -43,6 +46,14 @@ pub const DEFAULT_QUOTA: DiskQuota = DiskQuota { bytes: 1 << 30, inodes: 65536 }
 
 /// The smallest quota accepted: room for a template's writable mounts and a little more.
 pub const MIN_QUOTA: DiskQuota = DiskQuota { bytes: 1 << 20, inodes: 64 };
+
+/// A sandbox's shared-memory limit: the size of its shared-memory pool, a second tmpfs of its own
+/// that holds its shared anonymous mappings (`mmap(MAP_SHARED|MAP_ANONYMOUS)`, Python's
+/// `mmap.mmap(-1, n)`), its guest memfds and its /dev/shm (`vstate::shared::pool`). Half of the
+/// sandbox's 1 GiB of guest memory, as Linux sizes /dev/shm by default at half of RAM. Past it a
+/// mapping larger than what is left gets ENOMEM, a write ENOSPC and a touch of a page of a mapping
+/// SIGBUS, all from the kernel's tmpfs accounting, and the exec's result names the limit.
+pub const SHARED_MEMORY: DiskQuota = DiskQuota { bytes: 512 << 20, inodes: 16384 };
 
 /// What a sandbox's writable mounts hold now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -132,6 +143,13 @@ impl Scratch {
     /// What the tmpfs holds and its limits.
     pub fn usage(&self) -> Result<DiskUsage> {
         usage_of(&self.0)
+    }
+
+    /// Whether the empty file `name` is in the tmpfs's root; it is removed (a marker the sandbox's
+    /// VMM processes leave, such as `vstate::shared::LIMIT_MARKER`).
+    pub fn take_marker(&self, name: &std::ffi::CStr) -> bool {
+        // SAFETY: unlinkat relative to the tmpfs root we hold, with a valid C string.
+        unsafe { libc::unlinkat(self.0.as_raw_fd(), name.as_ptr(), 0) == 0 }
     }
 
     /// Change the quota of the live tmpfs. A quota below what it already holds is refused.

@@ -193,6 +193,24 @@ fn kvm_pvm_keeps_stale_translations_without_invalidation() {
     }
 }
 
+/// Upstream KVM's shadow MMU (`npt=0`/`ept=0`, the emulated lane's second boot) is kvm_pvm's case
+/// too: a host edit of a guest page table bypasses the write protection KVM relies on, so without
+/// the invalidation the guest keeps its old translations (which is what the stale-translation
+/// tests above then show the invalidation fixes).
+#[test]
+fn upstream_shadow_paging_keeps_stale_translations_without_invalidation() {
+    use collimate_engine::vstate::profile::{self, Kind, Paging};
+    let p = profile::current();
+    if p.paging != Paging::Shadow || p.kind == Kind::Pvm || p.source != "sysfs" {
+        eprintln!("{}: not upstream KVM with shadow paging, nothing to check", p.name());
+        return;
+    }
+    assert_eq!(remap(Flush::None), Outcome::Done(X), "remap");
+    assert_eq!(unmap(Flush::None), Outcome::Done(X), "unmap");
+    let (o, v) = write_protect(Flush::None);
+    assert!(matches!(o, Outcome::Done(_)) && v == 6, "write-protect: {o:x?}, {v}");
+}
+
 /// `flush_guest_tlb` deletes the memory slot, which discards KVM's dirty log: it must fold the log
 /// into guest memory's private-page record first (snapshot and reset depend on it).
 #[test]

@@ -506,11 +506,30 @@ impl PyVm {
         self.with(py, "Vm.reseed", |vm| Ok(vm.reseed(seed, replay)?))
     }
 
-    /// Reads a file of a Linux guest's file system, byte-exact.
-    fn download<'py>(&self, py: Python<'py>, path: String) -> PyResult<Bound<'py, PyBytes>> {
+    /// Reads a regular file of a Linux guest's file system, byte-exact, if it holds at most
+    /// `max_bytes` (anything else, a FIFO or a device, is refused at once).
+    #[pyo3(signature = (path, max_bytes = collimate_engine::controller::DOWNLOAD_MAX))]
+    fn download<'py>(&self, py: Python<'py>, path: String, max_bytes: u64) -> PyResult<Bound<'py, PyBytes>> {
         let op = format!("Vm.download({path:?})");
-        let data = self.with(py, &op, |vm| Ok(vm.download(&path)?))?;
+        let data = self.with(py, &op, |vm| {
+            use std::io::Read;
+            let (f, size) = vm.open_download(&path, max_bytes)?;
+            let mut out = Vec::with_capacity(size as usize);
+            f.take(size).read_to_end(&mut out).map_err(|e| collimate_engine::Error::Sys { op: "read downloaded file", source: e })?;
+            Ok(out)
+        })?;
         Ok(PyBytes::new(py, &data))
+    }
+
+    /// Opens a regular file of a Linux guest's file system for reading, if it holds at most
+    /// `max_bytes`: returns (a file descriptor the caller owns and must close, its size). Reading
+    /// it costs the engine no memory: the caller streams or reads it as it likes.
+    fn open_download(&self, py: Python<'_>, path: String, max_bytes: u64) -> PyResult<(i32, u64)> {
+        let op = format!("Vm.open_download({path:?})");
+        self.with(py, &op, |vm| {
+            let (f, size) = vm.open_download(&path, max_bytes)?;
+            Ok((std::os::fd::IntoRawFd::into_raw_fd(f), size))
+        })
     }
 
     fn read_mem<'py>(&self, py: Python<'py>, addr: u64, n: usize) -> PyResult<Bound<'py, PyBytes>> {
@@ -601,6 +620,26 @@ impl PyVm {
             .transpose()
     }
 
+    /// What this sandbox's shared memory (shared anonymous mappings, memfds, /dev/shm) holds and
+    /// its limit (`bytes`, `quota_bytes`), or None where `disk_usage` is None.
+    fn shared_memory_usage<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let usage = self.with(py, "Vm.shared_memory_usage", |vm| Ok(vm.shared_memory_usage()?))?;
+        usage
+            .map(|u| {
+                let out = PyDict::new(py);
+                out.set_item("bytes", u.bytes)?;
+                out.set_item("quota_bytes", u.quota_bytes)?;
+                Ok(out)
+            })
+            .transpose()
+    }
+
+    /// Whether this sandbox's shared-memory limit refused anything (an mmap, a page, a write)
+    /// since the last call.
+    fn take_shared_memory_limit_reached(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, "Vm.take_shared_memory_limit_reached", |vm| Ok(vm.take_shared_memory_limit_reached()))
+    }
+
     /// The disk quota (bytes, inodes) this VM's children get, or None if this host gives none.
     #[getter]
     fn disk_quota(&self, py: Python<'_>) -> PyResult<Option<(u64, u64)>> {
@@ -625,11 +664,23 @@ impl PyVm {
 
     /// Replace this sandbox's egress policy (rule strings, and whether public addresses are
     /// admitted on any port); open connections the new policy forbids are reset. Returns how many
-    /// were. Forks made afterwards start from this policy. A bad rule raises ValueError.
+    /// were. Forks made afterwards start from this policy. A bad rule, or a policy beyond the
+    /// sandbox's ceiling (`seal_egress`), raises ValueError saying so.
     #[pyo3(signature = (rules, internet = false))]
     fn set_egress(&self, py: Python<'_>, rules: Vec<String>, internet: bool) -> PyResult<usize> {
         let p = collimate_engine::egress::Policy::parse(&rules, internet).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok(py.detach(|| self.net.set_policy(p)))
+        py.detach(|| self.net.set_policy_within(p)).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// From now on `set_egress` may not go beyond this sandbox's policy now (a fork's ceiling:
+    /// its policy when it was forked); it may narrow below it and widen back up to it.
+    fn seal_egress(&self) {
+        self.net.seal()
+    }
+
+    /// The ceiling `seal_egress` set, as (rule strings, internet), or None.
+    fn egress_ceiling(&self) -> Option<(Vec<String>, bool)> {
+        self.net.ceiling().map(|p| (p.rules.iter().map(|r| r.to_string()).collect(), p.internet))
     }
 
     /// Forget this sandbox's network past (for a recycled clone's next owner): no network, an
@@ -652,6 +703,7 @@ impl PyVm {
         log.into_iter()
             .map(|e| {
                 let d = PyDict::new(py);
+                d.set_item("seq", e.seq)?;
                 d.set_item("time", e.time)?;
                 d.set_item("pid", e.pid)?;
                 d.set_item("kind", e.kind)?;
@@ -746,11 +798,86 @@ fn set_egress_resolver(spec: &str) -> PyResult<()> {
     collimate_engine::egress::broker::set_resolver(r).map_err(|e| EngineError::new_err(e.to_string()))
 }
 
+/// The special-purpose table (`egress::special`, the one copy): (CIDR block, name) pairs.
+#[pyfunction(name = "_egress_special_ranges")]
+fn egress_special_ranges() -> Vec<(String, String)> {
+    collimate_engine::egress::special::table().iter().map(|r| (r.net.to_string(), r.name.to_string())).collect()
+}
+
+/// Why an address is special (a registry range, IPv4 inside IPv6, or the host's own), or None.
+#[pyfunction(name = "_egress_special")]
+fn egress_special(addr: &str) -> PyResult<Option<String>> {
+    let a: std::net::IpAddr = addr.parse().map_err(|_| PyValueError::new_err(format!("{addr:?} is not an IP address")))?;
+    Ok(collimate_engine::egress::special::reason(a))
+}
+
+/// Whether no address of a CIDR block is special (narrowing under internet()).
+#[pyfunction(name = "_egress_net_is_public")]
+fn egress_net_is_public(cidr: &str) -> PyResult<bool> {
+    let n = collimate_engine::egress::policy::parse_net(cidr).map_err(PyValueError::new_err)?;
+    Ok(collimate_engine::egress::special::net_is_public(&n))
+}
+
+/// Declare special-purpose ranges public for this process ("" for none): a lab network.
+#[pyfunction(name = "_set_egress_public")]
+fn set_egress_public(spec: &str) -> PyResult<()> {
+    let nets = collimate_engine::egress::special::parse_public(spec).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    collimate_engine::egress::special::set_public(nets);
+    Ok(())
+}
+
+/// The ranges declared public now.
+#[pyfunction(name = "_egress_public")]
+fn egress_public() -> Vec<String> {
+    collimate_engine::egress::special::public().iter().map(|n| n.to_string()).collect()
+}
+
+/// The per-sandbox flow cap: with `n`, set it (ValueError out of 1..=2000); returns it.
+#[pyfunction(name = "_egress_max_flows")]
+#[pyo3(signature = (n = None))]
+fn egress_max_flows(n: Option<usize>) -> PyResult<usize> {
+    if let Some(n) = n {
+        collimate_engine::egress::broker::set_max_flows(n).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    }
+    Ok(collimate_engine::egress::broker::max_flows())
+}
+
 /// The engine's reading of one egress rule, printed back in canonical form (the SDK's parser is
 /// checked against it); a bad rule raises ValueError saying what a valid rule looks like.
 #[pyfunction(name = "_egress_canonical")]
 fn egress_canonical(rule: &str) -> PyResult<String> {
     collimate_engine::egress::policy::parse_rule(rule).map(|r| r.to_string()).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// The KVM host profile this process detected (`collimate_engine::vstate::profile`), as a dict;
+/// with `measure_exit`, also the median cost of one exit in nanoseconds (`exit_ns`, about 2,000
+/// exits of a tiny probe VM).
+#[pyfunction(name = "_kvm_profile")]
+#[pyo3(signature = (measure_exit = false))]
+fn kvm_profile(py: Python<'_>, measure_exit: bool) -> PyResult<Bound<'_, PyDict>> {
+    use collimate_engine::vstate::profile::{self, FlushMethod};
+    let p = profile::current();
+    let d = PyDict::new(py);
+    d.set_item("name", p.name())?;
+    d.set_item("kind", format!("{:?}", p.kind).to_lowercase())?;
+    d.set_item("paging", format!("{:?}", p.paging).to_lowercase())?;
+    d.set_item("nested", p.nested)?;
+    d.set_item("source", p.source)?;
+    d.set_item("io_completes_on_next_run", p.io_completes_on_next_run())?;
+    d.set_item("guest_tlb_flush", p.flush_method() == FlushMethod::HostZapAndGuestTlb)?;
+    d.set_item("cpuid_filtered", p.cpuid_filtered())?;
+    if measure_exit {
+        let cost = py.detach(|| profile::exit_cost(2000)).map_err(EngineError::new_err)?;
+        d.set_item("exit_ns", cost.as_nanos() as u64)?;
+    }
+    Ok(d)
+}
+
+/// Whether this process can give sandboxes disk quotas (tmpfs instances of their own; see
+/// `collimate_engine::quota`).
+#[pyfunction(name = "_quota_available")]
+fn quota_available(py: Python<'_>) -> bool {
+    py.detach(collimate_engine::quota::available)
 }
 
 /// Start the engine's egress broker thread now (the package does on import, so that its thread
@@ -781,6 +908,14 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(egress_broker_sandboxes, m)?)?;
     m.add_function(wrap_pyfunction!(egress_canonical, m)?)?;
     m.add_function(wrap_pyfunction!(egress_start, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_special_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_special, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_net_is_public, m)?)?;
+    m.add_function(wrap_pyfunction!(set_egress_public, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_public, m)?)?;
+    m.add_function(wrap_pyfunction!(egress_max_flows, m)?)?;
+    m.add_function(wrap_pyfunction!(kvm_profile, m)?)?;
+    m.add_function(wrap_pyfunction!(quota_available, m)?)?;
     m.add("SNAPSHOT_FORMAT", collimate_engine::persist::FORMAT_VERSION)?;
     Ok(())
 }

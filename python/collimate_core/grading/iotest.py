@@ -51,6 +51,9 @@ __all__ = ["IOGradeResult", "IOTestReward", "outputs_match"]
 VERDICTS = ("ok", "wrong_answer", "runtime_error", "time_limit", "memory_limit", "skipped")
 MEMORY_EXIT = 203  # iotest_guest.MEMORY_EXIT
 _RUN = "__collimate_io_run"
+# A case's stdin above this many bytes is uploaded to _STDIN_UPLOAD instead of sent in code=.
+_INLINE_STDIN = 256 << 10
+_STDIN_UPLOAD = "/tmp/.collimate-stdin-upload"
 _CHECK = "__collimate_io_check"
 # Imported before any candidate in every stdin/stdout grading sandbox: what solutions to such
 # problems commonly import (a candidate's import of them is then a lookup).
@@ -265,10 +268,12 @@ class _TemplateCases:
     def __exit__(self, *exc: Any) -> None:
         self._sb.kill()
 
-    def exec_fresh(self, reset: bool = True, **kw: Any):
+    def exec_fresh(self, reset: bool = True, upload: tuple[str, bytes] | None = None, **kw: Any):
         if self._used and reset:
             self._sb.reset()
         self._used = True
+        if upload is not None:
+            self._sb.upload_bytes(*upload)
         return self._sb.exec(**kw)
 
     def check_alive(self) -> None:
@@ -292,8 +297,10 @@ class _ForkedCases:
     def __exit__(self, *exc: Any) -> None:
         pass
 
-    def exec_fresh(self, reset: bool = True, **kw: Any):
+    def exec_fresh(self, reset: bool = True, upload: tuple[str, bytes] | None = None, **kw: Any):
         with self._parent.fork_group(1, seed=self._seed) as grp:
+            if upload is not None:
+                grp[0].upload_bytes(*upload)
             return grp[0].exec(**kw)
 
     def check_alive(self) -> None:
@@ -357,11 +364,16 @@ def grade_io_in(cases_box: Any, code: str, spec: IOTestReward, seed: str | None)
     used_seed, ack = "", ""
     abnormal = False
     for k, (stdin, expected) in enumerate(spec.cases):
-        call = f"{_RUN}({code!r}, {stdin.encode('utf-8', 'surrogateescape')!r}, {limit!r})\n"
+        data = stdin.encode("utf-8", "surrogateescape")
+        # A large input goes in as a file (an exec's code= has a size limit); the guest reads it
+        # from there as it would from the inline bytes.
+        upload = (_STDIN_UPLOAD, data) if len(data) > _INLINE_STDIN else None
+        call = f"{_RUN}({code!r}, {(_STDIN_UPLOAD if upload else data)!r}, {limit!r})\n"
         # Without reset_between_cases, the next case runs where this one left off, unless it ended
         # without the agent's reply (then the sandbox is reset anyway).
         reset = spec.reset_between_cases or k == 0 or abnormal
-        r = cases_box.exec_fresh(reset=reset, code=call, timeout_seconds=float(spec.time_limit_seconds), seed=seed)
+        r = cases_box.exec_fresh(reset=reset, upload=upload, code=call,
+                                 timeout_seconds=float(spec.time_limit_seconds), seed=seed)
         abnormal = r.timed_out or r.exit_code >= 128
         used_seed, ack = used_seed or r.seed, ack or r.seed_ack
         v = _classify(r)

@@ -7,7 +7,8 @@ namespace. `install` imports the modules programs commonly use, caps the sandbox
 two functions, which the host keeps under private names in the agent's namespace:
 
 - `run(code, stdin, memory_limit)`: run `code` as the main program of a fresh interpreter would,
-  once: fd 0 reads `stdin` (a file), sys.stdin/stdout/stderr are new text streams over fds 0, 1, 2
+  once: fd 0 reads `stdin` (bytes, or the path of a file the host uploaded; a file either way),
+  sys.stdin/stdout/stderr are new text streams over fds 0, 1, 2
   (block-buffered stdout, flushed at the end as an interpreter's exit does), `__name__ ==
   "__main__"` in a new `__main__` module, `sys.argv == ["solution.py"]`. The exec's exit code is
   the program's exit status (SystemExit as CPython maps it, 1 for an uncaught exception); its
@@ -120,16 +121,22 @@ def install(preload=(), max_processes=32):
                 pass
             del m
             gc.collect()
-        fd = os.open(stdin_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        view = memoryview(stdin)
-        while view:
-            view = view[write(fd, view):]
-        os.lseek(fd, 0, 0)
+        if isinstance(stdin, str):
+            # A large input the host uploaded as a file (iotest.py's _STDIN_UPLOAD).
+            path = stdin
+            fd = os.open(path, os.O_RDONLY)
+        else:
+            path = stdin_path
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            view = memoryview(stdin)
+            while view:
+                view = view[write(fd, view):]
+            os.lseek(fd, 0, 0)
         if fd != 0:  # (0 when the last program closed its stdin)
             os.dup2(fd, 0)
             os.close(fd)
         try:
-            os.unlink(stdin_path)
+            os.unlink(path)
         except OSError:
             pass
         for s in (sys.stdout, sys.stderr):

@@ -27,9 +27,21 @@ except ImportError:  # an interpreter built without it
     from hashlib import sha256
 
 CHANNEL = 3
+# Names the host set for this interpreter only (unbuffered output, no .pyc in a read-only root),
+# comma-separated, in this variable: they are dropped from the environment at start, so
+# commands and the processes code starts get the image's environment and what the exec passes.
+AGENT_ENV = "COLLIMATE_AGENT_ENV"
 ACK_CONTEXT = b"collimate/seed-ack/v1"
 RANDOM_CONTEXT = b"collimate/python-random/v1"
 
+
+def _drop_agent_env():
+    for name in os.environ.pop(AGENT_ENV, "").split(","):
+        if name:
+            os.environ.pop(name, None)
+
+
+_drop_agent_env()
 
 _pending = bytearray()  # bytes read from the channel beyond the last message
 
@@ -205,7 +217,12 @@ def main():
         ack = reseed(seed)
         cwd = req.get("cwd")
         if cwd:
-            os.chdir(cwd)
+            try:
+                os.chdir(cwd)
+            except OSError as e:
+                # Not the user's program failing: the host raises InvalidArgument with this.
+                send({"cwd_error": f"{e.strerror} (errno {e.errno})", "seed_ack": ack})
+                continue
         if req.get("code") is not None:
             code = run_code(req["code"], namespace)
         else:

@@ -9,9 +9,11 @@ addresses on any port. A rule is one of:
 - an IP address or CIDR block, optionally with a port: `"203.0.113.0/24"`, `"203.0.113.7:5432"`,
   `"[2001:db8::1]:443"`, `"2001:db8::/32"`.
 
-Loopback, private, link-local and metadata addresses (127/8, 10/8, 172.16/12, 192.168/16,
-169.254/16, 0/8, ::1, ::, fc00::/7, fe80::/10, multicast) are never reached through a name rule or
-`internet()`: only an IP or CIDR rule that contains them admits them.
+Special addresses are never reached through a name rule or `internet()`: only an IP or CIDR rule
+that contains them admits them. They are every range of IANA's IPv4 and IPv6 Special-Purpose
+Address Registries (loopback, private, CGNAT, link-local and metadata, documentation, benchmarking,
+NAT64, 6to4, ...; `special_ranges()` lists them: the engine's table, the one copy), an IPv6 address
+carrying such an IPv4 one, and every address of the host's own interfaces (read at each check).
 
 The engine enforces a policy at the socket (see docs/egress.md): names are resolved by the
 engine's broker, never trusted from the guest. `record=True` (on `allow` or `internet`) records
@@ -37,25 +39,6 @@ RULE_HELP = (
 
 IpNet = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
 
-# Never reached through a name rule or internet(): only an IP/CIDR rule containing them admits them.
-SPECIAL_NETS: tuple[IpNet, ...] = tuple(
-    ipaddress.ip_network(n)
-    for n in (
-        "0.0.0.0/8",
-        "10.0.0.0/8",
-        "127.0.0.0/8",
-        "169.254.0.0/16",
-        "172.16.0.0/12",
-        "192.168.0.0/16",
-        "224.0.0.0/3",  # multicast, reserved and broadcast
-        "::/128",
-        "::1/128",
-        "fc00::/7",
-        "fe80::/10",
-        "ff00::/8",
-    )
-)
-
 _LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
 
 
@@ -66,14 +49,91 @@ def _v4_of(addr: ipaddress.IPv4Address | ipaddress.IPv6Address):
     return addr
 
 
+def special_ranges() -> list[tuple[IpNet, str]]:
+    """The special-purpose table, (block, name) pairs: the engine's copy (there is no other)."""
+    from collimate_core import _core
+
+    return [(ipaddress.ip_network(c), n) for c, n in _core._egress_special_ranges()]
+
+
+def special_reason(addr: str | ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """Why `addr` is never reached through a name rule or internet(): its registry range, the
+    IPv4 address it carries, or that the host has it. None for a public address."""
+    from collimate_core import _core
+
+    return _core._egress_special(str(ipaddress.ip_address(addr) if isinstance(addr, str) else addr))
+
+
 def is_special(addr: str | ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Whether `addr` is loopback, private, link-local, metadata or otherwise never public."""
-    a = _v4_of(ipaddress.ip_address(addr) if isinstance(addr, str) else addr)
-    return any(a.version == n.version and a in n for n in SPECIAL_NETS)
+    """Whether `addr` is special (see `special_reason`)."""
+    return special_reason(addr) is not None
 
 
 def _net_is_public(net: IpNet) -> bool:
-    return not any(net.version == n.version and net.overlaps(n) for n in SPECIAL_NETS)
+    from collimate_core import _core
+
+    return bool(_core._egress_net_is_public(str(net)))
+
+
+def set_public_ranges(ranges: Any) -> None:
+    """Treat these special-purpose CIDR blocks as public for every sandbox of this process (a lab
+    network reached by name or internet()); `[]` for none (the default). Never loopback,
+    link-local or unspecified blocks, and never the host's own addresses. The server reads
+    COLLIMATE_EGRESS_PUBLIC (comma-separated) at start."""
+    from collimate_core import _core
+
+    if isinstance(ranges, str) or not isinstance(ranges, (list, tuple)):
+        raise InvalidArgument(f"set_public_ranges takes a list of CIDR blocks, not {ranges!r}")
+    try:
+        _core._set_egress_public(",".join(str(r) for r in ranges))
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+
+
+def public_ranges() -> list[str]:
+    """The special-purpose blocks declared public now (`set_public_ranges`)."""
+    from collimate_core import _core
+
+    return list(_core._egress_public())
+
+
+def set_max_flows(n: int) -> None:
+    """The most flows (TCP connections and UDP flows) one sandbox holds open at once, for every
+    sandbox of this process (default 1,024; at most 2,000). Past it the guest's connect fails with
+    EMFILE and the egress log has a "capped" entry saying why. The server reads
+    COLLIMATE_EGRESS_MAX_FLOWS at start."""
+    from collimate_core import _core
+
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise InvalidArgument(f"set_max_flows takes a number of flows, not {n!r}")
+    try:
+        _core._egress_max_flows(n)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+
+
+def max_flows() -> int:
+    """The per-sandbox flow cap now (`set_max_flows`)."""
+    from collimate_core import _core
+
+    return int(_core._egress_max_flows())
+
+
+class EgressLog(list):
+    """A sandbox's egress log: its entries, oldest first (a list of dicts), and `dropped`, how many
+    older entries it no longer holds (it keeps the newest 10,000). Each entry's `seq` is its place
+    since the sandbox started."""
+
+    dropped: int
+
+    def __init__(self, entries: Any = (), dropped: int | None = None):
+        super().__init__(entries)
+        if dropped is None:
+            dropped = int(self[0].get("seq", 0)) if self else 0
+        self.dropped = dropped
+
+    def __repr__(self) -> str:
+        return f"EgressLog({list.__repr__(self)}, dropped={self.dropped})"
 
 
 def _bad(rule: Any, why: str) -> InvalidArgument:
@@ -278,6 +338,18 @@ class Egress:
                 continue
             return False
         return True
+
+    def check_within(self, ceiling: "Egress", sandbox: str) -> None:
+        """Raise InvalidArgument unless this policy lies within a fork's ceiling (its policy when
+        it was forked): `set_egress` may narrow below it and widen back up to it, never beyond."""
+        if not self.narrower_than(ceiling):
+            wider = [str(r) for r in self.rules if not Egress((r,)).narrower_than(ceiling)]
+            if self.internet_access and not ceiling.internet_access:
+                wider.insert(0, "internet()")
+            raise InvalidArgument(
+                f"sandbox {sandbox} is a fork: its egress may not go beyond its policy when it was forked, "
+                f"{ceiling}; {self} also admits {', '.join(wider)}; pass a policy within {ceiling}"
+            )
 
     def check_narrower(self, parent: "Egress", what: str = "a fork") -> None:
         """Raise InvalidArgument unless this policy is narrower than (or equal to) `parent`."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 import secrets
 import signal as _signal
 import threading
@@ -40,6 +41,14 @@ from collimate_core.templates.catalog import AGENT_IDLE, Baked, bake_catalog, ca
 
 ACK_CONTEXT = b"collimate/seed-ack/v1"
 MAX_UPLOAD = 256 << 20
+# The largest code= an exec sends (the agent compiles it whole; 20 MiB ended in a bare MemoryError
+# inside the guest) and the largest command= (Linux's MAX_ARG_STRLEN, 128 KiB with its NUL: sh -c
+# gets the command as one argument).
+MAX_CODE = 1 << 20
+MAX_COMMAND = (128 << 10) - 1
+# The largest file `download` reads (COLLIMATE_MAX_DOWNLOAD or the client's max_download): a
+# sparse file costs the sandbox no quota but its whole size to read.
+MAX_DOWNLOAD = 256 << 20
 DEFAULT_SPARES = 2
 MAX_SPARES = 16
 RECYCLE_MAX = 8
@@ -68,6 +77,17 @@ def check_exec_args(code: Any, command: Any, timeout: Any, seed: Any) -> bytes |
         raise InvalidArgument("exec needs exactly one of code= (Python source) or command= (a shell command)")
     if not isinstance(code if code is not None else command, str):
         raise InvalidArgument("code= and command= take a str")
+    n = len((code if code is not None else command).encode("utf-8", "surrogatepass"))
+    if code is not None and n > MAX_CODE:
+        raise InvalidArgument(
+            f"code= is {n} bytes, over the limit of {MAX_CODE} ({MAX_CODE >> 20} MiB); put the program in a file "
+            "(upload_bytes('/work/main.py', source)) and run it (command='python3 /work/main.py')"
+        )
+    if command is not None and n > MAX_COMMAND:
+        raise InvalidArgument(
+            f"command= is {n} bytes, over Linux's limit of {MAX_COMMAND} bytes for one argument (sh -c takes it as "
+            "one); put the script in a file (upload_bytes('/work/run.sh', script)) and run it (command='sh /work/run.sh')"
+        )
     if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
         raise InvalidArgument(f"timeout_seconds must be a positive number, not {timeout!r}")
     if seed is None:
@@ -188,6 +208,9 @@ class _Box:
     charge: int = 0
     # Its network policy (the engine enforces it; this is the SDK's copy, for narrowing checks).
     egress: Egress = field(default_factory=Egress.none)
+    # A fork's ceiling: its policy when it was forked (set_egress may not go beyond it); None for
+    # a sandbox made from a template.
+    ceiling: Egress | None = None
     # The guest state it is in, as egress recordings name it (`_state_after`): its template's,
     # then a digest of each exec and upload since; a fork's children start from their parent's.
     state: str = ""
@@ -218,8 +241,14 @@ class EmbeddedClient:
         disk_quota: int | str | None = None,
         memory_budget: int | str | None = None,
         egress_resolver: str | dict | None = None,
+        max_download: int | str | None = None,
     ):
         self.cache = Path(cache) if cache else None
+        env = os.environ.get("COLLIMATE_MAX_DOWNLOAD")
+        self.max_download = (
+            _quota.parse_size(max_download, "max_download") if max_download is not None
+            else _quota.parse_size(env, "COLLIMATE_MAX_DOWNLOAD") if env else MAX_DOWNLOAD
+        )
         # Where the engine resolves names egress policies admit: "system", "dns:HOST:PORT", or a
         # {name: [ip, ...]} map (tests, air-gapped hosts). Process-wide: the broker is one thread.
         if egress_resolver is not None:
@@ -227,7 +256,7 @@ class EmbeddedClient:
         self.max_sandboxes = max_sandboxes
         self.capacity_timeout = capacity_timeout
         # Every sandbox's writable mounts share one quota (see quota.py); the budget is admission by
-        # worst case (guest memory + disk quota of every live sandbox), off unless set.
+        # worst case (guest memory + shared memory + disk quota of every live sandbox), off unless set.
         self.disk_quota = _quota.disk_quota(disk_quota) if disk_quota is not None else _quota.default_disk_quota()
         self.memory_budget = (
             _quota.parse_size(memory_budget, "memory_budget") if memory_budget is not None else _quota.default_memory_budget()
@@ -296,12 +325,12 @@ class EmbeddedClient:
     # --- sandboxes ---------------------------------------------------------------------------
 
     def _admit(self, n: int, disk_quota: int) -> int:
-        """Reserve `n` sandbox slots under max_sandboxes, and their charge (guest memory + disk
-        quota each) under memory_budget, waiting up to capacity_timeout for room; returns the
+        """Reserve `n` sandbox slots under max_sandboxes, and their charge (guest memory, shared
+        memory and disk quota each) under memory_budget, waiting up to capacity_timeout for room; returns the
         charge of one. A reservation is held until the sandboxes are registered (or
         `_unreserve`d on failure), so concurrent callers can never overshoot a limit between
         admission and registration."""
-        charge = _quota.GUEST_MEMORY + disk_quota
+        charge = _quota.MEMORY_CHARGE + disk_quota
         if n > self.max_sandboxes:
             raise CapacityError(
                 f"a fork group of {n} can never fit under max_sandboxes={self.max_sandboxes}; "
@@ -310,7 +339,7 @@ class EmbeddedClient:
         budget = self.memory_budget
         if budget is not None and n * charge > budget:
             raise CapacityError(
-                f"{n} sandbox(es) of {charge >> 20} MiB each (guest memory + disk quota) can never fit in "
+                f"{n} sandbox(es) of {charge >> 20} MiB each (guest memory + shared memory + disk quota) can never fit in "
                 f"memory_budget={budget >> 20} MiB; raise the budget, give smaller disk quotas or use a narrower group"
             )
         deadline = time.monotonic() + self.capacity_timeout
@@ -329,7 +358,7 @@ class EmbeddedClient:
                         )
                     raise CapacityError(
                         f"memory_budget={budget >> 20} MiB reached: {self._charged >> 20} MiB held by live sandboxes, "
-                        f"{n} more need {n * charge >> 20} MiB (guest memory + disk quota; waited "
+                        f"{n} more need {n * charge >> 20} MiB (guest memory + shared memory + disk quota; waited "
                         f"{self.capacity_timeout:g}s); destroy some, raise the budget or give smaller disk quotas"
                     )
                 self._slots.wait(left)
@@ -448,9 +477,12 @@ class EmbeddedClient:
                 vms = box.vm.fork(n)
                 lost = box.lost  # the children start from the template too: their first exec says so
                 state = box.state
-            if egress is not None and policy != box.egress:
-                for vm in vms:
+            for vm in vms:
+                if egress is not None and policy != box.egress:
                     vm.set_egress(policy.rule_strings(), policy.internet_access)
+                # A fork's ceiling is its policy as forked: set_egress may narrow below it and widen
+                # back up to it, never beyond (the engine holds it too).
+                vm.seal_egress()
         except BaseException as e:
             self._unreserve(n, charge)
             if isinstance(e, _CoreEngineError):
@@ -461,7 +493,7 @@ class EmbeddedClient:
         return [
             self._register(
                 _Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin, lost=lost,
-                     disk_quota=box.disk_quota, charge=charge, egress=policy, state=state)
+                     disk_quota=box.disk_quota, charge=charge, egress=policy, state=state, ceiling=policy)
             )
             for vm in vms
         ]
@@ -551,6 +583,11 @@ class EmbeddedClient:
             if timed_out:
                 exit_code = 124
                 verdict = "no-ack" if handshake else "off"
+            elif reply is not None and "cwd_error" in reply:
+                raise InvalidArgument(
+                    f"exec cwd={cwd!r}: cannot change to it in the sandbox: {reply['cwd_error']}; nothing ran. "
+                    f"Create it first (exec(command='mkdir -p {cwd}')) or pass an existing directory"
+                )
             elif reply is not None and "exit_code" in reply:
                 exit_code = int(reply["exit_code"])
                 ack = reply.get("seed_ack")
@@ -578,6 +615,14 @@ class EmbeddedClient:
                 died = True
                 box.lost = "died (" + _how_it_ended(r) + ")"
         notes = []
+        limit = ""
+        if box.vm.take_shared_memory_limit_reached():
+            limit = "shared_memory"
+            notes.append(
+                f"the shared-memory limit of the sandbox ({_quota.SHARED_MEMORY >> 20} MiB) was reached by its shared "
+                "mappings during this exec (shared anonymous mappings such as mmap.mmap(-1, n), memfds and /dev/shm "
+                "together): an mmap got ENOMEM, a write ENOSPC or a process SIGBUS; map, write or keep less shared memory"
+            )
         if restarted:
             kept = restarted.endswith("after a timeout")  # replaced over its files (_end_exec)
             notes.append(
@@ -621,6 +666,7 @@ class EmbeddedClient:
             interpreter_died=died,
             interpreter_restarted=bool(restarted),
             note=note,
+            limit=limit,
             egress_replay=replay,
             egress_error=replay_error,
         )
@@ -698,12 +744,29 @@ class EmbeddedClient:
             except _CoreEngineError as e:
                 raise _engine_error(e, f"disk usage of sandbox {box.id}") from e
 
-    def download(self, box: _Box, path: str) -> bytes:
+    def open_download(self, box: _Box, path: str, max_bytes: int | None = None) -> tuple[int, int]:
+        """Open a regular file of the sandbox of at most `max_bytes` (the client's max_download):
+        (a file descriptor the caller reads and closes, its size). A FIFO, a device or a
+        directory is refused at once (InvalidArgument) and the sandbox goes on."""
+        limit = self.max_download if max_bytes is None else max_bytes
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise InvalidArgument(f"download path must be an absolute guest path such as /work/x, not {path!r}")
         with box.lock:
             try:
-                data = box.vm.download(path)
+                return box.vm.open_download(path, limit)
             except _CoreEngineError as e:
                 raise _invalid_or_died(e, f"download of {path}") from e
+
+    def download(self, box: _Box, path: str) -> bytes:
+        fd, size = self.open_download(box, path)
+        # One bytes object of the file's size, read straight into (no copy in the VMM or here).
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            data = f.read(size) if size else b""
+            while len(data) < size:  # a regular file gives all of it at once; a shrunk one less
+                more = f.read(size - len(data))
+                if not more:
+                    break
+                data += more
         self._count("bytes_out", len(data))
         return data
 
@@ -713,6 +776,8 @@ class EmbeddedClient:
         """Replace a live sandbox's policy; its connections the new one forbids are reset (returns
         how many were)."""
         policy = _egress.coerce(egress)
+        if box.ceiling is not None:
+            policy.check_within(box.ceiling, box.id)
         with box.lock:
             if box.closed:
                 raise NotFoundError(f"sandbox {box.id} is gone")
@@ -720,13 +785,15 @@ class EmbeddedClient:
                 n = box.vm.set_egress(policy.rule_strings(), policy.internet_access)
             except _CoreEngineError as e:
                 raise _engine_error(e, f"set_egress on sandbox {box.id}") from e
+            except ValueError as e:  # beyond the engine's ceiling for it
+                raise InvalidArgument(f"sandbox {box.id}: {e}") from None
             box.egress = policy
             return n
 
-    def egress_log(self, box: _Box) -> list[dict]:
+    def egress_log(self, box: _Box) -> _egress.EgressLog:
         """The sandbox's connection attempts and DNS answers (see `Sandbox.egress_log`)."""
         try:
-            return box.vm.egress_log()
+            return _egress.EgressLog(box.vm.egress_log())
         except _CoreEngineError as e:
             raise _engine_error(e, f"egress_log of sandbox {box.id}") from e
 
@@ -831,6 +898,6 @@ def _how_it_ended(r: Any) -> str:
 
 def _invalid_or_died(e: _CoreEngineError, what: str) -> Exception:
     msg = str(e)
-    if "invalid argument" in msg or "No such file" in msg or "only /tmp and /work" in msg:
+    if "invalid argument" in msg or "No such file" in msg or _quota.WRITABLE_RULE in msg:
         return InvalidArgument(f"{what}: {msg}")
     return _engine_error(e, what)

@@ -1,7 +1,9 @@
 """Disk quotas and the host budget: how much of the host a sandbox may take.
 
-A sandbox's writable mounts (`/tmp`, `/work`, `/dev/shm`) share one quota: its own tmpfs, which the
-engine makes with that size and inode count (see the engine's `quota` module). Past it the guest
+A sandbox's writable mounts (`/tmp`, `/work`) share one quota: its own tmpfs, which the engine
+makes with that size and inode count (see the engine's `quota` module). /dev/shm is shared memory
+and is not on it: with the sandbox's shared anonymous mappings and memfds it is in a second tmpfs
+of its own, its shared memory, of SHARED_MEMORY bytes (docs/quotas.md). Past it the guest
 gets ENOSPC, as on Linux; nothing outside the sandbox notices. The quota is set, first match wins:
 per sandbox (`Sandbox(..., disk_quota=)`, `client.session(..., disk_quota=)`,
 `rollout_once(..., disk_quota=)`), per template (`Template.bake(..., disk_quota=)`), per client or
@@ -9,12 +11,14 @@ server (`EmbeddedClient(disk_quota=)`, `collimate serve --disk-quota`, `COLLIMAT
 else 1 GiB. A fork group's children get their parent's.
 
 The host budget (`memory_budget`, `collimate serve --memory-budget`, `COLLIMATE_MEMORY_BUDGET`) is
-admission by worst case: every live sandbox is charged its guest memory plus its disk quota, and a
+admission by worst case: every live sandbox is charged its guest memory, its shared memory and its
+disk quota, and a
 create or fork that would take the total past the budget waits in the queue, then fails with
 CapacityError naming the budget. Off unless set: the worst case is far above what sandboxes use
 (an idle clone holds about 130 KiB of private memory), so a budget sized to the host's memory
-needs small quotas for wide groups (64 x (1 GiB + 256 MiB) = 80 GiB).
+needs small quotas for wide groups (64 x (1.5 GiB + 256 MiB) = 112 GiB).
 """
+
 
 from __future__ import annotations
 
@@ -23,12 +27,22 @@ import re
 
 from collimate_core.sdk.errors import InvalidArgument
 
+# The guest directories the host may write into (uploads) and the guest's writes land in: the one
+# rule every error about a path that is not writable states (the engine's says the same).
+WRITABLE_DIRS = ("/tmp", "/work", "/dev/shm")
+WRITABLE_RULE = "only /tmp, /work and /dev/shm are writable"
+
 DEFAULT_DISK_QUOTA = 1 << 30
 # Inodes that come with a quota: one per 16 KiB, at least 4096 (the engine's default is 65,536 for
 # 1 GiB).
 MIN_DISK_QUOTA = 1 << 20
 # The guest memory of every sandbox (the engine's VMs are 1 GiB, sparse).
 GUEST_MEMORY = 1 << 30
+# Its shared memory (shared anonymous mappings, memfds, /dev/shm): a tmpfs of its own of half the
+# guest memory, as Linux sizes /dev/shm (the engine's quota::SHARED_MEMORY).
+SHARED_MEMORY = GUEST_MEMORY // 2
+# What the host budget charges a sandbox besides its disk quota.
+MEMORY_CHARGE = GUEST_MEMORY + SHARED_MEMORY
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 

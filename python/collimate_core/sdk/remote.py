@@ -231,6 +231,7 @@ class RemoteClient:
             duration=d["duration"], timed_out=d["timed_out"], truncated=d["truncated"], stdout_bytes=out, stderr_bytes=err,
             interpreter_died=bool(d.get("interpreter_died", False)),
             interpreter_restarted=bool(d.get("interpreter_restarted", False)), note=str(d.get("note") or ""),
+            limit=str(d.get("limit") or ""),
             egress_replay=str(d.get("egress_replay") or ""), egress_error=str(d.get("egress_error") or ""),
         )
 
@@ -270,9 +271,11 @@ class RemoteClient:
         box.egress = policy
         return int(d["reset"])
 
-    def egress_log(self, box: RemoteSandbox) -> list[dict]:
-        """The sandbox's connection attempts and DNS answers (GET /v1/sandboxes/{id}/egress)."""
-        return self._json("GET", f"/v1/sandboxes/{_q(box.id)}/egress")["entries"]
+    def egress_log(self, box: RemoteSandbox) -> _egress.EgressLog:
+        """The sandbox's connection attempts and DNS answers (GET /v1/sandboxes/{id}/egress), with
+        how many older entries the server's log dropped."""
+        d = self._json("GET", f"/v1/sandboxes/{_q(box.id)}/egress")
+        return _egress.EgressLog(d["entries"], int(d.get("dropped", 0)))
 
     def expect_width(self, template: str, width: int) -> None:
         """Ask the server to keep `width` clones of `template` ready before a burst."""

@@ -27,7 +27,11 @@ class ExecResult:
     the sandbox is kept (files, the interpreter's state, what earlier execs left running). Only
     an interpreter that does not stop within a grace period is replaced, over the same files,
     and the next exec has `interpreter_restarted` set (docs/sessions.md).
-    `note` says what happened in words ("" when nothing did).
+    `note` says what happened in words ("" when nothing did). `limit` names a limit of the sandbox
+    that refused something during this exec ("" when none did): "shared_memory" when its shared
+    memory (shared anonymous mappings such as `mmap.mmap(-1, n)`, memfds and /dev/shm, together
+    at most 512 MiB) was full, so that an mmap got ENOMEM, a write ENOSPC or a process SIGBUS;
+    `note` then says so too (docs/quotas.md).
 
     Under an egress policy with `record=True`, `egress_replay` says what the exec did with the
     network: "recorded" (its flows were recorded with its seed), "replayed" (they were served from
@@ -51,6 +55,7 @@ class ExecResult:
     interpreter_died: bool = False
     interpreter_restarted: bool = False
     note: str = ""
+    limit: str = ""
     egress_replay: str = ""
     egress_error: str = ""
 

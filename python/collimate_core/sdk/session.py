@@ -38,7 +38,7 @@ class Sandbox:
         self.client = client if client is not None else connect()
         self.template = getattr(template, "name", template)
         self.default_seed = default_seed
-        # Bytes (or "512M", "2G") for /tmp, /work and /dev/shm together; None: the template's.
+        # Bytes (or "512M", "2G") for /tmp and /work together; None: the template's.
         self.disk_quota = _check_quota(disk_quota) if disk_quota is not None else None
         # Its network policy (default: none); bad rules raise here, before anything is forked.
         self.egress_policy = coerce_egress(egress)
@@ -117,15 +117,19 @@ class Sandbox:
         )
 
     def upload_bytes(self, path: str, data: bytes) -> None:
-        """Write `data` to `path` in the sandbox, byte-exact (under /work or /tmp)."""
+        """Write `data` to `path` in the sandbox, byte-exact (only /tmp, /work and /dev/shm are
+        writable; at most 256 MiB, over HTTP the server's --max-upload)."""
         self.client.upload(self._live(), path, data)
 
     def download(self, path: str) -> bytes:
-        """Read `path` from the sandbox, byte-exact."""
+        """Read `path` from the sandbox, byte-exact: a regular file of at most the client's
+        max_download (256 MiB unless set; `EmbeddedClient(max_download=)`, COLLIMATE_MAX_DOWNLOAD,
+        `collimate serve --max-download`). Anything else (a FIFO, a device, a directory, a larger
+        file) raises InvalidArgument at once, and the sandbox goes on."""
         return self.client.download(self._live(), path)
 
     def disk_usage(self) -> dict | None:
-        """What /tmp, /work and /dev/shm hold together and their quota: bytes, inodes,
+        """What /tmp and /work hold together and their quota: bytes, inodes,
         quota_bytes, quota_inodes (None where the host gives no quotas)."""
         return self.client.disk_usage(self._live())
 
@@ -157,16 +161,20 @@ class Sandbox:
 
     def set_egress(self, egress: Any) -> None:
         """Change this live sandbox's network policy; its open connections the new policy
-        forbids are reset (the guest reads ECONNRESET). Its later forks start from this one."""
+        forbids are reset (the guest reads ECONNRESET). Its later forks start from this one.
+        A fork's ceiling is its policy when it was forked: it may narrow below it and widen
+        back up to it, never beyond (InvalidArgument says what the ceiling is)."""
         policy = coerce_egress(egress)
         self.client.set_egress(self._live(), policy)
         self.egress_policy = policy
 
     def egress_log(self) -> list[dict]:
-        """This sandbox's connection attempts and DNS answers, oldest first: dicts with time,
-        pid (the guest process), kind ("connect" or "dns"), name, address, port, rule (the one that
-        matched), verdict ("allowed", "denied", "nxdomain", "reset", "failed"), detail, bytes_out,
-        bytes_in, open."""
+        """This sandbox's connection attempts and DNS answers, oldest first: dicts with seq (the
+        entry's place since the sandbox started), time, pid (the guest process), kind ("connect",
+        "udp" or "dns"), name, address, port, rule (the one that matched), verdict ("allowed",
+        "denied", "nxdomain", "reset", "failed", "capped"), detail, bytes_out, bytes_in, open.
+        The log keeps the newest 10,000 entries: the result's `dropped` says how many older ones
+        it no longer holds."""
         return self.client.egress_log(self._live())
 
     def __repr__(self) -> str:

@@ -16,11 +16,13 @@ from typing import Any, Callable
 from fastapi import Body, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from collimate_core.sdk.errors import AuthenticationError, CollimateError, InvalidArgument
+from collimate_core.sdk.quota import WRITABLE_RULE
 from collimate_core.server.keys import KeyStore
 from collimate_core.server.config import (
     API_VERSION,
@@ -154,7 +156,7 @@ _ERRORS = {
     400: "invalid argument: the message says what is expected",
     401: "missing, malformed, wrong or revoked API key",
     402: "the tenant's spend limit (sandbox-seconds) is reached",
-    403: "the guest path is not writable (only /work and /tmp are)",
+    403: f"the guest path is not writable ({WRITABLE_RULE})",
     404: "no such template, image or sandbox for this tenant (another tenant's look the same)",
     409: "conflict: wider than the server's capacity, the sandbox's state does not allow it, a catalog template "
          "(read-only), or a template that is still building",
@@ -406,7 +408,7 @@ def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: 
             "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
     )
     async def upload(request: Request, sandbox_id: str,
-                     path: str = Query(min_length=1, max_length=MAX_PATH, pattern="^/", description="absolute guest path; writable: /work, /tmp"),
+                     path: str = Query(min_length=1, max_length=MAX_PATH, pattern="^/", description=f"absolute guest path; {WRITABLE_RULE}"),
                      tenant: str = Tenant) -> UploadResponse:
         return await cp.upload(tenant, sandbox_id, path, request)
 
@@ -416,7 +418,7 @@ def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: 
             "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
     )
     async def download(sandbox_id: str, path: str = Query(min_length=1, max_length=MAX_PATH, pattern="^/", description="absolute guest path"), tenant: str = Tenant) -> Response:
-        return Response(await cp.download(tenant, sandbox_id, path), media_type="application/octet-stream")
+        return StreamingResponse(await cp.download(tenant, sandbox_id, path), media_type="application/octet-stream")
 
     @app.post("/v1/sandboxes/{sandbox_id}/reset", response_model=SandboxInfo, operation_id="reset_sandbox",
               tags=["sandboxes"], responses=_errs(404, 409, 410))

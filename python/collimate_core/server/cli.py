@@ -23,6 +23,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--spend-limit", type=float, default=None, metavar="SANDBOX_SECONDS",
                    help="sandbox-seconds each tenant may use over the server's life (default: no limit)")
     s.add_argument("--max-upload", type=int, default=64 << 20, metavar="BYTES", help="largest upload (default 64 MiB)")
+    s.add_argument("--max-download", type=int, default=256 << 20, metavar="BYTES",
+                   help="largest file a download reads (default 256 MiB)")
     s.add_argument("--max-image-upload", type=int, default=4 << 30, metavar="BYTES",
                    help="largest image archive a tenant may upload to bake from (default 4 GiB)")
     s.add_argument("--max-bakes", type=int, default=2, metavar="N",
@@ -36,12 +38,16 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--key-store", type=Path, default=None, help="the key store (default: COLLIMATE_KEY_STORE or <cache>/keys.json)")
     s.add_argument("--preload", default="python", help="comma-separated templates to start at launch ('' for none)")
     s.add_argument("--disk-quota", default=None, metavar="SIZE",
-                   help="each sandbox's /tmp, /work and /dev/shm together, e.g. 512M (default: COLLIMATE_DISK_QUOTA "
+                   help="each sandbox's /tmp and /work together, e.g. 512M (default: COLLIMATE_DISK_QUOTA "
                    "or 1G); also the most a request may ask for")
     s.add_argument("--egress-ceiling", default=None, metavar="RULES",
                    help="the widest network policy a request may ask for: 'none', 'internet', or comma-separated "
                         "rules ('index.example.org,*.files.example.net,203.0.113.0/24'; add 'internet' to them); a wider "
                         "request gets 403 (default: no ceiling)")
+    s.add_argument("--egress-max-flows", type=int, default=None, metavar="N",
+                   help="the most flows (TCP connections and UDP flows) one sandbox holds open at once, 1..2000; past "
+                        "it the guest's connect fails with EMFILE and the egress log says why (default: "
+                        "COLLIMATE_EGRESS_MAX_FLOWS or 1024)")
     s.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="admit sandboxes while guest memory (1 GiB each) plus disk quota of all live ones stays "
                    "within SIZE, e.g. 200G; beyond it a create waits, then gets 429 (default: COLLIMATE_MEMORY_BUDGET "
@@ -80,13 +86,17 @@ def run(args: argparse.Namespace) -> bool:
             from collimate_core.sdk.egress import parse_ceiling
 
             ceiling = parse_ceiling(args.egress_ceiling) if args.egress_ceiling is not None else None
+            if args.egress_max_flows is not None:
+                from collimate_core.sdk.egress import set_max_flows
+
+                set_max_flows(args.egress_max_flows)
         except InvalidArgument as e:
             sys.exit(f"collimate serve: {e}")
 
         serve(ServerConfig(
             host=args.host, port=args.port, max_sandboxes=args.max_sandboxes, queue=args.queue,
             queue_timeout=args.queue_timeout, idle_reap=args.idle_reap, spend_limit=args.spend_limit,
-            max_upload=args.max_upload, max_image_upload=args.max_image_upload, max_bakes=args.max_bakes,
+            max_upload=args.max_upload, max_download=args.max_download, max_image_upload=args.max_image_upload, max_bakes=args.max_bakes,
             image_quota=args.image_quota, cache=args.cache, key_store=args.key_store,
             preload=tuple(t for t in args.preload.split(",") if t),
             disk_quota=disk_quota, memory_budget=memory_budget, egress_ceiling=ceiling,

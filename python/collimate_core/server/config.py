@@ -32,6 +32,7 @@ class ServerConfig:
     idle_reap: float = 600.0
     spend_limit: float | None = None  # sandbox-seconds per tenant over the server's life
     max_upload: int = 64 << 20
+    max_download: int = 256 << 20  # bytes of one file a download may read (GET .../files)
     max_image_upload: int = 4 << 30  # bytes of one image archive (POST /v1/images)
     max_bakes: int = 2  # bakes running at once on this server; more get 429
     image_quota: int = 20 << 30  # bytes of image archives each tenant may keep (0: no quota)

@@ -8,12 +8,13 @@ import base64
 import functools
 import logging
 import math
+import os
 import re
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 import anyio
 
 from fastapi import Request
@@ -47,6 +48,9 @@ from collimate_core.server.images import (
     _verify_archive,
 )
 from collimate_core.server.log import _event, log
+
+# How much of a file a download reads at a time (the memory one download holds).
+DOWNLOAD_CHUNK = 1 << 20
 from collimate_core.server.metrics import _Metrics
 from collimate_core.server.models import (
     BakeRequest,
@@ -78,7 +82,7 @@ class _Owned:
         self.created = time.time()
         self.last_used = time.monotonic()
         self.busy = 0
-        self.logged = 0  # egress log entries already written to the server's log
+        self.logged = 0  # the seq of the next egress log entry to write to the server's log
 
 
 class ControlPlane:
@@ -555,7 +559,7 @@ class ControlPlane:
         with self.use(tenant, sandbox_id) as rec:
             entries = await self.run(self.engine.egress_log, rec.box)
             return EgressLog(egress=EgressSpec(**_box_egress(rec.box).to_json()),
-                             entries=[EgressEntry(**e) for e in entries])
+                             entries=[EgressEntry(**e) for e in entries], dropped=entries.dropped)
 
     def _log_flows(self, rec: _Owned, final: bool) -> None:
         """Write the sandbox's finished egress entries to the server log, one JSON line each (at
@@ -564,11 +568,17 @@ class ControlPlane:
             entries = self.engine.egress_log(rec.box)
         except CollimateError:
             return
-        i = rec.logged
+        # rec.logged: the seq of the next entry to write. The log keeps the newest entries: those
+        # dropped before they were written are counted in a line of their own.
+        if entries.dropped > rec.logged:
+            _event("egress_dropped", tenant=rec.tenant, sandbox=rec.box.id, dropped=entries.dropped - rec.logged,
+                   total_dropped=entries.dropped)
+            rec.logged = entries.dropped
+        i = rec.logged - entries.dropped
         while i < len(entries) and (final or not entries[i]["open"]):
-            _event("egress", tenant=rec.tenant, sandbox=rec.box.id, **entries[i])
+            _event("egress", tenant=rec.tenant, sandbox=rec.box.id, dropped=entries.dropped, **entries[i])
             i += 1
-        rec.logged = i
+        rec.logged = entries.dropped + i
         if final:
             # Network bytes: a flow served from a recording (verdict replayed/diverged) sent nothing.
             net = [e for e in entries if e["kind"] == "connect" and e["verdict"] not in ("replayed", "diverged")]
@@ -717,7 +727,7 @@ class ControlPlane:
             stdout_b64=None if r.stdout.encode() == r.stdout_bytes else base64.b64encode(r.stdout_bytes).decode(),
             stderr_b64=None if r.stderr.encode() == r.stderr_bytes else base64.b64encode(r.stderr_bytes).decode(),
             seed=r.seed, seed_ack=r.seed_ack, duration=r.duration, timed_out=r.timed_out, truncated=r.truncated,
-            interpreter_died=r.interpreter_died, interpreter_restarted=r.interpreter_restarted, note=r.note,
+            interpreter_died=r.interpreter_died, interpreter_restarted=r.interpreter_restarted, note=r.note, limit=r.limit,
             egress_replay=r.egress_replay, egress_error=r.egress_error,
         )
 
@@ -738,16 +748,31 @@ class ControlPlane:
             self._meter(tenant).add("bytes_in", size)
         return UploadResponse(path=path, bytes=size)
 
-    async def download(self, tenant: str, sandbox_id: str, path: str) -> bytes:
+    async def download(self, tenant: str, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """The file's bytes in chunks of DOWNLOAD_CHUNK, read as they are sent: a download holds
+        one chunk of memory, whatever the file's size (at most max_download)."""
         _check_path(path)
         with self.use(tenant, sandbox_id) as rec:
             try:
-                data = await self.run(self.engine.download, rec.box, path)
+                fd, size = await self.run(self.engine.open_download, rec.box, path, self.config.max_download)
             except (EngineError, InvalidArgument) as e:
                 raise _file_error(e, f"download of {path}") from e
         with self._lock:
-            self._meter(tenant).add("bytes_out", len(data))
-        return data
+            self._meter(tenant).add("bytes_out", size)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                left = size
+                while left > 0:
+                    b = await anyio.to_thread.run_sync(os.read, fd, min(left, DOWNLOAD_CHUNK))
+                    if not b:
+                        break
+                    left -= len(b)
+                    yield b
+            finally:
+                os.close(fd)
+
+        return chunks()
 
     async def reset(self, tenant: str, sandbox_id: str) -> SandboxInfo:
         with self.use(tenant, sandbox_id) as rec:

@@ -18,6 +18,7 @@ from collimate_core.sdk.errors import (
     VmDestroyedError,
     WIRE_ERRORS,
 )
+from collimate_core.sdk.quota import WRITABLE_RULE
 
 
 class ApiError(StarletteHTTPException):
@@ -80,7 +81,9 @@ def _file_error(e: CollimateError, what: str) -> Exception:
     if errno_ == 2:  # ENOENT
         return ApiError(404, "not_found", f"{what}: no such file in the sandbox")
     if errno_ in (13, 30, 1):  # EACCES, EROFS, EPERM
-        return ApiError(403, "forbidden_path", f"{what}: not writable here (only /tmp and /work are writable): {e}")
+        # The engine's message names the path and states the rule (once) where it applies.
+        msg = str(e) if WRITABLE_RULE in str(e) else f"{what}: not writable ({WRITABLE_RULE}): {e}"
+        return ApiError(403, "forbidden_path", msg)
     if errno_ in (20, 21, 17, 39):  # ENOTDIR, EISDIR, EEXIST, ENOTEMPTY
         return ApiError(409, "conflict", f"{what}: {e}")
     return InvalidArgument(f"{what}: {e}")

@@ -126,13 +126,13 @@ class CreateSandbox(BaseModel):
     egress: EgressSpec | None = Field(None, description="the sandbox's network policy (default: none), within the "
                                       "server's --egress-ceiling")
     disk_quota: int | None = Field(
-        None, ge=1 << 20, description="bytes for /tmp, /work and /dev/shm together (default: the template's, "
+        None, ge=1 << 20, description="bytes for /tmp and /work together (default: the template's, "
         "else the server's --disk-quota, which is also the most a request may ask for)",
     )
 
 
 class DiskUsage(BaseModel):
-    bytes: int = Field(description="what /tmp, /work and /dev/shm hold together")
+    bytes: int = Field(description="what /tmp and /work hold together")
     inodes: int
     quota_bytes: int = Field(description="past it the guest gets ENOSPC")
     quota_inodes: int
@@ -190,6 +190,8 @@ class ExecResponse(BaseModel):
         "timeout (replaced over the same files; docs/sessions.md)",
     )
     note: str = Field("", description="what happened to the interpreter, in words ('' when nothing did)")
+    limit: str = Field("", description="a limit of the sandbox that refused something during this exec: "
+                       "'shared_memory' ('' when none did)")
     egress_replay: str = Field("", description="under an egress policy with record=true: recorded, replayed or "
                                "diverged (docs/egress.md); '' otherwise")
     egress_error: str = Field("", description="where a replay diverged from its recording, in words ('' when it did not)")
@@ -214,6 +216,8 @@ class ForkRequest(BaseModel):
 
 
 class EgressEntry(BaseModel):
+    seq: int = Field(0, description="its place in the sandbox's log since the sandbox started (entries below the "
+                     "first one returned were dropped)")
     time: float = Field(description="Unix time")
     pid: int = Field(description="the guest process")
     kind: str = Field(description="connect (TCP), udp or dns")
@@ -222,6 +226,7 @@ class EgressEntry(BaseModel):
     port: int
     rule: str | None = Field(description="the rule that admitted it (null: denied)")
     verdict: str = Field(description="allowed, denied, nxdomain, reset (a policy change forbade it), failed, "
+                         "capped (the sandbox's flow cap: the guest got EMFILE), "
                          "or, under record=true, replayed (served from a recording) or diverged (reset: it differed)")
     detail: str
     bytes_out: int = Field(description="bytes sent and acknowledged by the peer")
@@ -231,7 +236,8 @@ class EgressEntry(BaseModel):
 
 class EgressLog(BaseModel):
     egress: EgressSpec
-    entries: list[EgressEntry]
+    entries: list[EgressEntry] = Field(description="the newest entries (at most 10,000), oldest first")
+    dropped: int = Field(0, description="older entries the sandbox's log no longer holds")
 
 
 class SetEgressResponse(BaseModel):

@@ -61,7 +61,7 @@ from collimate_core.sdk.errors import (
     NotFoundError,
     SandboxTimeout,
 )
-from collimate_core.templates.catalog import AGENT_DIR, AGENT_IDLE, CATALOG, Baked, cache_dir, guest_cpus
+from collimate_core.templates.catalog import AGENT_DIR, AGENT_IDLE, CATALOG, Baked, agent_env, cache_dir, guest_cpus
 from collimate_core.templates.catalog import frame as _frame
 from collimate_core.templates.catalog import unframe as _unframe
 
@@ -379,6 +379,7 @@ def exec_helper(cache: Path, log=None) -> Path:
     t0 = time.monotonic()
 
     def build(tmp: Path) -> None:
+        os.chmod(tmp, 0o755)  # mounted into guests, whose user may not be root (a cache entry starts private)
         res = subprocess.run([cc, *flags, "-o", str(tmp / "collimate-exec"), str(HELPER_SRC)],
                              capture_output=True, text=True, check=False)
         if res.returncode != 0:
@@ -483,7 +484,7 @@ class _Build:
         self.tdir = _tdir(spec.cache, spec.name)
         self.vtmp: Path | None = None
         self.baked: ImageBaked | None = None
-        self.egress_logged = 0  # entries of the guest's egress log already in the bake's log
+        self.egress_logged = 0  # the seq of the next guest egress log entry for the bake's log
         self._reserve()
 
     def log(self, msg: str) -> None:
@@ -506,7 +507,7 @@ class _Build:
         with _NameLock(self.tdir):
             n = max([*_versions(self.tdir), _current(self.tdir) or 0, 0]) + 1
             self.vtmp = self.tdir / f".v{n}.{os.getpid()}.tmp"
-            self.vtmp.mkdir()
+            self.vtmp.mkdir(mode=0o700)  # private: vm.mem holds what the Ready step loaded
         self.status.version = n
 
     # the work ---------------------------------------------------------------------------------
@@ -580,9 +581,9 @@ class _Build:
                     f"PATH={env['PATH']}, nor /usr/bin/python3): use Ready(cmd=...)"
                 )
             agent_cfg = {"entrypoint": icfg.entrypoint, "cmd": icfg.cmd, "shell": shell}
+            spawn_env = env
             if python:
-                env.setdefault("PYTHONDONTWRITEBYTECODE", "1")  # the root filesystem is read-only
-                env.setdefault("PYTHONUNBUFFERED", "1")
+                spawn_env = agent_env(env)  # its own settings, which commands do not inherit
                 argv = [python, "/opt/collimate/image_agent.py", json.dumps(agent_cfg)]
                 agent_dir = AGENT_DIR
                 kind = "python"
@@ -628,7 +629,7 @@ class _Build:
 
             # Boot the agent to its idle point, then the ready state.
             try:
-                vm = Vm.spawn(root, argv, env=env, cwd=workdir, mounts=mounts,
+                vm = Vm.spawn(root, argv, env=spawn_env, cwd=workdir, mounts=mounts,
                               ro_mounts={"/opt/collimate": agent_dir}, agent=True,
                               uid=user["uid"], gid=user["gid"], groups=user["groups"], cpus=spec.cpus)
             except (_CoreEngineError, ValueError, OSError) as e:
@@ -750,8 +751,10 @@ class _Build:
     def _log_egress(self, vm: Any) -> list[dict]:
         """Write the Ready step's new egress log entries to the bake's log (whatever the policy:
         a refusal is how a bake without an allow rule fails); return the refused ones."""
-        entries = vm.egress_log()[self.egress_logged:]
-        self.egress_logged += len(entries)
+        # By seq, not position: the log keeps the newest 10,000 entries (docs/egress.md).
+        entries = [e for e in vm.egress_log() if e["seq"] >= self.egress_logged]
+        if entries:
+            self.egress_logged = entries[-1]["seq"] + 1
         for e in entries:
             detail = f" ({e['detail']})" if e["verdict"] != "allowed" and e["detail"] else ""
             self.log(f"egress: {e['kind']} {e['name'] or ''} {e['address'] or ''}:{e['port']} {e['verdict']} "
@@ -871,7 +874,7 @@ class Template:
         `ready`: what to run before the checkpoint (Ready(cmd=...) and/or Ready(code=...)).
         `width`: how wide you expect to fork (a hint: recorded, and the zygote keeps that many
         clones ready, up to the engine's pool limit, while the template is registered).
-        `disk_quota`: bytes (or "512M", "2G") for /tmp, /work and /dev/shm together in each of the
+        `disk_quota`: bytes (or "512M", "2G") for /tmp and /work together in each of the
         template's sandboxes (default: the client's, 1 GiB).
         `egress`: the network policy of the bake and its Ready step (e.g. a package index to install
         from); the template's sandboxes then start from their own default, no network.

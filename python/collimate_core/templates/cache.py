@@ -72,7 +72,7 @@ class Lock:
     def __enter__(self) -> Lock:
         while True:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -133,9 +133,11 @@ class Temp:
     def __enter__(self) -> Path:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.file:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         else:
-            os.mkdir(self.path, 0o755)
+            # Private: a template's memory file holds whatever its Ready step loaded (a root
+            # filesystem's builder opens its tree's root up to 0755 itself: the guest sees it).
+            os.mkdir(self.path, 0o700)
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         # Blocking: a sweeper may hold it for a moment, and leaves it alone on seeing our pid.
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -225,7 +227,7 @@ def remove_entry(entry: Path) -> None:
 # --- atomic files ----------------------------------------------------------------------------------
 
 
-def write_atomic(path: Path, data: bytes | str, mode: int = 0o644, fsync: bool = False) -> None:
+def write_atomic(path: Path, data: bytes | str, mode: int = 0o600, fsync: bool = False) -> None:
     """Replace `path` with `data` at once (readers see the old file or the new one, never a part)."""
     path = Path(path)
     with Temp(path, file=True) as tmp:
@@ -286,7 +288,7 @@ def record_build(cache: Path, kind: str, key: str, path: Path | str, seconds: fl
                        "seconds": round(seconds, 3), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     try:
         Path(cache).mkdir(parents=True, exist_ok=True)
-        fd = os.open(Path(cache) / BUILD_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(Path(cache) / BUILD_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError:
         return  # a read-only cache: the build stands, its record is only informative
     try:

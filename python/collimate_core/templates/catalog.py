@@ -27,15 +27,23 @@ AGENT_DIR = Path(__file__).resolve().parent.parent / "guest"
 AGENT_IDLE = 0x6167656E7400
 # Bump when the template's contents change shape (agent protocol, mounts, environment, what exec
 # maps into a process: 3 added the vDSO, which a template baked before lacks).
-TEMPLATE_VERSION = 3
+TEMPLATE_VERSION = 4
 CATALOG = ("python",)
 GUEST_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "HOME": "/work",
     "LANG": "C.UTF-8",
-    "PYTHONDONTWRITEBYTECODE": "1",
-    "PYTHONUNBUFFERED": "1",
 }
+# The agent interpreter's own settings (the root filesystem is read-only; its output goes out
+# unbuffered): set for it alone, never for what an exec runs (the agent drops them at start).
+AGENT_ONLY_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def agent_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` (what commands get) plus the agent-only settings it does not set itself, named in
+    COLLIMATE_AGENT_ENV for the agent to drop."""
+    extra = {k: v for k, v in AGENT_ONLY_ENV.items() if k not in env}
+    return {**env, **extra, "COLLIMATE_AGENT_ENV": ",".join(extra)}
 
 
 def cache_dir() -> Path:
@@ -156,7 +164,7 @@ def _bake_snapshot(tmp: Path, root: Path, say: Callable[[str], None], cpus: int 
         vm = Vm.spawn(
             root,
             ["/usr/bin/python3", "/opt/collimate/agent.py"],
-            env=GUEST_ENV,
+            env=agent_env(GUEST_ENV),
             cwd="/work",
             mounts={"/work": work / "work", "/tmp": work / "tmp", "/dev/shm": work / "shm"},
             ro_mounts={"/opt/collimate": AGENT_DIR},

@@ -1064,6 +1064,7 @@ def build_rootfs(img: Image, cache: Path, log: Log | None = None,
     done: dict = {}  # what the build tells the caller
 
     def build(root: Path) -> None:
+        os.chmod(root, 0o755)  # the guest's / (a cache entry starts private)
         verify_layers(img, say)
         t0 = time.monotonic()
         stats = unpack(img, root, say)

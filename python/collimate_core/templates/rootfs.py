@@ -159,6 +159,7 @@ def build_rootfs(name: str = "python", cache: str | os.PathLike | None = None,
 
 def _build(root: Path, name: str, plan: dict, cache: Path, say, t0: float, t_resolve: float) -> None:
     """Download the plan's packages and make the tree in the empty directory `root`."""
+    os.chmod(root, 0o755)  # the guest's / (a cache entry starts private)
     try:
         debs = _download(plan["packages"], _cache.deb_dir(cache), say)
     except RootfsError as e:

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::dns;
 use super::policy::{self, Policy, Verdict};
+use super::special;
 use super::tape::{self, FlowTape, Outcome, Served, Session};
 use super::wire::{self, NetReply, NetRequest};
 
@@ -35,11 +36,27 @@ use super::wire::{self, NetReply, NetRequest};
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long one upstream DNS question may take (it is asked twice at most).
 const DNS_TIMEOUT: Duration = Duration::from_secs(2);
-/// Most log entries one sandbox keeps (later ones are counted, not kept).
-const MAX_LOG: usize = 10_000;
+/// Most log entries one sandbox keeps: the newest; older ones are dropped and counted.
+pub const MAX_LOG: usize = 10_000;
+/// Most flows (TCP connections and UDP flows) one sandbox holds open at once unless
+/// `COLLIMATE_EGRESS_MAX_FLOWS` or [`set_max_flows`] says otherwise. Past it a connect fails with
+/// [`FLOW_CAP_ERRNO`] and the log says why. Each flow costs the sandbox's VMM two descriptors
+/// (the socket and its liveness end), so the cap stays below [`MAX_FLOWS_LIMIT`].
+pub const MAX_FLOWS_DEFAULT: usize = 1024;
+/// The largest cap: a VMM process holds at most `vmm::jail::NOFILE` (4,096) descriptors, two a flow
+/// plus its own.
+pub const MAX_FLOWS_LIMIT: usize = 2000;
+/// What the guest's connect returns past the cap: EMFILE ("too many open files").
+pub const FLOW_CAP_ERRNO: i32 = libc::EMFILE;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {
+    /// A flow cap out of range.
+    #[error("egress flow cap {0}: give a number of flows in 1..={MAX_FLOWS_LIMIT} (each flow holds two of the VMM's 4,096 descriptors)")]
+    BadFlowCap(usize),
+    /// A policy wider than the sandbox's ceiling (a fork's policy when it was forked).
+    #[error("this sandbox is a fork: its egress may not go beyond its policy when it was forked, {ceiling}; {asked} also admits {wider}; pass a policy within {ceiling}")]
+    AboveCeiling { ceiling: String, asked: String, wider: String },
     /// Setting up the broker (its thread, its sockets) failed.
     #[error("egress broker: {0}")]
     Setup(String),
@@ -110,6 +127,9 @@ fn now() -> f64 {
 /// One entry of a sandbox's egress log: a connection attempt or a DNS answer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LogEntry {
+    /// Its place in the sandbox's log since the sandbox started (0, 1, ...): entries below the
+    /// first one kept were dropped (the log keeps the newest [`MAX_LOG`]).
+    pub seq: u64,
     /// Seconds since the epoch.
     pub time: f64,
     /// The guest process that asked.
@@ -134,7 +154,8 @@ pub struct LogEntry {
 }
 
 struct Flow {
-    log: usize,
+    /// Its entry's `seq` in the log.
+    log: u64,
     addr: SocketAddr,
     names: Vec<String>,
     /// The broker's copy of the dialled connection (None for a flow served from a recording).
@@ -161,13 +182,42 @@ impl Flow {
     }
 }
 
+/// A sandbox's log: the newest [`MAX_LOG`] entries, and how many older ones were dropped.
+#[derive(Default)]
+struct Log {
+    entries: std::collections::VecDeque<LogEntry>,
+    /// The `seq` of `entries[0]`: as many entries were dropped.
+    first: u64,
+}
+
+impl Log {
+    fn push(&mut self, mut e: LogEntry) -> u64 {
+        if self.entries.len() >= MAX_LOG {
+            self.entries.pop_front();
+            self.first += 1;
+        }
+        e.seq = self.first + self.entries.len() as u64;
+        let seq = e.seq;
+        self.entries.push_back(e);
+        seq
+    }
+
+    fn get_mut(&mut self, seq: u64) -> Option<&mut LogEntry> {
+        let i = seq.checked_sub(self.first)?;
+        self.entries.get_mut(usize::try_from(i).ok()?)
+    }
+}
+
 #[derive(Default)]
 struct Inner {
     policy: Policy,
+    /// The widest policy `set_policy` accepts (a fork's policy when it was forked); None: any.
+    ceiling: Option<Policy>,
+    /// Dials under way (they become flows): counted against the flow cap.
+    dialing: usize,
     /// Address -> the names whose answers gave it (this sandbox's own DNS answers only).
     names: HashMap<IpAddr, Vec<String>>,
-    log: Vec<LogEntry>,
-    dropped: u64,
+    log: Log,
     flows: Vec<Flow>,
     /// Bytes of flows already closed (network bytes: flows served from a recording are not counted).
     done_out: u64,
@@ -180,13 +230,20 @@ struct Inner {
 }
 
 impl Inner {
-    fn push(&mut self, e: LogEntry) -> usize {
-        if self.log.len() >= MAX_LOG {
-            self.dropped += 1;
-            return usize::MAX;
-        }
-        self.log.push(e);
-        self.log.len() - 1
+    fn push(&mut self, e: LogEntry) -> u64 {
+        self.log.push(e)
+    }
+
+    /// Why one more flow may not open now (the cap counts open flows and dials under way).
+    fn over_cap(&self) -> Option<String> {
+        let cap = max_flows();
+        let open = self.flows.len() + self.dialing;
+        (open >= cap).then(|| {
+            format!(
+                "the sandbox holds {open} open flows, its cap ({cap}; COLLIMATE_EGRESS_MAX_FLOWS or egress.set_max_flows): \
+                 the guest's connect failed with EMFILE; close connections first"
+            )
+        })
     }
 
     fn finish(&mut self, i: usize) {
@@ -221,6 +278,12 @@ impl SandboxNet {
         Arc::new(SandboxNet { inner: Mutex::new(Inner { policy, ..Default::default() }) })
     }
 
+    /// A fork's: a copy of `parent`'s policy and of its ceiling (never shared).
+    pub fn forked(parent: &SandboxNet) -> Arc<SandboxNet> {
+        let g = parent.lock();
+        Arc::new(SandboxNet { inner: Mutex::new(Inner { policy: g.policy.clone(), ceiling: g.ceiling.clone(), ..Default::default() }) })
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -238,6 +301,39 @@ impl SandboxNet {
     pub fn set_policy(&self, p: Policy) -> usize {
         let mut g = self.lock();
         g.policy = p;
+        Self::enforce(&mut g)
+    }
+
+    /// As [`SandboxNet::set_policy`], within the sandbox's ceiling (a fork's policy when it was
+    /// forked, [`SandboxNet::seal`]): a wider policy is refused, saying what the ceiling is.
+    pub fn set_policy_within(&self, p: Policy) -> Result<usize, BrokerError> {
+        let mut g = self.lock();
+        if let Some(c) = &g.ceiling {
+            if !p.narrower_than(c) {
+                let mut wider: Vec<String> = p.rules.iter().filter(|r| !Policy { rules: vec![(*r).clone()], internet: false }.narrower_than(c)).map(|r| r.to_string()).collect();
+                if p.internet && !c.internet {
+                    wider.insert(0, "internet()".into());
+                }
+                return Err(BrokerError::AboveCeiling { ceiling: c.to_string(), asked: p.to_string(), wider: wider.join(", ") });
+            }
+        }
+        g.policy = p;
+        Ok(Self::enforce(&mut g))
+    }
+
+    /// From now on this sandbox's policy may not go beyond what it is now (a fork, when it is
+    /// forked: its parent's policy at that moment).
+    pub fn seal(&self) {
+        let mut g = self.lock();
+        g.ceiling = Some(g.policy.clone());
+    }
+
+    /// The ceiling [`SandboxNet::seal`] set, if any.
+    pub fn ceiling(&self) -> Option<Policy> {
+        self.lock().ceiling.clone()
+    }
+
+    fn enforce(g: &mut Inner) -> usize {
         let mut reset = 0;
         let mut verdicts = Vec::new();
         let policy = g.policy.clone();
@@ -262,18 +358,26 @@ impl SandboxNet {
         reset
     }
 
-    /// The log, with the live byte counts of open flows.
-    pub fn log(&self) -> Vec<LogEntry> {
+    /// The log (its newest [`MAX_LOG`] entries), with the live byte counts of open flows, and
+    /// how many older entries were dropped.
+    pub fn log_and_dropped(&self) -> (Vec<LogEntry>, u64) {
         let g = self.lock();
-        let mut log = g.log.clone();
+        let first = g.log.first;
+        let mut log: Vec<LogEntry> = g.log.entries.iter().cloned().collect();
         for f in &g.flows {
-            if let Some(e) = log.get_mut(f.log) {
+            let i = f.log.checked_sub(first).and_then(|i| usize::try_from(i).ok());
+            if let Some(e) = i.and_then(|i| log.get_mut(i)) {
                 let (o, n) = f.bytes();
                 e.bytes_out = o;
                 e.bytes_in = n;
             }
         }
-        log
+        (log, first)
+    }
+
+    /// The log: see [`SandboxNet::log_and_dropped`].
+    pub fn log(&self) -> Vec<LogEntry> {
+        self.log_and_dropped().0
     }
 
     /// Egress bytes (out, in) of every flow this sandbox opened, closed or open.
@@ -293,6 +397,7 @@ impl SandboxNet {
         }
         let closed = g.closed;
         *g = Inner { closed, ..Default::default() };
+        // (a recycled clone's next owner starts without a ceiling, as a new sandbox does)
     }
 
     /// Open the recording of the exec about to run (`tape::Session::open`): it replays `path` if
@@ -322,7 +427,7 @@ impl SandboxNet {
     }
 
     /// A replayed flow diverged: the reason goes to its log entry and to the exec's outcome.
-    fn diverged(&self, log: usize, why: String) {
+    fn diverged(&self, log: u64, why: String) {
         let mut g = self.lock();
         if let Some(e) = g.log.get_mut(log) {
             e.verdict = "diverged".into();
@@ -357,8 +462,9 @@ impl SandboxNet {
         let target = SocketAddr::new(ip, addr.port());
         let mut g = self.lock();
         let names = g.names.get(&ip).cloned().unwrap_or_default();
-        let verdict = if g.closed { Verdict::Denied("the sandbox is gone") } else { g.policy.check_udp(ip, addr.port(), &names) };
+        let verdict = if g.closed { Verdict::Denied("the sandbox is gone".into()) } else { g.policy.check_udp(ip, addr.port(), &names) };
         let mut e = LogEntry {
+            seq: 0,
             time: now(),
             pid,
             kind: "udp",
@@ -374,7 +480,7 @@ impl SandboxNet {
         };
         let rule = match verdict {
             Verdict::Denied(why) => {
-                e.detail = why.into();
+                e.detail = why;
                 g.push(e);
                 drop(g);
                 refuse(&reply, libc::ENETUNREACH);
@@ -383,6 +489,14 @@ impl SandboxNet {
             Verdict::Allowed(r) => r,
         };
         e.rule = Some(rule);
+        if let Some(why) = g.over_cap() {
+            e.verdict = "capped".into();
+            e.detail = why;
+            g.push(e);
+            drop(g);
+            refuse(&reply, FLOW_CAP_ERRNO);
+            return;
+        }
         // A replay: the n-th flow of the recorded exec (TCP and UDP count alike, in the order the
         // guest asked) must be this datagram flow; it is served from the recording.
         if let Some(Session::Replay { tape, next, .. }) = g.tape.as_mut() {
@@ -506,6 +620,7 @@ impl SandboxNet {
         };
         if !admitted {
             self.lock().push(LogEntry {
+                seq: 0,
                 time: now(),
                 pid,
                 kind: "dns",
@@ -539,7 +654,11 @@ impl SandboxNet {
             }
             let (answer, verdict, detail) = match res {
                 Ok(addrs) => {
-                    let (ok, hidden): (Vec<IpAddr>, Vec<IpAddr>) = addrs.into_iter().partition(|a| !policy::is_special(*a));
+                    // An answer with a special address (or one of the host's: DNS rebinding) is
+                    // withheld whole: the name does not resolve.
+                    let host = special::host_addrs();
+                    let why: Vec<String> = addrs.iter().filter_map(|a| special::reason_with(*a, &host)).collect();
+                    let (ok, hidden) = if why.is_empty() { (addrs, vec![]) } else { (vec![], addrs) };
                     for a in &ok {
                         let names = g.names.entry(policy::canonical(*a)).or_default();
                         if !names.contains(&name) {
@@ -548,7 +667,11 @@ impl SandboxNet {
                     }
                     let mut detail = ok.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(",");
                     if !hidden.is_empty() {
-                        detail = format!("{detail} (withheld, not public: {})", hidden.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(","));
+                        detail = format!(
+                            "withheld, the whole answer {}: {}",
+                            hidden.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(","),
+                            why.join("; ")
+                        );
                     }
                     (NetReply::Addrs(ok), "allowed", detail)
                 }
@@ -556,6 +679,7 @@ impl SandboxNet {
             };
             let rule = g.policy.rules.iter().find(|r| r.admits_name(&name)).map(|r| r.to_string()).or_else(|| g.policy.internet.then(|| "internet()".to_string()));
             g.push(LogEntry {
+                seq: 0,
                 time: now(),
                 pid,
                 kind: "dns",
@@ -585,12 +709,13 @@ impl SandboxNet {
             let g = self.lock();
             let names = g.names.get(&ip).cloned().unwrap_or_default();
             if g.closed {
-                (Verdict::Denied("the sandbox is gone"), names)
+                (Verdict::Denied("the sandbox is gone".into()), names)
             } else {
                 (g.policy.check(ip, addr.port(), &names), names)
             }
         };
         let entry = move |verdict: &str, rule: Option<String>, detail: String, name: Option<String>| LogEntry {
+            seq: 0,
             time: now(),
             pid,
             kind: "connect",
@@ -606,12 +731,21 @@ impl SandboxNet {
         };
         let rule = match verdict {
             Verdict::Denied(why) => {
-                self.lock().push(entry("denied", None, why.into(), names.first().cloned()));
+                self.lock().push(entry("denied", None, why, names.first().cloned()));
                 refuse(&reply, libc::ECONNREFUSED);
                 return;
             }
             Verdict::Allowed(rule) => rule,
         };
+        {
+            let mut g = self.lock();
+            if let Some(why) = g.over_cap() {
+                g.push(entry("capped", Some(rule), why, names.first().cloned()));
+                drop(g);
+                refuse(&reply, FLOW_CAP_ERRNO);
+                return;
+            }
+        }
         // The name whose rule admitted it (for the log).
         let name = {
             let g = self.lock();
@@ -702,7 +836,9 @@ impl SandboxNet {
         // What a dial's end does, whenever and wherever it ends (at once, or on the broker
         // thread's poll): a failed dial (its start or its wait) is refused with its errno here.
         let net = self.clone();
+        net.lock().dialing += 1;
         let finish = move |sock: std::io::Result<OwnedFd>| {
+            net.lock().dialing -= 1;
             let sock = match sock {
                 Ok(s) => s,
                 Err(e) => {
@@ -1030,6 +1166,35 @@ fn resolver() -> Resolver {
         Ok(b) => b.resolver.lock().unwrap_or_else(|p| p.into_inner()).clone(),
         Err(_) => Resolver::Hosts(HashMap::new()),
     }
+}
+
+static MAX_FLOWS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The flow cap of every sandbox of this process ([`MAX_FLOWS_DEFAULT`] unless
+/// `COLLIMATE_EGRESS_MAX_FLOWS` or [`set_max_flows`] says otherwise).
+pub fn max_flows() -> usize {
+    use std::sync::atomic::Ordering;
+    match MAX_FLOWS.load(Ordering::Relaxed) {
+        0 => {
+            let n = std::env::var("COLLIMATE_EGRESS_MAX_FLOWS")
+                .ok()
+                .and_then(|s| s.trim().parse::<usize>().ok())
+                .filter(|n| (1..=MAX_FLOWS_LIMIT).contains(n))
+                .unwrap_or(MAX_FLOWS_DEFAULT);
+            let _ = MAX_FLOWS.compare_exchange(0, n, Ordering::Relaxed, Ordering::Relaxed);
+            MAX_FLOWS.load(Ordering::Relaxed)
+        }
+        n => n,
+    }
+}
+
+/// Set the flow cap of every sandbox of this process (flows already open stay open).
+pub fn set_max_flows(n: usize) -> Result<(), BrokerError> {
+    if !(1..=MAX_FLOWS_LIMIT).contains(&n) {
+        return Err(BrokerError::BadFlowCap(n));
+    }
+    MAX_FLOWS.store(n, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
 }
 
 /// Start the broker thread now (it starts on first use otherwise).
@@ -1381,20 +1546,80 @@ mod tests {
 
     #[test]
     fn names_are_answered_for_admitted_names_only_and_private_answers_are_withheld() {
-        set_resolver(Resolver::parse("hosts:pkg.test=203.0.113.9;loop.test=127.0.0.1").unwrap()).unwrap();
+        set_resolver(Resolver::parse("hosts:pkg.test=11.22.33.9;loop.test=127.0.0.1").unwrap()).unwrap();
         let net = SandboxNet::new(policy(&["pkg.test:80", "loop.test"]));
         let vmm = register(net.clone()).unwrap();
         let ask = |name: &str| wire::call(vmm.as_raw_fd(), &NetRequest::Resolve { pid: 1, name: name.into(), v6: false }, 5000).unwrap().0;
-        assert!(matches!(ask("pkg.test"), NetReply::Addrs(a) if a == vec!["203.0.113.9".parse::<IpAddr>().unwrap()]));
+        assert!(matches!(ask("pkg.test"), NetReply::Addrs(a) if a == vec!["11.22.33.9".parse::<IpAddr>().unwrap()]));
         assert!(matches!(ask("loop.test"), NetReply::Addrs(a) if a.is_empty()));
         assert!(matches!(ask("other.test"), NetReply::NxDomain));
         // The answered address is admitted for its name's rule (port 80 only), not as a literal.
         let g = net.lock();
-        let names = g.names.get(&"203.0.113.9".parse::<IpAddr>().unwrap()).cloned().unwrap_or_default();
+        let names = g.names.get(&"11.22.33.9".parse::<IpAddr>().unwrap()).cloned().unwrap_or_default();
         assert_eq!(names, vec!["pkg.test".to_string()]);
-        assert!(matches!(g.policy.check("203.0.113.9".parse().unwrap(), 80, &names), Verdict::Allowed(_)));
-        assert!(matches!(g.policy.check("203.0.113.9".parse().unwrap(), 81, &names), Verdict::Denied(_)));
+        assert!(matches!(g.policy.check("11.22.33.9".parse().unwrap(), 80, &names), Verdict::Allowed(_)));
+        assert!(matches!(g.policy.check("11.22.33.9".parse().unwrap(), 81, &names), Verdict::Denied(_)));
         drop(g);
         set_resolver(Resolver::System).unwrap();
+    }
+
+    #[test]
+    fn the_log_keeps_the_newest_entries_and_counts_the_dropped_ones() {
+        let server = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = server.local_addr().unwrap();
+        let net = SandboxNet::new(Policy::default());
+        let vmm = register(net.clone()).unwrap();
+        for _ in 0..MAX_LOG + 50 {
+            let (r, _) = connect(&vmm, addr);
+            assert!(matches!(r, NetReply::Refused { errno: libc::ECONNREFUSED }));
+        }
+        // After the flood: an allowed connection, then a denied one; both are in the log.
+        net.set_policy(policy(&[&format!("127.0.0.1:{}", addr.port())]));
+        let (r, _fds) = connect(&vmm, addr);
+        assert!(matches!(r, NetReply::Connected { .. }));
+        net.set_policy(Policy::default());
+        let _ = connect(&vmm, addr);
+        let (log, dropped) = net.log_and_dropped();
+        assert_eq!((log.len(), dropped), (MAX_LOG, 52));
+        let tail: Vec<&str> = log[MAX_LOG - 2..].iter().map(|e| e.verdict.as_str()).collect();
+        assert_eq!(tail, ["reset", "denied"]); // the allowed one, reset by the change to none
+        assert_eq!((log[0].seq, log[MAX_LOG - 1].seq), (52, MAX_LOG as u64 + 51));
+    }
+
+    #[test]
+    fn past_the_flow_cap_a_connect_fails_with_emfile_and_the_log_says_why() {
+        let server = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = server.local_addr().unwrap();
+        let net = SandboxNet::new(policy(&[&format!("127.0.0.1:{}", addr.port())]));
+        let vmm = register(net.clone()).unwrap();
+        assert!(matches!(set_max_flows(0), Err(BrokerError::BadFlowCap(0))));
+        assert!(set_max_flows(MAX_FLOWS_LIMIT + 1).unwrap_err().to_string().contains("1..=2000"));
+        // The cap is per process; other tests hold at most two flows a sandbox.
+        set_max_flows(3).unwrap();
+        let held: Vec<_> = (0..3).map(|_| connect(&vmm, addr)).collect();
+        assert!(held.iter().all(|(r, fds)| matches!(r, NetReply::Connected { .. }) && fds.len() == 2));
+        let (r, fds) = connect(&vmm, addr);
+        set_max_flows(MAX_FLOWS_DEFAULT).unwrap();
+        assert!(matches!(r, NetReply::Refused { errno: FLOW_CAP_ERRNO }) && fds.is_empty(), "{r:?}");
+        let e = net.log().pop().unwrap();
+        assert_eq!(e.verdict, "capped");
+        assert!(e.detail.contains("3 open flows") && e.detail.contains("EMFILE"), "{}", e.detail);
+    }
+
+    #[test]
+    fn a_sealed_sandbox_narrows_and_widens_back_but_never_beyond() {
+        let parent = SandboxNet::new(policy(&["pkg.test:443"]));
+        let child = SandboxNet::forked(&parent);
+        child.seal();
+        assert_eq!(child.set_policy_within(Policy::default()).unwrap(), 0);
+        child.set_policy_within(policy(&["pkg.test:443"])).unwrap();
+        let e = child.set_policy_within(Policy { rules: vec![], internet: true }).unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("Egress.allow(\"pkg.test:443\")") && text.contains("internet()"), "{text}");
+        assert!(child.set_policy_within(policy(&["pkg.test"])).is_err());
+        assert_eq!(child.policy(), policy(&["pkg.test:443"]));
+        // A fork of the fork keeps the ceiling; the parent never had one.
+        assert_eq!(SandboxNet::forked(&child).ceiling(), Some(policy(&["pkg.test:443"])));
+        parent.set_policy_within(Policy { rules: vec![], internet: true }).unwrap();
     }
 }

@@ -11,6 +11,7 @@
 pub mod broker;
 pub mod dns;
 pub mod policy;
+pub mod special;
 pub mod tape;
 pub mod wire;
 

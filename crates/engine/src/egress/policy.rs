@@ -4,9 +4,9 @@
 //! Python tests check both agree). A rule is a host name (`index.example.org`), a wildcard
 //! (`*.files.example.net`: names strictly below it), an IP address or a CIDR block, each with an
 //! optional port (`host:443`, `203.0.113.7:5432`, `[2001:db8::1]:443`). `internet` admits public
-//! addresses on any port. Loopback, private, link-local, metadata and multicast addresses
-//! ([`is_special`]) are reached only through an IP or CIDR rule that contains them: never through a
-//! name (whatever it resolves to) or `internet`.
+//! addresses on any port. Special addresses ([`is_special`]: IANA's special-purpose ranges, IPv4
+//! inside IPv6, the host's own addresses; `super::special`) are reached only through an IP or CIDR
+//! rule that contains them: never through a name (whatever it resolves to) or `internet`.
 
 use std::fmt;
 use std::net::IpAddr;
@@ -52,6 +52,23 @@ impl Net {
         (v & !host, v | host, w)
     }
 
+    /// The first and the last address of the block.
+    pub fn bounds(&self) -> (IpAddr, IpAddr) {
+        let (lo, hi, w) = self.range();
+        if w == 32 {
+            (IpAddr::V4((lo as u32).into()), IpAddr::V4((hi as u32).into()))
+        } else {
+            (IpAddr::V6(lo.into()), IpAddr::V6(hi.into()))
+        }
+    }
+
+    /// Whether `a`, as written (an IPv4-mapped address is IPv6 here), is in the block.
+    pub fn contains_exact(&self, a: IpAddr) -> bool {
+        let (lo, hi, w) = self.range();
+        let (v, aw) = bits(a);
+        w == aw && lo <= v && v <= hi
+    }
+
     pub fn contains(&self, a: IpAddr) -> bool {
         let (lo, hi, w) = self.range();
         let (v, aw) = bits(canonical(a));
@@ -94,34 +111,14 @@ pub fn canonical(a: IpAddr) -> IpAddr {
     }
 }
 
-const SPECIAL: &[&str] = &[
-    "0.0.0.0/8",
-    "10.0.0.0/8",
-    "127.0.0.0/8",
-    "169.254.0.0/16",
-    "172.16.0.0/12",
-    "192.168.0.0/16",
-    "224.0.0.0/3",
-    "::/128",
-    "::1/128",
-    "fc00::/7",
-    "fe80::/10",
-    "ff00::/8",
-];
-
-fn special_nets() -> impl Iterator<Item = Net> {
-    SPECIAL.iter().filter_map(|s| parse_net(s).ok())
-}
-
-/// Loopback, private, link-local, metadata, multicast or unspecified: never reached through a
-/// name rule or `internet`.
+/// Special-purpose (IANA's registries, IPv4 inside IPv6 unwrapped) or one of the host's own
+/// addresses: never reached through a name rule or `internet` ([`super::special`]).
 pub fn is_special(a: IpAddr) -> bool {
-    let a = canonical(a);
-    special_nets().any(|n| n.contains(a))
+    super::special::reason(a).is_some()
 }
 
 fn net_is_public(n: &Net) -> bool {
-    !special_nets().any(|s| s.overlaps(n))
+    super::special::net_is_public(n)
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -196,7 +193,7 @@ fn parse_port(rule: &str, t: &str) -> Result<u16, RuleError> {
     }
 }
 
-fn parse_net(t: &str) -> Result<Net, String> {
+pub fn parse_net(t: &str) -> Result<Net, String> {
     let (a, p) = match t.split_once('/') {
         Some((a, p)) => (a, Some(p)),
         None => (t, None),
@@ -292,7 +289,7 @@ pub fn parse_rule(rule: &str) -> Result<Rule, RuleError> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Verdict {
     Allowed(String),
-    Denied(&'static str),
+    Denied(String),
 }
 
 /// One sandbox's policy. `Policy::default()` is no network.
@@ -331,21 +328,24 @@ impl Policy {
                 }
             }
         }
-        if is_special(a) {
-            return Verdict::Denied("loopback, private, link-local or metadata address without an IP rule");
-        }
-        if self.internet {
-            return Verdict::Allowed("internet()".into());
-        }
-        for name in names {
-            if let Some(r) = self.rules.iter().find(|r| r.port_ok(port) && r.admits_name(name)) {
-                return Verdict::Allowed(r.to_string());
-            }
-        }
-        if names.is_empty() {
-            Verdict::Denied("no rule admits this address")
+        let admitted = if self.internet {
+            Some("internet()".to_string())
         } else {
-            Verdict::Denied("no rule admits this name and port")
+            names.iter().find_map(|name| self.rules.iter().find(|r| r.port_ok(port) && r.admits_name(name)).map(|r| r.to_string()))
+        };
+        match admitted {
+            // Asked only here, for what a name or internet() would admit (the host's addresses
+            // are read now: an interface added since the last check counts).
+            Some(rule) => match super::special::reason(a) {
+                Some(why) => Verdict::Denied(format!("{why}: refused without an IP rule that contains it ({rule} does not reach special addresses)")),
+                None => Verdict::Allowed(rule),
+            },
+            // Refused either way; the log says why in the words that help most.
+            None => match super::special::reason(a) {
+                Some(why) => Verdict::Denied(format!("{why}: refused without an IP rule that contains it")),
+                None if names.is_empty() => Verdict::Denied("no rule admits this address".into()),
+                None => Verdict::Denied("no rule admits this name and port".into()),
+            },
         }
     }
 
@@ -355,7 +355,8 @@ impl Policy {
     pub fn check_udp(&self, addr: IpAddr, port: u16, names: &[String]) -> Verdict {
         let ported = Policy { rules: self.rules.iter().filter(|r| r.port == Some(port)).cloned().collect(), internet: false };
         match ported.check(addr, port, names) {
-            Verdict::Denied(_) => Verdict::Denied("no rule names this address and port (UDP needs a rule with a port)"),
+            Verdict::Denied(why) if why.starts_with("no rule") => Verdict::Denied("no rule names this address and port (UDP needs a rule with a port)".into()),
+            Verdict::Denied(why) => Verdict::Denied(format!("{why} (UDP needs a rule with a port)")),
             ok => ok,
         }
     }
@@ -421,23 +422,28 @@ mod tests {
 
     #[test]
     fn udp_needs_a_rule_that_names_the_port() {
-        let ip: IpAddr = "203.0.113.7".parse().unwrap();
+        let ip: IpAddr = "11.22.33.7".parse().unwrap();
         let allowed = |pol: &Policy, port, names: &[String]| matches!(pol.check_udp(ip, port, names), Verdict::Allowed(_));
-        assert!(allowed(&p(&["203.0.113.7:5353"]), 5353, &[]));
-        assert!(!allowed(&p(&["203.0.113.7:5353"]), 5354, &[]));
-        assert!(!allowed(&p(&["203.0.113.7", "203.0.113.0/24"]), 5353, &[]));
+        assert!(allowed(&p(&["11.22.33.7:5353"]), 5353, &[]));
+        assert!(!allowed(&p(&["11.22.33.7:5353"]), 5354, &[]));
+        assert!(!allowed(&p(&["11.22.33.7", "11.22.33.0/24"]), 5353, &[]));
         assert!(!allowed(&Policy { rules: vec![], internet: true }, 5353, &[]));
         let name = ["svc.test".to_string()];
         assert!(allowed(&p(&["svc.test:5353"]), 5353, &name));
         assert!(!allowed(&p(&["svc.test:5353"]), 5353, &[])); // an IP literal under a name rule
         assert!(!allowed(&p(&["svc.test"]), 5353, &name));
-        assert!(matches!(p(&["203.0.113.7"]).check(ip, 5353, &[]), Verdict::Allowed(_))); // TCP: any port
+        assert!(matches!(p(&["11.22.33.7"]).check(ip, 5353, &[]), Verdict::Allowed(_))); // TCP: any port
     }
 
     #[test]
     fn special_addresses_need_an_ip_rule() {
         let inet = Policy { rules: vec![], internet: true };
-        for a in ["127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "::1", "fd00::1", "fe80::1", "::ffff:127.0.0.1"] {
+        for a in [
+            "127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "::1", "fd00::1", "fe80::1", "::ffff:127.0.0.1",
+            // The gaps issue 32 found: CGNAT, benchmarking, IETF assignments, NAT64, 6to4, IPv4-compatible, site-local...
+            "100.64.0.1", "198.18.0.1", "192.0.0.1", "64:ff9b::a9fe:a9fe", "2002:a9fe:a9fe::1", "::169.254.169.254", "::ffff:0:1",
+            "fec0::1", "100::1", "2001::1", "203.0.113.5",
+        ] {
             let ip: IpAddr = a.parse().unwrap();
             assert!(matches!(inet.check(ip, 80, &[]), Verdict::Denied(_)), "{a}");
             assert!(matches!(p(&["example.org"]).check(ip, 80, &["example.org".into()]), Verdict::Denied(_)), "{a}");
@@ -450,7 +456,7 @@ mod tests {
     #[test]
     fn a_name_rule_needs_the_engines_own_answer() {
         let pol = p(&["index.example.org:443", "*.files.example.net"]);
-        let ip: IpAddr = "203.0.113.9".parse().unwrap();
+        let ip: IpAddr = "11.22.33.9".parse().unwrap();
         assert!(matches!(pol.check(ip, 443, &[]), Verdict::Denied(_)));
         assert_eq!(pol.check(ip, 443, &["index.example.org".into()]), Verdict::Allowed("index.example.org:443".into()));
         assert!(matches!(pol.check(ip, 80, &["index.example.org".into()]), Verdict::Denied(_)));

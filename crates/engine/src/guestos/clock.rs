@@ -123,6 +123,11 @@ impl Clocks {
         }
     }
 
+    /// Virtual CLOCK_REALTIME now (replay mode), without advancing it (file times, `files::stamp`).
+    pub fn real_now(&self) -> u64 {
+        self.virtual_ns(ClockKind::Real)
+    }
+
     /// Virtual CLOCK_MONOTONIC now (replay mode), without advancing it: the sandbox's process tree
     /// shares this timeline (see `guestos::sched`).
     pub fn mono_now(&self) -> u64 {
@@ -240,6 +245,25 @@ fn clock_res(proc: &Proc, clock: i32) -> Result<(i64, i64), Errno> {
     Ok((ts.tv_sec, ts.tv_nsec))
 }
 
+/// The guest's CLOCK_MONOTONIC now, without counting a clock read (replay mode's reads each
+/// move virtual time): for the engine's own records, such as a process's start time.
+pub fn mono_peek(proc: &Proc) -> u64 {
+    if proc.clocks.replay {
+        proc.clocks.mono_now()
+    } else {
+        monotonic_ns()
+    }
+}
+
+/// The guest's CLOCK_REALTIME now, without counting a clock read (see [`mono_peek`]).
+pub fn real_peek(proc: &Proc) -> u64 {
+    if proc.clocks.replay {
+        proc.clocks.virtual_ns(ClockKind::Real)
+    } else {
+        host_clock_now(libc::CLOCK_REALTIME).map(ns_of).unwrap_or(0)
+    }
+}
+
 /// The host's CLOCK_MONOTONIC in nanoseconds (host-side deadlines; not what the guest sees).
 pub fn monotonic_ns() -> u64 {
     host_clock_now(libc::CLOCK_MONOTONIC).map(ns_of).unwrap_or(0)
@@ -293,7 +317,12 @@ fn sleep_until(
         ctx.regs.rip = ctx.regs.rip.wrapping_sub(2);
         return Ok(nr);
     }
-    let slice = (deadline - now).min(SLEEP_SLICE.as_nanos() as u64);
+    let mut slice = (deadline - now).min(SLEEP_SLICE.as_nanos() as u64);
+    // A timer of the process (on this same host clock outside replay mode) ends the slice: the
+    // restart that follows fires it (`guestos::timer`).
+    if !proc.clocks.replay {
+        slice = slice.min(proc.timers.next_wall().saturating_sub(now).max(1));
+    }
     let ts = libc::timespec { tv_sec: (slice / 1_000_000_000) as i64, tv_nsec: (slice % 1_000_000_000) as i64 };
     // SAFETY: a relative host sleep on a local timespec. An early return (EINTR from the run's
     // preemption signal) is fine: the deadline decides below.
@@ -324,8 +353,30 @@ fn virtual_sleep(proc: &mut Proc, ctx: &mut Ctx, nr: u64, a: [u64; 6], d: u64, d
         return Err(super::signal::ERESTARTSYS);
     }
     if super::signal::host::alone() {
-        proc.sleep = None;
-        proc.clocks.pass(d);
+        // The end is kept across a restart (a timer's signal that did not end the sleep).
+        let key = PendingSleep { rip: ctx.regs.rip, nr, args: [a[0], a[1], a[2], a[3]], deadline_ns: 0 };
+        let now = proc.clocks.mono_now();
+        let end = match proc.sleep.take() {
+            Some(p) if PendingSleep { deadline_ns: 0, ..p } == key => p.deadline_ns,
+            _ => now.saturating_add(d),
+        };
+        // A timer due first interrupts the sleep there (`guestos::timer`): the clock moves to it
+        // and the call restarts, so its signal is delivered (EINTR, with the time left in `rem`).
+        if let Some(t) = super::timer::until_next(proc).filter(|&t| now.saturating_add(t) < end) {
+            proc.clocks.pass(t);
+            proc.sleep = Some(PendingSleep { deadline_ns: end, ..key });
+            let rem = match nr {
+                SYS_NANOSLEEP => a[1],
+                _ if a[1] & 1 == 0 => a[3],
+                _ => 0,
+            };
+            if rem != 0 {
+                let left = end - now - t;
+                ctx.write(rem, &timespec_bytes((left / 1_000_000_000) as i64, (left % 1_000_000_000) as i64))?;
+            }
+            return Err(super::signal::ERESTARTSYS);
+        }
+        proc.clocks.pass(end.saturating_sub(now));
         return done;
     }
     let r = sleep_until(proc, ctx, nr, a, || Ok(monotonic_ns().saturating_add(d)), done);

@@ -217,9 +217,11 @@ pub fn commit_laid(
     let mut random = [0u8; 16];
     random::random_bytes(&mut os.proc, &mut random)?;
     let aux = AuxInfo { main, entry: main.entry, at_base, random, uid: os.proc.uid, gid: os.proc.gid, vdso };
-    let rsp = build_stack(&mut sp, &argv, envp, &exec_fn, &aux)?;
+    let (rsp, args_area) = build_stack(&mut sp, &argv, envp, &exec_fn, &aux)?;
     os.proc.exe = prog.path.clone();
     os.proc.set_comm_from_path(&exec_fn);
+    os.proc.args_area = args_area;
+    super::proctab::publish(&super::proctab::own_facts(os, sp.mem, sp.aspace, sp.frames, true), true);
     Ok(Image { entry, rsp })
 }
 
@@ -565,11 +567,12 @@ fn hwcap() -> u64 {
     r.edx as u64
 }
 
-/// Write the initial stack below `STACK_TOP`; returns rsp (16-byte aligned, pointing at argc).
+/// Write the initial stack below `STACK_TOP`; returns rsp (16-byte aligned, pointing at argc)
+/// and where the argv and envp strings are (`Proc::args_area`).
 ///
 /// Layout, from the top: 8 zero bytes, the exec file name, the argv and envp strings, "x86_64",
 /// 16 random bytes, padding, then auxv, envp, argv and argc growing down to rsp.
-fn build_stack(sp: &mut Space, argv: &[Vec<u8>], envp: &[Vec<u8>], exec_fn: &[u8], aux: &AuxInfo) -> Result<u64, Errno> {
+fn build_stack(sp: &mut Space, argv: &[Vec<u8>], envp: &[Vec<u8>], exec_fn: &[u8], aux: &AuxInfo) -> Result<(u64, [u64; 3]), Errno> {
     let mut top = STACK_TOP - 8;
     let mut push = |sp: &mut Space, data: &[u8]| -> Result<u64, Errno> {
         top -= data.len() as u64;
@@ -591,6 +594,8 @@ fn build_stack(sp: &mut Space, argv: &[Vec<u8>], envp: &[Vec<u8>], exec_fn: &[u8
         strings.push(0);
     }
     let strings_at = push(sp, &strings)?;
+    let argv_bytes: u64 = argv.iter().map(|s| s.len() as u64 + 1).sum();
+    let args_area = [strings_at, strings_at + argv_bytes, strings_at + strings.len() as u64];
     let ptrs: Vec<u64> = offs.iter().map(|o| strings_at + o).collect();
     let (argv_p, envp_p) = ptrs.split_at(argv.len());
     let platform = push(sp, b"x86_64\0")?;
@@ -635,7 +640,7 @@ fn build_stack(sp: &mut Space, argv: &[Vec<u8>], envp: &[Vec<u8>], exec_fn: &[u8
         return Err(E2BIG);
     }
     sp.aspace.write_virt(sp.mem, rsp, &table, false).map_err(|_| E2BIG)?;
-    Ok(rsp)
+    Ok((rsp, args_area))
 }
 
 #[cfg(test)]

@@ -22,6 +22,7 @@ mod epoll;
 pub mod inet;
 mod socket;
 pub mod special;
+pub mod stamp;
 #[cfg(test)]
 mod tests;
 
@@ -625,6 +626,19 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         EVENTFD2 => sys_eventfd(os, a[0] as u32, a[1] as i32),
         _ => return None,
     };
+    // In replay mode what the guest writes carries its clock's time (see `stamp`).
+    if os.proc.clocks.replay && r.as_ref().is_ok_and(|&n| n > 0 || matches!(nr, FTRUNCATE | FALLOCATE)) {
+        let out = match nr {
+            WRITE | PWRITE64 | WRITEV | PWRITEV | PWRITEV2 | FALLOCATE | FTRUNCATE | SENDFILE => Some(fd0),
+            COPY_FILE_RANGE => Some(a[2] as i32),
+            _ => None,
+        };
+        if let Some(f) = out.and_then(|fd| os.files.file(fd).ok()) {
+            if let (Some(h), false, false) = (f.host_fd(), f.stream, f.dir) {
+                stamp::written(&os.proc, h);
+            }
+        }
+    }
     Some(r)
 }
 
@@ -1217,12 +1231,12 @@ fn sys_memfd_create(os: &mut GuestOs, ctx: &mut Ctx, name: u64, flags: u32) -> S
     if name.len() > 249 || flags & !KNOWN != 0 {
         return Err(EINVAL);
     }
-    let host_flags = libc::MFD_CLOEXEC | (flags & (libc::MFD_ALLOW_SEALING | libc::MFD_NOEXEC_SEAL | libc::MFD_EXEC));
-    // SAFETY: a valid C string; the result is checked.
-    let fd = unsafe { libc::memfd_create(c"guest".as_ptr(), host_flags) };
-    cvt(fd as i64)?;
-    // SAFETY: a fresh descriptor we own.
-    let mut f = OpenFile::host(unsafe { OwnedFd::from_raw_fd(fd) }, None, false);
+    // A file of the sandbox's shared-memory pool, charged to its shared-memory limit (a memfd is
+    // shared memory): past it a write gets ENOSPC. Also with MFD_ALLOW_SEALING: a sealable memfd
+    // would be host memory outside every limit of the sandbox, so the guest gets a memfd whose
+    // F_ADD_SEALS fails with EPERM, as Linux answers for one made without that flag.
+    let fd = crate::vstate::shared::pool_file().map_err(|e| Errno(e.raw_os_error().unwrap_or(libc::ENOMEM)))?;
+    let mut f = OpenFile::host(fd, None, false);
     f.label = Some(format!("/memfd:{} (deleted)", String::from_utf8_lossy(&name)));
     os.files.alloc(0, Arc::new(f), flags & libc::MFD_CLOEXEC != 0).map(|fd| fd as u64)
 }

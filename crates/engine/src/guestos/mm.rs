@@ -47,7 +47,12 @@
 //! [`Vma::lazy`], so syscall buffers in pages not yet pointed anywhere are read from the file).
 //! munmap, mprotect, partial unmaps and mremap that moves or shrinks work on them as on other
 //! mappings; a window goes (its slot deleted before the guest runs again) when no VMA maps any of
-//! it ([`Mm::drop_unused_windows`]), so execve and exit drop them all. Limits: at most
+//! it ([`Mm::drop_unused_windows`]), so execve and exit drop them all (a small one keeps its KVM
+//! slot, parked for the next shared mapping of its length: `vstate::shared::Parked`). Shared
+//! anonymous memory is a nameless file in the sandbox's shared-memory pool
+//! (`vstate::shared::pool`, `crate::quota::SHARED_MEMORY`): a mapping longer than what the pool has
+//! left is ENOMEM, and a touch of a page the pool has no room for ends the process by SIGBUS, as
+//! below for a file that shrank. Limits: at most
 //! `vstate::shared::MAX_WINDOWS` shared mappings per process (mmap answers ENOMEM beyond, as Linux
 //! does past vm.max_map_count); mremap cannot grow a shared mapping (ENOMEM), nor duplicate one
 //! (old_len 0: EINVAL); mprotect cannot make a shared mapping of a file opened read-only writable
@@ -274,7 +279,7 @@ impl Access {
     }
 
     /// Whether the leaf entry `pte` of a present page allows it from ring 3.
-    fn allowed_by_pte(self, pte: u64) -> bool {
+    pub(crate) fn allowed_by_pte(self, pte: u64) -> bool {
         pte & PTE_U != 0
             && match self {
                 Access::Read => true,

@@ -9,7 +9,8 @@
 //! - [`vfs`] and [`files`]: guest paths resolved inside the sandbox's file system, and the fd table.
 //! - [`process`]: a process's state ([`process::Proc`]), pids, process groups, sessions, prctl;
 //!   around it, one module per concept: [`identity`] (user and group ids, uname), [`limits`]
-//!   (rlimits), [`clock`] (clocks, sleeps, the replay clocks), [`random`] (getrandom, reseeding),
+//!   (rlimits), [`clock`] (clocks, sleeps, the replay clocks), [`timer`] (alarm, itimers, POSIX timers,
+//!   timerfd), [`random`] (getrandom, reseeding),
 //!   [`signal_state`] (dispositions, mask, alternate stack), [`cpu`] (the CPUs the guest sees,
 //!   affinity, scheduling settings, sysinfo) and [`thread_area`] (arch_prctl, robust lists).
 //! - [`thread`] and [`futex`]: a process's threads (host-side state, switched on its one vCPU by
@@ -32,12 +33,14 @@ pub mod limits;
 pub mod mm;
 pub mod persist;
 pub mod process;
+pub mod proctab;
 pub mod random;
 pub mod sched;
 pub mod signal;
 pub mod signal_state;
 pub mod thread;
 pub mod thread_area;
+pub mod timer;
 pub mod tree;
 pub mod vdso;
 pub mod vfs;
@@ -320,14 +323,32 @@ impl GuestOs {
             if unsafe { libc::renameat(dir.as_raw_fd(), tmp.as_ptr(), dir.as_raw_fd(), target.as_ptr()) } != 0 {
                 return Err(std::io::Error::last_os_error());
             }
+            // Not in the guest's future: the file and its directory get the guest's time
+            // (`files::stamp`), not the host's.
+            let t = files::stamp::upload_time(&self.proc);
+            // SAFETY: futimens on our descriptor and utimensat on our directory fd, with local
+            // arrays of two timespecs.
+            unsafe {
+                libc::futimens(fd, [t, t].as_ptr());
+                libc::utimensat(dir.as_raw_fd(), c".".as_ptr(), [libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT }, t].as_ptr(), 0);
+            }
             Ok(())
         });
         if let Err(e) = written {
             // SAFETY: removing our own temporary, relative to our directory fd.
             unsafe { libc::unlinkat(dir.as_raw_fd(), tmp.as_ptr(), 0) };
+            let shm = abs == persist::SHM_MOUNT || abs.starts_with(&format!("{}/", persist::SHM_MOUNT));
+            if shm && matches!(e.raw_os_error(), Some(libc::ENOSPC)) {
+                return Err(crate::Error::InvalidArgument(format!(
+                    "upload {abs}: {} bytes do not fit in the sandbox's shared memory ({} MiB for /dev/shm, shared mappings \
+                     and memfds together); free some or upload to /tmp or /work",
+                    data.len(),
+                    crate::quota::SHARED_MEMORY.bytes >> 20
+                )));
+            }
             if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
                 return Err(crate::Error::InvalidArgument(format!(
-                    "upload {abs}: {} bytes do not fit in the sandbox's disk quota (/tmp, /work and /dev/shm together); \
+                    "upload {abs}: {} bytes do not fit in the sandbox's disk quota (/tmp and /work together); \
                      free space in it or give the sandbox a larger disk_quota",
                     data.len()
                 )));
@@ -352,14 +373,42 @@ impl GuestOs {
         Ok(())
     }
 
-    /// Read guest path `path`, as the host.
-    pub fn download(&self, path: &str) -> crate::error::Result<Vec<u8>> {
-        use std::io::Read;
-        let fd = self.vfs.open("/", path.as_bytes(), libc::O_RDONLY, 0).map_err(|e| errno_error("download", path, e))?;
-        let mut f = std::fs::File::from(fd);
-        let mut out = Vec::new();
-        f.read_to_end(&mut out).map_err(crate::Error::sys("read downloaded file"))?;
-        Ok(out)
+    /// Open guest path `path` for the host to read, as the host: a regular file only, opened
+    /// without blocking (a FIFO or a device the guest made would hang the opener) and at most
+    /// `max` bytes long. Returns the open file and its size; the caller reads it (the bytes are
+    /// not copied here: see `Request::Download`).
+    pub fn download(&self, path: &str, max: u64) -> crate::error::Result<(std::os::fd::OwnedFd, u64)> {
+        let flags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY;
+        let fd = self.vfs.open("/", path.as_bytes(), flags, 0).map_err(|e| errno_error("download", path, e))?;
+        // SAFETY: a plain C struct, for which all zeroes is a valid value.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat fills the struct we pass, on a descriptor we own.
+        if unsafe { libc::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd), &mut st) } != 0 {
+            return Err(crate::Error::last_os("fstat downloaded file"));
+        }
+        let kind = match st.st_mode & libc::S_IFMT {
+            libc::S_IFREG => None,
+            libc::S_IFDIR => Some("a directory"),
+            libc::S_IFIFO => Some("a FIFO (named pipe)"),
+            libc::S_IFSOCK => Some("a socket"),
+            libc::S_IFCHR => Some("a character device"),
+            libc::S_IFBLK => Some("a block device"),
+            _ => Some("not a regular file"),
+        };
+        if let Some(kind) = kind {
+            return Err(crate::Error::InvalidArgument(format!(
+                "download {path}: it is {kind}; only regular files can be downloaded (copy what you need into a file first, \
+                 e.g. with exec(command=\"cat {path} > /tmp/out\", timeout=...))"
+            )));
+        }
+        let size = st.st_size.max(0) as u64;
+        if size > max {
+            return Err(crate::Error::InvalidArgument(format!(
+                "download {path}: the file is {size} bytes, over the download limit of {max} bytes; \
+                 split or compress it in the sandbox, or raise the limit (max_download)"
+            )));
+        }
+        Ok((fd, size))
     }
 
     /// Make `fds` (pipe write ends from the controller: stdout, stderr) the guest's fds 1 and 2,
@@ -437,6 +486,9 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
             return Some(RunExit::Yield { value: a[0] });
         }
         _ => {
+            // A timer due by now fires first: a blocking call retried after the clock reached it
+            // sees its signal (or its timerfd readable).
+            timer::fire_due(os);
             let r = thread::dispatch(os, ctx, nr, a)
                 .or_else(|| mm::dispatch(os, ctx, nr, a))
                 .or_else(|| files::dispatch(os, ctx, nr, a))
@@ -452,6 +504,16 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
             }
         }
     };
+    if res.is_ok() {
+        match proctab::changed_by(nr) {
+            0 => {}
+            1 => proctab::refresh(os, ctx.mem, ctx.aspace, ctx.frames),
+            _ => {
+                let (vsize, rss) = proctab::memory(os, ctx.frames);
+                proctab::publish_memory(os.proc.pid, vsize, rss);
+            }
+        }
+    }
     ctx.regs.rax = match res {
         Ok(v) => v,
         // Wait more: the guest re-executes its `syscall` (2 bytes) with rax = nr.
@@ -474,6 +536,7 @@ pub(crate) fn per_process_dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: 
         .or_else(|| process::dispatch(os, ctx, nr, a))
         .or_else(|| random::dispatch(os, ctx, nr, a))
         .or_else(|| clock::dispatch(os, ctx, nr, a))
+        .or_else(|| timer::dispatch(os, ctx, nr, a))
         .or_else(|| cpu::dispatch(os, ctx, nr, a))
         .or_else(|| signal_state::dispatch(os, ctx, nr, a))
 }

@@ -81,34 +81,41 @@ pub fn vm_dir(pid: i32) -> PathBuf {
 }
 
 /// Where a sandbox keeps its private copies of the writable mounts (`m0`, `m1`, ...): its own
-/// tmpfs (`crate::quota`: the disk quota), or, where the host cannot make one (no CAP_SYS_ADMIN) and
-/// for template zygotes, a directory under the runtime directory ([`vm_dir`]).
+/// tmpfs (`crate::quota`: the disk quota) and, for /dev/shm, which is shared memory, its
+/// shared-memory pool (`vstate::shared::pool`, a tmpfs sized to its shared-memory limit); or, where
+/// the host cannot make them (no CAP_SYS_ADMIN) and for template zygotes, a directory under the
+/// runtime directory ([`vm_dir`]).
 #[derive(Clone, Debug)]
 pub enum ScratchRoot {
     Dir(PathBuf),
-    Tmpfs(Arc<OwnedFd>),
+    Tmpfs { disk: Arc<OwnedFd>, shm: Option<Arc<OwnedFd>> },
 }
 
+/// The writable mount that lives in the shared-memory pool rather than on the disk quota.
+pub const SHM_MOUNT: &str = "/dev/shm";
+
 impl ScratchRoot {
-    /// The root, opened (a directory is created if missing).
-    pub fn open(&self) -> std::io::Result<OwnedFd> {
+    /// The root that holds the mount at guest path `at`, opened (a directory is created if missing).
+    pub fn open(&self, at: &str) -> std::io::Result<OwnedFd> {
         match self {
             ScratchRoot::Dir(p) => tree::open_dir_path(p, true),
-            ScratchRoot::Tmpfs(fd) => fd.try_clone(),
+            ScratchRoot::Tmpfs { shm: Some(shm), .. } if at == SHM_MOUNT => shm.try_clone(),
+            ScratchRoot::Tmpfs { disk, .. } => disk.try_clone(),
         }
     }
 
-    /// What mount `i` is called in messages and in [`super::vfs::Mount::host`].
-    pub fn label(&self, i: usize) -> PathBuf {
+    /// What mount `i` (at guest path `at`) is called in messages and in [`super::vfs::Mount::host`].
+    pub fn label(&self, i: usize, at: &str) -> PathBuf {
         match self {
             ScratchRoot::Dir(p) => p.join(format!("m{i}")),
-            ScratchRoot::Tmpfs(_) => PathBuf::from(format!("<sandbox tmpfs>/m{i}")),
+            ScratchRoot::Tmpfs { shm: Some(_), .. } if at == SHM_MOUNT => PathBuf::from(format!("<sandbox shared memory>/m{i}")),
+            ScratchRoot::Tmpfs { .. } => PathBuf::from(format!("<sandbox tmpfs>/m{i}")),
         }
     }
 
-    /// A fresh, empty directory for mount `i` holding a copy of the tree `src`.
-    pub fn fill(&self, i: usize, src: std::os::fd::BorrowedFd<'_>) -> std::io::Result<OwnedFd> {
-        let root = self.open()?;
+    /// A fresh, empty directory for mount `i` (at guest path `at`) holding a copy of the tree `src`.
+    pub fn fill(&self, i: usize, at: &str, src: std::os::fd::BorrowedFd<'_>) -> std::io::Result<OwnedFd> {
+        let root = self.open(at)?;
         let dir = tree::fresh_dir(root.as_fd(), &format!("m{i}"))?;
         tree::copy_tree_at(src, dir.as_fd())?;
         Ok(dir)
@@ -150,7 +157,7 @@ impl OsState {
             let _ = std::fs::remove_dir_all(dir);
             let dest = ScratchRoot::Dir(dir.to_path_buf());
             for (i, m) in writable.iter().enumerate() {
-                dest.fill(i, m.dir.as_fd()).map_err(Error::sys("copy a writable mount into the snapshot"))?;
+                dest.fill(i, &m.at, m.dir.as_fd()).map_err(Error::sys("copy a writable mount into the snapshot"))?;
             }
         }
         Ok(OsState {
@@ -265,8 +272,8 @@ pub fn privatize(os: &mut GuestOs, scratch: &ScratchRoot) -> Result<()> {
         writable.push((m.at.clone(), m.dir.try_clone().map_err(Error::sys("dup a sandbox mount"))?));
     }
     for (i, (at, src)) in writable.iter().enumerate() {
-        let d = scratch.fill(i, src.as_fd()).map_err(Error::sys("copy a writable mount for a forked sandbox"))?;
-        os.vfs.mount_fd(at, d, true, scratch.label(i)).map_err(Error::sys("open a sandbox mount"))?;
+        let d = scratch.fill(i, at, src.as_fd()).map_err(Error::sys("copy a writable mount for a forked sandbox"))?;
+        os.vfs.mount_fd(at, d, true, scratch.label(i, at)).map_err(Error::sys("open a sandbox mount"))?;
     }
     let in_writable = |p: &str| writable.iter().any(|(at, _)| p == at || p.starts_with(&format!("{at}/")));
     let mut replaced: HashMap<*const OpenFile, Arc<OpenFile>> = HashMap::new();

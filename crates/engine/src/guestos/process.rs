@@ -56,6 +56,15 @@ pub struct Proc {
     /// The nice value (-20..=19), bookkeeping only (see setpriority).
     #[serde(default)]
     pub nice: i32,
+    /// Where execve laid out the command line and the environment in the initial stack: the
+    /// argv strings are [0, 1), the envp strings [1, 2) (what /proc/<pid>/cmdline and environ
+    /// read, as Linux's arg_start..env_end); zeros before any execve.
+    #[serde(default)]
+    pub args_area: [u64; 3],
+    /// When this process started (a fork), on the guest's CLOCK_MONOTONIC; 0: `start_ns`, the
+    /// sandbox's first process.
+    #[serde(default)]
+    pub started_ns: u64,
     pub sleep: Option<PendingSleep>,
     /// The sandbox CRNG: every random byte the guest gets. A guest fork gives the child
     /// `crng.fork_child()` (see `vmm::process`), a sandbox clone calls [`super::random::diverge`].
@@ -66,6 +75,9 @@ pub struct Proc {
     /// within the first `cpus`); see [`super::cpu`]. Every thread still runs on the one vCPU.
     pub cpus: u32,
     pub affinity: u64,
+    /// alarm, the itimers and POSIX timers (see [`super::timer`]).
+    #[serde(default)]
+    pub timers: super::timer::Timers,
 }
 
 fn first_child_pid() -> i32 {
@@ -109,11 +121,14 @@ impl Default for Proc {
             start_ns: monotonic_ns(),
             next_pid: first_child_pid(),
             nice: 0,
+            args_area: [0; 3],
+            started_ns: 0,
             sleep: None,
             crng: Crng::from_host_entropy(),
             clocks: Clocks::default(),
             cpus: 1,
             affinity: 1,
+            timers: Default::default(),
         }
     }
 }
@@ -122,6 +137,26 @@ impl Proc {
     /// A resource limit (RLIMIT_*); unknown resources read as unlimited.
     pub fn rlimit(&self, resource: usize) -> Rlimit {
         self.rlimits.get(resource).copied().unwrap_or(Rlimit { cur: RLIM_INFINITY, max: RLIM_INFINITY })
+    }
+
+    /// When this process started, on the guest's CLOCK_MONOTONIC (ns).
+    pub fn started(&self) -> u64 {
+        if self.started_ns != 0 {
+            self.started_ns
+        } else {
+            self.start_ns
+        }
+    }
+
+    /// The process's name as /proc shows it (`comm`): the thread name, else the program's file
+    /// name (at most 15 bytes).
+    pub fn comm_name(&self) -> String {
+        let n = self.comm.iter().position(|&b| b == 0).unwrap_or(self.comm.len());
+        if n > 0 {
+            return String::from_utf8_lossy(&self.comm[..n]).into_owned();
+        }
+        let name = self.exe.rsplit('/').next().filter(|e| !e.is_empty()).unwrap_or("guest");
+        name.chars().take(15).collect()
     }
 
     /// Set the thread name from a program path (its last component, at most 15 bytes).

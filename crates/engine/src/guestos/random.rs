@@ -28,6 +28,7 @@ pub fn random_bytes(proc: &mut Proc, buf: &mut [u8]) -> Result<(), Errno> {
 /// code whose randomness should be reproducible. Everything the guest draws afterwards is a function
 /// of `seed` and of what the guest does; the same holds for the clocks in replay mode.
 pub fn reseed(os: &mut GuestOs, seed: Seed, replay: bool) {
+    let (wall, cpu) = super::timer::clocks_now(os);
     let p = &mut os.proc;
     p.crng.reseed(seed);
     // A sleep cut into slices restarts from its full duration in the new mode.
@@ -37,6 +38,7 @@ pub fn reseed(os: &mut GuestOs, seed: Seed, replay: bool) {
     } else {
         p.clocks.replay = false;
     }
+    super::timer::rebase(os, wall, cpu);
 }
 
 /// After a sandbox clone (a fork of the VMM process, a restore, a reset): give an unseeded CRNG

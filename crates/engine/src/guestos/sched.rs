@@ -395,6 +395,13 @@ pub fn yield_blocked(deadline: Option<u64>) -> bool {
 /// answer expired at once). The network makes such a run irreproducible anyway; a recording's
 /// replay answers at once and is not affected.
 pub fn yield_blocked_on(deadline: Option<u64>, network: bool) -> bool {
+    // The process's next timer ends every wait (`guestos::timer`): a wait without a deadline of
+    // its own gets the timer's, so time can jump there when everybody waits.
+    let timer = TIMER_NEXT.load(Ordering::Relaxed);
+    let deadline = match deadline {
+        Some(d) => Some(d.min(timer)),
+        None => (timer != u64::MAX).then_some(timer),
+    };
     if THREAD_TURNS.load(Ordering::Relaxed) {
         NETWORK_WAIT.store(network, Ordering::SeqCst);
         // Another thread of this process runs meanwhile (`vmm::threads`); the call is retried
@@ -410,6 +417,14 @@ pub fn yield_blocked_on(deadline: Option<u64>, network: bool) -> bool {
     NETWORK_WAIT.store(network, Ordering::SeqCst);
     YIELD.store(1, Ordering::SeqCst);
     true
+}
+
+/// The loaded process's next timer deadline (`guestos::timer`; u64::MAX: none), on the same
+/// clock as the yields' deadlines.
+static TIMER_NEXT: AtomicU64 = AtomicU64::new(u64::MAX);
+
+pub fn set_timer_deadline(d: u64) {
+    TIMER_NEXT.store(d, Ordering::Relaxed);
 }
 
 /// Whether the call that last yielded waits on a network socket (see [`yield_blocked_on`]):
@@ -444,6 +459,25 @@ pub fn begin_syscall(rip: u64, nr: u64, args: [u64; 4]) {
         if c.1.is_some_and(|(k, _)| k != key) {
             c.1 = None;
         }
+    }
+}
+
+/// The call that asked to yield is interrupted instead (a signal is to be delivered, from a timer
+/// that fired in it): no yield. Without this the turn was passed with the call's deadline and
+/// time jumped there before the handler ran (a handler of a 0.5 s timer saw 0.6 s).
+pub fn cancel_yield() {
+    YIELD.store(0, Ordering::SeqCst);
+    THREAD_YIELD.store(false, Ordering::SeqCst);
+    THREAD_SLEEP.store(false, Ordering::SeqCst);
+    NETWORK_WAIT.store(false, Ordering::SeqCst);
+}
+
+/// The current call returned to the guest (it is not being restarted): its deadline is done
+/// with. The same call made again (a loop of `time.sleep(0.3)`: the same rip and arguments)
+/// computes a new one; it kept the old one, and ended at once when that had been reached.
+pub fn call_done() {
+    if let Ok(mut c) = CALL.lock() {
+        c.1 = None;
     }
 }
 
@@ -855,6 +889,7 @@ pub fn leave() {
         return;
     }
     HOLDING.store(false, Ordering::SeqCst);
+    super::proctab::leave(me as i32);
     ending(r, me);
 }
 

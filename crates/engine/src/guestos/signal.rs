@@ -1191,6 +1191,15 @@ fn suspend(os: &mut GuestOs, mask: Option<u64>) -> SysResult {
             if crate::guestos::sched::yield_blocked(None) {
                 break;
             }
+            // Alone in replay mode, nothing but a timer (or the host) can end the wait: the
+            // virtual clock moves to the process's next timer, which fires (`guestos::timer`).
+            if host::alone() {
+                if let Some(t) = crate::guestos::timer::until_next(&os.proc) {
+                    os.proc.clocks.pass(t);
+                    crate::guestos::timer::fire_due(os);
+                    continue;
+                }
+            }
             let fds: Vec<RawFd> =
                 os.sig.children.iter().filter(|c| !c.notified).filter_map(|c| c.pidfd.as_ref().map(|f| f.as_raw_fd())).collect();
             wait_slice(&fds);

@@ -108,6 +108,8 @@ pub fn enter(first: &mut Request) -> Result<JailStatus> {
     let mem_size = plan(first, &mut binds);
 
     set_rlimits(mem_size)?;
+    // What kind of KVM this is, while /sys is still there (forks inherit it).
+    crate::vstate::profile::current();
     *KVM.lock().map_err(|_| Error::Protocol("kvm slot poisoned".into()))? = Some(Kvm::new());
     let namespaces = match unshare() {
         Ok(()) => {
@@ -328,7 +330,11 @@ fn mount_devpts() {
 /// snapshot through: a detached copy of the mount at `dir`, rooted there. `..` stops at its root, so
 /// it gives access to that directory tree only.
 pub fn open_snapshot_dest(dir: &Path) -> Result<OwnedFd> {
-    std::fs::create_dir_all(dir).map_err(Error::sys("create snapshot directory"))?;
+    // Owner-only, as what goes in it (see `GuestMemory::write_image`).
+    std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+        .create(dir)
+        .map_err(Error::sys("create snapshot directory"))?;
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).map_err(Error::sys("make the snapshot directory private"))?;
     let c = cstr(dir)?;
     // SAFETY: open_tree with a NUL-terminated path; the result is checked.
     let fd = unsafe {

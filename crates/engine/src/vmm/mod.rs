@@ -14,6 +14,7 @@ mod spawn;
 mod teardown;
 mod threads;
 pub(crate) mod jail;
+mod lifeline;
 mod syscalls;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -80,8 +81,9 @@ pub struct Machine {
     /// Where this sandbox's private copies of its writable mounts live: its own tmpfs (the disk
     /// quota, see `crate::quota`) or a directory under the runtime directory.
     scratch: ScratchRoot,
-    /// Tmpfs instances from the controller (`Request::AddScratch`) for the next children: each new
-    /// sandbox (a fork or a spare) takes one. Once any has come, children are never made without.
+    /// Tmpfs instances from the controller (`Request::AddScratch`) for the next children, in pairs
+    /// (disk quota, shared-memory pool): each new sandbox (a fork or a spare) takes a pair. Once any
+    /// has come, children are never made without.
     scratch_stock: Vec<OwnedFd>,
     quota_mode: bool,
     /// Set while this process runs its vfork child on its own vCPU (see `spawn`).
@@ -91,6 +93,11 @@ pub struct Machine {
     touched: Option<spawn_prefault::Touched>,
     /// Register writes through `kvm_run` waiting for the next run (see `vstate::sync`).
     sync: crate::vstate::sync::RegSync,
+    /// The vCPU stopped at an I/O exit whose instruction KVM completes on the next `KVM_RUN`
+    /// (upstream KVM; see [`Machine::complete_io`]).
+    io_pending: bool,
+    /// The last page fault retried as spurious (see [`Machine::spurious_fault`]).
+    last_spurious: Option<(u64, u64)>,
 }
 
 fn open_kvm() -> Result<Kvm> {
@@ -214,6 +221,8 @@ impl Machine {
             vfork: None,
             touched: None,
             sync: Default::default(),
+            io_pending: false,
+            last_spurious: None,
         })
     }
 
@@ -244,6 +253,8 @@ impl Machine {
         }
         self.runtime = img.runtime;
         self.sync.reset();
+        self.io_pending = false;
+        crate::vstate::tlb::forget_guest_flush();
         self.preempter.attach(&mut self.vcpu);
         crate::guestos::signal::host::set_kick(self.vcpu.get_kvm_run());
         Ok(())
@@ -341,12 +352,15 @@ impl Machine {
             vfork: None,
             touched: None,
             sync: Default::default(),
+            io_pending: false,
+            last_spurious: None,
         })
     }
 
     /// Keep the tmpfs instances attached to a request for the children to come; once any came,
     /// no child is made without one.
-    fn add_scratch(&mut self, fds: Vec<OwnedFd>) {
+    fn add_scratch(&mut self, mut fds: Vec<OwnedFd>) {
+        fds.truncate(fds.len() & !1); // pairs only
         if !fds.is_empty() {
             self.quota_mode = true;
             self.scratch_stock.extend(fds);
@@ -374,12 +388,99 @@ impl Machine {
     /// Capture the vCPU. kvm_pvm reads XCR0 back as 0 after we set it (AVX keeps working); an XCR0
     /// without the x87 bit is architecturally invalid and would be refused on restore, so we record
     /// the value we set instead.
-    fn capture(&self) -> Result<VcpuState> {
+    fn capture(&mut self) -> Result<VcpuState> {
+        self.complete_io()?;
         let mut s = VcpuState::capture(&self.vcpu, &self.msr_list)?;
         if s.xcrs.nr_xcrs >= 1 && s.xcrs.xcrs[0].xcr == 0 && s.xcrs.xcrs[0].value & 1 == 0 {
             s.xcrs.xcrs[0].value = XCR0;
         }
         Ok(s)
+    }
+
+    /// Let KVM finish the I/O instruction the vCPU stopped at, without running the guest any
+    /// further: a `KVM_RUN` with `immediate_exit = 1`, which completes the instruction (RIP past
+    /// it; an `in`'s value into RAX) and returns EINTR before entering the guest. Upstream KVM
+    /// leaves RIP at the instruction at a `KVM_EXIT_IO` and completes it on the next run
+    /// (`vstate::profile`), so state read or replaced before that run would be a vCPU that has
+    /// not executed its `out`: a snapshot stored so would execute it again when restored. Called
+    /// before every capture (snapshot, clone, fork), when a run hands the vCPU back (reset,
+    /// the controller's register requests) and before a thread switch overwrites the registers.
+    /// (Where the VMM writes another RIP, KVM's completion sees that and leaves it alone.)
+    fn complete_io(&mut self) -> Result<()> {
+        if !std::mem::take(&mut self.io_pending) {
+            return Ok(());
+        }
+        // A register write still in the sync area is applied by this run, before the completion.
+        self.sync.before_run(&mut self.vcpu);
+        self.vcpu.set_kvm_immediate_exit(1);
+        let ran = self.vcpu.run().map(|exit| format!("{exit:?}"));
+        self.vcpu.set_kvm_immediate_exit(0);
+        match ran {
+            Err(e) if e.errno() == libc::EINTR => Ok(()),
+            Err(e) => Err(Error::Kvm { op: "KVM_RUN (immediate_exit, to complete an I/O instruction)", source: e }),
+            Ok(exit) => Err(Error::Remote(format!("completing an I/O instruction entered the guest: exit {exit}"))),
+        }
+    }
+
+    /// Make this entry go through the ring-0 flush stub (`vstate::tlb::request_guest_flush`):
+    /// the registers the guest would resume with stay, except that it starts at the stub in ring
+    /// 0 with an `iretq` frame (written on the ring-0 stack) that returns to where it was. The
+    /// stub's bytes are written again if the memory lacks them (a snapshot made before it
+    /// existed).
+    fn enter_guest_flush(&mut self) -> Result<()> {
+        use crate::arch::x86_64::tables::flush_stub;
+        let (mut r, mut s) = self.sync.current(&mut self.vcpu)?;
+        if s.cs.selector & 3 != 3 {
+            // Not about to resume ring 3 (never expected): every translation goes from the host
+            // side instead, which KVM flushes after.
+            let log = self.vm.take_dirty_log()?;
+            self.mem.sync_dirty(&log);
+            return self.vm.replace_slot(self.vm.slot_size());
+        }
+        let stub = flush_stub();
+        let mut have = [0u8; crate::arch::x86_64::tables::FLUSH_STUB_LEN];
+        self.mem.read(STUBS_GPA + FLUSH_STUB_OFFSET, &mut have)?;
+        if have != stub {
+            self.mem.write(STUBS_GPA + FLUSH_STUB_OFFSET, &stub)?;
+        }
+        let mut frame = [0u8; 40];
+        for (i, v) in [r.rip, s.cs.selector as u64, r.rflags, r.rsp, s.ss.selector as u64].into_iter().enumerate() {
+            frame[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        self.mem.write(FLUSH_FRAME_GPA, &frame)?;
+        r.rip = kva(STUBS_GPA + FLUSH_STUB_OFFSET);
+        r.rsp = kva(FLUSH_FRAME_GPA);
+        r.rflags = 2;
+        s.cs = regs::kernel_code_segment();
+        s.ss = regs::kernel_data_segment();
+        self.sync.write(&mut self.vcpu, &r, &s)
+    }
+
+    /// Whether a guest page fault is one the page tables already allow: a translation the host
+    /// widened (a page made present or writable) that the guest's TLB still held in its old form
+    /// (hosts with EPT/NPT: the architecture lets a TLB keep a stricter entry until a flush, and
+    /// the #PF itself drops it), or a shadow entry KVM kept stale (kvm_pvm: its frame is
+    /// invalidated here). The guest retries the access; the fault is not the program's doing, so
+    /// it is not counted as an event of its threads' schedule (a fresh fork, whose TLB is empty,
+    /// takes fewer such faults than its parent, and must replay alike).
+    ///
+    /// Only user-mode faults without a reserved-bit or protection-key cause, and never the same
+    /// fault twice in a row: one that comes back after the invalidation is the program's.
+    fn spurious_fault(&mut self, fault: &RunExit) -> Result<bool> {
+        let RunExit::Fault { vector: 14, error_code, cr2, .. } = *fault else { return Ok(false) };
+        let again = std::mem::take(&mut self.last_spurious) == Some((cr2, error_code));
+        const USER: u64 = 1 << 2;
+        const RSVD_OR_PKEY: u64 = (1 << 3) | (1 << 5);
+        if again || error_code & USER == 0 || error_code & RSVD_OR_PKEY != 0 {
+            return Ok(false);
+        }
+        let Ok((pa, pte)) = self.runtime.aspace.translate(&self.mem, cr2) else { return Ok(false) };
+        if !guestos::mm::Access::of_error_code(error_code).allowed_by_pte(pte) {
+            return Ok(false);
+        }
+        crate::vstate::tlb::invalidate_frames(&self.mem, &[pa & !(PAGE_SIZE - 1)])?;
+        self.last_spurious = Some((cr2, error_code));
+        Ok(true)
     }
 
     /// Count as written the frames whose page-table entries' dirty bits are set: the record of
@@ -415,6 +516,9 @@ impl Machine {
         // Between runs the registers are read and written with the ioctls (captures, forks,
         // the controller's GetRegs).
         let res = res.and_then(|exit| self.sync.settle(&mut self.vcpu).map(|_| exit));
+        // Whoever looks at the vCPU next (a snapshot, a reset, the controller) sees it past
+        // the instruction it stopped at.
+        let res = res.and_then(|exit| self.complete_io().map(|_| exit));
         crate::trace::mark("run.end");
         threads::run_ended();
         let report = threads::take_report();
@@ -492,6 +596,8 @@ impl Machine {
 
     fn run_loop(&mut self, deadline: Instant, out: &mut guestos::Output) -> Result<RunExit> {
         let linux = self.os.is_some();
+        // Whether the preemption timer is armed short of the run's deadline, for a guest timer.
+        let mut short_armed = false;
         loop {
             // Replay mode: the sandbox's processes take turns (see `guestos::sched`).
             if let Some(os) = self.os.as_mut() {
@@ -510,12 +616,27 @@ impl Machine {
             // The vDSO's clock state (see `guestos::vdso`): the clocks out before the guest runs,
             // its reads back in before anything else looks at time.
             if let Some(os) = self.os.as_ref() {
-                let budget = threads::vdso_budget(self);
+                let budget = threads::vdso_budget(self).min(crate::guestos::timer::vdso_budget(os));
                 crate::guestos::vdso::publish(os, &mut self.mem, &self.runtime.aspace, budget);
             }
+            // Translations the host took away since the last entry (see `vstate::tlb`).
+            if crate::vstate::tlb::take_guest_flush() {
+                self.enter_guest_flush()?;
+            }
+            // A guest timer due while the guest computes without exits: the preemption timer
+            // kicks the vCPU out when it is (see `guestos::timer`).
+            let timer_budget = self.os.as_ref().and_then(crate::guestos::timer::host_budget);
+            if timer_budget.is_some() || short_armed {
+                let left = deadline.saturating_duration_since(Instant::now());
+                short_armed = timer_budget.is_some_and(|b| b < left);
+                self.preempter.arm(timer_budget.map_or(left, |b| b.min(left)))?;
+            }
             let traced = crate::trace::on().then(Instant::now);
+            let entered = timer_budget.map(|_| Instant::now());
             self.sync.before_run(&mut self.vcpu);
             let ran = self.vcpu.run();
+            self.io_pending = matches!(ran, Ok(VcpuExit::IoOut(..) | VcpuExit::IoIn(..)))
+                && crate::vstate::profile::current().io_completes_on_next_run();
             if let Some(os) = self.os.as_mut() {
                 let reads = crate::guestos::vdso::fold(os, &self.mem, &self.runtime.aspace);
                 if reads > 0 {
@@ -524,6 +645,12 @@ impl Machine {
                     crate::guestos::sched::begin_syscall(crate::guestos::vdso::VDSO_VA, crate::guestos::clock::SYS_CLOCK_GETTIME, [0; 4]);
                     crate::guestos::sched::after_syscall();
                     crate::trace::vdso_reads(reads);
+                }
+                // The CPU time this run burnt moves virtual time while a timer is due.
+                if let Some(t) = entered {
+                    if crate::guestos::timer::charge(os, t.elapsed()) {
+                        threads::mark_nondeterministic();
+                    }
                 }
             }
             if let Some(t) = traced {
@@ -566,16 +693,32 @@ impl Machine {
                 }
                 // KVM could not reach the host page behind a guest page: with shared mappings,
                 // a page of a file that shrank under the mapping (another process truncated
-                // it). Linux raises SIGBUS there; the faulting address is not known here, so the
-                // process ends by SIGBUS (a handler of its own does not run: see `guestos::mm`).
-                Err(e) if e.errno() == libc::EFAULT && linux && self.mem.windows.iter().any(|w| w.file) => {
+                // it), or one the tmpfs behind it has no room for (the sandbox's shared-memory
+                // pool or its disk quota is full). Linux raises SIGBUS there; the faulting
+                // address is not known here, so the process ends by SIGBUS (a handler of its own
+                // does not run: see `guestos::mm`).
+                Err(e) if e.errno() == libc::EFAULT && linux && !self.mem.windows.is_empty() => {
+                    if crate::vstate::shared::pool_full() {
+                        crate::vstate::shared::note_limit_reached();
+                    }
                     return Ok(RunExit::Signaled { signo: crate::guestos::signal::SIGBUS });
                 }
                 Err(e) => return Err(Error::Kvm { op: "KVM_RUN", source: e }),
             };
             if let Some((port, value)) = exit {
                 if port == SYSCALL_PORT {
+                    // A process alone computing or waiting on the host with a timer armed: the
+                    // time its calls take counts towards the timer too (not a wait for the turn).
+                    let alone = self.os.as_ref().is_some_and(|os| os.proc.timers.armed()) && !crate::guestos::sched::tree_active();
+                    let called = alone.then(Instant::now);
                     let exit = self.syscall(out, deadline)?;
+                    if let (Some(t), Some(os)) = (called, self.os.as_mut()) {
+                        if crate::guestos::timer::charge(os, t.elapsed()) {
+                            threads::mark_nondeterministic();
+                            // Its signal is delivered before the guest goes on (`on_interrupt`).
+                            self.vcpu.set_kvm_immediate_exit(1);
+                        }
+                    }
                     if let Some(exit) = spawn::filter_exit(self, exit)? {
                         return Ok(exit);
                     }
@@ -585,6 +728,9 @@ impl Machine {
                         crate::trace::count_fault();
                     }
                     let fault = self.exception(vector)?;
+                    if linux && self.spurious_fault(&fault)? {
+                        continue;
+                    }
                     threads::count_event();
                     // A Linux guest gets a signal (its handler runs, or it dies by it).
                     let exit = process::on_fault(self, fault)?;
@@ -623,6 +769,8 @@ impl Machine {
     }
 
     fn syscall(&mut self, out: &mut guestos::Output, deadline: Instant) -> Result<Option<RunExit>> {
+        // A syscall between two faults at one address makes the second a new one.
+        self.last_spurious = None;
         let (mut r, sregs) = self.sync.read(&self.vcpu)?;
         // `syscall` saved the return address in rcx and the flags in r11.
         r.rip = r.rcx;
@@ -676,6 +824,9 @@ impl Machine {
                         continue;
                     }
                 }
+                if os.sig.pending != 0 && crate::guestos::signal::has_ready(os) {
+                    crate::guestos::sched::cancel_yield();
+                }
                 break exit;
             },
             None => {
@@ -688,6 +839,9 @@ impl Machine {
         crate::guestos::sched::count_call();
         threads::count_event();
         let exit = process::after_syscall(self, &entry, &mut r, exit)?;
+        if r.rip != entry.rip().wrapping_sub(2) {
+            crate::guestos::sched::call_done();
+        }
         self.return_to_user(&r, sregs)?;
         Ok(exit)
     }
@@ -721,7 +875,9 @@ impl Machine {
     }
 
     pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
-        std::fs::create_dir_all(dir).map_err(Error::sys("create snapshot directory"))?;
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+            .create(dir)
+            .map_err(Error::sys("create snapshot directory"))?;
         // Before anything below edits page-table entries.
         self.end_unlogged()?;
         // Shared mappings live outside guest memory, in host mappings of the sandbox's files and
@@ -793,6 +949,8 @@ impl Machine {
         // The template had no shared mappings (a snapshot refuses them): every one is new.
         self.mem.windows.clear();
         vcpu.restore(&self.vcpu)?;
+        // The restored page tables, under the same CR3, took translations away.
+        crate::vstate::tlb::request_guest_flush();
         self.runtime = runtime;
         self.exited = None;
         if let (Some((os_state, snap)), Some(os)) = (&self.os_reset_point, self.os.as_mut()) {
@@ -905,6 +1063,8 @@ impl Machine {
         // The new VM has no translations: none of the pages a reset left mapped is mapped here.
         self.mem.forget_mapped();
         self.sync.reset();
+        self.io_pending = false;
+        crate::vstate::tlb::forget_guest_flush();
         // POSIX timers are not inherited across fork: make ours. Forget the parent's handle rather
         // than deleting it, since the id may equal the one just created.
         std::mem::forget(std::mem::replace(&mut self.preempter, Preempter::new()?));
@@ -920,7 +1080,7 @@ fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, scratch: &Sc
         let src = dir.join("fs").join(format!("m{i}"));
         let copied = crate::guestos::tree::open_dir_path(&src, false).and_then(|from| {
             use std::os::fd::AsFd;
-            scratch.fill(i, from.as_fd())
+            scratch.fill(i, &state.mounts[i], from.as_fd())
         });
         let d = copied.map_err(|e| {
             if e.raw_os_error() == Some(libc::ENOSPC) {
@@ -931,7 +1091,7 @@ fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, scratch: &Sc
                 Error::SnapshotCorrupt { path: src.display().to_string(), reason: format!("cannot copy the writable mount: {e}") }
             }
         })?;
-        dirs.push((d, scratch.label(i)));
+        dirs.push((d, scratch.label(i, &state.mounts[i])));
     }
     // Every restore and reset is a new clone of the snapshot: an unseeded CRNG gets fresh entropy.
     let mut os = state.rebuild(dirs)?;
@@ -996,8 +1156,12 @@ fn exit_discarding(code: i32) -> ! {
 }
 
 fn reply(chan: &mut Channel, r: Result<Response>) {
+    reply_with_fds(chan, r, &[])
+}
+
+fn reply_with_fds(chan: &mut Channel, r: Result<Response>, fds: &[RawFd]) {
     let msg = r.unwrap_or_else(|e| Response::Err(RemoteError::from(&e)));
-    if chan.send(&msg, &[]).is_err() {
+    if chan.send(&msg, fds).is_err() {
         exit_discarding(0); // controller gone
     }
 }
@@ -1041,7 +1205,7 @@ impl Pool {
     /// Keep only the tmpfs instances the spares still to be made need (each is an empty tmpfs:
     /// dropping one frees it).
     fn trim_stock(&self, m: &mut Machine) {
-        m.scratch_stock.truncate(self.target.saturating_sub(self.spares.len()));
+        m.scratch_stock.truncate(2 * self.target.saturating_sub(self.spares.len()));
     }
 
     fn invalidate(&mut self) {
@@ -1054,7 +1218,11 @@ pub const MAX_SPARES: u32 = 16;
 
 /// Fork one child in `state`. The child never returns from here: it serves its own channel.
 fn spawn_child(m: &mut Machine, state: &VcpuState, chan: &Channel, pool: &mut Pool) -> Result<Spare> {
-    let scratch = m.scratch_stock.pop();
+    // The pair's shared-memory pool was pushed after its disk tmpfs.
+    let scratch = match (m.scratch_stock.pop(), m.scratch_stock.pop()) {
+        (Some(shm), Some(disk)) => Some((disk, shm)),
+        _ => None,
+    };
     if scratch.is_none() && m.quota_mode {
         return Err(Error::Protocol("no tmpfs for the child's disk quota (send AddScratch before Fork)".into()));
     }
@@ -1161,14 +1329,17 @@ fn set_idle_priority(idle: bool) {
     unsafe { libc::sched_setscheduler(0, policy, &param) };
 }
 
-fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Option<OwnedFd>) -> ! {
+fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Option<(OwnedFd, OwnedFd)>) -> ! {
     // The siblings' tmpfs instances are not ours to hold (they would stay allocated while we live).
     m.scratch_stock.clear();
-    let scratch = scratch.map(std::sync::Arc::new);
+    let scratch = scratch.map(|(disk, shm)| (std::sync::Arc::new(disk), std::sync::Arc::new(shm)));
     m.scratch = match &scratch {
-        Some(fd) => ScratchRoot::Tmpfs(fd.clone()),
+        Some((disk, shm)) => ScratchRoot::Tmpfs { disk: disk.clone(), shm: Some(shm.clone()) },
         None => own_dir(),
     };
+    // Its shared anonymous memory, guest memfds and /dev/shm go in its shared-memory pool (a copy
+    // of the parent's shared anonymous memory too, made just below).
+    crate::vstate::shared::set_pool(scratch.as_ref().map(|(_, shm)| shm.clone()));
     // A forked sandbox gets its own copy of the writable mounts, and unless its CRNG was seeded,
     // fresh entropy: unseeded clones never share randomness.
     let privatized = match m.os.as_mut() {
@@ -1191,8 +1362,9 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Op
             // SAFETY: getpid cannot fail.
             let pid = unsafe { libc::getpid() };
             let linux = m.is_linux();
-            // The controller keeps a descriptor of our tmpfs: it reads the usage and sets the quota.
-            let fds: Vec<RawFd> = scratch.iter().map(|fd| fd.as_raw_fd()).collect();
+            // The controller keeps descriptors of our tmpfs instances: it reads the usage and sets
+            // the quota.
+            let fds: Vec<RawFd> = scratch.iter().flat_map(|(disk, shm)| [disk.as_raw_fd(), shm.as_raw_fd()]).collect();
             if chan.send(&Response::Ready { pid, linux, jail: jail::status() }, &fds).is_err() {
                 exit_discarding(0);
             }
@@ -1231,6 +1403,9 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
             crate::trace::mark("serve.run");
         }
         process::serving(m, &chan, &pool);
+        if runs {
+            lifeline::arm(chan.raw_fd());
+        }
         let resp = match req {
             Request::Run { timeout } => m.run(timeout).map(Response::Run),
             Request::Snapshot { dir } => spawn::settle(m).and_then(|_| jail::in_snapshot_dest(&dir, fds, |d| m.snapshot(d))).map(|_| Response::Ok),
@@ -1288,37 +1463,26 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 }
                 os.agent_send(&input)
             }) {
-                Some(Ok(())) => {
-                    let (replay, mono) = m.os.as_ref().map_or((false, 0), |os| (os.proc.clocks.replay, guestos::thread::now(&os.proc.clocks)));
-                    crate::guestos::sched::new_exec(replay, mono);
-                    m.run(timeout)
-                }
-                .and_then(|mut r| {
-                    r.agent = m.os.as_ref().map(|os| os.agent_take()).transpose()?.unwrap_or_default();
-                    Ok(Response::Run(r))
-                }),
+                Some(Ok(())) => run_agent_exec(m, timeout),
                 Some(Err(e)) => Err(e),
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no agent".into())),
             },
             Request::EndExec { signal, timeout } => match m.os.is_some() {
-                true => process::end_exec(m, signal)
-                    .and_then(|_| {
-                        let (replay, mono) = m.os.as_ref().map_or((false, 0), |os| (os.proc.clocks.replay, guestos::thread::now(&os.proc.clocks)));
-                        crate::guestos::sched::new_exec(replay, mono);
-                        m.run(timeout)
-                    })
-                    .and_then(|mut r| {
-                        r.agent = m.os.as_ref().map(|os| os.agent_take()).transpose()?.unwrap_or_default();
-                        Ok(Response::Run(r))
-                    }),
+                true => process::end_exec(m, signal).and_then(|_| run_agent_exec(m, timeout)),
                 false => Err(Error::InvalidArgument("this VM runs no Linux program; it has no agent".into())),
             },
             Request::Upload { path, data, mode } => match m.os.as_ref() {
                 Some(os) => os.upload(&path, &data, mode).map(|_| Response::Ok),
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no files".into())),
             },
-            Request::Download { path } => match m.os.as_ref() {
-                Some(os) => os.download(&path).map(Response::File),
+            Request::Download { path, max } => match m.os.as_ref() {
+                Some(os) => match os.download(&path, max) {
+                    Ok((fd, size)) => {
+                        reply_with_fds(&mut chan, Ok(Response::FileFd { size }), &[fd.as_raw_fd()]);
+                        continue;
+                    }
+                    Err(e) => Err(e),
+                },
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no files".into())),
             },
             Request::Reseed { seed, replay } => match m.os.as_mut() {
@@ -1343,6 +1507,7 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 Err(Error::InvalidArgument("this VMM process already has a VM".into()))
             }
         };
+        lifeline::disarm();
         reply(&mut chan, resp);
         if runs {
             crate::trace::mark("serve.replied");
@@ -1409,4 +1574,14 @@ pub fn serve_fd(fd: RawFd) -> ! {
 /// compare; a template keeps what it was baked with).
 fn large_pages() -> bool {
     std::env::var_os("COLLIMATE_LARGE_PAGES").is_none_or(|v| v != "0")
+}
+
+/// Run the agent's exec (or what is left of it after `EndExec`) as a new exec of the schedulers,
+/// and return the run with the agent's reply.
+fn run_agent_exec(m: &mut Machine, timeout: Duration) -> Result<Response> {
+    let (replay, mono) = m.os.as_ref().map_or((false, 0), |os| (os.proc.clocks.replay, guestos::thread::now(&os.proc.clocks)));
+    crate::guestos::sched::new_exec(replay, mono);
+    let mut r = m.run(timeout)?;
+    r.agent = m.os.as_ref().map(|os| os.agent_take()).transpose()?.unwrap_or_default();
+    Ok(Response::Run(r))
 }

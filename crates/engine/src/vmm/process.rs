@@ -313,6 +313,10 @@ pub(super) fn serving(m: &mut Machine, chan: &Channel, pool: &Pool) {
         host::new_process_count(next);
         super::threads::count_in_new_tree(m);
         crate::guestos::sched::new_tree(m.os.as_ref().map_or(1, |os| os.proc.pid));
+        crate::guestos::proctab::new_tree();
+        if let Some(os) = m.os.as_ref() {
+            crate::guestos::proctab::refresh(os, &m.mem, &m.runtime.aspace, &m.runtime.frames);
+        }
         crate::guestos::futex_shared::new_tree();
         // SAFETY: plain prctl on this process.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
@@ -378,6 +382,7 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
         return Err(crate::guestos::EAGAIN); // a reset ended this process's world: no new processes
     }
     let parent_pid = os.proc.pid;
+    let nproc = os.proc.rlimits.get(6).map_or(u64::MAX, |l| l.cur);
     // The child resumes after the syscall in ring 3 with rax = 0.
     let mut state = m.capture().map_err(|_| crate::guestos::EAGAIN)?;
     state.regs = *r;
@@ -392,7 +397,6 @@ fn fork(m: &mut Machine, r: &kvm_regs, c: &CloneArgs) -> std::result::Result<u64
     }
     // A sandbox has at most MAX_PROCESSES processes (and no more than its RLIMIT_NPROC allows):
     // each is a VMM process with a VM of its own.
-    let nproc = os.proc.rlimits.get(6).map_or(u64::MAX, |l| l.cur);
     if !host::add_process(nproc.min(MAX_PROCESSES as u64) as u32) {
         return Err(crate::guestos::EAGAIN);
     }
@@ -466,9 +470,12 @@ fn child_main(m: &mut Machine, state: VcpuState, c: &CloneArgs, guest_pid: i32, 
         os.sig.parent_host = parent_host;
         os.proc.pid = guest_pid;
         os.proc.ppid = parent_pid;
+        os.proc.started_ns = crate::guestos::clock::mono_peek(&os.proc);
         os.proc.sleep = None;
         // A stream of its own, derived from the parent's (deterministic for replays; see guestos::crng).
         os.proc.crng = os.proc.crng.fork_child();
+        os.proc.timers.on_fork();
+        crate::guestos::sched::set_timer_deadline(u64::MAX);
         os.proc.clear_child_tid = if c.flags & CLONE_CHILD_CLEARTID != 0 { c.child_tid } else { 0 };
         if c.flags & CLONE_CLEAR_SIGHAND != 0 {
             signal::on_exec(os);
@@ -520,6 +527,7 @@ pub(super) fn enter_child_process(m: &mut Machine, guest_pid: i32, parent_host: 
         }
     }
     // Nothing of the parent's conversation with its controller stays open here.
+    super::lifeline::forget();
     if let Ok(mut v) = CONTROL_FDS.lock() {
         for fd in v.drain(..) {
             // SAFETY: closing our copies of the controller's descriptors; the objects owning them
@@ -529,6 +537,7 @@ pub(super) fn enter_child_process(m: &mut Machine, guest_pid: i32, parent_host: 
     }
     host::reset_child();
     crate::guestos::sched::child_started(guest_pid);
+    crate::guestos::proctab::child_started();
     crate::guestos::futex_shared::child_started();
     // Only the calling thread is copied (its siblings stay the parent's, and counted there).
     super::threads::only_current(m, false);
@@ -542,6 +551,9 @@ pub(super) fn enter_child_process(m: &mut Machine, guest_pid: i32, parent_host: 
 /// Run a child process's guest to its end. A panic must not unwind into the parent's stack
 /// frames, which this process inherited.
 pub(super) fn run_child(m: &mut Machine) -> ! {
+    if let Some(os) = m.os.as_ref() {
+        crate::guestos::proctab::refresh(os, &m.mem, &m.runtime.aspace, &m.runtime.frames);
+    }
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| child_loop(m)));
     die_by(libc::SIGKILL)
 }
@@ -646,6 +658,7 @@ pub(super) fn kill_children(m: &mut Machine) {
         // The process budget starts over with the world (see `host::reset_process_count`).
         host::reset_process_count();
         crate::guestos::sched::reset(m.os.as_ref().map_or(1, |os| os.proc.pid));
+        crate::guestos::proctab::reset(m.os.as_ref().map_or(1, |os| os.proc.pid));
         crate::guestos::futex_shared::reset();
     }
 }
@@ -855,6 +868,7 @@ pub(super) fn on_exec_state(os: &mut GuestOs) {
     os.proc.clear_child_tid = 0;
     os.proc.robust_list = (0, 0);
     os.proc.sleep = None;
+    os.proc.timers.on_exec();
 }
 
 // --- signal delivery ---------------------------------------------------------------------------
@@ -904,6 +918,7 @@ pub(super) fn after_syscall(m: &mut Machine, entry: &Entry, r: &mut kvm_regs, ex
         let pid = os.proc.pid;
         signal::raise(os, SigInfo::sent(signal::SIGPIPE, signal::SI_USER, pid));
     }
+    crate::guestos::timer::fire_due(os);
     if os.sig.pending == 0 && !host::pending() && os.sig.children.iter().all(|c| c.notified) {
         if let Some(mask) = os.sig.saved_mask.take() {
             os.proc.sigmask = mask;

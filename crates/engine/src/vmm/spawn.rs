@@ -140,8 +140,10 @@ pub(super) fn begin(m: &mut Machine, r: &mut kvm_regs, sregs: &mut kvm_sregs, c:
     let mut proc = os.proc.clone();
     proc.pid = pid;
     proc.ppid = parent_pid;
+    proc.started_ns = crate::guestos::clock::mono_peek(&proc);
     proc.sleep = None;
     proc.crng = proc.crng.fork_child();
+    proc.timers.on_fork();
     proc.clear_child_tid = 0;
     // Counted in the parent's CRNG too, in step with the child's derivation (as a fork does).
     let _ = os.proc.crng.fork_child();

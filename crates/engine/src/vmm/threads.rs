@@ -70,6 +70,12 @@ pub fn take_nondeterministic() -> bool {
     NONDETERMINISTIC.swap(false, Ordering::SeqCst)
 }
 
+/// A replay run did something whose place depends on the host's speed (a timer reached by
+/// computing, `guestos::timer::charge`).
+pub fn mark_nondeterministic() {
+    NONDETERMINISTIC.store(true, Ordering::SeqCst);
+}
+
 /// Per-process scheduler bookkeeping that is not guest state.
 struct Slice {
     /// When the loaded thread was loaded.
@@ -255,6 +261,12 @@ fn park(m: &mut Machine, state: RunState) -> Result<()> {
 
 /// Load thread `i` into the vCPU and the per-thread fields of the OS state.
 fn load(m: &mut Machine, i: usize) -> Result<()> {
+    let Some(os) = m.os.as_mut() else { return Ok(()) };
+    if os.threads.list.get(i).is_none() {
+        return Ok(());
+    }
+    // The registers are about to be replaced: the stopped instruction first (`Machine::complete_io`).
+    m.complete_io()?;
     let Some(os) = m.os.as_mut() else { return Ok(()) };
     let Some(t) = os.threads.list.get_mut(i) else { return Ok(()) };
     let (_, mut sregs) = m.sync.current(&mut m.vcpu)?;

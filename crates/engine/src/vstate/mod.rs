@@ -1,5 +1,6 @@
 //! Generic KVM wrappers: guest memory, the VM and its vCPU state.
 pub mod memory;
+pub mod profile;
 pub mod shared;
 pub mod sync;
 pub mod tlb;

@@ -15,9 +15,11 @@
 //! never in the private-page record (`GuestMemory::dirty`): resets and snapshots do not see them.
 //! What snapshots, sandbox forks and resets do with them is in `guestos::mm`'s module comment.
 //!
-//! A window's host pages past the end of its file would raise SIGBUS in the VMM when touched, so
-//! host-side accesses ([`Windows::read`], [`Windows::write`]) check the file's size first and
-//! answer with an error (EFAULT to the guest) instead.
+//! A window's host pages past the end of its file, or that its tmpfs has no room for (the sandbox's
+//! shared-memory pool, [`pool`], or its disk quota is full), would raise SIGBUS in the VMM when
+//! touched, so host-side accesses ([`Windows::read`], [`Windows::write`]) check the file's size
+//! first and go through the file (`pread`, `pwrite`), answering with an error (EFAULT to the
+//! guest) instead.
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -117,7 +119,35 @@ impl Window {
 
 impl Drop for Window {
     fn drop(&mut self) {
-        // SAFETY: unmapping the host mapping this window made and owns.
+        if !self.ptr.is_null() {
+            // SAFETY: unmapping the host mapping this window made and owns.
+            unsafe { libc::munmap(self.ptr.cast(), self.len as usize) };
+        }
+    }
+}
+
+/// Windows up to this long are parked when their mappings go ([`Parked`]).
+const PARK_MAX_LEN: u64 = 2 << 20;
+/// At most this many parked windows per process.
+const PARK_MAX: usize = 8;
+
+/// A window whose guest mappings went, kept with its guest-physical range, its host address and so
+/// its KVM slot, for the next shared mapping of the same length. Deleting a KVM memory slot makes
+/// KVM drop every translation of the VM (with shadow paging, as on kvm_pvm: the guest then faults
+/// its whole working set in again), which made a 16 KiB `mmap.mmap(-1, n)`/`close` pair cost about
+/// 64 shadow faults; a parked window is re-pointed at the next file in place (`MAP_FIXED`, which
+/// drops the translations of that range only) and its slot never changes. Its host range holds an
+/// inaccessible anonymous mapping meanwhile: the file (and its memory in the pool) is let go at
+/// once, and nothing in the guest's page tables points there.
+struct Parked {
+    gpa: u64,
+    len: u64,
+    ptr: *mut u8,
+}
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the placeholder mapping this parked window owns.
         unsafe { libc::munmap(self.ptr.cast(), self.len as usize) };
     }
 }
@@ -126,6 +156,7 @@ impl Drop for Window {
 #[derive(Default)]
 pub struct Windows {
     map: BTreeMap<u64, Window>,
+    parked: Vec<Parked>,
     /// Bumped on every change, so the VMM re-syncs its KVM slots only when there is something new.
     generation: u64,
 }
@@ -144,19 +175,66 @@ impl Windows {
         self.map.values()
     }
 
+    /// The KVM slots the windows need, live and parked: (guest-physical start, length, host address).
+    pub fn slots(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        self.map.values().map(|w| (w.gpa, w.len, w.host_addr())).chain(self.parked.iter().map(|p| (p.gpa, p.len, p.ptr as u64)))
+    }
+
+    /// Park window `w` (its mappings went): see [`Parked`]. Returns it back if it is not parked.
+    fn park(&mut self, mut w: Window) -> Option<Window> {
+        if w.len > PARK_MAX_LEN || self.parked.len() >= PARK_MAX {
+            return Some(w);
+        }
+        // SAFETY: replaces, in place, the host mapping this window owns (exactly its range) with an
+        // inaccessible anonymous one; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                w.ptr.cast(),
+                w.len as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Some(w);
+        }
+        self.parked.push(Parked { gpa: w.gpa, len: w.len, ptr: w.ptr });
+        w.ptr = std::ptr::null_mut(); // the parked window owns the host range now
+        None
+    }
+
     /// Map `len` bytes (page multiple) of `fd` from `offset` shared; returns the window's
     /// guest-physical start.
     pub fn map(&mut self, fd: Arc<OwnedFd>, offset: u64, len: u64, writable: bool, file: bool) -> Result<u64, WindowError> {
-        if self.map.len() >= CAP.load(Ordering::Relaxed) {
+        let cap = CAP.load(Ordering::Relaxed);
+        if self.map.len() >= cap {
             return Err(WindowError::TooMany);
         }
-        let gpa = self.free_range(len).ok_or(WindowError::NoRoom)?;
         // SAFETY: a zeroed stat is valid; fstat on a descriptor we own.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: as above; the result is checked.
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
             return Err(WindowError::Map(std::io::Error::last_os_error()));
         }
+        // A parked window of this length: the file goes where it was, and the slot stays.
+        if let Some(i) = self.parked.iter().position(|p| p.len == len) {
+            let p = self.parked.swap_remove(i);
+            if host_map(&fd, offset, len, writable, Some(p.ptr)).is_ok() {
+                let (gpa, ptr) = (p.gpa, p.ptr);
+                std::mem::forget(p); // the window owns the host range now
+                self.map.insert(gpa, Window { gpa, len, ptr, fd, offset, writable, file, key: (st.st_dev, st.st_ino) });
+                self.generation += 1;
+                return Ok(gpa);
+            }
+            self.generation += 1; // dropped: its slot goes
+        }
+        // Room for a new slot: parked windows give theirs up first.
+        while self.map.len() + self.parked.len() >= cap && self.parked.pop().is_some() {
+            self.generation += 1;
+        }
+        let gpa = self.free_range(len).ok_or(WindowError::NoRoom)?;
         let ptr = host_map(&fd, offset, len, writable, None).map_err(WindowError::Map)?;
         self.map.insert(gpa, Window { gpa, len, ptr, fd, offset, writable, file, key: (st.st_dev, st.st_ino) });
         self.generation += 1;
@@ -165,12 +243,14 @@ impl Windows {
 
     /// The lowest free 2 MiB-aligned range of `len` bytes in the window space.
     fn free_range(&self, len: u64) -> Option<u64> {
+        let mut taken: Vec<(u64, u64)> = self.map.values().map(|w| (w.gpa, w.len)).chain(self.parked.iter().map(|p| (p.gpa, p.len))).collect();
+        taken.sort_unstable();
         let mut at = WINDOW_BASE;
-        for w in self.map.values() {
-            if w.gpa >= at.checked_add(len)? {
+        for (gpa, wlen) in taken {
+            if gpa >= at.checked_add(len)? {
                 break;
             }
-            at = (w.gpa + w.len).div_ceil(ALIGN) * ALIGN;
+            at = (gpa + wlen).div_ceil(ALIGN) * ALIGN;
         }
         (at.checked_add(len)? <= WINDOW_BASE + WINDOW_SPACE).then_some(at)
     }
@@ -181,18 +261,25 @@ impl Windows {
     }
 
     /// Keep only the windows `keep` holds on to (by guest-physical start); the others are unmapped.
+    /// Small ones are parked ([`Parked`]): their slots stay.
     pub fn retain(&mut self, keep: impl Fn(&Window) -> bool) {
-        let before = self.map.len();
-        self.map.retain(|_, w| keep(w));
-        if self.map.len() != before {
-            self.generation += 1;
+        let gone: Vec<u64> = self.map.values().filter(|w| !keep(w)).map(|w| w.gpa).collect();
+        if gone.is_empty() {
+            return;
         }
+        for gpa in gone {
+            if let Some(w) = self.map.remove(&gpa) {
+                drop(self.park(w));
+            }
+        }
+        self.generation += 1;
     }
 
-    /// Unmap every window.
+    /// Unmap every window, parked ones too.
     pub fn clear(&mut self) {
-        if !self.map.is_empty() {
+        if !self.map.is_empty() || !self.parked.is_empty() {
             self.map.clear();
+            self.parked.clear();
             self.generation += 1;
         }
     }
@@ -209,11 +296,12 @@ impl Windows {
         Some(unsafe { w.ptr.add(at as usize) })
     }
 
+    /// Read through the window's file (`pread`), not its mapping: a page the file does not hold
+    /// yet reads as zeros without being allocated, so a full pool cannot raise SIGBUS in the VMM.
     pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Option<()> {
-        let p = self.host(gpa, buf.len())?;
-        // SAFETY: `host` checked the range lies inside a live mapping, in pages the file backs.
-        unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), buf.len()) };
-        Some(())
+        self.host(gpa, buf.len())?;
+        let w = self.find(gpa)?;
+        read_file_at(&w.fd, buf, w.offset + (gpa - w.gpa)).ok()
     }
 
     /// Write through the window (host side: a read-only window is written too, as Linux's kernel
@@ -225,6 +313,22 @@ impl Windows {
             return None;
         }
         let p = self.host(gpa, data.len())?;
+        // Through the file (`pwrite`) where it is not opened for appending: a page it has to
+        // allocate in a full tmpfs is ENOSPC there (EFAULT to the guest), where a store through
+        // the mapping would raise SIGBUS in the VMM.
+        // SAFETY: F_GETFL on a descriptor we hold.
+        let flags = unsafe { libc::fcntl(w.fd.as_raw_fd(), libc::F_GETFL) };
+        if flags >= 0 && flags & libc::O_APPEND == 0 {
+            let file = std::mem::ManuallyDrop::new(
+                // SAFETY: borrows the window's descriptor for the write; ManuallyDrop keeps it open.
+                unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(w.fd.as_raw_fd()) },
+            );
+            let written = std::os::unix::fs::FileExt::write_all_at(&*file, data, w.offset + (gpa - w.gpa));
+            if written.as_ref().is_err_and(|e| e.raw_os_error() == Some(libc::ENOSPC)) && !w.file {
+                note_limit_reached();
+            }
+            return written.ok();
+        }
         // SAFETY: `host` checked the range lies inside a live writable mapping backed by the file.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
         Some(())
@@ -243,15 +347,17 @@ impl Windows {
                 // Only the pages that show the file are read (the others would raise SIGBUS).
                 let shown = w.shown();
                 let out = std::fs::File::from(copy.try_clone()?);
+                // Read through the file, not the mapping: a read fault on a hole of a tmpfs file
+                // would allocate the page (in the parent's pool).
+                let mut buf = vec![0u8; 1 << 20];
                 let mut at = 0;
                 while at < shown {
-                    let n = (shown - at).min(1 << 20);
-                    // SAFETY: [at, at + n) lies inside the live mapping, in pages the file backs.
-                    let src = unsafe { std::slice::from_raw_parts(w.ptr.add(at as usize), n as usize) };
-                    if src.iter().any(|&b| b != 0) {
-                        std::os::unix::fs::FileExt::write_all_at(&out, src, at)?;
+                    let n = (shown - at).min(1 << 20) as usize;
+                    read_file_at(&w.fd, &mut buf[..n], w.offset + at)?;
+                    if buf[..n].iter().any(|&b| b != 0) {
+                        std::os::unix::fs::FileExt::write_all_at(&out, &buf[..n], at)?;
                     }
-                    at += n;
+                    at += n as u64;
                 }
                 (Arc::new(copy), 0)
             }
@@ -273,21 +379,126 @@ impl Windows {
     }
 }
 
-/// A new memfd of `len` bytes, for shared anonymous memory.
-pub fn memfd(len: u64) -> std::io::Result<OwnedFd> {
+/// The sandbox's shared-memory pool: the root of a tmpfs of its own (`crate::quota`, made by the
+/// controller with the sandbox's shared-memory limit as its size), where its shared anonymous
+/// memory, its guest memfds and its /dev/shm live. One per VMM process (a VMM process serves one
+/// sandbox); none in template zygotes and where the host cannot make tmpfs instances, where
+/// shared anonymous memory is a plain memfd, as before.
+static POOL: std::sync::Mutex<Option<Arc<OwnedFd>>> = std::sync::Mutex::new(None);
+
+/// Make `root` this process's shared-memory pool (a forked sandbox's, before its first run).
+pub fn set_pool(root: Option<Arc<OwnedFd>>) {
+    *POOL.lock().unwrap_or_else(|e| e.into_inner()) = root;
+}
+
+/// This process's shared-memory pool, if it has one.
+pub fn pool() -> Option<Arc<OwnedFd>> {
+    POOL.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// Bytes still free in the pool (None: no pool).
+pub fn pool_free() -> Option<u64> {
+    free_in(pool().as_deref())
+}
+
+fn free_in(root: Option<&OwnedFd>) -> Option<u64> {
+    crate::quota::usage_of(root?).ok().map(|u| u.quota_bytes.saturating_sub(u.bytes))
+}
+
+/// The name, in the pool's root (where the guest cannot reach: its /dev/shm is a directory
+/// below), of the empty file that says the pool's limit refused something since the controller
+/// last looked (`quota::Scratch::take_marker`). A file, because the refusal may happen in any of
+/// the sandbox's VMM processes.
+pub const LIMIT_MARKER: &std::ffi::CStr = c"limit-reached";
+
+/// Record that the sandbox's shared-memory limit refused something (an mmap, a page, a write).
+pub fn note_limit_reached() {
+    note_limit_reached_in(pool().as_deref());
+}
+
+fn note_limit_reached_in(root: Option<&OwnedFd>) {
+    if let Some(root) = root {
+        // SAFETY: openat relative to a directory descriptor we hold, with a valid C string.
+        let fd = unsafe { libc::openat(root.as_raw_fd(), LIMIT_MARKER.as_ptr(), libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC, 0o600) };
+        if fd >= 0 {
+            // SAFETY: the descriptor just opened.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+/// Whether the pool is full (less than 64 KiB left): a page the kernel could not give a
+/// shared mapping was refused by the limit, not by a file that shrank.
+pub fn pool_full() -> bool {
+    pool_free().is_some_and(|free| free < (64 << 10))
+}
+
+/// A new, empty, nameless file in the shared-memory pool (`O_TMPFILE`: it goes with its last
+/// descriptor and mapping), or a memfd where there is no pool. Its pages are the pool's: past the
+/// pool's size a write gets ENOSPC and a fault through a mapping SIGBUS, from the kernel.
+pub fn pool_file() -> std::io::Result<OwnedFd> {
+    pool_file_in(pool().as_deref())
+}
+
+fn pool_file_in(root: Option<&OwnedFd>) -> std::io::Result<OwnedFd> {
     use std::os::fd::FromRawFd;
-    // SAFETY: memfd_create with a valid NUL-terminated name; the result is checked.
-    let fd = unsafe { libc::memfd_create(c"collimate-shared".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = match root {
+        // SAFETY: openat relative to a directory descriptor we hold, with a valid C string; the
+        // result is checked.
+        Some(root) => unsafe { libc::openat(root.as_raw_fd(), c".".as_ptr(), libc::O_TMPFILE | libc::O_RDWR | libc::O_CLOEXEC, 0o600) },
+        // SAFETY: memfd_create with a valid NUL-terminated name; the result is checked.
+        None => unsafe { libc::memfd_create(c"collimate-shared".as_ptr(), libc::MFD_CLOEXEC) },
+    };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: a fresh descriptor we own.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A new file of `len` bytes for shared anonymous memory ([`pool_file`]). ENOMEM when `len` is
+/// more than the pool has free: the mapping could never be touched whole (Linux's strict
+/// overcommit answers the same at mmap).
+pub fn memfd(len: u64) -> std::io::Result<OwnedFd> {
+    memfd_in(pool().as_deref(), len)
+}
+
+fn memfd_in(root: Option<&OwnedFd>, len: u64) -> std::io::Result<OwnedFd> {
+    if free_in(root).is_some_and(|free| len > free) {
+        note_limit_reached_in(root);
+        return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
+    }
+    let fd = pool_file_in(root)?;
     // SAFETY: ftruncate on our own descriptor.
     if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(fd)
+}
+
+/// Fill `buf` from `fd` at `offset` with `pread`; what lies past the end of the file (in the last
+/// page it has a part of) reads as zeros, as through a mapping.
+fn read_file_at(fd: &OwnedFd, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let rest = &mut buf[done..];
+        // SAFETY: pread into the live buffer `rest`, of its length, from a descriptor we hold.
+        let n = unsafe { libc::pread(fd.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len(), (offset + done as u64) as libc::off_t) };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => {
+                rest.fill(0);
+                break;
+            }
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EINTR) {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// mmap `fd` shared, at `at` (replacing what is there) or where the kernel likes.
@@ -328,8 +539,32 @@ mod tests {
         let g = ws.generation();
         ws.retain(|w| w.gpa != a);
         assert!(ws.generation() > g && ws.len() == 1 && ws.find(a).is_none());
-        // The freed range is used again.
-        assert_eq!(ws.map(fd, 0, PAGE_SIZE, true, false).unwrap(), WINDOW_BASE);
+        // The freed range stays parked with its slot, and a mapping of its length takes it again.
+        assert_eq!(ws.slots().count(), 2);
+        assert_eq!(ws.map(fd.clone(), 0, PAGE_SIZE, true, false).unwrap(), 2 * ALIGN + WINDOW_BASE, "another length: a new range");
+        assert_eq!(ws.map(fd, 0, 3 * PAGE_SIZE, true, false).unwrap(), WINDOW_BASE);
+    }
+
+    #[test]
+    fn a_parked_window_keeps_its_slot_lets_its_file_go_and_shows_the_next_file() {
+        let mut ws = Windows::default();
+        let first = Arc::new(memfd(4 * PAGE_SIZE).unwrap());
+        let a = ws.map(first.clone(), 0, 4 * PAGE_SIZE, true, false).unwrap();
+        ws.write(a, b"old").unwrap();
+        let slots: Vec<_> = ws.slots().collect();
+        ws.retain(|_| false);
+        assert!(ws.is_empty() && ws.find(a).is_none());
+        assert_eq!(ws.slots().collect::<Vec<_>>(), slots, "the slot stays");
+        assert_eq!(Arc::strong_count(&first), 1, "the file is let go");
+        let b = ws.map(Arc::new(memfd(4 * PAGE_SIZE).unwrap()), 0, 4 * PAGE_SIZE, true, false).unwrap();
+        assert_eq!((b, ws.slots().collect::<Vec<_>>()), (a, slots));
+        let mut buf = [9u8; 3];
+        ws.read(b, &mut buf).unwrap();
+        assert_eq!(&buf, &[0, 0, 0], "the new file's contents, not the old one's");
+        // SAFETY: reading the live host mapping of the window, inside its length.
+        assert_eq!(unsafe { *(ws.find(b).unwrap().host_addr() as *const u8) }, 0);
+        ws.clear();
+        assert_eq!(ws.slots().count(), 0);
     }
 
     #[test]
@@ -355,6 +590,41 @@ mod tests {
         assert!(Arc::ptr_eq(&new, &ws.find(a).unwrap().fd));
         assert!(ws.read(a + 2 * PAGE_SIZE, &mut b).is_some(), "the copy is a memfd as long as the window");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_pool_bounds_shared_memory_with_enomem_and_enospc_never_a_host_sigbus() {
+        if !crate::quota::available() {
+            eprintln!("skipped: no CAP_SYS_ADMIN for tmpfs instances");
+            return;
+        }
+        let pool = crate::quota::Scratch::new(crate::quota::DiskQuota { bytes: 1 << 20, inodes: 64 }).unwrap();
+        let root = Some(&pool.0);
+        // A mapping larger than the pool could never be touched whole: refused, and marked.
+        let e = memfd_in(root, 2 << 20).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOMEM));
+        assert!(pool.take_marker(LIMIT_MARKER) && !pool.take_marker(LIMIT_MARKER));
+        // Two that fit when made; writing both whole runs into the pool's size. The host's writes
+        // through a window go through the file: ENOSPC (None), where a store would be a SIGBUS.
+        let mut ws = Windows::default();
+        let (fa, fb) = (Arc::new(memfd_in(root, 1 << 20).unwrap()), Arc::new(memfd_in(root, 1 << 20).unwrap()));
+        let a = ws.map(fa, 0, 1 << 20, true, false).unwrap();
+        let b = ws.map(fb, 0, 1 << 20, true, false).unwrap();
+        let page = [7u8; PAGE_SIZE as usize];
+        for at in (0..1 << 20).step_by(PAGE_SIZE as usize) {
+            ws.write(a + at, &page).unwrap();
+        }
+        assert!(ws.write(b, &page).is_none(), "the pool is full");
+        assert_eq!(free_in(root), Some(0));
+        // Reads of pages the file does not hold allocate nothing and read zeros.
+        let mut buf = [1u8; 16];
+        ws.read(b + 8 * PAGE_SIZE, &mut buf).unwrap();
+        assert_eq!(buf, [0u8; 16]);
+        ws.read(a + 5, &mut buf).unwrap();
+        assert_eq!(buf, [7u8; 16]);
+        // Unmapping gives the room back (the files go with their last mapping and descriptor).
+        ws.clear();
+        assert_eq!(free_in(root), Some(1 << 20));
     }
 
     #[test]

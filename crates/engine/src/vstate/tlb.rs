@@ -63,18 +63,30 @@
 //!   table linked under its parent; reusing a freed page-table page as anything else is untested,
 //!   so do a [`flush_guest_tlb`] before handing one out again.
 //!
-//! # Hardware virtualization (VMX/SVM)
-//! Not measured. With two-dimensional paging (EPT/NPT, the default) KVM does not shadow guest page
-//! tables; the guest's own TLB (tagged by VPID/ASID) holds the stale translations, and a
-//! `KVM_SET_SREGS` that changes CR4 or CR3 makes KVM reset the MMU context and request
-//! `KVM_REQ_TLB_FLUSH_GUEST`, which is the intended flush there (the CR4.PGE flip that does nothing
-//! here). [`invalidate_frames`] would only zap EPT/NPT entries (whose flush also drops the combined
-//! translations, but that is a side effect, not a contract). With shadow paging on such hosts
-//! (`ept=0`/`npt=0`) the situation is the one measured here. Upgrades without a flush may also fault
-//! spuriously on real TLBs; a fault handler should retry when the page tables already allow the
-//! access.
+//! # Hardware virtualization (VMX/SVM): what the profile decides (`vstate::profile`)
+//! * **Shadow paging** (`ept=0`/`npt=0`, and kvm_pvm): the situation measured above; the
+//!   invalidations here are the whole mechanism. `tests/tlb.rs` passes in the emulated kvm_amd lane
+//!   with `npt=0` (`scripts/kvm-lane`).
+//! * **EPT/NPT**: KVM does not shadow guest page tables; the guest's own TLB, tagged by VPID/ASID
+//!   and kept across exits, holds the stale translations, `KVM_SET_SREGS` flushes only when
+//!   CR0/CR3/CR4/EFER change, and no ioctl flushes it. The invalidations above still run (they drop
+//!   KVM's EPT/NPT entries of the frames, whose flush also drops the guest's combined
+//!   translations, but that is KVM's implementation, not a contract); what the architecture
+//!   guarantees is the guest's own flush: every invalidation owes one ([`request_guest_flush`]),
+//!   and the next entry goes through the ring-0 flush stub, which reloads CR3 (no PCID, no global
+//!   pages: every translation goes) and `iretq`s to ring 3 without an exit. `invlpg` per page
+//!   would keep the rest of the TLB, but the invalidations know frames, not the virtual
+//!   addresses that mapped them. `tests/flush_contract.rs` checks on every host that the flush the
+//!   profile requires ran (QEMU's TCG flushes its whole TLB at every VMRUN, so the emulated lane
+//!   shows the stub works on upstream KVM, not that a missing flush would show).
+//! * Widening a translation without a flush may fault spuriously on a real TLB (the entry
+//!   cached in its stricter form); the VMM retries such a fault (`Machine::spurious_fault`)
+//!   without counting it as the program's.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::memory::GuestMemory;
+use super::profile::{self, FlushMethod};
 use super::vm::KvmVm;
 use crate::arch::x86_64::layout::PAGE_SIZE;
 use crate::error::{Error, Result};
@@ -108,6 +120,9 @@ pub fn invalidate_frames_exact(mem: &GuestMemory, gpas: &[u64]) -> Result<usize>
 }
 
 fn invalidate(mem: &GuestMemory, gpas: &[u64], exact: bool) -> Result<usize> {
+    if !gpas.is_empty() {
+        request_guest_flush();
+    }
     let base = mem.host_addr();
     // Host pages, with the protection to restore: guest memory's, or a shared window's (see
     // `vstate::shared`: the same MMU notifier drops the translations of its pages).
@@ -209,8 +224,39 @@ fn protect_cycle(addr: u64, len: u64, prot: libc::c_int) -> Result<()> {
 /// as it was. Deleting a slot discards KVM's dirty log, so the log is first folded into `mem`'s own
 /// record of private pages (which snapshot and reset rely on).
 pub fn flush_guest_tlb(vm: &mut KvmVm, mem: &mut GuestMemory) -> Result<()> {
+    request_guest_flush();
     let log = vm.take_dirty_log()?;
     mem.sync_dirty(&log);
     let size = vm.slot_size();
     vm.replace_slot(size)
+}
+
+/// A guest-side flush is owed: set by every invalidation on a profile whose guest TLB survives
+/// host edits ([`FlushMethod::HostZapAndGuestTlb`]), taken by the VMM before the next `KVM_RUN`
+/// (`vmm::Machine::enter_guest_flush`). One per process: a VMM process runs one vCPU at a time.
+static GUEST_FLUSH: AtomicBool = AtomicBool::new(false);
+
+/// Owe the guest a flush of its own TLB before it runs again, if the host's profile needs one:
+/// under EPT/NPT a host edit of a guest page table is invisible to KVM, and the guest's TLB,
+/// tagged by VPID/ASID, keeps the old translation across exits. (KVM's flush after an EPT/NPT
+/// zap, which the invalidations above cause, happens to drop it as well, but that is KVM's
+/// implementation, not a contract.) The flush runs in the guest: the flush stub
+/// (`arch::x86_64::tables::flush_stub`) reloads CR3, which invalidates every non-global
+/// translation by the architecture, and `iretq`s to ring 3, without an exit. It reloads CR3
+/// rather than `invlpg`s the pages because the invalidations here know guest-physical frames,
+/// not the virtual addresses that mapped them.
+pub fn request_guest_flush() {
+    if profile::current().flush_method() == FlushMethod::HostZapAndGuestTlb {
+        GUEST_FLUSH.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Take the owed flush (see [`request_guest_flush`]).
+pub fn take_guest_flush() -> bool {
+    GUEST_FLUSH.swap(false, Ordering::Relaxed)
+}
+
+/// Forget an owed flush: the vCPU is new (a fork's, an exec's) and has no translations.
+pub fn forget_guest_flush() {
+    GUEST_FLUSH.store(false, Ordering::Relaxed);
 }

@@ -134,7 +134,8 @@ impl KvmVm {
         if self.windows_synced == Some(generation) {
             return Ok(());
         }
-        let want: BTreeMap<u64, (u64, u64)> = mem.windows.iter().map(|w| (w.gpa, (w.len, w.host_addr()))).collect();
+        // Parked windows keep their slots (see `shared::Parked`).
+        let want: BTreeMap<u64, (u64, u64)> = mem.windows.slots().map(|(gpa, len, hva)| (gpa, (len, hva))).collect();
         let gone: Vec<u64> = self
             .windows
             .iter()

@@ -56,6 +56,16 @@ pub const STUB_SIZE: u64 = 8;
 /// Offset of the syscall stub inside the stub page.
 pub const SYSCALL_STUB_OFFSET: u64 = 0x800;
 
+/// Offset of the guest-TLB flush stub inside the stub page (see `vstate::tlb`, hosts with
+/// EPT/NPT): it counts itself at [`FLUSH_COUNT_GPA`], reloads CR3 and `iretq`s to the frame the host
+/// left at [`FLUSH_FRAME_GPA`].
+pub const FLUSH_STUB_OFFSET: u64 = 0xc00;
+/// Where the flush stub's `iretq` frame (RIP, CS, RFLAGS, RSP, SS) is written: near the top of the
+/// ring-0 stack, which nothing else uses while the guest runs in ring 3.
+pub const FLUSH_FRAME_GPA: u64 = RING0_STACK_TOP_GPA - 64;
+/// A 64-bit count of the flush stub's runs, at the bottom of the ring-0 stack.
+pub const FLUSH_COUNT_GPA: u64 = RING0_STACK_TOP_GPA - RING0_STACK_PAGES * PAGE_SIZE;
+
 /// GDT selectors. `STAR` is built so that `syscall` loads KERNEL_CS/KERNEL_DS and `sysret` would load
 /// USER_CS/USER_DS (we return from the host instead, see `vstate::vcpu`).
 pub const KERNEL_CS: u16 = 0x08;

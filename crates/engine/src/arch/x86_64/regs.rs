@@ -90,6 +90,15 @@ pub fn user_data_segment() -> kvm_segment {
     }
 }
 
+/// Ring 0's code and data segments (what `syscall` loads from STAR), for entering a stub.
+pub fn kernel_code_segment() -> kvm_segment {
+    kvm_segment { selector: KERNEL_CS, dpl: 0, ..user_code_segment() }
+}
+
+pub fn kernel_data_segment() -> kvm_segment {
+    kvm_segment { selector: KERNEL_DS, dpl: 0, ..user_data_segment() }
+}
+
 /// Special registers for long mode, ring 3, with our descriptor tables.
 pub fn initial_sregs(mut s: kvm_sregs, pml4: u64) -> kvm_sregs {
     s.cs = user_code_segment();

@@ -59,7 +59,26 @@ pub fn supervisor_area() -> Vec<u8> {
     }
     let sc = (STUBS_GPA + SYSCALL_STUB_OFFSET) as usize;
     area[sc..sc + 4].copy_from_slice(&[0xe6, SYSCALL_PORT as u8, 0xeb, 0xfe]);
+    let fl = (STUBS_GPA + FLUSH_STUB_OFFSET) as usize;
+    area[fl..fl + FLUSH_STUB_LEN].copy_from_slice(&flush_stub());
     area
+}
+
+/// Bytes of the guest-TLB flush stub (see [`FLUSH_STUB_OFFSET`]).
+pub const FLUSH_STUB_LEN: usize = 18;
+
+/// The guest-TLB flush stub, entered in ring 0 with RSP at its `iretq` frame:
+/// `lock inc qword [rip + count]; push rax; mov rax, cr3; mov cr3, rax; pop rax; iretq`.
+/// Without CR4.PCIDE and CR4.PGE (`regs::initial_sregs`), writing CR3 invalidates every TLB entry
+/// and paging-structure cache of the guest, which is what the architecture guarantees; no exit.
+pub fn flush_stub() -> [u8; FLUSH_STUB_LEN] {
+    let stub = STUBS_GPA + FLUSH_STUB_OFFSET;
+    let disp = (FLUSH_COUNT_GPA as i64 - (stub as i64 + 8)) as i32;
+    let mut b = [0u8; FLUSH_STUB_LEN];
+    b[..4].copy_from_slice(&[0xf0, 0x48, 0xff, 0x05]);
+    b[4..8].copy_from_slice(&disp.to_le_bytes());
+    b[8..].copy_from_slice(&[0x50, 0x0f, 0x20, 0xd8, 0x0f, 0x22, 0xd8, 0x58, 0x48, 0xcf]);
+    b
 }
 
 pub const GDT_LIMIT: u16 = (GDT_ENTRIES * 8 - 1) as u16;
@@ -76,5 +95,18 @@ mod tests {
         assert_eq!(&a[s..s + 2], &[0xe6, 0x4e]);
         let sc = (STUBS_GPA + SYSCALL_STUB_OFFSET) as usize;
         assert_eq!(&a[sc..sc + 2], &[0xe6, 0x3f]);
+    }
+
+    #[test]
+    fn the_flush_stub_counts_itself_reloads_cr3_and_returns() {
+        let a = supervisor_area();
+        let fl = (STUBS_GPA + FLUSH_STUB_OFFSET) as usize;
+        let b = &a[fl..fl + FLUSH_STUB_LEN];
+        // The RIP-relative count lands on FLUSH_COUNT_GPA (disp counted from the next instruction).
+        let disp = i32::from_le_bytes(b[4..8].try_into().unwrap()) as i64;
+        assert_eq!((STUBS_GPA + FLUSH_STUB_OFFSET + 8) as i64 + disp, FLUSH_COUNT_GPA as i64);
+        assert_eq!(&b[9..15], &[0x0f, 0x20, 0xd8, 0x0f, 0x22, 0xd8]); // mov rax, cr3; mov cr3, rax
+        assert_eq!(&b[16..], &[0x48, 0xcf]); // iretq
+        assert!(FLUSH_FRAME_GPA + 40 <= RING0_STACK_TOP_GPA && FLUSH_COUNT_GPA + 8 < FLUSH_FRAME_GPA - 64);
     }
 }

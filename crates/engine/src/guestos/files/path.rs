@@ -36,7 +36,8 @@ fn own_proc_path(os: &GuestOs, path: &[u8]) -> Option<Vec<u8>> {
     let end = rest.iter().position(|&b| b == b'/').unwrap_or(rest.len());
     let (num, tail) = rest.split_at(end);
     let own = os.proc.pid.to_string();
-    (num == own.as_bytes()).then(|| [b"/proc/self".as_slice(), tail].concat())
+    // "/proc/<pid>" itself stays: a directory (lstat), where /proc/self is a symlink to it.
+    (num == own.as_bytes() && !tail.is_empty()).then(|| [b"/proc/self".as_slice(), tail].concat())
 }
 
 /// Look `path` up relative to `dirfd` (AT_FDCWD: the cwd; else the directory fd's guest path).
@@ -88,8 +89,10 @@ fn own_new_fd(os: &GuestOs, fd: RawFd) {
     }
 }
 
-/// Give the file named `n` in host directory `d`, just made by the guest, to the guest's ids.
+/// Give the file named `n` in host directory `d`, just made by the guest, to the guest's ids,
+/// with the guest's time (`stamp`).
 fn own_new_at(os: &GuestOs, d: RawFd, n: &CStr) {
+    super::stamp::created_at(&os.proc, d, n);
     if let Some((u, g)) = new_owner(os) {
         // SAFETY: valid fd and C string (one component); the link itself, never its target.
         unsafe { libc::fchownat(d, n.as_ptr(), u, g, libc::AT_SYMLINK_NOFOLLOW) };
@@ -174,6 +177,51 @@ fn same_mount(a: &Resolved, b: &Resolved) -> Result<(), Errno> {
     }
 }
 
+/// The open file that `r`, a followed `/proc/self/fd/N`, names: those are "magic" links, and
+/// following one gives the open file itself, not a path (glibc's fchmodat with
+/// AT_SYMLINK_NOFOLLOW opens the file O_PATH and chmods "/proc/self/fd/N"). None for anything else.
+fn magic_file(os: &GuestOs, r: &Resolved, mode: Lookup) -> Option<Arc<OpenFile>> {
+    if mode != Lookup::Follow || !r.is_virtual() {
+        return None;
+    }
+    match special::lookup(os, &r.path) {
+        Some(special::Node::Fd(n)) => os.files.file(n).ok(),
+        _ => None,
+    }
+}
+
+/// The host descriptor of open file `f` for a change to its inode (any descriptor of it, O_PATH
+/// included): EROFS on a read-only mount, EACCES for the engine's own files.
+fn changeable_fd(f: &OpenFile) -> Result<RawFd, Errno> {
+    let h = f.host_fd().ok_or(EACCES)?;
+    if f.ro {
+        return Err(EROFS);
+    }
+    Ok(h)
+}
+
+/// chmod of the open file `f`, as fchmodat2(fd, "", mode, AT_EMPTY_PATH) (any descriptor).
+fn chmod_file(f: &OpenFile, mode: u32) -> SysResult {
+    const SYS_FCHMODAT2: libc::c_long = 452;
+    let h = changeable_fd(f)?;
+    // SAFETY: a descriptor we hold and an empty C string.
+    match cvt(unsafe { libc::syscall(SYS_FCHMODAT2, h, c"".as_ptr(), mode, libc::AT_EMPTY_PATH) }) {
+        // Hosts before Linux 6.6: fchmod (which an O_PATH descriptor refuses with EBADF).
+        // SAFETY: fchmod on a descriptor we hold.
+        Err(e) if e == crate::guestos::ENOSYS => cvt(unsafe { libc::fchmod(h, mode) } as i64),
+        other => other,
+    }
+}
+
+/// chown of the open file `f` (any descriptor), with chown(2)'s permission rules.
+fn chown_file(os: &GuestOs, f: &OpenFile, uid: u32, gid: u32) -> SysResult {
+    f.host_fd().ok_or(EACCES)?;
+    chown_permitted(os, &special::file_stat(f)?, uid, gid)?;
+    let h = changeable_fd(f)?;
+    // SAFETY: a descriptor we hold and an empty C string.
+    cvt(unsafe { libc::fchownat(h, c"".as_ptr(), uid, gid, libc::AT_EMPTY_PATH) } as i64)
+}
+
 pub(super) fn sys_openat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64, flags: i32, mode: u32) -> SysResult {
     let path = read_path(ctx, pathp)?;
     let lk = vfs::open_lookup(flags);
@@ -188,10 +236,17 @@ pub(super) fn sys_openat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64
         let fd = if fifo {
             open_fifo(os, &r, flags)?
         } else if creates {
-            let new = tmpfile || (new_owner(os).is_some() && r.writable() && !exists(&r));
+            let existed = !tmpfile && exists(&r);
+            let new = tmpfile || (new_owner(os).is_some() && r.writable() && !existed);
             let fd = super::with_umask(os.proc.umask, || os.vfs.open_resolved(&r, flags, mode))?;
             if new {
                 own_new_fd(os, fd.as_raw_fd());
+            }
+            // The guest's time on what it made or emptied (`stamp`).
+            match r.host() {
+                Some((d, n)) if !existed && !tmpfile => super::stamp::created_at(&os.proc, d, n),
+                _ if flags & libc::O_TRUNC != 0 || tmpfile => super::stamp::written(&os.proc, fd.as_raw_fd()),
+                _ => {}
             }
             fd
         } else {
@@ -254,7 +309,8 @@ fn fd_stat(os: &GuestOs, fd: i32) -> Result<libc::stat, Errno> {
 }
 
 pub(super) fn sys_fstat(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64) -> SysResult {
-    let st = special::file_stat(&*os.files.file(fd)?)?;
+    let mut st = special::file_stat(&*os.files.file(fd)?)?;
+    super::stamp::stat_for_guest(&os.proc, &mut st);
     ctx.write(buf, bytes_of(&st))?;
     Ok(0)
 }
@@ -283,10 +339,11 @@ pub(super) fn sys_fstatat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u6
     if flags & !(libc::AT_SYMLINK_NOFOLLOW | libc::AT_EMPTY_PATH | libc::AT_NO_AUTOMOUNT) != 0 {
         return Err(EINVAL);
     }
-    let st = match path_or_empty(ctx, pathp, flags)? {
+    let mut st = match path_or_empty(ctx, pathp, flags)? {
         None => fd_stat(os, dirfd)?,
         Some(p) => path_stat(os, dirfd, &p, follow_flag(flags))?,
     };
+    super::stamp::stat_for_guest(&os.proc, &mut st);
     ctx.write(buf, bytes_of(&st))?;
     Ok(0)
 }
@@ -329,7 +386,7 @@ pub(super) fn sys_statx(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64,
         return Err(EINVAL);
     }
     let sync = flags & libc::AT_STATX_SYNC_TYPE;
-    let b = match path_or_empty(ctx, pathp, flags)? {
+    let mut b = match path_or_empty(ctx, pathp, flags)? {
         None if dirfd == libc::AT_FDCWD => {
             let r = lookup!(os, dirfd, b".", Lookup::Follow)?;
             let (d, n) = host_of(&r).map_err(|_| ENOENT)?;
@@ -353,6 +410,7 @@ pub(super) fn sys_statx(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64,
             }
         }
     };
+    super::stamp::statx_for_guest(&os.proc, &mut b);
     ctx.write(buf, &b)?;
     Ok(0)
 }
@@ -482,6 +540,7 @@ pub(super) fn sys_mknodat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u6
     // SAFETY: a valid fd and C string (one component); the new descriptor is closed at once.
     let fd = super::with_umask(os.proc.umask, || cvt(unsafe { libc::openat(d, n.as_ptr(), flags, mode & 0o7777) } as i64))?;
     own_new_fd(os, fd as RawFd);
+    super::stamp::created_at(&os.proc, d, n);
     // SAFETY: closing the descriptor just opened.
     unsafe { libc::close(fd as i32) };
     Ok(0)
@@ -505,7 +564,9 @@ pub(super) fn sys_unlinkat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u
         return Err(if st.st_mode & libc::S_IFMT == libc::S_IFDIR { EISDIR } else { ENOTDIR });
     }
     // SAFETY: a valid fd and C string (one component).
-    cvt(unsafe { libc::unlinkat(d, n.as_ptr(), flags) } as i64)
+    cvt(unsafe { libc::unlinkat(d, n.as_ptr(), flags) } as i64)?;
+    super::stamp::dir_changed(&os.proc, d);
+    Ok(0)
 }
 
 pub(super) fn sys_renameat2(os: &mut GuestOs, ctx: &mut Ctx, olddir: i32, oldp: u64, newdir: i32, newp: u64, flags: u32) -> SysResult {
@@ -528,7 +589,10 @@ pub(super) fn sys_renameat2(os: &mut GuestOs, ctx: &mut Ctx, olddir: i32, oldp: 
     let (d2, n2) = host_of(&rn)?;
     // SAFETY: valid fds and C strings (one component each).
     let r = unsafe { libc::renameat2(d1, n1.as_ptr(), d2, n2.as_ptr(), flags) };
-    cvt(r as i64)
+    cvt(r as i64)?;
+    super::stamp::dir_changed(&os.proc, d1);
+    super::stamp::dir_changed(&os.proc, d2);
+    Ok(0)
 }
 
 pub(super) fn sys_linkat(os: &mut GuestOs, ctx: &mut Ctx, olddir: i32, oldp: u64, newdir: i32, newp: u64, flags: i32) -> SysResult {
@@ -564,7 +628,9 @@ pub(super) fn sys_linkat(os: &mut GuestOs, ctx: &mut Ctx, olddir: i32, oldp: u64
             unsafe { libc::linkat(d1, n1.as_ptr(), d2, n2.as_ptr(), 0) }
         }
     };
-    cvt(r as i64)
+    cvt(r as i64)?;
+    super::stamp::dir_changed(&os.proc, d2);
+    Ok(0)
 }
 
 pub(super) fn sys_symlinkat(os: &mut GuestOs, ctx: &mut Ctx, targetp: u64, newdir: i32, linkp: u64) -> SysResult {
@@ -606,9 +672,18 @@ pub(super) fn sys_fchmodat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u
     let Some(path) = path_or_empty(ctx, pathp, flags)? else {
         return sys_fchmod(os, dirfd, mode);
     };
-    let r = lookup!(os, dirfd, &path, follow_flag(flags))?;
+    let lk = follow_flag(flags);
+    let r = lookup!(os, dirfd, &path, lk)?;
+    if let Some(f) = magic_file(os, &r, lk) {
+        return chmod_file(&f, mode);
+    }
     if r.is_virtual() {
-        return Err(if special::lookup(os, &r.path).is_some() { EACCES } else { ENOENT });
+        return Err(match special::lookup(os, &r.path) {
+            // A symlink itself (not followed): Linux's symlinks take no mode.
+            Some(special::Node::Link(_) | special::Node::Fd(_)) => EOPNOTSUPP,
+            Some(_) => EACCES,
+            None => ENOENT,
+        });
     }
     let (d, n) = host_of(&r)?;
     let st = host_stat(d, n)?;
@@ -641,7 +716,11 @@ pub(super) fn sys_fchownat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u
         }
         return sys_fchown(os, dirfd, uid, gid);
     };
-    let r = lookup!(os, dirfd, &path, follow_flag(flags))?;
+    let lk = follow_flag(flags);
+    let r = lookup!(os, dirfd, &path, lk)?;
+    if let Some(f) = magic_file(os, &r, lk) {
+        return chown_file(os, &f, uid, gid);
+    }
     chown_resolved(os, &r, uid, gid, libc::AT_SYMLINK_NOFOLLOW)
 }
 
@@ -761,7 +840,16 @@ fn set_times(os: &mut GuestOs, dirfd: i32, path: Option<&[u8]>, times: Option<[l
         // SAFETY: futimens on an fd we own with a null or valid two-timespec array.
         return cvt(unsafe { libc::futimens(h, tp) } as i64);
     };
-    let r = lookup!(os, dirfd, path, follow_flag(flags))?;
+    let lk = follow_flag(flags);
+    let r = lookup!(os, dirfd, path, lk)?;
+    if let Some(f) = magic_file(os, &r, lk) {
+        let h = changeable_fd(&f)?;
+        if omit_all {
+            return Ok(0);
+        }
+        // SAFETY: a descriptor we hold, an empty C string and a null or valid two-timespec array.
+        return cvt(unsafe { libc::utimensat(h, c"".as_ptr(), tp, libc::AT_EMPTY_PATH) } as i64);
+    }
     if r.is_virtual() {
         special::stat(os, &r.path, true)?;
         return Err(EACCES);

@@ -3,8 +3,12 @@
 //!
 //! `/dev`: null, zero, random, urandom, stdin/stdout/stderr and fd (symlinks into /proc/self/fd),
 //! ptmx and pts/ (pseudo-terminals: host ones, see `pty`).
-//! `/proc`: self (exe, cwd, root, fd/, maps, status, stat, cmdline, environ, mounts),
-//! thread-self, cpuinfo, meminfo, stat, mounts.
+//! `/proc`: self (exe, cwd, root, fd/, maps, status, stat, statm, cmdline, environ, mounts),
+//! thread-self, cpuinfo, meminfo, stat, uptime, loadavg, mounts, and a directory per process of
+//! the sandbox (never the host's): `/proc/<pid>` of the caller is its `/proc/self`; another
+//! process's has stat, status, statm, cmdline, comm, environ, cwd, exe, root and fd/ (empty: its
+//! descriptors are its own), from what it published in the sandbox's process table
+//! (`guestos::proctab`). `/proc/self` reads as a symlink to the caller's pid (lstat, readlink).
 //! `/sys`: devices/system/cpu only, with online, possible, present and a cpuN directory per CPU,
 //! which with /proc/cpuinfo and /proc/stat show the sandbox's CPU count (see `guestos::cpu`).
 //!
@@ -15,6 +19,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use super::{Kind, OpenFile};
+use crate::guestos::proctab::{self, Facts};
 use crate::guestos::vfs::{self, Lookup};
 use crate::guestos::{Ctx, Errno, GuestOs, EACCES, EEXIST, EINVAL, EISDIR, ENOENT, ENOTDIR};
 
@@ -53,15 +58,30 @@ const DEV_FILES: [(&str, u8); 10] = [
     ("stderr", DT_LNK),
     ("fd", DT_LNK),
 ];
-const PROC_FILES: [(&str, u8); 6] = [
-    ("self", DT_DIR),
+const PROC_FILES: [(&str, u8); 8] = [
+    ("self", DT_LNK),
     ("thread-self", DT_LNK),
     ("cpuinfo", DT_REG),
     ("meminfo", DT_REG),
     ("stat", DT_REG),
+    ("uptime", DT_REG),
+    ("loadavg", DT_REG),
     ("mounts", DT_LNK),
 ];
-const SELF_FILES: [(&str, u8); 12] = [
+/// The entries of another process's directory, /proc/<pid>.
+const PID_FILES: [(&str, u8); 10] = [
+    ("stat", DT_REG),
+    ("status", DT_REG),
+    ("statm", DT_REG),
+    ("cmdline", DT_REG),
+    ("comm", DT_REG),
+    ("environ", DT_REG),
+    ("cwd", DT_LNK),
+    ("exe", DT_LNK),
+    ("root", DT_LNK),
+    ("fd", DT_DIR),
+];
+const SELF_FILES: [(&str, u8); 13] = [
     ("exe", DT_LNK),
     ("task", DT_DIR),
     ("comm", DT_REG),
@@ -71,6 +91,7 @@ const SELF_FILES: [(&str, u8); 12] = [
     ("maps", DT_REG),
     ("status", DT_REG),
     ("stat", DT_REG),
+    ("statm", DT_REG),
     ("cmdline", DT_REG),
     ("environ", DT_REG),
     ("mounts", DT_REG),
@@ -103,10 +124,51 @@ fn fd_number(s: &str) -> Option<i32> {
     s.parse().ok()
 }
 
+/// `/proc/<pid>...` of the caller's own pid as `/proc/self...`; other paths as they are.
+fn own_path<'p>(os: &GuestOs, path: &'p str) -> std::borrow::Cow<'p, str> {
+    match proc_pid(path) {
+        Some((n, rest)) if n == pid(os) => format!("/proc/self{rest}").into(),
+        _ => path.into(),
+    }
+}
+
+/// The pid and the rest of a `/proc/<pid>[/...]` path.
+fn proc_pid(path: &str) -> Option<(i32, &str)> {
+    let rest = path.strip_prefix("/proc/")?;
+    let end = rest.find('/').unwrap_or(rest.len());
+    Some((fd_number(&rest[..end])?, &rest[end..]))
+}
+
+/// Another live process of the sandbox named by a `/proc/<pid>[/...]` path: its facts and the
+/// rest of the path.
+fn other_process<'p>(os: &GuestOs, path: &'p str) -> Option<(Facts, &'p str)> {
+    let (n, rest) = proc_pid(path)?;
+    if n == pid(os) {
+        return None;
+    }
+    Some((proctab::read(n)?, rest))
+}
+
+/// What `rest` names in another process's directory.
+fn pid_node(f: &Facts, rest: &str) -> Option<Node> {
+    Some(match rest {
+        "" | "/fd" => Node::Dir,
+        "/cwd" => Node::Link(f.cwd.clone()),
+        "/root" => Node::Link("/".into()),
+        "/exe" if !f.exe.is_empty() => Node::Link(f.exe.clone()),
+        r if PID_FILES.iter().any(|(n, t)| *t == DT_REG && r.strip_prefix('/') == Some(*n)) => Node::File,
+        _ => return None,
+    })
+}
+
 /// What `path` (a normalised guest path in these trees) names, if anything.
 pub fn lookup(os: &GuestOs, path: &str) -> Option<Node> {
+    let path = &*own_path(os, path);
     if let Some(t) = vfs::virtual_link(path, cwd(os), exe(os)) {
         return Some(Node::Link(t));
+    }
+    if let Some((f, rest)) = other_process(os, path) {
+        return pid_node(&f, rest);
     }
     let node = match path {
         "/dev" | "/dev/pts" | "/proc" | "/proc/self" | "/proc/self/fd" => Node::Dir,
@@ -114,7 +176,7 @@ pub fn lookup(os: &GuestOs, path: &str) -> Option<Node> {
         "/dev/ptmx" => Node::Ptmx,
         "/dev/zero" => Node::Zero,
         "/dev/random" | "/dev/urandom" => Node::Random,
-        "/proc/cpuinfo" | "/proc/meminfo" | "/proc/stat" => Node::File,
+        "/proc/cpuinfo" | "/proc/meminfo" | "/proc/stat" | "/proc/uptime" | "/proc/loadavg" => Node::File,
         "/sys" | "/sys/devices" | "/sys/devices/system" | SYS_CPU => Node::Dir,
         p => {
             if let Some(name) = p.strip_prefix("/sys/devices/system/cpu/") {
@@ -141,10 +203,23 @@ pub fn lookup(os: &GuestOs, path: &str) -> Option<Node> {
 
 /// The entries of directory `path` (with "." and ".."), or None if it is not one.
 pub fn list(os: &GuestOs, path: &str) -> Option<Vec<(String, u8)>> {
+    let path = &*own_path(os, path);
     let mut v: Vec<(String, u8)> = vec![(".".into(), DT_DIR), ("..".into(), DT_DIR)];
+    if let Some((f, rest)) = other_process(os, path) {
+        match rest {
+            "" => v.extend(PID_FILES.iter().filter(|(n, _)| *n != "exe" || !f.exe.is_empty()).map(|(n, t)| (n.to_string(), *t))),
+            "/fd" => {}
+            _ => return None,
+        }
+        return Some(v);
+    }
     let fixed: &[(&str, u8)] = match path {
         "/dev" => &DEV_FILES,
-        "/proc" => &PROC_FILES,
+        "/proc" => {
+            v.extend(PROC_FILES.iter().map(|(n, t)| (n.to_string(), *t)));
+            v.extend(proctab::pids(pid(os)).into_iter().map(|p| (p.to_string(), DT_DIR)));
+            return Some(v);
+        }
         "/proc/self" => &SELF_FILES,
         "/proc/self/fd" => {
             v.extend(os.files.open_fds().map(|fd| (fd.to_string(), DT_LNK)));
@@ -187,16 +262,25 @@ pub fn list(os: &GuestOs, path: &str) -> Option<Vec<(String, u8)>> {
 
 /// Generated contents of file node `path`.
 fn content(os: &GuestOs, ctx: &Ctx, path: &str) -> Vec<u8> {
+    let path = &*own_path(os, path);
+    if let Some((f, rest)) = other_process(os, path) {
+        return pid_content(&f, rest);
+    }
     let s = match path {
         "/proc/cpuinfo" => cpuinfo(os.proc.cpus),
         "/proc/meminfo" => meminfo(ctx),
-        "/proc/stat" => proc_stat(os.proc.cpus),
-        p if p.starts_with("/sys/devices/system/cpu/") => format!("{}\n", crate::guestos::cpu::cpu_list(os.proc.cpus)),
-        "/proc/self/status" => status(os),
-        "/proc/self/stat" => {
-            let p = pid(os);
-            format!("{p} ({}) R {} {p} {p} 0 -1 4194304 0 0 0 0 0 0 0 0 20 0 1 0 0 0 0\n", comm(os), os.proc.ppid)
+        "/proc/stat" => proc_stat(os),
+        "/proc/uptime" => {
+            let up = crate::guestos::clock::mono_peek(&os.proc) / 10_000_000;
+            format!("{}.{:02} 0.00\n", up / 100, up % 100)
         }
+        "/proc/loadavg" => format!("0.00 0.00 0.00 1/{} {}\n", proctab::pids(pid(os)).len(), crate::guestos::signal::host::next_pid().map_or(pid(os), |n| n - 1)),
+        p if p.starts_with("/sys/devices/system/cpu/") => format!("{}\n", crate::guestos::cpu::cpu_list(os.proc.cpus)),
+        "/proc/self/status" => status(os) + &vm_lines(&own_facts(os, ctx)),
+        "/proc/self/stat" => stat_line(&own_facts(os, ctx), 'R', os.proc.args_area),
+        "/proc/self/statm" => statm(&own_facts(os, ctx)),
+        "/proc/self/cmdline" => return proctab::args_text(os, ctx.mem, ctx.aspace, 0, usize::MAX),
+        "/proc/self/environ" => return proctab::args_text(os, ctx.mem, ctx.aspace, 1, usize::MAX),
         "/proc/self/mounts" => mounts(os),
         "/proc/self/maps" => return maps(os),
         "/proc/self/comm" => format!("{}\n", comm(os)),
@@ -224,14 +308,98 @@ address sizes\t: 46 bits physical, 48 bits virtual\npower management:\n\n"
     s
 }
 
-/// /proc/stat for `n` CPUs (glibc counts its cpuN lines when /sys is missing).
-fn proc_stat(n: u32) -> String {
+/// /proc/stat for the sandbox's CPUs (glibc counts its cpuN lines when /sys is missing). Its boot
+/// time is when the guest's CLOCK_MONOTONIC was 0, on its CLOCK_REALTIME: a process's start time
+/// (`btime` plus its stat's starttime) is then on the guest's own clock.
+fn proc_stat(os: &GuestOs) -> String {
     let mut s = String::from("cpu  0 0 0 0 0 0 0 0 0 0\n");
-    for i in 0..n {
+    for i in 0..os.proc.cpus {
         s.push_str(&format!("cpu{i} 0 0 0 0 0 0 0 0 0 0\n"));
     }
-    s.push_str("intr 0\nctxt 0\nbtime 0\nprocesses 1\nprocs_running 1\nprocs_blocked 0\nsoftirq 0 0 0 0 0 0 0 0 0 0 0\n");
+    let clock = crate::guestos::clock::real_peek(&os.proc).saturating_sub(crate::guestos::clock::mono_peek(&os.proc));
+    let n = proctab::pids(pid(os)).len();
+    s.push_str(&format!(
+        "intr 0\nctxt 0\nbtime {}\nprocesses {n}\nprocs_running 1\nprocs_blocked 0\nsoftirq 0 0 0 0 0 0 0 0 0 0 0\n",
+        clock / 1_000_000_000
+    ));
     s
+}
+
+/// This process's facts, as the process table would show them (see `proctab::own_facts`).
+fn own_facts(os: &GuestOs, ctx: &Ctx) -> Facts {
+    proctab::own_facts(os, ctx.mem, ctx.aspace, ctx.frames, false)
+}
+
+/// Clock ticks (USER_HZ, 100 a second) of `ns` nanoseconds.
+fn ticks(ns: u64) -> u64 {
+    ns / 10_000_000
+}
+
+/// A /proc/<pid>/stat line (Linux's 52 fields). CPU times read 0; `args` is where the command
+/// line and environment are in the process's memory (0s for another process).
+fn stat_line(f: &Facts, state: char, args: [u64; 3]) -> String {
+    let [arg_start, arg_end, env_end] = args;
+    format!(
+        "{} ({}) {state} {} {} {} 0 -1 4194304 0 0 0 0 0 0 0 0 {} {} {} 0 {} {} {} 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 0 0 0 0 0 0 0 0 0 {arg_start} {arg_end} {arg_end} {env_end} 0\n",
+        f.pid,
+        f.comm,
+        f.ppid,
+        f.pgid,
+        f.sid,
+        20 + f.nice,
+        f.nice,
+        f.threads.max(1),
+        ticks(f.started_ns),
+        f.vsize,
+        f.rss / 4096,
+    )
+}
+
+/// /proc/<pid>/statm: sizes in pages (size, resident, shared, text, lib, data, dirty).
+fn statm(f: &Facts) -> String {
+    format!("{} {} 0 0 0 0 0\n", f.vsize / 4096, f.rss / 4096)
+}
+
+/// The memory lines of a status file.
+fn vm_lines(f: &Facts) -> String {
+    format!("VmPeak:\t{0:>8} kB\nVmSize:\t{0:>8} kB\nVmHWM:\t{1:>8} kB\nVmRSS:\t{1:>8} kB\n", f.vsize / 1024, f.rss / 1024)
+}
+
+/// A file of another process's directory.
+fn pid_content(f: &Facts, rest: &str) -> Vec<u8> {
+    let s = match rest {
+        "/stat" => stat_line(f, 'S', [0; 3]),
+        "/statm" => statm(f),
+        "/comm" => format!("{}\n", f.comm),
+        "/cmdline" => return f.cmdline.clone(),
+        "/environ" => return f.environ.clone(),
+        "/status" => {
+            let (u, g) = (f.uid, f.gid);
+            format!(
+                "Name:\t{}\nUmask:\t{:04o}\nState:\tS (sleeping)\nTgid:\t{p}\nNgid:\t0\nPid:\t{p}\nPPid:\t{}\nTracerPid:\t0\n\
+Uid:\t{}\t{}\t{}\t{}\nGid:\t{}\t{}\t{}\t{}\nFDSize:\t64\nGroups:\t\n{}Threads:\t{}\n\
+SigQ:\t0/0\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000000000\nSigBlk:\t0000000000000000\n\
+SigIgn:\t0000000000000000\nSigCgt:\t0000000000000000\nNoNewPrivs:\t1\nSeccomp:\t0\n\
+voluntary_ctxt_switches:\t0\nnonvoluntary_ctxt_switches:\t0\n",
+                f.comm,
+                f.umask,
+                f.ppid,
+                u[0],
+                u[1],
+                u[2],
+                u[3],
+                g[0],
+                g[1],
+                g[2],
+                g[3],
+                vm_lines(f),
+                f.threads.max(1),
+                p = f.pid,
+            )
+        }
+        _ => String::new(),
+    };
+    s.into_bytes()
 }
 
 /// The CPU directory of /sys, and the CPU lists in it (each "0-<n-1>").
@@ -326,13 +494,7 @@ fn task_content(os: &GuestOs, path: &str) -> Vec<u8> {
 }
 
 fn comm(os: &GuestOs) -> String {
-    let c = &os.proc.comm;
-    let n = c.iter().position(|&b| b == 0).unwrap_or(c.len());
-    if n > 0 {
-        return String::from_utf8_lossy(&c[..n]).into_owned();
-    }
-    let name = exe(os).and_then(|e| e.rsplit('/').next()).unwrap_or("guest");
-    name.chars().take(15).collect()
+    os.proc.comm_name()
 }
 
 fn status(os: &GuestOs) -> String {
@@ -475,6 +637,9 @@ pub fn describe(f: &OpenFile) -> String {
 
 /// readlink(2) of `path` in these trees.
 pub fn readlink(os: &GuestOs, path: &str) -> Result<Vec<u8>, Errno> {
+    if path == "/proc/self" {
+        return Ok(pid(os).to_string().into_bytes());
+    }
     match lookup(os, path) {
         Some(Node::Link(t)) => Ok(vfs::guest_bytes(&t)),
         Some(Node::Fd(n)) => Ok(vfs::guest_bytes(&describe(&*os.files.file(n)?))),
@@ -519,6 +684,25 @@ fn tree_dev(path: &str) -> u64 {
 pub fn stat(os: &GuestOs, path: &str, follow: bool) -> Result<libc::stat, Errno> {
     let node = lookup(os, path).ok_or(ENOENT)?;
     let (ino, dev) = (ino_of(path), tree_dev(path));
+    if path == "/proc/self" && !follow {
+        return Ok(synth_stat(libc::S_IFLNK | 0o777, ino, 0, pid(os).to_string().len() as i64, dev));
+    }
+    let synthetic = matches!(node, Node::Dir | Node::File | Node::Link(_));
+    let mut st = node_stat(os, path, node, follow, ino, dev)?;
+    // A process's directory and files are its owner's (ps reads a process's user from them).
+    let owner = match proc_pid(&own_path(os, path)) {
+        Some((n, _)) if n == pid(os) => Some((os.proc.uid[1], os.proc.gid[1])),
+        Some((n, _)) => proctab::read(n).map(|f| (f.uid[1], f.gid[1])),
+        None => vfs::is_under(path, "/proc/self").then_some((os.proc.uid[1], os.proc.gid[1])),
+    };
+    if let Some((u, g)) = owner.filter(|_| synthetic) {
+        st.st_uid = u;
+        st.st_gid = g;
+    }
+    Ok(st)
+}
+
+fn node_stat(os: &GuestOs, path: &str, node: Node, follow: bool, ino: u64, dev: u64) -> Result<libc::stat, Errno> {
     let chr = |minor| synth_stat(libc::S_IFCHR | 0o666, ino, libc::makedev(1, minor), 0, dev);
     Ok(match node {
         Node::Dir => synth_stat(libc::S_IFDIR | 0o555, ino, 0, 0, dev),

@@ -5,7 +5,7 @@ use super::nr::*;
 use super::*;
 use crate::arch::x86_64::paging::{setup_address_space, AddressSpace, FrameAllocator, PTE_U, PTE_W};
 use crate::guestos::vfs::Vfs;
-use crate::guestos::{dispatch, Output, EACCES, EEXIST, ENOENT, ERANGE, EROFS};
+use crate::guestos::{dispatch, Output, EACCES, EEXIST, ENOENT, EOPNOTSUPP, ERANGE, EROFS};
 use crate::vstate::memory::GuestMemory;
 
 const MEM: u64 = 64 << 20;
@@ -607,3 +607,64 @@ fn pipes_poll_and_offsets() {
 
 /// What CPython's own regression tests and hostile guests found (tests/test_cpython_battery.py).
 mod runtime;
+
+/// glibc 2.36's fchmodat(..., AT_SYMLINK_NOFOLLOW) (GNU tar's chmod of what it extracts) opens the
+/// file O_PATH and chmods "/proc/self/fd/N": following that magic link gives the open file itself,
+/// so chmod, chown, utimensat and stat through it act on the file (issue 31, item 3). A symlink
+/// itself and files on read-only mounts are refused as Linux does.
+#[test]
+fn proc_self_fd_of_o_path_descriptors_changes_the_file() {
+    let mut h = H::new();
+    let fd = h.open("/work/sub", libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0);
+    assert!(fd >= 0, "{fd}");
+    let p = h.cstr(&format!("/proc/self/fd/{fd}"));
+    assert_eq!(h.call(FCHMODAT, &[libc::AT_FDCWD as u64, p, 0o751, 0]), 0);
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    assert_eq!(std::fs::metadata(h.host("work/sub")).unwrap().permissions().mode() & 0o7777, 0o751);
+    // Through /proc/<own pid>/fd/N too, and stat of the link is the file's.
+    let own = h.cstr(&format!("/proc/{}/fd/{fd}", h.os.proc.pid));
+    assert_eq!(h.call(FCHMODAT, &[libc::AT_FDCWD as u64, own, 0o750, 0]), 0);
+    assert_eq!(h.stat(&format!("/proc/self/fd/{fd}"), 0).unwrap().st_mode, libc::S_IFDIR | 0o750);
+    // chown to the owner it has (root's to root: allowed) and times.
+    let uid = std::fs::metadata(h.host("work/sub")).unwrap().uid();
+    let gid = std::fs::metadata(h.host("work/sub")).unwrap().gid();
+    assert_eq!(h.call(FCHOWNAT, &[libc::AT_FDCWD as u64, p, uid as u64, gid as u64, 0]), 0);
+    let ts = h.put(&[1_000_000i64.to_le_bytes(), 0i64.to_le_bytes(), 2_000_000i64.to_le_bytes(), 0i64.to_le_bytes()].concat());
+    assert_eq!(h.call(UTIMENSAT, &[libc::AT_FDCWD as u64, p, ts, 0]), 0);
+    assert_eq!(std::fs::metadata(h.host("work/sub")).unwrap().mtime(), 2_000_000);
+    // O_PATH files of the read-only root: EROFS, not a change.
+    let ro = h.open("/etc/hostname", libc::O_PATH, 0);
+    let rp = h.cstr(&format!("/proc/self/fd/{ro}"));
+    assert_eq!(h.call(FCHMODAT, &[libc::AT_FDCWD as u64, rp, 0o600, 0]), e(EROFS));
+    // Not following (fchmodat2; fchmodat has no flags): the link itself, which takes no mode.
+    assert_eq!(h.call(FCHMODAT2, &[libc::AT_FDCWD as u64, p, 0o700, libc::AT_SYMLINK_NOFOLLOW as u64]), e(EOPNOTSUPP));
+    assert_eq!(std::fs::metadata(h.host("work/sub")).unwrap().permissions().mode() & 0o7777, 0o750);
+    // A file not open there.
+    let gone = h.cstr("/proc/self/fd/77");
+    assert_eq!(h.call(FCHMODAT, &[libc::AT_FDCWD as u64, gone, 0o700, 0]), e(ENOENT));
+}
+
+/// /proc as procps reads it (issue 31, item 5): /proc/self is a symlink to the caller's pid,
+/// /proc/<pid> is its directory (listed in /proc), /proc/uptime and a 52-field stat line.
+#[test]
+fn proc_self_is_a_link_to_the_pid_directory() {
+    let mut h = H::new();
+    h.os.proc.pid = 7;
+    let p = h.cstr("/proc/self");
+    let b = h.buf(64);
+    let n = h.call(READLINK, &[p, b, 64]);
+    assert_eq!(h.get(b, n as usize), b"7");
+    assert_eq!(h.stat("/proc/self", libc::AT_SYMLINK_NOFOLLOW).unwrap().st_mode & libc::S_IFMT, libc::S_IFLNK);
+    assert_eq!(h.stat("/proc/7", libc::AT_SYMLINK_NOFOLLOW).unwrap().st_mode & libc::S_IFMT, libc::S_IFDIR);
+    assert_eq!(h.stat("/proc/self", 0).unwrap().st_mode & libc::S_IFMT, libc::S_IFDIR);
+    let d = h.open("/proc", libc::O_RDONLY | libc::O_DIRECTORY, 0);
+    let names: Vec<String> = h.list(d).into_iter().map(|(n, _)| n).collect();
+    assert!(names.contains(&"7".to_string()) && names.contains(&"uptime".to_string()), "{names:?}");
+    let stat = String::from_utf8(h.read_path("/proc/7/stat").unwrap()).unwrap();
+    assert!(stat.starts_with("7 (guest) R 0 1 1 "), "{stat}");
+    assert_eq!(stat.split_whitespace().count(), 52, "{stat}");
+    let up = String::from_utf8(h.read_path("/proc/uptime").unwrap()).unwrap();
+    assert_eq!(up.split_whitespace().count(), 2, "{up}");
+    // Another pid than the caller's: none here (no sandbox process table in these tests).
+    assert_eq!(h.open("/proc/8/stat", libc::O_RDONLY, 0), e(ENOENT));
+}
