@@ -138,6 +138,9 @@ class _Template:
         self.disk_quota = getattr(baked, "disk_quota", None) or disk_quota
         if self.zygote.disk_quota is not None:
             self.zygote.set_disk_quota(self.disk_quota, _quota.inodes_for(self.disk_quota))
+        # A template baked from an image has a writable root, as a container does (docs/templates.md).
+        if getattr(baked, "meta", {}).get("writable_root"):
+            self.zygote.set_writable_root(True)
         self.spares = 0
         self.recycled: list[Vm] = []
         self.set_spares(DEFAULT_SPARES)

@@ -100,7 +100,8 @@ impl Errno {
 
 fn errno_error(op: &str, path: &str, e: Errno) -> crate::Error {
     let msg = std::io::Error::from_raw_os_error(e.0);
-    let hint = if e == EROFS { " (only /tmp, /work and /dev/shm are writable)" } else { "" };
+    // Only a read-only root says EROFS (a writable root, `crate::overlay`, takes writes anywhere).
+    let hint = if e == EROFS { " (the root is read-only here: only /tmp, /work, /dev/shm and a baked image's HOME are writable)" } else { "" };
     crate::Error::InvalidArgument(format!("{op} {path}: {msg}{hint}"))
 }
 
