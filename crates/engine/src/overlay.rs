@@ -23,42 +23,38 @@
 //! upper layer before the image at every component, merge `getdents` of two directories, record
 //! and honour deletions, and copy up on every kind of write (open for write, truncate, chmod,
 //! rename, link, xattrs, a shared writable mapping); overlayfs does all of it, and the `Vfs` keeps
-//! its single walk over one directory tree.
+//! its single walk over one directory tree: while mounted, the root `Mount` is the merged view and
+//! writable, and `Vfs::root_layer` holds the image's directory and the upper layer's.
 //!
 //! Why the context and the mount are split: the jailed VMM may not call `fsopen` (its argument, a
 //! file system type by name, is a string its seccomp filter cannot check: allowing it would allow
 //! a new procfs or sysfs), but `fsconfig` and `fsmount` on a context it was handed reach only what
-//! its mount namespace already shows it. So the controller makes a context with each scratch
-//! tmpfs it sends (`Request::AddScratch`), and a VMM mounts the overlay only when its sandbox first
-//! writes outside its writable mounts (seen to work: a context made by one process, configured
-//! and mounted by its child after `unshare(CLONE_NEWNS)`, over a lower layer on a read-only bind,
-//! as in the jail). Seen on kvm_pvm's host kernel (6.18, 2 cores shared with
-//! other work, so noisy; a loop of 200 in a one-off probe, not yet a bench in benches/): a detached
-//! tmpfs made and dropped in 0.2 to 1.9 ms, an overlay over it 0.4 to 3 ms more, an unused overlay
-//! context 0.2 ms: clones that never write outside their writable mounts would pay only the last.
-//! The wiring must measure `Sandbox` enter+exec+exit before and after, alternated in one run.
+//! its mount namespace already shows it (the jail allows those two, `fsmount` only with
+//! `nosuid,nodev,noexec`). So the controller makes the contexts.
 //!
-//! Not wired in yet: the `Vfs` root is still the read-only image (EROFS outside /work, /tmp,
-//! /dev/shm and a baked image's HOME). What wiring needs:
-//! 1. the controller sends an overlay context with each scratch tmpfs (`AddScratch`, in pairs) and
-//!    with each `Reset` (a context mounts once, and a reset needs a fresh overlay: the old one's
-//!    cached lookups would outlive an emptied upper layer); the jail's seccomp filter allows
-//!    `fsconfig` and `fsmount` (not `fsopen`, `fspick`, `mount` or `move_mount`); `mknodat` of a
-//!    0/0 character device (a whiteout) it already allows;
-//! 2. `guestos`: a file syscall that fails with EROFS on the `/` mount while the sandbox holds an
-//!    unused context mounts the overlay (lower layer: the `/` mount's own descriptor, opened in the
-//!    jail, on its read-only bind), makes it the writable `/` mount and runs the syscall again,
-//!    once. Nothing was changed before EROFS, and a directory descriptor is looked up again by its
-//!    guest path (`files::path`), so the retry sees the merged tree. A descriptor of an image file
-//!    opened before keeps the image's file (as on overlayfs: a read-only open sees the old copy);
-//! 3. what a fork, a snapshot's `fs/` and `ResetKeepFiles` copy of that mount is its *upper*
-//!    directory, not the merged view (`guestos::tree`'s copy already keeps whiteouts and
-//!    `user.overlay.*` attributes, so a copy inherits deletions and opaque directories: see the
-//!    tests below). A forked child fills its
-//!    own tmpfs's [`UPPER`] and mounts its own context over it before anything looks through it
-//!    (overlayfs caches what it looked up: an upper layer must not change under a mount in use);
-//! 4. a reset drops the overlay with the tmpfs; a template whose bake wrote outside its writable
-//!    mounts keeps its upper layer in its snapshot (`fs/`) and each clone mounts it at once.
+//! The wiring (who mounts what, when):
+//! - A template's zygote is told `Request::WritableRoot { on: true }` (`Vm::set_writable_root`;
+//!   the SDK does it for a template whose `template.json` says `writable_root`, the default for
+//!   image bakes). From then on the controller sends an overlay context with each fork's tmpfs
+//!   pair (`Fork`, `SparePool`, `AddScratch` carry threes), and each forked sandbox's controller
+//!   handle inherits the setting, so its own forks and resets get contexts too.
+//! - A forked child (`persist::privatize`) copies its parent's upper layer (a zygote's: the
+//!   snapshot's `fs/root`; a live sandbox's: its tmpfs's [`UPPER`]) into its own tmpfs, then mounts
+//!   its own overlay over it, before anything looks through it (overlayfs caches what it looked up:
+//!   an upper layer must not change under a mount in use). Files the parent had open on its root
+//!   are reopened on the child's. The mount is eager, at the fork, not at the first write: a
+//!   sandbox's processes are host forks of one another that share the one mount, and a lazy mount
+//!   in one would not reach the others.
+//! - A reset (`Request::Reset`, with a fresh context: one mounts once, and the old mount's cached
+//!   lookups must not outlive an emptied upper layer) drops the old overlay, empties the upper
+//!   layer, copies the template's into it and mounts again; `ResetKeepFiles` keeps the mount.
+//! - A snapshot (a bake) copies the upper layer into its `fs/root` (present, even empty, whenever
+//!   the root is writable); a restore from it starts with that layer.
+//!
+//! Cost: one-off probe on kvm_pvm's host kernel (6.18, 2 cores shared with other work, a loop of
+//! 200): a detached tmpfs made and dropped in 0.2 to 1.9 ms, an overlay over it 0.4 to 3 ms more,
+//! an unused overlay context 0.2 ms. The SDK-level cost (enter + exec + exit, forks) is measured
+//! by benches/bench_writable_root.py and given in docs/templates.md.
 
 use std::ffi::CStr;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
