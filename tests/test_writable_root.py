@@ -156,3 +156,16 @@ def test_a_baked_template_keeps_what_its_ready_step_installed(tpl):
         assert s.exec(command=check).ok
 
 
+
+
+def test_an_interpreter_replaced_after_a_timeout_keeps_the_layer(tpl):
+    """An exec that times out and whose interpreter ignores SIGINT: a fresh interpreter from the
+    template over the sandbox's current files (docs/sessions.md), the copy-up layer included."""
+    client, handle = tpl
+    with client.session(handle) as s:
+        assert s.exec(command="echo kept > /usr/local/kept && rm /etc/os-release").ok
+        r = s.exec(code="import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass", timeout_seconds=1)
+        assert r.timed_out and "fresh interpreter" in r.note, r
+        after = s.exec(command="cat /usr/local/kept && test ! -e /etc/os-release && echo more >> /usr/local/kept")
+        assert after.interpreter_restarted and after.stdout == "kept\n", after
+        assert s.exec(command="cat /usr/local/kept").stdout == "kept\nmore\n"

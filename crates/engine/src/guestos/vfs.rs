@@ -359,6 +359,26 @@ impl Vfs {
         Ok(())
     }
 
+    /// For the normalised guest path `abs` of a file on a mounted writable root that the sandbox
+    /// has not copied up (nothing at that path in the upper layer, not even a directory on the
+    /// way): the image's own file, opened read-only. Overlayfs gives each mount a device number of
+    /// its own, so the merged view's identity of an image file differs in every sandbox; the
+    /// image's is the one the template's zygote saw, which caches keyed by file identity (the
+    /// program files `exec` keeps, `vmm::image_cache`) can then share.
+    pub fn image_file(&self, abs: &str) -> Option<OwnedFd> {
+        let layer = self.root_layer.as_ref()?;
+        let upper = layer.upper.as_ref()?;
+        let (i, rel) = self.locate_idx(abs)?;
+        if self.mounts[i].at != "/" || !self.mounts[i].writable || rel.is_empty() {
+            return None;
+        }
+        let beneath = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+        match openat2(upper.as_raw_fd(), rel, libc::O_PATH, 0, beneath) {
+            Err(e) if e == ENOENT => openat2(layer.image.as_raw_fd(), rel, libc::O_RDONLY, 0, beneath).ok(),
+            _ => None,
+        }
+    }
+
     /// Whether the root is a mounted writable root.
     pub fn root_mounted(&self) -> bool {
         self.root_layer.as_ref().is_some_and(|l| l.upper.is_some()) && self.mounts.iter().any(|m| m.at == "/" && m.writable)
