@@ -110,3 +110,31 @@ def test_fork_group_16_map_read_only_root(benchmark, templates):
 def test_fork_group_16_map_writable_root(benchmark, templates):
     client, h = templates
     _fork(benchmark, client, h["rw"], WIDTH)
+
+
+def test_fork_1_exec_alternated_writable_root(benchmark, templates):
+    """The fork row again with the two templates alternated round by round (this machine's load
+    drifts over a run): each timed writable-root round follows one read-only-root round, whose
+    median and p99 go in extra_info."""
+    client, h = templates
+    ro_times: list[float] = []
+    with client.session(h["ro"]) as ro, client.session(h["rw"]) as rw:
+        for s in (ro, rw):
+            s.exec(command="touch /tmp/x; mkdir -p /usr/local/lib/p 2>/dev/null; echo a > /usr/local/lib/p/a 2>/dev/null; true")
+
+        def fork_exec(s):
+            with s.fork_group(1) as grp:
+                assert grp[0].exec(command="true").exit_code == 0
+
+        def setup():
+            _drain(client)
+            t = time.perf_counter()
+            fork_exec(ro)
+            ro_times.append(time.perf_counter() - t)
+            _drain(client)
+
+        benchmark.pedantic(lambda: fork_exec(rw), setup=setup, rounds=ROUNDS, warmup_rounds=2)
+    _drain(client)
+    ro_times = sorted(ro_times[2:])  # as the warmup rounds
+    benchmark.extra_info["read_only_root_median_ms"] = round(ro_times[len(ro_times) // 2] * 1e3, 1)
+    benchmark.extra_info["read_only_root_p99_ms"] = round(ro_times[max(0, -(-99 * len(ro_times) // 100) - 1)] * 1e3, 1)
