@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from collimate_rl import Image, Ready, Template, connect
+from collimate_rl import Image, InvalidArgument, Ready, Template, connect
 
 pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 
@@ -103,9 +103,11 @@ def test_writes_anywhere_land_in_the_sandbox_and_never_in_the_image(tpl):
         r = other.exec(command="test -e /etc/os-release && test ! -e /usr/local/bin/x && test ! -e /usr/share/doc/drop")
         assert r.ok, r
         assert "overlay / overlay rw" in s.exec(command="cat /proc/mounts").stdout
-        # The host may upload there too.
+        # The host may upload there too; the engine's own files stay a read-only mount, and say so.
         s.upload_bytes("/usr/local/share/up.txt", b"uploaded\n")
         assert s.exec(command="cat /usr/local/share/up.txt").stdout == "uploaded\n"
+        with pytest.raises(InvalidArgument, match="read-only mount over the sandbox's writable root"):
+            s.upload_bytes("/opt/collimate/x", b"x")
         # The copy-up layer is in the sandbox's disk quota.
         before = s.disk_usage()["bytes"]
         assert s.exec(command="head -c 4194304 /dev/zero > /usr/local/share/blob").ok
