@@ -5,7 +5,7 @@
   `no-ack`;
 - a `code=` or `command=` over its size limit: InvalidArgument before it is sent, saying to put
   the program in a file; before, 20 MiB of code ended in a bare MemoryError inside the guest;
-- uploads where nothing is writable: one rule in every message (only /tmp, /work and /dev/shm);
+- uploads where nothing is writable: one rule in every message (a read-only root: only /tmp, /work, /dev/shm, HOME);
 - a write past the disk quota: the guest gets ENOSPC, as on Linux. busybox's `head` reports any
   stdio error as "standard output: I/O error" (its own fixed text: it does not print errno), so
   the check is that busybox says the same in the sandbox as on this host over a tmpfs of the same

@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from collimate_core.sdk.embedded import RECYCLE_MAX
+from collimate_core.sdk.quota import WRITABLE_RULE
 from collimate_rl import (
     AuthenticationError,
     CapacityError,
@@ -378,7 +379,7 @@ def test_errors_come_back_as_the_sdk_exceptions(alice):
         with pytest.raises(InvalidArgument, match="writable") as e:
             sb.upload_bytes("/usr/bin/evil", b"x")
         # One rule, the engine's (issue 32: the server added "only /tmp and /work" to it).
-        assert str(e.value).count("writable") == 1 and "only /tmp, /work and /dev/shm are writable" in str(e.value)
+        assert str(e.value).count("writable") == 1 and WRITABLE_RULE in str(e.value)
         with pytest.raises(NotFoundError, match="no such file"):
             sb.download("/work/missing")
         with pytest.raises(InvalidArgument):

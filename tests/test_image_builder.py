@@ -114,9 +114,10 @@ def test_a_baked_builder_image_runs_debian_and_pypi_programs(tmp_path):
 @pytest.mark.kvm
 @pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
 def test_home_is_writable_so_pip_installs_land_there(tmp_path):
-    """`pip install --user`, and `pip install -e .` (pip falls back to the user site when the
-    system's is read-only), in a sandbox without network: into HOME, the sandbox's own copy of the
-    image's, which a fork inherits and a reset drops."""
+    """With a read-only root (`read_only_root=True`; the default root is writable, see
+    tests/test_writable_root.py): `pip install --user`, and `pip install -e .` (pip falls back to the
+    user site when the system's is read-only), in a sandbox without network: into HOME, the
+    sandbox's own copy of the image's, which a fork inherits and a reset drops."""
     proj = tmp_path / "proj"
     (proj / "greet").mkdir(parents=True)
     (proj / "greet" / "__init__.py").write_text("def hello():\n    return 'hello from greet'\n")
@@ -126,7 +127,7 @@ def test_home_is_writable_so_pip_installs_land_there(tmp_path):
     )
     image = Image.debian_slim().pip_install("pip", "setuptools", "wheel").add_local_dir(proj, "/work/proj")
     client = connect()
-    handle = Template.bake(client, name="test-image-builder-home", image=image)
+    handle = Template.bake(client, name="test-image-builder-home", image=image, read_only_root=True)
     st = handle.wait(timeout=900)
     assert st.phase == "Live", st.log
     pip = "python3 -m pip install --no-index --no-build-isolation --disable-pip-version-check"
@@ -150,7 +151,9 @@ def test_home_is_writable_so_pip_installs_land_there(tmp_path):
             assert r.ok, (r.stdout, r.stderr)
             r = s.exec(command=check)
             assert r.ok and "/root/.local/lib/python3.11/site-packages/greet/" in r.stdout, r
-            # The rest of the root is still the image's, read-only.
+            # The rest of the root is the image's, read-only, and says so.
             assert "Read-only file system" in s.exec(command="touch /usr/local/x").stderr
+            with pytest.raises(InvalidArgument, match="the root is read-only here"):
+                s.upload_bytes("/usr/local/x", b"x")
     finally:
         Template.delete(client, "test-image-builder-home")

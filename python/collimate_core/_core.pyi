@@ -167,6 +167,12 @@ class Vm:
         """`n` copy-on-write children of this paused VM."""
     def set_spare_pool(self, n: int) -> None:
         """Keep `n` pre-forked children ready so `fork`/`clone` only hand one over (template zygotes)."""
+    def set_writable_root(self, on: bool) -> None:
+        """Give the sandboxes this zygote forks from now on a writable root (the image under a
+        copy-up layer in each one's disk quota); drops the spares (set the spare pool again)."""
+    @property
+    def writable_root(self) -> bool:
+        """Whether this VM's sandboxes have a writable root."""
     def clone(self) -> Vm:
         """One copy-on-write child: `fork(1)[0]`."""
     def reset(self, keep_files: bool = False) -> _ResetStats:

@@ -111,6 +111,9 @@ pub struct Vm {
     /// The disk quota of the children this VM forks (and of this VM, if it has a tmpfs); `None`
     /// where the host cannot make tmpfs instances (no CAP_SYS_ADMIN).
     quota: Option<DiskQuota>,
+    /// Its sandboxes (its forks, and itself after a reset) have a writable root (`crate::overlay`):
+    /// each fork and reset takes an overlay context made here (`Request::WritableRoot`).
+    writable_root: bool,
     /// This sandbox's network state on the trusted side (`crate::egress`): its policy, flows and
     /// log. A fork gets a copy of the policy; its broker socket goes to the VMM with the first
     /// stdio pipes (`net_sent`).
@@ -191,6 +194,7 @@ impl Vm {
             shm: None,
             quota: crate::quota::available().then_some(crate::quota::DEFAULT_QUOTA),
             shm_quota: crate::quota::available().then_some(crate::quota::SHARED_MEMORY),
+            writable_root: false,
             net: SandboxNet::new(Policy::default()),
             net_sent: false,
         };
@@ -380,10 +384,11 @@ impl Vm {
         // pool): sent with the request, or ahead of
         // it in batches when there are more than one message can carry.
         let scratch = self.make_scratch(n)?;
-        let with_fork: Vec<RawFd> = if scratch.len() <= MAX_FDS_PER_MESSAGE { scratch.iter().map(|s| s.0.as_raw_fd()).collect() } else { vec![] };
+        let with_fork: Vec<RawFd> = if scratch.len() <= MAX_FDS_PER_MESSAGE { scratch.iter().map(|s| s.as_raw_fd()).collect() } else { vec![] };
         if with_fork.is_empty() {
-            for batch in scratch.chunks(MAX_FDS_PER_MESSAGE) {
-                let fds: Vec<RawFd> = batch.iter().map(|s| s.0.as_raw_fd()).collect();
+            let unit = self.scratch_unit();
+            for batch in scratch.chunks(MAX_FDS_PER_MESSAGE / unit * unit) {
+                let fds: Vec<RawFd> = batch.iter().map(|s| s.as_raw_fd()).collect();
                 match self.call_with_fds(&Request::AddScratch, &fds, CONTROL_TIMEOUT)? {
                     Response::Ok => {}
                     other => return Err(Error::Protocol(format!("expected Ok, got {other:?}"))),
@@ -413,6 +418,7 @@ impl Vm {
                         shm: None,
                         quota: self.quota,
                         shm_quota: self.shm_quota,
+                        writable_root: self.writable_root,
                         // Copied, never shared: a fork's policy changes alone.
                         net: SandboxNet::forked(&self.net),
                         net_sent: false,
@@ -494,7 +500,7 @@ impl Vm {
         // A tmpfs for each spare (the VMM keeps as many as its spares lack and drops the rest;
         // later forks bring one per child, which tops the spares up again).
         let scratch = self.make_scratch(n)?;
-        let fds: Vec<RawFd> = scratch.iter().map(|s| s.0.as_raw_fd()).collect();
+        let fds: Vec<RawFd> = scratch.iter().map(|s| s.as_raw_fd()).collect();
         self.call_with_fds(&Request::SparePool { n: n32 }, &fds, CONTROL_TIMEOUT).and_then(|r| match r {
             Response::Ok => Ok(()),
             other => Err(Error::Protocol(format!("expected Ok, got {other:?}"))),
@@ -503,15 +509,48 @@ impl Vm {
 
     /// `n` pairs of new tmpfs instances for this VM's children, one after the other: a disk of
     /// their quota and a shared-memory pool (none if quotas are off, or for the engine's bare test
-    /// guests, which have no files).
-    fn make_scratch(&self, n: usize) -> Result<Vec<Scratch>> {
+    /// guests, which have no files); with a writable root, each pair followed by an overlay context.
+    fn make_scratch(&self, n: usize) -> Result<Vec<OwnedFd>> {
         match self.quota {
             Some(q) if self.stdio.is_some() => {
                 let pool = self.shm_quota.unwrap_or(crate::quota::SHARED_MEMORY);
-                (0..n).flat_map(|_| [Scratch::new(q), Scratch::new(pool)]).collect()
+                let mut v = Vec::with_capacity(n * self.scratch_unit());
+                for _ in 0..n {
+                    v.push(Scratch::new(q)?.0);
+                    v.push(Scratch::new(pool)?.0);
+                    if self.writable_root {
+                        v.push(crate::overlay::context()?);
+                    }
+                }
+                Ok(v)
             }
             _ => Ok(vec![]),
         }
+    }
+
+    /// Descriptors each child takes (see [`Vm::make_scratch`]).
+    fn scratch_unit(&self) -> usize {
+        if self.writable_root { 3 } else { 2 }
+    }
+
+    /// Give the sandboxes this VM forks from now on a writable root (the image under a copy-up
+    /// layer in each one's disk quota, `crate::overlay`), or not. Drops its spare clones (the
+    /// caller sets the spare pool again). Without tmpfs instances (no quotas) the root stays
+    /// read-only.
+    pub fn set_writable_root(&mut self, on: bool) -> Result<()> {
+        let on = on && self.quota.is_some();
+        match self.call(&Request::WritableRoot { on }, CONTROL_TIMEOUT)? {
+            Response::Ok => {
+                self.writable_root = on;
+                Ok(())
+            }
+            other => Err(Error::Protocol(format!("expected Ok, got {other:?}"))),
+        }
+    }
+
+    /// Whether its sandboxes have a writable root ([`Vm::set_writable_root`]).
+    pub fn writable_root(&self) -> bool {
+        self.writable_root
     }
 
     /// Set the disk quota of this sandbox's writable mounts (if it has a tmpfs of its own: a
@@ -629,7 +668,13 @@ impl Vm {
     }
 
     fn reset_request(&mut self, req: Request) -> Result<ResetStats> {
-        match self.call(&req, CONTROL_TIMEOUT)? {
+        // A fresh writable root needs a context of its own (one mounts once).
+        let ctx = match req {
+            Request::Reset if self.writable_root && self.scratch.is_some() => Some(crate::overlay::context()?),
+            _ => None,
+        };
+        let fds: Vec<RawFd> = ctx.iter().map(|c| c.as_raw_fd()).collect();
+        match self.call_with_fds(&req, &fds, CONTROL_TIMEOUT)? {
             Response::Reset(s) => {
                 // Output the guest wrote before the reset belongs to no one now.
                 if let Some(stdio) = &self.stdio {

@@ -14,6 +14,7 @@ pub mod egress;
 pub mod error;
 pub mod guestos;
 pub mod loader;
+pub mod overlay;
 pub mod persist;
 pub mod protocol;
 pub mod quota;

@@ -44,6 +44,11 @@ pub enum Request {
     /// come: every fork and spare made from now on takes one for its writable mounts (its disk
     /// quota), and none is made without. The controller sends as many as it will ask children for.
     AddScratch,
+    /// Whether the sandboxes forked from now on have a writable root (`crate::overlay`: the image
+    /// under a copy-up layer on each one's tmpfs). When on, the descriptors with `Fork`,
+    /// `SparePool` and `AddScratch` come in threes (disk, shared memory, an overlay context), and
+    /// a `Reset` of such a sandbox carries a context for its fresh root. Drops the spares.
+    WritableRoot { on: bool },
     Reset,
     /// `Reset` that keeps the sandbox's writable mounts (/tmp, /work, ... as they are now): a
     /// fresh agent from the template over the files the sandbox has (an interpreter that had to
@@ -125,6 +130,7 @@ impl Request {
                 | Request::Reseed { .. }
                 | Request::AgentCall { .. }
                 | Request::EndExec { .. }
+                | Request::WritableRoot { .. }
         )
     }
 }

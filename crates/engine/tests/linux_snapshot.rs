@@ -70,7 +70,7 @@ fn forked_python_sandboxes_resume_with_private_files() {
 
     // Uploads outside the writable mounts are refused with a clear error.
     let e = kids[0].upload("/usr/bin/evil", b"x", 0o755).unwrap_err();
-    assert!(e.to_string().contains("only /tmp, /work and /dev/shm are writable"), "{e}");
+    assert!(e.to_string().contains("only /tmp, /work, /dev/shm and a baked image's HOME are writable"), "{e}");
     drop(kids);
     let _ = std::fs::remove_dir_all(&dir);
 }

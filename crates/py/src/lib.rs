@@ -438,6 +438,20 @@ impl PyVm {
         self.with(py, &op, |vm| Ok(vm.set_spare_pool(n)?))
     }
 
+    /// Give the sandboxes this VM (a template's zygote) forks from now on a writable root: the
+    /// image under a copy-up layer in each one's disk quota. Drops its spare clones (set the spare
+    /// pool again after). Without disk quotas (no CAP_SYS_ADMIN) the root stays read-only.
+    fn set_writable_root(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        let op = format!("Vm.set_writable_root({on})");
+        self.with(py, &op, |vm| Ok(vm.set_writable_root(on)?))
+    }
+
+    /// Whether the sandboxes of this VM have a writable root (`set_writable_root`).
+    #[getter]
+    fn writable_root(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, "Vm.writable_root", |vm| Ok(vm.writable_root()))
+    }
+
     fn clone(&self, py: Python<'_>) -> PyResult<PyVm> {
         self.with(py, "Vm.clone", |vm| Ok(vm.clone_vm()?)).map(PyVm::wrap)
     }

@@ -142,6 +142,9 @@ class _Template:
         self.shared_memory = getattr(baked, "shared_memory", None) or shared_memory
         if self.zygote.shared_memory is not None and self.zygote.shared_memory != self.shared_memory:
             self.zygote.set_shared_memory(self.shared_memory)
+        # A template baked from an image has a writable root, as a container does (docs/templates.md).
+        if getattr(baked, "meta", {}).get("writable_root"):
+            self.zygote.set_writable_root(True)
         self.spares = 0
         self.recycled: list[Vm] = []
         self.set_spares(DEFAULT_SPARES)

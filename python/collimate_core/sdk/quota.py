@@ -29,10 +29,12 @@ import re
 
 from collimate_core.sdk.errors import InvalidArgument
 
-# The guest directories the host may write into (uploads) and the guest's writes land in: the one
-# rule every error about a path that is not writable states (the engine's says the same).
+# The guest directories the host may write into (uploads) and the guest's writes land in where the
+# root is read-only (the catalog's templates, `Template.bake(read_only_root=True)`; an image
+# template's root is writable): the one rule every error about a path that is not writable states
+# (the engine's says the same).
 WRITABLE_DIRS = ("/tmp", "/work", "/dev/shm")
-WRITABLE_RULE = "only /tmp, /work and /dev/shm are writable"
+WRITABLE_RULE = "the root is read-only here: only /tmp, /work, /dev/shm and a baked image's HOME are writable"
 
 DEFAULT_DISK_QUOTA = 1 << 30
 # Inodes that come with a quota: one per 16 KiB, at least 4096 (the engine's default is 65,536 for

@@ -125,8 +125,9 @@ class Sandbox:
         )
 
     def upload_bytes(self, path: str, data: bytes) -> None:
-        """Write `data` to `path` in the sandbox, byte-exact (only /tmp, /work and /dev/shm are
-        writable; at most 256 MiB, over HTTP the server's --max-upload)."""
+        """Write `data` to `path` in the sandbox, byte-exact (anywhere in a writable root; where
+        the root is read-only, only under /tmp, /work, /dev/shm and a baked image's HOME; at most
+        256 MiB, over HTTP the server's --max-upload)."""
         self.client.upload(self._live(), path, data)
 
     def download(self, path: str) -> bytes:

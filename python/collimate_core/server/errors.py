@@ -82,7 +82,9 @@ def _file_error(e: CollimateError, what: str) -> Exception:
         return ApiError(404, "not_found", f"{what}: no such file in the sandbox")
     if errno_ in (13, 30, 1):  # EACCES, EROFS, EPERM
         # The engine's message names the path and states the rule (once) where it applies.
-        msg = str(e) if WRITABLE_RULE in str(e) else f"{what}: not writable ({WRITABLE_RULE}): {e}"
+        # (A writable root's engine message names the read-only mount instead: it is the truth there.)
+        said = WRITABLE_RULE in str(e) or "read-only mount over the sandbox's writable root" in str(e)
+        msg = str(e) if said else f"{what}: not writable ({WRITABLE_RULE}): {e}"
         return ApiError(403, "forbidden_path", msg)
     if errno_ in (20, 21, 17, 39):  # ENOTDIR, EISDIR, EEXIST, ENOTEMPTY
         return ApiError(409, "conflict", f"{what}: {e}")

@@ -469,6 +469,8 @@ class _Spec:
     cpus: int = 1
     # The shared-memory limit of its sandboxes (None: the client's).
     shared_memory: int | None = None
+    # Whether its sandboxes' root stays the image's, read-only (else a copy-up layer makes it writable).
+    read_only_root: bool = False
 
 
 class _Build:
@@ -522,6 +524,7 @@ class _Build:
         image_id = None
         created_rootfs = False
         vm = None
+        pre_zygote = None  # with a writable root, the Ready step runs in a clone of it
         workdirs: Path | None = None
         try:
             say(f"baking template {spec.name!r} v{self.status.version} from {spec.image}")
@@ -648,6 +651,23 @@ class _Build:
                        "timeout": f"did not get there in {AGENT_START_TIMEOUT:.0f}s"}.get(r.kind, f"stopped: {r.kind}")
                 raise BuildError(f"the agent ({argv[0]}) did not reach its ready point: it {how}")
             say(f"agent ready in {r.duration:.2f}s (guest time)")
+            if (spec.ready.cmd is not None or spec.ready.code is not None) and not spec.read_only_root:
+                # The Ready step writes where a sandbox would (pip install into /usr/local, files
+                # in /etc): in a clone with the writable root, whose copy-up layer the checkpoint keeps.
+                pre = self.vtmp / "before-ready"
+                vm.snapshot(pre)
+                vm.destroy()
+                vm = None
+                pre_zygote = Vm.restore(pre)
+                pre_zygote.set_writable_root(True)
+                if spec.disk_quota is not None and pre_zygote.disk_quota is not None:
+                    from collimate_core.sdk import quota as _quota
+
+                    pre_zygote.set_disk_quota(spec.disk_quota, _quota.inodes_for(spec.disk_quota))
+                vm = pre_zygote.clone()
+                if spec.egress is not None and not spec.egress.is_none:
+                    vm.set_egress(spec.egress.rule_strings(), spec.egress.internet_access)
+                say("Ready step in a clone with the writable root (what it writes anywhere in the image is kept)")
             for what, key, src_text in (("cmd", "command", spec.ready.cmd), ("code", "code", spec.ready.code)):
                 if src_text is None:
                     continue
@@ -674,11 +694,18 @@ class _Build:
             vm.snapshot(snap)
             vm.destroy()
             vm = None
-            with Vm.restore(snap) as zygote, zygote.clone() as clone:
-                r = clone.agent_call(_frame({"op": "ping"}), 60.0)
-                if _unframe(r.agent) != {"pong": True}:
-                    raise BuildError(f"a clone of the checkpoint did not answer ({r.kind}): "
-                                     f"{r.stderr.decode(errors='replace')[-2000:]}")
+            if pre_zygote is not None:
+                pre_zygote.destroy()
+                pre_zygote = None
+                shutil.rmtree(self.vtmp / "before-ready", ignore_errors=True)
+            with Vm.restore(snap) as zygote:
+                if not spec.read_only_root:
+                    zygote.set_writable_root(True)
+                with zygote.clone() as clone:
+                    r = clone.agent_call(_frame({"op": "ping"}), 60.0)
+                    if _unframe(r.agent) != {"pong": True}:
+                        raise BuildError(f"a clone of the checkpoint did not answer ({r.kind}): "
+                                         f"{r.stderr.decode(errors='replace')[-2000:]}")
             size = sum(f.lstat().st_blocks * 512 for f in snap.rglob("*") if f.is_file() and not f.is_symlink())
             say(f"checkpoint {size / 2**20:.1f} MiB on disk; a clone answers")
 
@@ -700,6 +727,7 @@ class _Build:
                 "disk_quota": spec.disk_quota,  # its sandboxes' quota (None: the client's)
                 "cpus": spec.cpus,  # the CPU count its sandboxes see
                 "shared_memory": spec.shared_memory,  # its sandboxes' shared-memory limit (None: the client's)
+                "writable_root": not spec.read_only_root,  # a copy-up layer over the image (embedded.py)
             }
             _write_json(self.vtmp / "template.json", meta)
             (self.vtmp / "building.json").unlink(missing_ok=True)
@@ -729,11 +757,12 @@ class _Build:
                     raise
             return baked
         except BaseException as e:
-            if vm is not None:
-                try:
-                    vm.destroy()
-                except CollimateError:
-                    pass
+            for v in (vm, pre_zygote):
+                if v is not None:
+                    try:
+                        v.destroy()
+                    except CollimateError:
+                        pass
             if image_id is not None:
                 with _lock:
                     _rootfs_in_use[image_id] -= 1
@@ -871,6 +900,7 @@ class Template:
         egress: Any = None,
         cpus: int | None = None,
         shared_memory: int | str | None = None,
+        read_only_root: bool = False,
     ) -> TemplateHandle:
         """Bake `image` into template `name` in the background; returns at once.
 
@@ -890,6 +920,9 @@ class Template:
         default COLLIMATE_CPUS, else 1), fixed at the bake since libraries read it once (OpenBLAS
         sizes its pool when numpy loads). The threads still take turns on one vCPU: a count above 1
         only makes thread pools start more workers.
+        `read_only_root`: keep the sandboxes' root filesystem the image's, read-only (EROFS outside
+        /tmp, /work, /dev/shm and HOME). By default it is writable as in a container: writes land
+        in a copy-up layer in the sandbox's disk quota (docs/templates.md, "The writable root").
         """
         from collimate_core.sdk import egress as _egress
         from collimate_core.sdk import quota as _quota
@@ -915,6 +948,8 @@ class Template:
                 )
             if cpus is not None:
                 raise InvalidArgument("Template.bake(cpus=...) is for the embedded engine")
+            if read_only_root:
+                raise InvalidArgument("Template.bake(read_only_root=...) is for the embedded engine")
             if not isinstance(image, (str, os.PathLike)):
                 raise InvalidArgument(
                     "Template.bake over HTTP takes an image reference in the server's image store: write the Image "
@@ -928,6 +963,7 @@ class Template:
         c = _cache(client, cache)
         spec = _Spec(name, image, ready, width, c, Path(store) if store else _oci.default_store(c), quota, policy, ncpus,
                      shared_memory=shm)
+                     bool(read_only_root))
         def register(baked: ImageBaked) -> None:
             client.register_template(name, baked)
             if width > 1 and hasattr(client, "expect_width"):

@@ -282,7 +282,15 @@ fn check_strings(argv: &[Vec<u8>], envp: &[Vec<u8>]) -> Result<(), Errno> {
 fn read_program(os: &GuestOs, path: &[u8]) -> Result<Program, Errno> {
     let (fd, gpath) = os.vfs.open_path(&os.proc.cwd, path, libc::O_RDONLY, 0)?;
     let mut f = std::fs::File::from(fd);
-    let md = f.metadata().map_err(|e| Errno::from_io(&e))?;
+    let mut md = f.metadata().map_err(|e| Errno::from_io(&e))?;
+    // An image file under a writable root: read as the image's, whose identity every sandbox of
+    // the template shares (the cache below hits; see `Vfs::image_file`).
+    if let Some(img) = os.vfs.image_file(&gpath) {
+        let img = std::fs::File::from(img);
+        if let Some(m) = img.metadata().ok().filter(|m| m.len() == md.len() && m.mtime() == md.mtime() && m.mtime_nsec() == md.mtime_nsec()) {
+            (f, md) = (img, m);
+        }
+    }
     if !md.is_file() || md.permissions().mode() & 0o111 == 0 {
         return Err(EACCES);
     }

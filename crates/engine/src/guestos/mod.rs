@@ -100,7 +100,8 @@ impl Errno {
 
 fn errno_error(op: &str, path: &str, e: Errno) -> crate::Error {
     let msg = std::io::Error::from_raw_os_error(e.0);
-    let hint = if e == EROFS { " (only /tmp, /work and /dev/shm are writable)" } else { "" };
+    // Only a read-only root says EROFS (a writable root, `crate::overlay`, takes writes anywhere).
+    let hint = if e == EROFS { " (the root is read-only here: only /tmp, /work, /dev/shm and a baked image's HOME are writable)" } else { "" };
     crate::Error::InvalidArgument(format!("{op} {path}: {msg}{hint}"))
 }
 
@@ -291,6 +292,13 @@ impl GuestOs {
         let (parent, name) = abs.rsplit_once('/').ok_or_else(|| errno_error("upload", &abs, EINVAL))?;
         let parent = if parent.is_empty() { "/" } else { parent };
         if !self.vfs.writable(&abs) {
+            if self.vfs.root_mounted() {
+                // A writable root (`crate::overlay`): what is not writable is a mount over it.
+                return Err(crate::Error::InvalidArgument(format!(
+                    "upload {abs}: {} (a read-only mount over the sandbox's writable root: the engine's own files or /proc, /dev)",
+                    std::io::Error::from_raw_os_error(EROFS.0)
+                )));
+            }
             return Err(errno_error("upload", &abs, EROFS));
         }
         let dir = self.vfs.open("/", parent.as_bytes(), libc::O_PATH | libc::O_DIRECTORY, 0).map_err(|e| errno_error("upload", parent, e))?;

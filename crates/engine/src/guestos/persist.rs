@@ -91,6 +91,10 @@ pub enum ScratchRoot {
     Tmpfs { disk: Arc<OwnedFd>, shm: Option<Arc<OwnedFd>> },
 }
 
+/// Where a snapshot's `fs/` keeps a writable root's upper layer (`crate::overlay`); a sandbox's
+/// tmpfs keeps it at `crate::overlay::UPPER`.
+pub const ROOT_UPPER: &str = "root";
+
 /// The writable mount that lives in the shared-memory pool rather than on the disk quota.
 pub const SHM_MOUNT: &str = "/dev/shm";
 
@@ -152,12 +156,19 @@ impl OsState {
             .find(|m| m.at == "/")
             .map(|m| m.host.clone())
             .ok_or_else(|| lost("the sandbox has no root mount".into()))?;
-        let writable: Vec<_> = os.vfs.mounts.iter().filter(|m| m.writable).collect();
+        // A writable root is its upper layer, kept apart (the merged view is the whole image).
+        let writable: Vec<_> = os.vfs.mounts.iter().filter(|m| m.writable && m.at != "/").collect();
         if let Some(dir) = fs_dir {
             let _ = std::fs::remove_dir_all(dir);
             let dest = ScratchRoot::Dir(dir.to_path_buf());
             for (i, m) in writable.iter().enumerate() {
                 dest.fill(i, &m.at, m.dir.as_fd()).map_err(Error::sys("copy a writable mount into the snapshot"))?;
+            }
+            if let Some(layer) = &os.vfs.root_layer {
+                // Present (if empty) whenever the root is writable: a restore then knows it is.
+                let to = tree::open_dir_path(dir, true).and_then(|d| tree::fresh_dir(d.as_fd(), ROOT_UPPER));
+                to.and_then(|to| layer.upper.as_ref().map_or(Ok(()), |up| tree::copy_tree_at(up.as_fd(), to.as_fd())))
+                    .map_err(Error::sys("copy the writable root's layer into the snapshot"))?;
             }
         }
         Ok(OsState {
@@ -265,17 +276,30 @@ fn reopen(vfs: &Vfs, files: &[FileState], fds: &[(i32, u32, bool)]) -> Result<Fi
 /// Give `os` private copies of its writable mounts in `scratch` (a forked sandbox must not share
 /// files with its parent), and reopen the files it has open or mapped in them. Other open files
 /// (the root filesystem, pipes, engine files) stay shared, as after a Linux fork.
-pub fn privatize(os: &mut GuestOs, scratch: &ScratchRoot) -> Result<()> {
+/// With `ctx` (an overlay context) and a writable root wanted, the child mounts its own over a copy
+/// of the parent's upper layer; without, its root stays read-only.
+pub fn privatize(os: &mut GuestOs, scratch: &ScratchRoot, ctx: Option<OwnedFd>) -> Result<()> {
     // The parent's mounts: guest path and directory (kept open until the files are repointed).
     let mut writable: Vec<(String, OwnedFd)> = Vec::new();
-    for m in os.vfs.mounts.iter().filter(|m| m.writable) {
+    for m in os.vfs.mounts.iter().filter(|m| m.writable && m.at != "/") {
         writable.push((m.at.clone(), m.dir.try_clone().map_err(Error::sys("dup a sandbox mount"))?));
     }
     for (i, (at, src)) in writable.iter().enumerate() {
         let d = scratch.fill(i, at, src.as_fd()).map_err(Error::sys("copy a writable mount for a forked sandbox"))?;
         os.vfs.mount_fd(at, d, true, scratch.label(i, at)).map_err(Error::sys("open a sandbox mount"))?;
     }
-    let in_writable = |p: &str| writable.iter().any(|(at, _)| p == at || p.starts_with(&format!("{at}/")));
+    let parent_root = os.vfs.root_mounted();
+    match ctx {
+        Some(ctx) if os.vfs.root_layer.is_some() => mount_root(os, scratch, &ctx)?,
+        _ if parent_root => {
+            return Err(Error::Protocol("no overlay context for a forked sandbox whose parent's root is writable".into()));
+        }
+        _ => {}
+    }
+    // Files open on the parent's writable root are reopened on the child's (all of them: which
+    // are the parent's copied-up files is not worth telling apart).
+    let in_writable =
+        |p: &str| parent_root || writable.iter().any(|(at, _)| p == at || p.starts_with(&format!("{at}/")));
     let mut replaced: HashMap<*const OpenFile, Arc<OpenFile>> = HashMap::new();
     for fd in os.files.open_fds().collect::<Vec<_>>() {
         let Ok(slot) = os.files.get(fd) else { continue };
@@ -301,6 +325,34 @@ pub fn privatize(os: &mut GuestOs, scratch: &ScratchRoot) -> Result<()> {
     }
     repoint_mappings(os, &writable);
     Ok(())
+}
+
+/// Mount `os`'s writable root with the overlay context `ctx`: its upper layer a fresh directory
+/// [`crate::overlay::UPPER`] in `scratch` holding a copy of the layer it had (a parent's, or a
+/// snapshot's). Overlayfs must not see an upper layer change under a mount in use: the copy is
+/// made before the mount, never after.
+pub fn mount_root(os: &mut GuestOs, scratch: &ScratchRoot, ctx: &OwnedFd) -> Result<()> {
+    let root = scratch.open("/").map_err(Error::sys("open the sandbox's tmpfs"))?;
+    let to = tree::fresh_dir(root.as_fd(), ROOT_UPPER).map_err(Error::sys("make the writable root's layer"))?;
+    tree::fresh_dir(root.as_fd(), &crate::overlay::WORK.to_string_lossy()).map_err(Error::sys("make the writable root's layer"))?;
+    if let Some(up) = os.vfs.root_layer.as_ref().and_then(|l| l.upper.as_ref()) {
+        tree::copy_tree_at(up.as_fd(), to.as_fd()).map_err(Error::sys("copy the writable root's layer"))?;
+    }
+    os.vfs.mount_root_layer(ctx, root.as_fd())
+}
+
+/// Move the writable root of `from` (mounted or not) to `to`, whose root is the image's (a reset
+/// that keeps the sandbox's files).
+pub fn keep_root(from: &mut Vfs, to: &mut Vfs) {
+    let Some(layer) = from.root_layer.take() else { return };
+    let old = from.mounts.iter().position(|m| m.at == "/" && m.writable);
+    if let (Some(i), Some(root)) = (old, to.mounts.iter_mut().find(|m| m.at == "/")) {
+        let m = from.mounts.remove(i);
+        root.dir = m.dir;
+        root.host = m.host;
+        root.writable = true;
+    }
+    to.root_layer = Some(layer);
 }
 
 /// Point the file mappings of files in the writable mounts at the private copies [`privatize`]

@@ -5,7 +5,10 @@
 //! `unlinkat` relative to a directory it holds, never following a symlink. A copy keeps what a
 //! sandbox can observe of its files: directories, regular files (contents, mode, holes), symlinks,
 //! and owners (a guest that runs as a user owns what it made). Hard links become separate files;
-//! FIFOs, sockets and device nodes are not copied.
+//! FIFOs, sockets and device nodes are not copied, except the 0/0 character device that marks a
+//! deleted file in an overlay's upper layer (a whiteout, see `crate::overlay`); overlayfs's own
+//! `user.overlay.*` attributes (an opaque directory's marker, a copied-up file's origin) are kept
+//! on directories and regular files, so a copied upper layer means the same over the same image.
 
 use std::ffi::{CStr, CString};
 use std::io;
@@ -104,6 +107,8 @@ pub fn copy_tree_at(src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> io::Result<()> 
                 let from = openat(src, &name, libc::O_PATH | libc::O_DIRECTORY, 0)?;
                 let to = openat(d.as_fd(), &name, libc::O_PATH | libc::O_DIRECTORY, 0)?;
                 copy_tree_at(from.as_fd(), to.as_fd())?;
+                let dirs = |fd: &OwnedFd| openat(fd.as_fd(), c".", libc::O_RDONLY | libc::O_DIRECTORY, 0);
+                copy_overlay_xattrs(&dirs(&from)?, &dirs(&to)?)?;
             }
             libc::S_IFLNK => {
                 let target = readlinkat(src, &name)?;
@@ -119,11 +124,58 @@ pub fn copy_tree_at(src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> io::Result<()> 
                 // be cleared by the writes).
                 cvt(unsafe { libc::fchmod(to.as_raw_fd(), est.st_mode & 0o7777) })?;
                 keep_owner(d.as_fd(), &name, &est)?;
+                copy_overlay_xattrs(&from, &to)?;
+            }
+            libc::S_IFCHR if est.st_rdev == 0 => {
+                // SAFETY: a valid C string relative to our directory; a 0/0 character device (an
+                // overlay whiteout) needs no CAP_MKNOD and is the one device the jail lets us make.
+                cvt(unsafe { libc::mknodat(d.as_raw_fd(), name.as_ptr(), libc::S_IFCHR, 0) })?;
+                keep_owner(d.as_fd(), &name, &est)?;
             }
             _ => {}
         }
     }
     Ok(())
+}
+
+/// Prefix of overlayfs's own extended attributes with `userxattr` (see `crate::overlay`).
+const OVERLAY_XATTR: &[u8] = b"user.overlay.";
+
+/// Copy the `user.overlay.*` extended attributes of `from` to `to` (open descriptors, not O_PATH).
+/// A file system without user attributes has none to copy.
+fn copy_overlay_xattrs(from: &OwnedFd, to: &OwnedFd) -> io::Result<()> {
+    // SAFETY: with a null buffer and size 0, flistxattr only returns the size the list needs.
+    let size = unsafe { libc::flistxattr(from.as_raw_fd(), std::ptr::null_mut(), 0) };
+    if size == 0 {
+        return Ok(());
+    }
+    if size < 0 {
+        let e = io::Error::last_os_error();
+        return if e.raw_os_error() == Some(libc::ENOTSUP) { Ok(()) } else { Err(e) };
+    }
+    let mut names = vec![0u8; size as usize];
+    // SAFETY: flistxattr writes at most names.len() bytes into our buffer.
+    let n = cvt_size(unsafe { libc::flistxattr(from.as_raw_fd(), names.as_mut_ptr().cast(), names.len()) })?;
+    names.truncate(n);
+    for name in names.split(|&b| b == 0).filter(|n| n.starts_with(OVERLAY_XATTR)) {
+        let name = CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: with a null buffer and size 0, fgetxattr only returns the value's size.
+        let size = cvt_size(unsafe { libc::fgetxattr(from.as_raw_fd(), name.as_ptr(), std::ptr::null_mut(), 0) })?;
+        let mut value = vec![0u8; size];
+        // SAFETY: fgetxattr writes at most value.len() bytes into our buffer; the name is a C string.
+        let len = cvt_size(unsafe { libc::fgetxattr(from.as_raw_fd(), name.as_ptr(), value.as_mut_ptr().cast(), value.len()) })?;
+        // SAFETY: fsetxattr reads `len` bytes of our buffer; the name is a C string.
+        cvt(unsafe { libc::fsetxattr(to.as_raw_fd(), name.as_ptr(), value.as_ptr().cast(), len, 0) })?;
+    }
+    Ok(())
+}
+
+fn cvt_size(rc: libc::ssize_t) -> io::Result<usize> {
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(rc as usize)
+    }
 }
 
 fn readlinkat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<CString> {
@@ -304,6 +356,37 @@ mod tests {
         assert!(!dst.exists());
         remove_tree_at(root.as_fd(), c"dst").unwrap(); // missing is fine
         let _ = std::fs::remove_dir_all(&t);
+    }
+
+    #[test]
+    fn keeps_overlay_attributes_of_any_size_and_drops_the_others() {
+        if !crate::quota::available() {
+            eprintln!("skipped: no CAP_SYS_ADMIN for tmpfs instances");
+            return;
+        }
+        let s = crate::quota::Scratch::new(crate::quota::MIN_QUOTA).unwrap();
+        for d in [c"src", c"dst"] {
+            // SAFETY: a valid C string relative to the tmpfs root we hold.
+            cvt(unsafe { libc::mkdirat(s.0.as_raw_fd(), d.as_ptr(), 0o755) }).unwrap();
+        }
+        let src = openat(s.0.as_fd(), c"src", libc::O_PATH | libc::O_DIRECTORY, 0).unwrap();
+        let f = openat(src.as_fd(), c"f", libc::O_WRONLY | libc::O_CREAT, 0o644).unwrap();
+        let big = vec![b'x'; 10_000];
+        for (name, value) in [(c"user.overlay.origin", &big[..]), (c"user.other", &b"1"[..])] {
+            // SAFETY: a C string name and our buffer.
+            cvt(unsafe { libc::fsetxattr(f.as_raw_fd(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) }).unwrap();
+        }
+        let dst = openat(s.0.as_fd(), c"dst", libc::O_PATH | libc::O_DIRECTORY, 0).unwrap();
+        copy_tree_at(src.as_fd(), dst.as_fd()).unwrap();
+        let g = openat(dst.as_fd(), c"f", libc::O_RDONLY, 0).unwrap();
+        let mut buf = vec![0u8; 20_000];
+        // SAFETY: fgetxattr writes at most buf.len() bytes into our buffer.
+        let n = unsafe { libc::fgetxattr(g.as_raw_fd(), c"user.overlay.origin".as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        assert_eq!(n, 10_000, "{}", io::Error::last_os_error());
+        assert_eq!(&buf[..10_000], &big[..]);
+        // SAFETY: as above.
+        let n = unsafe { libc::fgetxattr(g.as_raw_fd(), c"user.other".as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        assert_eq!((n, io::Error::last_os_error().raw_os_error()), (-1, Some(libc::ENODATA)));
     }
 
     fn tempfile_dir() -> std::path::PathBuf {

@@ -61,6 +61,20 @@ pub struct Mount {
 pub struct Vfs {
     /// Longest `at` first, so lookups pick the innermost mount; the root ("/") is last.
     pub mounts: Vec<Mount>,
+    /// Set when the root is (or, in a template's zygote, will be in each clone) writable: the
+    /// image under a copy-up layer (`crate::overlay`).
+    pub root_layer: Option<RootLayer>,
+}
+
+/// A writable root: the host's overlayfs over the image's root directory, its upper layer on the
+/// sandbox's tmpfs (`crate::overlay`). While mounted, the root [`Mount`] is the merged view and
+/// writable; the upper layer is what forks, snapshots and resets copy, never the merged view.
+pub struct RootLayer {
+    /// The image's root directory (the lower layer, never written).
+    pub image: OwnedFd,
+    /// The upper layer's directory: on the sandbox's tmpfs while mounted; in a zygote restored
+    /// from a snapshot, the snapshot's copy (each clone copies it before it mounts its own).
+    pub upper: Option<OwnedFd>,
 }
 
 /// Guest paths are bytes; the engine keeps them as `String`s whose bytes that are not UTF-8 are
@@ -314,6 +328,60 @@ impl Vfs {
         let mut v = Vfs::default();
         v.mounts.push(Mount { at: "/".into(), dir: open_dir(root)?, writable: false, host: root.to_path_buf() });
         Ok(v)
+    }
+
+    /// Mark the root as a writable root to be (each fork mounts its own, [`Vfs::mount_root_layer`]);
+    /// `upper`: an upper layer's contents to start from.
+    pub fn want_root_layer(&mut self, upper: Option<OwnedFd>) -> std::io::Result<()> {
+        let image = match self.root_layer.take() {
+            Some(l) => l.image,
+            None => self.mounts.iter().find(|m| m.at == "/").ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOENT))?.dir.try_clone()?,
+        };
+        self.root_layer = Some(RootLayer { image, upper });
+        Ok(())
+    }
+
+    /// Mount the writable root with the overlay context `ctx` (`crate::overlay::context`), its upper
+    /// layer the directory `crate::overlay::UPPER` of `scratch` (the sandbox's tmpfs), which the
+    /// caller has filled, and make it the root mount.
+    pub fn mount_root_layer(&mut self, ctx: &OwnedFd, scratch: BorrowedFd<'_>) -> crate::error::Result<()> {
+        let Some(layer) = self.root_layer.as_mut() else {
+            return Err(crate::error::Error::InvalidArgument("this sandbox has no writable root to mount".into()));
+        };
+        use std::os::fd::AsFd;
+        let merged = crate::overlay::mount_root(ctx, layer.image.as_fd(), scratch)?;
+        let upper = openat2_c(scratch.as_raw_fd(), crate::overlay::UPPER, libc::O_PATH | libc::O_DIRECTORY, 0, RESOLVE_ONE)
+            .map_err(|e| crate::error::Error::sys("open the root overlay's upper layer")(std::io::Error::from_raw_os_error(e.0)))?;
+        layer.upper = Some(upper);
+        let root = self.mounts.iter_mut().find(|m| m.at == "/").ok_or_else(|| crate::error::Error::Remote("the sandbox has no root mount".into()))?;
+        root.dir = merged;
+        root.writable = true;
+        Ok(())
+    }
+
+    /// For the normalised guest path `abs` of a file on a mounted writable root that the sandbox
+    /// has not copied up (nothing at that path in the upper layer, not even a directory on the
+    /// way): the image's own file, opened read-only. Overlayfs gives each mount a device number of
+    /// its own, so the merged view's identity of an image file differs in every sandbox; the
+    /// image's is the one the template's zygote saw, which caches keyed by file identity (the
+    /// program files `exec` keeps, `vmm::image_cache`) can then share.
+    pub fn image_file(&self, abs: &str) -> Option<OwnedFd> {
+        let layer = self.root_layer.as_ref()?;
+        let upper = layer.upper.as_ref()?;
+        let (i, rel) = self.locate_idx(abs)?;
+        if self.mounts[i].at != "/" || !self.mounts[i].writable || rel.is_empty() {
+            return None;
+        }
+        let beneath = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+        match openat2(upper.as_raw_fd(), rel, libc::O_PATH, 0, beneath) {
+            Err(e) if e == ENOENT => openat2(layer.image.as_raw_fd(), rel, libc::O_RDONLY, 0, beneath).ok(),
+            _ => None,
+        }
+    }
+
+    /// Whether the root is a mounted writable root.
+    pub fn root_mounted(&self) -> bool {
+        self.root_layer.as_ref().is_some_and(|l| l.upper.is_some()) && self.mounts.iter().any(|m| m.at == "/" && m.writable)
     }
 
     /// Make host directory `host` appear at guest path `at`.

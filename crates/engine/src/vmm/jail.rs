@@ -384,7 +384,8 @@ fn one_of(arg: u8, values: &[u64]) -> Vec<SeccompRule> {
 
 /// Every syscall a VMM process makes once jailed, with the arguments it may pass where they matter.
 /// An empty rule list allows the call with any arguments. What is missing on purpose: mount and
-/// namespace calls (mount, umount2, pivot_root, unshare, setns, open_tree, move_mount, fsopen...),
+/// namespace calls (mount, umount2, pivot_root, unshare, setns, open_tree, move_mount, fsopen,
+/// fspick; `fsconfig` and `fsmount` are there for contexts the controller made),
 /// execve, ptrace and process_vm_*, socket (no new sockets; the channels come from socketpair),
 /// clone3 (its flags sit behind a pointer seccomp cannot read; fork uses clone, and there are no threads),
 /// bpf, perf_event_open, io_uring, userfaultfd, keyctl, module and reboot calls, setuid and friends,
@@ -466,8 +467,20 @@ pub fn allowed_syscalls() -> Vec<(i64, Vec<SeccompRule>)> {
         (SYS_readlinkat, any()),
         (SYS_readlink, any()),
         (SYS_mkdirat, any()),
-        // FIFOs only (mknod of anything else is refused in guestos before it gets here).
-        (SYS_mknodat, vec![rule(vec![cond(2, Len::Dword, Op::MaskedEq(libc::S_IFMT as u64), libc::S_IFIFO as u64)])]),
+        // FIFOs (mknod of anything else is refused in guestos before it gets here), and the 0/0
+        // character device of an overlay whiteout (`guestos::tree` copying an upper layer).
+        (
+            SYS_mknodat,
+            vec![
+                rule(vec![cond(2, Len::Dword, Op::MaskedEq(libc::S_IFMT as u64), libc::S_IFIFO as u64)]),
+                rule(vec![cond(2, Len::Dword, Op::MaskedEq(libc::S_IFMT as u64), libc::S_IFCHR as u64), cond(3, Len::Qword, Op::Eq, 0)]),
+            ],
+        ),
+        // A sandbox's writable root (`crate::overlay`): configuring and mounting an overlay context
+        // the controller made (never `fsopen`: a file system type by name is a string seccomp cannot
+        // read); the mount detached, and always `nosuid,nodev,noexec`.
+        (SYS_fsconfig, any()),
+        (SYS_fsmount, vec![rule(vec![cond(2, Len::Qword, Op::MaskedEq(0xe), 0xe)])]),
         (SYS_mkdir, any()),
         (SYS_unlinkat, any()),
         (SYS_unlink, any()),

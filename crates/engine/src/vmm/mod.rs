@@ -89,6 +89,13 @@ pub struct Machine {
     /// (disk quota, shared-memory pool): each new sandbox (a fork or a spare) takes a pair. Once any
     /// has come, children are never made without.
     scratch_stock: Vec<OwnedFd>,
+    /// Overlay contexts from the controller, one for each pair of `scratch_stock`, while
+    /// `writable_root` (`crate::overlay`).
+    overlay_stock: Vec<OwnedFd>,
+    /// The sandboxes forked from this VM get a writable root (`Request::WritableRoot`).
+    writable_root: bool,
+    /// The overlay context a `Reset` brought for the sandbox's fresh writable root.
+    reset_ctx: Option<OwnedFd>,
     quota_mode: bool,
     /// Set while this process runs its vfork child on its own vCPU (see `spawn`).
     vfork: Option<Box<spawn::Vfork>>,
@@ -230,6 +237,9 @@ impl Machine {
             learn: prefault::Learner::default(),
             scratch: own_dir(),
             scratch_stock: Vec::new(),
+            overlay_stock: Vec::new(),
+            writable_root: false,
+            reset_ctx: None,
             quota_mode: false,
             vfork: None,
             touched: None,
@@ -352,7 +362,7 @@ impl Machine {
         let scratch = own_dir();
         let (os, os_reset_point) = match state.os {
             Some(os_state) => {
-                let os = restore_os(&os_state, dir, &scratch)?;
+                let os = restore_os(&os_state, dir, &scratch, false, None)?;
                 (Some(os), Some((os_state, dir.to_path_buf())))
             }
             None => (None, None),
@@ -375,6 +385,9 @@ impl Machine {
             learn: prefault::Learner::default(),
             scratch,
             scratch_stock: Vec::new(),
+            overlay_stock: Vec::new(),
+            writable_root: false,
+            reset_ctx: None,
             quota_mode: false,
             vfork: None,
             touched: None,
@@ -388,11 +401,36 @@ impl Machine {
     /// Keep the tmpfs instances attached to a request for the children to come; once any came,
     /// no child is made without one.
     fn add_scratch(&mut self, mut fds: Vec<OwnedFd>) {
-        fds.truncate(fds.len() & !1); // pairs only
+        // Pairs (disk, shared memory), or with a writable root threes (and an overlay context).
+        let unit = if self.writable_root { 3 } else { 2 };
+        fds.truncate(fds.len() / unit * unit);
         if !fds.is_empty() {
             self.quota_mode = true;
-            self.scratch_stock.extend(fds);
+            let mut fds = fds.into_iter();
+            while let (Some(disk), Some(shm)) = (fds.next(), fds.next()) {
+                self.scratch_stock.extend([disk, shm]);
+                if self.writable_root {
+                    self.overlay_stock.extend(fds.next());
+                }
+            }
         }
+    }
+
+    /// Give the sandboxes forked from this VM from now on a writable root, or not
+    /// (`Request::WritableRoot`). This VM's own root stays as it is.
+    fn set_writable_root(&mut self, on: bool) -> Result<()> {
+        let Some(os) = self.os.as_mut() else {
+            return Err(Error::InvalidArgument("this VM runs no Linux program; it has no root file system".into()));
+        };
+        if on && os.vfs.root_layer.is_none() {
+            os.vfs.want_root_layer(None).map_err(Error::sys("open the sandbox root"))?;
+        } else if !on && os.vfs.root_mounted() {
+            return Err(Error::InvalidArgument("this sandbox's root is already writable; a template's zygote can turn it off".into()));
+        } else if !on {
+            os.vfs.root_layer = None;
+        }
+        self.writable_root = on;
+        Ok(())
     }
 
     /// Whether this VM runs a Linux program (and so has stdio pipes).
@@ -1032,19 +1070,27 @@ impl Machine {
         crate::vstate::tlb::request_guest_flush();
         self.runtime = runtime;
         self.exited = None;
+        let ctx = self.reset_ctx.take();
         if let (Some((os_state, snap)), Some(os)) = (&self.os_reset_point, self.os.as_mut()) {
             let stdio = os.stdio.take();
             let kept = if keep_files { Some(current_mounts(os, os_state)?) } else { None };
             // The old files go first: on the sandbox's tmpfs, what it wrote is freed at once.
             os.files = Default::default();
             os.mm = Default::default();
+            let writable_root = os.vfs.root_layer.is_some();
             let mut fresh = match kept {
                 Some(dirs) => {
                     let mut o = os_state.rebuild(dirs)?;
                     guestos::random::diverge(&mut o);
+                    // The writable root as it is, too.
+                    crate::guestos::persist::keep_root(&mut os.vfs, &mut o.vfs);
                     o
                 }
-                None => restore_os(os_state, snap, &self.scratch)?,
+                None => {
+                    // The old root overlay goes before its upper layer is emptied.
+                    os.vfs = Default::default();
+                    restore_os(os_state, snap, &self.scratch, writable_root, ctx)?
+                }
             };
             fresh.stdio = stdio;
             *os = fresh;
@@ -1153,8 +1199,15 @@ impl Machine {
 }
 
 /// Rebuild a Linux guest's OS state from a snapshot in `dir`, with private copies of its writable
-/// mounts (from `dir/fs/m<i>`) in `scratch`.
-fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, scratch: &ScratchRoot) -> Result<GuestOs> {
+/// mounts (from `dir/fs/m<i>`) in `scratch`. Its root is a writable root to be if `writable_root`
+/// or the snapshot holds an upper layer (`dir/fs/root`), mounted at once with the context `ctx`.
+fn restore_os(
+    state: &crate::guestos::persist::OsState,
+    dir: &Path,
+    scratch: &ScratchRoot,
+    writable_root: bool,
+    ctx: Option<OwnedFd>,
+) -> Result<GuestOs> {
     let mut dirs = Vec::new();
     for i in 0..state.mounts.len() {
         let src = dir.join("fs").join(format!("m{i}"));
@@ -1176,6 +1229,19 @@ fn restore_os(state: &crate::guestos::persist::OsState, dir: &Path, scratch: &Sc
     // Every restore and reset is a new clone of the snapshot: an unseeded CRNG gets fresh entropy.
     let mut os = state.rebuild(dirs)?;
     guestos::random::diverge(&mut os);
+    let upper = dir.join("fs").join(crate::guestos::persist::ROOT_UPPER);
+    let upper = if upper.is_dir() { Some(crate::guestos::tree::open_dir_path(&upper, false).map_err(Error::sys("open the snapshot's root layer"))?) } else { None };
+    if writable_root || upper.is_some() {
+        os.vfs.want_root_layer(upper).map_err(Error::sys("open the sandbox root"))?;
+        if let Some(ctx) = ctx {
+            crate::guestos::persist::mount_root(&mut os, scratch, &ctx).map_err(|e| match e {
+                Error::Sys { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => Error::InvalidArgument(format!(
+                    "the template's writable root does not fit in the sandbox's disk quota ({source}); give a larger quota"
+                )),
+                e => e,
+            })?;
+        }
+    }
     Ok(os)
 }
 
@@ -1286,6 +1352,7 @@ impl Pool {
     /// dropping one frees it).
     fn trim_stock(&self, m: &mut Machine) {
         m.scratch_stock.truncate(2 * self.target.saturating_sub(self.spares.len()));
+        m.overlay_stock.truncate(self.target.saturating_sub(self.spares.len()));
     }
 
     fn invalidate(&mut self) {
@@ -1306,6 +1373,11 @@ fn spawn_child(m: &mut Machine, state: &VcpuState, chan: &Channel, pool: &mut Po
     if scratch.is_none() && m.quota_mode {
         return Err(Error::Protocol("no tmpfs for the child's disk quota (send AddScratch before Fork)".into()));
     }
+    let ctx = if m.writable_root && scratch.is_some() {
+        Some(m.overlay_stock.pop().ok_or_else(|| Error::Protocol("no overlay context for the child's writable root".into()))?)
+    } else {
+        None
+    };
     let (ours, theirs) = Channel::pair()?;
     // SAFETY: this process is single-threaded, so the child may do anything after fork.
     let pid = unsafe { libc::fork() };
@@ -1324,10 +1396,10 @@ fn spawn_child(m: &mut Machine, state: &VcpuState, chan: &Channel, pool: &mut Po
             drop(spare); // closes our copies only; the siblings stay alive
         }
         pool.target = 0;
-        child_main(m, state, theirs, scratch);
+        child_main(m, state, theirs, scratch, ctx);
     }
     drop(theirs);
-    drop(scratch); // the child's now
+    drop((scratch, ctx)); // the child's now
     let pidfd = pidfd_open(pid)?;
     Ok(Spare { pid, pidfd, chan: ours.into_owned_fd() })
 }
@@ -1414,12 +1486,13 @@ fn set_idle_priority(idle: bool) {
     unsafe { libc::sched_setscheduler(0, policy, &param) };
 }
 
-fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Option<(OwnedFd, OwnedFd)>) -> ! {
+fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Option<(OwnedFd, OwnedFd)>, ctx: Option<OwnedFd>) -> ! {
     // A spare builds itself at its zygote's idle priority: if the zygote (and so the controller)
     // goes meanwhile, the lifeline ends it (nothing is sent to it before its `Ready`).
     lifeline::arm(chan.raw_fd());
     // The siblings' tmpfs instances are not ours to hold (they would stay allocated while we live).
     m.scratch_stock.clear();
+    m.overlay_stock.clear();
     let scratch = scratch.map(|(disk, shm)| (std::sync::Arc::new(disk), std::sync::Arc::new(shm)));
     m.scratch = match &scratch {
         Some((disk, shm)) => ScratchRoot::Tmpfs { disk: disk.clone(), shm: Some(shm.clone()) },
@@ -1433,7 +1506,7 @@ fn child_main(m: &mut Machine, state: &VcpuState, mut chan: Channel, scratch: Op
     let privatized = match m.os.as_mut() {
         Some(os) => {
             guestos::random::diverge(os);
-            crate::guestos::persist::privatize(os, &m.scratch)
+            crate::guestos::persist::privatize(os, &m.scratch, ctx)
                 .and_then(|_| os.mm.privatize_windows(&mut m.mem).map_err(Error::sys("copy a shared mapping for a forked sandbox")))
                 .map_err(|e| match e {
                     Error::Sys { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => Error::InvalidArgument(format!(
@@ -1531,6 +1604,12 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 m.add_scratch(fds);
                 Ok(Response::Ok)
             }
+            Request::WritableRoot { on } => {
+                // The stock came in the other shape: the spares that used it are gone already.
+                m.scratch_stock.clear();
+                m.overlay_stock.clear();
+                m.set_writable_root(on).map(|_| Response::Ok)
+            }
             Request::SetStdio => match m.os.as_mut() {
                 Some(os) => {
                     // A third descriptor is the sandbox's broker socket (see `guestos::files::inet`).
@@ -1544,7 +1623,10 @@ fn serve(m: &mut Machine, mut chan: Channel) -> ! {
                 }
                 None => Err(Error::InvalidArgument("this VM runs no Linux program; it has no stdio".into())),
             },
-            Request::Reset => m.reset().map(Response::Reset),
+            Request::Reset => {
+                m.reset_ctx = fds.into_iter().next();
+                m.reset().map(Response::Reset)
+            }
             Request::ResetKeepFiles => m.reset_with(true).map(Response::Reset),
             Request::AgentCall { input, timeout, reseed } => match m.os.as_mut().map(|os| {
                 if let Some(s) = reseed {

@@ -542,7 +542,10 @@ voluntary_ctxt_switches:\t0\nnonvoluntary_ctxt_switches:\t0\n",
 fn mounts(os: &GuestOs) -> String {
     let mut s = String::new();
     for m in os.vfs.mounts.iter().rev() {
-        if m.at == "/" {
+        if m.at == "/" && m.writable {
+            // A writable root (`crate::overlay`), as a container's.
+            s.push_str("overlay / overlay rw,relatime 0 0\n");
+        } else if m.at == "/" {
             s.push_str("/dev/root / ext4 ro,relatime 0 0\n");
         } else {
             let mode = if m.writable { "rw" } else { "ro" };
