@@ -962,8 +962,7 @@ class Template:
         ready = check_bake_args(image, ready, width)
         c = _cache(client, cache)
         spec = _Spec(name, image, ready, width, c, Path(store) if store else _oci.default_store(c), quota, policy, ncpus,
-                     shared_memory=shm)
-                     bool(read_only_root))
+                     shared_memory=shm, read_only_root=bool(read_only_root))
         def register(baked: ImageBaked) -> None:
             client.register_template(name, baked)
             if width > 1 and hasattr(client, "expect_width"):
