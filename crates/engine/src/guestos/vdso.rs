@@ -46,8 +46,8 @@
 //! the M:1 threads share the page) fails its `cmpxchg` and checks again. (The first vDSO kept a
 //! budget word that a read decremented before its `xadd` of `elapsed`: stopped between the two,
 //! the publish gave the decrement back and the switch came one read late, in a replay that had
-//! to match. Under QEMU's TCG, which takes interrupts only between its translated blocks and so
-//! right after that decrement's branch, this happened in most boots of the upstream-KVM lane.)
+//! to match. QEMU's TCG, which takes interrupts only between its translated blocks, stops a guest
+//! right after that decrement's branch far more often than hardware would: the upstream-KVM lane.)
 //! Images made by that vDSO (in snapshots taken before) still run: the page keeps its budget word.
 //!
 //! The guest can write the page (it must: the vDSO advances it). Whatever it writes only changes
