@@ -8,18 +8,12 @@
 #
 #   bash scripts/kvm-lane/run.sh            # both boots
 #   LANE_MODES="npt=0" bash scripts/kvm-lane/run.sh
+#   LANE_TESTS="a=$PWD/target/release/deps/linux_replay-HASH:vdso_reads b=..." bash scripts/kvm-lane/run.sh
 #
-# Not the whole engine suite: under TCG everything runs 5-20x slower than here and an exit costs
-# 2-3 ms, and the lane must stay under 25 minutes on a 2-core machine. The plan below covers every
-# mechanism that depends on the host's KVM (see docs/platforms.md for what each step shows):
-# vCPU state capture/restore, snapshot, clone, fork and reset at I/O exits (vm.rs, all of it),
-# guest page-table edits and their invalidation (tlb.rs, all of it: with npt=0 its stale-
-# translation cases are the shadow MMU's), Linux programs through snapshot/fork/reset
-# (linux_snapshot.rs), the flush each profile owes after a narrowing edit (flush_contract.rs),
-# replay and the virtual clock across fork, restore and reset (linux_replay.rs), the jail
-# (jail.rs), and the SDK. Left out: linux.rs, linux_files.rs, linux_proc.rs and leak.rs (the same
-# KVM paths as linux_snapshot.rs, 4-5 minutes more per boot), and linux_shared.rs, one of whose
-# tests gives Python 5 s of wall-clock time to start (it takes longer under TCG).
+# Every KVM test file of the engine runs in each lane, the ones that depend on the paging mode or
+# on where exits fall in both boots (see docs/platforms.md for what each step shows), the others
+# in one of the two: under TCG everything runs 10-60x slower than here and an exit costs 2-3 ms,
+# and the lane must stay under 25 minutes on a 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$(pwd)
@@ -28,9 +22,14 @@ modes=${LANE_MODES:-npt=1 npt=0}
 
 cache=$(bash scripts/kvm-lane/host.sh)
 export COLLIMATE_ROOTFS=${COLLIMATE_ROOTFS:-$(python3 guest/rootfs/build.py)}
+deb_cache=${COLLIMATE_DEB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/collimate/debs}
 
-# The test binaries, built on this machine (the emulated host sees the same paths).
-artifacts=$(cargo test --release -p collimate-engine --no-run --message-format=json 2>/dev/null)
+# The test binaries, built on this machine (nothing new to build when the suite ran before).
+build_log=$(mktemp)
+if ! artifacts=$(cargo test --release -p collimate-engine --no-run --message-format=json 2>"$build_log"); then
+    echo "kvm-lane: building the engine's test binaries failed:" >&2; tail -n 40 "$build_log" >&2; rm -f "$build_log"; exit 1
+fi
+rm -f "$build_log"
 bin() {
     python3 -c '
 import json, sys
@@ -42,41 +41,65 @@ for line in sys.stdin:
 else:
     sys.exit("kvm-lane: no test binary " + sys.argv[1])' "$1" <<< "$artifacts"
 }
+target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
 gcc -O2 -Wall -o "$cache/probe" scripts/kvm-lane/probe.c
 
-# The plan, per boot: NAME=BINARY[:FILTER+FILTER...]. Both boots run everything that depends on
-# the paging mode; the boot with nested paging also runs the Linux and SDK steps (they take the
-# same KVM paths with either mode, and the lane's time is bounded).
-common="vm=$(bin vm) tlb=$(bin tlb) flush_contract=$(bin flush_contract) linux_snapshot=$(bin linux_snapshot)"
-# linux_replay's vdso_reads_and_syscall_reads_share_the_virtual_clock is left out: in this lane a
-# restored zygote and its clone (or a fork and its parent) read the virtual clock one quantum
-# apart at a new thread's first vDSO read, in most boots (docs/platforms.md, "Known failures").
-npt1_extra="linux_replay=$(bin linux_replay):--skip+vdso_reads_and_syscall_reads_share_the_virtual_clock jail=$(bin jail)"
+# What the emulated host must see besides its / (boot.sh: it has a /tmp of its own, where CI
+# clones): the checkout, the test binaries (and the tests' CARGO_TARGET_TMPDIR), the lane's
+# cache, the root filesystem, the Debian packages, and the Python environment (the venv and the
+# interpreter it points at; an editable install points into the checkout). Each at its own path;
+# one under another is covered by it.
+venv=${VIRTUAL_ENV:-}
+share_list() {
+    {
+        printf '%s\n' "$repo" "$target" "$cache" "$COLLIMATE_ROOTFS" "$deb_cache"
+        [ -n "$venv" ] && printf '%s\n' "$venv"
+        python3 -c 'import site, sys; print(sys.prefix); print(sys.base_prefix); print(*site.getsitepackages(), sep="\n")'
+    } | python3 -c '
+import os, sys
+dirs = sorted({os.path.realpath(d) for d in sys.stdin.read().split("\n") if d and os.path.isdir(d)} - {"/"})
+kept = []
+for d in dirs:
+    if not any(d.startswith(k + "/") for k in kept):
+        kept.append(d)
+print("\n".join(kept))'
+}
+
+# The plan, per boot: NAME=BINARY[:FILTER+FILTER...]. Both boots run what depends on the paging
+# mode or on where exits fall (vm, tlb, flush_contract, linux_replay); the engine's other KVM
+# test files, which take the same KVM paths with either mode, are split between the two boots so
+# that each runs once per lane within its time. LANE_TESTS (same form) replaces the plan in every
+# boot, without the canary and the SDK smoke.
+common="vm=$(bin vm) tlb=$(bin tlb) flush_contract=$(bin flush_contract) linux_replay=$(bin linux_replay)"
+npt1_extra="linux_snapshot=$(bin linux_snapshot) linux=$(bin linux) jail=$(bin jail)"
+npt0_extra="linux_files=$(bin linux_files) linux_proc=$(bin linux_proc) linux_shared=$(bin linux_shared) leak=$(bin leak)"
 
 status=0
 summary=""
 for mode in $modes; do
     job=$(mktemp -d -t collimate-kvm-lane.XXXXXX)
-    tests=$common; smoke=""; canary=""
+    tests="$common $npt0_extra"; smoke=""; canary=""
     if [ "$mode" = npt=1 ]; then tests="$common $npt1_extra"; smoke=1; canary=$(bin vm); fi
+    if [ -n "${LANE_TESTS:-}" ]; then tests=$LANE_TESTS; smoke=""; canary=""; fi
+    share_list > "$job/shares"
     {
         echo "COLLIMATE_ROOTFS='$COLLIMATE_ROOTFS'"
-        echo "COLLIMATE_DEB_CACHE='${COLLIMATE_DEB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/collimate/debs}'"
-        echo "LANE_REPO='$repo' LANE_PROBE='$cache/probe' LANE_VENV='$(dirname "$(dirname "$(readlink -f "$(command -v python3)")")")'"
+        echo "COLLIMATE_DEB_CACHE='$deb_cache'"
+        echo "LANE_REPO='$repo' LANE_PROBE='$cache/probe'"
         echo "LANE_TESTS='$tests' LANE_SMOKE='$smoke' LANE_CANARY='$canary'"
-        # The venv's python3 is a symlink to the base interpreter: the venv's own bin first.
-        [ -n "${VIRTUAL_ENV:-}" ] && echo "LANE_VENV='$VIRTUAL_ENV'"
+        # The interpreter that runs here (a venv's own bin: its python3 links to the base one).
+        echo "LANE_PATH='$(dirname "$(python3 -c 'import sys; print(sys.executable)')")'"
     } > "$job/env"
     cp scripts/kvm-lane/job.sh "$job/run.sh"
     boot_start=$SECONDS
-    echo "kvm-lane: booting the emulated kvm_amd host with $mode"
+    echo "kvm-lane: booting the emulated kvm_amd host with $mode (load $(cut -d' ' -f1-3 /proc/loadavg)); sharing: $(tr '\n' ' ' < "$job/shares")"
     set +e
     bash scripts/kvm-lane/boot.sh "$job" "$mode" | tee "$job/lane.log"
     rc=${PIPESTATUS[0]}
     set -e
     [ "$rc" = 0 ] || status=1
     counts=$(awk '/^lane: .* passed=/{for(i=3;i<=NF;i++) if($i ~ /^passed=/){split($i,a,"=");p+=a[2]} else if($i ~ /^failed=/){split($i,b,"=");f+=b[2]}} END {printf "%d passed, %d failed", p, f}' "$job/lane.log")
-    summary+="kvm-lane: kvm_amd $mode: $counts, status $rc, $((SECONDS - boot_start)) s"$'\n'
+    summary+="kvm-lane: kvm_amd $mode: $counts, status $rc, $((SECONDS - boot_start)) s (load after: $(cut -d' ' -f1-3 /proc/loadavg))"$'\n'
     [ "$rc" = 0 ] && rm -rf "$job" || echo "kvm-lane: the boot's files are kept in $job"
 done
 printf '%s' "$summary"

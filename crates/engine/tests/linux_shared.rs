@@ -151,9 +151,18 @@ fn a_snapshot_of_a_guest_with_shared_mappings_is_refused_with_a_clear_error() {
         ..Default::default()
     };
     let mut vm = Vm::spawn(&launcher(), &s, &VmConfig::default()).unwrap();
-    let r = vm.run(Duration::from_secs(5)).unwrap();
-    assert_eq!(r.exit, RunExit::Timeout, "{}", String::from_utf8_lossy(&r.stderr));
-    assert_eq!(String::from_utf8_lossy(&r.stdout), "mapped\n");
+    // Until it has mapped and printed (in runs of 5 s: a slow host, such as the upstream-KVM
+    // lane's emulated one, takes longer to start Python), then it sleeps.
+    let mut stdout = Vec::new();
+    for _ in 0..60 {
+        let r = vm.run(Duration::from_secs(5)).unwrap();
+        assert_eq!(r.exit, RunExit::Timeout, "{}", String::from_utf8_lossy(&r.stderr));
+        stdout.extend_from_slice(&r.stdout);
+        if !stdout.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(String::from_utf8_lossy(&stdout), "mapped\n");
     let err = vm.snapshot(&base.join("snap")).unwrap_err().to_string();
     assert!(err.contains("shared memory mapping") && err.contains("before the snapshot"), "{err}");
     // The guest goes on.

@@ -5,9 +5,10 @@
 	.set MONO_BASE, 0x10
 	.set ELAPSED, 0x18
 	.set QUANTUM, 0x20
-	.set BUDGET, 0x28
+	.set BUDGET, 0x28           # read by images made before LIMIT (they decrement it)
 	.set LAST_REAL, 0x30
 	.set LAST_MONO, 0x38
+	.set LIMIT, 0x40
 
 	.text
 	.hidden vvar_page
@@ -26,22 +27,14 @@ tick:
 	mov $0x02d2, %r8d          # MONOTONIC ids 1 4 6 7 9
 	bt %edi, %r8d
 	jnc 9f
-	decq vvar_page+BUDGET(%rip)
-	js 9f
-	mov vvar_page+QUANTUM(%rip), %rcx
-	mov %rcx, %rax
-	xadd %rax, vvar_page+ELAPSED(%rip)
-	add %rcx, %rax
+	call take
+	jc 9f
 	mov %rax, vvar_page+LAST_MONO(%rip)
 	add vvar_page+MONO_BASE(%rip), %rax
 	clc
 	ret
-1:	decq vvar_page+BUDGET(%rip)
-	js 9f
-	mov vvar_page+QUANTUM(%rip), %rcx
-	mov %rcx, %rax
-	xadd %rax, vvar_page+ELAPSED(%rip)
-	add %rcx, %rax
+1:	call take
+	jc 9f
 	mov %rax, vvar_page+LAST_REAL(%rip)
 	add vvar_page+REAL_BASE(%rip), %rax
 	clc
@@ -49,6 +42,30 @@ tick:
 9:	stc
 	ret
 	.size tick, .-tick
+
+# One quantum off the clock: rax = the elapsed time after this read, or CF set when the read
+# would pass LIMIT (the host's budget, as the elapsed time the reads may reach). The one write is
+# the cmpxchg, which is the read: the VMM may stop the vCPU between any two instructions and
+# write the page again (guestos::vdso::publish), and a read is then either wholly before that
+# or wholly after it. (A decrement of a budget word before the clock's own add left a read half
+# made there: the VMM's next publish gave the budget back, and the thread switch came one read
+# late.) If another thread's reads moved the clock meanwhile, the cmpxchg fails and the check
+# is made again. Clobbers rcx, rdx.
+	.type take, @function
+take:
+	mov vvar_page+QUANTUM(%rip), %rcx
+	mov vvar_page+ELAPSED(%rip), %rax
+1:	lea (%rax,%rcx), %rdx
+	cmp vvar_page+LIMIT(%rip), %rdx
+	ja 9f
+	cmpxchg %rdx, vvar_page+ELAPSED(%rip)
+	jne 1b
+	mov %rdx, %rax
+	clc
+	ret
+9:	stc
+	ret
+	.size take, .-take
 
 	.globl __vdso_clock_gettime
 	.type __vdso_clock_gettime, @function

@@ -14,10 +14,10 @@
 //! **Replay mode only** (see `guestos::clock`): a clock read there is a pure function of the
 //! virtual clocks, which the vDSO can compute. The data page holds a copy of the process's
 //! [`Clocks`] (REALTIME and MONOTONIC bases and the time elapsed since), the quantum, and a
-//! budget. A read of a REALTIME or MONOTONIC clock (ids 0, 5, 8, 11 and 1, 4, 6, 7, 9, as
-//! `clock_now` sorts them) adds the quantum to `elapsed` with one `xadd` (a thread switch can only
-//! come between instructions: the M:1 threads share the page and never lose a tick) and answers
-//! base + elapsed, exactly what the syscall would have; clock_getres gives the same fixed answers.
+//! limit. A read of a REALTIME or MONOTONIC clock (ids 0, 5, 8, 11 and 1, 4, 6, 7, 9, as
+//! `clock_now` sorts them) adds the quantum to `elapsed` with one `cmpxchg`, if that does not
+//! pass the limit, and answers base + elapsed, exactly what the syscall would have;
+//! clock_getres gives the same fixed answers.
 //! Everything else (CPU-time clocks, unknown ids, and every clock outside replay mode, where the
 //! page says mode 0) makes the real syscall from inside the vDSO, as Linux's does for clocks it
 //! cannot read. Outside replay mode the clocks are the host's, which the guest cannot read
@@ -33,10 +33,22 @@
 //! they count as the thread scheduler's events and as progress for the sandbox's turns.
 //!
 //! What a read's exit used to decide besides the clock is the thread switch of replay mode (after
-//! `vmm::threads::QUANTUM` events, once another thread is ready). The budget keeps that exact: it
-//! is how many more reads the loaded thread may make before the read at which a switch would have
-//! come, which then makes the syscall (`vmm::threads::vdso_budget`); a process with one thread
-//! has no limit. So a replay sees the same times and the same schedule as with every read exiting.
+//! `vmm::threads::QUANTUM` events, once another thread is ready). The limit keeps that exact: it
+//! is `elapsed` plus a quantum for each read the loaded thread may make before the read at which
+//! a switch would have come, which then makes the syscall (`vmm::threads::vdso_budget`); a
+//! process with one thread has no limit. So a replay sees the same times and the same schedule as
+//! with every read exiting.
+//!
+//! A read writes the page once, with the `cmpxchg` that is the read itself; it checks the limit
+//! before and writes nothing else first. The VMM stops the vCPU between any two instructions (a
+//! signal, its timers) and [`publish`]es again before it resumes, so every read is wholly before
+//! or wholly after that; a read another thread's reads overtook (a switch between instructions:
+//! the M:1 threads share the page) fails its `cmpxchg` and checks again. (The first vDSO kept a
+//! budget word that a read decremented before its `xadd` of `elapsed`: stopped between the two,
+//! the publish gave the decrement back and the switch came one read late, in a replay that had
+//! to match. QEMU's TCG, which takes interrupts only between its translated blocks, stops a guest
+//! right after that decrement's branch far more often than hardware would: the upstream-KVM lane.)
+//! Images made by that vDSO (in snapshots taken before) still run: the page keeps its budget word.
 //!
 //! The guest can write the page (it must: the vDSO advances it). Whatever it writes only changes
 //! what it itself sees, and the VMM's state is taken from its own copy plus the count of quanta.
@@ -66,7 +78,8 @@ const QUANTUM: usize = 4;
 const BUDGET: usize = 5;
 const LAST_REAL: usize = 6;
 const LAST_MONO: usize = 7;
-const WORDS: usize = 8;
+const LIMIT: usize = 8;
+const WORDS: usize = 9;
 
 /// `MODE`: answer REALTIME and MONOTONIC reads from the page (replay mode); 0: make syscalls.
 const MODE_REPLAY: u64 = 1;
@@ -116,6 +129,7 @@ fn page_of(c: &Clocks, budget: u64) -> [u64; WORDS] {
     w[ELAPSED] = c.elapsed;
     w[QUANTUM] = CLOCK_QUANTUM_NS;
     w[BUDGET] = budget.min(i64::MAX as u64);
+    w[LIMIT] = c.elapsed.saturating_add(budget.saturating_mul(CLOCK_QUANTUM_NS));
     w
 }
 
@@ -218,6 +232,27 @@ mod tests {
         // Nothing new: nothing changes.
         assert_eq!(fold_words(&mut c, &w), 0);
         assert_eq!(c, by_syscall);
+    }
+
+    #[test]
+    fn the_limit_allows_the_budget_reads_and_a_publish_after_some_keeps_it() {
+        let mut c = replay_clocks();
+        let w = page_of(&c, 3);
+        // What the vDSO's `take` allows: reads while elapsed + quantum stays within the limit.
+        let (mut e, mut n) = (w[ELAPSED], 0);
+        while e + w[QUANTUM] <= w[LIMIT] {
+            e += w[QUANTUM];
+            n += 1;
+        }
+        assert_eq!(n, 3);
+        assert_eq!(w[BUDGET], 3, "the budget word of images made before the limit");
+        // Two reads folded, then published again with the budget left: the same limit, so a read
+        // the VMM stopped halfway (checked, not yet taken) is still right when it resumes.
+        let mut g = w;
+        g[ELAPSED] += 2 * CLOCK_QUANTUM_NS;
+        assert_eq!(fold_words(&mut c, &g), 2);
+        assert_eq!(page_of(&c, 1)[LIMIT], w[LIMIT]);
+        assert_eq!(page_of(&c, u64::MAX)[LIMIT], u64::MAX, "one thread: no limit");
     }
 
     #[test]

@@ -10,8 +10,9 @@
 //!   kicks the vCPU out of KVM_RUN), or in replay mode after [`QUANTUM`] syscalls and faults,
 //!   which is a function of the program alone. Replay mode keeps a guard of the VMM's CPU
 //!   time ([`REPLAY_GUARD`]; CPU, not wall time, so that a loaded host does not set it off) for a
-//!   thread that spins without a syscall; a switch made by it depends on the host's speed, and the
-//!   run is marked as not reproducible ([`nondeterministic`]).
+//!   thread that spins without a syscall (that long without any event: [`spun`]); a switch made
+//!   by it depends on the host's speed, and the run is marked as not reproducible
+//!   ([`nondeterministic`]).
 //!
 //! The next thread is the first one after the current in creation order (round robin) that is
 //! runnable or in a blocking call it has not retried since a runnable thread last ran. So a
@@ -86,6 +87,8 @@ struct Slice {
     cpu: u64,
     /// Its syscalls and faults since then.
     events: u32,
+    /// `events` when the replay guard's window of CPU time began (at `cpu`; see [`spun`]).
+    guard_events: u32,
     /// Rounds so far: a round ends when a runnable thread is loaded, or when every thread waited and
     /// each blocked call was retried once (see the module comment and `pick`).
     round: u64,
@@ -105,8 +108,27 @@ fn cpu_ns() -> u64 {
 
 fn with_slice<T>(f: impl FnOnce(&mut Slice) -> T) -> T {
     let mut g = SLICE_STATE.lock().unwrap_or_else(|p| p.into_inner());
-    let s = g.get_or_insert_with(|| Slice { since: Instant::now(), cpu: cpu_ns(), events: 0, round: 0 });
+    let s = g.get_or_insert_with(|| Slice { since: Instant::now(), cpu: cpu_ns(), events: 0, guard_events: 0, round: 0 });
     f(s)
+}
+
+/// Replay mode's guard: whether the loaded thread ran [`REPLAY_GUARD`] of the VMM's CPU time
+/// without an event (a syscall, a fault, a clock read in the vDSO), as a spin loop does. A window
+/// in which events came restarts it, so a thread that makes events is switched by their count
+/// alone ([`QUANTUM`]), however slow the host: where an exit costs milliseconds (the upstream-KVM
+/// lane's emulated host), a quantum of events took more than the guard's CPU time, and the switch
+/// came where the host's speed put it, so a fork and its parent (whose clock differs: a forked
+/// VMM's CPU clock starts again from zero, which restarts a window here too) replayed apart.
+fn spun() -> bool {
+    let now = cpu_ns();
+    with_slice(|s| {
+        if now < s.cpu || (now - s.cpu >= REPLAY_GUARD.as_nanos() as u64 && s.events != s.guard_events) {
+            s.cpu = now;
+            s.guard_events = s.events;
+            return false;
+        }
+        now - s.cpu >= REPLAY_GUARD.as_nanos() as u64
+    })
 }
 
 /// A syscall or fault of the loaded thread (replay mode's quantum counts these).
@@ -298,6 +320,7 @@ fn load(m: &mut Machine, i: usize) -> Result<()> {
         s.since = Instant::now();
         s.cpu = cpu_ns();
         s.events = 0;
+        s.guard_events = 0;
     });
     set_turns(m);
     Ok(())
@@ -377,8 +400,8 @@ pub(super) fn schedule(m: &mut Machine, deadline: Instant) -> Result<Option<RunE
                     if !os.threads.multi() {
                         return Ok(None);
                     }
-                    let (since, cpu, events) = with_slice(|s| (s.since, s.cpu, s.events));
-                    let guard = replay && cpu_ns().saturating_sub(cpu) >= REPLAY_GUARD.as_nanos() as u64;
+                    let (since, events) = with_slice(|s| (s.since, s.events));
+                    let guard = replay && spun();
                     let due = if replay { events >= QUANTUM || guard } else { since.elapsed() >= SLICE };
                     let mut now = thread::now(&os.proc.clocks);
                     if guard && events < QUANTUM && !others_ready(m, now) && in_ring3(m)? {
