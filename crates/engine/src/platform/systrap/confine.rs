@@ -188,9 +188,12 @@ pub(super) extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
             }
         }
         if a.root {
-            if libc::setgroups(0, std::ptr::null()) != 0
-                || libc::setresgid(a.conf.gid, a.conf.gid, a.conf.gid) != 0
-                || libc::setresuid(a.conf.uid, a.conf.uid, a.conf.uid) != 0
+            // Raw syscalls: glibc's wrappers apply the change to every thread it knows of, and
+            // this single-threaded clone still has the VMM's thread list (it deadlocks there).
+            let (u, g) = (a.conf.uid, a.conf.gid);
+            if libc::syscall(libc::SYS_setgroups, 0usize, std::ptr::null::<libc::gid_t>()) != 0
+                || libc::syscall(libc::SYS_setresgid, g, g, g) != 0
+                || libc::syscall(libc::SYS_setresuid, u, u, u) != 0
             {
                 fail(6);
             }
