@@ -17,11 +17,17 @@ pub struct Confinement {
     pub address_space: Option<u64>,
     /// Create the namespaces where the host allows them (default true).
     pub namespaces: bool,
+    /// Trap `rdtsc` (PR_SET_TSC; default true; replay needs it). On a nested host each context
+    /// switch into or out of the stub then rewrites CR4, which costs an exit to the hypervisor.
+    pub trap_rdtsc: bool,
+    /// Trap `cpuid` where the CPU has CPUID faulting (default true). The same per-switch cost (an
+    /// MSR write) on a nested host.
+    pub trap_cpuid: bool,
 }
 
 impl Default for Confinement {
     fn default() -> Self {
-        Confinement { uid: 65534, gid: 65534, max_processes: 4096, address_space: None, namespaces: true }
+        Confinement { uid: 65534, gid: 65534, max_processes: 4096, address_space: None, namespaces: true, trap_rdtsc: true, trap_cpuid: true }
     }
 }
 
@@ -146,7 +152,7 @@ pub(super) extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         }
     };
     let mut report = 0u32;
-    // SAFETY (for every libc call below): plain syscalls with arguments built here from values
+    // SAFETY: for every libc call below: plain syscalls with arguments built here from values
     // prepared by the VMM; pointers point to locals or to `ChildArgs` data, valid for the call.
     unsafe {
         if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 || libc::getppid() != a.parent {
@@ -226,10 +232,10 @@ pub(super) extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
             fail(9);
         }
         libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
-        if libc::prctl(libc::PR_SET_TSC, libc::PR_TSC_SIGSEGV, 0, 0, 0) != 0 {
+        if a.conf.trap_rdtsc && libc::prctl(libc::PR_SET_TSC, libc::PR_TSC_SIGSEGV, 0, 0, 0) != 0 {
             fail(10);
         }
-        if libc::syscall(libc::SYS_arch_prctl, 0x1012 /* ARCH_SET_CPUID */, 0) == 0 {
+        if a.conf.trap_cpuid && libc::syscall(libc::SYS_arch_prctl, 0x1012 /* ARCH_SET_CPUID */, 0) == 0 {
             report |= REPORT_CPUID;
         }
         // The stub region. Whatever of the VMM lies there in this copy goes first.

@@ -169,6 +169,6 @@ mod tests {
         assert_eq!(run(&p, libc::SYS_arch_prctl as u32, inside, 0x1002), allow);
         assert_eq!(run(&p, libc::SYS_arch_prctl as u32, inside, 0x1003), allow);
         assert_eq!(run(&p, libc::SYS_arch_prctl as u32, inside, 0x1012), kill);
-        assert_eq!(run(&p, libc::SYS_openat as u32, (2u64 << 32) | (layout::CODE & 0xffff_ffff) + 0x10, 0), trap);
+        assert_eq!(run(&p, libc::SYS_openat as u32, (2u64 << 32) | ((layout::CODE & 0xffff_ffff) + 0x10), 0), trap);
     }
 }

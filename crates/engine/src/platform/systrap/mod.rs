@@ -145,11 +145,15 @@ pub struct Stub {
     exited: Option<Option<i32>>,
 }
 
-/// How many times the VMM polls for the stub's answer before it sleeps, by default. Measured in
-/// benches/systrap.rs on a loaded 2-core VM: see docs/platforms.md.
-pub const DEFAULT_VMM_SPIN: u32 = 20_000;
-/// How many times the stub polls for the VMM's command before it sleeps, by default.
-pub const DEFAULT_STUB_SPIN: u32 = 20_000;
+/// How many times the VMM polls (with `pause`) for the stub's answer before it sleeps in a futex, by
+/// default. Measured in benches/systrap.rs on this 2-core nested VM at load 17-25: a trapped round
+/// trip is ~3 us when both sides spin this long and 31-33 us when they sleep, because every context
+/// switch into or out of a stub that traps `rdtsc` and `cpuid` rewrites CR4 and an MSR, each an exit
+/// to the hypervisor on a nested host. The price: a VMM whose guest computes without syscalls burns
+/// up to ~10 ms of a core before it sleeps. Many sandboxes on few cores want less ([`Stub::set_spin`]).
+pub const DEFAULT_VMM_SPIN: u32 = 200_000;
+/// How many times the stub polls for the VMM's command before it sleeps, by default (see above).
+pub const DEFAULT_STUB_SPIN: u32 = 200_000;
 
 /// Open the host's `/proc` now, for every stub this process will make. Call it before anything
 /// (the VMM's jail) hides `/proc`; calling it again does nothing. [`Stub::spawn`] calls it too.
@@ -498,10 +502,11 @@ impl Stub {
             // Only guest code (writing the shared page) can make this happen.
             return Ok(Exit::Signal { signo: 0, code: exit as i32, addr: 0 });
         }
-        Ok(self.classify(regs, signo, code, addr, sysnr, gr[ERR], gr[TRAPNO]))
+        Ok(self.classify(regs, signo, code, addr, sysnr, &gr))
     }
 
-    fn classify(&self, regs: &mut kvm_regs, signo: i32, code: i32, addr: u64, sysnr: u64, err: u64, trapno: u64) -> Exit {
+    fn classify(&self, regs: &mut kvm_regs, signo: i32, code: i32, addr: u64, sysnr: u64, gregs: &[u64; 23]) -> Exit {
+        let (err, trapno) = (gregs[shared::reg::ERR], gregs[shared::reg::TRAPNO]);
         const SYS_SECCOMP: i32 = 1;
         const SI_KERNEL: i32 = 0x80;
         const PF: u64 = 14;
