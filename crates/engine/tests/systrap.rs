@@ -211,3 +211,23 @@ fn xsave_area_round_trips() {
     stub.set_xsave(&x).unwrap();
     assert_eq!(&stub.xsave().unwrap()[160..176], &[7; 16]);
 }
+
+#[test]
+fn guest_code_jumping_into_the_blob_gets_only_the_allow_list() {
+    use collimate_engine::platform::systrap::blob;
+    // The restorer is `mov eax, 15; syscall; ud2`: jump straight to its syscall with our own rax.
+    let syscall_in_blob = blob::restorer() + 5;
+    let (mut stub, mut regs) = loaded();
+    let mut fs = 0;
+    // An admitted syscall from the blob runs (close(-1) fails with EBADF) and falls into the ud2.
+    regs.rip = syscall_in_blob;
+    regs.rax = libc::SYS_close as u64;
+    regs.rdi = u64::MAX;
+    assert!(matches!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Signal { signo: libc::SIGILL, .. }));
+    assert_eq!(regs.rax as i64, -(libc::EBADF as i64));
+    // One outside the list kills the stub instead of reaching the host.
+    regs.rip = syscall_in_blob;
+    regs.rax = libc::SYS_openat as u64;
+    assert!(matches!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Exited { .. }));
+    assert!(matches!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Exited { .. }), "and stays gone");
+}
