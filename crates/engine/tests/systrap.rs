@@ -231,3 +231,25 @@ fn guest_code_jumping_into_the_blob_gets_only_the_allow_list() {
     assert!(matches!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Exited { .. }));
     assert!(matches!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Exited { .. }), "and stays gone");
 }
+
+#[test]
+fn cpuid_traps_where_the_cpu_has_cpuid_faulting_and_root_gets_namespaces() {
+    let (mut stub, mut regs) = loaded();
+    let r = stub.report().clone();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        assert!(r.mount_ns && r.net_ns && r.ipc_ns && r.uts_ns && r.unprivileged_uid, "{r:?}");
+    }
+    let has_fault = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default().contains(" cpuid_fault");
+    assert_eq!(r.cpuid_faulting, has_fault, "the report matches the CPU's flags");
+    stub.write(CODE, &[0x0f, 0xa2, 0x0f, 0x05]).unwrap(); // cpuid; syscall
+    let mut fs = 0;
+    let e = stub.run(&mut regs, &mut fs).unwrap();
+    if has_fault {
+        assert_eq!((e, regs.rip), (Exit::Cpuid, CODE));
+        regs.rip += 2;
+        assert_eq!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Syscall);
+    } else {
+        assert_eq!(e, Exit::Syscall, "without CPUID faulting cpuid runs natively");
+    }
+}
