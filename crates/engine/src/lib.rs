@@ -16,6 +16,7 @@ pub mod guestos;
 pub mod loader;
 pub mod overlay;
 pub mod persist;
+pub mod platform;
 pub mod protocol;
 pub mod quota;
 pub mod trace;
