@@ -6,6 +6,8 @@
   In the sandbox's own interpreter (`exec(code=...)`), a process alone in its sandbox, the read
   used to wait on forever: the alarm came, its C-level handler ran, and the read was restarted
   without ever returning to Python.
+- The same for the SIGINT an exec's timeout sends to the interpreter: KeyboardInterrupt comes
+  out of the read, and the interpreter (with its state) is kept instead of replaced.
 - A POSIX timer made with SIGEV_THREAD_ID signals that thread, not the process: a thread that
   waits for the signal in sigtimedwait gets it (si_code SI_TIMER), and the main thread's handler
   does not run, though the main thread makes system calls meanwhile. It used to go to the
@@ -152,3 +154,15 @@ def test_in_a_command_as_natively(sandbox, code, expected):
     r = sandbox.exec(command="python3 /tmp/prog.py", timeout_seconds=30)
     assert not r.timed_out, ("the exec timed out", r.stdout, r.stderr[-2000:])
     assert (r.exit_code, r.stdout) == (0, expected), r.stderr[-2000:]
+
+
+def test_an_exec_timeout_interrupts_a_pipe_read_with_keyboardinterrupt(sandbox):
+    """An exec that times out while its code blocks reading a pipe: the SIGINT the engine sends
+    (docs/sessions.md) ends the read with EINTR, Python raises KeyboardInterrupt, and the
+    interpreter lives on with its state. On main the read was restarted under the handler, the
+    interpreter never stopped and was replaced (interpreter_restarted, the state gone)."""
+    sandbox.exec(code="kept = 'state'")
+    r = sandbox.exec(code="import os\nr, w = os.pipe()\nos.read(r, 1)", timeout_seconds=3)
+    assert r.timed_out and "KeyboardInterrupt" in r.stderr, (r.note, r.stderr[-2000:])
+    after = sandbox.exec(code="print(kept)")
+    assert after.stdout == "state\n" and not after.interpreter_restarted, (after, after.note)
