@@ -69,15 +69,18 @@ def test_python_code_that_times_out_is_interrupted_and_keeps_its_state(client):
 
 
 def test_an_interpreter_that_does_not_stop_is_replaced_and_files_stay(client):
-    """SIGINT ignored, or Python blocked in a read of a FIFO (a restarted read does not return
-    EINTR, so CPython never runs its handler): the interpreter is replaced, the files stay."""
+    """SIGINT ignored: the interpreter is replaced, the files stay. Python blocked opening a
+    FIFO that has no writer stops instead: the SIGINT ends the open with EINTR, and CPython raises
+    KeyboardInterrupt there (before, the engine restarted the call under the handler and the
+    interpreter was replaced too)."""
     with client.session("python") as s:
         s.upload_bytes("/work/x", b"kept")
-        assert s.exec(code="import os\nos.mkfifo('/tmp/f')").ok
-        stubborn = (
-            "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass",
-            "open('/tmp/f').read()",
-        )
+        assert s.exec(code="import os\nos.mkfifo('/tmp/f')\nstate = 1").ok
+        r = s.exec(code="open('/tmp/f').read()", timeout_seconds=1)
+        assert r.timed_out and "KeyboardInterrupt" in r.stderr, (r.note, r.stderr[-2000:])
+        after = s.exec(code="print(open('/work/x').read(), 'state' in globals())")
+        assert after.stdout == "kept True\n" and not after.interpreter_restarted, (after, after.note)
+        stubborn = ("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass",)
         for hang in stubborn:
             assert s.exec(code="state = 1").ok
             r = s.exec(code=hang, timeout_seconds=1)

@@ -23,7 +23,7 @@ use crate::vmm::RuntimeState;
 use crate::vstate::vcpu::VcpuState;
 
 pub const MAGIC: &[u8; 8] = b"CLMTSNAP";
-pub const FORMAT_VERSION: u32 = 11;
+pub const FORMAT_VERSION: u32 = 12;
 pub const STATE_FILE: &str = "vm.state";
 pub const MEMORY_FILE: &str = "vm.mem";
 const HEADER: usize = 20;

@@ -822,12 +822,23 @@ fn write_without_blocking(fd: RawFd, data: &[u8]) -> Result<usize, Errno> {
     res
 }
 
+/// A read of `f` that is to wait more (`e` is ERESTARTSYS). On a stream only the sandbox can fill
+/// (a pipe, a socketpair, an eventfd or timerfd; not a network socket), a process alone in its
+/// sandbox waits for nothing but its timers: its clock moves to the next one, which fires
+/// (`guestos::timer::blocked_alone`), so that `signal.alarm(1); os.read(r, 1)` gets its SIGALRM
+/// and the read's EINTR (or its restart, with SA_RESTART) as under Linux.
+fn blocked_read(os: &mut GuestOs, f: &OpenFile, e: Errno) {
+    if e == super::signal::ERESTARTSYS && f.stream && f.net.is_none() {
+        super::timer::blocked_alone(os);
+    }
+}
+
 fn sys_read(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, buf: u64, count: u64, off: Option<u64>) -> SysResult {
     let f = os.files.file(fd)?;
     if off.is_some() && matches!(f.kind, Kind::Capture(_)) {
         return Err(ESPIPE);
     }
-    let v = file_read(&f, &mut os.proc, count.min(MAX_IO as u64) as usize, off)?;
+    let v = file_read(&f, &mut os.proc, count.min(MAX_IO as u64) as usize, off).inspect_err(|&e| blocked_read(os, &f, e))?;
     ctx.write(buf, &v)?;
     Ok(v.len() as u64)
 }
@@ -919,7 +930,7 @@ fn sys_readv(os: &mut GuestOs, ctx: &mut Ctx, fd: i32, iov: u64, cnt: u64, off: 
     let f = os.files.file(fd)?;
     let iov = iovecs(ctx, iov, cnt)?;
     let total: usize = iov.iter().map(|(_, l)| l).sum();
-    let v = file_read(&f, &mut os.proc, total, off)?;
+    let v = file_read(&f, &mut os.proc, total, off).inspect_err(|&e| blocked_read(os, &f, e))?;
     let mut done = 0;
     for (base, len) in iov {
         if done >= v.len() {

@@ -253,6 +253,24 @@ pub fn raise(os: &mut GuestOs, info: SigInfo) {
     os.sig.pending |= bit(sig);
 }
 
+/// Generate `info.signo` for the process's parked thread `i` (a thread-directed timer, see
+/// `guestos::timer`): it waits in that thread's own set until the thread is loaded, as a tgkill's
+/// does (`vmm::threads`). Discarded at once if it would be ignored and that thread does not block it.
+pub fn raise_for_thread(os: &mut GuestOs, i: usize, info: SigInfo) {
+    let sig = info.signo;
+    let Some(t) = os.threads.list.get(i) else { return };
+    if !(1..=NSIG as i32).contains(&sig) {
+        return;
+    }
+    if t.sigmask & bit(sig) == 0 && action(&os.proc, sig) == Action::Ignore {
+        return;
+    }
+    if (os.sig.pending | t.pending) & bit(sig) == 0 {
+        os.sig.info[(sig - 1) as usize] = info;
+    }
+    os.threads.list[i].pending |= bit(sig);
+}
+
 /// What to do about the next pending, unblocked signal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Next {

@@ -14,8 +14,10 @@
 //!   timer (`guestos::sched::set_timer_deadline`), so when every process of the sandbox waits,
 //!   the tree's virtual clock jumps to the timer and its process runs again to fire it
 //!   (`timeout 1 sleep 5`: timeout's SIGALRM at virtual 1 s, then its SIGTERM ends the sleep).
-//!   A process alone in its sandbox that sleeps or waits for a signal past its timer has its
-//!   clock moved to the timer instead ([`until_next`]).
+//!   A process alone in its sandbox that sleeps, waits for a signal or blocks reading a pipe
+//!   past its timer has its clock moved to the timer instead ([`until_next`], [`blocked_alone`]).
+//! - **Thread-directed**: a SIGEV_THREAD_ID timer's signal is for its thread (pending in that
+//!   thread's own set while it is parked, as a tgkill's); nothing is sent once it has exited.
 //! - **Clock reads**: the vDSO answers at most as many reads as reach the timer's deadline; the
 //!   read that gets there makes the syscall that fires it ([`vdso_budget`]).
 //! - **Computing**: a process that runs guest code without exits while a timer is armed has its
@@ -77,6 +79,8 @@ pub struct PosixTimer {
     pub realtime: bool,
     /// SIGEV_SIGNAL / SIGEV_THREAD_ID (a signal) or SIGEV_NONE (nothing).
     pub signo: i32,
+    /// SIGEV_THREAD_ID: the thread its signal is for (its tid); 0: the process (SIGEV_SIGNAL).
+    pub tid: i32,
     pub value: u64,
     pub arm: Arm,
     /// Expirations not delivered (the signal was still pending), for timer_getoverrun.
@@ -253,12 +257,13 @@ pub fn fire_due(os: &mut GuestOs) {
         publish(os);
         return;
     }
-    let mut raise: Vec<SigInfo> = Vec::new();
+    // Each signal with the thread it is for (0: the process).
+    let mut raise: Vec<(SigInfo, i32)> = Vec::new();
     let t = &mut os.proc.timers;
     for (a, sig, at) in [(&mut t.real, SIGALRM, now), (&mut t.virt, SIGVTALRM, cpu), (&mut t.prof, SIGPROF, cpu)] {
         if a.deadline != 0 && at != 0 && a.deadline <= at {
             reload(a, at);
-            raise.push(SigInfo { signo: sig, code: signal::SI_KERNEL, ..Default::default() });
+            raise.push((SigInfo { signo: sig, code: signal::SI_KERNEL, ..Default::default() }, 0));
         }
     }
     for p in t.posix.iter_mut() {
@@ -271,7 +276,7 @@ pub fn fire_due(os: &mut GuestOs) {
             continue;
         }
         p.overrun = p.overrun.saturating_add(missed.min(u32::MAX as u64) as u32);
-        raise.push(SigInfo { signo: p.signo, code: SI_TIMER, pid: p.id, uid: p.overrun, value: p.value, ..Default::default() });
+        raise.push((SigInfo { signo: p.signo, code: SI_TIMER, pid: p.id, uid: p.overrun, value: p.value, ..Default::default() }, p.tid));
     }
     for f in t.fds.iter_mut() {
         if f.arm.deadline == 0 || f.arm.deadline > now {
@@ -285,9 +290,22 @@ pub fn fire_due(os: &mut GuestOs) {
         }
     }
     t.fds.retain(|f| f.arm.deadline != 0 || Arc::strong_count(&f.file) > 1);
-    for info in raise {
+    for (info, tid) in raise {
+        let bit = 1u64 << (info.signo - 1);
+        // A thread-directed timer's thread: the loaded one (whose pending set is the process's
+        // while it runs) or a parked one (its own set, as tgkill's). Gone: nothing is sent, as
+        // Linux sends nothing for a timer whose thread exited.
+        let parked = if tid == 0 || (os.threads.loaded && tid == os.threads.current_tid(os.proc.pid)) {
+            None
+        } else {
+            match os.threads.index_of(tid, os.proc.pid) {
+                Some(i) => Some(i),
+                None => continue,
+            }
+        };
+        let thread_pending = parked.map_or(0, |i| os.threads.list[i].pending);
         // A POSIX timer's signal still pending counts as an overrun instead (Linux).
-        if info.code == SI_TIMER && os.sig.pending & (1u64 << (info.signo - 1)) != 0 {
+        if info.code == SI_TIMER && (os.sig.pending | thread_pending) & bit != 0 {
             continue;
         }
         if info.code == SI_TIMER {
@@ -295,7 +313,10 @@ pub fn fire_due(os: &mut GuestOs) {
                 p.overrun = 0;
             }
         }
-        signal::raise(os, info);
+        match parked {
+            None => signal::raise(os, info),
+            Some(i) => signal::raise_for_thread(os, i, info),
+        }
     }
     restart_burn(os);
     publish(os);
@@ -309,6 +330,22 @@ pub fn until_next(proc: &super::process::Proc) -> Option<u64> {
     }
     let next = proc.timers.next_wall();
     (next != u64::MAX).then(|| next.saturating_sub(proc.clocks.mono_now()))
+}
+
+/// A process alone in its sandbox, with one thread, blocked on something only the sandbox could
+/// end (a read of a pipe, see `files::blocked_read`): in replay mode its clock moves to its next
+/// wall timer, which fires, as for a process alone that sleeps or waits for a signal. Before, the
+/// wait went on in host time and a timer reached by the time charged for it raised its signal
+/// after the call had been set to restart, so the handler ran and the read went on waiting:
+/// Python's handler (which runs when the read returns EINTR) never did.
+pub fn blocked_alone(os: &mut GuestOs) {
+    if os.threads.multi() || !signal::host::alone() {
+        return;
+    }
+    if let Some(t) = until_next(&os.proc) {
+        os.proc.clocks.pass(t);
+        fire_due(os);
+    }
 }
 
 /// How many 1 us clock reads the vDSO may answer before the next timer is due (replay mode);
@@ -519,8 +556,8 @@ fn sys_timer_create(os: &mut GuestOs, ctx: &mut Ctx, clock: i32, sevp: u64, idp:
     let (base, realtime) = timer_clock(os, clock)?;
     let id = (0..MAX_TIMERS as i32).find(|i| !os.proc.timers.posix.iter().any(|t| t.id == *i)).ok_or(super::EAGAIN)?;
     // struct sigevent: sigev_value (8), sigev_signo (4), sigev_notify (4), then the tid.
-    let (signo, value) = if sevp == 0 {
-        (SIGALRM, id as u64)
+    let (signo, value, tid) = if sevp == 0 {
+        (SIGALRM, id as u64, 0)
     } else {
         let b = ctx.read_vec(sevp, 20)?;
         let value = u64::from_le_bytes(b[0..8].try_into().map_err(|_| EFAULT)?);
@@ -528,20 +565,18 @@ fn sys_timer_create(os: &mut GuestOs, ctx: &mut Ctx, clock: i32, sevp: u64, idp:
         let notify = i32::from_le_bytes(b[12..16].try_into().map_err(|_| EFAULT)?);
         let tid = i32::from_le_bytes(b[16..20].try_into().map_err(|_| EFAULT)?);
         match notify {
-            SIGEV_NONE => (0, value),
+            SIGEV_NONE => (0, value, 0),
             SIGEV_SIGNAL | SIGEV_THREAD_ID if (1..=64).contains(&signo) => {
                 if notify == SIGEV_THREAD_ID && os.threads.index_of(tid, os.proc.pid).is_none() {
                     return Err(EINVAL);
                 }
-                // A thread-directed timer's signal goes to the process (its threads share the
-                // pending set here).
-                (signo, value)
+                (signo, value, if notify == SIGEV_THREAD_ID { tid } else { 0 })
             }
             _ => return Err(EINVAL),
         }
     };
     ctx.write(idp, &id.to_le_bytes())?;
-    os.proc.timers.posix.push(PosixTimer { id, base, realtime, signo, value, arm: Arm::default(), overrun: 0 });
+    os.proc.timers.posix.push(PosixTimer { id, base, realtime, signo, tid, value, arm: Arm::default(), overrun: 0 });
     Ok(0)
 }
 
@@ -669,7 +704,7 @@ mod tests {
     #[test]
     fn a_fork_child_has_no_timers_and_execve_keeps_the_alarm() {
         let mut t = Timers { real: Arm { deadline: 7, interval: 0 }, ..Default::default() };
-        t.posix.push(PosixTimer { id: 0, base: Base::Wall, realtime: true, signo: 14, value: 0, arm: Arm { deadline: 9, interval: 0 }, overrun: 0 });
+        t.posix.push(PosixTimer { id: 0, base: Base::Wall, realtime: true, signo: 14, tid: 0, value: 0, arm: Arm { deadline: 9, interval: 0 }, overrun: 0 });
         assert_eq!(t.next_wall(), 7);
         let mut child = t.clone();
         child.on_fork();

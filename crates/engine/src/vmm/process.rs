@@ -46,7 +46,7 @@
 //! the first process are reaped by the host and not counted out of the process limit.
 
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -907,9 +907,23 @@ fn sigreturn(m: &mut Machine, r: &mut kvm_regs) -> Result<Option<RunExit>> {
     Ok(None)
 }
 
+/// The `syscall` instruction of the last call that was set to restart (0: the last call did not),
+/// and that call's number: see [`on_interrupt`].
+static RESTART_RIP: AtomicU64 = AtomicU64::new(0);
+static RESTART_NR: AtomicU64 = AtomicU64::new(0);
+
+/// Whether a handler for `act` ends restarting call `nr` with EINTR (Linux: unless SA_RESTART, and
+/// always for the sleeps, poll, select and the signal waits).
+fn interrupts(nr: u64, act: &crate::guestos::signal_state::SigAction) -> bool {
+    signal::NO_RESTART_WITH_HANDLER.contains(&nr) || act.flags & signal::SA_RESTART == 0
+}
+
 /// After a syscall of a Linux guest: SIGPIPE for EPIPE, then act on the next pending signal
 /// (enter its handler, or end the process by it). `r` is what the guest resumes with.
 pub(super) fn after_syscall(m: &mut Machine, entry: &Entry, r: &mut kvm_regs, exit: Option<RunExit>) -> Result<Option<RunExit>> {
+    let restarting = r.rip == entry.rip.wrapping_sub(2) && r.rax == entry.nr;
+    RESTART_RIP.store(if restarting { r.rip } else { 0 }, Ordering::Relaxed);
+    RESTART_NR.store(entry.nr, Ordering::Relaxed);
     let Some(os) = m.os.as_mut() else { return Ok(exit) };
     if host::stale() {
         // The sandbox was reset since this guest process was forked: it ends here.
@@ -939,11 +953,11 @@ pub(super) fn after_syscall(m: &mut Machine, entry: &Entry, r: &mut kvm_regs, ex
         }
         Some(Next::Die { sig }) => Ok(Some(RunExit::Signaled { signo: sig })),
         Some(Next::Handle { sig, info, act }) => {
-            let restarting = r.rip == entry.rip.wrapping_sub(2) && r.rax == entry.nr;
-            if restarting && (signal::NO_RESTART_WITH_HANDLER.contains(&entry.nr) || act.flags & signal::SA_RESTART == 0) {
+            if restarting && interrupts(entry.nr, &act) {
                 r.rip = entry.rip;
                 r.rax = (-(crate::guestos::EINTR.0 as i64)) as u64;
                 os.proc.sleep = None;
+                RESTART_RIP.store(0, Ordering::Relaxed);
             }
             let d = Delivery { sig, info, act, trapno: 0, err: 0, cr2: 0 };
             if deliver(m, r, &d)? {
@@ -977,6 +991,18 @@ pub(super) fn on_interrupt(m: &mut Machine) -> Result<Option<RunExit>> {
         Some(Next::Die { sig }) => Ok(Some(RunExit::Signaled { signo: sig })),
         Some(Next::Handle { sig, info, act }) => {
             let mut r = m.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
+            // Still at the `syscall` of a call set to restart (a blocking read between two of its
+            // waits): the signal interrupts that call, as at its return (`after_syscall`), so that
+            // EINTR reaches the program (CPython runs its handlers only then).
+            let nr = RESTART_NR.load(Ordering::Relaxed);
+            if r.rip != 0 && r.rip == RESTART_RIP.load(Ordering::Relaxed) && r.rax == nr && interrupts(nr, &act) {
+                r.rip += 2;
+                r.rax = (-(crate::guestos::EINTR.0 as i64)) as u64;
+                if let Some(os) = m.os.as_mut() {
+                    os.proc.sleep = None;
+                }
+                RESTART_RIP.store(0, Ordering::Relaxed);
+            }
             let d = Delivery { sig, info, act, trapno: 0, err: 0, cr2: 0 };
             if !deliver(m, &mut r, &d)? {
                 return Ok(Some(RunExit::Signaled { signo: signal::SIGSEGV }));
