@@ -216,3 +216,25 @@ def test_a_written_files_ctime_is_not_after_its_mtime(client):
     with Sandbox("tools", client=client) as sb:
         r = sb.exec(code=code, seed=SEED, timeout_seconds=60)
     assert r.ok and r.stdout.split() == ["True", "True"], (r.stdout, r.stderr)
+
+
+def test_a_same_size_edit_in_a_later_exec_is_not_hidden_by_the_bytecode_cache(client):
+    """An agent's edit must be what runs next. CPython's bytecode cache is valid while the
+    source's whole-second mtime and size match; virtual time moves only by clock reads and sleeps,
+    so an edit in the next exec landed in the same second as the file it replaced, and a same-size
+    edit (a sign flip) ran the old code (found by benches/bench_swe.py: a patch that breaks a test
+    scored 1.0). Each run in replay mode now starts in a later second than the guest's past."""
+    with Sandbox("tools", client=client) as sb:
+        steps = [
+            ("command", "mkdir -p /work/pkg && printf 'X = 1\\n' > /work/pkg/m.py"),
+            ("code", "import sys; sys.path.insert(0, '/work/pkg'); import m; print(m.X)"),
+            ("command", "sed -i 's/X = 1/X = 2/' /work/pkg/m.py"),
+            ("command", "cd /work/pkg && python3 -c 'import m; print(m.X)'"),
+            ("code", "import importlib, m; importlib.reload(m); print(m.X)"),
+        ]
+        outs = []
+        for kind, text in steps:
+            r = sb.exec(**{kind: text}, seed=SEED, timeout_seconds=60)
+            assert r.exit_code == 0, (kind, text, r.stdout, r.stderr)
+            outs.append(r.stdout.strip())
+    assert outs[1] == "1" and outs[3] == "2" and outs[4] == "2", outs

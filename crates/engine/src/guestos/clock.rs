@@ -93,11 +93,28 @@ pub struct Clocks {
 impl Clocks {
     /// Turn on replay mode: virtual clocks from where the guest last saw them. `start_ns` (the
     /// process start on the monotonic clock) moves with a monotonic clock the guest never read.
+    ///
+    /// A guest that has a past starts at the next whole second of REALTIME after it (and
+    /// MONOTONIC moves by as much): a run (one exec) begins in a later second than anything an
+    /// earlier run wrote. Virtual time moves only by clock reads and sleeps, so without this an
+    /// agent's edit in one exec could get the same whole-second mtime as the file it replaces
+    /// (written by the bake or an earlier exec), and CPython, whose bytecode cache compares
+    /// whole-second mtimes and sizes, kept running the old code of a same-size edit. Between two
+    /// commands of a real session at least that much time passes too. Deterministic: a function
+    /// of the guest's own past.
     pub(super) fn start_replay(&mut self, start_ns: &mut u64) {
+        // Where the guest's time got to: what it read, or in a run already in replay mode, where
+        // virtual time went unread (a sleep's end, a file stamped with it).
+        let (last_real, last_mono) = if self.replay {
+            (self.seen_real.max(self.real_now()), self.seen_mono.max(self.mono_now()))
+        } else {
+            (self.seen_real, self.seen_mono)
+        };
         self.replay = true;
-        self.real_base = if self.seen_real != 0 { self.seen_real } else { REPLAY_EPOCH_NS };
-        self.mono_base = if self.seen_mono != 0 {
-            self.seen_mono
+        let gap = if last_real != 0 { (last_real / 1_000_000_000 + 1) * 1_000_000_000 - last_real } else { 0 };
+        self.real_base = if last_real != 0 { last_real + gap } else { REPLAY_EPOCH_NS };
+        self.mono_base = if last_mono != 0 {
+            last_mono + gap
         } else {
             *start_ns = REPLAY_MONOTONIC_NS;
             REPLAY_MONOTONIC_NS
