@@ -15,6 +15,7 @@ pub mod error;
 pub mod guestos;
 pub mod loader;
 pub mod persist;
+pub mod platform;
 pub mod protocol;
 pub mod quota;
 pub mod trace;
