@@ -48,6 +48,7 @@
 //!   (`vstate::shared`); systrap maps the same host file `MAP_SHARED` in each stub.
 
 pub mod kvm;
+pub mod systrap;
 
 use std::os::fd::RawFd;
 
