@@ -16,6 +16,7 @@ mod threads;
 pub(crate) mod jail;
 mod lifeline;
 mod syscalls;
+pub mod systrap;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
