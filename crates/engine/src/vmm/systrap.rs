@@ -6,8 +6,9 @@
 //! rax; `rdtsc` and `cpuid` are answered here; a fault or a signal the guest raised ends the
 //! process by that signal (SIGSEGV for a page fault), as Linux's default action would.
 //!
-//! Not yet on this platform (each answers as noted): guest fork, clone and execve (the calls the
-//! KVM VMM serves itself, `process::intercepts`: ENOSYS), signal handlers (a fault kills the
+//! execve loads the new program into the same stub (`exec::commit_host`). Not yet on this
+//! platform (each answers as noted): guest fork and clone (the other calls the KVM VMM serves
+//! itself, `process::intercepts`: ENOSYS), signal handlers (a fault kills the
 //! process even with a handler installed; rt_sigreturn ENOSYS), shared futexes across processes,
 //! snapshots, and the KVM VMM's process tree, scheduler and controller protocol: [`Process`] runs
 //! one process in the caller's own process.
@@ -194,6 +195,9 @@ impl Process {
     /// Serve the syscall in the registers; the run's end if it ends it.
     fn syscall(&mut self, out: &mut guestos::Output) -> Option<RunExit> {
         let nr = self.regs.rax;
+        if nr == SYS_EXECVE {
+            return self.execve();
+        }
         if intercepted(nr) {
             self.regs.rax = (-(ENOSYS.0 as i64)) as u64;
             *self.os.enosys.entry(nr).or_default() += 1;
@@ -217,6 +221,88 @@ impl Process {
         self.fs_base = sregs.fs.base;
         exit
     }
+}
+
+impl Process {
+    /// execve(path, argv, envp): the new program replaces the old in the same stub. Errors up to
+    /// the point of no return go back to the caller; a load that fails after it kills the process
+    /// (SIGSEGV), as on Linux.
+    fn execve(&mut self) -> Option<RunExit> {
+        let (path, argv, envp) = (self.regs.rdi, self.regs.rsi, self.regs.rdx);
+        let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+        let args = (|| {
+            let path = read_cstr(&space, path, guestos::vfs::PATH_MAX)?;
+            let argv = read_strv(&space, argv)?;
+            let envp = read_strv(&space, envp)?;
+            let prepared = guestos::exec::prepare(&self.os, &path, &argv, &envp)?;
+            Ok::<_, Errno>((prepared, envp))
+        })();
+        let (prepared, envp) = match args {
+            Ok(v) => v,
+            Err(e) => {
+                self.regs.rax = (-(e.0 as i64)) as u64;
+                return None;
+            }
+        };
+        match guestos::exec::commit_host(&mut self.os, &mut space, prepared, &envp) {
+            Ok(img) => {
+                self.regs = crate::arch::x86_64::regs::initial_regs(img.entry, img.rsp);
+                self.fs_base = 0;
+                super::process::on_exec_state(&mut self.os);
+                None
+            }
+            Err(_) => Some(RunExit::Signaled { signo: libc::SIGSEGV }),
+        }
+    }
+}
+
+const SYS_EXECVE: u64 = 59;
+/// Linux's limits on exec arguments: one string, and all of them together.
+const MAX_ARG_STRLEN: usize = 32 * 4096;
+const MAX_ARG_TOTAL: usize = 2 << 20;
+const E2BIG: Errno = Errno(7);
+
+/// A NUL-terminated string of guest memory, at most `max` bytes.
+fn read_cstr(h: &dyn HostSpace, va: u64, max: usize) -> std::result::Result<Vec<u8>, Errno> {
+    let mut out = Vec::new();
+    let mut p = va;
+    loop {
+        let mut buf = vec![0u8; (4096 - (p & 4095)) as usize];
+        h.read(p, &mut buf)?;
+        if let Some(i) = buf.iter().position(|&b| b == 0) {
+            out.extend_from_slice(&buf[..i]);
+            return Ok(out);
+        }
+        out.extend_from_slice(&buf);
+        if out.len() > max {
+            return Err(E2BIG);
+        }
+        p += buf.len() as u64;
+    }
+}
+
+/// A NULL-terminated array of strings in guest memory (argv, envp); NULL itself is empty.
+fn read_strv(h: &dyn HostSpace, va: u64) -> std::result::Result<Vec<Vec<u8>>, Errno> {
+    let mut v = Vec::new();
+    let mut total = 0;
+    if va == 0 {
+        return Ok(v);
+    }
+    for i in 0.. {
+        let mut b = [0u8; 8];
+        h.read(va.checked_add(8 * i).ok_or(EFAULT)?, &mut b)?;
+        let p = u64::from_le_bytes(b);
+        if p == 0 {
+            break;
+        }
+        let s = read_cstr(h, p, MAX_ARG_STRLEN)?;
+        total += s.len() + 1 + 8;
+        if total > MAX_ARG_TOTAL {
+            return Err(E2BIG);
+        }
+        v.push(s);
+    }
+    Ok(v)
 }
 
 /// The calls the KVM VMM serves itself (fork, clone, execve, rt_sigreturn, spawn), not offered
