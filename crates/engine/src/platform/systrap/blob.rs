@@ -1,1 +1,350 @@
-//! (in progress)
+//! The stub's own code: a position-independent blob copied to [`layout::CODE`] in every stub.
+//!
+//! Assembly, because after the stub's entry nothing else of the host program is mapped in its
+//! address space: no libc, no Rust runtime, no TLS (the FS base is the guest's). It refers to
+//! itself only RIP-relatively and to the shared page by its fixed address. Three entry points:
+//! - `handler(signo, info, ucontext)`: the SA_SIGINFO handler of every trapped signal, on the
+//!   alternate stack. It copies the signal frame's registers, the trap's `siginfo` fields, the FS
+//!   base and the address of the frame's XSAVE area to the shared page, hands the turn to the VMM and
+//!   serves commands until one says run: then it copies the (possibly changed) registers back into the
+//!   frame, restores the FS base and returns through `rt_sigreturn`, which loads them all.
+//! - `restorer`: `rt_sigreturn`, the `sa_restorer` of every handler.
+//! - `boot`: entered once by a new stub (on the boot stack, with the filter installed): unmaps
+//!   everything outside the reserved range (the rest of the VMM's image that the stub was cloned
+//!   from) and makes the first trap with a syscall placed *after* `allowed_end`, outside the range
+//!   the filter admits. The handler recognises that trap by its address and reports `EXIT_BOOT`.
+//!
+//! While the VMM has the turn the stub spins `stub_spin` times, then sleeps in `FUTEX_WAIT` for up
+//! to a second at a time; after each timeout it polls its socket and exits when the VMM's end is
+//! closed (the VMM died).
+
+use std::mem::offset_of;
+
+use super::layout;
+use super::shared::{self, Page};
+
+std::arch::global_asm!(
+    ".pushsection .text.collimate_systrap_blob,\"ax\",@progbits",
+    ".p2align 12",
+    ".globl collimate_systrap_blob_start",
+    ".hidden collimate_systrap_blob_start",
+    "collimate_systrap_blob_start:",
+    // ---- handler(rdi = signo, rsi = siginfo, rdx = ucontext) ----
+    "collimate_systrap_handler:",
+    "sub rsp, 40",
+    "mov r14, rsi",
+    "mov r13, rdx",
+    "movabs r12, {shared}",
+    "lea rsi, [r13 + {uc_gregs}]",
+    "lea rdi, [r12 + {gregs}]",
+    "mov ecx, 23",
+    "rep movsq",
+    "mov eax, dword ptr [r14]",
+    "mov dword ptr [r12 + {signo}], eax",
+    "mov eax, dword ptr [r14 + 8]",
+    "mov dword ptr [r12 + {code}], eax",
+    "mov rax, qword ptr [r14 + 16]",
+    "mov qword ptr [r12 + {addr}], rax",
+    "mov eax, dword ptr [r14 + 24]",
+    "mov qword ptr [r12 + {sysnr}], rax",
+    "mov rax, qword ptr [r13 + {uc_fpregs}]",
+    "mov qword ptr [r12 + {fpstate}], rax",
+    "test dword ptr [r12 + {flags}], {flag_fsgsbase}",
+    "jz 2f",
+    "rdfsbase rax",
+    "mov qword ptr [r12 + {fs_base}], rax",
+    "jmp 3f",
+    "2:",
+    "mov eax, 158", // arch_prctl(ARCH_GET_FS, &fs_base)
+    "mov edi, 0x1003",
+    "lea rsi, [r12 + {fs_base}]",
+    "syscall",
+    "3:",
+    "mov eax, {exit_event}",
+    "lea rcx, [rip + collimate_systrap_boot_trap_end]",
+    "cmp rcx, qword ptr [r13 + {uc_gregs} + 16 * 8]",
+    "jne 4f",
+    "mov eax, {exit_boot}",
+    "4:",
+    "mov dword ptr [r12 + {exit}], eax",
+    // hand the turn to the VMM; wake it only if it sleeps
+    "20:",
+    "mov eax, {vmm_turn}",
+    "xchg dword ptr [r12 + {state}], eax",
+    "cmp dword ptr [r12 + {vmm_sleeping}], 0",
+    "je 21f",
+    "mov eax, 202", // futex(&state, FUTEX_WAKE, 1)
+    "lea rdi, [r12 + {state}]",
+    "mov esi, 1",
+    "mov edx, 1",
+    "syscall",
+    // wait for the stub's turn: spin, then sleep
+    "21:",
+    "mov ecx, dword ptr [r12 + {stub_spin}]",
+    "22:",
+    "cmp dword ptr [r12 + {state}], {stub_turn}",
+    "je 30f",
+    "test ecx, ecx",
+    "jz 23f",
+    "pause",
+    "dec ecx",
+    "jmp 22b",
+    "23:",
+    "mov eax, 1",
+    "xchg dword ptr [r12 + {stub_sleeping}], eax",
+    "cmp dword ptr [r12 + {state}], {stub_turn}",
+    "je 25f",
+    "mov qword ptr [rsp + 8], 1", // timeout: 1 s
+    "mov qword ptr [rsp + 16], 0",
+    "mov eax, 202", // futex(&state, FUTEX_WAIT, VMM_TURN, &timeout)
+    "lea rdi, [r12 + {state}]",
+    "xor esi, esi",
+    "mov edx, {vmm_turn}",
+    "lea r10, [rsp + 8]",
+    "syscall",
+    "cmp rax, -110", // ETIMEDOUT: is the VMM still there?
+    "jne 25f",
+    "mov dword ptr [rsp], {sock_fd}", // ppoll({sock, 0}, 1, &{0, 0}, NULL, 8)
+    "mov dword ptr [rsp + 4], 0",
+    "mov qword ptr [rsp + 8], 0",
+    "mov qword ptr [rsp + 16], 0",
+    "mov eax, 271",
+    "mov rdi, rsp",
+    "mov esi, 1",
+    "lea rdx, [rsp + 8]",
+    "xor r10d, r10d",
+    "mov r8d, 8",
+    "syscall",
+    "test word ptr [rsp + 6], 0x18", // POLLERR | POLLHUP
+    "jz 23b",
+    "mov eax, 231", // exit_group(1): the VMM is gone
+    "mov edi, 1",
+    "syscall",
+    "25:",
+    "mov dword ptr [r12 + {stub_sleeping}], 0",
+    "cmp dword ptr [r12 + {state}], {stub_turn}",
+    "jne 23b",
+    // a command
+    "30:",
+    "mov rax, qword ptr [r12 + {cmd}]",
+    "cmp rax, {cmd_run}",
+    "je 40f",
+    "cmp rax, {cmd_syscall}",
+    "je 31f",
+    "cmp rax, {cmd_fork}",
+    "je 50f",
+    "mov qword ptr [r12 + {ret}], -22",
+    "jmp 32f",
+    "31:",
+    "mov rax, qword ptr [r12 + {args}]",
+    "mov rdi, qword ptr [r12 + {args} + 8]",
+    "mov rsi, qword ptr [r12 + {args} + 16]",
+    "mov rdx, qword ptr [r12 + {args} + 24]",
+    "mov r10, qword ptr [r12 + {args} + 32]",
+    "mov r8, qword ptr [r12 + {args} + 40]",
+    "mov r9, qword ptr [r12 + {args} + 48]",
+    "syscall",
+    "mov qword ptr [r12 + {ret}], rax",
+    "32:",
+    "mov dword ptr [r12 + {exit}], {exit_done}",
+    "jmp 20b",
+    // run: registers back into the frame, FS base, return through rt_sigreturn
+    "40:",
+    "lea rsi, [r12 + {gregs}]",
+    "lea rdi, [r13 + {uc_gregs}]",
+    "mov ecx, 18",
+    "rep movsq",
+    "test dword ptr [r12 + {flags}], {flag_fsgsbase}",
+    "jz 41f",
+    "mov rax, qword ptr [r12 + {fs_base}]",
+    "wrfsbase rax",
+    "jmp 42f",
+    "41:",
+    "mov eax, 158", // arch_prctl(ARCH_SET_FS, fs_base)
+    "mov edi, 0x1002",
+    "mov rsi, qword ptr [r12 + {fs_base}]",
+    "syscall",
+    "42:",
+    "add rsp, 40",
+    "ret",
+    // fork
+    "50:",
+    "mov rbx, qword ptr [r12 + {args}]",
+    "mov rbp, qword ptr [r12 + {args} + 8]",
+    "mov eax, 56", // clone(SIGCHLD, 0, 0, 0, 0): a plain fork
+    "mov edi, 17",
+    "xor esi, esi",
+    "xor edx, edx",
+    "xor r10d, r10d",
+    "xor r8d, r8d",
+    "syscall",
+    "test rax, rax",
+    "jnz 52f",
+    // the child: its own shared page and socket
+    "mov eax, 9", // mmap(SHARED, len, RW, MAP_SHARED | MAP_FIXED, memfd, 0)
+    "mov rdi, r12",
+    "mov esi, {shared_len}",
+    "mov edx, 3",
+    "mov r10d, 0x11",
+    "mov r8, rbx",
+    "xor r9d, r9d",
+    "syscall",
+    "cmp rax, r12",
+    "jne 51f",
+    "mov eax, 33", // dup2(sock, SOCK_FD)
+    "mov rdi, rbp",
+    "mov esi, {sock_fd}",
+    "syscall",
+    "test rax, rax",
+    "js 51f",
+    "mov eax, 3",
+    "mov rdi, rbx",
+    "syscall",
+    "mov eax, 3",
+    "mov rdi, rbp",
+    "syscall",
+    "mov qword ptr [r12 + {ret}], 0",
+    "jmp 32b",
+    "51:",
+    "mov eax, 231", // exit_group(2): the child could not take its own page
+    "mov edi, 2",
+    "syscall",
+    "52:",
+    "mov r15, rax",
+    "mov eax, 3",
+    "mov rdi, rbx",
+    "syscall",
+    "mov eax, 3",
+    "mov rdi, rbp",
+    "syscall",
+    "mov qword ptr [r12 + {ret}], r15",
+    "jmp 32b",
+    // ---- restorer ----
+    ".globl collimate_systrap_restorer",
+    ".hidden collimate_systrap_restorer",
+    "collimate_systrap_restorer:",
+    "mov eax, 15",
+    "syscall",
+    "ud2",
+    // ---- boot: rsp is the boot stack ----
+    ".globl collimate_systrap_boot",
+    ".hidden collimate_systrap_boot",
+    "collimate_systrap_boot:",
+    "mov eax, 11", // munmap(0, STUB_BASE)
+    "xor edi, edi",
+    "movabs rsi, {stub_base}",
+    "syscall",
+    "mov eax, 11", // munmap(STUB_END, TASK_SIZE - STUB_END)
+    "movabs rdi, {stub_end}",
+    "movabs rsi, {above_len}",
+    "syscall",
+    ".globl collimate_systrap_allowed_end",
+    ".hidden collimate_systrap_allowed_end",
+    "collimate_systrap_allowed_end:",
+    "syscall", // the first trap: outside the admitted range
+    ".globl collimate_systrap_boot_trap_end",
+    ".hidden collimate_systrap_boot_trap_end",
+    "collimate_systrap_boot_trap_end:",
+    "ud2",
+    ".globl collimate_systrap_blob_end",
+    ".hidden collimate_systrap_blob_end",
+    "collimate_systrap_blob_end:",
+    ".popsection",
+    shared = const layout::SHARED,
+    shared_len = const layout::SHARED_LEN,
+    stub_base = const layout::STUB_BASE,
+    stub_end = const layout::STUB_END,
+    above_len = const layout::TASK_SIZE - layout::STUB_END,
+    sock_fd = const layout::SOCK_FD,
+    uc_gregs = const UC_GREGS,
+    uc_fpregs = const UC_FPREGS,
+    state = const offset_of!(Page, state),
+    stub_sleeping = const offset_of!(Page, stub_sleeping),
+    vmm_sleeping = const offset_of!(Page, vmm_sleeping),
+    stub_spin = const offset_of!(Page, stub_spin),
+    flags = const offset_of!(Page, flags),
+    exit = const offset_of!(Page, exit),
+    signo = const offset_of!(Page, signo),
+    code = const offset_of!(Page, code),
+    addr = const offset_of!(Page, addr),
+    sysnr = const offset_of!(Page, sysnr),
+    fpstate = const offset_of!(Page, fpstate),
+    fs_base = const offset_of!(Page, fs_base),
+    gregs = const offset_of!(Page, gregs),
+    cmd = const offset_of!(Page, cmd),
+    args = const offset_of!(Page, args),
+    ret = const offset_of!(Page, ret),
+    flag_fsgsbase = const shared::FLAG_FSGSBASE,
+    exit_event = const shared::EXIT_EVENT,
+    exit_boot = const shared::EXIT_BOOT,
+    exit_done = const shared::EXIT_DONE,
+    vmm_turn = const shared::VMM_TURN,
+    stub_turn = const shared::STUB_TURN,
+    cmd_run = const shared::CMD_RUN,
+    cmd_syscall = const shared::CMD_SYSCALL,
+    cmd_fork = const shared::CMD_FORK,
+);
+
+/// Offset of `uc_mcontext.gregs` in Linux's x86-64 `ucontext_t`.
+const UC_GREGS: usize = 40;
+/// Offset of `uc_mcontext.fpregs` (the pointer to the XSAVE area).
+const UC_FPREGS: usize = UC_GREGS + 23 * 8;
+
+extern "C" {
+    static collimate_systrap_blob_start: u8;
+    static collimate_systrap_restorer: u8;
+    static collimate_systrap_boot: u8;
+    static collimate_systrap_allowed_end: u8;
+    static collimate_systrap_blob_end: u8;
+}
+
+/// The blob's bytes, to copy to [`layout::CODE`].
+pub fn code() -> &'static [u8] {
+    let start = &raw const collimate_systrap_blob_start;
+    let end = &raw const collimate_systrap_blob_end;
+    let len = end as usize - start as usize;
+    assert!(len as u64 <= layout::CODE_LEN, "the systrap blob outgrew its code area");
+    // SAFETY: the two symbols bracket the blob in this binary's read-only text, which lives as long
+    // as the program.
+    unsafe { std::slice::from_raw_parts(start, len) }
+}
+
+fn offset(sym: *const u8) -> u64 {
+    sym as u64 - (&raw const collimate_systrap_blob_start) as u64
+}
+
+/// Where the copied blob's signal handler is.
+pub fn handler() -> u64 {
+    layout::CODE // the handler is the blob's first instruction
+}
+
+/// Where the copied blob's `sa_restorer` is.
+pub fn restorer() -> u64 {
+    layout::CODE + offset(&raw const collimate_systrap_restorer)
+}
+
+/// Where a new stub enters the blob.
+pub fn boot() -> u64 {
+    layout::CODE + offset(&raw const collimate_systrap_boot)
+}
+
+/// The last address a syscall from the blob may return to and still be admitted by the filter (the
+/// boot trap's syscall lies after it).
+pub fn allowed_end() -> u64 {
+    layout::CODE + offset(&raw const collimate_systrap_allowed_end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blob_fits_and_entries_are_inside() {
+        let len = code().len() as u64;
+        assert!(len > 0 && len <= layout::CODE_LEN);
+        for a in [handler(), restorer(), boot(), allowed_end()] {
+            assert!(a >= layout::CODE && a < layout::CODE + len);
+        }
+        assert!(boot() < allowed_end());
+    }
+}

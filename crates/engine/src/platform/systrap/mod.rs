@@ -44,7 +44,12 @@ pub mod layout;
 pub mod memory;
 pub mod shared;
 
-use std::os::fd::BorrowedFd;
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::Ordering;
+
+use shared::SharedPage;
 
 pub use confine::{Confinement, ConfinementReport};
 pub use kvm_bindings::kvm_regs;
@@ -125,13 +130,95 @@ pub enum Exit {
 /// Dropping a `Stub` kills its process. See the module docs for the contract with the VMM.
 #[derive(Debug)]
 pub struct Stub {
-    _todo: (),
+    pid: i32,
+    pidfd: OwnedFd,
+    sock: OwnedFd,
+    mem: OwnedFd,
+    page: SharedPage,
+    /// The stub is a child of this process (spawned, not forked): reap it on drop.
+    child: bool,
+    parked: bool,
+    /// A guest context exists (the first `run` happened, or this stub was forked from one that had).
+    has_guest: bool,
+    report: ConfinementReport,
+    vmm_spin: u32,
+    exited: Option<Option<i32>>,
 }
+
+/// How many times the VMM polls for the stub's answer before it sleeps, by default. Measured in
+/// benches/systrap.rs on a loaded 2-core VM: see docs/platforms.md.
+pub const DEFAULT_VMM_SPIN: u32 = 20_000;
+/// How many times the stub polls for the VMM's command before it sleeps, by default.
+pub const DEFAULT_STUB_SPIN: u32 = 20_000;
 
 /// Open the host's `/proc` now, for every stub this process will make. Call it before anything
 /// (the VMM's jail) hides `/proc`; calling it again does nothing. [`Stub::spawn`] calls it too.
 pub fn prepare() -> Result<()> {
-    todo!()
+    memory::proc_dir().map(|_| ()).map_err(|source| Error::Host { call: "open /proc", source })
+}
+
+fn host(call: &'static str) -> impl FnOnce(io::Error) -> Error {
+    move |source| Error::Host { call, source }
+}
+
+fn socketpair() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` is a valid array of two ints for the kernel to fill.
+    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both fds were just created and are owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall; the returned fd is owned below.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: just created, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Send `fds` over `sock` with SCM_RIGHTS (one data byte).
+fn send_fds(sock: &OwnedFd, fds: &[RawFd]) -> io::Result<()> {
+    let mut byte = 0u8;
+    let mut iov = libc::iovec { iov_base: (&raw mut byte).cast(), iov_len: 1 };
+    let data_len = std::mem::size_of_val(fds);
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(data_len as u32) } as usize;
+    let mut cbuf = [0u64; 8];
+    assert!(space <= std::mem::size_of_val(&cbuf));
+    // SAFETY: an all-zero msghdr is valid; the pointers set below outlive the sendmsg call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space;
+    // SAFETY: `msg` has a control buffer of `space` bytes, enough for one cmsg with `fds`.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(data_len as u32) as usize;
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<RawFd>(), fds.len());
+        if libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) != 1 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Whether user code may use `rdfsbase`/`wrfsbase` here (the kernel says so in AT_HWCAP2).
+fn has_fsgsbase() -> bool {
+    // SAFETY: getauxval only reads the auxiliary vector.
+    unsafe { libc::getauxval(libc::AT_HWCAP2) & 2 != 0 }
+}
+
+/// An existing directory to mount the empty root on (the stub never looks it up again).
+fn pivot_dir() -> Option<CString> {
+    ["/tmp", "/mnt", "/proc", "/dev", "/run"].iter().find(|d| std::path::Path::new(d).is_dir()).map(|d| CString::new(*d).expect("no NUL"))
 }
 
 impl Stub {
@@ -144,44 +231,323 @@ impl Stub {
 
     /// Create a confined stub with an empty address space (nothing mapped outside
     /// [`Stub::reserved_range`]) and no guest context yet: map code and a stack, then [`Stub::run`]
-    /// with the entry registers. The stub is a child of the calling process and gets SIGKILL when the
-    /// calling thread exits.
+    /// with the entry registers (the FPU/SSE state starts as the host's defaults). The stub is a
+    /// child of the calling process and gets SIGKILL when the calling thread exits.
     pub fn spawn(conf: &Confinement) -> Result<Stub> {
-        let _ = conf;
-        todo!()
+        prepare()?;
+        let page = SharedPage::new().map_err(|source| Error::Spawn { step: "shared page", source })?;
+        // SAFETY: the page is ours and nobody else maps it yet.
+        unsafe {
+            (*page.page()).stub_spin = DEFAULT_STUB_SPIN;
+            (*page.page()).flags = if has_fsgsbase() { shared::FLAG_FSGSBASE } else { 0 };
+            (*page.page()).state.store(shared::STUB_TURN, Ordering::SeqCst);
+        }
+        let (sock, stub_sock) = socketpair().map_err(|source| Error::Spawn { step: "socketpair", source })?;
+        let filter = filter::program();
+        let pivot = pivot_dir();
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        let args = confine::ChildArgs {
+            // SAFETY: getpid has no preconditions.
+            parent: unsafe { libc::getpid() },
+            sock: stub_sock.as_raw_fd(),
+            memfd: page.memfd().as_raw_fd(),
+            page: page.page(),
+            conf: conf.clone(),
+            filter: &filter,
+            blob: blob::code(),
+            pivot_dir: pivot.as_deref(),
+            root,
+        };
+        const STACK: usize = 256 << 10;
+        // SAFETY: a new private anonymous mapping for the child's stack; unmapped below.
+        let stack = unsafe {
+            libc::mmap(std::ptr::null_mut(), STACK, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        if stack == libc::MAP_FAILED {
+            return Err(Error::Spawn { step: "child stack", source: io::Error::last_os_error() });
+        }
+        let top = stack as usize + STACK;
+        // SAFETY: without CLONE_VM the child runs `child_main` on its own copy of `stack` and of
+        // `args`; the parent's copies stay valid until clone returns (and `args` beyond).
+        let pid = unsafe {
+            libc::clone(confine::child_main, (top & !15) as *mut libc::c_void, libc::SIGCHLD, (&raw const args) as *mut libc::c_void)
+        };
+        let clone_err = io::Error::last_os_error();
+        // SAFETY: the parent's copy of the child stack is no longer used.
+        unsafe { libc::munmap(stack, STACK) };
+        if pid < 0 {
+            return Err(Error::Spawn { step: "clone", source: clone_err });
+        }
+        drop(stub_sock);
+        let pidfd = match pidfd_open(pid) {
+            Ok(fd) => fd,
+            Err(source) => {
+                // SAFETY: `pid` is our child; kill and reap it.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, std::ptr::null_mut(), 0);
+                }
+                return Err(Error::Spawn { step: "pidfd_open", source });
+            }
+        };
+        // From here the child is owned by a Stub (Drop kills and reaps it).
+        let mem = match memory::open_mem(pid) {
+            Ok(m) => m,
+            Err(source) => {
+                // SAFETY: as above.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, std::ptr::null_mut(), 0);
+                }
+                return Err(Error::Spawn { step: "open /proc/<pid>/mem", source });
+            }
+        };
+        let mut stub = Stub {
+            pid,
+            pidfd,
+            sock,
+            mem,
+            page,
+            child: true,
+            parked: false,
+            has_guest: false,
+            report: ConfinementReport::default(),
+            vmm_spin: DEFAULT_VMM_SPIN,
+            exited: None,
+        };
+        // The child has waited for this byte before changing its credentials, so the mem file above
+        // was opened with the VMM's own.
+        // SAFETY: writing one byte from a local to our socket.
+        if unsafe { libc::write(stub.sock.as_raw_fd(), [1u8].as_ptr().cast(), 1) } != 1 {
+            return Err(Error::Spawn { step: "start the stub", source: io::Error::last_os_error() });
+        }
+        if !stub.wait() {
+            // SAFETY: the child wrote these before it exited (or left them zero).
+            let (step, errno) = unsafe { ((*stub.page.page()).boot_step, (*stub.page.page()).boot_errno) };
+            let name = confine::STEPS.get(step as usize).copied().unwrap_or("unknown");
+            let source = if errno != 0 { io::Error::from_raw_os_error(errno) } else { io::Error::other(format!("exit status {:?}", stub.exited)) };
+            return Err(Error::Spawn { step: if step == 0 { "the stub's boot" } else { name }, source });
+        }
+        // SAFETY: it is the VMM's turn; the page is mapped.
+        let (exit, bits) = unsafe { ((*stub.page.page()).exit, (*stub.page.page()).report) };
+        if exit != shared::EXIT_BOOT {
+            return Err(Error::Spawn { step: "the stub's boot", source: io::Error::other(format!("unexpected first report {exit}")) });
+        }
+        stub.report = ConfinementReport::from_bits(bits);
+        stub.parked = true;
+        Ok(stub)
     }
 
     /// The host pid of the stub process.
     pub fn pid(&self) -> i32 {
-        todo!()
+        self.pid
     }
 
     /// What confinement the host granted this stub (namespaces, CPUID faulting).
     pub fn report(&self) -> &ConfinementReport {
-        todo!()
+        &self.report
+    }
+
+    /// Tuning: how many times the VMM (`vmm`) and the stub (`stub`) poll for the other's answer
+    /// before sleeping in a futex. 0 and 0: always sleep. See benches/systrap.rs.
+    pub fn set_spin(&mut self, vmm: u32, stub: u32) {
+        self.vmm_spin = vmm;
+        // SAFETY: the stub reads this word only while it waits; a torn read is impossible (aligned u32).
+        unsafe { std::ptr::write_volatile(&raw mut (*self.page.page()).stub_spin, stub) };
+    }
+
+    fn alive(&mut self) -> bool {
+        if self.exited.is_some() {
+            return false;
+        }
+        let mut pfd = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd, no timeout.
+        let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+        if n == 0 {
+            return true;
+        }
+        let mut status = None;
+        if self.child {
+            let mut st = 0;
+            // SAFETY: `pid` is our exited child; reap it.
+            if unsafe { libc::waitpid(self.pid, &mut st, libc::WNOHANG) } == self.pid {
+                status = Some(st);
+            }
+        }
+        self.exited = Some(status);
+        false
+    }
+
+    /// Wait for the stub's report; false if it died.
+    fn wait(&mut self) -> bool {
+        let spin = self.vmm_spin;
+        let page = &self.page as *const SharedPage;
+        // SAFETY: `page` is a field of `self` that `alive` does not touch; the raw pointer only
+        // splits the borrow.
+        unsafe { (*page).wait_for_stub(spin, || self.alive()) }
+    }
+
+    /// Hand a command to the parked stub and wait for its `EXIT_DONE`; the command's result.
+    fn command(&mut self, cmd: u64, args: [u64; 7]) -> Result<i64> {
+        if !self.parked {
+            return Err(Error::NotParked { what: "take a command" });
+        }
+        let p = self.page.page();
+        // SAFETY: the VMM's turn: the stub does not read these until `hand_to_stub`.
+        unsafe {
+            (*p).cmd = cmd;
+            (*p).args = args;
+        }
+        self.parked = false;
+        self.page.hand_to_stub();
+        if !self.wait() {
+            return Err(Error::Gone { pid: self.pid });
+        }
+        self.parked = true;
+        // SAFETY: the VMM's turn again.
+        Ok(unsafe { std::ptr::read_volatile(&raw const (*p).ret) })
+    }
+
+    fn syscall(&mut self, op: &'static str, nr: i64, a: [u64; 6]) -> Result<u64> {
+        let r = self.command(shared::CMD_SYSCALL, [nr as u64, a[0], a[1], a[2], a[3], a[4], a[5]])?;
+        if (-4095..0).contains(&r) {
+            return Err(Error::Op { op, source: io::Error::from_raw_os_error(-r as i32) });
+        }
+        Ok(r as u64)
     }
 
     /// Run guest code from `regs` and `fs_base` until the next exit; on return both hold the guest's
     /// state at that exit. Only the general-purpose registers, `rip` and `rflags` (the bits user mode
     /// may change) are taken from `regs`; segment registers stay the host's user segments.
     pub fn run(&mut self, regs: &mut kvm_regs, fs_base: &mut u64) -> Result<Exit> {
-        let _ = (regs, fs_base);
-        todo!()
+        if let Some(status) = self.exited {
+            return Ok(Exit::Exited { status });
+        }
+        if !self.parked {
+            return Err(Error::NotParked { what: "run" });
+        }
+        let p = self.page.page();
+        use shared::reg::*;
+        let mut g = [0u64; 18];
+        g[R8] = regs.r8;
+        g[R9] = regs.r9;
+        g[R10] = regs.r10;
+        g[R11] = regs.r11;
+        g[R12] = regs.r12;
+        g[R13] = regs.r13;
+        g[R14] = regs.r14;
+        g[R15] = regs.r15;
+        g[RDI] = regs.rdi;
+        g[RSI] = regs.rsi;
+        g[RBP] = regs.rbp;
+        g[RBX] = regs.rbx;
+        g[RDX] = regs.rdx;
+        g[RAX] = regs.rax;
+        g[RCX] = regs.rcx;
+        g[RSP] = regs.rsp;
+        g[RIP] = regs.rip;
+        g[EFL] = regs.rflags;
+        // SAFETY: the VMM's turn; the stub copies these into the frame after `hand_to_stub`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(g.as_ptr(), (&raw mut (*p).gregs).cast::<u64>(), 18);
+            (*p).fs_base = *fs_base;
+            (*p).cmd = shared::CMD_RUN;
+        }
+        self.parked = false;
+        self.has_guest = true;
+        self.page.hand_to_stub();
+        if !self.wait() {
+            return Ok(Exit::Exited { status: self.exited.flatten() });
+        }
+        self.parked = true;
+        // SAFETY: the VMM's turn; every value is guest-controlled data, read by volatile copies.
+        let (gr, fsb, signo, code, addr, sysnr, exit) = unsafe {
+            (
+                std::ptr::read_volatile(&raw const (*p).gregs),
+                std::ptr::read_volatile(&raw const (*p).fs_base),
+                std::ptr::read_volatile(&raw const (*p).signo) as i32,
+                std::ptr::read_volatile(&raw const (*p).code),
+                std::ptr::read_volatile(&raw const (*p).addr),
+                std::ptr::read_volatile(&raw const (*p).sysnr),
+                std::ptr::read_volatile(&raw const (*p).exit),
+            )
+        };
+        *regs = kvm_regs {
+            rax: gr[RAX],
+            rbx: gr[RBX],
+            rcx: gr[RCX],
+            rdx: gr[RDX],
+            rsi: gr[RSI],
+            rdi: gr[RDI],
+            rsp: gr[RSP],
+            rbp: gr[RBP],
+            r8: gr[R8],
+            r9: gr[R9],
+            r10: gr[R10],
+            r11: gr[R11],
+            r12: gr[R12],
+            r13: gr[R13],
+            r14: gr[R14],
+            r15: gr[R15],
+            rip: gr[RIP],
+            rflags: gr[EFL],
+        };
+        *fs_base = fsb;
+        if exit != shared::EXIT_EVENT {
+            // Only guest code (writing the shared page) can make this happen.
+            return Ok(Exit::Signal { signo: 0, code: exit as i32, addr: 0 });
+        }
+        Ok(self.classify(regs, signo, code, addr, sysnr, gr[ERR], gr[TRAPNO]))
+    }
+
+    fn classify(&self, regs: &mut kvm_regs, signo: i32, code: i32, addr: u64, sysnr: u64, err: u64, trapno: u64) -> Exit {
+        const SYS_SECCOMP: i32 = 1;
+        const SI_KERNEL: i32 = 0x80;
+        const PF: u64 = 14;
+        match signo {
+            libc::SIGSYS if code == SYS_SECCOMP => {
+                regs.rax = sysnr;
+                Exit::Syscall
+            }
+            libc::SIGSEGV if trapno == PF && code != SI_KERNEL => Exit::Fault { addr, write: err & 2 != 0, exec: err & 16 != 0 },
+            libc::SIGSEGV if code == SI_KERNEL => {
+                let mut insn = [0u8; 2];
+                let _ = self.read(regs.rip, &mut insn);
+                let mut third = [0u8; 1];
+                match insn {
+                    [0x0f, 0x31] => Exit::Rdtsc { rdtscp: false },
+                    [0x0f, 0xa2] if self.report.cpuid_faulting => Exit::Cpuid,
+                    [0x0f, 0x01] if self.read(regs.rip + 2, &mut third).is_ok() && third[0] == 0xf9 => Exit::Rdtsc { rdtscp: true },
+                    _ => Exit::Signal { signo, code, addr },
+                }
+            }
+            _ => Exit::Signal { signo, code, addr },
+        }
     }
 
     /// Read guest memory at virtual address `va` into `buf`. Safe while the address space changes:
     /// an unmapped or unreadable byte gives [`Error::Fault`], never a crash.
     pub fn read(&self, va: u64, buf: &mut [u8]) -> Result<()> {
-        let _ = (va, buf);
-        todo!()
+        if memory::read(&self.mem, va, buf) {
+            Ok(())
+        } else {
+            Err(Error::Fault { addr: va, len: buf.len() })
+        }
     }
 
     /// Write `data` to guest memory at `va`, as a debugger does: also into read-only private pages
     /// (copy-on-write; e.g. relocations in text). Unmapped bytes give [`Error::Fault`]; a write that
-    /// faults part-way may have written a prefix.
+    /// faults part-way may have written a prefix. Refused in the reserved range.
     pub fn write(&self, va: u64, data: &[u8]) -> Result<()> {
-        let _ = (va, data);
-        todo!()
+        if layout::touches_reserved(va, data.len() as u64) {
+            return Err(Error::Reserved { addr: va, len: data.len() as u64 });
+        }
+        if memory::write(&self.mem, va, data) {
+            Ok(())
+        } else {
+            Err(Error::Fault { addr: va, len: data.len() })
+        }
     }
 
     /// `mmap(va, len, prot, flags | MAP_FIXED, fd, offset)` executed by the stub in the guest's
@@ -190,20 +556,79 @@ impl Stub {
     /// fd is passed to the stub with SCM_RIGHTS and closed there after the mmap. The stub must be
     /// parked (spawned, or after an exit of `run`).
     pub fn map(&mut self, va: u64, len: u64, prot: i32, flags: i32, fd: Option<BorrowedFd<'_>>, offset: u64) -> Result<()> {
-        let _ = (va, len, prot, flags, fd, offset);
-        todo!()
+        if layout::touches_reserved(va, len) {
+            return Err(Error::Reserved { addr: va, len });
+        }
+        let flags = (flags | libc::MAP_FIXED) as u64;
+        let Some(fd) = fd else {
+            let r = self.syscall("mmap", libc::SYS_mmap, [va, len, prot as u64, flags | libc::MAP_ANONYMOUS as u64, u64::MAX, offset])?;
+            return if r == va { Ok(()) } else { Err(Error::Op { op: "mmap", source: io::Error::other("mapped elsewhere") }) };
+        };
+        send_fds(&self.sock, &[fd.as_raw_fd()]).map_err(host("sendmsg"))?;
+        let remote = self.receive_fds(1)?[0];
+        let r = self.syscall("mmap", libc::SYS_mmap, [va, len, prot as u64, flags, remote as u64, offset]);
+        let c = self.syscall("close", libc::SYS_close, [remote as u64, 0, 0, 0, 0, 0]);
+        let r = r?;
+        c?;
+        if r == va {
+            Ok(())
+        } else {
+            Err(Error::Op { op: "mmap", source: io::Error::other("mapped elsewhere") })
+        }
+    }
+
+    /// Pass `n` fds (already sent on the socket by the caller) into the stub: its `recvmsg` into the
+    /// scratch area of the shared page; returns their numbers in the stub.
+    fn receive_fds(&mut self, n: usize) -> Result<[i32; 2]> {
+        assert!((1..=2).contains(&n));
+        let base = self.page.bytes();
+        let off = shared::SCRATCH;
+        let stub_addr = |o: usize| layout::SHARED + o as u64;
+        // Layout in the scratch area: msghdr at +0, iovec at +64, one data byte at +80, control
+        // buffer at +96 (room for two fds).
+        // SAFETY: CMSG_SPACE only computes a size.
+        let space = unsafe { libc::CMSG_SPACE(8) } as usize;
+        // SAFETY: the VMM's turn; the scratch area lies inside the mapped page.
+        unsafe {
+            let msg = base.add(off).cast::<libc::msghdr>();
+            std::ptr::write_bytes(base.add(off), 0, 128);
+            (*msg).msg_iov = stub_addr(off + 64) as *mut libc::iovec;
+            (*msg).msg_iovlen = 1;
+            (*msg).msg_control = stub_addr(off + 96) as *mut libc::c_void;
+            (*msg).msg_controllen = space;
+            let iov = base.add(off + 64).cast::<libc::iovec>();
+            (*iov).iov_base = stub_addr(off + 80) as *mut libc::c_void;
+            (*iov).iov_len = 1;
+        }
+        let msg_addr = stub_addr(off);
+        self.syscall("recvmsg", libc::SYS_recvmsg, [layout::SOCK_FD as u64, msg_addr, 0, 0, 0, 0])?;
+        // SAFETY: the VMM's turn; reading the control buffer the stub's recvmsg filled (16-byte
+        // cmsghdr, then the fds).
+        let (level, ty, fds) = unsafe {
+            let c = base.add(off + 96).cast::<libc::cmsghdr>();
+            let data = base.add(off + 96 + 16).cast::<i32>();
+            ((*c).cmsg_level, (*c).cmsg_type, [std::ptr::read_volatile(data), std::ptr::read_volatile(data.add(1))])
+        };
+        if level != libc::SOL_SOCKET || ty != libc::SCM_RIGHTS {
+            return Err(Error::Op { op: "recvmsg", source: io::Error::other("no fds arrived") });
+        }
+        Ok(fds)
     }
 
     /// `munmap(va, len)` in the guest's address space.
     pub fn unmap(&mut self, va: u64, len: u64) -> Result<()> {
-        let _ = (va, len);
-        todo!()
+        if layout::touches_reserved(va, len) {
+            return Err(Error::Reserved { addr: va, len });
+        }
+        self.syscall("munmap", libc::SYS_munmap, [va, len, 0, 0, 0, 0]).map(|_| ())
     }
 
     /// `mprotect(va, len, prot)` in the guest's address space.
     pub fn protect(&mut self, va: u64, len: u64, prot: i32) -> Result<()> {
-        let _ = (va, len, prot);
-        todo!()
+        if layout::touches_reserved(va, len) {
+            return Err(Error::Reserved { addr: va, len });
+        }
+        self.syscall("mprotect", libc::SYS_mprotect, [va, len, prot as u64, 0, 0, 0]).map(|_| ())
     }
 
     /// Fork the stub: the host copies the guest's whole address space copy-on-write (what is mapped
@@ -214,26 +639,113 @@ impl Stub {
     /// its socket is closed (a forked guest computing without syscalls outlives a killed VMM until
     /// then).
     pub fn fork(&mut self) -> Result<Stub> {
-        todo!()
+        let page = SharedPage::new().map_err(host("memfd for the fork's shared page"))?;
+        // SAFETY: the VMM's turn on the old page; the new page is ours alone: it starts as a copy (the
+        // parked exit's registers and XSAVE address stay valid in the child) with the stub's turn.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.page.bytes(), page.bytes(), shared::SCRATCH);
+            (*page.page()).stub_sleeping.store(0, Ordering::SeqCst);
+            (*page.page()).vmm_sleeping.store(0, Ordering::SeqCst);
+            (*page.page()).state.store(shared::STUB_TURN, Ordering::SeqCst);
+        }
+        let (sock, stub_sock) = socketpair().map_err(host("socketpair"))?;
+        send_fds(&self.sock, &[page.memfd().as_raw_fd(), stub_sock.as_raw_fd()]).map_err(host("sendmsg"))?;
+        drop(stub_sock);
+        let [rmem, rsock] = self.receive_fds(2)?;
+        let pid = self.command(shared::CMD_FORK, [rmem as u64, rsock as u64, 0, 0, 0, 0, 0])?;
+        if pid <= 0 {
+            return Err(Error::Op { op: "fork", source: io::Error::from_raw_os_error(-pid as i32) });
+        }
+        let pid = pid as i32;
+        let pidfd = pidfd_open(pid).map_err(host("pidfd_open"))?;
+        let mem = match memory::open_mem(pid) {
+            Ok(m) => m,
+            Err(e) => {
+                // SAFETY: signalling the stub we just made through its pidfd.
+                unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, 0usize, 0) };
+                return Err(host("open /proc/<pid>/mem of a forked stub (needs CAP_SYS_PTRACE)")(e));
+            }
+        };
+        let mut child = Stub {
+            pid,
+            pidfd,
+            sock,
+            mem,
+            page,
+            child: false,
+            parked: false,
+            has_guest: self.has_guest,
+            report: self.report.clone(),
+            vmm_spin: self.vmm_spin,
+            exited: None,
+        };
+        if !child.wait() {
+            return Err(Error::Gone { pid });
+        }
+        child.parked = true;
+        Ok(child)
     }
 
     /// Give up this handle without killing the process: for the side of a host fork of the VMM that
     /// does not own this stub (both sides inherit every `Stub`). Closes this side's fds and mapping.
     pub fn release(self) {
-        todo!()
+        let mut me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: each field is dropped exactly once here and `me` is never used again (the
+        // ManuallyDrop keeps `Stub::drop`, which kills the process, from running).
+        unsafe {
+            std::ptr::drop_in_place(&raw mut me.pidfd);
+            std::ptr::drop_in_place(&raw mut me.sock);
+            std::ptr::drop_in_place(&raw mut me.mem);
+            std::ptr::drop_in_place(&raw mut me.page);
+            std::ptr::drop_in_place(&raw mut me.report);
+        }
+    }
+
+    fn fpstate(&self) -> Result<(u64, usize)> {
+        if !self.parked || !self.has_guest {
+            return Err(Error::NotParked { what: "reach the XSAVE area" });
+        }
+        // SAFETY: the VMM's turn.
+        let at = unsafe { std::ptr::read_volatile(&raw const (*self.page.page()).fpstate) };
+        // The software-reserved bytes of the FXSAVE area say whether an XSAVE header follows.
+        let mut sw = [0u8; 24];
+        self.read(at + 464, &mut sw)?;
+        let magic1 = u32::from_le_bytes(sw[0..4].try_into().expect("4 bytes"));
+        let xstate_size = u32::from_le_bytes(sw[16..20].try_into().expect("4 bytes")) as usize;
+        let len = if magic1 == 0x4650_5853 && (512..=64 << 10).contains(&xstate_size) { xstate_size } else { 512 };
+        Ok((at, len))
     }
 
     /// The guest's XSAVE area (x87, SSE, AVX... in the standard, non-compacted XSAVE layout, the same
     /// layout as `kvm_xsave`'s region) at the current exit, as the host saved it in the signal frame.
     /// Costs one read of guest-stub memory; nothing is copied on the trap path.
     pub fn xsave(&self) -> Result<Vec<u8>> {
-        todo!()
+        let (at, len) = self.fpstate()?;
+        let mut v = vec![0; len];
+        memory::read(&self.mem, at, &mut v).then_some(v).ok_or(Error::Fault { addr: at, len })
     }
 
     /// Replace the XSAVE area that the next `run` restores. `area` must be as long as what
     /// [`Stub::xsave`] returns.
     pub fn set_xsave(&mut self, area: &[u8]) -> Result<()> {
-        let _ = area;
-        todo!()
+        let (at, len) = self.fpstate()?;
+        if area.len() != len {
+            return Err(Error::Op { op: "set_xsave", source: io::Error::other(format!("the area is {} bytes, the frame holds {len}", area.len())) });
+        }
+        // The frame is in the reserved range, so `write`'s check does not apply.
+        memory::write(&self.mem, at, area).then_some(()).ok_or(Error::Fault { addr: at, len })
+    }
+}
+
+impl Drop for Stub {
+    fn drop(&mut self) {
+        if self.exited.is_none() {
+            // SAFETY: signalling our stub through its pidfd (never a recycled pid).
+            unsafe { libc::syscall(libc::SYS_pidfd_send_signal, self.pidfd.as_raw_fd(), libc::SIGKILL, 0usize, 0) };
+        }
+        if self.child && !matches!(self.exited, Some(Some(_))) {
+            // SAFETY: reaping our own child, which was just killed.
+            unsafe { libc::waitpid(self.pid, std::ptr::null_mut(), 0) };
+        }
     }
 }

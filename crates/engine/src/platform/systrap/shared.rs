@@ -1,1 +1,227 @@
-//! (in progress)
+//! The page shared by the VMM and one stub, and the hand-over of the turn between them.
+//!
+//! One page of a memfd, mapped `MAP_SHARED` by the VMM and at [`layout::SHARED`] in the stub. The
+//! word `state` says whose turn it is: [`STUB_TURN`] while the stub works or the guest runs,
+//! [`VMM_TURN`] once the stub has reported an exit or finished a command. Whoever hands the turn over
+//! stores the new state with a full barrier (`xchg`) and then issues a futex wake only if the other
+//! side said it sleeps (`*_sleeping`); whoever waits spins a bounded number of times, then sets its
+//! `*_sleeping` flag (again with a full barrier), checks `state` once more and sleeps in
+//! `FUTEX_WAIT`. The two barriers order "store state, load sleeping" against "store sleeping, load
+//! state", so a wake is never lost and a spinning peer costs no syscall.
+//!
+//! The guest can write this page (it shares the stub's address space); the VMM reads from it only
+//! values the guest controls anyway, and never trusts `state` to mean the stub is alive (it also
+//! watches the stub's pidfd).
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use super::layout;
+
+/// The stub's turn: it runs the guest or a command.
+pub const STUB_TURN: u32 = 1;
+/// The VMM's turn: the stub is parked in its handler.
+pub const VMM_TURN: u32 = 2;
+
+/// What the stub reported when it handed the turn over (`Page::exit`).
+pub const EXIT_EVENT: u32 = 1;
+/// The stub reached its first trap after spawn: parked, no guest context yet.
+pub const EXIT_BOOT: u32 = 2;
+/// A command finished; its result is in `Page::ret`.
+pub const EXIT_DONE: u32 = 3;
+
+/// Resume the guest from `gregs` (the first 18: r8..r15, rdi, rsi, rbp, rbx, rdx, rax, rcx, rsp,
+/// rip, eflags) and `fs_base`.
+pub const CMD_RUN: u64 = 1;
+/// Execute syscall `args[0]` with arguments `args[1..7]`; the result goes to `ret`.
+pub const CMD_SYSCALL: u64 = 2;
+/// Fork: `args[0]` is the new shared page's memfd, `args[1]` the new socket (fd numbers in the
+/// stub). The child maps the memfd over its shared page, moves the socket to [`layout::SOCK_FD`]
+/// and reports `ret = 0` there; the parent reports the child's pid (or `-errno`).
+pub const CMD_FORK: u64 = 3;
+
+/// `flags` bit: the CPU and kernel let user code use `rdfsbase`/`wrfsbase`.
+pub const FLAG_FSGSBASE: u32 = 1;
+
+/// Offset of the scratch area in the page (message headers for fd passing).
+pub const SCRATCH: usize = 1024;
+
+/// The layout of the shared page. Offsets are used by the blob's assembly (`offset_of!`).
+#[repr(C)]
+pub struct Page {
+    pub state: AtomicU32,
+    pub stub_sleeping: AtomicU32,
+    pub vmm_sleeping: AtomicU32,
+    /// How many times the stub polls `state` before it sleeps.
+    pub stub_spin: u32,
+    pub flags: u32,
+    /// `EXIT_*`.
+    pub exit: u32,
+    /// `si_signo`, `si_code` of the trap.
+    pub signo: u32,
+    pub code: i32,
+    /// `si_addr` (for SIGSYS, the address after the syscall instruction).
+    pub addr: u64,
+    /// `si_syscall` for SIGSYS.
+    pub sysnr: u64,
+    /// The address (in the stub) of the XSAVE area in the signal frame.
+    pub fpstate: u64,
+    pub fs_base: u64,
+    /// The signal frame's `mcontext.gregs` (Linux's `REG_*` order).
+    pub gregs: [u64; 23],
+    pub cmd: u64,
+    pub args: [u64; 7],
+    pub ret: i64,
+    /// Set by a new stub before it jumps into the blob: which setup step failed and its errno.
+    pub boot_step: u32,
+    pub boot_errno: i32,
+    /// The confinement the new stub obtained (`confine::REPORT_*` bits).
+    pub report: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<Page>() <= SCRATCH);
+
+/// `mcontext.gregs` indexes (Linux x86-64 `REG_*`).
+pub mod reg {
+    pub const R8: usize = 0;
+    pub const R9: usize = 1;
+    pub const R10: usize = 2;
+    pub const R11: usize = 3;
+    pub const R12: usize = 4;
+    pub const R13: usize = 5;
+    pub const R14: usize = 6;
+    pub const R15: usize = 7;
+    pub const RDI: usize = 8;
+    pub const RSI: usize = 9;
+    pub const RBP: usize = 10;
+    pub const RBX: usize = 11;
+    pub const RDX: usize = 12;
+    pub const RAX: usize = 13;
+    pub const RCX: usize = 14;
+    pub const RSP: usize = 15;
+    pub const RIP: usize = 16;
+    pub const EFL: usize = 17;
+    pub const ERR: usize = 19;
+    pub const TRAPNO: usize = 20;
+}
+
+/// The VMM's mapping of one shared page, with the memfd behind it.
+#[derive(Debug)]
+pub struct SharedPage {
+    ptr: NonNull<Page>,
+    memfd: OwnedFd,
+}
+
+// SAFETY: the mapping is owned by this value and only reached through it; the other process that
+// writes it is synchronized with through the atomics in `Page`.
+unsafe impl Send for SharedPage {}
+
+impl SharedPage {
+    /// A new zeroed page in a new memfd, mapped here.
+    pub fn new() -> io::Result<SharedPage> {
+        // SAFETY: the name is a NUL-terminated literal; the flags are valid.
+        let fd = unsafe { libc::memfd_create(c"collimate-systrap".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+        let memfd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: plain syscall on an fd we own.
+        if unsafe { libc::ftruncate(fd, layout::SHARED_LEN as i64) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a new shared mapping of a memfd we own, at an address the kernel picks.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), layout::SHARED_LEN as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(p.cast::<Page>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
+        Ok(SharedPage { ptr, memfd })
+    }
+
+    /// The memfd (to map it in the stub).
+    pub fn memfd(&self) -> &OwnedFd {
+        &self.memfd
+    }
+
+    /// The page. Fields other than the atomics must be read or written only while it is the VMM's
+    /// turn (the stub is parked); the guest may still scribble on them, so they are guest data.
+    pub fn page(&self) -> *mut Page {
+        self.ptr.as_ptr()
+    }
+
+    /// The base address of the mapping, as bytes.
+    pub fn bytes(&self) -> *mut u8 {
+        self.ptr.as_ptr().cast()
+    }
+
+    fn state(&self) -> &AtomicU32 {
+        // SAFETY: the page stays mapped for `self`'s life; `AtomicU32` has the layout of u32.
+        unsafe { &(*self.ptr.as_ptr()).state }
+    }
+
+    /// Hand the turn to the stub (after the command fields are written).
+    pub fn hand_to_stub(&self) {
+        // SAFETY: as in `state`.
+        let p = unsafe { &*self.ptr.as_ptr() };
+        p.state.swap(STUB_TURN, Ordering::SeqCst);
+        if p.stub_sleeping.load(Ordering::SeqCst) != 0 {
+            futex_wake(&p.state);
+        }
+    }
+
+    /// Wait until it is the VMM's turn, polling `spin` times before sleeping. `alive` is asked after
+    /// each sleep of at most 50 ms; when it says the stub is gone this returns false.
+    pub fn wait_for_stub(&self, spin: u32, mut alive: impl FnMut() -> bool) -> bool {
+        let state = self.state();
+        for _ in 0..spin {
+            if state.load(Ordering::Acquire) == VMM_TURN {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        // SAFETY: as in `state`.
+        let p = unsafe { &*self.ptr.as_ptr() };
+        loop {
+            p.vmm_sleeping.swap(1, Ordering::SeqCst);
+            if state.load(Ordering::SeqCst) == VMM_TURN {
+                p.vmm_sleeping.store(0, Ordering::Relaxed);
+                return true;
+            }
+            futex_wait(state, STUB_TURN, 50_000_000);
+            p.vmm_sleeping.store(0, Ordering::Relaxed);
+            if state.load(Ordering::Acquire) == VMM_TURN {
+                return true;
+            }
+            if !alive() {
+                return false;
+            }
+        }
+    }
+}
+
+impl Drop for SharedPage {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping this value owns; nothing borrows it past `self`.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), layout::SHARED_LEN as usize) };
+        let _ = self.memfd.as_raw_fd();
+    }
+}
+
+/// `FUTEX_WAIT` (shared, not private: the word is in a page two processes map) until `word` is not
+/// `expected`, a wake, or `timeout_ns`.
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout_ns: u64) {
+    let ts = libc::timespec { tv_sec: (timeout_ns / 1_000_000_000) as i64, tv_nsec: (timeout_ns % 1_000_000_000) as i64 };
+    // SAFETY: `word` is a valid aligned u32 for the call's duration; `ts` lives on this stack.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec) };
+}
+
+/// `FUTEX_WAKE` one waiter on `word` (shared futex).
+pub fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a valid aligned u32; FUTEX_WAKE does not touch memory.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, 1) };
+}

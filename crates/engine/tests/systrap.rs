@@ -1,0 +1,213 @@
+//! The systrap platform with real stub processes: guest code placed with `map` + `write` runs
+//! natively in a confined host process, and every syscall it makes, its faults and its `rdtsc`
+//! reach the test (playing the VMM) as exits.
+
+use collimate_engine::platform::systrap::{kvm_regs, Confinement, Exit, Stub};
+
+const CODE: u64 = 0x40_0000;
+const DATA: u64 = 0x50_0000;
+const LAZY: u64 = 0x60_0000;
+const STACK: u64 = 0x70_0000;
+const PAGE: u64 = 4096;
+const RW: i32 = libc::PROT_READ | libc::PROT_WRITE;
+const RX: i32 = libc::PROT_READ | libc::PROT_EXEC;
+
+/// getppid; store its result at DATA; write(1, DATA+8, 5); store at LAZY (unmapped: a fault);
+/// rdtsc, store rax at LAZY+8; exit_group(getppid's result). Assembled with GNU as, bytes below.
+const PROGRAM: &[u8] = &[
+    0xb8, 0x6e, 0x00, 0x00, 0x00, // mov eax, 110 (getppid)
+    0x0f, 0x05, // syscall
+    0x49, 0x89, 0xc4, // mov r12, rax
+    0x4c, 0x89, 0x24, 0x25, 0x00, 0x00, 0x50, 0x00, // mov [0x500000], r12
+    0xb8, 0x01, 0x00, 0x00, 0x00, // mov eax, 1 (write)
+    0xbf, 0x01, 0x00, 0x00, 0x00, // mov edi, 1
+    0xbe, 0x08, 0x00, 0x50, 0x00, // mov esi, 0x500008
+    0xba, 0x05, 0x00, 0x00, 0x00, // mov edx, 5
+    0x0f, 0x05, // syscall
+    0x4c, 0x89, 0x24, 0x25, 0x00, 0x00, 0x60, 0x00, // mov [0x600000], r12
+    0x0f, 0x31, // rdtsc
+    0x48, 0x89, 0x04, 0x25, 0x08, 0x00, 0x60, 0x00, // mov [0x600008], rax
+    0xb8, 0xe7, 0x00, 0x00, 0x00, // mov eax, 231 (exit_group)
+    0x4c, 0x89, 0xe7, // mov rdi, r12
+    0x0f, 0x05, // syscall
+    0xeb, 0xfe, // jmp .
+];
+
+/// A stub with PROGRAM at CODE (mapped read+execute, written through the debugger-like path),
+/// "hello" at DATA+8, a stack, and registers at the program's entry.
+fn loaded() -> (Stub, kvm_regs) {
+    let mut stub = Stub::spawn(&Confinement::default()).expect("spawn a stub");
+    let private = libc::MAP_PRIVATE;
+    stub.map(CODE, PAGE, RX, private, None, 0).expect("map code");
+    stub.write(CODE, PROGRAM).expect("write into a read-only private page");
+    stub.map(DATA, PAGE, RW, private, None, 0).expect("map data");
+    stub.write(DATA + 8, b"hello").expect("write data");
+    stub.map(STACK, 4 * PAGE, RW, private, None, 0).expect("map stack");
+    let regs = kvm_regs { rip: CODE, rsp: STACK + 4 * PAGE, rflags: 0x202, ..Default::default() };
+    (stub, regs)
+}
+
+fn read_u64(stub: &Stub, va: u64) -> u64 {
+    let mut b = [0; 8];
+    stub.read(va, &mut b).expect("read guest memory");
+    u64::from_le_bytes(b)
+}
+
+#[test]
+fn syscalls_faults_and_rdtsc_reach_the_vmm() {
+    let (mut stub, mut regs) = loaded();
+    let mut fs = 0x1234_5000u64;
+    assert_eq!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Syscall);
+    assert_eq!((regs.rax, regs.rip), (libc::SYS_getppid as u64, CODE + 7));
+    assert_eq!(fs, 0x1234_5000, "the FS base the guest ran with");
+    regs.rax = 4242; // the answer the VMM chose
+
+    assert_eq!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Syscall);
+    assert_eq!((regs.rax, regs.rdi, regs.rsi, regs.rdx), (1, 1, DATA + 8, 5));
+    let mut buf = [0u8; 5];
+    stub.read(regs.rsi, &mut buf).unwrap();
+    assert_eq!(&buf, b"hello");
+    assert_eq!(read_u64(&stub, DATA), 4242, "the guest saw the VMM's getppid");
+    regs.rax = 5;
+
+    let e = stub.run(&mut regs, &mut fs).unwrap();
+    assert_eq!(e, Exit::Fault { addr: LAZY, write: true, exec: false });
+    assert_eq!(regs.rip, CODE + 0x28, "rip is the faulting instruction");
+    stub.map(LAZY, PAGE, RW, libc::MAP_PRIVATE, None, 0).expect("serve the fault");
+
+    assert_eq!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Rdtsc { rdtscp: false });
+    assert_eq!(regs.rip, CODE + 0x30);
+    regs.rax = 0xabcd;
+    regs.rdx = 0;
+    regs.rip += 2;
+
+    assert_eq!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Syscall);
+    assert_eq!((regs.rax, regs.rdi), (libc::SYS_exit_group as u64, 4242));
+    assert_eq!(read_u64(&stub, LAZY), 4242, "the retried store landed in the page mapped for it");
+    assert_eq!(read_u64(&stub, LAZY + 8), 0xabcd, "the guest saw the VMM's rdtsc");
+}
+
+#[test]
+fn memory_access_is_safe_against_unmapped_addresses() {
+    let (mut stub, _) = loaded();
+    let mut b = [0u8; 16];
+    assert!(stub.read(LAZY, &mut b).is_err(), "unmapped: EFAULT, not a crash");
+    assert!(stub.write(LAZY, &b).is_err());
+    stub.unmap(DATA, PAGE).unwrap();
+    assert!(stub.read(DATA + 8, &mut b).is_err());
+    // A read across the end of a mapping fails as a whole.
+    stub.map(DATA, PAGE, RW, libc::MAP_PRIVATE, None, 0).unwrap();
+    let mut big = vec![0u8; 2 * PAGE as usize];
+    assert!(stub.read(DATA, &mut big).is_err());
+}
+
+#[test]
+fn a_file_is_mapped_through_the_socket() {
+    let (mut stub, _) = loaded();
+    let f = tempfile_with(b"from a host file");
+    use std::os::fd::AsFd;
+    stub.map(LAZY, PAGE, libc::PROT_READ, libc::MAP_PRIVATE, Some(f.as_fd()), 0).expect("map a file");
+    let mut b = [0u8; 16];
+    stub.read(LAZY, &mut b).unwrap();
+    assert_eq!(&b, b"from a host file");
+}
+
+fn tempfile_with(data: &[u8]) -> std::fs::File {
+    use std::io::Write;
+    let path = std::env::temp_dir().join(format!("systrap-test-{}", std::process::id()));
+    let mut f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    f.write_all(data).unwrap();
+    f
+}
+
+#[test]
+fn a_forked_stub_has_its_own_memory() {
+    let (mut parent, mut regs) = loaded();
+    let mut fs = 0;
+    assert_eq!(parent.run(&mut regs, &mut fs).unwrap(), Exit::Syscall);
+    let mut child = parent.fork().expect("fork the stub");
+    assert_ne!(child.pid(), parent.pid());
+
+    let (mut cregs, mut cfs) = (regs, fs);
+    cregs.rax = 1;
+    assert_eq!(child.run(&mut cregs, &mut cfs).unwrap(), Exit::Syscall, "the child continues the guest");
+    assert_eq!(cregs.rax, 1, "write");
+    assert_eq!(read_u64(&child, DATA), 1);
+    assert_eq!(read_u64(&parent, DATA), 0, "the child's store does not show in the parent");
+    child.write(DATA + 8, b"CHILD").unwrap();
+    let mut b = [0u8; 5];
+    parent.read(DATA + 8, &mut b).unwrap();
+    assert_eq!(&b, b"hello", "nor does the VMM's write into the child");
+
+    regs.rax = 2;
+    assert_eq!(parent.run(&mut regs, &mut fs).unwrap(), Exit::Syscall);
+    assert_eq!(read_u64(&parent, DATA), 2);
+    assert_eq!(read_u64(&child, DATA), 1, "the parent's store does not show in the child");
+    drop(parent);
+    // The child outlives its parent stub.
+    let mut b = [0u8; 5];
+    child.read(DATA + 8, &mut b).unwrap();
+    assert_eq!(&b, b"CHILD");
+    cregs.rax = 5;
+    assert!(matches!(child.run(&mut cregs, &mut cfs).unwrap(), Exit::Fault { addr: LAZY, .. }));
+}
+
+/// `syscall; jmp back`: the test sets rax and the arguments before each run.
+const SYSCALL_LOOP: &[u8] = &[0x0f, 0x05, 0xeb, 0xfc];
+
+#[test]
+fn host_facing_syscalls_trap_instead_of_running() {
+    let (mut stub, mut regs) = loaded();
+    stub.write(CODE, SYSCALL_LOOP).unwrap();
+    stub.write(DATA, b"/etc/passwd\0").unwrap();
+    let mut fs = 0;
+    let calls: [(i64, [u64; 3]); 5] = [
+        (libc::SYS_open, [DATA, libc::O_RDONLY as u64, 0]),
+        (libc::SYS_openat, [libc::AT_FDCWD as u64, DATA, 0]),
+        (libc::SYS_socket, [libc::AF_INET as u64, libc::SOCK_STREAM as u64, 0]),
+        (libc::SYS_kill, [1, libc::SIGKILL as u64, 0]),
+        (libc::SYS_ptrace, [libc::PTRACE_ATTACH as u64, 1, 0]),
+    ];
+    for (nr, [a, b, c]) in calls {
+        regs.rip = CODE;
+        regs.rax = nr as u64;
+        (regs.rdi, regs.rsi, regs.rdx) = (a, b, c);
+        assert_eq!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Syscall, "syscall {nr}");
+        assert_eq!((regs.rax, regs.rdi, regs.rsi), (nr as u64, a, b), "syscall {nr} reached the VMM, not the host");
+    }
+    // The host's init is alive and the stub survived its own "kill(1, SIGKILL)".
+    regs.rip = CODE;
+    regs.rax = libc::SYS_getpid as u64;
+    assert_eq!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Syscall);
+    let r = stub.report().clone();
+    assert!(r.unprivileged_uid, "runs as nobody: {r:?}");
+}
+
+#[test]
+fn the_stub_region_is_out_of_the_guests_reach() {
+    let (mut stub, mut regs) = loaded();
+    let (base, end) = Stub::reserved_range();
+    // mov [rcx], rax; syscall
+    stub.write(CODE, &[0x48, 0x89, 0x01, 0x0f, 0x05]).unwrap();
+    regs.rcx = base;
+    let mut fs = 0;
+    assert_eq!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Fault { addr: base, write: true, exec: false }, "the blob's code is read-only");
+    assert!(stub.protect(base, PAGE, RW | libc::PROT_EXEC).is_err(), "the VMM side refuses to change it");
+    assert!(stub.map(end - PAGE, 2 * PAGE, RW, libc::MAP_PRIVATE, None, 0).is_err());
+    assert!(stub.unmap(base - PAGE, 2 * PAGE).is_err());
+    assert!(stub.write(base, &[0]).is_err());
+}
+
+#[test]
+fn xsave_area_round_trips() {
+    let (mut stub, mut regs) = loaded();
+    let mut fs = 0;
+    assert_eq!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Syscall);
+    let mut x = stub.xsave().expect("xsave");
+    assert!(x.len() >= 512);
+    // xmm0 is at byte 160 of the legacy area.
+    x[160..176].copy_from_slice(&[7; 16]);
+    stub.set_xsave(&x).unwrap();
+    assert_eq!(&stub.xsave().unwrap()[160..176], &[7; 16]);
+}
