@@ -352,8 +352,11 @@ fn map_segment_host(mm: &mut Mm, h: &mut dyn HostSpace, prog: &Program, file: st
             poke(mm, h, va, &prog.bytes[off..off + (upto - va) as usize])?;
         }
     }
+    // As Linux's loader: with a bss, the rest of the page after the file bytes reads as zeros up to
+    // the page's end, not only to the segment's (ld.so's early allocator uses that slack past its
+    // `_end`, expecting zeros).
     if mem_end > file_end && file_end % PAGE_SIZE != 0 {
-        let zero_end = page_up(file_end).ok_or(ENOEXEC)?.min(mem_end);
+        let zero_end = page_up(file_end).ok_or(ENOEXEC)?;
         poke(mm, h, file_end, &vec![0u8; (zero_end - file_end) as usize])?;
     }
     Ok(())
