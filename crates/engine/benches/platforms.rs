@@ -10,7 +10,6 @@
 //! run of the guest to its exit.
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use std::time::{Duration, Instant};
