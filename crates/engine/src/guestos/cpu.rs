@@ -207,18 +207,21 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
             let r = if a[0] != 0 { ctx.write(a[0], &cpu) } else { Ok(()) };
             r.and_then(|_| if a[1] != 0 { ctx.write(a[1], &node) } else { Ok(()) }).map(|_| 0)
         }
-        SYS_SYSINFO => sysinfo(p, ctx).and_then(|b| ctx.write(a[0], &b).map(|_| 0)),
+        SYS_SYSINFO => {
+            let mapped: u64 = os.mm.vmas.iter().map(|(start, v)| v.end - start).sum();
+            sysinfo(p, ctx, mapped).and_then(|b| ctx.write(a[0], &b).map(|_| 0))
+        }
         _ => return None,
     };
     Some(r)
 }
 
 /// `struct sysinfo` (112 bytes on x86-64): the guest's memory, one process, no swap.
-fn sysinfo(p: &mut Proc, ctx: &Ctx) -> Result<[u8; 112], Errno> {
+fn sysinfo(p: &mut Proc, ctx: &Ctx, mapped: u64) -> Result<[u8; 112], Errno> {
     let mut b = [0u8; 112];
     let uptime = clock_now_ns(p, libc::CLOCK_MONOTONIC)?.saturating_sub(p.start_ns) / 1_000_000_000;
-    let total = ctx.mem.size();
-    let free = ctx.frames.available() * crate::arch::x86_64::layout::PAGE_SIZE;
+    let total = ctx.memory.total();
+    let free = ctx.memory.free(mapped);
     b[..8].copy_from_slice(&uptime.to_le_bytes());
     b[32..40].copy_from_slice(&total.to_le_bytes());
     b[40..48].copy_from_slice(&free.min(total).to_le_bytes());

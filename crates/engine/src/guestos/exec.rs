@@ -23,6 +23,7 @@ use super::mm::{page_down, page_up, FileId, Mm, Space, Vma, MMAP_MIN_ADDR, MMAP_
 use super::{random, signal_state, Errno, GuestOs, EACCES, EINVAL, ELOOP, ENOMEM};
 use crate::arch::x86_64::layout::{PAGE_SIZE, STACK_TOP};
 use crate::arch::x86_64::paging::{AddressSpace, FrameAllocator};
+use crate::platform::HostSpace;
 use crate::vstate::memory::GuestMemory;
 
 const E2BIG: Errno = Errno(7);
@@ -217,11 +218,13 @@ pub fn commit_laid(
     let mut random = [0u8; 16];
     random::random_bytes(&mut os.proc, &mut random)?;
     let aux = AuxInfo { main, entry: main.entry, at_base, random, uid: os.proc.uid, gid: os.proc.gid, vdso };
-    let (rsp, args_area) = build_stack(&mut sp, &argv, envp, &exec_fn, &aux)?;
+    let mut write = |va: u64, data: &[u8]| sp.aspace.write_virt(sp.mem, va, data, false).map_err(|_| E2BIG);
+    let (rsp, args_area) = build_stack(&mut write, &argv, envp, &exec_fn, &aux)?;
     os.proc.exe = prog.path.clone();
     os.proc.set_comm_from_path(&exec_fn);
     os.proc.args_area = args_area;
-    super::proctab::publish(&super::proctab::own_facts(os, sp.mem, sp.aspace, sp.frames, true), true);
+    let mem = crate::platform::Memory::Kvm(crate::platform::kvm::Memory::new(&mut *sp.mem, &mut *sp.frames, sp.aspace));
+    super::proctab::publish(&super::proctab::own_facts(os, &mem, true), true);
     Ok(Image { entry, rsp })
 }
 
@@ -258,6 +261,119 @@ pub fn lay_out(mem: &mut GuestMemory, frames: &mut FrameAllocator, aspace: &Addr
     let mut mm = Mm::default();
     let (main, entry, at_base) = map_program(&mut mm, &mut sp, &p.prog, p.interp.as_ref())?;
     Ok(Laid { mm, main, entry, at_base })
+}
+
+/// [`commit`] on a platform whose address space the host kernel keeps (systrap): whatever the
+/// old program mapped goes, the segments become private mappings of the program's files (the host
+/// kernel faults their pages in), the stack is anonymous memory written through the platform.
+/// There is no vDSO (AT_SYSINFO_EHDR 0): the guest's clock reads are syscalls.
+pub fn commit_host(os: &mut GuestOs, h: &mut dyn HostSpace, p: Prepared, envp: &[Vec<u8>]) -> Result<Image, Errno> {
+    let Prepared { prog, interp, argv, exec_fn } = p;
+    let prog_fd = open_program(os, &prog)?;
+    let interp_fd = interp.as_ref().map(|i| open_program(os, i)).transpose()?;
+    let old: Vec<(u64, u64)> = os.mm.vmas.iter().map(|(s, v)| (*s, v.end)).collect();
+    for (start, end) in old {
+        h.unmap(start, end - start)?;
+    }
+    os.mm = Mm::default();
+    let mut load = |mm: &mut Mm, prog: &Program, fd: &std::os::fd::OwnedFd, base: u64, main: bool| {
+        use std::os::fd::AsRawFd;
+        map_elf_with(mm, prog, base, main, &mut |mm, ph, bias| map_segment_host(mm, h, prog, fd.as_raw_fd(), ph, bias))
+    };
+    let (main, _) = load(&mut os.mm, &prog, &prog_fd, PIE_BASE, true)?;
+    let (entry, at_base) = match (&interp, &interp_fd) {
+        (Some(i), Some(fd)) => {
+            let (m, _) = load(&mut os.mm, i, fd, INTERP_BASE, false)?;
+            (m.entry, m.bias)
+        }
+        _ => (main.entry, 0),
+    };
+    os.mm.brk_start = main.end;
+    os.mm.brk = main.end;
+    os.mm.mmap_top = INTERP_BASE;
+    let stack_lo = STACK_TOP - STACK_RESERVE;
+    if os.mm.overlaps(stack_lo, STACK_TOP) {
+        return Err(ENOMEM);
+    }
+    os.mm.host_map(h, stack_lo, Vma::anon(STACK_TOP, PROT_READ | PROT_WRITE, "[stack]"), None)?;
+    let mut random = [0u8; 16];
+    random::random_bytes(&mut os.proc, &mut random)?;
+    let aux = AuxInfo { main, entry: main.entry, at_base, random, uid: os.proc.uid, gid: os.proc.gid, vdso: 0 };
+    let mut write = |va: u64, data: &[u8]| h.write(va, data);
+    let (rsp, args_area) = build_stack(&mut write, &argv, envp, &exec_fn, &aux)?;
+    os.proc.exe = prog.path.clone();
+    os.proc.set_comm_from_path(&exec_fn);
+    os.proc.args_area = args_area;
+    super::proctab::publish(&super::proctab::own_facts(os, &crate::platform::Memory::Host(h), true), true);
+    Ok(Image { entry, rsp })
+}
+
+/// The program file again, for mapping (the loader read its bytes before).
+fn open_program(os: &GuestOs, prog: &Program) -> Result<std::os::fd::OwnedFd, Errno> {
+    let (fd, _) = os.vfs.open_path("/", prog.path.as_bytes(), libc::O_RDONLY, 0)?;
+    Ok(fd)
+}
+
+/// [`map_segment`] on a host-kept address space: the file pages are a private mapping of the
+/// program file, the bss pages past them anonymous; the few bytes a kernel writes itself (a page
+/// two segments share, the zeros after the file bytes in their last page) go through the
+/// platform, with the page made writable for the time of the write.
+fn map_segment_host(mm: &mut Mm, h: &mut dyn HostSpace, prog: &Program, file: std::os::fd::RawFd, ph: &ProgramHeader, bias: u64) -> Result<(), Errno> {
+    let prot = prot_of(ph);
+    let va = ph.p_vaddr.wrapping_add(bias);
+    let start = page_down(va);
+    let file_end = va + ph.p_filesz;
+    let mem_end = va + ph.p_memsz;
+    let end = page_up(mem_end).ok_or(ENOEXEC)?;
+    let mut first_new = start;
+    if let Some((_, v)) = mm.vma_at(start) {
+        let both = v.prot | prot;
+        mm.host_mprotect(h, start, PAGE_SIZE, both)?;
+        first_new = start + PAGE_SIZE;
+    }
+    if first_new < end {
+        if mm.overlaps(first_new, end) {
+            return Err(ENOEXEC);
+        }
+        let file_pages_end = page_up(file_end).ok_or(ENOEXEC)?.clamp(first_new, end);
+        if first_new < file_pages_end {
+            let offset = page_down(ph.p_offset) + (first_new - start);
+            let vma = Vma { end: file_pages_end, prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset, lazy: None, window: None };
+            mm.host_map(h, first_new, vma, Some((file, offset)))?;
+        }
+        if file_pages_end < end {
+            mm.host_map(h, file_pages_end, Vma::anon(end, prot, ""), None)?;
+        }
+    }
+    if first_new != start {
+        let upto = file_end.min(first_new);
+        if upto > va {
+            let off = ph.p_offset as usize;
+            poke(mm, h, va, &prog.bytes[off..off + (upto - va) as usize])?;
+        }
+    }
+    // As Linux's loader: with a bss, the rest of the page after the file bytes reads as zeros up to
+    // the page's end, not only to the segment's (ld.so's early allocator uses that slack past its
+    // `_end`, expecting zeros).
+    if mem_end > file_end && file_end % PAGE_SIZE != 0 {
+        let zero_end = page_up(file_end).ok_or(ENOEXEC)?;
+        poke(mm, h, file_end, &vec![0u8; (zero_end - file_end) as usize])?;
+    }
+    Ok(())
+}
+
+/// Write `data` (within one VMA) the way a kernel does, whatever the page's protection.
+fn poke(mm: &Mm, h: &mut dyn HostSpace, va: u64, data: &[u8]) -> Result<(), Errno> {
+    let prot = mm.vma_at(va).map(|(_, v)| v.prot).ok_or(ENOEXEC)?;
+    let (lo, hi) = (page_down(va), page_up(va + data.len() as u64).ok_or(ENOEXEC)?);
+    if prot & PROT_WRITE == 0 {
+        h.protect(lo, hi - lo, prot | PROT_WRITE)?;
+    }
+    h.write(va, data)?;
+    if prot & PROT_WRITE == 0 {
+        h.protect(lo, hi - lo, prot)?;
+    }
+    Ok(())
 }
 
 /// Reject argument lists Linux would refuse (E2BIG) or could not represent (a NUL inside a string).
@@ -462,6 +578,14 @@ fn elf_interp(bytes: &[u8], main: bool) -> Result<Option<Vec<u8>>, Errno> {
 /// Map an ELF object's PT_LOAD segments; an ET_DYN object goes at `base`. Returns where it went and
 /// its PT_INTERP path, if any (only asked for the main program).
 fn map_elf(mm: &mut Mm, sp: &mut Space, prog: &Program, base: u64, main: bool) -> Result<(Mapped, Option<Vec<u8>>), Errno> {
+    map_elf_with(mm, prog, base, main, &mut |mm, ph, bias| map_segment(mm, sp, prog, ph, bias))
+}
+
+/// How [`map_elf_with`] maps one PT_LOAD segment (given the load bias): the platform's way.
+type SegmentMapper<'a> = dyn FnMut(&mut Mm, &ProgramHeader, u64) -> Result<(), Errno> + 'a;
+
+/// [`map_elf`] with the segments mapped by `segment`.
+fn map_elf_with(mm: &mut Mm, prog: &Program, base: u64, main: bool, segment: &mut SegmentMapper) -> Result<(Mapped, Option<Vec<u8>>), Errno> {
     let bytes = &prog.bytes;
     let (hdr, phdrs) = parse_elf(bytes)?;
     let loads: Vec<&ProgramHeader> = phdrs.iter().filter(|p| p.p_type == PT_LOAD).collect();
@@ -489,7 +613,7 @@ fn map_elf(mm: &mut Mm, sp: &mut Space, prog: &Program, base: u64, main: bool) -
     }
 
     for ph in &loads {
-        map_segment(mm, sp, prog, ph, bias)?;
+        segment(mm, ph, bias)?;
     }
 
     let phdr_va = phdrs
@@ -580,11 +704,11 @@ fn hwcap() -> u64 {
 ///
 /// Layout, from the top: 8 zero bytes, the exec file name, the argv and envp strings, "x86_64",
 /// 16 random bytes, padding, then auxv, envp, argv and argc growing down to rsp.
-fn build_stack(sp: &mut Space, argv: &[Vec<u8>], envp: &[Vec<u8>], exec_fn: &[u8], aux: &AuxInfo) -> Result<(u64, [u64; 3]), Errno> {
+fn build_stack(sp: &mut StackWriter, argv: &[Vec<u8>], envp: &[Vec<u8>], exec_fn: &[u8], aux: &AuxInfo) -> Result<(u64, [u64; 3]), Errno> {
     let mut top = STACK_TOP - 8;
-    let mut push = |sp: &mut Space, data: &[u8]| -> Result<u64, Errno> {
+    let mut push = |sp: &mut StackWriter, data: &[u8]| -> Result<u64, Errno> {
         top -= data.len() as u64;
-        sp.aspace.write_virt(sp.mem, top, data, false).map_err(|_| E2BIG)?;
+        sp(top, data).map_err(|_| E2BIG)?;
         Ok(top)
     };
     let cstr = |s: &[u8]| {
@@ -647,9 +771,12 @@ fn build_stack(sp: &mut Space, argv: &[Vec<u8>], envp: &[Vec<u8>], exec_fn: &[u8
     if rsp < STACK_TOP - STACK_RESERVE + PAGE_SIZE {
         return Err(E2BIG);
     }
-    sp.aspace.write_virt(sp.mem, rsp, &table, false).map_err(|_| E2BIG)?;
+    sp(rsp, &table).map_err(|_| E2BIG)?;
     Ok((rsp, args_area))
 }
+
+/// How [`build_stack`] writes guest memory (the platform's way).
+type StackWriter<'a> = dyn FnMut(u64, &[u8]) -> Result<(), Errno> + 'a;
 
 #[cfg(test)]
 mod tests {

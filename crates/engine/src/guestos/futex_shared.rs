@@ -187,7 +187,9 @@ fn free(t: &Table, i: usize) {
 
 /// The key of the futex word at guest address `uaddr`, if it lies in a shared mapping.
 fn key_of(ctx: &Ctx, uaddr: u64) -> Option<Key> {
-    let pa = match ctx.aspace.translate(ctx.mem, uaddr) {
+    // Shared mappings are windows of the kvm platform only so far.
+    let crate::platform::Memory::Kvm(k) = &ctx.memory else { return None };
+    let pa = match k.aspace.translate(k.mem, uaddr) {
         Ok((pa, _)) => pa,
         // Not present yet (a lazy shared mapping): its VMA says where the page is in the window.
         Err(_) => {
@@ -195,7 +197,7 @@ fn key_of(ctx: &Ctx, uaddr: u64) -> Option<Key> {
             area.window? + (uaddr - area.start)
         }
     };
-    let w = ctx.mem.windows.find(pa)?;
+    let w = k.mem.windows.find(pa)?;
     Some(Key { dev: w.key.0, ino: w.key.1, off: w.offset + (pa - w.gpa) })
 }
 

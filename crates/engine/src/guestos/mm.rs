@@ -86,6 +86,8 @@
 //! - mremap can grow a file mapping only by moving it, never by extending it in place with more file
 //!   data: growing a file mapping answers ENOMEM.
 
+pub mod host;
+
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
@@ -1471,7 +1473,11 @@ pub const SYS_MLOCK2: u64 = 325;
 
 /// Handle a memory-management syscall; `None` if `nr` is not one of ours.
 pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option<SysResult> {
-    let mut sp = Space::new(&mut *ctx.mem, &mut *ctx.frames, ctx.aspace);
+    let k = match &mut ctx.memory {
+        crate::platform::Memory::Kvm(k) => k,
+        crate::platform::Memory::Host(h) => return host::dispatch(os, &mut **h, nr, a),
+    };
+    let mut sp = Space::new(&mut *k.mem, &mut *k.frames, k.aspace);
     let r = match nr {
         SYS_MMAP => {
             let (flags, fd) = (a[3] as u32, a[4] as i32);
@@ -1493,8 +1499,8 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         _ => return None,
     };
     let stale = sp.stale;
+    os.mm.drop_unused_windows(sp.mem);
     ctx.stale_frames.extend(stale);
-    os.mm.drop_unused_windows(ctx.mem);
     // Later accesses of this syscall to guest memory see the mappings as they are now.
     ctx.lazy = os.mm.lazy_areas();
     Some(r)

@@ -2,7 +2,8 @@
 //! programs (Debian's CPython, busybox) run in guest ring 3 with no guest kernel.
 //!
 //! One VMM process runs one guest process. A syscall traps to the host (see `vmm`), which calls
-//! [`dispatch`] with a [`Ctx`] giving access to the guest's memory, page tables and registers. Each
+//! [`dispatch`] with a [`Ctx`] giving access to the guest's memory (through the platform that runs
+//! it: `crate::platform`) and registers. Each
 //! area lives in its own module:
 //! - [`exec`]: loading ELF programs (static, PIE, with PT_INTERP) and the initial stack.
 //! - [`mm`]: the address space as the guest sees it: mmap, munmap, mprotect, brk, mremap.
@@ -49,9 +50,8 @@ use std::collections::BTreeMap;
 
 use kvm_bindings::{kvm_regs, kvm_sregs};
 
-use crate::arch::x86_64::paging::{AddressSpace, FrameAllocator};
+use crate::platform::Memory;
 use crate::protocol::RunExit;
-use crate::vstate::memory::GuestMemory;
 
 /// A Linux errno value (positive).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,9 +118,8 @@ pub struct Output {
 
 /// Everything a syscall handler may touch besides the [`GuestOs`] state itself.
 pub struct Ctx<'a> {
-    pub mem: &'a mut GuestMemory,
-    pub frames: &'a mut FrameAllocator,
-    pub aspace: &'a AddressSpace,
+    /// The guest's memory, on the platform running this process (see `platform`).
+    pub memory: Memory<'a>,
     /// The guest's registers; `rip` already points after the `syscall` instruction. Handlers may
     /// change them (rax is overwritten with the result afterwards).
     pub regs: &'a mut kvm_regs,
@@ -146,10 +145,13 @@ impl Ctx<'_> {
     /// Copy guest memory at a user virtual address into `buf`. EFAULT if unmapped or not user.
     /// Pages of a lazy file mapping that were never touched read from the file.
     pub fn read(&self, va: u64, buf: &mut [u8]) -> std::result::Result<(), Errno> {
-        match self.aspace.read_virt(self.mem, va, buf, true) {
-            Ok(()) => Ok(()),
-            Err(_) if !self.lazy.is_empty() => mm::read_user(&self.lazy, self.mem, self.aspace, va, buf),
-            Err(_) => Err(EFAULT),
+        match &self.memory {
+            Memory::Kvm(k) => match k.aspace.read_virt(k.mem, va, buf, true) {
+                Ok(()) => Ok(()),
+                Err(_) if !self.lazy.is_empty() => mm::read_user(&self.lazy, k.mem, k.aspace, va, buf),
+                Err(_) => Err(EFAULT),
+            },
+            Memory::Host(h) => h.read(va, buf),
         }
     }
 
@@ -168,14 +170,17 @@ impl Ctx<'_> {
     /// Copy `data` to a user virtual address. EFAULT if unmapped or not user. Pages of a lazy file
     /// mapping that were never touched are read in first, as a guest write would.
     pub fn write(&mut self, va: u64, data: &[u8]) -> std::result::Result<(), Errno> {
-        match self.aspace.write_virt(self.mem, va, data, true) {
-            Ok(()) => Ok(()),
-            Err(_) if !self.lazy.is_empty() => {
-                // Reading a page in only adds translations: nothing for `stale_frames`.
-                let mut sp = mm::Space::new(&mut *self.mem, &mut *self.frames, self.aspace);
-                mm::write_user(&self.lazy, &mut sp, va, data)
-            }
-            Err(_) => Err(EFAULT),
+        match &mut self.memory {
+            Memory::Kvm(k) => match k.aspace.write_virt(k.mem, va, data, true) {
+                Ok(()) => Ok(()),
+                Err(_) if !self.lazy.is_empty() => {
+                    // Reading a page in only adds translations: nothing for `stale_frames`.
+                    let mut sp = mm::Space::new(&mut *k.mem, &mut *k.frames, k.aspace);
+                    mm::write_user(&self.lazy, &mut sp, va, data)
+                }
+                Err(_) => Err(EFAULT),
+            },
+            Memory::Host(h) => h.write(va, data),
         }
     }
 
@@ -518,9 +523,9 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx) -> Option<RunExit> {
     if res.is_ok() {
         match proctab::changed_by(nr) {
             0 => {}
-            1 => proctab::refresh(os, ctx.mem, ctx.aspace, ctx.frames),
+            1 => proctab::refresh(os, &ctx.memory),
             _ => {
-                let (vsize, rss) = proctab::memory(os, ctx.frames);
+                let (vsize, rss) = proctab::memory(os, &ctx.memory);
                 proctab::publish_memory(os.proc.pid, vsize, rss);
             }
         }

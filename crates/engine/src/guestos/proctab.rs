@@ -22,8 +22,7 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 use super::GuestOs;
-use crate::arch::x86_64::paging::{AddressSpace, FrameAllocator};
-use crate::vstate::memory::GuestMemory;
+use crate::platform::Memory;
 
 /// Entries: one per live process (the scheduler's slots).
 const ENTRIES: usize = super::sched::SLOTS;
@@ -175,19 +174,18 @@ pub struct Facts {
 
 /// This process's memory figures: the total size of its mappings, and the guest memory it uses
 /// (the frames handed out and not given back), never more than the former.
-pub fn memory(os: &GuestOs, frames: &FrameAllocator) -> (u64, u64) {
+pub fn memory(os: &GuestOs, mem: &Memory) -> (u64, u64) {
     let vsize: u64 = os.mm.vmas.iter().map(|(start, v)| v.end - start).sum();
-    let used = frames.next.saturating_sub(frames.free.len() as u64 * crate::arch::x86_64::layout::PAGE_SIZE);
-    (vsize, used.min(vsize))
+    (vsize, mem.used(vsize))
 }
 
 /// This process's facts: from its state, and its command line and environment from its memory
 /// (where execve laid them out, `Proc::args_area`, as Linux reads them: a program that rewrites its
 /// argv shows the new text).
-pub fn own_facts(os: &GuestOs, mem: &GuestMemory, aspace: &AddressSpace, frames: &FrameAllocator, args: bool) -> Facts {
+pub fn own_facts(os: &GuestOs, mem: &Memory, args: bool) -> Facts {
     let p = &os.proc;
-    let (vsize, rss) = memory(os, frames);
-    let (cmdline, environ) = if args { (args_text(os, mem, aspace, 0, usize::MAX), args_text(os, mem, aspace, 1, usize::MAX)) } else { Default::default() };
+    let (vsize, rss) = memory(os, mem);
+    let (cmdline, environ) = if args { (args_text(os, mem, 0, usize::MAX), args_text(os, mem, 1, usize::MAX)) } else { Default::default() };
     Facts {
         pid: p.pid,
         ppid: p.ppid,
@@ -211,12 +209,16 @@ pub fn own_facts(os: &GuestOs, mem: &GuestMemory, aspace: &AddressSpace, frames:
 
 /// This process's command line (`which` 0) or environment (1), at most `max` bytes, read from its
 /// memory; empty where there is none (no execve recorded one) or it is not readable.
-pub fn args_text(os: &GuestOs, mem: &GuestMemory, aspace: &AddressSpace, which: usize, max: usize) -> Vec<u8> {
+pub fn args_text(os: &GuestOs, mem: &Memory, which: usize, max: usize) -> Vec<u8> {
     let [a, b, c] = os.proc.args_area;
     let (start, end) = if which == 0 { (a, b) } else { (b, c) };
     let len = (end.saturating_sub(start) as usize).min(max).min(1 << 20);
     let mut buf = vec![0u8; len];
-    match super::mm::read_user(&os.mm.lazy_areas(), mem, aspace, start, &mut buf) {
+    let read = match mem {
+        Memory::Kvm(k) => super::mm::read_user(&os.mm.lazy_areas(), k.mem, k.aspace, start, &mut buf),
+        Memory::Host(h) => h.read(start, &mut buf),
+    };
+    match read {
         Ok(()) => buf,
         Err(_) => Vec::new(),
     }
@@ -258,10 +260,10 @@ pub fn publish(f: &Facts, args: bool) {
 
 /// Publish this process's facts after a call that changed them, or at its start: with its
 /// command line and environment the first time (an entry of its own is still to be made).
-pub fn refresh(os: &GuestOs, mem: &GuestMemory, aspace: &AddressSpace, frames: &FrameAllocator) {
+pub fn refresh(os: &GuestOs, mem: &Memory) {
     let Some(t) = table() else { return };
     let first = t.get(MINE.load(Ordering::Relaxed)).is_none_or(|e| e.pid.load(Ordering::SeqCst) != os.proc.pid as u32);
-    publish(&own_facts(os, mem, aspace, frames, first), first);
+    publish(&own_facts(os, mem, first), first);
 }
 
 /// Update this process's memory figures only (after brk, mmap, munmap, mremap).

@@ -16,6 +16,7 @@ mod threads;
 pub(crate) mod jail;
 mod lifeline;
 mod syscalls;
+pub mod systrap;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
@@ -200,6 +201,52 @@ impl Image {
     }
 }
 
+/// The guest OS state of a sandbox's first process, before its program is loaded: the root
+/// filesystem and mounts, stdio (`None`: fds 1 and 2 are captured in each run's output), the agent
+/// channel, user, CPUs and working directory `spec` asks for. The same on every platform.
+pub(crate) fn new_guest_os(spec: &SpawnSpec, cpus: Option<u32>, stdio: Option<Vec<OwnedFd>>) -> Result<GuestOs> {
+    if spec.argv.is_empty() {
+        return Err(Error::InvalidArgument("argv is empty; argv[0] names the program".into()));
+    }
+    let mut vfs = guestos::vfs::Vfs::new(&spec.root).map_err(Error::sys("open the sandbox root"))?;
+    for (at, host) in &spec.mounts {
+        vfs.mount(at, host, true).map_err(Error::sys("open a sandbox mount"))?;
+    }
+    for (at, host) in &spec.ro_mounts {
+        vfs.mount(at, host, false).map_err(Error::sys("open a sandbox mount"))?;
+    }
+    let mut os = GuestOs {
+        mm: Default::default(),
+        files: Default::default(),
+        vfs,
+        proc: Default::default(),
+        enosys: Default::default(),
+        stdio: None,
+        agent: None,
+        sig: Default::default(),
+        threads: Default::default(),
+    };
+    if let Some(stdio) = stdio {
+        os.set_stdio(stdio)?;
+    }
+    if spec.agent {
+        os.install_agent().map_err(|e| Error::Remote(format!("cannot install the agent channel: errno {}", e.0)))?;
+    }
+    if let Some(u) = &spec.user {
+        os.proc.uid = [u.uid; 4];
+        os.proc.gid = [u.gid; 4];
+        os.proc.groups = u.groups.clone();
+    }
+    let cpus = match cpus {
+        Some(n) => n,
+        None => guestos::cpu::default_cpus().map_err(Error::InvalidArgument)?,
+    };
+    guestos::cpu::set_cpus(&mut os.proc, cpus).map_err(Error::InvalidArgument)?;
+    os.proc.cwd = guestos::vfs::join("/", spec.cwd.as_bytes())
+        .map_err(|e| Error::InvalidArgument(format!("cwd {:?}: errno {}", spec.cwd, e.0)))?;
+    Ok(os)
+}
+
 impl Machine {
     /// A new VM running a static ELF.
     pub fn boot(elf: &[u8], mem_size: u64) -> Result<Machine> {
@@ -292,43 +339,7 @@ impl Machine {
     }
     /// A new VM running a Linux program from a root filesystem.
     pub fn spawn(spec: &SpawnSpec, mem_size: u64, cpus: Option<u32>, stdio: Vec<OwnedFd>) -> Result<Machine> {
-        if spec.argv.is_empty() {
-            return Err(Error::InvalidArgument("argv is empty; argv[0] names the program".into()));
-        }
-        let mut vfs = guestos::vfs::Vfs::new(&spec.root).map_err(Error::sys("open the sandbox root"))?;
-        for (at, host) in &spec.mounts {
-            vfs.mount(at, host, true).map_err(Error::sys("open a sandbox mount"))?;
-        }
-        for (at, host) in &spec.ro_mounts {
-            vfs.mount(at, host, false).map_err(Error::sys("open a sandbox mount"))?;
-        }
-        let mut os = GuestOs {
-            mm: Default::default(),
-            files: Default::default(),
-            vfs,
-            proc: Default::default(),
-            enosys: Default::default(),
-            stdio: None,
-            agent: None,
-            sig: Default::default(),
-            threads: Default::default(),
-        };
-        os.set_stdio(stdio)?;
-        if spec.agent {
-            os.install_agent().map_err(|e| Error::Remote(format!("cannot install the agent channel: errno {}", e.0)))?;
-        }
-        if let Some(u) = &spec.user {
-            os.proc.uid = [u.uid; 4];
-            os.proc.gid = [u.gid; 4];
-            os.proc.groups = u.groups.clone();
-        }
-        let cpus = match cpus {
-            Some(n) => n,
-            None => guestos::cpu::default_cpus().map_err(Error::InvalidArgument)?,
-        };
-        guestos::cpu::set_cpus(&mut os.proc, cpus).map_err(Error::InvalidArgument)?;
-        os.proc.cwd = guestos::vfs::join("/", spec.cwd.as_bytes())
-            .map_err(|e| Error::InvalidArgument(format!("cwd {:?}: errno {}", spec.cwd, e.0)))?;
+        let mut os = new_guest_os(spec, cpus, Some(stdio))?;
         let mut m = Machine::boot_with(mem_size, |mem, frames, aspace| {
             guestos::exec::load(&mut os, mem, frames, aspace, &spec.argv[0], &spec.argv, &spec.envp)
                 .map(|img| (img.entry, img.rsp))
@@ -900,9 +911,11 @@ impl Machine {
             Some(_) if process::intercepts(r.rax) => process::syscall(self, &mut r, &mut sregs)?,
             Some(os) => loop {
                 let mut ctx = guestos::Ctx {
-                    mem: &mut self.mem,
-                    frames: &mut self.runtime.frames,
-                    aspace: &self.runtime.aspace,
+                    memory: crate::platform::Memory::Kvm(crate::platform::kvm::Memory::new(
+                        &mut self.mem,
+                        &mut self.runtime.frames,
+                        &self.runtime.aspace,
+                    )),
                     regs: &mut r,
                     sregs: &mut sregs,
                     out,

@@ -315,7 +315,8 @@ pub(super) fn serving(m: &mut Machine, chan: &Channel, pool: &Pool) {
         crate::guestos::sched::new_tree(m.os.as_ref().map_or(1, |os| os.proc.pid));
         crate::guestos::proctab::new_tree();
         if let Some(os) = m.os.as_ref() {
-            crate::guestos::proctab::refresh(os, &m.mem, &m.runtime.aspace, &m.runtime.frames);
+            let mem = crate::platform::kvm::Memory::new(&mut m.mem, &mut m.runtime.frames, &m.runtime.aspace);
+            crate::guestos::proctab::refresh(os, &crate::platform::Memory::Kvm(mem));
         }
         crate::guestos::futex_shared::new_tree();
         // SAFETY: plain prctl on this process.
@@ -552,7 +553,8 @@ pub(super) fn enter_child_process(m: &mut Machine, guest_pid: i32, parent_host: 
 /// frames, which this process inherited.
 pub(super) fn run_child(m: &mut Machine) -> ! {
     if let Some(os) = m.os.as_ref() {
-        crate::guestos::proctab::refresh(os, &m.mem, &m.runtime.aspace, &m.runtime.frames);
+        let mem = crate::platform::kvm::Memory::new(&mut m.mem, &mut m.runtime.frames, &m.runtime.aspace);
+            crate::guestos::proctab::refresh(os, &crate::platform::Memory::Kvm(mem));
     }
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| child_loop(m)));
     die_by(libc::SIGKILL)

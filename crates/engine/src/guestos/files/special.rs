@@ -268,7 +268,7 @@ fn content(os: &GuestOs, ctx: &Ctx, path: &str) -> Vec<u8> {
     }
     let s = match path {
         "/proc/cpuinfo" => cpuinfo(os.proc.cpus),
-        "/proc/meminfo" => meminfo(ctx),
+        "/proc/meminfo" => meminfo(os, ctx),
         "/proc/stat" => proc_stat(os),
         "/proc/uptime" => {
             let up = crate::guestos::clock::mono_peek(&os.proc) / 10_000_000;
@@ -279,8 +279,8 @@ fn content(os: &GuestOs, ctx: &Ctx, path: &str) -> Vec<u8> {
         "/proc/self/status" => status(os) + &vm_lines(&own_facts(os, ctx)),
         "/proc/self/stat" => stat_line(&own_facts(os, ctx), 'R', os.proc.args_area),
         "/proc/self/statm" => statm(&own_facts(os, ctx)),
-        "/proc/self/cmdline" => return proctab::args_text(os, ctx.mem, ctx.aspace, 0, usize::MAX),
-        "/proc/self/environ" => return proctab::args_text(os, ctx.mem, ctx.aspace, 1, usize::MAX),
+        "/proc/self/cmdline" => return proctab::args_text(os, &ctx.memory, 0, usize::MAX),
+        "/proc/self/environ" => return proctab::args_text(os, &ctx.memory, 1, usize::MAX),
         "/proc/self/mounts" => mounts(os),
         "/proc/self/maps" => return maps(os),
         "/proc/self/comm" => format!("{}\n", comm(os)),
@@ -327,7 +327,7 @@ fn proc_stat(os: &GuestOs) -> String {
 
 /// This process's facts, as the process table would show them (see `proctab::own_facts`).
 fn own_facts(os: &GuestOs, ctx: &Ctx) -> Facts {
-    proctab::own_facts(os, ctx.mem, ctx.aspace, ctx.frames, false)
+    proctab::own_facts(os, &ctx.memory, false)
 }
 
 /// Clock ticks (USER_HZ, 100 a second) of `ns` nanoseconds.
@@ -416,9 +416,12 @@ fn sys_cpu_node(os: &GuestOs, name: &str) -> Option<Node> {
     (i < os.proc.cpus && name == format!("cpu{i}")).then_some(Node::Dir)
 }
 
-fn meminfo(ctx: &Ctx) -> String {
-    let total = ctx.mem.size() / 1024;
-    let free = ctx.frames.end.saturating_sub(ctx.frames.next) / 1024;
+fn meminfo(os: &GuestOs, ctx: &Ctx) -> String {
+    let total = ctx.memory.total() / 1024;
+    let free = match &ctx.memory {
+        crate::platform::Memory::Kvm(k) => k.frames.end.saturating_sub(k.frames.next) / 1024,
+        crate::platform::Memory::Host(_) => ctx.memory.free(os.mm.vmas.iter().map(|(s, v)| v.end - s).sum()) / 1024,
+    };
     let mut s = String::new();
     for (k, v) in [
         ("MemTotal:", total),

@@ -101,9 +101,7 @@ impl H {
         self.regs.r8 = a[4];
         self.regs.r9 = a[5];
         let mut ctx = Ctx {
-            mem: &mut self.mem,
-            frames: &mut self.frames,
-            aspace: &self.aspace,
+            memory: crate::platform::Memory::Kvm(crate::platform::kvm::Memory::new(&mut self.mem, &mut self.frames, &self.aspace)),
             regs: &mut self.regs,
             sregs: &mut self.sregs,
             out: &mut self.out,

@@ -52,9 +52,7 @@ impl T {
         self.regs.rax = nr;
         self.regs.rip = 0x40_1002;
         let mut ctx = Ctx {
-            mem: &mut self.mem,
-            frames: &mut self.frames,
-            aspace: &self.aspace,
+            memory: crate::platform::Memory::Kvm(crate::platform::kvm::Memory::new(&mut self.mem, &mut self.frames, &self.aspace)),
             regs: &mut self.regs,
             sregs: &mut self.sregs,
             out: &mut self.out,

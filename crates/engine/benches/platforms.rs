@@ -1,0 +1,86 @@
+//! `/bin/sh -c true` natively, on systrap and on KVM, side by side in one run: median and p99 of
+//! each and their ratio to the native baseline. Each sample is a whole start: the native row is
+//! fork + exec + wait of the host's /bin/sh; the systrap row spawns a confined stub, loads the
+//! rootfs's busybox sh into it and runs it to its exit (`vmm::systrap::Process`); the KVM row
+//! spawns a VMM process with a new VM, loads the same program and runs it (`Vm::spawn` + `run`).
+//!
+//! Run: `COLLIMATE_ROOTFS=... cargo bench -p collimate-engine --bench platforms`. Nothing here
+//! asserts a time. Name the platform (the KVM module: kvm_pvm here) next to any figure you quote.
+//! Two more rows split the systrap start into the stub's spawn with the program's load, and the
+//! run of the guest to its exit.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::time::{Duration, Instant};
+
+use collimate_engine::platform::systrap::Confinement;
+use collimate_engine::vmm::systrap::Process;
+use collimate_engine::{RunExit, SpawnSpec, Vm, VmConfig};
+
+const T: Duration = Duration::from_secs(30);
+
+fn samples() -> usize {
+    std::env::var("COLLIMATE_BENCH_SAMPLES").ok().and_then(|s| s.parse().ok()).unwrap_or(100)
+}
+
+fn stats(v: &mut [Duration]) -> (Duration, Duration) {
+    v.sort();
+    let p = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
+    (p(0.5), p(0.99))
+}
+
+fn main() {
+    let Some(root) = common::python_rootfs() else {
+        eprintln!("no python rootfs (COLLIMATE_ROOTFS): nothing to measure");
+        return;
+    };
+    let spec = SpawnSpec {
+        root,
+        argv: vec![b"/bin/sh".to_vec(), b"-c".to_vec(), b"true".to_vec()],
+        envp: vec![b"PATH=/usr/bin:/bin".to_vec()],
+        cwd: "/".into(),
+        ..Default::default()
+    };
+    let n = samples();
+    let mut rows: Vec<(&str, Vec<Duration>)> = vec![
+        ("native /bin/sh -c true", vec![]),
+        ("systrap", vec![]),
+        ("kvm", vec![]),
+        ("  systrap: spawn + load", vec![]),
+        ("  systrap: run to exit", vec![]),
+    ];
+    let launcher = common::launcher();
+    // Interleaved, so that load on the machine falls on every row alike.
+    for _ in 0..n {
+        let t = Instant::now();
+        let st = std::process::Command::new("/bin/sh").args(["-c", "true"]).status().expect("run /bin/sh");
+        rows[0].1.push(t.elapsed());
+        assert!(st.success());
+
+        let t = Instant::now();
+        let mut p = Process::spawn(&spec, &Confinement::default()).expect("systrap spawn");
+        let loaded = t.elapsed();
+        let r = p.run(T).expect("systrap run");
+        let ran = t.elapsed() - loaded;
+        drop(p);
+        rows[1].1.push(t.elapsed());
+        rows[3].1.push(loaded);
+        rows[4].1.push(ran);
+        assert_eq!(r.exit, RunExit::Exited { code: 0 });
+
+        let t = Instant::now();
+        let mut vm = Vm::spawn(&launcher, &spec, &VmConfig::default()).expect("kvm spawn");
+        let r = vm.run(T).expect("kvm run");
+        vm.destroy().expect("kvm destroy");
+        rows[2].1.push(t.elapsed());
+        assert_eq!(r.exit, RunExit::Exited { code: 0 });
+    }
+    let (base, _) = stats(&mut rows[0].1.clone());
+    println!("/bin/sh -c true, {n} samples each (kvm: this host's KVM module, e.g. kvm_pvm)");
+    println!("{:<26} {:>12} {:>12} {:>10}", "platform", "median", "p99", "x native");
+    for (name, v) in rows.iter_mut() {
+        let (med, p99) = stats(v);
+        println!("{:<26} {:>10.3}ms {:>10.3}ms {:>9.2}x", name, med.as_secs_f64() * 1e3, p99.as_secs_f64() * 1e3, med.as_secs_f64() / base.as_secs_f64());
+    }
+}
