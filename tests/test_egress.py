@@ -1554,7 +1554,10 @@ def test_a_timed_network_wait_in_a_seeded_exec_waits_for_the_answer(client, late
             assert r.ok, r.stderr
             got, waited = r.stdout.strip().rsplit(" ", 1)
             assert got == "late answer", r.stdout
-            assert 0.9 <= float(waited) < 1.9, (i, r.stdout)
+            # The guest measures from its send: how long its read then waited on the host, the
+            # server's 1 s less the host time the guest took to reach the read (tenths of a second
+            # on a loaded host). A wait counted twice is 2 s or more; one that took no time is 0.
+            assert 0.25 <= float(waited) < 1.9, (i, r.stdout)
 
 
 @pytest.fixture(scope="module")

@@ -529,7 +529,8 @@ RECOVERING_CLIENT = """
     import sys
     from collimate_rl import Sandbox, connect
     client = connect()
-    sb = Sandbox.attach(client, sys.argv[1])  # re-adopt the sandbox the dead worker held
+    sid = sys.stdin.readline().strip()  # ready before the first worker dies (the server reaps idle sandboxes)
+    sb = Sandbox.attach(client, sid)  # re-adopt the sandbox the dead worker held
     r = sb.exec(code="history.append('step 3'); print(history)")
     print(r.stdout.strip())
     print(sb.download("/work/notes.txt").decode().strip())
@@ -539,6 +540,11 @@ RECOVERING_CLIENT = """
 
 @pytest.mark.kvm
 def test_a_client_killed_mid_episode_and_another_process_finishes_it(server, keys, alice):
+    # The second worker starts first (a Python process's start-up can take longer than the
+    # server's 4 s idle reap on a loaded host) and adopts the sandbox as soon as it is told which.
+    env = _env() | {"COLLIMATE_API_KEY": keys["alice"], "COLLIMATE_BASE_URL": server.url}
+    second = subprocess.Popen([sys.executable, "-c", textwrap.dedent(RECOVERING_CLIENT)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     first = _run_client(server, keys["alice"], CRASHING_CLIENT)
     sid = first.stdout.readline().strip()
     assert sid.startswith("sbx_"), first.stderr.read()
@@ -548,8 +554,7 @@ def test_a_client_killed_mid_episode_and_another_process_finishes_it(server, key
     assert first.returncode == -signal.SIGKILL
     assert sid in [s["id"] for s in alice.sandboxes()]  # the sandbox outlived its client
 
-    second = _run_client(server, keys["alice"], RECOVERING_CLIENT, sid)
-    out, err = second.communicate(timeout=60)
+    out, err = second.communicate(sid + "\n", timeout=60)
     assert second.returncode == 0, err
     assert out.splitlines() == ["['step 1', 'step 2', 'step 3']", "step 1 done"]
     with pytest.raises(NotFoundError):  # the new process finished and destroyed it

@@ -235,8 +235,11 @@ impl Inner {
     }
 
     /// Why one more flow may not open now (the cap counts open flows and dials under way).
-    fn over_cap(&self) -> Option<String> {
+    fn over_cap(&mut self) -> Option<String> {
         let cap = max_flows();
+        if self.flows.len() + self.dialing >= cap {
+            self.finish_hung_up();
+        }
         let open = self.flows.len() + self.dialing;
         (open >= cap).then(|| {
             format!(
@@ -244,6 +247,23 @@ impl Inner {
                  the guest's connect failed with EMFILE; close connections first"
             )
         })
+    }
+
+    /// Finish the flows whose guest end is closed now. The broker's loop notices a hang-up in
+    /// its own time; a guest that closes a connection and opens another at the cap must not get
+    /// EMFILE because that loop has not run yet (it had not, on a loaded host).
+    fn finish_hung_up(&mut self) {
+        let mut i = 0;
+        while i < self.flows.len() {
+            let mut p = libc::pollfd { fd: self.flows[i].live.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: poll of one descriptor we hold, without waiting.
+            let n = unsafe { libc::poll(&mut p, 1, 0) };
+            if n == 1 && p.revents != 0 {
+                self.finish(i); // swap_remove: index i holds the next flow now
+            } else {
+                i += 1;
+            }
+        }
     }
 
     fn finish(&mut self, i: usize) {
