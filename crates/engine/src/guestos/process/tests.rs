@@ -423,18 +423,22 @@ fn virtual_clocks_start_where_the_guest_left_them() {
     t.write(BUF, &timespec_bytes((target / 1_000_000_000) as i64, (target % 1_000_000_000) as i64));
     assert_eq!(t.call(SYS_CLOCK_NANOSLEEP, [1, 1, BUF, 0, 0, 0]), 0);
     assert_eq!(t.now(1), target + CLOCK_QUANTUM_NS);
-    // A second reseed continues from the last values seen: time never goes back.
+    // A second reseed continues after the guest's past, at the next whole second of REALTIME
+    // (MONOTONIC moves as much): time never goes back, and a new run's writes get a later
+    // whole-second mtime than anything before it (CPython's bytecode cache compares those).
     let (real, mono) = (t.now(0), t.now(1));
+    let last_real = real + CLOCK_QUANTUM_NS; // the MONOTONIC read moved virtual time on, unread
+    let next = (last_real / 1_000_000_000 + 1) * 1_000_000_000;
     reseed(&mut t.os, [2; 32], true);
-    assert_eq!(t.now(0), real + CLOCK_QUANTUM_NS);
-    assert_eq!(t.now(1), mono + 2 * CLOCK_QUANTUM_NS);
+    assert_eq!(t.now(0), next + CLOCK_QUANTUM_NS);
+    assert_eq!(t.now(1), mono + (next - last_real) + 2 * CLOCK_QUANTUM_NS);
     // Replay off: the host's clocks again.
     reseed(&mut t.os, [2; 32], false);
     let host_real = t.now(0);
     assert!(host_real > 1_600_000_000 * 1_000_000_000 && host_real != real + 2 * CLOCK_QUANTUM_NS);
-    // And a replay after host reads starts at the last host value.
+    // And a replay after host reads starts at the next whole second after the last host value.
     reseed(&mut t.os, [3; 32], true);
-    assert_eq!(t.now(0), host_real + CLOCK_QUANTUM_NS);
+    assert_eq!(t.now(0), (host_real / 1_000_000_000 + 1) * 1_000_000_000 + CLOCK_QUANTUM_NS);
 }
 
 #[test]
