@@ -53,7 +53,9 @@ signal.signal(signal.SIGALRM, lambda signo, frame: os.write(w, b"x"))
 signal.setitimer(signal.ITIMER_REAL, 0.25)
 print("then read", os.read(r, 1))
 
-# SIGINT's default Python handler: KeyboardInterrupt out of the read.
+# SIGINT's default Python handler: KeyboardInterrupt out of the read. Installed explicitly: a
+# Python started with SIGINT ignored (a background job of a shell, as CI may run it) has none.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.signal(signal.SIGALRM, lambda signo, frame: os.kill(os.getpid(), signal.SIGINT))
 signal.alarm(1)
 try:
