@@ -215,17 +215,7 @@ pub(crate) fn new_guest_os(spec: &SpawnSpec, cpus: Option<u32>, stdio: Option<Ve
     for (at, host) in &spec.ro_mounts {
         vfs.mount(at, host, false).map_err(Error::sys("open a sandbox mount"))?;
     }
-    let mut os = GuestOs {
-        mm: Default::default(),
-        files: Default::default(),
-        vfs,
-        proc: Default::default(),
-        enosys: Default::default(),
-        stdio: None,
-        agent: None,
-        sig: Default::default(),
-        threads: Default::default(),
-    };
+    let mut os = GuestOs::new(vfs);
     if let Some(stdio) = stdio {
         os.set_stdio(stdio)?;
     }
