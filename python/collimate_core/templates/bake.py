@@ -640,6 +640,7 @@ class _Build:
                               uid=user["uid"], gid=user["gid"], groups=user["groups"], cpus=spec.cpus)
             except (_CoreEngineError, ValueError, OSError) as e:
                 raise BuildError(f"starting the agent in the image failed: {e}") from None
+            say(f"VMM process {vm.pid}: the agent's boot")
             if spec.egress is not None and not spec.egress.is_none:
                 vm.set_egress(spec.egress.rule_strings(), spec.egress.internet_access)
                 say(f"egress for the bake and its Ready step: {spec.egress}")
@@ -665,6 +666,7 @@ class _Build:
 
                     pre_zygote.set_disk_quota(spec.disk_quota, _quota.inodes_for(spec.disk_quota))
                 vm = pre_zygote.clone()
+                say(f"VMM processes {pre_zygote.pid} (the booted agent) and {vm.pid} (its clone for the Ready step)")
                 if spec.egress is not None and not spec.egress.is_none:
                     vm.set_egress(spec.egress.rule_strings(), spec.egress.internet_access)
                 say("Ready step in a clone with the writable root (what it writes anywhere in the image is kept)")
@@ -702,6 +704,7 @@ class _Build:
                 if not spec.read_only_root:
                     zygote.set_writable_root(True)
                 with zygote.clone() as clone:
+                    say(f"VMM processes {zygote.pid} (the checkpoint) and {clone.pid} (its clone)")
                     r = clone.agent_call(_frame({"op": "ping"}), 60.0)
                     if _unframe(r.agent) != {"pong": True}:
                         raise BuildError(f"a clone of the checkpoint did not answer ({r.kind}): "
