@@ -3,15 +3,21 @@
 //!
 //! The loop runs the stub until its next exit: a trapped syscall goes to [`guestos::dispatch`]
 //! with the guest's memory reached through the stub ([`StubSpace`]) and its result goes back in
-//! rax; `rdtsc` and `cpuid` are answered here; a fault or a signal the guest raised ends the
-//! process by that signal (SIGSEGV for a page fault), as Linux's default action would.
+//! rax; `rdtsc` and `cpuid` are answered here.
+//!
+//! Signals take the KVM loop's path where it is platform-neutral (`process::signals_after_syscall`
+//! after every call: SIGPIPE, timers, the next pending signal; `process::fault_delivery` for a
+//! fault): a handler's `rt_sigframe` goes on the guest's stack through `platform::Memory`
+//! (`signal::setup_frame`) with the XSAVE area of the stub's host signal frame (`Stub::xsave`),
+//! and rt_sigreturn puts it back there (`Stub::set_xsave`). A page fault the guest does not
+//! handle ends it by SIGSEGV, as Linux's default action would (SEGV_ACCERR where guestos records
+//! a mapping, SEGV_MAPERR elsewhere); SIGILL, SIGFPE, SIGTRAP and SIGBUS likewise.
 //!
 //! execve loads the new program into the same stub (`exec::commit_host`). Not yet on this
 //! platform (each answers as noted): guest fork and clone (the other calls the KVM VMM serves
-//! itself, `process::intercepts`: ENOSYS), signal handlers (a fault kills the
-//! process even with a handler installed; rt_sigreturn ENOSYS), shared futexes across processes,
-//! snapshots, and the KVM VMM's process tree, scheduler and controller protocol: [`Process`] runs
-//! one process in the caller's own process.
+//! itself, `process::intercepts`: ENOSYS), signals from other processes (none exist yet), shared
+//! futexes across processes, snapshots, and the KVM VMM's process tree, scheduler and controller
+//! protocol: [`Process`] runs one process in the caller's own process.
 
 use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
@@ -19,6 +25,8 @@ use std::time::{Duration, Instant};
 use kvm_bindings::{kvm_regs, kvm_sregs};
 
 use crate::error::{Error, Result};
+use super::process::{self, AfterSyscall, Entry};
+use crate::guestos::signal::{self, Delivery};
 use crate::guestos::{self, Errno, GuestOs, EFAULT, EINVAL, EIO, ENOSYS};
 use crate::platform::systrap::{self as st, Confinement, Exit, Stub};
 use crate::platform::{HostSpace, Memory};
@@ -180,8 +188,30 @@ impl Process {
                     (self.regs.rax, self.regs.rbx, self.regs.rcx, self.regs.rdx) = (r.eax as u64, r.ebx as u64, r.ecx as u64, r.edx as u64);
                     self.regs.rip += 2;
                 }
-                Exit::Fault { .. } => return Ok(RunExit::Signaled { signo: libc::SIGSEGV }),
-                Exit::Signal { signo, .. } => return Ok(RunExit::Signaled { signo }),
+                Exit::Fault { addr, write, exec } => {
+                    // The host only says whether the access was a write or a fetch; whether
+                    // something is mapped there is guestos's record (SEGV_ACCERR, else MAPERR).
+                    let mapped = self.os.mm.vma_at(addr).is_some();
+                    let err = (mapped as u64) | ((write as u64) << 1) | 4 | ((exec as u64) << 4);
+                    let code = if mapped { SEGV_ACCERR } else { SEGV_MAPERR };
+                    if let Some(exit) = self.fault(libc::SIGSEGV, code, 14, err, addr) {
+                        return Ok(exit);
+                    }
+                }
+                Exit::Signal { signo, code, addr } => {
+                    let vector = match signo {
+                        libc::SIGFPE => 0,
+                        libc::SIGTRAP => 3,
+                        libc::SIGILL => 6,
+                        libc::SIGBUS => 17,
+                        libc::SIGSEGV => 13,
+                        // Only guest code scribbling on the stub's shared page gets here.
+                        _ => return Ok(RunExit::Signaled { signo: libc::SIGSEGV }),
+                    };
+                    if let Some(exit) = self.fault(signo, code, vector, 0, addr) {
+                        return Ok(exit);
+                    }
+                }
                 Exit::Exited { status } => {
                     return Err(Error::Remote(format!("systrap: the stub process ended under the guest (wait status {status:?})")));
                 }
@@ -192,18 +222,37 @@ impl Process {
         }
     }
 
-    /// Serve the syscall in the registers; the run's end if it ends it.
+    /// Serve the syscall in the registers, then act on pending signals as Linux does on the way
+    /// back to user mode (the KVM loop's `process::signals_after_syscall`); the run's end if it
+    /// ends it.
     fn syscall(&mut self, out: &mut guestos::Output) -> Option<RunExit> {
+        let entry = Entry::of(&self.regs);
         let nr = self.regs.rax;
-        if nr == SYS_EXECVE {
-            return self.execve();
-        }
-        if intercepted(nr) {
+        let exit = if nr == SYS_EXECVE {
+            self.execve()
+        } else if nr == SYS_RT_SIGRETURN {
+            self.sigreturn()
+        } else if intercepted(nr) {
             self.regs.rax = (-(ENOSYS.0 as i64)) as u64;
             *self.os.enosys.entry(nr).or_default() += 1;
             out.enosys += 1;
-            return None;
+            None
+        } else {
+            self.dispatch(out)
+        };
+        match process::signals_after_syscall(&mut self.os, &entry, &mut self.regs, exit) {
+            AfterSyscall::Resume(exit) => exit,
+            AfterSyscall::Deliver(d, exit) => {
+                if self.deliver(&d) {
+                    exit
+                } else {
+                    Some(RunExit::Signaled { signo: libc::SIGSEGV })
+                }
+            }
         }
+    }
+
+    fn dispatch(&mut self, out: &mut guestos::Output) -> Option<RunExit> {
         let mut sregs = kvm_sregs::default();
         sregs.fs.base = self.fs_base;
         let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
@@ -220,6 +269,53 @@ impl Process {
         let exit = guestos::dispatch(&mut self.os, &mut ctx);
         self.fs_base = sregs.fs.base;
         exit
+    }
+
+    /// A fault or another synchronous signal of the guest's code: enter its handler, or end the
+    /// process by it. `vector` is the x86 exception it stands for (the sigcontext's trapno).
+    fn fault(&mut self, sig: i32, code: i32, vector: u8, err: u64, cr2: u64) -> Option<RunExit> {
+        match process::fault_delivery(&self.os, sig, code, vector, err, self.regs.rip, cr2) {
+            Some(d) if self.deliver(&d) => None,
+            Some(_) => Some(RunExit::Signaled { signo: libc::SIGSEGV }),
+            None => Some(RunExit::Signaled { signo: sig }),
+        }
+    }
+
+    /// Enter the handler for `d`: the frame goes on the guest's stack with the XSAVE area the
+    /// stub's host frame holds. False: the frame could not be written (the process dies by SIGSEGV).
+    fn deliver(&mut self, d: &Delivery) -> bool {
+        let Ok(xsave) = self.stub.xsave() else { return false };
+        let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+        let mut mem = Memory::Host(&mut space);
+        signal::setup_frame(&mut self.os, &mut mem, &mut self.regs, &xsave, d).is_ok()
+    }
+
+    /// rt_sigreturn: the registers, mask and FPU state from the frame `deliver` wrote. The FPU
+    /// state goes back into the stub's host frame, whose software bytes (how the host kernel
+    /// restores it) and whose components beyond the frame's x87/SSE/AVX (AVX-512 on such hosts:
+    /// they stay as the handler left them) are the host's. A bad frame: SIGSEGV.
+    fn sigreturn(&mut self) -> Option<RunExit> {
+        const SW: std::ops::Range<usize> = 464..512;
+        const BV: std::ops::Range<usize> = 512..520;
+        let segv = Some(RunExit::Signaled { signo: libc::SIGSEGV });
+        let Ok(mut area) = self.stub.xsave() else { return segv };
+        if area.len() < signal::XSTATE_SIZE {
+            return segv;
+        }
+        let sw = area[SW].to_vec();
+        let bv_host = u64::from_le_bytes(area[BV].try_into().unwrap_or_default());
+        let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+        let mem = Memory::Host(&mut space);
+        if signal::sigreturn(&mut self.os, &mem, &mut self.regs, &mut area).is_err() {
+            return segv;
+        }
+        area[SW].copy_from_slice(&sw);
+        let bv = u64::from_le_bytes(area[BV].try_into().unwrap_or_default()) | (bv_host & !signal::XFEATURES);
+        area[BV].copy_from_slice(&bv.to_le_bytes());
+        if self.stub.set_xsave(&area).is_err() {
+            return segv;
+        }
+        None
     }
 }
 
@@ -248,7 +344,7 @@ impl Process {
             Ok(img) => {
                 self.regs = crate::arch::x86_64::regs::initial_regs(img.entry, img.rsp);
                 self.fs_base = 0;
-                super::process::on_exec_state(&mut self.os);
+                process::on_exec_state(&mut self.os);
                 None
             }
             Err(_) => Some(RunExit::Signaled { signo: libc::SIGSEGV }),
@@ -256,7 +352,10 @@ impl Process {
     }
 }
 
+const SYS_RT_SIGRETURN: u64 = 15;
 const SYS_EXECVE: u64 = 59;
+const SEGV_MAPERR: i32 = 1;
+const SEGV_ACCERR: i32 = 2;
 /// Linux's limits on exec arguments: one string, and all of them together.
 const MAX_ARG_STRLEN: usize = 32 * 4096;
 const MAX_ARG_TOTAL: usize = 2 << 20;
@@ -308,5 +407,5 @@ fn read_strv(h: &dyn HostSpace, va: u64) -> std::result::Result<Vec<Vec<u8>>, Er
 /// The calls the KVM VMM serves itself (fork, clone, execve, rt_sigreturn, spawn), not offered
 /// on systrap yet.
 fn intercepted(nr: u64) -> bool {
-    super::process::intercepts(nr)
+    process::intercepts(nr)
 }
