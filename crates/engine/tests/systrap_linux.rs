@@ -113,3 +113,34 @@ fn a_fault_runs_the_guests_handler_then_ends_by_sigsegv() {
     assert_eq!(r.exit, RunExit::Signaled { signo: libc::SIGSEGV }, "stderr: {}", String::from_utf8_lossy(&r.stderr));
     assert!(String::from_utf8_lossy(&r.stderr).contains("Segmentation fault"), "stderr: {}", String::from_utf8_lossy(&r.stderr));
 }
+
+#[test]
+fn a_shell_pipeline_forks_and_reaps() {
+    // Two forks (each a host fork of the VMM and a fork of the stub), a pipe between them, an
+    // execve in each child, and wait4 for both in the shell.
+    let Some(r) = run(&["/bin/sh", "-c", "echo a | cat"]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(r.stdout, b"a\n");
+}
+
+#[test]
+fn exit_statuses_reach_the_parent() {
+    let Some(r) = run(&["/bin/sh", "-c", "exit 3"]) else { return };
+    assert_eq!(exited(&r), 3);
+    // A subshell (fork) exiting 3, a child program failing, a child killed by a signal.
+    let Some(r) = run(&["/bin/sh", "-c", "(exit 3); echo $?; /bin/busybox false; echo $?; sh -c 'kill -9 $$'; echo $?"]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "3\n1\n137\n");
+}
+
+#[test]
+fn python_subprocess_runs_a_program() {
+    // CPython's subprocess: vfork (or fork) + execve, its error pipe, waitpid.
+    let code = "import subprocess\n\
+r = subprocess.run(['/bin/echo', 'x'], capture_output=True)\n\
+print(r.returncode, r.stdout)\n\
+print(subprocess.run(['/bin/sh', '-c', 'exit 5']).returncode)\n";
+    let Some(r) = run(&["/usr/bin/python3", "-c", code]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "0 b'x\\n'\n5\n");
+}
