@@ -144,3 +144,19 @@ print(subprocess.run(['/bin/sh', '-c', 'exit 5']).returncode)\n";
     assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
     assert_eq!(String::from_utf8_lossy(&r.stdout), "0 b'x\\n'\n5\n");
 }
+
+#[test]
+fn signals_travel_between_parent_and_child() {
+    // The shell kills its background child (SIGTERM: 143), and a child signals its parent,
+    // whose Python handler runs.
+    let Some(r) = run(&["/bin/sh", "-c", "sleep 30 & kill $!; wait $!; echo $?"]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(r.stdout, b"143\n");
+    let code = "import os, signal, subprocess\n\
+signal.signal(signal.SIGUSR1, lambda *a: print('got'))\n\
+subprocess.run(['/bin/sh', '-c', 'kill -USR1 $PPID'])\n\
+print('done')\n";
+    let Some(r) = run(&["/usr/bin/python3", "-c", code]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "got\ndone\n");
+}

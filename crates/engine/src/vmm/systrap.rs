@@ -20,9 +20,10 @@
 //! (`guestos::signal`'s children, the same machinery as kvm's). The guest's fds 1 and 2 are two
 //! memfds every process of the tree appends to ([`Capture`]), read after each run; the first
 //! process's end takes its children with it. Not yet on this platform (each answers as noted):
-//! threads and clone's sharing flags (ENOSYS), signals between guest processes (the carrier
-//! signal has no handler in a systrap VMM yet), the sandbox-wide pid counter (a child's guest
-//! pid is its VMM's host pid), shared futexes across processes, snapshots, and the KVM VMM's
+//! threads and clone's sharing flags (ENOSYS); signals between guest processes go as on kvm
+//! (`signal::host`'s carrier) between parent and child only: the sandbox-wide pid counter and
+//! process table are the serving tree's (a child's guest pid is its VMM's host pid here, and
+//! kill of a sibling or a group is ESRCH); shared futexes across processes, snapshots, and the KVM VMM's
 //! scheduler and controller protocol: [`Process`] runs the first process in the caller's own
 //! process (its children in host processes forked from it).
 
@@ -188,6 +189,9 @@ impl Process {
         let mut space = StubSpace { stub: &mut stub, budget, failure: None };
         let img = guestos::exec::commit_host(&mut os, &mut space, prepared, &spec.envp).map_err(|e| cannot(e, space.failure.take()))?;
         let regs = kvm_regs { rip: img.entry, rsp: img.rsp, rflags: 0x202, ..Default::default() };
+        // Signals from its children arrive as kvm's do (`signal::host`'s carrier, handled in
+        // this whole process: one systrap first process per host process).
+        signal::host::install();
         Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture })
     }
 
@@ -467,11 +471,19 @@ impl Process {
         }
         // SAFETY: getpid cannot fail.
         let parent_host = unsafe { libc::getpid() };
+        // Signals between guest processes travel as kvm's do (`signal::host`): take in what
+        // arrived for us and fork with the carrier blocked, so the child starts with nothing
+        // pending and what is sent to it early waits on the host until it runs.
+        signal::host::install();
+        signal::host::block(true);
+        signal::gather(&mut self.os);
         // SAFETY: a raw clone with exit signal 0 and no other flags: a fork whose child the host
         // never reaps on its own. The child goes on in Rust on this thread only, never returns
         // from `child_main` and never unwinds into the caller's frames.
         let rc = unsafe { libc::syscall(libc::SYS_clone, 0 as libc::c_ulong, 0usize, 0usize, 0usize, 0usize) };
         if rc == 0 {
+            signal::host::reset_child();
+            signal::host::block(false);
             // SAFETY: closing our copy of the read end.
             unsafe { libc::close(vfork[0]) };
             let stub = child_stub;
@@ -483,6 +495,7 @@ impl Process {
             process::end_like(exit);
         }
         let e = Errno::last();
+        signal::host::block(false);
         if rc < 0 {
             drop(child_stub);
             for fd in vfork.into_iter().filter(|&fd| fd >= 0) {
