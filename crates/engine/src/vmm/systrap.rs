@@ -22,8 +22,9 @@
 //! process's end takes its children with it. Not yet on this platform (each answers as noted):
 //! threads and clone's sharing flags (ENOSYS); signals between guest processes go as on kvm
 //! (`signal::host`'s carrier) between parent and child only: the sandbox-wide pid counter and
-//! process table are the serving tree's (a child's guest pid is its VMM's host pid here, and
-//! kill of a sibling or a group is ESRCH); shared futexes across processes, snapshots, and the KVM VMM's
+//! process table are the serving tree's (a child's guest pid is its VMM's host pid here; kill
+//! of a sibling is ESRCH, and a group's or -1's reaches the caller and its own children only);
+//! shared futexes across processes, snapshots, and the KVM VMM's
 //! scheduler and controller protocol: [`Process`] runs the first process in the caller's own
 //! process (its children in host processes forked from it).
 
