@@ -76,7 +76,6 @@ print(len(b), b[-1], m[100:105].decode(), fm[:12].decode())\n";
 }
 
 #[test]
-#[ignore = "hangs now and then in the stub's fault hand-off (a lost wake-up, reported to the systrap platform); passes when it does not"]
 fn a_segfault_ends_the_process_by_sigsegv() {
     let Some(r) = run(&["/usr/bin/python3", "-c", "import ctypes; ctypes.string_at(8)"]) else { return };
     assert_eq!(r.exit, RunExit::Signaled { signo: libc::SIGSEGV });

@@ -155,6 +155,9 @@ pub const DEFAULT_VMM_SPIN: u32 = 200_000;
 /// How many times the stub polls for the VMM's command before it sleeps, by default (see above).
 pub const DEFAULT_STUB_SPIN: u32 = 200_000;
 
+/// How long [`Stub::spawn`] waits for a new stub's first report before it gives up.
+pub const BOOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Open the host's `/proc` now, for every stub this process will make. Call it before anything
 /// (the VMM's jail) hides `/proc`; calling it again does nothing. [`Stub::spawn`] calls it too.
 pub fn prepare() -> Result<()> {
@@ -326,7 +329,20 @@ impl Stub {
         if unsafe { libc::write(stub.sock.as_raw_fd(), [1u8].as_ptr().cast(), 1) } != 1 {
             return Err(Error::Spawn { step: "start the stub", source: io::Error::last_os_error() });
         }
-        if !stub.wait() {
+        // A new stub reports within milliseconds; one that has not reported after BOOT_TIMEOUT is
+        // stuck before its first trap (as glibc's set*id wrappers once made it, waiting for VMM
+        // threads the clone does not have): fail the spawn rather than wait for ever.
+        let deadline = std::time::Instant::now() + BOOT_TIMEOUT;
+        let page = &stub.page as *const SharedPage;
+        // SAFETY: `page` is a field of `stub` that `alive` does not touch (as in `Stub::wait`).
+        let booted = unsafe { (*page).wait_for_stub(stub.vmm_spin, || stub.alive() && std::time::Instant::now() < deadline) };
+        if !booted && stub.exited.is_none() {
+            return Err(Error::Spawn {
+                step: "the stub's boot",
+                source: io::Error::new(io::ErrorKind::TimedOut, format!("no report from the new stub within {} s", BOOT_TIMEOUT.as_secs())),
+            });
+        }
+        if !booted {
             // SAFETY: the child wrote these before it exited (or left them zero).
             let (step, errno) = unsafe { ((*stub.page.page()).boot_step, (*stub.page.page()).boot_errno) };
             let name = confine::STEPS.get(step as usize).copied().unwrap_or("unknown");
