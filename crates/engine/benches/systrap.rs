@@ -3,7 +3,8 @@
 //! - native `getppid` (the floor);
 //! - a futex wake-and-wait round trip between two host processes (the baseline);
 //! - a bare trapped guest syscall round trip through a stub (the VMM answers at once), with the
-//!   wake-up tuned several ways: futex only, and spin-then-futex with a few spin budgets;
+//!   wake-up tuned several ways (`Handoff`: futex only, yields, spins), with `rdtsc` and `cpuid`
+//!   trapped (replay mode) and not;
 //! - a 4 KiB guest memory read through /proc/<pid>/mem and through process_vm_readv.
 //!
 //! Each case prints median and p99 over individually timed operations, and the ratio of the
@@ -11,9 +12,9 @@
 //! for the same closures. Run: `cargo bench -p collimate-engine --bench systrap`.
 
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use collimate_engine::platform::systrap::{kvm_regs, memory, Confinement, Exit, Stub};
+use collimate_engine::platform::systrap::{kvm_regs, memory, Confinement, Exit, Handoff, Stub};
 use criterion::{criterion_group, criterion_main, Criterion};
 
 const SAMPLES: usize = 10_000;
@@ -156,40 +157,48 @@ fn bench(c: &mut Criterion) {
     }
 
     // What trapping rdtsc and cpuid costs per context switch on this host, futex only.
+    let sleep_only = Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 0 };
     for (name, tsc, cpuid) in [
         ("systrap futex only, rdtsc and cpuid not trapped", false, false),
         ("systrap futex only, rdtsc trapped, cpuid not", true, false),
         ("systrap futex only, cpuid trapped, rdtsc not", false, true),
     ] {
         let (mut stub, mut regs) = syscall_loop_stub(&Confinement { trap_rdtsc: tsc, trap_cpuid: cpuid, ..Confinement::default() });
-        stub.set_spin(0, 0);
+        stub.set_handoff(sleep_only.clone());
         let mut fs = 0u64;
         print(name, &measure(|| trapped_round_trip(&mut stub, &mut regs, &mut fs)));
     }
-    let (mut stub, mut regs) = syscall_loop_stub(&Confinement::default());
+    let (mut trapping, mut regs_t) = syscall_loop_stub(&Confinement::for_replay(true));
+    let (mut plain, mut regs_p) = syscall_loop_stub(&Confinement::for_replay(false));
     let mut fs = 0u64;
-    let mut best = (f64::MAX, 0.0, "");
+    let mut best = (f64::MAX, 0.0, String::new());
+    let old = Handoff { vmm_spin: Duration::from_micros(5_700), stub_spin: 200_000, yields: 0 };
+    let new = Handoff::default();
     // The load moves during a run: each configuration is measured right after a fresh futex
-    // baseline, and its ratio is to that baseline.
-    for (name, vmm, st) in [
-        ("systrap trapped syscall, futex only (spin 0/0)", 0, 0),
-        ("systrap trapped syscall, spin 2000/2000 then futex", 2_000, 2_000),
-        ("systrap trapped syscall, spin 20000/20000 then futex", 20_000, 20_000),
-        ("systrap trapped syscall, spin 0 (VMM)/200000 (stub)", 0, 200_000),
-        ("systrap trapped syscall, spin 200000/200000 then futex", 200_000, 200_000),
+    // baseline, and its ratio is to that baseline. "replay": rdtsc and cpuid trapped.
+    for (name, replay, h) in [
+        ("futex only, replay", true, sleep_only.clone()),
+        ("old default (spin ~5.7 ms each side), replay", true, old.clone()),
+        ("default (50 us / 2000 pauses, 2 yields), replay", true, new.clone()),
+        ("futex only, outside replay", false, sleep_only.clone()),
+        ("old default (spin ~5.7 ms each side), outside replay", false, old.clone()),
+        ("yield 2 then futex, no spin, outside replay", false, Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 2 }),
+        ("default (50 us / 2000 pauses, 2 yields), outside replay", false, new.clone()),
     ] {
         let base = measure(|| pair.round_trip());
-        stub.set_spin(vmm, st);
-        let s = measure(|| trapped_round_trip(&mut stub, &mut regs, &mut fs));
+        let (stub, regs) = if replay { (&mut trapping, &mut regs_t) } else { (&mut plain, &mut regs_p) };
+        stub.set_handoff(h);
+        let s = measure(|| trapped_round_trip(stub, regs, &mut fs));
         print("native futex round trip (baseline for the next line)", &base);
-        print(name, &s);
+        print(&format!("systrap trapped syscall, {name}"), &s);
         let ratio = s.median_us / base.median_us;
         println!("{:<58} ratio to that futex round trip: {:.2}x (median), {:.2}x (p99)", "", ratio, s.p99_us / base.p99_us);
         if s.median_us < best.0 {
-            best = (s.median_us, ratio, name);
+            best = (s.median_us, ratio, name.to_string());
         }
     }
-    stub.set_spin(collimate_engine::platform::systrap::DEFAULT_VMM_SPIN, collimate_engine::platform::systrap::DEFAULT_STUB_SPIN);
+    plain.set_handoff(Handoff::default());
+    let (mut stub, mut regs) = (plain, regs_p);
     println!("systrap best: {} median {:.3} us = {:.2}x its futex baseline (target <= 1.5x and <= 5 us)", best.2, best.0, best.1);
 
     let mut buf = vec![0u8; 4096];

@@ -124,6 +124,12 @@ impl Process {
         Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None })
     }
 
+    /// How the VMM and the stub wait for each other (`platform::systrap::Handoff`; tuning and
+    /// benches).
+    pub fn set_handoff(&mut self, h: st::Handoff) {
+        self.stub.set_handoff(h);
+    }
+
     /// The guest OS state (files, memory map, process facts).
     pub fn os(&self) -> &GuestOs {
         &self.os
