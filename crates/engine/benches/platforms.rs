@@ -47,8 +47,11 @@ fn main() {
     let n = samples();
     let old = Handoff { vmm_spin: Duration::from_micros(5_700), stub_spin: 200_000, yields: 0 };
     // (name, confinement, hand-off; None: the default)
-    let systraps: [(&str, Confinement, Option<Handoff>); 3] = [
+    let longer = Handoff { vmm_spin: Duration::from_micros(300), stub_spin: 10_000, yields: 2 };
+    let systraps: [(&str, Confinement, Option<Handoff>); 5] = [
         ("systrap", Confinement::for_replay(false), None),
+        ("systrap, spin 300 us/10000", Confinement::for_replay(false), Some(longer)),
+        ("systrap, old spin", Confinement::for_replay(false), Some(old.clone())),
         ("systrap, replay traps", Confinement::for_replay(true), None),
         ("systrap, replay traps, old spin", Confinement::for_replay(true), Some(old)),
     ];

@@ -201,6 +201,52 @@ fn bench(c: &mut Criterion) {
     let (mut stub, mut regs) = (plain, regs_p);
     println!("systrap best: {} median {:.3} us = {:.2}x its futex baseline (target <= 1.5x and <= 5 us)", best.2, best.0, best.1);
 
+    // What a stub's creation costs, by confinement (each sample a spawn to the first report and the
+    // drop that kills and reaps it).
+    for (name, conf) in [
+        ("systrap Stub::spawn + drop, default confinement", Confinement::for_replay(false)),
+        ("systrap Stub::spawn + drop, no namespaces", Confinement { namespaces: false, ..Confinement::for_replay(false) }),
+    ] {
+        let (mut t, mut d): (Vec<Duration>, Vec<Duration>) = (0..100)
+            .map(|_| {
+                let s = Instant::now();
+                let stub = Stub::spawn(&conf).expect("spawn");
+                let spawned = s.elapsed();
+                drop(stub);
+                (spawned, s.elapsed() - spawned)
+            })
+            .unzip();
+        t.sort_unstable();
+        d.sort_unstable();
+        let ms = |x: Duration| x.as_secs_f64() * 1e3;
+        println!("{name:<58} median {:>8.3} ms   p99 {:>8.3} ms (of it the drop: median {:.3} ms)", ms(t[50] + d[50]), ms(t[98] + d[98]), ms(d[50]));
+    }
+
+    {
+        // A pristine parked stub as a template: a new stub is a fork of it (a small address space
+        // to copy, the namespaces already made) instead of a clone of the VMM.
+        let mut template = Stub::spawn(&Confinement::for_replay(false)).expect("spawn");
+        let (mut t, mut d): (Vec<Duration>, Vec<Duration>) = (0..100)
+            .map(|_| {
+                let s = Instant::now();
+                let stub = template.fork().expect("fork the template");
+                let spawned = s.elapsed();
+                drop(stub);
+                (spawned, s.elapsed() - spawned)
+            })
+            .unzip();
+        t.sort_unstable();
+        d.sort_unstable();
+        let ms = |x: Duration| x.as_secs_f64() * 1e3;
+        println!(
+            "{:<58} median {:>8.3} ms   p99 {:>8.3} ms (of it the drop: median {:.3} ms)",
+            "systrap fork of a parked template stub + drop",
+            ms(t[50] + d[50]),
+            ms(t[98] + d[98]),
+            ms(d[50])
+        );
+    }
+
     let mut buf = vec![0u8; 4096];
     let mem = memory::open_mem(stub.pid()).expect("open mem");
     let pid = stub.pid();
