@@ -6,7 +6,7 @@
 //!
 //! Run: `COLLIMATE_ROOTFS=... cargo bench -p collimate-engine --bench platforms`. Nothing here
 //! asserts a time. Name the platform (the KVM module: kvm_pvm here) next to any figure you quote.
-//! systrap rows: outside replay (rdtsc and cpuid not trapped, `Confinement::for_replay(false)`),
+//! systrap rows: outside replay (the second: its stub forked from a parked `Template` stub) (rdtsc and cpuid not trapped, `Confinement::for_replay(false)`),
 //! in replay mode (both trapped), and in replay mode with the old hand-off (each side spinning
 //! ~5.7 ms). Two more rows split the first systrap row into the stub's spawn with the program's
 //! load, and the run of the guest to its exit. COLLIMATE_BENCH_TAIL=1 prints each row's slowest.
@@ -16,7 +16,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use collimate_engine::platform::systrap::{Confinement, Handoff};
+use collimate_engine::platform::systrap::{Confinement, Handoff, Template};
 use collimate_engine::vmm::systrap::Process;
 use collimate_engine::{RunExit, SpawnSpec, Vm, VmConfig};
 
@@ -48,8 +48,9 @@ fn main() {
     let old = Handoff { vmm_spin: Duration::from_micros(5_700), stub_spin: 200_000, yields: 0 };
     // (name, confinement, hand-off; None: the default)
     let longer = Handoff { vmm_spin: Duration::from_micros(300), stub_spin: 10_000, yields: 2 };
-    let systraps: [(&str, Confinement, Option<Handoff>); 5] = [
+    let systraps: [(&str, Confinement, Option<Handoff>); 6] = [
         ("systrap", Confinement::for_replay(false), None),
+        ("systrap, from a template", Confinement::for_replay(false), None),
         ("systrap, spin 300 us/10000", Confinement::for_replay(false), Some(longer)),
         ("systrap, old spin", Confinement::for_replay(false), Some(old.clone())),
         ("systrap, replay traps", Confinement::for_replay(true), None),
@@ -62,6 +63,7 @@ fn main() {
     rows.push(("  systrap: spawn + load", vec![]));
     rows.push(("  systrap: run to exit", vec![]));
     let launcher = common::launcher();
+    let mut template = Template::new(&Confinement::for_replay(false)).expect("systrap template stub");
     // Interleaved, so that load on the machine falls on every row alike.
     for _ in 0..n {
         let t = Instant::now();
@@ -71,7 +73,7 @@ fn main() {
 
         for (i, (_, conf, h)) in systraps.iter().enumerate() {
             let t = Instant::now();
-            let mut p = Process::spawn(&spec, conf).expect("systrap spawn");
+            let mut p = if i == 1 { Process::spawn_from(&spec, &mut template) } else { Process::spawn(&spec, conf) }.expect("systrap spawn");
             if let Some(h) = h {
                 p.set_handoff(h.clone());
             }

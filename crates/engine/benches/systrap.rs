@@ -14,7 +14,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use collimate_engine::platform::systrap::{kvm_regs, memory, Confinement, Exit, Handoff, Stub};
+use collimate_engine::platform::systrap::{kvm_regs, memory, Confinement, Exit, Handoff, Stub, Template};
 use criterion::{criterion_group, criterion_main, Criterion};
 
 const SAMPLES: usize = 10_000;
@@ -223,13 +223,13 @@ fn bench(c: &mut Criterion) {
     }
 
     {
-        // A pristine parked stub as a template: a new stub is a fork of it (a small address space
-        // to copy, the namespaces already made) instead of a clone of the VMM.
-        let mut template = Stub::spawn(&Confinement::for_replay(false)).expect("spawn");
+        // A new stub as a fork of a parked empty one (a small address space to copy, the
+        // namespaces already made) instead of a clone of the VMM.
+        let mut template = Template::new(&Confinement::for_replay(false)).expect("spawn a template");
         let (mut t, mut d): (Vec<Duration>, Vec<Duration>) = (0..100)
             .map(|_| {
                 let s = Instant::now();
-                let stub = template.fork().expect("fork the template");
+                let stub = template.spawn().expect("a stub from the template");
                 let spawned = s.elapsed();
                 drop(stub);
                 (spawned, s.elapsed() - spawned)
@@ -240,7 +240,7 @@ fn bench(c: &mut Criterion) {
         let ms = |x: Duration| x.as_secs_f64() * 1e3;
         println!(
             "{:<58} median {:>8.3} ms   p99 {:>8.3} ms (of it the drop: median {:.3} ms)",
-            "systrap fork of a parked template stub + drop",
+            "systrap Template::spawn (fork of a parked stub) + drop",
             ms(t[50] + d[50]),
             ms(t[98] + d[98]),
             ms(d[50])

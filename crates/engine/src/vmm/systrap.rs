@@ -106,8 +106,19 @@ impl Process {
     /// A new confined stub running the program `spec` names from its root filesystem. Its fds 1
     /// and 2 are captured in each run's output.
     pub fn spawn(spec: &SpawnSpec, conf: &Confinement) -> Result<Process> {
+        let stub = Stub::spawn(conf).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
+        Self::with_stub(spec, stub)
+    }
+
+    /// As [`Process::spawn`], in a stub forked from `template` (`platform::systrap::Template`:
+    /// no new namespaces or clone of the VMM per process).
+    pub fn spawn_from(spec: &SpawnSpec, template: &mut st::Template) -> Result<Process> {
+        let stub = template.spawn().map_err(|e| Error::Remote(format!("systrap: {e}")))?;
+        Self::with_stub(spec, stub)
+    }
+
+    fn with_stub(spec: &SpawnSpec, mut stub: Stub) -> Result<Process> {
         let mut os = super::new_guest_os(spec, Some(1), None)?;
-        let mut stub = Stub::spawn(conf).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
         let budget = DEFAULT_BUDGET;
         let cannot = |e: Errno, failure: Option<String>| {
             Error::Image(format!(

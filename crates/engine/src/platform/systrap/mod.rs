@@ -43,6 +43,7 @@ pub mod filter;
 pub mod layout;
 pub mod memory;
 pub mod shared;
+pub mod template;
 
 use std::ffi::CString;
 use std::io;
@@ -51,6 +52,7 @@ use std::sync::atomic::Ordering;
 
 use shared::SharedPage;
 pub use shared::Handoff;
+pub use template::Template;
 
 pub use confine::{Confinement, ConfinementReport};
 pub use kvm_bindings::kvm_regs;
