@@ -47,11 +47,12 @@ fn main() {
     let n = samples();
     let old = Handoff { vmm_spin: Duration::from_micros(5_700), stub_spin: 200_000, yields: 0 };
     // (name, confinement, hand-off; None: the default)
-    let longer = Handoff { vmm_spin: Duration::from_micros(300), stub_spin: 10_000, yields: 2 };
-    let systraps: [(&str, Confinement, Option<Handoff>); 6] = [
+    let yield_only = Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 2 };
+    let systraps: [(&str, Confinement, Option<Handoff>); 7] = [
         ("systrap", Confinement::for_replay(false), None),
         ("systrap, from a template", Confinement::for_replay(false), None),
-        ("systrap, spin 300 us/10000", Confinement::for_replay(false), Some(longer)),
+        ("systrap, yield only", Confinement::for_replay(false), Some(yield_only.clone())),
+        ("systrap, template, yield only", Confinement::for_replay(false), Some(yield_only)),
         ("systrap, old spin", Confinement::for_replay(false), Some(old.clone())),
         ("systrap, replay traps", Confinement::for_replay(true), None),
         ("systrap, replay traps, old spin", Confinement::for_replay(true), Some(old)),
@@ -73,7 +74,7 @@ fn main() {
 
         for (i, (_, conf, h)) in systraps.iter().enumerate() {
             let t = Instant::now();
-            let mut p = if i == 1 { Process::spawn_from(&spec, &mut template) } else { Process::spawn(&spec, conf) }.expect("systrap spawn");
+            let mut p = if i == 1 || i == 3 { Process::spawn_from(&spec, &mut template) } else { Process::spawn(&spec, conf) }.expect("systrap spawn");
             if let Some(h) = h {
                 p.set_handoff(h.clone());
             }

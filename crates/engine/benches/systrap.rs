@@ -179,11 +179,13 @@ fn bench(c: &mut Criterion) {
     for (name, replay, h) in [
         ("futex only, replay", true, sleep_only.clone()),
         ("old default (spin ~5.7 ms each side), replay", true, old.clone()),
-        ("default (50 us / 2000 pauses, 2 yields), replay", true, new.clone()),
+        ("default, replay", true, new.clone()),
         ("futex only, outside replay", false, sleep_only.clone()),
         ("old default (spin ~5.7 ms each side), outside replay", false, old.clone()),
         ("yield 2 then futex, no spin, outside replay", false, Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 2 }),
-        ("default (50 us / 2000 pauses, 2 yields), outside replay", false, new.clone()),
+        ("spin 5 us / 200 pauses, 2 yields, outside replay", false, Handoff { vmm_spin: Duration::from_micros(5), stub_spin: 200, yields: 2 }),
+        ("spin 50 us / 2000 pauses, 2 yields, outside replay", false, Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2 }),
+        ("default, outside replay", false, new.clone()),
     ] {
         let base = measure(|| pair.round_trip());
         let (stub, regs) = if replay { (&mut trapping, &mut regs_t) } else { (&mut plain, &mut regs_p) };
