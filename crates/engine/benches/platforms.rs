@@ -47,12 +47,12 @@ fn main() {
     let n = samples();
     let old = Handoff { vmm_spin: Duration::from_micros(5_700), stub_spin: 200_000, yields: 0 };
     // (name, confinement, hand-off; None: the default)
-    let yield_only = Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 2 };
+    let spin50 = Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2 };
     let systraps: [(&str, Confinement, Option<Handoff>); 7] = [
         ("systrap", Confinement::for_replay(false), None),
         ("systrap, from a template", Confinement::for_replay(false), None),
-        ("systrap, yield only", Confinement::for_replay(false), Some(yield_only.clone())),
-        ("systrap, template, yield only", Confinement::for_replay(false), Some(yield_only)),
+        ("systrap, spin 50 us/2000", Confinement::for_replay(false), Some(spin50.clone())),
+        ("systrap, template, spin 50 us", Confinement::for_replay(false), Some(spin50)),
         ("systrap, old spin", Confinement::for_replay(false), Some(old.clone())),
         ("systrap, replay traps", Confinement::for_replay(true), None),
         ("systrap, replay traps, old spin", Confinement::for_replay(true), Some(old)),

@@ -199,6 +199,42 @@ fn bench(c: &mut Criterion) {
             best = (s.median_us, ratio, name.to_string());
         }
     }
+    // Pinned: the VMM thread and the stub on one CPU (what a host with few cores could do).
+    {
+        let pin = |pid: i32, cpu: usize| {
+            // SAFETY: a zeroed cpu_set_t is valid; CPU_SET and sched_setaffinity only touch it.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(cpu, &mut set);
+                libc::sched_setaffinity(pid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+            }
+        };
+        // SAFETY: sched_getcpu has no preconditions.
+        let cpu = unsafe { libc::sched_getcpu() }.max(0) as usize;
+        if pin(0, cpu) && pin(plain.pid(), cpu) {
+            for (name, h) in [
+                ("pinned to one CPU, yield 2 then futex (default)", Handoff::default()),
+                ("pinned to one CPU, spin 50 us / 2000 pauses, 2 yields", Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2 }),
+                ("pinned to one CPU, futex only", sleep_only.clone()),
+            ] {
+                let base = measure(|| pair.round_trip());
+                plain.set_handoff(h);
+                let s = measure(|| trapped_round_trip(&mut plain, &mut regs_p, &mut fs));
+                print("native futex round trip (baseline for the next line)", &base);
+                print(&format!("systrap trapped syscall, {name}, outside replay"), &s);
+                println!("{:<58} ratio to that futex round trip: {:.2}x (median), {:.2}x (p99)", "", s.median_us / base.median_us, s.p99_us / base.p99_us);
+            }
+            // SAFETY: as above.
+            let mut all: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            // SAFETY: sysconf has no preconditions.
+            for c in 0..unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize {
+                // SAFETY: setting a bit in a local set.
+                unsafe { libc::CPU_SET(c, &mut all) };
+            }
+            // SAFETY: restoring this thread's affinity from a local set.
+            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &all) };
+        }
+    }
     plain.set_handoff(Handoff::default());
     let (mut stub, mut regs) = (plain, regs_p);
     println!("systrap best: {} median {:.3} us = {:.2}x its futex baseline (target <= 1.5x and <= 5 us)", best.2, best.0, best.1);

@@ -149,13 +149,16 @@ pub struct Stub {
 }
 
 impl Default for Handoff {
-    /// Spin briefly, yield twice, then sleep. Measured in benches/systrap.rs and
-    /// benches/platforms.rs on a 2-core nested VM (kvm_pvm host) under load: when both sides
-    /// have a core a trapped round trip takes a few microseconds inside this spin; when they
-    /// do not, a long spin (the old default, 200000 `pause`s = ~6 ms on each side) burns the
-    /// time slice the other side needs, and a short spin plus a yield hands it over instead.
+    /// No spin: yield twice, then sleep. Measured on a 2-core nested VM (kvm_pvm host), load ~6,
+    /// in benches/systrap.rs: any spin makes the bare round trip bimodal, ~3 us when the VMM and
+    /// the stub run on different CPUs but 100-135 us (p99 ms) when the scheduler keeps them on one
+    /// (each spins while the other cannot run), while yield-then-sleep is 5.5-7.5 us (p99 6-10 us,
+    /// 1.0-1.2x a two-process futex round trip) either way. In benches/platforms.rs
+    /// (`/bin/sh -c true`, stub from a `Template`) it was the fastest row in both runs (4.0-4.4 ms
+    /// against 5.6-8.6 ms with a 50 us spin). The old default, 200000 `pause`s (~5.7 ms) a side,
+    /// took hundreds of ms at the p99 under load.
     fn default() -> Handoff {
-        Handoff { vmm_spin: std::time::Duration::from_micros(50), stub_spin: 2_000, yields: 2 }
+        Handoff { vmm_spin: std::time::Duration::ZERO, stub_spin: 0, yields: 2 }
     }
 }
 
