@@ -76,7 +76,6 @@ print(len(b), b[-1], m[100:105].decode(), fm[:12].decode())\n";
 }
 
 #[test]
-#[ignore = "hangs now and then in the stub's fault hand-off (a lost wake-up, reported to the systrap platform); passes when it does not"]
 fn a_segfault_ends_the_process_by_sigsegv() {
     let Some(r) = run(&["/usr/bin/python3", "-c", "import ctypes; ctypes.string_at(8)"]) else { return };
     assert_eq!(r.exit, RunExit::Signaled { signo: libc::SIGSEGV });
@@ -159,4 +158,23 @@ print('done')\n";
     let Some(r) = run(&["/usr/bin/python3", "-c", code]) else { return };
     assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
     assert_eq!(String::from_utf8_lossy(&r.stdout), "got\ndone\n");
+}
+
+#[test]
+fn processes_from_one_template_stub() {
+    // Two guest processes in stubs forked from one parked template (platform::systrap::Template).
+    let Some(root) = common::python_rootfs() else { return };
+    let mut t = collimate_engine::platform::systrap::Template::new(&Confinement::for_replay(false)).expect("template stub");
+    for word in ["one", "two"] {
+        let spec = SpawnSpec {
+            root: root.clone(),
+            argv: vec![b"/bin/busybox".to_vec(), b"echo".to_vec(), word.as_bytes().to_vec()],
+            envp: vec![b"PATH=/usr/bin:/bin".to_vec()],
+            cwd: "/".into(),
+            ..Default::default()
+        };
+        let r = Process::spawn_from(&spec, &mut t).expect("spawn from the template").run(T).expect("run on systrap");
+        assert_eq!(exited(&r), 0);
+        assert_eq!(r.stdout, format!("{word}\n").as_bytes());
+    }
 }

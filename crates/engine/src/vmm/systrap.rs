@@ -174,9 +174,20 @@ impl Process {
     /// A new confined stub running the program `spec` names from its root filesystem. Its fds 1
     /// and 2 are captured in each run's output (its children's too: see [`Capture`]).
     pub fn spawn(spec: &SpawnSpec, conf: &Confinement) -> Result<Process> {
+        let stub = Stub::spawn(conf).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
+        Self::with_stub(spec, stub)
+    }
+
+    /// As [`Process::spawn`], in a stub forked from `template` (`platform::systrap::Template`:
+    /// no new namespaces or clone of the VMM per process).
+    pub fn spawn_from(spec: &SpawnSpec, template: &mut st::Template) -> Result<Process> {
+        let stub = template.spawn().map_err(|e| Error::Remote(format!("systrap: {e}")))?;
+        Self::with_stub(spec, stub)
+    }
+
+    fn with_stub(spec: &SpawnSpec, mut stub: Stub) -> Result<Process> {
         let (capture, stdio) = Capture::new().map_err(Error::sys("memfds for the guest's stdout and stderr"))?;
         let mut os = super::new_guest_os(spec, Some(1), Some(stdio))?;
-        let mut stub = Stub::spawn(conf).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
         let budget = DEFAULT_BUDGET;
         let cannot = |e: Errno, failure: Option<String>| {
             Error::Image(format!(
@@ -194,6 +205,12 @@ impl Process {
         // this whole process: one systrap first process per host process).
         signal::host::install();
         Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture })
+    }
+
+    /// How the VMM and the stub wait for each other (`platform::systrap::Handoff`; tuning and
+    /// benches).
+    pub fn set_handoff(&mut self, h: st::Handoff) {
+        self.stub.set_handoff(h);
     }
 
     /// The guest OS state (files, memory map, process facts).
