@@ -3,7 +3,8 @@
 //! - native `getppid` (the floor);
 //! - a futex wake-and-wait round trip between two host processes (the baseline);
 //! - a bare trapped guest syscall round trip through a stub (the VMM answers at once), with the
-//!   wake-up tuned several ways: futex only, and spin-then-futex with a few spin budgets;
+//!   wake-up tuned several ways (`Handoff`: futex only, yields, spins), with `rdtsc` and `cpuid`
+//!   trapped (replay mode) and not;
 //! - a 4 KiB guest memory read through /proc/<pid>/mem and through process_vm_readv.
 //!
 //! Each case prints median and p99 over individually timed operations, and the ratio of the
@@ -11,9 +12,9 @@
 //! for the same closures. Run: `cargo bench -p collimate-engine --bench systrap`.
 
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use collimate_engine::platform::systrap::{kvm_regs, memory, Confinement, Exit, Stub};
+use collimate_engine::platform::systrap::{kvm_regs, memory, Confinement, Exit, Handoff, Stub, Template};
 use criterion::{criterion_group, criterion_main, Criterion};
 
 const SAMPLES: usize = 10_000;
@@ -156,41 +157,133 @@ fn bench(c: &mut Criterion) {
     }
 
     // What trapping rdtsc and cpuid costs per context switch on this host, futex only.
+    let sleep_only = Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 0 };
     for (name, tsc, cpuid) in [
         ("systrap futex only, rdtsc and cpuid not trapped", false, false),
         ("systrap futex only, rdtsc trapped, cpuid not", true, false),
         ("systrap futex only, cpuid trapped, rdtsc not", false, true),
     ] {
         let (mut stub, mut regs) = syscall_loop_stub(&Confinement { trap_rdtsc: tsc, trap_cpuid: cpuid, ..Confinement::default() });
-        stub.set_spin(0, 0);
+        stub.set_handoff(sleep_only.clone());
         let mut fs = 0u64;
         print(name, &measure(|| trapped_round_trip(&mut stub, &mut regs, &mut fs)));
     }
-    let (mut stub, mut regs) = syscall_loop_stub(&Confinement::default());
+    let (mut trapping, mut regs_t) = syscall_loop_stub(&Confinement::for_replay(true));
+    let (mut plain, mut regs_p) = syscall_loop_stub(&Confinement::for_replay(false));
     let mut fs = 0u64;
-    let mut best = (f64::MAX, 0.0, "");
+    let mut best = (f64::MAX, 0.0, String::new());
+    let old = Handoff { vmm_spin: Duration::from_micros(5_700), stub_spin: 200_000, yields: 0 };
+    let new = Handoff::default();
     // The load moves during a run: each configuration is measured right after a fresh futex
-    // baseline, and its ratio is to that baseline.
-    for (name, vmm, st) in [
-        ("systrap trapped syscall, futex only (spin 0/0)", 0, 0),
-        ("systrap trapped syscall, spin 2000/2000 then futex", 2_000, 2_000),
-        ("systrap trapped syscall, spin 20000/20000 then futex", 20_000, 20_000),
-        ("systrap trapped syscall, spin 0 (VMM)/200000 (stub)", 0, 200_000),
-        ("systrap trapped syscall, spin 200000/200000 then futex", 200_000, 200_000),
+    // baseline, and its ratio is to that baseline. "replay": rdtsc and cpuid trapped.
+    for (name, replay, h) in [
+        ("futex only, replay", true, sleep_only.clone()),
+        ("old default (spin ~5.7 ms each side), replay", true, old.clone()),
+        ("default, replay", true, new.clone()),
+        ("futex only, outside replay", false, sleep_only.clone()),
+        ("old default (spin ~5.7 ms each side), outside replay", false, old.clone()),
+        ("yield 2 then futex, no spin, outside replay", false, Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 2 }),
+        ("spin 5 us / 200 pauses, 2 yields, outside replay", false, Handoff { vmm_spin: Duration::from_micros(5), stub_spin: 200, yields: 2 }),
+        ("spin 50 us / 2000 pauses, 2 yields, outside replay", false, Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2 }),
+        ("default, outside replay", false, new.clone()),
     ] {
         let base = measure(|| pair.round_trip());
-        stub.set_spin(vmm, st);
-        let s = measure(|| trapped_round_trip(&mut stub, &mut regs, &mut fs));
+        let (stub, regs) = if replay { (&mut trapping, &mut regs_t) } else { (&mut plain, &mut regs_p) };
+        stub.set_handoff(h);
+        let s = measure(|| trapped_round_trip(stub, regs, &mut fs));
         print("native futex round trip (baseline for the next line)", &base);
-        print(name, &s);
+        print(&format!("systrap trapped syscall, {name}"), &s);
         let ratio = s.median_us / base.median_us;
         println!("{:<58} ratio to that futex round trip: {:.2}x (median), {:.2}x (p99)", "", ratio, s.p99_us / base.p99_us);
         if s.median_us < best.0 {
-            best = (s.median_us, ratio, name);
+            best = (s.median_us, ratio, name.to_string());
         }
     }
-    stub.set_spin(collimate_engine::platform::systrap::DEFAULT_VMM_SPIN, collimate_engine::platform::systrap::DEFAULT_STUB_SPIN);
+    // Pinned: the VMM thread and the stub on one CPU (what a host with few cores could do).
+    {
+        let pin = |pid: i32, cpu: usize| {
+            // SAFETY: a zeroed cpu_set_t is valid; CPU_SET and sched_setaffinity only touch it.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(cpu, &mut set);
+                libc::sched_setaffinity(pid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+            }
+        };
+        // SAFETY: sched_getcpu has no preconditions.
+        let cpu = unsafe { libc::sched_getcpu() }.max(0) as usize;
+        if pin(0, cpu) && pin(plain.pid(), cpu) {
+            for (name, h) in [
+                ("pinned to one CPU, yield 2 then futex (default)", Handoff::default()),
+                ("pinned to one CPU, spin 50 us / 2000 pauses, 2 yields", Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2 }),
+                ("pinned to one CPU, futex only", sleep_only.clone()),
+            ] {
+                let base = measure(|| pair.round_trip());
+                plain.set_handoff(h);
+                let s = measure(|| trapped_round_trip(&mut plain, &mut regs_p, &mut fs));
+                print("native futex round trip (baseline for the next line)", &base);
+                print(&format!("systrap trapped syscall, {name}, outside replay"), &s);
+                println!("{:<58} ratio to that futex round trip: {:.2}x (median), {:.2}x (p99)", "", s.median_us / base.median_us, s.p99_us / base.p99_us);
+            }
+            // SAFETY: as above.
+            let mut all: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            // SAFETY: sysconf has no preconditions.
+            for c in 0..unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize {
+                // SAFETY: setting a bit in a local set.
+                unsafe { libc::CPU_SET(c, &mut all) };
+            }
+            // SAFETY: restoring this thread's affinity from a local set.
+            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &all) };
+        }
+    }
+    plain.set_handoff(Handoff::default());
+    let (mut stub, mut regs) = (plain, regs_p);
     println!("systrap best: {} median {:.3} us = {:.2}x its futex baseline (target <= 1.5x and <= 5 us)", best.2, best.0, best.1);
+
+    // What a stub's creation costs, by confinement (each sample a spawn to the first report and the
+    // drop that kills and reaps it).
+    for (name, conf) in [
+        ("systrap Stub::spawn + drop, default confinement", Confinement::for_replay(false)),
+        ("systrap Stub::spawn + drop, no namespaces", Confinement { namespaces: false, ..Confinement::for_replay(false) }),
+    ] {
+        let (mut t, mut d): (Vec<Duration>, Vec<Duration>) = (0..100)
+            .map(|_| {
+                let s = Instant::now();
+                let stub = Stub::spawn(&conf).expect("spawn");
+                let spawned = s.elapsed();
+                drop(stub);
+                (spawned, s.elapsed() - spawned)
+            })
+            .unzip();
+        t.sort_unstable();
+        d.sort_unstable();
+        let ms = |x: Duration| x.as_secs_f64() * 1e3;
+        println!("{name:<58} median {:>8.3} ms   p99 {:>8.3} ms (of it the drop: median {:.3} ms)", ms(t[50] + d[50]), ms(t[98] + d[98]), ms(d[50]));
+    }
+
+    {
+        // A new stub as a fork of a parked empty one (a small address space to copy, the
+        // namespaces already made) instead of a clone of the VMM.
+        let mut template = Template::new(&Confinement::for_replay(false)).expect("spawn a template");
+        let (mut t, mut d): (Vec<Duration>, Vec<Duration>) = (0..100)
+            .map(|_| {
+                let s = Instant::now();
+                let stub = template.spawn().expect("a stub from the template");
+                let spawned = s.elapsed();
+                drop(stub);
+                (spawned, s.elapsed() - spawned)
+            })
+            .unzip();
+        t.sort_unstable();
+        d.sort_unstable();
+        let ms = |x: Duration| x.as_secs_f64() * 1e3;
+        println!(
+            "{:<58} median {:>8.3} ms   p99 {:>8.3} ms (of it the drop: median {:.3} ms)",
+            "systrap Template::spawn (fork of a parked stub) + drop",
+            ms(t[50] + d[50]),
+            ms(t[98] + d[98]),
+            ms(d[50])
+        );
+    }
 
     let mut buf = vec![0u8; 4096];
     let mem = memory::open_mem(stub.pid()).expect("open mem");

@@ -2,7 +2,7 @@
 //! natively in a confined host process, and every syscall it makes, its faults and its `rdtsc`
 //! reach the test (playing the VMM) as exits.
 
-use collimate_engine::platform::systrap::{kvm_regs, Confinement, Exit, Stub};
+use collimate_engine::platform::systrap::{kvm_regs, Confinement, Exit, Stub, Template};
 
 const CODE: u64 = 0x40_0000;
 const DATA: u64 = 0x50_0000;
@@ -36,7 +36,11 @@ const PROGRAM: &[u8] = &[
 /// A stub with PROGRAM at CODE (mapped read+execute, written through the debugger-like path),
 /// "hello" at DATA+8, a stack, and registers at the program's entry.
 fn loaded() -> (Stub, kvm_regs) {
-    let mut stub = Stub::spawn(&Confinement::default()).expect("spawn a stub");
+    load(Stub::spawn(&Confinement::default()).expect("spawn a stub"))
+}
+
+/// PROGRAM and its data and stack, placed in an empty stub.
+fn load(mut stub: Stub) -> (Stub, kvm_regs) {
     let private = libc::MAP_PRIVATE;
     stub.map(CODE, PAGE, RX, private, None, 0).expect("map code");
     stub.write(CODE, PROGRAM).expect("write into a read-only private page");
@@ -252,4 +256,23 @@ fn cpuid_traps_where_the_cpu_has_cpuid_faulting_and_root_gets_namespaces() {
     } else {
         assert_eq!(e, Exit::Syscall, "without CPUID faulting cpuid runs natively");
     }
+}
+
+#[test]
+fn stubs_forked_from_a_template_are_empty_and_independent() {
+    let mut t = Template::new(&Confinement::default()).expect("spawn a template stub");
+    let a = t.spawn().expect("a stub from the template");
+    let b = t.spawn().expect("another stub from the template");
+    assert_ne!(a.pid(), b.pid());
+    let mut byte = [0u8; 1];
+    assert!(a.read(CODE, &mut byte).is_err(), "nothing of the guest's is mapped in a new stub");
+    let ((mut a, mut ra), (mut b, mut rb)) = (load(a), load(b));
+    let mut fs = 0u64;
+    for (stub, regs, answer) in [(&mut a, &mut ra, 11u64), (&mut b, &mut rb, 22)] {
+        assert_eq!(stub.run(regs, &mut fs).unwrap(), Exit::Syscall);
+        assert_eq!(regs.rax, libc::SYS_getppid as u64);
+        regs.rax = answer;
+        assert_eq!(stub.run(regs, &mut fs).unwrap(), Exit::Syscall, "write");
+    }
+    assert_eq!((read_u64(&a, DATA), read_u64(&b, DATA)), (11, 22), "each stub has its own memory");
 }

@@ -76,8 +76,105 @@ print(len(b), b[-1], m[100:105].decode(), fm[:12].decode())\n";
 }
 
 #[test]
-#[ignore = "hangs now and then in the stub's fault hand-off (a lost wake-up, reported to the systrap platform); passes when it does not"]
 fn a_segfault_ends_the_process_by_sigsegv() {
     let Some(r) = run(&["/usr/bin/python3", "-c", "import ctypes; ctypes.string_at(8)"]) else { return };
     assert_eq!(r.exit, RunExit::Signaled { signo: libc::SIGSEGV });
+}
+
+#[test]
+fn a_python_signal_handler_runs_and_returns() {
+    // rt_sigaction, kill to itself, the frame on the guest's stack, rt_sigreturn back into the
+    // interpreter (whose registers and floating-point state must come back intact), twice.
+    let code = "import signal, os\n\
+n = []\n\
+signal.signal(signal.SIGUSR1, lambda *a: n.append(1) or print('got'))\n\
+x = 1.5\n\
+os.kill(os.getpid(), signal.SIGUSR1)\n\
+os.kill(os.getpid(), signal.SIGUSR1)\n\
+print(len(n), x * 3)\n";
+    let Some(r) = run(&["/usr/bin/python3", "-c", code]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "got\ngot\n2 4.5\n");
+}
+
+#[test]
+fn an_unhandled_signal_ends_the_process_by_it() {
+    let Some(r) = run(&["/usr/bin/python3", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM); print('not reached')"]) else { return };
+    assert_eq!(r.exit, RunExit::Signaled { signo: libc::SIGTERM });
+    assert_eq!(r.stdout, b"");
+}
+
+#[test]
+fn a_fault_runs_the_guests_handler_then_ends_by_sigsegv() {
+    // CPython's faulthandler: its SIGSEGV handler (on an alternate stack) prints the traceback,
+    // puts the default action back and returns; the retried access then kills the process.
+    let Some(r) = run(&["/usr/bin/python3", "-X", "faulthandler", "-c", "import ctypes; ctypes.string_at(8)"]) else { return };
+    assert_eq!(r.exit, RunExit::Signaled { signo: libc::SIGSEGV }, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("Segmentation fault"), "stderr: {}", String::from_utf8_lossy(&r.stderr));
+}
+
+#[test]
+fn a_shell_pipeline_forks_and_reaps() {
+    // Two forks (each a host fork of the VMM and a fork of the stub), a pipe between them, an
+    // execve in each child, and wait4 for both in the shell.
+    let Some(r) = run(&["/bin/sh", "-c", "echo a | cat"]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(r.stdout, b"a\n");
+}
+
+#[test]
+fn exit_statuses_reach_the_parent() {
+    let Some(r) = run(&["/bin/sh", "-c", "exit 3"]) else { return };
+    assert_eq!(exited(&r), 3);
+    // A subshell (fork) exiting 3, a child program failing, a child killed by a signal.
+    let Some(r) = run(&["/bin/sh", "-c", "(exit 3); echo $?; /bin/busybox false; echo $?; sh -c 'kill -9 $$'; echo $?"]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "3\n1\n137\n");
+}
+
+#[test]
+fn python_subprocess_runs_a_program() {
+    // CPython's subprocess: vfork (or fork) + execve, its error pipe, waitpid.
+    let code = "import subprocess\n\
+r = subprocess.run(['/bin/echo', 'x'], capture_output=True)\n\
+print(r.returncode, r.stdout)\n\
+print(subprocess.run(['/bin/sh', '-c', 'exit 5']).returncode)\n";
+    let Some(r) = run(&["/usr/bin/python3", "-c", code]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "0 b'x\\n'\n5\n");
+}
+
+#[test]
+fn signals_travel_between_parent_and_child() {
+    // The shell kills its background child (SIGTERM: 143), and a child signals its parent,
+    // whose Python handler runs.
+    let Some(r) = run(&["/bin/sh", "-c", "sleep 30 & kill $!; wait $!; echo $?"]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(r.stdout, b"143\n");
+    let code = "import os, signal, subprocess\n\
+signal.signal(signal.SIGUSR1, lambda *a: print('got'))\n\
+subprocess.run(['/bin/sh', '-c', 'kill -USR1 $PPID'])\n\
+print('done')\n";
+    let Some(r) = run(&["/usr/bin/python3", "-c", code]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "got\ndone\n");
+}
+
+#[test]
+fn processes_from_one_template_stub() {
+    // Two guest processes in stubs forked from one parked template (platform::systrap::Template).
+    let Some(root) = common::python_rootfs() else { return };
+    let mut t = collimate_engine::platform::systrap::Template::new(&Confinement::for_replay(false)).expect("template stub");
+    for word in ["one", "two"] {
+        let spec = SpawnSpec {
+            root: root.clone(),
+            argv: vec![b"/bin/busybox".to_vec(), b"echo".to_vec(), word.as_bytes().to_vec()],
+            envp: vec![b"PATH=/usr/bin:/bin".to_vec()],
+            cwd: "/".into(),
+            ..Default::default()
+        };
+        let r = Process::spawn_from(&spec, &mut t).expect("spawn from the template").run(T).expect("run on systrap");
+        assert_eq!(exited(&r), 0);
+        assert_eq!(r.stdout, format!("{word}\n").as_bytes());
+    }
 }

@@ -33,8 +33,8 @@ use kvm_bindings::kvm_regs;
 use super::process::Proc;
 use super::signal_state::{AltStack, SigAction, MINSIGSTKSZ, NSIG};
 use super::{Ctx, Errno, GuestOs, SysResult, EAGAIN, ECHILD, EFAULT, EINTR, EINVAL, EPERM, ESRCH};
-use crate::arch::x86_64::paging::{AddressSpace, PTE_U, PTE_W};
-use crate::vstate::memory::GuestMemory;
+use crate::arch::x86_64::paging::{PTE_U, PTE_W};
+use crate::platform::Memory;
 
 pub const SIGHUP: i32 = 1;
 pub const SIGINT: i32 = 2;
@@ -352,7 +352,8 @@ pub fn on_exec(os: &mut GuestOs) {
 /// Bytes of the XSAVE image a signal frame carries: the legacy region (512), the XSAVE header (64)
 /// and the AVX state (256), for XCR0 = x87 | SSE | AVX.
 pub const XSTATE_SIZE: usize = 832;
-const XFEATURES: u64 = 0b111;
+/// The XSAVE components a signal frame holds: x87, SSE, AVX.
+pub const XFEATURES: u64 = 0b111;
 const FP_XSTATE_MAGIC1: u32 = 0x4650_5853;
 const FP_XSTATE_MAGIC2: u32 = 0x4650_5845;
 /// Offset of the "software reserved" bytes (`struct _fpx_sw_bytes`) in the legacy region.
@@ -383,18 +384,38 @@ pub struct Delivery {
     pub cr2: u64,
 }
 
-/// Whether [start, start+len) is mapped user-writable.
-fn writable(mem: &GuestMemory, aspace: &AddressSpace, start: u64, len: u64) -> bool {
+/// Whether [start, start+len) is mapped user-writable: by the page tables on kvm, by the VMAs
+/// `guestos` records where the host kernel keeps the address space (systrap).
+fn writable(os: &GuestOs, mem: &Memory<'_>, start: u64, len: u64) -> bool {
     let Some(end) = start.checked_add(len) else { return false };
     let mut p = start & !0xfff;
     while p < end {
-        match aspace.translate(mem, p) {
-            Ok((_, f)) if f & PTE_U != 0 && f & PTE_W != 0 => {}
-            _ => return false,
+        let ok = match mem {
+            Memory::Kvm(k) => matches!(k.aspace.translate(k.mem, p), Ok((_, f)) if f & PTE_U != 0 && f & PTE_W != 0),
+            Memory::Host(_) => os.mm.vma_at(p).is_some_and(|(_, v)| v.prot & crate::guestos::mm::PROT_WRITE != 0),
+        };
+        if !ok {
+            return false;
         }
         p += 0x1000;
     }
     true
+}
+
+/// Read guest memory for a signal frame (EFAULT where nothing user-readable is mapped).
+fn read_user(mem: &Memory<'_>, va: u64, buf: &mut [u8]) -> Result<(), Errno> {
+    match mem {
+        Memory::Kvm(k) => k.aspace.read_virt(k.mem, va, buf, true).map_err(|_| EFAULT),
+        Memory::Host(h) => h.read(va, buf),
+    }
+}
+
+/// Write a signal frame into guest memory.
+fn write_user(mem: &mut Memory<'_>, va: u64, data: &[u8]) -> Result<(), Errno> {
+    match mem {
+        Memory::Kvm(k) => k.aspace.write_virt(k.mem, va, data, true).map_err(|_| EFAULT),
+        Memory::Host(h) => h.write(va, data),
+    }
 }
 
 fn on_stack(alt: &AltStack, sp: u64) -> bool {
@@ -419,8 +440,7 @@ fn stack_flags(alt: &AltStack, sp: u64) -> i32 {
 /// means the frame could not be written: the caller kills the process with SIGSEGV.
 pub fn setup_frame(
     os: &mut GuestOs,
-    mem: &mut GuestMemory,
-    aspace: &AddressSpace,
+    mem: &mut Memory<'_>,
     regs: &mut kvm_regs,
     xsave: &[u8],
     d: &Delivery,
@@ -437,7 +457,7 @@ pub fn setup_frame(
     }
     let fp = sp.wrapping_sub(XSTATE_SIZE as u64 + 4) & !63;
     let frame = (fp.wrapping_sub(FRAME_SIZE) & !15).wrapping_sub(8);
-    if !writable(mem, aspace, frame, sp.wrapping_sub(frame)) {
+    if !writable(os, mem, frame, sp.wrapping_sub(frame)) {
         return Err(EFAULT);
     }
     // The FPU/SSE/AVX state, in the XSAVE format with the software bytes that mark it as such.
@@ -473,8 +493,8 @@ pub fn setup_frame(
     put(&mut f, MCONTEXT + 184, fp);
     put(&mut f, SIGMASK, old_mask);
     f[INFO as usize..].copy_from_slice(&d.info.to_bytes());
-    aspace.write_virt(mem, fp, &fpstate, true).map_err(|_| EFAULT)?;
-    aspace.write_virt(mem, frame, &f, true).map_err(|_| EFAULT)?;
+    write_user(mem, fp, &fpstate)?;
+    write_user(mem, frame, &f)?;
 
     regs.rdi = d.sig as u64;
     regs.rsi = frame + INFO;
@@ -503,10 +523,10 @@ pub fn setup_frame(
 /// rt_sigreturn: restore the registers, mask, alternate stack and FPU state saved by
 /// [`setup_frame`] (the frame starts 8 bytes below rsp: the handler's `ret` popped pretcode).
 /// `xsave` is the vCPU's XSAVE image, updated in place. An error means a bad frame (SIGSEGV).
-pub fn sigreturn(os: &mut GuestOs, mem: &GuestMemory, aspace: &AddressSpace, regs: &mut kvm_regs, xsave: &mut [u8]) -> Result<(), Errno> {
+pub fn sigreturn(os: &mut GuestOs, mem: &Memory<'_>, regs: &mut kvm_regs, xsave: &mut [u8]) -> Result<(), Errno> {
     let frame = regs.rsp.wrapping_sub(8);
     let mut f = vec![0u8; FRAME_SIZE as usize];
-    aspace.read_virt(mem, frame, &mut f, true).map_err(|_| EFAULT)?;
+    read_user(mem, frame, &mut f)?;
     let get = |off: u64| u64::from_le_bytes(f[off as usize..off as usize + 8].try_into().unwrap_or_default());
     let g = |i: u64| get(MCONTEXT + 8 * i);
     let (rip, rsp) = (g(16), g(15));
@@ -520,19 +540,19 @@ pub fn sigreturn(os: &mut GuestOs, mem: &GuestMemory, aspace: &AddressSpace, reg
             return Err(EFAULT);
         }
         let mut img = vec![0u8; 512];
-        aspace.read_virt(mem, fp, &mut img, true).map_err(|_| EFAULT)?;
+        read_user(mem, fp, &mut img)?;
         let magic1 = u32::from_le_bytes(img[FPX_SW_BYTES..FPX_SW_BYTES + 4].try_into().unwrap_or_default());
         let size = u32::from_le_bytes(img[FPX_SW_BYTES + 16..FPX_SW_BYTES + 20].try_into().unwrap_or_default()) as usize;
         let mut magic2 = [0u8; 4];
         let extended = magic1 == FP_XSTATE_MAGIC1
             && size == XSTATE_SIZE
-            && aspace.read_virt(mem, fp + XSTATE_SIZE as u64, &mut magic2, true).is_ok()
+            && read_user(mem, fp + XSTATE_SIZE as u64, &mut magic2).is_ok()
             && u32::from_le_bytes(magic2) == FP_XSTATE_MAGIC2;
         let mask = u32::from_le_bytes(xsave[28..32].try_into().unwrap_or_default());
         let mask = if mask == 0 { 0xffbf } else { mask };
         if extended {
             let mut full = vec![0u8; XSTATE_SIZE];
-            aspace.read_virt(mem, fp, &mut full, true).map_err(|_| EFAULT)?;
+            read_user(mem, fp, &mut full)?;
             // Only the features we enable, the standard (non-compacted) format, no reserved bits.
             let bv = u64::from_le_bytes(full[512..520].try_into().unwrap_or_default()) & XFEATURES;
             full[512..576].fill(0);

@@ -33,8 +33,8 @@
 //!   address through it. Its run loop is `vmm::systrap`.
 //!
 //! # What each platform adds for clone, fork, snapshot and reset
-//! kvm has all of these today; on systrap they are still to build (a systrap process runs one
-//! program, execve included, in the caller's process: `vmm::systrap::Process`), in this shape:
+//! kvm has all of these today; on systrap guest fork works (`vmm::systrap`) and the rest is
+//! still to build, in this shape:
 //! - **Guest fork** (fork/vfork/clone without CLONE_VM) is a host fork of the VMM process on both.
 //!   kvm: guest memory is `MAP_PRIVATE`, the child makes a new VM over it. systrap: the child VMM
 //!   also forks the stub (`Stub::fork`, the host's copy-on-write of the stub's pages).

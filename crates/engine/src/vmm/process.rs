@@ -890,13 +890,15 @@ fn xsave_bytes(vcpu: &VcpuFd) -> Result<(kvm_bindings::kvm_xsave, Vec<u8>)> {
 fn deliver(m: &mut Machine, r: &mut kvm_regs, d: &Delivery) -> Result<bool> {
     let (_, xsave) = xsave_bytes(&m.vcpu)?;
     let Some(os) = m.os.as_mut() else { return Ok(true) };
-    Ok(signal::setup_frame(os, &mut m.mem, &m.runtime.aspace, r, &xsave, d).is_ok())
+    let mut mem = crate::platform::Memory::Kvm(crate::platform::kvm::Memory::new(&mut m.mem, &mut m.runtime.frames, &m.runtime.aspace));
+    Ok(signal::setup_frame(os, &mut mem, r, &xsave, d).is_ok())
 }
 
 fn sigreturn(m: &mut Machine, r: &mut kvm_regs) -> Result<Option<RunExit>> {
     let (mut xs, mut bytes) = xsave_bytes(&m.vcpu)?;
     let Some(os) = m.os.as_mut() else { return Ok(None) };
-    if signal::sigreturn(os, &m.mem, &m.runtime.aspace, r, &mut bytes).is_err() {
+    let mem = crate::platform::Memory::Kvm(crate::platform::kvm::Memory::new(&mut m.mem, &mut m.runtime.frames, &m.runtime.aspace));
+    if signal::sigreturn(os, &mem, r, &mut bytes).is_err() {
         return Ok(Some(RunExit::Signaled { signo: signal::SIGSEGV }));
     }
     for (w, c) in xs.region.iter_mut().zip(bytes.chunks_exact(4)) {
@@ -923,16 +925,40 @@ fn interrupts(nr: u64, act: &crate::guestos::signal_state::SigAction) -> bool {
 /// After a syscall of a Linux guest: SIGPIPE for EPIPE, then act on the next pending signal
 /// (enter its handler, or end the process by it). `r` is what the guest resumes with.
 pub(super) fn after_syscall(m: &mut Machine, entry: &Entry, r: &mut kvm_regs, exit: Option<RunExit>) -> Result<Option<RunExit>> {
+    let Some(os) = m.os.as_mut() else { return Ok(exit) };
+    match signals_after_syscall(os, entry, r, exit) {
+        AfterSyscall::Resume(exit) => Ok(exit),
+        AfterSyscall::Deliver(d, exit) => {
+            if deliver(m, r, &d)? {
+                Ok(exit)
+            } else {
+                Ok(Some(RunExit::Signaled { signo: signal::SIGSEGV }))
+            }
+        }
+    }
+}
+
+/// What a run loop does after a syscall, whatever the platform: go on (with the call's exit),
+/// or first enter a handler for a signal (the platform writes the frame: [`signal::setup_frame`]
+/// with its memory and XSAVE area).
+pub(super) enum AfterSyscall {
+    Resume(Option<RunExit>),
+    Deliver(Delivery, Option<RunExit>),
+}
+
+/// The platform-neutral part of [`after_syscall`]: SIGPIPE for EPIPE, due timers, signals from
+/// other processes and children, then the next pending signal. A restarting call that a handler
+/// interrupts returns EINTR here (`r` updated).
+pub(super) fn signals_after_syscall(os: &mut GuestOs, entry: &Entry, r: &mut kvm_regs, exit: Option<RunExit>) -> AfterSyscall {
     let restarting = r.rip == entry.rip.wrapping_sub(2) && r.rax == entry.nr;
     RESTART_RIP.store(if restarting { r.rip } else { 0 }, Ordering::Relaxed);
     RESTART_NR.store(entry.nr, Ordering::Relaxed);
-    let Some(os) = m.os.as_mut() else { return Ok(exit) };
     if host::stale() {
         // The sandbox was reset since this guest process was forked: it ends here.
-        return Ok(Some(RunExit::Signaled { signo: signal::SIGKILL }));
+        return AfterSyscall::Resume(Some(RunExit::Signaled { signo: signal::SIGKILL }));
     }
     if matches!(exit, Some(RunExit::Exited { .. } | RunExit::Signaled { .. })) {
-        return Ok(exit);
+        return AfterSyscall::Resume(exit);
     }
     if WRITES.contains(&entry.nr) && r.rax as i64 == -(crate::guestos::EPIPE.0 as i64) {
         let pid = os.proc.pid;
@@ -943,7 +969,7 @@ pub(super) fn after_syscall(m: &mut Machine, entry: &Entry, r: &mut kvm_regs, ex
         if let Some(mask) = os.sig.saved_mask.take() {
             os.proc.sigmask = mask;
         }
-        return Ok(exit);
+        return AfterSyscall::Resume(exit);
     }
     signal::gather(os);
     match signal::next(os) {
@@ -951,9 +977,9 @@ pub(super) fn after_syscall(m: &mut Machine, entry: &Entry, r: &mut kvm_regs, ex
             if let Some(mask) = os.sig.saved_mask.take() {
                 os.proc.sigmask = mask;
             }
-            Ok(exit)
+            AfterSyscall::Resume(exit)
         }
-        Some(Next::Die { sig }) => Ok(Some(RunExit::Signaled { signo: sig })),
+        Some(Next::Die { sig }) => AfterSyscall::Resume(Some(RunExit::Signaled { signo: sig })),
         Some(Next::Handle { sig, info, act }) => {
             if restarting && interrupts(entry.nr, &act) {
                 r.rip = entry.rip;
@@ -961,12 +987,7 @@ pub(super) fn after_syscall(m: &mut Machine, entry: &Entry, r: &mut kvm_regs, ex
                 os.proc.sleep = None;
                 RESTART_RIP.store(0, Ordering::Relaxed);
             }
-            let d = Delivery { sig, info, act, trapno: 0, err: 0, cr2: 0 };
-            if deliver(m, r, &d)? {
-                Ok(exit)
-            } else {
-                Ok(Some(RunExit::Signaled { signo: signal::SIGSEGV }))
-            }
+            AfterSyscall::Deliver(Delivery { sig, info, act, trapno: 0, err: 0, cr2: 0 }, exit)
         }
     }
 }
@@ -1020,7 +1041,7 @@ const SEGV_ACCERR: i32 = 2;
 const BUS_ADRERR: i32 = 2;
 
 /// The signal and si_code a CPU exception raises, as Linux's traps do.
-fn fault_signal(vector: u8, error_code: u64) -> (i32, i32) {
+pub(super) fn fault_signal(vector: u8, error_code: u64) -> (i32, i32) {
     match vector {
         0 => (signal::SIGFPE, 1),  // #DE: FPE_INTDIV
         1 => (signal::SIGTRAP, 2), // #DB: TRAP_TRACE
@@ -1063,6 +1084,23 @@ pub(super) fn on_fault(m: &mut Machine, exit: RunExit) -> Result<Option<RunExit>
             Fault::OutOfMemory => return Ok(Some(RunExit::Signaled { signo: signal::SIGBUS })),
         }
     }
+    match fault_delivery(os, sig, code, vector, error_code, rip, cr2) {
+        Some(d) => {
+            let mut r = m.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
+            if !deliver(m, &mut r, &d)? {
+                return Ok(Some(RunExit::Signaled { signo: signal::SIGSEGV }));
+            }
+            m.vcpu.set_regs(&r).map_err(Error::kvm("KVM_SET_REGS"))?;
+            Ok(None)
+        }
+        None => Ok(Some(RunExit::Signaled { signo: sig })),
+    }
+}
+
+/// The handler to enter for fault signal `sig` (`code` its si_code) raised by exception `vector`,
+/// whatever the platform; None: the process dies by `sig` (blocked or not handled: a fault
+/// cannot be ignored, Linux's force_sig_fault).
+pub(super) fn fault_delivery(os: &GuestOs, sig: i32, code: i32, vector: u8, error_code: u64, rip: u64, cr2: u64) -> Option<Delivery> {
     let addr = match vector {
         14 => cr2,
         11..=13 => 0,
@@ -1071,16 +1109,9 @@ pub(super) fn on_fault(m: &mut Machine, exit: RunExit) -> Result<Option<RunExit>
     let blocked = os.proc.sigmask & (1 << (sig - 1)) != 0;
     match signal::action(&os.proc, sig) {
         signal::Action::Handler(act) if !blocked => {
-            let mut r = m.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
-            let d = Delivery { sig, info: SigInfo::fault(sig, code, addr), act, trapno: vector as u64, err: error_code, cr2 };
-            if !deliver(m, &mut r, &d)? {
-                return Ok(Some(RunExit::Signaled { signo: signal::SIGSEGV }));
-            }
-            m.vcpu.set_regs(&r).map_err(Error::kvm("KVM_SET_REGS"))?;
-            Ok(None)
+            Some(Delivery { sig, info: SigInfo::fault(sig, code, addr), act, trapno: vector as u64, err: error_code, cr2 })
         }
-        // Blocked or ignored: a fault cannot be, the process dies (Linux's force_sig_fault).
-        _ => Ok(Some(RunExit::Signaled { signo: sig })),
+        _ => None,
     }
 }
 

@@ -3,15 +3,30 @@
 //!
 //! The loop runs the stub until its next exit: a trapped syscall goes to [`guestos::dispatch`]
 //! with the guest's memory reached through the stub ([`StubSpace`]) and its result goes back in
-//! rax; `rdtsc` and `cpuid` are answered here; a fault or a signal the guest raised ends the
-//! process by that signal (SIGSEGV for a page fault), as Linux's default action would.
+//! rax; `rdtsc` and `cpuid` are answered here.
 //!
-//! execve loads the new program into the same stub (`exec::commit_host`). Not yet on this
-//! platform (each answers as noted): guest fork and clone (the other calls the KVM VMM serves
-//! itself, `process::intercepts`: ENOSYS), signal handlers (a fault kills the
-//! process even with a handler installed; rt_sigreturn ENOSYS), shared futexes across processes,
-//! snapshots, and the KVM VMM's process tree, scheduler and controller protocol: [`Process`] runs
-//! one process in the caller's own process.
+//! Signals take the KVM loop's path where it is platform-neutral (`process::signals_after_syscall`
+//! after every call: SIGPIPE, timers, the next pending signal; `process::fault_delivery` for a
+//! fault): a handler's `rt_sigframe` goes on the guest's stack through `platform::Memory`
+//! (`signal::setup_frame`) with the XSAVE area of the stub's host signal frame (`Stub::xsave`),
+//! and rt_sigreturn puts it back there (`Stub::set_xsave`). A page fault the guest does not
+//! handle ends it by SIGSEGV, as Linux's default action would (SEGV_ACCERR where guestos records
+//! a mapping, SEGV_MAPERR elsewhere); SIGILL, SIGFPE, SIGTRAP and SIGBUS likewise.
+//!
+//! execve loads the new program into the same stub (`exec::commit_host`). A guest fork (fork,
+//! vfork, clone without CLONE_VM) is a fork of the stub (`Stub::fork`) and a host fork of this
+//! VMM process, as on kvm: the child VMM owns the new stub, the parent releases its copy of that
+//! handle, and the parent's wait4/waitid read the child's end through its pidfd
+//! (`guestos::signal`'s children, the same machinery as kvm's). The guest's fds 1 and 2 are two
+//! memfds every process of the tree appends to ([`Capture`]), read after each run; the first
+//! process's end takes its children with it. Not yet on this platform (each answers as noted):
+//! threads and clone's sharing flags (ENOSYS); signals between guest processes go as on kvm
+//! (`signal::host`'s carrier) between parent and child only: the sandbox-wide pid counter and
+//! process table are the serving tree's (a child's guest pid is its VMM's host pid here; kill
+//! of a sibling is ESRCH, and a group's or -1's reaches the caller and its own children only);
+//! shared futexes across processes, snapshots, and the KVM VMM's
+//! scheduler and controller protocol: [`Process`] runs the first process in the caller's own
+//! process (its children in host processes forked from it).
 
 use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
@@ -19,7 +34,9 @@ use std::time::{Duration, Instant};
 use kvm_bindings::{kvm_regs, kvm_sregs};
 
 use crate::error::{Error, Result};
-use crate::guestos::{self, Errno, GuestOs, EFAULT, EINVAL, EIO, ENOSYS};
+use super::process::{self, AfterSyscall, Entry};
+use crate::guestos::signal::{self, Child, Delivery};
+use crate::guestos::{self, Errno, GuestOs, EAGAIN, EFAULT, EINVAL, EIO, ENOSYS};
 use crate::platform::systrap::{self as st, Confinement, Exit, Stub};
 use crate::platform::{HostSpace, Memory};
 use crate::protocol::{RunExit, RunResult, SpawnSpec};
@@ -100,14 +117,77 @@ pub struct Process {
     fs_base: u64,
     budget: u64,
     exited: Option<RunExit>,
+    capture: Capture,
+}
+
+/// What the guest's processes write to fds 1 and 2: two memfds in append mode, shared by every
+/// VMM process of the tree (a forked child writes to the same open files), read after each run.
+struct Capture {
+    files: [std::fs::File; 2],
+    read: [u64; 2],
+}
+
+impl Capture {
+    fn new() -> std::io::Result<(Capture, Vec<std::os::fd::OwnedFd>)> {
+        use std::os::fd::{FromRawFd, OwnedFd};
+        let make = |name: &std::ffi::CStr| -> std::io::Result<(std::fs::File, OwnedFd)> {
+            // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
+            let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // SAFETY: a new descriptor that nothing else owns.
+            let file = unsafe { std::fs::File::from_raw_fd(fd) };
+            // Appending, so that every process of the tree adds to the end whatever order they
+            // write in (the VMM reads with pread, which the flag does not affect).
+            // SAFETY: fcntl on the descriptor just made; the results are checked.
+            let w = unsafe {
+                if libc::fcntl(fd, libc::F_SETFL, libc::O_APPEND) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let w = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0);
+                if w < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                std::fs::File::from_raw_fd(w)
+            };
+            Ok((file, OwnedFd::from(w)))
+        };
+        let (out, out_w) = make(c"collimate-stdout")?;
+        let (err, err_w) = make(c"collimate-stderr")?;
+        Ok((Capture { files: [out, err], read: [0, 0] }, vec![out_w, err_w]))
+    }
+
+    /// What was written to fd `i` (0: stdout, 1: stderr) since the last take.
+    fn take(&mut self, i: usize) -> Vec<u8> {
+        use std::os::unix::fs::FileExt;
+        let len = self.files[i].metadata().map(|m| m.len()).unwrap_or(0);
+        let mut v = vec![0u8; len.saturating_sub(self.read[i]) as usize];
+        let n = self.files[i].read_at(&mut v, self.read[i]).unwrap_or(0);
+        v.truncate(n);
+        self.read[i] += n as u64;
+        v
+    }
 }
 
 impl Process {
     /// A new confined stub running the program `spec` names from its root filesystem. Its fds 1
-    /// and 2 are captured in each run's output.
+    /// and 2 are captured in each run's output (its children's too: see [`Capture`]).
     pub fn spawn(spec: &SpawnSpec, conf: &Confinement) -> Result<Process> {
-        let mut os = super::new_guest_os(spec, Some(1), None)?;
-        let mut stub = Stub::spawn(conf).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
+        let stub = Stub::spawn(conf).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
+        Self::with_stub(spec, stub)
+    }
+
+    /// As [`Process::spawn`], in a stub forked from `template` (`platform::systrap::Template`:
+    /// no new namespaces or clone of the VMM per process).
+    pub fn spawn_from(spec: &SpawnSpec, template: &mut st::Template) -> Result<Process> {
+        let stub = template.spawn().map_err(|e| Error::Remote(format!("systrap: {e}")))?;
+        Self::with_stub(spec, stub)
+    }
+
+    fn with_stub(spec: &SpawnSpec, mut stub: Stub) -> Result<Process> {
+        let (capture, stdio) = Capture::new().map_err(Error::sys("memfds for the guest's stdout and stderr"))?;
+        let mut os = super::new_guest_os(spec, Some(1), Some(stdio))?;
         let budget = DEFAULT_BUDGET;
         let cannot = |e: Errno, failure: Option<String>| {
             Error::Image(format!(
@@ -121,7 +201,16 @@ impl Process {
         let mut space = StubSpace { stub: &mut stub, budget, failure: None };
         let img = guestos::exec::commit_host(&mut os, &mut space, prepared, &spec.envp).map_err(|e| cannot(e, space.failure.take()))?;
         let regs = kvm_regs { rip: img.entry, rsp: img.rsp, rflags: 0x202, ..Default::default() };
-        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None })
+        // Signals from its children arrive as kvm's do (`signal::host`'s carrier, handled in
+        // this whole process: one systrap first process per host process).
+        signal::host::install();
+        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture })
+    }
+
+    /// How the VMM and the stub wait for each other (`platform::systrap::Handoff`; tuning and
+    /// benches).
+    pub fn set_handoff(&mut self, h: st::Handoff) {
+        self.stub.set_handoff(h);
     }
 
     /// The guest OS state (files, memory map, process facts).
@@ -137,13 +226,18 @@ impl Process {
             Some(e) => e,
             None => self.run_loop(&mut out, start + timeout)?,
         };
-        if matches!(exit, RunExit::Exited { .. } | RunExit::Signaled { .. }) {
+        if matches!(exit, RunExit::Exited { .. } | RunExit::Signaled { .. }) && self.exited.is_none() {
             self.exited = Some(exit);
+            // The first process takes its children with it, as on kvm.
+            signal::kill_children(&mut self.os);
         }
+        let (mut stdout, mut stderr) = (out.stdout, out.stderr);
+        stdout.extend(self.capture.take(0));
+        stderr.extend(self.capture.take(1));
         Ok(RunResult {
             exit,
-            stdout: out.stdout,
-            stderr: out.stderr,
+            stdout,
+            stderr,
             duration: start.elapsed(),
             enosys: out.enosys,
             truncated: false,
@@ -180,8 +274,30 @@ impl Process {
                     (self.regs.rax, self.regs.rbx, self.regs.rcx, self.regs.rdx) = (r.eax as u64, r.ebx as u64, r.ecx as u64, r.edx as u64);
                     self.regs.rip += 2;
                 }
-                Exit::Fault { .. } => return Ok(RunExit::Signaled { signo: libc::SIGSEGV }),
-                Exit::Signal { signo, .. } => return Ok(RunExit::Signaled { signo }),
+                Exit::Fault { addr, write, exec } => {
+                    // The host only says whether the access was a write or a fetch; whether
+                    // something is mapped there is guestos's record (SEGV_ACCERR, else MAPERR).
+                    let mapped = self.os.mm.vma_at(addr).is_some();
+                    let err = (mapped as u64) | ((write as u64) << 1) | 4 | ((exec as u64) << 4);
+                    let code = if mapped { SEGV_ACCERR } else { SEGV_MAPERR };
+                    if let Some(exit) = self.fault(libc::SIGSEGV, code, 14, err, addr) {
+                        return Ok(exit);
+                    }
+                }
+                Exit::Signal { signo, code, addr } => {
+                    let vector = match signo {
+                        libc::SIGFPE => 0,
+                        libc::SIGTRAP => 3,
+                        libc::SIGILL => 6,
+                        libc::SIGBUS => 17,
+                        libc::SIGSEGV => 13,
+                        // Only guest code scribbling on the stub's shared page gets here.
+                        _ => return Ok(RunExit::Signaled { signo: libc::SIGSEGV }),
+                    };
+                    if let Some(exit) = self.fault(signo, code, vector, 0, addr) {
+                        return Ok(exit);
+                    }
+                }
                 Exit::Exited { status } => {
                     return Err(Error::Remote(format!("systrap: the stub process ended under the guest (wait status {status:?})")));
                 }
@@ -192,18 +308,51 @@ impl Process {
         }
     }
 
-    /// Serve the syscall in the registers; the run's end if it ends it.
+    /// Serve the syscall in the registers, then act on pending signals as Linux does on the way
+    /// back to user mode (the KVM loop's `process::signals_after_syscall`); the run's end if it
+    /// ends it.
     fn syscall(&mut self, out: &mut guestos::Output) -> Option<RunExit> {
+        let entry = Entry::of(&self.regs);
         let nr = self.regs.rax;
-        if nr == SYS_EXECVE {
-            return self.execve();
-        }
-        if intercepted(nr) {
+        let exit = if nr == SYS_EXECVE {
+            self.execve()
+        } else if nr == SYS_RT_SIGRETURN {
+            self.sigreturn()
+        } else if matches!(nr, SYS_FORK | SYS_VFORK | SYS_CLONE) {
+            let r = &self.regs;
+            let (flags, exit_signal) = match nr {
+                SYS_FORK => (0, libc::SIGCHLD as u64),
+                SYS_VFORK => (CLONE_VM | CLONE_VFORK, libc::SIGCHLD as u64),
+                _ => (r.rdi & !0xff, r.rdi & 0xff),
+            };
+            let c = Fork { flags, exit_signal, stack: if nr == SYS_CLONE { r.rsi } else { 0 }, parent_tid: r.rdx, child_tid: r.r10, tls: r.r8 };
+            let res = self.fork(&c);
+            self.regs.rax = match res {
+                Ok(pid) => pid as u64,
+                Err(e) => (-(e.0 as i64)) as u64,
+            };
+            None
+        } else if intercepted(nr) {
             self.regs.rax = (-(ENOSYS.0 as i64)) as u64;
             *self.os.enosys.entry(nr).or_default() += 1;
             out.enosys += 1;
-            return None;
+            None
+        } else {
+            self.dispatch(out)
+        };
+        match process::signals_after_syscall(&mut self.os, &entry, &mut self.regs, exit) {
+            AfterSyscall::Resume(exit) => exit,
+            AfterSyscall::Deliver(d, exit) => {
+                if self.deliver(&d) {
+                    exit
+                } else {
+                    Some(RunExit::Signaled { signo: libc::SIGSEGV })
+                }
+            }
         }
+    }
+
+    fn dispatch(&mut self, out: &mut guestos::Output) -> Option<RunExit> {
         let mut sregs = kvm_sregs::default();
         sregs.fs.base = self.fs_base;
         let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
@@ -220,6 +369,53 @@ impl Process {
         let exit = guestos::dispatch(&mut self.os, &mut ctx);
         self.fs_base = sregs.fs.base;
         exit
+    }
+
+    /// A fault or another synchronous signal of the guest's code: enter its handler, or end the
+    /// process by it. `vector` is the x86 exception it stands for (the sigcontext's trapno).
+    fn fault(&mut self, sig: i32, code: i32, vector: u8, err: u64, cr2: u64) -> Option<RunExit> {
+        match process::fault_delivery(&self.os, sig, code, vector, err, self.regs.rip, cr2) {
+            Some(d) if self.deliver(&d) => None,
+            Some(_) => Some(RunExit::Signaled { signo: libc::SIGSEGV }),
+            None => Some(RunExit::Signaled { signo: sig }),
+        }
+    }
+
+    /// Enter the handler for `d`: the frame goes on the guest's stack with the XSAVE area the
+    /// stub's host frame holds. False: the frame could not be written (the process dies by SIGSEGV).
+    fn deliver(&mut self, d: &Delivery) -> bool {
+        let Ok(xsave) = self.stub.xsave() else { return false };
+        let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+        let mut mem = Memory::Host(&mut space);
+        signal::setup_frame(&mut self.os, &mut mem, &mut self.regs, &xsave, d).is_ok()
+    }
+
+    /// rt_sigreturn: the registers, mask and FPU state from the frame `deliver` wrote. The FPU
+    /// state goes back into the stub's host frame, whose software bytes (how the host kernel
+    /// restores it) and whose components beyond the frame's x87/SSE/AVX (AVX-512 on such hosts:
+    /// they stay as the handler left them) are the host's. A bad frame: SIGSEGV.
+    fn sigreturn(&mut self) -> Option<RunExit> {
+        const SW: std::ops::Range<usize> = 464..512;
+        const BV: std::ops::Range<usize> = 512..520;
+        let segv = Some(RunExit::Signaled { signo: libc::SIGSEGV });
+        let Ok(mut area) = self.stub.xsave() else { return segv };
+        if area.len() < signal::XSTATE_SIZE {
+            return segv;
+        }
+        let sw = area[SW].to_vec();
+        let bv_host = u64::from_le_bytes(area[BV].try_into().unwrap_or_default());
+        let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+        let mem = Memory::Host(&mut space);
+        if signal::sigreturn(&mut self.os, &mem, &mut self.regs, &mut area).is_err() {
+            return segv;
+        }
+        area[SW].copy_from_slice(&sw);
+        let bv = u64::from_le_bytes(area[BV].try_into().unwrap_or_default()) | (bv_host & !signal::XFEATURES);
+        area[BV].copy_from_slice(&bv.to_le_bytes());
+        if self.stub.set_xsave(&area).is_err() {
+            return segv;
+        }
+        None
     }
 }
 
@@ -248,7 +444,12 @@ impl Process {
             Ok(img) => {
                 self.regs = crate::arch::x86_64::regs::initial_regs(img.entry, img.rsp);
                 self.fs_base = 0;
-                super::process::on_exec_state(&mut self.os);
+                process::on_exec_state(&mut self.os);
+                let fd = VFORK_FD.swap(-1, std::sync::atomic::Ordering::SeqCst);
+                if fd >= 0 {
+                    // SAFETY: our end of the vfork pipe: the parent goes on.
+                    unsafe { libc::close(fd) };
+                }
                 None
             }
             Err(_) => Some(RunExit::Signaled { signo: libc::SIGSEGV }),
@@ -256,7 +457,175 @@ impl Process {
     }
 }
 
+/// fork, vfork or clone of a new process (clone's arguments as x86-64 passes them).
+struct Fork {
+    flags: u64,
+    exit_signal: u64,
+    stack: u64,
+    parent_tid: u64,
+    child_tid: u64,
+    tls: u64,
+}
+
+impl Process {
+    /// A guest fork: the stub is forked (the host's copy-on-write of the guest's memory), then
+    /// this VMM process is (a raw clone with exit signal 0, as on kvm: `process::fork`); the child
+    /// VMM owns the new stub and runs the child's guest to its end, then ends as it did, so the
+    /// parent's wait4/waitid (`guestos::signal`, through the child's pidfd) reads its status.
+    /// A vfork copies too; its parent waits until the child has exec'd or ended. Threads
+    /// (CLONE_VM without CLONE_VFORK) and clone's other sharing flags: ENOSYS for now.
+    fn fork(&mut self, c: &Fork) -> std::result::Result<i32, Errno> {
+        let vm = c.flags & CLONE_VM != 0;
+        if c.flags & !FORK_FLAGS != 0 || (vm && c.flags & CLONE_VFORK == 0) || c.exit_signal > 64 {
+            *self.os.enosys.entry(SYS_CLONE).or_default() += 1;
+            return Err(ENOSYS);
+        }
+        let child_stub = self.stub.fork().map_err(|_| EAGAIN)?;
+        // A vfork parent waits for the child's exec or end: the end of this pipe.
+        let mut vfork = [-1; 2];
+        // SAFETY: pipe2 fills two descriptors; checked.
+        if c.flags & CLONE_VFORK != 0 && unsafe { libc::pipe2(vfork.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+            return Err(Errno::last());
+        }
+        // SAFETY: getpid cannot fail.
+        let parent_host = unsafe { libc::getpid() };
+        // Signals between guest processes travel as kvm's do (`signal::host`): take in what
+        // arrived for us and fork with the carrier blocked, so the child starts with nothing
+        // pending and what is sent to it early waits on the host until it runs.
+        signal::host::install();
+        signal::host::block(true);
+        signal::gather(&mut self.os);
+        // SAFETY: a raw clone with exit signal 0 and no other flags: a fork whose child the host
+        // never reaps on its own. The child goes on in Rust on this thread only, never returns
+        // from `child_main` and never unwinds into the caller's frames.
+        let rc = unsafe { libc::syscall(libc::SYS_clone, 0 as libc::c_ulong, 0usize, 0usize, 0usize, 0usize) };
+        if rc == 0 {
+            signal::host::reset_child();
+            signal::host::block(false);
+            // SAFETY: closing our copy of the read end.
+            unsafe { libc::close(vfork[0]) };
+            let stub = child_stub;
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.child_main(stub, c, parent_host, vfork[1])));
+            let exit = r.unwrap_or(RunExit::Signaled { signo: libc::SIGKILL });
+            // SAFETY: our stub is parked or gone; kill it before this process ends (its handle
+            // is not dropped: `end_like` exits at once).
+            unsafe { libc::kill(self.stub.pid(), libc::SIGKILL) };
+            process::end_like(exit);
+        }
+        let e = Errno::last();
+        signal::host::block(false);
+        if rc < 0 {
+            drop(child_stub);
+            for fd in vfork.into_iter().filter(|&fd| fd >= 0) {
+                // SAFETY: our pipe's descriptors.
+                unsafe { libc::close(fd) };
+            }
+            return Err(e);
+        }
+        child_stub.release();
+        let pid = rc as i32;
+        if vfork[1] >= 0 {
+            // SAFETY: closing our write end, then reading to EOF (the child's exec or end).
+            unsafe {
+                libc::close(vfork[1]);
+                let mut b = 0u8;
+                while libc::read(vfork[0], (&raw mut b).cast(), 1) < 0 && Errno::last().0 == libc::EINTR {}
+                libc::close(vfork[0]);
+            }
+        }
+        let pidfd = match signal::pidfd_open(pid) {
+            Ok(fd) => fd,
+            Err(e) => {
+                // SAFETY: the child is ours and not reaped, so the pid is still its; reap it.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, std::ptr::null_mut(), libc::__WALL);
+                }
+                return Err(e);
+            }
+        };
+        if c.flags & CLONE_PARENT_SETTID != 0 {
+            let _ = self.stub.write(c.parent_tid, &pid.to_le_bytes());
+        }
+        self.os.sig.children.push(Child { pid, pidfd: Some(pidfd), notified: false, exit_signal: c.exit_signal as i32 });
+        // Count the fork in the CRNG, in step with the child's derivation of its own stream.
+        let _ = self.os.proc.crng.fork_child();
+        Ok(pid)
+    }
+
+    /// The child VMM of a guest fork: take the new stub, become the child process, run it to its
+    /// end. Its guest pid is its host pid (this platform has no sandbox-wide pid counter yet).
+    fn child_main(&mut self, stub: Stub, c: &Fork, parent_host: i32, vfork: i32) -> RunExit {
+        std::mem::replace(&mut self.stub, stub).release();
+        let inherited = VFORK_FD.swap(vfork, std::sync::atomic::Ordering::SeqCst);
+        if inherited >= 0 {
+            // SAFETY: the pipe our parent VMM held as a vfork child itself: not ours to hold.
+            unsafe { libc::close(inherited) };
+        }
+        // SAFETY: plain prctl/getpid calls: the child VMM ends with the thread that made it.
+        let me = unsafe {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
+            libc::getpid()
+        };
+        if self.exited.is_some() {
+            return RunExit::Signaled { signo: libc::SIGKILL };
+        }
+        let os = &mut self.os;
+        os.sig.children.clear(); // our copies of the siblings' pidfds
+        os.sig.pending = 0;
+        os.sig.saved_mask = None;
+        os.sig.parent = signal::pidfd_open(parent_host).ok();
+        os.sig.parent_host = parent_host;
+        os.proc.ppid = os.proc.pid;
+        os.proc.pid = me;
+        os.proc.started_ns = guestos::clock::mono_peek(&os.proc);
+        os.proc.sleep = None;
+        os.proc.crng = os.proc.crng.fork_child();
+        os.proc.timers.on_fork();
+        os.proc.clear_child_tid = if c.flags & CLONE_CHILD_CLEARTID != 0 { c.child_tid } else { 0 };
+        self.regs.rax = 0;
+        if c.stack != 0 {
+            self.regs.rsp = c.stack;
+        }
+        if c.flags & CLONE_SETTLS != 0 {
+            self.fs_base = c.tls;
+        }
+        if c.flags & CLONE_CHILD_SETTID != 0 {
+            let _ = self.stub.write(c.child_tid, &me.to_le_bytes());
+        }
+        let mut out = guestos::Output::default();
+        match self.run_loop(&mut out, Instant::now() + Duration::from_secs(86_400 * 365)) {
+            Ok(exit) => {
+                signal::kill_children(&mut self.os);
+                exit
+            }
+            Err(e) => {
+                eprintln!("collimate: systrap guest process {me}: {e}");
+                RunExit::Signaled { signo: libc::SIGKILL }
+            }
+        }
+    }
+}
+
+/// In a vfork child's VMM: the write end of the pipe its parent waits on (closed at its exec).
+static VFORK_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+const SYS_RT_SIGRETURN: u64 = 15;
+const SYS_CLONE: u64 = 56;
+const SYS_FORK: u64 = 57;
+const SYS_VFORK: u64 = 58;
+const CLONE_VM: u64 = 0x100;
+const CLONE_FS: u64 = 0x200;
+const CLONE_VFORK: u64 = 0x4000;
+const CLONE_SETTLS: u64 = 0x8_0000;
+const CLONE_PARENT_SETTID: u64 = 0x10_0000;
+const CLONE_CHILD_CLEARTID: u64 = 0x20_0000;
+const CLONE_CHILD_SETTID: u64 = 0x100_0000;
+/// What a process fork may ask for here: a new process sharing nothing but what fork shares.
+const FORK_FLAGS: u64 = CLONE_VM | CLONE_FS | CLONE_VFORK | CLONE_SETTLS | CLONE_PARENT_SETTID | CLONE_CHILD_CLEARTID | CLONE_CHILD_SETTID;
 const SYS_EXECVE: u64 = 59;
+const SEGV_MAPERR: i32 = 1;
+const SEGV_ACCERR: i32 = 2;
 /// Linux's limits on exec arguments: one string, and all of them together.
 const MAX_ARG_STRLEN: usize = 32 * 4096;
 const MAX_ARG_TOTAL: usize = 2 << 20;
@@ -308,5 +677,5 @@ fn read_strv(h: &dyn HostSpace, va: u64) -> std::result::Result<Vec<Vec<u8>>, Er
 /// The calls the KVM VMM serves itself (fork, clone, execve, rt_sigreturn, spawn), not offered
 /// on systrap yet.
 fn intercepted(nr: u64) -> bool {
-    super::process::intercepts(nr)
+    process::intercepts(nr)
 }

@@ -14,7 +14,8 @@
 //!   from) and makes the first trap with a syscall placed *after* `allowed_end`, outside the range
 //!   the filter admits. The handler recognises that trap by its address and reports `EXIT_BOOT`.
 //!
-//! While the VMM has the turn the stub spins `stub_spin` times, then sleeps in `FUTEX_WAIT` for up
+//! While the VMM has the turn the stub spins `stub_spin` times, calls `sched_yield` `stub_yields`
+//! times, then sleeps in `FUTEX_WAIT` for up
 //! to a second at a time; after each timeout it polls its socket and exits when the VMM's end is
 //! closed (the VMM died).
 
@@ -85,10 +86,22 @@ std::arch::global_asm!(
     "cmp dword ptr [r12 + {state}], {stub_turn}",
     "je 30f",
     "test ecx, ecx",
-    "jz 23f",
+    "jz 26f",
     "pause",
     "dec ecx",
     "jmp 22b",
+    // then yield the CPU up to stub_yields times, checking after each
+    "26:",
+    "mov r15d, dword ptr [r12 + {stub_yields}]",
+    "27:",
+    "test r15d, r15d",
+    "jz 23f",
+    "mov eax, 24", // sched_yield()
+    "syscall",
+    "dec r15d",
+    "cmp dword ptr [r12 + {state}], {stub_turn}",
+    "je 30f",
+    "jmp 27b",
     "23:",
     "mov eax, 1",
     "xchg dword ptr [r12 + {stub_sleeping}], eax",
@@ -262,6 +275,7 @@ std::arch::global_asm!(
     stub_sleeping = const offset_of!(Page, stub_sleeping),
     vmm_sleeping = const offset_of!(Page, vmm_sleeping),
     stub_spin = const offset_of!(Page, stub_spin),
+    stub_yields = const offset_of!(Page, stub_yields),
     flags = const offset_of!(Page, flags),
     exit = const offset_of!(Page, exit),
     signo = const offset_of!(Page, signo),

@@ -31,6 +31,19 @@ impl Default for Confinement {
     }
 }
 
+impl Confinement {
+    /// The default confinement with `rdtsc` and `cpuid` trapped only in replay mode (`replay`),
+    /// where the guest must read the virtual clock and a fixed CPU. Outside replay, as on KVM
+    /// outside replay, `rdtsc` reads the host's TSC; `cpuid` (which KVM always answers from its
+    /// CPU template) then shows the host CPU, so seed_ack must say that outside replay mode on
+    /// systrap the CPU features a guest sees are the host's. Each trap costs every context switch
+    /// into or out of the stub a CR4 or MSR write, an exit to the hypervisor on a nested host
+    /// (benches/systrap.rs).
+    pub fn for_replay(replay: bool) -> Confinement {
+        Confinement { trap_rdtsc: replay, trap_cpuid: replay, ..Confinement::default() }
+    }
+}
+
 /// What the host granted a stub.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConfinementReport {

@@ -21,6 +21,7 @@ pub const STUB_SYSCALLS: &[(i64, &str)] = &[
     (libc::SYS_rt_sigreturn, "rt_sigreturn: return from the trap into the guest"),
     (libc::SYS_futex, "futex: the wake-up with the VMM"),
     (libc::SYS_ppoll, "ppoll: notice that the VMM is gone"),
+    (libc::SYS_sched_yield, "sched_yield: let the VMM run before sleeping"),
     (libc::SYS_exit_group, "exit_group: end when the VMM is gone"),
     (libc::SYS_mmap, "mmap: the VMM's map()"),
     (libc::SYS_munmap, "munmap: unmap(), and the boot unmapping the VMM's image"),

@@ -43,6 +43,7 @@ pub mod filter;
 pub mod layout;
 pub mod memory;
 pub mod shared;
+pub mod template;
 
 use std::ffi::CString;
 use std::io;
@@ -50,6 +51,8 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
 
 use shared::SharedPage;
+pub use shared::Handoff;
+pub use template::Template;
 
 pub use confine::{Confinement, ConfinementReport};
 pub use kvm_bindings::kvm_regs;
@@ -141,19 +144,26 @@ pub struct Stub {
     /// A guest context exists (the first `run` happened, or this stub was forked from one that had).
     has_guest: bool,
     report: ConfinementReport,
-    vmm_spin: u32,
+    handoff: Handoff,
     exited: Option<Option<i32>>,
 }
 
-/// How many times the VMM polls (with `pause`) for the stub's answer before it sleeps in a futex, by
-/// default. Measured in benches/systrap.rs on this 2-core nested VM at load 17-25: a trapped round
-/// trip is ~3 us when both sides spin this long and 31-33 us when they sleep, because every context
-/// switch into or out of a stub that traps `rdtsc` and `cpuid` rewrites CR4 and an MSR, each an exit
-/// to the hypervisor on a nested host. The price: a VMM whose guest computes without syscalls burns
-/// up to ~10 ms of a core before it sleeps. Many sandboxes on few cores want less ([`Stub::set_spin`]).
-pub const DEFAULT_VMM_SPIN: u32 = 200_000;
-/// How many times the stub polls for the VMM's command before it sleeps, by default (see above).
-pub const DEFAULT_STUB_SPIN: u32 = 200_000;
+impl Default for Handoff {
+    /// No spin: yield twice, then sleep. Measured on a 2-core nested VM (kvm_pvm host), load ~6,
+    /// in benches/systrap.rs: any spin makes the bare round trip bimodal, ~3 us when the VMM and
+    /// the stub run on different CPUs but 100-135 us (p99 ms) when the scheduler keeps them on one
+    /// (each spins while the other cannot run), while yield-then-sleep is 5.5-7.5 us (p99 6-10 us,
+    /// 1.0-1.2x a two-process futex round trip) either way. In benches/platforms.rs
+    /// (`/bin/sh -c true`, stub from a `Template`) it was the fastest row in both runs (4.0-4.4 ms
+    /// against 5.6-8.6 ms with a 50 us spin). The old default, 200000 `pause`s (~5.7 ms) a side,
+    /// took hundreds of ms at the p99 under load.
+    fn default() -> Handoff {
+        Handoff { vmm_spin: std::time::Duration::ZERO, stub_spin: 0, yields: 2 }
+    }
+}
+
+/// How long [`Stub::spawn`] waits for a new stub's first report before it gives up.
+pub const BOOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Open the host's `/proc` now, for every stub this process will make. Call it before anything
 /// (the VMM's jail) hides `/proc`; calling it again does nothing. [`Stub::spawn`] calls it too.
@@ -242,7 +252,8 @@ impl Stub {
         let page = SharedPage::new().map_err(|source| Error::Spawn { step: "shared page", source })?;
         // SAFETY: the page is ours and nobody else maps it yet.
         unsafe {
-            (*page.page()).stub_spin = DEFAULT_STUB_SPIN;
+            (*page.page()).stub_spin = Handoff::default().stub_spin;
+            (*page.page()).stub_yields = Handoff::default().yields;
             (*page.page()).flags = if has_fsgsbase() { shared::FLAG_FSGSBASE } else { 0 };
             (*page.page()).state.store(shared::STUB_TURN, Ordering::SeqCst);
         }
@@ -317,7 +328,7 @@ impl Stub {
             parked: false,
             has_guest: false,
             report: ConfinementReport::default(),
-            vmm_spin: DEFAULT_VMM_SPIN,
+            handoff: Handoff::default(),
             exited: None,
         };
         // The child has waited for this byte before changing its credentials, so the mem file above
@@ -326,7 +337,21 @@ impl Stub {
         if unsafe { libc::write(stub.sock.as_raw_fd(), [1u8].as_ptr().cast(), 1) } != 1 {
             return Err(Error::Spawn { step: "start the stub", source: io::Error::last_os_error() });
         }
-        if !stub.wait() {
+        // A new stub reports within milliseconds; one that has not reported after BOOT_TIMEOUT is
+        // stuck before its first trap (as glibc's set*id wrappers once made it, waiting for VMM
+        // threads the clone does not have): fail the spawn rather than wait for ever.
+        let deadline = std::time::Instant::now() + BOOT_TIMEOUT;
+        let page = &stub.page as *const SharedPage;
+        let policy = stub.handoff.clone();
+        // SAFETY: `page` is a field of `stub` that `alive` does not touch (as in `Stub::wait`).
+        let booted = unsafe { (*page).wait_for_stub(&policy, || stub.alive() && std::time::Instant::now() < deadline) };
+        if !booted && stub.exited.is_none() {
+            return Err(Error::Spawn {
+                step: "the stub's boot",
+                source: io::Error::new(io::ErrorKind::TimedOut, format!("no report from the new stub within {} s", BOOT_TIMEOUT.as_secs())),
+            });
+        }
+        if !booted {
             // SAFETY: the child wrote these before it exited (or left them zero).
             let (step, errno) = unsafe { ((*stub.page.page()).boot_step, (*stub.page.page()).boot_errno) };
             let name = confine::STEPS.get(step as usize).copied().unwrap_or("unknown");
@@ -353,12 +378,21 @@ impl Stub {
         &self.report
     }
 
-    /// Tuning: how many times the VMM (`vmm`) and the stub (`stub`) poll for the other's answer
-    /// before sleeping in a futex. 0 and 0: always sleep. See benches/systrap.rs.
-    pub fn set_spin(&mut self, vmm: u32, stub: u32) {
-        self.vmm_spin = vmm;
-        // SAFETY: the stub reads this word only while it waits; a torn read is impossible (aligned u32).
-        unsafe { std::ptr::write_volatile(&raw mut (*self.page.page()).stub_spin, stub) };
+    /// Tuning: how the VMM and the stub wait for each other's answer ([`Handoff`]). See
+    /// benches/systrap.rs.
+    pub fn set_handoff(&mut self, h: Handoff) {
+        // SAFETY: the stub reads these words only while it waits; a torn read is impossible
+        // (aligned u32s), and a stale one only changes how long it spins once.
+        unsafe {
+            std::ptr::write_volatile(&raw mut (*self.page.page()).stub_spin, h.stub_spin);
+            std::ptr::write_volatile(&raw mut (*self.page.page()).stub_yields, h.yields);
+        }
+        self.handoff = h;
+    }
+
+    /// The current [`Handoff`].
+    pub fn handoff(&self) -> &Handoff {
+        &self.handoff
     }
 
     fn alive(&mut self) -> bool {
@@ -385,11 +419,11 @@ impl Stub {
 
     /// Wait for the stub's report; false if it died.
     fn wait(&mut self) -> bool {
-        let spin = self.vmm_spin;
+        let policy = self.handoff.clone();
         let page = &self.page as *const SharedPage;
         // SAFETY: `page` is a field of `self` that `alive` does not touch; the raw pointer only
         // splits the borrow.
-        unsafe { (*page).wait_for_stub(spin, || self.alive()) }
+        unsafe { (*page).wait_for_stub(&policy, || self.alive()) }
     }
 
     /// Hand a command to the parked stub and wait for its `EXIT_DONE`; the command's result.
@@ -681,7 +715,7 @@ impl Stub {
             parked: false,
             has_guest: self.has_guest,
             report: self.report.clone(),
-            vmm_spin: self.vmm_spin,
+            handoff: self.handoff.clone(),
             exited: None,
         };
         if !child.wait() {

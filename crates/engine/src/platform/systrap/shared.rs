@@ -79,6 +79,9 @@ pub struct Page {
     pub boot_errno: i32,
     /// The confinement the new stub obtained (`confine::REPORT_*` bits).
     pub report: u32,
+    /// How many times the stub calls `sched_yield` (checking `state` after each) between its spin
+    /// and its sleep.
+    pub stub_yields: u32,
 }
 
 const _: () = assert!(std::mem::size_of::<Page>() <= SCRATCH);
@@ -174,15 +177,31 @@ impl SharedPage {
         }
     }
 
-    /// Wait until it is the VMM's turn, polling `spin` times before sleeping. `alive` is asked after
-    /// each sleep of at most 50 ms; when it says the stub is gone this returns false.
-    pub fn wait_for_stub(&self, spin: u32, mut alive: impl FnMut() -> bool) -> bool {
+    /// Wait until it is the VMM's turn: poll for `policy.vmm_spin` (time, read from the clock),
+    /// then `sched_yield` up to `policy.yields` times, then sleep. `alive` is asked after each
+    /// sleep of at most 50 ms; when it says the stub is gone this returns false.
+    pub fn wait_for_stub(&self, policy: &Handoff, mut alive: impl FnMut() -> bool) -> bool {
         let state = self.state();
-        for _ in 0..spin {
+        if !policy.vmm_spin.is_zero() {
+            let start = std::time::Instant::now();
+            loop {
+                for _ in 0..32 {
+                    if state.load(Ordering::Acquire) == VMM_TURN {
+                        return true;
+                    }
+                    std::hint::spin_loop();
+                }
+                if start.elapsed() >= policy.vmm_spin {
+                    break;
+                }
+            }
+        }
+        for _ in 0..policy.yields {
             if state.load(Ordering::Acquire) == VMM_TURN {
                 return true;
             }
-            std::hint::spin_loop();
+            // SAFETY: sched_yield has no preconditions.
+            unsafe { libc::sched_yield() };
         }
         // SAFETY: as in `state`.
         let p = unsafe { &*self.ptr.as_ptr() };
@@ -202,6 +221,20 @@ impl SharedPage {
             }
         }
     }
+}
+
+/// How each side waits for the other's answer before it sleeps in `FUTEX_WAIT` (see
+/// [`super::Stub::set_handoff`] and benches/systrap.rs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Handoff {
+    /// How long the VMM polls (with `pause`) before it yields or sleeps.
+    pub vmm_spin: std::time::Duration,
+    /// How many times the stub polls (with `pause`, ~30 ns each on the machines measured) before it
+    /// yields or sleeps. A count, not a time: the stub cannot read a clock while `rdtsc` traps.
+    pub stub_spin: u32,
+    /// How many times each side calls `sched_yield` (checking after each) between spin and sleep:
+    /// on a busy core this lets the other side run without the price of a sleep and a wake.
+    pub yields: u32,
 }
 
 impl Drop for SharedPage {
