@@ -37,13 +37,15 @@ def _ray():
 class HostActor:
     """One KVM node's embedded engine, served to drivers (see the module docs)."""
 
-    def __init__(self, node_id: str, slots: int, cache: str | None = None):
+    def __init__(self, node_id: str, slots: int, cache: str | None = None, platform: str | None = None):
         from collimate_core.sdk.embedded import EmbeddedClient
 
         _start_watchdog()
         self.node_id = node_id
         self.slots = slots
-        self.client = EmbeddedClient(cache=cache, max_sandboxes=max(1, slots))
+        # What this host's sandboxes run on, chosen once when the actor starts (the platform the
+        # first `start_hosts` asked for, else the node's COLLIMATE_PLATFORM, else auto).
+        self.client = EmbeddedClient(cache=cache, max_sandboxes=max(1, slots), platform=platform)
         self._boxes: dict[str, tuple[Any, Any]] = {}  # id -> (box, its interrupt)
         # Leases: a sandbox nobody touched (a call, or its driver's keepalive) for its lease is
         # destroyed, so a driver that dies leaves nothing running past it; never one in a call.
@@ -103,7 +105,7 @@ class HostActor:
             live = len(self._boxes)
         # pid and token: which processes are this host's (its VMM processes carry the token)
         return {"node_id": self.node_id, "slots": self.slots, "live": live, "warm": warm, "pid": os.getpid(),
-                "token": os.environ.get("COLLIMATE_HOST_TOKEN")}
+                "token": os.environ.get("COLLIMATE_HOST_TOKEN"), "platform": self.client.platform}
 
     def create(self, template: str, disk_quota: int | None = None, lease: float = 600.0, egress: Any = None,
                shared_memory: int | None = None) -> tuple[str, bool]:
@@ -264,9 +266,11 @@ def _host_nodes(ray) -> list[tuple[str, int]]:
     return sorted(out)
 
 
-def start_hosts(address: str | None = None, *, cache: str | None = None) -> list[str]:
+def start_hosts(address: str | None = None, *, cache: str | None = None, platform: str | None = None) -> list[str]:
     """Start a host actor on every node advertising `collimate_host` that has none yet (an
-    existing one is kept); the node ids that have one. What `collimate ray-host` runs."""
+    existing one is kept, with the platform it chose); the node ids that have one. What
+    `collimate ray-host` runs. `platform`: "auto", "kvm" or "systrap" for the new actors (None:
+    each node's COLLIMATE_PLATFORM, else auto)."""
     ray = _ray()
     if not ray.is_initialized():
         ray.init(address=address or os.environ.get("COLLIMATE_RAY_ADDRESS") or "auto", namespace=NAMESPACE,
@@ -280,7 +284,7 @@ def start_hosts(address: str | None = None, *, cache: str | None = None) -> list
             name=ACTOR_PREFIX + node_id, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
             num_cpus=0, resources={RESOURCE: 0.001}, max_concurrency=HOST_CONCURRENCY, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(node_id, slots, cache)
+        ).remote(node_id, slots, cache, platform)
         started.append(node_id)
     return started
 
