@@ -5,6 +5,7 @@ report, and `Sandbox.platform` / `ExecResult.platform` embedded and over HTTP (d
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -35,6 +36,9 @@ HAVE_KVM = os.path.exists("/dev/kvm")
 needs_kvm = [pytest.mark.kvm, pytest.mark.skipif(not HAVE_KVM, reason="needs /dev/kvm")]
 THREE = "'auto', 'kvm' or 'systrap'"
 NOT_SERVED = "does not serve systrap sandboxes yet"
+# Whether this build serves systrap sandboxes: the engine's binding (Vm.spawn takes platform=) and
+# the SDK's systrap templates. While it does not, choosing systrap must say so.
+SERVED = pf.binding_serves_systrap() and pf.SDK_SERVES_SYSTRAP
 
 
 def _module() -> str | None:
@@ -81,13 +85,13 @@ def test_collimate_serve_refuses_a_bad_platform_before_it_starts(tmp_path):
 # --- systrap: chosen, and not served by this build yet --------------------------------------------
 
 
-@pytest.mark.skipif(pf.binding_serves_systrap(), reason="the engine serves systrap: see test_systrap_*")
+@pytest.mark.skipif(SERVED, reason="this build serves systrap sandboxes")
 def test_choosing_systrap_says_this_build_does_not_serve_it_and_what_to_do(no_remote, monkeypatch, tmp_path):
     with pytest.raises(PlatformUnavailable) as e:
         EmbeddedClient(platform="systrap")
     msg = str(e.value)
     assert "platform='systrap' was asked for" in msg and NOT_SERVED in msg and "platform='kvm'" in msg
-    assert "Vm.spawn takes no platform=" in msg
+    assert ("Vm.spawn takes no platform=" in msg) != pf.binding_serves_systrap()
     monkeypatch.setenv("COLLIMATE_PLATFORM", "systrap")
     with pytest.raises(PlatformUnavailable, match=NOT_SERVED):
         connect()
@@ -101,11 +105,12 @@ def test_choosing_systrap_says_this_build_does_not_serve_it_and_what_to_do(no_re
 
 
 def test_the_binding_is_detected_by_feature():
+    assert pf.binding_serves_systrap(lambda root, argv, env=None, platform="kvm": None) is True
+    assert pf.binding_serves_systrap(lambda root, argv, env=None: None) is False
+    assert pf.binding_serves_systrap(object()) is False  # nothing callable: no signature
     from collimate_core._core import Vm
 
-    import inspect
-
-    assert pf.binding_serves_systrap() == ("platform" in inspect.signature(Vm.spawn).parameters)
+    assert pf.binding_serves_systrap() == pf.binding_serves_systrap(Vm.spawn)
 
 
 # --- auto with /dev/kvm present ---------------------------------------------------------------------
@@ -202,7 +207,7 @@ def test_auto_without_dev_kvm_picks_systrap_and_says_clearly_what_this_build_lac
     assert line.startswith("collimate_core platform: systrap (auto: no usable KVM (/dev/kvm opens but")
     assert "host offers: kvm no" in line and "systrap yes (seccomp filters yes" in line
     assert out["log"][1].startswith("collimate_core platform: kvm (asked for); host offers: kvm no")
-    if not pf.binding_serves_systrap():
+    if not SERVED:
         assert out["error"] == "PlatformUnavailable", out
         msg = out["message"]
         assert msg.startswith("auto chose systrap (no usable KVM: /dev/kvm opens but")
@@ -216,7 +221,7 @@ def test_auto_without_dev_kvm_picks_systrap_and_says_clearly_what_this_build_lac
     d = out["doctor"]
     assert d["platforms"]["kvm"]["available"] is False and d["platforms"]["systrap"]["available"] is True
     assert d["auto"]["platform"] == "systrap" and "no usable KVM" in d["auto"]["why"]
-    if not pf.binding_serves_systrap():
+    if not SERVED:
         assert NOT_SERVED in d["auto"]["problem"] and d["platform"].startswith("none: auto chose systrap")
 
 
@@ -228,7 +233,7 @@ def test_doctor_cli_without_dev_kvm_names_both_platforms_and_auto():
     assert rows["platform kvm"].startswith("unavailable: /dev/kvm opens but")
     assert rows["platform systrap"].startswith("the host allows it: seccomp filters can be installed")
     assert rows["auto picks"].startswith("systrap (auto: no usable KVM")
-    if not pf.binding_serves_systrap():
+    if not SERVED:
         assert rows["auto picks"].endswith("but this build does not serve it yet")
         assert NOT_SERVED in rows["connect()"]
     assert "one exit" not in rows  # nothing measured on a KVM it cannot use
@@ -248,6 +253,22 @@ def test_sandboxes_and_results_say_kvm_embedded(no_remote):
         with sb.fork_group(2) as group:
             assert [c.platform for c in group] == ["kvm", "kvm"]
             assert [x.platform for x in group.map(lambda i, c: c.exec(code=f"print({i})"))] == ["kvm", "kvm"]
+
+
+@pytest.mark.kvm
+@pytest.mark.skipif(not HAVE_KVM, reason="needs /dev/kvm")
+def test_the_aio_surface_takes_and_says_the_platform(no_remote):
+    from collimate_core import aio
+
+    async def main():
+        with pytest.raises(InvalidArgument, match=THREE):
+            await aio.connect(platform="bogus")
+        async with aio.connect(platform="kvm") as client:
+            assert client.platform == "kvm"
+            async with aio.Sandbox("python", client=client) as sb:
+                return sb.platform, (await sb.exec(command="true")).platform
+
+    assert asyncio.run(main()) == ("kvm", "kvm")
 
 
 @pytest.fixture(scope="module")

@@ -373,3 +373,20 @@ def test_a_node_removed_mid_group_raises_host_lost_and_nothing_is_scored(cluster
 
     assert asyncio.run(again()) == survivor
     assert {e["host"] for e in _creates(client, mark)} == {survivor}
+
+
+def test_platform_passes_through_to_the_hosts_and_every_sandbox_and_result_names_it(cluster, client):
+    # The hosts chose when `collimate ray-host` started them (auto: kvm here); the sandboxes and
+    # results say so, and a client asking for another platform uses none of them, saying why.
+    assert client.platform == "kvm" and {h["platform"] for h in client.hosts()} == {"kvm"}
+    assert connect(ray=cluster.address, platform="kvm").platform == "kvm"
+    with pytest.raises(collimate_core.InvalidArgument, match=r"platform='systrap'.*already runs another platform"):
+        connect(ray=cluster.address, platform="systrap")
+    with pytest.raises(collimate_core.InvalidArgument, match="'auto', 'kvm' or 'systrap'"):
+        connect(ray=cluster.address, platform="bogus")
+    with Sandbox("python", client=client) as sb:
+        assert sb.platform == "kvm"
+        r = sb.exec(command="true")
+        assert r.ok and r.platform == "kvm" and r.host == sb._box.host
+        with sb.fork_group(2) as group:
+            assert [c.platform for c in group] == ["kvm", "kvm"]

@@ -365,6 +365,11 @@ class Sandbox:
     def warm_hit(self) -> bool:
         return self.sync.warm_hit
 
+    @property
+    def platform(self) -> str:
+        """What the sandbox runs on: "kvm" or "systrap"."""
+        return self.sync.platform
+
     # work
     async def exec(self, command: str | None = None, *, code: str | None = None, timeout_seconds: float = 60.0,
                    seed: str | None = None, env: dict[str, str] | None = None, cwd: str | None = None) -> ExecResult:

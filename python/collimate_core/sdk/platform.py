@@ -210,13 +210,16 @@ def user_namespaces() -> tuple[bool, str]:
     return _in_child(step) == 0, "tried: unshare(CLONE_NEWUSER)"
 
 
-def binding_serves_systrap() -> bool:
-    """Whether the engine's binding spawns systrap processes: its `Vm.spawn` takes `platform`."""
-    from collimate_core._core import Vm
+def binding_serves_systrap(spawn: Any = None) -> bool:
+    """Whether the engine's binding spawns systrap processes: its `Vm.spawn` (or `spawn`) takes
+    `platform`."""
+    if spawn is None:
+        from collimate_core._core import Vm
 
+        spawn = Vm.spawn
     try:
-        return "platform" in inspect.signature(Vm.spawn).parameters
-    except (TypeError, ValueError):
+        return "platform" in inspect.signature(spawn).parameters
+    except (TypeError, ValueError):  # no signature to read: not the binding that takes it
         return False
 
 
