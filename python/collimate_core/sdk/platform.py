@@ -244,7 +244,7 @@ class Choice:
     """What a client runs on, and why."""
 
     asked: str  # auto, kvm or systrap
-    platform: str  # kvm or systrap
+    platform: str  # kvm or systrap ("" when neither can run here)
     reason: str  # auto's rule as it applied here, or "asked for"
     kvm: KvmOffer
     systrap: SystrapOffer | None  # None when not probed (kvm was chosen)
@@ -291,7 +291,7 @@ def problem(c: Choice) -> str | None:
     if c.platform == "kvm":
         if c.kvm.available:
             return None
-        return f"platform='kvm' needs a usable /dev/kvm, and here {c.kvm.why}: {_KVM_HELP}; or use platform='auto'"
+        return f"platform='kvm' needs a usable /dev/kvm, and here {c.kvm.why}: {_KVM_HELP}"
     who = ("platform='systrap' was asked for" if c.asked == "systrap"
            else f"auto chose systrap (no usable KVM: {c.kvm.why})")
     if c.platform == "systrap":
