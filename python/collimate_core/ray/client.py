@@ -18,6 +18,7 @@ from collimate_core.sdk.errors import (
     HostLost,
     InvalidArgument,
     NotFoundError,
+    PlatformUnavailable,
     SandboxTimeout,
 )
 from collimate_core.ray.host import ACTOR_PREFIX, NAMESPACE, _host_nodes, _ray, start_hosts, stop_hosts
@@ -102,11 +103,14 @@ class RayClient:
             except Exception:  # noqa: BLE001 - an actor that does not answer is not a host
                 continue
         asked = self.platform_asked
-        other = {n: i.get("platform", "kvm") for n, i in infos.items() if asked not in (None, "auto")
-                 and i.get("platform", "kvm") != asked}
+        # Hosts whose actor could not serve the platform it chose, and hosts on another platform
+        # than this client asked for: not used.
+        unavailable = {n: i["unavailable"] for n, i in infos.items() if i.get("unavailable")}
+        other = {n: i.get("platform", "kvm") for n, i in infos.items() if n not in unavailable
+                 and asked not in (None, "auto") and i.get("platform", "kvm") != asked}
         with self._lock:
             for node_id, (actor, slots) in found.items():
-                if node_id not in infos or node_id in other:
+                if node_id not in infos or node_id in other or node_id in unavailable:
                     continue
                 h = self._hosts.get(node_id)
                 if h is None or h.lost:
@@ -114,6 +118,13 @@ class RayClient:
                 h.warm |= set(infos[node_id]["warm"])
                 h.platform = infos[node_id].get("platform", "kvm")
             usable = sorted(n for n, h in self._hosts.items() if not h.lost)
+        if unavailable and not usable and not other:
+            raise PlatformUnavailable(
+                "no collimate host of this cluster can run sandboxes: "
+                + "; ".join(f"host {n}: {why}" for n, why in sorted(unavailable.items()))
+                + " (a host chooses its platform when its actor starts: `collimate ray-host --stop`, then start them "
+                "with a platform they can serve)"
+            )
         if other and not usable:
             raise InvalidArgument(
                 f"platform={asked!r}: every collimate host of this cluster already runs another platform "
@@ -549,7 +560,10 @@ def run_cli(args) -> None:
         print("stopped the collimate host actors")
         return
     nodes = start_hosts(args.address, cache=args.cache, platform=args.platform)
-    client = RayClient(args.address or "auto", start=False)
+    try:
+        client = RayClient(args.address or "auto", start=False)
+    except CollimateError as e:
+        raise SystemExit(f"collimate ray-host: {e}") from None
     for h in client.hosts():
         print(f"host {h['node_id']}: {h['slots']} slots, platform {h['platform']}, warm: {', '.join(h['warm']) or '-'}")
     if not nodes:

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from collimate_core.sdk.embedded import Usage
-from collimate_core.sdk.errors import CollimateError, NotFoundError
+from collimate_core.sdk.errors import CollimateError, NotFoundError, PlatformUnavailable
 
 RESOURCE = "collimate_host"
 NAMESPACE = "collimate"
@@ -44,8 +44,13 @@ class HostActor:
         self.node_id = node_id
         self.slots = slots
         # What this host's sandboxes run on, chosen once when the actor starts (the platform the
-        # first `start_hosts` asked for, else the node's COLLIMATE_PLATFORM, else auto).
-        self.client = EmbeddedClient(cache=cache, max_sandboxes=max(1, slots), platform=platform)
+        # first `start_hosts` asked for, else the node's COLLIMATE_PLATFORM, else auto). A node
+        # that cannot serve it keeps an actor that says why (`info`) and serves nothing.
+        self.unavailable: str | None = None
+        try:
+            self.client = EmbeddedClient(cache=cache, max_sandboxes=max(1, slots), platform=platform)
+        except PlatformUnavailable as e:
+            self.client, self.unavailable = None, str(e)
         self._boxes: dict[str, tuple[Any, Any]] = {}  # id -> (box, its interrupt)
         # Leases: a sandbox nobody touched (a call, or its driver's keepalive) for its lease is
         # destroyed, so a driver that dies leaves nothing running past it; never one in a call.
@@ -99,6 +104,9 @@ class HostActor:
                     pass
 
     def info(self) -> dict:
+        if self.client is None:
+            return {"node_id": self.node_id, "slots": self.slots, "live": 0, "warm": [], "pid": os.getpid(),
+                    "token": os.environ.get("COLLIMATE_HOST_TOKEN"), "platform": None, "unavailable": self.unavailable}
         with self.client._lock:
             warm = sorted(self.client._templates)
         with self._lock:
@@ -210,7 +218,8 @@ class HostActor:
             entries, self._boxes = list(self._boxes.values()), {}
         for _, interrupt in entries:
             interrupt.close()
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
 
 
 # A VMM process notices that its controller is gone only when it next reads its socket: one in the
