@@ -73,6 +73,9 @@ class BakeRequest(BaseModel):
     width: int = Field(1, ge=1, le=MAX_WIDTH, description="how wide you expect to fork (keeps clones ready)")
     egress: EgressSpec | None = Field(None, description="the network policy of the bake and its Ready step only "
                                       "(the template's sandboxes start with none), within the server's ceiling")
+    read_only_root: bool = Field(False, description="keep the sandboxes' root filesystem the image's, read-only "
+                                 "(EROFS outside /tmp, /work, /dev/shm and HOME); by default writes land in a "
+                                 "copy-up layer in the sandbox's disk quota")
 
 
 class ImageInfo(BaseModel):
@@ -152,6 +155,8 @@ class SandboxInfo(BaseModel):
     idle_timeout_seconds: float = Field(description="an untouched sandbox is destroyed after this long")
     disk: DiskUsage | None = Field(None, description="the writable mounts' usage and quota (null: no quotas on this host)")
     egress: EgressSpec = Field(default_factory=EgressSpec, description="the sandbox's network policy")
+    shared_memory: int | None = Field(None, description="the sandbox's shared-memory limit in bytes (shared "
+                                      "mappings, memfds and /dev/shm together)")
 
 
 class SandboxList(BaseModel):
