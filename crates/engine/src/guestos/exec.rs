@@ -365,31 +365,63 @@ fn open_program(os: &GuestOs, prog: &Program) -> Result<std::os::fd::OwnedFd, Er
     Ok(fd)
 }
 
+/// Where a PT_LOAD segment goes, the same on every platform: its protection, its bytes [va,
+/// file_end) from the file and [file_end, mem_end) zero, in the pages [start, end).
+#[derive(Clone, Copy)]
+struct Segment {
+    prot: u32,
+    va: u64,
+    start: u64,
+    file_end: u64,
+    mem_end: u64,
+    end: u64,
+}
+
+impl Segment {
+    fn of(ph: &ProgramHeader, bias: u64) -> Result<Segment, Errno> {
+        let va = ph.p_vaddr.wrapping_add(bias);
+        let mem_end = va + ph.p_memsz;
+        Ok(Segment { prot: prot_of(ph), va, start: page_down(va), file_end: va + ph.p_filesz, mem_end, end: page_up(mem_end).ok_or(ENOEXEC)? })
+    }
+
+    /// Old linkers let two segments share a page: if the previous segment maps the first page,
+    /// `protect` gives it both segments' rights (the union, passed to it) and it is not mapped
+    /// again. Returns the first page this segment maps itself.
+    fn share_first_page(&self, mm: &mut Mm, protect: impl FnOnce(&mut Mm, u32) -> Result<(), Errno>) -> Result<u64, Errno> {
+        let Some((_, v)) = mm.vma_at(self.start) else { return Ok(self.start) };
+        let both = v.prot | self.prot;
+        protect(mm, both)?;
+        Ok(self.start + PAGE_SIZE)
+    }
+
+    /// The new pages [first_new, end) (which must be free: ENOEXEC): where the file's pages end,
+    /// and the VMA of the file's part (named after the program, at its file offset), if any; the
+    /// pages past it are the bss's, anonymous.
+    fn new_pages(&self, mm: &Mm, prog: &Program, ph: &ProgramHeader, first_new: u64) -> Result<(u64, Option<Vma>), Errno> {
+        if mm.overlaps(first_new, self.end) {
+            return Err(ENOEXEC);
+        }
+        let file_pages_end = page_up(self.file_end).ok_or(ENOEXEC)?.clamp(first_new, self.end);
+        let file = (first_new < file_pages_end).then(|| {
+            let offset = page_down(ph.p_offset) + (first_new - self.start);
+            Vma { end: file_pages_end, prot: self.prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset, lazy: None, window: None }
+        });
+        Ok((file_pages_end, file))
+    }
+}
+
 /// [`map_segment`] on a host-kept address space: the file pages are a private mapping of the
 /// program file, the bss pages past them anonymous; the few bytes a kernel writes itself (a page
 /// two segments share, the zeros after the file bytes in their last page) go through the
 /// platform, with the page made writable for the time of the write.
 fn map_segment_host(mm: &mut Mm, h: &mut dyn HostSpace, prog: &Program, file: std::os::fd::RawFd, ph: &ProgramHeader, bias: u64) -> Result<(), Errno> {
-    let prot = prot_of(ph);
-    let va = ph.p_vaddr.wrapping_add(bias);
-    let start = page_down(va);
-    let file_end = va + ph.p_filesz;
-    let mem_end = va + ph.p_memsz;
-    let end = page_up(mem_end).ok_or(ENOEXEC)?;
-    let mut first_new = start;
-    if let Some((_, v)) = mm.vma_at(start) {
-        let both = v.prot | prot;
-        mm.host_mprotect(h, start, PAGE_SIZE, both)?;
-        first_new = start + PAGE_SIZE;
-    }
+    let seg = Segment::of(ph, bias)?;
+    let Segment { prot, va, start, file_end, mem_end, end } = seg;
+    let first_new = seg.share_first_page(mm, |mm, both| mm.host_mprotect(h, start, PAGE_SIZE, both).map(|_| ()))?;
     if first_new < end {
-        if mm.overlaps(first_new, end) {
-            return Err(ENOEXEC);
-        }
-        let file_pages_end = page_up(file_end).ok_or(ENOEXEC)?.clamp(first_new, end);
-        if first_new < file_pages_end {
-            let offset = page_down(ph.p_offset) + (first_new - start);
-            let vma = Vma { end: file_pages_end, prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset, lazy: None, window: None };
+        let (file_pages_end, file_vma) = seg.new_pages(mm, prog, ph, first_new)?;
+        if let Some(vma) = file_vma {
+            let offset = vma.offset;
             mm.host_map(h, first_new, vma, Some((file, offset)))?;
         }
         if file_pages_end < end {
@@ -686,28 +718,13 @@ fn map_elf_with(mm: &mut Mm, prog: &Program, base: u64, main: bool, segment: &mu
 /// Map one PT_LOAD segment: frames, file bytes, zeroed bss, VMAs (the file part named after the
 /// program, the bss pages past it anonymous, as Linux shows them).
 fn map_segment(mm: &mut Mm, sp: &mut Space, prog: &Program, ph: &ProgramHeader, bias: u64) -> Result<(), Errno> {
-    let prot = prot_of(ph);
-    let va = ph.p_vaddr.wrapping_add(bias);
-    let start = page_down(va);
-    let file_end = va + ph.p_filesz;
-    let mem_end = va + ph.p_memsz;
-    let end = page_up(mem_end).ok_or(ENOEXEC)?;
-    // Old linkers let two segments share a page: the page takes both segments' rights.
-    let mut first_new = start;
-    if let Some((_, v)) = mm.vma_at(start) {
-        let both = v.prot | prot;
-        mm.mprotect(sp, start, PAGE_SIZE, both)?;
-        first_new = start + PAGE_SIZE;
-    }
+    let seg = Segment::of(ph, bias)?;
+    let Segment { prot, va, start, file_end, mem_end, end } = seg;
+    let first_new = seg.share_first_page(mm, |mm, both| mm.mprotect(sp, start, PAGE_SIZE, both).map(|_| ()))?;
     if first_new < end {
-        if mm.overlaps(first_new, end) {
-            return Err(ENOEXEC);
-        }
+        let (file_pages_end, file_vma) = seg.new_pages(mm, prog, ph, first_new)?;
         Mm::populate(sp, first_new, end, prot)?;
-        let file_pages_end = page_up(file_end).ok_or(ENOEXEC)?.clamp(first_new, end);
-        if first_new < file_pages_end {
-            let offset = page_down(ph.p_offset) + (first_new - start);
-            let vma = Vma { end: file_pages_end, prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset, lazy: None, window: None };
+        if let Some(vma) = file_vma {
             mm.insert(first_new, vma);
         }
         if file_pages_end < end {
