@@ -229,6 +229,31 @@ def _sh(argv: list[str]) -> str:
     return shlex.join(["python3", *argv])
 
 
+def _interleaved(rounds: int, ours_once, native_once) -> tuple[list[float], list[float], list[tuple]]:
+    """`rounds` rounds, each timing `ours_once()` in the sandbox and then `native_once()`, which
+    times itself and returns (seconds, its result): the sandbox's times, the native times, and
+    each round's (sandbox result, native result)."""
+    ours, native, outcomes = [], [], []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        got = ours_once()
+        ours.append(time.perf_counter() - t)
+        took, expected = native_once()
+        native.append(took)
+        outcomes.append((got, expected))
+    return ours, native, outcomes
+
+
+def _report(platform: str, about: str, row: str, differ: list[str]) -> None:
+    """Print a measurement: its platform, the load and `about`, the `row` of figures, then the
+    rounds whose outcome differed from native's."""
+    print()
+    print(f"platform {platform} ({_host_kvm() if platform == 'kvm' else platform}), load {os.getloadavg()[0]:.1f}; {about}")
+    print(row)
+    for line in differ:
+        print(f"  {line}")
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_suite(world, platform):
     """The project's whole suite: sandbox against /usr/bin/python3, rounds interleaved."""
@@ -244,24 +269,21 @@ def test_suite(world, platform):
             assert first.exit_code == 0 and " passed" in first.stdout, (first.stdout[-2000:], first.stderr[-2000:])
             _, code = _native(SUITE, native_project, env)
             assert code == 0
-            ours, native, differ = [], [], []
-            for _ in range(ROUNDS):
-                t = time.perf_counter()
-                r = s.exec(command=_sh(SUITE), timeout_seconds=900)
-                ours.append(time.perf_counter() - t)
+
+            def native_suite() -> tuple[float, int]:
                 took, code = _native(SUITE, native_project, env)
                 assert code == 0
-                native.append(took)
-                if r.exit_code != 0:  # a run the sandbox did not pass as natively: kept, and shown
-                    differ.append(r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:])
+                return took, code
+
+            ours, native, outcomes = _interleaved(
+                ROUNDS, lambda: s.exec(command=_sh(SUITE), timeout_seconds=900), native_suite)
+            # A run the sandbox did not pass as natively: kept, and shown.
+            differ = [r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:]
+                      for r, _ in outcomes if r.exit_code != 0]
     finally:
         Template.delete(client, TEMPLATE)
-    print()
-    print(f"platform {platform} ({_host_kvm() if platform == 'kvm' else platform}), load {os.getloadavg()[0]:.1f}; "
-          f"{SDIST}'s suite ({first.stdout.strip().splitlines()[-1]})")
-    print(_row(f"suite, {platform}", ours, native))
-    for line in differ:
-        print(f"  OUTCOME DIFFERS FROM NATIVE (which passed): {line}")
+    _report(platform, f"{SDIST}'s suite ({first.stdout.strip().splitlines()[-1]})", _row(f"suite, {platform}", ours, native),
+            [f"OUTCOME DIFFERS FROM NATIVE (which passed): {line}" for line in differ])
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -303,21 +325,16 @@ def test_grpo_group_of_8_patch_checks(world, platform):
                 r = child.exec(command=_sh(TARGETED), timeout_seconds=900)
                 return 1.0 if r.exit_code == 0 else 0.0
 
-            ours, native, differ = [], [], []
-            for _ in range(GROUP_ROUNDS):
-                t = time.perf_counter()
+            def group() -> list[float]:
                 with s.fork_group(len(names)) as grp:
-                    rewards = grp.map(grade)
-                ours.append(time.perf_counter() - t)
-                took, expected = native_group()
-                native.append(took)
-                # Graded as natively? A wrong reward is a defect whatever the time: shown.
-                differ += [f"{n}: sandbox {a}, native {b}" for n, a, b in zip(names, rewards, expected) if a != b]
+                    return grp.map(grade)
+
+            ours, native, outcomes = _interleaved(GROUP_ROUNDS, group, native_group)
+            # Graded as natively? A wrong reward is a defect whatever the time: shown.
+            differ = [f"{n}: sandbox {a}, native {b}"
+                      for rewards, expected in outcomes for n, a, b in zip(names, rewards, expected) if a != b]
+            expected = outcomes[-1][1]
     finally:
         Template.delete(client, TEMPLATE)
-    print()
-    print(f"platform {platform} ({_host_kvm() if platform == 'kvm' else platform}), load {os.getloadavg()[0]:.1f}; "
-          f"rewards {dict(zip(names, expected))}")
-    print(_row(f"fork_group(8) patch checks, {platform}", ours, native))
-    for line in differ:
-        print(f"  REWARD DIFFERS FROM NATIVE: {line}")
+    _report(platform, f"rewards {dict(zip(names, expected))}", _row(f"fork_group(8) patch checks, {platform}", ours, native),
+            [f"REWARD DIFFERS FROM NATIVE: {line}" for line in differ])

@@ -811,6 +811,46 @@ def test_a_bake_whose_ready_step_fails_reports_its_log(tsrv, keys, images):
 
 
 @pytest.mark.kvm
+def test_read_only_root_and_the_shared_memory_limit_over_http(tsrv, keys, images):
+    """Issue 31: Template.bake(read_only_root=True) over HTTP as on the embedded engine (the root
+    stays the image's, read-only; by default it is writable, a copy-up layer); GET
+    /v1/sandboxes/{id} reports the sandbox's shared-memory limit, and the remote box has it as the
+    embedded one does."""
+    with RemoteClient(keys["alice"], tsrv.url) as client:
+        client._remote_templates.upload_image(images["box-alice"], name="box")
+        write = "echo x > /etc/x && cat /etc/x"
+        try:
+            ro = Template.bake(client, name="box-ro", image="box:alice", read_only_root=True).wait(300)
+            assert ro.phase == "Live", ro.log
+            with Sandbox("box-ro", client=client) as sb:
+                r = sb.exec(command=write)
+                assert r.exit_code != 0 and "Read-only file system" in r.stderr, r
+            rw = Template.bake(client, name="box-rw", image="box:alice").wait(300)
+            assert rw.phase == "Live", rw.log
+            with Sandbox("box-rw", client=client) as sb:
+                r = sb.exec(command=write)
+                assert r.ok and r.stdout == "x\n", r
+            box = client.create("box-rw", shared_memory="64M")
+            try:
+                got = client._json("GET", f"/v1/sandboxes/{box.id}")
+                assert got["shared_memory"] == 64 << 20, got
+                assert box.shared_memory == client.get(box.id).shared_memory == 64 << 20
+            finally:
+                client.destroy(box)
+            box = client.create("box-rw")  # the server's default
+            try:
+                assert box.shared_memory == client.get(box.id).shared_memory > 64 << 20
+            finally:
+                client.destroy(box)
+        finally:
+            for name in ("box-ro", "box-rw"):
+                try:
+                    Template.delete(client, name)
+                except NotFoundError:
+                    pass
+
+
+@pytest.mark.kvm
 def test_images_are_listed_and_deleted_and_templates_baked_from_them_outlive_them(tsrv, keys, images):
     with RemoteClient(keys["alice"], tsrv.url) as alice, RemoteClient(keys["bob"], tsrv.url) as bob:
         ha, hb = ({"Authorization": c._http.headers["Authorization"]} for c in (alice, bob))

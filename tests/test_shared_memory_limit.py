@@ -105,19 +105,8 @@ def test_touching_shared_mappings_past_the_limit_is_sigbus_named_as_the_memory_l
 def test_memfds_are_shared_memory_too(client, flags):
     # MFD_ALLOW_SEALING too: a sealable memfd was a host memfd outside every limit.
     with Sandbox("python", client=client) as sb:
-        r = sb.exec(code=f"""
-import errno, os
-fd, n, err = os.memfd_create("big", {flags}), 0, None
-try:
-    while n < 1024:
-        os.write(fd, b"m" * (1 << 20)); n += 1
-except OSError as e:
-    err = errno.errorcode.get(e.errno, str(e.errno))
-os.close(fd)
-print(n, err)
-""", timeout_seconds=300)
-        n, err = r.stdout.split()
-        assert err == "ENOSPC" and 400 <= int(n) <= 512, r.stdout + r.stderr
+        n, err, r = fill(sb, flags)
+        assert err == "ENOSPC" and 400 <= n <= 512, r.stdout + r.stderr
         # Seals are refused as for a memfd made without MFD_ALLOW_SEALING (EPERM), never granted
         # on memory outside the pool.
         r = sb.exec(code=f"""
@@ -156,10 +145,11 @@ print('lock ok')
 
 # --- a shared-memory limit of the sandbox's own (shared_memory=) -------------------------------
 
-# Writes a memfd 1 MiB at a time up to 1 GiB: how many MiB fit, and the error that stopped it.
+# Writes a memfd (made with the flags {flags}) 1 MiB at a time up to 1 GiB: how many MiB fit, and
+# the error that stopped it.
 FILL_MEMFD = """
 import errno, os
-fd, n, err = os.memfd_create("fill"), 0, None
+fd, n, err = os.memfd_create("fill", {flags}), 0, None
 try:
     while n < 1024:
         os.write(fd, b"m" * (1 << 20)); n += 1
@@ -170,8 +160,8 @@ print(n, err)
 """
 
 
-def fill(sb) -> tuple[int, str, object]:
-    r = sb.exec(code=FILL_MEMFD, timeout_seconds=300)
+def fill(sb, flags: str = "0") -> tuple[int, str, object]:
+    r = sb.exec(code=FILL_MEMFD.format(flags=flags), timeout_seconds=300)
     n, err = r.stdout.split()
     return int(n), err, r
 

@@ -77,6 +77,7 @@ class RemoteSandbox:
     created: float = 0.0
     egress: Egress = field(default_factory=Egress.none)
     platform: str = "kvm"  # what it runs on: kvm or systrap (the server's --platform)
+    shared_memory: int | None = None  # its shared-memory limit in bytes, as the embedded box has it
 
 
 class RemoteClient:
@@ -156,6 +157,7 @@ class RemoteClient:
         box = RemoteSandbox(d["id"], d["template"], bool(d["warm_hit"]), d.get("parent"), float(d.get("created", 0.0)))
         box.egress = _egress.coerce(d.get("egress"))
         box.platform = str(d.get("platform") or "kvm")
+        box.shared_memory = d.get("shared_memory")
         return self._hold(box, float(d.get("idle_timeout_seconds", 600.0)))
 
     def _period(self) -> float:
@@ -483,7 +485,7 @@ class RemoteTemplates:
 
     def bake(self, name: str, image: Any, ready: Ready | None = None, width: int = 1, *,
              store: str | os.PathLike | None = None, cache: str | os.PathLike | None = None,
-             egress: Any = None) -> RemoteTemplateHandle:
+             egress: Any = None, read_only_root: bool = False) -> RemoteTemplateHandle:
         if cache is not None:
             raise InvalidArgument("Template.bake(cache=...) is for the embedded engine; a remote server keeps its own")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}", name):
@@ -499,6 +501,8 @@ class RemoteTemplates:
             body["ready"]["code"] = ready.code
         if egress is not None and not _egress.coerce(egress).is_none:
             body["egress"] = _egress.coerce(egress).to_json()
+        if read_only_root:
+            body["read_only_root"] = True
         d = self.client._json("POST", "/v1/templates", json=body, timeout=max(self.client._timeout, 120.0))
         return RemoteTemplateHandle(self.client, _status_of(d))
 

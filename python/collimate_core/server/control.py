@@ -363,7 +363,7 @@ class ControlPlane:
                         raise missing from None
                     raise InvalidArgument(f"image {ref!r}: {e}") from None
                 return Template.bake(self.engine, name=internal, image=image, ready=ready, width=req.width,
-                                     store=store, egress=policy)
+                                     store=store, egress=policy, read_only_root=req.read_only_root)
 
             try:
                 handle = await self.run(start)
@@ -532,6 +532,7 @@ class ControlPlane:
             created=rec.created, idle_seconds=round(max(0.0, time.monotonic() - rec.last_used), 3),
             idle_timeout_seconds=self.config.idle_reap, disk=DiskUsage(**disk) if disk else None,
             egress=EgressSpec(**_box_egress(rec.box).to_json()), platform=getattr(rec.box, "platform", "kvm"),
+            shared_memory=getattr(rec.box, "shared_memory", None),
         )
 
     # network egress

@@ -73,6 +73,9 @@ class BakeRequest(BaseModel):
     width: int = Field(1, ge=1, le=MAX_WIDTH, description="how wide you expect to fork (keeps clones ready)")
     egress: EgressSpec | None = Field(None, description="the network policy of the bake and its Ready step only "
                                       "(the template's sandboxes start with none), within the server's ceiling")
+    read_only_root: bool = Field(False, description="keep the sandboxes' root filesystem the image's, read-only "
+                                 "(EROFS outside /tmp, /work, /dev/shm and HOME); by default writes land in a "
+                                 "copy-up layer in the sandbox's disk quota")
 
 
 class ImageInfo(BaseModel):
@@ -154,6 +157,8 @@ class SandboxInfo(BaseModel):
     egress: EgressSpec = Field(default_factory=EgressSpec, description="the sandbox's network policy")
     platform: str = Field("kvm", description="what the sandbox runs on: kvm (a KVM virtual machine) or systrap (a "
                           "confined host process under a trap-everything seccomp filter); the server's --platform")
+    shared_memory: int | None = Field(None, description="the sandbox's shared-memory limit in bytes (shared "
+                                      "mappings, memfds and /dev/shm together)")
 
 
 class SandboxList(BaseModel):

@@ -951,14 +951,13 @@ class Template:
                 )
             if cpus is not None:
                 raise InvalidArgument("Template.bake(cpus=...) is for the embedded engine")
-            if read_only_root:
-                raise InvalidArgument("Template.bake(read_only_root=...) is for the embedded engine")
             if not isinstance(image, (str, os.PathLike)):
                 raise InvalidArgument(
                     "Template.bake over HTTP takes an image reference in the server's image store: write the Image "
                     "there with image.export_oci(path) and pass its name"
                 )
-            return client._remote_templates.bake(name, image, ready, width, store=store, cache=cache, egress=policy)
+            return client._remote_templates.bake(name, image, ready, width, store=store, cache=cache, egress=policy,
+                                                 read_only_root=bool(read_only_root))
         if not hasattr(client, "register_template"):
             raise InvalidArgument("Template.bake needs the embedded engine (connect() without an API key)")
         _check_name(name)

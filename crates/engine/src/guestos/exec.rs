@@ -203,6 +203,76 @@ pub fn commit_laid(
             map_program(&mut os.mm, &mut sp, &prog, interp.as_ref())?
         }
     };
+    finish(os, &mut sp, Loaded { prog: &prog, main, entry, at_base, argv: &argv, exec_fn: &exec_fn }, envp)
+}
+
+/// What a load mapped, and the process it starts: the rest of it ([`finish`]) is the same on
+/// every platform.
+struct Loaded<'a> {
+    prog: &'a Program,
+    main: Mapped,
+    entry: u64,
+    at_base: u64,
+    argv: &'a [Vec<u8>],
+    exec_fn: &'a [u8],
+}
+
+/// The platform half of a load's last steps ([`finish`]).
+trait LoadSpace {
+    /// Map [lo, hi) as the stack, readable and writable, and record it in `mm`.
+    fn map_stack(&mut self, mm: &mut Mm, lo: u64, hi: u64) -> Result<(), Errno>;
+    /// Map the vDSO; its address for AT_SYSINFO_EHDR (0: none).
+    fn map_vdso(&mut self, mm: &mut Mm) -> Result<u64, Errno>;
+    /// Write the initial stack's bytes at `va`.
+    fn write(&mut self, va: u64, data: &[u8]) -> Result<(), Errno>;
+    /// The guest's memory, for the facts the process table publishes.
+    fn memory(&mut self) -> crate::platform::Memory<'_>;
+}
+
+impl LoadSpace for Space<'_> {
+    fn map_stack(&mut self, mm: &mut Mm, lo: u64, hi: u64) -> Result<(), Errno> {
+        Mm::populate(self, lo, hi, PROT_READ | PROT_WRITE)?;
+        mm.insert(lo, Vma::anon(hi, PROT_READ | PROT_WRITE, "[stack]"));
+        Ok(())
+    }
+
+    fn map_vdso(&mut self, mm: &mut Mm) -> Result<u64, Errno> {
+        super::vdso::map(mm, self)
+    }
+
+    fn write(&mut self, va: u64, data: &[u8]) -> Result<(), Errno> {
+        self.aspace.write_virt(self.mem, va, data, false).map_err(|_| E2BIG)
+    }
+
+    fn memory(&mut self) -> crate::platform::Memory<'_> {
+        crate::platform::Memory::Kvm(crate::platform::kvm::Memory::new(&mut *self.mem, &mut *self.frames, self.aspace))
+    }
+}
+
+/// There is no vDSO here (AT_SYSINFO_EHDR 0): the guest's clock reads are syscalls.
+impl LoadSpace for dyn HostSpace + '_ {
+    fn map_stack(&mut self, mm: &mut Mm, lo: u64, hi: u64) -> Result<(), Errno> {
+        mm.host_map(self, lo, Vma::anon(hi, PROT_READ | PROT_WRITE, "[stack]"), None)
+    }
+
+    fn map_vdso(&mut self, _: &mut Mm) -> Result<u64, Errno> {
+        Ok(0)
+    }
+
+    fn write(&mut self, va: u64, data: &[u8]) -> Result<(), Errno> {
+        HostSpace::write(self, va, data)
+    }
+
+    fn memory(&mut self) -> crate::platform::Memory<'_> {
+        crate::platform::Memory::Host(self)
+    }
+}
+
+/// The end of a load, once the program and its interpreter are mapped: the heap starts after the
+/// program, the stack and the vDSO are mapped, the initial stack (arguments, environment, auxv)
+/// written, and the process's new name and arguments published.
+fn finish<S: LoadSpace + ?Sized>(os: &mut GuestOs, sp: &mut S, l: Loaded, envp: &[Vec<u8>]) -> Result<Image, Errno> {
+    let main = l.main;
     os.mm.brk_start = main.end;
     os.mm.brk = main.end;
     os.mm.mmap_top = INTERP_BASE;
@@ -211,21 +281,19 @@ pub fn commit_laid(
     if os.mm.overlaps(stack_lo, STACK_TOP) {
         return Err(ENOMEM);
     }
-    Mm::populate(&mut sp, stack_lo, STACK_TOP, PROT_READ | PROT_WRITE)?;
-    os.mm.insert(stack_lo, Vma::anon(STACK_TOP, PROT_READ | PROT_WRITE, "[stack]"));
-    let vdso = super::vdso::map(&mut os.mm, &mut sp)?;
+    sp.map_stack(&mut os.mm, stack_lo, STACK_TOP)?;
+    let vdso = sp.map_vdso(&mut os.mm)?;
 
     let mut random = [0u8; 16];
     random::random_bytes(&mut os.proc, &mut random)?;
-    let aux = AuxInfo { main, entry: main.entry, at_base, random, uid: os.proc.uid, gid: os.proc.gid, vdso };
-    let mut write = |va: u64, data: &[u8]| sp.aspace.write_virt(sp.mem, va, data, false).map_err(|_| E2BIG);
-    let (rsp, args_area) = build_stack(&mut write, &argv, envp, &exec_fn, &aux)?;
-    os.proc.exe = prog.path.clone();
-    os.proc.set_comm_from_path(&exec_fn);
+    let aux = AuxInfo { main, entry: main.entry, at_base: l.at_base, random, uid: os.proc.uid, gid: os.proc.gid, vdso };
+    let mut write = |va: u64, data: &[u8]| sp.write(va, data);
+    let (rsp, args_area) = build_stack(&mut write, l.argv, envp, l.exec_fn, &aux)?;
+    os.proc.exe = l.prog.path.clone();
+    os.proc.set_comm_from_path(l.exec_fn);
     os.proc.args_area = args_area;
-    let mem = crate::platform::Memory::Kvm(crate::platform::kvm::Memory::new(&mut *sp.mem, &mut *sp.frames, sp.aspace));
-    super::proctab::publish(&super::proctab::own_facts(os, &mem, true), true);
-    Ok(Image { entry, rsp })
+    super::proctab::publish(&super::proctab::own_facts(os, &sp.memory(), true), true);
+    Ok(Image { entry: l.entry, rsp })
 }
 
 /// The part of a load that depends only on the files, not on the process, its arguments or
@@ -288,24 +356,7 @@ pub fn commit_host(os: &mut GuestOs, h: &mut dyn HostSpace, p: Prepared, envp: &
         }
         _ => (main.entry, 0),
     };
-    os.mm.brk_start = main.end;
-    os.mm.brk = main.end;
-    os.mm.mmap_top = INTERP_BASE;
-    let stack_lo = STACK_TOP - STACK_RESERVE;
-    if os.mm.overlaps(stack_lo, STACK_TOP) {
-        return Err(ENOMEM);
-    }
-    os.mm.host_map(h, stack_lo, Vma::anon(STACK_TOP, PROT_READ | PROT_WRITE, "[stack]"), None)?;
-    let mut random = [0u8; 16];
-    random::random_bytes(&mut os.proc, &mut random)?;
-    let aux = AuxInfo { main, entry: main.entry, at_base, random, uid: os.proc.uid, gid: os.proc.gid, vdso: 0 };
-    let mut write = |va: u64, data: &[u8]| h.write(va, data);
-    let (rsp, args_area) = build_stack(&mut write, &argv, envp, &exec_fn, &aux)?;
-    os.proc.exe = prog.path.clone();
-    os.proc.set_comm_from_path(&exec_fn);
-    os.proc.args_area = args_area;
-    super::proctab::publish(&super::proctab::own_facts(os, &crate::platform::Memory::Host(h), true), true);
-    Ok(Image { entry, rsp })
+    finish(os, h, Loaded { prog: &prog, main, entry, at_base, argv: &argv, exec_fn: &exec_fn }, envp)
 }
 
 /// The program file again, for mapping (the loader read its bytes before).
@@ -314,31 +365,63 @@ fn open_program(os: &GuestOs, prog: &Program) -> Result<std::os::fd::OwnedFd, Er
     Ok(fd)
 }
 
+/// Where a PT_LOAD segment goes, the same on every platform: its protection, its bytes [va,
+/// file_end) from the file and [file_end, mem_end) zero, in the pages [start, end).
+#[derive(Clone, Copy)]
+struct Segment {
+    prot: u32,
+    va: u64,
+    start: u64,
+    file_end: u64,
+    mem_end: u64,
+    end: u64,
+}
+
+impl Segment {
+    fn of(ph: &ProgramHeader, bias: u64) -> Result<Segment, Errno> {
+        let va = ph.p_vaddr.wrapping_add(bias);
+        let mem_end = va + ph.p_memsz;
+        Ok(Segment { prot: prot_of(ph), va, start: page_down(va), file_end: va + ph.p_filesz, mem_end, end: page_up(mem_end).ok_or(ENOEXEC)? })
+    }
+
+    /// Old linkers let two segments share a page: if the previous segment maps the first page,
+    /// `protect` gives it both segments' rights (the union, passed to it) and it is not mapped
+    /// again. Returns the first page this segment maps itself.
+    fn share_first_page(&self, mm: &mut Mm, protect: impl FnOnce(&mut Mm, u32) -> Result<(), Errno>) -> Result<u64, Errno> {
+        let Some((_, v)) = mm.vma_at(self.start) else { return Ok(self.start) };
+        let both = v.prot | self.prot;
+        protect(mm, both)?;
+        Ok(self.start + PAGE_SIZE)
+    }
+
+    /// The new pages [first_new, end) (which must be free: ENOEXEC): where the file's pages end,
+    /// and the VMA of the file's part (named after the program, at its file offset), if any; the
+    /// pages past it are the bss's, anonymous.
+    fn new_pages(&self, mm: &Mm, prog: &Program, ph: &ProgramHeader, first_new: u64) -> Result<(u64, Option<Vma>), Errno> {
+        if mm.overlaps(first_new, self.end) {
+            return Err(ENOEXEC);
+        }
+        let file_pages_end = page_up(self.file_end).ok_or(ENOEXEC)?.clamp(first_new, self.end);
+        let file = (first_new < file_pages_end).then(|| {
+            let offset = page_down(ph.p_offset) + (first_new - self.start);
+            Vma { end: file_pages_end, prot: self.prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset, lazy: None, window: None }
+        });
+        Ok((file_pages_end, file))
+    }
+}
+
 /// [`map_segment`] on a host-kept address space: the file pages are a private mapping of the
 /// program file, the bss pages past them anonymous; the few bytes a kernel writes itself (a page
 /// two segments share, the zeros after the file bytes in their last page) go through the
 /// platform, with the page made writable for the time of the write.
 fn map_segment_host(mm: &mut Mm, h: &mut dyn HostSpace, prog: &Program, file: std::os::fd::RawFd, ph: &ProgramHeader, bias: u64) -> Result<(), Errno> {
-    let prot = prot_of(ph);
-    let va = ph.p_vaddr.wrapping_add(bias);
-    let start = page_down(va);
-    let file_end = va + ph.p_filesz;
-    let mem_end = va + ph.p_memsz;
-    let end = page_up(mem_end).ok_or(ENOEXEC)?;
-    let mut first_new = start;
-    if let Some((_, v)) = mm.vma_at(start) {
-        let both = v.prot | prot;
-        mm.host_mprotect(h, start, PAGE_SIZE, both)?;
-        first_new = start + PAGE_SIZE;
-    }
+    let seg = Segment::of(ph, bias)?;
+    let Segment { prot, va, start, file_end, mem_end, end } = seg;
+    let first_new = seg.share_first_page(mm, |mm, both| mm.host_mprotect(h, start, PAGE_SIZE, both).map(|_| ()))?;
     if first_new < end {
-        if mm.overlaps(first_new, end) {
-            return Err(ENOEXEC);
-        }
-        let file_pages_end = page_up(file_end).ok_or(ENOEXEC)?.clamp(first_new, end);
-        if first_new < file_pages_end {
-            let offset = page_down(ph.p_offset) + (first_new - start);
-            let vma = Vma { end: file_pages_end, prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset, lazy: None, window: None };
+        let (file_pages_end, file_vma) = seg.new_pages(mm, prog, ph, first_new)?;
+        if let Some(vma) = file_vma {
+            let offset = vma.offset;
             mm.host_map(h, first_new, vma, Some((file, offset)))?;
         }
         if file_pages_end < end {
@@ -635,28 +718,13 @@ fn map_elf_with(mm: &mut Mm, prog: &Program, base: u64, main: bool, segment: &mu
 /// Map one PT_LOAD segment: frames, file bytes, zeroed bss, VMAs (the file part named after the
 /// program, the bss pages past it anonymous, as Linux shows them).
 fn map_segment(mm: &mut Mm, sp: &mut Space, prog: &Program, ph: &ProgramHeader, bias: u64) -> Result<(), Errno> {
-    let prot = prot_of(ph);
-    let va = ph.p_vaddr.wrapping_add(bias);
-    let start = page_down(va);
-    let file_end = va + ph.p_filesz;
-    let mem_end = va + ph.p_memsz;
-    let end = page_up(mem_end).ok_or(ENOEXEC)?;
-    // Old linkers let two segments share a page: the page takes both segments' rights.
-    let mut first_new = start;
-    if let Some((_, v)) = mm.vma_at(start) {
-        let both = v.prot | prot;
-        mm.mprotect(sp, start, PAGE_SIZE, both)?;
-        first_new = start + PAGE_SIZE;
-    }
+    let seg = Segment::of(ph, bias)?;
+    let Segment { prot, va, start, file_end, mem_end, end } = seg;
+    let first_new = seg.share_first_page(mm, |mm, both| mm.mprotect(sp, start, PAGE_SIZE, both).map(|_| ()))?;
     if first_new < end {
-        if mm.overlaps(first_new, end) {
-            return Err(ENOEXEC);
-        }
+        let (file_pages_end, file_vma) = seg.new_pages(mm, prog, ph, first_new)?;
         Mm::populate(sp, first_new, end, prot)?;
-        let file_pages_end = page_up(file_end).ok_or(ENOEXEC)?.clamp(first_new, end);
-        if first_new < file_pages_end {
-            let offset = page_down(ph.p_offset) + (first_new - start);
-            let vma = Vma { end: file_pages_end, prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset, lazy: None, window: None };
+        if let Some(vma) = file_vma {
             mm.insert(first_new, vma);
         }
         if file_pages_end < end {

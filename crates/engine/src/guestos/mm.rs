@@ -197,6 +197,21 @@ impl PartialEq for MapFd {
 impl Eq for MapFd {}
 
 impl Vma {
+    /// Make this (private or shared, with its protection set) a mapping of `f`: checks the offset
+    /// (page aligned, else EINVAL; offset + `len` at most `max_end`, else EOVERFLOW) and the file
+    /// ([`check_file`]). Returns the file's size.
+    fn of_file(&mut self, f: &MapFile, len: u64, max_end: u64) -> Result<u64, Errno> {
+        if f.offset % PAGE_SIZE != 0 {
+            return Err(EINVAL);
+        }
+        f.offset.checked_add(len).filter(|&e| e <= max_end).ok_or(EOVERFLOW)?;
+        let (id, size) = check_file(f.fd, self.prot, self.shared)?;
+        self.file = Some(id);
+        self.offset = f.offset;
+        self.name = f.name.clone();
+        Ok(size)
+    }
+
     pub fn anon(end: u64, prot: u32, name: &str) -> Vma {
         Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0, lazy: None, window: None }
     }
@@ -554,6 +569,26 @@ fn user_range(addr: u64, len: u64) -> Result<u64, Errno> {
     Ok(end)
 }
 
+/// A virtual range [start, end) a platform keeps for itself: guest mappings never touch it.
+#[derive(Clone, Copy)]
+struct Reserved(u64, u64);
+
+impl Reserved {
+    /// No range (kvm).
+    const NONE: Reserved = Reserved(0, 0);
+
+    fn touches(self, start: u64, end: u64) -> bool {
+        start < self.1 && self.0 < end
+    }
+}
+
+/// A move of the heap's top by brk(2), as page-aligned ranges: [old_top, new_top) is mapped, or
+/// [new_top, old_top) unmapped.
+enum Heap {
+    Grow(u64, u64),
+    Shrink(u64, u64),
+}
+
 impl Mm {
     /// The VMA containing `addr`, as (start, vma).
     pub fn vma_at(&self, addr: u64) -> Option<(u64, &Vma)> {
@@ -760,10 +795,7 @@ impl Mm {
         if start >= end {
             return Ok(());
         }
-        self.split(start);
-        self.split(end);
-        let keys: Vec<u64> = self.vmas.range(start..end).map(|(s, _)| *s).collect();
-        for k in keys {
+        for k in self.split_range(start, end) {
             if self.vmas.remove(&k).is_some_and(|v| v.window.is_some()) {
                 self.windows_unmapped = true;
             }
@@ -801,8 +833,18 @@ impl Mm {
         self.find_free(len, self.mmap_top).ok_or(ENOMEM)
     }
 
-    /// mmap(2). `file` is `None` for anonymous memory.
-    pub fn mmap(&mut self, sp: &mut Space, addr: u64, len: u64, prot: u32, flags: u32, file: Option<MapFile>) -> Result<u64, Errno> {
+    /// Split the VMAs at `start` and `end`; the starts of the VMAs inside [start, end).
+    fn split_range(&mut self, start: u64, end: u64) -> Vec<u64> {
+        self.split(start);
+        self.split(end);
+        self.vmas.range(start..end).map(|(s, _)| *s).collect()
+    }
+
+    /// mmap(2)'s checks and placement, before any platform work: the mapping's start, its length
+    /// rounded up to pages, and whether it is shared. A placement that would touch `reserved` (the
+    /// platform's own range, [`Reserved::NONE`] on kvm) is made again as without a hint; a fixed
+    /// address in it is ENOMEM.
+    fn mmap_place(&self, addr: u64, len: u64, prot: u32, flags: u32, reserved: Reserved) -> Result<(u64, u64, bool), Errno> {
         if len == 0 {
             return Err(EINVAL);
         }
@@ -814,7 +856,6 @@ impl Mm {
         if kind == 0 {
             return Err(EINVAL);
         }
-        let shared = kind != MAP_PRIVATE;
         let start = if flags & (MAP_FIXED | MAP_FIXED_NOREPLACE) != 0 {
             if addr % PAGE_SIZE != 0 {
                 return Err(EINVAL);
@@ -828,8 +869,149 @@ impl Mm {
             }
             addr
         } else {
-            self.placement(addr, len)?
+            match self.placement(addr, len)? {
+                // A hint into the platform's own range: placed as without one.
+                s if reserved.touches(s, s + len) => self.find_free(len, self.mmap_top).ok_or(ENOMEM)?,
+                s => s,
+            }
         };
+        if reserved.touches(start, start + len) {
+            return Err(ENOMEM);
+        }
+        Ok((start, len, kind != MAP_PRIVATE))
+    }
+
+    /// munmap(2)'s checks: the end of [addr, addr+len).
+    fn munmap_end(addr: u64, len: u64) -> Result<u64, Errno> {
+        if len == 0 {
+            return Err(EINVAL);
+        }
+        user_range(addr, len).map_err(|_| EINVAL)
+    }
+
+    /// mprotect(2)'s checks: the end of the range and the protection to give it (without
+    /// PROT_GROWSDOWN/PROT_GROWSUP); `None` for an empty range; ENOMEM where no VMA covers a byte.
+    fn mprotect_range(&self, addr: u64, len: u64, prot: u32) -> Result<Option<(u64, u32)>, Errno> {
+        let prot = prot & !(PROT_GROWSDOWN | PROT_GROWSUP);
+        if prot & !(PROT_READ | PROT_WRITE | PROT_EXEC) != 0 {
+            return Err(EINVAL);
+        }
+        let end = user_range(addr, len)?;
+        if addr == end {
+            return Ok(None);
+        }
+        if !self.covered(addr, end) {
+            return Err(ENOMEM);
+        }
+        Ok(Some((end, prot)))
+    }
+
+    /// brk(2) on any platform: `resize` does the platform's part of moving the heap's top (and
+    /// records a grown heap's VMA). Returns the new break, or the old one if it cannot move.
+    fn move_brk(&mut self, new: u64, resize: impl FnOnce(&mut Mm, Heap) -> Result<(), Errno>) -> u64 {
+        if new < self.brk_start || new > self.mmap_top {
+            return self.brk;
+        }
+        let (Some(old_top), Some(new_top)) = (page_up(self.brk), page_up(new)) else { return self.brk };
+        let moved = if new_top > old_top {
+            !self.overlaps(old_top, new_top) && resize(self, Heap::Grow(old_top, new_top)).is_ok()
+        } else {
+            new_top == old_top || resize(self, Heap::Shrink(new_top, old_top)).is_ok()
+        };
+        if !moved {
+            return self.brk;
+        }
+        self.brk = new;
+        new
+    }
+
+    /// mremap(2)'s checks of the flags and the old range: its page-rounded old and new lengths,
+    /// its end, and the VMA at `old` (start, and a copy to make the new mapping from).
+    fn mremap_source(&self, old: u64, old_len: u64, new_len: u64, flags: u64) -> Result<(u64, u64, u64, u64, Vma), Errno> {
+        if flags & !(MREMAP_MAYMOVE | MREMAP_FIXED) != 0 || (flags & MREMAP_FIXED != 0 && flags & MREMAP_MAYMOVE == 0) {
+            return Err(EINVAL);
+        }
+        if old % PAGE_SIZE != 0 {
+            return Err(EINVAL);
+        }
+        let old_len = page_up(old_len).ok_or(EINVAL)?;
+        let new_len = page_up(new_len).filter(|&l| l != 0 && l <= MAX_MAP).ok_or(EINVAL)?;
+        if old_len == 0 {
+            // Duplicating a shared mapping: not offered.
+            return Err(EINVAL);
+        }
+        let old_end = old.checked_add(old_len).filter(|&e| e <= TASK_SIZE).ok_or(EFAULT)?;
+        let (vstart, v) = self.vma_at(old).ok_or(EFAULT)?;
+        if v.end < old_end {
+            return Err(EFAULT);
+        }
+        Ok((old_len, new_len, old_end, vstart, v.clone()))
+    }
+
+    /// MREMAP_FIXED's destination: the end of [new_addr, new_addr+new_len); EINVAL if it is not
+    /// page aligned, not in user space, overlaps the old range [old, old_end) or touches `reserved`.
+    fn mremap_target(new_addr: u64, new_len: u64, old: u64, old_end: u64, reserved: Reserved) -> Result<u64, Errno> {
+        if new_addr % PAGE_SIZE != 0 {
+            return Err(EINVAL);
+        }
+        let new_end = new_addr.checked_add(new_len).filter(|&e| e <= TASK_SIZE).ok_or(EINVAL)?;
+        if (new_addr < old_end && old < new_end) || new_addr < MMAP_MIN_ADDR || reserved.touches(new_addr, new_end) {
+            return Err(EINVAL);
+        }
+        Ok(new_end)
+    }
+
+    /// Where mremap grows an anonymous mapping [old, old_end) in place to `new_len` bytes: the new
+    /// end, if the room after it is free (a file mapping never grows in place).
+    fn grow_in_place(&self, old: u64, old_end: u64, new_len: u64, tmpl: &Vma) -> Option<u64> {
+        let grow_end = old.checked_add(new_len).filter(|&e| e <= TASK_SIZE)?;
+        (!self.overlaps(old_end, grow_end) && tmpl.file.is_none()).then_some(grow_end)
+    }
+
+    /// Where mremap moves a mapping it cannot grow in place: ENOMEM without MREMAP_MAYMOVE, and for
+    /// a file mapping (growing one would need more file data, which a VMA does not keep a way to).
+    fn move_dest(&self, flags: u64, new_len: u64, tmpl: &Vma) -> Result<u64, Errno> {
+        if flags & MREMAP_MAYMOVE == 0 || tmpl.file.is_some() {
+            return Err(ENOMEM);
+        }
+        self.find_free(new_len, self.mmap_top).ok_or(ENOMEM)
+    }
+
+    /// madvise(2)'s checks: the end of the range, `None` for an empty one.
+    fn madvise_range(addr: u64, len: u64, advice: u64) -> Result<Option<u64>, Errno> {
+        if advice > MADV_MAX && !(100..=101).contains(&advice) {
+            // 100/101 are MADV_HWPOISON/MADV_SOFT_OFFLINE (privileged; nothing to do).
+            return Err(EINVAL);
+        }
+        let end = user_range(addr, len).map_err(|_| EINVAL)?;
+        Ok((addr != end).then_some(end))
+    }
+
+    /// The parts of [addr, end) in VMAs for which `which` holds, with their protections.
+    fn parts(&self, addr: u64, end: u64, which: impl Fn(&Vma) -> bool) -> Vec<(u64, u64, u32)> {
+        self.vmas
+            .range(..end)
+            .filter(|(s, v)| v.end > addr && **s < end && which(v))
+            .map(|(s, v)| ((*s).max(addr), v.end.min(end), v.prot))
+            .collect()
+    }
+
+    /// mincore(2)'s checks: the end of the range and how many pages it has.
+    fn mincore_pages(&self, addr: u64, len: u64) -> Result<(u64, usize), Errno> {
+        let end = user_range(addr, len)?;
+        if !self.covered(addr, end) {
+            return Err(ENOMEM);
+        }
+        let pages = (end - addr) / PAGE_SIZE;
+        if pages > 1 << 24 {
+            return Err(ENOMEM);
+        }
+        Ok((end, pages as usize))
+    }
+
+    /// mmap(2). `file` is `None` for anonymous memory.
+    pub fn mmap(&mut self, sp: &mut Space, addr: u64, len: u64, prot: u32, flags: u32, file: Option<MapFile>) -> Result<u64, Errno> {
+        let (start, len, shared) = self.mmap_place(addr, len, prot, flags, Reserved::NONE)?;
         if shared {
             return self.mmap_shared(sp, start, len, prot, flags, file);
         }
@@ -838,17 +1020,10 @@ impl Mm {
         // Everything that can fail for a bad file comes before the old mapping is dropped.
         let data = match &file {
             Some(f) => {
-                if f.offset % PAGE_SIZE != 0 {
-                    return Err(EINVAL);
-                }
-                f.offset.checked_add(len).ok_or(EOVERFLOW)?;
-                let (id, size) = check_file(f.fd, prot, shared)?;
+                let size = vma.of_file(f, len, u64::MAX)?;
                 if len > LAZY_MAP_MIN {
                     vma.lazy = Some(MapFd(Arc::new(dup_cloexec(f.fd)?)));
                 }
-                vma.file = Some(id);
-                vma.offset = f.offset;
-                vma.name = f.name.clone();
                 Some(size)
             }
             None => None,
@@ -887,14 +1062,7 @@ impl Mm {
         let mut vma = Vma { end, prot, shared: true, name: String::new(), file: None, offset: 0, lazy: None, window: None };
         let (fd, offset, writable, is_file) = match &file {
             Some(f) => {
-                if f.offset % PAGE_SIZE != 0 {
-                    return Err(EINVAL);
-                }
-                f.offset.checked_add(len).filter(|&e| e <= i64::MAX as u64).ok_or(EOVERFLOW)?;
-                let (id, _) = check_file(f.fd, prot, true)?;
-                vma.file = Some(id);
-                vma.offset = f.offset;
-                vma.name = f.name.clone();
+                vma.of_file(f, len, i64::MAX as u64)?;
                 (Arc::new(dup_cloexec(f.fd)?), f.offset, file_writable(f.fd), true)
             }
             // A file size limit below the length answers EFBIG here: no memory for it.
@@ -998,27 +1166,14 @@ impl Mm {
 
     /// munmap(2).
     pub fn munmap(&mut self, sp: &mut Space, addr: u64, len: u64) -> Result<u64, Errno> {
-        if len == 0 {
-            return Err(EINVAL);
-        }
-        let end = user_range(addr, len).map_err(|_| EINVAL)?;
+        let end = Self::munmap_end(addr, len)?;
         self.unmap_range(sp, addr, end)?;
         Ok(0)
     }
 
     /// mprotect(2).
     pub fn mprotect(&mut self, sp: &mut Space, addr: u64, len: u64, prot: u32) -> Result<u64, Errno> {
-        let prot = prot & !(PROT_GROWSDOWN | PROT_GROWSUP);
-        if prot & !(PROT_READ | PROT_WRITE | PROT_EXEC) != 0 {
-            return Err(EINVAL);
-        }
-        let end = user_range(addr, len)?;
-        if addr == end {
-            return Ok(0);
-        }
-        if !self.covered(addr, end) {
-            return Err(ENOMEM);
-        }
+        let Some((end, prot)) = self.mprotect_range(addr, len, prot)? else { return Ok(0) };
         // A shared mapping of a file opened read-only never becomes writable (EACCES, as on Linux).
         if prot & PROT_WRITE != 0 {
             let from = self.vmas.range(..addr).next_back().map(|(s, _)| *s).unwrap_or(addr);
@@ -1029,11 +1184,8 @@ impl Mm {
                 return Err(EACCES);
             }
         }
-        self.split(addr);
-        self.split(end);
-        let keys: Vec<u64> = self.vmas.range(addr..end).map(|(s, _)| *s).collect();
         let flags = pte_flags(prot);
-        for k in keys {
+        for k in self.split_range(addr, end) {
             let Some(v) = self.vmas.get_mut(&k) else { continue };
             v.prot = prot;
             let (vend, lazy) = (v.end, v.lazy.is_some());
@@ -1055,42 +1207,19 @@ impl Mm {
 
     /// brk(2): returns the new break, or the old one if it cannot move.
     pub fn brk(&mut self, sp: &mut Space, new: u64) -> u64 {
-        if new < self.brk_start || new > self.mmap_top {
-            return self.brk;
-        }
-        let (Some(old_top), Some(new_top)) = (page_up(self.brk), page_up(new)) else { return self.brk };
-        if new_top > old_top {
-            if self.overlaps(old_top, new_top) || Self::populate_anon(sp, old_top, new_top, PROT_READ | PROT_WRITE).is_err() {
-                return self.brk;
+        self.move_brk(new, |mm, heap| match heap {
+            Heap::Grow(old_top, new_top) => {
+                Self::populate_anon(sp, old_top, new_top, PROT_READ | PROT_WRITE)?;
+                mm.insert(old_top, Vma::anon(new_top, PROT_READ | PROT_WRITE, "[heap]"));
+                Ok(())
             }
-            self.insert(old_top, Vma::anon(new_top, PROT_READ | PROT_WRITE, "[heap]"));
-        } else if new_top < old_top && self.unmap_range(sp, new_top, old_top).is_err() {
-            return self.brk;
-        }
-        self.brk = new;
-        new
+            Heap::Shrink(new_top, old_top) => mm.unmap_range(sp, new_top, old_top),
+        })
     }
 
     /// mremap(2).
     pub fn mremap(&mut self, sp: &mut Space, old: u64, old_len: u64, new_len: u64, flags: u64, new_addr: u64) -> Result<u64, Errno> {
-        if flags & !(MREMAP_MAYMOVE | MREMAP_FIXED) != 0 || (flags & MREMAP_FIXED != 0 && flags & MREMAP_MAYMOVE == 0) {
-            return Err(EINVAL);
-        }
-        if old % PAGE_SIZE != 0 {
-            return Err(EINVAL);
-        }
-        let old_len = page_up(old_len).ok_or(EINVAL)?;
-        let new_len = page_up(new_len).filter(|&l| l != 0 && l <= MAX_MAP).ok_or(EINVAL)?;
-        if old_len == 0 {
-            // Duplicating a shared mapping: not offered.
-            return Err(EINVAL);
-        }
-        let old_end = old.checked_add(old_len).filter(|&e| e <= TASK_SIZE).ok_or(EFAULT)?;
-        let (vstart, v) = self.vma_at(old).ok_or(EFAULT)?;
-        if v.end < old_end {
-            return Err(EFAULT);
-        }
-        let mut tmpl = v.clone();
+        let (old_len, new_len, old_end, vstart, mut tmpl) = self.mremap_source(old, old_len, new_len, flags)?;
         if tmpl.file.is_some() {
             tmpl.offset += old - vstart;
         }
@@ -1103,16 +1232,7 @@ impl Mm {
             }
         }
         if flags & MREMAP_FIXED != 0 {
-            if new_addr % PAGE_SIZE != 0 {
-                return Err(EINVAL);
-            }
-            let new_end = new_addr.checked_add(new_len).filter(|&e| e <= TASK_SIZE).ok_or(EINVAL)?;
-            if new_addr < old_end && old < new_end {
-                return Err(EINVAL);
-            }
-            if new_addr < MMAP_MIN_ADDR {
-                return Err(EINVAL);
-            }
+            let new_end = Self::mremap_target(new_addr, new_len, old, old_end, Reserved::NONE)?;
             self.unmap_range(sp, new_addr, new_end)?;
             return self.move_range(sp, old, old_len, new_addr, new_len, tmpl);
         }
@@ -1120,31 +1240,16 @@ impl Mm {
             self.unmap_range(sp, old + new_len, old_end)?;
             return Ok(old);
         }
-        let grow_end = old.checked_add(new_len).filter(|&e| e <= TASK_SIZE);
-        if let Some(grow_end) = grow_end {
-            if !self.overlaps(old_end, grow_end) {
-                if tmpl.file.is_some() && flags & MREMAP_MAYMOVE == 0 {
-                    return Err(ENOMEM);
-                }
-                if tmpl.file.is_none() {
-                    if tmpl.prot != PROT_NONE {
-                        Self::populate(sp, old_end, grow_end, tmpl.prot)?;
-                    }
-                    let mut ext = tmpl.clone();
-                    ext.end = grow_end;
-                    self.insert(old_end, ext);
-                    return Ok(old);
-                }
+        if let Some(grow_end) = self.grow_in_place(old, old_end, new_len, &tmpl) {
+            if tmpl.prot != PROT_NONE {
+                Self::populate(sp, old_end, grow_end, tmpl.prot)?;
             }
+            let mut ext = tmpl.clone();
+            ext.end = grow_end;
+            self.insert(old_end, ext);
+            return Ok(old);
         }
-        if flags & MREMAP_MAYMOVE == 0 {
-            return Err(ENOMEM);
-        }
-        if tmpl.file.is_some() {
-            // Growing a file mapping would need more file data, which a VMA does not keep a way to.
-            return Err(ENOMEM);
-        }
-        let dest = self.find_free(new_len, self.mmap_top).ok_or(ENOMEM)?;
+        let dest = self.move_dest(flags, new_len, &tmpl)?;
         self.move_range(sp, old, old_len, dest, new_len, tmpl)
     }
 
@@ -1180,38 +1285,19 @@ impl Mm {
 
     /// madvise(2).
     pub fn madvise(&mut self, sp: &mut Space, addr: u64, len: u64, advice: u64) -> Result<u64, Errno> {
-        if advice > MADV_MAX && !(100..=101).contains(&advice) {
-            // 100/101 are MADV_HWPOISON/MADV_SOFT_OFFLINE (privileged; nothing to do).
-            return Err(EINVAL);
-        }
-        let end = user_range(addr, len).map_err(|_| EINVAL)?;
-        if addr == end {
-            return Ok(0);
-        }
+        let Some(end) = Self::madvise_range(addr, len, advice)? else { return Ok(0) };
         if advice == MADV_DONTNEED || advice == MADV_DONTNEED_LOCKED {
             if !self.covered(addr, end) {
                 return Err(ENOMEM);
             }
-            let anon: Vec<(u64, u64)> = self
-                .vmas
-                .range(..end)
-                .filter(|(s, v)| v.end > addr && **s < end && v.file.is_none() && v.window.is_none())
-                .map(|(s, v)| ((*s).max(addr), v.end.min(end)))
-                .collect();
-            for (s, e) in anon {
+            for (s, e, _) in self.parts(addr, end, |v| v.file.is_none() && v.window.is_none()) {
                 for (_, pte) in sp.aspace.present_pages(sp.mem, s, e).map_err(errno_of)? {
                     zero_page(sp.mem, pte & ADDR_MASK).map_err(errno_of)?;
                 }
             }
             // Lazy file mappings drop their pages: the next access reads the file again, as on
             // Linux (a shared one's pages are the file's: they are mapped again as they are).
-            let lazy: Vec<(u64, u64)> = self
-                .vmas
-                .range(..end)
-                .filter(|(s, v)| v.end > addr && **s < end && v.lazy.is_some())
-                .map(|(s, v)| ((*s).max(addr), v.end.min(end)))
-                .collect();
-            for (s, e) in lazy {
+            for (s, e, _) in self.parts(addr, end, |v| v.lazy.is_some()) {
                 Self::unmap_pages(sp, s, e)?;
             }
         }
@@ -1236,15 +1322,8 @@ impl Mm {
 
     /// mincore(2): which pages of [addr, addr+len) are resident (those that have a frame).
     fn mincore(&self, sp: &Space, addr: u64, len: u64) -> Result<Vec<u8>, Errno> {
-        let end = user_range(addr, len)?;
-        if !self.covered(addr, end) {
-            return Err(ENOMEM);
-        }
-        let pages = (end - addr) / PAGE_SIZE;
-        if pages > 1 << 24 {
-            return Err(ENOMEM);
-        }
-        let mut v = vec![0u8; pages as usize];
+        let (end, pages) = self.mincore_pages(addr, len)?;
+        let mut v = vec![0u8; pages];
         for (va, _) in sp.aspace.present_pages(sp.mem, addr, end).map_err(errno_of)? {
             v[((va - addr) / PAGE_SIZE) as usize] = 1;
         }
@@ -1446,9 +1525,13 @@ pub fn pread_full(fd: RawFd, buf: &mut [u8], off: u64) -> Result<usize, Errno> {
     Ok(got)
 }
 
-/// What guest descriptor `fd` maps as: `None` for anonymous memory (/dev/zero), else its host
-/// descriptor and the name /proc/self/maps shows.
-fn map_source(os: &GuestOs, fd: i32, offset: u64) -> Result<Option<MapFile>, Errno> {
+/// What mmap(2)'s arguments `a` map: `None` for anonymous memory (MAP_ANONYMOUS, /dev/zero),
+/// else the guest descriptor's host descriptor, the offset and the name /proc/self/maps shows.
+fn map_source(os: &GuestOs, a: &[u64; 6]) -> Result<Option<MapFile>, Errno> {
+    let (flags, fd, offset) = (a[3] as u32, a[4] as i32, a[5]);
+    if flags & MAP_ANONYMOUS != 0 {
+        return Ok(None);
+    }
     let file = os.files.file(fd)?;
     if matches!(file.kind, Kind::Zero) {
         return Ok(None);
@@ -1479,11 +1562,7 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
     };
     let mut sp = Space::new(&mut *k.mem, &mut *k.frames, k.aspace);
     let r = match nr {
-        SYS_MMAP => {
-            let (flags, fd) = (a[3] as u32, a[4] as i32);
-            let file = if flags & MAP_ANONYMOUS != 0 { Ok(None) } else { map_source(os, fd, a[5]) };
-            file.and_then(|file| os.mm.mmap(&mut sp, a[0], a[1], a[2] as u32, flags, file))
-        }
+        SYS_MMAP => map_source(os, &a).and_then(|file| os.mm.mmap(&mut sp, a[0], a[1], a[2] as u32, a[3] as u32, file)),
         SYS_MUNMAP => os.mm.munmap(&mut sp, a[0], a[1]),
         SYS_MPROTECT => os.mm.mprotect(&mut sp, a[0], a[1], a[2] as u32),
         SYS_BRK => Ok(os.mm.brk(&mut sp, a[0])),

@@ -1,7 +1,7 @@
 //! The VMM's reads and writes of a stub's (the guest's) memory.
 //!
 //! Through `/proc/<pid>/mem`, opened once per stub and kept open, with `pread`/`pwrite` at the guest
-//! virtual address. Chosen over `process_vm_readv`/`process_vm_writev` because only it writes into
+//! virtual address (std's `FileExt::read_exact_at`/`write_all_at`). Chosen over `process_vm_readv`/`process_vm_writev` because only it writes into
 //! read-only private pages (the kernel breaks copy-on-write for it as for a debugger), which the
 //! personality needs (e.g. for a guest's `ptrace(POKETEXT)` or loading into a read-only mapping); and
 //! it is as fast for the sizes that matter (measured in benches/systrap.rs). Both are safe against a
@@ -14,8 +14,10 @@
 //! [`proc_dir`] before any jail hides it.
 
 use std::ffi::CString;
+use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::sync::OnceLock;
 
 static PROC: OnceLock<OwnedFd> = OnceLock::new();
@@ -36,7 +38,7 @@ pub fn proc_dir() -> io::Result<&'static OwnedFd> {
 }
 
 /// Open `/proc/<pid>/mem` for reading and writing.
-pub fn open_mem(pid: i32) -> io::Result<OwnedFd> {
+pub fn open_mem(pid: i32) -> io::Result<File> {
     let dir = proc_dir()?;
     let path = CString::new(format!("{pid}/mem")).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: `dir` is an open directory fd, `path` is NUL-terminated; the fd is owned below.
@@ -45,45 +47,19 @@ pub fn open_mem(pid: i32) -> io::Result<OwnedFd> {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: just opened, owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
-/// Read `buf.len()` bytes at `va`; false if any byte could not be read.
-pub fn read(mem: &OwnedFd, va: u64, buf: &mut [u8]) -> bool {
-    let mut done = 0;
-    while done < buf.len() {
-        let Some(off) = va.checked_add(done as u64).filter(|&o| o < i64::MAX as u64) else { return false };
-        let rest = &mut buf[done..];
-        // SAFETY: `rest` is a valid writable buffer of `rest.len()` bytes; `mem` is an open fd.
-        let n = unsafe { libc::pread(mem.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len(), off as i64) };
-        if n <= 0 {
-            if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return false;
-        }
-        done += n as usize;
-    }
-    true
+/// Read `buf.len()` bytes at `va`; false if any byte could not be read (a short read: the page is
+/// not mapped or not readable, or `va` is past what a file offset reaches). The caller gives the
+/// guest EFAULT.
+pub fn read(mem: &File, va: u64, buf: &mut [u8]) -> bool {
+    mem.read_exact_at(buf, va).is_ok()
 }
 
 /// Write `data` at `va`; false if any byte could not be written (a prefix may have been).
-pub fn write(mem: &OwnedFd, va: u64, data: &[u8]) -> bool {
-    let mut done = 0;
-    while done < data.len() {
-        let Some(off) = va.checked_add(done as u64).filter(|&o| o < i64::MAX as u64) else { return false };
-        let rest = &data[done..];
-        // SAFETY: `rest` is a valid readable buffer; `mem` is an open fd.
-        let n = unsafe { libc::pwrite(mem.as_raw_fd(), rest.as_ptr().cast(), rest.len(), off as i64) };
-        if n <= 0 {
-            if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return false;
-        }
-        done += n as usize;
-    }
-    true
+pub fn write(mem: &File, va: u64, data: &[u8]) -> bool {
+    mem.write_all_at(data, va).is_ok()
 }
 
 /// `process_vm_readv` of `buf.len()` bytes at `va` in `pid`: the alternative the bench compares

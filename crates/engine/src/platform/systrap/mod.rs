@@ -136,7 +136,7 @@ pub struct Stub {
     pid: i32,
     pidfd: OwnedFd,
     sock: OwnedFd,
-    mem: OwnedFd,
+    mem: std::fs::File,
     page: SharedPage,
     /// The stub is a child of this process (spawned, not forked): reap it on drop.
     child: bool,
