@@ -139,7 +139,7 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
                 let mut fds = fds;
                 if fds.len() == 3 {
                     if let Some(b) = fds.pop() {
-                        guestos::files::inet::set_broker(&mut p.os, b);
+                        guestos::files::inet::set_broker(&p.os, b);
                     }
                 }
                 p.os.set_stdio(fds).map(|_| Response::Ok)
