@@ -152,10 +152,13 @@ class Vm:
         gid: int | None = None,
         groups: list[int] | None = None,
         cpus: int | None = None,
+        platform: str = "kvm",
     ) -> Vm:
         """Start a VMM process running the Linux program `argv[0]` from root filesystem `root`,
         as `uid`/`gid` with supplementary `groups` (default: root). The guest sees `cpus` CPUs
-        (1 to 64; default `COLLIMATE_CPUS` or 1); its threads still share one vCPU."""
+        (1 to 64; default `COLLIMATE_CPUS` or 1); its threads still share one vCPU. `platform`:
+        "kvm" (a KVM virtual machine) or "systrap" (a confined host process per guest process,
+        every syscall trapped; no snapshot, reset or spare pool yet: docs/systrap.md)."""
     @staticmethod
     def restore(dir: str | PathLike[str]) -> Vm:
         """Start a VMM process from a snapshot directory (`vm.state`, `vm.mem`)."""
@@ -170,6 +173,9 @@ class Vm:
     def set_writable_root(self, on: bool) -> None:
         """Give the sandboxes this zygote forks from now on a writable root (the image under a
         copy-up layer in each one's disk quota); drops the spares (set the spare pool again)."""
+    @property
+    def platform(self) -> str:
+        """What this VM runs on: "kvm" or "systrap" (a clone keeps its parent's)."""
     @property
     def writable_root(self) -> bool:
         """Whether this VM's sandboxes have a writable root."""
