@@ -9,11 +9,11 @@
 #   bash scripts/kvm-lane/run.sh            # both boots
 #   LANE_MODES="npt=0" bash scripts/kvm-lane/run.sh
 #   LANE_TESTS="a=$PWD/target/release/deps/linux_replay-HASH:vdso_reads b=..." bash scripts/kvm-lane/run.sh
+#   LANE_BENCH=5 bash scripts/kvm-lane/run.sh   # also benches/exec_events.py, 5 execs of each
 #
-# Every KVM test file of the engine runs in each lane, the ones that depend on the paging mode or
-# on where exits fall in both boots (see docs/platforms.md for what each step shows), the others
-# in one of the two: under TCG everything runs 10-60x slower than here and an exit costs 2-3 ms,
-# and the lane must stay under 25 minutes on a 2-core machine.
+# Every KVM test file of the engine runs in both boots (see docs/platforms.md for what each step
+# shows and what the lane costs: under TCG everything runs 10-60x slower than here and an exit
+# costs 2-3 ms; the lane must stay under 25 minutes on a 2-core machine).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$(pwd)
@@ -65,28 +65,31 @@ for d in dirs:
 print("\n".join(kept))'
 }
 
-# The plan, per boot: NAME=BINARY[:FILTER+FILTER...]. Both boots run what depends on the paging
-# mode or on where exits fall (vm, tlb, flush_contract, linux_replay); the engine's other KVM
-# test files, which take the same KVM paths with either mode, are split between the two boots so
-# that each runs once per lane within its time. LANE_TESTS (same form) replaces the plan in every
-# boot, without the canary and the SDK smoke.
-common="vm=$(bin vm) tlb=$(bin tlb) flush_contract=$(bin flush_contract) linux_replay=$(bin linux_replay)"
-npt1_extra="linux_snapshot=$(bin linux_snapshot) linux=$(bin linux) jail=$(bin jail)"
-npt0_extra="linux_files=$(bin linux_files) linux_proc=$(bin linux_proc) linux_shared=$(bin linux_shared) leak=$(bin leak)"
+# The plan, per boot: NAME=BINARY[:FILTER+FILTER...]. Every KVM test file of the engine, in both
+# boots (the systrap ones need no KVM). LANE_TESTS (same form) replaces the plan in every boot,
+# without the canaries and the SDK smoke.
+plan=""
+for t in vm tlb flush_contract linux_replay linux_snapshot linux jail cpu_template linux_files linux_proc linux_shared leak; do
+    plan+="$t=$(bin "$t") "
+done
 
 status=0
 summary=""
 for mode in $modes; do
     job=$(mktemp -d -t collimate-kvm-lane.XXXXXX)
-    tests="$common $npt0_extra"; smoke=""; canary=""
-    if [ "$mode" = npt=1 ]; then tests="$common $npt1_extra"; smoke=1; canary=$(bin vm); fi
-    if [ -n "${LANE_TESTS:-}" ]; then tests=$LANE_TESTS; smoke=""; canary=""; fi
+    # The TLB control (job.sh) must see stale translations under KVM's shadow MMU (npt=0); under
+    # npt=1 it cannot (QEMU flushes its whole TLB at every VMRUN/#VMEXIT) and is reported only.
+    tests=$plan; smoke=""; canary=""; tlb_control=$(bin tlb); tlb_control_must_fail=1
+    if [ "$mode" = npt=1 ]; then smoke=1; canary=$(bin vm); tlb_control_must_fail=""; fi
+    if [ -n "${LANE_TESTS:-}" ]; then tests=$LANE_TESTS; smoke=""; canary=""; tlb_control=""; fi
     share_list > "$job/shares"
     {
         echo "COLLIMATE_ROOTFS='$COLLIMATE_ROOTFS'"
         echo "COLLIMATE_DEB_CACHE='$deb_cache'"
         echo "LANE_REPO='$repo' LANE_PROBE='$cache/probe'"
         echo "LANE_TESTS='$tests' LANE_SMOKE='$smoke' LANE_CANARY='$canary'"
+        echo "LANE_TLB_CONTROL='$tlb_control' LANE_TLB_CONTROL_MUST_FAIL='$tlb_control_must_fail'"
+        echo "LANE_BENCH='${LANE_BENCH:-}'"
         # The interpreter that runs here (a venv's own bin: its python3 links to the base one).
         echo "LANE_PATH='$(dirname "$(python3 -c 'import sys; print(sys.executable)')")'"
     } > "$job/env"

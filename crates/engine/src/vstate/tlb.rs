@@ -120,6 +120,9 @@ pub fn invalidate_frames_exact(mem: &GuestMemory, gpas: &[u64]) -> Result<usize>
 }
 
 fn invalidate(mem: &GuestMemory, gpas: &[u64], exact: bool) -> Result<usize> {
+    if skipped_for_a_negative_control() {
+        return Ok(0);
+    }
     if !gpas.is_empty() {
         request_guest_flush();
     }
@@ -195,6 +198,28 @@ pub fn exact_enabled() -> bool {
     *ON.get_or_init(|| std::env::var_os("COLLIMATE_EXACT_INVALIDATION").is_none_or(|v| v != "0"))
 }
 
+/// The negative control of the TLB contract, for tests only: with `COLLIMATE_TEST_NO_INVALIDATION=1`
+/// [`invalidate_frames`], [`invalidate_frames_exact`] and [`flush_guest_tlb`] do nothing at all (no
+/// host-side zap, no guest flush owed), so that `tests/tlb.rs`'s stale-translation cases can be
+/// shown to fail without them where the host keeps stale translations (kvm_pvm; upstream KVM's
+/// shadow MMU, the emulated lane's `npt=0` boot, `scripts/kvm-lane/job.sh`).
+///
+/// A hidden setting rather than a cargo feature or a cfg: the lane runs the very test binary it
+/// runs for the real check (one build, no second engine build with a feature on), and a control
+/// that ran a differently built engine would prove less. Same precedent as the I/O-completion
+/// canary (`COLLIMATE_TEST_NO_IO_COMPLETION`). Nothing in the product sets it; a process that has
+/// it says so on stderr once, since a guest could then read memory the host took away.
+fn skipped_for_a_negative_control() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OFF.get_or_init(|| {
+        let off = std::env::var_os("COLLIMATE_TEST_NO_INVALIDATION").is_some_and(|v| v == "1");
+        if off {
+            eprintln!("collimate: COLLIMATE_TEST_NO_INVALIDATION=1: guest TLB invalidation is OFF (a negative control for tests, never for use)");
+        }
+        off
+    })
+}
+
 /// Less access, then `prot` again: the first call fires the MMU notifier.
 fn protect_cycle(addr: u64, len: u64, prot: libc::c_int) -> Result<()> {
     let p = addr as *mut libc::c_void;
@@ -224,6 +249,9 @@ fn protect_cycle(addr: u64, len: u64, prot: libc::c_int) -> Result<()> {
 /// as it was. Deleting a slot discards KVM's dirty log, so the log is first folded into `mem`'s own
 /// record of private pages (which snapshot and reset rely on).
 pub fn flush_guest_tlb(vm: &mut KvmVm, mem: &mut GuestMemory) -> Result<()> {
+    if skipped_for_a_negative_control() {
+        return Ok(());
+    }
     request_guest_flush();
     let log = vm.take_dirty_log()?;
     mem.sync_dirty(&log);
