@@ -250,6 +250,13 @@ def test_templates_are_baked_on_every_host(client, tmp_path):
     Template.delete(client, "raytool")
     with pytest.raises(collimate_core.NotFoundError):
         Template.get(client, "raytool")
+    # read_only_root reaches every host's bake: the image's files refuse writes there.
+    handle = Template.bake(client, name="raytool-ro", image=str(image), read_only_root=True)
+    assert handle.wait(timeout=300).phase == "Live"
+    with Sandbox("raytool-ro", client=client) as sb:
+        r = sb.exec(command="echo x > /etc/motd")
+        assert r.exit_code != 0 and "Read-only file system" in r.stderr, r
+    Template.delete(client, "raytool-ro")
 
 
 DRIVER = """

@@ -487,14 +487,14 @@ class RayTemplates:
             return [h for h in self.client._hosts.values() if not h.lost]
 
     def bake(self, name: str, image: Any, ready: Any = None, width: int = 1, *, store: Any = None,
-             cache: Any = None, egress: Any = None) -> RayTemplateHandle:
+             cache: Any = None, egress: Any = None, read_only_root: bool = False) -> RayTemplateHandle:
         from collimate_core.templates.bake import check_bake_args
 
         if cache is not None:
             raise InvalidArgument("Template.bake(cache=...) is for the embedded engine; each Ray host keeps its own")
         ready = check_bake_args(image, ready, width)
         versions = [self.client._call(h, "bake", name, os.fspath(image), ready, width,
-                                      None if store is None else os.fspath(store), egress).version
+                                      None if store is None else os.fspath(store), egress, read_only_root).version
                     for h in self._alive()]
         for h in self._alive():
             self.client._log(op="bake", template=name, host=h.node_id)

@@ -179,10 +179,12 @@ class HostActor:
         self.client.expect_width(template, width)
 
     # templates: Template.bake/list/get/delete on this host's engine
-    def bake(self, name: str, image: str, ready: Any, width: int, store: str | None, egress: Any = None) -> Any:
+    def bake(self, name: str, image: str, ready: Any, width: int, store: str | None, egress: Any = None,
+             read_only_root: bool = False) -> Any:
         from collimate_core.templates.bake import Template
 
-        handle = Template.bake(self.client, name=name, image=image, ready=ready, width=width, store=store, egress=egress)
+        handle = Template.bake(self.client, name=name, image=image, ready=ready, width=width, store=store, egress=egress,
+                               read_only_root=read_only_root)
         with self._lock:
             self._bakes[name] = handle
         return handle.status()
