@@ -1143,7 +1143,7 @@ def test_a_burst_queues_and_one_beyond_the_queue_bound_is_refused(tmp_path, keys
             served = [f.result(timeout=60) for f in waiting]
             pool.shutdown()
             assert len(set(served)) == QUEUE
-            assert srv.health() == {"ok": True, "live_sandboxes": 0, "queue": 0}
+            assert srv.health() == {"ok": True, "live_sandboxes": 0, "queue": 0, "platform": "kvm"}
             assert srv.metric("collimate_capacity_rejections_total", reason="queue_full") >= 2
         with capsys.disabled():
             print(f"\nburst: {4 * WIDTH} rollouts at max_sandboxes={WIDTH} (queue {QUEUE}) completed in {wall:.2f} s; "

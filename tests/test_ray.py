@@ -373,3 +373,39 @@ def test_a_node_removed_mid_group_raises_host_lost_and_nothing_is_scored(cluster
 
     assert asyncio.run(again()) == survivor
     assert {e["host"] for e in _creates(client, mark)} == {survivor}
+
+
+def test_platform_passes_through_to_the_hosts_and_every_sandbox_and_result_names_it(cluster, client):
+    # The hosts chose when `collimate ray-host` started them (auto: kvm here); the sandboxes and
+    # results say so, and a client asking for another platform uses none of them, saying why.
+    assert client.platform == "kvm" and {h["platform"] for h in client.hosts()} == {"kvm"}
+    assert connect(ray=cluster.address, platform="kvm").platform == "kvm"
+    with pytest.raises(collimate_core.InvalidArgument, match=r"platform='systrap'.*already runs another platform"):
+        connect(ray=cluster.address, platform="systrap")
+    with pytest.raises(collimate_core.InvalidArgument, match="'auto', 'kvm' or 'systrap'"):
+        connect(ray=cluster.address, platform="bogus")
+    with Sandbox("python", client=client) as sb:
+        assert sb.platform == "kvm"
+        r = sb.exec(command="true")
+        assert r.ok and r.platform == "kvm" and r.host == sb._box.host
+        with sb.fork_group(2) as group:
+            assert [c.platform for c in group] == ["kvm", "kvm"]
+
+
+def test_hosts_that_cannot_serve_their_platform_say_why(cluster, client):
+    # Last: it stops the hosts. Started on a platform this build cannot serve, a host actor stays
+    # up saying why; `collimate ray-host` and every client say so instead of finding no host.
+    from collimate_core.sdk import platform as pf
+
+    if pf.binding_serves_systrap() and pf.SDK_SERVES_SYSTRAP:
+        pytest.skip("this build serves systrap sandboxes")
+    collimate_core.ray.host.stop_hosts()
+    out = subprocess.run([sys.executable, "-m", "collimate_core", "ray-host", "--address", cluster.address,
+                          "--platform", "systrap"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "collimate ray-host: no collimate host of this cluster can run sandboxes: host " in out.stderr
+    assert "platform='systrap' was asked for, but this build of collimate_core does not serve systrap" in out.stderr
+    for platform in ("auto", "systrap"):  # new clients (connect(ray=...) alone is the one made earlier)
+        with pytest.raises(collimate_core.PlatformUnavailable, match="does not serve systrap sandboxes yet"):
+            connect(ray=cluster.address, platform=platform)
+    collimate_core.ray.host.stop_hosts()

@@ -270,15 +270,18 @@ class _Pending:
 
 
 def connect(api_key: str | None = None, *, base_url: str | None = None, ray: str | None = None,
-            limit: int = DEFAULT_LIMIT) -> _Pending:
+            limit: int = DEFAULT_LIMIT, platform: str | None = None) -> _Pending:
     """`await aio.connect(...)` or `async with aio.connect(...) as client`: an AsyncClient over
     what the sync `connect` returns for the same arguments (the embedded engine without a key,
-    the control plane with one, a Ray cluster with `ray=` or COLLIMATE_RAY_ADDRESS)."""
+    the control plane with one, a Ray cluster with `ray=` or COLLIMATE_RAY_ADDRESS; `platform=` as
+    there)."""
 
     async def make() -> AsyncClient:
         kw: dict[str, Any] = {"base_url": base_url}
         if ray is not None:
             kw["ray"] = ray
+        if platform is not None:
+            kw["platform"] = platform
         loop = asyncio.get_running_loop()
         # ray.init and a key's first client are blocking; not on the loop's thread.
         sync = await loop.run_in_executor(None, functools.partial(_sync.connect, api_key, **kw))
@@ -361,6 +364,11 @@ class Sandbox:
     @property
     def warm_hit(self) -> bool:
         return self.sync.warm_hit
+
+    @property
+    def platform(self) -> str:
+        """What the sandbox runs on: "kvm" or "systrap"."""
+        return self.sync.platform
 
     # work
     async def exec(self, command: str | None = None, *, code: str | None = None, timeout_seconds: float = 60.0,

@@ -2,7 +2,8 @@
 
 The KVM module and its paging mode (the engine's platform profile, `vstate::profile`), whether the
 host is itself a virtual machine, CPUID faulting, user namespaces, seccomp, disk quotas, the
-cost of one exit and of one guest syscall here, and which platform `connect()` will use.
+cost of one exit and of one guest syscall here; both platforms' availability (kvm, systrap), what
+auto picks and why (sdk/platform.py), and what `connect()` will use.
 """
 
 from __future__ import annotations
@@ -78,45 +79,47 @@ def _cpuid_faulting() -> bool:
     return "cpuid_fault" in flags.split()
 
 
-def _user_namespaces() -> tuple[bool, str]:
-    if _read("/proc/sys/user/max_user_namespaces") == "0":
-        return False, "user.max_user_namespaces is 0"
-    if _read("/proc/sys/kernel/unprivileged_userns_clone") == "0" and os.geteuid() != 0:
-        return False, "kernel.unprivileged_userns_clone is 0"
-    if not hasattr(os, "unshare"):
-        return True, "allowed by sysctl (not tried: Python < 3.12)"
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.unshare(os.CLONE_NEWUSER)
-            os._exit(0)
-        except OSError:
-            os._exit(1)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0, "tried: unshare(CLONE_NEWUSER)"
+def _platforms(out: dict[str, Any]) -> None:
+    """Both platforms' availability, what `connect()` asks for and what auto picks, and why."""
+    from dataclasses import asdict
+
+    from collimate_core.sdk import platform as pf
+    from collimate_core.sdk.errors import InvalidArgument
+
+    kvm, systrap = pf.probe_kvm(), pf.probe_systrap()
+    out["platforms"] = {"kvm": asdict(kvm), "systrap": asdict(systrap)}
+    out.update(user_namespaces=systrap.user_namespaces, user_namespaces_how=systrap.user_namespaces_how,
+               seccomp=systrap.seccomp, seccomp_how=systrap.seccomp_how)
+    auto = pf.choose("auto", kvm=kvm, systrap=systrap)
+    out["auto"] = {"platform": auto.platform or None, "why": auto.reason, "problem": pf.problem(auto)}
+    try:
+        asked = pf.requested()
+    except InvalidArgument as e:
+        out["asked"], out["chosen"], out["asked_problem"] = os.environ.get(pf.ENV), None, str(e)
+        return
+    c = auto if asked == "auto" else pf.choose(asked, kvm=kvm, systrap=systrap)
+    out["asked"], out["chosen"], out["asked_problem"] = asked, c.platform or None, pf.problem(c)
 
 
-def _seccomp() -> bool:
-    return any(line.startswith("Seccomp:") for line in (_read("/proc/self/status") or "").splitlines())
-
-
-def _platform() -> str:
+def _platform(out: dict[str, Any]) -> str:
     if os.environ.get("COLLIMATE_API_KEY"):
         url = os.environ.get("COLLIMATE_BASE_URL") or "http://127.0.0.1:8477"
         return f"remote: the control plane at {url} (COLLIMATE_API_KEY is set)"
     if os.environ.get("COLLIMATE_RAY_ADDRESS"):
         return f"ray: the cluster at {os.environ['COLLIMATE_RAY_ADDRESS']} (COLLIMATE_RAY_ADDRESS is set)"
-    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return "none: the embedded engine needs /dev/kvm (absent or not accessible to this user)"
-    return "embedded: the engine in this process, on /dev/kvm"
+    if out.get("asked_problem"):
+        return f"none: {out['asked_problem']}"
+    how = "asked for with COLLIMATE_PLATFORM" if out["asked"] != "auto" else out["auto"]["why"]
+    return f"embedded: the engine in this process, on {out['chosen']} ({how})"
 
 
 def report() -> dict[str, Any]:
     """Everything `collimate doctor` prints, as a dict."""
-    out: dict[str, Any] = {"kvm": os.path.exists("/dev/kvm"), "platform": _platform()}
-    ns_ok, ns_how = _user_namespaces()
-    out.update(cpuid_faulting=_cpuid_faulting(), user_namespaces=ns_ok, user_namespaces_how=ns_how, seccomp=_seccomp())
-    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+    out: dict[str, Any] = {"kvm": os.path.exists("/dev/kvm")}
+    _platforms(out)
+    out["platform"] = _platform(out)
+    out["cpuid_faulting"] = _cpuid_faulting()
+    if not out["platforms"]["kvm"]["available"]:
         return out
     from collimate_core import _core
     from collimate_core._core import Vm
@@ -144,8 +147,9 @@ def run_cli(args: Any) -> None:
         return
     p = r.get("profile")
     rows = []
+    k, s = r["platforms"]["kvm"], r["platforms"]["systrap"]
     if p is None:
-        rows.append(("kvm", "no usable /dev/kvm" if not r["kvm"] else "/dev/kvm is not accessible to this user"))
+        rows.append(("kvm", f"no usable KVM: {k['why']}"))
     else:
         paging = {"tdp": "two-dimensional (EPT/NPT)", "shadow": "shadow paging"}[p["paging"]]
         rows += [
@@ -157,8 +161,8 @@ def run_cli(args: Any) -> None:
         ]
     rows += [
         ("CPUID faulting", _yes(r["cpuid_faulting"])),
-        ("user namespaces", f"{_yes(r['user_namespaces'])} ({r['user_namespaces_how']})"),
-        ("seccomp", _yes(r["seccomp"])),
+        ("user namespaces", f"{_yes(s['user_namespaces'])} ({s['user_namespaces_how']})"),
+        ("seccomp filters", f"{_yes(s['seccomp'])} ({s['seccomp_how']})"),
     ]
     if p is not None:
         j = r["jail"]
@@ -168,6 +172,21 @@ def run_cli(args: Any) -> None:
             ("one exit", f"{p['exit_ns'] / 1000:.1f} us (median of 2,000, {p['name']})"),
             ("one guest syscall", f"{r['syscall_ns'] / 1000:.1f} us (median of 5 runs of 2,000 getpid, {p['name']})"),
         ]
+    kvm_mod = k["module"] or "KVM module not named in /sys/module"
+    rows.append(("platform kvm", ("available: " if k["available"] else "unavailable: ") + k["why"]
+                 + f" ({kvm_mod}{', ' + k['paging'] if k['paging'] else ''})"))
+    served = "this build serves it" if s["served"] else (
+        "this build does not serve systrap sandboxes yet ("
+        + ("its engine's Vm.spawn takes no platform=" if not s["binding"] else "the SDK's systrap templates are not written")
+        + ")")
+    rows.append(("platform systrap", ("the host allows it: " if s["available"] else "the host does not allow it: ")
+                 + s["why"] + "; " + served))
+    a = r["auto"]
+    cannot = ""
+    if a["problem"]:
+        cannot = "; but this build does not serve it yet" if a["platform"] == "systrap" and not s["served"] else (
+            f"; it cannot run here: {a['problem']}")
+    rows.append(("auto picks", f"{a['platform'] or 'nothing'} ({a['why']}){cannot}"))
     rows.append(("connect()", r["platform"]))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use crate::channel::{Channel, RecvError};
 use crate::egress::{LogEntry, Policy, SandboxNet};
 use crate::error::{Error, Result};
-use crate::protocol::{JailStatus, MemStats, Request, ResetStats, Response, RunResult};
+use crate::protocol::{JailStatus, MemStats, Platform, Request, ResetStats, Response, RunResult};
 use crate::quota::{DiskQuota, DiskUsage, Scratch};
 use crate::vstate::vcpu::VcpuState;
 
@@ -37,11 +37,14 @@ pub struct VmConfig {
     /// /sys/devices/system/cpu); its threads still take turns on one vCPU. None: the engine's
     /// default, `COLLIMATE_CPUS` or 1 (see `guestos::cpu`).
     pub cpus: Option<u32>,
+    /// What runs a spawned Linux program (`Vm::spawn`): KVM (the default) or systrap. Booted and
+    /// restored VMs are KVM's.
+    pub platform: Platform,
 }
 
 impl Default for VmConfig {
     fn default() -> Self {
-        VmConfig { mem_size: 1 << 30, cpus: None }
+        VmConfig { mem_size: 1 << 30, cpus: None, platform: Platform::Kvm }
     }
 }
 
@@ -119,6 +122,8 @@ pub struct Vm {
     /// stdio pipes (`net_sent`).
     net: Arc<SandboxNet>,
     net_sent: bool,
+    /// What runs its guest (its forks' too).
+    platform: Platform,
 }
 
 struct Stdio {
@@ -181,6 +186,10 @@ impl Vm {
     }
 
     fn launch_with(launcher: &Launcher, first: Request, stdio: Option<Stdio>, fds: &[RawFd]) -> Result<Vm> {
+        let platform = match &first {
+            Request::Spawn { platform, .. } => *platform,
+            _ => Platform::Kvm,
+        };
         let (child, chan) = launcher.spawn()?;
         let pid = child.id() as i32;
         let mut vm = Vm {
@@ -197,6 +206,7 @@ impl Vm {
             writable_root: false,
             net: SandboxNet::new(Policy::default()),
             net_sent: false,
+            platform,
         };
         if let Err(e) = vm.chan.send(&first, fds) {
             return Err(vm.died(format!("send failed: {e}")));
@@ -220,12 +230,13 @@ impl Vm {
         Self::launch(launcher, Request::Boot { elf: elf.to_vec(), mem_size: cfg.mem_size })
     }
 
-    /// Start a VMM process running the Linux program `spec.argv[0]` from `spec.root`. Paused until
-    /// [`Vm::run`].
+    /// Start a VMM process running the Linux program `spec.argv[0]` from `spec.root` on
+    /// `cfg.platform`. Paused until [`Vm::run`].
     pub fn spawn(launcher: &Launcher, spec: &crate::protocol::SpawnSpec, cfg: &VmConfig) -> Result<Vm> {
         let (stdio, ends) = Stdio::new()?;
         let fds = [ends[0].as_raw_fd(), ends[1].as_raw_fd()];
-        Self::launch_with(launcher, Request::Spawn { spec: spec.clone(), mem_size: cfg.mem_size, cpus: cfg.cpus }, Some(stdio), &fds)
+        let first = Request::Spawn { spec: spec.clone(), mem_size: cfg.mem_size, cpus: cfg.cpus, platform: cfg.platform };
+        Self::launch_with(launcher, first, Some(stdio), &fds)
     }
 
     /// Start a VMM process with the snapshot in `dir`, paused.
@@ -235,6 +246,11 @@ impl Vm {
 
     pub fn pid(&self) -> i32 {
         self.pid
+    }
+
+    /// What runs this VM's guest: KVM or systrap.
+    pub fn platform(&self) -> Platform {
+        self.platform
     }
 
     /// The layers of its jail this VM's VMM process runs in.
@@ -361,6 +377,9 @@ impl Vm {
 
     /// Write the VM to `dir` (state file + memory file). The VM stays usable.
     pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
+        if self.platform == Platform::Systrap {
+            return Err(crate::vmm::systrap::unsupported("snapshot"));
+        }
         let req = Request::Snapshot { dir: dir.to_path_buf() };
         if !self.jail.namespaces {
             return self.expect_ok(&req);
@@ -422,6 +441,7 @@ impl Vm {
                         // Copied, never shared: a fork's policy changes alone.
                         net: SandboxNet::forked(&self.net),
                         net_sent: false,
+                        platform: self.platform,
                     });
                 }
                 Ok((Response::Err(e), _)) => return Err(e.into()),

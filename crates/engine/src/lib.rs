@@ -25,5 +25,5 @@ pub mod vstate;
 
 pub use controller::{Launcher, Vm, VmConfig};
 pub use error::{Error, Result};
-pub use protocol::{GuestUser, JailStatus, MemStats, ResetStats, RunExit, RunResult, SpawnSpec};
+pub use protocol::{GuestUser, JailStatus, MemStats, Platform, ResetStats, RunExit, RunResult, SpawnSpec};
 pub use vstate::vcpu::VcpuState;

@@ -25,8 +25,15 @@ pub struct ExecSeed {
 pub enum Request {
     /// First message to a launched VMM process: load an ELF into a new VM.
     Boot { elf: Vec<u8>, mem_size: u64 },
-    /// First message to a launched VMM process: run a Linux program from a root filesystem.
-    Spawn { spec: SpawnSpec, mem_size: u64, cpus: Option<u32> },
+    /// First message to a launched VMM process: run a Linux program from a root filesystem, on
+    /// `platform` (a KVM `Machine`, or a systrap stub: `vmm::systrap::serve`).
+    Spawn {
+        spec: SpawnSpec,
+        mem_size: u64,
+        cpus: Option<u32>,
+        #[serde(default)]
+        platform: Platform,
+    },
     /// First message to a launched VMM process: restore a snapshot directory.
     Restore { dir: PathBuf },
     Run { timeout: Duration },
@@ -81,6 +88,46 @@ pub enum Request {
     VcpuState,
     MemStats,
     Shutdown,
+}
+
+/// What runs a sandbox's guest processes (docs/platforms.md): KVM, or systrap (each guest process
+/// a confined host process whose syscalls trap to the VMM).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Platform {
+    #[default]
+    Kvm,
+    Systrap,
+}
+
+impl Platform {
+    /// Its name as users write it: "kvm" or "systrap".
+    pub fn name(self) -> &'static str {
+        match self {
+            Platform::Kvm => "kvm",
+            Platform::Systrap => "systrap",
+        }
+    }
+}
+
+impl std::str::FromStr for Platform {
+    type Err = crate::error::Error;
+
+    fn from_str(s: &str) -> Result<Platform, Self::Err> {
+        match s {
+            "kvm" => Ok(Platform::Kvm),
+            "systrap" => Ok(Platform::Systrap),
+            other => Err(crate::error::Error::InvalidArgument(format!(
+                "unknown platform {other:?}; use \"kvm\" (a VM per guest process, needs /dev/kvm) or \"systrap\" \
+                 (each guest process a confined host process under a trap-everything seccomp filter)"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for Platform {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// A Linux program to run in a sandbox.

@@ -357,8 +357,10 @@ impl PyVm {
     /// `uid`/`gid`/`groups`: the identity it starts with (default root), e.g. an image's User.
     /// `cpus`: how many CPUs the guest sees (1 to 64; default `COLLIMATE_CPUS` or 1), fixed for
     /// the sandbox, its snapshots and forks; its threads still share one vCPU.
+    /// `platform`: what runs it, "kvm" (a VM per guest process, the default) or "systrap" (each
+    /// guest process a confined host process whose syscalls trap to the VMM; no snapshots yet).
     #[staticmethod]
-    #[pyo3(signature = (root, argv, env = None, cwd = "/".to_string(), mounts = None, mem_size = 1 << 30, ro_mounts = None, agent = false, uid = None, gid = None, groups = None, cpus = None))]
+    #[pyo3(signature = (root, argv, env = None, cwd = "/".to_string(), mounts = None, mem_size = 1 << 30, ro_mounts = None, agent = false, uid = None, gid = None, groups = None, cpus = None, platform = "kvm".to_string()))]
     #[allow(clippy::too_many_arguments)]
     fn spawn(
         py: Python<'_>,
@@ -374,10 +376,13 @@ impl PyVm {
         gid: Option<u32>,
         groups: Option<Vec<u32>>,
         cpus: Option<u32>,
+        platform: String,
     ) -> PyResult<PyVm> {
         if argv.is_empty() {
             return Err(PyValueError::new_err("Vm.spawn: argv is empty; argv[0] names the program"));
         }
+        let platform: collimate_engine::Platform =
+            platform.parse().map_err(|e: collimate_engine::Error| PyValueError::new_err(format!("Vm.spawn: {e}")))?;
         let launcher = launcher(py)?;
         let mut envp: Vec<Vec<u8>> = env
             .unwrap_or_default()
@@ -399,7 +404,7 @@ impl PyVm {
                 groups: groups.unwrap_or_default(),
             }),
         };
-        let cfg = VmConfig { mem_size, cpus };
+        let cfg = VmConfig { mem_size, cpus, platform };
         py.detach(|| collimate_engine::Vm::spawn(launcher, &spec, &cfg))
             .map(PyVm::wrap)
             .map_err(|e| engine_error(&format!("Vm.spawn({:?})", argv[0]), e))
@@ -444,6 +449,12 @@ impl PyVm {
     fn set_writable_root(&self, py: Python<'_>, on: bool) -> PyResult<()> {
         let op = format!("Vm.set_writable_root({on})");
         self.with(py, &op, |vm| Ok(vm.set_writable_root(on)?))
+    }
+
+    /// What runs this VM's guest: "kvm" or "systrap" (its clones run on the same).
+    #[getter]
+    fn platform(&self, py: Python<'_>) -> PyResult<&'static str> {
+        self.with(py, "Vm.platform", |vm| Ok(vm.platform().name()))
     }
 
     /// Whether the sandboxes of this VM have a writable root (`set_writable_root`).

@@ -18,6 +18,7 @@ from collimate_core.sdk.errors import (
     HostLost,
     InvalidArgument,
     NotFoundError,
+    PlatformUnavailable,
     SandboxTimeout,
 )
 from collimate_core.ray.host import ACTOR_PREFIX, NAMESPACE, _host_nodes, _ray, start_hosts, stop_hosts
@@ -36,6 +37,7 @@ class RaySandbox:
     host: str
     parent: str | None = None
     egress: Any = None  # its network policy (collimate_core.sdk.egress.Egress), as its host keeps it
+    platform: str = "kvm"  # what it runs on (its host's platform): kvm or systrap
 
 
 @dataclass
@@ -47,6 +49,7 @@ class _Host:
     warm: set = dataclasses.field(default_factory=set)
     starting: dict = dataclasses.field(default_factory=dict)  # template -> cold starts in flight here
     lost: str | None = None
+    platform: str = "kvm"  # what its sandboxes run on (the host actor chose when it started)
 
 
 class RayClient:
@@ -55,7 +58,12 @@ class RayClient:
     and `collimate_core.aio` all work on it unchanged."""
 
     def __init__(self, address: str = "auto", *, start: bool = True, call_timeout: float = 600.0,
-                 lease: float | None = None, runtime_env: dict | None = None):
+                 lease: float | None = None, runtime_env: dict | None = None, platform: str | None = None):
+        from collimate_core.sdk.platform import check as _check_platform
+
+        # "auto", "kvm" or "systrap": passed to the host actors this client starts; a host that
+        # chose another platform (when it started) is not used by this client.
+        self.platform_asked = None if platform is None else _check_platform(platform)
         ray = self._ray = _ray()
         if not ray.is_initialized():
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, runtime_env=runtime_env)
@@ -81,7 +89,7 @@ class RayClient:
         """Find the host actors (starting missing ones with `start`) and what each has warm."""
         ray = self._ray
         if start:
-            start_hosts()
+            start_hosts(platform=self.platform_asked)
         found = {}
         for node_id, slots in _host_nodes(ray):
             try:
@@ -94,20 +102,50 @@ class RayClient:
                 infos[node_id] = ray.get(actor.info.remote(), timeout=self.call_timeout)
             except Exception:  # noqa: BLE001 - an actor that does not answer is not a host
                 continue
+        asked = self.platform_asked
+        # Hosts whose actor could not serve the platform it chose, and hosts on another platform
+        # than this client asked for: not used.
+        unavailable = {n: i["unavailable"] for n, i in infos.items() if i.get("unavailable")}
+        other = {n: i.get("platform", "kvm") for n, i in infos.items() if n not in unavailable
+                 and asked not in (None, "auto") and i.get("platform", "kvm") != asked}
         with self._lock:
             for node_id, (actor, slots) in found.items():
-                if node_id not in infos:
+                if node_id not in infos or node_id in other or node_id in unavailable:
                     continue
                 h = self._hosts.get(node_id)
                 if h is None or h.lost:
                     h = self._hosts[node_id] = _Host(node_id, actor, slots)
                 h.warm |= set(infos[node_id]["warm"])
-            return sorted(n for n, h in self._hosts.items() if not h.lost)
+                h.platform = infos[node_id].get("platform", "kvm")
+            usable = sorted(n for n, h in self._hosts.items() if not h.lost)
+        if unavailable and not usable and not other:
+            raise PlatformUnavailable(
+                "no collimate host of this cluster can run sandboxes: "
+                + "; ".join(f"host {n}: {why}" for n, why in sorted(unavailable.items()))
+                + " (a host chooses its platform when its actor starts: `collimate ray-host --stop`, then start them "
+                "with a platform they can serve)"
+            )
+        if other and not usable:
+            raise InvalidArgument(
+                f"platform={asked!r}: every collimate host of this cluster already runs another platform "
+                f"({', '.join(f'{n}: {p}' for n, p in sorted(other.items()))}); a host chooses when its actor starts: "
+                f"`collimate ray-host --stop`, then connect again with platform={asked!r} (or ask for 'auto')"
+            )
+        return usable
+
+    @property
+    def platform(self) -> str:
+        """What this client's sandboxes run on: its hosts' platform ("kvm" or "systrap"; both,
+        comma-separated, when its hosts differ)."""
+        with self._lock:
+            kinds = sorted({h.platform for h in self._hosts.values() if not h.lost})
+        return ",".join(kinds) or (self.platform_asked or "auto")
 
     def hosts(self) -> list[dict]:
         """Each host as this client sees it: node id, slots, live (this client's), warm, lost."""
         with self._lock:
-            return [{"node_id": h.node_id, "slots": h.slots, "live": h.live, "warm": sorted(h.warm), "lost": h.lost}
+            return [{"node_id": h.node_id, "slots": h.slots, "live": h.live, "warm": sorted(h.warm), "lost": h.lost,
+                     "platform": h.platform}
                     for h in sorted(self._hosts.values(), key=lambda h: h.node_id)]
 
     def _log(self, **entry: Any) -> None:
@@ -229,7 +267,7 @@ class RayClient:
                 if cold:
                     h.starting[template] -= 1
             raise
-        box = RaySandbox(box_id, template, warm, h.node_id, egress=policy)
+        box = RaySandbox(box_id, template, warm, h.node_id, egress=policy, platform=h.platform)
         with self._lock:
             h.warm.add(template)
             if cold:
@@ -294,7 +332,8 @@ class RayClient:
             with self._lock:
                 h.live = max(0, h.live - n)
             raise
-        kids = [RaySandbox(i, box.template, False, h.node_id, parent=box.id, egress=policy or box.egress) for i in ids]
+        kids = [RaySandbox(i, box.template, False, h.node_id, parent=box.id, egress=policy or box.egress,
+                           platform=box.platform) for i in ids]
         with self._lock:
             for k in kids:
                 self._boxes[k.id] = k
@@ -508,6 +547,8 @@ def add_subcommand(sub) -> None:
     r.add_argument("--address", default=None, help="the Ray cluster (default: COLLIMATE_RAY_ADDRESS, else auto)")
     r.add_argument("--cache", default=None, help="each host's cache directory (default: its COLLIMATE_CACHE)")
     r.add_argument("--stop", action="store_true", help="destroy every host's sandboxes and stop the host actors")
+    r.add_argument("--platform", default=None, choices=("auto", "kvm", "systrap"),
+                   help="what the new host actors' sandboxes run on (default: each node's COLLIMATE_PLATFORM, else auto)")
 
 
 def run_cli(args) -> None:
@@ -518,10 +559,13 @@ def run_cli(args) -> None:
         stop_hosts()
         print("stopped the collimate host actors")
         return
-    nodes = start_hosts(args.address, cache=args.cache)
-    client = RayClient(args.address or "auto", start=False)
+    nodes = start_hosts(args.address, cache=args.cache, platform=args.platform)
+    try:
+        client = RayClient(args.address or "auto", start=False)
+    except CollimateError as e:
+        raise SystemExit(f"collimate ray-host: {e}") from None
     for h in client.hosts():
-        print(f"host {h['node_id']}: {h['slots']} slots, warm: {', '.join(h['warm']) or '-'}")
+        print(f"host {h['node_id']}: {h['slots']} slots, platform {h['platform']}, warm: {', '.join(h['warm']) or '-'}")
     if not nodes:
         raise SystemExit("collimate ray-host: no node advertises the collimate_host resource "
                          "(ray start --resources='{\"collimate_host\": SLOTS}')")

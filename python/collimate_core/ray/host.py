@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from collimate_core.sdk.embedded import Usage
-from collimate_core.sdk.errors import CollimateError, NotFoundError
+from collimate_core.sdk.errors import CollimateError, NotFoundError, PlatformUnavailable
 
 RESOURCE = "collimate_host"
 NAMESPACE = "collimate"
@@ -37,13 +37,20 @@ def _ray():
 class HostActor:
     """One KVM node's embedded engine, served to drivers (see the module docs)."""
 
-    def __init__(self, node_id: str, slots: int, cache: str | None = None):
+    def __init__(self, node_id: str, slots: int, cache: str | None = None, platform: str | None = None):
         from collimate_core.sdk.embedded import EmbeddedClient
 
         _start_watchdog()
         self.node_id = node_id
         self.slots = slots
-        self.client = EmbeddedClient(cache=cache, max_sandboxes=max(1, slots))
+        # What this host's sandboxes run on, chosen once when the actor starts (the platform the
+        # first `start_hosts` asked for, else the node's COLLIMATE_PLATFORM, else auto). A node
+        # that cannot serve it keeps an actor that says why (`info`) and serves nothing.
+        self.unavailable: str | None = None
+        try:
+            self.client = EmbeddedClient(cache=cache, max_sandboxes=max(1, slots), platform=platform)
+        except PlatformUnavailable as e:
+            self.client, self.unavailable = None, str(e)
         self._boxes: dict[str, tuple[Any, Any]] = {}  # id -> (box, its interrupt)
         # Leases: a sandbox nobody touched (a call, or its driver's keepalive) for its lease is
         # destroyed, so a driver that dies leaves nothing running past it; never one in a call.
@@ -97,13 +104,16 @@ class HostActor:
                     pass
 
     def info(self) -> dict:
+        if self.client is None:
+            return {"node_id": self.node_id, "slots": self.slots, "live": 0, "warm": [], "pid": os.getpid(),
+                    "token": os.environ.get("COLLIMATE_HOST_TOKEN"), "platform": None, "unavailable": self.unavailable}
         with self.client._lock:
             warm = sorted(self.client._templates)
         with self._lock:
             live = len(self._boxes)
         # pid and token: which processes are this host's (its VMM processes carry the token)
         return {"node_id": self.node_id, "slots": self.slots, "live": live, "warm": warm, "pid": os.getpid(),
-                "token": os.environ.get("COLLIMATE_HOST_TOKEN")}
+                "token": os.environ.get("COLLIMATE_HOST_TOKEN"), "platform": self.client.platform}
 
     def create(self, template: str, disk_quota: int | None = None, lease: float = 600.0, egress: Any = None,
                shared_memory: int | None = None) -> tuple[str, bool]:
@@ -208,7 +218,8 @@ class HostActor:
             entries, self._boxes = list(self._boxes.values()), {}
         for _, interrupt in entries:
             interrupt.close()
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
 
 
 # A VMM process notices that its controller is gone only when it next reads its socket: one in the
@@ -264,9 +275,11 @@ def _host_nodes(ray) -> list[tuple[str, int]]:
     return sorted(out)
 
 
-def start_hosts(address: str | None = None, *, cache: str | None = None) -> list[str]:
+def start_hosts(address: str | None = None, *, cache: str | None = None, platform: str | None = None) -> list[str]:
     """Start a host actor on every node advertising `collimate_host` that has none yet (an
-    existing one is kept); the node ids that have one. What `collimate ray-host` runs."""
+    existing one is kept, with the platform it chose); the node ids that have one. What
+    `collimate ray-host` runs. `platform`: "auto", "kvm" or "systrap" for the new actors (None:
+    each node's COLLIMATE_PLATFORM, else auto)."""
     ray = _ray()
     if not ray.is_initialized():
         ray.init(address=address or os.environ.get("COLLIMATE_RAY_ADDRESS") or "auto", namespace=NAMESPACE,
@@ -280,7 +293,7 @@ def start_hosts(address: str | None = None, *, cache: str | None = None) -> list
             name=ACTOR_PREFIX + node_id, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
             num_cpus=0, resources={RESOURCE: 0.001}, max_concurrency=HOST_CONCURRENCY, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(node_id, slots, cache)
+        ).remote(node_id, slots, cache, platform)
         started.append(node_id)
     return started
 

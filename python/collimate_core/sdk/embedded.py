@@ -30,6 +30,7 @@ from collimate_core.sdk.errors import (
     SandboxDied,
 )
 from collimate_core.sdk import egress as _egress
+from collimate_core.sdk import platform as _platform
 from collimate_core.sdk import quota as _quota
 from collimate_core.sdk.egress import Egress, set_resolver
 from collimate_core.sdk.meter import Meter
@@ -223,6 +224,8 @@ class _Box:
     # The guest state it is in, as egress recordings name it (`_state_after`): its template's,
     # then a digest of each exec and upload since; a fork's children start from their parent's.
     state: str = ""
+    # What it runs on: "kvm" or "systrap" (its client's platform).
+    platform: str = "kvm"
 
 
 def _mib(n: int) -> str:
@@ -244,11 +247,17 @@ def _tape_name(state: str, seed: bytes) -> str:
 
 
 class EmbeddedClient:
-    """Runs sandboxes on this host through the embedded engine. Thread-safe."""
+    """Runs sandboxes on this host through the embedded engine. Thread-safe.
+
+    `platform`: "auto" (default: COLLIMATE_PLATFORM, else auto), "kvm" or "systrap"; auto's rule
+    is in sdk/platform.py and docs/platforms.md, and the choice is logged once (the
+    "collimate_core" logger). `client.platform` says what was chosen. A platform this host or
+    build cannot serve raises PlatformUnavailable here, saying what to do."""
 
     def __init__(
         self,
         *,
+        platform: str | None = None,
         cache: str | Path | None = None,
         max_sandboxes: int = 512,
         capacity_timeout: float = 60.0,
@@ -258,6 +267,8 @@ class EmbeddedClient:
         max_download: int | str | None = None,
         shared_memory: int | str | None = None,
     ):
+        self.platform_choice = _platform.resolve(platform)
+        self.platform: str = self.platform_choice.platform
         self.cache = Path(cache) if cache else None
         env = os.environ.get("COLLIMATE_MAX_DOWNLOAD")
         self.max_download = (
@@ -441,7 +452,7 @@ class EmbeddedClient:
             raise
         self._count("sandboxes", 1)
         box = _Box("sbx_" + secrets.token_hex(8), template, vm, time.time(), warm, origin=t, disk_quota=quota, charge=charge,
-                   egress=policy, state=t.state, shared_memory=shm)
+                   egress=policy, state=t.state, shared_memory=shm, platform=self.platform)
         return self._register(box)
 
     def get(self, sandbox_id: str) -> _Box:
@@ -525,7 +536,7 @@ class EmbeddedClient:
             self._register(
                 _Box("sbx_" + secrets.token_hex(8), box.template, vm, now, False, origin=box.origin, lost=lost,
                      disk_quota=box.disk_quota, charge=charge, egress=policy, state=state, ceiling=policy,
-                     shared_memory=box.shared_memory)
+                     shared_memory=box.shared_memory, platform=box.platform)
             )
             for vm in vms
         ]
@@ -702,6 +713,7 @@ class EmbeddedClient:
             limit=limit,
             egress_replay=replay,
             egress_error=replay_error,
+            platform=box.platform,
         )
 
     def _end_exec(self, box: _Box, python: bool, stdout: bytes, stderr: bytes) -> tuple[bytes, bytes, str]:

@@ -9,6 +9,7 @@
     ├── NotFoundError               unknown template or sandbox (also a LookupError)
     ├── InvalidArgument             bad input, with what to do (also a ValueError)
     ├── CapacityError               a configured limit (live sandboxes, memory) is reached
+    ├── PlatformUnavailable         the platform chosen (kvm, systrap) cannot run here; says what to do
     ├── GroupError                  a fork group lost a child: no partial group is returned
     │   └── HostLost                a Ray host (node or actor) was lost with the group on it
     └── AuthenticationError         a missing or wrong API key (remote clients)
@@ -29,6 +30,7 @@ __all__ = [
     "HostLost",
     "InvalidArgument",
     "NotFoundError",
+    "PlatformUnavailable",
     "SandboxDied",
     "SandboxTimeout",
     "SnapshotError",
@@ -54,6 +56,11 @@ class InvalidArgument(CollimateError, ValueError):
 
 class CapacityError(CollimateError):
     """A configured limit is reached; the message names it."""
+
+
+class PlatformUnavailable(CollimateError):
+    """The platform a client chose (asked for, or auto's pick: docs/platforms.md) cannot run
+    sandboxes on this host or in this build; the message says what is missing and what to do."""
 
 
 class GroupError(CollimateError):

@@ -76,6 +76,7 @@ class RemoteSandbox:
     parent: str | None = None
     created: float = 0.0
     egress: Egress = field(default_factory=Egress.none)
+    platform: str = "kvm"  # what it runs on: kvm or systrap (the server's --platform)
 
 
 class RemoteClient:
@@ -125,6 +126,14 @@ class RemoteClient:
     def _json(self, method: str, path: str, **kw: Any) -> Any:
         return self._request(method, path, **kw).json()
 
+    @property
+    def platform(self) -> str:
+        """What the server's sandboxes run on, "kvm" or "systrap" (its `collimate serve
+        --platform`), asked once."""
+        if getattr(self, "_platform", None) is None:
+            self._platform = str(self._json("GET", "/healthz").get("platform") or "kvm")
+        return self._platform
+
     # --- liveness ----------------------------------------------------------------------------
 
     def _hold(self, box: RemoteSandbox, idle_timeout: float) -> RemoteSandbox:
@@ -146,6 +155,7 @@ class RemoteClient:
     def _box(self, d: dict) -> RemoteSandbox:
         box = RemoteSandbox(d["id"], d["template"], bool(d["warm_hit"]), d.get("parent"), float(d.get("created", 0.0)))
         box.egress = _egress.coerce(d.get("egress"))
+        box.platform = str(d.get("platform") or "kvm")
         return self._hold(box, float(d.get("idle_timeout_seconds", 600.0)))
 
     def _period(self) -> float:
@@ -238,6 +248,7 @@ class RemoteClient:
             interpreter_restarted=bool(d.get("interpreter_restarted", False)), note=str(d.get("note") or ""),
             limit=str(d.get("limit") or ""),
             egress_replay=str(d.get("egress_replay") or ""), egress_error=str(d.get("egress_error") or ""),
+            platform=str(d.get("platform") or ""),
         )
 
     def upload(self, box: RemoteSandbox, path: str, data: bytes) -> None:

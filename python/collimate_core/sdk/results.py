@@ -39,6 +39,9 @@ class ExecResult:
     "diverged" (a replay whose guest sent bytes the recording does not have, or made another
     connection: that connection was reset or refused, and `egress_error` says where); "" without
     recording.
+
+    `platform` says what it ran on: "kvm" (a KVM virtual machine) or "systrap" (a confined host
+    process under a trap-everything seccomp filter); see docs/platforms.md.
     """
 
     exit_code: int
@@ -58,6 +61,7 @@ class ExecResult:
     limit: str = ""
     egress_replay: str = ""
     egress_error: str = ""
+    platform: str = ""
 
     @property
     def ok(self) -> bool:

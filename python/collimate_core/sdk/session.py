@@ -101,6 +101,11 @@ class Sandbox:
     sandbox_id = session_id
 
     @property
+    def platform(self) -> str:
+        """What the sandbox runs on: "kvm" or "systrap" (docs/platforms.md)."""
+        return self._live().platform
+
+    @property
     def warm_hit(self) -> bool:
         """Whether the sandbox was served from the template's pool of ready clones."""
         return self._live().warm_hit

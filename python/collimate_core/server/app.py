@@ -263,7 +263,8 @@ def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: 
     # open endpoints
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict:
-        return {"ok": True, "live_sandboxes": cp.admission.used, "queue": len(cp.admission.waiting)}
+        return {"ok": True, "live_sandboxes": cp.admission.used, "queue": len(cp.admission.waiting),
+                "platform": getattr(cp.engine, "platform", None)}
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

@@ -56,6 +56,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    "quota of all live ones together stay within SIZE, e.g. 200G; beyond it a create waits, then gets 429 (default: COLLIMATE_MEMORY_BUDGET "
                    "or no budget)")
 
+    s.add_argument("--platform", default=None, choices=("auto", "kvm", "systrap"),
+                   help="what sandboxes run on: kvm (a KVM virtual machine per process), systrap (a confined host "
+                   "process under a trap-everything seccomp filter) or auto, which picks kvm where /dev/kvm creates a "
+                   "VM (docs/platforms.md) (default: COLLIMATE_PLATFORM or auto)")
+
     k = sub.add_parser("keys", help="manage API keys: create, list, revoke")
     k.add_argument("--key-store", type=Path, default=None, help="the key store (default: COLLIMATE_KEY_STORE or <cache>/keys.json)")
     ks = k.add_subparsers(dest="keys_cmd", required=True)
@@ -91,6 +96,12 @@ def run(args: argparse.Namespace) -> bool:
             from collimate_core.sdk.egress import parse_ceiling
 
             ceiling = parse_ceiling(args.egress_ceiling) if args.egress_ceiling is not None else None
+            # A platform this host or build cannot serve stops the server here, saying why.
+            from collimate_core.sdk import platform as _platform
+
+            unavailable = _platform.problem(_platform.choose(_platform.requested(args.platform)))
+            if unavailable:
+                sys.exit(f"collimate serve: {unavailable}")
             if args.egress_max_flows is not None:
                 from collimate_core.sdk.egress import set_max_flows
 
@@ -105,6 +116,7 @@ def run(args: argparse.Namespace) -> bool:
             image_quota=args.image_quota, cache=args.cache, key_store=args.key_store,
             preload=tuple(t for t in args.preload.split(",") if t),
             disk_quota=disk_quota, memory_budget=memory_budget, egress_ceiling=ceiling, shared_memory=shared_memory,
+            platform=args.platform,
         ))
     elif args.cmd == "keys":
         _keys(args)

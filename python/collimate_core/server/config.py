@@ -49,3 +49,5 @@ class ServerConfig:
     shared_memory: int = 512 << 20
     # The widest network policy any request may ask for (an sdk.egress.Egress; None: no ceiling).
     egress_ceiling: Any = None
+    # What sandboxes run on: "auto", "kvm" or "systrap" (None: COLLIMATE_PLATFORM, else auto).
+    platform: str | None = None

@@ -123,7 +123,7 @@ class ControlPlane:
             self.engine = EmbeddedClient(cache=Path(self.config.cache or cache_dir()).absolute(),
                                          max_sandboxes=self.config.max_sandboxes, capacity_timeout=5.0,
                                          disk_quota=self.config.disk_quota, memory_budget=self.config.memory_budget,
-                                         shared_memory=self.config.shared_memory)
+                                         shared_memory=self.config.shared_memory, platform=self.config.platform)
         self.cache = Path(getattr(self.engine, "cache", None) or self.config.cache or cache_dir()).absolute()
         for name in self.config.preload:
             try:
@@ -134,7 +134,7 @@ class ControlPlane:
             except Exception as e:  # noqa: BLE001 - the server still serves; requests get the error
                 _event("template_failed", logging.ERROR, template=name, error=str(e))
         self._reaper = asyncio.create_task(self._reap_loop())
-        _event("ready", max_sandboxes=self.config.max_sandboxes)
+        _event("ready", max_sandboxes=self.config.max_sandboxes, platform=getattr(self.engine, "platform", None))
 
     async def stop(self) -> None:
         if self._reaper is not None:
@@ -531,7 +531,7 @@ class ControlPlane:
             id=rec.box.id, template=rec.template, warm_hit=bool(rec.box.warm_hit), parent=rec.parent,
             created=rec.created, idle_seconds=round(max(0.0, time.monotonic() - rec.last_used), 3),
             idle_timeout_seconds=self.config.idle_reap, disk=DiskUsage(**disk) if disk else None,
-            egress=EgressSpec(**_box_egress(rec.box).to_json()),
+            egress=EgressSpec(**_box_egress(rec.box).to_json()), platform=getattr(rec.box, "platform", "kvm"),
         )
 
     # network egress
@@ -737,7 +737,7 @@ class ControlPlane:
             stderr_b64=None if r.stderr.encode() == r.stderr_bytes else base64.b64encode(r.stderr_bytes).decode(),
             seed=r.seed, seed_ack=r.seed_ack, duration=r.duration, timed_out=r.timed_out, truncated=r.truncated,
             interpreter_died=r.interpreter_died, interpreter_restarted=r.interpreter_restarted, note=r.note, limit=r.limit,
-            egress_replay=r.egress_replay, egress_error=r.egress_error,
+            egress_replay=r.egress_replay, egress_error=r.egress_error, platform=r.platform or "kvm",
         )
 
     async def upload(self, tenant: str, sandbox_id: str, path: str, request: Request) -> UploadResponse:

@@ -152,6 +152,8 @@ class SandboxInfo(BaseModel):
     idle_timeout_seconds: float = Field(description="an untouched sandbox is destroyed after this long")
     disk: DiskUsage | None = Field(None, description="the writable mounts' usage and quota (null: no quotas on this host)")
     egress: EgressSpec = Field(default_factory=EgressSpec, description="the sandbox's network policy")
+    platform: str = Field("kvm", description="what the sandbox runs on: kvm (a KVM virtual machine) or systrap (a "
+                          "confined host process under a trap-everything seccomp filter); the server's --platform")
 
 
 class SandboxList(BaseModel):
@@ -199,6 +201,7 @@ class ExecResponse(BaseModel):
     egress_replay: str = Field("", description="under an egress policy with record=true: recorded, replayed or "
                                "diverged (docs/egress.md); '' otherwise")
     egress_error: str = Field("", description="where a replay diverged from its recording, in words ('' when it did not)")
+    platform: str = Field("kvm", description="what the exec ran on: kvm or systrap")
 
 
 class UploadResponse(BaseModel):

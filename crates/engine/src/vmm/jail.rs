@@ -99,6 +99,22 @@ struct Bind {
 /// will be the jail's root). Returns what is in force; an error means the jail could not be built
 /// although the host allows it, and the process must not go on.
 pub fn enter(first: &mut Request) -> Result<JailStatus> {
+    enter_with(first, None::<fn() -> Result<()>>).map(|(status, _)| status)
+}
+
+/// [`enter`] for a systrap VMM (`vmm::systrap::serve`): no /dev/kvm; the host's `/proc` is opened
+/// first (`platform::systrap::prepare`: guest memory is `/proc/<stub>/mem`, also for the stubs
+/// forked later), then `make_stub` runs after the resource limits and before the namespaces and
+/// the seccomp filter, since spawning a stub clones with namespace flags, which the allow-list
+/// refuses. Everything later (guest forks: `Stub::fork` plus a plain clone of this process,
+/// the stub's socket and shared page, `/proc/<pid>/mem` through that descriptor) is within it.
+pub fn enter_systrap<T>(first: &mut Request, make_stub: impl FnOnce() -> Result<T>) -> Result<(JailStatus, T)> {
+    let (status, stub) = enter_with(first, Some(make_stub))?;
+    let stub = stub.ok_or_else(|| Error::Protocol("the systrap jail made no stub".into()))?;
+    Ok((status, stub))
+}
+
+fn enter_with<T>(first: &mut Request, systrap: Option<impl FnOnce() -> Result<T>>) -> Result<(JailStatus, Option<T>)> {
     let runtime = crate::guestos::persist::runtime_dir();
     std::fs::create_dir_all(&runtime).map_err(Error::sys("create the runtime directory"))?;
     let runtime = std::fs::canonicalize(&runtime).map_err(Error::sys("resolve the runtime directory"))?;
@@ -108,12 +124,22 @@ pub fn enter(first: &mut Request) -> Result<JailStatus> {
     let mem_size = plan(first, &mut binds);
 
     set_rlimits(mem_size)?;
-    // What kind of KVM this is, while /sys is still there (forks inherit it).
-    crate::vstate::profile::current();
-    *KVM.lock().map_err(|_| Error::Protocol("kvm slot poisoned".into()))? = Some(Kvm::new());
+    let exec = systrap.is_some();
+    let made = match systrap {
+        Some(make_stub) => {
+            crate::platform::systrap::prepare().map_err(|e| Error::Remote(format!("systrap: {e}")))?;
+            Some(make_stub()?)
+        }
+        None => {
+            // What kind of KVM this is, while /sys is still there (forks inherit it).
+            crate::vstate::profile::current();
+            *KVM.lock().map_err(|_| Error::Protocol("kvm slot poisoned".into()))? = Some(Kvm::new());
+            None
+        }
+    };
     let namespaces = match unshare() {
         Ok(()) => {
-            build_root(&runtime, &binds)?;
+            build_root(&runtime, &binds, exec)?;
             true
         }
         Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM | libc::EINVAL | libc::ENOSPC | libc::ENOSYS)) => false,
@@ -122,7 +148,7 @@ pub fn enter(first: &mut Request) -> Result<JailStatus> {
     install_seccomp()?;
     let status = JailStatus { rlimits: true, namespaces, seccomp: true };
     let _ = STATUS.set(status);
-    Ok(status)
+    Ok((status, made))
 }
 
 /// The directories `first` needs (added to `binds`, its paths made canonical) and the VM's memory
@@ -263,7 +289,10 @@ fn umount_detach(p: &Path, op: &'static str) -> Result<()> {
 /// `scratch`, becomes the root so that the whole host tree sits under `/oldroot`; the jail's root, a
 /// second tmpfs at `/newroot`, gets the binds from there; then the host tree is detached and
 /// `/newroot` becomes `/`.
-fn build_root(scratch: &Path, binds: &[Bind]) -> Result<()> {
+/// `exec`: the sandbox's directories are mounted without `noexec` (a systrap VMM hands the
+/// guest's program files to its stub, which maps them executable; a KVM VMM maps nothing
+/// executable).
+fn build_root(scratch: &Path, binds: &[Bind], exec: bool) -> Result<()> {
     const JAIL_FLAGS: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
     // Nothing we mount may propagate back to the host.
     mount(None, Path::new("/"), None, libc::MS_REC | libc::MS_PRIVATE, None, "make all mounts private")?;
@@ -290,7 +319,8 @@ fn build_root(scratch: &Path, binds: &[Bind]) -> Result<()> {
         let source = Path::new("/oldroot").join(b.source.strip_prefix("/").unwrap_or(&b.source));
         mount(Some(&source), &target, None, libc::MS_BIND, None, "bind a directory into the jail")?;
         let ro = if b.writable { 0 } else { libc::MS_RDONLY };
-        mount(None, &target, None, libc::MS_BIND | libc::MS_REMOUNT | JAIL_FLAGS | ro, None, "restrict a bind mount")?;
+        let flags = if exec { JAIL_FLAGS & !libc::MS_NOEXEC } else { JAIL_FLAGS };
+        mount(None, &target, None, libc::MS_BIND | libc::MS_REMOUNT | flags | ro, None, "restrict a bind mount")?;
     }
     mount_devpts();
     umount_detach(Path::new("/oldroot"), "detach the host's mounts")?;
@@ -694,7 +724,7 @@ mod tests {
             mounts: vec![("/work".into(), d.join("work")), ("/gone".into(), d.join("missing"))],
             ..Default::default()
         };
-        let mut req = Request::Spawn { spec, mem_size: 2 << 30, cpus: None };
+        let mut req = Request::Spawn { spec, mem_size: 2 << 30, cpus: None, platform: Default::default() };
         let mut binds = Vec::new();
         assert_eq!(plan(&mut req, &mut binds), 2 << 30);
         let canon = std::fs::canonicalize(&d).unwrap();

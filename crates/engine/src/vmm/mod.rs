@@ -1731,6 +1731,9 @@ pub fn serve_fd(fd: RawFd) -> ! {
         Ok(v) => v,
         Err(_) => exit_process(0),
     };
+    if let Request::Spawn { platform: crate::protocol::Platform::Systrap, .. } = first {
+        systrap::serve_first(first, fds, chan);
+    }
     // Jailed before serving: everything the first request opens is opened inside (see `jail`).
     if let Err(e) = jail::enter(&mut first) {
         reply(&mut chan, Err(e));
@@ -1739,7 +1742,7 @@ pub fn serve_fd(fd: RawFd) -> ! {
     let machine = match first {
         Request::Boot { elf, mem_size } => Machine::boot(&elf, mem_size),
         Request::Restore { dir } => Machine::restore(&dir),
-        Request::Spawn { spec, mem_size, cpus } => Machine::spawn(&spec, mem_size, cpus, fds),
+        Request::Spawn { spec, mem_size, cpus, .. } => Machine::spawn(&spec, mem_size, cpus, fds),
         _ => Err(Error::Protocol("the first request must be Boot, Spawn or Restore".into())),
     };
     match machine {

@@ -21,12 +21,18 @@
 //! memfds every process of the tree appends to ([`Capture`]), read after each run; the first
 //! process's end takes its children with it. Not yet on this platform (each answers as noted):
 //! threads and clone's sharing flags (ENOSYS); signals between guest processes go as on kvm
-//! (`signal::host`'s carrier) between parent and child only: the sandbox-wide pid counter and
-//! process table are the serving tree's (a child's guest pid is its VMM's host pid here; kill
-//! of a sibling is ESRCH, and a group's or -1's reaches the caller and its own children only);
-//! shared futexes across processes, snapshots, and the KVM VMM's
-//! scheduler and controller protocol: [`Process`] runs the first process in the caller's own
-//! process (its children in host processes forked from it).
+//! (`signal::host`'s carrier) between parent and child only (kill of a sibling is ESRCH, and a
+//! group's or -1's reaches the first process and its own children only); shared futexes across
+//! processes, snapshots, and the KVM VMM's scheduler and process table.
+//!
+//! Two ways to run one: [`Process::spawn`] runs the first process in the caller's own process
+//! (tests and benches; a child's guest pid is then its VMM's host pid), and [`serve`] makes a
+//! launched VMM process serve it over the controller protocol (the SDK's `platform="systrap"`;
+//! guest pids from the serving tree's pid page, as on kvm).
+
+mod serve;
+
+pub(super) use serve::serve_first;
 
 use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
@@ -40,6 +46,14 @@ use crate::guestos::{self, Errno, GuestOs, EAGAIN, EFAULT, EINVAL, EIO, ENOSYS};
 use crate::platform::systrap::{self as st, Confinement, Exit, Stub};
 use crate::platform::{HostSpace, Memory};
 use crate::protocol::{RunExit, RunResult, SpawnSpec};
+
+/// The error for what a systrap sandbox cannot do yet (`what`: "snapshot", ...).
+pub fn unsupported(what: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "{what} is not supported on the systrap platform yet; use platform=\"kvm\" for it (docs/platforms.md says what \
+         each platform offers)"
+    ))
+}
 
 /// The guest memory a systrap process may map (what `sysinfo` reports as total): the KVM
 /// platform's default guest memory size.
@@ -117,7 +131,11 @@ pub struct Process {
     fs_base: u64,
     budget: u64,
     exited: Option<RunExit>,
-    capture: Capture,
+    /// fds 1 and 2 as memfds read after each run; `None` when they are the controller's pipes
+    /// (a served sandbox, [`serve`]).
+    capture: Option<Capture>,
+    /// The guest's pid in its sandbox (its first process: 1).
+    guest_pid: i32,
 }
 
 /// What the guest's processes write to fds 1 and 2: two memfds in append mode, shared by every
@@ -175,19 +193,27 @@ impl Process {
     /// and 2 are captured in each run's output (its children's too: see [`Capture`]).
     pub fn spawn(spec: &SpawnSpec, conf: &Confinement) -> Result<Process> {
         let stub = Stub::spawn(conf).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
-        Self::with_stub(spec, stub)
+        Self::with_stub(spec, stub, None, Some(1))
     }
 
     /// As [`Process::spawn`], in a stub forked from `template` (`platform::systrap::Template`:
     /// no new namespaces or clone of the VMM per process).
     pub fn spawn_from(spec: &SpawnSpec, template: &mut st::Template) -> Result<Process> {
         let stub = template.spawn().map_err(|e| Error::Remote(format!("systrap: {e}")))?;
-        Self::with_stub(spec, stub)
+        Self::with_stub(spec, stub, None, Some(1))
     }
 
-    fn with_stub(spec: &SpawnSpec, mut stub: Stub) -> Result<Process> {
-        let (capture, stdio) = Capture::new().map_err(Error::sys("memfds for the guest's stdout and stderr"))?;
-        let mut os = super::new_guest_os(spec, Some(1), Some(stdio))?;
+    /// The program `spec` names loaded into `stub`. `stdio`: the guest's fds 1 and 2 (the
+    /// controller's pipes); `None`: captured in each run's result ([`Capture`]).
+    fn with_stub(spec: &SpawnSpec, mut stub: Stub, stdio: Option<Vec<std::os::fd::OwnedFd>>, cpus: Option<u32>) -> Result<Process> {
+        let (capture, stdio) = match stdio {
+            Some(fds) => (None, fds),
+            None => {
+                let (c, fds) = Capture::new().map_err(Error::sys("memfds for the guest's stdout and stderr"))?;
+                (Some(c), fds)
+            }
+        };
+        let mut os = super::new_guest_os(spec, cpus, Some(stdio))?;
         let budget = DEFAULT_BUDGET;
         let cannot = |e: Errno, failure: Option<String>| {
             Error::Image(format!(
@@ -204,7 +230,8 @@ impl Process {
         // Signals from its children arrive as kvm's do (`signal::host`'s carrier, handled in
         // this whole process: one systrap first process per host process).
         signal::host::install();
-        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture })
+        let guest_pid = os.proc.pid;
+        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid })
     }
 
     /// How the VMM and the stub wait for each other (`platform::systrap::Handoff`; tuning and
@@ -232,8 +259,10 @@ impl Process {
             signal::kill_children(&mut self.os);
         }
         let (mut stdout, mut stderr) = (out.stdout, out.stderr);
-        stdout.extend(self.capture.take(0));
-        stderr.extend(self.capture.take(1));
+        if let Some(capture) = &mut self.capture {
+            stdout.extend(capture.take(0));
+            stderr.extend(capture.take(1));
+        }
         Ok(RunResult {
             exit,
             stdout,
@@ -481,6 +510,10 @@ impl Process {
             return Err(ENOSYS);
         }
         let child_stub = self.stub.fork().map_err(|_| EAGAIN)?;
+        // The child's guest pid: the sandbox's own numbering (the serving tree's pid page, as on
+        // kvm), or its VMM's host pid where there is no such tree (a first process run in the
+        // caller's process: tests and benches).
+        let guest_pid = signal::host::alloc_pid();
         // A vfork parent waits for the child's exec or end: the end of this pipe.
         let mut vfork = [-1; 2];
         // SAFETY: pipe2 fills two descriptors; checked.
@@ -505,7 +538,7 @@ impl Process {
             // SAFETY: closing our copy of the read end.
             unsafe { libc::close(vfork[0]) };
             let stub = child_stub;
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.child_main(stub, c, parent_host, vfork[1])));
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.child_main(stub, c, guest_pid, parent_host, vfork[1])));
             let exit = r.unwrap_or(RunExit::Signaled { signo: libc::SIGKILL });
             // SAFETY: our stub is parked or gone; kill it before this process ends (its handle
             // is not dropped: `end_like` exits at once).
@@ -523,7 +556,8 @@ impl Process {
             return Err(e);
         }
         child_stub.release();
-        let pid = rc as i32;
+        let host_pid = rc as i32;
+        let pid = guest_pid.unwrap_or(host_pid);
         if vfork[1] >= 0 {
             // SAFETY: closing our write end, then reading to EOF (the child's exec or end).
             unsafe {
@@ -533,13 +567,13 @@ impl Process {
                 libc::close(vfork[0]);
             }
         }
-        let pidfd = match signal::pidfd_open(pid) {
+        let pidfd = match signal::pidfd_open(host_pid) {
             Ok(fd) => fd,
             Err(e) => {
                 // SAFETY: the child is ours and not reaped, so the pid is still its; reap it.
                 unsafe {
-                    libc::kill(pid, libc::SIGKILL);
-                    libc::waitpid(pid, std::ptr::null_mut(), libc::__WALL);
+                    libc::kill(host_pid, libc::SIGKILL);
+                    libc::waitpid(host_pid, std::ptr::null_mut(), libc::__WALL);
                 }
                 return Err(e);
             }
@@ -554,19 +588,21 @@ impl Process {
     }
 
     /// The child VMM of a guest fork: take the new stub, become the child process, run it to its
-    /// end. Its guest pid is its host pid (this platform has no sandbox-wide pid counter yet).
-    fn child_main(&mut self, stub: Stub, c: &Fork, parent_host: i32, vfork: i32) -> RunExit {
+    /// end. `guest_pid`: its pid in the sandbox (`None`: its host pid, outside a serving tree).
+    fn child_main(&mut self, stub: Stub, c: &Fork, guest_pid: Option<i32>, parent_host: i32, vfork: i32) -> RunExit {
         std::mem::replace(&mut self.stub, stub).release();
         let inherited = VFORK_FD.swap(vfork, std::sync::atomic::Ordering::SeqCst);
         if inherited >= 0 {
             // SAFETY: the pipe our parent VMM held as a vfork child itself: not ours to hold.
             unsafe { libc::close(inherited) };
         }
-        // SAFETY: plain prctl/getpid calls: the child VMM ends with the thread that made it.
-        let me = unsafe {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
-            libc::getpid()
-        };
+        // SAFETY: a plain prctl: the child VMM ends with the thread that made it.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
+        // SAFETY: getpid cannot fail.
+        let me = guest_pid.unwrap_or_else(|| unsafe { libc::getpid() });
+        self.guest_pid = me;
+        // The agent's channel belongs to the sandbox's first process (as on kvm).
+        drop(super::process::detach_agent(&mut self.os));
         if self.exited.is_some() {
             return RunExit::Signaled { signo: libc::SIGKILL };
         }

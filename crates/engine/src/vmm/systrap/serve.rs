@@ -1,0 +1,365 @@
+//! A systrap sandbox as a served VMM process: the controller protocol (`crate::protocol`) over
+//! a systrap first process, beside the KVM `Machine`'s `vmm::serve`.
+//!
+//! The launched VMM process receives `Spawn` with `Platform::Systrap` and enters its jail
+//! (`jail::enter_systrap`): the first stub is spawned after the resource limits and before the
+//! namespaces and the seccomp filter (a stub's spawn clones with namespace flags, which the
+//! allow-list refuses); everything later stays within them. The program is loaded into that stub
+//! with the controller's pipes as fds 1 and 2, and this process becomes the top of its sandbox's
+//! process tree (guest pids from its pid page, as on kvm: the first process is 1, guest forks
+//! count on from 2).
+//!
+//! `Fork` (a clone of the sandbox) is a fork of the parked stub (`Stub::fork`) and a host fork of
+//! this process; each child owns its stub, gets its own copy of the writable mounts (in its tmpfs,
+//! as kvm's forks) and its own process tree, and serves its own channel. Copy-on-write of the
+//! guest's memory is the host kernel's.
+//!
+//! A run's timeout: a guest that computes without syscalls never traps, and nothing can stop a
+//! running stub short of a signal, so a watchdog timer ([`Watchdog`]) kills the stub when the
+//! run's time is up (and a little more); the run then ends as `Timeout` and the sandbox's first
+//! process is gone (later runs answer `Signaled(SIGKILL)`). A guest that makes syscalls is
+//! stopped at the deadline after its next one, resumable, as on kvm.
+//!
+//! Not here yet, each refused with [`super::unsupported`]'s error: snapshot, reset, restore,
+//! spare pools, a writable root, `EndExec`, the vCPU state and memory statistics.
+
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{unsupported, Process};
+use crate::channel::{Channel, RecvError};
+use crate::error::{Error, Result};
+use crate::guestos::persist::ScratchRoot;
+use crate::guestos::{self, signal};
+use crate::platform::systrap::{Confinement, Stub};
+use crate::protocol::{Request, Response, RunExit, RunResult};
+use crate::vmm::{exit_discarding, exit_process, jail, lifeline, reply, reply_with_fds};
+
+/// Serve a launched VMM process whose first request is `Spawn` on systrap. Never returns.
+pub(in crate::vmm) fn serve_first(mut first: Request, fds: Vec<OwnedFd>, mut chan: Channel) -> ! {
+    // The guest may be switched to replay later (a seeded exec), and a stub's rdtsc/cpuid traps
+    // are fixed at its spawn: trap them from the start.
+    let conf = Confinement::for_replay(true);
+    let made = jail::enter_systrap(&mut first, || Stub::spawn(&conf).map_err(|e| Error::Remote(format!("systrap: {e}"))));
+    let stub = match made {
+        Ok((_, stub)) => stub,
+        Err(e) => {
+            reply(&mut chan, Err(e));
+            exit_process(1)
+        }
+    };
+    let Request::Spawn { spec, cpus, .. } = first else {
+        reply(&mut chan, Err(Error::Protocol("systrap serves a Spawn request".into())));
+        exit_process(1)
+    };
+    match Process::with_stub(&spec, stub, Some(fds), cpus) {
+        Ok(mut p) => {
+            new_tree(&mut p);
+            reply(&mut chan, Ok(Response::Ready { pid: host_pid(), linux: true, jail: jail::status() }));
+            serve(&mut p, chan, Vec::new())
+        }
+        Err(e) => {
+            reply(&mut chan, Err(e));
+            exit_process(1)
+        }
+    }
+}
+
+fn host_pid() -> i32 {
+    // SAFETY: getpid cannot fail.
+    unsafe { libc::getpid() }
+}
+
+/// This process is the top of a sandbox's process tree from now on (the first one, or a clone):
+/// guest signals to the first process and guest pids go through it, as kvm's `process::serving`.
+fn new_tree(p: &mut Process) {
+    let me = host_pid();
+    if signal::host::top() != 0 && signal::host::top() != me {
+        // A clone: the guest children of the sandbox it was forked from are not its own.
+        for c in p.os.sig.children.iter_mut() {
+            c.pidfd = None;
+        }
+    }
+    signal::host::set_top(me);
+    let next = signal::host::next_pid().unwrap_or(p.os.proc.next_pid);
+    signal::host::new_process_count(next);
+    // SAFETY: a plain prctl on this process: orphaned guest processes come back to it.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+}
+
+fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
+    loop {
+        let (req, fds) = match chan.recv::<Request>() {
+            Ok(v) => v,
+            Err(RecvError::Closed) => exit_discarding(0),
+            Err(RecvError::TimedOut) => continue,
+            Err(RecvError::Failed(_)) => exit_discarding(2),
+        };
+        let runs = matches!(req, Request::Run { .. } | Request::AgentCall { .. });
+        if runs {
+            // The controller going away mid-run ends this process (see `lifeline`).
+            lifeline::arm(chan.raw_fd());
+        }
+        let resp = match req {
+            Request::Run { timeout } => p.run_watched(timeout).map(Response::Run),
+            Request::AgentCall { input, timeout, reseed } => {
+                if let Some(s) = reseed {
+                    if let Some(ns) = s.wall_clock_ns {
+                        p.os.proc.clocks.start_real_at_least(ns);
+                    }
+                    guestos::random::reseed(&mut p.os, s.seed, s.replay);
+                }
+                p.os.agent_send(&input).and_then(|_| p.run_watched(timeout)).and_then(|mut r| {
+                    r.agent = p.os.agent_take()?;
+                    Ok(Response::Run(r))
+                })
+            }
+            Request::Fork { n } => {
+                scratch.extend(fds);
+                match fork_children(p, &mut chan, &mut scratch, n) {
+                    Ok(()) => continue,
+                    Err(e) => Err(e),
+                }
+            }
+            Request::AddScratch => {
+                scratch.extend(fds);
+                Ok(Response::Ok)
+            }
+            Request::SparePool { n: 0 } => {
+                scratch.extend(fds);
+                Ok(Response::Ok)
+            }
+            Request::SparePool { .. } => Err(unsupported("a spare pool of pre-forked clones")),
+            Request::WritableRoot { on: false } => Ok(Response::Ok),
+            Request::WritableRoot { on: true } => Err(unsupported("a writable root")),
+            Request::SetStdio => {
+                // A third descriptor is the sandbox's broker socket (see `guestos::files::inet`).
+                let mut fds = fds;
+                if fds.len() == 3 {
+                    if let Some(b) = fds.pop() {
+                        guestos::files::inet::set_broker(&mut p.os, b);
+                    }
+                }
+                p.os.set_stdio(fds).map(|_| Response::Ok)
+            }
+            Request::Upload { path, data, mode } => p.os.upload(&path, &data, mode).map(|_| Response::Ok),
+            Request::Download { path, max } => match p.os.download(&path, max) {
+                Ok((fd, size)) => {
+                    reply_with_fds(&mut chan, Ok(Response::FileFd { size }), &[fd.as_raw_fd()]);
+                    continue;
+                }
+                Err(e) => Err(e),
+            },
+            Request::Reseed { seed, replay } => {
+                guestos::random::reseed(&mut p.os, seed, replay);
+                Ok(Response::Ok)
+            }
+            Request::ReadMem { gva, len } => {
+                let mut buf = vec![0u8; usize::try_from(len).unwrap_or(usize::MAX).min(64 << 20)];
+                p.stub.read(gva, &mut buf).map(|_| Response::Mem(buf)).map_err(|e| Error::InvalidArgument(format!("read of guest memory: {e}")))
+            }
+            Request::WriteMem { gva, data } => {
+                p.stub.write(gva, &data).map(|_| Response::Ok).map_err(|e| Error::InvalidArgument(format!("write of guest memory: {e}")))
+            }
+            Request::GetRegs => Ok(Response::Regs(p.regs)),
+            Request::SetRegs(r) => {
+                p.regs = r;
+                Ok(Response::Ok)
+            }
+            Request::Snapshot { .. } => Err(unsupported("snapshot")),
+            Request::Reset | Request::ResetKeepFiles => Err(unsupported("reset")),
+            Request::EndExec { .. } => Err(unsupported("ending a timed-out exec (a timeout kills the sandbox's process)")),
+            Request::VcpuState => Err(unsupported("a vCPU state (there is no vCPU)")),
+            Request::MemStats => Err(unsupported("memory statistics")),
+            Request::Shutdown => {
+                reply(&mut chan, Ok(Response::Ok));
+                exit_process(0)
+            }
+            Request::Boot { .. } | Request::Restore { .. } | Request::Spawn { .. } => {
+                Err(Error::InvalidArgument("this VMM process already has a sandbox".into()))
+            }
+        };
+        lifeline::disarm();
+        reply(&mut chan, resp);
+    }
+}
+
+impl Process {
+    /// [`Process::run`] under a [`Watchdog`] that kills the stub if the guest is still running
+    /// without a trap after `timeout` (and a grace): that run ends as `Timeout`.
+    fn run_watched(&mut self, timeout: Duration) -> Result<RunResult> {
+        if self.exited.is_some() {
+            return self.run(timeout); // its end again, without running
+        }
+        let grace = (timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(2));
+        let dog = Watchdog::arm(self.stub.pid(), timeout + grace)?;
+        let r = self.run(timeout);
+        let fired = dog.disarm();
+        match r {
+            Err(_) if fired => {
+                self.exited = Some(RunExit::Signaled { signo: libc::SIGKILL });
+                signal::kill_children(&mut self.os);
+                Ok(RunResult {
+                    exit: RunExit::Timeout,
+                    stdout: Vec::new(),
+                    stderr: Vec::new(),
+                    duration: timeout + grace,
+                    enosys: 0,
+                    truncated: false,
+                    agent: Vec::new(),
+                    others: 0,
+                    nondeterministic: false,
+                })
+            }
+            r => r,
+        }
+    }
+}
+
+/// Fork the parked sandbox into `n` clones; each replies `Ready` on its own channel, and the
+/// controller gets one `Forked` per clone with that channel and a pidfd (as kvm's `Fork`).
+fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>, n: u32) -> Result<()> {
+    if n == 0 || n > 4096 {
+        return Err(Error::InvalidArgument(format!("fork of {n} children; ask for 1..=4096")));
+    }
+    if p.exited.is_some() {
+        return Err(Error::InvalidArgument("the guest has exited; nothing to fork".into()));
+    }
+    for _ in 0..n {
+        // The pair's shared-memory pool was pushed after its disk tmpfs.
+        let tmpfs = match (scratch.pop(), scratch.pop()) {
+            (Some(shm), Some(disk)) => Some((disk, shm)),
+            _ => None,
+        };
+        let child_stub = p.stub.fork().map_err(|e| Error::Remote(format!("systrap: fork of the stub: {e}")))?;
+        let (ours, theirs) = Channel::pair()?;
+        signal::host::block(true);
+        signal::gather(&mut p.os);
+        // SAFETY: this process is single-threaded, so the child may go on in Rust; it never
+        // returns from `clone_main`.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            signal::host::reset_child();
+            signal::host::block(false);
+            drop(ours);
+            lifeline::forget();
+            // SAFETY: the parent's channel and the siblings' tmpfs instances are not this
+            // process's; `chan` is never used here again (`clone_main` does not return).
+            unsafe { libc::close(chan.raw_fd()) };
+            scratch.clear();
+            clone_main(p, child_stub, theirs, tmpfs);
+        }
+        signal::host::block(false);
+        if pid < 0 {
+            return Err(Error::last_os("fork"));
+        }
+        child_stub.release();
+        drop(theirs);
+        drop(tmpfs); // the child's now
+        let pidfd = crate::vmm::pidfd_open(pid)?;
+        chan.send(&Response::Forked { pids: vec![pid] }, &[ours.raw_fd(), pidfd.as_raw_fd()])?;
+    }
+    Ok(())
+}
+
+/// A clone of the sandbox: take the forked stub, become a sandbox of its own, serve `chan`.
+fn clone_main(p: &mut Process, stub: Stub, mut chan: Channel, tmpfs: Option<(OwnedFd, OwnedFd)>) -> ! {
+    std::mem::replace(&mut p.stub, stub).release();
+    let tmpfs = tmpfs.map(|(disk, shm)| (Arc::new(disk), Arc::new(shm)));
+    let root = match &tmpfs {
+        Some((disk, shm)) => ScratchRoot::Tmpfs { disk: disk.clone(), shm: Some(shm.clone()) },
+        None => ScratchRoot::Dir(crate::guestos::persist::vm_dir(host_pid())),
+    };
+    crate::vstate::shared::set_pool(tmpfs.as_ref().map(|(_, shm)| shm.clone()));
+    // Its own copy of the writable mounts and, unless its CRNG was seeded, fresh entropy.
+    guestos::random::diverge(&mut p.os);
+    match crate::guestos::persist::privatize(&mut p.os, &root, None) {
+        Ok(()) => {
+            new_tree(p);
+            let fds: Vec<RawFd> = tmpfs.iter().flat_map(|(disk, shm)| [disk.as_raw_fd(), shm.as_raw_fd()]).collect();
+            if chan.send(&Response::Ready { pid: host_pid(), linux: true, jail: jail::status() }, &fds).is_err() {
+                exit_discarding(0);
+            }
+            serve(p, chan, Vec::new())
+        }
+        Err(e) => {
+            reply(&mut chan, Err(e));
+            exit_discarding(1)
+        }
+    }
+}
+
+/// A one-shot timer that SIGKILLs a stub from a signal handler (the VMM thread is then waiting
+/// for that stub, which never traps on its own).
+struct Watchdog {
+    timer: libc::timer_t,
+    pidfd: OwnedFd,
+}
+
+/// The stub the armed watchdog kills (its pidfd), and whether it did.
+static TARGET: AtomicI32 = AtomicI32::new(-1);
+static FIRED: AtomicBool = AtomicBool::new(false);
+
+fn watchdog_signal() -> i32 {
+    // SIGRTMIN..+5 are taken (preempter, guest-signal carrier, reaper, scheduler, lifeline).
+    libc::SIGRTMIN() + 7
+}
+
+extern "C" fn on_watchdog(_: libc::c_int) {
+    let fd = TARGET.load(Ordering::SeqCst);
+    if fd >= 0 {
+        // SAFETY: pidfd_send_signal is async-signal-safe; `fd` stays open while armed.
+        unsafe { libc::syscall(libc::SYS_pidfd_send_signal, fd, libc::SIGKILL, 0usize, 0u32) };
+        FIRED.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Watchdog {
+    fn arm(stub: i32, after: Duration) -> Result<Watchdog> {
+        let pidfd = crate::vmm::pidfd_open(stub)?;
+        FIRED.store(false, Ordering::SeqCst);
+        TARGET.store(pidfd.as_raw_fd(), Ordering::SeqCst);
+        // SAFETY: installing a handler that only makes async-signal-safe calls; a zeroed
+        // sigaction/sigevent/itimerspec is valid and filled in before use; the timer is deleted
+        // by `disarm`.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_watchdog as *const () as usize;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(watchdog_signal(), &sa, std::ptr::null_mut()) != 0 {
+                return Err(Error::last_os("sigaction for the run's watchdog"));
+            }
+            let mut ev: libc::sigevent = std::mem::zeroed();
+            ev.sigev_notify = libc::SIGEV_SIGNAL;
+            ev.sigev_signo = watchdog_signal();
+            let mut timer: libc::timer_t = std::ptr::null_mut();
+            if libc::timer_create(libc::CLOCK_MONOTONIC, &mut ev, &mut timer) != 0 {
+                return Err(Error::last_os("timer_create for the run's watchdog"));
+            }
+            let mut spec: libc::itimerspec = std::mem::zeroed();
+            spec.it_value.tv_sec = after.as_secs().min(i64::MAX as u64 / 2) as libc::time_t;
+            spec.it_value.tv_nsec = after.subsec_nanos() as libc::c_long;
+            if spec.it_value.tv_sec == 0 && spec.it_value.tv_nsec == 0 {
+                spec.it_value.tv_nsec = 1;
+            }
+            if libc::timer_settime(timer, 0, &spec, std::ptr::null_mut()) != 0 {
+                let e = Error::last_os("timer_settime for the run's watchdog");
+                libc::timer_delete(timer);
+                return Err(e);
+            }
+            Ok(Watchdog { timer, pidfd })
+        }
+    }
+
+    /// Stop the timer; whether it fired.
+    fn disarm(self) -> bool {
+        // SAFETY: deleting the timer `arm` made; after this no new expiry is delivered.
+        unsafe { libc::timer_delete(self.timer) };
+        TARGET.store(-1, Ordering::SeqCst);
+        drop(self.pidfd);
+        FIRED.swap(false, Ordering::SeqCst)
+    }
+}

@@ -1,0 +1,194 @@
+"""`_core.Vm` on the systrap platform: a served systrap VMM process driven through the same
+controller protocol as a KVM one (spawn, run, the agent channel, clones, destroy).
+
+Needs the python rootfs (COLLIMATE_ROOTFS, set by scripts/test.sh); no /dev/kvm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from collimate_core import EngineError, Vm
+
+AGENT_DIR = Path(__file__).resolve().parent.parent / "python" / "collimate_core" / "guest"
+AGENT_IDLE = 0x6167656E7400
+
+
+def frame(obj) -> bytes:
+    data = json.dumps(obj).encode()
+    return len(data).to_bytes(4, "little") + data
+
+
+def reply(r) -> dict:
+    size = int.from_bytes(r.agent[:4], "little")
+    return json.loads(r.agent[4 : 4 + size])
+
+
+def exec_code(vm, code: str, timeout: float = 60):
+    return vm.agent_call(frame({"op": "exec", "code": code}), timeout)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (by /proc's parent links), reparented ones not included."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.add(k)
+            todo.append(k)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: set[int], limit: float = 20.0) -> set[int]:
+    """The pids of `pids` still alive after at most `limit` seconds (a forked stub whose VMM was
+    killed ends at its next wait, within about a second)."""
+    end = time.monotonic() + limit
+    left = {p for p in pids if alive(p)}
+    while left and time.monotonic() < end:
+        time.sleep(0.05)
+        left = {p for p in left if alive(p)}
+    return left
+
+
+@pytest.fixture
+def agent(rootfs, tmp_path):
+    (tmp_path / "work").mkdir()
+    (tmp_path / "tmp").mkdir()
+    vm = Vm.spawn(
+        rootfs,
+        ["/usr/bin/python3", "/opt/collimate/agent.py"],
+        env={"PATH": "/usr/bin:/bin"},
+        cwd="/work",
+        mounts={"/work": tmp_path / "work", "/tmp": tmp_path / "tmp"},
+        ro_mounts={"/opt/collimate": AGENT_DIR},
+        agent=True,
+        platform="systrap",
+    )
+    r = vm.run(120)
+    assert (r.kind, r.value) == ("yield", AGENT_IDLE), r
+    yield vm
+    vm.destroy()
+
+
+def test_platform_is_chosen_at_spawn_and_checked(rootfs):
+    with pytest.raises(ValueError, match='"kvm".*"systrap"'):
+        Vm.spawn(rootfs, ["/bin/true"], platform="gvisor")
+    vm = Vm.spawn(rootfs, ["/bin/sh", "-c", "echo out; echo err >&2; exit 7"], platform="systrap")
+    try:
+        assert vm.platform == "systrap"
+        r = vm.run(60)
+        assert (r.kind, r.code, r.stdout, r.stderr) == ("exited", 7, b"out\n", b"err\n")
+    finally:
+        vm.destroy()
+
+
+def test_a_signal_ends_the_run_as_signaled(rootfs):
+    vm = Vm.spawn(rootfs, ["/bin/sh", "-c", "kill -TERM $$"], platform="systrap")
+    try:
+        r = vm.run(60)
+        assert (r.kind, r.signal) == ("signaled", 15), r
+    finally:
+        vm.destroy()
+
+
+def test_agent_execs_code_and_commands_with_guest_pids(agent):
+    r = exec_code(agent, "x = 41\nimport os\nprint(sum(range(1000)), os.getpid())")
+    assert (r.kind, r.value) == ("yield", AGENT_IDLE), r
+    assert reply(r)["exit_code"] == 0
+    assert r.stdout == b"499500 1\n"
+    r = exec_code(agent, "print(x + 1)")
+    assert r.stdout == b"42\n"
+    # A shell command: a guest fork and exec; its pid is the sandbox's (2, 3, ...), not a host pid.
+    r = agent.agent_call(frame({"op": "exec", "command": "echo hi from $$; exit 3"}), 60)
+    assert (r.kind, r.value) == ("yield", AGENT_IDLE), r
+    assert reply(r)["exit_code"] == 3
+    pid = int(r.stdout.split()[-1])
+    assert r.stdout.startswith(b"hi from ") and 2 <= pid < 100, r.stdout
+
+
+def test_snapshot_is_refused_clearly(agent, tmp_path):
+    with pytest.raises(EngineError, match="snapshot is not supported on the systrap platform yet"):
+        agent.snapshot(tmp_path / "snap")
+    r = agent.agent_call(frame({"op": "ping"}), 30)
+    assert reply(r) == {"pong": True}
+
+
+def test_a_run_that_times_out_is_killed(agent):
+    before = descendants(os.getpid())
+    r = exec_code(agent, "while True:\n    pass", timeout=1.0)
+    assert r.kind == "timeout", r
+    # The sandbox's process is gone: the next run says how it ended, and nothing new is left
+    # running but the VMM itself.
+    r = agent.run(5)
+    assert (r.kind, r.signal) == ("signaled", 9), r
+    stubs = descendants(agent.pid)
+    assert not wait_gone(stubs), "the timed-out stub still runs"
+    assert descendants(os.getpid()) - before <= {agent.pid}
+
+
+def test_clones_each_keep_their_own_state(agent):
+    exec_code(agent, "state = ['parent']\nopen('/work/f', 'w').write('parent')")
+    kids = [agent.clone(), agent.clone()]
+    try:
+        for i, k in enumerate(kids):
+            assert k.platform == "systrap"
+            r = exec_code(k, f"state.append({i})\nopen('/work/f', 'w').write('kid{i}')\nprint(state)")
+            assert reply(r)["exit_code"] == 0, r.stderr
+            assert r.stdout == f"['parent', {i}]\n".encode()
+        for i, k in enumerate(kids):
+            r = exec_code(k, "print(state, open('/work/f').read())")
+            assert r.stdout == f"['parent', {i}] kid{i}\n".encode()
+        r = exec_code(agent, "print(state, open('/work/f').read())")
+        assert r.stdout == b"['parent'] parent\n"
+        r = kids[0].agent_call(frame({"op": "exec", "command": "echo $$"}), 60)
+        assert reply(r)["exit_code"] == 0 and 2 <= int(r.stdout) < 100, r.stdout
+    finally:
+        for k in kids:
+            k.destroy()
+
+
+def test_destroy_leaves_no_process(rootfs, tmp_path):
+    before = descendants(os.getpid())
+    (tmp_path / "tmp").mkdir()
+    vm = Vm.spawn(
+        rootfs,
+        ["/usr/bin/python3", "/opt/collimate/agent.py"],
+        env={"PATH": "/usr/bin:/bin"},
+        mounts={"/tmp": tmp_path / "tmp"},
+        ro_mounts={"/opt/collimate": AGENT_DIR},
+        agent=True,
+        platform="systrap",
+    )
+    r = vm.run(120)
+    assert (r.kind, r.value) == ("yield", AGENT_IDLE), r
+    kid = vm.clone()
+    # A background guest process in the clone: a guest fork, its own VMM and stub.
+    r = kid.agent_call(frame({"op": "exec", "command": "sleep 1000 & echo started"}), 60)
+    assert r.stdout == b"started\n", r
+    made = descendants(os.getpid()) - before
+    stubs = descendants(vm.pid) | descendants(kid.pid)
+    assert vm.pid in made and kid.pid in made and stubs, (made, stubs)
+    every = made | stubs
+    kid.destroy()
+    vm.destroy()
+    assert not wait_gone(every), "processes left after destroy"
