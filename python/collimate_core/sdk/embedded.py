@@ -30,6 +30,7 @@ from collimate_core.sdk.errors import (
     SandboxDied,
 )
 from collimate_core.sdk import egress as _egress
+from collimate_core.sdk import live as _live
 from collimate_core.sdk import platform as _platform
 from collimate_core.sdk import quota as _quota
 from collimate_core.sdk.egress import Egress, set_resolver
@@ -189,6 +190,10 @@ class _Template:
             warm = self.spares > 0
             return self.zygote.clone(), warm
 
+    def close(self) -> None:
+        self.drain()
+        self.zygote.destroy()
+
 
 # How long an exec that timed out has, once its processes are killed, for its interpreter to
 # answer (seconds of wall time).
@@ -315,6 +320,13 @@ class EmbeddedClient:
             t = self._templates.get(name)
         if t is not None:
             return t
+        if self.platform == "systrap":
+            # No snapshots there: the zygote is the agent run live to its ready point (sdk/live.py).
+            with self._lock:  # one zygote per name (a second would be started and dropped)
+                t = self._templates.get(name)
+                if t is None:
+                    t = self._templates[name] = _live.template(name, self.cache, self.disk_quota, self.shared_memory)
+                return t
         baked = bake_catalog(name, self.cache)
         with self._lock:
             if name not in self._templates:
@@ -322,12 +334,13 @@ class EmbeddedClient:
             return self._templates[name]
 
     def register_template(self, name: str, baked: Baked) -> None:
+        if self.platform == "systrap":
+            raise _live.image_templates_unavailable(f"registering template {name!r} (Template.bake)")
         with self._lock:
             old = self._templates.pop(name, None)
             self._templates[name] = _Template(baked, self.disk_quota, self.shared_memory)
         if old is not None:
-            old.drain()
-            old.zygote.destroy()
+            old.close()
 
     def unregister_template(self, name: str) -> bool:
         """Forget template `name` (its zygote and recycled sandboxes go); live sandboxes keep
@@ -336,8 +349,7 @@ class EmbeddedClient:
             old = self._templates.pop(name, None)
         if old is None:
             return False
-        old.drain()
-        old.zygote.destroy()
+        old.close()
         return True
 
     def expect_width(self, template: str, width: int) -> None:
@@ -551,6 +563,9 @@ class EmbeddedClient:
         """Back to the template after the agent died or an exec timed out (`box.lost` stays set
         until an exec has reported it)."""
         with box.lock:
+            if box.platform == "systrap":
+                self._replace(box)
+                return
             try:
                 box.vm.reset()
             except _CoreEngineError as e:
@@ -558,6 +573,29 @@ class EmbeddedClient:
             box.agent_alive = True
             if box.origin is not None:
                 box.state = box.origin.state
+
+    def _replace(self, box: _Box) -> None:
+        """`_restore` on systrap, which has no reset: a new clone of the template's zygote takes
+        the sandbox's place (with its network policy) and the old VMM is destroyed."""
+        t = box.origin
+        if t is None or t.zygote is None:
+            raise SandboxDied(f"sandbox {box.id} cannot be restored: its template is gone")
+        try:
+            vm, _ = t.clone()
+        except _CoreEngineError as e:
+            raise _engine_error(e, f"restoring sandbox {box.id} from its template") from e
+        try:
+            if not box.egress.is_none:
+                vm.set_egress(box.egress.rule_strings(), box.egress.internet_access)
+            if box.ceiling is not None:
+                vm.seal_egress()
+        except BaseException:
+            vm.destroy()
+            raise
+        old, box.vm = box.vm, vm
+        old.destroy()
+        box.agent_alive = True
+        box.state = t.state
 
     def exec(
         self,
@@ -619,7 +657,17 @@ class EmbeddedClient:
             timed_out = r.kind == "timeout"
             stdout, stderr = r.stdout, r.stderr
             ended = ""
-            if timed_out:
+            if timed_out and box.platform == "systrap":
+                # The engine ends a systrap sandbox's processes at a timeout (no end_exec there):
+                # the next exec gets a new clone of the template.
+                box.agent_alive = False
+                box.lost = "was killed when an exec timed out (systrap)"
+                ended = (
+                    "this exec timed out: on the systrap platform a timeout ends the sandbox's interpreter and "
+                    "processes; the next exec runs in a fresh interpreter cloned from the template (Python state, "
+                    "processes and files in /tmp and /work are lost)"
+                )
+            elif timed_out:
                 # End what the exec started and keep the sandbox (docs/sessions.md).
                 stdout, stderr, ended = self._end_exec(box, code is not None, stdout, stderr)
             reply = _unframe(r.agent) if r.kind == "yield" and r.value == AGENT_IDLE else None
@@ -900,8 +948,7 @@ class EmbeddedClient:
         self._reaper.shutdown(wait=True)
         self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collimate-reaper")
         for t in templates:
-            t.drain()
-            t.zygote.destroy()
+            t.close()
 
     # --- the SDK surface on the client -------------------------------------------------------
 
