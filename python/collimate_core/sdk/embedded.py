@@ -299,6 +299,7 @@ class EmbeddedClient:
         )
         self._charged = 0  # bytes of the budget held by live and admitted sandboxes
         self._templates: dict[str, _Template] = {}
+        self._starting: dict[str, threading.Lock] = {}  # systrap: a template's zygote being started
         self._boxes: dict[str, _Box] = {}
         self._lock = threading.RLock()
         self._slots = threading.Condition(self._lock)
@@ -322,10 +323,17 @@ class EmbeddedClient:
             return t
         if self.platform == "systrap":
             # No snapshots there: the zygote is the agent run live to its ready point (sdk/live.py).
-            with self._lock:  # one zygote per name (a second would be started and dropped)
-                t = self._templates.get(name)
+            # One zygote per name, started under that name's lock (not the client's: starting one
+            # takes seconds, and the other sandboxes go on meanwhile).
+            with self._lock:
+                starting = self._starting.setdefault(name, threading.Lock())
+            with starting:
+                with self._lock:
+                    t = self._templates.get(name)
                 if t is None:
-                    t = self._templates[name] = _live.template(name, self.cache, self.disk_quota, self.shared_memory)
+                    t = _live.template(name, self.cache, self.disk_quota, self.shared_memory)
+                    with self._lock:
+                        self._templates[name] = t
                 return t
         baked = bake_catalog(name, self.cache)
         with self._lock:
