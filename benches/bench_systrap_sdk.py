@@ -6,7 +6,7 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
 - a sandbox from the catalog "python" template, one `exec(code=...)`, and its exit (a clone of the
   zygote on both platforms; kvm may serve it from its spare pool or a recycled sandbox, systrap
   has neither) against `/usr/bin/python3 -c "x = 1"` called directly;
-- `fork_group(4)` of a session and one exec of code in each child (`map`).
+- `fork_group(4)` and `fork_group(64)` of a session and one exec of code in each child (`map`).
 
 Needs seccomp filters for the systrap rows and /dev/kvm for the kvm rows.
 """
@@ -88,4 +88,16 @@ def test_fork_group_4_map(benchmark, client):
                 assert all(r.ok for r in grp.map(lambda i, c: c.exec(code=f"y = x + {i}")))
 
         benchmark.pedantic(run, rounds=10, warmup_rounds=1)
+    benchmark.extra_info["platform"] = client.platform
+
+
+def test_fork_group_64_map(benchmark, client):
+    with client.session("python") as s:
+        s.exec(code="x = 1")
+
+        def run():
+            with s.fork_group(64) as grp:
+                assert all(r.ok for r in grp.map(lambda i, c: c.exec(code=f"y = x + {i}")))
+
+        benchmark.pedantic(run, rounds=3, warmup_rounds=1)
     benchmark.extra_info["platform"] = client.platform
