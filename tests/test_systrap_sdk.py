@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -18,9 +19,11 @@ from pathlib import Path
 import pytest
 
 from collimate_rl import (
+    EmbeddedClient,
     PlatformUnavailable,
     Ready,
     Sandbox,
+    SandboxDied,
     Template,
     UnitTestReward,
     connect,
@@ -132,6 +135,24 @@ def test_a_sandbox_that_ends_is_destroyed_not_recycled(client):
         time.sleep(0.05)
     assert not _alive(pid)
     assert client._templates["python"].take_recycled() is None
+
+
+def test_a_lost_vmm_raises_and_a_lost_zygote_is_started_again(client):
+    c = EmbeddedClient(platform="systrap")
+    try:
+        with c.session("python") as s:
+            assert s.exec(code="print(1)").stdout == "1\n"
+            os.kill(s._box.vm.pid, signal.SIGKILL)
+            # An infrastructure failure raises (never an exit code or a reward).
+            with pytest.raises(SandboxDied, match="is gone"):
+                s.exec(code="print(2)")
+        zygote = c._templates["python"].zygote
+        os.kill(zygote.pid, signal.SIGKILL)
+        with c.session("python") as s:
+            assert s.exec(code="print(3)").stdout == "3\n"
+        assert c._templates["python"].zygote is not zygote
+    finally:
+        c.close()
 
 
 def test_image_templates_and_bakes_say_what_runs_on_systrap(client):

@@ -21,6 +21,7 @@ import shutil
 import threading
 from pathlib import Path
 
+from collimate_core._core import EngineError as _CoreEngineError
 from collimate_core._core import Vm
 from collimate_core.sdk.errors import PlatformUnavailable
 from collimate_core.templates import catalog as _catalog
@@ -54,17 +55,9 @@ class LiveTemplate:
         self.disk_quota = disk_quota
         self.shared_memory = shared_memory
         self.spares = 0
-        self._work = _catalog.agent_dirs(prefix="collimate-zygote-")
-        try:
-            self.zygote = _catalog.spawn_agent(root, self._work, cpus, platform=self.platform)
-            try:
-                _catalog.run_to_idle(self.zygote, f"starting the {name!r} template on systrap")
-            except BaseException:
-                self.zygote.destroy()
-                raise
-        except BaseException:
-            shutil.rmtree(self._work, ignore_errors=True)
-            raise
+        self._cpus = cpus
+        self._work: Path | None = None
+        self.zygote = self._start()
         # The state its sandboxes start from, as egress recordings name it: what the zygote was
         # started from (a new root filesystem or agent is another state).
         self.state = hashlib.sha256(
@@ -89,13 +82,43 @@ class LiveTemplate:
         """No spare pool on systrap (the engine refuses one): a width is a hint, and each
         sandbox is cloned when asked for."""
 
+    def _start(self) -> Vm:
+        """Spawn the agent in new writable mounts and run it to its ready point: the zygote."""
+        work = _catalog.agent_dirs(prefix="collimate-zygote-")
+        try:
+            vm = _catalog.spawn_agent(self.baked.root, work, self._cpus, platform=self.platform)
+            try:
+                _catalog.run_to_idle(vm, f"starting the {self.baked.name!r} template on systrap")
+            except BaseException:
+                vm.destroy()
+                raise
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        self._work = work
+        return vm
+
     def clone(self) -> tuple[Vm, bool]:
         with self.lock:
+            try:
+                return self.zygote.clone(), False
+            except _CoreEngineError as e:
+                if "is gone" not in str(e):
+                    raise
+            # The zygote's VMM died (it is a live process here, not a file): start a new one, once.
+            self._stop()
+            self.zygote = self._start()
             return self.zygote.clone(), False
 
-    def close(self) -> None:
+    def _stop(self) -> None:
         self.zygote.destroy()
-        shutil.rmtree(self._work, ignore_errors=True)
+        if self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None
+
+    def close(self) -> None:
+        with self.lock:
+            self._stop()
 
 
 def template(name: str, cache: Path | None, disk_quota: int, shared_memory: int) -> LiveTemplate:
