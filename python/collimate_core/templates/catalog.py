@@ -216,7 +216,11 @@ def python_root(cache: Path | None = None, progress: Callable[[str], None] | Non
     wanted = os.environ.get("COLLIMATE_ROOTFS")
     if wanted:
         return Path(wanted)
-    return Path(_rootfs.build_rootfs("python", cache=Path(cache) if cache else cache_dir(), progress=progress))
+    bar = _Progress("python root filesystem") if progress is None else None
+    root = Path(_rootfs.build_rootfs("python", cache=Path(cache) if cache else cache_dir(), progress=progress or bar))
+    if bar:
+        bar.done()
+    return root
 
 
 def bake_python(cache: Path | None = None, progress: Callable[[str], None] | None = None) -> Baked:
