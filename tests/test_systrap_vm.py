@@ -146,6 +146,23 @@ def test_a_run_that_times_out_is_killed(agent):
     assert descendants(os.getpid()) - before <= {agent.pid}
 
 
+def test_a_timed_out_exec_that_waits_is_ended_and_the_agent_goes_on(agent):
+    # A command waiting for its child, and code sleeping: both make syscalls, so the run stops
+    # at its deadline (resumable), and end_exec ends the exec as on kvm.
+    r = agent.agent_call(frame({"op": "exec", "command": "echo start; sleep 1000"}), 2.0)
+    assert r.kind == "timeout", r
+    r = agent.end_exec(0, 60)
+    assert (r.kind, r.value) == ("yield", AGENT_IDLE), r
+    assert reply(r)["exit_code"] == 137  # the shell, SIGKILLed, as a shell reports it
+    r = exec_code(agent, "x = 5\nimport time\ntime.sleep(1000)", timeout=2.0)
+    assert r.kind == "timeout", r
+    r = agent.end_exec(2, 60)  # SIGINT: KeyboardInterrupt in the exec's code
+    assert (r.kind, r.value) == ("yield", AGENT_IDLE), r
+    assert reply(r)["exit_code"] == 1 and b"KeyboardInterrupt" in r.stderr, r.stderr
+    r = exec_code(agent, "print(x)")
+    assert r.stdout == b"5\n"
+
+
 def test_clones_each_keep_their_own_state(agent):
     exec_code(agent, "state = ['parent']\nopen('/work/f', 'w').write('parent')")
     kids = [agent.clone(), agent.clone()]

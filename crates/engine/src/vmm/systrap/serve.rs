@@ -20,8 +20,12 @@
 //! process is gone (later runs answer `Signaled(SIGKILL)`). A guest that makes syscalls is
 //! stopped at the deadline after its next one, resumable, as on kvm.
 //!
+//! `EndExec` after an exec that timed out while its processes made syscalls (a command waiting
+//! for a child, a sleeping `time.sleep`): the agent's children are SIGKILLed and the agent gets
+//! the interrupt signal, as on kvm.
+//!
 //! Not here yet, each refused with [`super::unsupported`]'s error: snapshot, reset, restore,
-//! spare pools, a writable root, `EndExec`, the vCPU state and memory statistics.
+//! spare pools, a writable root, the vCPU state and memory statistics.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -97,7 +101,7 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
             Err(RecvError::TimedOut) => continue,
             Err(RecvError::Failed(_)) => exit_discarding(2),
         };
-        let runs = matches!(req, Request::Run { .. } | Request::AgentCall { .. });
+        let runs = matches!(req, Request::Run { .. } | Request::AgentCall { .. } | Request::EndExec { .. });
         if runs {
             // The controller going away mid-run ends this process (see `lifeline`).
             lifeline::arm(chan.raw_fd());
@@ -111,11 +115,9 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
                     }
                     guestos::random::reseed(&mut p.os, s.seed, s.replay);
                 }
-                p.os.agent_send(&input).and_then(|_| p.run_watched(timeout)).and_then(|mut r| {
-                    r.agent = p.os.agent_take()?;
-                    Ok(Response::Run(r))
-                })
+                p.os.agent_send(&input).and_then(|_| agent_run(p, timeout))
             }
+            Request::EndExec { signal: interrupt, timeout } => end_exec(p, interrupt).and_then(|_| agent_run(p, timeout)),
             Request::Fork { n } => {
                 scratch.extend(fds);
                 match fork_children(p, &mut chan, &mut scratch, n) {
@@ -139,7 +141,7 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
                 let mut fds = fds;
                 if fds.len() == 3 {
                     if let Some(b) = fds.pop() {
-                        guestos::files::inet::set_broker(&mut p.os, b);
+                        guestos::files::inet::set_broker(&p.os, b);
                     }
                 }
                 p.os.set_stdio(fds).map(|_| Response::Ok)
@@ -170,7 +172,6 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
             }
             Request::Snapshot { .. } => Err(unsupported("snapshot")),
             Request::Reset | Request::ResetKeepFiles => Err(unsupported("reset")),
-            Request::EndExec { .. } => Err(unsupported("ending a timed-out exec (a timeout kills the sandbox's process)")),
             Request::VcpuState => Err(unsupported("a vCPU state (there is no vCPU)")),
             Request::MemStats => Err(unsupported("memory statistics")),
             Request::Shutdown => {
@@ -184,6 +185,36 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
         lifeline::disarm();
         reply(&mut chan, resp);
     }
+}
+
+/// Run until the agent waits for its next request; the result carries what it wrote.
+fn agent_run(p: &mut Process, timeout: Duration) -> Result<Response> {
+    let mut r = p.run_watched(timeout)?;
+    r.agent = p.os.agent_take()?;
+    Ok(Response::Run(r))
+}
+
+/// An exec ran out of time (`Request::EndExec`): SIGKILL the guest processes the agent started
+/// (its children's VMMs, not reaped: the agent's wait reads their end; their own children end
+/// with them, `PR_SET_PDEATHSIG`), then send the agent `interrupt` (0: nothing) through the
+/// guest-signal carrier. Its memory and files are kept.
+fn end_exec(p: &mut Process, interrupt: i32) -> Result<()> {
+    if p.exited.is_some() {
+        return Err(Error::InvalidArgument(
+            "the sandbox's first process has ended (it exited, or a run timed out while it computed without \
+             syscalls, which kills it on systrap); start a new sandbox"
+                .into(),
+        ));
+    }
+    for c in &p.os.sig.children {
+        if let Some(fd) = &c.pidfd {
+            let _ = signal::host::send_pidfd(fd.as_raw_fd(), libc::SIGKILL, false, (0, 0));
+        }
+    }
+    if interrupt > 0 {
+        signal::host::send_top(interrupt, (0, 0)).map_err(|e| Error::Remote(format!("cannot interrupt the agent: errno {}", e.0)))?;
+    }
+    Ok(())
 }
 
 impl Process {
