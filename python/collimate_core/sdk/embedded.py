@@ -665,17 +665,7 @@ class EmbeddedClient:
             timed_out = r.kind == "timeout"
             stdout, stderr = r.stdout, r.stderr
             ended = ""
-            if timed_out and box.platform == "systrap":
-                # The engine ends a systrap sandbox's processes at a timeout (no end_exec there):
-                # the next exec gets a new clone of the template.
-                box.agent_alive = False
-                box.lost = "was killed when an exec timed out (systrap)"
-                ended = (
-                    "this exec timed out: on the systrap platform a timeout ends the sandbox's interpreter and "
-                    "processes; the next exec runs in a fresh interpreter cloned from the template (Python state, "
-                    "processes and files in /tmp and /work are lost)"
-                )
-            elif timed_out:
+            if timed_out:
                 # End what the exec started and keep the sandbox (docs/sessions.md).
                 stdout, stderr, ended = self._end_exec(box, code is not None, stdout, stderr)
             reply = _unframe(r.agent) if r.kind == "yield" and r.value == AGENT_IDLE else None
@@ -778,10 +768,17 @@ class EmbeddedClient:
         Files are kept either way; the interpreter's state too if it answers within
         END_EXEC_GRACE. If it does not (it ignores SIGINT, is stuck in C code), it is replaced
         by a fresh one from the template over the sandbox's files, and the next exec says so
-        (`interpreter_restarted`). Returns the output with what came meanwhile, and a note."""
+        (`interpreter_restarted`). On systrap, which has no reset, such a sandbox (or one whose
+        interpreter the engine killed: code computing without syscalls past the deadline) gets a
+        new clone of the template at its next exec instead, files lost. Returns the output with
+        what came meanwhile, and a note."""
         try:
             r = box.vm.end_exec(int(_signal.SIGINT) if python else 0, END_EXEC_GRACE)
         except _CoreEngineError as e:
+            if box.platform == "systrap" and "first process has ended" in str(e):
+                # Code that computed without syscalls past the deadline: the engine's watchdog
+                # killed the interpreter (it never traps, so it cannot be interrupted).
+                return stdout, stderr, self._lost_on_systrap(box, "was killed by the timeout")
             raise _engine_error(e, f"ending the timed-out exec in sandbox {box.id}") from e
         stdout, stderr = stdout + r.stdout, stderr + r.stderr
         reply = _unframe(r.agent) if r.kind == "yield" and r.value == AGENT_IDLE else None
@@ -794,6 +791,8 @@ class EmbeddedClient:
         how = "did not stop within {:g}s of the timeout".format(END_EXEC_GRACE) if r.kind == "timeout" else (
             "died (" + _how_it_ended(r) + ")"
         )
+        if box.platform == "systrap":
+            return stdout, stderr, self._lost_on_systrap(box, how)
         try:
             box.vm.reset(keep_files=True)
         except _CoreEngineError as e:
@@ -803,6 +802,17 @@ class EmbeddedClient:
         return stdout, stderr, (
             f"this exec timed out and the sandbox's interpreter {how}: the next exec runs in a fresh interpreter "
             "(Python state and processes are lost; files in /tmp and /work are kept)"
+        )
+
+    def _lost_on_systrap(self, box: _Box, how: str) -> str:
+        """A timed-out exec whose interpreter cannot go on, on systrap (no reset there, so its
+        files cannot be kept): the next exec gets a new clone of the template. The note."""
+        box.agent_alive = False
+        box.lost = f"{how} when an exec timed out (systrap: the sandbox was replaced)"
+        return (
+            f"this exec timed out and the sandbox's interpreter {how}: on the systrap platform the next exec runs "
+            "in a fresh interpreter cloned from the template (Python state, processes and files in /tmp and /work "
+            "are lost)"
         )
 
     def _tape_begin(self, box: _Box, seed: bytes) -> tuple[str, int | None]:
