@@ -241,3 +241,30 @@ def test_connect_without_dev_kvm_picks_systrap_and_runs_the_quickstart():
     assert (out["seed"], out["seed_ack"]) == ("c0ffee00" * 8, "verified")
     assert out["artifact"] == "[1, 2]" and out["reward"] == 1.0, out
     assert "collimate_core platform: systrap (auto: no usable KVM" in r.stderr
+
+
+def test_collimate_serve_on_systrap_serves_the_same_surface(tmp_path):
+    # The control plane's engine is an EmbeddedClient: started with --platform systrap it serves
+    # the catalog template's sessions, execs and fork groups from the live zygote.
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_http import Server, _cli
+
+    from collimate_core import RemoteClient
+
+    store = tmp_path / "keys.json"
+    key = _cli("keys", "--key-store", str(store), "create", "--tenant", "alice").strip()
+    srv = Server(tmp_path, store, "--platform", "systrap")
+    try:
+        assert srv.health()["platform"] == "systrap"
+        with RemoteClient(key, srv.url) as c:
+            assert c.platform == "systrap"
+            with c.session("python") as s:
+                r = s.exec(code="x = 6\nprint(x * 7)", seed=SEED)
+                assert (r.stdout, r.platform, r.seed_ack) == ("42\n", "systrap", "verified"), r
+                with s.fork_group(2) as grp:
+                    assert [r.stdout for r in grp.map(lambda i, ch: ch.exec(code=f"print(x + {i})"))] == ["6\n", "7\n"]
+    finally:
+        srv.stop()
+    assert not [e for e in srv.events() if e["level"] == "error"]
