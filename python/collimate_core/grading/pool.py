@@ -103,7 +103,9 @@ def _prune(root: Path, keep: int = KEEP) -> None:
 
 
 def supported(client: Any) -> bool:
-    return hasattr(client, "register_template") and hasattr(client, "_template")
+    # Systrap sandboxes cannot be checkpointed: grading there forks a prepared parent per group.
+    return (hasattr(client, "register_template") and hasattr(client, "_template")
+            and getattr(client, "platform", "kvm") != "systrap")
 
 
 def prepared(

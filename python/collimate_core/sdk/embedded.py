@@ -30,6 +30,7 @@ from collimate_core.sdk.errors import (
     SandboxDied,
 )
 from collimate_core.sdk import egress as _egress
+from collimate_core.sdk import live as _live
 from collimate_core.sdk import platform as _platform
 from collimate_core.sdk import quota as _quota
 from collimate_core.sdk.egress import Egress, set_resolver
@@ -189,6 +190,10 @@ class _Template:
             warm = self.spares > 0
             return self.zygote.clone(), warm
 
+    def close(self) -> None:
+        self.drain()
+        self.zygote.destroy()
+
 
 # How long an exec that timed out has, once its processes are killed, for its interpreter to
 # answer (seconds of wall time).
@@ -294,6 +299,7 @@ class EmbeddedClient:
         )
         self._charged = 0  # bytes of the budget held by live and admitted sandboxes
         self._templates: dict[str, _Template] = {}
+        self._starting: dict[str, threading.Lock] = {}  # systrap: a template's zygote being started
         self._boxes: dict[str, _Box] = {}
         self._lock = threading.RLock()
         self._slots = threading.Condition(self._lock)
@@ -315,6 +321,20 @@ class EmbeddedClient:
             t = self._templates.get(name)
         if t is not None:
             return t
+        if self.platform == "systrap":
+            # No snapshots there: the zygote is the agent run live to its ready point (sdk/live.py).
+            # One zygote per name, started under that name's lock (not the client's: starting one
+            # takes seconds, and the other sandboxes go on meanwhile).
+            with self._lock:
+                starting = self._starting.setdefault(name, threading.Lock())
+            with starting:
+                with self._lock:
+                    t = self._templates.get(name)
+                if t is None:
+                    t = _live.template(name, self.cache, self.disk_quota, self.shared_memory)
+                    with self._lock:
+                        self._templates[name] = t
+                return t
         baked = bake_catalog(name, self.cache)
         with self._lock:
             if name not in self._templates:
@@ -322,12 +342,13 @@ class EmbeddedClient:
             return self._templates[name]
 
     def register_template(self, name: str, baked: Baked) -> None:
+        if self.platform == "systrap":
+            raise _live.image_templates_unavailable(f"registering template {name!r} (Template.bake)")
         with self._lock:
             old = self._templates.pop(name, None)
             self._templates[name] = _Template(baked, self.disk_quota, self.shared_memory)
         if old is not None:
-            old.drain()
-            old.zygote.destroy()
+            old.close()
 
     def unregister_template(self, name: str) -> bool:
         """Forget template `name` (its zygote and recycled sandboxes go); live sandboxes keep
@@ -336,8 +357,7 @@ class EmbeddedClient:
             old = self._templates.pop(name, None)
         if old is None:
             return False
-        old.drain()
-        old.zygote.destroy()
+        old.close()
         return True
 
     def expect_width(self, template: str, width: int) -> None:
@@ -551,6 +571,9 @@ class EmbeddedClient:
         """Back to the template after the agent died or an exec timed out (`box.lost` stays set
         until an exec has reported it)."""
         with box.lock:
+            if box.platform == "systrap":
+                self._replace(box)
+                return
             try:
                 box.vm.reset()
             except _CoreEngineError as e:
@@ -558,6 +581,29 @@ class EmbeddedClient:
             box.agent_alive = True
             if box.origin is not None:
                 box.state = box.origin.state
+
+    def _replace(self, box: _Box) -> None:
+        """`_restore` on systrap, which has no reset: a new clone of the template's zygote takes
+        the sandbox's place (with its network policy) and the old VMM is destroyed."""
+        t = box.origin
+        if t is None or t.zygote is None:
+            raise SandboxDied(f"sandbox {box.id} cannot be restored: its template is gone")
+        try:
+            vm, _ = t.clone()
+        except _CoreEngineError as e:
+            raise _engine_error(e, f"restoring sandbox {box.id} from its template") from e
+        try:
+            if not box.egress.is_none:
+                vm.set_egress(box.egress.rule_strings(), box.egress.internet_access)
+            if box.ceiling is not None:
+                vm.seal_egress()
+        except BaseException:
+            vm.destroy()
+            raise
+        old, box.vm = box.vm, vm
+        old.destroy()
+        box.agent_alive = True
+        box.state = t.state
 
     def exec(
         self,
@@ -722,10 +768,17 @@ class EmbeddedClient:
         Files are kept either way; the interpreter's state too if it answers within
         END_EXEC_GRACE. If it does not (it ignores SIGINT, is stuck in C code), it is replaced
         by a fresh one from the template over the sandbox's files, and the next exec says so
-        (`interpreter_restarted`). Returns the output with what came meanwhile, and a note."""
+        (`interpreter_restarted`). On systrap, which has no reset, such a sandbox (or one whose
+        interpreter the engine killed: code computing without syscalls past the deadline) gets a
+        new clone of the template at its next exec instead, files lost. Returns the output with
+        what came meanwhile, and a note."""
         try:
             r = box.vm.end_exec(int(_signal.SIGINT) if python else 0, END_EXEC_GRACE)
         except _CoreEngineError as e:
+            if box.platform == "systrap" and "first process has ended" in str(e):
+                # Code that computed without syscalls past the deadline: the engine's watchdog
+                # killed the interpreter (it never traps, so it cannot be interrupted).
+                return stdout, stderr, self._lost_on_systrap(box, "was killed by the timeout")
             raise _engine_error(e, f"ending the timed-out exec in sandbox {box.id}") from e
         stdout, stderr = stdout + r.stdout, stderr + r.stderr
         reply = _unframe(r.agent) if r.kind == "yield" and r.value == AGENT_IDLE else None
@@ -738,6 +791,8 @@ class EmbeddedClient:
         how = "did not stop within {:g}s of the timeout".format(END_EXEC_GRACE) if r.kind == "timeout" else (
             "died (" + _how_it_ended(r) + ")"
         )
+        if box.platform == "systrap":
+            return stdout, stderr, self._lost_on_systrap(box, how)
         try:
             box.vm.reset(keep_files=True)
         except _CoreEngineError as e:
@@ -747,6 +802,17 @@ class EmbeddedClient:
         return stdout, stderr, (
             f"this exec timed out and the sandbox's interpreter {how}: the next exec runs in a fresh interpreter "
             "(Python state and processes are lost; files in /tmp and /work are kept)"
+        )
+
+    def _lost_on_systrap(self, box: _Box, how: str) -> str:
+        """A timed-out exec whose interpreter cannot go on, on systrap (no reset there, so its
+        files cannot be kept): the next exec gets a new clone of the template. The note."""
+        box.agent_alive = False
+        box.lost = f"{how} when an exec timed out (systrap: the sandbox was replaced)"
+        return (
+            f"this exec timed out and the sandbox's interpreter {how}: on the systrap platform the next exec runs "
+            "in a fresh interpreter cloned from the template (Python state, processes and files in /tmp and /work "
+            "are lost)"
         )
 
     def _tape_begin(self, box: _Box, seed: bytes) -> tuple[str, int | None]:
@@ -900,8 +966,7 @@ class EmbeddedClient:
         self._reaper.shutdown(wait=True)
         self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collimate-reaper")
         for t in templates:
-            t.drain()
-            t.zygote.destroy()
+            t.close()
 
     # --- the SDK surface on the client -------------------------------------------------------
 

@@ -13,8 +13,8 @@
 
 The choice is logged once per client on the "collimate_core" logger (INFO), with what the host
 offers. Systrap sandboxes need the engine's `Vm.spawn(..., platform="systrap")` (detected by
-feature) and the SDK's systrap templates; until both exist, choosing systrap raises
-`PlatformUnavailable` saying so.
+feature; a build without it raises `PlatformUnavailable` saying so) and run the catalog template
+"python" from a live zygote (sdk/live.py).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ _KVM_API_VERSION = 12
 _PAGING_PARAM = {"kvm_intel": "ept", "kvm_amd": "npt"}
 
 # Whether the SDK's embedded systrap path (templates as live zygotes spawned at first use, clones
-# forked from them) is written. It is not yet: see docs/platforms.md.
-SDK_SERVES_SYSTRAP = False
+# forked from them: sdk/live.py) is written.
+SDK_SERVES_SYSTRAP = True
 
 
 def check(value: Any, where: str = "platform") -> str:

@@ -960,6 +960,10 @@ class Template:
                                                  read_only_root=bool(read_only_root))
         if not hasattr(client, "register_template"):
             raise InvalidArgument("Template.bake needs the embedded engine (connect() without an API key)")
+        if getattr(client, "platform", "kvm") == "systrap":
+            from collimate_core.sdk.live import image_templates_unavailable
+
+            raise image_templates_unavailable(f"Template.bake({name!r})")
         _check_name(name)
         ready = check_bake_args(image, ready, width)
         c = _cache(client, cache)

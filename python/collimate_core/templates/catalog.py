@@ -153,39 +153,74 @@ def _python_index(cache: Path, wanted_root: str | None, recipe: str) -> Baked | 
     return None
 
 
+def agent_dirs(prefix: str = "collimate-bake-") -> Path:
+    """A new host directory holding the agent's writable mounts: work, tmp and shm (/dev/shm:
+    POSIX semaphores and shared memory). The caller removes it."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    (work / "work").mkdir()
+    for d in ("tmp", "shm"):
+        (work / d).mkdir()
+        os.chmod(work / d, 0o1777)  # (mkdir's mode is masked by the umask)
+    return work
+
+
+def spawn_agent(root: Path, work: Path, cpus: int = 1, platform: str = "kvm") -> Vm:
+    """The catalog agent on `root` with its writable mounts in `work` (`agent_dirs`), spawned and
+    not yet run: the argv, environment and mounts of every python template, on either platform."""
+    more = {} if platform == "kvm" else {"platform": platform}
+    return Vm.spawn(
+        root,
+        ["/usr/bin/python3", "/opt/collimate/agent.py"],
+        env=agent_env(GUEST_ENV),
+        cwd="/work",
+        mounts={"/work": work / "work", "/tmp": work / "tmp", "/dev/shm": work / "shm"},
+        ro_mounts={"/opt/collimate": AGENT_DIR},
+        agent=True,
+        cpus=cpus,
+        **more,
+    )
+
+
+def run_to_idle(vm: Vm, what: str) -> None:
+    """Run a spawned agent to its ready point (its first read of the channel), or raise saying
+    why it did not get there."""
+    r = vm.run(120.0)
+    if (r.kind, r.value) != ("yield", AGENT_IDLE):
+        raise EngineError(
+            f"{what}: the agent did not reach its ready point ({r!r}); "
+            f"stderr: {r.stderr[-2000:].decode(errors='replace')}"
+        )
+
+
 def _bake_snapshot(tmp: Path, root: Path, say: Callable[[str], None], cpus: int = 1) -> None:
     """Boot the agent on `root` to its ready point and checkpoint it into `tmp`."""
     say("starting the agent")
-    work = Path(tempfile.mkdtemp(prefix="collimate-bake-"))
+    work = agent_dirs()
     try:
-        (work / "work").mkdir()
-        (work / "tmp").mkdir(mode=0o1777)
-        (work / "shm").mkdir(mode=0o1777)  # /dev/shm: POSIX semaphores and shared memory
-        os.chmod(work / "tmp", 0o1777)  # (mkdir's mode is masked by the umask)
-        os.chmod(work / "shm", 0o1777)
-        vm = Vm.spawn(
-            root,
-            ["/usr/bin/python3", "/opt/collimate/agent.py"],
-            env=agent_env(GUEST_ENV),
-            cwd="/work",
-            mounts={"/work": work / "work", "/tmp": work / "tmp", "/dev/shm": work / "shm"},
-            ro_mounts={"/opt/collimate": AGENT_DIR},
-            agent=True,
-            cpus=cpus,
-        )
+        vm = spawn_agent(root, work, cpus)
         try:
-            r = vm.run(120.0)
-            if (r.kind, r.value) != ("yield", AGENT_IDLE):
-                raise EngineError(
-                    f"baking the python template: the agent did not reach its ready point ({r!r}); "
-                    f"stderr: {r.stderr[-2000:].decode(errors='replace')}"
-                )
+            run_to_idle(vm, "baking the python template")
             say("checkpointing")
             vm.snapshot(tmp)
         finally:
             vm.destroy()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def python_root(cache: Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
+    """The root filesystem of the catalog "python" template (COLLIMATE_ROOTFS, else the recipe's,
+    built on first use): all a platform without snapshots (systrap) needs of it."""
+    from collimate_core.templates import rootfs as _rootfs
+
+    wanted = os.environ.get("COLLIMATE_ROOTFS")
+    if wanted:
+        return Path(wanted)
+    bar = _Progress("python root filesystem") if progress is None else None
+    root = Path(_rootfs.build_rootfs("python", cache=Path(cache) if cache else cache_dir(), progress=progress or bar))
+    if bar:
+        bar.done()
+    return root
 
 
 def bake_python(cache: Path | None = None, progress: Callable[[str], None] | None = None) -> Baked:

@@ -1,0 +1,103 @@
+"""The SDK's hot paths on kvm and on systrap side by side (`EmbeddedClient(platform=...)`), each
+beside a native baseline measured in the same run; see benches/conftest.py for the summary table
+(median, p99, ratio to a host fork) and the `x_native` ratio under it:
+
+- `exec(command="true")` in a live session against `/bin/sh -c true` called directly;
+- a sandbox from the catalog "python" template, one `exec(code=...)`, and its exit (a clone of the
+  zygote on both platforms; kvm may serve it from its spare pool or a recycled sandbox, systrap
+  has neither) against `/usr/bin/python3 -c "x = 1"` called directly;
+- `fork_group(4)` and `fork_group(64)` of a session and one exec of code in each child (`map`).
+
+Needs seccomp filters for the systrap rows and /dev/kvm for the kvm rows.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+
+import pytest
+from collimate_core import EmbeddedClient, Sandbox
+
+from conftest import host_fork_baseline
+
+PLATFORMS = ["kvm", "systrap"]
+_medians: dict[str, float] = {}
+
+
+def _record(benchmark, name: str, baseline: str | None = None) -> None:
+    _medians[name] = statistics.median(benchmark.stats.stats.data)
+    if baseline and baseline in _medians:
+        benchmark.extra_info["x_native"] = round(_medians[name] / _medians[baseline], 2)
+
+
+@pytest.fixture(scope="module", params=PLATFORMS)
+def client(request):
+    platform = request.param
+    if platform == "kvm" and not os.path.exists("/dev/kvm"):
+        pytest.skip("needs /dev/kvm")
+    c = EmbeddedClient(platform=platform)
+    with c.session("python") as s:  # the template's first use (a bake or a zygote start) is not measured
+        assert s.exec(command="true").ok
+    yield c
+    c.close()
+
+
+def test_host_fork_baseline(benchmark):
+    host_fork_baseline(benchmark)
+
+
+def test_native_sh_true(benchmark):
+    benchmark.pedantic(lambda: subprocess.run(["/bin/sh", "-c", "true"], check=True), rounds=40, warmup_rounds=3)
+    _record(benchmark, "native true")
+
+
+def test_native_python(benchmark):
+    benchmark.pedantic(lambda: subprocess.run(["/usr/bin/python3", "-c", "x = 1"], check=True), rounds=20,
+                       warmup_rounds=2)
+    _record(benchmark, "native python")
+
+
+def test_session_exec_true(benchmark, client):
+    with client.session("python") as s:
+        def run():
+            assert s.exec(command="true").ok
+
+        benchmark.pedantic(run, rounds=40, warmup_rounds=3)
+    benchmark.extra_info["platform"] = client.platform
+    _record(benchmark, f"{client.platform} exec true", "native true")
+
+
+def test_sandbox_exec_exit(benchmark, client):
+    def run():
+        with Sandbox("python", client=client) as sb:
+            assert sb.exec(code="x = 1").ok
+
+    benchmark.pedantic(run, rounds=20, warmup_rounds=2)
+    benchmark.extra_info["platform"] = client.platform
+    _record(benchmark, f"{client.platform} sandbox", "native python")
+
+
+def test_fork_group_4_map(benchmark, client):
+    with client.session("python") as s:
+        s.exec(code="x = 1")
+
+        def run():
+            with s.fork_group(4) as grp:
+                assert all(r.ok for r in grp.map(lambda i, c: c.exec(code=f"y = x + {i}")))
+
+        benchmark.pedantic(run, rounds=10, warmup_rounds=1)
+    benchmark.extra_info["platform"] = client.platform
+
+
+def test_fork_group_64_map(benchmark, client):
+    with client.session("python") as s:
+        s.exec(code="x = 1")
+
+        def run():
+            with s.fork_group(64) as grp:
+                assert all(r.ok for r in grp.map(lambda i, c: c.exec(code=f"y = x + {i}")))
+
+        benchmark.pedantic(run, rounds=3, warmup_rounds=1)
+    benchmark.extra_info["platform"] = client.platform

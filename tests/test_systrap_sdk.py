@@ -1,0 +1,270 @@
+"""The embedded SDK on the systrap platform (docs/platforms.md, sdk/live.py): the catalog "python"
+template from a live zygote, sessions, execs, fork groups, grading and seeds through the public
+SDK with platform="systrap"; with /dev/kvm hidden, `connect()` picks systrap and runs the
+quick-start. Needs seccomp filters (systrap) and the python root filesystem (COLLIMATE_ROOTFS, or
+built into the cache on first use); not /dev/kvm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from collimate_rl import (
+    EmbeddedClient,
+    PlatformUnavailable,
+    Ready,
+    Sandbox,
+    SandboxDied,
+    Template,
+    UnitTestReward,
+    connect,
+    extract_code,
+    grade,
+    grade_batch,
+    rollout_once,
+)
+from collimate_core.sdk import platform as pf
+
+SEED = "c0ffee00" * 8
+
+
+@pytest.fixture(scope="module")
+def client():
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    for k in ("COLLIMATE_API_KEY", "COLLIMATE_RAY_ADDRESS"):
+        os.environ.pop(k, None)
+    c = connect(platform="systrap")
+    assert c.platform == "systrap"
+    return c
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_session_execs_code_and_commands_and_keeps_state(client):
+    with client.session("python") as s:
+        assert s.platform == "systrap"
+        r = s.exec(code="x = 41\nimport os\nprint(sum(range(1000)), os.getpid())")
+        assert (r.ok, r.stdout, r.platform) == (True, "499500 1\n", "systrap"), r
+        r = s.exec(code="print(x + 1)")
+        assert r.stdout == "42\n", r
+        r = s.exec(command="echo hi from $$; echo err >&2; exit 3")
+        assert (r.exit_code, r.stderr) == (3, "err\n"), r
+        assert r.stdout.startswith("hi from ") and 2 <= int(r.stdout.split()[-1]) < 100, r.stdout
+        # Files across execs, and byte-exact upload and download.
+        s.upload_bytes("/work/task.py", b"import json\njson.dump({'n': 7}, open('/work/out.json', 'w'))\n")
+        r = s.exec(command="cd /work && python3 task.py", timeout_seconds=120)
+        assert r.ok, r
+        assert s.download("/work/out.json") == b'{"n": 7}'
+
+
+def test_fork_group_children_start_from_the_parent_and_keep_their_own_state(client):
+    with client.session("python") as s:
+        s.exec(code="state = ['parent']\nopen('/work/f', 'w').write('parent')")
+        with s.fork_group(3) as grp:
+            assert [c.platform for c in grp] == ["systrap"] * 3
+            out = grp.map(lambda i, c: c.exec(code=f"state.append({i})\nopen('/work/f', 'w').write('kid{i}')\nprint(state)"))
+            assert [r.stdout for r in out] == [f"['parent', {i}]\n" for i in range(3)]
+            out = grp.map(lambda i, c: c.exec(code="print(state, open('/work/f').read())"))
+            assert [r.stdout for r in out] == [f"['parent', {i}] kid{i}\n" for i in range(3)]
+        r = s.exec(code="print(state, open('/work/f').read())")
+        assert r.stdout == "['parent'] parent\n"
+
+
+def test_seeds_are_echoed_acked_and_reproduce(client):
+    code = "import random, os\nprint(random.random(), os.urandom(8).hex())"
+    r1 = rollout_once("python", code=code, seed=SEED, client=client)
+    r2 = rollout_once("python", code=code, seed=SEED, client=client)
+    r3 = rollout_once("python", code=code, client=client)
+    assert r1.ok and r1.seed == SEED and r1.seed_ack == "verified", r1
+    assert r2.stdout == r1.stdout and r2.seed_ack == "verified"
+    # No seed: a fresh one, echoed, which replays the run.
+    assert r3.ok and len(r3.seed) == 64 and r3.seed != SEED and r3.stdout != r1.stdout
+    r4 = rollout_once("python", code=code, seed=r3.seed, client=client)
+    assert r4.stdout == r3.stdout and r4.seed_ack == "verified"
+    # The virtual clocks too, from one zygote.
+    clocks = "import time\nprint(time.time(), time.monotonic())"
+    c1 = rollout_once("python", code=clocks, seed=SEED, client=client)
+    c2 = rollout_once("python", code=clocks, seed=SEED, client=client)
+    assert c1.ok and c1.stdout == c2.stdout, (c1, c2)
+
+
+@pytest.mark.kvm
+@pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
+def test_a_seed_gives_the_same_crng_output_as_on_kvm(client):
+    # What holds across the platforms: everything drawn from the guest CRNG. (The virtual clocks
+    # do not: they start at the template's snapshot on kvm and at the zygote's start on systrap.)
+    code = "import random, os, uuid\nprint(random.random(), os.urandom(8).hex(), uuid.uuid4())"
+    kvm = connect(platform="kvm")
+    a = rollout_once("python", code=code, seed=SEED, client=kvm)
+    b = rollout_once("python", code=code, seed=SEED, client=client)
+    assert (a.platform, b.platform) == ("kvm", "systrap")
+    assert a.ok and a.stdout == b.stdout and a.seed_ack == b.seed_ack == "verified", (a, b)
+
+
+def test_grade_and_a_group_give_rewards(client):
+    spec = UnitTestReward(template="python", tests="assert solve([3,1,2]) == [1,2,3]\n")
+    good = extract_code("Here:\n```python\ndef solve(x):\n    return sorted(x)\n```\n")
+    result = grade(good, spec, client=client, seed=SEED)
+    assert result.reward == 1.0 and result.seed == SEED and result.seed_ack == "verified", result
+    rewards = grade_batch([good, "def solve(x):\n    return x\n", "def solve(x:\n"], spec, client=client, seed=SEED)
+    assert [r.reward for r in rewards] == [1.0, 0.0, 0.0]
+    assert [r.seed for r in rewards[:2]] == [SEED, SEED]  # (the third does not compile: nothing ran)
+
+
+def test_a_timeout_or_a_dead_interpreter_gets_a_fresh_clone(client):
+    with Sandbox("python", client=client) as sb:
+        sb.exec(code="y = 1\nopen('/work/kept', 'w').write('x')")
+        # Waiting (syscalls): the exec is ended as on kvm and the sandbox kept.
+        r = sb.exec(code="import os\nr, w = os.pipe()\nos.read(r, 1)", timeout_seconds=1)
+        assert r.timed_out and r.exit_code == 124 and "KeyboardInterrupt" in r.stderr, r
+        assert "the sandbox is kept" in r.note, r.note
+        r = sb.exec(code="import os\nprint('y' in globals(), os.path.exists('/work/kept'))")
+        assert r.ok and r.stdout == "True True\n" and not r.interpreter_restarted, r
+        # Computing without syscalls: the engine kills the interpreter; the next exec is a new clone.
+        r = sb.exec(code="while True:\n    pass", timeout_seconds=1)
+        assert r.timed_out and r.exit_code == 124, r
+        assert "on the systrap platform the next exec runs in a fresh interpreter cloned" in r.note, r.note
+        r = sb.exec(code="import os\nprint('y' in globals(), os.path.exists('/work/kept'))")
+        assert r.ok and r.stdout == "False False\n" and r.interpreter_restarted, r
+        r = sb.exec(code="import os\nos._exit(3)")
+        assert r.exit_code == 3 and r.interpreter_died, r
+        assert sb.exec(code="print('again')").stdout == "again\n"
+        sb.exec(code="z = 5")
+        sb.reset()  # a new clone of the template
+        assert sb.exec(code="print('z' in globals())").stdout == "False\n"
+
+
+def test_a_sandbox_that_ends_is_destroyed_not_recycled(client):
+    with Sandbox("python", client=client) as sb:
+        assert sb.exec(command="true").ok
+        pid = sb._box.vm.pid
+        assert _alive(pid)
+    end = time.monotonic() + 30  # the reaper thread tears it down after the exit
+    while _alive(pid) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not _alive(pid)
+    assert client._templates["python"].take_recycled() is None
+
+
+def test_a_lost_vmm_raises_and_a_lost_zygote_is_started_again(client):
+    c = EmbeddedClient(platform="systrap")
+    try:
+        with c.session("python") as s:
+            assert s.exec(code="print(1)").stdout == "1\n"
+            os.kill(s._box.vm.pid, signal.SIGKILL)
+            # An infrastructure failure raises (never an exit code or a reward).
+            with pytest.raises(SandboxDied, match="is gone"):
+                s.exec(code="print(2)")
+        zygote = c._templates["python"].zygote
+        os.kill(zygote.pid, signal.SIGKILL)
+        with c.session("python") as s:
+            assert s.exec(code="print(3)").stdout == "3\n"
+        assert c._templates["python"].zygote is not zygote
+    finally:
+        c.close()
+
+
+def test_image_templates_and_bakes_say_what_runs_on_systrap(client):
+    with pytest.raises(PlatformUnavailable, match="not supported on the systrap platform yet") as e:
+        with client.session("swe-rollout"):
+            pass
+    assert "the catalog template 'python'" in str(e.value) and "platform='kvm'" in str(e.value)
+    with pytest.raises(PlatformUnavailable, match=r"Template.bake\('swe'\) is not supported on the systrap platform"):
+        Template.bake(client, name="swe", image="example.invalid/swe:1", ready=Ready(cmd="true"))
+
+
+# --- connect() with /dev/kvm hidden (a mount namespace) -------------------------------------------
+
+_QUICKSTART = r"""
+import json, logging, os
+logging.basicConfig(level=logging.INFO)
+from collimate_core.sdk import platform as pf
+from collimate_rl import Sandbox, UnitTestReward, connect, extract_code, grade, rollout_once
+
+out = {"kvm": pf.probe_kvm().why}
+client = connect()   # no key: the embedded engine, on what auto picks
+out["platform"] = client.platform
+
+r = rollout_once("python", code="print(sum(range(1000)))", seed="c0ffee00" * 8, client=client)
+assert r.ok and r.stdout.strip() == "499500", r
+out["seed"], out["seed_ack"] = r.seed, r.seed_ack
+
+with Sandbox("python", client=client) as sb:
+    sb.upload_bytes("/work/task.py", b"import json; json.dump([1, 2], open('/work/out.json', 'w'))")
+    r = sb.exec(command="cd /work && python task.py", timeout_seconds=120)
+    assert r.ok, r
+    out["artifact"] = sb.download("/work/out.json").decode()
+    out["sandbox_platform"] = sb.platform
+
+spec = UnitTestReward(template="python", tests="assert solve([3,1,2]) == [1,2,3]\n")
+code = extract_code("```python\ndef solve(xs):\n    return sorted(xs)\n```")
+out["reward"] = grade(code, spec, client=client).reward
+print(json.dumps(out))
+"""
+
+
+def test_connect_without_dev_kvm_picks_systrap_and_runs_the_quickstart():
+    if os.geteuid() != 0 or not shutil.which("unshare") or not os.path.exists("/dev/kvm"):
+        pytest.skip("needs root, unshare(1) and a /dev/kvm to hide")
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    empty = Path(os.environ.get("TMPDIR", "/tmp")) / f"collimate-no-kvm-{os.getpid()}"
+    empty.write_bytes(b"")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COLLIMATE_API_KEY", "COLLIMATE_BASE_URL", "COLLIMATE_RAY_ADDRESS", "COLLIMATE_PLATFORM")}
+    try:
+        script = 'mount --bind "$0" /dev/kvm && exec "$@"'
+        r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(empty),
+                            sys.executable, "-c", _QUICKSTART], capture_output=True, text=True, env=env, timeout=600)
+    finally:
+        empty.unlink()
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["kvm"].startswith("/dev/kvm opens but"), out  # it really was hidden
+    assert out["platform"] == out["sandbox_platform"] == "systrap", out
+    assert (out["seed"], out["seed_ack"]) == ("c0ffee00" * 8, "verified")
+    assert out["artifact"] == "[1, 2]" and out["reward"] == 1.0, out
+    assert "collimate_core platform: systrap (auto: no usable KVM" in r.stderr
+
+
+def test_collimate_serve_on_systrap_serves_the_same_surface(tmp_path):
+    # The control plane's engine is an EmbeddedClient: started with --platform systrap it serves
+    # the catalog template's sessions, execs and fork groups from the live zygote.
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_http import Server, _cli
+
+    from collimate_core import RemoteClient
+
+    store = tmp_path / "keys.json"
+    key = _cli("keys", "--key-store", str(store), "create", "--tenant", "alice").strip()
+    srv = Server(tmp_path, store, "--platform", "systrap")
+    try:
+        assert srv.health()["platform"] == "systrap"
+        with RemoteClient(key, srv.url) as c:
+            assert c.platform == "systrap"
+            with c.session("python") as s:
+                r = s.exec(code="x = 6\nprint(x * 7)", seed=SEED)
+                assert (r.stdout, r.platform, r.seed_ack) == ("42\n", "systrap", "verified"), r
+                with s.fork_group(2) as grp:
+                    assert [r.stdout for r in grp.map(lambda i, ch: ch.exec(code=f"print(x + {i})"))] == ["6\n", "7\n"]
+    finally:
+        srv.stop()
+    assert not [e for e in srv.events() if e["level"] == "error"]
