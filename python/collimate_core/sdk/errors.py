@@ -88,6 +88,7 @@ WIRE_ERRORS: tuple[tuple[type[CollimateError], int, str], ...] = (
     (CapacityError, 503, "capacity"),
     (SandboxTimeout, 504, "timeout"),
     (SandboxDied, 410, "sandbox_died"),
+    (PlatformUnavailable, 501, "platform_unavailable"),
     (EngineError, 500, "engine_error"),
 )
 # The `type`s of the server's own refusals (not raised by the SDK as such) -> the exception a

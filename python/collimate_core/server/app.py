@@ -252,7 +252,9 @@ def create_app(config: ServerConfig | None = None, *, engine: Any = None, keys: 
     async def on_sdk(request: Request, exc: CollimateError) -> Response:
         err = _error_of(exc)
         if err.status_code >= 500:
-            _event("engine_error", logging.ERROR, path=request.url.path, error=str(exc), type=type(exc).__name__)
+            # 501: what this server's platform does not run (its operator's choice), not a failure.
+            level = logging.WARNING if err.status_code == 501 else logging.ERROR
+            _event("engine_error", level, path=request.url.path, error=str(exc), type=type(exc).__name__)
         return _error_response(err)
 
     @app.exception_handler(Exception)

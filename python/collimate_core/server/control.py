@@ -220,7 +220,9 @@ class ControlPlane:
     def _scrubbed(self, tenant: str, e: BaseException) -> ApiError:
         err = _error_of(e)
         if err.status_code >= 500:
-            _event("engine_error", logging.ERROR, error=str(e), type=type(e).__name__, tenant=tenant)
+            # 501: what this server's platform does not run (its operator's choice), not a failure.
+            level = logging.WARNING if err.status_code == 501 else logging.ERROR
+            _event("engine_error", level, error=str(e), type=type(e).__name__, tenant=tenant)
         return ApiError(err.status_code, err.type, self.scrub(tenant, err.message) or err.message, err.headers)
 
     def _building(self, internal: str) -> bool:

@@ -17,7 +17,8 @@ from collimate_core.server.config import (
 
 class ErrorDetail(BaseModel):
     type: str = Field(description="invalid_argument, authentication, spend_limit, not_found, sandbox_died, "
-                      "capacity, conflict, payload_too_large, image_quota, timeout, engine_error, internal")
+                      "capacity, conflict, payload_too_large, image_quota, timeout, platform_unavailable, engine_error, "
+                      "internal")
     message: str
 
 
