@@ -79,25 +79,14 @@ def test_sandbox_exec_exit(benchmark, client):
     _record(benchmark, f"{client.platform} sandbox", "native python")
 
 
-def test_fork_group_4_map(benchmark, client):
+@pytest.mark.parametrize("n, rounds", [(4, 10), (64, 3)], ids=["fork_group_4_map", "fork_group_64_map"])
+def test_fork_group_map(benchmark, client, n, rounds):
     with client.session("python") as s:
         s.exec(code="x = 1")
 
         def run():
-            with s.fork_group(4) as grp:
+            with s.fork_group(n) as grp:
                 assert all(r.ok for r in grp.map(lambda i, c: c.exec(code=f"y = x + {i}")))
 
-        benchmark.pedantic(run, rounds=10, warmup_rounds=1)
-    benchmark.extra_info["platform"] = client.platform
-
-
-def test_fork_group_64_map(benchmark, client):
-    with client.session("python") as s:
-        s.exec(code="x = 1")
-
-        def run():
-            with s.fork_group(64) as grp:
-                assert all(r.ok for r in grp.map(lambda i, c: c.exec(code=f"y = x + {i}")))
-
-        benchmark.pedantic(run, rounds=3, warmup_rounds=1)
+        benchmark.pedantic(run, rounds=rounds, warmup_rounds=1)
     benchmark.extra_info["platform"] = client.platform

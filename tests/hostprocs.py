@@ -35,3 +35,21 @@ def describe(pid: int) -> str:
     except OSError:
         wchan = "?"
     return f"pid {pid}: state {state(pid)}, wchan {wchan}"
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` by /proc's parent links (reparented ones not included)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                s = (d / "stat").read_text()
+            except OSError:
+                continue
+            kids.setdefault(int(s[s.rindex(")") + 2:].split()[1]), []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.add(k)
+            todo.append(k)
+    return out

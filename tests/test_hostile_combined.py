@@ -16,10 +16,10 @@ import os
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from collimate_core import EmbeddedClient, Sandbox
+from hostprocs import alive, descendants
 
 pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 
@@ -80,30 +80,6 @@ def expected_work() -> str:
 
     data = b"".join(i.to_bytes(4, "little") for i in range(200000))
     return f"{hashlib.sha256(data).hexdigest()} True {sum(range(10**6))} 42\n"
-
-
-def descendants(pid: int) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                s = (d / "stat").read_text()
-            except OSError:
-                continue
-            kids.setdefault(int(s[s.rindex(")") + 2:].split()[1]), []).append(int(d.name))
-    out, todo = set(), [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.add(k)
-            todo.append(k)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")

@@ -6,57 +6,23 @@ Needs the python rootfs (COLLIMATE_ROOTFS, set by scripts/test.sh); no /dev/kvm.
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 
 from collimate_core import EngineError, Vm
 
-AGENT_DIR = Path(__file__).resolve().parent.parent / "python" / "collimate_core" / "guest"
-AGENT_IDLE = 0x6167656E7400
-
-
-def frame(obj) -> bytes:
-    data = json.dumps(obj).encode()
-    return len(data).to_bytes(4, "little") + data
+from collimate_core.templates.catalog import AGENT_DIR, AGENT_IDLE, frame, unframe
+from hostprocs import alive, descendants
 
 
 def reply(r) -> dict:
-    size = int.from_bytes(r.agent[:4], "little")
-    return json.loads(r.agent[4 : 4 + size])
+    return unframe(r.agent)
 
 
 def exec_code(vm, code: str, timeout: float = 60):
     return vm.agent_call(frame({"op": "exec", "code": code}), timeout)
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (by /proc's parent links), reparented ones not included."""
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    out, todo = set(), [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.add(k)
-            todo.append(k)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def wait_gone(pids: set[int], limit: float = 20.0) -> set[int]:
