@@ -31,6 +31,7 @@
 //! guest pids from the serving tree's pid page, as on kvm).
 
 mod serve;
+mod spawn;
 
 pub(super) use serve::serve_first;
 
@@ -361,6 +362,9 @@ impl Process {
                 Err(e) => (-(e.0 as i64)) as u64,
             };
             None
+        } else if nr == process::SYS_SPAWN {
+            self.spawn_call();
+            None
         } else if intercepted(nr) {
             self.regs.rax = (-(ENOSYS.0 as i64)) as u64;
             *self.os.enosys.entry(nr).or_default() += 1;
@@ -628,6 +632,9 @@ impl Process {
         }
         if c.flags & CLONE_CHILD_SETTID != 0 {
             let _ = self.stub.write(c.child_tid, &me.to_le_bytes());
+        }
+        if let Some(exit) = spawn::exec_pending(self) {
+            return exit;
         }
         let mut out = guestos::Output::default();
         match self.run_loop(&mut out, Instant::now() + Duration::from_secs(86_400 * 365)) {

@@ -1,0 +1,110 @@
+//! The engine's spawn call (`SYS_SPAWN`, docs/spawn.md) on the systrap platform.
+//!
+//! On kvm, `vmm::spawn::direct` serves it: the caller's vCPU becomes a vfork child, the child's
+//! resets are applied in the VMM, and the program starts in a process of its own. Here a guest
+//! fork is already a fork of the stub and of this VMM process ([`Process::fork`]), so the spawn
+//! is that vfork with the child's pre-exec code done in its VMM instead of in the guest: the
+//! parent forks (`CLONE_VM | CLONE_VFORK`, so it resumes once the child has exec'd), and the
+//! child VMM, before its first run, applies the resets and loads the program into its stub
+//! ([`exec_pending`]), exactly as its execve would. What the caller saves is the child's own
+//! code between the vfork and the execve (CPython's `_posixsubprocess`: about 68 syscalls, each a
+//! trap and a hand-off between the stub and the VMM) and the agent's fallback to `subprocess`.
+//!
+//! The child is the same process a vfork and an execve make (pid, CRNG derivation, pidfd, its
+//! place among the parent's children), so wait and signals see no difference; the errors the
+//! execve would fail with before its point of no return (a missing program, E2BIG, ENOEXEC) come
+//! back from the call itself, before any fork, as on kvm.
+
+use std::sync::Mutex;
+
+use super::{read_cstr, read_strv, Fork, Process, StubSpace, CLONE_VFORK, CLONE_VM, VFORK_FD};
+use crate::guestos::{self, exec, signal, Errno, EINVAL, ENOSYS};
+use crate::protocol::RunExit;
+use crate::vmm::process::{SPAWN_CLOSE_FDS, SPAWN_RESTORE_SIGNALS};
+
+/// What the child VMM of a spawn does before its first run: set by the caller just before its
+/// fork, taken by the child (and cleared in the parent after the fork). A VMM process runs one
+/// guest process on one thread, so at most one is pending.
+static PENDING: Mutex<Option<Pending>> = Mutex::new(None);
+
+struct Pending {
+    prepared: exec::Prepared,
+    envp: Vec<Vec<u8>>,
+    close_fds: bool,
+    restore_signals: bool,
+}
+
+impl Process {
+    /// `SYS_SPAWN(path, argv, envp, flags)`: the child's pid in rax, or the errno the call fails
+    /// with (ENOSYS where it is not served: the caller falls back to vfork and execve).
+    pub(super) fn spawn_call(&mut self) {
+        let r = self.spawn_inner();
+        self.regs.rax = match r {
+            Ok(pid) => pid as u64,
+            Err(e) => (-(e.0 as i64)) as u64,
+        };
+    }
+
+    fn spawn_inner(&mut self) -> std::result::Result<i32, Errno> {
+        let (path, argv, envp, flags) = (self.regs.rdi, self.regs.rsi, self.regs.rdx, self.regs.r10);
+        if flags & !(SPAWN_CLOSE_FDS | SPAWN_RESTORE_SIGNALS) != 0 {
+            return Err(EINVAL);
+        }
+        if self.os.threads.multi() {
+            // As on kvm: the caller's other threads would run in the child's identity.
+            return Err(ENOSYS);
+        }
+        let space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+        let path = read_cstr(&space, path, guestos::vfs::PATH_MAX)?;
+        let argv = read_strv(&space, argv)?;
+        let envp = read_strv(&space, envp)?;
+        let prepared = exec::prepare(&self.os, &path, &argv, &envp)?;
+        let pending = Pending { prepared, envp, close_fds: flags & SPAWN_CLOSE_FDS != 0, restore_signals: flags & SPAWN_RESTORE_SIGNALS != 0 };
+        *lock() = Some(pending);
+        let c = Fork { flags: CLONE_VM | CLONE_VFORK, exit_signal: signal::SIGCHLD as u64, stack: 0, parent_tid: 0, child_tid: 0, tls: 0 };
+        let pid = self.fork(&c);
+        // Ours is the parent's copy: the child took its own.
+        lock().take();
+        pid
+    }
+}
+
+fn lock() -> std::sync::MutexGuard<'static, Option<Pending>> {
+    PENDING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// In the child VMM of a spawn, before its first run: the resets and the execve. `Some`: the
+/// process ends so (its program could not be loaded past the point of no return: SIGSEGV, as an
+/// execve's failure there ends a Linux process). `None`: not a spawn's child, or loaded.
+pub(super) fn exec_pending(p: &mut Process) -> Option<RunExit> {
+    let Pending { prepared, envp, close_fds, restore_signals } = lock().take()?;
+    let os = &mut p.os;
+    if close_fds {
+        let extra: Vec<i32> = os.files.open_fds().filter(|&fd| fd > 2).collect();
+        for fd in extra {
+            let _ = os.files.close(fd);
+        }
+    }
+    if restore_signals {
+        for sig in [signal::SIGPIPE, signal::SIGXFSZ] {
+            if let Some(a) = os.proc.sigactions.get_mut(sig as usize - 1) {
+                *a = guestos::signal_state::SigAction::default();
+            }
+        }
+    }
+    let mut space = StubSpace { stub: &mut p.stub, budget: p.budget, failure: None };
+    match exec::commit_host(&mut p.os, &mut space, prepared, &envp) {
+        Ok(img) => {
+            p.regs = crate::arch::x86_64::regs::initial_regs(img.entry, img.rsp);
+            p.fs_base = 0;
+            crate::vmm::process::on_exec_state(&mut p.os);
+            let fd = VFORK_FD.swap(-1, std::sync::atomic::Ordering::SeqCst);
+            if fd >= 0 {
+                // SAFETY: our end of the vfork pipe: the parent goes on.
+                unsafe { libc::close(fd) };
+            }
+            None
+        }
+        Err(_) => Some(RunExit::Signaled { signo: libc::SIGSEGV }),
+    }
+}
