@@ -73,6 +73,64 @@ def test_a_session_execs_code_and_commands_and_keeps_state(client):
         assert s.download("/work/out.json") == b'{"n": 7}'
 
 
+# In the agent: the engine's spawn call (docs/spawn.md) made directly, with a pipe as the child's
+# stdin and another as its stdout (the call keeps fds 0-2), an environment of its own and the
+# agent's cwd; then a missing program. Prints one JSON line.
+SPAWN_DIRECTLY = """
+import collimate_agent as a, json, os
+out = {}
+os.chdir("/tmp")
+saved = os.dup(0), os.dup(1)
+i_r, i_w = os.pipe()
+o_r, o_w = os.pipe()
+os.write(i_w, b"from stdin\\n")
+os.close(i_w)
+os.dup2(i_r, 0)
+os.dup2(o_w, 1)
+try:
+    pid = a._spawn([b"/bin/sh", b"-c", b"cat; pwd; echo $FOO; exit 5"], [b"FOO=bar"])
+finally:
+    os.dup2(saved[0], 0)
+    os.dup2(saved[1], 1)
+    for fd in (i_r, o_w) + saved:
+        os.close(fd)
+_, status = os.waitpid(pid, 0)
+out["child"] = [pid > 1, os.waitstatus_to_exitcode(status), os.read(o_r, 4096).decode()]
+try:
+    a._spawn([b"/no/such/program"], [])
+except OSError as e:
+    out["missing"] = e.errno
+print(json.dumps(out))
+"""
+
+
+def test_commands_start_through_the_engines_spawn_call(client):
+    # Failed before the systrap VMM served the call: it answered ENOSYS (38) and the agent fell
+    # back to subprocess (a vfork running CPython's pre-exec code in the guest).
+    with client.session("python") as s:
+        r = s.exec(code=SPAWN_DIRECTLY)
+        assert r.ok, r
+        out = json.loads(r.stdout)
+        assert out == {"child": [True, 5, "from stdin\n/tmp\nbar\n"], "missing": 2}, out
+        # Through exec(command=...): stdout, stderr, the exit code, env and cwd; the agent's
+        # channel (fd 3) is closed in the child and SIGPIPE is back to its default (yes dies by
+        # it: 141), as the spawn's flags ask and as on kvm.
+        r = s.exec(command="echo out; echo err >&2; echo $FOO; pwd; exit 7", env={"FOO": "baz"}, cwd="/work")
+        assert (r.exit_code, r.stdout, r.stderr) == (7, "out\nbaz\n/work\n", "err\n"), r
+        r = s.exec(command="(yes; echo $? >&2) | head -1; echo x >&3; echo rc=$?")
+        assert (r.exit_code, r.stdout, r.stderr) == (0, "y\nrc=1\n", "141\n/bin/sh: 3: Bad file descriptor\n"), r
+        # A missing binary: the shell's error, as on kvm.
+        r = s.exec(command="no-such-binary --flag")
+        assert (r.exit_code, r.stderr) == (127, "/bin/sh: no-such-binary: not found\n"), r
+        # From the children of a fork group: each spawns from its own VMM and stub.
+        with s.fork_group(2) as grp:
+            for i, child in enumerate(grp):
+                r = child.exec(code=SPAWN_DIRECTLY)
+                assert r.ok and json.loads(r.stdout) == out, r
+                r = child.exec(command=f"echo child {i}; exit {i + 3}")
+                assert (r.exit_code, r.stdout) == (i + 3, f"child {i}\n"), r
+
+
 def test_fork_group_children_start_from_the_parent_and_keep_their_own_state(client):
     with client.session("python") as s:
         s.exec(code="state = ['parent']\nopen('/work/f', 'w').write('parent')")
