@@ -131,6 +131,38 @@ def test_commands_start_through_the_engines_spawn_call(client):
                 assert (r.exit_code, r.stdout) == (i + 3, f"child {i}\n"), r
 
 
+def test_sandboxes_come_from_spare_clones_made_ahead(client):
+    # Failed before the SDK kept spares on systrap: every sandbox was cloned when asked for
+    # (warm_hit False).
+    t = client._template("python")
+    client.expect_width("python", 2)
+    try:
+        for _ in range(600):  # the background thread clones them: up to a minute
+            if len(t._pool) == 2:
+                break
+            time.sleep(0.1)
+        assert len(t._pool) == 2
+        with Sandbox("python", client=client) as a, Sandbox("python", client=client) as b:
+            assert (a.warm_hit, b.warm_hit) == (True, True)
+            # Each spare is a sandbox of its own, at the template's ready point.
+            a.exec(code="x = 'a'")
+            assert b.exec(code="print('x' in dir())").stdout == "False\n"
+            assert a.exec(code="print(x)").stdout == "a\n"
+            assert b.exec(command="echo b").stdout == "b\n"
+        # Taken spares are replaced; a width of 0 drops them.
+        for _ in range(600):
+            if len(t._pool) == 2:
+                break
+            time.sleep(0.1)
+        assert len(t._pool) == 2
+        client.expect_width("python", 0)
+        assert t._pool == []
+        with Sandbox("python", client=client) as c:
+            assert not c.warm_hit and c.exec(code="print(3)").stdout == "3\n"
+    finally:
+        client.release_template("python")
+
+
 def test_fork_group_children_start_from_the_parent_and_keep_their_own_state(client):
     with client.session("python") as s:
         s.exec(code="state = ['parent']\nopen('/work/f', 'w').write('parent')")
@@ -229,6 +261,9 @@ def test_a_lost_vmm_raises_and_a_lost_zygote_is_started_again(client):
             # An infrastructure failure raises (never an exit code or a reward).
             with pytest.raises(SandboxDied, match="is gone"):
                 s.exec(code="print(2)")
+        # No spares (they are clones made before the zygote died), so the next sandbox is a
+        # new clone, which finds the zygote gone.
+        c.expect_width("python", 0)
         zygote = c._templates["python"].zygote
         os.kill(zygote.pid, signal.SIGKILL)
         with c.session("python") as s:

@@ -344,6 +344,7 @@ impl Process {
     fn syscall(&mut self, out: &mut guestos::Output) -> Option<RunExit> {
         let entry = Entry::of(&self.regs);
         let nr = self.regs.rax;
+        crate::trace::syscall(nr);
         let exit = if nr == SYS_EXECVE {
             self.execve()
         } else if nr == SYS_RT_SIGRETURN {

@@ -36,7 +36,8 @@ struct Pending {
 
 impl Process {
     /// `SYS_SPAWN(path, argv, envp, flags)`: the child's pid in rax, or the errno the call fails
-    /// with (ENOSYS where it is not served: the caller falls back to vfork and execve).
+    /// with (ENOSYS where it is not served: a multi-threaded caller, `COLLIMATE_SYSTRAP_SPAWN=0`;
+    /// the caller falls back to vfork and execve).
     pub(super) fn spawn_call(&mut self) {
         let r = self.spawn_inner();
         self.regs.rax = match r {
@@ -50,7 +51,7 @@ impl Process {
         if flags & !(SPAWN_CLOSE_FDS | SPAWN_RESTORE_SIGNALS) != 0 {
             return Err(EINVAL);
         }
-        if self.os.threads.multi() {
+        if off() || self.os.threads.multi() {
             // As on kvm: the caller's other threads would run in the child's identity.
             return Err(ENOSYS);
         }
@@ -58,15 +59,24 @@ impl Process {
         let path = read_cstr(&space, path, guestos::vfs::PATH_MAX)?;
         let argv = read_strv(&space, argv)?;
         let envp = read_strv(&space, envp)?;
+        crate::trace::mark("spawn.enter");
         let prepared = exec::prepare(&self.os, &path, &argv, &envp)?;
         let pending = Pending { prepared, envp, close_fds: flags & SPAWN_CLOSE_FDS != 0, restore_signals: flags & SPAWN_RESTORE_SIGNALS != 0 };
         *lock() = Some(pending);
         let c = Fork { flags: CLONE_VM | CLONE_VFORK, exit_signal: signal::SIGCHLD as u64, stack: 0, parent_tid: 0, child_tid: 0, tls: 0 };
         let pid = self.fork(&c);
+        crate::trace::mark("spawn.resumed");
         // Ours is the parent's copy: the child took its own.
         lock().take();
         pid
     }
+}
+
+/// Whether `COLLIMATE_SYSTRAP_SPAWN=0` asks for the call to be refused (ENOSYS: the agent falls
+/// back to subprocess), to compare.
+fn off() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OFF.get_or_init(|| std::env::var_os("COLLIMATE_SYSTRAP_SPAWN").is_some_and(|v| v == "0"))
 }
 
 fn lock() -> std::sync::MutexGuard<'static, Option<Pending>> {
@@ -78,6 +88,7 @@ fn lock() -> std::sync::MutexGuard<'static, Option<Pending>> {
 /// execve's failure there ends a Linux process). `None`: not a spawn's child, or loaded.
 pub(super) fn exec_pending(p: &mut Process) -> Option<RunExit> {
     let Pending { prepared, envp, close_fds, restore_signals } = lock().take()?;
+    crate::trace::mark("child.start");
     let os = &mut p.os;
     if close_fds {
         let extra: Vec<i32> = os.files.open_fds().filter(|&fd| fd > 2).collect();
@@ -92,17 +103,21 @@ pub(super) fn exec_pending(p: &mut Process) -> Option<RunExit> {
             }
         }
     }
+    // The execve's changes to the process first (its close-on-exec fds go, as on kvm's
+    // `load_fresh`): then the parent may go on while the program loads, since the call already
+    // checked everything that can fail before the point of no return.
+    crate::vmm::process::on_exec_state(&mut p.os);
+    let fd = VFORK_FD.swap(-1, std::sync::atomic::Ordering::SeqCst);
+    if fd >= 0 {
+        // SAFETY: our end of the vfork pipe: the parent goes on.
+        unsafe { libc::close(fd) };
+    }
     let mut space = StubSpace { stub: &mut p.stub, budget: p.budget, failure: None };
     match exec::commit_host(&mut p.os, &mut space, prepared, &envp) {
         Ok(img) => {
             p.regs = crate::arch::x86_64::regs::initial_regs(img.entry, img.rsp);
             p.fs_base = 0;
-            crate::vmm::process::on_exec_state(&mut p.os);
-            let fd = VFORK_FD.swap(-1, std::sync::atomic::Ordering::SeqCst);
-            if fd >= 0 {
-                // SAFETY: our end of the vfork pipe: the parent goes on.
-                unsafe { libc::close(fd) };
-            }
+            crate::trace::mark("exec.loaded");
             None
         }
         Err(_) => Some(RunExit::Signaled { signo: libc::SIGSEGV }),
