@@ -100,7 +100,9 @@ class LiveTemplate:
             if self._filling or len(self._pool) >= self.spares:
                 return
             self._filling = True
-        threading.Thread(target=self._filler, name="collimate-systrap-spares", daemon=True).start()
+        # Not a daemon: at the interpreter's exit it ends after its current clone (a daemon thread
+        # frozen inside the engine's call aborts the process).
+        threading.Thread(target=self._filler, name="collimate-systrap-spares").start()
 
     def _filler(self) -> None:
         try:
