@@ -122,6 +122,12 @@ def test_commands_start_through_the_engines_spawn_call(client):
         # A missing binary: the shell's error, as on kvm.
         r = s.exec(command="no-such-binary --flag")
         assert (r.exit_code, r.stderr) == (127, "/bin/sh: no-such-binary: not found\n"), r
+        # The spawns left the agent's memory out of their stub forks and put it back: a fork of
+        # the agent afterwards still has all of it.
+        r = s.exec(code="import os\nbig = bytes(range(256)) * 4096\npid = os.fork()\n"
+                        "if pid == 0:\n    os._exit(0 if big[4097] == 1 and len(big) == 1 << 20 else 1)\n"
+                        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))")
+        assert r.stdout == "0\n", r
         # From the children of a fork group: each spawns from its own VMM and stub.
         with s.fork_group(2) as grp:
             for i, child in enumerate(grp):
