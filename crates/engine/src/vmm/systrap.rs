@@ -31,6 +31,7 @@
 //! guest pids from the serving tree's pid page, as on kvm).
 
 mod serve;
+mod spawn;
 
 pub(super) use serve::serve_first;
 
@@ -343,6 +344,7 @@ impl Process {
     fn syscall(&mut self, out: &mut guestos::Output) -> Option<RunExit> {
         let entry = Entry::of(&self.regs);
         let nr = self.regs.rax;
+        crate::trace::syscall(nr);
         let exit = if nr == SYS_EXECVE {
             self.execve()
         } else if nr == SYS_RT_SIGRETURN {
@@ -360,6 +362,9 @@ impl Process {
                 Ok(pid) => pid as u64,
                 Err(e) => (-(e.0 as i64)) as u64,
             };
+            None
+        } else if nr == process::SYS_SPAWN {
+            self.spawn_call();
             None
         } else if intercepted(nr) {
             self.regs.rax = (-(ENOSYS.0 as i64)) as u64;
@@ -628,6 +633,9 @@ impl Process {
         }
         if c.flags & CLONE_CHILD_SETTID != 0 {
             let _ = self.stub.write(c.child_tid, &me.to_le_bytes());
+        }
+        if let Some(exit) = spawn::exec_pending(self) {
+            return exit;
         }
         let mut out = guestos::Output::default();
         match self.run_loop(&mut out, Instant::now() + Duration::from_secs(86_400 * 365)) {
