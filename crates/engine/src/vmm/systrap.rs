@@ -30,6 +30,7 @@
 //! launched VMM process serve it over the controller protocol (the SDK's `platform="systrap"`;
 //! guest pids from the serving tree's pid page, as on kvm).
 
+mod proctree;
 mod serve;
 
 pub(super) use serve::serve_first;
@@ -509,16 +510,27 @@ impl Process {
             *self.os.enosys.entry(SYS_CLONE).or_default() += 1;
             return Err(ENOSYS);
         }
-        let child_stub = self.stub.fork().map_err(|_| EAGAIN)?;
         // The child's guest pid: the sandbox's own numbering (the serving tree's pid page, as on
         // kvm), or its VMM's host pid where there is no such tree (a first process run in the
         // caller's process: tests and benches).
         let guest_pid = signal::host::alloc_pid();
+        // Counted and given its slot in the tree (`proctree`: kill, groups, /proc/<pid>).
+        let forking = match guest_pid {
+            Some(pid) => Some((pid, proctree::before_fork(&self.os, pid)?)),
+            None => None,
+        };
+        let failed = |e: Errno| {
+            if let Some((pid, _)) = &forking {
+                proctree::fork_failed(*pid);
+            }
+            e
+        };
+        let child_stub = self.stub.fork().map_err(|_| failed(EAGAIN))?;
         // A vfork parent waits for the child's exec or end: the end of this pipe.
         let mut vfork = [-1; 2];
         // SAFETY: pipe2 fills two descriptors; checked.
         if c.flags & CLONE_VFORK != 0 && unsafe { libc::pipe2(vfork.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
-            return Err(Errno::last());
+            return Err(failed(Errno::last()));
         }
         // SAFETY: getpid cannot fail.
         let parent_host = unsafe { libc::getpid() };
@@ -538,6 +550,9 @@ impl Process {
             // SAFETY: closing our copy of the read end.
             unsafe { libc::close(vfork[0]) };
             let stub = child_stub;
+            if let Some((pid, f)) = &forking {
+                proctree::child_started(*pid, parent_host, f);
+            }
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.child_main(stub, c, guest_pid, parent_host, vfork[1])));
             let exit = r.unwrap_or(RunExit::Signaled { signo: libc::SIGKILL });
             // SAFETY: our stub is parked or gone; kill it before this process ends (its handle
@@ -553,7 +568,7 @@ impl Process {
                 // SAFETY: our pipe's descriptors.
                 unsafe { libc::close(fd) };
             }
-            return Err(e);
+            return Err(failed(e));
         }
         child_stub.release();
         let host_pid = rc as i32;
@@ -575,7 +590,7 @@ impl Process {
                     libc::kill(host_pid, libc::SIGKILL);
                     libc::waitpid(host_pid, std::ptr::null_mut(), libc::__WALL);
                 }
-                return Err(e);
+                return Err(failed(e));
             }
         };
         if c.flags & CLONE_PARENT_SETTID != 0 {
@@ -596,8 +611,13 @@ impl Process {
             // SAFETY: the pipe our parent VMM held as a vfork child itself: not ours to hold.
             unsafe { libc::close(inherited) };
         }
-        // SAFETY: a plain prctl: the child VMM ends with the thread that made it.
-        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
+        if guest_pid.is_none() {
+            // Outside a sandbox's tree: the child VMM ends with the thread that made it (in a
+            // tree, `proctree::child_started` set the parent-death signal that lets the first
+            // process adopt it instead).
+            // SAFETY: a plain prctl.
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
+        }
         // SAFETY: getpid cannot fail.
         let me = guest_pid.unwrap_or_else(|| unsafe { libc::getpid() });
         self.guest_pid = me;
@@ -628,6 +648,10 @@ impl Process {
         }
         if c.flags & CLONE_CHILD_SETTID != 0 {
             let _ = self.stub.write(c.child_tid, &me.to_le_bytes());
+        }
+        if guest_pid.is_some() {
+            let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+            proctree::publish(&self.os, &Memory::Host(&mut space));
         }
         let mut out = guestos::Output::default();
         match self.run_loop(&mut out, Instant::now() + Duration::from_secs(86_400 * 365)) {
