@@ -12,14 +12,26 @@ use collimate_engine::{Platform, RunExit, RunResult, SpawnSpec, Vm, VmConfig};
 const T: Duration = Duration::from_secs(120);
 
 fn run(argv: &[&str]) -> Option<RunResult> {
+    run_with(argv, &[], |_, _| true)
+}
+
+/// As [`run`], with `prepare(work dir on the host, rootfs)` run first (false: skip the test) and
+/// `env` added to the program's environment.
+fn run_with(argv: &[&str], env: &[&str], prepare: impl FnOnce(&std::path::Path, &std::path::Path) -> bool) -> Option<RunResult> {
     let root = common::python_rootfs()?;
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let dir = common::scratch(&format!("systrap-proctab-{}", N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)));
+    std::fs::create_dir_all(dir.join("work")).expect("work dir");
+    if !prepare(&dir.join("work"), &root) {
+        return None;
+    }
+    let mut envp = vec![b"PATH=/usr/bin:/bin".to_vec(), b"HOME=/root".to_vec()];
+    envp.extend(env.iter().map(|e| e.as_bytes().to_vec()));
     let spec = SpawnSpec {
         root,
         mounts: vec![("/work".into(), dir.join("work")), ("/tmp".into(), dir.join("tmp"))],
         argv: argv.iter().map(|s| s.as_bytes().to_vec()).collect(),
-        envp: vec![b"PATH=/usr/bin:/bin".to_vec(), b"HOME=/root".to_vec()],
+        envp,
         cwd: "/work".into(),
         ..Default::default()
     };
@@ -133,4 +145,95 @@ fn proc_lists_the_sandboxs_processes_only() {
     assert_eq!(rows[2][..4], ["3", "2", "sleep", "sleep 300"], "{out}");
     assert!(out.contains("status Name:\tsh\n"), "{out}");
     assert!(out.contains("cwd /work\n"), "{out}");
+}
+
+const KILLPG: &str = r#"
+import os, signal, subprocess, time
+p = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True)
+def members():
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            f = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(f[2]) == p.pid and f[0] != "Z":
+            out.append(int(d))
+    return out
+for _ in range(2000):
+    if len(members()) == 3:
+        break
+    time.sleep(0.01)
+print(len(members()), os.getpgid(p.pid) == p.pid)
+os.killpg(p.pid, signal.SIGTERM)
+print(p.wait())
+for _ in range(2000):
+    if not members():
+        break
+    time.sleep(0.01)
+print(members())
+"#;
+
+#[test]
+fn killpg_ends_a_whole_group() {
+    let Some(r) = run(&["/usr/bin/python3", "-c", KILLPG]) else { return };
+    assert_eq!(stdout(&r), "3 True\n-15\n[]\n");
+}
+
+/// Debian's ps, pgrep (procps) and timeout (coreutils) in `work`/debian, by tests/debian_tools.py
+/// (apt-get download + dpkg -x into the cache). False (the test skips) where that cannot run.
+fn debian_tools(work: &std::path::Path, rootfs: &std::path::Path) -> bool {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/debian_tools.py");
+    let ok = std::process::Command::new("python3").arg(&script).arg(work.join("debian")).arg(rootfs).status().is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skipped: tests/debian_tools.py could not get Debian's procps and coreutils");
+    }
+    ok
+}
+
+/// The template's /bin/sh is busybox (its own ps, pgrep and timeout applets): Debian's by path.
+const TOOLS_ENV: &[&str] = &["LD_LIBRARY_PATH=/work/debian/lib", "PS=/work/debian/bin/ps", "PG=/work/debian/bin/pgrep", "TO=/work/debian/bin/timeout"];
+/// A background job with a recognisable command line, and a bounded wait until its sleep runs.
+const JOB: &str = "M=marker; sh -c \"sleep 300; : $M-arg\" & for i in $(seq 400); do $PG -x sleep >/dev/null && break; sleep 0.05; done; ";
+
+#[test]
+fn procps_ps_ef_and_pgrep_f_see_the_sandboxs_processes_only() {
+    let cmd = format!("{JOB} echo $$ $!; echo ===; $PS -ef; echo ===; $PG -f '300; : marke[r]-arg'; echo ===; $PG -f 'no-such-proces[s]'; echo rc=$?; kill %1");
+    let Some(r) = run_with(&["/bin/bash", "-c", &cmd], TOOLS_ENV, debian_tools) else { return };
+    let out = stdout(&r);
+    let parts: Vec<&str> = out.split("===\n").collect();
+    let ids: Vec<i32> = parts[0].split_whitespace().map(|x| x.parse().unwrap()).collect();
+    let (shell, job) = (ids[0], ids[1]);
+    let lines: Vec<&str> = parts[1].lines().collect();
+    assert_eq!(lines[0].split_whitespace().take(3).collect::<Vec<_>>(), ["UID", "PID", "PPID"], "{out}");
+    let rows: Vec<Vec<&str>> = lines[1..].iter().map(|l| l.split_whitespace().collect()).collect();
+    let row = |pid: i32| rows.iter().find(|r| r[1] == pid.to_string()).unwrap_or_else(|| panic!("no pid {pid}: {out}"));
+    // bash is the sandbox's first process (1); the job its child, the job's sleep the job's.
+    assert_eq!(shell, 1, "{out}");
+    assert_eq!(row(job)[2], "1", "{out}");
+    assert_eq!(row(job)[7..], ["sh", "-c", "sleep", "300;", ":", "marker-arg"], "{out}");
+    let sleep = rows.iter().find(|r| r[7..] == ["sleep", "300"]).unwrap_or_else(|| panic!("no sleep: {out}"));
+    assert_eq!(sleep[2], job.to_string(), "{out}");
+    assert!(rows.iter().any(|r| r[7..] == ["/work/debian/bin/ps", "-ef"]), "{out}");
+    // The sandbox's processes only: bash, the job, its sleep, ps (and a finished pgrep at most).
+    assert!(rows.len() <= 5 && rows.iter().all(|r| r[1].parse::<i32>().unwrap() < 100), "{out}");
+    assert_eq!(parts[2].split_whitespace().collect::<Vec<_>>(), [job.to_string()], "{out}");
+    assert_eq!(parts[3].trim(), "rc=1", "{out}");
+}
+
+#[test]
+fn coreutils_timeout_kills_its_child_and_reports_124() {
+    let cmd = "$TO 1 sleep 5; echo $?; $TO -s KILL 1 sleep 5; echo $?; $TO 5 sleep 0; echo $?";
+    let Some(r) = run_with(&["/bin/bash", "-c", cmd], TOOLS_ENV, debian_tools) else { return };
+    assert_eq!(stdout(&r), "124\n137\n0\n");
+}
+
+#[test]
+fn an_orphan_is_adopted_by_the_first_process() {
+    // The job's shell exits at once; its sleep lives on (on main it died with its parent) as the
+    // first process's child, and a kill of it from the first process reaches it.
+    let cmd = "sh -c 'sleep 300 & echo $!' > /work/pid; read -r P < /work/pid; for i in $(seq 400); do \
+               read -r a b c d e < /proc/$P/stat; [ \"$d\" = 1 ] && break; sleep 0.05; done; echo $b $c $d; kill $P && echo killed";
+    let Some(r) = run(&["/bin/bash", "-c", cmd]) else { return };
+    assert_eq!(stdout(&r), "(sleep) S 1\nkilled\n");
 }

@@ -656,7 +656,11 @@ impl Process {
         let mut out = guestos::Output::default();
         match self.run_loop(&mut out, Instant::now() + Duration::from_secs(86_400 * 365)) {
             Ok(exit) => {
-                signal::kill_children(&mut self.os);
+                // In a sandbox's tree its children live on, adopted by the first process (as on
+                // kvm and Linux); outside one, nothing would adopt them.
+                if guest_pid.is_none() {
+                    signal::kill_children(&mut self.os);
+                }
                 exit
             }
             Err(e) => {
