@@ -19,11 +19,13 @@
 //! handle, and the parent's wait4/waitid read the child's end through its pidfd
 //! (`guestos::signal`'s children, the same machinery as kvm's). The guest's fds 1 and 2 are two
 //! memfds every process of the tree appends to ([`Capture`]), read after each run; the first
-//! process's end takes its children with it. Not yet on this platform (each answers as noted):
-//! threads and clone's sharing flags (ENOSYS); signals between guest processes go as on kvm
-//! (`signal::host`'s carrier) between parent and child only (kill of a sibling is ESRCH, and a
-//! group's or -1's reaches the first process and its own children only); shared futexes across
-//! processes, snapshots, and the KVM VMM's scheduler and process table.
+//! process's end takes its children with it. In a served sandbox the process tree is kvm's
+//! ([`proctree`]: the scheduler's slots, the roster and the process table): kill, tgkill and
+//! killpg reach any process of the sandbox, setpgid/setsid make groups and sessions,
+//! `/proc/<pid>` shows every process of the sandbox and none of the host's, and an orphan is
+//! adopted by the first process. Not yet on this platform (each answers as noted): threads and
+//! clone's sharing flags (ENOSYS); shared futexes across processes, snapshots, and replay's
+//! turn-taking between processes (`sched::gate`: they run in parallel in replay mode too).
 //!
 //! Two ways to run one: [`Process::spawn`] runs the first process in the caller's own process
 //! (tests and benches; a child's guest pid is then its VMM's host pid), and [`serve`] makes a
