@@ -19,11 +19,21 @@
 //! handle, and the parent's wait4/waitid read the child's end through its pidfd
 //! (`guestos::signal`'s children, the same machinery as kvm's). The guest's fds 1 and 2 are two
 //! memfds every process of the tree appends to ([`Capture`]), read after each run; the first
-//! process's end takes its children with it. Not yet on this platform (each answers as noted):
-//! threads and clone's sharing flags (ENOSYS); signals between guest processes go as on kvm
+//! process's end takes its children with it.
+//!
+//! Threads (clone with CLONE_THREAD) are M:1 on the process's stub, as on kvm's vCPU: the KVM
+//! VMM's scheduler (`vmm::threads`) runs them, reaching the stub through `ThreadCpu`
+//! ([`threads`]). A guest that computes without trapping is stopped by a kick
+//! (`platform::systrap::preempt`, `Exit::Interrupted`): for a slice's end, a guest timer and the
+//! run's deadline ([`preempt`]'s timer), and a signal from another guest process (its carrier's
+//! handler), so each reaches it within a slice, and a timed-out run is resumable.
+//!
+//! Not yet on this platform (each answers as noted): clone's other sharing flags (a process
+//! sharing memory without being a thread, ENOSYS); signals between guest processes go as on kvm
 //! (`signal::host`'s carrier) between parent and child only (kill of a sibling is ESRCH, and a
 //! group's or -1's reaches the first process and its own children only); shared futexes across
-//! processes, snapshots, and the KVM VMM's scheduler and process table.
+//! processes, snapshots, replay mode's turns between a sandbox's processes (`guestos::sched`) and
+//! the KVM VMM's process table.
 //!
 //! Two ways to run one: [`Process::spawn`] runs the first process in the caller's own process
 //! (tests and benches; a child's guest pid is then its VMM's host pid), and [`serve`] makes a
