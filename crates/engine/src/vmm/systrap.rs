@@ -337,6 +337,7 @@ impl Process {
                     }
                 }
                 Exit::Syscall => {
+                    super::threads::count_event();
                     if let Some(exit) = self.syscall(out) {
                         return Ok(exit);
                     }
@@ -360,6 +361,7 @@ impl Process {
                     self.regs.rip += 2;
                 }
                 Exit::Fault { addr, write, exec } => {
+                    super::threads::count_event();
                     // The host only says whether the access was a write or a fetch; whether
                     // something is mapped there is guestos's record (SEGV_ACCERR, else MAPERR).
                     let mapped = self.os.mm.vma_at(addr).is_some();

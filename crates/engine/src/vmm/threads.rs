@@ -67,6 +67,11 @@ pub(super) trait ThreadCpu {
     fn write_guest(&mut self, va: u64, data: &[u8]);
     /// Whether the CPU stopped in the guest's user code (not in a ring-0 stub of the KVM VM).
     fn in_user_mode(&mut self) -> Result<bool>;
+    /// The CPU time (ns) the guest's code and its VMM thread have used, for replay mode's guard
+    /// ([`REPLAY_GUARD`]). On KVM the guest runs on the VMM thread: its own CPU clock.
+    fn cpu_ns(&self) -> u64 {
+        cpu_ns()
+    }
 }
 
 /// Wall time a thread runs before another runnable thread gets the vCPU (CPython's switch
@@ -134,15 +139,14 @@ fn with_slice<T>(f: impl FnOnce(&mut Slice) -> T) -> T {
     f(s)
 }
 
-/// Replay mode's guard: whether the loaded thread ran [`REPLAY_GUARD`] of the VMM's CPU time
-/// without an event (a syscall, a fault, a clock read in the vDSO), as a spin loop does. A window
+/// Replay mode's guard: whether the loaded thread ran [`REPLAY_GUARD`] of CPU time (`now`,
+/// [`ThreadCpu::cpu_ns`]) without an event (a syscall, a fault, a clock read in the vDSO), as a spin loop does. A window
 /// in which events came restarts it, so a thread that makes events is switched by their count
 /// alone ([`QUANTUM`]), however slow the host: where an exit costs milliseconds (the upstream-KVM
 /// lane's emulated host), a quantum of events took more than the guard's CPU time, and the switch
 /// came where the host's speed put it, so a fork and its parent (whose clock differs: a forked
 /// VMM's CPU clock starts again from zero, which restarts a window here too) replayed apart.
-fn spun() -> bool {
-    let now = cpu_ns();
+fn spun(now: u64) -> bool {
     with_slice(|s| {
         if now < s.cpu || (now - s.cpu >= REPLAY_GUARD.as_nanos() as u64 && s.events != s.guard_events) {
             s.cpu = now;
@@ -304,6 +308,7 @@ fn park<C: ThreadCpu>(m: &mut C, state: RunState) -> Result<()> {
 
 /// Load thread `i` into the CPU and the per-thread fields of the OS state.
 fn load<C: ThreadCpu>(m: &mut C, i: usize) -> Result<()> {
+    let cpu = m.cpu_ns();
     let Some(t) = m.os_mut().and_then(|os| os.threads.list.get_mut(i)) else { return Ok(()) };
     let (regs, fs_base, gs_base, xs) = (t.regs, t.fs_base, t.gs_base, std::mem::take(&mut t.xsave));
     let set = m.set_cpu_regs(&regs, fs_base, gs_base).and_then(|_| if xs.is_empty() { Ok(()) } else { m.set_cpu_xsave(&xs) });
@@ -326,7 +331,7 @@ fn load<C: ThreadCpu>(m: &mut C, i: usize) -> Result<()> {
     os.threads.loaded = true;
     with_slice(|s| {
         s.since = Instant::now();
-        s.cpu = cpu_ns();
+        s.cpu = cpu;
         s.events = 0;
         s.guard_events = 0;
     });
@@ -375,6 +380,8 @@ fn others_ready<C: ThreadCpu>(m: &C, now: u64) -> bool {
 /// wait if nobody can run. `Some(exit)` ends the run (its deadline passed while every thread
 /// waited, or the process is deadlocked).
 pub(super) fn schedule<C: ThreadCpu>(m: &mut C, deadline: Instant) -> Result<Option<RunExit>> {
+    // Replay mode's guard reads the CPU clock (only where it may switch a computing thread out).
+    let guard_cpu = m.os().is_some_and(|os| os.proc.clocks.replay && os.threads.multi() && os.threads.loaded && os.threads.switch.is_none()).then(|| m.cpu_ns());
     let Some(os) = m.os_mut() else { return Ok(None) };
     let th = &mut os.threads;
     if !th.multi() && th.loaded && th.switch.is_none() {
@@ -409,7 +416,7 @@ pub(super) fn schedule<C: ThreadCpu>(m: &mut C, deadline: Instant) -> Result<Opt
                         return Ok(None);
                     }
                     let (since, events) = with_slice(|s| (s.since, s.events));
-                    let guard = replay && spun();
+                    let guard = replay && guard_cpu.is_some_and(spun);
                     let due = if replay { events >= QUANTUM || guard } else { since.elapsed() >= SLICE };
                     let mut now = thread::now(&os.proc.clocks);
                     if guard && events < QUANTUM && !others_ready(m, now) && in_ring3(m)? {

@@ -61,6 +61,28 @@ impl ThreadCpu for Process {
         // A parked stub stopped in guest code: the blob never exits to the VMM from its own.
         Ok(true)
     }
+
+    /// The guest computes in the stub process, not on the VMM thread: both CPU clocks.
+    fn cpu_ns(&self) -> u64 {
+        let mut clock: libc::clockid_t = 0;
+        let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_getcpuclockid and clock_gettime write one value each that we own.
+        let stub = unsafe {
+            if libc::clock_getcpuclockid(self.stub.pid(), &mut clock) != 0 || libc::clock_gettime(clock, &mut t) != 0 {
+                0
+            } else {
+                (t.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(t.tv_nsec as u64)
+            }
+        };
+        let mut v = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: as above, this thread's own CPU clock.
+        let vmm = if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut v) } == 0 {
+            (v.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(v.tv_nsec as u64)
+        } else {
+            0
+        };
+        stub.saturating_add(vmm)
+    }
 }
 
 impl Process {
