@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from collimate_rl import connect
+from collimate_rl import connect, rollout_once
 
 from collimate_core.sdk import platform as pf
 
@@ -53,3 +53,24 @@ def test_computing_code_past_its_timeout_is_interrupted_and_the_sandbox_kept(cli
         assert "the sandbox is kept" in r.note, r.note
         r = s.exec(code="import os\nprint('y' in globals(), os.path.exists('/work/kept'))")
         assert r.ok and r.stdout == "True True\n" and not r.interpreter_restarted, r
+
+
+SPIN = """
+import threading, time
+flag = []
+t = threading.Thread(target=lambda: (time.sleep(0.01), flag.append(1)))
+t.start()
+while not flag:
+    pass
+t.join()
+print('spun', len(flag))
+"""
+
+
+def test_a_seeded_run_switches_a_spinning_thread_out(client):
+    # Replay mode (a seed) switches threads by their events and moves virtual time by them; the
+    # main thread spins without any, holding the GIL, until the other thread's sleep has ended and
+    # it has run: only replay's guard of CPU time, which on systrap must count the stub's (where
+    # the guest computes), lets it.
+    r = rollout_once("python", code=SPIN, seed="c0ffee00" * 8, client=client)
+    assert (r.ok, r.stdout) == (True, "spun 1\n"), r
