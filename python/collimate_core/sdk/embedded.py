@@ -769,15 +769,15 @@ class EmbeddedClient:
         END_EXEC_GRACE. If it does not (it ignores SIGINT, is stuck in C code), it is replaced
         by a fresh one from the template over the sandbox's files, and the next exec says so
         (`interpreter_restarted`). On systrap, which has no reset, such a sandbox (or one whose
-        interpreter the engine killed: code computing without syscalls past the deadline) gets a
+        interpreter the engine's watchdog killed: its stub did not stop at the deadline) gets a
         new clone of the template at its next exec instead, files lost. Returns the output with
         what came meanwhile, and a note."""
         try:
             r = box.vm.end_exec(int(_signal.SIGINT) if python else 0, END_EXEC_GRACE)
         except _CoreEngineError as e:
             if box.platform == "systrap" and "first process has ended" in str(e):
-                # Code that computed without syscalls past the deadline: the engine's watchdog
-                # killed the interpreter (it never traps, so it cannot be interrupted).
+                # The engine's watchdog killed the interpreter: its stub did not stop at the
+                # deadline's kick (computing code is stopped there and interrupted as on kvm).
                 return stdout, stderr, self._lost_on_systrap(box, "was killed by the timeout")
             raise _engine_error(e, f"ending the timed-out exec in sandbox {box.id}") from e
         stdout, stderr = stdout + r.stdout, stderr + r.stderr

@@ -1465,6 +1465,9 @@ pub mod host {
     static PENDING: AtomicU64 = AtomicU64::new(0);
     static SENDERS: [AtomicI32; NSIG] = [const { AtomicI32::new(0) }; NSIG];
     static KICK: AtomicPtr<kvm_run> = AtomicPtr::new(std::ptr::null_mut());
+    /// On systrap: the pidfd of the stub that runs this process's guest, and the host signal that
+    /// stops it (`platform::systrap::preempt`); -1: none.
+    static KICK_STUB: [AtomicI32; 2] = [AtomicI32::new(-1), AtomicI32::new(0)];
     static TOP: AtomicI32 = AtomicI32::new(0);
     static INSTALLED: AtomicI32 = AtomicI32::new(0);
     static PARENT_GONE: AtomicBool = AtomicBool::new(false);
@@ -1655,7 +1658,8 @@ pub mod host {
         kick();
     }
 
-    /// Make a KVM_RUN in progress (or about to start) return EINTR.
+    /// Make a KVM_RUN in progress (or about to start) return EINTR; on systrap, stop the stub
+    /// that runs the guest (its `run` returns `Interrupted`).
     pub fn kick() {
         let run = KICK.load(Ordering::SeqCst);
         if !run.is_null() {
@@ -1663,6 +1667,26 @@ pub mod host {
             // run; a volatile byte store is async-signal-safe.
             unsafe { std::ptr::addr_of_mut!((*run).immediate_exit).write_volatile(1) };
         }
+        kick_stub();
+    }
+
+    /// On systrap: stop the registered stub ([`set_kick_stub`]), if any. Async-signal-safe.
+    pub fn kick_stub() {
+        let fd = KICK_STUB[0].load(Ordering::SeqCst);
+        if fd >= 0 {
+            // SAFETY: pidfd_send_signal with no siginfo on the pidfd registered for the current
+            // run (`set_kick_stub`); a stale descriptor only makes the call fail.
+            unsafe { libc::syscall(libc::SYS_pidfd_send_signal, fd, KICK_STUB[1].load(Ordering::SeqCst), 0usize, 0u32) };
+        }
+    }
+
+    /// On systrap: the stub that [`kick`] stops while this process's guest runs (its pidfd and
+    /// the signal that stops it); `None` between runs.
+    pub fn set_kick_stub(stub: Option<(i32, i32)>) {
+        let (fd, sig) = stub.unwrap_or((-1, 0));
+        KICK_STUB[0].store(-1, Ordering::SeqCst);
+        KICK_STUB[1].store(sig, Ordering::SeqCst);
+        KICK_STUB[0].store(fd, Ordering::SeqCst);
     }
 
     /// Install the handler (once per process; forks inherit it).
@@ -1738,6 +1762,7 @@ pub mod host {
         CHILD.store(true, Ordering::SeqCst);
         PARENT_GONE.store(false, Ordering::SeqCst);
         KICK.store(std::ptr::null_mut(), Ordering::SeqCst);
+        KICK_STUB[0].store(-1, Ordering::SeqCst);
     }
 
     /// The host pid of the sandbox's first process (guest pid 1).

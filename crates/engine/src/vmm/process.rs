@@ -164,7 +164,7 @@ pub(super) fn syscall(m: &mut Machine, r: &mut kvm_regs, sregs: &mut kvm_sregs) 
                 // A thread of this process, on its vCPU (see `vmm::threads`).
                 Ok(c) if c.flags & CLONE_THREAD != 0 => {
                     let t = super::threads::NewThread { flags: c.flags, sp: child_sp(&c), parent_tid: c.parent_tid, child_tid: c.child_tid, tls: c.tls };
-                    let res = super::threads::clone_thread(m, r, sregs, t);
+                    let res = super::threads::clone_thread(m, r, sregs.fs.base, sregs.gs.base, t);
                     ret(r, res);
                 }
                 Ok(c) if super::spawn::serves(m, &c) => {
@@ -1016,12 +1016,28 @@ pub(super) fn on_interrupt(m: &mut Machine) -> Result<Option<RunExit>> {
     if sregs.cs.selector & 3 != 3 {
         return Ok(None);
     }
+    let mut r = m.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
     let Some(os) = m.os.as_mut() else { return Ok(None) };
+    match signals_at_interrupt(os, &mut r) {
+        AfterSyscall::Resume(exit) => Ok(exit),
+        AfterSyscall::Deliver(d, exit) => {
+            if !deliver(m, &mut r, &d)? {
+                return Ok(Some(RunExit::Signaled { signo: signal::SIGSEGV }));
+            }
+            m.vcpu.set_regs(&r).map_err(Error::kvm("KVM_SET_REGS"))?;
+            Ok(exit)
+        }
+    }
+}
+
+/// The platform-neutral part of [`on_interrupt`]: the guest stopped between two instructions in
+/// user mode with registers `r` and a signal ready: end the process by it, or say which handler
+/// to enter (a call set to restart that it interrupts returns EINTR, `r` updated).
+pub(super) fn signals_at_interrupt(os: &mut GuestOs, r: &mut kvm_regs) -> AfterSyscall {
     match signal::next(os) {
-        None => Ok(None),
-        Some(Next::Die { sig }) => Ok(Some(RunExit::Signaled { signo: sig })),
+        None => AfterSyscall::Resume(None),
+        Some(Next::Die { sig }) => AfterSyscall::Resume(Some(RunExit::Signaled { signo: sig })),
         Some(Next::Handle { sig, info, act }) => {
-            let mut r = m.vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
             // Still at the `syscall` of a call set to restart (a blocking read between two of its
             // waits): the signal interrupts that call, as at its return (`after_syscall`), so that
             // EINTR reaches the program (CPython runs its handlers only then).
@@ -1029,17 +1045,10 @@ pub(super) fn on_interrupt(m: &mut Machine) -> Result<Option<RunExit>> {
             if r.rip != 0 && r.rip == RESTART_RIP.load(Ordering::Relaxed) && r.rax == nr && interrupts(nr, &act) {
                 r.rip += 2;
                 r.rax = (-(crate::guestos::EINTR.0 as i64)) as u64;
-                if let Some(os) = m.os.as_mut() {
-                    os.proc.sleep = None;
-                }
+                os.proc.sleep = None;
                 RESTART_RIP.store(0, Ordering::Relaxed);
             }
-            let d = Delivery { sig, info, act, trapno: 0, err: 0, cr2: 0 };
-            if !deliver(m, &mut r, &d)? {
-                return Ok(Some(RunExit::Signaled { signo: signal::SIGSEGV }));
-            }
-            m.vcpu.set_regs(&r).map_err(Error::kvm("KVM_SET_REGS"))?;
-            Ok(None)
+            AfterSyscall::Deliver(Delivery { sig, info, act, trapno: 0, err: 0, cr2: 0 }, None)
         }
     }
 }

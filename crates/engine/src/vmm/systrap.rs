@@ -23,18 +23,30 @@
 //! ([`proctree`]: the scheduler's slots, the roster and the process table): kill, tgkill and
 //! killpg reach any process of the sandbox, setpgid/setsid make groups and sessions,
 //! `/proc/<pid>` shows every process of the sandbox and none of the host's, and an orphan is
-//! adopted by the first process. Not yet on this platform (each answers as noted): threads and
-//! clone's sharing flags (ENOSYS); shared futexes across processes, snapshots, and replay's
-//! turn-taking between processes (`sched::gate`: they run in parallel in replay mode too).
+//! adopted by the first process.
+//!
+//! Threads (clone with CLONE_THREAD) are M:1 on the process's stub, as on kvm's vCPU: the KVM
+//! VMM's scheduler (`vmm::threads`) runs them, reaching the stub through `ThreadCpu`
+//! ([`threads`]). A guest that computes without trapping is stopped by a kick
+//! (`platform::systrap::preempt`, `Exit::Interrupted`): for a slice's end, a guest timer and the
+//! run's deadline ([`preempt`]'s timer), and a signal from another guest process (its carrier's
+//! handler), so each reaches it within a slice, and a timed-out run is resumable.
+//!
+//! Not yet on this platform (each answers as noted): clone's other sharing flags (a process
+//! sharing memory without being a thread, ENOSYS); shared futexes across processes, snapshots,
+//! and replay mode's turns between a sandbox's processes (`sched::gate`: they run in parallel in
+//! replay mode too).
 //!
 //! Two ways to run one: [`Process::spawn`] runs the first process in the caller's own process
 //! (tests and benches; a child's guest pid is then its VMM's host pid), and [`serve`] makes a
 //! launched VMM process serve it over the controller protocol (the SDK's `platform="systrap"`;
 //! guest pids from the serving tree's pid page, as on kvm).
 
+mod preempt;
 mod proctree;
 mod serve;
 mod spawn;
+mod threads;
 
 pub(super) use serve::serve_first;
 
@@ -257,12 +269,26 @@ impl Process {
             Some(e) => e,
             None => self.run_loop(&mut out, start + timeout)?,
         };
+        super::threads::run_ended();
+        let report = super::threads::take_report();
         if matches!(exit, RunExit::Exited { .. } | RunExit::Signaled { .. }) && self.exited.is_none() {
             self.exited = Some(exit);
+            super::threads::process_ended(self);
             // The first process takes its children with it, as on kvm.
             signal::kill_children(&mut self.os);
         }
         let (mut stdout, mut stderr) = (out.stdout, out.stderr);
+        // The scheduler's deadlock report goes where the guest's stderr goes.
+        if !report.is_empty() {
+            match self.os.stdio.as_ref() {
+                Some([_, err]) if self.capture.is_none() => {
+                    // SAFETY: writing a local buffer to the sandbox's stderr pipe; a short write
+                    // loses the tail of a diagnostic only.
+                    unsafe { libc::write(std::os::fd::AsRawFd::as_raw_fd(err), report.as_ptr().cast(), report.len()) };
+                }
+                _ => stderr.extend_from_slice(report.as_bytes()),
+            }
+        }
         if let Some(capture) = &mut self.capture {
             stdout.extend(capture.take(0));
             stderr.extend(capture.take(1));
@@ -281,10 +307,41 @@ impl Process {
     }
 
     fn run_loop(&mut self, out: &mut guestos::Output, deadline: Instant) -> Result<RunExit> {
+        // Kicks stop this stub while its guest runs; the timer does at the deadline (`preempt`).
+        let _running = preempt::Running::enter(&self.stub, deadline.saturating_duration_since(Instant::now()))?;
+        // A signal that waits (end_exec's interrupt, one that came between runs) is delivered
+        // before the guest goes on, not at its next syscall.
+        if let Some(exit) = self.interrupted() {
+            return Ok(exit);
+        }
+        let mut short_armed = false;
         loop {
+            // The process's threads take turns on the stub (`vmm::threads`).
+            if let Some(exit) = super::threads::schedule(self, deadline)? {
+                return Ok(exit);
+            }
+            // A guest timer due while the guest computes: the timer kicks the stub when it is.
+            let timer_budget = guestos::timer::host_budget(&self.os);
+            if timer_budget.is_some() || short_armed {
+                let left = deadline.saturating_duration_since(Instant::now());
+                short_armed = timer_budget.is_some_and(|b| b < left);
+                preempt::arm(timer_budget.map_or(left, |b| b.min(left)))?;
+            }
+            let entered = timer_budget.map(|_| Instant::now());
             let exit = self.stub.run(&mut self.regs, &mut self.fs_base).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
+            if let Some(t) = entered {
+                if guestos::timer::charge(&mut self.os, t.elapsed()) {
+                    super::threads::mark_nondeterministic();
+                }
+            }
             match exit {
+                Exit::Interrupted => {
+                    if let Some(exit) = self.interrupted() {
+                        return Ok(exit);
+                    }
+                }
                 Exit::Syscall => {
+                    super::threads::count_event();
                     if let Some(exit) = self.syscall(out) {
                         return Ok(exit);
                     }
@@ -308,6 +365,7 @@ impl Process {
                     self.regs.rip += 2;
                 }
                 Exit::Fault { addr, write, exec } => {
+                    super::threads::count_event();
                     // The host only says whether the access was a write or a fetch; whether
                     // something is mapped there is guestos's record (SEGV_ACCERR, else MAPERR).
                     let mapped = self.os.mm.vma_at(addr).is_some();
@@ -360,7 +418,13 @@ impl Process {
                 _ => (r.rdi & !0xff, r.rdi & 0xff),
             };
             let c = Fork { flags, exit_signal, stack: if nr == SYS_CLONE { r.rsi } else { 0 }, parent_tid: r.rdx, child_tid: r.r10, tls: r.r8 };
-            let res = self.fork(&c);
+            let res = if flags & CLONE_THREAD != 0 {
+                let sp = (c.stack != 0).then_some(c.stack);
+                let t = super::threads::NewThread { flags, sp, parent_tid: c.parent_tid, child_tid: c.child_tid, tls: c.tls };
+                self.clone_thread(t).map(|tid| tid as i32)
+            } else {
+                self.fork(&c)
+            };
             self.regs.rax = match res {
                 Ok(pid) => pid as u64,
                 Err(e) => (-(e.0 as i64)) as u64,
@@ -646,6 +710,8 @@ impl Process {
         os.proc.crng = os.proc.crng.fork_child();
         os.proc.timers.on_fork();
         os.proc.clear_child_tid = if c.flags & CLONE_CHILD_CLEARTID != 0 { c.child_tid } else { 0 };
+        // The other threads live on in the parent (and stay counted there).
+        super::threads::only_current(self, false);
         self.regs.rax = 0;
         if c.stack != 0 {
             self.regs.rsp = c.stack;
@@ -696,6 +762,7 @@ const SYS_VFORK: u64 = 58;
 const CLONE_VM: u64 = 0x100;
 const CLONE_FS: u64 = 0x200;
 const CLONE_VFORK: u64 = 0x4000;
+const CLONE_THREAD: u64 = 0x1_0000;
 const CLONE_SETTLS: u64 = 0x8_0000;
 const CLONE_PARENT_SETTID: u64 = 0x10_0000;
 const CLONE_CHILD_CLEARTID: u64 = 0x20_0000;

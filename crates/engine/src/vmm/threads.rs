@@ -37,15 +37,42 @@
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use kvm_bindings::{kvm_regs, kvm_sregs, kvm_xsave};
+use kvm_bindings::{kvm_regs, kvm_xsave};
 
 use super::Machine;
 use crate::arch::x86_64::regs;
 use crate::error::{Error, Result};
 use crate::guestos::signal::{self, host};
 use crate::guestos::thread::{self, RunState, Switch, Thread};
-use crate::guestos::{sched, Errno, EAGAIN, EINVAL};
+use crate::guestos::{sched, Errno, GuestOs, EAGAIN, EINVAL};
 use crate::protocol::RunExit;
+
+/// The CPU a guest process's threads take turns on, as the scheduler needs it: the guest OS
+/// state, and the loaded thread's CPU state saved and replaced. A KVM vCPU ([`Machine`], below)
+/// and a systrap stub (`vmm::systrap::Process`) are each one; the functions of this module are
+/// generic over it (monomorphized: the KVM path calls the vCPU directly, as before).
+pub(super) trait ThreadCpu {
+    fn os(&self) -> Option<&GuestOs>;
+    fn os_mut(&mut self) -> Option<&mut GuestOs>;
+    /// The loaded thread's general registers, FS base and GS base (the CPU stopped in user mode,
+    /// at a syscall's return or between two instructions).
+    fn cpu_regs(&mut self) -> Result<(kvm_regs, u64, u64)>;
+    /// Make these the registers the guest resumes with.
+    fn set_cpu_regs(&mut self, regs: &kvm_regs, fs_base: u64, gs_base: u64) -> Result<()>;
+    /// The loaded thread's XSAVE area into `out` (replacing what it held).
+    fn cpu_xsave(&mut self, out: &mut Vec<u32>) -> Result<()>;
+    /// Make `area` (one that `cpu_xsave` gave) the XSAVE state the guest resumes with.
+    fn set_cpu_xsave(&mut self, area: &[u32]) -> Result<()>;
+    /// Write guest memory (clone's tid words), best effort as Linux's put_user there.
+    fn write_guest(&mut self, va: u64, data: &[u8]);
+    /// Whether the CPU stopped in the guest's user code (not in a ring-0 stub of the KVM VM).
+    fn in_user_mode(&mut self) -> Result<bool>;
+    /// The CPU time (ns) the guest's code and its VMM thread have used, for replay mode's guard
+    /// ([`REPLAY_GUARD`]). On KVM the guest runs on the VMM thread: its own CPU clock.
+    fn cpu_ns(&self) -> u64 {
+        cpu_ns()
+    }
+}
 
 /// Wall time a thread runs before another runnable thread gets the vCPU (CPython's switch
 /// interval is 5 ms too).
@@ -112,15 +139,14 @@ fn with_slice<T>(f: impl FnOnce(&mut Slice) -> T) -> T {
     f(s)
 }
 
-/// Replay mode's guard: whether the loaded thread ran [`REPLAY_GUARD`] of the VMM's CPU time
-/// without an event (a syscall, a fault, a clock read in the vDSO), as a spin loop does. A window
+/// Replay mode's guard: whether the loaded thread ran [`REPLAY_GUARD`] of CPU time (`now`,
+/// [`ThreadCpu::cpu_ns`]) without an event (a syscall, a fault, a clock read in the vDSO), as a spin loop does. A window
 /// in which events came restarts it, so a thread that makes events is switched by their count
 /// alone ([`QUANTUM`]), however slow the host: where an exit costs milliseconds (the upstream-KVM
 /// lane's emulated host), a quantum of events took more than the guard's CPU time, and the switch
 /// came where the host's speed put it, so a fork and its parent (whose clock differs: a forked
 /// VMM's CPU clock starts again from zero, which restarts a window here too) replayed apart.
-fn spun() -> bool {
-    let now = cpu_ns();
+fn spun(now: u64) -> bool {
     with_slice(|s| {
         if now < s.cpu || (now - s.cpu >= REPLAY_GUARD.as_nanos() as u64 && s.events != s.guard_events) {
             s.cpu = now;
@@ -201,7 +227,7 @@ const CLONE_IO: u64 = 0x8000_0000;
 
 /// clone with CLONE_THREAD: a new thread of this process, runnable, resuming after the syscall
 /// with rax = 0 on its own stack and TLS. Returns its tid to the caller.
-pub(super) fn clone_thread(m: &mut Machine, r: &kvm_regs, sregs: &kvm_sregs, t: NewThread) -> std::result::Result<u64, Errno> {
+pub(super) fn clone_thread<C: ThreadCpu>(m: &mut C, r: &kvm_regs, fs_base: u64, gs_base: u64, t: NewThread) -> std::result::Result<u64, Errno> {
     let need = CLONE_VM | CLONE_SIGHAND | CLONE_THREAD;
     let allowed = need | CLONE_FS | CLONE_FILES | CLONE_SYSVSEM | CLONE_SETTLS | CLONE_PARENT_SETTID | CLONE_CHILD_CLEARTID
         | CLONE_DETACHED | CLONE_UNTRACED | CLONE_CHILD_SETTID | CLONE_IO;
@@ -212,7 +238,7 @@ pub(super) fn clone_thread(m: &mut Machine, r: &kvm_regs, sregs: &kvm_sregs, t: 
     if t.flags & CLONE_SETTLS != 0 && t.tls >= crate::guestos::mm::TASK_SIZE {
         return Err(crate::guestos::EPERM);
     }
-    let Some(os) = m.os.as_ref() else { return Err(crate::guestos::ENOSYS) };
+    let Some(os) = m.os() else { return Err(crate::guestos::ENOSYS) };
     if host::stale() {
         return Err(EAGAIN);
     }
@@ -220,54 +246,53 @@ pub(super) fn clone_thread(m: &mut Machine, r: &kvm_regs, sregs: &kvm_sregs, t: 
     if !host::add_thread(nproc.min(MAX_THREADS as u64) as u32) || os.threads.list.len() > MAX_THREADS as usize {
         return Err(EAGAIN);
     }
-    let xsave = m.vcpu.get_xsave().map_err(|_| EAGAIN)?;
+    let mut xsave = Vec::new();
+    m.cpu_xsave(&mut xsave).map_err(|_| EAGAIN)?;
     // SAFETY: getpid cannot fail (the fallback outside a sandbox tree, which has no counter).
-    let tid = host::alloc_pid().unwrap_or_else(|| unsafe { libc::getpid() } + m.os.as_ref().map_or(1, |o| o.threads.list.len() as i32));
-    let Some(os) = m.os.as_mut() else { return Err(crate::guestos::ENOSYS) };
+    let tid = host::alloc_pid().unwrap_or_else(|| unsafe { libc::getpid() } + m.os().map_or(1, |o| o.threads.list.len() as i32));
+    let Some(os) = m.os_mut() else { return Err(crate::guestos::ENOSYS) };
     let mut th = Thread::new(tid);
     th.regs = *r;
     th.regs.rax = 0;
     if let Some(sp) = t.sp {
         th.regs.rsp = sp;
     }
-    th.fs_base = if t.flags & CLONE_SETTLS != 0 { t.tls } else { sregs.fs.base };
-    th.gs_base = sregs.gs.base;
-    th.xsave = xsave.region.to_vec();
+    th.fs_base = if t.flags & CLONE_SETTLS != 0 { t.tls } else { fs_base };
+    th.gs_base = gs_base;
+    th.xsave = xsave;
     th.sigmask = os.proc.sigmask;
     th.comm = os.proc.comm;
     th.clear_child_tid = if t.flags & CLONE_CHILD_CLEARTID != 0 { t.child_tid } else { 0 };
+    os.threads.list.push(th);
     let tid_bytes = tid.to_le_bytes();
-    let aspace = &m.runtime.aspace;
     if t.flags & CLONE_PARENT_SETTID != 0 {
-        let _ = aspace.write_virt(&mut m.mem, t.parent_tid, &tid_bytes, true);
+        m.write_guest(t.parent_tid, &tid_bytes);
     }
     if t.flags & CLONE_CHILD_SETTID != 0 {
-        let _ = aspace.write_virt(&mut m.mem, t.child_tid, &tid_bytes, true);
+        m.write_guest(t.child_tid, &tid_bytes);
     }
-    os.threads.list.push(th);
     sched::set_thread_turns(true);
     Ok(tid as u64)
 }
 
 // --- switching ---------------------------------------------------------------------------------
 
-/// Save the loaded thread into its record, with run state `state` (the vCPU is in ring 3).
-///
-/// The general and special registers go through `kvm_run`'s sync area (`vstate::sync`): after a
-/// syscall they are the pending write of its return, read without an ioctl, and [`load`] leaves
-/// the next thread's as the pending write. Under kvm_pvm each register ioctl costs about as much
-/// as a VM exit (15-19 us), so a switch costs the two xsave ioctls only.
-fn park(m: &mut Machine, state: RunState) -> Result<()> {
-    let (regs, sregs) = m.sync.current(&mut m.vcpu)?;
-    let xs = m.vcpu.get_xsave().map_err(Error::kvm("KVM_GET_XSAVE"))?;
-    let Some(os) = m.os.as_mut() else { return Ok(()) };
+/// Save the loaded thread into its record, with run state `state` (the CPU is in user mode). What
+/// a save and a load cost depends on the CPU (see the `ThreadCpu` impls).
+fn park<C: ThreadCpu>(m: &mut C, state: RunState) -> Result<()> {
+    let (regs, fs_base, gs_base) = m.cpu_regs()?;
+    let Some(mut xs) = m.os_mut().and_then(|os| os.threads.list.get_mut(os.threads.cur)).map(|t| std::mem::take(&mut t.xsave)) else {
+        return Ok(());
+    };
+    let saved = m.cpu_xsave(&mut xs);
+    let Some(os) = m.os_mut() else { return Ok(()) };
     let i = os.threads.cur;
     let Some(t) = os.threads.list.get_mut(i) else { return Ok(()) };
+    t.xsave = xs;
+    saved?;
     t.regs = regs;
-    t.fs_base = sregs.fs.base;
-    t.gs_base = sregs.gs.base;
-    t.xsave.clear();
-    t.xsave.extend_from_slice(&xs.region);
+    t.fs_base = fs_base;
+    t.gs_base = gs_base;
     t.sigmask = os.proc.sigmask;
     t.altstack = os.proc.altstack;
     t.clear_child_tid = os.proc.clear_child_tid;
@@ -281,28 +306,16 @@ fn park(m: &mut Machine, state: RunState) -> Result<()> {
     Ok(())
 }
 
-/// Load thread `i` into the vCPU and the per-thread fields of the OS state.
-fn load(m: &mut Machine, i: usize) -> Result<()> {
-    let Some(os) = m.os.as_mut() else { return Ok(()) };
-    if os.threads.list.get(i).is_none() {
-        return Ok(());
-    }
-    // The registers are about to be replaced: the stopped instruction first (`Machine::complete_io`).
-    m.complete_io()?;
-    let Some(os) = m.os.as_mut() else { return Ok(()) };
+/// Load thread `i` into the CPU and the per-thread fields of the OS state.
+fn load<C: ThreadCpu>(m: &mut C, i: usize) -> Result<()> {
+    let cpu = m.cpu_ns();
+    let Some(t) = m.os_mut().and_then(|os| os.threads.list.get_mut(i)) else { return Ok(()) };
+    let (regs, fs_base, gs_base, xs) = (t.regs, t.fs_base, t.gs_base, std::mem::take(&mut t.xsave));
+    let set = m.set_cpu_regs(&regs, fs_base, gs_base).and_then(|_| if xs.is_empty() { Ok(()) } else { m.set_cpu_xsave(&xs) });
+    let Some(os) = m.os_mut() else { return Ok(()) };
     let Some(t) = os.threads.list.get_mut(i) else { return Ok(()) };
-    let (_, mut sregs) = m.sync.current(&mut m.vcpu)?;
-    sregs.fs.base = t.fs_base;
-    sregs.gs.base = t.gs_base;
-    sregs.cs = regs::user_code_segment();
-    sregs.ss = regs::user_data_segment();
-    m.sync.write(&mut m.vcpu, &t.regs, &sregs)?;
-    if t.xsave.len() == 1024 {
-        let mut xs = kvm_xsave::default();
-        xs.region.copy_from_slice(&t.xsave);
-        // SAFETY: a complete kvm_xsave captured from this vCPU by `park` or `clone_thread`.
-        unsafe { m.vcpu.set_xsave(&xs) }.map_err(Error::kvm("KVM_SET_XSAVE"))?;
-    }
+    t.xsave = xs;
+    set?;
     os.proc.sigmask = t.sigmask;
     os.proc.altstack = t.altstack;
     os.proc.clear_child_tid = t.clear_child_tid;
@@ -318,7 +331,7 @@ fn load(m: &mut Machine, i: usize) -> Result<()> {
     os.threads.loaded = true;
     with_slice(|s| {
         s.since = Instant::now();
-        s.cpu = cpu_ns();
+        s.cpu = cpu;
         s.events = 0;
         s.guard_events = 0;
     });
@@ -328,8 +341,8 @@ fn load(m: &mut Machine, i: usize) -> Result<()> {
 
 /// Tell blocking calls whether another thread could run meanwhile, and keep the tick timer armed
 /// exactly then.
-fn set_turns(m: &Machine) {
-    let Some(os) = m.os.as_ref() else { return };
+fn set_turns<C: ThreadCpu>(m: &C) {
+    let Some(os) = m.os() else { return };
     let th = &os.threads;
     let others = th.list.iter().enumerate().any(|(i, t)| {
         i != th.cur
@@ -350,8 +363,8 @@ fn set_turns(m: &Machine) {
 }
 
 /// Whether a thread other than the loaded one can run now (runnable, or its deadline passed).
-fn others_ready(m: &Machine, now: u64) -> bool {
-    let Some(os) = m.os.as_ref() else { return false };
+fn others_ready<C: ThreadCpu>(m: &C, now: u64) -> bool {
+    let Some(os) = m.os() else { return false };
     let th = &os.threads;
     th.list.iter().enumerate().any(|(i, t)| {
         i != th.cur
@@ -366,8 +379,10 @@ fn others_ready(m: &Machine, now: u64) -> bool {
 /// Before every KVM_RUN of a Linux guest: switch threads if the loaded one is done for now, and
 /// wait if nobody can run. `Some(exit)` ends the run (its deadline passed while every thread
 /// waited, or the process is deadlocked).
-pub(super) fn schedule(m: &mut Machine, deadline: Instant) -> Result<Option<RunExit>> {
-    let Some(os) = m.os.as_mut() else { return Ok(None) };
+pub(super) fn schedule<C: ThreadCpu>(m: &mut C, deadline: Instant) -> Result<Option<RunExit>> {
+    // Replay mode's guard reads the CPU clock (only where it may switch a computing thread out).
+    let guard_cpu = m.os().is_some_and(|os| os.proc.clocks.replay && os.threads.multi() && os.threads.loaded && os.threads.switch.is_none()).then(|| m.cpu_ns());
+    let Some(os) = m.os_mut() else { return Ok(None) };
     let th = &mut os.threads;
     if !th.multi() && th.loaded && th.switch.is_none() {
         return Ok(None);
@@ -392,7 +407,7 @@ pub(super) fn schedule(m: &mut Machine, deadline: Instant) -> Result<Option<RunE
                 Some((d, _)) => {
                     let network = sched::take_network_wait();
                     park(m, RunState::Retry { deadline: d })?;
-                    if let Some(t) = m.os.as_mut().and_then(|os| os.threads.list.get_mut(os.threads.cur)) {
+                    if let Some(t) = m.os_mut().and_then(|os| os.threads.list.get_mut(os.threads.cur)) {
                         t.network = network;
                     }
                 }
@@ -401,15 +416,15 @@ pub(super) fn schedule(m: &mut Machine, deadline: Instant) -> Result<Option<RunE
                         return Ok(None);
                     }
                     let (since, events) = with_slice(|s| (s.since, s.events));
-                    let guard = replay && spun();
+                    let guard = replay && guard_cpu.is_some_and(spun);
                     let due = if replay { events >= QUANTUM || guard } else { since.elapsed() >= SLICE };
                     let mut now = thread::now(&os.proc.clocks);
                     if guard && events < QUANTUM && !others_ready(m, now) && in_ring3(m)? {
                         // A thread computing without syscalls while others wait for a deadline
                         // (CPython's GIL: the waiter's 5 ms): virtual time would never get
                         // there. The guard lets it come, at a point the host's speed chose.
-                        if let Some(d) = m.os.as_ref().and_then(|os| os.threads.earliest_deadline()) {
-                            if let Some(os) = m.os.as_mut() {
+                        if let Some(d) = m.os().and_then(|os| os.threads.earliest_deadline()) {
+                            if let Some(os) = m.os_mut() {
                                 os.proc.clocks.pass(d.saturating_sub(now));
                                 now = thread::now(&os.proc.clocks);
                             }
@@ -430,15 +445,14 @@ pub(super) fn schedule(m: &mut Machine, deadline: Instant) -> Result<Option<RunE
     pick(m, deadline)
 }
 
-fn in_ring3(m: &mut Machine) -> Result<bool> {
-    let (_, sregs) = m.sync.current(&mut m.vcpu)?;
-    Ok(sregs.cs.selector & 3 == 3)
+fn in_ring3<C: ThreadCpu>(m: &mut C) -> Result<bool> {
+    m.in_user_mode()
 }
 
 /// Nothing is loaded: load the next thread to run, waiting for one if need be.
-fn pick(m: &mut Machine, deadline: Instant) -> Result<Option<RunExit>> {
+fn pick<C: ThreadCpu>(m: &mut C, deadline: Instant) -> Result<Option<RunExit>> {
     loop {
-        let Some(os) = m.os.as_mut() else { return Ok(None) };
+        let Some(os) = m.os_mut() else { return Ok(None) };
         let replay = os.proc.clocks.replay;
         if os.threads.list.is_empty() {
             // Cannot happen (the last thread's exit is the process's), but never run nothing.
@@ -565,8 +579,8 @@ fn host_pause(d: Duration) {
 
 /// Every thread waits and nothing can wake any of them: say so on the sandbox's stderr and end
 /// the process (SIGABRT), rather than hang until the run's timeout.
-fn deadlock(m: &mut Machine) -> RunExit {
-    if let Some(os) = m.os.as_ref() {
+fn deadlock<C: ThreadCpu>(m: &mut C) -> RunExit {
+    if let Some(os) = m.os() {
         let msg = format!(
             "collimate: deadlock in guest process {}: every thread waits and nothing can wake them:\n{}",
             os.proc.pid,
@@ -578,10 +592,10 @@ fn deadlock(m: &mut Machine) -> RunExit {
 }
 
 /// The process ends (exit_group, a fatal signal): its other threads give their tasks back.
-pub(super) fn process_ended(m: &mut Machine) {
+pub(super) fn process_ended<C: ThreadCpu>(m: &mut C) {
     ticker::set(None);
     sched::set_thread_turns(false);
-    if let Some(os) = m.os.as_mut() {
+    if let Some(os) = m.os_mut() {
         let extra = os.threads.list.len().saturating_sub(1) as u32;
         host::threads_gone(extra);
     }
@@ -594,8 +608,8 @@ pub(super) fn run_ended() {
 
 /// Only the calling thread goes on: in a guest fork's child, whose copies of the other threads
 /// were never its own (they live on in the parent and stay counted there: `give_back` false).
-pub(super) fn only_current(m: &mut Machine, give_back: bool) {
-    if let Some(os) = m.os.as_mut() {
+pub(super) fn only_current<C: ThreadCpu>(m: &mut C, give_back: bool) {
+    if let Some(os) = m.os_mut() {
         let gone = os.threads.only_current();
         if give_back {
             host::threads_gone(gone as u32);
@@ -606,8 +620,8 @@ pub(super) fn only_current(m: &mut Machine, give_back: bool) {
 }
 
 /// A new sandbox tree begins with this process (a sandbox fork): its extra threads are counted.
-pub(super) fn count_in_new_tree(m: &Machine) {
-    let extra = m.os.as_ref().map_or(0, |os| os.threads.list.len().saturating_sub(1));
+pub(super) fn count_in_new_tree<C: ThreadCpu>(m: &C) {
+    let extra = m.os().map_or(0, |os| os.threads.list.len().saturating_sub(1));
     host::set_thread_count(extra as u32);
 }
 
@@ -686,3 +700,60 @@ pub(super) fn take_report() -> String {
     std::mem::take(&mut *REPORT.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
+
+/// The KVM vCPU as the threads' CPU. The general and special registers go through `kvm_run`'s
+/// sync area (`vstate::sync`): after a syscall they are the pending write of its return, read
+/// without an ioctl, and a load leaves the next thread's as the pending write. Under kvm_pvm each
+/// register ioctl costs about as much as a VM exit (15-19 us), so a switch costs the two xsave
+/// ioctls only.
+impl ThreadCpu for Machine {
+    fn os(&self) -> Option<&GuestOs> {
+        self.os.as_ref()
+    }
+
+    fn os_mut(&mut self) -> Option<&mut GuestOs> {
+        self.os.as_mut()
+    }
+
+    fn cpu_regs(&mut self) -> Result<(kvm_regs, u64, u64)> {
+        let (regs, sregs) = self.sync.current(&mut self.vcpu)?;
+        Ok((regs, sregs.fs.base, sregs.gs.base))
+    }
+
+    fn set_cpu_regs(&mut self, r: &kvm_regs, fs_base: u64, gs_base: u64) -> Result<()> {
+        // The registers are about to be replaced: the stopped instruction first (`Machine::complete_io`).
+        self.complete_io()?;
+        let (_, mut sregs) = self.sync.current(&mut self.vcpu)?;
+        sregs.fs.base = fs_base;
+        sregs.gs.base = gs_base;
+        sregs.cs = regs::user_code_segment();
+        sregs.ss = regs::user_data_segment();
+        self.sync.write(&mut self.vcpu, r, &sregs)
+    }
+
+    fn cpu_xsave(&mut self, out: &mut Vec<u32>) -> Result<()> {
+        let xs = self.vcpu.get_xsave().map_err(Error::kvm("KVM_GET_XSAVE"))?;
+        out.clear();
+        out.extend_from_slice(&xs.region);
+        Ok(())
+    }
+
+    fn set_cpu_xsave(&mut self, area: &[u32]) -> Result<()> {
+        if area.len() != 1024 {
+            return Ok(());
+        }
+        let mut xs = kvm_xsave::default();
+        xs.region.copy_from_slice(area);
+        // SAFETY: a complete kvm_xsave captured from this vCPU by `park` or `clone_thread`.
+        unsafe { self.vcpu.set_xsave(&xs) }.map_err(Error::kvm("KVM_SET_XSAVE"))
+    }
+
+    fn write_guest(&mut self, va: u64, data: &[u8]) {
+        let _ = self.runtime.aspace.write_virt(&mut self.mem, va, data, true);
+    }
+
+    fn in_user_mode(&mut self) -> Result<bool> {
+        let (_, sregs) = self.sync.current(&mut self.vcpu)?;
+        Ok(sregs.cs.selector & 3 == 3)
+    }
+}

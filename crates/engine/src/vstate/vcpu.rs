@@ -122,10 +122,13 @@ extern "C" fn on_preempt(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::
         // about to start return EINTR at once, closing the race with the signal itself.
         unsafe { std::ptr::addr_of_mut!((*run).immediate_exit).write_volatile(1) };
     }
+    // On systrap the same timer stops the stub that runs the guest (`guestos::signal::host`).
+    crate::guestos::signal::host::kick_stub();
 }
 
 /// Stops a running vCPU when its time budget runs out: a one-shot POSIX timer raises a real-time
-/// signal whose handler sets `immediate_exit`; KVM_RUN then returns EINTR.
+/// signal whose handler sets `immediate_exit`; KVM_RUN then returns EINTR. On systrap it kicks the
+/// running stub instead (`platform::systrap::preempt`).
 pub struct Preempter {
     timer: libc::timer_t,
 }

@@ -144,8 +144,10 @@ const RSEQ_SIG: u32 = 0x5305_3053;
 /// `sa_flags` bit: `restorer` is set (not exported by the libc crate).
 const SA_RESTORER: u64 = 0x0400_0000;
 
-/// Signals whose synchronous delivery means a guest exit.
-pub(super) const TRAPPED_SIGNALS: [i32; 6] = [libc::SIGSYS, libc::SIGSEGV, libc::SIGBUS, libc::SIGILL, libc::SIGFPE, libc::SIGTRAP];
+/// Signals whose delivery means a guest exit: the synchronous ones, and the VMM's kick
+/// (`preempt::KICK_SIGNAL`).
+pub(super) const TRAPPED_SIGNALS: [i32; 7] =
+    [libc::SIGSYS, libc::SIGSEGV, libc::SIGBUS, libc::SIGILL, libc::SIGFPE, libc::SIGTRAP, super::preempt::KICK_SIGNAL];
 
 /// The new stub process: confine itself, map the stub region, install the filter, enter the blob.
 ///

@@ -35,13 +35,17 @@
 //! - Call [`Stub::spawn`] and [`Stub::fork`] from a thread that lives as long as the stub
 //!   (`PR_SET_PDEATHSIG` fires when the spawning *thread* exits).
 //!
-//! One guest thread per stub for now: the registers live in one shared page and one signal frame.
+//! One guest context per stub at a time: the registers live in one shared page and one signal
+//! frame. A guest process's threads share its stub and take turns on it (the VMM saves one
+//! thread's registers, FS base and XSAVE and loads another's at an exit), and the VMM can stop
+//! guest code that computes without trapping ([`preempt`]).
 
 pub mod blob;
 pub mod confine;
 pub mod filter;
 pub mod layout;
 pub mod memory;
+pub mod preempt;
 pub mod shared;
 pub mod template;
 
@@ -123,6 +127,9 @@ pub enum Exit {
     /// that is not a page fault (a general protection fault such as a privileged instruction).
     /// `code` and `addr` are the host's `si_code` and `si_addr`. `rip` is where it happened.
     Signal { signo: i32, code: i32, addr: u64 },
+    /// The VMM kicked the stub ([`Stub::kick`], [`preempt`]): the guest stopped between two
+    /// instructions at `rip`. `run` again to resume it there.
+    Interrupted,
     /// The stub process ended (killed by the host, or by the seccomp filter because code jumped into
     /// the blob with a syscall it may not make). `status` is the raw wait status if known.
     Exited { status: Option<i32> },
@@ -549,6 +556,7 @@ impl Stub {
                 regs.rax = sysnr;
                 Exit::Syscall
             }
+            preempt::KICK_SIGNAL if code == preempt::SI_USER => Exit::Interrupted,
             libc::SIGSEGV if trapno == PF && code != SI_KERNEL => Exit::Fault { addr, write: err & 2 != 0, exec: err & 16 != 0 },
             libc::SIGSEGV if code == SI_KERNEL => {
                 let mut insn = [0u8; 2];

@@ -14,11 +14,11 @@
 //! as kvm's forks) and its own process tree, and serves its own channel. Copy-on-write of the
 //! guest's memory is the host kernel's.
 //!
-//! A run's timeout: a guest that computes without syscalls never traps, and nothing can stop a
-//! running stub short of a signal, so a watchdog timer ([`Watchdog`]) kills the stub when the
-//! run's time is up (and a little more); the run then ends as `Timeout` and the sandbox's first
-//! process is gone (later runs answer `Signaled(SIGKILL)`). A guest that makes syscalls is
-//! stopped at the deadline after its next one, resumable, as on kvm.
+//! A run's timeout: the run's timer kicks the stub at the deadline (`super::preempt`), so a guest
+//! that computes without syscalls stops there as one that makes them does: resumable, as on kvm.
+//! A watchdog timer ([`Watchdog`]) stays as the last resort for a stub that does not answer (it
+//! kills the stub when the run's time is up and a little more; the run then ends as `Timeout` and
+//! the sandbox's first process is gone, later runs answering `Signaled(SIGKILL)`).
 //!
 //! `EndExec` after an exec that timed out while its processes made syscalls (a command waiting
 //! for a child, a sleeping `time.sleep`): the agent's children are SIGKILLed and the agent gets
