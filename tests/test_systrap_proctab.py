@@ -5,9 +5,9 @@ host's (what procps and psutil read), kill reaches a sibling, `os.killpg` a whol
 `kill %1` ends a background job.
 
 procps's ps/pgrep and coreutils' timeout themselves are run by the engine tests
-(crates/engine/tests/systrap_proctab.rs): systrap serves no image templates, and a program
-uploaded into a sandbox's /work or /tmp cannot be run there yet (those are noexec tmpfs mounts,
-which the stub cannot map executable; docs/systrap.md).
+(crates/engine/tests/systrap_proctab.rs). A program copied or built into a sandbox's /work or
+/tmp runs there (on systrap those tmpfs mounts are not noexec: the stub maps program files
+executable).
 """
 
 from __future__ import annotations
@@ -131,3 +131,11 @@ def test_os_killpg_ends_a_group(s):
 def test_bash_job_control_kill_percent_one(s):
     r = sh(s, "bash -c 'sleep 100 & kill %1; wait; echo done $?; sleep 100 & kill %1; wait %1; echo rc=$?'")
     assert (r.exit_code, r.stdout) == (0, "done 0\nrc=143\n"), r.stdout + r.stderr
+
+
+def test_a_program_copied_into_work_and_tmp_runs(s):
+    # A binary in the sandbox's own tmpfs (an SWE task's build output, a copied tool): on main it
+    # died by SIGSEGV, its segments refused as PROT_EXEC on a noexec mount.
+    r = sh(s, "cp /usr/bin/python3 /work/py && cp /bin/bash /tmp/b && /work/py -c 'print(\"built\", 6 * 7)' && /tmp/b -c 'echo ok from tmp'")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout == "built 42\nok from tmp\n"

@@ -536,8 +536,9 @@ impl Vm {
                 let pool = self.shm_quota.unwrap_or(crate::quota::SHARED_MEMORY);
                 let mut v = Vec::with_capacity(n * self.scratch_unit());
                 for _ in 0..n {
-                    v.push(Scratch::new(q)?.0);
-                    v.push(Scratch::new(pool)?.0);
+                    let exec = self.platform == Platform::Systrap;
+                    v.push(Scratch::with_exec(q, exec)?.0);
+                    v.push(Scratch::with_exec(pool, exec)?.0);
                     if self.writable_root {
                         v.push(crate::overlay::context()?);
                     }

@@ -143,6 +143,14 @@ impl Scratch {
     /// A new, empty tmpfs of quota `q` (mode 0755, owned by root; nosuid, nodev, noexec).
     /// Needs CAP_SYS_ADMIN (EPERM otherwise: the caller then runs sandboxes without a quota).
     pub fn new(q: DiskQuota) -> Result<Scratch> {
+        Scratch::with_exec(q, false)
+    }
+
+    /// [`Scratch::new`], without `noexec` when `exec`: for a systrap sandbox, whose stub maps the
+    /// guest's program files executable (a program built or copied into /work runs there, as on
+    /// kvm, where the VMM loads programs itself and `noexec` costs the guest nothing). The host
+    /// never executes what is there either way: the VMM's seccomp filter has no execve.
+    pub fn with_exec(q: DiskQuota, exec: bool) -> Result<Scratch> {
         check(q)?;
         let name = c"tmpfs";
         // SAFETY: a valid C string; the result is checked.
@@ -154,7 +162,7 @@ impl Scratch {
             command(&fs, FSCONFIG_CMD_CREATE)
         };
         configure().map_err(Error::sys("configure a sandbox's tmpfs"))?;
-        let attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
+        let attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | if exec { 0 } else { MOUNT_ATTR_NOEXEC };
         // SAFETY: our context descriptor; the result is checked.
         let mnt = fd_result(unsafe { libc::syscall(libc::SYS_fsmount, fs.as_raw_fd(), FSMOUNT_CLOEXEC, attrs) }, "fsmount(tmpfs)")?;
         Ok(Scratch(mnt))
