@@ -118,7 +118,16 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=40, help="samples per fast operation in each run")
     ap.add_argument("--width", type=int, default=64, help="fork group and GRPO group width")
     ap.add_argument("--workdir", help="keep the builds, caches and bench.json files here")
+    ap.add_argument("--report-only", action="store_true", help="measure nothing: the table from --workdir's rounds")
     args = ap.parse_args()
+    if args.report_only:
+        if not args.workdir:
+            raise SystemExit("ab: --report-only reads the rounds of --workdir DIR")
+        work = Path(args.workdir)
+        runs = {b: [json.loads((work / f"round{r}-{b}" / "bench.json").read_text()) for r in range(args.rounds)] for b in ("this", "base")}
+        base_commit = sh(["git", "rev-parse", "--short=12", args.base + "^{commit}"], cwd=REPO).strip()
+        report(runs, {"this": (None, "(as measured)"), "base": (None, base_commit)}, args)
+        return
 
     work = Path(args.workdir).resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="collimate-ab."))
     work.mkdir(parents=True, exist_ok=True)
@@ -159,15 +168,18 @@ def report(runs: dict[str, list[dict]], builds: dict, args) -> None:
           f"{m['cpu']}, Linux {m['kernel']}; load average {min(loads):.1f}-{max(loads):.1f}; "
           f"{args.rounds} alternating rounds of `collimate bench --samples {args.samples} --width {args.width}` per build")
     print("median / p99: the median over rounds of each round's median / p99 (min-max of the round medians in brackets);")
-    print("noise: the larger spread (max-min over median) of one build's round medians; ratio: this / base of the medians\n")
-    print("| figure | this: median [range] | this: p99 | base: median [range] | base: p99 | ratio | noise | verdict |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("noise: the larger spread (max-min over median) of one build's round medians; ratio: this / base of the medians;")
+    print("vs baseline: each round's median over its host baseline's in the same run (the load of that moment divides out),")
+    print("median over rounds, this / base\n")
+    print("| figure | this: median [range] | this: p99 | base: median [range] | base: p99 | ratio | noise | verdict | vs baseline: this, base (ratio) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     names = [s["name"] for s in runs["this"][0]["series"]]
     for name in names:
-        per = {}
+        per, rel = {}, {}
         for b in ("this", "base"):
             ss = [next(s for s in d["series"] if s["name"] == name) for d in runs[b]]
             per[b] = ([s["median"] for s in ss], [s["p99"] for s in ss])
+            rel[b] = statistics.median([s["ratio"] for s in ss]) if all(s.get("ratio") for s in ss) else None
         med = {b: statistics.median(per[b][0]) for b in per}
         p99 = {b: statistics.median(per[b][1]) for b in per}
         ratio = med["this"] / med["base"]
@@ -176,7 +188,8 @@ def report(runs: dict[str, list[dict]], builds: dict, args) -> None:
         is_base = not any(s["name"] == name and s.get("baseline") for s in runs["this"][0]["series"])
         label = f"{name}{' (host baseline)' if is_base else ''}".replace("|", "\\|")
         cells = [f"{fmt(med[b])} [{fmt(min(per[b][0]))}-{fmt(max(per[b][0]))}] | {fmt(p99[b])}" for b in ("this", "base")]
-        print(f"| {label} | {cells[0]} | {cells[1]} | {ratio:.2f}x | {noise * 100:.0f}% | {verdict} |")
+        vs = f"{rel['this']:.2f}x, {rel['base']:.2f}x ({rel['this'] / rel['base']:.2f})" if rel["this"] and rel["base"] else "-"
+        print(f"| {label} | {cells[0]} | {cells[1]} | {ratio:.2f}x | {noise * 100:.0f}% | {verdict} | {vs} |")
 
 
 if __name__ == "__main__":
