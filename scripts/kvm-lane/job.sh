@@ -76,6 +76,12 @@ if [ -n "${LANE_TLB_CONTROL:-}" ]; then
         echo "lane: tlb-control status=informational: $seen of $n cases saw a stale translation without the invalidation (none can here: QEMU flushes its TLB at every VMRUN/#VMEXIT) seconds=$((SECONDS - t0))"
     fi
 fi
+# A template baked under one CPU model replays identically under another (cpu_replay.py): baked
+# in the first boot into /job/cpu-replay (run.sh carries it to the next boot), cloned in the second.
+if [ -n "${LANE_CPU_REPLAY:-}" ]; then
+    step cpu-replay env PATH="$LANE_PATH:$PATH" python3 "$LANE_REPO/scripts/kvm-lane/cpu_replay.py" "$LANE_CPU_REPLAY" /job/cpu-replay "$LANE_NUMPY"
+    grep '^cpu-replay:' /tmp/step-cpu-replay.log
+fi
 if [ -n "${LANE_SMOKE:-}" ]; then
     step sdk-smoke env PATH="$LANE_PATH:$PATH" python3 "$LANE_REPO/scripts/kvm-lane/smoke.py"
     grep '^smoke:' /tmp/step-sdk-smoke.log
@@ -83,6 +89,8 @@ fi
 # Per-exec event counts and the price of one event on this profile (benches/exec_events.py), on
 # request (LANE_BENCH=N execs of each: it bakes the python template where the smoke did not).
 if [ -n "${LANE_BENCH:-}" ]; then
+    # KVM's tracepoints (CPUIDs, MMU faults, exits per exec) are read from tracefs.
+    [ -d /sys/kernel/tracing/instances ] || mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null
     step bench env PATH="$LANE_PATH:$PATH" python3 "$LANE_REPO/benches/exec_events.py" "$LANE_BENCH"
     grep -E '^(\||exec event|price of|where the|  )' /tmp/step-bench.log | sed 's/^/bench: /'
 fi
