@@ -135,7 +135,27 @@ pub fn mount_root(ctx: &OwnedFd, lower: BorrowedFd<'_>, scratch: BorrowedFd<'_>)
     configure().map_err(Error::sys("configure a sandbox's root overlay"))?;
     let attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
     // SAFETY: our context descriptor; the result is checked.
-    fd_result(unsafe { libc::syscall(libc::SYS_fsmount, ctx.as_raw_fd(), FSMOUNT_CLOEXEC, attrs) }, "fsmount(overlay)")
+    let root = fd_result(unsafe { libc::syscall(libc::SYS_fsmount, ctx.as_raw_fd(), FSMOUNT_CLOEXEC, attrs) }, "fsmount(overlay)")?;
+    if read_only(&root) {
+        // Overlayfs mounts read-only, rather than failing, when it cannot make its work
+        // directories on the upper file system: a full tmpfs (bytes or inodes). The guest would
+        // then see EROFS at its first write anywhere in its root, far from the cause.
+        return Err(Error::Sys {
+            op: "mount the sandbox's writable root (overlayfs fell back to read-only: its work directory does not fit in the \
+                 sandbox's disk quota; give the template a larger disk quota)",
+            source: std::io::Error::from_raw_os_error(libc::EROFS),
+        });
+    }
+    Ok(root)
+}
+
+/// Whether the mount `fd` is on is read-only.
+fn read_only(fd: &OwnedFd) -> bool {
+    // SAFETY: a zeroed statvfs is valid; fstatvfs (the fstatfs syscall) fills it from a
+    // descriptor we hold.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::fstatvfs(fd.as_raw_fd(), &mut s) == 0 && s.f_flag & libc::ST_RDONLY != 0 }
 }
 
 #[cfg(test)]
@@ -169,6 +189,30 @@ mod tests {
             .collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn a_root_overlay_that_would_be_read_only_is_refused() {
+        if !quota::available() {
+            eprintln!("skipped: no CAP_SYS_ADMIN for tmpfs instances");
+            return;
+        }
+        let image = std::env::temp_dir().join(format!("collimate-overlay-ro-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&image);
+        std::fs::create_dir_all(image.join("etc")).unwrap();
+        let lower = std::fs::File::open(&image).unwrap();
+        let scratch = Scratch::new(DiskQuota { bytes: 2 << 20, inodes: 128 }).unwrap();
+        // The layer's directories exist, then every inode of the tmpfs is taken: overlayfs
+        // cannot make its work directory's own subdirectories and would mount read-only.
+        drop(subdir(scratch.0.as_fd(), UPPER).unwrap());
+        drop(subdir(scratch.0.as_fd(), WORK).unwrap());
+        let mut n = 0;
+        while open_at(scratch.0.as_fd(), &format!("f{n}"), libc::O_WRONLY | libc::O_CREAT).is_ok() {
+            n += 1;
+        }
+        let err = mount_root(&context().unwrap(), lower.as_fd(), scratch.0.as_fd()).map(drop).unwrap_err().to_string();
+        assert!(err.contains("fell back to read-only") && err.contains("disk quota"), "{err}");
+        std::fs::remove_dir_all(&image).unwrap();
     }
 
     #[test]
