@@ -509,7 +509,18 @@ impl Process {
             *self.os.enosys.entry(SYS_CLONE).or_default() += 1;
             return Err(ENOSYS);
         }
-        let child_stub = self.stub.fork().map_err(|_| EAGAIN)?;
+        // A sandbox has at most MAX_PROCESSES processes (and no more than its RLIMIT_NPROC
+        // allows), as on kvm (`process::fork`): each is a stub and a VMM process on the host, so
+        // without the cap a fork bomb grows until the host's own limits stop it. Counted out
+        // when the child is reaped (`guestos::signal`), or below when the fork fails.
+        let nproc = self.os.proc.rlimits.get(6).map_or(u64::MAX, |l| l.cur);
+        if !signal::host::add_process(nproc.min(u64::from(process::MAX_PROCESSES)) as u32) {
+            return Err(EAGAIN);
+        }
+        let Ok(child_stub) = self.stub.fork() else {
+            signal::host::process_gone();
+            return Err(EAGAIN);
+        };
         // The child's guest pid: the sandbox's own numbering (the serving tree's pid page, as on
         // kvm), or its VMM's host pid where there is no such tree (a first process run in the
         // caller's process: tests and benches).
@@ -518,7 +529,9 @@ impl Process {
         let mut vfork = [-1; 2];
         // SAFETY: pipe2 fills two descriptors; checked.
         if c.flags & CLONE_VFORK != 0 && unsafe { libc::pipe2(vfork.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
-            return Err(Errno::last());
+            let e = Errno::last();
+            signal::host::process_gone();
+            return Err(e);
         }
         // SAFETY: getpid cannot fail.
         let parent_host = unsafe { libc::getpid() };
@@ -548,6 +561,7 @@ impl Process {
         let e = Errno::last();
         signal::host::block(false);
         if rc < 0 {
+            signal::host::process_gone();
             drop(child_stub);
             for fd in vfork.into_iter().filter(|&fd| fd >= 0) {
                 // SAFETY: our pipe's descriptors.
@@ -575,6 +589,7 @@ impl Process {
                     libc::kill(host_pid, libc::SIGKILL);
                     libc::waitpid(host_pid, std::ptr::null_mut(), libc::__WALL);
                 }
+                signal::host::process_gone();
                 return Err(e);
             }
         };
