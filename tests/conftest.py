@@ -37,10 +37,21 @@ def _param_marks(metafunc, platform: str) -> list:
     else:
         offer = _systrap_offer()
         marks.append(pytest.mark.skipif(not offer.available, reason=f"systrap unavailable: {offer.why}"))
-    for m in metafunc.definition.iter_markers("platform_marks"):
-        if m.args and m.args[0] == platform:
-            marks += list(m.args[1:])
     return marks
+
+
+def pytest_collection_modifyitems(config, items):
+    """`platform_marks(p, *marks)` (tests/platforms.py `on`), on a test or one of its params: the
+    marks apply to its platform-`p` case only."""
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        p = spec.params.get("platform") if spec else None
+        if p is None:
+            continue
+        for m in item.iter_markers("platform_marks"):
+            if m.args and m.args[0] == p:
+                for mark in m.args[1:]:
+                    item.add_marker(mark)
 
 
 def pytest_generate_tests(metafunc):
@@ -49,6 +60,7 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize(
             "platform",
             [pytest.param(p, marks=_param_marks(metafunc, p), id=p) for p in selected()],
+            indirect=True,
             scope="module",
         )
 
