@@ -219,6 +219,7 @@ fn end_exec(p: &mut Process, interrupt: i32) -> Result<()> {
             let _ = signal::host::send_pidfd(fd.as_raw_fd(), libc::SIGKILL, false, (0, 0));
         }
     }
+    p.kill_child_stubs();
     if interrupt > 0 {
         signal::host::send_top(interrupt, (0, 0)).map_err(|e| Error::Remote(format!("cannot interrupt the agent: errno {}", e.0)))?;
     }
@@ -245,6 +246,7 @@ impl Process {
         // failing on a dead stub's pid.
         self.exited = Some(RunExit::Signaled { signo: libc::SIGKILL });
         signal::kill_children(&mut self.os);
+        self.kill_child_stubs();
         let (stdout, stderr, truncated, others) = match r {
             Ok(r) => (r.stdout, r.stderr, r.truncated, r.others),
             Err(_) => (Vec::new(), Vec::new(), false, 0),
