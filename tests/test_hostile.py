@@ -507,20 +507,12 @@ CPU_CASES = {
 }
 
 
-# On systrap by default (for CI's time: each case costs two execs and a check): one case of each
-# kind of fault; COLLIMATE_HOSTILE=full runs every case there too. (All run on kvm.)
-SYSTRAP_CPU_CASES = {"int 0x80 (a 32-bit syscall)", "ud2", "hlt", "int3", "division by zero", "out to a port",
-                     "jump to the higher half", "iretq to ring 0"}
-_CPU_LEFT = pytest.mark.skipif(os.environ.get("COLLIMATE_HOSTILE") != "full",
-                               reason="on systrap a representative case of each kind runs; COLLIMATE_HOSTILE=full runs all")
-
-
 def _cpu_case(n: str):
     if n.startswith("int 0x80"):
         return pytest.param(n, marks=on("systrap", systrap_gap(
             "an i386 syscall makes the stub's filter kill the stub (filter.rs): the VMM reports an engine error "
             "('the stub process ended under the guest') instead of the guest's SIGSEGV as on kvm")))
-    return n if n in SYSTRAP_CPU_CASES else pytest.param(n, marks=on("systrap", _CPU_LEFT))
+    return n
 
 
 @pytest.mark.parametrize("name", [_cpu_case(n) for n in CPU_CASES])
