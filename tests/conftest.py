@@ -1,14 +1,81 @@
 """Test-suite policy shared by every test file.
 
 On a host with /dev/kvm, CI sets COLLIMATE_REQUIRE_KVM=1: a test marked `kvm` that skips is then
-reported as a failure, so a KVM host can never pass CI without running the KVM tests.
+reported as a failure, so a KVM host can never pass CI without running the KVM tests. Likewise
+COLLIMATE_REQUIRE_SYSTRAP=1 fails a platform-matrix case skipped because systrap is unavailable.
+
+The platform matrix: a test that takes the `platform` fixture runs on kvm and on systrap in the
+same run (tests/platforms.py).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
+from platforms import selected
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "both_platforms: runs once per platform, kvm and systrap (the `platform` "
+                            "fixture; tests/platforms.py)")
+    config.addinivalue_line("markers", "platform_marks(platform, *marks): marks for one platform's case only")
+
+
+@functools.cache
+def _systrap_offer():
+    from collimate_core.sdk import platform as pf
+
+    return pf.probe_systrap()
+
+
+def _param_marks(metafunc, platform: str) -> list:
+    marks = [pytest.mark.both_platforms]
+    if platform == "kvm":
+        marks += [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
+    else:
+        offer = _systrap_offer()
+        marks.append(pytest.mark.skipif(not offer.available, reason=f"systrap unavailable: {offer.why}"))
+    return marks
+
+
+def pytest_collection_modifyitems(config, items):
+    """`platform_marks(p, *marks)` (tests/platforms.py `on`), on a test or one of its params: the
+    marks apply to its platform-`p` case only."""
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        p = spec.params.get("platform") if spec else None
+        if p is None:
+            continue
+        for m in item.iter_markers("platform_marks"):
+            if m.args and m.args[0] == p:
+                for mark in m.args[1:]:
+                    item.add_marker(mark)
+
+
+def pytest_generate_tests(metafunc):
+    """`platform`: each test that takes it runs on kvm and on systrap (COLLIMATE_TEST_PLATFORMS)."""
+    if "platform" in metafunc.fixturenames:
+        metafunc.parametrize(
+            "platform",
+            [pytest.param(p, marks=_param_marks(metafunc, p), id=p) for p in selected()],
+            indirect=True,
+            scope="module",
+        )
+
+
+@pytest.fixture(scope="module")
+def platform(request) -> str:
+    p = request.param
+    if p == "systrap" and os.environ.get("COLLIMATE_TEST_NO_KVM") == "1":
+        # CI's step with /dev/kvm hidden: check that it really is (a run that could use KVM
+        # would not show that systrap needs none).
+        from collimate_core.sdk import platform as pf
+
+        kvm = pf.probe_kvm()
+        assert not kvm.available, f"COLLIMATE_TEST_NO_KVM=1 but KVM is usable here: {kvm.why}"
+    return p
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -29,6 +96,13 @@ def pytest_runtest_makereport(item, call):
             f"{item.nodeid} needs KVM and was skipped, but COLLIMATE_REQUIRE_KVM=1: "
             "this host has /dev/kvm, so the KVM tests must run (check its permissions)"
         )
+    if (
+        report.skipped
+        and os.environ.get("COLLIMATE_REQUIRE_SYSTRAP") == "1"
+        and "systrap unavailable" in reason
+    ):
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid}: systrap was unavailable, but COLLIMATE_REQUIRE_SYSTRAP=1 ({reason})"
 
 
 @pytest.fixture(scope="module")

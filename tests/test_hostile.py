@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from collimate_core import CollimateError, EmbeddedClient, Sandbox
 from hostprocs import GONE
+from platforms import on, systrap_gap
 
-pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 
 OUTPUT_CAP = 16 << 20
 
@@ -131,9 +131,10 @@ def baseline():
 
 
 @pytest.fixture(scope="module")
-def client(baseline):
+def client(platform, baseline):
     os.environ.pop("COLLIMATE_API_KEY", None)
-    c = EmbeddedClient()
+    c = EmbeddedClient(platform=platform)
+    assert c.platform == platform
     yield c
     c.close()
 
@@ -229,6 +230,9 @@ BACKGROUND = (
 )
 
 
+@on("systrap", systrap_gap("a guest process whose parent ends is killed with it (the child VMM's PR_SET_PDEATHSIG), "
+                           "not adopted by the sandbox's first process: background processes end with the exec's shell, "
+                           "so there are none to outlive a reset"))
 def test_background_processes_do_not_outlive_a_reset(client, sb):
     # Regression: orphans (adopted by the sandbox's first process) survived a reset, and with it
     # the recycling of a destroyed sandbox for the next one: they wrote into its output.
@@ -353,6 +357,8 @@ def test_infinite_loop_times_out(sb):
     still_usable(sb)
 
 
+@on("systrap", systrap_gap("output without end until the timeout (`yes`): the watchdog kills the stub and the "
+                           "exec's output is lost (empty, not the capped 16 MiB); the next exec is a new clone"))
 def test_one_gib_of_output(sb):
     t = time.monotonic()
     r = sb.exec(
@@ -372,6 +378,8 @@ def test_one_gib_of_output(sb):
 # --- the host's secrets ---------------------------------------------------------------------------
 
 
+@on("systrap", systrap_gap("/proc lists only the calling process, not the sandbox's others (pid 1 is missing): "
+                           "the process table is not kept on systrap yet"))
 def test_host_shadow_and_proc_are_not_visible(sb):
     r = sb.exec(command="cat /etc/shadow", timeout_seconds=30)
     host_shadow = Path("/etc/shadow").read_bytes() if os.access("/etc/shadow", os.R_OK) else None
@@ -453,10 +461,12 @@ def test_dotdot_and_symlink_escapes(sb, tmp_path):
 
 # --- the CPU: raw interrupts, invalid and privileged instructions, port I/O, ring 0 ------------
 
+# A private mapping: on systrap a shared one is a file of the sandbox's shared-memory tmpfs, which
+# is mounted noexec (PROT_EXEC there is EPERM: test_platform_matrix lists the difference).
 SHELLCODE = """
 import ctypes, mmap
 def run(code):
-    m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    m = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
     m.write(code)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
     return ctypes.CFUNCTYPE(ctypes.c_long)(addr)()
@@ -497,7 +507,15 @@ CPU_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CPU_CASES))
+def _cpu_case(n: str):
+    if n.startswith("int 0x80"):
+        return pytest.param(n, marks=on("systrap", systrap_gap(
+            "an i386 syscall makes the stub's filter kill the stub (filter.rs): the VMM reports an engine error "
+            "('the stub process ended under the guest') instead of the guest's SIGSEGV as on kvm")))
+    return n
+
+
+@pytest.mark.parametrize("name", [_cpu_case(n) for n in CPU_CASES])
 def test_hostile_instructions_are_guest_side_faults(sb, name):
     code, accepted = CPU_CASES[name]
     r = sb.exec(code=SHELLCODE.format(hex=code), timeout_seconds=30)
@@ -546,6 +564,10 @@ def test_zz_afterwards_nothing_is_affected_and_nothing_leaks(client, baseline, p
     )
 
 
+@on("systrap", pytest.mark.skip(reason="systrap: the running guest process is its stub, not a VMM process (a VMM "
+                                        "waits while its stub runs), so the running one cannot be told from the VMMs; and a "
+                                        "child VMM killed from the host leaves its stub spinning until the sandbox ends "
+                                        "(docs/systrap.md, open)"))
 def test_a_guest_process_killed_by_the_host_while_it_has_the_turn(client, sb):
     # Replay mode: the sandbox's processes take turns (guestos::sched). A process that vanishes
     # while it holds the turn (here: its VMM SIGKILLed from the host, as an OOM kill would) never

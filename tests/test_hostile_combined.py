@@ -8,6 +8,9 @@ hostile sandbox's own limits hold (its process cap, its disk quota), and afterwa
 works, and once destroyed its processes are gone.
 
 No timing is asserted: the second sandbox's exec has a generous timeout and must not need it.
+It runs on both platforms (tests/platforms.py). On systrap, where threads are not served yet
+(clone with CLONE_THREAD is ENOSYS), the thread bomb's first thread fails with a clear
+RuntimeError: contained, and the other attacks run into their limits as on kvm.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import pytest
 from collimate_core import EmbeddedClient, Sandbox
 from hostprocs import alive, descendants
 
-pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
 
 MiB = 1 << 20
 QUOTA = 64 * MiB
@@ -83,23 +85,29 @@ def expected_work() -> str:
 
 
 @pytest.fixture(scope="module")
-def client():
+def client(platform):
     os.environ.pop("COLLIMATE_API_KEY", None)
-    c = EmbeddedClient(disk_quota=QUOTA)
+    c = EmbeddedClient(disk_quota=QUOTA, platform=platform)
+    assert c.platform == platform
     yield c
     c.close()
 
 
-def test_a_storm_in_one_sandbox_leaves_its_neighbour_and_the_host_working(client):
+def test_a_storm_in_one_sandbox_leaves_its_neighbour_and_the_host_working(client, platform):
     want = expected_work()
     with Sandbox("python", client=client) as hostile, Sandbox("python", client=client) as neighbour:
         assert neighbour.exec(code=WORK, timeout_seconds=300).stdout == want  # before the storm
         vmm = hostile._box.vm.pid
         storm: dict = {}
+        # On systrap the storm's exec ends at its timeout: its sleeps are real time there, not the
+        # virtual time kvm's replay clocks jump through once every process sleeps. And its fork
+        # bomb stays small: a guest process whose parent ends dies with it there (the bomb's
+        # shells end at once), so "on" is the exec's shell and one attack, not 20 processes.
+        storm_timeout, storm_on = (90, 2) if platform == "systrap" else (300, 20)
 
         def run_storm():
             try:
-                storm["result"] = hostile.exec(command=STORM, timeout_seconds=300)
+                storm["result"] = hostile.exec(command=STORM, timeout_seconds=storm_timeout)
             except BaseException as e:  # noqa: BLE001 - reported by the assertion below
                 storm["error"] = e
 
@@ -111,10 +119,10 @@ def test_a_storm_in_one_sandbox_leaves_its_neighbour_and_the_host_working(client
             most = 0
             while time.monotonic() < deadline and t.is_alive():
                 most = max(most, len(descendants(vmm)))
-                if most >= 20:
+                if most >= storm_on:
                     break
                 time.sleep(0.2)
-            assert most >= 20 or not t.is_alive(), "the storm never started"
+            assert most >= storm_on or not t.is_alive(), "the storm never started"
             results = []
             while t.is_alive() and len(results) < 5:
                 results.append(neighbour.exec(code=WORK, timeout_seconds=300))
@@ -138,8 +146,15 @@ def test_a_storm_in_one_sandbox_leaves_its_neighbour_and_the_host_working(client
         assert "fill-stopped 1" in lines and "No space left on device" in r.stderr, r
         memory = [int(x.split()[1]) for x in lines if x.startswith("memory ")]
         assert memory and memory[0] <= 1024, r
-        threads = [x for x in lines if x.startswith("threads ")]
-        assert threads and int(threads[0].split()[1]) > 0, r
+        threads = [x.split() for x in lines if x.startswith("threads ")]
+        assert threads, r
+        if platform == "systrap" and threads[0][1] == "0":
+            # Threads are not served on systrap yet: the first start fails, clearly (Python's
+            # "can't start new thread"), and nothing else is affected. When they are, the cap
+            # stops the bomb as on kvm (the branch below).
+            assert threads[0][2] == "RuntimeError", r
+        else:
+            assert int(threads[0][1]) > 0, r
         usage = hostile.disk_usage()
         assert usage is None or usage["bytes"] <= QUOTA, usage
         # A third sandbox works, and so does the hostile one after it is restored.

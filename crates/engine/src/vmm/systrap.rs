@@ -50,7 +50,7 @@ mod threads;
 
 pub(super) use serve::serve_first;
 
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 use kvm_bindings::{kvm_regs, kvm_sregs};
@@ -152,6 +152,11 @@ pub struct Process {
     capture: Option<Capture>,
     /// The guest's pid in its sandbox (its first process: 1).
     guest_pid: i32,
+    /// Pidfds of the stubs of the guest children this process forked. A child's VMM killed from
+    /// here (`end_exec`, the first process's end) cannot end its stub, and a stub that computes
+    /// without syscalls never notices that its VMM is gone: it would spin on the host for good.
+    /// So they are killed with their VMMs ([`Process::kill_child_stubs`]).
+    child_stubs: Vec<std::os::fd::OwnedFd>,
 }
 
 /// What the guest's processes write to fds 1 and 2: two memfds in append mode, shared by every
@@ -247,7 +252,7 @@ impl Process {
         // this whole process: one systrap first process per host process).
         signal::host::install();
         let guest_pid = os.proc.pid;
-        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid })
+        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, child_stubs: Vec::new() })
     }
 
     /// How the VMM and the stub wait for each other (`platform::systrap::Handoff`; tuning and
@@ -633,6 +638,9 @@ impl Process {
         }
         let e = Errno::last();
         signal::host::block(false);
+        if rc >= 0 {
+            self.note_child_stub(child_stub.pid());
+        }
         if rc < 0 {
             drop(child_stub);
             for fd in vfork.into_iter().filter(|&fd| fd >= 0) {
@@ -673,10 +681,32 @@ impl Process {
         Ok(pid)
     }
 
+    /// Remember a forked child's stub (see `child_stubs`), dropping those that have ended.
+    fn note_child_stub(&mut self, pid: i32) {
+        self.child_stubs.retain(|fd| {
+            let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd; a pidfd polls readable once its process has ended.
+            unsafe { libc::poll(&mut p, 1, 0) == 0 }
+        });
+        if let Ok(fd) = signal::pidfd_open(pid) {
+            self.child_stubs.push(fd);
+        }
+    }
+
+    /// SIGKILL the stubs of the guest children this process forked (with their VMMs, which
+    /// cannot do it once killed themselves).
+    pub(super) fn kill_child_stubs(&mut self) {
+        for fd in self.child_stubs.drain(..) {
+            // SAFETY: pidfd_send_signal on our pidfd; a stub that has ended makes it fail (ESRCH).
+            unsafe { libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), libc::SIGKILL, 0usize, 0u32) };
+        }
+    }
+
     /// The child VMM of a guest fork: take the new stub, become the child process, run it to its
     /// end. `guest_pid`: its pid in the sandbox (`None`: its host pid, outside a serving tree).
     fn child_main(&mut self, stub: Stub, c: &Fork, guest_pid: Option<i32>, parent_host: i32, vfork: i32) -> RunExit {
         std::mem::replace(&mut self.stub, stub).release();
+        self.child_stubs.clear(); // our copies of the siblings' stubs: not ours to kill
         let inherited = VFORK_FD.swap(vfork, std::sync::atomic::Ordering::SeqCst);
         if inherited >= 0 {
             // SAFETY: the pipe our parent VMM held as a vfork child itself: not ours to hold.
@@ -738,9 +768,10 @@ impl Process {
         match self.run_loop(&mut out, Instant::now() + Duration::from_secs(86_400 * 365)) {
             Ok(exit) => {
                 // In a sandbox's tree its children live on, adopted by the first process (as on
-                // kvm and Linux); outside one, nothing would adopt them.
+                // kvm and Linux); outside one, nothing would adopt them: they and their stubs end.
                 if guest_pid.is_none() {
                     signal::kill_children(&mut self.os);
+                    self.kill_child_stubs();
                 }
                 exit
             }

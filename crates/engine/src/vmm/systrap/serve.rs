@@ -45,7 +45,15 @@ use crate::vmm::{exit_discarding, exit_process, jail, lifeline, reply, reply_wit
 pub(in crate::vmm) fn serve_first(mut first: Request, fds: Vec<OwnedFd>, mut chan: Channel) -> ! {
     // The guest may be switched to replay later (a seeded exec), and a stub's rdtsc/cpuid traps
     // are fixed at its spawn: trap them from the start.
-    let conf = Confinement::for_replay(true);
+    let mut conf = Confinement::for_replay(true);
+    // The guest's memory is what the Spawn asks for, as on kvm, where it is the VM's memory: here
+    // the stub's address space (RLIMIT_AS, inherited by its forks), so that a guest that
+    // allocates without end gets ENOMEM (Python's MemoryError) at that size instead of growing
+    // into the host's memory. The stub's own pages (its blob and shared page) are a few hundred
+    // KiB of it.
+    if let Request::Spawn { mem_size, .. } = &first {
+        conf.address_space = Some(*mem_size);
+    }
     let made = jail::enter_systrap(&mut first, || Stub::spawn(&conf).map_err(|e| Error::Remote(format!("systrap: {e}"))));
     let stub = match made {
         Ok((_, stub)) => stub,
@@ -214,6 +222,7 @@ fn end_exec(p: &mut Process, interrupt: i32) -> Result<()> {
             let _ = signal::host::send_pidfd(fd.as_raw_fd(), libc::SIGKILL, false, (0, 0));
         }
     }
+    p.kill_child_stubs();
     if interrupt > 0 {
         signal::host::send_top(interrupt, (0, 0)).map_err(|e| Error::Remote(format!("cannot interrupt the agent: errno {}", e.0)))?;
     }
@@ -231,24 +240,31 @@ impl Process {
         let dog = Watchdog::arm(self.stub.pid(), timeout + grace)?;
         let r = self.run(timeout);
         let fired = dog.disarm();
-        match r {
-            Err(_) if fired => {
-                self.exited = Some(RunExit::Signaled { signo: libc::SIGKILL });
-                signal::kill_children(&mut self.os);
-                Ok(RunResult {
-                    exit: RunExit::Timeout,
-                    stdout: Vec::new(),
-                    stderr: Vec::new(),
-                    duration: timeout + grace,
-                    enosys: 0,
-                    truncated: false,
-                    agent: Vec::new(),
-                    others: 0,
-                    nondeterministic: false,
-                })
-            }
-            r => r,
+        if !fired {
+            return r;
         }
+        // The watchdog killed the stub: whatever the run says (it may have come back on its own
+        // just as the timer fired, with a timeout of its own, or an error), the first process is
+        // gone. Say so, so that the next request is refused clearly (`end_exec`) instead of
+        // failing on a dead stub's pid.
+        self.exited = Some(RunExit::Signaled { signo: libc::SIGKILL });
+        signal::kill_children(&mut self.os);
+        self.kill_child_stubs();
+        let (stdout, stderr, truncated, others) = match r {
+            Ok(r) => (r.stdout, r.stderr, r.truncated, r.others),
+            Err(_) => (Vec::new(), Vec::new(), false, 0),
+        };
+        Ok(RunResult {
+            exit: RunExit::Timeout,
+            stdout,
+            stderr,
+            duration: timeout + grace,
+            enosys: 0,
+            truncated,
+            agent: Vec::new(),
+            others,
+            nondeterministic: false,
+        })
     }
 }
 
