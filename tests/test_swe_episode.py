@@ -3,6 +3,10 @@
 The project is six, from its PyPI sdist (pure Python, its own pytest suite: test_six.py), with
 PyPI's pytest. The agent edits files, one command hangs and times out (the edits stay), the
 project's tests run, and a fork group of patch candidates is graded by exit code.
+
+On both platforms: kvm bakes a checkpoint; systrap (issue 35) a live zygote of the same image
+(sdk/live.py), with the image's root read-only there (a writable root is refused on systrap:
+test_systrap_images.py), which this episode does not need: it writes in /work only.
 """
 
 from __future__ import annotations
@@ -15,8 +19,13 @@ import tarfile
 import pytest
 
 from collimate_rl import Image, Template, connect
+from collimate_core.sdk import platform as pf
 
-pytestmark = [pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]
+PLATFORMS = [
+    pytest.param("kvm", marks=[pytest.mark.kvm, pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")]),
+    pytest.param("systrap", marks=pytest.mark.skipif(not pf.probe_systrap().available,
+                                                     reason="this host does not allow seccomp filters (systrap)")),
+]
 
 SDIST = "six==1.17.0"
 TEMPLATE = "test-swe-episode"
@@ -68,11 +77,12 @@ def project(tmp_path_factory):
     return d / sdist.name[: -len(".tar.gz")]
 
 
-@pytest.fixture(scope="module")
-def template(project):
+@pytest.fixture(scope="module", params=PLATFORMS)
+def template(project, request):
     image = Image.debian_slim().pip_install("pytest").add_local_dir(project, "/work/six").workdir("/work/six")
-    client = connect()
-    handle = Template.bake(client, name=TEMPLATE, image=image)
+    client = connect(platform=request.param)
+    assert client.platform == request.param
+    handle = Template.bake(client, name=TEMPLATE, image=image, read_only_root=request.param == "systrap")
     st = handle.wait(timeout=900)
     assert st.phase == "Live", st.log
     yield client, handle
@@ -84,6 +94,7 @@ def test_swe_episode(template):
     with client.session(handle) as s:
         # The project's own suite passes as shipped.
         base = s.exec(command="python3 -m pytest -q -p no:cacheprovider test_six.py", timeout_seconds=600)
+        assert base.platform == client.platform
         assert base.exit_code == 0 and " passed" in base.stdout, (base.stdout[-2000:], base.stderr[-2000:])
         # The agent edits: the task's test, a note in the module, a test file that hangs.
         s.upload_bytes("/work/six/test_task.py", TASK_TEST)

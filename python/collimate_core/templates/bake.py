@@ -792,6 +792,23 @@ class _Build:
                 except (_CoreEngineError, ValueError, OSError) as e:
                     raise BuildError(f"starting the agent in the image on systrap failed: {e}") from None
                 self._boot(vm, argv)
+                if not spec.read_only_root:
+                    # As on kvm: the writable root is its clones'; so the zygote is a clone of the
+                    # booted agent, whose root (the copy-up layer the Ready step writes) its own
+                    # clones copy.
+                    vm.set_writable_root(True)
+                    if spec.disk_quota is not None and vm.disk_quota is not None:
+                        from collimate_core.sdk import quota as _quota
+
+                        vm.set_disk_quota(spec.disk_quota, _quota.inodes_for(spec.disk_quota))
+                    booted, vm = vm, None
+                    try:
+                        vm = booted.clone()
+                    finally:
+                        booted.destroy()
+                    if spec.egress is not None and not spec.egress.is_none:
+                        vm.set_egress(spec.egress.rule_strings(), spec.egress.internet_access)
+                    say(f"VMM process {vm.pid}: a clone of the booted agent with the writable root")
                 if spec.ready.cmd is not None or spec.ready.code is not None:
                     say("Ready step in the zygote itself (systrap: its clones start from it as it is after the step)")
                 self._ready_steps(vm)
@@ -975,20 +992,6 @@ def check_bake_args(image: Any, ready: Any, width: Any) -> Ready:
     return ready
 
 
-def _systrap_refusals(name: str, read_only_root: bool) -> None:
-    """The bake features a systrap bake (a live zygote, sdk/live.py) cannot give yet, refused
-    before anything is built: PlatformUnavailable saying what to do instead."""
-    from collimate_core.sdk.live import bake_feature_unavailable
-
-    if not read_only_root:
-        raise bake_feature_unavailable(
-            f"Template.bake({name!r}) with a writable root (the default: writes anywhere in the image's tree land "
-            "in a copy-up layer, docs/templates.md)",
-            "pass read_only_root=True (the image's tree read-only; /work, /tmp, /dev/shm and a writable HOME as "
-            "on kvm)",
-        )
-
-
 class Template:
     """Bring-your-own-image templates on the embedded engine."""
 
@@ -1066,8 +1069,6 @@ class Template:
         platform = getattr(client, "platform", "kvm")
         _check_name(name)
         ready = check_bake_args(image, ready, width)
-        if platform == "systrap":
-            _systrap_refusals(name, read_only_root)
         c = _cache(client, cache)
         spec = _Spec(name, image, ready, width, c, Path(store) if store else _oci.default_store(c), quota, policy, ncpus,
                      shared_memory=shm, read_only_root=bool(read_only_root), platform=platform)
@@ -1180,8 +1181,8 @@ def find_or_bake(name: str, cache: Path | None, platform: str = "kvm") -> Any:
     image (a path, or a reference in the local image store), bake it now under that name (no Ready
     step) and return it; None if it is neither. An image reference that would need a registry pull
     raises NotFoundError saying how to provide the image. On systrap (a live zygote,
-    sdk/live.py: nothing on disk to find) the image is baked live each time a client asks, with
-    its root read-only (`_systrap_refusals`); a kvm template of that name on disk is refused."""
+    sdk/live.py: nothing on disk to find) the image is baked live the first time a client asks;
+    a kvm template of that name on disk is refused (its snapshot cannot run there)."""
     c = Path(cache) if cache else cache_dir()
     if platform == "systrap":
         return _find_or_bake_live(name, c)
@@ -1242,10 +1243,7 @@ def _find_or_bake_live(name: str, c: Path) -> Any:
         if ref is None:
             raise NotFoundError(str(e)) from None
         return None
-    # client.env(ref) has no read_only_root to pass: the image's root is read-only on systrap, said here.
-    build = _Build(_Spec(name, name, Ready(), 1, c, store, cpus=guest_cpus(), read_only_root=True, platform="systrap"))
-    build.log("systrap: the image's root is read-only (a writable root is not supported there yet); writes go to "
-              "/work, /tmp, /dev/shm and HOME")
+    build = _Build(_Spec(name, name, Ready(), 1, c, store, cpus=guest_cpus(), platform="systrap"))
     try:
         live = build.run()
     except BuildError as e:

@@ -136,6 +136,9 @@ pub struct Process {
     capture: Option<Capture>,
     /// The guest's pid in its sandbox (its first process: 1).
     guest_pid: i32,
+    /// The sandboxes forked from this one get a writable root (`Request::WritableRoot`; forks
+    /// carry an overlay context with each tmpfs pair, as on kvm: `crate::overlay`).
+    writable_root: bool,
 }
 
 /// What the guest's processes write to fds 1 and 2: two memfds in append mode, shared by every
@@ -231,7 +234,7 @@ impl Process {
         // this whole process: one systrap first process per host process).
         signal::host::install();
         let guest_pid = os.proc.pid;
-        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid })
+        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, writable_root: false })
     }
 
     /// How the VMM and the stub wait for each other (`platform::systrap::Handoff`; tuning and
