@@ -5,8 +5,7 @@ PyPI's pytest. The agent edits files, one command hangs and times out (the edits
 project's tests run, and a fork group of patch candidates is graded by exit code.
 
 On both platforms: kvm bakes a checkpoint; systrap (issue 35) a live zygote of the same image
-(sdk/live.py), with the image's root read-only there (a writable root is refused on systrap:
-test_systrap_images.py), which this episode does not need: it writes in /work only.
+(sdk/live.py: the image's agent run to its ready point once, sandboxes its clones).
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ def template(project, request):
     image = Image.debian_slim().pip_install("pytest").add_local_dir(project, "/work/six").workdir("/work/six")
     client = connect(platform=request.param)
     assert client.platform == request.param
-    handle = Template.bake(client, name=TEMPLATE, image=image, read_only_root=request.param == "systrap")
+    handle = Template.bake(client, name=TEMPLATE, image=image)
     st = handle.wait(timeout=900)
     assert st.phase == "Live", st.log
     yield client, handle
