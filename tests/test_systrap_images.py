@@ -11,11 +11,17 @@ Needs seccomp filters (systrap), not /dev/kvm (the refusal test bakes on kvm whe
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
-from collimate_rl import Image, PlatformUnavailable, Ready, Template, UnitTestReward, connect, grade
+from collimate_rl import (EmbeddedClient, Image, NotFoundError, PlatformUnavailable, Ready, Template, UnitTestReward,
+                          connect, grade)
 from collimate_core.sdk import platform as pf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from imagefixtures import Layer, busybox_layer, write_docker_save, write_oci_layout  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not pf.probe_systrap().available,
                                 reason="this host does not allow seccomp filters (systrap)")
@@ -124,3 +130,39 @@ def test_a_template_baked_into_a_kvm_snapshot_is_refused_on_systrap_with_what_to
         assert "Template.bake(client, ...)" in str(e.value) and "platform='kvm'" in str(e.value)
     finally:
         Template.delete(kvm, "test-systrap-kvm-baked")
+
+
+def test_env_of_an_image_in_the_store_and_an_images_user(tmp_path):
+    """`client.env(ref)` bakes an image of the local store live in one step (here one without
+    Python: command execs through collimate-exec, its Entrypoint kept); an image's User is who
+    the guest runs as; names that are neither say so."""
+    root = os.environ.get("COLLIMATE_ROOTFS")
+    if not root:
+        pytest.skip("no python rootfs (set COLLIMATE_ROOTFS)")
+    store = tmp_path / "images"
+    store.mkdir()
+    extra = Layer().dir("work").file("etc/motd", b"toolbox motd\n").bytes()
+    write_docker_save(store / "toolbox.tar", [busybox_layer(Path(root) / "usr/bin/busybox"), extra],
+                      {"Env": ["PATH=/bin", "TOOL=box"], "Entrypoint": ["/bin/env", "FROM_ENTRYPOINT=yes"],
+                       "WorkingDir": "/work"}, repo_tags=["toolbox:1.0"])
+    client = EmbeddedClient(cache=tmp_path, platform="systrap")
+    try:
+        with client.env("toolbox:1.0") as env, env.sandbox() as sess:
+            r = sess.exec(command="echo $FROM_ENTRYPOINT $TOOL; cat /etc/motd; pwd")
+            assert r.ok and r.stdout == "yes box\ntoolbox motd\n/work\n" and r.seed_ack == "off", r
+        with pytest.raises(NotFoundError, match="skopeo copy"):
+            with client.env("ghcr.io/you/x@sha256:" + "ef" * 32):
+                pass
+        with pytest.raises(NotFoundError, match="no template named 'no-such-image'"):
+            client.env("no-such-image").__enter__()
+        # A User: the python rootfs has user "sandbox"; the guest runs as it.
+        write_oci_layout(store / "asuser", [Layer().tree(Path(root), skip=(".collimate-rootfs.json",)).bytes()],
+                         {"Env": ["PATH=/usr/bin:/bin"], "User": "sandbox"}, ref_name="1.0")
+        st = Template.bake(client, name="asuser", image="asuser:1.0", ready=Ready(cmd="touch /work/made")).wait(300)
+        assert st.phase == "Live" and st.user["name"] == "sandbox", st.log
+        with client.session("asuser") as s:
+            r = s.exec(code="import os, pwd\nprint(pwd.getpwuid(os.getuid()).pw_name, "
+                            "pwd.getpwuid(os.stat('/work/made').st_uid).pw_name)")
+            assert r.stdout == "sandbox sandbox\n", r
+    finally:
+        client.close()
