@@ -11,6 +11,7 @@ Needs seccomp filters (systrap), not /dev/kvm (the refusal test bakes on kvm whe
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -150,6 +151,13 @@ def test_env_of_an_image_in_the_store_and_an_images_user(tmp_path):
         with client.env("toolbox:1.0") as env, env.sandbox() as sess:
             r = sess.exec(command="echo $FROM_ENTRYPOINT $TOOL; cat /etc/motd; pwd")
             assert r.ok and r.stdout == "yes box\ntoolbox motd\n/work\n" and r.seed_ack == "off", r
+        # Another process's prune of the shared cache (its bakes and deletes run one) keeps the
+        # root filesystem of this process's live template: its next sandbox still runs.
+        subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                        "from collimate_core.templates import bake; bake._prune(Path(sys.argv[1]))", str(tmp_path)],
+                       check=True)
+        with client.env("toolbox:1.0") as env, env.sandbox() as sess:
+            assert sess.exec(command="cat /etc/motd").stdout == "toolbox motd\n"
         with pytest.raises(NotFoundError, match="skopeo copy"):
             with client.env("ghcr.io/you/x@sha256:" + "ef" * 32):
                 pass

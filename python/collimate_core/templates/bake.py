@@ -770,8 +770,10 @@ class _Build:
         """The bake on systrap, which has no snapshots: a live zygote (sdk/live.py). Each start (now,
         and again if the zygote dies) copies the image's seeded writable mounts into new
         directories, spawns the agent on the image's root, boots it and runs the Ready steps in it;
-        a clone of it must answer before the template is registered. Nothing is written to the
-        template store: the template lives as long as this client registers it."""
+        a clone of it must answer before the template is registered. Nothing is committed to the
+        template store (no v<N>/, no index): the template lives as long as this client registers
+        it; its `.v<N>.<pid>.tmp/building.json` stays meanwhile, so that no process's prune takes
+        its root filesystem."""
         from collimate_core.sdk.live import LiveTemplate
 
         spec, say = self.spec, self.log
@@ -821,8 +823,15 @@ class _Build:
                 shutil.rmtree(work, ignore_errors=True)
                 raise
 
+        # The version directory stays while the template lives: its building.json (image id and
+        # this pid) is how a prune in any process sharing the cache sees the unpacked root
+        # filesystem in use (`_rootfs_used`); a prune removes it once this process is gone.
+        vtmp = self.vtmp
+
         def released() -> None:
             shutil.rmtree(workdirs, ignore_errors=True)
+            if vtmp is not None:
+                shutil.rmtree(vtmp, ignore_errors=True)
             with _lock:
                 _rootfs_in_use[image_id] -= 1
 
@@ -849,7 +858,7 @@ class _Build:
             live._on_close = None  # the bake's cleanup (run's handler) releases the root and mounts
             live.close()
             raise
-        self._cleanup(None)  # its version directory: nothing of a live template is on disk
+        self.vtmp = None  # the live template's now (see `released`)
         return live
 
     def _boot(self, vm: Any, argv: list[str]) -> None:
