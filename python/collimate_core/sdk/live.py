@@ -12,8 +12,9 @@ interpreter is lost is replaced by a new clone.
 Image templates (Template.bake, `client.env(image)`) are live zygotes too (`LiveTemplate.image`,
 made by templates/bake.py): the image's unpacked root filesystem as the guest's root, its agent
 spawned with the image's argv, Env, WorkingDir, User and seeded writable mounts, and the bake's
-Ready steps run in the zygote once before any clone. What a bake does on kvm that systrap cannot
-do yet is refused by the bake with `PlatformUnavailable` (`bake_feature_unavailable`).
+Ready steps run in the zygote once before any clone (with the writable root, in a clone of the
+booted agent, as on kvm). A template baked into a kvm snapshot cannot run here and is refused with
+`PlatformUnavailable` (`image_templates_unavailable`) saying what to do.
 """
 
 from __future__ import annotations
@@ -36,14 +37,6 @@ SYSTRAP_RUNS = (
     "baked live on the same client (sessions, execs, fork groups, grading, seeds)"
 )
 SYSTRAP_HELP = "use platform='kvm' (connect(platform='kvm')) on a host where /dev/kvm opens and creates a VM"
-
-
-def bake_feature_unavailable(what: str, instead: str) -> PlatformUnavailable:
-    """The error for a bake feature that has no systrap equivalent yet: what it is, and what to do."""
-    return PlatformUnavailable(
-        f"{what} is not supported on the systrap platform yet; {instead}, or use platform='kvm' "
-        f"(connect(platform='kvm')) on a host where /dev/kvm opens and creates a VM"
-    )
 
 
 def image_templates_unavailable(what: str) -> PlatformUnavailable:

@@ -22,6 +22,8 @@ A bake, in a background thread (`handle.wait()` blocks on it; `handle.status()` 
   6. checkpoint the agent at its idle read, check a clone answers, and commit the version;
   7. register it with the client: `client.session(name)`, `client.env(name)`, `Sandbox(name)`.
 A failure at any step ends in phase "Failed" with the build log, and removes what the bake made.
+On systrap (no snapshots) steps 1-5 are the same and the booted agent itself, after its Ready steps,
+is the template's live zygote (`_Build._live`, sdk/live.py; docs/templates.md, "On systrap").
 
 On disk (`<cache>/templates/images/<name>-<hash>/`): `index.json` names the current version;
 `v<N>/` holds `snapshot/` (vm.state, vm.mem, fs/), `template.json` and `build.log`. Re-baking a name
