@@ -5,8 +5,11 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
 - `exec(command="true")` in a live session against `/bin/sh -c true` called directly;
 - a sandbox from the catalog "python" template, one `exec(code=...)`, and its exit (a clone of the
   zygote on both platforms; kvm may serve it from its spare pool or a recycled sandbox, systrap
-  has neither) against `/usr/bin/python3 -c "x = 1"` called directly;
-- `fork_group(4)` and `fork_group(64)` of a session and one exec of code in each child (`map`).
+  from the SDK's spares, made ahead by a thread of the client) against `/usr/bin/python3 -c "x = 1"` called directly;
+- `fork_group(4)` and `fork_group(64)` of a session and one exec of code in each child (`map`);
+- on systrap, `exec(command="true")` with the engine's spawn call refused
+  (`COLLIMATE_SYSTRAP_SPAWN=0`: the agent's subprocess fallback, what systrap did before it served
+  the call), beside the row above.
 
 Needs seccomp filters for the systrap rows and /dev/kvm for the kvm rows.
 """
@@ -67,6 +70,30 @@ def test_session_exec_true(benchmark, client):
         benchmark.pedantic(run, rounds=40, warmup_rounds=3)
     benchmark.extra_info["platform"] = client.platform
     _record(benchmark, f"{client.platform} exec true", "native true")
+
+
+def test_session_exec_true_subprocess_fallback(benchmark):
+    from collimate_core.sdk import platform as pf
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    os.environ["COLLIMATE_SYSTRAP_SPAWN"] = "0"  # read by the zygote's VMM, which its clones inherit
+    try:
+        c = EmbeddedClient(platform="systrap")
+        s = c.session("python")
+        s.__enter__()
+    finally:
+        os.environ.pop("COLLIMATE_SYSTRAP_SPAWN", None)
+    try:
+        def run():
+            assert s.exec(command="true").ok
+
+        benchmark.pedantic(run, rounds=40, warmup_rounds=3)
+    finally:
+        s.__exit__(None, None, None)
+        c.close()
+    benchmark.extra_info["platform"] = "systrap"
+    _record(benchmark, "systrap exec true, subprocess fallback", "native true")
 
 
 def test_sandbox_exec_exit(benchmark, client):

@@ -73,6 +73,102 @@ def test_a_session_execs_code_and_commands_and_keeps_state(client):
         assert s.download("/work/out.json") == b'{"n": 7}'
 
 
+# In the agent: the engine's spawn call (docs/spawn.md) made directly, with a pipe as the child's
+# stdin and another as its stdout (the call keeps fds 0-2), an environment of its own and the
+# agent's cwd; then a missing program. Prints one JSON line.
+SPAWN_DIRECTLY = """
+import collimate_agent as a, json, os
+out = {}
+os.chdir("/tmp")
+saved = os.dup(0), os.dup(1)
+i_r, i_w = os.pipe()
+o_r, o_w = os.pipe()
+os.write(i_w, b"from stdin\\n")
+os.close(i_w)
+os.dup2(i_r, 0)
+os.dup2(o_w, 1)
+try:
+    pid = a._spawn([b"/bin/sh", b"-c", b"cat; pwd; echo $FOO; exit 5"], [b"FOO=bar"])
+finally:
+    os.dup2(saved[0], 0)
+    os.dup2(saved[1], 1)
+    for fd in (i_r, o_w) + saved:
+        os.close(fd)
+_, status = os.waitpid(pid, 0)
+out["child"] = [pid > 1, os.waitstatus_to_exitcode(status), os.read(o_r, 4096).decode()]
+try:
+    a._spawn([b"/no/such/program"], [])
+except OSError as e:
+    out["missing"] = e.errno
+print(json.dumps(out))
+"""
+
+
+def test_commands_start_through_the_engines_spawn_call(client):
+    # Failed before the systrap VMM served the call: it answered ENOSYS (38) and the agent fell
+    # back to subprocess (a vfork running CPython's pre-exec code in the guest).
+    with client.session("python") as s:
+        r = s.exec(code=SPAWN_DIRECTLY)
+        assert r.ok, r
+        out = json.loads(r.stdout)
+        assert out == {"child": [True, 5, "from stdin\n/tmp\nbar\n"], "missing": 2}, out
+        # Through exec(command=...): stdout, stderr, the exit code, env and cwd; the agent's
+        # channel (fd 3) is closed in the child and SIGPIPE is back to its default (yes dies by
+        # it: 141), as the spawn's flags ask and as on kvm.
+        r = s.exec(command="echo out; echo err >&2; echo $FOO; pwd; exit 7", env={"FOO": "baz"}, cwd="/work")
+        assert (r.exit_code, r.stdout, r.stderr) == (7, "out\nbaz\n/work\n", "err\n"), r
+        r = s.exec(command="(yes; echo $? >&2) | head -1; echo x >&3; echo rc=$?")
+        assert (r.exit_code, r.stdout, r.stderr) == (0, "y\nrc=1\n", "141\n/bin/sh: 3: Bad file descriptor\n"), r
+        # A missing binary: the shell's error, as on kvm.
+        r = s.exec(command="no-such-binary --flag")
+        assert (r.exit_code, r.stderr) == (127, "/bin/sh: no-such-binary: not found\n"), r
+        # The spawns left the agent's memory out of their stub forks and put it back: a fork of
+        # the agent afterwards still has all of it.
+        r = s.exec(code="import os\nbig = bytes(range(256)) * 4096\npid = os.fork()\n"
+                        "if pid == 0:\n    os._exit(0 if big[4097] == 1 and len(big) == 1 << 20 else 1)\n"
+                        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))")
+        assert r.stdout == "0\n", r
+        # From the children of a fork group: each spawns from its own VMM and stub.
+        with s.fork_group(2) as grp:
+            for i, child in enumerate(grp):
+                r = child.exec(code=SPAWN_DIRECTLY)
+                assert r.ok and json.loads(r.stdout) == out, r
+                r = child.exec(command=f"echo child {i}; exit {i + 3}")
+                assert (r.exit_code, r.stdout) == (i + 3, f"child {i}\n"), r
+
+
+def test_sandboxes_come_from_spare_clones_made_ahead(client):
+    # Failed before the SDK kept spares on systrap: every sandbox was cloned when asked for
+    # (warm_hit False).
+    t = client._template("python")
+    client.expect_width("python", 2)
+    try:
+        for _ in range(600):  # the background thread clones them: up to a minute
+            if len(t._pool) == 2:
+                break
+            time.sleep(0.1)
+        assert len(t._pool) == 2
+        with Sandbox("python", client=client) as a, Sandbox("python", client=client) as b:
+            assert (a.warm_hit, b.warm_hit) == (True, True)
+            # Each spare is a sandbox of its own, at the template's ready point.
+            a.exec(code="x = 'a'")
+            assert b.exec(code="print('x' in dir())").stdout == "False\n"
+            assert a.exec(code="print(x)").stdout == "a\n"
+            assert b.exec(command="echo b").stdout == "b\n"
+        # Taken spares are replaced; a width of 0 drops them.
+        for _ in range(600):
+            if len(t._pool) == 2:
+                break
+            time.sleep(0.1)
+        assert len(t._pool) == 2
+        client.expect_width("python", 0)
+        assert t._pool == []
+        with Sandbox("python", client=client) as c:
+            assert not c.warm_hit and c.exec(code="print(3)").stdout == "3\n"
+    finally:
+        client.release_template("python")
+
+
 def test_fork_group_children_start_from_the_parent_and_keep_their_own_state(client):
     with client.session("python") as s:
         s.exec(code="state = ['parent']\nopen('/work/f', 'w').write('parent')")
@@ -171,6 +267,9 @@ def test_a_lost_vmm_raises_and_a_lost_zygote_is_started_again(client):
             # An infrastructure failure raises (never an exit code or a reward).
             with pytest.raises(SandboxDied, match="is gone"):
                 s.exec(code="print(2)")
+        # No spares (they are clones made before the zygote died), so the next sandbox is a
+        # new clone, which finds the zygote gone.
+        c.expect_width("python", 0)
         zygote = c._templates["python"].zygote
         os.kill(zygote.pid, signal.SIGKILL)
         with c.session("python") as s:

@@ -76,6 +76,32 @@ print(len(b), b[-1], m[100:105].decode(), fm[:12].decode())\n";
 }
 
 #[test]
+fn mremap_grows_next_to_the_stub_by_moving() {
+    // A mapping that ends where the stub's reserved range begins cannot grow in place there:
+    // mremap with MREMAP_MAYMOVE moves it (as Linux would with a neighbour in the way) and keeps
+    // its contents; without MAYMOVE it is ENOMEM. The stub's pages are untouched (the process
+    // goes on trapping).
+    let code = format!("import ctypes, os\n\
+libc = ctypes.CDLL(None, use_errno=True)\n\
+libc.mmap.restype = ctypes.c_void_p\n\
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n\
+libc.mremap.restype = ctypes.c_void_p\n\
+libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]\n\
+at = {base} - 4096\n\
+p = libc.mmap(at, 4096, 3, 0x22 | 0x100000, -1, 0)\n\
+assert p == at, hex(p or 0)\n\
+ctypes.memset(p, 0x5a, 4096)\n\
+r = libc.mremap(p, 4096, 8192, 0)\n\
+print(r == 2**64 - 1, ctypes.get_errno())\n\
+q = libc.mremap(p, 4096, 8192, 1)\n\
+print(q not in (p, 2**64 - 1), ctypes.string_at(q, 4096) == b'Z' * 4096)\n\
+print(os.getpid() > 0)\n", base = collimate_engine::platform::systrap::layout::STUB_BASE);
+    let Some(r) = run(&["/usr/bin/python3", "-c", &code]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(String::from_utf8_lossy(&r.stdout), format!("True {}\nTrue True\nTrue\n", libc::ENOMEM));
+}
+
+#[test]
 fn a_segfault_ends_the_process_by_sigsegv() {
     let Some(r) = run(&["/usr/bin/python3", "-c", "import ctypes; ctypes.string_at(8)"]) else { return };
     assert_eq!(r.exit, RunExit::Signaled { signo: libc::SIGSEGV });

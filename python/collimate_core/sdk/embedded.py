@@ -353,6 +353,7 @@ class EmbeddedClient:
                 self._templates[name] = baked
             if old is not None:
                 old.close()
+            baked.set_spares(DEFAULT_SPARES)
             return
         with self._lock:
             old = self._templates.pop(name, None)

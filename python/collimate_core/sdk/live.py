@@ -5,9 +5,10 @@ sandbox cannot be checkpointed yet (docs/systrap.md), so there a template's zygo
 itself: spawned with the argv, environment and mounts every python template has
 (`templates.catalog.spawn_agent`), run once to its ready point at the template's first use, and
 never run again. Sandboxes are its clones (a fork of its stub plus a host fork of its VMM: guest
-memory shared copy-on-write, writable mounts copied). There is no spare pool and no recycling by
-reset (the engine has neither on systrap): a sandbox that ends is destroyed, and one whose
-interpreter is lost is replaced by a new clone.
+memory shared copy-on-write, writable mounts copied). A few clones are made ahead as spares, by a
+background thread, as the kvm engine keeps its spare pool: a new sandbox takes one and the
+thread makes the next. There is no recycling by reset (the engine has none on systrap): a sandbox
+that ends is destroyed, and one whose interpreter is lost is replaced by a new clone.
 
 Image templates (Template.bake, `client.env(image)`) are live zygotes too (`LiveTemplate.image`,
 made by templates/bake.py): the image's unpacked root filesystem as the guest's root, its agent
@@ -66,6 +67,8 @@ class LiveTemplate:
         self.disk_quota = disk_quota
         self.shared_memory = shared_memory
         self.spares = 0
+        self._pool: list[Vm] = []  # spare clones, oldest first (see `set_spares`)
+        self._filling = False
         self._cpus = cpus
         self._work: Path | None = None
         self.zygote = self._start()
@@ -102,8 +105,54 @@ class LiveTemplate:
         pass
 
     def set_spares(self, n: int) -> None:
-        """No spare pool on systrap (the engine refuses one): a width is a hint, and each
-        sandbox is cloned when asked for."""
+        """Keep `n` clones of the zygote ready (at most MAX_SPARES): made by a background thread,
+        taken by `clone`. The engine keeps no spare pool on systrap, so the SDK does."""
+        from collimate_core.sdk.embedded import MAX_SPARES
+
+        n = max(0, min(n, MAX_SPARES))
+        with self.lock:
+            self.spares = n
+            extra, self._pool = self._pool[n:], self._pool[:n]
+        for vm in extra:
+            vm.destroy()
+        self._fill()
+
+    def _fill(self) -> None:
+        """Start the thread that clones spares up to `spares`, unless it runs."""
+        with self.lock:
+            if self._filling or len(self._pool) >= self.spares:
+                return
+            self._filling = True
+        # Not a daemon: at the interpreter's exit it ends after its current clone (a daemon thread
+        # frozen inside the engine's call aborts the process).
+        threading.Thread(target=self._filler, name="collimate-systrap-spares").start()
+
+    def _filler(self) -> None:
+        try:
+            while True:
+                with self.lock:
+                    if self.zygote is None or len(self._pool) >= self.spares:
+                        return
+                    try:
+                        vm = self.zygote.clone()
+                    except _CoreEngineError as e:
+                        if "is gone" not in str(e):
+                            return
+                        # The zygote's VMM died: start a new one, once (as `clone` does).
+                        try:
+                            self._stop()
+                            self.zygote = self._start()
+                            vm = self.zygote.clone()
+                        except Exception:  # noqa: BLE001 - the next `clone` raises it to its caller
+                            return
+                    self._pool.append(vm)
+        finally:
+            with self.lock:
+                self._filling = False
+
+    def _take_spare(self) -> Vm | None:
+        with self.lock:
+            return self._pool.pop(0) if self._pool else None
 
     def _start(self) -> Vm:
         """Spawn the agent in new writable mounts and run it to its ready point: the zygote."""
@@ -125,6 +174,11 @@ class LiveTemplate:
         return vm
 
     def clone(self) -> tuple[Vm, bool]:
+        vm = self._take_spare()
+        if vm is not None:
+            self._fill()
+            return vm, True
+        self._fill()
         with self.lock:
             try:
                 return self.zygote.clone(), False
@@ -144,16 +198,22 @@ class LiveTemplate:
 
     def close(self) -> None:
         with self.lock:
+            self.spares = 0
+            spares, self._pool = self._pool, []
             self._stop()
-            if self._on_close is not None:
-                self._on_close()
-                self._on_close = None
+        for vm in spares:
+            vm.destroy()
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
 
 
 def template(name: str, cache: Path | None, disk_quota: int, shared_memory: int) -> LiveTemplate:
     """The systrap template `name`: the catalog's "python" (root filesystem built on first use,
     no /dev/kvm needed), else a container image (a path, or a reference in the local image store)
     baked live under that name (`client.env(ref)` in one step), else NotFoundError."""
+    from collimate_core.sdk.embedded import DEFAULT_SPARES
+
     if name != "python":
         from collimate_core.templates.bake import find_or_bake
 
@@ -170,6 +230,9 @@ def template(name: str, cache: Path | None, disk_quota: int, shared_memory: int)
         assert isinstance(t, LiveTemplate)
         t.disk_quota = t.disk_quota or disk_quota
         t.shared_memory = t.shared_memory or shared_memory
+        t.set_spares(DEFAULT_SPARES)
         return t
     root = _catalog.python_root(cache)
-    return LiveTemplate(name, root, disk_quota, shared_memory, _catalog.guest_cpus())
+    t = LiveTemplate(name, root, disk_quota, shared_memory, _catalog.guest_cpus())
+    t.set_spares(DEFAULT_SPARES)
+    return t

@@ -339,7 +339,16 @@ pub fn commit_host(os: &mut GuestOs, h: &mut dyn HostSpace, p: Prepared, envp: &
     let Prepared { prog, interp, argv, exec_fn } = p;
     let prog_fd = open_program(os, &prog)?;
     let interp_fd = interp.as_ref().map(|i| open_program(os, i)).transpose()?;
-    let old: Vec<(u64, u64)> = os.mm.vmas.iter().map(|(s, v)| (*s, v.end)).collect();
+    // The old image goes in as few unmaps as its mappings allow: adjacent mappings together (each
+    // unmap is a round trip to the stub on systrap).
+    let mut old: Vec<(u64, u64)> = Vec::new();
+    for (&start, v) in os.mm.vmas.iter() {
+        match old.last_mut() {
+            Some(last) if last.1 == start => last.1 = v.end,
+            _ => old.push((start, v.end)),
+        }
+    }
+    crate::trace::mark_n("exec.unmaps", old.len() as u64);
     for (start, end) in old {
         h.unmap(start, end - start)?;
     }

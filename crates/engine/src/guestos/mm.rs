@@ -962,10 +962,11 @@ impl Mm {
     }
 
     /// Where mremap grows an anonymous mapping [old, old_end) in place to `new_len` bytes: the new
-    /// end, if the room after it is free (a file mapping never grows in place).
-    fn grow_in_place(&self, old: u64, old_end: u64, new_len: u64, tmpl: &Vma) -> Option<u64> {
+    /// end, if the room after it is free and outside the platform's `reserved` range (a file
+    /// mapping never grows in place). Otherwise the mapping moves, as Linux's would.
+    fn grow_in_place(&self, old: u64, old_end: u64, new_len: u64, tmpl: &Vma, reserved: Reserved) -> Option<u64> {
         let grow_end = old.checked_add(new_len).filter(|&e| e <= TASK_SIZE)?;
-        (!self.overlaps(old_end, grow_end) && tmpl.file.is_none()).then_some(grow_end)
+        (!self.overlaps(old_end, grow_end) && !reserved.touches(old_end, grow_end) && tmpl.file.is_none()).then_some(grow_end)
     }
 
     /// Where mremap moves a mapping it cannot grow in place: ENOMEM without MREMAP_MAYMOVE, and for
@@ -1240,7 +1241,7 @@ impl Mm {
             self.unmap_range(sp, old + new_len, old_end)?;
             return Ok(old);
         }
-        if let Some(grow_end) = self.grow_in_place(old, old_end, new_len, &tmpl) {
+        if let Some(grow_end) = self.grow_in_place(old, old_end, new_len, &tmpl, Reserved::NONE) {
             if tmpl.prot != PROT_NONE {
                 Self::populate(sp, old_end, grow_end, tmpl.prot)?;
             }

@@ -192,18 +192,19 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         SYS_GETPID | SYS_GETTID => Ok(p.pid as u64),
         SYS_GETPPID => Ok(p.ppid as u64),
         SYS_GETPGRP => Ok(p.pgid as u64),
+        // Another process's group or session: what it published in the sandbox's process table.
         SYS_GETPGID => {
             if is_self(p, a[0]) {
                 Ok(p.pgid as u64)
             } else {
-                Err(ESRCH)
+                crate::guestos::proctab::read(a[0] as i32).map(|f| f.pgid as u64).ok_or(ESRCH)
             }
         }
         SYS_GETSID => {
             if is_self(p, a[0]) {
                 Ok(p.sid as u64)
             } else {
-                Err(ESRCH)
+                crate::guestos::proctab::read(a[0] as i32).map(|f| f.sid as u64).ok_or(ESRCH)
             }
         }
         SYS_SETPGID => {

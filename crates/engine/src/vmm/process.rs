@@ -509,6 +509,16 @@ pub(super) fn enter_child_process(m: &mut Machine, guest_pid: i32, parent_host: 
     m.touched = None;
     // Tmpfs instances kept for the controller's children to come are not a guest child's.
     m.scratch_stock.clear();
+    become_guest_child(guest_pid, parent_host, generation);
+    // Only the calling thread is copied (its siblings stay the parent's, and counted there).
+    super::threads::only_current(m, false);
+}
+
+/// The platform-neutral part of [`enter_child_process`] (kvm's and systrap's guest forks): the
+/// parent-death signal (adoption by the first process, see `on_parent_death`), the controller's
+/// descriptors closed, the scheduler's slot and the process table's entry, no core files.
+/// `install_reaper` must have run in the parent.
+pub(super) fn become_guest_child(guest_pid: i32, parent_host: i32, generation: u32) {
     // SAFETY: plain prctl/getppid calls; the parent-death signal has a handler (install_reaper).
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, reaper_signal() as libc::c_ulong, 0, 0, 0);
@@ -540,8 +550,6 @@ pub(super) fn enter_child_process(m: &mut Machine, guest_pid: i32, parent_host: 
     crate::guestos::sched::child_started(guest_pid);
     crate::guestos::proctab::child_started();
     crate::guestos::futex_shared::child_started();
-    // Only the calling thread is copied (its siblings stay the parent's, and counted there).
-    super::threads::only_current(m, false);
     // No core files on the host when the guest dies by a core-dumping signal (RLIMIT_CORE is 0
     // in the guest too, so the wait status carries no core flag either way).
     let no_core = libc::rlimit { rlim_cur: 0, rlim_max: 0 };

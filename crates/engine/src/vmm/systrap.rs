@@ -19,18 +19,22 @@
 //! handle, and the parent's wait4/waitid read the child's end through its pidfd
 //! (`guestos::signal`'s children, the same machinery as kvm's). The guest's fds 1 and 2 are two
 //! memfds every process of the tree appends to ([`Capture`]), read after each run; the first
-//! process's end takes its children with it. Not yet on this platform (each answers as noted):
-//! threads and clone's sharing flags (ENOSYS); signals between guest processes go as on kvm
-//! (`signal::host`'s carrier) between parent and child only (kill of a sibling is ESRCH, and a
-//! group's or -1's reaches the first process and its own children only); shared futexes across
-//! processes, snapshots, and the KVM VMM's scheduler and process table.
+//! process's end takes its children with it. In a served sandbox the process tree is kvm's
+//! ([`proctree`]: the scheduler's slots, the roster and the process table): kill, tgkill and
+//! killpg reach any process of the sandbox, setpgid/setsid make groups and sessions,
+//! `/proc/<pid>` shows every process of the sandbox and none of the host's, and an orphan is
+//! adopted by the first process. Not yet on this platform (each answers as noted): threads and
+//! clone's sharing flags (ENOSYS); shared futexes across processes, snapshots, and replay's
+//! turn-taking between processes (`sched::gate`: they run in parallel in replay mode too).
 //!
 //! Two ways to run one: [`Process::spawn`] runs the first process in the caller's own process
 //! (tests and benches; a child's guest pid is then its VMM's host pid), and [`serve`] makes a
 //! launched VMM process serve it over the controller protocol (the SDK's `platform="systrap"`;
 //! guest pids from the serving tree's pid page, as on kvm).
 
+mod proctree;
 mod serve;
+mod spawn;
 
 pub(super) use serve::serve_first;
 
@@ -346,6 +350,7 @@ impl Process {
     fn syscall(&mut self, out: &mut guestos::Output) -> Option<RunExit> {
         let entry = Entry::of(&self.regs);
         let nr = self.regs.rax;
+        crate::trace::syscall(nr);
         let exit = if nr == SYS_EXECVE {
             self.execve()
         } else if nr == SYS_RT_SIGRETURN {
@@ -363,6 +368,9 @@ impl Process {
                 Ok(pid) => pid as u64,
                 Err(e) => (-(e.0 as i64)) as u64,
             };
+            None
+        } else if nr == process::SYS_SPAWN {
+            self.spawn_call();
             None
         } else if intercepted(nr) {
             self.regs.rax = (-(ENOSYS.0 as i64)) as u64;
@@ -512,16 +520,27 @@ impl Process {
             *self.os.enosys.entry(SYS_CLONE).or_default() += 1;
             return Err(ENOSYS);
         }
-        let child_stub = self.stub.fork().map_err(|_| EAGAIN)?;
         // The child's guest pid: the sandbox's own numbering (the serving tree's pid page, as on
         // kvm), or its VMM's host pid where there is no such tree (a first process run in the
         // caller's process: tests and benches).
         let guest_pid = signal::host::alloc_pid();
+        // Counted and given its slot in the tree (`proctree`: kill, groups, /proc/<pid>).
+        let forking = match guest_pid {
+            Some(pid) => Some((pid, proctree::before_fork(&self.os, pid)?)),
+            None => None,
+        };
+        let failed = |e: Errno| {
+            if let Some((pid, _)) = &forking {
+                proctree::fork_failed(*pid);
+            }
+            e
+        };
+        let child_stub = self.stub.fork().map_err(|_| failed(EAGAIN))?;
         // A vfork parent waits for the child's exec or end: the end of this pipe.
         let mut vfork = [-1; 2];
         // SAFETY: pipe2 fills two descriptors; checked.
         if c.flags & CLONE_VFORK != 0 && unsafe { libc::pipe2(vfork.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
-            return Err(Errno::last());
+            return Err(failed(Errno::last()));
         }
         // SAFETY: getpid cannot fail.
         let parent_host = unsafe { libc::getpid() };
@@ -541,6 +560,9 @@ impl Process {
             // SAFETY: closing our copy of the read end.
             unsafe { libc::close(vfork[0]) };
             let stub = child_stub;
+            if let Some((pid, f)) = &forking {
+                proctree::child_started(*pid, parent_host, f);
+            }
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.child_main(stub, c, guest_pid, parent_host, vfork[1])));
             let exit = r.unwrap_or(RunExit::Signaled { signo: libc::SIGKILL });
             // SAFETY: our stub is parked or gone; kill it before this process ends (its handle
@@ -556,7 +578,7 @@ impl Process {
                 // SAFETY: our pipe's descriptors.
                 unsafe { libc::close(fd) };
             }
-            return Err(e);
+            return Err(failed(e));
         }
         child_stub.release();
         let host_pid = rc as i32;
@@ -578,7 +600,7 @@ impl Process {
                     libc::kill(host_pid, libc::SIGKILL);
                     libc::waitpid(host_pid, std::ptr::null_mut(), libc::__WALL);
                 }
-                return Err(e);
+                return Err(failed(e));
             }
         };
         if c.flags & CLONE_PARENT_SETTID != 0 {
@@ -599,8 +621,13 @@ impl Process {
             // SAFETY: the pipe our parent VMM held as a vfork child itself: not ours to hold.
             unsafe { libc::close(inherited) };
         }
-        // SAFETY: a plain prctl: the child VMM ends with the thread that made it.
-        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
+        if guest_pid.is_none() {
+            // Outside a sandbox's tree: the child VMM ends with the thread that made it (in a
+            // tree, `proctree::child_started` set the parent-death signal that lets the first
+            // process adopt it instead).
+            // SAFETY: a plain prctl.
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
+        }
         // SAFETY: getpid cannot fail.
         let me = guest_pid.unwrap_or_else(|| unsafe { libc::getpid() });
         self.guest_pid = me;
@@ -632,10 +659,26 @@ impl Process {
         if c.flags & CLONE_CHILD_SETTID != 0 {
             let _ = self.stub.write(c.child_tid, &me.to_le_bytes());
         }
+        if guest_pid.is_some() {
+            let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+            proctree::publish(&self.os, &Memory::Host(&mut space));
+        }
+        if let Some(exit) = spawn::exec_pending(self) {
+            return exit;
+        }
+        if guest_pid.is_some() {
+            // Again after a spawn call's program load: /proc shows the new program's cmdline.
+            let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+            proctree::publish(&self.os, &Memory::Host(&mut space));
+        }
         let mut out = guestos::Output::default();
         match self.run_loop(&mut out, Instant::now() + Duration::from_secs(86_400 * 365)) {
             Ok(exit) => {
-                signal::kill_children(&mut self.os);
+                // In a sandbox's tree its children live on, adopted by the first process (as on
+                // kvm and Linux); outside one, nothing would adopt them.
+                if guest_pid.is_none() {
+                    signal::kill_children(&mut self.os);
+                }
                 exit
             }
             Err(e) => {

@@ -133,7 +133,7 @@ impl Mm {
             self.host_unmap_range(h, old + new_len, old_end)?;
             return Ok(old);
         }
-        if let Some(grow_end) = self.grow_in_place(old, old_end, new_len, &tmpl) {
+        if let Some(grow_end) = self.grow_in_place(old, old_end, new_len, &tmpl, reserved(h)) {
             let mut ext = tmpl.clone();
             ext.end = grow_end;
             self.host_map(h, old_end, ext, None)?;

@@ -670,6 +670,15 @@ impl Stub {
         self.syscall("mprotect", libc::SYS_mprotect, [va, len, prot as u64, 0, 0, 0]).map(|_| ())
     }
 
+    /// `madvise(va, len, advice)` in the guest's address space (e.g. `MADV_DONTFORK` around a
+    /// [`Stub::fork`] whose child needs none of the guest's memory: a spawn).
+    pub fn advise(&mut self, va: u64, len: u64, advice: i32) -> Result<()> {
+        if layout::touches_reserved(va, len) {
+            return Err(Error::Reserved { addr: va, len });
+        }
+        self.syscall("madvise", libc::SYS_madvise, [va, len, advice as u64, 0, 0, 0]).map(|_| ())
+    }
+
     /// Fork the stub: the host copies the guest's whole address space copy-on-write (what is mapped
     /// `MAP_SHARED` stays shared), and the new stub is parked at the same guest exit as this one, so
     /// `run` on it continues the same guest context. The new stub gets its own shared page and socket.

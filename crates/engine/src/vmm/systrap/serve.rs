@@ -89,6 +89,9 @@ fn new_tree(p: &mut Process) {
     signal::host::set_top(me);
     let next = signal::host::next_pid().unwrap_or(p.os.proc.next_pid);
     signal::host::new_process_count(next);
+    // The tree's scheduler slots and process table (kill of any of its processes, /proc/<pid>).
+    let mut space = super::StubSpace { stub: &mut p.stub, budget: p.budget, failure: None };
+    super::proctree::new_tree(&p.os, &crate::platform::Memory::Host(&mut space));
     // SAFETY: a plain prctl on this process: orphaned guest processes come back to it.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
 }
