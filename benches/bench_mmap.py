@@ -3,7 +3,8 @@ the same program under native /usr/bin/python3 in the same run. CPython 3.11 mak
 thousands of such pairs in a hypothesis-heavy test suite; `mmap.mmap(-1, n)`, Python's default, is a
 MAP_SHARED|MAP_ANONYMOUS one.
 
-Run: `python3 benches/bench_mmap.py` (or `pytest -s benches/bench_mmap.py`).
+Run: `python3 benches/bench_mmap.py` (or `pytest -s benches/bench_mmap.py`). Each platform the
+host runs (kvm, systrap) gets a row per kind, each beside a native baseline measured right after it.
 
 How it measures: every figure is taken from the host (the guest's clocks are virtual). One sample is
 the wall time of one exec of the program making N pairs (each writes one byte of its mapping, as a
@@ -74,28 +75,40 @@ def per_pair(run, program: str, n: int) -> list[float]:
     return [(run(full) - zero) / n * 1e6 for _ in range(ROUNDS)]
 
 
-def row(name: str, sandbox: list[float], native: list[float]) -> str:
+def row(name: str, platform: str, sandbox: list[float], native: list[float]) -> str:
     ms, mn = statistics.median(sandbox), statistics.median(native)
     return (
-        f"{name:<38} sandbox median {ms:8.1f} us  p99 {pct(sandbox, 0.99):8.1f} us | "
+        f"{name:<38} {platform:<8} median {ms:8.1f} us  p99 {pct(sandbox, 0.99):8.1f} us | "
         f"native median {mn:6.2f} us  p99 {pct(native, 0.99):6.2f} us | ratio {ms / mn:6.0f}x"
     )
+
+
+def platforms() -> list[str]:
+    """The sandbox platforms this host runs: kvm where /dev/kvm is, systrap where seccomp filters
+    are allowed (issue 35)."""
+    from collimate_core.sdk import platform as pf
+
+    out = ["kvm"] if os.path.exists("/dev/kvm") else []
+    return out + (["systrap"] if pf.probe_systrap().available else [])
 
 
 def main() -> None:
     from collimate_rl import Sandbox, connect
 
-    client = connect()
+    names = platforms()
     lines = [
-        f"platform {PLATFORM}; {ROUNDS} samples per figure; a sample = one exec of N 16 KiB mmap/write/munmap "
-        f"pairs minus one of none, / N (N={PAIRS} in the sandbox, {NATIVE_PAIRS} natively)"
+        f"host {PLATFORM}; platforms {', '.join(names)}; {ROUNDS} samples per figure; a sample = one exec of N "
+        f"16 KiB mmap/write/munmap pairs minus one of none, / N (N={PAIRS} in a sandbox, {NATIVE_PAIRS} natively); "
+        "the native baseline is measured beside each platform's figure"
     ]
-    with Sandbox("python", client=client) as sb:
-        for name, flags in KINDS.items():
-            prog = PAIR.replace("FLAGS", flags)
-            sb_t = per_pair(lambda code: sandbox_run(sb, code), prog, PAIRS)
+    clients = {name: connect(platform=name) for name in names}
+    for kind, flags in KINDS.items():
+        prog = PAIR.replace("FLAGS", flags)
+        for name, client in clients.items():
+            with Sandbox("python", client=client) as sb:
+                sb_t = per_pair(lambda code: sandbox_run(sb, code), prog, PAIRS)
             nat_t = per_pair(native_run, prog, NATIVE_PAIRS)
-            lines.append(row(name, sb_t, nat_t))
+            lines.append(row(kind, name, sb_t, nat_t))
     print("\n".join(lines))
 
 

@@ -25,10 +25,10 @@ at install; `dpkg -x` runs no postinst), in a layer of its own, so that neither 
 hypothesis at every run; the project's own modules are compiled at the first (warm-up) run on
 both sides.
 
-Platforms: the bench is parametrised by platform. `kvm` runs wherever /dev/kvm exists (its figures
-name the host's KVM module, kvm_pvm on this repository's machine); `systrap` runs once
-`collimate_core.connect` takes a `platform=` argument (issue 35; detected, not assumed) and is
-skipped with that reason until then.
+Platforms: the bench is parametrised by platform, so one run prints native, kvm and systrap
+rows, each platform's beside a native baseline interleaved with it. `kvm` runs wherever /dev/kvm
+exists (its figures name the host's KVM module, kvm_pvm on this repository's machine); `systrap`
+(issue 35) wherever the host allows seccomp filters: the same image baked live (sdk/live.py).
 
 Known wrong reward (this build): the "sign-flip" candidate grades 1.0 in the sandbox, 0.0
 natively. Its patch keeps iso8601.py's size, and the sandbox stamps the patched file with a guest
@@ -100,11 +100,17 @@ def _platform_argument() -> bool:
     return "platform" in inspect.signature(connect).parameters
 
 
+def _systrap_available() -> bool:
+    from collimate_core.sdk import platform as pf
+
+    return pf.probe_systrap().available
+
+
 PLATFORMS = [
     pytest.param("kvm", marks=pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")),
     pytest.param("systrap", marks=pytest.mark.skipif(
-        not _platform_argument(),
-        reason="collimate_core.connect() has no platform= argument in this build: no systrap platform yet (issue 35)")),
+        not _platform_argument() or not _systrap_available(),
+        reason="no systrap platform here: connect() takes no platform=, or the host refuses seccomp filters")),
 ]
 
 # Each candidate patch: (old, new) in iso8601/iso8601.py. The first three keep the targeted tests

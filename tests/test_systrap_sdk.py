@@ -20,7 +20,7 @@ import pytest
 
 from collimate_rl import (
     EmbeddedClient,
-    PlatformUnavailable,
+    NotFoundError,
     Ready,
     Sandbox,
     SandboxDied,
@@ -280,13 +280,14 @@ def test_a_lost_vmm_raises_and_a_lost_zygote_is_started_again(client):
         c.close()
 
 
-def test_image_templates_and_bakes_say_what_runs_on_systrap(client):
-    with pytest.raises(PlatformUnavailable, match="not supported on the systrap platform yet") as e:
+def test_unknown_templates_and_images_say_what_runs_on_systrap(client):
+    # Image templates bake live on systrap (test_systrap_images.py); a name that is neither a
+    # template nor an image says what there is.
+    with pytest.raises(NotFoundError, match="no template named 'swe-rollout': on systrap the catalog has 'python'"):
         with client.session("swe-rollout"):
             pass
-    assert "the catalog template 'python'" in str(e.value) and "platform='kvm'" in str(e.value)
-    with pytest.raises(PlatformUnavailable, match=r"Template.bake\('swe'\) is not supported on the systrap platform"):
-        Template.bake(client, name="swe", image="example.invalid/swe:1", ready=Ready(cmd="true"))
+    st = Template.bake(client, name="swe", image="example.invalid/swe:1", ready=Ready(cmd="true")).wait(60)
+    assert st.phase == "Failed" and "example.invalid/swe:1" in st.error, st
 
 
 # --- connect() with /dev/kvm hidden (a mount namespace) -------------------------------------------
@@ -365,16 +366,19 @@ def test_collimate_serve_on_systrap_serves_the_same_surface(tmp_path):
                 assert (r.stdout, r.platform, r.seed_ack) == ("42\n", "systrap", "verified"), r
                 with s.fork_group(2) as grp:
                     assert [r.stdout for r in grp.map(lambda i, ch: ch.exec(code=f"print(x + {i})"))] == ["6\n", "7\n"]
-            # What systrap does not run yet is refused as such over HTTP too (not a 500).
+            # An image (uploaded by the remote client) bakes live on the server's systrap engine.
             root = os.environ.get("COLLIMATE_ROOTFS")
-            if root:  # an image (uploaded by the remote client) that this server cannot bake on systrap
+            if root:
                 from imagefixtures import busybox_layer, write_docker_save
 
                 image = tmp_path / "tool.tar"
-                write_docker_save(image, [busybox_layer(Path(root) / "usr/bin/busybox")], {"Env": ["PATH=/bin"]},
-                                  repo_tags=["tool:1.0"])
-                with pytest.raises(PlatformUnavailable, match="systrap"):
-                    Template.bake(c, name="mine", image=str(image))
+                write_docker_save(image, [busybox_layer(Path(root) / "usr/bin/busybox")],
+                                  {"Env": ["PATH=/bin", "TOOL=busybox"]}, repo_tags=["tool:1.0"])
+                st = Template.bake(c, name="mine", image=str(image)).wait(300)
+                assert st.phase == "Live", st.log
+                with c.session("mine") as s:
+                    r = s.exec(command="echo $TOOL; echo w > /etc/w && cat /etc/w")
+                    assert (r.stdout, r.platform) == ("busybox\nw\n", "systrap"), r
     finally:
         srv.stop()
     assert not [e for e in srv.events() if e["level"] == "error"]

@@ -17,7 +17,8 @@
 //! no `metacopy` (an upper layer is then a plain tree of whole files,
 //! whiteouts and markers: copied to a fork's tmpfs or a snapshot's `fs/`, it means the same over
 //! the same image). Mount attributes `nosuid,nodev,noexec`, as every jail mount (the engine loads
-//! guest programs itself; the host never executes them).
+//! guest programs itself; the host never executes them); on systrap without `noexec`, as that
+//! VMM's bind mounts ([`allow_exec`]: its stub maps program files executable).
 //!
 //! Why the host's overlayfs and not a copy-up in `guestos::vfs`: the walk would have to look in the
 //! upper layer before the image at every component, merge `getdents` of two directories, record
@@ -58,6 +59,7 @@
 
 use std::ffi::CStr;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::error::{Error, Result};
 
@@ -71,6 +73,17 @@ const FSMOUNT_CLOEXEC: u32 = 0x1;
 const MOUNT_ATTR_NOSUID: u64 = 0x2;
 const MOUNT_ATTR_NODEV: u64 = 0x4;
 const MOUNT_ATTR_NOEXEC: u64 = 0x8;
+
+/// Whether this process mounts its overlays without `noexec` ([`allow_exec`]).
+static EXEC: AtomicBool = AtomicBool::new(false);
+
+/// Mount this process's overlays without `noexec` from now on: a systrap VMM's stub maps the
+/// guest's program files executable (`mmap` with `PROT_EXEC` of a file on a `noexec` mount is
+/// EPERM), as its jail's bind mounts are (`vmm::jail`; its seccomp filter admits `fsmount`
+/// without `MOUNT_ATTR_NOEXEC` for the same reason). A KVM VMM never calls it.
+pub fn allow_exec() {
+    EXEC.store(true, Ordering::Relaxed);
+}
 
 /// The upper layer's directory on the sandbox's tmpfs.
 pub const UPPER: &CStr = c"root";
@@ -133,7 +146,8 @@ pub fn mount_root(ctx: &OwnedFd, lower: BorrowedFd<'_>, scratch: BorrowedFd<'_>)
         fsconfig(ctx, FSCONFIG_CMD_CREATE, None, None, 0)
     };
     configure().map_err(Error::sys("configure a sandbox's root overlay"))?;
-    let attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
+    let noexec = if EXEC.load(Ordering::Relaxed) { 0 } else { MOUNT_ATTR_NOEXEC };
+    let attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | noexec;
     // SAFETY: our context descriptor; the result is checked.
     let root = fd_result(unsafe { libc::syscall(libc::SYS_fsmount, ctx.as_raw_fd(), FSMOUNT_CLOEXEC, attrs) }, "fsmount(overlay)")?;
     if read_only(&root) {

@@ -343,7 +343,18 @@ class EmbeddedClient:
 
     def register_template(self, name: str, baked: Baked) -> None:
         if self.platform == "systrap":
-            raise _live.image_templates_unavailable(f"registering template {name!r} (Template.bake)")
+            if not isinstance(baked, _live.LiveTemplate):
+                raise _live.image_templates_unavailable(f"registering template {name!r} (a snapshot baked on kvm)")
+            # A live zygote baked on this client (Template.bake on systrap): its quotas, else the client's.
+            baked.disk_quota = baked.disk_quota or self.disk_quota
+            baked.shared_memory = baked.shared_memory or self.shared_memory
+            with self._lock:
+                old = self._templates.pop(name, None)
+                self._templates[name] = baked
+            if old is not None:
+                old.close()
+            baked.set_spares(DEFAULT_SPARES)
+            return
         with self._lock:
             old = self._templates.pop(name, None)
             self._templates[name] = _Template(baked, self.disk_quota, self.shared_memory)

@@ -10,9 +10,12 @@ background thread, as the kvm engine keeps its spare pool: a new sandbox takes o
 thread makes the next. There is no recycling by reset (the engine has none on systrap): a sandbox
 that ends is destroyed, and one whose interpreter is lost is replaced by a new clone.
 
-Only the catalog "python" template exists here: it needs the root filesystem alone, not /dev/kvm.
-Image templates (Template.bake, `client.env(image)`) are baked into snapshots and are refused on
-systrap with `PlatformUnavailable` saying what runs there today.
+Image templates (Template.bake, `client.env(image)`) are live zygotes too (`LiveTemplate.image`,
+made by templates/bake.py): the image's unpacked root filesystem as the guest's root, its agent
+spawned with the image's argv, Env, WorkingDir, User and seeded writable mounts, and the bake's
+Ready steps run in the zygote once before any clone (with the writable root, in a clone of the
+booted agent, as on kvm). A template baked into a kvm snapshot cannot run here and is refused with
+`PlatformUnavailable` (`image_templates_unavailable`) saying what to do.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import hashlib
 import shutil
 import threading
 from pathlib import Path
+from typing import Callable
 
 from collimate_core._core import EngineError as _CoreEngineError
 from collimate_core._core import Vm
@@ -30,17 +34,18 @@ from collimate_core.templates.catalog import Baked
 
 # What runs on systrap today, for the errors that refuse the rest.
 SYSTRAP_RUNS = (
-    "on the systrap platform the embedded engine runs the catalog template 'python' (sessions, execs, "
-    "fork groups, grading, seeds)"
+    "on the systrap platform the embedded engine runs the catalog template 'python' and image templates "
+    "baked live on the same client (sessions, execs, fork groups, grading, seeds)"
 )
 SYSTRAP_HELP = "use platform='kvm' (connect(platform='kvm')) on a host where /dev/kvm opens and creates a VM"
 
 
 def image_templates_unavailable(what: str) -> PlatformUnavailable:
-    """The error for an image template (or anything baked into a snapshot) asked for on systrap."""
+    """The error for a template baked into a snapshot (on kvm) asked for on systrap."""
     return PlatformUnavailable(
-        f"{what} is not supported on the systrap platform yet: image templates are baked into snapshots, which "
-        f"systrap sandboxes do not have; {SYSTRAP_RUNS}. For image templates {SYSTRAP_HELP}"
+        f"{what} is not supported on the systrap platform yet: a snapshot is a kvm checkpoint, which systrap "
+        f"sandboxes cannot restore; {SYSTRAP_RUNS}. Bake the image on this client (Template.bake(client, ...) "
+        f"with connect(platform='systrap')), or {SYSTRAP_HELP}"
     )
 
 
@@ -50,8 +55,14 @@ class LiveTemplate:
 
     platform = "systrap"
 
-    def __init__(self, name: str, root: Path, disk_quota: int, shared_memory: int, cpus: int = 1):
-        self.baked = Baked(name, root, root, True)
+    def __init__(self, name: str, root: Path, disk_quota: int, shared_memory: int, cpus: int = 1,
+                 start: Callable[[], tuple[Vm, Path]] | None = None, seed_ack: bool = True,
+                 state: str | None = None, on_close: Callable[[], None] | None = None):
+        # `start`: how an image template's zygote is made (spawned and run through the bake's
+        # steps; see `image`); None for the catalog agent (`_start`).
+        self._starter = start
+        self._on_close = on_close
+        self.baked = Baked(name, root, root, True, seed_ack=seed_ack)
         self.lock = threading.Lock()
         self.disk_quota = disk_quota
         self.shared_memory = shared_memory
@@ -63,10 +74,22 @@ class LiveTemplate:
         self.zygote = self._start()
         # The state its sandboxes start from, as egress recordings name it: what the zygote was
         # started from (a new root filesystem or agent is another state).
-        self.state = hashlib.sha256(
+        self.state = state or hashlib.sha256(
             f"collimate/live-template/v1\0{name}\0{root}\0{_catalog._agent_hash()}\0{cpus}\0"
             f"{_catalog.TEMPLATE_VERSION}".encode()
         ).hexdigest()
+
+    @classmethod
+    def image(cls, name: str, root: Path, start: Callable[[], tuple[Vm, Path]], state: str, *,
+              disk_quota: int | None, shared_memory: int | None, seed_ack: bool,
+              on_close: Callable[[], None] | None = None) -> LiveTemplate:
+        """An image template's live zygote: `start()` spawns the image's agent on `root` in new
+        writable mounts and runs it through the bake's steps to its ready point, returning the VM
+        and the directory holding those mounts (called now, and again if the zygote dies).
+        `state` names what it was baked from (image, Ready steps, agent, CPUs) for egress
+        recordings. A quota left None is the client's (set when it registers the template)."""
+        return cls(name, root, disk_quota, shared_memory, start=start, seed_ack=seed_ack, state=state,
+                   on_close=on_close)
 
     # No recycling: a sandbox that ends is destroyed (reset is not served on systrap).
     def take_recycled(self) -> Vm | None:
@@ -133,6 +156,9 @@ class LiveTemplate:
 
     def _start(self) -> Vm:
         """Spawn the agent in new writable mounts and run it to its ready point: the zygote."""
+        if self._starter is not None:
+            vm, self._work = self._starter()
+            return vm
         work = _catalog.agent_dirs(prefix="collimate-zygote-")
         try:
             vm = _catalog.spawn_agent(self.baked.root, work, self._cpus, platform=self.platform)
@@ -177,15 +203,35 @@ class LiveTemplate:
             self._stop()
         for vm in spares:
             vm.destroy()
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
 
 
 def template(name: str, cache: Path | None, disk_quota: int, shared_memory: int) -> LiveTemplate:
     """The systrap template `name`: the catalog's "python" (root filesystem built on first use,
-    no /dev/kvm needed), else PlatformUnavailable saying what runs on systrap."""
-    if name != "python":
-        raise image_templates_unavailable(f"template {name!r} (an image template or a name the catalog lacks)")
+    no /dev/kvm needed), else a container image (a path, or a reference in the local image store)
+    baked live under that name (`client.env(ref)` in one step), else NotFoundError."""
     from collimate_core.sdk.embedded import DEFAULT_SPARES
 
+    if name != "python":
+        from collimate_core.templates.bake import find_or_bake
+
+        t = find_or_bake(name, cache, platform="systrap")
+        if t is None:
+            from collimate_core.sdk.errors import NotFoundError
+            from collimate_core.templates.oci import default_store
+
+            store = default_store(Path(cache) if cache else _catalog.cache_dir())
+            raise NotFoundError(
+                f"no template named {name!r}: on systrap the catalog has 'python', and image templates are those "
+                f"this client baked (Template.bake) or an image named {name!r} in the local image store {store}"
+            )
+        assert isinstance(t, LiveTemplate)
+        t.disk_quota = t.disk_quota or disk_quota
+        t.shared_memory = t.shared_memory or shared_memory
+        t.set_spares(DEFAULT_SPARES)
+        return t
     root = _catalog.python_root(cache)
     t = LiveTemplate(name, root, disk_quota, shared_memory, _catalog.guest_cpus())
     t.set_spares(DEFAULT_SPARES)

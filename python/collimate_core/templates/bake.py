@@ -22,6 +22,8 @@ A bake, in a background thread (`handle.wait()` blocks on it; `handle.status()` 
   6. checkpoint the agent at its idle read, check a clone answers, and commit the version;
   7. register it with the client: `client.session(name)`, `client.env(name)`, `Sandbox(name)`.
 A failure at any step ends in phase "Failed" with the build log, and removes what the bake made.
+On systrap (no snapshots) steps 1-5 are the same and the booted agent itself, after its Ready steps,
+is the template's live zygote (`_Build._live`, sdk/live.py; docs/templates.md, "On systrap").
 
 On disk (`<cache>/templates/images/<name>-<hash>/`): `index.json` names the current version;
 `v<N>/` holds `snapshot/` (vm.state, vm.mem, fs/), `template.json` and `build.log`. Re-baking a name
@@ -471,6 +473,8 @@ class _Spec:
     shared_memory: int | None = None
     # Whether its sandboxes' root stays the image's, read-only (else a copy-up layer makes it writable).
     read_only_root: bool = False
+    # "kvm" (a checkpoint) or "systrap" (a live zygote: sdk/live.py).
+    platform: str = "kvm"
 
 
 class _Build:
@@ -633,6 +637,13 @@ class _Build:
                 mounts[home] = host
                 say(f"HOME {home} is writable (the sandbox's own copy of the image's, in its disk quota)")
 
+            if spec.platform == "systrap":
+                live = self._live(root, argv, spawn_env, workdir, mounts, agent_dir, user, kind, workdirs,
+                                  image_id, icfg)
+                workdirs = None  # the live template's now (its seed mounts), as is the root's use
+                image_id = None
+                return live
+
             # Boot the agent to its idle point, then the ready state.
             try:
                 vm = Vm.spawn(root, argv, env=spawn_env, cwd=workdir, mounts=mounts,
@@ -640,18 +651,7 @@ class _Build:
                               uid=user["uid"], gid=user["gid"], groups=user["groups"], cpus=spec.cpus)
             except (_CoreEngineError, ValueError, OSError) as e:
                 raise BuildError(f"starting the agent in the image failed: {e}") from None
-            say(f"VMM process {vm.pid}: the agent's boot")
-            if spec.egress is not None and not spec.egress.is_none:
-                vm.set_egress(spec.egress.rule_strings(), spec.egress.internet_access)
-                say(f"egress for the bake and its Ready step: {spec.egress}")
-            r = vm.run(AGENT_START_TIMEOUT)
-            if (r.kind, r.value) != ("yield", AGENT_IDLE):
-                say(f"agent stdout:\n{_tail(r.stdout)}" if r.stdout else "agent stdout: (empty)")
-                say(f"agent stderr:\n{_tail(r.stderr)}" if r.stderr else "agent stderr: (empty)")
-                how = {"exited": f"exited with status {r.code}", "signaled": f"was killed by signal {r.signal}",
-                       "timeout": f"did not get there in {AGENT_START_TIMEOUT:.0f}s"}.get(r.kind, f"stopped: {r.kind}")
-                raise BuildError(f"the agent ({argv[0]}) did not reach its ready point: it {how}")
-            say(f"agent ready in {r.duration:.2f}s (guest time)")
+            self._boot(vm, argv)
             if (spec.ready.cmd is not None or spec.ready.code is not None) and not spec.read_only_root:
                 # The Ready step writes where a sandbox would (pip install into /usr/local, files
                 # in /etc): in a clone with the writable root, whose copy-up layer the checkpoint keeps.
@@ -670,25 +670,7 @@ class _Build:
                 if spec.egress is not None and not spec.egress.is_none:
                     vm.set_egress(spec.egress.rule_strings(), spec.egress.internet_access)
                 say("Ready step in a clone with the writable root (what it writes anywhere in the image is kept)")
-            for what, key, src_text in (("cmd", "command", spec.ready.cmd), ("code", "code", spec.ready.code)):
-                if src_text is None:
-                    continue
-                say(f"Ready({what}=...): running {src_text!r}" if len(src_text) < 200 else f"Ready({what}=...)")
-                r = vm.agent_call(_frame({"op": "exec", key: src_text}), float(spec.ready.timeout))
-                reply = _unframe(r.agent) if (r.kind, r.value) == ("yield", AGENT_IDLE) else None
-                if r.stdout:
-                    say(f"Ready({what}) stdout:\n{_tail(r.stdout)}")
-                if r.stderr:
-                    say(f"Ready({what}) stderr:\n{_tail(r.stderr)}")
-                refused = self._log_egress(vm)
-                if reply is None or "exit_code" not in reply:
-                    how = (f"ran out of its {spec.ready.timeout:g}s" if r.kind == "timeout"
-                           else f"ended the agent ({r.kind}{f', status {r.code}' if r.code is not None else ''})")
-                    raise BuildError(f"Ready({what}=...) {how}{_refused_hint(refused, spec.egress)}")
-                if reply["exit_code"] != 0:
-                    raise BuildError(f"Ready({what}=...) exited with status {reply['exit_code']}"
-                                     f"{_refused_hint(refused, spec.egress)}")
-                say(f"Ready({what}=...) done in {r.duration:.2f}s")
+            self._ready_steps(vm)
 
             # Checkpoint, and check that a clone of it answers.
             say("checkpointing")
@@ -784,6 +766,141 @@ class _Build:
             if image_id is not None:
                 with _lock:
                     _rootfs_in_use[image_id] -= 1
+
+    def _live(self, root: Path, argv: list[str], spawn_env: dict, workdir: str, mounts: dict, agent_dir: Path,
+              user: dict, kind: str, workdirs: Path, image_id: str, icfg: Any) -> Any:
+        """The bake on systrap, which has no snapshots: a live zygote (sdk/live.py). Each start (now,
+        and again if the zygote dies) copies the image's seeded writable mounts into new
+        directories, spawns the agent on the image's root, boots it and runs the Ready steps in it;
+        a clone of it must answer before the template is registered. Nothing is committed to the
+        template store (no v<N>/, no index): the template lives as long as this client registers
+        it; its `.v<N>.<pid>.tmp/building.json` stays meanwhile, so that no process's prune takes
+        its root filesystem."""
+        from collimate_core.sdk.live import LiveTemplate
+
+        spec, say = self.spec, self.log
+
+        def start() -> tuple[Any, Path]:
+            work = Path(tempfile.mkdtemp(prefix="collimate-zygote-"))
+            vm = None
+            try:
+                own = {}
+                for guest, host in mounts.items():
+                    d = work / host.name
+                    _copy_owned(str(host), d)
+                    own[guest] = d
+                try:
+                    vm = Vm.spawn(root, argv, env=spawn_env, cwd=workdir, mounts=own,
+                                  ro_mounts={"/opt/collimate": agent_dir}, agent=True, uid=user["uid"],
+                                  gid=user["gid"], groups=user["groups"], cpus=spec.cpus, platform="systrap")
+                except (_CoreEngineError, ValueError, OSError) as e:
+                    raise BuildError(f"starting the agent in the image on systrap failed: {e}") from None
+                self._boot(vm, argv)
+                if not spec.read_only_root:
+                    # As on kvm: the writable root is its clones'; so the zygote is a clone of the
+                    # booted agent, whose root (the copy-up layer the Ready step writes) its own
+                    # clones copy.
+                    vm.set_writable_root(True)
+                    if spec.disk_quota is not None and vm.disk_quota is not None:
+                        from collimate_core.sdk import quota as _quota
+
+                        vm.set_disk_quota(spec.disk_quota, _quota.inodes_for(spec.disk_quota))
+                    booted, vm = vm, None
+                    try:
+                        vm = booted.clone()
+                    finally:
+                        booted.destroy()
+                    if spec.egress is not None and not spec.egress.is_none:
+                        vm.set_egress(spec.egress.rule_strings(), spec.egress.internet_access)
+                    say(f"VMM process {vm.pid}: a clone of the booted agent with the writable root")
+                if spec.ready.cmd is not None or spec.ready.code is not None:
+                    say("Ready step in the zygote itself (systrap: its clones start from it as it is after the step)")
+                self._ready_steps(vm)
+                if spec.egress is not None and not spec.egress.is_none:
+                    vm.clear_egress()  # the bake's policy is the bake's: sandboxes start with no network
+                return vm, work
+            except BaseException:
+                if vm is not None:
+                    vm.destroy()
+                shutil.rmtree(work, ignore_errors=True)
+                raise
+
+        # The version directory stays while the template lives: its building.json (image id and
+        # this pid) is how a prune in any process sharing the cache sees the unpacked root
+        # filesystem in use (`_rootfs_used`); a prune removes it once this process is gone.
+        vtmp = self.vtmp
+
+        def released() -> None:
+            shutil.rmtree(workdirs, ignore_errors=True)
+            if vtmp is not None:
+                shutil.rmtree(vtmp, ignore_errors=True)
+            with _lock:
+                _rootfs_in_use[image_id] -= 1
+
+        state = hashlib.sha256(json.dumps(
+            ["collimate/live-image-template/v1", spec.name, image_id, argv, workdir, spawn_env, user, spec.cpus,
+             spec.ready.cmd, spec.ready.code, str(agent_dir)], sort_keys=True).encode()).hexdigest()
+        live = LiveTemplate.image(spec.name, root, start, state, disk_quota=spec.disk_quota,
+                                  shared_memory=spec.shared_memory, seed_ack=kind == "python", on_close=released)
+        try:
+            say(f"VMM process {live.zygote.pid}: the live zygote (systrap)")
+            clone, _ = live.clone()
+            with clone:
+                r = clone.agent_call(_frame({"op": "ping"}), 60.0)
+                if _unframe(r.agent) != {"pong": True}:
+                    raise BuildError(f"a clone of the zygote did not answer ({r.kind}): "
+                                     f"{r.stderr.decode(errors='replace')[-2000:]}")
+            say("a clone answers")
+            with self.lock:
+                self.status.seconds = round(time.monotonic() - self.t0, 2)
+            say(f"live: template {spec.name!r} v{self.status.version} (systrap: a live zygote in this process)")
+            if self.on_commit is not None:
+                self.on_commit(live)
+        except BaseException:
+            live._on_close = None  # the bake's cleanup (run's handler) releases the root and mounts
+            live.close()
+            raise
+        self.vtmp = None  # the live template's now (see `released`)
+        return live
+
+    def _boot(self, vm: Any, argv: list[str]) -> None:
+        """Run a spawned agent (under the bake's egress policy) to its idle read, or raise BuildError."""
+        spec, say = self.spec, self.log
+        say(f"VMM process {vm.pid}: the agent's boot")
+        if spec.egress is not None and not spec.egress.is_none:
+            vm.set_egress(spec.egress.rule_strings(), spec.egress.internet_access)
+            say(f"egress for the bake and its Ready step: {spec.egress}")
+        r = vm.run(AGENT_START_TIMEOUT)
+        if (r.kind, r.value) != ("yield", AGENT_IDLE):
+            say(f"agent stdout:\n{_tail(r.stdout)}" if r.stdout else "agent stdout: (empty)")
+            say(f"agent stderr:\n{_tail(r.stderr)}" if r.stderr else "agent stderr: (empty)")
+            how = {"exited": f"exited with status {r.code}", "signaled": f"was killed by signal {r.signal}",
+                   "timeout": f"did not get there in {AGENT_START_TIMEOUT:.0f}s"}.get(r.kind, f"stopped: {r.kind}")
+            raise BuildError(f"the agent ({argv[0]}) did not reach its ready point: it {how}")
+        say(f"agent ready in {r.duration:.2f}s (guest time)")
+
+    def _ready_steps(self, vm: Any) -> None:
+        """Run Ready(cmd=...) then Ready(code=...) through the agent; a failure raises BuildError."""
+        spec, say = self.spec, self.log
+        for what, key, src_text in (("cmd", "command", spec.ready.cmd), ("code", "code", spec.ready.code)):
+            if src_text is None:
+                continue
+            say(f"Ready({what}=...): running {src_text!r}" if len(src_text) < 200 else f"Ready({what}=...)")
+            r = vm.agent_call(_frame({"op": "exec", key: src_text}), float(spec.ready.timeout))
+            reply = _unframe(r.agent) if (r.kind, r.value) == ("yield", AGENT_IDLE) else None
+            if r.stdout:
+                say(f"Ready({what}) stdout:\n{_tail(r.stdout)}")
+            if r.stderr:
+                say(f"Ready({what}) stderr:\n{_tail(r.stderr)}")
+            refused = self._log_egress(vm)
+            if reply is None or "exit_code" not in reply:
+                how = (f"ran out of its {spec.ready.timeout:g}s" if r.kind == "timeout"
+                       else f"ended the agent ({r.kind}{f', status {r.code}' if r.code is not None else ''})")
+                raise BuildError(f"Ready({what}=...) {how}{_refused_hint(refused, spec.egress)}")
+            if reply["exit_code"] != 0:
+                raise BuildError(f"Ready({what}=...) exited with status {reply['exit_code']}"
+                                 f"{_refused_hint(refused, spec.egress)}")
+            say(f"Ready({what}=...) done in {r.duration:.2f}s")
 
     def _log_egress(self, vm: Any) -> list[dict]:
         """Write the Ready step's new egress log entries to the bake's log (whatever the policy:
@@ -960,15 +1077,12 @@ class Template:
                                                  read_only_root=bool(read_only_root))
         if not hasattr(client, "register_template"):
             raise InvalidArgument("Template.bake needs the embedded engine (connect() without an API key)")
-        if getattr(client, "platform", "kvm") == "systrap":
-            from collimate_core.sdk.live import image_templates_unavailable
-
-            raise image_templates_unavailable(f"Template.bake({name!r})")
+        platform = getattr(client, "platform", "kvm")
         _check_name(name)
         ready = check_bake_args(image, ready, width)
         c = _cache(client, cache)
         spec = _Spec(name, image, ready, width, c, Path(store) if store else _oci.default_store(c), quota, policy, ncpus,
-                     shared_memory=shm, read_only_root=bool(read_only_root))
+                     shared_memory=shm, read_only_root=bool(read_only_root), platform=platform)
         def register(baked: ImageBaked) -> None:
             client.register_template(name, baked)
             if width > 1 and hasattr(client, "expect_width"):
@@ -1073,12 +1187,16 @@ def _local_build(client: Any, cache: str | os.PathLike | None, name: str) -> tup
 # --- catalog images: client.env(ref) bakes in one step -----------------------------------------
 
 
-def find_or_bake(name: str, cache: Path | None) -> Baked | None:
+def find_or_bake(name: str, cache: Path | None, platform: str = "kvm") -> Any:
     """For the client's template lookup: image template `name` on disk; else, if `name` is an
     image (a path, or a reference in the local image store), bake it now under that name (no Ready
     step) and return it; None if it is neither. An image reference that would need a registry pull
-    raises NotFoundError saying how to provide the image."""
+    raises NotFoundError saying how to provide the image. On systrap (a live zygote,
+    sdk/live.py: nothing on disk to find) the image is baked live the first time a client asks;
+    a kvm template of that name on disk is refused (its snapshot cannot run there)."""
     c = Path(cache) if cache else cache_dir()
+    if platform == "systrap":
+        return _find_or_bake_live(name, c)
     baked = load_template(name, c)
     if baked is not None:
         return baked
@@ -1115,3 +1233,32 @@ def find_or_bake(name: str, cache: Path | None) -> Baked | None:
         build.finish(baked, None)
         _prune(c)
         return baked
+
+
+def _find_or_bake_live(name: str, c: Path) -> Any:
+    """find_or_bake on systrap: `name` as an image, baked live now (a LiveTemplate), else None."""
+    from collimate_core.sdk.live import image_templates_unavailable
+
+    if (_tdir(c, name) / "index.json").is_file():
+        raise image_templates_unavailable(f"template {name!r}")
+    store = _oci.default_store(c)
+    try:
+        ref = _oci.parse_reference(name) if not name.startswith(("/", ".", "~")) else None
+    except _oci.ImageError:
+        return None
+    try:
+        _oci.resolve(name, store).close()
+    except _oci.ImageError as e:
+        if ref is not None and (ref.registry or ref.digest):
+            raise NotFoundError(f"no template named {name!r}, and {e}") from None
+        if ref is None:
+            raise NotFoundError(str(e)) from None
+        return None
+    build = _Build(_Spec(name, name, Ready(), 1, c, store, cpus=guest_cpus(), platform="systrap"))
+    try:
+        live = build.run()
+    except BuildError as e:
+        build.finish(None, e)
+        raise BuildError(f"baking image {name!r} failed: {e}\n--- build log ---\n{build.text()}") from None
+    build.finish(live, None)
+    return live

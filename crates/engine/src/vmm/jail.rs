@@ -145,7 +145,7 @@ fn enter_with<T>(first: &mut Request, systrap: Option<impl FnOnce() -> Result<T>
         Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM | libc::EINVAL | libc::ENOSPC | libc::ENOSYS)) => false,
         Err(e) => return Err(Error::Sys { op: "unshare the mount and network namespaces", source: e }),
     };
-    install_seccomp()?;
+    install(&filter_for(exec)?)?;
     let status = JailStatus { rlimits: true, namespaces, seccomp: true };
     let _ = STATUS.set(status);
     Ok((status, made))
@@ -619,8 +619,25 @@ pub fn allowed_syscalls() -> Vec<(i64, Vec<SeccompRule>)> {
 }
 
 /// The filter: the allow-list, SIGSYS for anything else.
+#[cfg(test)]
 fn filter() -> Result<BpfProgram> {
-    let rules = allowed_syscalls().into_iter().collect();
+    filter_for(false)
+}
+
+/// The filter of a VMM; `exec`: a systrap VMM's, which may also mount its sandbox's overlay root
+/// without `noexec` (`fsmount` with `nosuid,nodev` only: `crate::overlay::allow_exec`), as its bind
+/// mounts are made without it (`build_root`).
+fn filter_for(exec: bool) -> Result<BpfProgram> {
+    let rules = allowed_syscalls()
+        .into_iter()
+        .map(|(nr, r)| {
+            if exec && nr == libc::SYS_fsmount {
+                (nr, vec![rule(vec![cond(2, Len::Qword, Op::MaskedEq(0x6), 0x6)])])
+            } else {
+                (nr, r)
+            }
+        })
+        .collect();
     let f = SeccompFilter::new(rules, SeccompAction::Trap, SeccompAction::Allow, seccompiler::TargetArch::x86_64)
         .map_err(|e| Error::Protocol(format!("seccomp filter: {e}")))?;
     f.try_into().map_err(|e: seccompiler::BackendError| Error::Protocol(format!("seccomp filter: {e}")))
@@ -645,10 +662,6 @@ extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc
         libc::write(2, msg.as_ptr().cast(), msg.len());
         libc::_exit(SECCOMP_EXIT);
     }
-}
-
-fn install_seccomp() -> Result<()> {
-    install(&filter()?)
 }
 
 /// Allocates nothing (a forked child of a threaded process may call it).

@@ -157,6 +157,9 @@ pub struct Process {
     /// without syscalls never notices that its VMM is gone: it would spin on the host for good.
     /// So they are killed with their VMMs ([`Process::kill_child_stubs`]).
     child_stubs: Vec<std::os::fd::OwnedFd>,
+    /// The sandboxes forked from this one get a writable root (`Request::WritableRoot`; forks
+    /// carry an overlay context with each tmpfs pair, as on kvm: `crate::overlay`).
+    writable_root: bool,
 }
 
 /// What the guest's processes write to fds 1 and 2: two memfds in append mode, shared by every
@@ -252,7 +255,7 @@ impl Process {
         // this whole process: one systrap first process per host process).
         signal::host::install();
         let guest_pid = os.proc.pid;
-        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, child_stubs: Vec::new() })
+        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, child_stubs: Vec::new(), writable_root: false })
     }
 
     /// How the VMM and the stub wait for each other (`platform::systrap::Handoff`; tuning and

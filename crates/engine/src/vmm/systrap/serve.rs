@@ -145,8 +145,7 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
                 Ok(Response::Ok)
             }
             Request::SparePool { .. } => Err(unsupported("a spare pool of pre-forked clones")),
-            Request::WritableRoot { on: false } => Ok(Response::Ok),
-            Request::WritableRoot { on: true } => Err(unsupported("a writable root")),
+            Request::WritableRoot { on } => set_writable_root(p, on).map(|_| Response::Ok),
             Request::SetStdio => {
                 // A third descriptor is the sandbox's broker socket (see `guestos::files::inet`).
                 let mut fds = fds;
@@ -196,6 +195,24 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
         lifeline::disarm();
         reply(&mut chan, resp);
     }
+}
+
+/// Give the sandboxes forked from this one from now on a writable root, or not (as kvm's
+/// `Machine::set_writable_root`): each fork then takes an overlay context after its tmpfs pair and
+/// mounts its own overlay over the image (`persist::privatize`). This process's own root stays as
+/// it is. The overlays are mounted without `noexec`: the stub maps the guest's program files
+/// executable (`crate::overlay::allow_exec`).
+fn set_writable_root(p: &mut Process, on: bool) -> Result<()> {
+    if on && p.os.vfs.root_layer.is_none() {
+        p.os.vfs.want_root_layer(None).map_err(Error::sys("open the sandbox root"))?;
+    } else if !on && p.os.vfs.root_mounted() {
+        return Err(Error::InvalidArgument("this sandbox's root is already writable; a template's zygote can turn it off".into()));
+    } else if !on {
+        p.os.vfs.root_layer = None;
+    }
+    crate::overlay::allow_exec();
+    p.writable_root = on;
+    Ok(())
 }
 
 /// Run until the agent waits for its next request; the result carries what it wrote.
@@ -278,6 +295,8 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
         return Err(Error::InvalidArgument("the guest has exited; nothing to fork".into()));
     }
     for _ in 0..n {
+        // With a writable root each child's tmpfs pair is followed by its overlay context.
+        let ctx = if p.writable_root && !scratch.is_empty() { scratch.pop() } else { None };
         // The pair's shared-memory pool was pushed after its disk tmpfs.
         let tmpfs = match (scratch.pop(), scratch.pop()) {
             (Some(shm), Some(disk)) => Some((disk, shm)),
@@ -299,7 +318,7 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
             // process's; `chan` is never used here again (`clone_main` does not return).
             unsafe { libc::close(chan.raw_fd()) };
             scratch.clear();
-            clone_main(p, child_stub, theirs, tmpfs);
+            clone_main(p, child_stub, theirs, tmpfs, ctx);
         }
         signal::host::block(false);
         if pid < 0 {
@@ -307,7 +326,7 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
         }
         child_stub.release();
         drop(theirs);
-        drop(tmpfs); // the child's now
+        drop((tmpfs, ctx)); // the child's now
         let pidfd = crate::vmm::pidfd_open(pid)?;
         chan.send(&Response::Forked { pids: vec![pid] }, &[ours.raw_fd(), pidfd.as_raw_fd()])?;
     }
@@ -315,7 +334,7 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
 }
 
 /// A clone of the sandbox: take the forked stub, become a sandbox of its own, serve `chan`.
-fn clone_main(p: &mut Process, stub: Stub, mut chan: Channel, tmpfs: Option<(OwnedFd, OwnedFd)>) -> ! {
+fn clone_main(p: &mut Process, stub: Stub, mut chan: Channel, tmpfs: Option<(OwnedFd, OwnedFd)>, ctx: Option<OwnedFd>) -> ! {
     std::mem::replace(&mut p.stub, stub).release();
     let tmpfs = tmpfs.map(|(disk, shm)| (Arc::new(disk), Arc::new(shm)));
     let root = match &tmpfs {
@@ -325,7 +344,7 @@ fn clone_main(p: &mut Process, stub: Stub, mut chan: Channel, tmpfs: Option<(Own
     crate::vstate::shared::set_pool(tmpfs.as_ref().map(|(_, shm)| shm.clone()));
     // Its own copy of the writable mounts and, unless its CRNG was seeded, fresh entropy.
     guestos::random::diverge(&mut p.os);
-    match crate::guestos::persist::privatize(&mut p.os, &root, None) {
+    match crate::guestos::persist::privatize(&mut p.os, &root, ctx) {
         Ok(()) => {
             new_tree(p);
             let fds: Vec<RawFd> = tmpfs.iter().flat_map(|(disk, shm)| [disk.as_raw_fd(), shm.as_raw_fd()]).collect();
