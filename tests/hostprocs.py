@@ -53,3 +53,28 @@ def descendants(pid: int) -> set[int]:
             out.add(k)
             todo.append(k)
     return out
+
+
+# The host user systrap stubs run as (platform::systrap::Confinement's default: nobody).
+STUB_UID = 65534
+
+
+def orphaned_stubs() -> set[int]:
+    """Live systrap stub processes whose parent is gone (reparented to init): stubs run as
+    `STUB_UID` with no cmdline of their own. One whose sandbox is gone is a leak; while a sandbox
+    lives, an adopted orphan's stub is one too, legitimately."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            status = (d / "status").read_text()
+            cmdline = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        ppid = int(fields.get("PPid", "0").strip() or 0)
+        uid = int(fields.get("Uid", "0").split()[0])
+        if ppid == 1 and uid == STUB_UID and not cmdline and alive(int(d.name)):
+            out.add(int(d.name))
+    return out

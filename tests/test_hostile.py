@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from collimate_core import CollimateError, EmbeddedClient, Sandbox
-from hostprocs import GONE
+from hostprocs import GONE, orphaned_stubs
 from platforms import on, systrap_gap
 
 
@@ -230,12 +230,28 @@ BACKGROUND = (
 )
 
 
-@on("systrap", systrap_gap("a guest process whose parent ends is killed with it (the child VMM's PR_SET_PDEATHSIG), "
-                           "not adopted by the sandbox's first process: background processes end with the exec's shell, "
-                           "so there are none to outlive a reset"))
 def test_background_processes_do_not_outlive_a_reset(client, sb):
     # Regression: orphans (adopted by the sandbox's first process) survived a reset, and with it
     # the recycling of a destroyed sandbox for the next one: they wrote into its output.
+    stubs_before = orphaned_stubs()
+    try:
+        _background_processes_do_not_outlive_a_reset(client, sb)
+    finally:
+        # On systrap, a stub left spinning is a leak: killed here (so it does not take a host CPU
+        # for the rest of the run) and reported.
+        leaked = set()
+        if client.platform == "systrap" and not wait_until(lambda: not (orphaned_stubs() - stubs_before), 5):
+            leaked = orphaned_stubs() - stubs_before
+            for pid in leaked:
+                os.kill(pid, signal.SIGKILL)
+    if leaked:
+        # Seen now and then, not every run: a known gap of systrap, listed rather than hidden.
+        pytest.xfail(f"systrap stubs outlived their sandbox (killed by the test): {sorted(leaked)}: a stub that computes "
+                     "without syscalls outlives its VMM killed at the sandbox's end; the design that closes it is a "
+                     "per-sandbox reaper holding a pidfd of every stub (docs/systrap.md)")
+
+
+def _background_processes_do_not_outlive_a_reset(client, sb):
     vmm = sb._live().vm.pid
     r = sb.exec(command=BACKGROUND, timeout_seconds=30)
     assert r.exit_code == 0
@@ -378,8 +394,6 @@ def test_one_gib_of_output(sb):
 # --- the host's secrets ---------------------------------------------------------------------------
 
 
-@on("systrap", systrap_gap("/proc lists only the calling process, not the sandbox's others (pid 1 is missing): "
-                           "the process table is not kept on systrap yet"))
 def test_host_shadow_and_proc_are_not_visible(sb):
     r = sb.exec(command="cat /etc/shadow", timeout_seconds=30)
     host_shadow = Path("/etc/shadow").read_bytes() if os.access("/etc/shadow", os.R_OK) else None

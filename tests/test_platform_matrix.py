@@ -19,7 +19,6 @@ import socketserver
 import threading
 
 import pytest
-from platforms import on, systrap_gap
 
 from collimate_core import Egress, EmbeddedClient, Sandbox, UnitTestReward, extract_code, grade, grade_batch, rollout_once
 
@@ -157,7 +156,6 @@ def test_egress_is_denied_by_default_and_an_allowed_address_is_reached(client, h
         assert [e["verdict"] for e in sb.egress_log()] == ["allowed"]
 
 
-@on("systrap", systrap_gap("threads: clone(CLONE_THREAD) is ENOSYS (another change adds them)"))
 def test_threads_run(client):
     code = "import threading\nout = []\nts = [threading.Thread(target=out.append, args=(i,)) for i in range(4)]\n" \
            "[t.start() for t in ts]; [t.join() for t in ts]\nprint(sorted(out))"
