@@ -35,6 +35,21 @@ def selected() -> tuple[str, ...]:
     return tuple(p for p in ALL if p in raw) if raw else ALL
 
 
+def systrap_client():
+    """An embedded client on systrap for a systrap-only module (skipped where the host allows no
+    seccomp filter), with no API key or Ray address in the environment to send it elsewhere."""
+    from collimate_core import connect
+    from collimate_core.sdk import platform as pf
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    for k in ("COLLIMATE_API_KEY", "COLLIMATE_RAY_ADDRESS"):
+        os.environ.pop(k, None)
+    c = connect(platform="systrap")
+    assert c.platform == "systrap"
+    return c
+
+
 def systrap_gap(reason: str):
     """The systrap case's expected outcome: a known difference from kvm, with its reason. Strict: a
     pass fails the run, so the mark is flipped when the feature lands."""

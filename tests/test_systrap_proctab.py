@@ -13,23 +13,15 @@ executable).
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from collimate_rl import connect
-from collimate_core.sdk import platform as pf
+from platforms import systrap_client
 
 
 @pytest.fixture(scope="module")
 def client():
-    if not pf.probe_systrap().available:
-        pytest.skip("this host does not allow seccomp filters (systrap)")
-    for k in ("COLLIMATE_API_KEY", "COLLIMATE_RAY_ADDRESS"):
-        os.environ.pop(k, None)
-    c = connect(platform="systrap")
-    assert c.platform == "systrap"
-    return c
+    return systrap_client()
 
 
 @pytest.fixture

@@ -33,19 +33,14 @@ from collimate_rl import (
     rollout_once,
 )
 from collimate_core.sdk import platform as pf
+from platforms import systrap_client
 
 SEED = "c0ffee00" * 8
 
 
 @pytest.fixture(scope="module")
 def client():
-    if not pf.probe_systrap().available:
-        pytest.skip("this host does not allow seccomp filters (systrap)")
-    for k in ("COLLIMATE_API_KEY", "COLLIMATE_RAY_ADDRESS"):
-        os.environ.pop(k, None)
-    c = connect(platform="systrap")
-    assert c.platform == "systrap"
-    return c
+    return systrap_client()
 
 
 def _alive(pid: int) -> bool:

@@ -1216,13 +1216,7 @@ def find_or_bake(name: str, cache: Path | None, platform: str = "kvm") -> Any:
         baked = load_template(name, c)  # a concurrent caller may have baked it meanwhile
         if baked is not None:
             return baked
-        try:
-            _oci.resolve(name, store).close()
-        except _oci.ImageError as e:
-            if ref is not None and (ref.registry or ref.digest):
-                raise NotFoundError(f"no template named {name!r}, and {e}") from None
-            if ref is None:
-                raise NotFoundError(str(e)) from None
+        if not _image_in_store(name, ref, store):
             return None
         build = _Build(_Spec(name, name, Ready(), 1, c, store, cpus=guest_cpus()))
         try:
@@ -1233,6 +1227,21 @@ def find_or_bake(name: str, cache: Path | None, platform: str = "kvm") -> Any:
         build.finish(baked, None)
         _prune(c)
         return baked
+
+
+def _image_in_store(name: str, ref: Any, store: Any) -> bool:
+    """Whether `name` (parsed as `ref`, None for a path) resolves to an image in `store`. False
+    for a plain name the store lacks (it may be a catalog template); NotFoundError, saying why, for
+    a path, or a reference with a registry or a digest, that does not resolve."""
+    try:
+        _oci.resolve(name, store).close()
+    except _oci.ImageError as e:
+        if ref is not None and (ref.registry or ref.digest):
+            raise NotFoundError(f"no template named {name!r}, and {e}") from None
+        if ref is None:
+            raise NotFoundError(str(e)) from None
+        return False
+    return True
 
 
 def _find_or_bake_live(name: str, c: Path) -> Any:
@@ -1246,13 +1255,7 @@ def _find_or_bake_live(name: str, c: Path) -> Any:
         ref = _oci.parse_reference(name) if not name.startswith(("/", ".", "~")) else None
     except _oci.ImageError:
         return None
-    try:
-        _oci.resolve(name, store).close()
-    except _oci.ImageError as e:
-        if ref is not None and (ref.registry or ref.digest):
-            raise NotFoundError(f"no template named {name!r}, and {e}") from None
-        if ref is None:
-            raise NotFoundError(str(e)) from None
+    if not _image_in_store(name, ref, store):
         return None
     build = _Build(_Spec(name, name, Ready(), 1, c, store, cpus=guest_cpus(), platform="systrap"))
     try:
