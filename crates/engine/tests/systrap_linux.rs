@@ -14,14 +14,7 @@ use collimate_engine::{RunExit, RunResult, SpawnSpec};
 const T: Duration = Duration::from_secs(60);
 
 fn run(argv: &[&str]) -> Option<RunResult> {
-    let root = common::python_rootfs()?;
-    let spec = SpawnSpec {
-        root,
-        argv: argv.iter().map(|s| s.as_bytes().to_vec()).collect(),
-        envp: vec![b"PATH=/usr/bin:/bin".to_vec(), b"HOME=/root".to_vec()],
-        cwd: "/".into(),
-        ..Default::default()
-    };
+    let spec = common::python_spec(common::python_rootfs()?, argv);
     let mut p = Process::spawn(&spec, &Confinement::default()).expect("spawn on systrap");
     Some(p.run(T).expect("run on systrap"))
 }

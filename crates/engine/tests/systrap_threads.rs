@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use collimate_engine::platform::systrap::Confinement;
 use collimate_engine::vmm::systrap::Process;
-use collimate_engine::{RunExit, RunResult, SpawnSpec};
+use collimate_engine::{RunExit, RunResult};
 
 /// Long enough for a loaded 2-core host; a test that needs a preemption to end would reach it
 /// (and fail with `Timeout`) without one.
@@ -23,14 +23,7 @@ const T: Duration = Duration::from_secs(120);
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn spawn(argv: &[&str]) -> Option<Process> {
-    let root = common::python_rootfs()?;
-    let spec = SpawnSpec {
-        root,
-        argv: argv.iter().map(|s| s.as_bytes().to_vec()).collect(),
-        envp: vec![b"PATH=/usr/bin:/bin".to_vec(), b"HOME=/root".to_vec()],
-        cwd: "/".into(),
-        ..Default::default()
-    };
+    let spec = common::python_spec(common::python_rootfs()?, argv);
     Some(Process::spawn(&spec, &Confinement::default()).expect("spawn on systrap"))
 }
 

@@ -251,6 +251,18 @@ pub fn spawn_python_paused(root: &Path, mounts: Vec<(String, PathBuf)>, program:
 }
 
 /// A fresh scratch directory with `work/` and `tmp/` for a sandbox's writable mounts.
+/// A spec running `argv` in the python root filesystem `root`, with the tests' usual environment
+/// (`PATH=/usr/bin:/bin`, `HOME=/root`) in `/`.
+pub fn python_spec(root: PathBuf, argv: &[&str]) -> collimate_engine::SpawnSpec {
+    collimate_engine::SpawnSpec {
+        root,
+        argv: argv.iter().map(|s| s.as_bytes().to_vec()).collect(),
+        envp: vec![b"PATH=/usr/bin:/bin".to_vec(), b"HOME=/root".to_vec()],
+        cwd: "/".into(),
+        ..Default::default()
+    }
+}
+
 pub fn scratch(name: &str) -> PathBuf {
     let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
