@@ -230,9 +230,10 @@ fn coreutils_timeout_kills_its_child_and_reports_124() {
 
 #[test]
 fn an_orphan_is_adopted_by_the_first_process() {
-    // The job's shell exits at once; its sleep lives on (on main it died with its parent) as the
-    // first process's child, and a kill of it from the first process reaches it.
-    let cmd = "sh -c 'sleep 300 & echo $!' > /work/pid; read -r P < /work/pid; for i in $(seq 400); do \
+    // The job's shell exits once its sleep has started (and published its parent); the sleep
+    // lives on (on main it died with its parent) as the first process's child, shown as such at
+    // once though it is parked in its sleep, and a kill of it from the first process reaches it.
+    let cmd = "sh -c 'sleep 300 & echo $!; sleep 0.5' > /work/pid; read -r P < /work/pid; for i in $(seq 400); do \
                read -r a b c d e < /proc/$P/stat; [ \"$d\" = 1 ] && break; sleep 0.05; done; echo $b $c $d; kill $P && echo killed";
     let Some(r) = run(&["/bin/bash", "-c", cmd]) else { return };
     assert_eq!(stdout(&r), "(sleep) S 1\nkilled\n");

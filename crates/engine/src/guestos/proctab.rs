@@ -293,9 +293,14 @@ fn get_text(e: &Entry, k: usize) -> Vec<u8> {
 
 /// The facts process `pid` (another live process of the sandbox) last published.
 pub fn read(pid: i32) -> Option<Facts> {
-    if pid <= 0 || !super::sched::processes().iter().any(|p| p.pid == pid) {
+    let live = super::sched::processes();
+    if pid <= 0 || !live.iter().any(|p| p.pid == pid) {
         return None;
     }
+    // A parent that is gone has handed its children to the first process, as Linux does at the
+    // parent's exit; the orphan republishes its parent only when it next runs (`signal::gather`),
+    // which a process parked in a long sleep may not do for a while.
+    let parent = |ppid: i32| if ppid > 1 && !live.iter().any(|p| p.pid == ppid) { 1 } else { ppid };
     let e = table()?.iter().find(|e| e.pid.load(Ordering::SeqCst) == pid as u32)?;
     // The owner writes a few kilobytes at most: a reader that keeps meeting a write gives up
     // after a bounded number of tries (and shows what it copied last).
@@ -310,7 +315,7 @@ pub fn read(pid: i32) -> Option<Facts> {
         let text = |k: usize| String::from_utf8_lossy(&get_text(e, k)).into_owned();
         f = Facts {
             pid,
-            ppid: n(PPID) as i32,
+            ppid: parent(n(PPID) as i32),
             pgid: n(PGID) as i32,
             sid: n(SID) as i32,
             uid: [n(UID) as u32, n(UID + 1) as u32, n(UID + 2) as u32, n(UID + 3) as u32],
