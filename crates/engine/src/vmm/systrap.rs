@@ -47,6 +47,7 @@ mod proctree;
 mod serve;
 mod spawn;
 mod threads;
+mod warm;
 
 pub(super) use serve::serve_first;
 
@@ -160,6 +161,9 @@ pub struct Process {
     /// The sandboxes forked from this one get a writable root (`Request::WritableRoot`; forks
     /// carry an overlay context with each tmpfs pair, as on kvm: `crate::overlay`).
     writable_root: bool,
+    /// The pages its clones copy ahead of their first exec, and what it owes as a clone
+    /// ([`warm`]).
+    warm: warm::Warm,
 }
 
 /// What the guest's processes write to fds 1 and 2: two memfds in append mode, shared by every
@@ -255,7 +259,7 @@ impl Process {
         // this whole process: one systrap first process per host process).
         signal::host::install();
         let guest_pid = os.proc.pid;
-        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, child_stubs: Vec::new(), writable_root: false })
+        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, child_stubs: Vec::new(), writable_root: false, warm: warm::Warm::default() })
     }
 
     /// How the VMM and the stub wait for each other (`platform::systrap::Handoff`; tuning and

@@ -48,6 +48,7 @@ pub mod memory;
 pub mod preempt;
 pub mod shared;
 pub mod template;
+pub mod written;
 
 use std::ffi::CString;
 use std::io;

@@ -113,6 +113,9 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
             Err(RecvError::Failed(_)) => exit_discarding(2),
         };
         let runs = matches!(req, Request::Run { .. } | Request::AgentCall { .. } | Request::EndExec { .. });
+        if req.changes_guest() {
+            p.warm.guest_changed();
+        }
         if runs {
             // The controller going away mid-run ends this process (see `lifeline`).
             lifeline::arm(chan.raw_fd());
@@ -194,6 +197,11 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
         };
         lifeline::disarm();
         reply(&mut chan, resp);
+        if runs {
+            // A clone that owes its parent the pages of its first run writes them now, after
+            // the reply (see `warm`).
+            p.warm.after_run(&p.stub);
+        }
     }
 }
 
@@ -294,6 +302,7 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
     if p.exited.is_some() {
         return Err(Error::InvalidArgument("the guest has exited; nothing to fork".into()));
     }
+    p.warm.before_fork();
     for _ in 0..n {
         // With a writable root each child's tmpfs pair is followed by its overlay context.
         let ctx = if p.writable_root && !scratch.is_empty() { scratch.pop() } else { None };
@@ -336,6 +345,8 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
 /// A clone of the sandbox: take the forked stub, become a sandbox of its own, serve `chan`.
 fn clone_main(p: &mut Process, stub: Stub, mut chan: Channel, tmpfs: Option<(OwnedFd, OwnedFd)>, ctx: Option<OwnedFd>) -> ! {
     std::mem::replace(&mut p.stub, stub).release();
+    // The pages a first exec writes, copied now (off the path of that exec for a spare).
+    p.warm.in_clone(&mut p.stub);
     let tmpfs = tmpfs.map(|(disk, shm)| (Arc::new(disk), Arc::new(shm)));
     let root = match &tmpfs {
         Some((disk, shm)) => ScratchRoot::Tmpfs { disk: disk.clone(), shm: Some(shm.clone()) },
