@@ -215,6 +215,29 @@ def test_a_spares_first_exec_takes_the_faults_of_a_second_one(client):
         client.release_template("python")
 
 
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_fork_group_of_64_gives_64_distinct_children_forked_from_the_session(client):
+    # The VMM forks a group's stubs without waiting for each to park (its clone waits): every
+    # child must still be a fork of the session (its VMM a child of the session's VMM, its stub
+    # of the session's stub) with the session's state and its own.
+    with client.session("python") as s:
+        s.exec(code="base = 1000")
+        vmm = s._box.vm.pid
+        stub = _stub_of(vmm)
+        with s.fork_group(64) as grp:
+            kids = [c._box.vm.pid for c in grp.children]
+            assert len(set(kids)) == 64
+            assert {_ppid(k) for k in kids} == {vmm}
+            assert {_ppid(_stub_of(k)) for k in kids} == {stub}
+            results = grp.map(lambda i, c: c.exec(code=f"mine = base + {i}\nprint(mine)"))
+            assert [r.stdout for r in results] == [f"{1000 + i}\n" for i in range(64)], results
+            assert grp.children[7].exec(code="print(mine)").stdout == "1007\n"
+        assert s.exec(code="print('mine' in dir())").stdout == "False\n"
+
+
 def test_fork_group_children_start_from_the_parent_and_keep_their_own_state(client):
     with client.session("python") as s:
         s.exec(code="state = ['parent']\nopen('/work/f', 'w').write('parent')")

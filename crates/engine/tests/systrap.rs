@@ -157,6 +157,26 @@ fn a_forked_stub_has_its_own_memory() {
     assert!(matches!(child.run(&mut cregs, &mut cfs).unwrap(), Exit::Fault { addr: LAZY, .. }));
 }
 
+#[test]
+fn forks_left_unparked_park_on_their_own_and_are_independent() {
+    // A served VMM forks a fork group's stubs one after another without waiting for each new
+    // stub to park (its clone does, `Stub::await_parked`): every fork made that way must still
+    // park at the parent's exit, with its own memory.
+    let (mut parent, mut regs) = loaded();
+    let mut fs = 0;
+    assert_eq!(parent.run(&mut regs, &mut fs).unwrap(), Exit::Syscall);
+    let mut kids: Vec<Stub> = (0..8).map(|_| parent.fork_unparked().expect("fork the stub")).collect();
+    for (i, kid) in kids.iter_mut().enumerate() {
+        kid.await_parked().expect("the fork parks");
+        let (mut r, mut f) = (regs, fs);
+        r.rax = 100 + i as u64;
+        assert_eq!(kid.run(&mut r, &mut f).unwrap(), Exit::Syscall, "each continues the guest");
+        assert_eq!(read_u64(kid, DATA), 100 + i as u64);
+    }
+    assert_eq!(read_u64(&parent, DATA), 0, "no fork's store shows in the parent");
+    assert_eq!(read_u64(&kids[3], DATA), 103, "nor in a sibling");
+}
+
 /// `syscall; jmp back`: the test sets rax and the arguments before each run.
 const SYSCALL_LOOP: &[u8] = &[0x0f, 0x05, 0xeb, 0xfc];
 

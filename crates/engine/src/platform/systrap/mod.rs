@@ -696,6 +696,16 @@ impl Stub {
     /// its socket is closed (a forked guest computing without syscalls outlives a killed VMM until
     /// then).
     pub fn fork(&mut self) -> Result<Stub> {
+        let mut child = self.fork_unparked()?;
+        child.await_parked()?;
+        Ok(child)
+    }
+
+    /// [`Stub::fork`] without waiting for the new stub to park at its copy of the exit: the
+    /// caller goes on (to fork the next one, say) while the new process is scheduled. Call
+    /// [`Stub::await_parked`] on the new stub before anything else (another process may: the new
+    /// handle survives a host fork of the VMM).
+    pub fn fork_unparked(&mut self) -> Result<Stub> {
         let page = SharedPage::new().map_err(host("memfd for the fork's shared page"))?;
         // SAFETY: the VMM's turn on the old page; the new page is ours alone: it starts as a copy (the
         // parked exit's registers and XSAVE address stay valid in the child) with the stub's turn.
@@ -723,7 +733,7 @@ impl Stub {
                 return Err(host("open /proc/<pid>/mem of a forked stub (needs CAP_SYS_PTRACE)")(e));
             }
         };
-        let mut child = Stub {
+        let child = Stub {
             pid,
             pidfd,
             sock,
@@ -736,11 +746,19 @@ impl Stub {
             handoff: self.handoff.clone(),
             exited: None,
         };
-        if !child.wait() {
-            return Err(Error::Gone { pid });
-        }
-        child.parked = true;
         Ok(child)
+    }
+
+    /// Wait until a stub from [`Stub::fork_unparked`] has parked (at once if it has).
+    pub fn await_parked(&mut self) -> Result<()> {
+        if self.parked {
+            return Ok(());
+        }
+        if !self.wait() {
+            return Err(Error::Gone { pid: self.pid });
+        }
+        self.parked = true;
+        Ok(())
     }
 
     /// Give up this handle without killing the process: for the side of a host fork of the VMM that

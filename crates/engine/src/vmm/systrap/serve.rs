@@ -311,7 +311,9 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
             (Some(shm), Some(disk)) => Some((disk, shm)),
             _ => None,
         };
-        let child_stub = p.stub.fork().map_err(|e| Error::Remote(format!("systrap: fork of the stub: {e}")))?;
+        // Not waiting for the new stub to park: its VMM does (`clone_main`), so the next
+        // clone's fork does not wait for this one's stub to be scheduled.
+        let child_stub = p.stub.fork_unparked().map_err(|e| Error::Remote(format!("systrap: fork of the stub: {e}")))?;
         let (ours, theirs) = Channel::pair()?;
         signal::host::block(true);
         signal::gather(&mut p.os);
@@ -327,7 +329,7 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
             // process's; `chan` is never used here again (`clone_main` does not return).
             unsafe { libc::close(chan.raw_fd()) };
             scratch.clear();
-            clone_main(p, child_stub, theirs, tmpfs, ctx);
+            clone_main(p, child_stub, theirs, tmpfs, ctx, n == 1);
         }
         signal::host::block(false);
         if pid < 0 {
@@ -343,10 +345,16 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
 }
 
 /// A clone of the sandbox: take the forked stub, become a sandbox of its own, serve `chan`.
-fn clone_main(p: &mut Process, stub: Stub, mut chan: Channel, tmpfs: Option<(OwnedFd, OwnedFd)>, ctx: Option<OwnedFd>) -> ! {
+/// `alone`: the only clone of its `Fork` (a sandbox or a spare, not a fork group's child).
+fn clone_main(p: &mut Process, stub: Stub, mut chan: Channel, tmpfs: Option<(OwnedFd, OwnedFd)>, ctx: Option<OwnedFd>, alone: bool) -> ! {
     std::mem::replace(&mut p.stub, stub).release();
-    // The pages a first exec writes, copied now (off the path of that exec for a spare).
-    p.warm.in_clone(&mut p.stub);
+    if let Err(e) = p.stub.await_parked() {
+        reply(&mut chan, Err(Error::Remote(format!("systrap: fork of the stub: {e}"))));
+        exit_discarding(1)
+    }
+    // The pages a first exec writes, copied now (off the path of that exec for a spare); not
+    // in a fork group's children (see `warm`).
+    p.warm.in_clone(&mut p.stub, alone);
     let tmpfs = tmpfs.map(|(disk, shm)| (Arc::new(disk), Arc::new(shm)));
     let root = match &tmpfs {
         Some((disk, shm)) => ScratchRoot::Tmpfs { disk: disk.clone(), shm: Some(shm.clone()) },

@@ -24,7 +24,12 @@
 //! a page copy and its memory, never correctness: a first run that wrote more than
 //! [`MAX_WRITTEN`] pages (16 MiB) is not a typical one and reports nothing; the python agent's
 //! first execs name about 1.5 MiB written.
-//! `COLLIMATE_SYSTRAP_WARM=0` turns it off, to compare.
+//!
+//! Only a `Fork` of one clone (a sandbox, or a spare the SDK makes ahead) takes them ahead. A fork
+//! group's children do not: there it is on the group's path, and it cost more than it saved
+//! (fork_group(64) of a session: the stubs' CPU rose by 2.2 ms a child, one round trip to the stub
+//! per run of pages, while their first execs took 0.5 ms less). They still report, for the
+//! sandboxes cloned from them later. `COLLIMATE_SYSTRAP_WARM=0` turns it off, to compare.
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -137,8 +142,9 @@ impl Warm {
     }
 
     /// In a new clone, before it replies `Ready`: take its parent's report (or claim it, to
-    /// write it after the first run), then copy the hinted pages of its stub and of this process.
-    pub fn in_clone(&mut self, stub: &mut Stub) {
+    /// write it after the first run), then, if `populate`, take the hinted faults in its stub and
+    /// in this process.
+    pub fn in_clone(&mut self, stub: &mut Stub, populate: bool) {
         if let Some(r) = self.region.take() {
             self.take_report(r);
             // SAFETY: the region is mapped; the state words are atomic.
@@ -153,7 +159,7 @@ impl Warm {
             }
         }
         self.stale = false;
-        if !enabled() {
+        if !enabled() || !populate {
             return;
         }
         written::populate_here(&self.vmm);
