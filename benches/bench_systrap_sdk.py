@@ -7,6 +7,11 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
   zygote on both platforms; kvm may serve it from its spare pool or a recycled sandbox, systrap
   from the SDK's spares, made ahead by a thread of the client) against `/usr/bin/python3 -c "x = 1"` called directly;
 - `fork_group(4)` and `fork_group(64)` of a session and one exec of code in each child (`map`);
+- on systrap, the sandbox row paced (0.1 s between sandboxes, so each is a spare made and
+  settled ahead, as where sandboxes are asked for with idle time between them), and with its
+  clones' first-exec faults not taken ahead (`COLLIMATE_SYSTRAP_WARM=0`, vmm/systrap/warm.rs:
+  what systrap did before), the two alternated round by round in one benchmark (the default is
+  the timed row; the other's median and p99 are in its extra info);
 - on systrap, `exec(command="true")` with the engine's spawn call refused
   (`COLLIMATE_SYSTRAP_SPAWN=0`: the agent's subprocess fallback, what systrap did before it served
   the call), beside the row above.
@@ -19,6 +24,7 @@ from __future__ import annotations
 import os
 import statistics
 import subprocess
+import time
 
 import pytest
 from collimate_core import EmbeddedClient, Sandbox
@@ -104,6 +110,52 @@ def test_sandbox_exec_exit(benchmark, client):
     benchmark.pedantic(run, rounds=20, warmup_rounds=2)
     benchmark.extra_info["platform"] = client.platform
     _record(benchmark, f"{client.platform} sandbox", "native python")
+
+
+def test_sandbox_exec_exit_paced_warm_ab(benchmark):
+    """Systrap's sandbox row, paced, with spares that took their first exec's faults ahead (timed)
+    and, alternated round by round, from a client whose clones do not (`COLLIMATE_SYSTRAP_WARM=0`)."""
+    from collimate_core.sdk import platform as pf
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    os.environ["COLLIMATE_SYSTRAP_WARM"] = "0"  # read by the zygote's VMM, which its clones inherit
+    try:
+        cold = EmbeddedClient(platform="systrap")
+        with cold.session("python") as s:
+            assert s.exec(command="true").ok
+    finally:
+        os.environ.pop("COLLIMATE_SYSTRAP_WARM", None)
+    warm = EmbeddedClient(platform="systrap")
+    with warm.session("python") as s:
+        assert s.exec(command="true").ok
+    for c in (cold, warm):  # the template's first clones report their first exec (code)
+        for _ in range(3):
+            with Sandbox("python", client=c) as sb:
+                assert sb.exec(code="x = 1").ok
+    off: list[float] = []
+
+    def one(c):
+        with Sandbox("python", client=c) as sb:
+            assert sb.exec(code="x = 1").ok
+
+    def setup():
+        time.sleep(0.1)
+        t0 = time.perf_counter()
+        one(cold)
+        off.append(time.perf_counter() - t0)
+        time.sleep(0.1)
+
+    try:
+        benchmark.pedantic(lambda: one(warm), setup=setup, rounds=30, warmup_rounds=2)
+    finally:
+        cold.close()
+        warm.close()
+    off.sort()
+    benchmark.extra_info["platform"] = "systrap"
+    benchmark.extra_info["warm_off_median_ms"] = round(statistics.median(off) * 1e3, 3)
+    benchmark.extra_info["warm_off_p99_ms"] = round(off[max(0, -(-99 * len(off) // 100) - 1)] * 1e3, 3)
+    _record(benchmark, "systrap sandbox paced, first-exec faults taken ahead", "native python")
 
 
 @pytest.mark.parametrize("n, rounds", [(4, 10), (64, 3)], ids=["fork_group_4_map", "fork_group_64_map"])

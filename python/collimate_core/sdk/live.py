@@ -7,7 +7,8 @@ itself: spawned with the argv, environment and mounts every python template has
 never run again. Sandboxes are its clones (a fork of its stub plus a host fork of its VMM: guest
 memory shared copy-on-write, writable mounts copied). A few clones are made ahead as spares, by a
 background thread, as the kvm engine keeps its spare pool: a new sandbox takes one and the
-thread makes the next. There is no recycling by reset (the engine has none on systrap): a sandbox
+thread makes the next. Each spare has taken its first exec's host page faults before it is
+handed out (the engine learns them from the template's first clones: vmm/systrap/warm.rs). There is no recycling by reset (the engine has none on systrap): a sandbox
 that ends is destroyed, and one whose interpreter is lost is replaced by a new clone.
 
 Image templates (Template.bake, `client.env(image)`) are live zygotes too (`LiveTemplate.image`,

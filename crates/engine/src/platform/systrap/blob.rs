@@ -8,6 +8,8 @@
 //!   base and the address of the frame's XSAVE area to the shared page, hands the turn to the VMM and
 //!   serves commands until one says run: then it copies the (possibly changed) registers back into the
 //!   frame, restores the FS base and returns through `rt_sigreturn`, which loads them all.
+//!   Besides running, the VMM's syscalls and fork, one command applies an `madvise` to a list of
+//!   ranges (`CMD_ADVISE`: a clone's pages faulted in ahead, one round trip for the list).
 //! - `restorer`: `rt_sigreturn`, the `sa_restorer` of every handler.
 //! - `boot`: entered once by a new stub (on the boot stack, with the filter installed): unmaps
 //!   everything outside the reserved range (the rest of the VMM's image that the stub was cloned
@@ -146,6 +148,8 @@ std::arch::global_asm!(
     "je 31f",
     "cmp rax, {cmd_fork}",
     "je 50f",
+    "cmp rax, {cmd_advise}",
+    "je 60f",
     "mov qword ptr [r12 + {ret}], -22",
     "jmp 32f",
     "31:",
@@ -232,6 +236,30 @@ std::arch::global_asm!(
     "syscall",
     "mov qword ptr [r12 + {ret}], r15",
     "jmp 32b",
+    // madvise(start, len, args[0]) for each of the args[1] (start, len) pairs in the scratch
+    // area; ret = how many succeeded
+    "60:",
+    "lea rbx, [r12 + {scratch}]",
+    "mov rbp, qword ptr [r12 + {args} + 8]",
+    "xor r15d, r15d",
+    "61:",
+    "test rbp, rbp",
+    "jz 63f",
+    "mov eax, 28",
+    "mov rdi, qword ptr [rbx]",
+    "mov rsi, qword ptr [rbx + 8]",
+    "mov rdx, qword ptr [r12 + {args}]",
+    "syscall",
+    "test rax, rax",
+    "jnz 62f",
+    "inc r15",
+    "62:",
+    "add rbx, 16",
+    "dec rbp",
+    "jmp 61b",
+    "63:",
+    "mov qword ptr [r12 + {ret}], r15",
+    "jmp 32b",
     // ---- restorer ----
     ".globl collimate_systrap_restorer",
     ".hidden collimate_systrap_restorer",
@@ -297,6 +325,8 @@ std::arch::global_asm!(
     cmd_run = const shared::CMD_RUN,
     cmd_syscall = const shared::CMD_SYSCALL,
     cmd_fork = const shared::CMD_FORK,
+    cmd_advise = const shared::CMD_ADVISE,
+    scratch = const shared::SCRATCH,
 );
 
 /// Offset of `uc_mcontext.gregs` in Linux's x86-64 `ucontext_t`.

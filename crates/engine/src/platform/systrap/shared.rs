@@ -41,6 +41,12 @@ pub const CMD_SYSCALL: u64 = 2;
 /// stub). The child maps the memfd over its shared page, moves the socket to [`layout::SOCK_FD`]
 /// and reports `ret = 0` there; the parent reports the child's pid (or `-errno`).
 pub const CMD_FORK: u64 = 3;
+/// `madvise(start, len, args[0])` for each of `args[1]` (start, len) pairs of u64 at
+/// [`SCRATCH`] (at most [`ADVISE_MAX`]); `ret` = how many succeeded. Nothing a guest could not
+/// do with `CMD_SYSCALL` from the blob: one round trip instead of one per range.
+pub const CMD_ADVISE: u64 = 4;
+/// Most ranges one `CMD_ADVISE` takes: what fits in the scratch area.
+pub const ADVISE_MAX: usize = (4096 - SCRATCH) / 16;
 
 /// `flags` bit: the CPU and kernel let user code use `rdfsbase`/`wrfsbase`.
 pub const FLAG_FSGSBASE: u32 = 1;

@@ -186,17 +186,28 @@ impl Stub {
     }
 
     /// Fault in `l` (learned from another fork of the same parent) in this stub now, executed
-    /// by the stub: one round trip per run; how many pages it did. Runs the host refuses (not
-    /// such a mapping here) are skipped; a stub that is gone is an error.
+    /// by the stub: one round trip per [`super::shared::ADVISE_MAX`] runs; how many runs it did.
+    /// Runs the host refuses (not such a mapping here) are skipped; a stub that is gone is an
+    /// error.
     pub fn populate(&mut self, l: &Learned) -> Result<u64> {
+        use super::shared::{ADVISE_MAX, CMD_ADVISE, SCRATCH};
+        if !self.parked {
+            return Err(Error::NotParked { what: "fault pages in" });
+        }
         let mut done = 0;
         for (runs, advice) in [(&l.write, libc::MADV_POPULATE_WRITE), (&l.read, libc::MADV_POPULATE_READ)] {
-            for &(va, len) in runs {
-                match self.advise(va, len, advice) {
-                    Ok(()) => done += len / PAGE,
-                    Err(Error::Op { .. } | Error::Reserved { .. }) => {}
-                    Err(e) => return Err(e),
+            let runs: Vec<(u64, u64)> = runs.iter().copied().filter(|&(va, len)| !layout::touches_reserved(va, len)).collect();
+            for batch in runs.chunks(ADVISE_MAX) {
+                // SAFETY: the VMM's turn (the stub is parked: `command` checks); the batch fits
+                // in the scratch area of the mapped page (ADVISE_MAX).
+                unsafe {
+                    let at = self.page.bytes().add(SCRATCH).cast::<u64>();
+                    for (i, &(va, len)) in batch.iter().enumerate() {
+                        at.add(2 * i).write(va);
+                        at.add(2 * i + 1).write(len);
+                    }
                 }
+                done += self.command(CMD_ADVISE, [advice as u64, batch.len() as u64, 0, 0, 0, 0, 0])? as u64;
             }
         }
         Ok(done)

@@ -106,6 +106,7 @@ fn new_tree(p: &mut Process) {
 
 fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
     loop {
+        p.warm.settle(&mut p.stub);
         let (req, fds) = match chan.recv::<Request>() {
             Ok(v) => v,
             Err(RecvError::Closed) => exit_discarding(0),
@@ -352,9 +353,9 @@ fn clone_main(p: &mut Process, stub: Stub, mut chan: Channel, tmpfs: Option<(Own
         reply(&mut chan, Err(Error::Remote(format!("systrap: fork of the stub: {e}"))));
         exit_discarding(1)
     }
-    // The pages a first exec writes, copied now (off the path of that exec for a spare); not
-    // in a fork group's children (see `warm`).
-    p.warm.in_clone(&mut p.stub, alone);
+    // The faults of a first exec, taken once this clone has replied (off the path of that exec
+    // for a spare); not in a fork group's children (see `warm`).
+    p.warm.in_clone(alone);
     let tmpfs = tmpfs.map(|(disk, shm)| (Arc::new(disk), Arc::new(shm)));
     let root = match &tmpfs {
         Some((disk, shm)) => ScratchRoot::Tmpfs { disk: disk.clone(), shm: Some(shm.clone()) },

@@ -11,8 +11,9 @@
 //! # How
 //! The same pages are written from clone to clone (the agent's loop, the interpreter's frames and
 //! allocator, the VMM's own state), so they are learned from one clone and copied ahead
-//! (`MADV_POPULATE_WRITE`: the guest sees nothing) in the next ones before they reply `Ready`,
-//! which for a spare is off the path of its first exec
+//! (`MADV_POPULATE_WRITE`: the guest sees nothing) in the next ones right after they reply
+//! `Ready` (the stub applies the whole list in one round trip), which for a spare is off the path
+//! of its first exec
 //! (`platform::systrap::written`). A VMM that forks keeps a small shared region; the first
 //! [`REPORTS`] clones forked since its guest last ran claim its reports and, after their first
 //! run (once replied, so the caller does not wait), write there the pages they and their stubs
@@ -76,6 +77,8 @@ pub struct Warm {
     vmm: Learned,
     /// This process's guest ran since its region was made: the next fork opens a new one.
     stale: bool,
+    /// A new clone that is to take the hinted faults once it has replied `Ready` ([`Warm::settle`]).
+    pending: bool,
 }
 
 fn enabled() -> bool {
@@ -142,9 +145,8 @@ impl Warm {
     }
 
     /// In a new clone, before it replies `Ready`: take its parent's report (or claim it, to
-    /// write it after the first run), then, if `populate`, take the hinted faults in its stub and
-    /// in this process.
-    pub fn in_clone(&mut self, stub: &mut Stub, populate: bool) {
+    /// write it after the first run); with `populate`, [`Warm::settle`] takes the hinted faults.
+    pub fn in_clone(&mut self, populate: bool) {
         if let Some(r) = self.region.take() {
             self.take_report(r);
             // SAFETY: the region is mapped; the state words are atomic.
@@ -159,7 +161,15 @@ impl Warm {
             }
         }
         self.stale = false;
-        if !enabled() || !populate {
+        self.pending = populate && enabled();
+    }
+
+    /// In a clone that has replied `Ready` and waits for its first request: take the hinted
+    /// faults in its stub and in this process, once. Done after the reply so that the caller
+    /// (the SDK's spare thread, holding its template's lock) does not wait for it; a request
+    /// that arrives meanwhile waits at most for the rest.
+    pub fn settle(&mut self, stub: &mut Stub) {
+        if !std::mem::take(&mut self.pending) {
             return;
         }
         written::populate_here(&self.vmm);
