@@ -215,6 +215,41 @@ def test_a_spares_first_exec_takes_the_faults_of_a_second_one(client):
         client.release_template("python")
 
 
+def test_the_spare_thread_leaves_a_new_sandbox_alone_while_a_spare_is_left(client, monkeypatch):
+    # Before, taking a spare made the thread clone the next one at once, beside the new
+    # sandbox's first exec on the same cores (that exec took 3-10 ms instead of 2 on 2 cores).
+    # Now it waits REFILL_AFTER while another spare is left, and clones at once when none is.
+    # Failed on the previous main (the pool was back at 2 while the first sandbox lived).
+    from collimate_core.sdk import live
+
+    t = client._template("python")
+    client.expect_width("python", 2)
+    try:
+        for _ in range(600):
+            if len(t._pool) == 2:
+                break
+            time.sleep(0.1)
+        assert len(t._pool) == 2
+        monkeypatch.setattr(live, "REFILL_AFTER", 3600.0, raising=False)
+        with Sandbox("python", client=client) as a:
+            assert a.warm_hit and a.exec(code="x = 1").ok
+            for _ in range(30):  # a clone takes well under a second here; 3 s to see none
+                time.sleep(0.1)
+                assert len(t._pool) == 1, "the spare thread cloned while a spare was left"
+            with Sandbox("python", client=client) as b:  # the last spare: it clones at once
+                assert b.warm_hit
+                for _ in range(600):
+                    if t._pool:
+                        break
+                    time.sleep(0.1)
+                assert len(t._pool) == 1
+    finally:
+        monkeypatch.undo()
+        if hasattr(t, "_emptied"):
+            t._emptied.set()  # wake the thread from its long wait
+        client.release_template("python")
+
+
 def _ppid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 

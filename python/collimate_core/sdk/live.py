@@ -125,6 +125,7 @@ class LiveTemplate:
             extra, self._pool = self._pool[n:], self._pool[:n]
         for vm in extra:
             vm.destroy()
+        self._emptied.set()  # a waiting spare thread looks again
         self._fill()
 
     def _fill(self) -> None:
@@ -224,6 +225,7 @@ class LiveTemplate:
             self.spares = 0
             spares, self._pool = self._pool, []
             self._stop()
+        self._emptied.set()  # a waiting spare thread sees there is nothing to do
         for vm in spares:
             vm.destroy()
         if self._on_close is not None:
