@@ -710,6 +710,12 @@ impl Process {
     fn child_main(&mut self, stub: Stub, c: &Fork, guest_pid: Option<i32>, parent_host: i32, vfork: i32) -> RunExit {
         std::mem::replace(&mut self.stub, stub).release();
         self.child_stubs.clear(); // our copies of the siblings' stubs: not ours to kill
+        // Before the stub runs guest code: the tree's reaper kills it if this process dies
+        // (`platform::systrap::reaper`). A child that cannot be registered ends here.
+        if let Err(e) = st::reaper::register(&self.stub) {
+            eprintln!("collimate: systrap guest process: {e}");
+            return RunExit::Signaled { signo: libc::SIGKILL };
+        }
         let inherited = VFORK_FD.swap(vfork, std::sync::atomic::Ordering::SeqCst);
         if inherited >= 0 {
             // SAFETY: the pipe our parent VMM held as a vfork child itself: not ours to hold.

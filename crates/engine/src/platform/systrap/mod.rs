@@ -46,12 +46,13 @@ pub mod filter;
 pub mod layout;
 pub mod memory;
 pub mod preempt;
+pub mod reaper;
 pub mod shared;
 pub mod template;
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
 
 use shared::SharedPage;
@@ -203,7 +204,7 @@ fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
 }
 
 /// Send `fds` over `sock` with SCM_RIGHTS (one data byte).
-fn send_fds(sock: &OwnedFd, fds: &[RawFd]) -> io::Result<()> {
+fn send_fds(sock: BorrowedFd<'_>, fds: &[RawFd]) -> io::Result<()> {
     let mut byte = 0u8;
     let mut iov = libc::iovec { iov_base: (&raw mut byte).cast(), iov_len: 1 };
     let data_len = std::mem::size_of_val(fds);
@@ -378,6 +379,11 @@ impl Stub {
     /// The host pid of the stub process.
     pub fn pid(&self) -> i32 {
         self.pid
+    }
+
+    /// A pidfd of the stub process (for [`reaper::register`]; never a recycled pid).
+    pub fn pidfd(&self) -> BorrowedFd<'_> {
+        self.pidfd.as_fd()
     }
 
     /// What confinement the host granted this stub (namespaces, CPUID faulting).
@@ -611,7 +617,7 @@ impl Stub {
             let r = self.syscall("mmap", libc::SYS_mmap, [va, len, prot as u64, flags | libc::MAP_ANONYMOUS as u64, u64::MAX, offset])?;
             return if r == va { Ok(()) } else { Err(Error::Op { op: "mmap", source: io::Error::other("mapped elsewhere") }) };
         };
-        send_fds(&self.sock, &[fd.as_raw_fd()]).map_err(host("sendmsg"))?;
+        send_fds(self.sock.as_fd(), &[fd.as_raw_fd()]).map_err(host("sendmsg"))?;
         let remote = self.receive_fds(1)?[0];
         let r = self.syscall("mmap", libc::SYS_mmap, [va, len, prot as u64, flags, remote as u64, offset]);
         let c = self.syscall("close", libc::SYS_close, [remote as u64, 0, 0, 0, 0, 0]);
@@ -705,7 +711,7 @@ impl Stub {
             (*page.page()).state.store(shared::STUB_TURN, Ordering::SeqCst);
         }
         let (sock, stub_sock) = socketpair().map_err(host("socketpair"))?;
-        send_fds(&self.sock, &[page.memfd().as_raw_fd(), stub_sock.as_raw_fd()]).map_err(host("sendmsg"))?;
+        send_fds(self.sock.as_fd(), &[page.memfd().as_raw_fd(), stub_sock.as_raw_fd()]).map_err(host("sendmsg"))?;
         drop(stub_sock);
         let [rmem, rsock] = self.receive_fds(2)?;
         let pid = self.command(shared::CMD_FORK, [rmem as u64, rsock as u64, 0, 0, 0, 0, 0])?;
