@@ -238,17 +238,14 @@ def test_background_processes_do_not_outlive_a_reset(client, sb):
         _background_processes_do_not_outlive_a_reset(client, sb)
     finally:
         # On systrap, a stub left spinning is a leak: killed here (so it does not take a host CPU
-        # for the rest of the run) and reported.
+        # for the rest of the run), then the test fails. Each sandbox's reaper ends its stubs with
+        # their VMMs (docs/systrap.md, "Lifetimes"); before it, this was an xfail seen now and then.
         leaked = set()
         if client.platform == "systrap" and not wait_until(lambda: not (orphaned_stubs() - stubs_before), 5):
             leaked = orphaned_stubs() - stubs_before
             for pid in leaked:
                 os.kill(pid, signal.SIGKILL)
-    if leaked:
-        # Seen now and then, not every run: a known gap of systrap, listed rather than hidden.
-        pytest.xfail(f"systrap stubs outlived their sandbox (killed by the test): {sorted(leaked)}: a stub that computes "
-                     "without syscalls outlives its VMM killed at the sandbox's end; the design that closes it is a "
-                     "per-sandbox reaper holding a pidfd of every stub (docs/systrap.md)")
+    assert not leaked, f"systrap stubs outlived their sandbox (killed by the test): {sorted(leaked)}"
 
 
 def _background_processes_do_not_outlive_a_reset(client, sb):
@@ -521,15 +518,7 @@ CPU_CASES = {
 }
 
 
-def _cpu_case(n: str):
-    if n.startswith("int 0x80"):
-        return pytest.param(n, marks=on("systrap", systrap_gap(
-            "an i386 syscall makes the stub's filter kill the stub (filter.rs): the VMM reports an engine error "
-            "('the stub process ended under the guest') instead of the guest's SIGSEGV as on kvm")))
-    return n
-
-
-@pytest.mark.parametrize("name", [_cpu_case(n) for n in CPU_CASES])
+@pytest.mark.parametrize("name", list(CPU_CASES))
 def test_hostile_instructions_are_guest_side_faults(sb, name):
     code, accepted = CPU_CASES[name]
     r = sb.exec(code=SHELLCODE.format(hex=code), timeout_seconds=30)
