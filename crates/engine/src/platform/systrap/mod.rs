@@ -556,11 +556,20 @@ impl Stub {
         let (err, trapno) = (gregs[shared::reg::ERR], gregs[shared::reg::TRAPNO]);
         const SYS_SECCOMP: i32 = 1;
         const SI_KERNEL: i32 = 0x80;
+        const AUDIT_ARCH_X86_64: u64 = 0xc000_003e;
         const PF: u64 = 14;
         match signo {
-            libc::SIGSYS if code == SYS_SECCOMP => {
-                regs.rax = sysnr;
+            // An x86-64 syscall; another architecture's (i386 `int 0x80`) is what kvm makes of
+            // it, a general protection fault at the instruction (2 bytes back), with the
+            // registers as they were.
+            libc::SIGSYS if code == SYS_SECCOMP && sysnr >> 32 == AUDIT_ARCH_X86_64 => {
+                regs.rax = sysnr & 0xffff_ffff;
                 Exit::Syscall
+            }
+            libc::SIGSYS if code == SYS_SECCOMP => {
+                regs.rax = sysnr & 0xffff_ffff;
+                regs.rip = regs.rip.wrapping_sub(2);
+                Exit::Signal { signo: libc::SIGSEGV, code: SI_KERNEL, addr: 0 }
             }
             preempt::KICK_SIGNAL if code == preempt::SI_USER => Exit::Interrupted,
             libc::SIGSEGV if trapno == PF && code != SI_KERNEL => Exit::Fault { addr, write: err & 2 != 0, exec: err & 16 != 0 },

@@ -42,6 +42,7 @@
 //! A registration that fails (the reaper is gone) ends the VMM before its stub runs.
 //!
 //! # Limits
+//! `COLLIMATE_SYSTRAP_REAPER=0` in the VMM's environment starts none, to compare (benches).
 //! Only a served sandbox's tree has a reaper (`vmm::systrap::serve`). A first process run inside
 //! the caller's own process (`vmm::systrap::Process::spawn`: tests and benches) relies on the
 //! parent-death signal of its child VMMs and on killing its children's stubs itself.
@@ -93,10 +94,18 @@ const fn region_len() -> usize {
     (std::mem::size_of::<Table>() + STACK + 4095) & !4095
 }
 
+/// Whether `COLLIMATE_SYSTRAP_REAPER=0` asks for no reaper (to measure what it costs: benches).
+fn off() -> bool {
+    std::env::var_os("COLLIMATE_SYSTRAP_REAPER").is_some_and(|v| v == "0")
+}
+
 /// Start this tree's reaper in its top VMM (this process) and hand it `first`, the stub this
 /// process runs. In a clone, the tree it was forked from is forgotten first.
 pub fn start(first: &Stub) -> Result<()> {
     forget();
+    if off() {
+        return Ok(());
+    }
     // SAFETY: getpid cannot fail.
     let me = unsafe { libc::getpid() };
     let old = REGION.swap(0, Ordering::SeqCst);
