@@ -566,9 +566,9 @@ def test_zz_afterwards_nothing_is_affected_and_nothing_leaks(client, baseline, p
 
 
 @on("systrap", pytest.mark.skip(reason="systrap: the running guest process is its stub, not a VMM process (a VMM "
-                                        "waits while its stub runs), so the running one cannot be told from the VMMs; and a "
-                                        "child VMM killed from the host leaves its stub spinning until the sandbox ends "
-                                        "(docs/systrap.md, open)"))
+                                        "waits while its stub runs), so the running one cannot be told from the VMMs "
+                                        "(a child VMM killed from the host takes its stub with it: the sandbox's reaper, "
+                                        "crates/engine/tests/systrap_reaper.rs)"))
 def test_a_guest_process_killed_by_the_host_while_it_has_the_turn(client, sb):
     # Replay mode: the sandbox's processes take turns (guestos::sched). A process that vanishes
     # while it holds the turn (here: its VMM SIGKILLed from the host, as an OOM kill would) never
