@@ -262,7 +262,9 @@ impl Table {
                 continue;
             }
             if r < 0 {
-                return true; // EAGAIN: nothing more queued
+                // EAGAIN: nothing more queued; any other error will not go away (poll would
+                // report the socket again at once): as an end of file.
+                return r == -(libc::EAGAIN as isize);
             }
             // One SCM_RIGHTS header (16 bytes: length, level, type) and up to two descriptors.
             let len = self.control[0] as usize;
@@ -312,10 +314,10 @@ extern "C" fn reaper_main(arg: *mut libc::c_void) -> libc::c_int {
         sys(libc::SYS_close_range, [hi as usize + 1, u32::MAX as usize, 0, 0]);
         sys(libc::SYS_prctl, [libc::PR_SET_NAME as usize, t.name.as_ptr() as usize, 0, 0]);
     }
-    let mut top_alive = true;
+    let (mut top_alive, mut rx_open) = (true, true);
     loop {
         t.polls[0] = libc::pollfd { fd: if top_alive { t.top } else { -1 }, events: libc::POLLIN, revents: 0 };
-        t.polls[1] = libc::pollfd { fd: t.rx, events: libc::POLLIN, revents: 0 };
+        t.polls[1] = libc::pollfd { fd: if rx_open { t.rx } else { -1 }, events: libc::POLLIN, revents: 0 };
         for i in 0..t.n {
             t.polls[2 + i] = libc::pollfd { fd: t.owners[i], events: libc::POLLIN, revents: 0 };
         }
@@ -336,6 +338,9 @@ extern "C" fn reaper_main(arg: *mut libc::c_void) -> libc::c_int {
         if top_alive && t.polls[0].revents != 0 {
             top_alive = false;
             t.kill_all();
+            if !rx_open {
+                break; // nothing can register any more
+            }
         } else {
             // In reverse, so that moving the last entry into a freed slot moves one already seen.
             let mut i = t.n;
@@ -351,10 +356,14 @@ extern "C" fn reaper_main(arg: *mut libc::c_void) -> libc::c_int {
                 }
             }
         }
-        if t.polls[1].revents != 0 && !t.drain(top_alive) {
-            // No VMM of the tree holds the socket: the top is gone too (it holds it for life).
-            t.kill_all();
-            break;
+        if rx_open && t.polls[1].revents != 0 && !t.drain(top_alive) {
+            // No VMM of the tree holds the socket any more: nothing can register. After the
+            // top's end that is the end; before it (the top let go of its end, which it does
+            // not), the registered VMMs are still watched, and the top.
+            if !top_alive {
+                break;
+            }
+            rx_open = false;
         }
     }
     t.kill_all();
