@@ -75,6 +75,7 @@ def test_a_killed_controller_leaves_no_vmm_and_no_stub_behind():
     finally:
         ctl.send_signal(signal.SIGKILL)
         ctl.wait()
+        ctl.stdout.close()
     gone = _wait(lambda: not any(alive(p) for p in procs), BOUND)
     left = sorted(p for p in procs if alive(p))
     report = [describe(p) + f", uid {_uid(p)}" for p in left]

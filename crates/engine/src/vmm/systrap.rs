@@ -155,7 +155,9 @@ pub struct Process {
     /// Pidfds of the stubs of the guest children this process forked. A child's VMM killed from
     /// here (`end_exec`, the first process's end) cannot end its stub, and a stub that computes
     /// without syscalls never notices that its VMM is gone: it would spin on the host for good.
-    /// So they are killed with their VMMs ([`Process::kill_child_stubs`]).
+    /// So they are killed with their VMMs ([`Process::kill_child_stubs`]). In a served sandbox
+    /// its reaper does that for every stub of the tree (`platform::systrap::reaper`); this is
+    /// what a first process run in the caller's own process has.
     child_stubs: Vec<std::os::fd::OwnedFd>,
     /// The sandboxes forked from this one get a writable root (`Request::WritableRoot`; forks
     /// carry an overlay context with each tmpfs pair, as on kvm: `crate::overlay`).

@@ -708,7 +708,7 @@ impl Stub {
     /// Its process is a child of this stub's process, not of the caller: it is not killed when the
     /// caller's thread exits but when its handle is dropped, or at its next trap after every copy of
     /// its socket is closed (a forked guest computing without syscalls outlives a killed VMM until
-    /// then).
+    /// then, unless the VMM registered it with its tree's [`reaper`], which kills it at once).
     pub fn fork(&mut self) -> Result<Stub> {
         let page = SharedPage::new().map_err(host("memfd for the fork's shared page"))?;
         // SAFETY: the VMM's turn on the old page; the new page is ours alone: it starts as a copy (the
