@@ -1,0 +1,251 @@
+//! Snapshots of a systrap guest process, and restores from them.
+//!
+//! A systrap guest's memory is the mappings of its stub (a host process), not a guest-physical
+//! image, so the snapshot holds those instead of kvm's `vm.mem` and vCPU; the guest OS state is
+//! kvm's ([`OsState`], with the writable mounts' copies in `fs/`), and the state file is framed as
+//! kvm's (`crate::persist::encode_as`: magic, version, length, CRC). Two files beside `fs/`:
+//! - `systrap.state`: [`SystrapState`]: the general registers, FS base and XSAVE area at the
+//!   snapshot's exit, each mapping (address range, protection, where its pages are in the memory
+//!   file) and the `OsState`.
+//! - `systrap.mem`: the mappings' contents, one after the other, page aligned, sparse where zero.
+//!   An anonymous mapping keeps only the pages the guest has (`/proc/<pid>/pagemap`: present or
+//!   swapped; where the host maps it from a file, a restored snapshot's, all of it); a private
+//!   file mapping is copied whole (its pages as the guest sees them, copied on
+//!   write or not), so the restore needs none of the files it mapped.
+//!
+//! A restore is a fresh stub whose mappings are the memory file mapped `MAP_PRIVATE` at each
+//! mapping's place: every sandbox restored from one snapshot shares its pages in the host's page
+//! cache, copy-on-write, as kvm's restores share `vm.mem`. The registers go into the stub's
+//! shared page and the XSAVE area into its boot frame (`Stub::load_xsave`).
+//!
+//! What a snapshot cannot hold, refused with an error that says what to do: more than one thread,
+//! child processes, shared mappings (`MAP_SHARED`, as on kvm), and what `OsState` cannot hold
+//! (pipes, sockets: `guestos::persist`).
+
+use std::os::fd::AsFd;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use kvm_bindings::kvm_regs;
+use serde::{Deserialize, Serialize};
+
+use super::{Capture, Process, DEFAULT_BUDGET};
+use crate::error::{Error, Result};
+use crate::guestos::persist::{OsState, ScratchRoot};
+use crate::persist::{self, SYSTRAP_STATE_FILE};
+use crate::platform::systrap::{self as st, memory, Stub};
+
+pub const MEMORY_FILE: &str = "systrap.mem";
+/// Bump whenever [`SystrapState`] changes shape.
+pub const FORMAT_VERSION: u32 = 1;
+const PAGE: u64 = 4096;
+/// How much guest memory one read through the stub moves.
+const CHUNK: usize = 1 << 20;
+
+/// One mapping of the guest: `[start, end)` with `prot`, its pages at `offset` in the memory file.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Region {
+    pub start: u64,
+    pub end: u64,
+    pub prot: u32,
+    pub offset: u64,
+}
+
+/// Everything of a systrap snapshot but the pages.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct SystrapState {
+    pub regs: kvm_regs,
+    pub fs_base: u64,
+    pub xsave: Vec<u8>,
+    /// The guest's address-space limit (the stub's RLIMIT_AS) and what `sysinfo` reports.
+    pub budget: u64,
+    pub regions: Vec<Region>,
+    pub os: OsState,
+}
+
+/// Read the state file of the systrap snapshot in `dir`; a kvm snapshot there gets the error
+/// that says to restore it on kvm.
+pub fn read_state(dir: &Path) -> Result<SystrapState> {
+    let path = dir.join(SYSTRAP_STATE_FILE);
+    if !path.exists() && dir.join(persist::STATE_FILE).exists() {
+        return Err(persist::wrong_platform(dir, "kvm", "systrap"));
+    }
+    let bytes = std::fs::read(&path)
+        .map_err(|e| Error::SnapshotCorrupt { path: path.display().to_string(), reason: format!("cannot read: {e}") })?;
+    persist::decode_as(&bytes, &path.display().to_string(), FORMAT_VERSION)
+}
+
+fn refuse(what: String) -> Error {
+    Error::InvalidArgument(what)
+}
+
+impl Process {
+    /// Write this guest process to `dir` (created if missing). It must be parked between runs
+    /// (after a yield, an agent exchange or a timeout), single-threaded and without children; it
+    /// goes on unchanged afterwards.
+    pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
+        if self.exited.is_some() {
+            return Err(refuse("the sandbox's first process has ended: there is nothing to snapshot; start a new sandbox".into()));
+        }
+        if self.os.threads.multi() {
+            return Err(refuse(
+                "the guest process has more than one thread; a systrap snapshot holds one: join the threads before the snapshot".into(),
+            ));
+        }
+        if !self.os.sig.children.is_empty() {
+            return Err(refuse(format!(
+                "the guest process has {} child process(es); a systrap snapshot holds one process: wait for them before the snapshot",
+                self.os.sig.children.len()
+            )));
+        }
+        let shared = self.os.mm.vmas.values().filter(|v| v.shared).count();
+        if shared > 0 {
+            return Err(refuse(format!(
+                "the guest has {shared} shared memory mapping(s) (MAP_SHARED: multiprocessing, shared_memory, mmap of a file); \
+                 a snapshot cannot hold them: end the processes that use them, or unmap them, before the snapshot"
+            )));
+        }
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+            .create(dir)
+            .map_err(Error::sys("create snapshot directory"))?;
+        let xsave = self.stub.pending_xsave().map_err(|e| Error::Remote(format!("systrap: the guest's XSAVE area: {e}")))?;
+        let os = OsState::capture(&self.os, Some(&dir.join("fs")))?;
+        // Beside, then renamed: `dir` may be the snapshot this process was restored from, whose
+        // memory file it maps.
+        let tmp = dir.join(format!(".{MEMORY_FILE}.tmp"));
+        let file = std::os::unix::fs::OpenOptionsExt::mode(std::fs::OpenOptions::new().write(true).create(true).truncate(true), 0o600)
+            .open(&tmp)
+            .map_err(Error::sys("create the snapshot's memory file"))?;
+        let regions = self.write_memory(&file)?;
+        drop(file);
+        std::fs::rename(&tmp, dir.join(MEMORY_FILE)).map_err(Error::sys("rename the snapshot's memory file"))?;
+        let state = SystrapState { regs: self.regs, fs_base: self.fs_base, xsave, budget: self.budget, regions, os };
+        persist::write_file(dir, SYSTRAP_STATE_FILE, &persist::encode_as(&state, FORMAT_VERSION)?)
+    }
+
+    /// Copy every mapping's pages into `file`; the regions saying where each went.
+    fn write_memory(&mut self, file: &std::fs::File) -> Result<Vec<Region>> {
+        let pagemap = memory::open_pagemap(self.stub.pid()).ok();
+        // Where the host maps a file (a restored snapshot's memory file), an untouched page is
+        // the file's: those are read whole.
+        let host_files = memory::file_mappings(self.stub.pid()).ok();
+        let mut regions = Vec::new();
+        let mut at = 0u64;
+        let mut buf = vec![0u8; CHUNK];
+        let vmas: Vec<(u64, u64, u32, bool)> = self.os.mm.vmas.iter().map(|(&s, v)| (s, v.end, v.prot, v.file.is_some())).collect();
+        for (start, end, prot, file_backed) in vmas {
+            let pages = ((end - start) / PAGE) as usize;
+            // Which pages to copy: all of a file mapping's; an anonymous one's that have memory.
+            let anonymous_on_host = host_files.as_ref().is_some_and(|f| !f.iter().any(|&(a, b)| a < end && start < b));
+            let own = match (&pagemap, file_backed) {
+                (Some(pm), false) if anonymous_on_host => memory::own_pages(pm, start, pages).ok(),
+                _ => None,
+            };
+            let mut i = 0;
+            while i < pages {
+                if own.as_ref().is_some_and(|o| !o[i]) {
+                    i += 1;
+                    continue;
+                }
+                let mut n = 1;
+                while i + n < pages && (n * PAGE as usize) < CHUNK && own.as_ref().is_none_or(|o| o[i + n]) {
+                    n += 1;
+                }
+                let va = start + i as u64 * PAGE;
+                let chunk = &mut buf[..n * PAGE as usize];
+                if self.stub.read(va, chunk).is_err() {
+                    // Page by page: one the guest cannot read (PROT_NONE, past a file's end) is zero.
+                    for (p, page) in chunk.chunks_mut(PAGE as usize).enumerate() {
+                        if self.stub.read(va + p as u64 * PAGE, page).is_err() {
+                            page.fill(0);
+                        }
+                    }
+                }
+                for (p, page) in chunk.chunks(PAGE as usize).enumerate() {
+                    if page.iter().any(|&b| b != 0) {
+                        let off = at + (i + p) as u64 * PAGE;
+                        file.write_all_at(page, off).map_err(Error::sys("write the snapshot's memory file"))?;
+                    }
+                }
+                i += n;
+            }
+            regions.push(Region { start, end, prot, offset: at });
+            at += end - start;
+        }
+        file.set_len(at).map_err(Error::sys("size the snapshot's memory file"))?;
+        Ok(regions)
+    }
+
+    /// A guest process restored from the snapshot in `dir` into a new stub confined by `conf`
+    /// (with the snapshot's address-space limit), run in the caller's process (as
+    /// [`Process::spawn`]): its fds 1 and 2 are captured in each run's result, its writable
+    /// mounts are private copies under this process's runtime directory.
+    pub fn restore(dir: &Path, conf: &st::Confinement) -> Result<Process> {
+        let state = read_state(dir)?;
+        let conf = st::Confinement { address_space: Some(state.budget), ..conf.clone() };
+        let stub = Stub::spawn(&conf).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
+        Self::restore_into(dir, state, stub, None, &super::super::own_dir())
+    }
+
+    /// The snapshot in `dir` (its `state`, read by [`read_state`]) restored into `stub` (new and
+    /// empty: a `Stub::spawn` or a `Template`'s). `stdio`: its fds 1 and 2 (a served sandbox's
+    /// pipes); `None`: captured in each run's result. Its writable mounts are private copies in
+    /// `scratch`, as a kvm restore's.
+    pub(super) fn restore_into(
+        dir: &Path,
+        state: SystrapState,
+        mut stub: Stub,
+        stdio: Option<Vec<std::os::fd::OwnedFd>>,
+        scratch: &ScratchRoot,
+    ) -> Result<Process> {
+        let stub_err = |what: &str, e: st::Error| Error::Remote(format!("systrap: restore {}: {what}: {e}", dir.display()));
+        let mem = std::fs::File::open(dir.join(MEMORY_FILE)).map_err(|e| Error::SnapshotCorrupt {
+            path: dir.join(MEMORY_FILE).display().to_string(),
+            reason: format!("cannot open: {e}"),
+        })?;
+        let size = mem.metadata().map_err(Error::sys("stat the snapshot's memory file"))?.len();
+        if state.regions.iter().any(|r| r.end < r.start || r.offset + (r.end - r.start) > size) {
+            return Err(Error::SnapshotCorrupt {
+                path: dir.join(MEMORY_FILE).display().to_string(),
+                reason: format!("shorter ({size} bytes) than the mappings it holds"),
+            });
+        }
+        // Adjacent mappings with the same protection whose pages follow each other in the file
+        // are one host mapping (fewer round trips to the stub).
+        let mut runs: Vec<Region> = Vec::new();
+        for r in &state.regions {
+            match runs.last_mut() {
+                Some(l) if l.end == r.start && l.prot == r.prot && l.offset + (l.end - l.start) == r.offset => l.end = r.end,
+                _ => runs.push(r.clone()),
+            }
+        }
+        for r in &runs {
+            let flags = libc::MAP_PRIVATE | libc::MAP_NORESERVE;
+            stub.map(r.start, r.end - r.start, r.prot as i32, flags, Some(mem.as_fd()), r.offset).map_err(|e| stub_err("map guest memory", e))?;
+        }
+        stub.load_xsave(&state.xsave).map_err(|e| stub_err("load the XSAVE area (a snapshot from another CPU?)", e))?;
+        let mut os = super::super::restore_os(&state.os, dir, scratch, false, None)?;
+        let (capture, stdio) = match stdio {
+            Some(fds) => (None, fds),
+            None => {
+                let (c, fds) = Capture::new().map_err(Error::sys("memfds for the guest's stdout and stderr"))?;
+                (Some(c), fds)
+            }
+        };
+        os.set_stdio(stdio)?;
+        crate::guestos::signal::host::install();
+        let guest_pid = os.proc.pid;
+        Ok(Process {
+            stub,
+            os,
+            regs: state.regs,
+            fs_base: state.fs_base,
+            budget: if state.budget == 0 { DEFAULT_BUDGET } else { state.budget },
+            exited: None,
+            capture,
+            guest_pid,
+            child_stubs: Vec::new(),
+            writable_root: false,
+        })
+    }
+}
