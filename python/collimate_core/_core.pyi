@@ -273,6 +273,7 @@ class Vm:
     ) -> bool: ...
 
 SNAPSHOT_FORMAT: int
+SYSTRAP_SNAPSHOT_FORMAT: int
 """The engine's snapshot format version: snapshots of another version cannot be restored."""
 
 def _vmm_main() -> None:

@@ -249,3 +249,60 @@ impl Process {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir_with(name: &str, file: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("collimate-snap-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join(file), b"x").unwrap();
+        d
+    }
+
+    #[test]
+    fn a_snapshot_of_the_other_platform_says_which_to_use() {
+        let kvm = dir_with("kvm", persist::STATE_FILE);
+        let e = read_state(&kvm).unwrap_err().to_string();
+        assert!(e.contains("taken on the kvm platform and cannot be restored on systrap") && e.contains("platform=\"kvm\""), "{e}");
+        let systrap = dir_with("systrap", SYSTRAP_STATE_FILE);
+        let e = persist::read_state(&systrap).unwrap_err().to_string();
+        assert!(e.contains("taken on the systrap platform and cannot be restored on kvm") && e.contains("platform=\"systrap\""), "{e}");
+        assert_eq!(persist::platform_of(&kvm), Some(crate::protocol::Platform::Kvm));
+        assert_eq!(persist::platform_of(&systrap), Some(crate::protocol::Platform::Systrap));
+        for d in [kvm, systrap] {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+
+    #[test]
+    fn the_state_round_trips_and_damage_is_refused() {
+        let state = SystrapState {
+            regs: kvm_regs { rip: 0x401000, rsp: 0x7ffe_0000, ..Default::default() },
+            fs_base: 0x1234,
+            xsave: vec![7; 576],
+            budget: 1 << 30,
+            regions: vec![Region { start: 0x400000, end: 0x401000, prot: 5, offset: 0 }],
+            os: OsState {
+                mm: Default::default(),
+                proc: Default::default(),
+                enosys: Default::default(),
+                threads: Default::default(),
+                files: Vec::new(),
+                fds: Vec::new(),
+                root: "/".into(),
+                mounts: Vec::new(),
+                ro_mounts: Vec::new(),
+            },
+        };
+        let bytes = persist::encode_as(&state, FORMAT_VERSION).unwrap();
+        assert_eq!(persist::decode_as::<SystrapState>(&bytes, "x", FORMAT_VERSION).unwrap(), state);
+        let mut bad = bytes.clone();
+        bad[bytes.len() / 2] ^= 0x5a;
+        assert!(persist::decode_as::<SystrapState>(&bad, "x", FORMAT_VERSION).is_err());
+        // A kvm state file's version is not a systrap one's.
+        assert!(matches!(persist::decode_as::<SystrapState>(&bytes, "x", FORMAT_VERSION + 1), Err(Error::SnapshotVersion { .. })));
+    }
+}

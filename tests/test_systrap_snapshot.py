@@ -1,0 +1,95 @@
+"""Systrap snapshots through the SDK (sdk/live.py, docs/systrap.md): the catalog "python" template's
+zygote is checkpointed into the cache once (templates/systrap/) and every client process restores
+it from there instead of booting the agent again, so a second process uses the template without
+re-baking it and its seeded runs read what the first process's read, virtual clocks included (as
+on kvm). Needs seccomp filters (systrap) and the python root filesystem; not /dev/kvm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collimate_rl import EmbeddedClient, rollout_once
+from collimate_core.sdk import platform as pf
+
+pytestmark = pytest.mark.skipif(not pf.probe_systrap().available,
+                                reason="this host does not allow seccomp filters (systrap)")
+
+SEED = "c0ffee00" * 8
+CODE = "import time, random, os\nprint(time.time(), time.monotonic(), random.random(), os.urandom(4).hex())"
+
+# The second client process: the same cache, a session with state across execs, a seeded run.
+SECOND = r"""
+import json, sys
+from collimate_rl import EmbeddedClient, rollout_once
+c = EmbeddedClient(platform="systrap", cache=sys.argv[1])
+with c.session("python") as s:
+    a = s.exec(code="x = 41")
+    b = s.exec(code="import os\nprint(x + 1, os.getcwd())")
+seeded = rollout_once("python", code=sys.argv[2], seed=sys.argv[3], client=c)
+t = c._templates["python"]
+print(json.dumps({"restored_from": str(t.restored_from), "out": b.stdout, "ok": a.ok and b.ok,
+                  "seeded": seeded.stdout, "ack": seeded.seed_ack}))
+c.close()
+"""
+
+
+def test_a_second_process_restores_the_template_instead_of_baking_it(tmp_path):
+    cache = tmp_path / "cache"
+    c = EmbeddedClient(platform="systrap", cache=cache)
+    try:
+        with c.session("python") as s:
+            assert s.exec(code="print(6 * 7)").stdout == "42\n"
+        t = c._templates["python"]
+        snap = t.restored_from
+        assert snap is not None and snap.parent == cache / "templates" / "systrap", snap
+        assert (snap / "systrap.state").is_file() and (snap / "systrap.mem").is_file()
+        first = rollout_once("python", code=CODE, seed=SEED, client=c)
+        assert first.ok and first.seed_ack == "verified", first
+    finally:
+        c.close()
+    made = (snap / "systrap.state").stat().st_mtime_ns
+
+    env = dict(os.environ)
+    env.pop("COLLIMATE_API_KEY", None)
+    r = subprocess.run([sys.executable, "-c", SECOND, str(cache), CODE, SEED], capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    # The same snapshot, not a new bake: the file was not written again.
+    assert out["restored_from"] == str(snap)
+    assert (snap / "systrap.state").stat().st_mtime_ns == made
+    assert out["ok"] and out["out"] == "42 /work\n", out
+    # One template state for every process: a seed replays in the other process, clocks too
+    # (before, each process booted its own zygote, whose clocks started at its own start).
+    assert out["seeded"] == first.stdout and out["ack"] == "verified", (out, first.stdout)
+
+
+def test_a_damaged_snapshot_is_made_again(tmp_path):
+    cache = tmp_path / "cache"
+    c = EmbeddedClient(platform="systrap", cache=cache)
+    try:
+        with c.session("python") as s:
+            assert s.exec(code="print(1)").ok
+        snap = c._templates["python"].restored_from
+    finally:
+        c.close()
+    state = snap / "systrap.state"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    state.write_bytes(bytes(data))
+    # A cache entry: the engine refuses it (its CRC), and the client makes it again.
+    c = EmbeddedClient(platform="systrap", cache=cache)
+    try:
+        with c.session("python") as s:
+            assert s.exec(code="print(2)").stdout == "2\n"
+        assert c._templates["python"].restored_from == snap
+        assert state.read_bytes() != bytes(data)
+    finally:
+        c.close()
