@@ -93,3 +93,47 @@ def test_a_damaged_snapshot_is_made_again(tmp_path):
         assert state.read_bytes() != bytes(data)
     finally:
         c.close()
+
+
+# Grading's prepared template (grading/pool.py): a sandbox after the spec's setup, checkpointed
+# once into the cache and restored by every process, its state (what the setup left in the
+# interpreter and in /work) in every candidate's sandbox.
+SETUP = "import json\nopen('/work/data.json', 'w').write('[3, 1, 2]')\nDATA = json.load(open('/work/data.json'))\n"
+TESTS = "assert solve(DATA) == [1, 2, 3]\nassert open('/work/data.json').read() == '[3, 1, 2]'\n"
+GOOD = "def solve(x):\n    return sorted(x)\n"
+
+GRADE_AGAIN = r"""
+import json, sys
+from collimate_rl import EmbeddedClient, UnitTestReward, grade
+c = EmbeddedClient(platform="systrap", cache=sys.argv[1])
+spec = UnitTestReward(template="python", setup=sys.argv[2], tests=sys.argv[3])
+r = grade(sys.argv[4], spec, client=c)
+names = [n for n in c._templates if n.startswith("__grading__-")]
+print(json.dumps({"reward": r.reward, "from": [str(c._templates[n].restored_from) for n in names]}))
+c.close()
+"""
+
+
+def test_a_prepared_sandbox_is_snapshotted_once_and_restored_in_another_process(tmp_path):
+    from collimate_rl import UnitTestReward, grade
+
+    cache = tmp_path / "cache"
+    spec = UnitTestReward(template="python", setup=SETUP, tests=TESTS)
+    c = EmbeddedClient(platform="systrap", cache=cache)
+    try:
+        assert grade(GOOD, spec, client=c).reward == 1.0
+        assert grade("def solve(x):\n    return x\n", spec, client=c).reward == 0.0
+        names = [n for n in c._templates if n.startswith("__grading__-")]
+        assert len(names) == 1, list(c._templates)
+        entry = c._templates[names[0]].restored_from
+        assert entry is not None and entry.parent == cache / "grading" and (entry / "systrap.state").is_file()
+    finally:
+        c.close()
+    made = (entry / "systrap.state").stat().st_mtime_ns
+    env = {k: v for k, v in os.environ.items() if k != "COLLIMATE_API_KEY"}
+    r = subprocess.run([sys.executable, "-c", GRADE_AGAIN, str(cache), SETUP, TESTS, GOOD], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"reward": 1.0, "from": [str(entry)]}, out
+    assert (entry / "systrap.state").stat().st_mtime_ns == made

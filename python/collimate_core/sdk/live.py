@@ -110,6 +110,20 @@ class LiveTemplate:
         return cls(name, root, disk_quota, shared_memory, start=start, seed_ack=seed_ack, state=state,
                    on_close=on_close)
 
+    @classmethod
+    def restored(cls, name: str, root: Path, snapshot: Path, disk_quota: int | None, shared_memory: int | None, *,
+                 seed_ack: bool, state: str) -> LiveTemplate:
+        """A template whose zygote is restored from the systrap snapshot `snapshot` of a sandbox
+        (grading's prepared templates: a sandbox after its setup, checkpointed once and shared
+        by every process through the cache). `root` is the root filesystem it runs on."""
+
+        def start() -> tuple[Vm, None]:
+            return Vm.restore(snapshot), None
+
+        t = cls(name, root, disk_quota, shared_memory, start=start, seed_ack=seed_ack, state=state)
+        t.restored_from = snapshot
+        return t
+
     # No recycling: a sandbox that ends is destroyed (reset is not served on systrap).
     def take_recycled(self) -> Vm | None:
         return None
