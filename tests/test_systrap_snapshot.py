@@ -18,6 +18,8 @@ import pytest
 from collimate_rl import EmbeddedClient, rollout_once
 from collimate_core.sdk import platform as pf
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 pytestmark = pytest.mark.skipif(not pf.probe_systrap().available,
                                 reason="this host does not allow seccomp filters (systrap)")
 
@@ -137,3 +139,59 @@ def test_a_prepared_sandbox_is_snapshotted_once_and_restored_in_another_process(
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"reward": 1.0, "from": [str(entry)]}, out
     assert (entry / "systrap.state").stat().st_mtime_ns == made
+
+
+# An image template baked on systrap is committed to the template store (a systrap snapshot of its
+# zygote after the Ready step); another process restores that version instead of baking again, and
+# a kvm client is told the version is systrap's.
+USE_IMAGE = r"""
+import json, sys
+from collimate_rl import EmbeddedClient
+c = EmbeddedClient(platform="systrap", cache=sys.argv[1])
+with c.session("snapbox") as s:
+    r = s.exec(command="cat /work/mark; echo $TOOL")
+t = c._templates["snapbox"]
+print(json.dumps({"out": r.stdout, "ok": r.ok, "from": str(t.restored_from)}))
+c.close()
+"""
+
+
+def test_an_image_template_baked_on_systrap_is_used_by_another_process(tmp_path):
+    from collimate_rl import PlatformUnavailable, Ready, Template
+    from imagefixtures import Layer, busybox_layer, write_docker_save
+
+    root = os.environ.get("COLLIMATE_ROOTFS")
+    if not root:
+        pytest.skip("no python rootfs (set COLLIMATE_ROOTFS)")
+    store = tmp_path / "images"
+    store.mkdir()
+    write_docker_save(store / "toolbox.tar", [busybox_layer(Path(root) / "usr/bin/busybox"), Layer().dir("work").bytes()],
+                      {"Env": ["PATH=/bin", "TOOL=box"], "WorkingDir": "/work"}, repo_tags=["toolbox:1.0"])
+    c = EmbeddedClient(cache=tmp_path, platform="systrap")
+    try:
+        st = Template.bake(c, name="snapbox", image="toolbox:1.0", ready=Ready(cmd="echo baked > /work/mark")).wait(300)
+        assert st.phase == "Live", st.log
+        with c.session("snapbox") as s:
+            assert s.exec(command="cat /work/mark").stdout == "baked\n"
+        snap = c._templates["snapbox"].restored_from
+        assert snap is not None and (snap / "systrap.state").is_file(), snap
+        assert json.loads((snap.parent / "template.json").read_text())["platform"] == "systrap"
+    finally:
+        c.close()
+    made = (snap / "systrap.state").stat().st_mtime_ns
+    env = {k: v for k, v in os.environ.items() if k != "COLLIMATE_API_KEY"}
+    r = subprocess.run([sys.executable, "-c", USE_IMAGE, str(tmp_path)], capture_output=True, text=True, timeout=600,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"out": "baked\nbox\n", "ok": True, "from": str(snap)}, out
+    assert (snap / "systrap.state").stat().st_mtime_ns == made  # not baked again
+    if os.path.exists("/dev/kvm"):
+        kvm = EmbeddedClient(platform="kvm", cache=tmp_path)
+        try:
+            with pytest.raises(PlatformUnavailable, match="baked on the systrap platform") as e:
+                with kvm.session("snapbox"):
+                    pass
+            assert "connect(platform='systrap')" in str(e.value)
+        finally:
+            kvm.close()

@@ -15,12 +15,14 @@ thread makes the next. There is no recycling by reset (the engine has none on sy
 that ends is destroyed, and `Sandbox.reset()` or a lost interpreter gets a new clone of the
 zygote, which is the template's state.
 
-Image templates (Template.bake, `client.env(image)`) are live zygotes still (`LiveTemplate.image`,
-made by templates/bake.py): the image's unpacked root filesystem as the guest's root, its agent
-spawned with the image's argv, Env, WorkingDir, User and seeded writable mounts, and the bake's
-Ready steps run in the zygote once before any clone (with the writable root, in a clone of the
-booted agent, as on kvm). A template baked into a kvm snapshot cannot run here and is refused with
-`PlatformUnavailable` (`image_templates_unavailable`) saying what to do.
+Image templates (Template.bake, `client.env(image)`) are booted live by templates/bake.py
+(`LiveTemplate.image`: the image's unpacked root filesystem as the guest's root, its agent spawned
+with the image's argv, Env, WorkingDir, User and seeded writable mounts, and the bake's Ready steps
+run in the zygote once, with the writable root in a clone of the booted agent, as on kvm), then
+checkpointed and committed to the template store; the client's zygote is restored from that
+version (`LiveTemplate.from_image`), here and in any other process. A template baked into a kvm
+snapshot cannot run here and is refused with `PlatformUnavailable` (`image_templates_unavailable`)
+saying what to do.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from collimate_core._core import SYSTRAP_SNAPSHOT_FORMAT, Vm
 from collimate_core._core import EngineError as _CoreEngineError
@@ -122,6 +124,32 @@ class LiveTemplate:
 
         t = cls(name, root, disk_quota, shared_memory, start=start, seed_ack=seed_ack, state=state)
         t.restored_from = snapshot
+        return t
+
+    @classmethod
+    def from_image(cls, baked: Any) -> LiveTemplate:
+        """The zygote of a committed image template version baked on systrap (`templates/bake.py`'s
+        ImageBaked, its `path` a systrap snapshot): restored from it, with the writable root the
+        bake asked for. Closing it releases the version's hold (its files stay while held)."""
+        writable = bool(baked.meta.get("writable_root"))
+
+        def start() -> tuple[Vm, None]:
+            vm = Vm.restore(baked.path)
+            if writable:
+                try:
+                    vm.set_writable_root(True)
+                except BaseException:
+                    vm.destroy()
+                    raise
+            return vm, None
+
+        hold = baked.hold
+        state = hashlib.sha256(f"collimate/systrap-image-template/v1\0{baked.path}\0{baked.meta.get('image_id')}".encode()
+                               ).hexdigest()
+        t = cls(baked.name, baked.root, baked.disk_quota, baked.shared_memory, start=start, seed_ack=baked.seed_ack,
+                state=state, on_close=hold.close if hold is not None else None)
+        t.restored_from = baked.path
+        t.version = baked.version
         return t
 
     # No recycling: a sandbox that ends is destroyed (reset is not served on systrap).
