@@ -9,13 +9,15 @@
 //!   file) and the `OsState`.
 //! - `systrap.mem`: the mappings' contents, one after the other, page aligned, sparse where zero.
 //!   An anonymous mapping keeps only the pages the guest has (`/proc/<pid>/pagemap`: present or
-//!   swapped; where the host maps it from a file, a restored snapshot's, all of it); a private
-//!   file mapping is copied whole (its pages as the guest sees them, copied on
-//!   write or not), so the restore needs none of the files it mapped.
+//!   swapped; where the host maps it from a file, a restored snapshot's, all of it). A read-only
+//!   private file mapping of a file the guest's root still holds (program text, read-only data)
+//!   is kept by guest path and offset ([`MappedFile`]; the file's device and inode are checked at
+//!   the restore) with only the pages its process copied on write (relocations made before an
+//!   mprotect) in the memory file; any other file mapping is copied whole.
 //!
 //! A restore is a fresh stub whose mappings are the memory file mapped `MAP_PRIVATE` at each
-//! mapping's place: every sandbox restored from one snapshot shares its pages in the host's page
-//! cache, copy-on-write, as kvm's restores share `vm.mem`. The registers go into the stub's
+//! mapping's place, and the program files at theirs: every sandbox restored from one snapshot
+//! shares those pages in the host's page cache, copy-on-write, as kvm's restores share `vm.mem`. The registers go into the stub's
 //! shared page and the XSAVE area into its boot frame (`Stub::load_xsave`).
 //!
 //! What a snapshot cannot hold, refused with an error that says what to do: more than one thread,
@@ -37,18 +39,35 @@ use crate::platform::systrap::{self as st, memory, Stub};
 
 pub const MEMORY_FILE: &str = "systrap.mem";
 /// Bump whenever [`SystrapState`] changes shape.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 const PAGE: u64 = 4096;
 /// How much guest memory one read through the stub moves.
 const CHUNK: usize = 1 << 20;
 
-/// One mapping of the guest: `[start, end)` with `prot`, its pages at `offset` in the memory file.
+/// One mapping of the guest: `[start, end)` with `prot`, its pages at `offset` in the memory file;
+/// or, for a read-only private file mapping ([`MappedFile`]), its file, with only the pages the
+/// guest's process changed (`patches`) in the memory file.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Region {
     pub start: u64,
     pub end: u64,
     pub prot: u32,
     pub offset: u64,
+    pub file: Option<MappedFile>,
+    /// In a file region: runs of pages (first page, count, from `start`) that are the process's
+    /// own copies (written before the mapping became read-only: relocations), at the same place
+    /// in the memory file as the region's other pages would be.
+    pub patches: Vec<(u64, u64)>,
+}
+
+/// A read-only private file mapping kept by guest path and file offset, not copied: the file is
+/// the same one at the restore (its device and inode are checked).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MappedFile {
+    pub path: String,
+    pub offset: u64,
+    pub dev: u64,
+    pub ino: u64,
 }
 
 /// Everything of a systrap snapshot but the pages.
@@ -126,29 +145,41 @@ impl Process {
     /// Copy every mapping's pages into `file`; the regions saying where each went.
     fn write_memory(&mut self, file: &std::fs::File) -> Result<Vec<Region>> {
         let pagemap = memory::open_pagemap(self.stub.pid()).ok();
-        // Where the host maps a file (a restored snapshot's memory file), an untouched page is
-        // the file's: those are read whole.
+        // Where the host maps a file (a program's, or a restored snapshot's memory file), an
+        // untouched page is the file's, not zero.
         let host_files = memory::file_mappings(self.stub.pid()).ok();
         let mut regions = Vec::new();
         let mut at = 0u64;
         let mut buf = vec![0u8; CHUNK];
-        let vmas: Vec<(u64, u64, u32, bool)> = self.os.mm.vmas.iter().map(|(&s, v)| (s, v.end, v.prot, v.file.is_some())).collect();
-        for (start, end, prot, file_backed) in vmas {
+        let vmas: Vec<(u64, crate::guestos::mm::Vma)> = self.os.mm.vmas.iter().map(|(&s, v)| (s, v.clone())).collect();
+        for (start, v) in vmas {
+            let end = v.end;
             let pages = ((end - start) / PAGE) as usize;
-            // Which pages to copy: all of a file mapping's; an anonymous one's that have memory.
-            let anonymous_on_host = host_files.as_ref().is_some_and(|f| !f.iter().any(|&(a, b)| a < end && start < b));
-            let own = match (&pagemap, file_backed) {
-                (Some(pm), false) if anonymous_on_host => memory::own_pages(pm, start, pages).ok(),
+            let on_host: Vec<u64> = host_files
+                .as_ref()
+                .map(|f| f.iter().filter(|&&(a, b, _)| a < end && start < b).map(|&(_, _, ino)| ino).collect())
+                .unwrap_or_else(|| vec![0]);
+            let flags = pagemap.as_ref().and_then(|pm| memory::page_flags(pm, start, pages).ok());
+            let by_path = match &flags {
+                Some(_) => self.kept_by_path(start, &v, &on_host),
+                None => None,
+            };
+            // Which pages to copy: a file region's own copies; an anonymous mapping's pages that
+            // have memory (where the host maps no file there); otherwise all.
+            let want: Option<Vec<bool>> = match (&flags, &by_path) {
+                (Some(f), Some(_)) => Some(f.iter().map(|&e| e & memory::PAGE_OWN != 0 && e & memory::PAGE_FILE == 0).collect()),
+                (Some(f), None) if v.file.is_none() && on_host.is_empty() => Some(f.iter().map(|&e| e & memory::PAGE_OWN != 0).collect()),
                 _ => None,
             };
+            let mut patches = Vec::new();
             let mut i = 0;
             while i < pages {
-                if own.as_ref().is_some_and(|o| !o[i]) {
+                if want.as_ref().is_some_and(|o| !o[i]) {
                     i += 1;
                     continue;
                 }
                 let mut n = 1;
-                while i + n < pages && (n * PAGE as usize) < CHUNK && own.as_ref().is_none_or(|o| o[i + n]) {
+                while i + n < pages && (n * PAGE as usize) < CHUNK && want.as_ref().is_none_or(|o| o[i + n]) {
                     n += 1;
                 }
                 let va = start + i as u64 * PAGE;
@@ -162,18 +193,43 @@ impl Process {
                     }
                 }
                 for (p, page) in chunk.chunks(PAGE as usize).enumerate() {
-                    if page.iter().any(|&b| b != 0) {
+                    if by_path.is_some() || page.iter().any(|&b| b != 0) {
                         let off = at + (i + p) as u64 * PAGE;
                         file.write_all_at(page, off).map_err(Error::sys("write the snapshot's memory file"))?;
                     }
                 }
+                if by_path.is_some() {
+                    patches.push((i as u64, n as u64));
+                }
                 i += n;
             }
-            regions.push(Region { start, end, prot, offset: at });
+            regions.push(Region { start, end, prot: v.prot, offset: at, file: by_path, patches });
             at += end - start;
         }
         file.set_len(at).map_err(Error::sys("size the snapshot's memory file"))?;
         Ok(regions)
+    }
+
+    /// The file a mapping can be kept by (see [`MappedFile`]): a read-only private mapping of a
+    /// file the guest names by path, which the host maps there (`on_host`: the inodes the host
+    /// maps over the range) and which the guest's root still holds as that very file.
+    fn kept_by_path(&self, _start: u64, v: &crate::guestos::mm::Vma, on_host: &[u64]) -> Option<MappedFile> {
+        let id = v.file?;
+        if v.shared || v.prot & libc::PROT_WRITE as u32 != 0 || !v.name.starts_with('/') {
+            return None;
+        }
+        // Only files of the read-only image: a writable root (an overlay, which a restore mounts
+        // later, if at all) or a writable mount may hold another file by then.
+        let vfs = &self.os.vfs;
+        let writable = |m: &crate::guestos::vfs::Mount| m.writable && (v.name == m.at || v.name.starts_with(&format!("{}/", m.at)));
+        if vfs.root_mounted() || vfs.root_layer.is_some() || vfs.mounts.iter().any(|m| m.at != "/" && writable(m)) {
+            return None;
+        }
+        if on_host.is_empty() || on_host.iter().any(|&ino| ino != id.ino) {
+            return None;
+        }
+        let (dev, ino) = file_id(&self.os.vfs, &v.name)?;
+        (dev == id.dev && ino == id.ino).then(|| MappedFile { path: v.name.clone(), offset: v.offset, dev, ino })
     }
 
     /// A guest process restored from the snapshot in `dir` into a new stub confined by `conf`
@@ -210,22 +266,40 @@ impl Process {
                 reason: format!("shorter ({size} bytes) than the mappings it holds"),
             });
         }
+        let mut os = super::super::restore_os(&state.os, dir, scratch, false, None)?;
         // Adjacent mappings with the same protection whose pages follow each other in the file
         // are one host mapping (fewer round trips to the stub).
         let mut runs: Vec<Region> = Vec::new();
         for r in &state.regions {
             match runs.last_mut() {
-                Some(l) if l.end == r.start && l.prot == r.prot && l.offset + (l.end - l.start) == r.offset => l.end = r.end,
+                Some(l) if l.file.is_none() && r.file.is_none() && l.end == r.start && l.prot == r.prot && l.offset + (l.end - l.start) == r.offset => {
+                    l.end = r.end
+                }
                 _ => runs.push(r.clone()),
             }
         }
+        let flags = libc::MAP_PRIVATE | libc::MAP_NORESERVE;
         for r in &runs {
-            let flags = libc::MAP_PRIVATE | libc::MAP_NORESERVE;
-            stub.map(r.start, r.end - r.start, r.prot as i32, flags, Some(mem.as_fd()), r.offset).map_err(|e| stub_err("map guest memory", e))?;
+            let Some(f) = &r.file else {
+                stub.map(r.start, r.end - r.start, r.prot as i32, flags, Some(mem.as_fd()), r.offset).map_err(|e| stub_err("map guest memory", e))?;
+                continue;
+            };
+            let changed = || Error::SnapshotCorrupt {
+                path: dir.join(SYSTRAP_STATE_FILE).display().to_string(),
+                reason: format!("{} is not the file the snapshot mapped (it changed or is gone); take the snapshot again", f.path),
+            };
+            let fd = os.vfs.open("/", f.path.as_bytes(), libc::O_RDONLY | libc::O_CLOEXEC, 0).map_err(|_| changed())?;
+            if fstat_id(&fd) != Some((f.dev, f.ino)) {
+                return Err(changed());
+            }
+            stub.map(r.start, r.end - r.start, r.prot as i32, flags, Some(fd.as_fd()), f.offset).map_err(|e| stub_err("map a program file", e))?;
+            for &(p, n) in &r.patches {
+                let (va, off) = (r.start + p * PAGE, r.offset + p * PAGE);
+                stub.map(va, n * PAGE, r.prot as i32, flags, Some(mem.as_fd()), off).map_err(|e| stub_err("map guest memory", e))?;
+            }
         }
         prefault(&mut stub, &runs);
         stub.load_xsave(&state.xsave).map_err(|e| stub_err("load the XSAVE area (a snapshot from another CPU?)", e))?;
-        let mut os = super::super::restore_os(&state.os, dir, scratch, false, None)?;
         let (capture, stdio) = match stdio {
             Some(fds) => (None, fds),
             None => {
@@ -249,6 +323,17 @@ impl Process {
             writable_root: false,
         })
     }
+}
+
+/// The device and inode of the file the guest path `path` names in `vfs`.
+fn file_id(vfs: &crate::guestos::vfs::Vfs, path: &str) -> Option<(u64, u64)> {
+    let fd = vfs.open("/", path.as_bytes(), libc::O_RDONLY | libc::O_CLOEXEC, 0).ok()?;
+    fstat_id(&fd)
+}
+
+fn fstat_id(fd: &std::os::fd::OwnedFd) -> Option<(u64, u64)> {
+    let m = std::fs::File::from(fd.try_clone().ok()?).metadata().ok()?;
+    Some((std::os::unix::fs::MetadataExt::dev(&m), std::os::unix::fs::MetadataExt::ino(&m)))
 }
 
 /// Give the restored stub the page-table entries of its memory now, as the process it was taken
@@ -307,7 +392,7 @@ mod tests {
             fs_base: 0x1234,
             xsave: vec![7; 576],
             budget: 1 << 30,
-            regions: vec![Region { start: 0x400000, end: 0x401000, prot: 5, offset: 0 }],
+            regions: vec![Region { start: 0x400000, end: 0x401000, prot: 5, offset: 0, file: None, patches: Vec::new() }],
             os: OsState {
                 mm: Default::default(),
                 proc: Default::default(),
