@@ -103,3 +103,33 @@ fn a_restored_sandbox_clones_and_snapshots_again() {
     drop(kids);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_program_file_changed_since_the_snapshot_refuses_the_restore() {
+    // Read-only file mappings of the image are kept by path, with the file's identity: a restore
+    // over another file there says so instead of running the wrong code.
+    let Some(root) = common::python_rootfs() else { return };
+    let dir = common::scratch("systrap-snapshot-changed");
+    let image = dir.join("image");
+    std::fs::create_dir_all(image.join("bin")).unwrap();
+    std::fs::copy(root.join("usr/bin/busybox"), image.join("bin/busybox")).unwrap();
+    let spec = SpawnSpec {
+        mounts: vec![("/work".into(), dir.join("work")), ("/tmp".into(), dir.join("tmp"))],
+        ..common::python_spec(image.clone(), &["/bin/busybox", "sleep", "30"])
+    };
+    let cfg = VmConfig { platform: Platform::Systrap, ..Default::default() };
+    let mut vm = Vm::spawn(&common::launcher(), &spec, &cfg).unwrap();
+    assert_eq!(vm.run(Duration::from_millis(300)).unwrap().exit, RunExit::Timeout);
+    vm.snapshot(&dir.join("snap")).unwrap();
+    vm.destroy().unwrap();
+    // The same file: the restore runs (and is stopped by its own timeout again).
+    let mut again = Vm::restore(&common::launcher(), &dir.join("snap")).unwrap();
+    assert_eq!(again.run(Duration::from_millis(300)).unwrap().exit, RunExit::Timeout);
+    again.destroy().unwrap();
+    // Another file at that path (a new inode with the same bytes).
+    std::fs::copy(image.join("bin/busybox"), image.join("bin/busybox.new")).unwrap();
+    std::fs::rename(image.join("bin/busybox.new"), image.join("bin/busybox")).unwrap();
+    let e = Vm::restore(&common::launcher(), &dir.join("snap")).unwrap_err().to_string();
+    assert!(e.contains("/bin/busybox is not the file the snapshot mapped") && e.contains("take the snapshot again"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
