@@ -14,7 +14,12 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
   "Lifetimes"): `exec(command="true")` (one guest fork, registered with the reaper), 50 guest
   forks in one `exec(code=...)` (`os.fork` + `_exit` + `waitpid`) and a sandbox's enter + exec +
   exit (a clone, which starts a reaper of its own), with the reaper and without it
-  (`COLLIMATE_SYSTRAP_REAPER=0`) in alternate rounds of one test (`test_reaper_cost`).
+  (`COLLIMATE_SYSTRAP_REAPER=0`) in alternate rounds of one test (`test_reaper_cost`);
+- on systrap, the template's zygote restored from its systrap snapshot (what the client uses now,
+  sdk/live.py) against a live zygote (the agent booted in this process, what it used before): a
+  clone of each (`Vm.clone()` + destroy), a fresh VMM restored from the snapshot file
+  (`Vm.restore` + destroy), and a sandbox of each (enter + `exec(code)` + exit, no spares), against
+  `/usr/bin/python3 -c "x = 1"` called directly.
 
 Needs seccomp filters for the systrap rows and /dev/kvm for the kvm rows.
 """
@@ -197,3 +202,67 @@ def test_reaper_cost(benchmark, reaper_clients, workload, rounds):
         benchmark.extra_info[f"{m}_median_ms"] = round(statistics.median(v) * 1e3, 3)
         benchmark.extra_info[f"{m}_p99_ms"] = round(_p99(v) * 1e3, 3)
     benchmark.extra_info["reaper_x_no_reaper"] = round(statistics.median(warm["reaper"]) / statistics.median(warm["no_reaper"]), 3)
+
+
+@pytest.fixture(scope="module")
+def zygotes():
+    """The systrap client's restored "python" zygote and a live one beside it (`python-live`: the
+    agent booted and run to its ready point in this process, no snapshot), neither with spares."""
+    from collimate_core.sdk import live, platform as pf
+    from collimate_core.templates import catalog
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    c = EmbeddedClient(platform="systrap")
+    with c.session("python") as s:  # makes the snapshot if there is none (not measured)
+        assert s.exec(code="x = 1").ok
+    restored = c._templates["python"]
+    assert restored.restored_from is not None
+    booted = live.LiveTemplate("python-live", restored.baked.root, restored.disk_quota, restored.shared_memory,
+                               catalog.guest_cpus())
+    assert booted.restored_from is None
+    c.register_template("python-live", booted)
+    c.expect_width("python", 0)
+    c.expect_width("python-live", 0)
+    yield c, restored, booted
+    c.close()
+
+
+@pytest.mark.parametrize("which", ["live", "restored"])
+def test_systrap_zygote_clone(benchmark, zygotes, which):
+    _, restored, booted = zygotes
+    z = (booted if which == "live" else restored).zygote
+
+    def run():
+        z.clone().destroy()
+
+    benchmark.pedantic(run, rounds=40, warmup_rounds=3)
+    benchmark.extra_info["platform"] = "systrap"
+    _record(benchmark, f"systrap clone of a {which} zygote", "native python")
+
+
+def test_systrap_restore_from_snapshot(benchmark, zygotes):
+    from collimate_core._core import Vm
+
+    snap = zygotes[1].restored_from
+
+    def run():
+        Vm.restore(snap).destroy()
+
+    benchmark.pedantic(run, rounds=20, warmup_rounds=2)
+    benchmark.extra_info["platform"] = "systrap"
+    _record(benchmark, "systrap restore of the snapshot", "native python")
+
+
+@pytest.mark.parametrize("which", ["live", "restored"])
+def test_systrap_sandbox_of_a_zygote(benchmark, zygotes, which):
+    c = zygotes[0]
+    name = "python-live" if which == "live" else "python"
+
+    def run():
+        with Sandbox(name, client=c) as sb:
+            assert sb.exec(code="x = 1").ok
+
+    benchmark.pedantic(run, rounds=20, warmup_rounds=2)
+    benchmark.extra_info["platform"] = "systrap"
+    _record(benchmark, f"systrap sandbox of a {which} zygote", "native python")

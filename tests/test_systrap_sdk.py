@@ -1,5 +1,5 @@
 """The embedded SDK on the systrap platform (docs/platforms.md, sdk/live.py): the catalog "python"
-template from a live zygote, sessions, execs, fork groups, grading and seeds through the public
+template from a zygote restored from its systrap snapshot (tests/test_systrap_snapshot.py), sessions, execs, fork groups, grading and seeds through the public
 SDK with platform="systrap"; with /dev/kvm hidden, `connect()` picks systrap and runs the
 quick-start. Needs seccomp filters (systrap) and the python root filesystem (COLLIMATE_ROOTFS, or
 built into the cache on first use); not /dev/kvm.
@@ -200,7 +200,7 @@ def test_seeds_are_echoed_acked_and_reproduce(client):
 @pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
 def test_a_seed_gives_the_same_crng_output_as_on_kvm(client):
     # What holds across the platforms: everything drawn from the guest CRNG. (The virtual clocks
-    # do not: they start at the template's snapshot on kvm and at the zygote's start on systrap.)
+    # do not: they start at each platform's own snapshot of the template, made apart.)
     code = "import random, os, uuid\nprint(random.random(), os.urandom(8).hex(), uuid.uuid4())"
     kvm = connect(platform="kvm")
     a = rollout_once("python", code=code, seed=SEED, client=kvm)

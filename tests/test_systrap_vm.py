@@ -92,11 +92,23 @@ def test_agent_execs_code_and_commands_with_guest_pids(agent):
     assert r.stdout.startswith(b"hi from ") and 2 <= pid < 100, r.stdout
 
 
-def test_snapshot_is_refused_clearly(agent, tmp_path):
-    with pytest.raises(EngineError, match="snapshot is not supported on the systrap platform yet"):
+def test_a_snapshot_of_the_agent_restores_with_its_state(agent, tmp_path):
+    # docs/systrap.md, "Snapshots": the agent at its idle read, its interpreter's state kept.
+    assert exec_code(agent, "x = 41").kind == "yield"
+    agent.snapshot(tmp_path / "snap")
+    assert reply(agent.agent_call(frame({"op": "ping"}), 30)) == {"pong": True}  # it goes on
+    with Vm.restore(tmp_path / "snap") as vm:
+        assert vm.platform == "systrap"
+        assert exec_code(vm, "print(x + 1)").stdout == b"42\n"
+
+
+def test_a_snapshot_of_more_than_one_thread_is_refused_clearly(agent, tmp_path):
+    r = exec_code(agent, "import threading\nev = threading.Event()\nt = threading.Thread(target=ev.wait)\nt.start()")
+    assert r.kind == "yield", r
+    with pytest.raises(EngineError, match="more than one thread; a systrap snapshot holds one: join the threads"):
         agent.snapshot(tmp_path / "snap")
-    r = agent.agent_call(frame({"op": "ping"}), 30)
-    assert reply(r) == {"pong": True}
+    assert exec_code(agent, "ev.set(); t.join(); print('joined')").stdout == b"joined\n"
+    agent.snapshot(tmp_path / "snap")  # one thread again
 
 
 def test_a_computing_run_that_times_out_stops_resumably(agent):

@@ -7,15 +7,15 @@ the setup and the grader needs neither: the embedded engine hands out a recycled
 the template: its VM and most of its page mappings stay warm) or a pre-forked spare.
 
 So, on a client that can host templates (the embedded engine), `prepared(client, ...)` prepares a
-sandbox once (setup, grader), snapshots it into `<cache>/grading/<key>/` and registers it as the
-template `__grading__-<key>`; later grades with the same template, setup and preloaded modules
+sandbox once (setup, grader), snapshots it into `<cache>/grading/<key>/` (a kvm snapshot, or on
+systrap a systrap one: `sdk/live.py`'s `LiveTemplate.restored`) and registers it as the template
+`__grading__-<key>`; later grades with the same template, setup and preloaded modules
 clone it directly. The key covers all that the snapshot depends on (the base template's directory
 among it), so the entry is shared: by every client and process (one prepares it, under its lock;
 the others wait and use it) and by later runs. A process that uses an entry holds a shared flock
 on its `.hold` until it exits; beyond the KEEP most recently used, entries no process holds are
 removed. A client that cannot host templates (the remote client) gets None, and grading forks
-children of a prepared parent instead. On systrap, which cannot checkpoint, the prepared template
-is a live zygote held by the client (`_prepared_live`), cloned as kvm's template is.
+children of a prepared parent instead.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _prune_legacy(root: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _hold(entry: Path) -> Any | None:
+def _hold(entry: Path, state_file: str = "vm.state") -> Any | None:
     """A shared flock on `entry`/.hold, the mark that a process uses it (see _prune); None if the
     entry went (a prune removed it) before the hold was taken."""
     try:
@@ -72,7 +72,7 @@ def _hold(entry: Path) -> Any | None:
         return None
     fcntl.flock(f, fcntl.LOCK_SH)
     try:
-        if os.stat(entry / HOLD).st_ino == os.fstat(f.fileno()).st_ino and (entry / "vm.state").is_file():
+        if os.stat(entry / HOLD).st_ino == os.fstat(f.fileno()).st_ino and (entry / state_file).is_file():
             os.utime(entry)  # recently used: pruned last
             return f
     except FileNotFoundError:
@@ -107,30 +107,10 @@ def supported(client: Any) -> bool:
     return hasattr(client, "register_template") and hasattr(client, "_template")
 
 
-def _prepared_live(client: Any, template: str, key: str, prepare: Callable[[Any], None]) -> str:
-    """On systrap (no checkpoints): the prepared template is a live zygote in this client
-    (sdk/live.py), a clone of `template`'s zygote that ran `prepare`, registered as
-    `__grading__-<key>` with spares, so a grade clones it as on kvm instead of forking a parent
-    prepared anew for every group. It lives as long as the client; if its VMM dies, the next
-    clone prepares another."""
-    from collimate_core.sdk.live import LiveTemplate
-    from collimate_core.sdk.session import Sandbox
-
-    base = client._template(template)
-    name = f"__grading__-{key}"
-
-    def start() -> tuple[Any, None]:
-        with Sandbox(template, client=client) as sb:
-            prepare(sb)  # its failures (a bad setup) raise as they are
-            box = sb._live()
-            with box.lock:
-                return box.vm.clone(), None  # the sandbox itself ends here; its clone is the zygote
-
-    live = LiveTemplate.image(name, base.baked.root, start, state=f"{base.state}/grading/{key}",
-                              disk_quota=base.disk_quota, shared_memory=base.shared_memory,
-                              seed_ack=base.baked.seed_ack)
-    client.register_template(name, live)
-    return name
+def _state_file(platform: str) -> str:
+    """The file that marks a finished snapshot of `platform` (docs/systrap.md: a systrap snapshot
+    is its own format)."""
+    return "systrap.state" if platform == "systrap" else "vm.state"
 
 
 def prepared(
@@ -147,10 +127,16 @@ def prepared(
     per group; a failure of `prepare` itself raises)."""
     if not supported(client):
         return None
-    base = client._template(template).baked
-    key = hashlib.sha256(
-        repr((str(base.path), template, setup, sorted(preload), harness_key)).encode()
-    ).hexdigest()[:16]
+    platform = getattr(client, "platform", "kvm")
+    t = client._template(template)
+    base = t.baked
+    parts: tuple = (str(base.path), template, setup, sorted(preload), harness_key)
+    if platform == "systrap":
+        # The base's state (a live template's path is its root filesystem) and the platform: a
+        # systrap snapshot cannot be restored on kvm, nor the reverse.
+        parts += ("systrap", t.state)
+    key = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+    state_file = _state_file(platform)
 
     def known() -> bool:
         if key in failed:
@@ -169,11 +155,6 @@ def prepared(
         with _lock:
             if known():
                 return names.get(key)
-        if getattr(client, "platform", "kvm") == "systrap":
-            name = _prepared_live(client, template, key, prepare)
-            with _lock:
-                names[key] = name
-            return name
         from collimate_core.sdk.session import Sandbox
 
         def build(tmp: Path) -> None:
@@ -195,17 +176,23 @@ def prepared(
             entry = root / key
             hold = None
             while hold is None:
-                if _cache.build_once(entry, lambda p: (p / "vm.state").is_file(), build, kind="grading", key=key,
+                if _cache.build_once(entry, lambda p: (p / state_file).is_file(), build, kind="grading", key=key,
                                      cache=root.parent):
                     _prune(root)
-                hold = _hold(entry)
+                hold = _hold(entry, state_file)
             with _lock:
                 old = _holds.pop(str(entry), None)
                 _holds[str(entry)] = hold
             if old is not None:
                 old.close()
             name = f"__grading__-{key}"
-            client.register_template(name, dataclasses.replace(base, name=name, path=entry))
+            if platform == "systrap":
+                from collimate_core.sdk.live import LiveTemplate
+
+                client.register_template(name, LiveTemplate.restored(name, base.root, entry, t.disk_quota, t.shared_memory,
+                                                                     seed_ack=base.seed_ack, state=f"{t.state}/{key}"))
+            else:
+                client.register_template(name, dataclasses.replace(base, name=name, path=entry))
         except (OSError, CollimateError) as e:
             if isinstance(e, InvalidArgument):
                 raise

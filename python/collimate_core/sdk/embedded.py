@@ -322,7 +322,7 @@ class EmbeddedClient:
         if t is not None:
             return t
         if self.platform == "systrap":
-            # No snapshots there: the zygote is the agent run live to its ready point (sdk/live.py).
+            # The zygote is restored from the template's systrap snapshot, made on first use (sdk/live.py).
             # One zygote per name, started under that name's lock (not the client's: starting one
             # takes seconds, and the other sandboxes go on meanwhile).
             with self._lock:

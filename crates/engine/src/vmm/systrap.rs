@@ -33,9 +33,9 @@
 //! handler), so each reaches it within a slice, and a timed-out run is resumable.
 //!
 //! Not yet on this platform (each answers as noted): clone's other sharing flags (a process
-//! sharing memory without being a thread, ENOSYS); shared futexes across processes, snapshots,
-//! and replay mode's turns between a sandbox's processes (`sched::gate`: they run in parallel in
-//! replay mode too).
+//! sharing memory without being a thread, ENOSYS); shared futexes across processes, snapshots
+//! of more than one process or thread ([`snapshot`]), and replay mode's turns between a
+//! sandbox's processes (`sched::gate`: they run in parallel in replay mode too).
 //!
 //! Two ways to run one: [`Process::spawn`] runs the first process in the caller's own process
 //! (tests and benches; a child's guest pid is then its VMM's host pid), and [`serve`] makes a
@@ -45,10 +45,11 @@
 mod preempt;
 mod proctree;
 mod serve;
+pub mod snapshot;
 mod spawn;
 mod threads;
 
-pub(super) use serve::serve_first;
+pub(super) use serve::{serve_first, serve_restore};
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::time::{Duration, Instant};

@@ -773,7 +773,16 @@ impl Stub {
     }
 
     fn fpstate(&self) -> Result<(u64, usize)> {
-        if !self.parked || !self.has_guest {
+        if !self.has_guest {
+            return Err(Error::NotParked { what: "reach the XSAVE area" });
+        }
+        self.frame_fpstate()
+    }
+
+    /// The XSAVE area of the host signal frame the parked stub sits in: the guest's at an exit, the
+    /// stub's own at its boot trap (where [`Stub::load_xsave`] puts a saved guest's).
+    fn frame_fpstate(&self) -> Result<(u64, usize)> {
+        if !self.parked {
             return Err(Error::NotParked { what: "reach the XSAVE area" });
         }
         // SAFETY: the VMM's turn.
@@ -792,6 +801,17 @@ impl Stub {
     /// Costs one read of guest-stub memory; nothing is copied on the trap path.
     pub fn xsave(&self) -> Result<Vec<u8>> {
         let (at, len) = self.fpstate()?;
+        self.read_xsave(at, len)
+    }
+
+    /// The XSAVE area the next `run` restores: [`Stub::xsave`] after a guest exit, or what
+    /// [`Stub::load_xsave`] put in a stub that has not run its guest yet.
+    pub fn pending_xsave(&self) -> Result<Vec<u8>> {
+        let (at, len) = self.frame_fpstate()?;
+        self.read_xsave(at, len)
+    }
+
+    fn read_xsave(&self, at: u64, len: usize) -> Result<Vec<u8>> {
         let mut v = vec![0; len];
         memory::read(&self.mem, at, &mut v).then_some(v).ok_or(Error::Fault { addr: at, len })
     }
@@ -800,6 +820,19 @@ impl Stub {
     /// [`Stub::xsave`] returns.
     pub fn set_xsave(&mut self, area: &[u8]) -> Result<()> {
         let (at, len) = self.fpstate()?;
+        self.put_xsave(at, len, area)
+    }
+
+    /// As [`Stub::set_xsave`], also in a stub that has run no guest yet (parked at its boot trap):
+    /// the first `run` then starts the guest with this FPU state (a restored snapshot's). `area`
+    /// must be as long as this host's XSAVE frame (a snapshot taken on a host with another XSAVE
+    /// size is refused here).
+    pub fn load_xsave(&mut self, area: &[u8]) -> Result<()> {
+        let (at, len) = self.frame_fpstate()?;
+        self.put_xsave(at, len, area)
+    }
+
+    fn put_xsave(&mut self, at: u64, len: usize, area: &[u8]) -> Result<()> {
         if area.len() != len {
             return Err(Error::Op { op: "set_xsave", source: io::Error::other(format!("the area is {} bytes, the frame holds {len}", area.len())) });
         }

@@ -24,8 +24,11 @@
 //! for a child, a sleeping `time.sleep`): the agent's children are SIGKILLed and the agent gets
 //! the interrupt signal, as on kvm.
 //!
-//! Not here yet, each refused with [`super::unsupported`]'s error: snapshot, reset, restore,
-//! spare pools, a writable root, the vCPU state and memory statistics.
+//! `Snapshot` writes the sandbox's first process (`super::snapshot`; one process, one thread);
+//! a `Restore` of such a snapshot as the first request ([`serve_restore`]) serves it again.
+//!
+//! Not here yet, each refused with [`super::unsupported`]'s error: reset, spare pools, the vCPU
+//! state and memory statistics.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -72,6 +75,48 @@ pub(in crate::vmm) fn serve_first(mut first: Request, fds: Vec<OwnedFd>, mut cha
                 reply(&mut chan, Err(e));
                 exit_process(1)
             }
+            reply(&mut chan, Ok(Response::Ready { pid: host_pid(), linux: true, jail: jail::status() }));
+            serve(&mut p, chan, Vec::new())
+        }
+        Err(e) => {
+            reply(&mut chan, Err(e));
+            exit_process(1)
+        }
+    }
+}
+
+/// Serve a launched VMM process whose first request is `Restore` of a systrap snapshot
+/// (`super::snapshot`): a new stub, spawned in the jail as the first one of a `Spawn` is, takes
+/// the snapshot's memory, registers and guest OS state. Never returns.
+pub(in crate::vmm) fn serve_restore(mut first: Request, mut chan: Channel) -> ! {
+    let Request::Restore { dir } = &first else {
+        reply(&mut chan, Err(Error::Protocol("serve_restore serves a Restore request".into())));
+        exit_process(1)
+    };
+    let budget = match super::snapshot::read_state(dir) {
+        Ok(s) => s.budget,
+        Err(e) => {
+            reply(&mut chan, Err(e));
+            exit_process(1)
+        }
+    };
+    let mut conf = Confinement::for_replay(true);
+    conf.address_space = Some(budget);
+    let made = jail::enter_systrap(&mut first, || Stub::spawn(&conf).map_err(|e| Error::Remote(format!("systrap: {e}"))));
+    let stub = match made {
+        Ok((_, stub)) => stub,
+        Err(e) => {
+            reply(&mut chan, Err(e));
+            exit_process(1)
+        }
+    };
+    let Request::Restore { dir } = first else { exit_process(1) };
+    // Read again inside the jail, from the directory as bound there.
+    let restored = super::snapshot::read_state(&dir)
+        .and_then(|state| Process::restore_into(&dir, state, stub, None, &crate::vmm::own_dir()));
+    match restored {
+        Ok(mut p) => {
+            new_tree(&mut p);
             reply(&mut chan, Ok(Response::Ready { pid: host_pid(), linux: true, jail: jail::status() }));
             serve(&mut p, chan, Vec::new())
         }
@@ -185,7 +230,7 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
                 p.regs = r;
                 Ok(Response::Ok)
             }
-            Request::Snapshot { .. } => Err(unsupported("snapshot")),
+            Request::Snapshot { dir } => jail::in_snapshot_dest(&dir, fds, |d| p.snapshot(d)).map(|_| Response::Ok),
             Request::Reset | Request::ResetKeepFiles => Err(unsupported("reset")),
             Request::VcpuState => Err(unsupported("a vCPU state (there is no vCPU)")),
             Request::MemStats => Err(unsupported("memory statistics")),
