@@ -119,8 +119,8 @@ pub enum Exit {
     /// The guest executed `rdtsc` (`rdtscp` if `rdtscp`). `rip` is the instruction (2 bytes, 3 for
     /// `rdtscp`): set `rax`/`rdx` (and `rcx` for `rdtscp`), advance `rip` and `run` again.
     Rdtsc { rdtscp: bool },
-    /// The guest executed `cpuid` (only where the CPU has CPUID faulting, see
-    /// [`ConfinementReport::cpuid_faulting`]). `rip` is the 2-byte instruction: set
+    /// The guest executed `cpuid` (only while the stub traps it, [`Stub::set_traps`], which needs
+    /// a CPU with CPUID faulting, [`ConfinementReport::cpuid_faulting`]). `rip` is the 2-byte instruction: set
     /// `rax, rbx, rcx, rdx`, advance `rip` by 2 and `run` again.
     Cpuid,
     /// Any other synchronous signal the guest raised: SIGILL, SIGFPE, SIGTRAP, SIGBUS, or a SIGSEGV
@@ -151,8 +151,25 @@ pub struct Stub {
     /// A guest context exists (the first `run` happened, or this stub was forked from one that had).
     has_guest: bool,
     report: ConfinementReport,
+    /// Whether `rdtsc` and `cpuid` trap in this stub now ([`Stub::set_traps`]).
+    traps: Traps,
     handoff: Handoff,
     exited: Option<Option<i32>>,
+}
+
+/// Which of the guest's non-syscall instructions trap to the VMM ([`Exit::Rdtsc`], [`Exit::Cpuid`]).
+///
+/// A stub process's own setting (`PR_SET_TSC`, `ARCH_SET_CPUID`), switched by the stub's blob on
+/// the VMM's command, so a VMM can trap per exec rather than for the stub's whole life: on a
+/// nested host every context switch into or out of a trapping process rewrites CR4 (rdtsc) or an
+/// MSR (CPUID faulting), an exit to the hypervisor, which made a bare trapped round trip 29 us
+/// instead of 6 (docs/systrap.md). Forks inherit it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Traps {
+    /// `rdtsc` and `rdtscp` trap (`PR_TSC_SIGSEGV`).
+    pub rdtsc: bool,
+    /// `cpuid` traps (CPUID faulting; only where [`ConfinementReport::cpuid_faulting`]).
+    pub cpuid: bool,
 }
 
 impl Default for Handoff {
@@ -335,6 +352,7 @@ impl Stub {
             parked: false,
             has_guest: false,
             report: ConfinementReport::default(),
+            traps: Traps { rdtsc: conf.trap_rdtsc, cpuid: false },
             handoff: Handoff::default(),
             exited: None,
         };
@@ -371,6 +389,7 @@ impl Stub {
             return Err(Error::Spawn { step: "the stub's boot", source: io::Error::other(format!("unexpected first report {exit}")) });
         }
         stub.report = ConfinementReport::from_bits(bits);
+        stub.traps.cpuid = bits & confine::REPORT_CPUID_TRAPPED != 0;
         stub.parked = true;
         Ok(stub)
     }
@@ -383,6 +402,29 @@ impl Stub {
     /// What confinement the host granted this stub (namespaces, CPUID faulting).
     pub fn report(&self) -> &ConfinementReport {
         &self.report
+    }
+
+    /// Whether `rdtsc` and `cpuid` trap in this stub now.
+    pub fn traps(&self) -> Traps {
+        self.traps
+    }
+
+    /// Make `rdtsc` and `cpuid` trap or run natively from the guest's next instruction on (each
+    /// change is one command to the parked stub; nothing when the state is already `want`).
+    /// `cpuid` can trap only where [`ConfinementReport::cpuid_faulting`]; returns the state now in
+    /// force. Guest processes forked from this stub later inherit it.
+    pub fn set_traps(&mut self, want: Traps) -> Result<Traps> {
+        if want.rdtsc != self.traps.rdtsc {
+            let mode = if want.rdtsc { libc::PR_TSC_SIGSEGV } else { libc::PR_TSC_ENABLE };
+            self.syscall("prctl(PR_SET_TSC)", libc::SYS_prctl, [libc::PR_SET_TSC as u64, mode as u64, 0, 0, 0, 0])?;
+            self.traps.rdtsc = want.rdtsc;
+        }
+        let cpuid = want.cpuid && self.report.cpuid_faulting;
+        if cpuid != self.traps.cpuid {
+            self.syscall("arch_prctl(ARCH_SET_CPUID)", libc::SYS_arch_prctl, [filter::ARCH_SET_CPUID as u64, (!cpuid) as u64, 0, 0, 0, 0])?;
+            self.traps.cpuid = cpuid;
+        }
+        Ok(self.traps)
     }
 
     /// Tuning: how the VMM and the stub wait for each other's answer ([`Handoff`]). See
@@ -564,7 +606,7 @@ impl Stub {
                 let mut third = [0u8; 1];
                 match insn {
                     [0x0f, 0x31] => Exit::Rdtsc { rdtscp: false },
-                    [0x0f, 0xa2] if self.report.cpuid_faulting => Exit::Cpuid,
+                    [0x0f, 0xa2] if self.traps.cpuid => Exit::Cpuid,
                     [0x0f, 0x01] if self.read(regs.rip + 2, &mut third).is_ok() && third[0] == 0xf9 => Exit::Rdtsc { rdtscp: true },
                     _ => Exit::Signal { signo, code, addr },
                 }
@@ -732,6 +774,7 @@ impl Stub {
             parked: false,
             has_guest: self.has_guest,
             report: self.report.clone(),
+            traps: self.traps,
             handoff: self.handoff.clone(),
             exited: None,
         };
