@@ -5,7 +5,12 @@
 //! - a bare trapped guest syscall round trip through a stub (the VMM answers at once), with the
 //!   wake-up tuned several ways (`Handoff`: futex only, yields, spins), with `rdtsc` and `cpuid`
 //!   trapped (replay mode) and not;
-//! - a 4 KiB guest memory read through /proc/<pid>/mem and through process_vm_readv.
+//! - a 4 KiB guest memory read through /proc/<pid>/mem and through process_vm_readv;
+//! - first, in alternated rounds (the load moves): a served sandbox's stub as it was (rdtsc and
+//!   cpuid trapped for its whole life), as it is now in a replay exec (rdtsc switched on by
+//!   `Stub::set_traps`) and outside replay or with `COLLIMATE_TRAP_RDTSC=0` (nothing switched
+//!   on), each right after a futex baseline, with the ranges over the rounds.
+//!   `COLLIMATE_BENCH_TRAPS_ONLY=1` stops after that section.
 //!
 //! Each case prints median and p99 over individually timed operations, and the ratio of the
 //! trapped round trip to the futex round trip; criterion then reports its own estimate of the mean
@@ -14,7 +19,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use collimate_engine::platform::systrap::{kvm_regs, memory, Confinement, Exit, Handoff, Stub, Template};
+use collimate_engine::platform::systrap::{kvm_regs, memory, Confinement, Exit, Handoff, Stub, Template, Traps};
 use criterion::{criterion_group, criterion_main, Criterion};
 
 const SAMPLES: usize = 10_000;
@@ -134,6 +139,57 @@ fn trapped_round_trip(stub: &mut Stub, regs: &mut kvm_regs, fs: &mut u64) {
     regs.rax = 0;
 }
 
+/// The round trip of a served sandbox's stub, before and after the traps became per exec, in
+/// alternated rounds, each right after its own futex baseline (the default hand-off).
+fn per_exec_traps(pair: &FutexPair) {
+    const ROUNDS: usize = 5;
+    let rows: [(&str, Confinement, Traps); 3] = [
+        ("stub as served before: rdtsc+cpuid trapped for life", Confinement::for_replay(true), Traps::default()),
+        ("stub as served now, replay exec: rdtsc switched on", Confinement::for_replay(false), Traps { rdtsc: true, cpuid: false }),
+        ("stub as served now, outside replay: nothing trapped", Confinement::for_replay(false), Traps::default()),
+    ];
+    let mut stubs: Vec<(Stub, kvm_regs)> = rows
+        .iter()
+        .map(|(_, conf, traps)| {
+            let (mut stub, regs) = syscall_loop_stub(conf);
+            if *traps != Traps::default() {
+                stub.set_traps(*traps).expect("switch the traps");
+            }
+            (stub, regs)
+        })
+        .collect();
+    let mut fs = 0u64;
+    // Per row: (median, p99, median ratio) of each round.
+    let mut seen: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); rows.len()];
+    let mut base_seen = Vec::new();
+    for round in 0..ROUNDS {
+        for (i, (name, _, _)) in rows.iter().enumerate() {
+            let base = measure(|| pair.round_trip());
+            let (stub, regs) = &mut stubs[i];
+            let s = measure(|| trapped_round_trip(stub, regs, &mut fs));
+            let ratio = s.median_us / base.median_us;
+            println!(
+                "round {round}: futex {:>7.2} us (p99 {:>7.2}) | systrap {name:<54} {:>7.2} us (p99 {:>8.2}) = {ratio:.2}x",
+                base.median_us, base.p99_us, s.median_us, s.p99_us
+            );
+            seen[i].push((s.median_us, s.p99_us, ratio));
+            base_seen.push((base.median_us, base.p99_us));
+        }
+    }
+    let range = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        format!("{:.2}-{:.2}", v[0], v[v.len() - 1])
+    };
+    let (mut bm, mut bp): (Vec<f64>, Vec<f64>) = base_seen.iter().copied().unzip();
+    println!("{:<66} median {} us, p99 {} us", "native futex wake+wait round trip, two processes (every round)", range(&mut bm), range(&mut bp));
+    for (i, (name, _, _)) in rows.iter().enumerate() {
+        let mut m: Vec<f64> = seen[i].iter().map(|x| x.0).collect();
+        let mut p: Vec<f64> = seen[i].iter().map(|x| x.1).collect();
+        let mut r: Vec<f64> = seen[i].iter().map(|x| x.2).collect();
+        println!("systrap {name:<58} median {} us, p99 {} us, {}x its futex baseline", range(&mut m), range(&mut p), range(&mut r));
+    }
+}
+
 fn bench(c: &mut Criterion) {
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("host load (1/5/15 min): {}", load.split_whitespace().take(3).collect::<Vec<_>>().join(" "));
@@ -149,6 +205,10 @@ fn bench(c: &mut Criterion) {
     let pair = FutexPair::new();
     let futex = measure(|| pair.round_trip());
     print("native futex wake+wait round trip, two processes", &futex);
+    per_exec_traps(&pair);
+    if std::env::var_os("COLLIMATE_BENCH_TRAPS_ONLY").is_some_and(|v| v == "1") {
+        return;
+    }
     {
         TIMED.store(1, Ordering::Relaxed);
         let timed = FutexPair::new();
