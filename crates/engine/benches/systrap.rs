@@ -9,7 +9,10 @@
 //! - first, in alternated rounds (the load moves): a served sandbox's stub as it was (rdtsc and
 //!   cpuid trapped for its whole life), as it is now in a replay exec (rdtsc switched on by
 //!   `Stub::set_traps`) and outside replay or with `COLLIMATE_TRAP_RDTSC=0` (nothing switched
-//!   on), each right after a futex baseline, with the ranges over the rounds.
+//!   on), each with the default hand-off (yield, then sleep) and the adaptive spin
+//!   (`Handoff::adaptive`), each right after a futex baseline, with the ranges over the rounds;
+//!   then the two hand-offs with the VMM thread and the stub pinned to one CPU (where a spin
+//!   cannot be answered).
 //!   `COLLIMATE_BENCH_TRAPS_ONLY=1` stops after that section.
 //!
 //! Each case prints median and p99 over individually timed operations, and the ratio of the
@@ -143,18 +146,23 @@ fn trapped_round_trip(stub: &mut Stub, regs: &mut kvm_regs, fs: &mut u64) {
 /// alternated rounds, each right after its own futex baseline (the default hand-off).
 fn per_exec_traps(pair: &FutexPair) {
     const ROUNDS: usize = 5;
-    let rows: [(&str, Confinement, Traps); 3] = [
-        ("stub as served before: rdtsc+cpuid trapped for life", Confinement::for_replay(true), Traps::default()),
-        ("stub as served now, replay exec: rdtsc switched on", Confinement::for_replay(false), Traps { rdtsc: true, cpuid: false }),
-        ("stub as served now, outside replay: nothing trapped", Confinement::for_replay(false), Traps::default()),
+    let (y, a) = (Handoff::yield_then_sleep(), Handoff::adaptive());
+    let tsc = Traps { rdtsc: true, cpuid: false };
+    let rows: [(&str, Confinement, Traps, Handoff); 5] = [
+        ("before: rdtsc+cpuid trapped for life, yield+sleep", Confinement::for_replay(true), Traps::default(), y.clone()),
+        ("now, replay exec (rdtsc on), yield+sleep", Confinement::for_replay(false), tsc, y.clone()),
+        ("now, replay exec (rdtsc on), adaptive spin", Confinement::for_replay(false), tsc, a.clone()),
+        ("now, outside replay (no traps), yield+sleep", Confinement::for_replay(false), Traps::default(), y),
+        ("now, outside replay (no traps), adaptive spin", Confinement::for_replay(false), Traps::default(), a),
     ];
     let mut stubs: Vec<(Stub, kvm_regs)> = rows
         .iter()
-        .map(|(_, conf, traps)| {
+        .map(|(_, conf, traps, h)| {
             let (mut stub, regs) = syscall_loop_stub(conf);
             if *traps != Traps::default() {
                 stub.set_traps(*traps).expect("switch the traps");
             }
+            stub.set_handoff(h.clone());
             (stub, regs)
         })
         .collect();
@@ -163,7 +171,7 @@ fn per_exec_traps(pair: &FutexPair) {
     let mut seen: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); rows.len()];
     let mut base_seen = Vec::new();
     for round in 0..ROUNDS {
-        for (i, (name, _, _)) in rows.iter().enumerate() {
+        for (i, (name, _, _, _)) in rows.iter().enumerate() {
             let base = measure(|| pair.round_trip());
             let (stub, regs) = &mut stubs[i];
             let s = measure(|| trapped_round_trip(stub, regs, &mut fs));
@@ -182,11 +190,60 @@ fn per_exec_traps(pair: &FutexPair) {
     };
     let (mut bm, mut bp): (Vec<f64>, Vec<f64>) = base_seen.iter().copied().unzip();
     println!("{:<66} median {} us, p99 {} us", "native futex wake+wait round trip, two processes (every round)", range(&mut bm), range(&mut bp));
-    for (i, (name, _, _)) in rows.iter().enumerate() {
+    for (i, (name, _, _, _)) in rows.iter().enumerate() {
         let mut m: Vec<f64> = seen[i].iter().map(|x| x.0).collect();
         let mut p: Vec<f64> = seen[i].iter().map(|x| x.1).collect();
         let mut r: Vec<f64> = seen[i].iter().map(|x| x.2).collect();
         println!("systrap {name:<58} median {} us, p99 {} us, {}x its futex baseline", range(&mut m), range(&mut p), range(&mut r));
+    }
+    // Both on one CPU: an adaptive spin must stop spinning (each miss backs it off).
+    let pin = |pid: i32, cpu: Option<usize>| {
+        // SAFETY: a zeroed cpu_set_t is valid; CPU_SET and sched_setaffinity only touch it.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            for c in 0..libc::sysconf(libc::_SC_NPROCESSORS_ONLN).max(1) as usize {
+                if cpu.is_none_or(|x| x == c) {
+                    libc::CPU_SET(c, &mut set);
+                }
+            }
+            libc::sched_setaffinity(pid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+        }
+    };
+    // SAFETY: sched_getcpu has no preconditions.
+    let cpu = unsafe { libc::sched_getcpu() }.max(0) as usize;
+    let pinned: Vec<usize> = vec![3, 4];
+    if pinned.iter().all(|&i| pin(stubs[i].0.pid(), Some(cpu))) && pin(0, Some(cpu)) {
+        for round in 0..2 {
+            for &i in &pinned {
+                let base = measure(|| pair.round_trip());
+                let (stub, regs) = &mut stubs[i];
+                let s = measure(|| trapped_round_trip(stub, regs, &mut fs));
+                println!(
+                    "pinned round {round}: futex {:>7.2} us (p99 {:>7.2}) | systrap {:<54} {:>7.2} us (p99 {:>8.2}) = {:.2}x",
+                    base.median_us, base.p99_us, rows[i].0, s.median_us, s.p99_us, s.median_us / base.median_us
+                );
+            }
+        }
+        pin(0, None);
+    }
+    // Apart: the VMM thread on one CPU, the stub on another (what a spin needs to be answered;
+    // the other work on this host still shares both).
+    // SAFETY: sysconf has no preconditions.
+    let other = (cpu + 1) % (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize);
+    let apart: Vec<usize> = vec![1, 2, 3, 4];
+    if other != cpu && apart.iter().all(|&i| pin(stubs[i].0.pid(), Some(other))) && pin(0, Some(cpu)) {
+        for round in 0..2 {
+            for &i in &apart {
+                let base = measure(|| pair.round_trip());
+                let (stub, regs) = &mut stubs[i];
+                let s = measure(|| trapped_round_trip(stub, regs, &mut fs));
+                println!(
+                    "apart round {round}: futex {:>7.2} us (p99 {:>7.2}) | systrap {:<54} {:>7.2} us (p99 {:>8.2}) = {:.2}x",
+                    base.median_us, base.p99_us, rows[i].0, s.median_us, s.p99_us, s.median_us / base.median_us
+                );
+            }
+        }
+        pin(0, None);
     }
 }
 
@@ -217,7 +274,7 @@ fn bench(c: &mut Criterion) {
     }
 
     // What trapping rdtsc and cpuid costs per context switch on this host, futex only.
-    let sleep_only = Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 0 };
+    let sleep_only = Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 0, adaptive: false };
     for (name, tsc, cpuid) in [
         ("systrap futex only, rdtsc and cpuid not trapped", false, false),
         ("systrap futex only, rdtsc trapped, cpuid not", true, false),
@@ -232,7 +289,7 @@ fn bench(c: &mut Criterion) {
     let (mut plain, mut regs_p) = syscall_loop_stub(&Confinement::for_replay(false));
     let mut fs = 0u64;
     let mut best = (f64::MAX, 0.0, String::new());
-    let old = Handoff { vmm_spin: Duration::from_micros(5_700), stub_spin: 200_000, yields: 0 };
+    let old = Handoff { vmm_spin: Duration::from_micros(5_700), stub_spin: 200_000, yields: 0, adaptive: false };
     let new = Handoff::default();
     // The load moves during a run: each configuration is measured right after a fresh futex
     // baseline, and its ratio is to that baseline. "replay": rdtsc and cpuid trapped.
@@ -242,9 +299,9 @@ fn bench(c: &mut Criterion) {
         ("default, replay", true, new.clone()),
         ("futex only, outside replay", false, sleep_only.clone()),
         ("old default (spin ~5.7 ms each side), outside replay", false, old.clone()),
-        ("yield 2 then futex, no spin, outside replay", false, Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 2 }),
-        ("spin 5 us / 200 pauses, 2 yields, outside replay", false, Handoff { vmm_spin: Duration::from_micros(5), stub_spin: 200, yields: 2 }),
-        ("spin 50 us / 2000 pauses, 2 yields, outside replay", false, Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2 }),
+        ("yield 2 then futex, no spin, outside replay", false, Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 2, adaptive: false }),
+        ("spin 5 us / 200 pauses, 2 yields, outside replay", false, Handoff { vmm_spin: Duration::from_micros(5), stub_spin: 200, yields: 2, adaptive: false }),
+        ("spin 50 us / 2000 pauses, 2 yields, outside replay", false, Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2, adaptive: false }),
         ("default, outside replay", false, new.clone()),
     ] {
         let base = measure(|| pair.round_trip());
@@ -273,8 +330,9 @@ fn bench(c: &mut Criterion) {
         let cpu = unsafe { libc::sched_getcpu() }.max(0) as usize;
         if pin(0, cpu) && pin(plain.pid(), cpu) {
             for (name, h) in [
-                ("pinned to one CPU, yield 2 then futex (default)", Handoff::default()),
-                ("pinned to one CPU, spin 50 us / 2000 pauses, 2 yields", Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2 }),
+                ("pinned to one CPU, yield 2 then futex", Handoff::yield_then_sleep()),
+                ("pinned to one CPU, adaptive spin", Handoff::adaptive()),
+                ("pinned to one CPU, spin 50 us / 2000 pauses, 2 yields", Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2, adaptive: false }),
                 ("pinned to one CPU, futex only", sleep_only.clone()),
             ] {
                 let base = measure(|| pair.round_trip());

@@ -154,6 +154,8 @@ pub struct Stub {
     /// Whether `rdtsc` and `cpuid` trap in this stub now ([`Stub::set_traps`]).
     traps: Traps,
     handoff: Handoff,
+    /// Whether each side's spins pay (an adaptive `handoff`).
+    spin: shared::SpinState,
     exited: Option<Option<i32>>,
 }
 
@@ -173,16 +175,41 @@ pub struct Traps {
 }
 
 impl Default for Handoff {
-    /// No spin: yield twice, then sleep. Measured on a 2-core nested VM (kvm_pvm host), load ~6,
-    /// in benches/systrap.rs: any spin makes the bare round trip bimodal, ~3 us when the VMM and
-    /// the stub run on different CPUs but 100-135 us (p99 ms) when the scheduler keeps them on one
-    /// (each spins while the other cannot run), while yield-then-sleep is 5.5-7.5 us (p99 6-10 us,
-    /// 1.0-1.2x a two-process futex round trip) either way. In benches/platforms.rs
-    /// (`/bin/sh -c true`, stub from a `Template`) it was the fastest row in both runs (4.0-4.4 ms
-    /// against 5.6-8.6 ms with a 50 us spin). The old default, 200000 `pause`s (~5.7 ms) a side,
-    /// took hundreds of ms at the p99 under load.
+    /// [`Handoff::adaptive`]: a short spin on each side, used only while it is answered within it.
+    /// Measured on a 2-core nested VM (kvm_pvm host), load 8-12, benches/systrap.rs
+    /// (`per_exec_traps`, alternated rounds, 2026-12-07): with the two sides on different CPUs
+    /// the bare round trip is 2.8-3.2 us (0.62-0.70x a two-process futex round trip in the same
+    /// round), with `rdtsc` trapped too (no context switch, so no CR4 rewrite); where the spin is
+    /// not answered (both on one CPU, or the other CPU busy) it backs off to yield-then-sleep and
+    /// costs the same 5.4-5.7 us. A fixed spin was bimodal instead (~3 us, or 100-135 us and
+    /// p99 in ms when the scheduler kept both on one CPU), and the old 200000 `pause`s a side took
+    /// hundreds of ms at the p99 under load.
+    ///
+    /// `COLLIMATE_SYSTRAP_HANDOFF=yield` makes [`Handoff::yield_then_sleep`] the default instead
+    /// (read once per process; to compare in benches).
     fn default() -> Handoff {
-        Handoff { vmm_spin: std::time::Duration::ZERO, stub_spin: 0, yields: 2 }
+        static YIELD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let plain = *YIELD.get_or_init(|| std::env::var_os("COLLIMATE_SYSTRAP_HANDOFF").is_some_and(|v| v == "yield"));
+        if plain {
+            Handoff::yield_then_sleep()
+        } else {
+            Handoff::adaptive()
+        }
+    }
+}
+
+impl Handoff {
+    /// No spin: each side yields twice, then sleeps in a futex (the default before the adaptive
+    /// spin: 5.4-7.5 us either way on the host above).
+    pub fn yield_then_sleep() -> Handoff {
+        Handoff { vmm_spin: std::time::Duration::ZERO, stub_spin: 0, yields: 2, adaptive: false }
+    }
+
+    /// A short spin on each side (10 us on the VMM's, 350 `pause`s, about 10 us, on the stub's)
+    /// used only while it is answered within it, then the two yields and the sleep
+    /// ([`Handoff::adaptive`]'s field says how it backs off).
+    pub fn adaptive() -> Handoff {
+        Handoff { vmm_spin: std::time::Duration::from_micros(10), stub_spin: 350, yields: 2, adaptive: true }
     }
 }
 
@@ -354,6 +381,7 @@ impl Stub {
             report: ConfinementReport::default(),
             traps: Traps { rdtsc: conf.trap_rdtsc, cpuid: false },
             handoff: Handoff::default(),
+            spin: shared::SpinState::default(),
             exited: None,
         };
         // The child has waited for this byte before changing its credentials, so the mem file above
@@ -369,7 +397,8 @@ impl Stub {
         let page = &stub.page as *const SharedPage;
         let policy = stub.handoff.clone();
         // SAFETY: `page` is a field of `stub` that `alive` does not touch (as in `Stub::wait`).
-        let booted = unsafe { (*page).wait_for_stub(&policy, || stub.alive() && std::time::Instant::now() < deadline) };
+        let mut spin = shared::SpinState::default();
+        let booted = unsafe { (*page).wait_for_stub(&policy, &mut spin, || stub.alive() && std::time::Instant::now() < deadline) };
         if !booted && stub.exited.is_none() {
             return Err(Error::Spawn {
                 step: "the stub's boot",
@@ -437,6 +466,7 @@ impl Stub {
             std::ptr::write_volatile(&raw mut (*self.page.page()).stub_yields, h.yields);
         }
         self.handoff = h;
+        self.spin = shared::SpinState::default();
     }
 
     /// The current [`Handoff`].
@@ -472,7 +502,9 @@ impl Stub {
         let page = &self.page as *const SharedPage;
         // SAFETY: `page` is a field of `self` that `alive` does not touch; the raw pointer only
         // splits the borrow.
-        unsafe { (*page).wait_for_stub(&policy, || self.alive()) }
+        let spin = &mut self.spin as *mut shared::SpinState;
+        // SAFETY: as for `page`: `alive` does not touch `spin` either.
+        unsafe { (*page).wait_for_stub(&policy, &mut *spin, || self.alive()) }
     }
 
     /// Hand a command to the parked stub and wait for its `EXIT_DONE`; the command's result.
@@ -487,7 +519,7 @@ impl Stub {
             (*p).args = args;
         }
         self.parked = false;
-        self.page.hand_to_stub();
+        self.page.hand_to_stub(&self.handoff, &mut self.spin);
         if !self.wait() {
             return Err(Error::Gone { pid: self.pid });
         }
@@ -543,7 +575,7 @@ impl Stub {
         }
         self.parked = false;
         self.has_guest = true;
-        self.page.hand_to_stub();
+        self.page.hand_to_stub(&self.handoff, &mut self.spin);
         if !self.wait() {
             return Ok(Exit::Exited { status: self.exited.flatten() });
         }
@@ -776,6 +808,7 @@ impl Stub {
             report: self.report.clone(),
             traps: self.traps,
             handoff: self.handoff.clone(),
+            spin: shared::SpinState::default(),
             exited: None,
         };
         if !child.wait() {
