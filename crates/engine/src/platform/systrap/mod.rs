@@ -396,8 +396,8 @@ impl Stub {
         let deadline = std::time::Instant::now() + BOOT_TIMEOUT;
         let page = &stub.page as *const SharedPage;
         let policy = stub.handoff.clone();
-        // SAFETY: `page` is a field of `stub` that `alive` does not touch (as in `Stub::wait`).
         let mut spin = shared::SpinState::default();
+        // SAFETY: `page` is a field of `stub` that `alive` does not touch (as in `Stub::wait`).
         let booted = unsafe { (*page).wait_for_stub(&policy, &mut spin, || stub.alive() && std::time::Instant::now() < deadline) };
         if !booted && stub.exited.is_none() {
             return Err(Error::Spawn {
