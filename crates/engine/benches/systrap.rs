@@ -12,7 +12,8 @@
 //!   on), each with the default hand-off (yield, then sleep) and the adaptive spin
 //!   (`Handoff::adaptive`), each right after a futex baseline, with the ranges over the rounds;
 //!   then the two hand-offs with the VMM thread and the stub pinned to one CPU (where a spin
-//!   cannot be answered).
+//!   cannot be answered), with a guest that computes between syscalls (the VMM thread's CPU time
+//!   per round trip: what a spin that is not answered burns), and pinned to two CPUs.
 //!   `COLLIMATE_BENCH_TRAPS_ONLY=1` stops after that section.
 //!
 //! Each case prints median and p99 over individually timed operations, and the ratio of the
@@ -136,6 +137,28 @@ fn syscall_loop_stub(conf: &Confinement) -> (Stub, kvm_regs) {
     (stub, regs)
 }
 
+/// A stub running `mov ecx, iters; 1: dec ecx; jnz 1b; syscall; jmp back` forever: guest work
+/// between syscalls.
+fn compute_loop_stub(iters: u32) -> (Stub, kvm_regs) {
+    let mut stub = Stub::spawn(&Confinement::for_replay(false)).expect("spawn a systrap stub");
+    stub.map(0x40_0000, 4096, libc::PROT_READ | libc::PROT_EXEC, libc::MAP_PRIVATE, None, 0).unwrap();
+    let mut code = vec![0xb9];
+    code.extend_from_slice(&iters.to_le_bytes()); // mov ecx, iters
+    code.extend_from_slice(&[0xff, 0xc9, 0x75, 0xfc, 0x0f, 0x05, 0xeb, 0xf3]); // dec ecx; jnz -4; syscall; jmp -13
+    stub.write(0x40_0000, &code).unwrap();
+    stub.map(0x50_0000, 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE, None, 0).unwrap();
+    let regs = kvm_regs { rip: 0x40_0000, rsp: 0x50_1000, rflags: 0x202, ..Default::default() };
+    (stub, regs)
+}
+
+/// This thread's CPU time in ns.
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime into a local timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 fn trapped_round_trip(stub: &mut Stub, regs: &mut kvm_regs, fs: &mut u64) {
     let e = stub.run(regs, fs).expect("run");
     assert_eq!(e, Exit::Syscall);
@@ -225,6 +248,28 @@ fn per_exec_traps(pair: &FutexPair) {
             }
         }
         pin(0, None);
+    }
+    // A guest that computes 50000 loop iterations (tens of us) between syscalls: the VMM's spin is never answered within
+    // its budget. What the VMM thread burns per round trip (its CPU time) with each hand-off.
+    for round in 0..2 {
+        for (name, h) in [("yield+sleep", Handoff::yield_then_sleep()), ("adaptive spin", Handoff::adaptive())] {
+            let (mut stub, mut regs) = compute_loop_stub(50_000);
+            stub.set_handoff(h);
+            for _ in 0..200 {
+                trapped_round_trip(&mut stub, &mut regs, &mut fs);
+            }
+            let (cpu0, t0) = (thread_cpu_ns(), Instant::now());
+            const N: u64 = 2000;
+            for _ in 0..N {
+                trapped_round_trip(&mut stub, &mut regs, &mut fs);
+            }
+            let (cpu, wall) = (thread_cpu_ns() - cpu0, t0.elapsed().as_nanos() as u64);
+            println!(
+                "computing guest round {round}: systrap {name:<14} round trip {:>7.2} us, VMM thread CPU {:>6.2} us per round trip",
+                wall as f64 / N as f64 / 1e3,
+                cpu as f64 / N as f64 / 1e3
+            );
+        }
     }
     // Apart: the VMM thread on one CPU, the stub on another (what a spin needs to be answered;
     // the other work on this host still shares both).
