@@ -15,7 +15,12 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
   (`test_exec_true_rdtsc_rounds`; printed, run with `-s`);
 - on systrap, `exec(command="true")` with the engine's spawn call refused
   (`COLLIMATE_SYSTRAP_SPAWN=0`: the agent's subprocess fallback, what systrap did before it served
-  the call), beside the row above.
+  the call), beside the row above;
+- on systrap, what the sandbox's reaper costs (`platform::systrap::reaper`, docs/systrap.md,
+  "Lifetimes"): `exec(command="true")` (one guest fork, registered with the reaper), 50 guest
+  forks in one `exec(code=...)` (`os.fork` + `_exit` + `waitpid`) and a sandbox's enter + exec +
+  exit (a clone, which starts a reaper of its own), with the reaper and without it
+  (`COLLIMATE_SYSTRAP_REAPER=0`) in alternate rounds of one test (`test_reaper_cost`).
 
 Needs seccomp filters for the systrap rows and /dev/kvm for the kvm rows.
 """
@@ -197,3 +202,78 @@ def test_fork_group_map(benchmark, client, n, rounds):
 
         benchmark.pedantic(run, rounds=rounds, warmup_rounds=1)
     benchmark.extra_info["platform"] = client.platform
+
+
+FORK_50 = "import os\nfor _ in range(50):\n    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n    os.waitpid(pid, 0)"
+
+
+def _p99(xs: list[float]) -> float:
+    ordered = sorted(xs)
+    return ordered[max(0, -(-99 * len(ordered) // 100) - 1)]
+
+
+@pytest.fixture(scope="module")
+def reaper_clients():
+    """Two systrap clients, the second with no reaper (`COLLIMATE_SYSTRAP_REAPER=0`, read by the
+    zygote's VMM, which its clones inherit)."""
+    from collimate_core.sdk import platform as pf
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    clients = {}
+    for mode in ("reaper", "no_reaper"):
+        if mode == "no_reaper":
+            os.environ["COLLIMATE_SYSTRAP_REAPER"] = "0"
+        try:
+            c = EmbeddedClient(platform="systrap")
+            with c.session("python") as s:
+                assert s.exec(command="true").ok
+        finally:
+            os.environ.pop("COLLIMATE_SYSTRAP_REAPER", None)
+        clients[mode] = c
+    yield clients
+    for c in clients.values():
+        c.close()
+
+
+@pytest.mark.parametrize("workload, rounds", [("exec_true", 40), ("50_guest_forks", 12), ("sandbox", 40)])
+def test_reaper_cost(benchmark, reaper_clients, workload, rounds):
+    """One round: the workload with the reaper and without it, so that both see the same load.
+    The row's own figures are the pair's; each side's median and p99 and their ratio are in
+    extra_info (and the summary's x_native for the reaper side)."""
+    import time
+
+    sessions = {m: c.session("python").__enter__() for m, c in reaper_clients.items()}
+    times: dict[str, list[float]] = {m: [] for m in sessions}
+
+    def once(mode: str) -> None:
+        t = time.perf_counter()
+        if workload == "exec_true":
+            assert sessions[mode].exec(command="true").ok
+        elif workload == "50_guest_forks":
+            assert sessions[mode].exec(code=FORK_50, timeout_seconds=120).ok
+        else:
+            with Sandbox("python", client=reaper_clients[mode]) as sb:
+                assert sb.exec(code="x = 1").ok
+        times[mode].append(time.perf_counter() - t)
+
+    order = [("reaper", "no_reaper")]
+
+    def pair():
+        # Each goes first in every other round: the second of a pair runs while the first one's
+        # processes are still being torn down.
+        order[0] = order[0][::-1]
+        for mode in order[0]:
+            once(mode)
+
+    try:
+        benchmark.pedantic(pair, rounds=rounds, warmup_rounds=1)
+    finally:
+        for s in sessions.values():
+            s.__exit__(None, None, None)
+    warm = {m: v[1:] for m, v in times.items()}  # the warm-up round is not counted
+    benchmark.extra_info["platform"] = "systrap on a kvm_pvm host"
+    for m, v in warm.items():
+        benchmark.extra_info[f"{m}_median_ms"] = round(statistics.median(v) * 1e3, 3)
+        benchmark.extra_info[f"{m}_p99_ms"] = round(_p99(v) * 1e3, 3)
+    benchmark.extra_info["reaper_x_no_reaper"] = round(statistics.median(warm["reaper"]) / statistics.median(warm["no_reaper"]), 3)

@@ -273,6 +273,8 @@ class Vm:
     ) -> bool: ...
 
 SNAPSHOT_FORMAT: int
+# The most bytes of stdout, and of stderr, one run returns (the engine's protocol::OUTPUT_CAP).
+OUTPUT_CAP: int
 """The engine's snapshot format version: snapshots of another version cannot be restored."""
 
 def _vmm_main() -> None:

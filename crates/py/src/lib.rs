@@ -956,5 +956,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kvm_profile, m)?)?;
     m.add_function(wrap_pyfunction!(quota_available, m)?)?;
     m.add("SNAPSHOT_FORMAT", collimate_engine::persist::FORMAT_VERSION)?;
+    m.add("OUTPUT_CAP", collimate_engine::controller::OUTPUT_CAP)?;
     Ok(())
 }

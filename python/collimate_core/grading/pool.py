@@ -14,7 +14,8 @@ among it), so the entry is shared: by every client and process (one prepares it,
 the others wait and use it) and by later runs. A process that uses an entry holds a shared flock
 on its `.hold` until it exits; beyond the KEEP most recently used, entries no process holds are
 removed. A client that cannot host templates (the remote client) gets None, and grading forks
-children of a prepared parent instead.
+children of a prepared parent instead. On systrap, which cannot checkpoint, the prepared template
+is a live zygote held by the client (`_prepared_live`), cloned as kvm's template is.
 """
 
 from __future__ import annotations
@@ -103,9 +104,33 @@ def _prune(root: Path, keep: int = KEEP) -> None:
 
 
 def supported(client: Any) -> bool:
-    # Systrap sandboxes cannot be checkpointed: grading there forks a prepared parent per group.
-    return (hasattr(client, "register_template") and hasattr(client, "_template")
-            and getattr(client, "platform", "kvm") != "systrap")
+    return hasattr(client, "register_template") and hasattr(client, "_template")
+
+
+def _prepared_live(client: Any, template: str, key: str, prepare: Callable[[Any], None]) -> str:
+    """On systrap (no checkpoints): the prepared template is a live zygote in this client
+    (sdk/live.py), a clone of `template`'s zygote that ran `prepare`, registered as
+    `__grading__-<key>` with spares, so a grade clones it as on kvm instead of forking a parent
+    prepared anew for every group. It lives as long as the client; if its VMM dies, the next
+    clone prepares another."""
+    from collimate_core.sdk.live import LiveTemplate
+    from collimate_core.sdk.session import Sandbox
+
+    base = client._template(template)
+    name = f"__grading__-{key}"
+
+    def start() -> tuple[Any, None]:
+        with Sandbox(template, client=client) as sb:
+            prepare(sb)  # its failures (a bad setup) raise as they are
+            box = sb._live()
+            with box.lock:
+                return box.vm.clone(), None  # the sandbox itself ends here; its clone is the zygote
+
+    live = LiveTemplate.image(name, base.baked.root, start, state=f"{base.state}/grading/{key}",
+                              disk_quota=base.disk_quota, shared_memory=base.shared_memory,
+                              seed_ack=base.baked.seed_ack)
+    client.register_template(name, live)
+    return name
 
 
 def prepared(
@@ -144,6 +169,11 @@ def prepared(
         with _lock:
             if known():
                 return names.get(key)
+        if getattr(client, "platform", "kvm") == "systrap":
+            name = _prepared_live(client, template, key, prepare)
+            with _lock:
+                names[key] = name
+            return name
         from collimate_core.sdk.session import Sandbox
 
         def build(tmp: Path) -> None:

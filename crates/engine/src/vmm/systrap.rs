@@ -155,7 +155,9 @@ pub struct Process {
     /// Pidfds of the stubs of the guest children this process forked. A child's VMM killed from
     /// here (`end_exec`, the first process's end) cannot end its stub, and a stub that computes
     /// without syscalls never notices that its VMM is gone: it would spin on the host for good.
-    /// So they are killed with their VMMs ([`Process::kill_child_stubs`]).
+    /// So they are killed with their VMMs ([`Process::kill_child_stubs`]). In a served sandbox
+    /// its reaper does that for every stub of the tree (`platform::systrap::reaper`); this is
+    /// what a first process run in the caller's own process has.
     child_stubs: Vec<std::os::fd::OwnedFd>,
     /// The sandboxes forked from this one get a writable root (`Request::WritableRoot`; forks
     /// carry an overlay context with each tmpfs pair, as on kvm: `crate::overlay`).
@@ -742,6 +744,12 @@ impl Process {
     fn child_main(&mut self, stub: Stub, c: &Fork, guest_pid: Option<i32>, parent_host: i32, vfork: i32) -> RunExit {
         std::mem::replace(&mut self.stub, stub).release();
         self.child_stubs.clear(); // our copies of the siblings' stubs: not ours to kill
+        // Before the stub runs guest code: the tree's reaper kills it if this process dies
+        // (`platform::systrap::reaper`). A child that cannot be registered ends here.
+        if let Err(e) = st::reaper::register(&self.stub) {
+            eprintln!("collimate: systrap guest process: {e}");
+            return RunExit::Signaled { signo: libc::SIGKILL };
+        }
         let inherited = VFORK_FD.swap(vfork, std::sync::atomic::Ordering::SeqCst);
         if inherited >= 0 {
             // SAFETY: the pipe our parent VMM held as a vfork child itself: not ours to hold.

@@ -46,7 +46,7 @@ std::arch::global_asm!(
     "mov dword ptr [r12 + {code}], eax",
     "mov rax, qword ptr [r14 + 16]",
     "mov qword ptr [r12 + {addr}], rax",
-    "mov eax, dword ptr [r14 + 24]",
+    "mov rax, qword ptr [r14 + 24]", // si_syscall, then si_arch in the high half
     "mov qword ptr [r12 + {sysnr}], rax",
     "mov rax, qword ptr [r13 + {uc_fpregs}]",
     "mov qword ptr [r12 + {fpstate}], rax",

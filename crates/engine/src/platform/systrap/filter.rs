@@ -5,7 +5,9 @@
 //! cannot express; seccompiler still installs the program ([`seccompiler::apply_filter`]).
 //!
 //! The program, in order:
-//! 1. another architecture (i386 `int 0x80`): kill the process (the personality serves x86-64 only).
+//! 1. another architecture (i386 `int 0x80`): `SECCOMP_RET_TRAP`, wherever it comes from (the
+//!    syscall does not run); the VMM gives the guest the SIGSEGV that kvm's general protection
+//!    fault gives it (`Stub::run`: the personality serves x86-64 only).
 //! 2. the return address outside `[CODE, blob::allowed_end()]`: `SECCOMP_RET_TRAP` (SIGSYS to the
 //!    blob's handler; the syscall does not run). This is every guest syscall.
 //! 3. from the blob: the syscalls in [`STUB_SYSCALLS`], `clone` only as a plain fork, `arch_prctl`
@@ -73,7 +75,7 @@ pub fn program() -> Vec<sock_filter> {
     let mut p = vec![
         stmt(LD_W_ABS, OFF_ARCH),
         jump(JEQ_K, AUDIT_ARCH_X86_64, 1, 0),
-        stmt(RET_K, libc::SECCOMP_RET_KILL_PROCESS),
+        stmt(RET_K, libc::SECCOMP_RET_TRAP),
         stmt(LD_W_ABS, OFF_IP_HI),
         jump(JEQ_K, hi, 1, 0),
         stmt(RET_K, libc::SECCOMP_RET_TRAP),
@@ -134,10 +136,14 @@ mod tests {
     /// A tiny interpreter of the subset of classic BPF the program uses, to check the decisions
     /// without installing the filter.
     fn run(p: &[sock_filter], nr: u32, ip: u64, arg0: u64) -> u32 {
+        run_as(p, AUDIT_ARCH_X86_64, nr, ip, arg0)
+    }
+
+    fn run_as(p: &[sock_filter], arch: u32, nr: u32, ip: u64, arg0: u64) -> u32 {
         let data = |off: u32| -> u32 {
             match off {
                 OFF_NR => nr,
-                OFF_ARCH => AUDIT_ARCH_X86_64,
+                OFF_ARCH => arch,
                 OFF_IP_LO => ip as u32,
                 OFF_IP_HI => (ip >> 32) as u32,
                 OFF_ARG0_LO => arg0 as u32,
@@ -199,5 +205,9 @@ mod tests {
         }
         assert_eq!(run(&p, libc::SYS_prctl as u32, 0x40_1000, libc::PR_SET_TSC as u64), trap, "from guest code it traps");
         assert_eq!(run(&p, libc::SYS_openat as u32, (2u64 << 32) | ((layout::CODE & 0xffff_ffff) + 0x10), 0), trap);
+        // i386 (`int 0x80`), from the guest or from inside the blob: trapped, never run.
+        const AUDIT_ARCH_I386: u32 = 0x4000_0003;
+        assert_eq!(run_as(&p, AUDIT_ARCH_I386, 20, 0x40_1000, 0), trap);
+        assert_eq!(run_as(&p, AUDIT_ARCH_I386, libc::SYS_futex as u32, inside, 0), trap);
     }
 }

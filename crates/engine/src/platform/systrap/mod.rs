@@ -46,12 +46,13 @@ pub mod filter;
 pub mod layout;
 pub mod memory;
 pub mod preempt;
+pub mod reaper;
 pub mod shared;
 pub mod template;
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
 
 use shared::SharedPage;
@@ -247,7 +248,7 @@ fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
 }
 
 /// Send `fds` over `sock` with SCM_RIGHTS (one data byte).
-fn send_fds(sock: &OwnedFd, fds: &[RawFd]) -> io::Result<()> {
+fn send_fds(sock: BorrowedFd<'_>, fds: &[RawFd]) -> io::Result<()> {
     let mut byte = 0u8;
     let mut iov = libc::iovec { iov_base: (&raw mut byte).cast(), iov_len: 1 };
     let data_len = std::mem::size_of_val(fds);
@@ -426,6 +427,11 @@ impl Stub {
     /// The host pid of the stub process.
     pub fn pid(&self) -> i32 {
         self.pid
+    }
+
+    /// A pidfd of the stub process (for [`reaper::register`]; never a recycled pid).
+    pub fn pidfd(&self) -> BorrowedFd<'_> {
+        self.pidfd.as_fd()
     }
 
     /// What confinement the host granted this stub (namespaces, CPUID faulting).
@@ -624,11 +630,20 @@ impl Stub {
         let (err, trapno) = (gregs[shared::reg::ERR], gregs[shared::reg::TRAPNO]);
         const SYS_SECCOMP: i32 = 1;
         const SI_KERNEL: i32 = 0x80;
+        const AUDIT_ARCH_X86_64: u64 = 0xc000_003e;
         const PF: u64 = 14;
         match signo {
-            libc::SIGSYS if code == SYS_SECCOMP => {
-                regs.rax = sysnr;
+            // An x86-64 syscall; another architecture's (i386 `int 0x80`) is what kvm makes of
+            // it, a general protection fault at the instruction (2 bytes back), with the
+            // registers as they were.
+            libc::SIGSYS if code == SYS_SECCOMP && sysnr >> 32 == AUDIT_ARCH_X86_64 => {
+                regs.rax = sysnr & 0xffff_ffff;
                 Exit::Syscall
+            }
+            libc::SIGSYS if code == SYS_SECCOMP => {
+                regs.rax = sysnr & 0xffff_ffff;
+                regs.rip = regs.rip.wrapping_sub(2);
+                Exit::Signal { signo: libc::SIGSEGV, code: SI_KERNEL, addr: 0 }
             }
             preempt::KICK_SIGNAL if code == preempt::SI_USER => Exit::Interrupted,
             libc::SIGSEGV if trapno == PF && code != SI_KERNEL => Exit::Fault { addr, write: err & 2 != 0, exec: err & 16 != 0 },
@@ -685,7 +700,7 @@ impl Stub {
             let r = self.syscall("mmap", libc::SYS_mmap, [va, len, prot as u64, flags | libc::MAP_ANONYMOUS as u64, u64::MAX, offset])?;
             return if r == va { Ok(()) } else { Err(Error::Op { op: "mmap", source: io::Error::other("mapped elsewhere") }) };
         };
-        send_fds(&self.sock, &[fd.as_raw_fd()]).map_err(host("sendmsg"))?;
+        send_fds(self.sock.as_fd(), &[fd.as_raw_fd()]).map_err(host("sendmsg"))?;
         let remote = self.receive_fds(1)?[0];
         let r = self.syscall("mmap", libc::SYS_mmap, [va, len, prot as u64, flags, remote as u64, offset]);
         let c = self.syscall("close", libc::SYS_close, [remote as u64, 0, 0, 0, 0, 0]);
@@ -767,7 +782,7 @@ impl Stub {
     /// Its process is a child of this stub's process, not of the caller: it is not killed when the
     /// caller's thread exits but when its handle is dropped, or at its next trap after every copy of
     /// its socket is closed (a forked guest computing without syscalls outlives a killed VMM until
-    /// then).
+    /// then, unless the VMM registered it with its tree's [`reaper`], which kills it at once).
     pub fn fork(&mut self) -> Result<Stub> {
         let page = SharedPage::new().map_err(host("memfd for the fork's shared page"))?;
         // SAFETY: the VMM's turn on the old page; the new page is ours alone: it starts as a copy (the
@@ -779,7 +794,7 @@ impl Stub {
             (*page.page()).state.store(shared::STUB_TURN, Ordering::SeqCst);
         }
         let (sock, stub_sock) = socketpair().map_err(host("socketpair"))?;
-        send_fds(&self.sock, &[page.memfd().as_raw_fd(), stub_sock.as_raw_fd()]).map_err(host("sendmsg"))?;
+        send_fds(self.sock.as_fd(), &[page.memfd().as_raw_fd(), stub_sock.as_raw_fd()]).map_err(host("sendmsg"))?;
         drop(stub_sock);
         let [rmem, rsock] = self.receive_fds(2)?;
         let pid = self.command(shared::CMD_FORK, [rmem as u64, rsock as u64, 0, 0, 0, 0, 0])?;

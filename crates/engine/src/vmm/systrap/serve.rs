@@ -37,7 +37,7 @@ use crate::channel::{Channel, RecvError};
 use crate::error::{Error, Result};
 use crate::guestos::persist::ScratchRoot;
 use crate::guestos::{self, signal};
-use crate::platform::systrap::{Confinement, Stub};
+use crate::platform::systrap::{reaper, Confinement, Stub};
 use crate::protocol::{Request, Response, RunExit, RunResult};
 use crate::vmm::{exit_discarding, exit_process, jail, lifeline, reply, reply_with_fds};
 
@@ -69,7 +69,10 @@ pub(in crate::vmm) fn serve_first(mut first: Request, fds: Vec<OwnedFd>, mut cha
     };
     match Process::with_stub(&spec, stub, Some(fds), cpus) {
         Ok(mut p) => {
-            new_tree(&mut p);
+            if let Err(e) = new_tree(&mut p) {
+                reply(&mut chan, Err(e));
+                exit_process(1)
+            }
             reply(&mut chan, Ok(Response::Ready { pid: host_pid(), linux: true, jail: jail::status() }));
             serve(&mut p, chan, Vec::new())
         }
@@ -87,7 +90,8 @@ fn host_pid() -> i32 {
 
 /// This process is the top of a sandbox's process tree from now on (the first one, or a clone):
 /// guest signals to the first process and guest pids go through it, as kvm's `process::serving`.
-fn new_tree(p: &mut Process) {
+/// Its stubs end with their VMMs: the tree's reaper starts here (`platform::systrap::reaper`).
+fn new_tree(p: &mut Process) -> Result<()> {
     let me = host_pid();
     if signal::host::top() != 0 && signal::host::top() != me {
         // A clone: the guest children of the sandbox it was forked from are not its own.
@@ -103,6 +107,7 @@ fn new_tree(p: &mut Process) {
     super::proctree::new_tree(&p.os, &crate::platform::Memory::Host(&mut space));
     // SAFETY: a plain prctl on this process: orphaned guest processes come back to it.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    reaper::start(&p.stub).map_err(|e| Error::Remote(format!("systrap: the sandbox's reaper: {e}")))
 }
 
 fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
@@ -315,6 +320,7 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
             signal::host::block(false);
             drop(ours);
             lifeline::forget();
+            reaper::forget();
             // SAFETY: the parent's channel and the siblings' tmpfs instances are not this
             // process's; `chan` is never used here again (`clone_main` does not return).
             unsafe { libc::close(chan.raw_fd()) };
@@ -347,7 +353,10 @@ fn clone_main(p: &mut Process, stub: Stub, mut chan: Channel, tmpfs: Option<(Own
     guestos::random::diverge(&mut p.os);
     match crate::guestos::persist::privatize(&mut p.os, &root, ctx) {
         Ok(()) => {
-            new_tree(p);
+            if let Err(e) = new_tree(p) {
+                reply(&mut chan, Err(e));
+                exit_discarding(1)
+            }
             let fds: Vec<RawFd> = tmpfs.iter().flat_map(|(disk, shm)| [disk.as_raw_fd(), shm.as_raw_fd()]).collect();
             if chan.send(&Response::Ready { pid: host_pid(), linux: true, jail: jail::status() }, &fds).is_err() {
                 exit_discarding(0);
