@@ -7,6 +7,12 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
   zygote on both platforms; kvm may serve it from its spare pool or a recycled sandbox, systrap
   from the SDK's spares, made ahead by a thread of the client) against `/usr/bin/python3 -c "x = 1"` called directly;
 - `fork_group(4)` and `fork_group(64)` of a session and one exec of code in each child (`map`);
+- on systrap, `exec(command="true")` in rotated rounds (the load moves): `/bin/sh -c true`
+  called directly, a session with the defaults (rdtsc trapped in replay execs, every SDK exec
+  being one; the adaptive spin), one whose zygote ran with `COLLIMATE_SYSTRAP_HANDOFF=yield`
+  (no spin) and one with `COLLIMATE_TRAP_RDTSC=0` (nothing trapped but syscalls and faults),
+  each round's median and p99 and ratio to that round's native median, then the ranges
+  (`test_exec_true_rdtsc_rounds`; printed, run with `-s`);
 - on systrap, `exec(command="true")` with the engine's spawn call refused
   (`COLLIMATE_SYSTRAP_SPAWN=0`: the agent's subprocess fallback, what systrap did before it served
   the call), beside the row above;
@@ -104,6 +110,80 @@ def test_session_exec_true_subprocess_fallback(benchmark):
         c.close()
     benchmark.extra_info["platform"] = "systrap"
     _record(benchmark, "systrap exec true, subprocess fallback", "native true")
+
+
+def _stats(samples: list[float]) -> tuple[float, float]:
+    v = sorted(samples)
+    return statistics.median(v), v[min(len(v) - 1, int(0.99 * (len(v) - 1) + 0.5))]
+
+
+def test_exec_true_rdtsc_rounds():
+    from collimate_core.sdk import platform as pf
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    import time
+
+    clients, sessions = [], {}
+    variants = [
+        ("systrap default (rdtsc trapped, adaptive spin)", {}),
+        ("systrap COLLIMATE_SYSTRAP_HANDOFF=yield", {"COLLIMATE_SYSTRAP_HANDOFF": "yield"}),
+        ("systrap COLLIMATE_TRAP_RDTSC=0", {"COLLIMATE_TRAP_RDTSC": "0"}),
+    ]
+    for name, env in variants:
+        os.environ.update(env)  # read by the zygote's VMM, which its clones inherit
+        try:
+            c = EmbeddedClient(platform="systrap")
+            s = c.session("python")
+            s.__enter__()
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+        assert s.exec(command="true").ok
+        clients.append(c)
+        sessions[name] = s
+
+    def timed(fn, n=30):
+        out = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t) * 1e3)
+        return out
+
+    def native():
+        subprocess.run(["/bin/sh", "-c", "true"], check=True)
+
+    def execer(s):
+        def run():
+            assert s.exec(command="true").ok
+        return run
+
+    rows: dict[str, list[tuple[float, float, float]]] = {"native /bin/sh -c true": []}
+    rows.update({k: [] for k in sessions})
+    print(f"\nload (1/5/15 min): {' '.join(open('/proc/loadavg').read().split()[:3])}; platform: systrap on a kvm_pvm host")
+    try:
+        for rnd in range(6):
+            items = list(sessions.items())
+            order = items[rnd % len(items):] + items[:rnd % len(items)]
+            base = _stats(timed(native))
+            rows["native /bin/sh -c true"].append((*base, 1.0))
+            line = [f"round {rnd}: native {base[0]:.2f} ms (p99 {base[1]:.2f})"]
+            for name, s in order:
+                m, p = _stats(timed(execer(s)))
+                rows[name].append((m, p, m / base[0]))
+                line.append(f"{name} {m:.2f} ms (p99 {p:.2f}) = {m / base[0]:.1f}x")
+            print(" | ".join(line))
+    finally:
+        for s in sessions.values():
+            s.__exit__(None, None, None)
+        for c in clients:
+            c.close()
+    for name, v in rows.items():
+        ms, ps, rs = ([x[i] for x in v] for i in range(3))
+        print(f"{name:<50} median {min(ms):.2f}-{max(ms):.2f} ms, p99 {min(ps):.2f}-{max(ps):.2f} ms, "
+              f"{min(rs):.1f}-{max(rs):.1f}x native (same round)")
+    print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
 
 
 def test_sandbox_exec_exit(benchmark, client):

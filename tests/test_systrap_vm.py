@@ -193,3 +193,36 @@ def test_destroy_leaves_no_process(rootfs, tmp_path):
     kid.destroy()
     vm.destroy()
     assert not wait_gone(every), "processes left after destroy"
+
+
+# rdtsc; shl rdx, 32; or rax, rdx; ret: the time-stamp counter read directly, as a JIT or a
+# benchmark harness does (no syscall).
+RDTSC_TWICE = """
+import ctypes, mmap, time
+m = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+m.write(bytes.fromhex("0f3148c1e2204809d0c3"))
+rdtsc = ctypes.CFUNCTYPE(ctypes.c_uint64)(ctypes.addressof(ctypes.c_char.from_buffer(m)))
+t0 = time.monotonic_ns(); a = rdtsc(); b = rdtsc(); t1 = time.monotonic_ns()
+print(a < b, t0 <= a < b <= t1)
+"""
+
+
+def test_rdtsc_traps_in_replay_execs_only(agent):
+    # docs/replay.md, "The CPU and the time-stamp counter": a systrap stub traps rdtsc only while
+    # an exec runs in replay mode (the stub's blob switches PR_SET_TSC at the reseed), where it
+    # reads the virtual clock (a clock read: two reads differ by a quantum, inside the guest's own
+    # monotonic readings around them); outside replay the host's counter runs natively (no trap,
+    # so no CR4 rewrite at every switch into the stub). Before, served stubs trapped rdtsc (and
+    # cpuid) for their whole life, answered outside replay with a virtual clock that stood still.
+    native = exec_code(agent, RDTSC_TWICE)
+    assert native.stdout == b"True False\n", native
+    seed = bytes(range(32))
+    r = agent.agent_call(frame({"op": "exec", "code": RDTSC_TWICE}), 60, seed=seed, replay=True)
+    assert r.stdout == b"True True\n", r
+    # A guest fork made in a replay exec inherits its parent's trap (the stub's fork).
+    child = "import os, subprocess, sys\nsys.stdout.flush()\nsubprocess.run([sys.executable, '-c', %r])" % RDTSC_TWICE
+    r = agent.agent_call(frame({"op": "exec", "code": child}), 60, seed=seed, replay=True)
+    assert r.stdout == b"True True\n", r
+    agent.reseed(seed, replay=False)
+    r = exec_code(agent, RDTSC_TWICE)
+    assert r.stdout == b"True False\n", r

@@ -215,6 +215,21 @@ impl Capture {
     }
 }
 
+/// What a systrap exec traps (docs/replay.md, "The CPU and the time-stamp counter"):
+/// - `rdtsc` in a replay exec (`replay`: the guest's clocks are virtual), so that a program that
+///   reads the counter directly reads the virtual clock and replays; never outside replay, where
+///   the guest reads the host's clocks anyway. `COLLIMATE_TRAP_RDTSC=0` turns it off in replay
+///   too (each context switch into or out of a trapping stub rewrites CR4, an exit to the
+///   hypervisor on a nested host: benches/systrap.rs).
+/// - `cpuid` never: the VMM would answer a trapped `cpuid` with the host CPU's own answer (there
+///   is no pinned CPU model on systrap), which is what the guest reads natively, so CPUID faulting
+///   only cost every context switch an MSR write. A guest's `cpuid` is the host's (`cpuid: host`).
+pub fn exec_traps(replay: bool) -> st::Traps {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var_os("COLLIMATE_TRAP_RDTSC").is_some_and(|v| v == "0"));
+    st::Traps { rdtsc: replay && !off, cpuid: false }
+}
+
 impl Process {
     /// A new confined stub running the program `spec` names from its root filesystem. Its fds 1
     /// and 2 are captured in each run's output (its children's too: see [`Capture`]).
@@ -259,6 +274,20 @@ impl Process {
         signal::host::install();
         let guest_pid = os.proc.pid;
         Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, child_stubs: Vec::new(), writable_root: false })
+    }
+
+    /// Switch the stub's `rdtsc`/`cpuid` traps to what the guest's mode asks for: after a reseed,
+    /// before the exec runs ([`exec_traps`]). The guest processes the exec forks inherit them.
+    pub fn sync_traps(&mut self) -> Result<st::Traps> {
+        if self.exited.is_some() {
+            return Ok(self.stub.traps()); // no stub left to switch; the next exec will fail
+        }
+        self.stub.set_traps(exec_traps(self.os.proc.clocks.replay)).map_err(|e| Error::Remote(format!("systrap: {e}")))
+    }
+
+    /// The stub's traps now in force.
+    pub fn traps(&self) -> st::Traps {
+        self.stub.traps()
     }
 
     /// How the VMM and the stub wait for each other (`platform::systrap::Handoff`; tuning and
@@ -358,8 +387,11 @@ impl Process {
                     }
                 }
                 Exit::Rdtsc { rdtscp } => {
-                    // The guest's clock, not the host's TSC: replays see the same values.
-                    let ns = self.os.proc.clocks.mono_now();
+                    // The guest's clock, not the host's TSC: replays see the same values. As on kvm
+                    // (`guestos::clock::tsc_now`): a clock read, so it advances one quantum and two
+                    // reads never return the same count (before, two reads with no clock read
+                    // between them returned the same value, and 0 outside replay).
+                    let ns = guestos::clock::tsc_now(&mut self.os.proc);
                     self.regs.rax = ns & 0xffff_ffff;
                     self.regs.rdx = ns >> 32;
                     if rdtscp {

@@ -92,6 +92,7 @@ std::arch::global_asm!(
     "jmp 22b",
     // then yield the CPU up to stub_yields times, checking after each
     "26:",
+    "mov dword ptr [r12 + {stub_missed}], 1", // the spin was not answered (adaptive hand-off)
     "mov r15d, dword ptr [r12 + {stub_yields}]",
     "27:",
     "test r15d, r15d",
@@ -276,6 +277,7 @@ std::arch::global_asm!(
     vmm_sleeping = const offset_of!(Page, vmm_sleeping),
     stub_spin = const offset_of!(Page, stub_spin),
     stub_yields = const offset_of!(Page, stub_yields),
+    stub_missed = const offset_of!(Page, stub_missed),
     flags = const offset_of!(Page, flags),
     exit = const offset_of!(Page, exit),
     signo = const offset_of!(Page, signo),

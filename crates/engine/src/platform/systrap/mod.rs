@@ -120,8 +120,8 @@ pub enum Exit {
     /// The guest executed `rdtsc` (`rdtscp` if `rdtscp`). `rip` is the instruction (2 bytes, 3 for
     /// `rdtscp`): set `rax`/`rdx` (and `rcx` for `rdtscp`), advance `rip` and `run` again.
     Rdtsc { rdtscp: bool },
-    /// The guest executed `cpuid` (only where the CPU has CPUID faulting, see
-    /// [`ConfinementReport::cpuid_faulting`]). `rip` is the 2-byte instruction: set
+    /// The guest executed `cpuid` (only while the stub traps it, [`Stub::set_traps`], which needs
+    /// a CPU with CPUID faulting, [`ConfinementReport::cpuid_faulting`]). `rip` is the 2-byte instruction: set
     /// `rax, rbx, rcx, rdx`, advance `rip` by 2 and `run` again.
     Cpuid,
     /// Any other synchronous signal the guest raised: SIGILL, SIGFPE, SIGTRAP, SIGBUS, or a SIGSEGV
@@ -152,21 +152,65 @@ pub struct Stub {
     /// A guest context exists (the first `run` happened, or this stub was forked from one that had).
     has_guest: bool,
     report: ConfinementReport,
+    /// Whether `rdtsc` and `cpuid` trap in this stub now ([`Stub::set_traps`]).
+    traps: Traps,
     handoff: Handoff,
+    /// Whether each side's spins pay (an adaptive `handoff`).
+    spin: shared::SpinState,
     exited: Option<Option<i32>>,
 }
 
+/// Which of the guest's non-syscall instructions trap to the VMM ([`Exit::Rdtsc`], [`Exit::Cpuid`]).
+///
+/// A stub process's own setting (`PR_SET_TSC`, `ARCH_SET_CPUID`), switched by the stub's blob on
+/// the VMM's command, so a VMM can trap per exec rather than for the stub's whole life: on a
+/// nested host every context switch into or out of a trapping process rewrites CR4 (rdtsc) or an
+/// MSR (CPUID faulting), an exit to the hypervisor, which made a bare trapped round trip 29 us
+/// instead of 6 (docs/systrap.md). Forks inherit it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Traps {
+    /// `rdtsc` and `rdtscp` trap (`PR_TSC_SIGSEGV`).
+    pub rdtsc: bool,
+    /// `cpuid` traps (CPUID faulting; only where [`ConfinementReport::cpuid_faulting`]).
+    pub cpuid: bool,
+}
+
 impl Default for Handoff {
-    /// No spin: yield twice, then sleep. Measured on a 2-core nested VM (kvm_pvm host), load ~6,
-    /// in benches/systrap.rs: any spin makes the bare round trip bimodal, ~3 us when the VMM and
-    /// the stub run on different CPUs but 100-135 us (p99 ms) when the scheduler keeps them on one
-    /// (each spins while the other cannot run), while yield-then-sleep is 5.5-7.5 us (p99 6-10 us,
-    /// 1.0-1.2x a two-process futex round trip) either way. In benches/platforms.rs
-    /// (`/bin/sh -c true`, stub from a `Template`) it was the fastest row in both runs (4.0-4.4 ms
-    /// against 5.6-8.6 ms with a 50 us spin). The old default, 200000 `pause`s (~5.7 ms) a side,
-    /// took hundreds of ms at the p99 under load.
+    /// [`Handoff::adaptive`]: a short spin on each side, used only while it is answered within it.
+    /// Measured on a 2-core nested VM (kvm_pvm host), load 8-12, benches/systrap.rs
+    /// (`per_exec_traps`, alternated rounds, 2026-12-07): with the two sides on different CPUs
+    /// the bare round trip is 2.8-3.2 us (0.62-0.70x a two-process futex round trip in the same
+    /// round), with `rdtsc` trapped too (no context switch, so no CR4 rewrite); where the spin is
+    /// not answered (both on one CPU, or the other CPU busy) it backs off to yield-then-sleep and
+    /// costs the same 5.4-5.7 us. A fixed spin was bimodal instead (~3 us, or 100-135 us and
+    /// p99 in ms when the scheduler kept both on one CPU), and the old 200000 `pause`s a side took
+    /// hundreds of ms at the p99 under load.
+    ///
+    /// `COLLIMATE_SYSTRAP_HANDOFF=yield` makes [`Handoff::yield_then_sleep`] the default instead
+    /// (read once per process; to compare in benches).
     fn default() -> Handoff {
-        Handoff { vmm_spin: std::time::Duration::ZERO, stub_spin: 0, yields: 2 }
+        static YIELD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let plain = *YIELD.get_or_init(|| std::env::var_os("COLLIMATE_SYSTRAP_HANDOFF").is_some_and(|v| v == "yield"));
+        if plain {
+            Handoff::yield_then_sleep()
+        } else {
+            Handoff::adaptive()
+        }
+    }
+}
+
+impl Handoff {
+    /// No spin: each side yields twice, then sleeps in a futex (the default before the adaptive
+    /// spin: 5.4-7.5 us either way on the host above).
+    pub fn yield_then_sleep() -> Handoff {
+        Handoff { vmm_spin: std::time::Duration::ZERO, stub_spin: 0, yields: 2, adaptive: false }
+    }
+
+    /// A short spin on each side (10 us on the VMM's, 350 `pause`s, about 10 us, on the stub's)
+    /// used only while it is answered within it, then the two yields and the sleep
+    /// ([`Handoff::adaptive`]'s field says how it backs off).
+    pub fn adaptive() -> Handoff {
+        Handoff { vmm_spin: std::time::Duration::from_micros(10), stub_spin: 350, yields: 2, adaptive: true }
     }
 }
 
@@ -336,7 +380,9 @@ impl Stub {
             parked: false,
             has_guest: false,
             report: ConfinementReport::default(),
+            traps: Traps { rdtsc: conf.trap_rdtsc, cpuid: false },
             handoff: Handoff::default(),
+            spin: shared::SpinState::default(),
             exited: None,
         };
         // The child has waited for this byte before changing its credentials, so the mem file above
@@ -351,8 +397,9 @@ impl Stub {
         let deadline = std::time::Instant::now() + BOOT_TIMEOUT;
         let page = &stub.page as *const SharedPage;
         let policy = stub.handoff.clone();
+        let mut spin = shared::SpinState::default();
         // SAFETY: `page` is a field of `stub` that `alive` does not touch (as in `Stub::wait`).
-        let booted = unsafe { (*page).wait_for_stub(&policy, || stub.alive() && std::time::Instant::now() < deadline) };
+        let booted = unsafe { (*page).wait_for_stub(&policy, &mut spin, || stub.alive() && std::time::Instant::now() < deadline) };
         if !booted && stub.exited.is_none() {
             return Err(Error::Spawn {
                 step: "the stub's boot",
@@ -372,6 +419,7 @@ impl Stub {
             return Err(Error::Spawn { step: "the stub's boot", source: io::Error::other(format!("unexpected first report {exit}")) });
         }
         stub.report = ConfinementReport::from_bits(bits);
+        stub.traps.cpuid = bits & confine::REPORT_CPUID_TRAPPED != 0;
         stub.parked = true;
         Ok(stub)
     }
@@ -391,6 +439,29 @@ impl Stub {
         &self.report
     }
 
+    /// Whether `rdtsc` and `cpuid` trap in this stub now.
+    pub fn traps(&self) -> Traps {
+        self.traps
+    }
+
+    /// Make `rdtsc` and `cpuid` trap or run natively from the guest's next instruction on (each
+    /// change is one command to the parked stub; nothing when the state is already `want`).
+    /// `cpuid` can trap only where [`ConfinementReport::cpuid_faulting`]; returns the state now in
+    /// force. Guest processes forked from this stub later inherit it.
+    pub fn set_traps(&mut self, want: Traps) -> Result<Traps> {
+        if want.rdtsc != self.traps.rdtsc {
+            let mode = if want.rdtsc { libc::PR_TSC_SIGSEGV } else { libc::PR_TSC_ENABLE };
+            self.syscall("prctl(PR_SET_TSC)", libc::SYS_prctl, [libc::PR_SET_TSC as u64, mode as u64, 0, 0, 0, 0])?;
+            self.traps.rdtsc = want.rdtsc;
+        }
+        let cpuid = want.cpuid && self.report.cpuid_faulting;
+        if cpuid != self.traps.cpuid {
+            self.syscall("arch_prctl(ARCH_SET_CPUID)", libc::SYS_arch_prctl, [filter::ARCH_SET_CPUID as u64, (!cpuid) as u64, 0, 0, 0, 0])?;
+            self.traps.cpuid = cpuid;
+        }
+        Ok(self.traps)
+    }
+
     /// Tuning: how the VMM and the stub wait for each other's answer ([`Handoff`]). See
     /// benches/systrap.rs.
     pub fn set_handoff(&mut self, h: Handoff) {
@@ -401,6 +472,7 @@ impl Stub {
             std::ptr::write_volatile(&raw mut (*self.page.page()).stub_yields, h.yields);
         }
         self.handoff = h;
+        self.spin = shared::SpinState::default();
     }
 
     /// The current [`Handoff`].
@@ -436,7 +508,9 @@ impl Stub {
         let page = &self.page as *const SharedPage;
         // SAFETY: `page` is a field of `self` that `alive` does not touch; the raw pointer only
         // splits the borrow.
-        unsafe { (*page).wait_for_stub(&policy, || self.alive()) }
+        let spin = &mut self.spin as *mut shared::SpinState;
+        // SAFETY: as for `page`: `alive` does not touch `spin` either.
+        unsafe { (*page).wait_for_stub(&policy, &mut *spin, || self.alive()) }
     }
 
     /// Hand a command to the parked stub and wait for its `EXIT_DONE`; the command's result.
@@ -451,7 +525,7 @@ impl Stub {
             (*p).args = args;
         }
         self.parked = false;
-        self.page.hand_to_stub();
+        self.page.hand_to_stub(&self.handoff, &mut self.spin);
         if !self.wait() {
             return Err(Error::Gone { pid: self.pid });
         }
@@ -507,7 +581,7 @@ impl Stub {
         }
         self.parked = false;
         self.has_guest = true;
-        self.page.hand_to_stub();
+        self.page.hand_to_stub(&self.handoff, &mut self.spin);
         if !self.wait() {
             return Ok(Exit::Exited { status: self.exited.flatten() });
         }
@@ -579,7 +653,7 @@ impl Stub {
                 let mut third = [0u8; 1];
                 match insn {
                     [0x0f, 0x31] => Exit::Rdtsc { rdtscp: false },
-                    [0x0f, 0xa2] if self.report.cpuid_faulting => Exit::Cpuid,
+                    [0x0f, 0xa2] if self.traps.cpuid => Exit::Cpuid,
                     [0x0f, 0x01] if self.read(regs.rip + 2, &mut third).is_ok() && third[0] == 0xf9 => Exit::Rdtsc { rdtscp: true },
                     _ => Exit::Signal { signo, code, addr },
                 }
@@ -747,7 +821,9 @@ impl Stub {
             parked: false,
             has_guest: self.has_guest,
             report: self.report.clone(),
+            traps: self.traps,
             handoff: self.handoff.clone(),
+            spin: shared::SpinState::default(),
             exited: None,
         };
         if !child.wait() {

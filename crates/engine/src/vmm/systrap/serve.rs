@@ -46,9 +46,10 @@ use crate::vmm::{exit_discarding, exit_process, jail, lifeline, reply, reply_wit
 
 /// Serve a launched VMM process whose first request is `Spawn` on systrap. Never returns.
 pub(in crate::vmm) fn serve_first(mut first: Request, fds: Vec<OwnedFd>, mut chan: Channel) -> ! {
-    // The guest may be switched to replay later (a seeded exec), and a stub's rdtsc/cpuid traps
-    // are fixed at its spawn: trap them from the start.
-    let mut conf = Confinement::for_replay(true);
+    // Nothing trapped but syscalls and faults: a replay exec turns the `rdtsc` trap on for its
+    // length (`Process::sync_traps` at each reseed), since every context switch into or out of a
+    // trapping stub costs an exit to the hypervisor on a nested host.
+    let mut conf = Confinement::for_replay(false);
     // The guest's memory is what the Spawn asks for, as on kvm, where it is the VM's memory: here
     // the stub's address space (RLIMIT_AS, inherited by its forks), so that a guest that
     // allocates without end gets ENOMEM (Python's MemoryError) at that size instead of growing
@@ -176,7 +177,7 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
                     }
                     guestos::random::reseed(&mut p.os, s.seed, s.replay);
                 }
-                p.os.agent_send(&input).and_then(|_| agent_run(p, timeout))
+                p.sync_traps().and_then(|_| p.os.agent_send(&input)).and_then(|_| agent_run(p, timeout))
             }
             Request::EndExec { signal: interrupt, timeout } => end_exec(p, interrupt).and_then(|_| agent_run(p, timeout)),
             Request::Fork { n } => {
@@ -216,7 +217,7 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
             },
             Request::Reseed { seed, replay } => {
                 guestos::random::reseed(&mut p.os, seed, replay);
-                Ok(Response::Ok)
+                p.sync_traps().map(|_| Response::Ok)
             }
             Request::ReadMem { gva, len } => {
                 let mut buf = vec![0u8; usize::try_from(len).unwrap_or(usize::MAX).min(64 << 20)];
