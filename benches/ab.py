@@ -61,7 +61,10 @@ def build(rev: str, work: Path) -> Path:
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
     archive = subprocess.Popen(["git", "archive", commit], cwd=REPO, stdout=subprocess.PIPE)
-    subprocess.run(["tar", "-x", "-C", str(src)], stdin=archive.stdout, check=True)
+    # -m: the files dated now, not at the commit: cargo compares source mtimes with the copied
+    # target directory's artifacts, and with the commit's dates it kept this checkout's build
+    # (the "base" extension was byte for byte this one's).
+    subprocess.run(["tar", "-x", "-m", "-C", str(src)], stdin=archive.stdout, check=True)
     if archive.wait() != 0:
         raise SystemExit(f"ab: git archive {commit} failed")
     tgt = work / "target"

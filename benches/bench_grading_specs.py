@@ -16,7 +16,9 @@ Methods, all with WORKERS at a time (the host's cores):
   the fork, nothing paid for an interpreter start;
 - grade_batch per problem (GRPO shape only): 16 calls of 8 candidates, one after the other;
 - grade_many: one call over every (code, spec) pair of the shape;
-- a loop of grade(...) (one candidate per spec only): one grade per pair, WORKERS threads.
+- a loop of grade(...) (one candidate per spec only): one grade per pair, WORKERS threads;
+- grade_batch per problem and grade_many on systrap (`EmbeddedClient(platform="systrap")`: each
+  guest process a confined host process, no KVM), the rows that end in ", systrap".
 
 Every timed round grades specs it has not seen: the tests text of each round ends in a comment of
 its own, so the host's per-tests caches miss as they do when each RL step brings new prompts (the
@@ -112,6 +114,17 @@ def client():
     with Sandbox("python", client=c) as sb:
         sb.exec(code="pass")
     # The prepared grading template (python + the grader + the modules the tests import).
+    assert all(r.reward == 1.0 for r in grade_many(_specs(_fresh("per_spec")), client=c, max_workers=WORKERS))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def systrap_client():
+    """The same grading on the second platform (each guest process a confined host process, no KVM)."""
+    if len(PROBLEMS) != 164:
+        pytest.skip("needs HumanEval's 164 problems")
+    c = EmbeddedClient(platform="systrap")
     assert all(r.reward == 1.0 for r in grade_many(_specs(_fresh("per_spec")), client=c, max_workers=WORKERS))
     yield c
     c.close()
@@ -293,13 +306,26 @@ def test_grade_many(benchmark, client, shape):
     _bench(benchmark, shape, "grade_many", lambda pairs: _grade_many(client, pairs), setup=lambda: _drain(client))
 
 
+def test_grpo_grade_batch_per_problem_systrap(benchmark, systrap_client):
+    """The GRPO shape on systrap: 16 grade_batch calls of 8 candidates, WORKERS at a time."""
+    _bench(benchmark, "grpo", "grade_batch per problem, systrap",
+           lambda pairs: _grade_batch_per_problem(systrap_client, pairs), setup=lambda: _drain(systrap_client))
+
+
+@pytest.mark.parametrize("shape", ["grpo", "per_spec"])
+def test_grade_many_systrap(benchmark, systrap_client, shape):
+    """One grade_many call over every pair of the shape on systrap, WORKERS at a time."""
+    _bench(benchmark, shape, "grade_many, systrap", lambda pairs: _grade_many(systrap_client, pairs),
+           setup=lambda: _drain(systrap_client))
+
+
 def test_per_spec_grade_loop(benchmark, client):
     """grade(code, spec) per pair, from WORKERS threads."""
     _bench(benchmark, "per_spec", "loop of grade(...)", lambda pairs: _grade_loop(client, pairs),
            setup=lambda: _drain(client))
 
 
-def test_interleaved(client, fork_servers):
+def test_interleaved(client, systrap_client, fork_servers):
     """The same methods again, INTERLEAVED_ROUNDS rounds, each round running every method once (in
     an order rotated per round), so that a load that drifts during the run (a shared host) reaches
     every method alike; printed as a second table, timed with perf_counter, never asserted."""
@@ -310,7 +336,8 @@ def test_interleaved(client, fork_servers):
     peers.append(("fork server", fork_servers.run))
     methods = [("grpo", name, fn) for name, fn in peers]
     methods += [("grpo", "grade_batch per problem", lambda pairs: _grade_batch_per_problem(client, pairs)),
-                ("grpo", "grade_many", lambda pairs: _grade_many(client, pairs))]
+                ("grpo", "grade_many", lambda pairs: _grade_many(client, pairs)),
+                ("grpo", "grade_batch per problem, systrap", lambda pairs: _grade_batch_per_problem(systrap_client, pairs))]
     methods += [("per_spec", name, fn) for name, fn in peers]
     methods += [("per_spec", "grade_many", lambda pairs: _grade_many(client, pairs)),
                 ("per_spec", "loop of grade(...)", lambda pairs: _grade_loop(client, pairs))]
@@ -319,6 +346,7 @@ def test_interleaved(client, fork_servers):
             shape, name, fn = methods[(k + r) % len(methods)]
             pairs = _fresh(shape)
             _drain(client)
+            _drain(systrap_client)
             t = time.perf_counter()
             rewards = fn(pairs)
             _interleaved[shape].setdefault(name, []).append(time.perf_counter() - t)

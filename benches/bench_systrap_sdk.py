@@ -12,9 +12,25 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
   clones' first-exec faults not taken ahead (`COLLIMATE_SYSTRAP_WARM=0`, vmm/systrap/warm.rs:
   what systrap did before), the two alternated round by round in one benchmark (the default is
   the timed row; the other's median and p99 are in its extra info);
+- on systrap, `exec(command="true")` in rotated rounds (the load moves): `/bin/sh -c true`
+  called directly, a session with the defaults (rdtsc trapped in replay execs, every SDK exec
+  being one; the adaptive spin), one whose zygote ran with `COLLIMATE_SYSTRAP_HANDOFF=yield`
+  (no spin) and one with `COLLIMATE_TRAP_RDTSC=0` (nothing trapped but syscalls and faults),
+  each round's median and p99 and ratio to that round's native median, then the ranges
+  (`test_exec_true_rdtsc_rounds`; printed, run with `-s`);
 - on systrap, `exec(command="true")` with the engine's spawn call refused
   (`COLLIMATE_SYSTRAP_SPAWN=0`: the agent's subprocess fallback, what systrap did before it served
-  the call), beside the row above.
+  the call), beside the row above;
+- on systrap, what the sandbox's reaper costs (`platform::systrap::reaper`, docs/systrap.md,
+  "Lifetimes"): `exec(command="true")` (one guest fork, registered with the reaper), 50 guest
+  forks in one `exec(code=...)` (`os.fork` + `_exit` + `waitpid`) and a sandbox's enter + exec +
+  exit (a clone, which starts a reaper of its own), with the reaper and without it
+  (`COLLIMATE_SYSTRAP_REAPER=0`) in alternate rounds of one test (`test_reaper_cost`);
+- on systrap, the template's zygote restored from its systrap snapshot (what the client uses now,
+  sdk/live.py) against a live zygote (the agent booted in this process, what it used before): a
+  clone of each (`Vm.clone()` + destroy), a fresh VMM restored from the snapshot file
+  (`Vm.restore` + destroy), and a sandbox of each (enter + `exec(code)` + exit, no spares), against
+  `/usr/bin/python3 -c "x = 1"` called directly.
 
 Needs seccomp filters for the systrap rows and /dev/kvm for the kvm rows.
 """
@@ -102,6 +118,80 @@ def test_session_exec_true_subprocess_fallback(benchmark):
     _record(benchmark, "systrap exec true, subprocess fallback", "native true")
 
 
+def _stats(samples: list[float]) -> tuple[float, float]:
+    v = sorted(samples)
+    return statistics.median(v), v[min(len(v) - 1, int(0.99 * (len(v) - 1) + 0.5))]
+
+
+def test_exec_true_rdtsc_rounds():
+    from collimate_core.sdk import platform as pf
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    import time
+
+    clients, sessions = [], {}
+    variants = [
+        ("systrap default (rdtsc trapped, adaptive spin)", {}),
+        ("systrap COLLIMATE_SYSTRAP_HANDOFF=yield", {"COLLIMATE_SYSTRAP_HANDOFF": "yield"}),
+        ("systrap COLLIMATE_TRAP_RDTSC=0", {"COLLIMATE_TRAP_RDTSC": "0"}),
+    ]
+    for name, env in variants:
+        os.environ.update(env)  # read by the zygote's VMM, which its clones inherit
+        try:
+            c = EmbeddedClient(platform="systrap")
+            s = c.session("python")
+            s.__enter__()
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+        assert s.exec(command="true").ok
+        clients.append(c)
+        sessions[name] = s
+
+    def timed(fn, n=30):
+        out = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t) * 1e3)
+        return out
+
+    def native():
+        subprocess.run(["/bin/sh", "-c", "true"], check=True)
+
+    def execer(s):
+        def run():
+            assert s.exec(command="true").ok
+        return run
+
+    rows: dict[str, list[tuple[float, float, float]]] = {"native /bin/sh -c true": []}
+    rows.update({k: [] for k in sessions})
+    print(f"\nload (1/5/15 min): {' '.join(open('/proc/loadavg').read().split()[:3])}; platform: systrap on a kvm_pvm host")
+    try:
+        for rnd in range(6):
+            items = list(sessions.items())
+            order = items[rnd % len(items):] + items[:rnd % len(items)]
+            base = _stats(timed(native))
+            rows["native /bin/sh -c true"].append((*base, 1.0))
+            line = [f"round {rnd}: native {base[0]:.2f} ms (p99 {base[1]:.2f})"]
+            for name, s in order:
+                m, p = _stats(timed(execer(s)))
+                rows[name].append((m, p, m / base[0]))
+                line.append(f"{name} {m:.2f} ms (p99 {p:.2f}) = {m / base[0]:.1f}x")
+            print(" | ".join(line))
+    finally:
+        for s in sessions.values():
+            s.__exit__(None, None, None)
+        for c in clients:
+            c.close()
+    for name, v in rows.items():
+        ms, ps, rs = ([x[i] for x in v] for i in range(3))
+        print(f"{name:<50} median {min(ms):.2f}-{max(ms):.2f} ms, p99 {min(ps):.2f}-{max(ps):.2f} ms, "
+              f"{min(rs):.1f}-{max(rs):.1f}x native (same round)")
+    print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
+
+
 def test_sandbox_exec_exit(benchmark, client):
     def run():
         with Sandbox("python", client=client) as sb:
@@ -169,3 +259,142 @@ def test_fork_group_map(benchmark, client, n, rounds):
 
         benchmark.pedantic(run, rounds=rounds, warmup_rounds=1)
     benchmark.extra_info["platform"] = client.platform
+
+
+FORK_50 = "import os\nfor _ in range(50):\n    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n    os.waitpid(pid, 0)"
+
+
+def _p99(xs: list[float]) -> float:
+    ordered = sorted(xs)
+    return ordered[max(0, -(-99 * len(ordered) // 100) - 1)]
+
+
+@pytest.fixture(scope="module")
+def reaper_clients():
+    """Two systrap clients, the second with no reaper (`COLLIMATE_SYSTRAP_REAPER=0`, read by the
+    zygote's VMM, which its clones inherit)."""
+    from collimate_core.sdk import platform as pf
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    clients = {}
+    for mode in ("reaper", "no_reaper"):
+        if mode == "no_reaper":
+            os.environ["COLLIMATE_SYSTRAP_REAPER"] = "0"
+        try:
+            c = EmbeddedClient(platform="systrap")
+            with c.session("python") as s:
+                assert s.exec(command="true").ok
+        finally:
+            os.environ.pop("COLLIMATE_SYSTRAP_REAPER", None)
+        clients[mode] = c
+    yield clients
+    for c in clients.values():
+        c.close()
+
+
+@pytest.mark.parametrize("workload, rounds", [("exec_true", 40), ("50_guest_forks", 12), ("sandbox", 40)])
+def test_reaper_cost(benchmark, reaper_clients, workload, rounds):
+    """One round: the workload with the reaper and without it, so that both see the same load.
+    The row's own figures are the pair's; each side's median and p99 and their ratio are in
+    extra_info (and the summary's x_native for the reaper side)."""
+    import time
+
+    sessions = {m: c.session("python").__enter__() for m, c in reaper_clients.items()}
+    times: dict[str, list[float]] = {m: [] for m in sessions}
+
+    def once(mode: str) -> None:
+        t = time.perf_counter()
+        if workload == "exec_true":
+            assert sessions[mode].exec(command="true").ok
+        elif workload == "50_guest_forks":
+            assert sessions[mode].exec(code=FORK_50, timeout_seconds=120).ok
+        else:
+            with Sandbox("python", client=reaper_clients[mode]) as sb:
+                assert sb.exec(code="x = 1").ok
+        times[mode].append(time.perf_counter() - t)
+
+    order = [("reaper", "no_reaper")]
+
+    def pair():
+        # Each goes first in every other round: the second of a pair runs while the first one's
+        # processes are still being torn down.
+        order[0] = order[0][::-1]
+        for mode in order[0]:
+            once(mode)
+
+    try:
+        benchmark.pedantic(pair, rounds=rounds, warmup_rounds=1)
+    finally:
+        for s in sessions.values():
+            s.__exit__(None, None, None)
+    warm = {m: v[1:] for m, v in times.items()}  # the warm-up round is not counted
+    benchmark.extra_info["platform"] = "systrap on a kvm_pvm host"
+    for m, v in warm.items():
+        benchmark.extra_info[f"{m}_median_ms"] = round(statistics.median(v) * 1e3, 3)
+        benchmark.extra_info[f"{m}_p99_ms"] = round(_p99(v) * 1e3, 3)
+    benchmark.extra_info["reaper_x_no_reaper"] = round(statistics.median(warm["reaper"]) / statistics.median(warm["no_reaper"]), 3)
+
+
+@pytest.fixture(scope="module")
+def zygotes():
+    """The systrap client's restored "python" zygote and a live one beside it (`python-live`: the
+    agent booted and run to its ready point in this process, no snapshot), neither with spares."""
+    from collimate_core.sdk import live, platform as pf
+    from collimate_core.templates import catalog
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    c = EmbeddedClient(platform="systrap")
+    with c.session("python") as s:  # makes the snapshot if there is none (not measured)
+        assert s.exec(code="x = 1").ok
+    restored = c._templates["python"]
+    assert restored.restored_from is not None
+    booted = live.LiveTemplate("python-live", restored.baked.root, restored.disk_quota, restored.shared_memory,
+                               catalog.guest_cpus())
+    assert booted.restored_from is None
+    c.register_template("python-live", booted)
+    c.expect_width("python", 0)
+    c.expect_width("python-live", 0)
+    yield c, restored, booted
+    c.close()
+
+
+@pytest.mark.parametrize("which", ["live", "restored"])
+def test_systrap_zygote_clone(benchmark, zygotes, which):
+    _, restored, booted = zygotes
+    z = (booted if which == "live" else restored).zygote
+
+    def run():
+        z.clone().destroy()
+
+    benchmark.pedantic(run, rounds=40, warmup_rounds=3)
+    benchmark.extra_info["platform"] = "systrap"
+    _record(benchmark, f"systrap clone of a {which} zygote", "native python")
+
+
+def test_systrap_restore_from_snapshot(benchmark, zygotes):
+    from collimate_core._core import Vm
+
+    snap = zygotes[1].restored_from
+
+    def run():
+        Vm.restore(snap).destroy()
+
+    benchmark.pedantic(run, rounds=20, warmup_rounds=2)
+    benchmark.extra_info["platform"] = "systrap"
+    _record(benchmark, "systrap restore of the snapshot", "native python")
+
+
+@pytest.mark.parametrize("which", ["live", "restored"])
+def test_systrap_sandbox_of_a_zygote(benchmark, zygotes, which):
+    c = zygotes[0]
+    name = "python-live" if which == "live" else "python"
+
+    def run():
+        with Sandbox(name, client=c) as sb:
+            assert sb.exec(code="x = 1").ok
+
+    benchmark.pedantic(run, rounds=20, warmup_rounds=2)
+    benchmark.extra_info["platform"] = "systrap"
+    _record(benchmark, f"systrap sandbox of a {which} zygote", "native python")

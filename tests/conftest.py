@@ -124,10 +124,12 @@ def _leaked_systrap_stubs(request):
     """After each module (its sandboxes closed: this fixture is set up first, so torn down last),
     systrap stubs that it left behind, reparented to init, are killed and reported as a warning (pytest's warnings summary).
 
-    A known systrap defect (docs/systrap.md, "Lifetimes"): a stub that computes without syscalls
-    outlives its VMM when that is SIGKILLed (a sandbox's end, an exec's end), and spins on a host
-    CPU for good. Killed here so that one module's leak does not load the rest of the run; listed so
-    that it is seen. The fix is a per-sandbox reaper holding a pidfd of every stub."""
+    A safety net, not a test: each sandbox's reaper ends its stubs with their VMMs (docs/systrap.md,
+    "Lifetimes"; tests/test_systrap_reaper.py and crates/engine/tests/systrap_reaper.rs assert it).
+    Should a stub that computes without syscalls outlive its VMM again, it would spin on a host CPU
+    for good: it is killed here so that one module's leak does not load the rest of the run, and
+    listed so that it is seen. Stubs are told apart only by their host user, so on a host shared with
+    other runs a "LEAK" may be theirs."""
     from hostprocs import orphaned_stubs
 
     before = orphaned_stubs()

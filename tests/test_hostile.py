@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from collimate_core import CollimateError, EmbeddedClient, Sandbox
 from hostprocs import GONE, orphaned_stubs
-from platforms import on, systrap_gap
+from platforms import on
 
 
 OUTPUT_CAP = 16 << 20
@@ -238,17 +238,14 @@ def test_background_processes_do_not_outlive_a_reset(client, sb):
         _background_processes_do_not_outlive_a_reset(client, sb)
     finally:
         # On systrap, a stub left spinning is a leak: killed here (so it does not take a host CPU
-        # for the rest of the run) and reported.
+        # for the rest of the run), then the test fails. Each sandbox's reaper ends its stubs with
+        # their VMMs (docs/systrap.md, "Lifetimes"); before it, this was an xfail seen now and then.
         leaked = set()
         if client.platform == "systrap" and not wait_until(lambda: not (orphaned_stubs() - stubs_before), 5):
             leaked = orphaned_stubs() - stubs_before
             for pid in leaked:
                 os.kill(pid, signal.SIGKILL)
-    if leaked:
-        # Seen now and then, not every run: a known gap of systrap, listed rather than hidden.
-        pytest.xfail(f"systrap stubs outlived their sandbox (killed by the test): {sorted(leaked)}: a stub that computes "
-                     "without syscalls outlives its VMM killed at the sandbox's end; the design that closes it is a "
-                     "per-sandbox reaper holding a pidfd of every stub (docs/systrap.md)")
+    assert not leaked, f"systrap stubs outlived their sandbox (killed by the test): {sorted(leaked)}"
 
 
 def _background_processes_do_not_outlive_a_reset(client, sb):
@@ -373,8 +370,6 @@ def test_infinite_loop_times_out(sb):
     still_usable(sb)
 
 
-@on("systrap", systrap_gap("output without end until the timeout (`yes`): the watchdog kills the stub and the "
-                           "exec's output is lost (empty, not the capped 16 MiB); the next exec is a new clone"))
 def test_one_gib_of_output(sb):
     t = time.monotonic()
     r = sb.exec(
@@ -521,15 +516,7 @@ CPU_CASES = {
 }
 
 
-def _cpu_case(n: str):
-    if n.startswith("int 0x80"):
-        return pytest.param(n, marks=on("systrap", systrap_gap(
-            "an i386 syscall makes the stub's filter kill the stub (filter.rs): the VMM reports an engine error "
-            "('the stub process ended under the guest') instead of the guest's SIGSEGV as on kvm")))
-    return n
-
-
-@pytest.mark.parametrize("name", [_cpu_case(n) for n in CPU_CASES])
+@pytest.mark.parametrize("name", list(CPU_CASES))
 def test_hostile_instructions_are_guest_side_faults(sb, name):
     code, accepted = CPU_CASES[name]
     r = sb.exec(code=SHELLCODE.format(hex=code), timeout_seconds=30)
@@ -579,9 +566,9 @@ def test_zz_afterwards_nothing_is_affected_and_nothing_leaks(client, baseline, p
 
 
 @on("systrap", pytest.mark.skip(reason="systrap: the running guest process is its stub, not a VMM process (a VMM "
-                                        "waits while its stub runs), so the running one cannot be told from the VMMs; and a "
-                                        "child VMM killed from the host leaves its stub spinning until the sandbox ends "
-                                        "(docs/systrap.md, open)"))
+                                        "waits while its stub runs), so the running one cannot be told from the VMMs "
+                                        "(a child VMM killed from the host takes its stub with it: the sandbox's reaper, "
+                                        "crates/engine/tests/systrap_reaper.rs)"))
 def test_a_guest_process_killed_by_the_host_while_it_has_the_turn(client, sb):
     # Replay mode: the sandbox's processes take turns (guestos::sched). A process that vanishes
     # while it holds the turn (here: its VMM SIGKILLed from the host, as an OOM kill would) never

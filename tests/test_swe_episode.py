@@ -42,15 +42,6 @@ HANG_TEST = b"""def test_hangs():
     while True:
         pass
 """
-# On systrap a hung test that waits: one that computes without syscalls never traps, so its
-# process (a forked stub) outlives the VMM the timeout kills and spins on a host CPU (docs/systrap.md,
-# "A served sandbox"; a known defect of the systrap engine, not of this episode's outcome).
-HANG_TEST_WAITING = b"""import time
-
-
-def test_hangs():
-    time.sleep(10**6)
-"""
 
 # Each candidate is what an agent's patch does to six.py, as Python run in the sandbox.
 ANCHOR = "    if type(s) is str:\n        return s\n"
@@ -106,7 +97,7 @@ def test_swe_episode(template):
         assert base.exit_code == 0 and " passed" in base.stdout, (base.stdout[-2000:], base.stderr[-2000:])
         # The agent edits: the task's test, a note in the module, a test file that hangs.
         s.upload_bytes("/work/six/test_task.py", TASK_TEST)
-        s.upload_bytes("/work/six/test_hang.py", HANG_TEST if client.platform == "kvm" else HANG_TEST_WAITING)
+        s.upload_bytes("/work/six/test_hang.py", HANG_TEST)
         assert s.exec(command="sed -i '1i # edited by the agent' six.py").ok
         red = s.exec(command="python3 -m pytest -q -p no:cacheprovider test_task.py", timeout_seconds=600)
         assert red.exit_code == 1 and "TypeError" in red.stdout, red.stdout[-2000:]

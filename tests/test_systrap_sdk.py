@@ -1,5 +1,5 @@
 """The embedded SDK on the systrap platform (docs/platforms.md, sdk/live.py): the catalog "python"
-template from a live zygote, sessions, execs, fork groups, grading and seeds through the public
+template from a zygote restored from its systrap snapshot (tests/test_systrap_snapshot.py), sessions, execs, fork groups, grading and seeds through the public
 SDK with platform="systrap"; with /dev/kvm hidden, `connect()` picks systrap and runs the
 quick-start. Needs seccomp filters (systrap) and the python root filesystem (COLLIMATE_ROOTFS, or
 built into the cache on first use); not /dev/kvm.
@@ -33,6 +33,7 @@ from collimate_rl import (
     rollout_once,
 )
 from collimate_core.sdk import platform as pf
+from collimate_core.sdk.errors import InvalidArgument
 from platforms import systrap_client
 
 SEED = "c0ffee00" * 8
@@ -308,7 +309,7 @@ def test_seeds_are_echoed_acked_and_reproduce(client):
 @pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
 def test_a_seed_gives_the_same_crng_output_as_on_kvm(client):
     # What holds across the platforms: everything drawn from the guest CRNG. (The virtual clocks
-    # do not: they start at the template's snapshot on kvm and at the zygote's start on systrap.)
+    # do not: they start at each platform's own snapshot of the template, made apart.)
     code = "import random, os, uuid\nprint(random.random(), os.urandom(8).hex(), uuid.uuid4())"
     kvm = connect(platform="kvm")
     a = rollout_once("python", code=code, seed=SEED, client=kvm)
@@ -325,6 +326,26 @@ def test_grade_and_a_group_give_rewards(client):
     rewards = grade_batch([good, "def solve(x):\n    return x\n", "def solve(x:\n"], spec, client=client, seed=SEED)
     assert [r.reward for r in rewards] == [1.0, 0.0, 0.0]
     assert [r.seed for r in rewards[:2]] == [SEED, SEED]  # (the third does not compile: nothing ran)
+
+
+def test_grading_prepares_its_template_once_and_clones_it(client):
+    """On systrap the spec's setup and the grader are prepared once, in a live zygote the client
+    keeps (`grading/pool.py`), and every candidate of every later group is a clone of it, as on kvm
+    (before, each grade_batch forked a parent prepared anew). A candidate's writes stay its own."""
+    spec = UnitTestReward(template="python", setup="open('/work/data', 'w').write('7')\nSETUP = 1\n",
+                          tests="assert solve() == 7 and SETUP == 1\n")
+    good = "def solve():\n    return int(open('/work/data').read())\n"
+    spoil = "open('/work/data', 'w').write('0')\nSETUP = 2\ndef solve():\n    return 7\n"
+    assert [r.reward for r in grade_batch([spoil, good, good], spec, client=client, seed=SEED)] == [0.0, 1.0, 1.0]
+    prepared = {n: t for n, t in client._templates.items() if n.startswith("__grading__-")}
+    assert len(prepared) >= 1, list(client._templates)
+    zygotes = {n: t.zygote.pid for n, t in prepared.items()}
+    assert [r.reward for r in grade_batch([good, spoil, good], spec, client=client, seed=SEED)] == [1.0, 0.0, 1.0]
+    again = {n: t.zygote.pid for n, t in client._templates.items() if n.startswith("__grading__-")}
+    assert again == zygotes  # the same prepared zygote served the second group
+    bad = UnitTestReward(template="python", setup="raise SystemExit(3)\n", tests="assert True\n")
+    with pytest.raises(InvalidArgument, match="setup failed"):
+        grade_batch([good], bad, client=client, seed=SEED)
 
 
 def test_a_timeout_or_a_dead_interpreter_gets_a_fresh_clone(client):

@@ -92,11 +92,23 @@ def test_agent_execs_code_and_commands_with_guest_pids(agent):
     assert r.stdout.startswith(b"hi from ") and 2 <= pid < 100, r.stdout
 
 
-def test_snapshot_is_refused_clearly(agent, tmp_path):
-    with pytest.raises(EngineError, match="snapshot is not supported on the systrap platform yet"):
+def test_a_snapshot_of_the_agent_restores_with_its_state(agent, tmp_path):
+    # docs/systrap.md, "Snapshots": the agent at its idle read, its interpreter's state kept.
+    assert exec_code(agent, "x = 41").kind == "yield"
+    agent.snapshot(tmp_path / "snap")
+    assert reply(agent.agent_call(frame({"op": "ping"}), 30)) == {"pong": True}  # it goes on
+    with Vm.restore(tmp_path / "snap") as vm:
+        assert vm.platform == "systrap"
+        assert exec_code(vm, "print(x + 1)").stdout == b"42\n"
+
+
+def test_a_snapshot_of_more_than_one_thread_is_refused_clearly(agent, tmp_path):
+    r = exec_code(agent, "import threading\nev = threading.Event()\nt = threading.Thread(target=ev.wait)\nt.start()")
+    assert r.kind == "yield", r
+    with pytest.raises(EngineError, match="more than one thread; a systrap snapshot holds one: join the threads"):
         agent.snapshot(tmp_path / "snap")
-    r = agent.agent_call(frame({"op": "ping"}), 30)
-    assert reply(r) == {"pong": True}
+    assert exec_code(agent, "ev.set(); t.join(); print('joined')").stdout == b"joined\n"
+    agent.snapshot(tmp_path / "snap")  # one thread again
 
 
 def test_a_computing_run_that_times_out_stops_resumably(agent):
@@ -181,3 +193,36 @@ def test_destroy_leaves_no_process(rootfs, tmp_path):
     kid.destroy()
     vm.destroy()
     assert not wait_gone(every), "processes left after destroy"
+
+
+# rdtsc; shl rdx, 32; or rax, rdx; ret: the time-stamp counter read directly, as a JIT or a
+# benchmark harness does (no syscall).
+RDTSC_TWICE = """
+import ctypes, mmap, time
+m = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+m.write(bytes.fromhex("0f3148c1e2204809d0c3"))
+rdtsc = ctypes.CFUNCTYPE(ctypes.c_uint64)(ctypes.addressof(ctypes.c_char.from_buffer(m)))
+t0 = time.monotonic_ns(); a = rdtsc(); b = rdtsc(); t1 = time.monotonic_ns()
+print(a < b, t0 <= a < b <= t1)
+"""
+
+
+def test_rdtsc_traps_in_replay_execs_only(agent):
+    # docs/replay.md, "The CPU and the time-stamp counter": a systrap stub traps rdtsc only while
+    # an exec runs in replay mode (the stub's blob switches PR_SET_TSC at the reseed), where it
+    # reads the virtual clock (a clock read: two reads differ by a quantum, inside the guest's own
+    # monotonic readings around them); outside replay the host's counter runs natively (no trap,
+    # so no CR4 rewrite at every switch into the stub). Before, served stubs trapped rdtsc (and
+    # cpuid) for their whole life, answered outside replay with a virtual clock that stood still.
+    native = exec_code(agent, RDTSC_TWICE)
+    assert native.stdout == b"True False\n", native
+    seed = bytes(range(32))
+    r = agent.agent_call(frame({"op": "exec", "code": RDTSC_TWICE}), 60, seed=seed, replay=True)
+    assert r.stdout == b"True True\n", r
+    # A guest fork made in a replay exec inherits its parent's trap (the stub's fork).
+    child = "import os, subprocess, sys\nsys.stdout.flush()\nsubprocess.run([sys.executable, '-c', %r])" % RDTSC_TWICE
+    r = agent.agent_call(frame({"op": "exec", "code": child}), 60, seed=seed, replay=True)
+    assert r.stdout == b"True True\n", r
+    agent.reseed(seed, replay=False)
+    r = exec_code(agent, RDTSC_TWICE)
+    assert r.stdout == b"True False\n", r

@@ -274,6 +274,9 @@ class Vm:
 
 SNAPSHOT_FORMAT: int
 """The engine's snapshot format version: snapshots of another version cannot be restored."""
+# The most bytes of stdout, and of stderr, one run returns (the engine's protocol::OUTPUT_CAP).
+OUTPUT_CAP: int
+SYSTRAP_SNAPSHOT_FORMAT: int
 
 def _vmm_main() -> None:
     """Entry point of a VMM process (a fresh interpreter); serves fd 3 and exits the process."""

@@ -45,9 +45,9 @@ fn main() {
         ..Default::default()
     };
     let n = samples();
-    let old = Handoff { vmm_spin: Duration::from_micros(5_700), stub_spin: 200_000, yields: 0 };
+    let old = Handoff { vmm_spin: Duration::from_micros(5_700), stub_spin: 200_000, yields: 0, adaptive: false };
     // (name, confinement, hand-off; None: the default)
-    let spin50 = Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2 };
+    let spin50 = Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2, adaptive: false };
     let systraps: [(&str, Confinement, Option<Handoff>); 7] = [
         ("systrap", Confinement::for_replay(false), None),
         ("systrap, from a template", Confinement::for_replay(false), None),

@@ -5,7 +5,16 @@
 //! - a bare trapped guest syscall round trip through a stub (the VMM answers at once), with the
 //!   wake-up tuned several ways (`Handoff`: futex only, yields, spins), with `rdtsc` and `cpuid`
 //!   trapped (replay mode) and not;
-//! - a 4 KiB guest memory read through /proc/<pid>/mem and through process_vm_readv.
+//! - a 4 KiB guest memory read through /proc/<pid>/mem and through process_vm_readv;
+//! - first, in alternated rounds (the load moves): a served sandbox's stub as it was (rdtsc and
+//!   cpuid trapped for its whole life), as it is now in a replay exec (rdtsc switched on by
+//!   `Stub::set_traps`) and outside replay or with `COLLIMATE_TRAP_RDTSC=0` (nothing switched
+//!   on), each with the default hand-off (yield, then sleep) and the adaptive spin
+//!   (`Handoff::adaptive`), each right after a futex baseline, with the ranges over the rounds;
+//!   then the two hand-offs with the VMM thread and the stub pinned to one CPU (where a spin
+//!   cannot be answered), with a guest that computes between syscalls (the VMM thread's CPU time
+//!   per round trip: what a spin that is not answered burns), and pinned to two CPUs.
+//!   `COLLIMATE_BENCH_TRAPS_ONLY=1` stops after that section.
 //!
 //! Each case prints median and p99 over individually timed operations, and the ratio of the
 //! trapped round trip to the futex round trip; criterion then reports its own estimate of the mean
@@ -14,7 +23,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use collimate_engine::platform::systrap::{kvm_regs, memory, Confinement, Exit, Handoff, Stub, Template};
+use collimate_engine::platform::systrap::{kvm_regs, memory, Confinement, Exit, Handoff, Stub, Template, Traps};
 use criterion::{criterion_group, criterion_main, Criterion};
 
 const SAMPLES: usize = 10_000;
@@ -128,10 +137,159 @@ fn syscall_loop_stub(conf: &Confinement) -> (Stub, kvm_regs) {
     (stub, regs)
 }
 
+/// A stub running `mov ecx, iters; 1: dec ecx; jnz 1b; syscall; jmp back` forever: guest work
+/// between syscalls.
+fn compute_loop_stub(iters: u32) -> (Stub, kvm_regs) {
+    let mut stub = Stub::spawn(&Confinement::for_replay(false)).expect("spawn a systrap stub");
+    stub.map(0x40_0000, 4096, libc::PROT_READ | libc::PROT_EXEC, libc::MAP_PRIVATE, None, 0).unwrap();
+    let mut code = vec![0xb9];
+    code.extend_from_slice(&iters.to_le_bytes()); // mov ecx, iters
+    code.extend_from_slice(&[0xff, 0xc9, 0x75, 0xfc, 0x0f, 0x05, 0xeb, 0xf3]); // dec ecx; jnz -4; syscall; jmp -13
+    stub.write(0x40_0000, &code).unwrap();
+    stub.map(0x50_0000, 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE, None, 0).unwrap();
+    let regs = kvm_regs { rip: 0x40_0000, rsp: 0x50_1000, rflags: 0x202, ..Default::default() };
+    (stub, regs)
+}
+
+/// This thread's CPU time in ns.
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime into a local timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 fn trapped_round_trip(stub: &mut Stub, regs: &mut kvm_regs, fs: &mut u64) {
     let e = stub.run(regs, fs).expect("run");
     assert_eq!(e, Exit::Syscall);
     regs.rax = 0;
+}
+
+/// The round trip of a served sandbox's stub, before and after the traps became per exec, in
+/// alternated rounds, each right after its own futex baseline (the default hand-off).
+fn per_exec_traps(pair: &FutexPair) {
+    const ROUNDS: usize = 5;
+    let (y, a) = (Handoff::yield_then_sleep(), Handoff::adaptive());
+    let tsc = Traps { rdtsc: true, cpuid: false };
+    let rows: [(&str, Confinement, Traps, Handoff); 5] = [
+        ("before: rdtsc+cpuid trapped for life, yield+sleep", Confinement::for_replay(true), Traps::default(), y.clone()),
+        ("now, replay exec (rdtsc on), yield+sleep", Confinement::for_replay(false), tsc, y.clone()),
+        ("now, replay exec (rdtsc on), adaptive spin", Confinement::for_replay(false), tsc, a.clone()),
+        ("now, outside replay (no traps), yield+sleep", Confinement::for_replay(false), Traps::default(), y),
+        ("now, outside replay (no traps), adaptive spin", Confinement::for_replay(false), Traps::default(), a),
+    ];
+    let mut stubs: Vec<(Stub, kvm_regs)> = rows
+        .iter()
+        .map(|(_, conf, traps, h)| {
+            let (mut stub, regs) = syscall_loop_stub(conf);
+            if *traps != Traps::default() {
+                stub.set_traps(*traps).expect("switch the traps");
+            }
+            stub.set_handoff(h.clone());
+            (stub, regs)
+        })
+        .collect();
+    let mut fs = 0u64;
+    // Per row: (median, p99, median ratio) of each round.
+    let mut seen: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); rows.len()];
+    let mut base_seen = Vec::new();
+    for round in 0..ROUNDS {
+        for (i, (name, _, _, _)) in rows.iter().enumerate() {
+            let base = measure(|| pair.round_trip());
+            let (stub, regs) = &mut stubs[i];
+            let s = measure(|| trapped_round_trip(stub, regs, &mut fs));
+            let ratio = s.median_us / base.median_us;
+            println!(
+                "round {round}: futex {:>7.2} us (p99 {:>7.2}) | systrap {name:<54} {:>7.2} us (p99 {:>8.2}) = {ratio:.2}x",
+                base.median_us, base.p99_us, s.median_us, s.p99_us
+            );
+            seen[i].push((s.median_us, s.p99_us, ratio));
+            base_seen.push((base.median_us, base.p99_us));
+        }
+    }
+    let range = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        format!("{:.2}-{:.2}", v[0], v[v.len() - 1])
+    };
+    let (mut bm, mut bp): (Vec<f64>, Vec<f64>) = base_seen.iter().copied().unzip();
+    println!("{:<66} median {} us, p99 {} us", "native futex wake+wait round trip, two processes (every round)", range(&mut bm), range(&mut bp));
+    for (i, (name, _, _, _)) in rows.iter().enumerate() {
+        let mut m: Vec<f64> = seen[i].iter().map(|x| x.0).collect();
+        let mut p: Vec<f64> = seen[i].iter().map(|x| x.1).collect();
+        let mut r: Vec<f64> = seen[i].iter().map(|x| x.2).collect();
+        println!("systrap {name:<58} median {} us, p99 {} us, {}x its futex baseline", range(&mut m), range(&mut p), range(&mut r));
+    }
+    // Both on one CPU: an adaptive spin must stop spinning (each miss backs it off).
+    let pin = |pid: i32, cpu: Option<usize>| {
+        // SAFETY: a zeroed cpu_set_t is valid; CPU_SET and sched_setaffinity only touch it.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            for c in 0..libc::sysconf(libc::_SC_NPROCESSORS_ONLN).max(1) as usize {
+                if cpu.is_none_or(|x| x == c) {
+                    libc::CPU_SET(c, &mut set);
+                }
+            }
+            libc::sched_setaffinity(pid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+        }
+    };
+    // SAFETY: sched_getcpu has no preconditions.
+    let cpu = unsafe { libc::sched_getcpu() }.max(0) as usize;
+    let pinned: Vec<usize> = vec![3, 4];
+    if pinned.iter().all(|&i| pin(stubs[i].0.pid(), Some(cpu))) && pin(0, Some(cpu)) {
+        for round in 0..2 {
+            for &i in &pinned {
+                let base = measure(|| pair.round_trip());
+                let (stub, regs) = &mut stubs[i];
+                let s = measure(|| trapped_round_trip(stub, regs, &mut fs));
+                println!(
+                    "pinned round {round}: futex {:>7.2} us (p99 {:>7.2}) | systrap {:<54} {:>7.2} us (p99 {:>8.2}) = {:.2}x",
+                    base.median_us, base.p99_us, rows[i].0, s.median_us, s.p99_us, s.median_us / base.median_us
+                );
+            }
+        }
+        pin(0, None);
+    }
+    // A guest that computes 50000 loop iterations (tens of us) between syscalls: the VMM's spin is never answered within
+    // its budget. What the VMM thread burns per round trip (its CPU time) with each hand-off.
+    for round in 0..2 {
+        for (name, h) in [("yield+sleep", Handoff::yield_then_sleep()), ("adaptive spin", Handoff::adaptive())] {
+            let (mut stub, mut regs) = compute_loop_stub(50_000);
+            stub.set_handoff(h);
+            for _ in 0..200 {
+                trapped_round_trip(&mut stub, &mut regs, &mut fs);
+            }
+            let (cpu0, t0) = (thread_cpu_ns(), Instant::now());
+            const N: u64 = 2000;
+            for _ in 0..N {
+                trapped_round_trip(&mut stub, &mut regs, &mut fs);
+            }
+            let (cpu, wall) = (thread_cpu_ns() - cpu0, t0.elapsed().as_nanos() as u64);
+            println!(
+                "computing guest round {round}: systrap {name:<14} round trip {:>7.2} us, VMM thread CPU {:>6.2} us per round trip",
+                wall as f64 / N as f64 / 1e3,
+                cpu as f64 / N as f64 / 1e3
+            );
+        }
+    }
+    // Apart: the VMM thread on one CPU, the stub on another (what a spin needs to be answered;
+    // the other work on this host still shares both).
+    // SAFETY: sysconf has no preconditions.
+    let other = (cpu + 1) % (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize);
+    let apart: Vec<usize> = vec![1, 2, 3, 4];
+    if other != cpu && apart.iter().all(|&i| pin(stubs[i].0.pid(), Some(other))) && pin(0, Some(cpu)) {
+        for round in 0..2 {
+            for &i in &apart {
+                let base = measure(|| pair.round_trip());
+                let (stub, regs) = &mut stubs[i];
+                let s = measure(|| trapped_round_trip(stub, regs, &mut fs));
+                println!(
+                    "apart round {round}: futex {:>7.2} us (p99 {:>7.2}) | systrap {:<54} {:>7.2} us (p99 {:>8.2}) = {:.2}x",
+                    base.median_us, base.p99_us, rows[i].0, s.median_us, s.p99_us, s.median_us / base.median_us
+                );
+            }
+        }
+        pin(0, None);
+    }
 }
 
 fn bench(c: &mut Criterion) {
@@ -149,6 +307,10 @@ fn bench(c: &mut Criterion) {
     let pair = FutexPair::new();
     let futex = measure(|| pair.round_trip());
     print("native futex wake+wait round trip, two processes", &futex);
+    per_exec_traps(&pair);
+    if std::env::var_os("COLLIMATE_BENCH_TRAPS_ONLY").is_some_and(|v| v == "1") {
+        return;
+    }
     {
         TIMED.store(1, Ordering::Relaxed);
         let timed = FutexPair::new();
@@ -157,7 +319,7 @@ fn bench(c: &mut Criterion) {
     }
 
     // What trapping rdtsc and cpuid costs per context switch on this host, futex only.
-    let sleep_only = Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 0 };
+    let sleep_only = Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 0, adaptive: false };
     for (name, tsc, cpuid) in [
         ("systrap futex only, rdtsc and cpuid not trapped", false, false),
         ("systrap futex only, rdtsc trapped, cpuid not", true, false),
@@ -172,7 +334,7 @@ fn bench(c: &mut Criterion) {
     let (mut plain, mut regs_p) = syscall_loop_stub(&Confinement::for_replay(false));
     let mut fs = 0u64;
     let mut best = (f64::MAX, 0.0, String::new());
-    let old = Handoff { vmm_spin: Duration::from_micros(5_700), stub_spin: 200_000, yields: 0 };
+    let old = Handoff { vmm_spin: Duration::from_micros(5_700), stub_spin: 200_000, yields: 0, adaptive: false };
     let new = Handoff::default();
     // The load moves during a run: each configuration is measured right after a fresh futex
     // baseline, and its ratio is to that baseline. "replay": rdtsc and cpuid trapped.
@@ -182,9 +344,9 @@ fn bench(c: &mut Criterion) {
         ("default, replay", true, new.clone()),
         ("futex only, outside replay", false, sleep_only.clone()),
         ("old default (spin ~5.7 ms each side), outside replay", false, old.clone()),
-        ("yield 2 then futex, no spin, outside replay", false, Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 2 }),
-        ("spin 5 us / 200 pauses, 2 yields, outside replay", false, Handoff { vmm_spin: Duration::from_micros(5), stub_spin: 200, yields: 2 }),
-        ("spin 50 us / 2000 pauses, 2 yields, outside replay", false, Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2 }),
+        ("yield 2 then futex, no spin, outside replay", false, Handoff { vmm_spin: Duration::ZERO, stub_spin: 0, yields: 2, adaptive: false }),
+        ("spin 5 us / 200 pauses, 2 yields, outside replay", false, Handoff { vmm_spin: Duration::from_micros(5), stub_spin: 200, yields: 2, adaptive: false }),
+        ("spin 50 us / 2000 pauses, 2 yields, outside replay", false, Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2, adaptive: false }),
         ("default, outside replay", false, new.clone()),
     ] {
         let base = measure(|| pair.round_trip());
@@ -213,8 +375,9 @@ fn bench(c: &mut Criterion) {
         let cpu = unsafe { libc::sched_getcpu() }.max(0) as usize;
         if pin(0, cpu) && pin(plain.pid(), cpu) {
             for (name, h) in [
-                ("pinned to one CPU, yield 2 then futex (default)", Handoff::default()),
-                ("pinned to one CPU, spin 50 us / 2000 pauses, 2 yields", Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2 }),
+                ("pinned to one CPU, yield 2 then futex", Handoff::yield_then_sleep()),
+                ("pinned to one CPU, adaptive spin", Handoff::adaptive()),
+                ("pinned to one CPU, spin 50 us / 2000 pauses, 2 yields", Handoff { vmm_spin: Duration::from_micros(50), stub_spin: 2_000, yields: 2, adaptive: false }),
                 ("pinned to one CPU, futex only", sleep_only.clone()),
             ] {
                 let base = measure(|| pair.round_trip());

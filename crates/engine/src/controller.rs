@@ -188,6 +188,7 @@ impl Vm {
     fn launch_with(launcher: &Launcher, first: Request, stdio: Option<Stdio>, fds: &[RawFd]) -> Result<Vm> {
         let platform = match &first {
             Request::Spawn { platform, .. } => *platform,
+            Request::Restore { dir } => crate::persist::platform_of(dir).unwrap_or(Platform::Kvm),
             _ => Platform::Kvm,
         };
         let (child, chan) = launcher.spawn()?;
@@ -377,9 +378,6 @@ impl Vm {
 
     /// Write the VM to `dir` (state file + memory file). The VM stays usable.
     pub fn snapshot(&mut self, dir: &Path) -> Result<()> {
-        if self.platform == Platform::Systrap {
-            return Err(crate::vmm::systrap::unsupported("snapshot"));
-        }
         let req = Request::Snapshot { dir: dir.to_path_buf() };
         if !self.jail.namespaces {
             return self.expect_ok(&req);

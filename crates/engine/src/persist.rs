@@ -43,10 +43,20 @@ pub struct SnapshotState {
 }
 
 pub fn encode(state: &SnapshotState) -> Result<Vec<u8>> {
+    encode_as(state, FORMAT_VERSION)
+}
+
+pub fn decode(bytes: &[u8], path: &str) -> Result<SnapshotState> {
+    decode_as(bytes, path, FORMAT_VERSION)
+}
+
+/// `state` in this file's framing (magic, `version`, length, postcard payload, CRC): the one format
+/// every platform's state file uses (the systrap platform's, `vmm::systrap::snapshot`, too).
+pub fn encode_as<T: Serialize>(state: &T, version: u32) -> Result<Vec<u8>> {
     let payload = postcard::to_stdvec(state).map_err(|e| Error::Protocol(format!("encode snapshot: {e}")))?;
     let mut out = Vec::with_capacity(HEADER + payload.len() + 4);
     out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&version.to_le_bytes());
     out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     out.extend_from_slice(&payload);
     let crc = crc32fast::hash(&out);
@@ -54,7 +64,8 @@ pub fn encode(state: &SnapshotState) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-pub fn decode(bytes: &[u8], path: &str) -> Result<SnapshotState> {
+/// The state [`encode_as`] framed, checked (magic, lengths, CRC, `version`).
+pub fn decode_as<T: serde::de::DeserializeOwned>(bytes: &[u8], path: &str, expected: u32) -> Result<T> {
     let corrupt = |reason: String| Error::SnapshotCorrupt { path: path.to_string(), reason };
     if bytes.len() < 8 || &bytes[..8] != MAGIC {
         return Err(corrupt("not a collimate snapshot state file (bad magic)".into()));
@@ -80,25 +91,56 @@ pub fn decode(bytes: &[u8], path: &str) -> Result<SnapshotState> {
     if crc32fast::hash(body) != crc {
         return Err(corrupt("checksum mismatch".into()));
     }
-    if version != FORMAT_VERSION {
-        return Err(Error::SnapshotVersion { path: path.to_string(), found: version, expected: FORMAT_VERSION });
+    if version != expected {
+        return Err(Error::SnapshotVersion { path: path.to_string(), found: version, expected });
     }
     postcard::from_bytes(&body[HEADER..]).map_err(|e| corrupt(format!("undecodable state: {e}")))
 }
 
 pub fn write_state(dir: &Path, state: &SnapshotState) -> Result<()> {
-    let bytes = encode(state)?;
-    let tmp = dir.join(format!(".{STATE_FILE}.tmp"));
+    write_file(dir, STATE_FILE, &encode(state)?)
+}
+
+/// Write `bytes` as `dir/name`, owner-only, beside then renamed (a reader never sees half a file).
+pub fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    let tmp = dir.join(format!(".{name}.tmp"));
     // Owner-only, as the memory file (see `GuestMemory::write_image`).
     let mut f = std::os::unix::fs::OpenOptionsExt::mode(std::fs::OpenOptions::new().write(true).create(true).truncate(true), 0o600)
         .open(&tmp)
         .map_err(Error::sys("write snapshot state"))?;
-    std::io::Write::write_all(&mut f, &bytes).map_err(Error::sys("write snapshot state"))?;
-    std::fs::rename(&tmp, dir.join(STATE_FILE)).map_err(Error::sys("rename snapshot state"))
+    std::io::Write::write_all(&mut f, bytes).map_err(Error::sys("write snapshot state"))?;
+    std::fs::rename(&tmp, dir.join(name)).map_err(Error::sys("rename snapshot state"))
+}
+
+/// The platform a snapshot directory was taken on, by its state file (`None`: neither is there).
+pub fn platform_of(dir: &Path) -> Option<crate::protocol::Platform> {
+    if dir.join(STATE_FILE).exists() {
+        Some(crate::protocol::Platform::Kvm)
+    } else if dir.join(SYSTRAP_STATE_FILE).exists() {
+        Some(crate::protocol::Platform::Systrap)
+    } else {
+        None
+    }
+}
+
+/// The state file of a snapshot taken on the systrap platform (`vmm::systrap::snapshot`).
+pub const SYSTRAP_STATE_FILE: &str = "systrap.state";
+
+/// The error for a snapshot of one platform given to the other.
+pub fn wrong_platform(dir: &Path, taken_on: &str, wanted: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "the snapshot in {} was taken on the {taken_on} platform and cannot be restored on {wanted}: a snapshot holds \
+         one platform's guest state (kvm: guest-physical memory and a vCPU; systrap: a host process's mappings and \
+         registers); restore it with platform=\"{taken_on}\", or take the snapshot again on {wanted}",
+        dir.display()
+    ))
 }
 
 pub fn read_state(dir: &Path) -> Result<SnapshotState> {
     let path = dir.join(STATE_FILE);
+    if !path.exists() && dir.join(SYSTRAP_STATE_FILE).exists() {
+        return Err(wrong_platform(dir, "systrap", "kvm"));
+    }
     let bytes = std::fs::read(&path).map_err(|e| Error::SnapshotCorrupt {
         path: path.display().to_string(),
         reason: format!("cannot read: {e}"),

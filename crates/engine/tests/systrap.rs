@@ -2,7 +2,7 @@
 //! natively in a confined host process, and every syscall it makes, its faults and its `rdtsc`
 //! reach the test (playing the VMM) as exits.
 
-use collimate_engine::platform::systrap::{kvm_regs, Confinement, Exit, Stub, Template};
+use collimate_engine::platform::systrap::{kvm_regs, Confinement, Exit, Stub, Template, Traps};
 
 const CODE: u64 = 0x40_0000;
 const DATA: u64 = 0x50_0000;
@@ -299,6 +299,49 @@ fn cpuid_traps_where_the_cpu_has_cpuid_faulting_and_root_gets_namespaces() {
     } else {
         assert_eq!(e, Exit::Syscall, "without CPUID faulting cpuid runs natively");
     }
+}
+
+/// The rdtsc/cpuid traps are the stub's own setting, switched while it is parked (one command to
+/// its blob, which the filter admits: a stub whose blob made a syscall it may not would be
+/// killed) and inherited by forks: so a VMM traps per exec, not for the stub's whole life.
+#[test]
+fn the_rdtsc_and_cpuid_traps_switch_per_exec_and_forks_inherit_them() {
+    let stub = Stub::spawn(&Confinement::for_replay(false)).expect("spawn a stub");
+    assert_eq!(stub.traps(), Traps { rdtsc: false, cpuid: false });
+    let (mut stub, mut regs) = load(stub);
+    // loop: rdtsc; cpuid; syscall; jmp loop
+    stub.write(CODE, &[0x0f, 0x31, 0x0f, 0xa2, 0x0f, 0x05, 0xeb, 0xf8]).unwrap();
+    let mut fs = 0;
+    assert_eq!(stub.run(&mut regs, &mut fs).unwrap(), Exit::Syscall, "rdtsc and cpuid ran natively");
+    assert_eq!(regs.rip, CODE + 6);
+
+    let has_fault = stub.report().cpuid_faulting;
+    let on = stub.set_traps(Traps { rdtsc: true, cpuid: true }).expect("switch the traps on");
+    assert_eq!(on, Traps { rdtsc: true, cpuid: has_fault }, "cpuid traps only where the CPU has CPUID faulting");
+    let step = |stub: &mut Stub, regs: &mut kvm_regs, traps: Traps| {
+        let mut fs = 0;
+        if traps.rdtsc {
+            assert_eq!((stub.run(regs, &mut fs).unwrap(), regs.rip), (Exit::Rdtsc { rdtscp: false }, CODE));
+            regs.rip += 2;
+        }
+        if traps.cpuid {
+            assert_eq!((stub.run(regs, &mut fs).unwrap(), regs.rip), (Exit::Cpuid, CODE + 2));
+            regs.rip += 2;
+        }
+        assert_eq!((stub.run(regs, &mut fs).unwrap(), regs.rip), (Exit::Syscall, CODE + 6));
+    };
+    step(&mut stub, &mut regs, on);
+    step(&mut stub, &mut regs, on);
+
+    let mut child = stub.fork().expect("fork the stub");
+    assert_eq!(child.traps(), on, "a fork inherits the traps");
+    let mut child_regs = regs;
+    assert_eq!(stub.set_traps(Traps::default()).unwrap(), Traps::default(), "switch them off");
+    step(&mut stub, &mut regs, Traps::default());
+    step(&mut child, &mut child_regs, on);
+    assert_eq!(stub.set_traps(Traps::default()).unwrap(), Traps::default(), "no change: nothing to do");
+    assert_eq!(stub.set_traps(Traps { rdtsc: true, cpuid: false }).unwrap(), Traps { rdtsc: true, cpuid: false });
+    step(&mut stub, &mut regs, Traps { rdtsc: true, cpuid: false });
 }
 
 #[test]

@@ -410,7 +410,8 @@ impl PyVm {
             .map_err(|e| engine_error(&format!("Vm.spawn({:?})", argv[0]), e))
     }
 
-    /// Starts a fresh VMM process from a snapshot directory (`vm.state`, `vm.mem`).
+    /// Starts a fresh VMM process from a snapshot directory: a kvm one (`vm.state`, `vm.mem`) or a
+    /// systrap one (`systrap.state`, `systrap.mem`), on the platform it was taken on.
     #[staticmethod]
     fn restore(py: Python<'_>, dir: PathBuf) -> PyResult<PyVm> {
         let launcher = launcher(py)?;
@@ -956,5 +957,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kvm_profile, m)?)?;
     m.add_function(wrap_pyfunction!(quota_available, m)?)?;
     m.add("SNAPSHOT_FORMAT", collimate_engine::persist::FORMAT_VERSION)?;
+    m.add("OUTPUT_CAP", collimate_engine::controller::OUTPUT_CAP)?;
+    m.add("SYSTRAP_SNAPSHOT_FORMAT", collimate_engine::vmm::systrap::snapshot::FORMAT_VERSION)?;
     Ok(())
 }

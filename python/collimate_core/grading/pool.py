@@ -7,8 +7,9 @@ the setup and the grader needs neither: the embedded engine hands out a recycled
 the template: its VM and most of its page mappings stay warm) or a pre-forked spare.
 
 So, on a client that can host templates (the embedded engine), `prepared(client, ...)` prepares a
-sandbox once (setup, grader), snapshots it into `<cache>/grading/<key>/` and registers it as the
-template `__grading__-<key>`; later grades with the same template, setup and preloaded modules
+sandbox once (setup, grader), snapshots it into `<cache>/grading/<key>/` (a kvm snapshot, or on
+systrap a systrap one: `sdk/live.py`'s `LiveTemplate.restored`) and registers it as the template
+`__grading__-<key>`; later grades with the same template, setup and preloaded modules
 clone it directly. The key covers all that the snapshot depends on (the base template's directory
 among it), so the entry is shared: by every client and process (one prepares it, under its lock;
 the others wait and use it) and by later runs. A process that uses an entry holds a shared flock
@@ -62,7 +63,7 @@ def _prune_legacy(root: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _hold(entry: Path) -> Any | None:
+def _hold(entry: Path, state_file: str = "vm.state") -> Any | None:
     """A shared flock on `entry`/.hold, the mark that a process uses it (see _prune); None if the
     entry went (a prune removed it) before the hold was taken."""
     try:
@@ -71,7 +72,7 @@ def _hold(entry: Path) -> Any | None:
         return None
     fcntl.flock(f, fcntl.LOCK_SH)
     try:
-        if os.stat(entry / HOLD).st_ino == os.fstat(f.fileno()).st_ino and (entry / "vm.state").is_file():
+        if os.stat(entry / HOLD).st_ino == os.fstat(f.fileno()).st_ino and (entry / state_file).is_file():
             os.utime(entry)  # recently used: pruned last
             return f
     except FileNotFoundError:
@@ -103,9 +104,13 @@ def _prune(root: Path, keep: int = KEEP) -> None:
 
 
 def supported(client: Any) -> bool:
-    # Systrap sandboxes cannot be checkpointed: grading there forks a prepared parent per group.
-    return (hasattr(client, "register_template") and hasattr(client, "_template")
-            and getattr(client, "platform", "kvm") != "systrap")
+    return hasattr(client, "register_template") and hasattr(client, "_template")
+
+
+def _state_file(platform: str) -> str:
+    """The file that marks a finished snapshot of `platform` (docs/systrap.md: a systrap snapshot
+    is its own format)."""
+    return "systrap.state" if platform == "systrap" else "vm.state"
 
 
 def prepared(
@@ -122,10 +127,16 @@ def prepared(
     per group; a failure of `prepare` itself raises)."""
     if not supported(client):
         return None
-    base = client._template(template).baked
-    key = hashlib.sha256(
-        repr((str(base.path), template, setup, sorted(preload), harness_key)).encode()
-    ).hexdigest()[:16]
+    platform = getattr(client, "platform", "kvm")
+    t = client._template(template)
+    base = t.baked
+    parts: tuple = (str(base.path), template, setup, sorted(preload), harness_key)
+    if platform == "systrap":
+        # The base's state (a live template's path is its root filesystem) and the platform: a
+        # systrap snapshot cannot be restored on kvm, nor the reverse.
+        parts += ("systrap", t.state)
+    key = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+    state_file = _state_file(platform)
 
     def known() -> bool:
         if key in failed:
@@ -165,17 +176,23 @@ def prepared(
             entry = root / key
             hold = None
             while hold is None:
-                if _cache.build_once(entry, lambda p: (p / "vm.state").is_file(), build, kind="grading", key=key,
+                if _cache.build_once(entry, lambda p: (p / state_file).is_file(), build, kind="grading", key=key,
                                      cache=root.parent):
                     _prune(root)
-                hold = _hold(entry)
+                hold = _hold(entry, state_file)
             with _lock:
                 old = _holds.pop(str(entry), None)
                 _holds[str(entry)] = hold
             if old is not None:
                 old.close()
             name = f"__grading__-{key}"
-            client.register_template(name, dataclasses.replace(base, name=name, path=entry))
+            if platform == "systrap":
+                from collimate_core.sdk.live import LiveTemplate
+
+                client.register_template(name, LiveTemplate.restored(name, base.root, entry, t.disk_quota, t.shared_memory,
+                                                                     seed_ack=base.seed_ack, state=f"{t.state}/{key}"))
+            else:
+                client.register_template(name, dataclasses.replace(base, name=name, path=entry))
         except (OSError, CollimateError) as e:
             if isinstance(e, InvalidArgument):
                 raise

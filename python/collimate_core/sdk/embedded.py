@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from collimate_core._core import EngineError as _CoreEngineError
-from collimate_core._core import Vm
+from collimate_core._core import OUTPUT_CAP, Vm
 from collimate_core.sdk.errors import (
     CapacityError,
     CollimateError,
@@ -322,7 +322,7 @@ class EmbeddedClient:
         if t is not None:
             return t
         if self.platform == "systrap":
-            # No snapshots there: the zygote is the agent run live to its ready point (sdk/live.py).
+            # The zygote is restored from the template's systrap snapshot, made on first use (sdk/live.py).
             # One zygote per name, started under that name's lock (not the client's: starting one
             # takes seconds, and the other sandboxes go on meanwhile).
             with self._lock:
@@ -676,9 +676,14 @@ class EmbeddedClient:
             timed_out = r.kind == "timeout"
             stdout, stderr = r.stdout, r.stderr
             ended = ""
+            truncated = r.truncated
             if timed_out:
                 # End what the exec started and keep the sandbox (docs/sessions.md).
                 stdout, stderr, ended = self._end_exec(box, code is not None, stdout, stderr)
+                # The engine caps each run's output; the exec's, two runs here (on systrap the
+                # output still in the pipe reaches end_exec's run), is capped as one.
+                truncated = truncated or len(stdout) > OUTPUT_CAP or len(stderr) > OUTPUT_CAP
+                stdout, stderr = stdout[:OUTPUT_CAP], stderr[:OUTPUT_CAP]
             reply = _unframe(r.agent) if r.kind == "yield" and r.value == AGENT_IDLE else None
             if timed_out:
                 exit_code = 124
@@ -761,7 +766,7 @@ class EmbeddedClient:
             seed_ack=verdict,
             duration=r.duration,
             timed_out=timed_out,
-            truncated=r.truncated,
+            truncated=truncated,
             stdout_bytes=stdout,
             stderr_bytes=stderr,
             interpreter_died=died,

@@ -1,38 +1,54 @@
-"""Templates on a platform without snapshots (systrap): a live zygote instead of a checkpoint.
+"""Templates on systrap: a zygote from a systrap snapshot, or a live one.
 
-On kvm a template is a snapshot and its zygote a VMM restored from it (sdk/embedded.py). A systrap
-sandbox cannot be checkpointed yet (docs/systrap.md), so there a template's zygote is the agent
-itself: spawned with the argv, environment and mounts every python template has
-(`templates.catalog.spawn_agent`), run once to its ready point at the template's first use, and
-never run again. Sandboxes are its clones (a fork of its stub plus a host fork of its VMM: guest
-memory shared copy-on-write, writable mounts copied). A few clones are made ahead as spares, by a
+On kvm a template is a snapshot and its zygote a VMM restored from it (sdk/embedded.py). On
+systrap the catalog "python" template is one too: its agent (spawned with the argv, environment
+and mounts every python template has, `templates.catalog.spawn_agent`) is run once to its ready
+point and checkpointed into the cache (`systrap_snapshots`: `templates/systrap/<name>-<state>/`,
+the engine's systrap snapshot, docs/systrap.md), and each client process's zygote is a VMM restored
+from that snapshot (`LiveTemplate.restored_from`), never run: a second process on the host uses the
+template without booting the agent again, and a seed replays across processes, virtual clocks
+included, as on kvm. A damaged snapshot (or one from another engine) is made again.
+Sandboxes are clones of the zygote (a fork of its stub plus a host fork of its VMM: guest memory
+shared copy-on-write, writable mounts copied). A few clones are made ahead as spares, by a
 background thread, as the kvm engine keeps its spare pool: a new sandbox takes one and the
 thread makes the next. Each spare has taken its first exec's host page faults before it is
-handed out (the engine learns them from the template's first clones: vmm/systrap/warm.rs). There is no recycling by reset (the engine has none on systrap): a sandbox
-that ends is destroyed, and one whose interpreter is lost is replaced by a new clone.
+handed out (the engine learns them from the template's first clones: vmm/systrap/warm.rs).
+There is no recycling by reset (the engine has none on systrap): a sandbox
+that ends is destroyed, and `Sandbox.reset()` or a lost interpreter gets a new clone of the
+zygote, which is the template's state.
 
-Image templates (Template.bake, `client.env(image)`) are live zygotes too (`LiveTemplate.image`,
-made by templates/bake.py): the image's unpacked root filesystem as the guest's root, its agent
-spawned with the image's argv, Env, WorkingDir, User and seeded writable mounts, and the bake's
-Ready steps run in the zygote once before any clone (with the writable root, in a clone of the
-booted agent, as on kvm). A template baked into a kvm snapshot cannot run here and is refused with
-`PlatformUnavailable` (`image_templates_unavailable`) saying what to do.
+Image templates (Template.bake, `client.env(image)`) are booted live by templates/bake.py
+(`LiveTemplate.image`: the image's unpacked root filesystem as the guest's root, its agent spawned
+with the image's argv, Env, WorkingDir, User and seeded writable mounts, and the bake's Ready steps
+run in the zygote once, with the writable root in a clone of the booted agent, as on kvm), then
+checkpointed and committed to the template store; the client's zygote is restored from that
+version (`LiveTemplate.from_image`), here and in any other process. A template baked into a kvm
+snapshot cannot run here and is refused with `PlatformUnavailable` (`image_templates_unavailable`)
+saying what to do.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
+from collimate_core._core import SYSTRAP_SNAPSHOT_FORMAT, Vm
 from collimate_core._core import EngineError as _CoreEngineError
-from collimate_core._core import Vm
+from collimate_core._core import SnapshotError as _SnapshotError
 from collimate_core.sdk.errors import PlatformUnavailable
 from collimate_core.templates import catalog as _catalog
 from collimate_core.templates.catalog import Baked
+
+_log = logging.getLogger("collimate.systrap")
+
+# What the engine says of a snapshot it cannot restore because of the file itself.
+DAMAGED = ("is damaged:", "has format version")
 
 # What runs on systrap today, for the errors that refuse the rest.
 SYSTRAP_RUNS = (
@@ -65,7 +81,8 @@ class LiveTemplate:
 
     def __init__(self, name: str, root: Path, disk_quota: int, shared_memory: int, cpus: int = 1,
                  start: Callable[[], tuple[Vm, Path]] | None = None, seed_ack: bool = True,
-                 state: str | None = None, on_close: Callable[[], None] | None = None):
+                 state: str | None = None, on_close: Callable[[], None] | None = None,
+                 snapshot_root: Path | None = None):
         # `start`: how an image template's zygote is made (spawned and run through the bake's
         # steps; see `image`); None for the catalog agent (`_start`).
         self._starter = start
@@ -81,13 +98,18 @@ class LiveTemplate:
         self._emptied = threading.Event()  # set when the last spare is handed out
         self._cpus = cpus
         self._work: Path | None = None
-        self.zygote = self._start()
         # The state its sandboxes start from, as egress recordings name it: what the zygote was
         # started from (a new root filesystem or agent is another state).
         self.state = state or hashlib.sha256(
             f"collimate/live-template/v1\0{name}\0{root}\0{_catalog._agent_hash()}\0{cpus}\0"
-            f"{_catalog.TEMPLATE_VERSION}".encode()
+            f"{_catalog.TEMPLATE_VERSION}\0{SYSTRAP_SNAPSHOT_FORMAT}".encode()
         ).hexdigest()
+        # Where the catalog template's systrap snapshot lives (None: an image template, whose
+        # `start` makes its zygote; or no cache given).
+        self._snapshot = snapshot_root / f"{name}-{self.state[:16]}" if snapshot_root is not None and start is None else None
+        # The snapshot the zygote was restored from (None: booted live).
+        self.restored_from: Path | None = None
+        self.zygote = self._start()
 
     @classmethod
     def image(cls, name: str, root: Path, start: Callable[[], tuple[Vm, Path]], state: str, *,
@@ -100,6 +122,46 @@ class LiveTemplate:
         recordings. A quota left None is the client's (set when it registers the template)."""
         return cls(name, root, disk_quota, shared_memory, start=start, seed_ack=seed_ack, state=state,
                    on_close=on_close)
+
+    @classmethod
+    def restored(cls, name: str, root: Path, snapshot: Path, disk_quota: int | None, shared_memory: int | None, *,
+                 seed_ack: bool, state: str) -> LiveTemplate:
+        """A template whose zygote is restored from the systrap snapshot `snapshot` of a sandbox
+        (grading's prepared templates: a sandbox after its setup, checkpointed once and shared
+        by every process through the cache). `root` is the root filesystem it runs on."""
+
+        def start() -> tuple[Vm, None]:
+            return Vm.restore(snapshot), None
+
+        t = cls(name, root, disk_quota, shared_memory, start=start, seed_ack=seed_ack, state=state)
+        t.restored_from = snapshot
+        return t
+
+    @classmethod
+    def from_image(cls, baked: Any) -> LiveTemplate:
+        """The zygote of a committed image template version baked on systrap (`templates/bake.py`'s
+        ImageBaked, its `path` a systrap snapshot): restored from it, with the writable root the
+        bake asked for. Closing it releases the version's hold (its files stay while held)."""
+        writable = bool(baked.meta.get("writable_root"))
+
+        def start() -> tuple[Vm, None]:
+            vm = Vm.restore(baked.path)
+            if writable:
+                try:
+                    vm.set_writable_root(True)
+                except BaseException:
+                    vm.destroy()
+                    raise
+            return vm, None
+
+        hold = baked.hold
+        state = hashlib.sha256(f"collimate/systrap-image-template/v1\0{baked.path}\0{baked.meta.get('image_id')}".encode()
+                               ).hexdigest()
+        t = cls(baked.name, baked.root, baked.disk_quota, baked.shared_memory, start=start, seed_ack=baked.seed_ack,
+                state=state, on_close=hold.close if hold is not None else None)
+        t.restored_from = baked.path
+        t.version = baked.version
+        return t
 
     # No recycling: a sandbox that ends is destroyed (reset is not served on systrap).
     def take_recycled(self) -> Vm | None:
@@ -179,10 +241,46 @@ class LiveTemplate:
             return self._pool.pop(0)
 
     def _start(self) -> Vm:
-        """Spawn the agent in new writable mounts and run it to its ready point: the zygote."""
+        """The zygote: restored from the template's systrap snapshot in the cache (`snapshot_dir`),
+        made first if there is none (the agent spawned in new writable mounts, run to its ready
+        point and checkpointed), so that every client process on this host starts its sandboxes
+        from the same snapshot without booting the agent again."""
         if self._starter is not None:
             vm, self._work = self._starter()
             return vm
+        snap = self._snapshot
+        if snap is None:
+            return self._boot()
+        if not (snap / "systrap.state").is_file():
+            self._make_snapshot(snap)
+        try:
+            vm = Vm.restore(snap)
+        except (_SnapshotError, _CoreEngineError) as e:
+            if not any(w in str(e) for w in DAMAGED):
+                raise
+            # A cache entry, made again: damaged (a crash, a disk error) or from another engine.
+            _log.warning("the systrap snapshot %s cannot be restored (%s); making it again", snap, e)
+            shutil.rmtree(snap, ignore_errors=True)
+            self._make_snapshot(snap)
+            vm = Vm.restore(snap)
+        self.restored_from = snap
+        return vm
+
+    def _make_snapshot(self, snap: Path) -> None:
+        vm = self._boot()
+        try:
+            save_snapshot(vm, snap)
+        finally:
+            self._stop_vm(vm)
+
+    def _stop_vm(self, vm: Vm) -> None:
+        vm.destroy()
+        if self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None
+
+    def _boot(self) -> Vm:
+        """Spawn the agent in new writable mounts and run it to its ready point."""
         work = _catalog.agent_dirs(prefix="collimate-zygote-")
         try:
             vm = _catalog.spawn_agent(self.baked.root, work, self._cpus, platform=self.platform)
@@ -233,6 +331,30 @@ class LiveTemplate:
             self._on_close = None
 
 
+def systrap_snapshots(cache: Path) -> Path:
+    """Where the catalog templates' systrap snapshots live in `cache` (apart from kvm's
+    `templates/python.json` and its snapshot: one platform's snapshot cannot run on the other)."""
+    return cache / "templates" / "systrap"
+
+
+def save_snapshot(vm: Vm, dest: Path) -> None:
+    """Checkpoint `vm` (a systrap agent at its ready point) into `dest`, whole or not at all: into a
+    directory beside it, renamed into place. Another process that got there first wins (its
+    snapshot is the same template state) and this one is dropped."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{threading.get_ident()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        vm.snapshot(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / "systrap.state").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def template(name: str, cache: Path | None, disk_quota: int, shared_memory: int) -> LiveTemplate:
     """The systrap template `name`: the catalog's "python" (root filesystem built on first use,
     no /dev/kvm needed), else a container image (a path, or a reference in the local image store)
@@ -258,6 +380,7 @@ def template(name: str, cache: Path | None, disk_quota: int, shared_memory: int)
         t.set_spares(DEFAULT_SPARES)
         return t
     root = _catalog.python_root(cache)
-    t = LiveTemplate(name, root, disk_quota, shared_memory, _catalog.guest_cpus())
+    snapshots = systrap_snapshots(Path(cache) if cache else _catalog.cache_dir())
+    t = LiveTemplate(name, root, disk_quota, shared_memory, _catalog.guest_cpus(), snapshot_root=snapshots)
     t.set_spares(DEFAULT_SPARES)
     return t

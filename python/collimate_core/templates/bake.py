@@ -22,8 +22,9 @@ A bake, in a background thread (`handle.wait()` blocks on it; `handle.status()` 
   6. checkpoint the agent at its idle read, check a clone answers, and commit the version;
   7. register it with the client: `client.session(name)`, `client.env(name)`, `Sandbox(name)`.
 A failure at any step ends in phase "Failed" with the build log, and removes what the bake made.
-On systrap (no snapshots) steps 1-5 are the same and the booted agent itself, after its Ready steps,
-is the template's live zygote (`_Build._live`, sdk/live.py; docs/templates.md, "On systrap").
+On systrap steps 1-5 are the same; the Ready steps run in the booted agent itself (its clone with
+the writable root), which is then checkpointed as a systrap snapshot and committed, `template.json`
+saying `"platform": "systrap"` (`_Build._live`, sdk/live.py; docs/templates.md, "On systrap").
 
 On disk (`<cache>/templates/images/<name>-<hash>/`): `index.json` names the current version;
 `v<N>/` holds `snapshot/` (vm.state, vm.mem, fs/), `template.json` and `build.log`. Re-baking a name
@@ -56,11 +57,12 @@ from typing import Any
 from collimate_core.templates import cache as _cachelib  # (_cache is this module's own helper)
 from collimate_core.templates import oci as _oci
 from collimate_core._core import EngineError as _CoreEngineError
-from collimate_core._core import SNAPSHOT_FORMAT, Vm
+from collimate_core._core import SNAPSHOT_FORMAT, SYSTRAP_SNAPSHOT_FORMAT, Vm
 from collimate_core.sdk.errors import (
     CollimateError,
     InvalidArgument,
     NotFoundError,
+    PlatformUnavailable,
     SandboxTimeout,
 )
 from collimate_core.templates.catalog import AGENT_DIR, AGENT_IDLE, CATALOG, Baked, agent_env, cache_dir, guest_cpus
@@ -242,18 +244,42 @@ def _hold(vdir: Path) -> Any:
     return f
 
 
-def load_template(name: str, cache: Path) -> ImageBaked | None:
-    """The current version of image template `name` on disk, or None if there is none."""
+def _registered(baked: ImageBaked) -> Any:
+    """What the client registers for a committed version: the version itself on kvm, a zygote
+    restored from its systrap snapshot on systrap (`sdk/live.py`)."""
+    if baked.meta.get("platform") == "systrap":
+        from collimate_core.sdk.live import LiveTemplate
+
+        return LiveTemplate.from_image(baked)
+    return baked
+
+
+def load_template(name: str, cache: Path, platform: str = "kvm") -> ImageBaked | None:
+    """The current version of image template `name` on disk, or None if there is none. A version
+    baked on the other platform (its snapshot cannot run on this one) raises PlatformUnavailable
+    saying what to do."""
     tdir = _tdir(cache, name)
+    state_file = "systrap.state" if platform == "systrap" else "vm.state"
     while True:
         n = _current(tdir)
         if n is None:
             return None
         vdir = tdir / f"v{n}"
         meta = _read_json(vdir / "template.json")
-        if not meta or meta.get("name") != name or not (vdir / "snapshot" / "vm.state").is_file():
+        if meta and meta.get("name") == name and meta.get("platform", "kvm") != platform:
+            if platform == "systrap":
+                from collimate_core.sdk.live import image_templates_unavailable
+
+                raise image_templates_unavailable(f"template {name!r}")
+            raise PlatformUnavailable(
+                f"template {name!r} v{n} was baked on the systrap platform: its snapshot is a systrap one, which a kvm "
+                f"sandbox cannot restore; use it with connect(platform='systrap'), or bake it again on this client "
+                f"(Template.bake(client, {name!r}, ...)) to have a kvm version"
+            )
+        if not meta or meta.get("name") != name or not (vdir / "snapshot" / state_file).is_file():
             return None
-        if meta.get("format") != FORMAT or meta.get("snapshot_format") != SNAPSHOT_FORMAT:
+        wanted = SYSTRAP_SNAPSHOT_FORMAT if platform == "systrap" else SNAPSHOT_FORMAT
+        if meta.get("format") != FORMAT or meta.get("snapshot_format") != wanted:
             raise NotFoundError(f"template {name!r} v{n} was baked by another version of collimate; bake it again")
         root = Path(meta["rootfs"])
         if not (root / _oci.MARKER).is_file():
@@ -275,7 +301,7 @@ def load_template(name: str, cache: Path) -> ImageBaked | None:
             kept = os.stat(vdir / ".lock").st_ino == os.fstat(hold.fileno()).st_ino
         except FileNotFoundError:
             kept = False
-        if kept and (vdir / "snapshot" / "vm.state").is_file():
+        if kept and (vdir / "snapshot" / state_file).is_file():
             return ImageBaked(name, vdir / "snapshot", root, True, seed_ack=bool(meta.get("handshake")), version=n,
                               meta=meta, hold=hold, disk_quota=meta.get("disk_quota"),
                               shared_memory=meta.get("shared_memory"))
@@ -481,6 +507,7 @@ class _Build:
     """One bake: its log, its outcome, and the work (run in a thread by Template.bake)."""
 
     def __init__(self, spec: _Spec, on_commit: Any = None):
+        self.registered: Any = None  # what the client registers for the committed version (`_commit`)
         self.spec = spec
         self.on_commit = on_commit  # called with the new version under the name's lock (registers it)
         self.lines: list[str] = []
@@ -639,7 +666,7 @@ class _Build:
 
             if spec.platform == "systrap":
                 live = self._live(root, argv, spawn_env, workdir, mounts, agent_dir, user, kind, workdirs,
-                                  image_id, icfg)
+                                  image_id, icfg, img)
                 workdirs = None  # the live template's now (its seed mounts), as is the root's use
                 image_id = None
                 return live
@@ -694,53 +721,7 @@ class _Build:
             size = sum(f.lstat().st_blocks * 512 for f in snap.rglob("*") if f.is_file() and not f.is_symlink())
             say(f"checkpoint {size / 2**20:.1f} MiB on disk; a clone answers")
 
-            # Commit: v<N>/ and index.json.
-            n = self.status.version
-            with self.lock:
-                self.status.seconds = round(time.monotonic() - self.t0, 2)
-            meta = {
-                **{k: v for k, v in asdict(self.snapshot_status()).items() if k not in ("log", "phase", "error")},
-                "format": FORMAT,
-                "snapshot_format": SNAPSHOT_FORMAT,
-                "rootfs": str(root),
-                "agent_dir": str(agent_dir),
-                "argv": argv,
-                "ready": {"cmd": spec.ready.cmd, "code": spec.ready.code},
-                "source": str(getattr(img, "source", "")),
-                "image_format": getattr(img, "format", ""),
-                "handshake": kind == "python",  # the agent acks reseeds (seed_ack "verified")
-                "disk_quota": spec.disk_quota,  # its sandboxes' quota (None: the client's)
-                "cpus": spec.cpus,  # the CPU count its sandboxes see
-                "shared_memory": spec.shared_memory,  # its sandboxes' shared-memory limit (None: the client's)
-                "writable_root": not spec.read_only_root,  # a copy-up layer over the image (embedded.py)
-            }
-            _write_json(self.vtmp / "template.json", meta)
-            (self.vtmp / "building.json").unlink(missing_ok=True)
-            say(f"live: template {spec.name!r} v{n}")
-            (self.vtmp / "build.log").write_text(self.text())
-            with _NameLock(self.tdir):
-                # The index and the client's registration change together (one bake at a time).
-                vdir = self.tdir / f"v{n}"
-                self.vtmp.rename(vdir)
-                self.vtmp = None
-                old_index = _read_json(self.tdir / "index.json")
-                try:
-                    baked = ImageBaked(spec.name, vdir / "snapshot", root, True, seed_ack=kind == "python",
-                                       disk_quota=spec.disk_quota, shared_memory=spec.shared_memory, version=n,
-                                       meta=meta, hold=_hold(vdir))
-                    _write_json(self.tdir / "index.json", {"name": spec.name, "current": n})
-                    if self.on_commit is not None:
-                        self.on_commit(baked)
-                    _cachelib.record_build(spec.cache, "image-template", f"{spec.name}@v{n}", vdir,
-                                        time.monotonic() - self.t0)
-                except BaseException:
-                    if old_index:
-                        _write_json(self.tdir / "index.json", old_index)
-                    else:
-                        (self.tdir / "index.json").unlink(missing_ok=True)
-                    shutil.rmtree(vdir, ignore_errors=True)
-                    raise
-            return baked
+            return self._commit(root, agent_dir, argv, kind, img)
         except BaseException as e:
             for v in (vm, pre_zygote):
                 if v is not None:
@@ -767,15 +748,72 @@ class _Build:
                 with _lock:
                     _rootfs_in_use[image_id] -= 1
 
+    def _commit(self, root: Path, agent_dir: Path, argv: list[str], kind: str, img: Any,
+                platform: str = "kvm") -> ImageBaked:
+        """Commit the checkpoint in `vtmp/snapshot` as version v<N> of the template: its
+        template.json, then v<N>/ and index.json, and the client's registration (`on_commit`;
+        on systrap a zygote restored from the snapshot, `sdk/live.py`'s `LiveTemplate.from_image`)."""
+        spec, say = self.spec, self.log
+        # Commit: v<N>/ and index.json.
+        n = self.status.version
+        with self.lock:
+            self.status.seconds = round(time.monotonic() - self.t0, 2)
+        meta = {
+            **{k: v for k, v in asdict(self.snapshot_status()).items() if k not in ("log", "phase", "error")},
+            "format": FORMAT,
+            "snapshot_format": SYSTRAP_SNAPSHOT_FORMAT if platform == "systrap" else SNAPSHOT_FORMAT,
+            "platform": platform,  # whose snapshot this is (load_template refuses the other's)
+            "rootfs": str(root),
+            "agent_dir": str(agent_dir),
+            "argv": argv,
+            "ready": {"cmd": spec.ready.cmd, "code": spec.ready.code},
+            "source": str(getattr(img, "source", "")),
+            "image_format": getattr(img, "format", ""),
+            "handshake": kind == "python",  # the agent acks reseeds (seed_ack "verified")
+            "disk_quota": spec.disk_quota,  # its sandboxes' quota (None: the client's)
+            "cpus": spec.cpus,  # the CPU count its sandboxes see
+            "shared_memory": spec.shared_memory,  # its sandboxes' shared-memory limit (None: the client's)
+            "writable_root": not spec.read_only_root,  # a copy-up layer over the image (embedded.py)
+        }
+        _write_json(self.vtmp / "template.json", meta)
+        (self.vtmp / "building.json").unlink(missing_ok=True)
+        say(f"live: template {spec.name!r} v{n}")
+        (self.vtmp / "build.log").write_text(self.text())
+        with _NameLock(self.tdir):
+            # The index and the client's registration change together (one bake at a time).
+            vdir = self.tdir / f"v{n}"
+            self.vtmp.rename(vdir)
+            self.vtmp = None
+            old_index = _read_json(self.tdir / "index.json")
+            try:
+                baked = ImageBaked(spec.name, vdir / "snapshot", root, True, seed_ack=kind == "python",
+                                   disk_quota=spec.disk_quota, shared_memory=spec.shared_memory, version=n,
+                                   meta=meta, hold=_hold(vdir))
+                _write_json(self.tdir / "index.json", {"name": spec.name, "current": n})
+                registered = _registered(baked)
+                if platform == "systrap":
+                    self.registered = registered  # for `_live` to return (it takes it from here)
+                if self.on_commit is not None:
+                    self.on_commit(registered)
+                _cachelib.record_build(spec.cache, "image-template", f"{spec.name}@v{n}", vdir,
+                                    time.monotonic() - self.t0)
+            except BaseException:
+                if old_index:
+                    _write_json(self.tdir / "index.json", old_index)
+                else:
+                    (self.tdir / "index.json").unlink(missing_ok=True)
+                shutil.rmtree(vdir, ignore_errors=True)
+                raise
+        return baked
+
     def _live(self, root: Path, argv: list[str], spawn_env: dict, workdir: str, mounts: dict, agent_dir: Path,
-              user: dict, kind: str, workdirs: Path, image_id: str, icfg: Any) -> Any:
-        """The bake on systrap, which has no snapshots: a live zygote (sdk/live.py). Each start (now,
-        and again if the zygote dies) copies the image's seeded writable mounts into new
-        directories, spawns the agent on the image's root, boots it and runs the Ready steps in it;
-        a clone of it must answer before the template is registered. Nothing is committed to the
-        template store (no v<N>/, no index): the template lives as long as this client registers
-        it; its `.v<N>.<pid>.tmp/building.json` stays meanwhile, so that no process's prune takes
-        its root filesystem."""
+              user: dict, kind: str, workdirs: Path, image_id: str, icfg: Any, img: Any = None) -> Any:
+        """The bake on systrap: a live zygote (sdk/live.py) copies the image's seeded writable
+        mounts into new directories, spawns the agent on the image's root, boots it and runs the
+        Ready steps in it; once a clone of it answers, the zygote is checkpointed (a systrap
+        snapshot) and committed to the template store as kvm's versions are (`_commit`), and what
+        the client registers is a zygote restored from that snapshot: another process (or client)
+        finds the version on disk and restores it without baking again."""
         from collimate_core.sdk.live import LiveTemplate
 
         spec, say = self.spec, self.log
@@ -850,18 +888,17 @@ class _Build:
                 if _unframe(r.agent) != {"pong": True}:
                     raise BuildError(f"a clone of the zygote did not answer ({r.kind}): "
                                      f"{r.stderr.decode(errors='replace')[-2000:]}")
-            say("a clone answers")
-            with self.lock:
-                self.status.seconds = round(time.monotonic() - self.t0, 2)
-            say(f"live: template {spec.name!r} v{self.status.version} (systrap: a live zygote in this process)")
-            if self.on_commit is not None:
-                self.on_commit(live)
+            say("a clone answers; checkpointing")
+            with live.lock:
+                live.zygote.snapshot(self.vtmp / "snapshot")
+            self._commit(root, agent_dir, argv, kind, img, platform="systrap")
         except BaseException:
             live._on_close = None  # the bake's cleanup (run's handler) releases the root and mounts
             live.close()
             raise
-        self.vtmp = None  # the live template's now (see `released`)
-        return live
+        live.close()  # the committed version's hold keeps its root filesystem from now on
+        registered, self.registered = self.registered, None
+        return registered
 
     def _boot(self, vm: Any, argv: list[str]) -> None:
         """Run a spawned agent (under the bake's egress policy) to its idle read, or raise BuildError."""
@@ -1191,9 +1228,9 @@ def find_or_bake(name: str, cache: Path | None, platform: str = "kvm") -> Any:
     """For the client's template lookup: image template `name` on disk; else, if `name` is an
     image (a path, or a reference in the local image store), bake it now under that name (no Ready
     step) and return it; None if it is neither. An image reference that would need a registry pull
-    raises NotFoundError saying how to provide the image. On systrap (a live zygote,
-    sdk/live.py: nothing on disk to find) the image is baked live the first time a client asks;
-    a kvm template of that name on disk is refused (its snapshot cannot run there)."""
+    raises NotFoundError saying how to provide the image. On systrap the version on disk is a
+    systrap snapshot (`_find_or_bake_live`); a version of the other platform is refused (its
+    snapshot cannot run there)."""
     c = Path(cache) if cache else cache_dir()
     if platform == "systrap":
         return _find_or_bake_live(name, c)
@@ -1245,11 +1282,14 @@ def _image_in_store(name: str, ref: Any, store: Any) -> bool:
 
 
 def _find_or_bake_live(name: str, c: Path) -> Any:
-    """find_or_bake on systrap: `name` as an image, baked live now (a LiveTemplate), else None."""
-    from collimate_core.sdk.live import image_templates_unavailable
+    """find_or_bake on systrap: image template `name` on disk (a version baked on systrap: its
+    zygote restored from the snapshot; one baked on kvm is refused), else `name` as an image,
+    baked now, else None."""
+    from collimate_core.sdk.live import LiveTemplate
 
-    if (_tdir(c, name) / "index.json").is_file():
-        raise image_templates_unavailable(f"template {name!r}")
+    baked = load_template(name, c, platform="systrap")
+    if baked is not None:
+        return LiveTemplate.from_image(baked)
     store = _oci.default_store(c)
     try:
         ref = _oci.parse_reference(name) if not name.startswith(("/", ".", "~")) else None
@@ -1257,6 +1297,17 @@ def _find_or_bake_live(name: str, c: Path) -> Any:
         return None
     if not _image_in_store(name, ref, store):
         return None
+    with _lock:
+        lk = _sync_locks.setdefault((str(c), name), threading.Lock())
+    # One bake however many threads and processes ask at once (as find_or_bake on kvm).
+    with lk, _cachelib.Lock(_tdir(c, name)):
+        baked = load_template(name, c, platform="systrap")
+        if baked is not None:
+            return LiveTemplate.from_image(baked)
+        return _bake_live_now(name, c, store)
+
+
+def _bake_live_now(name: str, c: Path, store: Any) -> Any:
     build = _Build(_Spec(name, name, Ready(), 1, c, store, cpus=guest_cpus(), platform="systrap"))
     try:
         live = build.run()

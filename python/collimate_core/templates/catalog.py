@@ -210,7 +210,7 @@ def _bake_snapshot(tmp: Path, root: Path, say: Callable[[str], None], cpus: int 
 
 def python_root(cache: Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
     """The root filesystem of the catalog "python" template (COLLIMATE_ROOTFS, else the recipe's,
-    built on first use): all a platform without snapshots (systrap) needs of it."""
+    built on first use): what systrap spawns its agent on (sdk/live.py checkpoints it there)."""
     from collimate_core.templates import rootfs as _rootfs
 
     wanted = os.environ.get("COLLIMATE_ROOTFS")

@@ -178,8 +178,17 @@ fn plan(first: &mut Request, binds: &mut Vec<Bind>) -> u64 {
         Request::Restore { dir } => {
             add(dir, false);
             // A damaged state file is reported by the restore itself, inside the jail.
-            let Ok(state) = crate::persist::read_state(dir) else { return 0 };
-            if let Some(os) = &state.os {
+            let (os, mem_size) = match crate::persist::platform_of(dir) {
+                Some(crate::protocol::Platform::Systrap) => match super::systrap::snapshot::read_state(dir) {
+                    Ok(s) => (Some(s.os), s.budget),
+                    Err(_) => return 0,
+                },
+                _ => match crate::persist::read_state(dir) {
+                    Ok(s) => (s.os, s.mem_size),
+                    Err(_) => return 0,
+                },
+            };
+            if let Some(os) = &os {
                 let recorded = std::iter::once(&os.root).chain(os.ro_mounts.iter().map(|(_, p)| p));
                 let plain = |p: &&PathBuf| p.is_absolute() && !p.components().any(|c| c == std::path::Component::ParentDir);
                 for p in recorded.filter(plain) {
@@ -188,7 +197,7 @@ fn plan(first: &mut Request, binds: &mut Vec<Bind>) -> u64 {
                     }
                 }
             }
-            state.mem_size
+            mem_size
         }
         _ => 0,
     }

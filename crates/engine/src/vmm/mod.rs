@@ -1269,7 +1269,7 @@ fn current_mounts(os: &GuestOs, state: &crate::guestos::persist::OsState) -> Res
 }
 
 /// This process's own directory under the runtime directory.
-fn own_dir() -> ScratchRoot {
+pub(crate) fn own_dir() -> ScratchRoot {
     // SAFETY: getpid cannot fail.
     ScratchRoot::Dir(crate::guestos::persist::vm_dir(unsafe { libc::getpid() }))
 }
@@ -1733,6 +1733,11 @@ pub fn serve_fd(fd: RawFd) -> ! {
     };
     if let Request::Spawn { platform: crate::protocol::Platform::Systrap, .. } = first {
         systrap::serve_first(first, fds, chan);
+    }
+    if let Request::Restore { dir } = &first {
+        if persist::platform_of(dir) == Some(crate::protocol::Platform::Systrap) {
+            systrap::serve_restore(first, chan);
+        }
     }
     // Jailed before serving: everything the first request opens is opened inside (see `jail`).
     if let Err(e) = jail::enter(&mut first) {

@@ -33,9 +33,9 @@
 //! handler), so each reaches it within a slice, and a timed-out run is resumable.
 //!
 //! Not yet on this platform (each answers as noted): clone's other sharing flags (a process
-//! sharing memory without being a thread, ENOSYS); shared futexes across processes, snapshots,
-//! and replay mode's turns between a sandbox's processes (`sched::gate`: they run in parallel in
-//! replay mode too).
+//! sharing memory without being a thread, ENOSYS); shared futexes across processes, snapshots
+//! of more than one process or thread ([`snapshot`]), and replay mode's turns between a
+//! sandbox's processes (`sched::gate`: they run in parallel in replay mode too).
 //!
 //! Two ways to run one: [`Process::spawn`] runs the first process in the caller's own process
 //! (tests and benches; a child's guest pid is then its VMM's host pid), and [`serve`] makes a
@@ -45,11 +45,12 @@
 mod preempt;
 mod proctree;
 mod serve;
+pub mod snapshot;
 mod spawn;
 mod threads;
 mod warm;
 
-pub(super) use serve::serve_first;
+pub(super) use serve::{serve_first, serve_restore};
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::time::{Duration, Instant};
@@ -156,7 +157,9 @@ pub struct Process {
     /// Pidfds of the stubs of the guest children this process forked. A child's VMM killed from
     /// here (`end_exec`, the first process's end) cannot end its stub, and a stub that computes
     /// without syscalls never notices that its VMM is gone: it would spin on the host for good.
-    /// So they are killed with their VMMs ([`Process::kill_child_stubs`]).
+    /// So they are killed with their VMMs ([`Process::kill_child_stubs`]). In a served sandbox
+    /// its reaper does that for every stub of the tree (`platform::systrap::reaper`); this is
+    /// what a first process run in the caller's own process has.
     child_stubs: Vec<std::os::fd::OwnedFd>,
     /// The sandboxes forked from this one get a writable root (`Request::WritableRoot`; forks
     /// carry an overlay context with each tmpfs pair, as on kvm: `crate::overlay`).
@@ -216,6 +219,21 @@ impl Capture {
     }
 }
 
+/// What a systrap exec traps (docs/replay.md, "The CPU and the time-stamp counter"):
+/// - `rdtsc` in a replay exec (`replay`: the guest's clocks are virtual), so that a program that
+///   reads the counter directly reads the virtual clock and replays; never outside replay, where
+///   the guest reads the host's clocks anyway. `COLLIMATE_TRAP_RDTSC=0` turns it off in replay
+///   too (each context switch into or out of a trapping stub rewrites CR4, an exit to the
+///   hypervisor on a nested host: benches/systrap.rs).
+/// - `cpuid` never: the VMM would answer a trapped `cpuid` with the host CPU's own answer (there
+///   is no pinned CPU model on systrap), which is what the guest reads natively, so CPUID faulting
+///   only cost every context switch an MSR write. A guest's `cpuid` is the host's (`cpuid: host`).
+pub fn exec_traps(replay: bool) -> st::Traps {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var_os("COLLIMATE_TRAP_RDTSC").is_some_and(|v| v == "0"));
+    st::Traps { rdtsc: replay && !off, cpuid: false }
+}
+
 impl Process {
     /// A new confined stub running the program `spec` names from its root filesystem. Its fds 1
     /// and 2 are captured in each run's output (its children's too: see [`Capture`]).
@@ -260,6 +278,20 @@ impl Process {
         signal::host::install();
         let guest_pid = os.proc.pid;
         Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, child_stubs: Vec::new(), writable_root: false, warm: warm::Warm::default() })
+    }
+
+    /// Switch the stub's `rdtsc`/`cpuid` traps to what the guest's mode asks for: after a reseed,
+    /// before the exec runs ([`exec_traps`]). The guest processes the exec forks inherit them.
+    pub fn sync_traps(&mut self) -> Result<st::Traps> {
+        if self.exited.is_some() {
+            return Ok(self.stub.traps()); // no stub left to switch; the next exec will fail
+        }
+        self.stub.set_traps(exec_traps(self.os.proc.clocks.replay)).map_err(|e| Error::Remote(format!("systrap: {e}")))
+    }
+
+    /// The stub's traps now in force.
+    pub fn traps(&self) -> st::Traps {
+        self.stub.traps()
     }
 
     /// How the VMM and the stub wait for each other (`platform::systrap::Handoff`; tuning and
@@ -359,8 +391,11 @@ impl Process {
                     }
                 }
                 Exit::Rdtsc { rdtscp } => {
-                    // The guest's clock, not the host's TSC: replays see the same values.
-                    let ns = self.os.proc.clocks.mono_now();
+                    // The guest's clock, not the host's TSC: replays see the same values. As on kvm
+                    // (`guestos::clock::tsc_now`): a clock read, so it advances one quantum and two
+                    // reads never return the same count (before, two reads with no clock read
+                    // between them returned the same value, and 0 outside replay).
+                    let ns = guestos::clock::tsc_now(&mut self.os.proc);
                     self.regs.rax = ns & 0xffff_ffff;
                     self.regs.rdx = ns >> 32;
                     if rdtscp {
@@ -714,6 +749,12 @@ impl Process {
     fn child_main(&mut self, stub: Stub, c: &Fork, guest_pid: Option<i32>, parent_host: i32, vfork: i32) -> RunExit {
         std::mem::replace(&mut self.stub, stub).release();
         self.child_stubs.clear(); // our copies of the siblings' stubs: not ours to kill
+        // Before the stub runs guest code: the tree's reaper kills it if this process dies
+        // (`platform::systrap::reaper`). A child that cannot be registered ends here.
+        if let Err(e) = st::reaper::register(&self.stub) {
+            eprintln!("collimate: systrap guest process: {e}");
+            return RunExit::Signaled { signo: libc::SIGKILL };
+        }
         let inherited = VFORK_FD.swap(vfork, std::sync::atomic::Ordering::SeqCst);
         if inherited >= 0 {
             // SAFETY: the pipe our parent VMM held as a vfork child itself: not ours to hold.

@@ -48,7 +48,7 @@ std::arch::global_asm!(
     "mov dword ptr [r12 + {code}], eax",
     "mov rax, qword ptr [r14 + 16]",
     "mov qword ptr [r12 + {addr}], rax",
-    "mov eax, dword ptr [r14 + 24]",
+    "mov rax, qword ptr [r14 + 24]", // si_syscall, then si_arch in the high half
     "mov qword ptr [r12 + {sysnr}], rax",
     "mov rax, qword ptr [r13 + {uc_fpregs}]",
     "mov qword ptr [r12 + {fpstate}], rax",
@@ -94,6 +94,7 @@ std::arch::global_asm!(
     "jmp 22b",
     // then yield the CPU up to stub_yields times, checking after each
     "26:",
+    "mov dword ptr [r12 + {stub_missed}], 1", // the spin was not answered (adaptive hand-off)
     "mov r15d, dword ptr [r12 + {stub_yields}]",
     "27:",
     "test r15d, r15d",
@@ -304,6 +305,7 @@ std::arch::global_asm!(
     vmm_sleeping = const offset_of!(Page, vmm_sleeping),
     stub_spin = const offset_of!(Page, stub_spin),
     stub_yields = const offset_of!(Page, stub_yields),
+    stub_missed = const offset_of!(Page, stub_missed),
     flags = const offset_of!(Page, flags),
     exit = const offset_of!(Page, exit),
     signo = const offset_of!(Page, signo),

@@ -17,11 +17,13 @@ pub struct Confinement {
     pub address_space: Option<u64>,
     /// Create the namespaces where the host allows them (default true).
     pub namespaces: bool,
-    /// Trap `rdtsc` (PR_SET_TSC; default true; replay needs it). On a nested host each context
-    /// switch into or out of the stub then rewrites CR4, which costs an exit to the hypervisor.
+    /// Trap `rdtsc` from the start (PR_SET_TSC; default true). On a nested host each context
+    /// switch into or out of a trapping stub rewrites CR4, which costs an exit to the hypervisor,
+    /// so a VMM that decides per exec spawns with this off and turns it on only for the execs that
+    /// need it ([`super::Stub::set_traps`]).
     pub trap_rdtsc: bool,
-    /// Trap `cpuid` where the CPU has CPUID faulting (default true). The same per-switch cost (an
-    /// MSR write) on a nested host.
+    /// Trap `cpuid` from the start where the CPU has CPUID faulting (default true). The same
+    /// per-switch cost (an MSR write) on a nested host; also switchable later.
     pub trap_cpuid: bool,
 }
 
@@ -32,13 +34,11 @@ impl Default for Confinement {
 }
 
 impl Confinement {
-    /// The default confinement with `rdtsc` and `cpuid` trapped only in replay mode (`replay`),
-    /// where the guest must read the virtual clock and a fixed CPU. Outside replay, as on KVM
-    /// outside replay, `rdtsc` reads the host's TSC; `cpuid` (which KVM always answers from its
-    /// CPU template) then shows the host CPU, so seed_ack must say that outside replay mode on
-    /// systrap the CPU features a guest sees are the host's. Each trap costs every context switch
-    /// into or out of the stub a CR4 or MSR write, an exit to the hypervisor on a nested host
-    /// (benches/systrap.rs).
+    /// The default confinement with `rdtsc` and `cpuid` trapped from the start only if `replay`.
+    /// Outside replay, as on KVM outside replay, `rdtsc` reads the host's TSC and `cpuid` shows
+    /// the host CPU. Each trap costs every context switch into or out of the stub a CR4 or MSR
+    /// write, an exit to the hypervisor on a nested host (benches/systrap.rs): a served sandbox
+    /// spawns with `for_replay(false)` and switches the traps per exec ([`super::Stub::set_traps`]).
     pub fn for_replay(replay: bool) -> Confinement {
         Confinement { trap_rdtsc: replay, trap_cpuid: replay, ..Confinement::default() }
     }
@@ -60,8 +60,9 @@ pub struct ConfinementReport {
     /// Runs as the unprivileged `Confinement::uid` (false when the VMM itself was not root and the
     /// stub keeps the VMM's uid).
     pub unprivileged_uid: bool,
-    /// `cpuid` traps (CPUID faulting). Without it the guest's `cpuid` runs natively and sees the
-    /// host CPU, so output that depends on CPU features may differ between hosts.
+    /// The CPU has CPUID faulting, so `cpuid` can be trapped ([`super::Stub::set_traps`]).
+    /// Without it the guest's `cpuid` always runs natively and sees the host CPU, so output that
+    /// depends on CPU features may differ between hosts.
     pub cpuid_faulting: bool,
 }
 
@@ -74,6 +75,8 @@ pub(super) const REPORT_USER_NS: u32 = 16;
 pub(super) const REPORT_UNPRIVILEGED: u32 = 32;
 pub(super) const REPORT_CPUID: u32 = 64;
 pub(super) const REPORT_EMPTY_ROOT: u32 = 128;
+/// Not a confinement: `cpuid` traps from the start (`Confinement::trap_cpuid` and the CPU has it).
+pub(super) const REPORT_CPUID_TRAPPED: u32 = 256;
 
 impl ConfinementReport {
     pub(super) fn from_bits(b: u32) -> ConfinementReport {
@@ -250,8 +253,14 @@ pub(super) extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         if a.conf.trap_rdtsc && libc::prctl(libc::PR_SET_TSC, libc::PR_TSC_SIGSEGV, 0, 0, 0) != 0 {
             fail(10);
         }
-        if a.conf.trap_cpuid && libc::syscall(libc::SYS_arch_prctl, 0x1012 /* ARCH_SET_CPUID */, 0) == 0 {
+        // ARCH_SET_CPUID answers ENODEV where the CPU has no CPUID faulting; asked to leave cpuid
+        // enabled (1) it only probes (this clone of the VMM does not trap cpuid).
+        let cpuid_arg = if a.conf.trap_cpuid { 0 } else { 1 };
+        if libc::syscall(libc::SYS_arch_prctl, super::filter::ARCH_SET_CPUID, cpuid_arg) == 0 {
             report |= REPORT_CPUID;
+            if a.conf.trap_cpuid {
+                report |= REPORT_CPUID_TRAPPED;
+            }
         }
         // The stub region. Whatever of the VMM lies there in this copy goes first.
         use super::layout as l;

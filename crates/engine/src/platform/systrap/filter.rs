@@ -5,12 +5,18 @@
 //! cannot express; seccompiler still installs the program ([`seccompiler::apply_filter`]).
 //!
 //! The program, in order:
-//! 1. another architecture (i386 `int 0x80`): kill the process (the personality serves x86-64 only).
+//! 1. another architecture (i386 `int 0x80`): `SECCOMP_RET_TRAP`, wherever it comes from (the
+//!    syscall does not run); the VMM gives the guest the SIGSEGV that kvm's general protection
+//!    fault gives it (`Stub::run`: the personality serves x86-64 only).
 //! 2. the return address outside `[CODE, blob::allowed_end()]`: `SECCOMP_RET_TRAP` (SIGSYS to the
 //!    blob's handler; the syscall does not run). This is every guest syscall.
 //! 3. from the blob: the syscalls in [`STUB_SYSCALLS`], `clone` only as a plain fork, `arch_prctl`
-//!    only to get or set the FS base; anything else kills the process. Guest code can jump into the
-//!    blob, so this list, not the blob, is the boundary of what reaches the host kernel.
+//!    only to get or set the FS base or to turn CPUID faulting on or off (`ARCH_SET_CPUID`),
+//!    `prctl` only as `PR_SET_TSC` (trap `rdtsc` or not); anything else kills the process. Guest
+//!    code can jump into the blob, so this list, not the blob, is the boundary of what reaches the
+//!    host kernel. The two trap switches are the VMM's per-exec choice (`Stub::set_traps`); a guest
+//!    that jumps into the blob to flip them changes only what its own `rdtsc`/`cpuid` read (the
+//!    host's counter and CPU, which a guest outside replay reads anyway), never the host.
 
 use seccompiler::sock_filter;
 
@@ -47,6 +53,9 @@ const OFF_IP_HI: u32 = 12;
 const OFF_ARG0_LO: u32 = 16;
 const OFF_ARG0_HI: u32 = 20;
 
+/// `arch_prctl(ARCH_SET_CPUID, on)`: 0 turns CPUID faulting on for the calling thread, 1 off.
+pub const ARCH_SET_CPUID: u32 = 0x1012;
+
 fn stmt(code: u16, k: u32) -> sock_filter {
     sock_filter { code, jt: 0, jf: 0, k }
 }
@@ -66,7 +75,7 @@ pub fn program() -> Vec<sock_filter> {
     let mut p = vec![
         stmt(LD_W_ABS, OFF_ARCH),
         jump(JEQ_K, AUDIT_ARCH_X86_64, 1, 0),
-        stmt(RET_K, libc::SECCOMP_RET_KILL_PROCESS),
+        stmt(RET_K, libc::SECCOMP_RET_TRAP),
         stmt(LD_W_ABS, OFF_IP_HI),
         jump(JEQ_K, hi, 1, 0),
         stmt(RET_K, libc::SECCOMP_RET_TRAP),
@@ -79,16 +88,17 @@ pub fn program() -> Vec<sock_filter> {
         stmt(LD_W_ABS, OFF_NR),
     ];
     // Plain allowed syscalls: jeq nr -> ALLOW (placed right after the list and the special cases).
-    let specials = 2; // clone, arch_prctl: each a jeq to its block
+    let specials = 3; // clone, arch_prctl, prctl: each a jeq to its block
     let n = STUB_SYSCALLS.len();
     for (i, (nr, _)) in STUB_SYSCALLS.iter().enumerate() {
         // Instructions after this one before ALLOW: the rest of the list, the special jeqs, KILL.
         let to_allow = (n - i - 1) + specials + 1;
         p.push(jump(JEQ_K, *nr as u32, to_allow as u8, 0));
     }
-    // clone -> CLONE block (after ALLOW), arch_prctl -> ARCH block.
-    p.push(jump(JEQ_K, libc::SYS_clone as u32, 3, 0)); // skip: arch_prctl jeq, KILL, ALLOW
-    p.push(jump(JEQ_K, libc::SYS_arch_prctl as u32, 8, 0)); // skip: KILL, ALLOW, the 6 of the clone block
+    // clone -> CLONE block (after ALLOW), arch_prctl -> ARCH block, prctl -> PRCTL block.
+    p.push(jump(JEQ_K, libc::SYS_clone as u32, 4, 0)); // skip: arch_prctl jeq, prctl jeq, KILL, ALLOW
+    p.push(jump(JEQ_K, libc::SYS_arch_prctl as u32, 9, 0)); // skip: prctl jeq, KILL, ALLOW, the clone block (5), the ARCH block's ALLOW
+    p.push(jump(JEQ_K, libc::SYS_prctl as u32, 16, 0)); // skip: KILL, ALLOW, the clone block (5), the ARCH block (9)
     p.push(stmt(RET_K, libc::SECCOMP_RET_KILL_PROCESS));
     p.push(stmt(RET_K, libc::SECCOMP_RET_ALLOW));
     // CLONE block: arg0 == SIGCHLD (a plain fork), high word 0.
@@ -97,12 +107,23 @@ pub fn program() -> Vec<sock_filter> {
     p.push(stmt(LD_W_ABS, OFF_ARG0_HI));
     p.push(jump(JEQ_K, 0, 1, 0));
     p.push(stmt(RET_K, libc::SECCOMP_RET_KILL_PROCESS));
-    // ARCH block: ARCH_SET_FS (0x1002) or ARCH_GET_FS (0x1003). (The block above falls through
-    // here when the fork is allowed: so ALLOW comes first in this block.)
+    // ARCH block: ARCH_SET_FS (0x1002), ARCH_GET_FS (0x1003) or ARCH_SET_CPUID (0x1012), high
+    // word 0. (The block above falls through here when the fork is allowed: so ALLOW comes first
+    // in this block.)
     p.push(stmt(RET_K, libc::SECCOMP_RET_ALLOW));
+    p.push(stmt(LD_W_ABS, OFF_ARG0_HI));
+    p.push(jump(JEQ_K, 0, 0, 4)); // -> KILL
     p.push(stmt(LD_W_ABS, OFF_ARG0_LO));
-    p.push(jump(JEQ_K, 0x1002, 2, 0));
-    p.push(jump(JEQ_K, 0x1003, 1, 0));
+    p.push(jump(JEQ_K, 0x1002, 3, 0)); // -> ALLOW
+    p.push(jump(JEQ_K, 0x1003, 2, 0));
+    p.push(jump(JEQ_K, ARCH_SET_CPUID, 1, 0));
+    p.push(stmt(RET_K, libc::SECCOMP_RET_KILL_PROCESS));
+    p.push(stmt(RET_K, libc::SECCOMP_RET_ALLOW));
+    // PRCTL block: PR_SET_TSC only, high word 0.
+    p.push(stmt(LD_W_ABS, OFF_ARG0_HI));
+    p.push(jump(JEQ_K, 0, 0, 2)); // -> KILL
+    p.push(stmt(LD_W_ABS, OFF_ARG0_LO));
+    p.push(jump(JEQ_K, libc::PR_SET_TSC as u32, 1, 0));
     p.push(stmt(RET_K, libc::SECCOMP_RET_KILL_PROCESS));
     p.push(stmt(RET_K, libc::SECCOMP_RET_ALLOW));
     p
@@ -115,10 +136,14 @@ mod tests {
     /// A tiny interpreter of the subset of classic BPF the program uses, to check the decisions
     /// without installing the filter.
     fn run(p: &[sock_filter], nr: u32, ip: u64, arg0: u64) -> u32 {
+        run_as(p, AUDIT_ARCH_X86_64, nr, ip, arg0)
+    }
+
+    fn run_as(p: &[sock_filter], arch: u32, nr: u32, ip: u64, arg0: u64) -> u32 {
         let data = |off: u32| -> u32 {
             match off {
                 OFF_NR => nr,
-                OFF_ARCH => AUDIT_ARCH_X86_64,
+                OFF_ARCH => arch,
                 OFF_IP_LO => ip as u32,
                 OFF_IP_HI => (ip >> 32) as u32,
                 OFF_ARG0_LO => arg0 as u32,
@@ -169,7 +194,20 @@ mod tests {
         assert_eq!(run(&p, libc::SYS_clone as u32, inside, (1 << 32) | 17), kill);
         assert_eq!(run(&p, libc::SYS_arch_prctl as u32, inside, 0x1002), allow);
         assert_eq!(run(&p, libc::SYS_arch_prctl as u32, inside, 0x1003), allow);
-        assert_eq!(run(&p, libc::SYS_arch_prctl as u32, inside, 0x1012), kill);
+        assert_eq!(run(&p, libc::SYS_arch_prctl as u32, inside, 0x1012), allow, "ARCH_SET_CPUID: the per-exec trap switch");
+        assert_eq!(run(&p, libc::SYS_arch_prctl as u32, inside, 0x1011), kill, "ARCH_GET_CPUID is not needed");
+        assert_eq!(run(&p, libc::SYS_arch_prctl as u32, inside, 0x1001), kill, "ARCH_SET_GS");
+        assert_eq!(run(&p, libc::SYS_arch_prctl as u32, inside, (1 << 32) | 0x1002), kill);
+        assert_eq!(run(&p, libc::SYS_prctl as u32, inside, libc::PR_SET_TSC as u64), allow);
+        assert_eq!(run(&p, libc::SYS_prctl as u32, inside, (1 << 32) | libc::PR_SET_TSC as u64), kill);
+        for op in [libc::PR_SET_NO_NEW_PRIVS, libc::PR_SET_SECCOMP, libc::PR_SET_DUMPABLE, libc::PR_SET_MM, libc::PR_CAP_AMBIENT] {
+            assert_eq!(run(&p, libc::SYS_prctl as u32, inside, op as u64), kill, "prctl {op}");
+        }
+        assert_eq!(run(&p, libc::SYS_prctl as u32, 0x40_1000, libc::PR_SET_TSC as u64), trap, "from guest code it traps");
         assert_eq!(run(&p, libc::SYS_openat as u32, (2u64 << 32) | ((layout::CODE & 0xffff_ffff) + 0x10), 0), trap);
+        // i386 (`int 0x80`), from the guest or from inside the blob: trapped, never run.
+        const AUDIT_ARCH_I386: u32 = 0x4000_0003;
+        assert_eq!(run_as(&p, AUDIT_ARCH_I386, 20, 0x40_1000, 0), trap);
+        assert_eq!(run_as(&p, AUDIT_ARCH_I386, libc::SYS_futex as u32, inside, 0), trap);
     }
 }

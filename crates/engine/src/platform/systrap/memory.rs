@@ -71,3 +71,62 @@ pub fn read_vm(pid: i32, va: u64, buf: &mut [u8]) -> bool {
     let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
     n == buf.len() as isize
 }
+
+/// Open `/proc/<pid>/pagemap` (what [`page_flags`] reads).
+pub fn open_pagemap(pid: i32) -> io::Result<File> {
+    let dir = proc_dir()?;
+    let path = CString::new(format!("{pid}/pagemap")).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `dir` is an open directory fd, `path` is NUL-terminated; the fd is owned below.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: just opened, owned by nobody else.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// A page has memory in the process: present, or swapped out (`/proc/<pid>/pagemap` bits 63, 62).
+pub const PAGE_OWN: u64 = (1 << 63) | (1 << 62);
+/// A present page is the page cache's (a file's page not copied on write) or shared (bit 61).
+pub const PAGE_FILE: u64 = 1 << 61;
+
+/// The pagemap entries of the `pages` pages from `va` (page aligned): [`PAGE_OWN`] says whether
+/// a page has memory of its own in the process (an anonymous page written or read in; a private
+/// file page copied on write or read from the file), [`PAGE_FILE`] whether a present one is still
+/// the file's. A page never touched reads as zero in an anonymous mapping and has nothing to keep.
+pub fn page_flags(pagemap: &File, va: u64, pages: usize) -> io::Result<Vec<u64>> {
+    let mut raw = vec![0u8; pages * 8];
+    pagemap.read_exact_at(&mut raw, va / 4096 * 8)?;
+    Ok(raw.chunks_exact(8).map(|e| u64::from_le_bytes(e.try_into().unwrap_or_default())).collect())
+}
+
+/// The ranges of `pid`'s address space that the host maps from a file (`/proc/<pid>/maps` lines
+/// with an inode), with that inode: there a page the process has not touched is the file's, not
+/// zero.
+pub fn file_mappings(pid: i32) -> io::Result<Vec<(u64, u64, u64)>> {
+    let dir = proc_dir()?;
+    let path = CString::new(format!("{pid}/maps")).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `dir` is an open directory fd, `path` is NUL-terminated; the fd is owned below.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: just opened, owned by nobody else.
+    let text = io::read_to_string(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))?;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        // start-end perms offset dev inode [path]
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (Some(range), Some(inode)) = (f.first(), f.get(4)) else { continue };
+        let Ok(ino) = inode.parse::<u64>() else { continue };
+        if ino == 0 {
+            continue;
+        }
+        if let Some((a, b)) = range.split_once('-') {
+            if let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) {
+                out.push((a, b, ino));
+            }
+        }
+    }
+    Ok(out)
+}

@@ -46,13 +46,14 @@ pub mod filter;
 pub mod layout;
 pub mod memory;
 pub mod preempt;
+pub mod reaper;
 pub mod shared;
 pub mod template;
 pub mod written;
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
 
 use shared::SharedPage;
@@ -120,8 +121,8 @@ pub enum Exit {
     /// The guest executed `rdtsc` (`rdtscp` if `rdtscp`). `rip` is the instruction (2 bytes, 3 for
     /// `rdtscp`): set `rax`/`rdx` (and `rcx` for `rdtscp`), advance `rip` and `run` again.
     Rdtsc { rdtscp: bool },
-    /// The guest executed `cpuid` (only where the CPU has CPUID faulting, see
-    /// [`ConfinementReport::cpuid_faulting`]). `rip` is the 2-byte instruction: set
+    /// The guest executed `cpuid` (only while the stub traps it, [`Stub::set_traps`], which needs
+    /// a CPU with CPUID faulting, [`ConfinementReport::cpuid_faulting`]). `rip` is the 2-byte instruction: set
     /// `rax, rbx, rcx, rdx`, advance `rip` by 2 and `run` again.
     Cpuid,
     /// Any other synchronous signal the guest raised: SIGILL, SIGFPE, SIGTRAP, SIGBUS, or a SIGSEGV
@@ -152,21 +153,65 @@ pub struct Stub {
     /// A guest context exists (the first `run` happened, or this stub was forked from one that had).
     has_guest: bool,
     report: ConfinementReport,
+    /// Whether `rdtsc` and `cpuid` trap in this stub now ([`Stub::set_traps`]).
+    traps: Traps,
     handoff: Handoff,
+    /// Whether each side's spins pay (an adaptive `handoff`).
+    spin: shared::SpinState,
     exited: Option<Option<i32>>,
 }
 
+/// Which of the guest's non-syscall instructions trap to the VMM ([`Exit::Rdtsc`], [`Exit::Cpuid`]).
+///
+/// A stub process's own setting (`PR_SET_TSC`, `ARCH_SET_CPUID`), switched by the stub's blob on
+/// the VMM's command, so a VMM can trap per exec rather than for the stub's whole life: on a
+/// nested host every context switch into or out of a trapping process rewrites CR4 (rdtsc) or an
+/// MSR (CPUID faulting), an exit to the hypervisor, which made a bare trapped round trip 29 us
+/// instead of 6 (docs/systrap.md). Forks inherit it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Traps {
+    /// `rdtsc` and `rdtscp` trap (`PR_TSC_SIGSEGV`).
+    pub rdtsc: bool,
+    /// `cpuid` traps (CPUID faulting; only where [`ConfinementReport::cpuid_faulting`]).
+    pub cpuid: bool,
+}
+
 impl Default for Handoff {
-    /// No spin: yield twice, then sleep. Measured on a 2-core nested VM (kvm_pvm host), load ~6,
-    /// in benches/systrap.rs: any spin makes the bare round trip bimodal, ~3 us when the VMM and
-    /// the stub run on different CPUs but 100-135 us (p99 ms) when the scheduler keeps them on one
-    /// (each spins while the other cannot run), while yield-then-sleep is 5.5-7.5 us (p99 6-10 us,
-    /// 1.0-1.2x a two-process futex round trip) either way. In benches/platforms.rs
-    /// (`/bin/sh -c true`, stub from a `Template`) it was the fastest row in both runs (4.0-4.4 ms
-    /// against 5.6-8.6 ms with a 50 us spin). The old default, 200000 `pause`s (~5.7 ms) a side,
-    /// took hundreds of ms at the p99 under load.
+    /// [`Handoff::adaptive`]: a short spin on each side, used only while it is answered within it.
+    /// Measured on a 2-core nested VM (kvm_pvm host), load 8-12, benches/systrap.rs
+    /// (`per_exec_traps`, alternated rounds, 2026-12-07): with the two sides on different CPUs
+    /// the bare round trip is 2.8-3.2 us (0.62-0.70x a two-process futex round trip in the same
+    /// round), with `rdtsc` trapped too (no context switch, so no CR4 rewrite); where the spin is
+    /// not answered (both on one CPU, or the other CPU busy) it backs off to yield-then-sleep and
+    /// costs the same 5.4-5.7 us. A fixed spin was bimodal instead (~3 us, or 100-135 us and
+    /// p99 in ms when the scheduler kept both on one CPU), and the old 200000 `pause`s a side took
+    /// hundreds of ms at the p99 under load.
+    ///
+    /// `COLLIMATE_SYSTRAP_HANDOFF=yield` makes [`Handoff::yield_then_sleep`] the default instead
+    /// (read once per process; to compare in benches).
     fn default() -> Handoff {
-        Handoff { vmm_spin: std::time::Duration::ZERO, stub_spin: 0, yields: 2 }
+        static YIELD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let plain = *YIELD.get_or_init(|| std::env::var_os("COLLIMATE_SYSTRAP_HANDOFF").is_some_and(|v| v == "yield"));
+        if plain {
+            Handoff::yield_then_sleep()
+        } else {
+            Handoff::adaptive()
+        }
+    }
+}
+
+impl Handoff {
+    /// No spin: each side yields twice, then sleeps in a futex (the default before the adaptive
+    /// spin: 5.4-7.5 us either way on the host above).
+    pub fn yield_then_sleep() -> Handoff {
+        Handoff { vmm_spin: std::time::Duration::ZERO, stub_spin: 0, yields: 2, adaptive: false }
+    }
+
+    /// A short spin on each side (10 us on the VMM's, 350 `pause`s, about 10 us, on the stub's)
+    /// used only while it is answered within it, then the two yields and the sleep
+    /// ([`Handoff::adaptive`]'s field says how it backs off).
+    pub fn adaptive() -> Handoff {
+        Handoff { vmm_spin: std::time::Duration::from_micros(10), stub_spin: 350, yields: 2, adaptive: true }
     }
 }
 
@@ -204,7 +249,7 @@ fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
 }
 
 /// Send `fds` over `sock` with SCM_RIGHTS (one data byte).
-fn send_fds(sock: &OwnedFd, fds: &[RawFd]) -> io::Result<()> {
+fn send_fds(sock: BorrowedFd<'_>, fds: &[RawFd]) -> io::Result<()> {
     let mut byte = 0u8;
     let mut iov = libc::iovec { iov_base: (&raw mut byte).cast(), iov_len: 1 };
     let data_len = std::mem::size_of_val(fds);
@@ -336,7 +381,9 @@ impl Stub {
             parked: false,
             has_guest: false,
             report: ConfinementReport::default(),
+            traps: Traps { rdtsc: conf.trap_rdtsc, cpuid: false },
             handoff: Handoff::default(),
+            spin: shared::SpinState::default(),
             exited: None,
         };
         // The child has waited for this byte before changing its credentials, so the mem file above
@@ -351,8 +398,9 @@ impl Stub {
         let deadline = std::time::Instant::now() + BOOT_TIMEOUT;
         let page = &stub.page as *const SharedPage;
         let policy = stub.handoff.clone();
+        let mut spin = shared::SpinState::default();
         // SAFETY: `page` is a field of `stub` that `alive` does not touch (as in `Stub::wait`).
-        let booted = unsafe { (*page).wait_for_stub(&policy, || stub.alive() && std::time::Instant::now() < deadline) };
+        let booted = unsafe { (*page).wait_for_stub(&policy, &mut spin, || stub.alive() && std::time::Instant::now() < deadline) };
         if !booted && stub.exited.is_none() {
             return Err(Error::Spawn {
                 step: "the stub's boot",
@@ -372,6 +420,7 @@ impl Stub {
             return Err(Error::Spawn { step: "the stub's boot", source: io::Error::other(format!("unexpected first report {exit}")) });
         }
         stub.report = ConfinementReport::from_bits(bits);
+        stub.traps.cpuid = bits & confine::REPORT_CPUID_TRAPPED != 0;
         stub.parked = true;
         Ok(stub)
     }
@@ -381,9 +430,37 @@ impl Stub {
         self.pid
     }
 
+    /// A pidfd of the stub process (for [`reaper::register`]; never a recycled pid).
+    pub fn pidfd(&self) -> BorrowedFd<'_> {
+        self.pidfd.as_fd()
+    }
+
     /// What confinement the host granted this stub (namespaces, CPUID faulting).
     pub fn report(&self) -> &ConfinementReport {
         &self.report
+    }
+
+    /// Whether `rdtsc` and `cpuid` trap in this stub now.
+    pub fn traps(&self) -> Traps {
+        self.traps
+    }
+
+    /// Make `rdtsc` and `cpuid` trap or run natively from the guest's next instruction on (each
+    /// change is one command to the parked stub; nothing when the state is already `want`).
+    /// `cpuid` can trap only where [`ConfinementReport::cpuid_faulting`]; returns the state now in
+    /// force. Guest processes forked from this stub later inherit it.
+    pub fn set_traps(&mut self, want: Traps) -> Result<Traps> {
+        if want.rdtsc != self.traps.rdtsc {
+            let mode = if want.rdtsc { libc::PR_TSC_SIGSEGV } else { libc::PR_TSC_ENABLE };
+            self.syscall("prctl(PR_SET_TSC)", libc::SYS_prctl, [libc::PR_SET_TSC as u64, mode as u64, 0, 0, 0, 0])?;
+            self.traps.rdtsc = want.rdtsc;
+        }
+        let cpuid = want.cpuid && self.report.cpuid_faulting;
+        if cpuid != self.traps.cpuid {
+            self.syscall("arch_prctl(ARCH_SET_CPUID)", libc::SYS_arch_prctl, [filter::ARCH_SET_CPUID as u64, (!cpuid) as u64, 0, 0, 0, 0])?;
+            self.traps.cpuid = cpuid;
+        }
+        Ok(self.traps)
     }
 
     /// Tuning: how the VMM and the stub wait for each other's answer ([`Handoff`]). See
@@ -396,6 +473,7 @@ impl Stub {
             std::ptr::write_volatile(&raw mut (*self.page.page()).stub_yields, h.yields);
         }
         self.handoff = h;
+        self.spin = shared::SpinState::default();
     }
 
     /// The current [`Handoff`].
@@ -431,7 +509,9 @@ impl Stub {
         let page = &self.page as *const SharedPage;
         // SAFETY: `page` is a field of `self` that `alive` does not touch; the raw pointer only
         // splits the borrow.
-        unsafe { (*page).wait_for_stub(&policy, || self.alive()) }
+        let spin = &mut self.spin as *mut shared::SpinState;
+        // SAFETY: as for `page`: `alive` does not touch `spin` either.
+        unsafe { (*page).wait_for_stub(&policy, &mut *spin, || self.alive()) }
     }
 
     /// Hand a command to the parked stub and wait for its `EXIT_DONE`; the command's result.
@@ -446,7 +526,7 @@ impl Stub {
             (*p).args = args;
         }
         self.parked = false;
-        self.page.hand_to_stub();
+        self.page.hand_to_stub(&self.handoff, &mut self.spin);
         if !self.wait() {
             return Err(Error::Gone { pid: self.pid });
         }
@@ -502,7 +582,7 @@ impl Stub {
         }
         self.parked = false;
         self.has_guest = true;
-        self.page.hand_to_stub();
+        self.page.hand_to_stub(&self.handoff, &mut self.spin);
         if !self.wait() {
             return Ok(Exit::Exited { status: self.exited.flatten() });
         }
@@ -551,11 +631,20 @@ impl Stub {
         let (err, trapno) = (gregs[shared::reg::ERR], gregs[shared::reg::TRAPNO]);
         const SYS_SECCOMP: i32 = 1;
         const SI_KERNEL: i32 = 0x80;
+        const AUDIT_ARCH_X86_64: u64 = 0xc000_003e;
         const PF: u64 = 14;
         match signo {
-            libc::SIGSYS if code == SYS_SECCOMP => {
-                regs.rax = sysnr;
+            // An x86-64 syscall; another architecture's (i386 `int 0x80`) is what kvm makes of
+            // it, a general protection fault at the instruction (2 bytes back), with the
+            // registers as they were.
+            libc::SIGSYS if code == SYS_SECCOMP && sysnr >> 32 == AUDIT_ARCH_X86_64 => {
+                regs.rax = sysnr & 0xffff_ffff;
                 Exit::Syscall
+            }
+            libc::SIGSYS if code == SYS_SECCOMP => {
+                regs.rax = sysnr & 0xffff_ffff;
+                regs.rip = regs.rip.wrapping_sub(2);
+                Exit::Signal { signo: libc::SIGSEGV, code: SI_KERNEL, addr: 0 }
             }
             preempt::KICK_SIGNAL if code == preempt::SI_USER => Exit::Interrupted,
             libc::SIGSEGV if trapno == PF && code != SI_KERNEL => Exit::Fault { addr, write: err & 2 != 0, exec: err & 16 != 0 },
@@ -565,7 +654,7 @@ impl Stub {
                 let mut third = [0u8; 1];
                 match insn {
                     [0x0f, 0x31] => Exit::Rdtsc { rdtscp: false },
-                    [0x0f, 0xa2] if self.report.cpuid_faulting => Exit::Cpuid,
+                    [0x0f, 0xa2] if self.traps.cpuid => Exit::Cpuid,
                     [0x0f, 0x01] if self.read(regs.rip + 2, &mut third).is_ok() && third[0] == 0xf9 => Exit::Rdtsc { rdtscp: true },
                     _ => Exit::Signal { signo, code, addr },
                 }
@@ -612,7 +701,7 @@ impl Stub {
             let r = self.syscall("mmap", libc::SYS_mmap, [va, len, prot as u64, flags | libc::MAP_ANONYMOUS as u64, u64::MAX, offset])?;
             return if r == va { Ok(()) } else { Err(Error::Op { op: "mmap", source: io::Error::other("mapped elsewhere") }) };
         };
-        send_fds(&self.sock, &[fd.as_raw_fd()]).map_err(host("sendmsg"))?;
+        send_fds(self.sock.as_fd(), &[fd.as_raw_fd()]).map_err(host("sendmsg"))?;
         let remote = self.receive_fds(1)?[0];
         let r = self.syscall("mmap", libc::SYS_mmap, [va, len, prot as u64, flags, remote as u64, offset]);
         let c = self.syscall("close", libc::SYS_close, [remote as u64, 0, 0, 0, 0, 0]);
@@ -694,7 +783,7 @@ impl Stub {
     /// Its process is a child of this stub's process, not of the caller: it is not killed when the
     /// caller's thread exits but when its handle is dropped, or at its next trap after every copy of
     /// its socket is closed (a forked guest computing without syscalls outlives a killed VMM until
-    /// then).
+    /// then, unless the VMM registered it with its tree's [`reaper`], which kills it at once).
     pub fn fork(&mut self) -> Result<Stub> {
         let mut child = self.fork_unparked()?;
         child.await_parked()?;
@@ -716,7 +805,7 @@ impl Stub {
             (*page.page()).state.store(shared::STUB_TURN, Ordering::SeqCst);
         }
         let (sock, stub_sock) = socketpair().map_err(host("socketpair"))?;
-        send_fds(&self.sock, &[page.memfd().as_raw_fd(), stub_sock.as_raw_fd()]).map_err(host("sendmsg"))?;
+        send_fds(self.sock.as_fd(), &[page.memfd().as_raw_fd(), stub_sock.as_raw_fd()]).map_err(host("sendmsg"))?;
         drop(stub_sock);
         let [rmem, rsock] = self.receive_fds(2)?;
         let pid = self.command(shared::CMD_FORK, [rmem as u64, rsock as u64, 0, 0, 0, 0, 0])?;
@@ -743,7 +832,9 @@ impl Stub {
             parked: false,
             has_guest: self.has_guest,
             report: self.report.clone(),
+            traps: self.traps,
             handoff: self.handoff.clone(),
+            spin: shared::SpinState::default(),
             exited: None,
         };
         Ok(child)
@@ -777,7 +868,16 @@ impl Stub {
     }
 
     fn fpstate(&self) -> Result<(u64, usize)> {
-        if !self.parked || !self.has_guest {
+        if !self.has_guest {
+            return Err(Error::NotParked { what: "reach the XSAVE area" });
+        }
+        self.frame_fpstate()
+    }
+
+    /// The XSAVE area of the host signal frame the parked stub sits in: the guest's at an exit, the
+    /// stub's own at its boot trap (where [`Stub::load_xsave`] puts a saved guest's).
+    fn frame_fpstate(&self) -> Result<(u64, usize)> {
+        if !self.parked {
             return Err(Error::NotParked { what: "reach the XSAVE area" });
         }
         // SAFETY: the VMM's turn.
@@ -796,6 +896,17 @@ impl Stub {
     /// Costs one read of guest-stub memory; nothing is copied on the trap path.
     pub fn xsave(&self) -> Result<Vec<u8>> {
         let (at, len) = self.fpstate()?;
+        self.read_xsave(at, len)
+    }
+
+    /// The XSAVE area the next `run` restores: [`Stub::xsave`] after a guest exit, or what
+    /// [`Stub::load_xsave`] put in a stub that has not run its guest yet.
+    pub fn pending_xsave(&self) -> Result<Vec<u8>> {
+        let (at, len) = self.frame_fpstate()?;
+        self.read_xsave(at, len)
+    }
+
+    fn read_xsave(&self, at: u64, len: usize) -> Result<Vec<u8>> {
         let mut v = vec![0; len];
         memory::read(&self.mem, at, &mut v).then_some(v).ok_or(Error::Fault { addr: at, len })
     }
@@ -804,6 +915,19 @@ impl Stub {
     /// [`Stub::xsave`] returns.
     pub fn set_xsave(&mut self, area: &[u8]) -> Result<()> {
         let (at, len) = self.fpstate()?;
+        self.put_xsave(at, len, area)
+    }
+
+    /// As [`Stub::set_xsave`], also in a stub that has run no guest yet (parked at its boot trap):
+    /// the first `run` then starts the guest with this FPU state (a restored snapshot's). `area`
+    /// must be as long as this host's XSAVE frame (a snapshot taken on a host with another XSAVE
+    /// size is refused here).
+    pub fn load_xsave(&mut self, area: &[u8]) -> Result<()> {
+        let (at, len) = self.frame_fpstate()?;
+        self.put_xsave(at, len, area)
+    }
+
+    fn put_xsave(&mut self, at: u64, len: usize, area: &[u8]) -> Result<()> {
         if area.len() != len {
             return Err(Error::Op { op: "set_xsave", source: io::Error::other(format!("the area is {} bytes, the frame holds {len}", area.len())) });
         }

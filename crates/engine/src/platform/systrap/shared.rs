@@ -88,6 +88,9 @@ pub struct Page {
     /// How many times the stub calls `sched_yield` (checking `state` after each) between its spin
     /// and its sleep.
     pub stub_yields: u32,
+    /// Set by the stub when its spin ran out before the VMM answered (it then yields and sleeps);
+    /// read and cleared by the VMM at its next hand-off (an adaptive [`Handoff`]).
+    pub stub_missed: AtomicU32,
 }
 
 const _: () = assert!(std::mem::size_of::<Page>() <= SCRATCH);
@@ -173,33 +176,54 @@ impl SharedPage {
         unsafe { &(*self.ptr.as_ptr()).state }
     }
 
-    /// Hand the turn to the stub (after the command fields are written).
-    pub fn hand_to_stub(&self) {
+    /// Hand the turn to the stub (after the command fields are written). With an adaptive
+    /// `policy`, first set how long the stub will spin when it hands the turn back, from whether
+    /// its spin answered last time (`spin`).
+    pub fn hand_to_stub(&self, policy: &Handoff, spin: &mut SpinState) {
         // SAFETY: as in `state`.
         let p = unsafe { &*self.ptr.as_ptr() };
+        if policy.adaptive {
+            // The stub's wait that this hand-off ends used the spin set at the last one: it paid
+            // unless the stub said its spin ran out.
+            let missed = p.stub_missed.swap(0, Ordering::SeqCst) != 0;
+            if spin.stub_spun {
+                spin.stub.record(!missed);
+            }
+            let n = if spin.stub.try_spin() { policy.stub_spin } else { 0 };
+            spin.stub_spun = n > 0;
+            // SAFETY: the stub reads this word only when it starts to wait, after the swap below.
+            unsafe { std::ptr::write_volatile(&raw mut (*self.ptr.as_ptr()).stub_spin, n) };
+        }
         p.state.swap(STUB_TURN, Ordering::SeqCst);
         if p.stub_sleeping.load(Ordering::SeqCst) != 0 {
             futex_wake(&p.state);
         }
     }
 
-    /// Wait until it is the VMM's turn: poll for `policy.vmm_spin` (time, read from the clock),
-    /// then `sched_yield` up to `policy.yields` times, then sleep. `alive` is asked after each
-    /// sleep of at most 50 ms; when it says the stub is gone this returns false.
-    pub fn wait_for_stub(&self, policy: &Handoff, mut alive: impl FnMut() -> bool) -> bool {
+    /// Wait until it is the VMM's turn: poll for `policy.vmm_spin` (time, read from the clock;
+    /// with an adaptive policy only while such spins pay, `spin`), then `sched_yield` up to
+    /// `policy.yields` times, then sleep. `alive` is asked after each sleep of at most 50 ms; when
+    /// it says the stub is gone this returns false.
+    pub fn wait_for_stub(&self, policy: &Handoff, spin: &mut SpinState, mut alive: impl FnMut() -> bool) -> bool {
         let state = self.state();
-        if !policy.vmm_spin.is_zero() {
+        if !policy.vmm_spin.is_zero() && (!policy.adaptive || spin.vmm.try_spin()) {
             let start = std::time::Instant::now();
-            loop {
+            let answered = 'spin: loop {
                 for _ in 0..32 {
                     if state.load(Ordering::Acquire) == VMM_TURN {
-                        return true;
+                        break 'spin true;
                     }
                     std::hint::spin_loop();
                 }
                 if start.elapsed() >= policy.vmm_spin {
-                    break;
+                    break false;
                 }
+            };
+            if policy.adaptive {
+                spin.vmm.record(answered);
+            }
+            if answered {
+                return true;
             }
         }
         for _ in 0..policy.yields {
@@ -241,6 +265,55 @@ pub struct Handoff {
     /// How many times each side calls `sched_yield` (checking after each) between spin and sleep:
     /// on a busy core this lets the other side run without the price of a sleep and a wake.
     pub yields: u32,
+    /// Spin only while spinning pays: each side spins its budget again only if its last spin was
+    /// answered within it (the two sides run on different CPUs); after a spin that was not, it
+    /// skips the spin for the next 1, 2, 4 ... [`MAX_SKIP`] waits (yield, then sleep) and then
+    /// tries once more. So on a busy host, or with both sides on one CPU, the spins stop after a
+    /// miss, and cost one budget per [`MAX_SKIP`] waits at most.
+    pub adaptive: bool,
+}
+
+/// The longest run of waits an adaptive side skips its spin for after spins that were not answered.
+pub const MAX_SKIP: u32 = 256;
+
+/// One side's record for an adaptive [`Handoff`]: how many waits to skip the spin for, and the
+/// current back-off.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Backoff {
+    skip: u32,
+    backoff: u32,
+}
+
+impl Backoff {
+    /// Whether this wait spins (else one skipped wait is counted).
+    fn try_spin(&mut self) -> bool {
+        if self.skip == 0 {
+            return true;
+        }
+        self.skip -= 1;
+        false
+    }
+
+    /// The spin was answered within its budget or not.
+    fn record(&mut self, answered: bool) {
+        if answered {
+            self.backoff = 0;
+        } else {
+            self.backoff = (self.backoff * 2).clamp(1, MAX_SKIP);
+            self.skip = self.backoff;
+        }
+    }
+}
+
+/// The VMM's record of both sides' spins for an adaptive [`Handoff`] (the stub's is decided by
+/// the VMM, which sets `Page::stub_spin` before each hand-off: the stub cannot read a clock while
+/// `rdtsc` traps, and keeps no state).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SpinState {
+    vmm: Backoff,
+    stub: Backoff,
+    /// The stub was told to spin for the wait the next hand-off ends.
+    stub_spun: bool,
 }
 
 impl Drop for SharedPage {
@@ -263,4 +336,32 @@ pub fn futex_wait(word: &AtomicU32, expected: u32, timeout_ns: u64) {
 pub fn futex_wake(word: &AtomicU32) {
     // SAFETY: `word` is a valid aligned u32; FUTEX_WAKE does not touch memory.
     unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, 1) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Spins that are not answered back off 1, 2, 4 ... MAX_SKIP waits; one answered spin ends
+    /// the back-off.
+    #[test]
+    fn an_adaptive_side_backs_off_after_unanswered_spins_and_resumes_after_an_answered_one() {
+        let mut b = Backoff::default();
+        assert!(b.try_spin() && b.try_spin(), "spins while nothing says it does not pay");
+        let mut skipped = Vec::new();
+        for _ in 0..12 {
+            assert!(b.try_spin());
+            b.record(false);
+            let mut n = 0;
+            while !b.try_spin() {
+                n += 1;
+            }
+            skipped.push(n);
+        }
+        assert_eq!(skipped, [1, 2, 4, 8, 16, 32, 64, 128, 256, 256, 256, 256]);
+        b.record(true);
+        assert!(b.try_spin() && b.try_spin(), "an answered spin: spin every time again");
+        b.record(false);
+        assert!(!b.try_spin() && b.try_spin(), "and a new miss starts the back-off from 1");
+    }
 }

@@ -24,8 +24,11 @@
 //! for a child, a sleeping `time.sleep`): the agent's children are SIGKILLed and the agent gets
 //! the interrupt signal, as on kvm.
 //!
-//! Not here yet, each refused with [`super::unsupported`]'s error: snapshot, reset, restore,
-//! spare pools, a writable root, the vCPU state and memory statistics.
+//! `Snapshot` writes the sandbox's first process (`super::snapshot`; one process, one thread);
+//! a `Restore` of such a snapshot as the first request ([`serve_restore`]) serves it again.
+//!
+//! Not here yet, each refused with [`super::unsupported`]'s error: reset, spare pools, the vCPU
+//! state and memory statistics.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -37,15 +40,16 @@ use crate::channel::{Channel, RecvError};
 use crate::error::{Error, Result};
 use crate::guestos::persist::ScratchRoot;
 use crate::guestos::{self, signal};
-use crate::platform::systrap::{Confinement, Stub};
+use crate::platform::systrap::{reaper, Confinement, Stub};
 use crate::protocol::{Request, Response, RunExit, RunResult};
 use crate::vmm::{exit_discarding, exit_process, jail, lifeline, reply, reply_with_fds};
 
 /// Serve a launched VMM process whose first request is `Spawn` on systrap. Never returns.
 pub(in crate::vmm) fn serve_first(mut first: Request, fds: Vec<OwnedFd>, mut chan: Channel) -> ! {
-    // The guest may be switched to replay later (a seeded exec), and a stub's rdtsc/cpuid traps
-    // are fixed at its spawn: trap them from the start.
-    let mut conf = Confinement::for_replay(true);
+    // Nothing trapped but syscalls and faults: a replay exec turns the `rdtsc` trap on for its
+    // length (`Process::sync_traps` at each reseed), since every context switch into or out of a
+    // trapping stub costs an exit to the hypervisor on a nested host.
+    let mut conf = Confinement::for_replay(false);
     // The guest's memory is what the Spawn asks for, as on kvm, where it is the VM's memory: here
     // the stub's address space (RLIMIT_AS, inherited by its forks), so that a guest that
     // allocates without end gets ENOMEM (Python's MemoryError) at that size instead of growing
@@ -68,7 +72,55 @@ pub(in crate::vmm) fn serve_first(mut first: Request, fds: Vec<OwnedFd>, mut cha
     };
     match Process::with_stub(&spec, stub, Some(fds), cpus) {
         Ok(mut p) => {
-            new_tree(&mut p);
+            if let Err(e) = new_tree(&mut p) {
+                reply(&mut chan, Err(e));
+                exit_process(1)
+            }
+            reply(&mut chan, Ok(Response::Ready { pid: host_pid(), linux: true, jail: jail::status() }));
+            serve(&mut p, chan, Vec::new())
+        }
+        Err(e) => {
+            reply(&mut chan, Err(e));
+            exit_process(1)
+        }
+    }
+}
+
+/// Serve a launched VMM process whose first request is `Restore` of a systrap snapshot
+/// (`super::snapshot`): a new stub, spawned in the jail as the first one of a `Spawn` is, takes
+/// the snapshot's memory, registers and guest OS state. Never returns.
+pub(in crate::vmm) fn serve_restore(mut first: Request, mut chan: Channel) -> ! {
+    let Request::Restore { dir } = &first else {
+        reply(&mut chan, Err(Error::Protocol("serve_restore serves a Restore request".into())));
+        exit_process(1)
+    };
+    let budget = match super::snapshot::read_state(dir) {
+        Ok(s) => s.budget,
+        Err(e) => {
+            reply(&mut chan, Err(e));
+            exit_process(1)
+        }
+    };
+    let mut conf = Confinement::for_replay(true);
+    conf.address_space = Some(budget);
+    let made = jail::enter_systrap(&mut first, || Stub::spawn(&conf).map_err(|e| Error::Remote(format!("systrap: {e}"))));
+    let stub = match made {
+        Ok((_, stub)) => stub,
+        Err(e) => {
+            reply(&mut chan, Err(e));
+            exit_process(1)
+        }
+    };
+    let Request::Restore { dir } = first else { exit_process(1) };
+    // Read again inside the jail, from the directory as bound there.
+    let restored = super::snapshot::read_state(&dir)
+        .and_then(|state| Process::restore_into(&dir, state, stub, None, &crate::vmm::own_dir()));
+    match restored {
+        Ok(mut p) => {
+            if let Err(e) = new_tree(&mut p) {
+                reply(&mut chan, Err(e));
+                exit_process(1)
+            }
             reply(&mut chan, Ok(Response::Ready { pid: host_pid(), linux: true, jail: jail::status() }));
             serve(&mut p, chan, Vec::new())
         }
@@ -86,7 +138,8 @@ fn host_pid() -> i32 {
 
 /// This process is the top of a sandbox's process tree from now on (the first one, or a clone):
 /// guest signals to the first process and guest pids go through it, as kvm's `process::serving`.
-fn new_tree(p: &mut Process) {
+/// Its stubs end with their VMMs: the tree's reaper starts here (`platform::systrap::reaper`).
+fn new_tree(p: &mut Process) -> Result<()> {
     let me = host_pid();
     if signal::host::top() != 0 && signal::host::top() != me {
         // A clone: the guest children of the sandbox it was forked from are not its own.
@@ -102,6 +155,7 @@ fn new_tree(p: &mut Process) {
     super::proctree::new_tree(&p.os, &crate::platform::Memory::Host(&mut space));
     // SAFETY: a plain prctl on this process: orphaned guest processes come back to it.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    reaper::start(&p.stub).map_err(|e| Error::Remote(format!("systrap: the sandbox's reaper: {e}")))
 }
 
 fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
@@ -130,7 +184,7 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
                     }
                     guestos::random::reseed(&mut p.os, s.seed, s.replay);
                 }
-                p.os.agent_send(&input).and_then(|_| agent_run(p, timeout))
+                p.sync_traps().and_then(|_| p.os.agent_send(&input)).and_then(|_| agent_run(p, timeout))
             }
             Request::EndExec { signal: interrupt, timeout } => end_exec(p, interrupt).and_then(|_| agent_run(p, timeout)),
             Request::Fork { n } => {
@@ -170,7 +224,7 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
             },
             Request::Reseed { seed, replay } => {
                 guestos::random::reseed(&mut p.os, seed, replay);
-                Ok(Response::Ok)
+                p.sync_traps().map(|_| Response::Ok)
             }
             Request::ReadMem { gva, len } => {
                 let mut buf = vec![0u8; usize::try_from(len).unwrap_or(usize::MAX).min(64 << 20)];
@@ -184,7 +238,7 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
                 p.regs = r;
                 Ok(Response::Ok)
             }
-            Request::Snapshot { .. } => Err(unsupported("snapshot")),
+            Request::Snapshot { dir } => jail::in_snapshot_dest(&dir, fds, |d| p.snapshot(d)).map(|_| Response::Ok),
             Request::Reset | Request::ResetKeepFiles => Err(unsupported("reset")),
             Request::VcpuState => Err(unsupported("a vCPU state (there is no vCPU)")),
             Request::MemStats => Err(unsupported("memory statistics")),
@@ -326,6 +380,7 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
             signal::host::block(false);
             drop(ours);
             lifeline::forget();
+            reaper::forget();
             // SAFETY: the parent's channel and the siblings' tmpfs instances are not this
             // process's; `chan` is never used here again (`clone_main` does not return).
             unsafe { libc::close(chan.raw_fd()) };
@@ -366,7 +421,10 @@ fn clone_main(p: &mut Process, stub: Stub, mut chan: Channel, tmpfs: Option<(Own
     guestos::random::diverge(&mut p.os);
     match crate::guestos::persist::privatize(&mut p.os, &root, ctx) {
         Ok(()) => {
-            new_tree(p);
+            if let Err(e) = new_tree(p) {
+                reply(&mut chan, Err(e));
+                exit_discarding(1)
+            }
             let fds: Vec<RawFd> = tmpfs.iter().flat_map(|(disk, shm)| [disk.as_raw_fd(), shm.as_raw_fd()]).collect();
             if chan.send(&Response::Ready { pid: host_pid(), linux: true, jail: jail::status() }, &fds).is_err() {
                 exit_discarding(0);
