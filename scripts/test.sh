@@ -8,4 +8,5 @@ bash scripts/setup.sh   # idempotent: installs what is missing, rebuilds the ext
 COLLIMATE_ROOTFS=$(python3 guest/rootfs/build.py)
 export COLLIMATE_ROOTFS
 cargo test --release -p collimate-engine
-python3 -m pytest -q tests/
+# The slowest tests are listed at the end (where a CI run spends its time).
+python3 -m pytest -q --durations=25 tests/
