@@ -160,6 +160,19 @@ pub struct Process {
     /// The sandboxes forked from this one get a writable root (`Request::WritableRoot`; forks
     /// carry an overlay context with each tmpfs pair, as on kvm: `crate::overlay`).
     writable_root: bool,
+    /// The vDSO's data page as last read or written (`guestos::vdso::Seen`).
+    vvar: guestos::vdso::Seen,
+    traps: Traps,
+}
+
+/// How often the stub handed the turn to this VMM since the process began, by cause (what a
+/// thread hand-off or a clock read costs, counted rather than timed: `tests/systrap_threads.rs`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Traps {
+    /// Syscalls the guest trapped with (clock reads its vDSO answered are not among them).
+    pub syscalls: u64,
+    /// Kicks that stopped computing code (`Exit::Interrupted`: a slice's end, a timer, a signal).
+    pub interrupts: u64,
 }
 
 /// What the guest's processes write to fds 1 and 2: two memfds in append mode, shared by every
@@ -255,7 +268,7 @@ impl Process {
         // this whole process: one systrap first process per host process).
         signal::host::install();
         let guest_pid = os.proc.pid;
-        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, child_stubs: Vec::new(), writable_root: false })
+        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, child_stubs: Vec::new(), writable_root: false, vvar: Default::default(), traps: Traps::default() })
     }
 
     /// How the VMM and the stub wait for each other (`platform::systrap::Handoff`; tuning and
@@ -267,6 +280,17 @@ impl Process {
     /// The guest OS state (files, memory map, process facts).
     pub fn os(&self) -> &GuestOs {
         &self.os
+    }
+
+    /// Reseed the guest's randomness and, with `replay`, run its clocks on virtual time from now
+    /// on (`guestos::random::reseed`; a served sandbox's seeded exec).
+    pub fn reseed(&mut self, seed: [u8; 32], replay: bool) {
+        guestos::random::reseed(&mut self.os, seed, replay);
+    }
+
+    /// The traps served so far ([`Traps`]).
+    pub fn traps(&self) -> Traps {
+        self.traps
     }
 
     /// Run the guest until it exits, is killed by a signal, or `timeout` passes.
@@ -335,8 +359,22 @@ impl Process {
                 short_armed = timer_budget.is_some_and(|b| b < left);
                 preempt::arm(timer_budget.map_or(left, |b| b.min(left)))?;
             }
+            // The vDSO's clock state, as on kvm (`guestos::vdso`): out before the guest runs,
+            // its reads back in before anything else looks at time.
+            let budget = super::threads::vdso_budget(self).min(guestos::timer::vdso_budget(&self.os));
+            let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+            guestos::vdso::publish_host(&self.os, &mut space, &mut self.vvar, budget);
             let entered = timer_budget.map(|_| Instant::now());
             let exit = self.stub.run(&mut self.regs, &mut self.fs_base).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
+            let space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+            let reads = guestos::vdso::fold_host(&mut self.os, &space, &mut self.vvar);
+            if reads > 0 {
+                // What those reads' syscalls would have done to the schedulers.
+                super::threads::count_events(reads);
+                guestos::sched::begin_syscall(guestos::vdso::VDSO_VA, guestos::clock::SYS_CLOCK_GETTIME, [0; 4]);
+                guestos::sched::after_syscall();
+                crate::trace::vdso_reads(reads);
+            }
             if let Some(t) = entered {
                 if guestos::timer::charge(&mut self.os, t.elapsed()) {
                     super::threads::mark_nondeterministic();
@@ -344,11 +382,13 @@ impl Process {
             }
             match exit {
                 Exit::Interrupted => {
+                    self.traps.interrupts += 1;
                     if let Some(exit) = self.interrupted() {
                         return Ok(exit);
                     }
                 }
                 Exit::Syscall => {
+                    self.traps.syscalls += 1;
                     super::threads::count_event();
                     if let Some(exit) = self.syscall(out) {
                         return Ok(exit);
@@ -415,6 +455,7 @@ impl Process {
         let nr = self.regs.rax;
         crate::trace::syscall(nr);
         let exit = if nr == SYS_EXECVE {
+            self.vvar.forget();
             self.execve()
         } else if nr == SYS_RT_SIGRETURN {
             self.sigreturn()
@@ -859,3 +900,4 @@ fn read_strv(h: &dyn HostSpace, va: u64) -> std::result::Result<Vec<Vec<u8>>, Er
 fn intercepted(nr: u64) -> bool {
     process::intercepts(nr)
 }
+
