@@ -265,3 +265,31 @@ for _ in range(N):\n    a.set(); b.wait(); b.clear()\nt.join()\nprint(time.monot
     eprintln!("per round trip: {per:.2} trapped syscalls, {kicks:.3} kicks ({none:?} without round trips, {some:?} with 300)");
     assert!(per <= 8.0, "{per:.2} trapped syscalls per round trip ({none:?} without round trips, {some:?} with 300)");
 }
+
+#[test]
+fn a_sleep_loop_waits_for_a_thread_timed_wait() {
+    // CPython's lock tests wait for a worker thread with `while not done: time.sleep(0.01)`.
+    // In replay mode with threads taking turns, a sleep's virtual deadline is kept across its
+    // restarts by the call it belongs to (`guestos::sched::deadline`); systrap's loop never said
+    // which call that was, so the first sleep's deadline stayed and every later sleep returned at
+    // once: this loop went round 490,048 times (1 us of virtual time each) instead of about 50,
+    // and test_thread's LockTests.test_timeout took 45 s.
+    let _one = lock();
+    let code = r#"import threading, time
+lock = threading.Lock(); lock.acquire()
+res = []
+t = threading.Thread(target=lambda: res.append(lock.acquire(timeout=0.5))); t.start()
+n = 0
+while not res:
+    time.sleep(0.01); n += 1
+t.join()
+print(res, n)
+"#;
+    let Some(mut p) = spawn(&["/usr/bin/python3", "-c", code]) else { return };
+    p.reseed([9; 32], true);
+    let r = p.run(T).expect("run on systrap");
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    let out = String::from_utf8_lossy(&r.stdout);
+    let n: u32 = out.trim().strip_prefix("[False] ").and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("stdout: {out}"));
+    assert!((45..=55).contains(&n), "{n} sleeps of 10 ms for a 0.5 s timed wait (stdout {out})");
+}

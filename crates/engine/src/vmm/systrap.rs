@@ -454,6 +454,12 @@ impl Process {
         let entry = Entry::of(&self.regs);
         let nr = self.regs.rax;
         crate::trace::syscall(nr);
+        // The call a blocked call's restart continues, as on kvm: its deadline (a sleep's, a
+        // poll's timeout in virtual time) is kept across its restarts and dropped when it returns.
+        // Without it the first timed wait's deadline stayed for good once threads took turns, and
+        // every later `time.sleep` returned at once (a sleep loop waiting for another thread spun).
+        let r = &self.regs;
+        guestos::sched::begin_syscall(r.rip, nr, [r.rdi, r.rsi, r.rdx, r.r10]);
         let exit = if nr == SYS_EXECVE {
             self.vvar.forget();
             self.execve()
@@ -490,7 +496,7 @@ impl Process {
         } else {
             self.dispatch(out)
         };
-        match process::signals_after_syscall(&mut self.os, &entry, &mut self.regs, exit) {
+        let exit = match process::signals_after_syscall(&mut self.os, &entry, &mut self.regs, exit) {
             AfterSyscall::Resume(exit) => exit,
             AfterSyscall::Deliver(d, exit) => {
                 if self.deliver(&d) {
@@ -499,7 +505,11 @@ impl Process {
                     Some(RunExit::Signaled { signo: libc::SIGSEGV })
                 }
             }
+        };
+        if self.regs.rip != entry.rip().wrapping_sub(2) {
+            guestos::sched::call_done();
         }
+        exit
     }
 
     fn dispatch(&mut self, out: &mut guestos::Output) -> Option<RunExit> {
