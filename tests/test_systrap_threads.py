@@ -67,3 +67,26 @@ def test_a_seeded_run_switches_a_spinning_thread_out(client):
     # the guest computes), lets it.
     r = rollout_once("python", code=SPIN, seed="c0ffee00" * 8, client=client)
     assert (r.ok, r.stdout) == (True, "spun 1\n"), r
+
+
+HUNDRED = """
+import threading
+ev = threading.Event()
+ts = [threading.Thread(target=ev.wait) for _ in range(100)]
+for t in ts:
+    t.start()
+print(threading.active_count())
+ev.set()
+for t in ts:
+    t.join()
+"""
+
+
+def test_a_sandbox_starts_a_hundred_threads_at_once(client):
+    # CPython's test_queue runs 100 threads at once. Each has an 8 MiB stack and glibc reserves
+    # 64 MiB (PROT_NONE) per malloc arena: a stub bounded by RLIMIT_AS at the sandbox's 1 GiB
+    # stopped at 60 ("can't start new thread"); its private writable memory (RLIMIT_DATA) is the
+    # bound now, as kvm's is the pages used.
+    with client.session("python") as s:
+        r = s.exec(code=HUNDRED, timeout_seconds=120)
+        assert (r.ok, r.stdout) == (True, "101\n"), r

@@ -233,3 +233,63 @@ fn a_run_of_computing_code_times_out_resumably() {
         assert_eq!(r.exit, RunExit::Timeout, "stderr: {}", String::from_utf8_lossy(&r.stderr));
     }
 }
+
+#[test]
+fn an_event_ping_pong_reads_the_clocks_without_trapping() {
+    // Two threads hand a turn back and forth through two Events: per round trip 4 futex calls and
+    // two thread switches, and about 19 clock reads (CPython's GIL waits are timed). In replay
+    // mode the vDSO answers those reads inside the guest, as on kvm (`guestos::vdso`); before the
+    // vDSO was mapped on systrap each was a trapped syscall (24 traps per round trip, 778 us
+    // against kvm's 256). Counted, not timed: the traps a round trip adds.
+    let _one = lock();
+    let code = |n: u32| {
+        format!(
+            "import threading, time\nN = {n}\na, b = threading.Event(), threading.Event()\n\
+def other():\n    for _ in range(N):\n        a.wait(); a.clear(); b.set()\n\
+t = threading.Thread(target=other); t.start()\n\
+for _ in range(N):\n    a.set(); b.wait(); b.clear()\nt.join()\nprint(time.monotonic() > 0)\n"
+        )
+    };
+    let traps = |n: u32| {
+        let mut p = spawn(&["/usr/bin/python3", "-c", &code(n)])?;
+        p.reseed([7; 32], true);
+        let r = p.run(T).expect("run on systrap");
+        assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+        assert_eq!(String::from_utf8_lossy(&r.stdout), "True\n");
+        Some(p.traps())
+    };
+    let Some(none) = traps(0) else { return };
+    let Some(some) = traps(300) else { return };
+    let per = (some.syscalls - none.syscalls) as f64 / 300.0;
+    let kicks = (some.interrupts - none.interrupts) as f64 / 300.0;
+    eprintln!("per round trip: {per:.2} trapped syscalls, {kicks:.3} kicks ({none:?} without round trips, {some:?} with 300)");
+    assert!(per <= 8.0, "{per:.2} trapped syscalls per round trip ({none:?} without round trips, {some:?} with 300)");
+}
+
+#[test]
+fn a_sleep_loop_waits_for_a_thread_timed_wait() {
+    // CPython's lock tests wait for a worker thread with `while not done: time.sleep(0.01)`.
+    // In replay mode with threads taking turns, a sleep's virtual deadline is kept across its
+    // restarts by the call it belongs to (`guestos::sched::deadline`); systrap's loop never said
+    // which call that was, so the first sleep's deadline stayed and every later sleep returned at
+    // once: this loop went round 490,048 times (1 us of virtual time each) instead of about 50,
+    // and test_thread's LockTests.test_timeout took 45 s.
+    let _one = lock();
+    let code = r#"import threading, time
+lock = threading.Lock(); lock.acquire()
+res = []
+t = threading.Thread(target=lambda: res.append(lock.acquire(timeout=0.5))); t.start()
+n = 0
+while not res:
+    time.sleep(0.01); n += 1
+t.join()
+print(res, n)
+"#;
+    let Some(mut p) = spawn(&["/usr/bin/python3", "-c", code]) else { return };
+    p.reseed([9; 32], true);
+    let r = p.run(T).expect("run on systrap");
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    let out = String::from_utf8_lossy(&r.stdout);
+    let n: u32 = out.trim().strip_prefix("[False] ").and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("stdout: {out}"));
+    assert!((45..=55).contains(&n), "{n} sleeps of 10 ms for a 0.5 s timed wait (stdout {out})");
+}

@@ -249,14 +249,14 @@ impl LoadSpace for Space<'_> {
     }
 }
 
-/// There is no vDSO here (AT_SYSINFO_EHDR 0): the guest's clock reads are syscalls.
+/// The vDSO is mapped through the platform (`vdso::map_host`).
 impl LoadSpace for dyn HostSpace + '_ {
     fn map_stack(&mut self, mm: &mut Mm, lo: u64, hi: u64) -> Result<(), Errno> {
         mm.host_map(self, lo, Vma::anon(hi, PROT_READ | PROT_WRITE, "[stack]"), None)
     }
 
-    fn map_vdso(&mut self, _: &mut Mm) -> Result<u64, Errno> {
-        Ok(0)
+    fn map_vdso(&mut self, mm: &mut Mm) -> Result<u64, Errno> {
+        super::vdso::map_host(mm, self)
     }
 
     fn write(&mut self, va: u64, data: &[u8]) -> Result<(), Errno> {

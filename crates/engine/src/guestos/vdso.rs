@@ -58,6 +58,7 @@ use super::mm::{Mm, Space, Vma, PROT_EXEC, PROT_READ, PROT_WRITE};
 use super::{Errno, GuestOs, EINVAL};
 use crate::arch::x86_64::layout::{PAGE_SIZE, STACK_TOP};
 use crate::arch::x86_64::paging::AddressSpace;
+use crate::platform::HostSpace;
 use crate::vstate::memory::GuestMemory;
 
 /// The vDSO image (an ELF shared object of one page, linked at 0).
@@ -98,6 +99,22 @@ pub fn map(mm: &mut Mm, sp: &mut Space) -> Result<u64, Errno> {
     sp.aspace.write_virt(sp.mem, VDSO_VA, IMAGE, false).map_err(|_| EINVAL)?;
     mm.insert(VVAR_VA, Vma::anon(VDSO_VA, PROT_READ | PROT_WRITE, "[vvar]"));
     mm.insert(VDSO_VA, Vma::anon(VDSO_VA + PAGE_SIZE, PROT_READ | PROT_EXEC, "[vdso]"));
+    Ok(VDSO_VA)
+}
+
+/// [`map`] on an address space the host kernel keeps (systrap): the same two pages, made by the
+/// platform ([`Mm::host_map`]); the image is written through it before the page is made
+/// read-only and executable.
+pub fn map_host(mm: &mut Mm, h: &mut dyn HostSpace) -> Result<u64, Errno> {
+    if IMAGE.len() as u64 > PAGE_SIZE {
+        return Err(EINVAL);
+    }
+    if mm.overlaps(VVAR_VA, VDSO_VA + PAGE_SIZE) {
+        return Err(super::ENOMEM);
+    }
+    mm.host_map(h, VVAR_VA, Vma::anon(VDSO_VA, PROT_READ | PROT_WRITE, "[vvar]"), None)?;
+    mm.host_map(h, VDSO_VA, Vma::anon(VDSO_VA + PAGE_SIZE, PROT_READ | PROT_EXEC, "[vdso]"), None)?;
+    h.write(VDSO_VA, IMAGE)?;
     Ok(VDSO_VA)
 }
 
@@ -145,6 +162,62 @@ pub fn publish(os: &GuestOs, mem: &mut GuestMemory, aspace: &AddressSpace, budge
     }
     let b: Vec<u8> = want.iter().flat_map(|w| w.to_le_bytes()).collect();
     let _ = aspace.write_virt(mem, VVAR_VA, &b, false);
+}
+
+/// What the VMM last read of or wrote to the data page of a host-kept address space, so that
+/// [`publish_host`] writes only a change and [`fold_host`] is the one read per guest exit.
+/// Forget it ([`Seen::forget`]) when something other than these two may have changed the page
+/// (an execve maps a new one).
+#[derive(Default, Clone, Copy)]
+pub struct Seen(Option<[u64; WORDS]>);
+
+impl Seen {
+    pub fn forget(&mut self) {
+        self.0 = None;
+    }
+}
+
+fn read_host(h: &dyn HostSpace) -> Option<[u64; WORDS]> {
+    let mut b = [0u8; WORDS * 8];
+    h.read(VVAR_VA, &mut b).ok()?;
+    let mut w = [0u64; WORDS];
+    for (i, c) in b.chunks_exact(8).enumerate() {
+        w[i] = u64::from_le_bytes(c.try_into().unwrap_or_default());
+    }
+    Some(w)
+}
+
+/// [`publish`] through a host-kept address space (systrap: the stub's memory).
+pub fn publish_host(os: &GuestOs, h: &mut dyn HostSpace, seen: &mut Seen, budget: u64) {
+    if !mapped(&os.mm) {
+        seen.forget();
+        return;
+    }
+    let want = page_of(&os.proc.clocks, budget);
+    let now = match seen.0 {
+        Some(w) => Some(w),
+        None => read_host(h),
+    };
+    if now == Some(want) {
+        seen.0 = Some(want);
+        return;
+    }
+    let b: Vec<u8> = want.iter().flat_map(|w| w.to_le_bytes()).collect();
+    seen.0 = h.write(VVAR_VA, &b).is_ok().then_some(want);
+}
+
+/// [`fold`] through a host-kept address space.
+pub fn fold_host(os: &mut GuestOs, h: &dyn HostSpace, seen: &mut Seen) -> u64 {
+    let c = &mut os.proc.clocks;
+    if !c.replay || !mapped(&os.mm) {
+        return 0;
+    }
+    let Some(w) = read_host(h) else {
+        seen.forget();
+        return 0;
+    };
+    seen.0 = Some(w);
+    fold_words(c, &w)
 }
 
 /// After KVM_RUN: the reads the guest made in the vDSO into [`Proc::clocks`]. Returns how many.

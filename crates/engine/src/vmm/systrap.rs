@@ -167,6 +167,19 @@ pub struct Process {
     /// The pages its clones copy ahead of their first exec, and what it owes as a clone
     /// ([`warm`]).
     warm: warm::Warm,
+    /// The vDSO's data page as last read or written (`guestos::vdso::Seen`).
+    vvar: guestos::vdso::Seen,
+    traps: Traps,
+}
+
+/// How often the stub handed the turn to this VMM since the process began, by cause (what a
+/// thread hand-off or a clock read costs, counted rather than timed: `tests/systrap_threads.rs`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Traps {
+    /// Syscalls the guest trapped with (clock reads its vDSO answered are not among them).
+    pub syscalls: u64,
+    /// Kicks that stopped computing code (`Exit::Interrupted`: a slice's end, a timer, a signal).
+    pub interrupts: u64,
 }
 
 /// What the guest's processes write to fds 1 and 2: two memfds in append mode, shared by every
@@ -277,7 +290,7 @@ impl Process {
         // this whole process: one systrap first process per host process).
         signal::host::install();
         let guest_pid = os.proc.pid;
-        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, child_stubs: Vec::new(), writable_root: false, warm: warm::Warm::default() })
+        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, child_stubs: Vec::new(), writable_root: false, warm: warm::Warm::default(), vvar: Default::default(), traps: Traps::default() })
     }
 
     /// Switch the stub's `rdtsc`/`cpuid` traps to what the guest's mode asks for: after a reseed,
@@ -289,8 +302,8 @@ impl Process {
         self.stub.set_traps(exec_traps(self.os.proc.clocks.replay)).map_err(|e| Error::Remote(format!("systrap: {e}")))
     }
 
-    /// The stub's traps now in force.
-    pub fn traps(&self) -> st::Traps {
+    /// The stub's rdtsc/cpuid traps now in force.
+    pub fn stub_traps(&self) -> st::Traps {
         self.stub.traps()
     }
 
@@ -303,6 +316,17 @@ impl Process {
     /// The guest OS state (files, memory map, process facts).
     pub fn os(&self) -> &GuestOs {
         &self.os
+    }
+
+    /// Reseed the guest's randomness and, with `replay`, run its clocks on virtual time from now
+    /// on (`guestos::random::reseed`; a served sandbox's seeded exec).
+    pub fn reseed(&mut self, seed: [u8; 32], replay: bool) {
+        guestos::random::reseed(&mut self.os, seed, replay);
+    }
+
+    /// The traps served so far ([`Traps`]).
+    pub fn traps(&self) -> Traps {
+        self.traps
     }
 
     /// Run the guest until it exits, is killed by a signal, or `timeout` passes.
@@ -371,8 +395,22 @@ impl Process {
                 short_armed = timer_budget.is_some_and(|b| b < left);
                 preempt::arm(timer_budget.map_or(left, |b| b.min(left)))?;
             }
+            // The vDSO's clock state, as on kvm (`guestos::vdso`): out before the guest runs,
+            // its reads back in before anything else looks at time.
+            let budget = super::threads::vdso_budget(self).min(guestos::timer::vdso_budget(&self.os));
+            let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+            guestos::vdso::publish_host(&self.os, &mut space, &mut self.vvar, budget);
             let entered = timer_budget.map(|_| Instant::now());
             let exit = self.stub.run(&mut self.regs, &mut self.fs_base).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
+            let space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+            let reads = guestos::vdso::fold_host(&mut self.os, &space, &mut self.vvar);
+            if reads > 0 {
+                // What those reads' syscalls would have done to the schedulers.
+                super::threads::count_events(reads);
+                guestos::sched::begin_syscall(guestos::vdso::VDSO_VA, guestos::clock::SYS_CLOCK_GETTIME, [0; 4]);
+                guestos::sched::after_syscall();
+                crate::trace::vdso_reads(reads);
+            }
             if let Some(t) = entered {
                 if guestos::timer::charge(&mut self.os, t.elapsed()) {
                     super::threads::mark_nondeterministic();
@@ -380,11 +418,13 @@ impl Process {
             }
             match exit {
                 Exit::Interrupted => {
+                    self.traps.interrupts += 1;
                     if let Some(exit) = self.interrupted() {
                         return Ok(exit);
                     }
                 }
                 Exit::Syscall => {
+                    self.traps.syscalls += 1;
                     super::threads::count_event();
                     if let Some(exit) = self.syscall(out) {
                         return Ok(exit);
@@ -453,7 +493,14 @@ impl Process {
         let entry = Entry::of(&self.regs);
         let nr = self.regs.rax;
         crate::trace::syscall(nr);
+        // The call a blocked call's restart continues, as on kvm: its deadline (a sleep's, a
+        // poll's timeout in virtual time) is kept across its restarts and dropped when it returns.
+        // Without it the first timed wait's deadline stayed for good once threads took turns, and
+        // every later `time.sleep` returned at once (a sleep loop waiting for another thread spun).
+        let r = &self.regs;
+        guestos::sched::begin_syscall(r.rip, nr, [r.rdi, r.rsi, r.rdx, r.r10]);
         let exit = if nr == SYS_EXECVE {
+            self.vvar.forget();
             self.execve()
         } else if nr == SYS_RT_SIGRETURN {
             self.sigreturn()
@@ -488,7 +535,7 @@ impl Process {
         } else {
             self.dispatch(out)
         };
-        match process::signals_after_syscall(&mut self.os, &entry, &mut self.regs, exit) {
+        let exit = match process::signals_after_syscall(&mut self.os, &entry, &mut self.regs, exit) {
             AfterSyscall::Resume(exit) => exit,
             AfterSyscall::Deliver(d, exit) => {
                 if self.deliver(&d) {
@@ -497,7 +544,11 @@ impl Process {
                     Some(RunExit::Signaled { signo: libc::SIGSEGV })
                 }
             }
+        };
+        if self.regs.rip != entry.rip().wrapping_sub(2) {
+            guestos::sched::call_done();
         }
+        exit
     }
 
     fn dispatch(&mut self, out: &mut guestos::Output) -> Option<RunExit> {
@@ -904,3 +955,4 @@ fn read_strv(h: &dyn HostSpace, va: u64) -> std::result::Result<Vec<Vec<u8>>, Er
 fn intercepted(nr: u64) -> bool {
     process::intercepts(nr)
 }
+

@@ -172,8 +172,8 @@ pub(super) fn count_events(n: u64) {
 /// thread ready: runnable, or its deadline reached by the quanta those reads add). That read makes
 /// the syscall, so the switch comes where every read exiting would have put it (`guestos::vdso`).
 /// No limit with one thread; outside replay mode the vDSO makes every read a syscall anyway.
-pub(super) fn vdso_budget(m: &Machine) -> u64 {
-    let Some(os) = m.os.as_ref() else { return 0 };
+pub(super) fn vdso_budget<C: ThreadCpu>(m: &C) -> u64 {
+    let Some(os) = m.os() else { return 0 };
     let th = &os.threads;
     if !os.proc.clocks.replay || !th.multi() || !th.loaded {
         return if os.proc.clocks.replay && !th.multi() { u64::MAX } else { 0 };

@@ -51,12 +51,14 @@ pub(in crate::vmm) fn serve_first(mut first: Request, fds: Vec<OwnedFd>, mut cha
     // trapping stub costs an exit to the hypervisor on a nested host.
     let mut conf = Confinement::for_replay(false);
     // The guest's memory is what the Spawn asks for, as on kvm, where it is the VM's memory: here
-    // the stub's address space (RLIMIT_AS, inherited by its forks), so that a guest that
-    // allocates without end gets ENOMEM (Python's MemoryError) at that size instead of growing
-    // into the host's memory. The stub's own pages (its blob and shared page) are a few hundred
-    // KiB of it.
+    // the stub's private writable memory (RLIMIT_DATA, inherited by its forks), so that a guest
+    // that allocates without end gets ENOMEM (Python's MemoryError) at that size instead of
+    // growing into the host's memory. The stub's own pages (its blob and shared page) are a few
+    // hundred KiB of it. Not RLIMIT_AS: that counts reservations too (glibc reserves 64 MiB of
+    // PROT_NONE per thread's malloc arena besides its 8 MiB stack), and stopped a 1 GiB guest at
+    // 60 threads where kvm, which counts the pages used, starts CPython's 100-thread tests.
     if let Request::Spawn { mem_size, .. } = &first {
-        conf.address_space = Some(*mem_size);
+        conf.data = Some(*mem_size);
     }
     let made = jail::enter_systrap(&mut first, || Stub::spawn(&conf).map_err(|e| Error::Remote(format!("systrap: {e}"))));
     let stub = match made {
@@ -101,8 +103,11 @@ pub(in crate::vmm) fn serve_restore(mut first: Request, mut chan: Channel) -> ! 
             exit_process(1)
         }
     };
-    let mut conf = Confinement::for_replay(true);
-    conf.address_space = Some(budget);
+    // As a spawned sandbox's stub (`serve_first`): nothing trapped but syscalls and faults until
+    // an exec's reseed switches rdtsc on (`Process::sync_traps`), and the guest's memory limit
+    // as RLIMIT_DATA.
+    let mut conf = Confinement::for_replay(false);
+    conf.data = Some(budget);
     let made = jail::enter_systrap(&mut first, || Stub::spawn(&conf).map_err(|e| Error::Remote(format!("systrap: {e}"))));
     let stub = match made {
         Ok((_, stub)) => stub,

@@ -322,6 +322,8 @@ impl Process {
             child_stubs: Vec::new(),
             writable_root: false,
             warm: super::warm::Warm::default(),
+            vvar: Default::default(),
+            traps: super::Traps::default(),
         })
     }
 }
