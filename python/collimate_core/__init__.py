@@ -18,7 +18,7 @@ The package, one folder per layer (each subpackage's docstring says what is in i
 The public names are the ones below, re-exported here; the subpackages' modules are internal.
 """
 
-from collimate_core._core import SNAPSHOT_FORMAT, RunResult, Vm
+from collimate_core._core import OUTPUT_CAP, SNAPSHOT_FORMAT, SYSTRAP_SNAPSHOT_FORMAT, RunResult, Vm
 from collimate_core._core import _egress_start
 from collimate_core.templates.bake import BuildError, Ready, Template, TemplateHandle, TemplateStatus
 from collimate_core.sdk.client import connect
@@ -59,7 +59,9 @@ from collimate_core.sdk.seeds import fresh_seed, group_seeds, parse_seed, seed_f
 from collimate_core.sdk.session import Env, ForkGroup, Sandbox, Session, rollout_once
 
 __all__ = [
+    "OUTPUT_CAP",
     "SNAPSHOT_FORMAT",
+    "SYSTRAP_SNAPSHOT_FORMAT",
     "AuthenticationError",
     "BuildError",
     "CapacityError",

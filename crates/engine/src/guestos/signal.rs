@@ -1141,6 +1141,9 @@ pub fn kill_exec_processes(os: &mut GuestOs) -> usize {
     use crate::guestos::sched;
     let me = os.proc.pid;
     let mut seen: Vec<i32> = Vec::new();
+    // The pidfds of the processes killed, to wait for their ends (below).
+    let mut own_fds: Vec<std::os::fd::RawFd> = Vec::new();
+    let mut other_fds: Vec<std::os::fd::OwnedFd> = Vec::new();
     for _ in 0..16 {
         let targets: Vec<sched::Process> = sched::exec_processes().into_iter().filter(|p| p.pid != me && !seen.contains(&p.pid)).collect();
         if targets.is_empty() {
@@ -1152,6 +1155,7 @@ pub fn kill_exec_processes(os: &mut GuestOs) -> usize {
             if let Some(fd) = own {
                 if host::send_pidfd(fd.as_raw_fd(), SIGKILL, false, (0, 0)).is_ok() {
                     sched::killed(p.pid);
+                    own_fds.push(fd.as_raw_fd());
                 }
                 continue;
             }
@@ -1162,11 +1166,44 @@ pub fn kill_exec_processes(os: &mut GuestOs) -> usize {
             if let Ok(fd) = roster::open(p.pid, host_pid) {
                 if host::send_pidfd(fd.as_raw_fd(), SIGKILL, false, (0, 0)).is_ok() {
                     sched::killed(p.pid);
+                    other_fds.push(fd);
                 }
             }
         }
     }
+    // Gone before the exec's end is reported: a killed process holds its descriptors until its
+    // host process has exited, so the other end of a pipe or FIFO it had open would still see a
+    // reader or writer in the next exec (a writer to a FIFO whose killed reader was still exiting
+    // found it there and did not block). Bounded: a process the host is slow to end is waited for
+    // at most KILLED_WAIT.
+    let fds: Vec<std::os::fd::RawFd> = own_fds.into_iter().chain(other_fds.iter().map(|f| f.as_raw_fd())).collect();
+    wait_ended(&fds, KILLED_WAIT);
     seen.len()
+}
+
+/// How long [`kill_exec_processes`] waits for the processes it killed to have ended.
+const KILLED_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Wait until every pidfd of `fds` is readable (its process has ended), or `limit` passed.
+fn wait_ended(fds: &[std::os::fd::RawFd], limit: std::time::Duration) {
+    let deadline = std::time::Instant::now() + limit;
+    let mut left: Vec<libc::pollfd> = fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+    while !left.is_empty() {
+        let ms = deadline.saturating_duration_since(std::time::Instant::now()).as_millis().min(i32::MAX as u128) as i32;
+        if ms == 0 {
+            return;
+        }
+        // SAFETY: `left` is a valid array of pollfds for the length given; the descriptors are
+        // pidfds this function's caller holds open for the duration of the call.
+        let n = unsafe { libc::poll(left.as_mut_ptr(), left.len() as libc::nfds_t, ms) };
+        if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return;
+        }
+        left.retain(|p| p.revents == 0);
+        for p in left.iter_mut() {
+            p.revents = 0;
+        }
+    }
 }
 
 /// tgkill(2) (`tgid` > 0) and tkill(2) (`tgid` None).
