@@ -152,11 +152,7 @@ def test_sandboxes_come_from_spare_clones_made_ahead(client):
             assert a.exec(code="print(x)").stdout == "a\n"
             assert b.exec(command="echo b").stdout == "b\n"
         # Taken spares are replaced; a width of 0 drops them.
-        for _ in range(600):
-            if len(t._pool) == 2:
-                break
-            time.sleep(0.1)
-        assert len(t._pool) == 2
+        _wait_for_spares(t, 2)
         client.expect_width("python", 0)
         assert t._pool == []
         with Sandbox("python", client=client) as c:
@@ -199,6 +195,15 @@ def test_a_spares_first_exec_takes_the_faults_of_a_second_one(client):
         own.close()
 
 
+def _wait_for_spares(t, n: int) -> None:
+    """Until template `t` holds `n` spare clones (made by its thread), at most 60 s."""
+    for _ in range(600):
+        if len(t._pool) == n:
+            break
+        time.sleep(0.1)
+    assert len(t._pool) == n
+
+
 def _spare_first_exec(client) -> None:
     t = client._template("python")
     for _ in range(3):  # the template's first clones report their first exec
@@ -207,11 +212,7 @@ def _spare_first_exec(client) -> None:
     client.expect_width("python", 0)  # spares made from now on, after the reports
     client.expect_width("python", 2)
     try:
-        for _ in range(600):
-            if len(t._pool) == 2:
-                break
-            time.sleep(0.1)
-        assert len(t._pool) == 2
+        _wait_for_spares(t, 2)
         with Sandbox("python", client=client) as sb:
             assert sb.warm_hit
             vmm = sb._box.vm.pid
@@ -237,11 +238,7 @@ def test_the_spare_thread_leaves_a_new_sandbox_alone_while_a_spare_is_left(clien
     t = client._template("python")
     client.expect_width("python", 2)
     try:
-        for _ in range(600):
-            if len(t._pool) == 2:
-                break
-            time.sleep(0.1)
-        assert len(t._pool) == 2
+        _wait_for_spares(t, 2)
         monkeypatch.setattr(live, "REFILL_AFTER", 3600.0, raising=False)
         with Sandbox("python", client=client) as a:
             assert a.warm_hit and a.exec(code="x = 1").ok

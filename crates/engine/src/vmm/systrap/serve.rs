@@ -60,32 +60,12 @@ pub(in crate::vmm) fn serve_first(mut first: Request, fds: Vec<OwnedFd>, mut cha
     if let Request::Spawn { mem_size, .. } = &first {
         conf.data = Some(*mem_size);
     }
-    let made = jail::enter_systrap(&mut first, || Stub::spawn(&conf).map_err(|e| Error::Remote(format!("systrap: {e}"))));
-    let stub = match made {
-        Ok((_, stub)) => stub,
-        Err(e) => {
-            reply(&mut chan, Err(e));
-            exit_process(1)
-        }
-    };
+    let stub = first_stub(&mut first, &conf, &mut chan);
     let Request::Spawn { spec, cpus, .. } = first else {
         reply(&mut chan, Err(Error::Protocol("systrap serves a Spawn request".into())));
         exit_process(1)
     };
-    match Process::with_stub(&spec, stub, Some(fds), cpus) {
-        Ok(mut p) => {
-            if let Err(e) = new_tree(&mut p) {
-                reply(&mut chan, Err(e));
-                exit_process(1)
-            }
-            reply(&mut chan, Ok(Response::Ready { pid: host_pid(), linux: true, jail: jail::status() }));
-            serve(&mut p, chan, Vec::new())
-        }
-        Err(e) => {
-            reply(&mut chan, Err(e));
-            exit_process(1)
-        }
-    }
+    serve_new_tree(Process::with_stub(&spec, stub, Some(fds), cpus), chan)
 }
 
 /// Serve a launched VMM process whose first request is `Restore` of a systrap snapshot
@@ -108,32 +88,37 @@ pub(in crate::vmm) fn serve_restore(mut first: Request, mut chan: Channel) -> ! 
     // as RLIMIT_DATA.
     let mut conf = Confinement::for_replay(false);
     conf.data = Some(budget);
-    let made = jail::enter_systrap(&mut first, || Stub::spawn(&conf).map_err(|e| Error::Remote(format!("systrap: {e}"))));
-    let stub = match made {
+    let stub = first_stub(&mut first, &conf, &mut chan);
+    let Request::Restore { dir } = first else { exit_process(1) };
+    // Read again inside the jail, from the directory as bound there.
+    let restored = super::snapshot::read_state(&dir)
+        .and_then(|state| Process::restore_into(&dir, state, stub, None, &crate::vmm::own_dir()));
+    serve_new_tree(restored, chan)
+}
+
+/// Enter the jail, spawning the sandbox's first stub (confined by `conf`) on the way; a failure
+/// is the controller's reply and this process's end.
+fn first_stub(first: &mut Request, conf: &Confinement, chan: &mut Channel) -> Stub {
+    match jail::enter_systrap(first, || Stub::spawn(conf).map_err(|e| Error::Remote(format!("systrap: {e}")))) {
         Ok((_, stub)) => stub,
+        Err(e) => {
+            reply(chan, Err(e));
+            exit_process(1)
+        }
+    }
+}
+
+/// A first process made (spawned or restored): the top of a new tree, Ready, then served.
+fn serve_new_tree(made: Result<Process>, mut chan: Channel) -> ! {
+    let mut p = match made.and_then(|mut p| new_tree(&mut p).map(|_| p)) {
+        Ok(p) => p,
         Err(e) => {
             reply(&mut chan, Err(e));
             exit_process(1)
         }
     };
-    let Request::Restore { dir } = first else { exit_process(1) };
-    // Read again inside the jail, from the directory as bound there.
-    let restored = super::snapshot::read_state(&dir)
-        .and_then(|state| Process::restore_into(&dir, state, stub, None, &crate::vmm::own_dir()));
-    match restored {
-        Ok(mut p) => {
-            if let Err(e) = new_tree(&mut p) {
-                reply(&mut chan, Err(e));
-                exit_process(1)
-            }
-            reply(&mut chan, Ok(Response::Ready { pid: host_pid(), linux: true, jail: jail::status() }));
-            serve(&mut p, chan, Vec::new())
-        }
-        Err(e) => {
-            reply(&mut chan, Err(e));
-            exit_process(1)
-        }
-    }
+    reply(&mut chan, Ok(Response::Ready { pid: host_pid(), linux: true, jail: jail::status() }));
+    serve(&mut p, chan, Vec::new())
 }
 
 fn host_pid() -> i32 {
