@@ -60,24 +60,32 @@ const TEXT_BYTES: usize = 2 * ARGS_MAX + 2 * PATH_MAX + 16;
 struct Entry {
     /// Odd while the owner writes.
     seq: AtomicU32,
-    /// The owner's guest pid; 0: free.
-    pid: AtomicU32,
     nums: [AtomicU64; NUMS],
     lens: [AtomicU32; TEXTS],
     text: [AtomicU8; TEXT_BYTES],
 }
 
-const TABLE_BYTES: usize = (std::mem::size_of::<Entry>() * ENTRIES).div_ceil(4096) * 4096;
+#[repr(C)]
+struct Table {
+    /// Each entry's owner, a guest pid (0: free), kept apart from the entries so that finding
+    /// one reads one page: a forked process has none of the shared table mapped yet, and every
+    /// page it touches first is a fault (with the owners inside the 10 KiB entries, a new
+    /// process's first publish touched a page per entry, 256 faults).
+    owners: [AtomicU32; ENTRIES],
+    entries: [Entry; ENTRIES],
+}
 
-static TABLE: std::sync::atomic::AtomicPtr<Entry> = std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
+const TABLE_BYTES: usize = std::mem::size_of::<Table>().div_ceil(4096) * 4096;
+
+static TABLE: std::sync::atomic::AtomicPtr<Table> = std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
 /// The index of this process's entry (usize::MAX: none claimed yet).
 static MINE: AtomicUsize = AtomicUsize::new(usize::MAX);
 
-fn table() -> Option<&'static [Entry]> {
+fn table() -> Option<&'static Table> {
     let p = TABLE.load(Ordering::Acquire);
-    // SAFETY: set by `new_tree` to a shared mapping of ENTRIES entries that is never unmapped;
+    // SAFETY: set by `new_tree` to a shared mapping of a whole `Table` that is never unmapped;
     // every field is an atomic, for which all-zero bytes are a valid value.
-    (!p.is_null()).then(|| unsafe { std::slice::from_raw_parts(p, ENTRIES) })
+    (!p.is_null()).then(|| unsafe { &*p })
 }
 
 /// A new sandbox tree (its first process): a table of its own, inherited by the processes it
@@ -101,15 +109,15 @@ pub fn child_started() {
 /// The sandbox is back to its first process (guest pid `pid`) alone: every other entry is free.
 pub fn reset(pid: i32) {
     let Some(t) = table() else { return };
-    for e in t.iter().filter(|e| e.pid.load(Ordering::SeqCst) != pid as u32) {
-        e.pid.store(0, Ordering::SeqCst);
+    for o in t.owners.iter().filter(|o| o.load(Ordering::SeqCst) != pid as u32) {
+        o.store(0, Ordering::SeqCst);
     }
 }
 
 /// This process (guest pid `pid`) is done: its entry is free.
 pub fn leave(pid: i32) {
-    if let Some(e) = table().and_then(|t| t.get(MINE.swap(usize::MAX, Ordering::SeqCst))) {
-        let _ = e.pid.compare_exchange(pid as u32, 0, Ordering::SeqCst, Ordering::SeqCst);
+    if let Some(o) = table().and_then(|t| t.owners.get(MINE.swap(usize::MAX, Ordering::SeqCst))) {
+        let _ = o.compare_exchange(pid as u32, 0, Ordering::SeqCst, Ordering::SeqCst);
     }
 }
 
@@ -123,26 +131,27 @@ pub fn pids(me: i32) -> Vec<i32> {
 }
 
 /// This process's entry: the one it has, else a free one, else one a process that is gone left.
-fn own_entry(t: &'static [Entry], pid: u32) -> Option<&'static Entry> {
-    if let Some(e) = t.get(MINE.load(Ordering::Relaxed)).filter(|e| e.pid.load(Ordering::SeqCst) == pid) {
-        return Some(e);
+fn own_entry(t: &'static Table, pid: u32) -> Option<&'static Entry> {
+    let mine = MINE.load(Ordering::Relaxed);
+    if t.owners.get(mine).is_some_and(|o| o.load(Ordering::SeqCst) == pid) {
+        return Some(&t.entries[mine]);
     }
     let claim = |i: usize, old: u32| {
-        t[i].pid.compare_exchange(old, pid, Ordering::SeqCst, Ordering::SeqCst).is_ok().then(|| {
+        t.owners[i].compare_exchange(old, pid, Ordering::SeqCst, Ordering::SeqCst).is_ok().then(|| {
             MINE.store(i, Ordering::SeqCst);
-            &t[i]
+            &t.entries[i]
         })
     };
-    if let Some(i) = t.iter().position(|e| e.pid.load(Ordering::SeqCst) == pid) {
+    if let Some(i) = t.owners.iter().position(|o| o.load(Ordering::SeqCst) == pid) {
         MINE.store(i, Ordering::SeqCst);
-        return Some(&t[i]);
+        return Some(&t.entries[i]);
     }
-    if let Some(e) = (0..ENTRIES).find_map(|i| (t[i].pid.load(Ordering::SeqCst) == 0).then(|| claim(i, 0)).flatten()) {
+    if let Some(e) = (0..ENTRIES).find_map(|i| (t.owners[i].load(Ordering::SeqCst) == 0).then(|| claim(i, 0)).flatten()) {
         return Some(e);
     }
     let live = pids(pid as i32);
     (0..ENTRIES).find_map(|i| {
-        let old = t[i].pid.load(Ordering::SeqCst);
+        let old = t.owners[i].load(Ordering::SeqCst);
         (!live.contains(&(old as i32))).then(|| claim(i, old)).flatten()
     })
 }
@@ -262,16 +271,18 @@ pub fn publish(f: &Facts, args: bool) {
 /// command line and environment the first time (an entry of its own is still to be made).
 pub fn refresh(os: &GuestOs, mem: &Memory) {
     let Some(t) = table() else { return };
-    let first = t.get(MINE.load(Ordering::Relaxed)).is_none_or(|e| e.pid.load(Ordering::SeqCst) != os.proc.pid as u32);
+    let first = t.owners.get(MINE.load(Ordering::Relaxed)).is_none_or(|o| o.load(Ordering::SeqCst) != os.proc.pid as u32);
     publish(&own_facts(os, mem, first), first);
 }
 
 /// Update this process's memory figures only (after brk, mmap, munmap, mremap).
 pub fn publish_memory(pid: i32, vsize: u64, rss: u64) {
-    let Some(e) = table().and_then(|t| t.get(MINE.load(Ordering::Relaxed))) else { return };
-    if e.pid.load(Ordering::Relaxed) != pid as u32 {
+    let Some(t) = table() else { return };
+    let mine = MINE.load(Ordering::Relaxed);
+    if t.owners.get(mine).is_none_or(|o| o.load(Ordering::Relaxed) != pid as u32) {
         return;
     }
+    let e = &t.entries[mine];
     e.seq.fetch_add(1, Ordering::SeqCst);
     e.nums[VSIZE].store(vsize, Ordering::Relaxed);
     e.nums[RSS].store(rss, Ordering::Relaxed);
@@ -301,7 +312,9 @@ pub fn read(pid: i32) -> Option<Facts> {
     // parent's exit; the orphan republishes its parent only when it next runs (`signal::gather`),
     // which a process parked in a long sleep may not do for a while.
     let parent = |ppid: i32| if ppid > 1 && !live.iter().any(|p| p.pid == ppid) { 1 } else { ppid };
-    let e = table()?.iter().find(|e| e.pid.load(Ordering::SeqCst) == pid as u32)?;
+    let t = table()?;
+    let i = t.owners.iter().position(|o| o.load(Ordering::SeqCst) == pid as u32)?;
+    let (e, owner) = (&t.entries[i], &t.owners[i]);
     // The owner writes a few kilobytes at most: a reader that keeps meeting a write gives up
     // after a bounded number of tries (and shows what it copied last).
     let mut f = Facts::default();
@@ -332,11 +345,11 @@ pub fn read(pid: i32) -> Option<Facts> {
             exe: text(EXE),
             comm: text(COMM),
         };
-        if e.seq.load(Ordering::SeqCst) == s1 && e.pid.load(Ordering::SeqCst) == pid as u32 {
+        if e.seq.load(Ordering::SeqCst) == s1 && owner.load(Ordering::SeqCst) == pid as u32 {
             return Some(f);
         }
     }
-    (e.pid.load(Ordering::SeqCst) == pid as u32).then_some(f)
+    (owner.load(Ordering::SeqCst) == pid as u32).then_some(f)
 }
 
 /// Whether a completed call `nr` may have changed what this process's entry shows: 1 for the
