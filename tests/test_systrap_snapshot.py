@@ -97,6 +97,63 @@ def test_a_damaged_snapshot_is_made_again(tmp_path):
         c.close()
 
 
+HOLDER = """
+import fcntl, sys, time
+f = open(sys.argv[1], "a+")
+fcntl.flock(f, fcntl.LOCK_SH)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_snapshots_of_earlier_template_states_are_removed_unless_in_use(tmp_path):
+    """A new template state (another root filesystem, agent or engine format) leaves the earlier
+    states' snapshots behind: the client that makes or restores the current one removes them,
+    but not one another process still uses (its hold, `templates.cache.hold`), nor another
+    template's, nor the one it uses itself."""
+    from collimate_core.templates import cache as cachelib
+
+    cache = tmp_path / "cache"
+    root = cache / "templates" / "systrap"
+    old, held, other = root / "python-00000000000000a1", root / "python-00000000000000a2", root / "image-00000000000000a3"
+    for d in (old, held, other):
+        d.mkdir(parents=True)
+        (d / "systrap.state").write_bytes(b"an earlier state")
+        (d / "systrap.mem").write_bytes(bytes(4096))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_tmp = cachelib.temp_path(root / "python-00000000000000a4").with_name(
+        f".python-00000000000000a4.{gone.stdout.strip()}.1-0000.tmp")
+    dead_tmp.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(held / ".hold")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        c = EmbeddedClient(platform="systrap", cache=cache)
+        try:
+            with c.session("python") as s:
+                assert s.exec(code="print(3)").stdout == "3\n"
+            snap = c._templates["python"].restored_from
+            assert snap is not None and snap.parent == root and snap not in (old, held)
+            assert not old.exists(), "an unused snapshot of an earlier state was kept"
+            assert not dead_tmp.exists(), "a killed writer's temporary was kept"
+            assert (held / "systrap.state").is_file(), "a snapshot another process holds was removed"
+            assert (other / "systrap.state").is_file(), "another template's snapshot was removed"
+            # This process holds the one it restored: no other process's prune can remove it.
+            assert not cachelib.remove_unheld(snap) and (snap / "systrap.state").is_file()
+        finally:
+            c.close()
+    finally:
+        holder.kill()
+        holder.wait()
+    # Once no one holds it, the next client's prune removes it.
+    c = EmbeddedClient(platform="systrap", cache=cache)
+    try:
+        with c.session("python") as s:
+            assert s.exec(code="print(4)").stdout == "4\n"
+        assert not held.exists() and (other / "systrap.state").is_file()
+    finally:
+        c.close()
+
+
 # Grading's prepared template (grading/pool.py): a sandbox after the spec's setup, checkpointed
 # once into the cache and restored by every process, its state (what the setup left in the
 # interpreter and in /work) in every candidate's sandbox.

@@ -42,6 +42,7 @@ from collimate_core._core import SYSTRAP_SNAPSHOT_FORMAT, Vm
 from collimate_core._core import EngineError as _CoreEngineError
 from collimate_core._core import SnapshotError as _SnapshotError
 from collimate_core.sdk.errors import PlatformUnavailable
+from collimate_core.templates import cache as _cachelib
 from collimate_core.templates import catalog as _catalog
 from collimate_core.templates.catalog import Baked
 
@@ -251,8 +252,9 @@ class LiveTemplate:
         snap = self._snapshot
         if snap is None:
             return self._boot()
-        if not (snap / "systrap.state").is_file():
+        if not _hold_snapshot(snap):
             self._make_snapshot(snap)
+            _hold_snapshot(snap)
         try:
             vm = Vm.restore(snap)
         except (_SnapshotError, _CoreEngineError) as e:
@@ -262,8 +264,10 @@ class LiveTemplate:
             _log.warning("the systrap snapshot %s cannot be restored (%s); making it again", snap, e)
             shutil.rmtree(snap, ignore_errors=True)
             self._make_snapshot(snap)
+            _hold_snapshot(snap)
             vm = Vm.restore(snap)
         self.restored_from = snap
+        _prune_snapshots(snap)
         return vm
 
     def _make_snapshot(self, snap: Path) -> None:
@@ -337,22 +341,50 @@ def systrap_snapshots(cache: Path) -> Path:
     return cache / "templates" / "systrap"
 
 
+# The snapshots this process uses (path -> its shared flock, `templates.cache.hold`), kept to its exit.
+_holds: dict[Path, Any] = {}
+_holds_lock = threading.Lock()
+
+
+def _hold_snapshot(snap: Path) -> bool:
+    """Mark `snap` used by this process for its life (a later prune elsewhere leaves it); whether
+    it is there whole."""
+    with _holds_lock:
+        if snap in _holds:
+            return True
+        f = _cachelib.hold(snap, "systrap.state")
+        if f is not None:
+            _holds[snap] = f
+        return f is not None
+
+
+def _prune_snapshots(current: Path) -> None:
+    """Remove the template's snapshots of other states (an older root filesystem, agent or engine
+    format) that no process holds, and the temporaries of snapshots whose writer is gone."""
+    name = current.name.rsplit("-", 1)[0]
+    try:
+        entries = list(current.parent.iterdir())
+    except OSError:
+        return
+    for d in entries:
+        if d != current and d.is_dir() and d.name.rsplit("-", 1)[0] == name and len(d.name) == len(current.name):
+            if _cachelib.remove_unheld(d):
+                _log.info("removed the systrap snapshot %s of an earlier template state", d)
+    _cachelib.sweep(current.parent)
+
+
 def save_snapshot(vm: Vm, dest: Path) -> None:
     """Checkpoint `vm` (a systrap agent at its ready point) into `dest`, whole or not at all: into a
     directory beside it, renamed into place. Another process that got there first wins (its
     snapshot is the same template state) and this one is dropped."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{threading.get_ident()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    # A temporary the cache's sweep removes if this process is killed mid-write (`_prune_snapshots`).
+    with _cachelib.Temp(dest) as tmp:
         vm.snapshot(tmp)
         try:
             os.rename(tmp, dest)
         except OSError:
             if not (dest / "systrap.state").is_file():
                 raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def template(name: str, cache: Path | None, disk_quota: int, shared_memory: int) -> LiveTemplate:

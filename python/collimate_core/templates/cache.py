@@ -33,7 +33,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 BUILD_LOG = "builds.jsonl"
 
@@ -222,6 +222,44 @@ def remove_entry(entry: Path) -> None:
             raise
         gone = entry
     shutil.rmtree(gone, ignore_errors=True) if gone.is_dir() and not gone.is_symlink() else gone.unlink(missing_ok=True)
+
+
+HOLD = ".hold"
+
+
+def hold(entry: Path, marker: str) -> Any | None:
+    """A shared flock on `entry`/.hold, the mark that this process uses the cache entry (kept
+    open: it lasts to the holder's exit; `remove_unheld` skips an entry anyone holds); None if
+    `entry` is not there whole (no `marker` file in it) or was removed before the hold was taken."""
+    try:
+        f = open(Path(entry) / HOLD, "a+")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    fcntl.flock(f, fcntl.LOCK_SH)
+    try:
+        if os.stat(Path(entry) / HOLD).st_ino == os.fstat(f.fileno()).st_ino and (Path(entry) / marker).is_file():
+            os.utime(entry)  # recently used
+            return f
+    except FileNotFoundError:
+        pass
+    f.close()
+    return None
+
+
+def remove_unheld(entry: Path) -> bool:
+    """Remove the cache entry `entry` unless a process holds it (`hold`); whether it went."""
+    with Lock(entry):
+        try:
+            f = open(Path(entry) / HOLD, "a+")
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        with f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False  # in use
+            remove_entry(entry)
+            return True
 
 
 # --- atomic files ----------------------------------------------------------------------------------
