@@ -18,7 +18,9 @@ Methods, all with WORKERS at a time (the host's cores):
 - grade_many: one call over every (code, spec) pair of the shape;
 - a loop of grade(...) (one candidate per spec only): one grade per pair, WORKERS threads;
 - grade_batch per problem and grade_many on systrap (`EmbeddedClient(platform="systrap")`: each
-  guest process a confined host process, no KVM), the rows that end in ", systrap".
+  guest process a confined host process, no KVM), the rows that end in ", systrap";
+- ", 2 execs": each candidate graded in two execs, the candidate's then the tests' (grading before
+  one exec a candidate, `grade.ONE_EXEC = False`), beside the one-exec row in the same run.
 
 Every timed round grades specs it has not seen: the tests text of each round ends in a comment of
 its own, so the host's per-tests caches miss as they do when each RL step brings new prompts (the
@@ -52,6 +54,7 @@ from pathlib import Path
 import pytest
 
 from collimate_core import EmbeddedClient, Sandbox, UnitTestReward, grade, grade_batch, grade_many
+from collimate_core.grading import grade as _grading
 from conftest import HOST_PYTHON, host_fork_baseline
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="needs /dev/kvm")
@@ -285,6 +288,19 @@ def _grade_batch_per_problem(client, pairs) -> list[float]:
     return rewards
 
 
+def _two_execs(run):
+    """`run` with each candidate graded in two execs, the candidate's then the tests' (grading
+    before it used one exec: grade.ONE_EXEC), to compare in the same run."""
+    def two(pairs):
+        _grading.ONE_EXEC = False
+        try:
+            return run(pairs)
+        finally:
+            _grading.ONE_EXEC = True
+
+    return two
+
+
 def _grade_many(client, pairs) -> list[float]:
     return [g.reward for g in grade_many(_specs(pairs), client=client, max_workers=WORKERS)]
 
@@ -312,6 +328,13 @@ def test_grpo_grade_batch_per_problem_systrap(benchmark, systrap_client):
            lambda pairs: _grade_batch_per_problem(systrap_client, pairs), setup=lambda: _drain(systrap_client))
 
 
+def test_grpo_grade_batch_per_problem_systrap_two_execs(benchmark, systrap_client):
+    """The same, each candidate graded in two execs (the candidate's, then the tests'): the way
+    grading went before one exec a candidate, measured in the same run."""
+    _bench(benchmark, "grpo", "grade_batch per problem, systrap, 2 execs",
+           _two_execs(lambda pairs: _grade_batch_per_problem(systrap_client, pairs)), setup=lambda: _drain(systrap_client))
+
+
 @pytest.mark.parametrize("shape", ["grpo", "per_spec"])
 def test_grade_many_systrap(benchmark, systrap_client, shape):
     """One grade_many call over every pair of the shape on systrap, WORKERS at a time."""
@@ -337,7 +360,10 @@ def test_interleaved(client, systrap_client, fork_servers):
     methods = [("grpo", name, fn) for name, fn in peers]
     methods += [("grpo", "grade_batch per problem", lambda pairs: _grade_batch_per_problem(client, pairs)),
                 ("grpo", "grade_many", lambda pairs: _grade_many(client, pairs)),
-                ("grpo", "grade_batch per problem, systrap", lambda pairs: _grade_batch_per_problem(systrap_client, pairs))]
+                ("grpo", "grade_batch per problem, 2 execs", _two_execs(lambda pairs: _grade_batch_per_problem(client, pairs))),
+                ("grpo", "grade_batch per problem, systrap", lambda pairs: _grade_batch_per_problem(systrap_client, pairs)),
+                ("grpo", "grade_batch per problem, systrap, 2 execs",
+                 _two_execs(lambda pairs: _grade_batch_per_problem(systrap_client, pairs)))]
     methods += [("per_spec", name, fn) for name, fn in peers]
     methods += [("per_spec", "grade_many", lambda pairs: _grade_many(client, pairs)),
                 ("per_spec", "loop of grade(...)", lambda pairs: _grade_loop(client, pairs))]
@@ -412,14 +438,18 @@ def _table(title: str, runs_by_shape: dict[str, dict[str, list[float]]]) -> list
         n = _sizes[shape]
         base = runs.get("subprocess")
         base_rate = n / statistics.median(base) if base else None
+        fork = runs.get("fork server")
+        fork_median = statistics.median(fork) if fork else None
         lines += [f"  {titles[shape]} ({n} grades a round)",
-                  f"  {'method':<26} {'rounds':>6} {'median':>10} {'p99':>10} {'grades/s':>9} {'x subprocess':>13}"]
+                  f"  {'method':<41} {'rounds':>6} {'median':>10} {'p99':>10} {'grades/s':>9} {'x subprocess':>13} "
+                  f"{'time / fork server':>19}"]
         for name, data in runs.items():
             median = statistics.median(data)
             rate = n / median
             ratio = f"{rate / base_rate:12.2f}x" if base_rate else f"{'-':>13}"
-            lines.append(f"  {name:<26} {len(data):>6} {median * 1e3:7.0f} ms {_p99(data) * 1e3:7.0f} ms "
-                         f"{rate:9.1f} {ratio}")
+            vs_fork = f"{median / fork_median:18.2f}x" if fork_median else f"{'-':>19}"
+            lines.append(f"  {name:<41} {len(data):>6} {median * 1e3:7.0f} ms {_p99(data) * 1e3:7.0f} ms "
+                         f"{rate:9.1f} {ratio} {vs_fork}")
     return lines
 
 
@@ -444,6 +474,7 @@ def test_print_grading_specs_table(capsys):
                          f"{min(data) * 1e3:7.2f}-{max(data) * 1e3:.2f} ms {ratio}")
         lines.append("  (x subprocess here = the subprocess peer's CPU per grade / the method's)")
     lines.append("(x subprocess = grades/s / the subprocess peer's grades/s in the same table; > 1.00x is faster "
-                 "than no sandbox)")
+                 "than no sandbox; time / fork server = the method's median / the warm fork server's in the same "
+                 "table: <= 1.00x is as fast as it)")
     with capsys.disabled():
         print("\n".join(lines))

@@ -399,3 +399,47 @@ def test_tests_can_import_a_module_the_candidate_writes(client):
     writes = "open('/work/solution.py', 'w').write({!r})\n"
     rs = grade_batch([writes.format(GOOD), writes.format(WRONG), "pass"], UnitTestReward(tests=tests), client=client)
     assert [r.reward for r in rs] == [1.0, 0.0, 0.0], [(r.reason, r.stderr[-300:]) for r in rs]
+
+
+@pytest.mark.kvm
+@needs_kvm
+def test_a_grade_is_one_exec_that_scores_as_two(client):
+    """A clone of a prepared template grades its candidate in one exec (the candidate's top level,
+    then the tests), with the rewards of the two-exec grade (the candidate's exec, then the tests'):
+    every cheat and failure 0.0 with the same reason, except where the second exec itself was the
+    weak point (a patched json.dumps broke the agent's reply; a rebound `__collimate_grader` was
+    called), which the one exec scores as the wrong answer they carry."""
+    from collimate_core.grading import grade as grading
+
+    spec = UnitTestReward(tests=SORT_TESTS, timeout_seconds=3)
+    codes = [GOOD] + list(CHEATS.values())
+    assert grade(GOOD, spec, client=client).reward == 1.0  # the prepared template is made
+    before = client.usage().execs
+    one = grade_batch(codes, spec, client=client, seed="ab" * 32)
+    # One exec a candidate (the syntax error needs none; the output flood's is one too).
+    assert client.usage().execs - before == len(codes) - 1
+    grading.ONE_EXEC = False
+    try:
+        two = grade_batch(codes, spec, client=client, seed="ab" * 32)
+    finally:
+        grading.ONE_EXEC = True
+    assert [r.reward for r in one] == [r.reward for r in two] == [1.0] + [0.0] * len(CHEATS)
+    weak_second_exec = {"patched json.dumps", "replaced the grader"}
+    for name, a, b in zip(["good"] + list(CHEATS), one, two):
+        if name in weak_second_exec:
+            assert a.reason.endswith("failed"), (name, a.reason)
+        else:
+            assert (a.reason, a.passed) == (b.reason, b.passed), name
+    assert one[0].seed_ack == "verified"
+
+
+@pytest.mark.kvm
+@needs_kvm
+def test_a_verdict_cut_off_by_the_output_cap_is_graded_again_in_two_execs(client):
+    # The candidate prints more than the engine keeps of an exec's output (OUTPUT_CAP, 16 MiB):
+    # the one exec's verdict is cut off, and the candidate is graded again as two execs would.
+    flood = "import sys\nsys.stdout.write('x' * (17 << 20))\n"
+    spec = UnitTestReward(tests=SORT_TESTS, timeout_seconds=30)
+    rs = grade_batch([flood + GOOD, flood + WRONG], spec, client=client)
+    assert [r.reward for r in rs] == [1.0, 0.0], [(r.reason, r.stderr[-300:]) for r in rs]
+    assert rs[1].reason == "2 of 3 failed"

@@ -286,10 +286,14 @@ def _rewritten(tests: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     return eq_name, tuple(_split_tree(tree, tests, eq_name)), modules
 
 
-def _harness(nonce: str, spec: "UnitTestReward") -> tuple[str, int]:
+def _harness(nonce: str, spec: "UnitTestReward", candidate: tuple[str, str, str] | None = None) -> tuple[str, int]:
     eq_name, tests, modules = _rewritten(spec.tests)
     payload = {"eq": eq_name, "tests": list(tests), "modules": list(modules)}
-    return f"{_RUNNER}(globals(), {_seal(nonce)!r}, 'unit', {payload!r})\n", len(tests)
+    return f"{_RUNNER}(globals(), {_seal(nonce)!r}, 'unit', {payload!r}{_candidate_arg(candidate)})\n", len(tests)
+
+
+def _candidate_arg(candidate: tuple[str, str, str] | None) -> str:
+    return "" if candidate is None else f", {candidate!r}"
 
 
 @dataclass(frozen=True)
@@ -342,7 +346,7 @@ class PropertyReward:
         return [f"__collimate_property_{k}" for k in range(self.trials)]
 
 
-def _property_harness(spec: PropertyReward, nonce: str, seed: str) -> str:
+def _property_harness(spec: PropertyReward, nonce: str, seed: str, candidate: tuple[str, str, str] | None = None) -> str:
     payload = {
         "function": spec.function,
         "reference": spec.reference,
@@ -351,7 +355,7 @@ def _property_harness(spec: PropertyReward, nonce: str, seed: str) -> str:
         "seed": seed,
         "modules": list(_spec_imports(spec)),
     }
-    return f"{_RUNNER}(globals(), {_seal(nonce)!r}, 'property', {payload!r})\n"
+    return f"{_RUNNER}(globals(), {_seal(nonce)!r}, 'property', {payload!r}{_candidate_arg(candidate)})\n"
 
 
 def _verdict(stdout: str, token: str) -> list[bool] | None:
@@ -367,14 +371,85 @@ def _verdict(stdout: str, token: str) -> list[bool] | None:
     return v if isinstance(v, list) and all(isinstance(x, bool) for x in v) else None
 
 
-def _grade_in(sandbox, code: str, spec, seed: str | None, *, checked: bool = False) -> GradeResult:
+# Whether a clone of a prepared template grades its candidate in one exec (see _grade_one_exec);
+# False: two execs, the candidate's then the tests' (benches compare the two).
+ONE_EXEC = True
+
+
+def _grade_in(sandbox, code: str, spec, seed: str | None, *, checked: bool = False, one_exec: bool = False) -> GradeResult:
     """Grade `code` in a live sandbox where `_prepare` ran (consumed: its state is the candidate's
-    afterwards). `checked`: the caller already found verdict_without_sandbox(code) to be None."""
+    afterwards). `checked`: the caller already found verdict_without_sandbox(code) to be None.
+    `one_exec`: the sandbox is a clone of a prepared template (so that `reset` brings the grader
+    back): grade in one exec where ONE_EXEC says so."""
     if not isinstance(code, str):
         raise InvalidArgument(f"the candidate code must be a str, not {type(code).__name__}")
     early = None if checked else verdict_without_sandbox(code)
     if early is not None:
         return early
+    if one_exec and ONE_EXEC:
+        result = _grade_one_exec(sandbox, code, spec, seed)
+        if result is not None:
+            return result
+        sandbox.reset()  # the output cap cut the verdict off: grade again, in two execs
+    return _grade_two_execs(sandbox, code, spec, seed)
+
+
+def _grade_one_exec(sandbox, code: str, spec, seed: str | None) -> GradeResult | None:
+    """Grade in one exec: the candidate's top-level code, then (if it ended with status 0) the
+    tests, each as the two-exec grade runs them (see harness.py `run`), so that a grade costs
+    one round trip to the sandbox instead of two. The tests and the sealed token are in the
+    sandbox while the candidate's top-level code runs, as the tests are while the candidate's
+    functions are called: in the grader's frame, not in the candidate's namespace. The exec's
+    budget is timeout_seconds for the candidate and the tests together (two execs gave each
+    phase its own: a candidate whose top level and tests each fit but together do not now
+    times out; an endless loop still costs one timeout_seconds). None when the engine's output cap cut the
+    exec's output before a verdict (a candidate that printed about OUTPUT_CAP): the caller grades
+    it again in two execs, where the verdict has an output of its own."""
+    nonce = secrets.token_hex(16)
+    token = "__collimate_verdict_" + nonce + ":"
+    seed = seed if seed is not None else fresh_seed()
+    phase = secrets.token_hex(16)
+    candidate = (code, seed, phase)
+    if isinstance(spec, PropertyReward):
+        harness, n = _property_harness(spec, nonce, seed, candidate), spec.trials
+    else:
+        harness, n = _harness(nonce, spec, candidate)
+    r = sandbox.exec(code=harness, timeout_seconds=spec.timeout_seconds, seed=seed)
+    marker = "\n__collimate_phase_" + phase + "\n"
+    head, found, tail = r.stdout.partition(marker)
+    out = head + tail
+    common = dict(stdout=out, stderr=r.stderr, seed=r.seed, seed_ack=r.seed_ack, duration=r.duration)
+    if not found:  # the candidate's top-level code did not finish with status 0
+        if r.timed_out:  # a timeout in either phase is 0.0 (and an output flood is one)
+            return GradeResult(0.0, "timeout", **common)
+        if r.truncated:
+            return None
+        if r.interpreter_died:
+            return GradeResult(0.0, f"the candidate ended the interpreter (exit code {r.exit_code})", **common)
+        if r.exit_code != 0:
+            return GradeResult(0.0, f"the candidate failed (exit code {r.exit_code})", **common)
+        # Status 0 without the line: the candidate hid it (it ran against this harness).
+        return GradeResult(0.0, "no verdict (the program ended or hid the harness's report)", **common)
+    if r.timed_out:
+        return GradeResult(0.0, "timeout in the tests", **common)
+    verdict = _verdict(tail, token)
+    if verdict is None and r.truncated:
+        return None
+    return _scored(verdict, n, spec, common)
+
+
+def _scored(verdict: list[bool] | None, n: int, spec, common: dict) -> GradeResult:
+    if verdict is None or len(verdict) != n:
+        return GradeResult(0.0, "no verdict (the program ended or hid the harness's report)", **common)
+    passed = sum(verdict)
+    partial = getattr(spec, "partial_credit", False)
+    reward = passed / n if partial else (1.0 if passed == n else 0.0)
+    reason = "passed" if passed == n else f"{n - passed} of {n} failed"
+    return GradeResult(reward, reason, verdict, **common)
+
+
+def _grade_two_execs(sandbox, code: str, spec, seed: str | None) -> GradeResult:
+    """Grade in two execs: the candidate's, then the tests' (which the candidate never sees)."""
     nonce = secrets.token_hex(16)
     token = "__collimate_verdict_" + nonce + ":"
     timeout = spec.timeout_seconds
@@ -399,14 +474,7 @@ def _grade_in(sandbox, code: str, spec, seed: str | None, *, checked: bool = Fal
     if r2.timed_out:
         return GradeResult(0.0, "timeout in the tests", stdout=out, stderr=err, seed=r1.seed, seed_ack=r1.seed_ack, duration=dur)
     verdict = _verdict(r2.stdout, token)
-    if verdict is None or len(verdict) != n:
-        return GradeResult(0.0, "no verdict (the program ended or hid the harness's report)", stdout=out, stderr=err,
-                           seed=r1.seed, seed_ack=r1.seed_ack, duration=dur)
-    passed = sum(verdict)
-    partial = getattr(spec, "partial_credit", False)
-    reward = passed / n if partial else (1.0 if passed == n else 0.0)
-    reason = "passed" if passed == n else f"{n - passed} of {n} failed"
-    return GradeResult(reward, reason, verdict, out, err, r1.seed, r1.seed_ack, dur)
+    return _scored(verdict, n, spec, dict(stdout=out, stderr=err, seed=r1.seed, seed_ack=r1.seed_ack, duration=dur))
 
 
 def _prepare(sandbox, spec, preload: Sequence[str] = ()) -> None:
@@ -466,7 +534,7 @@ def grade(code: str, spec: "UnitTestReward | PropertyReward | IOTestReward", *, 
     name = _prepared_template(client, spec, preload)
     if name is not None:
         with Sandbox(name, client=client) as sb:
-            return _grade_in(sb, code, spec, seed)
+            return _grade_in(sb, code, spec, seed, one_exec=True)
     with Sandbox(spec.template, client=client) as sb:
         _prepare(sb, spec, preload)
         return _grade_in(sb, code, spec, seed)
@@ -561,7 +629,7 @@ def grade_batch(
     def grade_one(parent, i: int) -> GradeResult:
         if parent is None:  # a clone of the prepared template
             with Sandbox(name, client=client) as sb:
-                return _grade_in(sb, codes[i], specs[i], base)
+                return _grade_in(sb, codes[i], specs[i], base, one_exec=True)
         with parent.fork_group(1, seed=base) as grp:  # a child of the prepared parent
             return _grade_in(grp[0], codes[i], specs[i], base)
 

@@ -145,7 +145,7 @@ def grade_many(
                 return early
             if name is not None:
                 with Sandbox(name, client=client) as sb:
-                    return _grading._grade_in(sb, code, spec, seeds[i], checked=True)
+                    return _grading._grade_in(sb, code, spec, seeds[i], checked=True, one_exec=True)
             with parent.fork_group(1, seed=seeds[i]) as grp:
                 return _grading._grade_in(grp[0], code, spec, seeds[i], checked=True)
 
