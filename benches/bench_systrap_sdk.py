@@ -32,6 +32,11 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
   (`Vm.restore` + destroy), and a sandbox of each (enter + `exec(code)` + exit, no spares), against
   `/usr/bin/python3 -c "x = 1"` called directly.
 
+- on systrap, `fork_group(64)` + map and a sandbox's enter + `exec(code)` + exit, alternated round
+  by round with a client whose VMMs scan the process table for the first process's entry as
+  before (`COLLIMATE_PROCTAB_FRESH=0`: 256 page faults of a new shared mapping in every clone's
+  start), each round after its own host-fork baseline (`test_clone_start_ab`; printed, run with `-s`).
+
 Needs seccomp filters for the systrap rows and /dev/kvm for the kvm rows.
 """
 
@@ -398,3 +403,68 @@ def test_systrap_sandbox_of_a_zygote(benchmark, zygotes, which):
     benchmark.pedantic(run, rounds=20, warmup_rounds=2)
     benchmark.extra_info["platform"] = "systrap"
     _record(benchmark, f"systrap sandbox of a {which} zygote", "native python")
+
+
+def test_clone_start_ab():
+    """fork_group(64) + map, and a sandbox back to back, with the process table claimed without a
+    scan (the default) and with the old scan (`COLLIMATE_PROCTAB_FRESH=0`), alternated."""
+    from collimate_core.sdk import platform as pf
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    clients = {}
+    for mode, env in (("now", {}), ("scan (before)", {"COLLIMATE_PROCTAB_FRESH": "0"})):
+        os.environ.update(env)  # read by the zygote's VMM, which its clones inherit
+        try:
+            c = EmbeddedClient(platform="systrap")
+            with c.session("python") as s:
+                assert s.exec(command="true").ok
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+        clients[mode] = c
+    rows: dict[str, list[float]] = {}
+
+    def fork_map(s):
+        with s.fork_group(64) as grp:
+            assert all(r.ok for r in grp.map(lambda i, c: c.exec(code=f"y = x + {i}")))
+
+    def sandbox(c):
+        with Sandbox("python", client=c) as sb:
+            assert sb.exec(code="x = 1").ok
+
+    def host_fork():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+
+    def timed(key, fn, n):
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            rows.setdefault(key, []).append((time.perf_counter() - t) * 1e3)
+
+    print(f"\nload (1/5/15 min): {' '.join(open('/proc/loadavg').read().split()[:3])}; platform: systrap on a kvm_pvm host")
+    sessions = {m: c.session("python").__enter__() for m, c in clients.items()}
+    try:
+        for s in sessions.values():
+            assert s.exec(code="x = 1").ok
+        for rnd in range(4):
+            order = list(clients) if rnd % 2 == 0 else list(clients)[::-1]
+            timed("host fork (os.fork + _exit + waitpid)", host_fork, 20)
+            for m in order:
+                time.sleep(0.3)  # the last round's teardown is not this one's
+                timed(f"fork_group(64) + map, {m}", lambda: fork_map(sessions[m]), 1)
+            for m in order:
+                timed(f"sandbox enter + exec + exit, {m}", lambda: sandbox(clients[m]), 10)
+    finally:
+        for s in sessions.values():
+            s.__exit__(None, None, None)
+        for c in clients.values():
+            c.close()
+    base = statistics.median(rows["host fork (os.fork + _exit + waitpid)"])
+    for k, v in rows.items():
+        m, p = _stats(v)
+        print(f"{k:<48} median {m:8.2f} ms  p99 {p:8.2f} ms  {m / base:6.1f}x host fork  (n={len(v)})")
+    print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
