@@ -400,9 +400,7 @@ impl Vm {
         // Each child takes two tmpfs instances of its own (its disk quota and its shared-memory
         // pool): sent with the request, or ahead of
         // it in batches when there are more than one message can carry.
-        crate::trace::mark("ctl.fork");
         let scratch = self.make_scratch(n)?;
-        crate::trace::mark_n("ctl.scratch", n as u64);
         let with_fork: Vec<RawFd> = if scratch.len() <= MAX_FDS_PER_MESSAGE { scratch.iter().map(|s| s.as_raw_fd()).collect() } else { vec![] };
         if with_fork.is_empty() {
             let unit = self.scratch_unit();
