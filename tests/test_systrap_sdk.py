@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -562,3 +563,32 @@ def test_the_template_warm_up_leaves_nothing_a_sandbox_sees(client):
         assert names == "['__builtins__', '__doc__', '__loader__', '__name__', '__package__', '__spec__']"
         assert dirs == "[] []", dirs
         assert ra.stdout == rb.stdout and ra.seed_ack == rb.seed_ack == "verified"
+
+
+def test_taking_a_spare_does_not_start_a_thread_while_the_spare_thread_lingers():
+    # Starting the spare thread cost each sandbox's enter 0.1-0.2 ms (Thread.start waits for the
+    # new thread to run); it now stays LINGER seconds once the pool is full, and a sandbox taken
+    # meanwhile wakes it. Fails on the previous live.py (the thread ended with the pool full: each
+    # take started another).
+    from collimate_core.sdk import live
+
+    own = EmbeddedClient(platform="systrap")
+    try:
+        t = own._template("python")
+        _wait_for_spares(t, 2)
+        idents = []
+        for _ in range(3):
+            with Sandbox("python", client=own) as sb:
+                assert sb.warm_hit and sb.exec(code="x = 1").ok
+            _wait_for_spares(t, 2)
+            time.sleep(live.REFILL_AFTER)
+            idents.append(sorted(th.ident for th in threading.enumerate() if th.name == "collimate-systrap-spares"))
+        assert idents[0] and idents[0] == idents[1] == idents[2], idents
+    finally:
+        own.close()
+    # And it goes with its template.
+    for _ in range(100):
+        if not any(th.name == "collimate-systrap-spares" for th in threading.enumerate()):
+            break
+        time.sleep(0.05)
+    assert not any(th.name == "collimate-systrap-spares" for th in threading.enumerate())

@@ -35,6 +35,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,6 +61,25 @@ SYSTRAP_RUNS = (
 # faults, a few ms of CPU) would otherwise run beside the new sandbox's first exec on a small host
 # (2 cores: that exec took 3-10 ms instead of 2 ms). With no spare left it clones at once.
 REFILL_AFTER = 0.03
+# How long the spare thread stays once the pool is full, for the next sandbox taken: starting a
+# thread costs the taker 0.1-0.2 ms here (`Thread.start` waits for it to run), a tenth of a
+# paced sandbox. At the interpreter's exit it goes at once (`_at_exit`).
+LINGER = 1.0
+
+# Templates whose spare thread may be lingering (told to go at the interpreter's exit).
+_live_templates: "weakref.WeakSet[LiveTemplate]" = weakref.WeakSet()
+_exiting = False
+
+
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+    for t in list(_live_templates):
+        t._wanted.set()
+
+
+if hasattr(threading, "_register_atexit"):  # runs before the interpreter joins its threads
+    threading._register_atexit(_at_exit)
 
 # The catalog template's agent runs one exec of `pass` before its snapshot is taken (`warm_up`):
 # CPython's first exec in a process does work a later one does not (its heap grown by brk, the
@@ -122,6 +142,8 @@ class LiveTemplate:
         self._filling = False
         self._taken_at = 0.0  # when a spare was last handed out (time.monotonic)
         self._emptied = threading.Event()  # set when the last spare is handed out
+        self._wanted = threading.Event()  # set by `_fill`: a lingering spare thread looks again
+        _live_templates.add(self)
         self._cpus = cpus
         self._work: Path | None = None
         # The state its sandboxes start from, as egress recordings name it: what the zygote was
@@ -220,7 +242,8 @@ class LiveTemplate:
     def _fill(self) -> None:
         """Start the thread that clones spares up to `spares`, unless it runs."""
         with self.lock:
-            if self._filling or len(self._pool) >= self.spares:
+            self._wanted.set()  # under the lock: a lingering thread that ends sees it first
+            if self._filling or len(self._pool) >= self.spares or _exiting:
                 return
             self._filling = True
         # Not a daemon: at the interpreter's exit it ends after its current clone (a daemon thread
@@ -228,11 +251,27 @@ class LiveTemplate:
         threading.Thread(target=self._filler, name="collimate-systrap-spares").start()
 
     def _filler(self) -> None:
+        ended = False
         try:
             while True:
                 with self.lock:
-                    if self.zygote is None or len(self._pool) >= self.spares:
+                    if self.zygote is None or _exiting or self.spares == 0:
                         return
+                    if len(self._pool) >= self.spares:
+                        if not self._wanted.is_set():
+                            ended = True  # `_fill` starts a new thread from now on
+                            self._filling = False
+                            return
+                        self._wanted.clear()
+                        full = True
+                    else:
+                        full = False
+                if full:
+                    # Stay a while for the next sandbox taken (see LINGER); a `_fill` meanwhile
+                    # wakes this thread, else it ends at the check above.
+                    self._wanted.wait(LINGER)
+                    continue
+                with self.lock:
                     wait = self._taken_at + REFILL_AFTER - time.monotonic() if self._pool else 0.0
                 if wait > 0:  # not beside the first exec of the sandbox just handed out
                     self._emptied.wait(wait)
@@ -255,8 +294,9 @@ class LiveTemplate:
                             return
                     self._pool.append(vm)
         finally:
-            with self.lock:
-                self._filling = False
+            if not ended:
+                with self.lock:
+                    self._filling = False
 
     def _take_spare(self) -> Vm | None:
         with self.lock:
@@ -353,6 +393,7 @@ class LiveTemplate:
             spares, self._pool = self._pool, []
             self._stop()
         self._emptied.set()  # a waiting spare thread sees there is nothing to do
+        self._wanted.set()
         for vm in spares:
             vm.destroy()
         if self._on_close is not None:
