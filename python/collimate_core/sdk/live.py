@@ -12,7 +12,10 @@ Sandboxes are clones of the zygote (a fork of its stub plus a host fork of its V
 shared copy-on-write, writable mounts copied). A few clones are made ahead as spares, by a
 background thread, as the kvm engine keeps its spare pool: a new sandbox takes one and the
 thread makes the next. Each spare has taken its first exec's host page faults before it is
-handed out (the engine learns them from the template's first clones: vmm/systrap/warm.rs).
+handed out (the engine learns them from the template's first clones: vmm/systrap/warm.rs), and
+the catalog template's agent ran one exec of `pass` before its snapshot (`warm_up`), so a
+sandbox's first exec is not CPython's first in its process. The spare thread stays a while once
+the pool is full (`LINGER`), so that taking a spare does not wait for a thread to start.
 There is no recycling by reset (the engine has none on systrap): a sandbox
 that ends is destroyed, and `Sandbox.reset()` or a lost interpreter gets a new clone of the
 zygote, which is the template's state.
