@@ -32,6 +32,11 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
   (`Vm.restore` + destroy), and a sandbox of each (enter + `exec(code)` + exit, no spares), against
   `/usr/bin/python3 -c "x = 1"` called directly.
 
+- on systrap, the sandbox row paced and back to back, and its first and second exec apart, with
+  the catalog template's agent warmed up before its snapshot (one exec of `pass`, sdk/live.py,
+  the default) and without (`COLLIMATE_SYSTRAP_WARMUP=0`), alternated round by round beside
+  `/usr/bin/python3 -c "x = 1"` called directly (`test_template_warm_up_ab`; printed, run with `-s`).
+
 Needs seccomp filters for the systrap rows and /dev/kvm for the kvm rows.
 """
 
@@ -398,3 +403,78 @@ def test_systrap_sandbox_of_a_zygote(benchmark, zygotes, which):
     benchmark.pedantic(run, rounds=20, warmup_rounds=2)
     benchmark.extra_info["platform"] = "systrap"
     _record(benchmark, f"systrap sandbox of a {which} zygote", "native python")
+
+
+def test_template_warm_up_ab():
+    """A sandbox's enter + exec + exit (paced 0.1 s, and back to back) and its first and second
+    exec, from a template whose agent ran one exec of `pass` before its snapshot (the default)
+    and from one whose did not (`COLLIMATE_SYSTRAP_WARMUP=0`), alternated round by round."""
+    from collimate_core.sdk import platform as pf
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    clients = {}
+    for mode, env in (("warmed up", {}), ("not warmed up (before)", {"COLLIMATE_SYSTRAP_WARMUP": "0"})):
+        os.environ.update(env)  # read by the client when it makes the template (and its snapshot)
+        try:
+            c = EmbeddedClient(platform="systrap")
+            with c.session("python") as s:
+                assert s.exec(command="true").ok
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+        for _ in range(4):  # the template's first clones report their first exec (vmm/systrap/warm.rs)
+            with Sandbox("python", client=c) as sb:
+                assert sb.exec(code="x = 1").ok
+        clients[mode] = c
+    rows: dict[str, list[float]] = {}
+
+    def add(key, ms):
+        rows.setdefault(key, []).append(ms)
+
+    def sandbox(m, paced):
+        if paced:
+            time.sleep(0.1)
+        t0 = time.perf_counter()
+        with Sandbox("python", client=clients[m]) as sb:
+            assert sb.exec(code="x = 1").ok
+        add(f"sandbox enter+exec+exit, {'paced' if paced else 'back to back'}, {m}", (time.perf_counter() - t0) * 1e3)
+
+    def execs(m):
+        time.sleep(0.1)
+        with Sandbox("python", client=clients[m]) as sb:
+            t0 = time.perf_counter()
+            assert sb.exec(code="x = 1").ok
+            t1 = time.perf_counter()
+            assert sb.exec(code="x = 1").ok
+            t2 = time.perf_counter()
+        add(f"first exec, {m}", (t1 - t0) * 1e3)
+        add(f"second exec, {m}", (t2 - t1) * 1e3)
+
+    def native():
+        t0 = time.perf_counter()
+        subprocess.run(["/usr/bin/python3", "-c", "x = 1"], check=True)
+        add("native /usr/bin/python3 -c 'x = 1'", (time.perf_counter() - t0) * 1e3)
+
+    print(f"\nload (1/5/15 min): {' '.join(open('/proc/loadavg').read().split()[:3])}; platform: systrap on a kvm_pvm host")
+    try:
+        for rnd in range(6):
+            order = list(clients) if rnd % 2 == 0 else list(clients)[::-1]
+            for _ in range(3):
+                native()
+            for m in order:
+                for _ in range(5):
+                    sandbox(m, True)
+                for _ in range(5):
+                    execs(m)
+            for m in order:
+                for _ in range(5):
+                    sandbox(m, False)
+    finally:
+        for c in clients.values():
+            c.close()
+    base = statistics.median(rows["native /usr/bin/python3 -c 'x = 1'"])
+    for k, v in rows.items():
+        m, p = _stats(v)
+        print(f"{k:<62} median {m:7.2f} ms  p99 {p:7.2f} ms  {m / base:5.2f}x native  (n={len(v)})")
+    print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")

@@ -12,7 +12,10 @@ Sandboxes are clones of the zygote (a fork of its stub plus a host fork of its V
 shared copy-on-write, writable mounts copied). A few clones are made ahead as spares, by a
 background thread, as the kvm engine keeps its spare pool: a new sandbox takes one and the
 thread makes the next. Each spare has taken its first exec's host page faults before it is
-handed out (the engine learns them from the template's first clones: vmm/systrap/warm.rs).
+handed out (the engine learns them from the template's first clones: vmm/systrap/warm.rs), and
+the catalog template's agent ran one exec of `pass` before its snapshot (`warm_up`), so a
+sandbox's first exec is not CPython's first in its process. The spare thread stays a while once
+the pool is full (`LINGER`), so that taking a spare does not wait for a thread to start.
 There is no recycling by reset (the engine has none on systrap): a sandbox
 that ends is destroyed, and `Sandbox.reset()` or a lost interpreter gets a new clone of the
 zygote, which is the template's state.
@@ -35,6 +38,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,6 +65,51 @@ SYSTRAP_RUNS = (
 # faults, a few ms of CPU) would otherwise run beside the new sandbox's first exec on a small host
 # (2 cores: that exec took 3-10 ms instead of 2 ms). With no spare left it clones at once.
 REFILL_AFTER = 0.03
+# How long the spare thread stays once the pool is full, for the next sandbox taken: starting a
+# thread costs the taker 0.1-0.2 ms here (`Thread.start` waits for it to run), a tenth of a
+# paced sandbox. At the interpreter's exit it goes at once (`_at_exit`).
+LINGER = 1.0
+
+# Templates whose spare thread may be lingering (told to go at the interpreter's exit).
+_live_templates: "weakref.WeakSet[LiveTemplate]" = weakref.WeakSet()
+_exiting = False
+
+
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+    for t in list(_live_templates):
+        t._wanted.set()
+
+
+if hasattr(threading, "_register_atexit"):  # runs before the interpreter joins its threads
+    threading._register_atexit(_at_exit)
+
+# The catalog template's agent runs one exec of `pass` before its snapshot is taken (`warm_up`):
+# CPython's first exec in a process does work a later one does not (its heap grown by brk, the
+# exec path's objects and caches made: 899 pages touched against 566), which every sandbox's first
+# exec paid again (1.9 ms against 0.5 ms for its second). The exec changes nothing a program sees:
+# the user's namespace is the same, the PRNGs are reseeded at every exec, and a seeded exec starts
+# the virtual clocks again. `COLLIMATE_SYSTRAP_WARMUP=0` in the client's environment takes (and
+# names) a snapshot without it, to compare (benches).
+WARM_UP_CODE = "pass"
+
+
+def warm_up_enabled() -> bool:
+    return os.environ.get("COLLIMATE_SYSTRAP_WARMUP", "1") != "0"
+
+
+def warm_up(vm: Vm, what: str) -> None:
+    """Run one exec of `WARM_UP_CODE` in an agent at its ready point, unseeded, and leave it at
+    its ready point again; raise if it did not get back there."""
+    r = vm.agent_call(_catalog.frame({"op": "exec", "code": WARM_UP_CODE}), 60.0)
+    reply = _catalog.unframe(r.agent) if (r.kind, r.value) == ("yield", _catalog.AGENT_IDLE) else None
+    if not reply or reply.get("exit_code") != 0:
+        raise _CoreEngineError(
+            f"{what}: the agent's warm-up exec did not end at its ready point ({r!r}, reply {reply!r}); "
+            f"stderr: {r.stderr[-2000:].decode(errors='replace')}"
+        )
+
 
 SYSTRAP_HELP = "use platform='kvm' (connect(platform='kvm')) on a host where /dev/kvm opens and creates a VM"
 
@@ -97,13 +146,16 @@ class LiveTemplate:
         self._filling = False
         self._taken_at = 0.0  # when a spare was last handed out (time.monotonic)
         self._emptied = threading.Event()  # set when the last spare is handed out
+        self._wanted = threading.Event()  # set by `_fill`: a lingering spare thread looks again
+        _live_templates.add(self)
         self._cpus = cpus
         self._work: Path | None = None
         # The state its sandboxes start from, as egress recordings name it: what the zygote was
         # started from (a new root filesystem or agent is another state).
         self.state = state or hashlib.sha256(
             f"collimate/live-template/v1\0{name}\0{root}\0{_catalog._agent_hash()}\0{cpus}\0"
-            f"{_catalog.TEMPLATE_VERSION}\0{SYSTRAP_SNAPSHOT_FORMAT}".encode()
+            f"{_catalog.TEMPLATE_VERSION}\0{SYSTRAP_SNAPSHOT_FORMAT}"
+            f"{chr(0) + 'warm-up ' + WARM_UP_CODE if start is None and warm_up_enabled() else ''}".encode()
         ).hexdigest()
         # Where the catalog template's systrap snapshot lives (None: an image template, whose
         # `start` makes its zygote; or no cache given).
@@ -194,7 +246,8 @@ class LiveTemplate:
     def _fill(self) -> None:
         """Start the thread that clones spares up to `spares`, unless it runs."""
         with self.lock:
-            if self._filling or len(self._pool) >= self.spares:
+            self._wanted.set()  # under the lock: a lingering thread that ends sees it first
+            if self._filling or len(self._pool) >= self.spares or _exiting:
                 return
             self._filling = True
         # Not a daemon: at the interpreter's exit it ends after its current clone (a daemon thread
@@ -202,11 +255,27 @@ class LiveTemplate:
         threading.Thread(target=self._filler, name="collimate-systrap-spares").start()
 
     def _filler(self) -> None:
+        ended = False
         try:
             while True:
                 with self.lock:
-                    if self.zygote is None or len(self._pool) >= self.spares:
+                    if self.zygote is None or _exiting or self.spares == 0:
                         return
+                    if len(self._pool) >= self.spares:
+                        if not self._wanted.is_set():
+                            ended = True  # `_fill` starts a new thread from now on
+                            self._filling = False
+                            return
+                        self._wanted.clear()
+                        full = True
+                    else:
+                        full = False
+                if full:
+                    # Stay a while for the next sandbox taken (see LINGER); a `_fill` meanwhile
+                    # wakes this thread, else it ends at the check above.
+                    self._wanted.wait(LINGER)
+                    continue
+                with self.lock:
                     wait = self._taken_at + REFILL_AFTER - time.monotonic() if self._pool else 0.0
                 if wait > 0:  # not beside the first exec of the sandbox just handed out
                     self._emptied.wait(wait)
@@ -229,8 +298,9 @@ class LiveTemplate:
                             return
                     self._pool.append(vm)
         finally:
-            with self.lock:
-                self._filling = False
+            if not ended:
+                with self.lock:
+                    self._filling = False
 
     def _take_spare(self) -> Vm | None:
         with self.lock:
@@ -273,6 +343,8 @@ class LiveTemplate:
     def _make_snapshot(self, snap: Path) -> None:
         vm = self._boot()
         try:
+            if warm_up_enabled():
+                warm_up(vm, f"making the {self.baked.name!r} template's snapshot on systrap")
             save_snapshot(vm, snap)
         finally:
             self._stop_vm(vm)
@@ -328,6 +400,7 @@ class LiveTemplate:
             spares, self._pool = self._pool, []
             self._stop()
         self._emptied.set()  # a waiting spare thread sees there is nothing to do
+        self._wanted.set()
         for vm in spares:
             vm.destroy()
         if self._on_close is not None:

@@ -369,6 +369,32 @@ pub fn changed_by(nr: u64) -> u8 {
 mod tests {
     use super::*;
 
+    /// The first process of a new tree (a sandbox's, or a clone's), and then a process it forks,
+    /// each take an entry without reading the rest of the table: in a new shared mapping, and in a
+    /// forked process's copy of it, every page read first is a page fault (with the owners inside
+    /// the entries, a clone's start and every guest fork paid 256 of them). Counted as the table's
+    /// resident pages.
+    #[test]
+    fn a_process_claims_its_entry_without_touching_the_table() {
+        new_tree();
+        let resident = || {
+            let t = TABLE.load(Ordering::Acquire);
+            let mut vec = vec![0u8; TABLE_BYTES / 4096];
+            // SAFETY: the table's own mapping, page aligned, TABLE_BYTES long; vec has a byte per page.
+            assert_eq!(unsafe { libc::mincore(t.cast(), TABLE_BYTES, vec.as_mut_ptr()) }, 0);
+            vec.iter().filter(|b| *b & 1 == 1).count()
+        };
+        publish(&Facts { pid: 1, cmdline: b"python3".to_vec(), ..Default::default() }, true);
+        let first = resident();
+        assert!(first <= 4, "{first} of the table's {} pages were touched to claim one entry", TABLE_BYTES / 4096);
+        child_started();
+        publish(&Facts { pid: 2, cmdline: b"sh".to_vec(), ..Default::default() }, true);
+        let second = resident();
+        assert!(second <= first + 4, "{} more pages were touched to claim a second entry", second - first);
+        let t = table().unwrap();
+        assert_eq!((t.owners[0].load(Ordering::SeqCst), t.owners[1].load(Ordering::SeqCst)), (1, 2));
+    }
+
     #[test]
     fn texts_are_laid_out_without_overlap() {
         for k in 1..TEXTS {

@@ -26,7 +26,9 @@ use crate::platform::Memory;
 /// scheduler region and a process table of its own, with the first process in both.
 pub(super) fn new_tree(os: &GuestOs, mem: &Memory) {
     sched::new_tree(os.proc.pid);
+    crate::trace::mark("tree.sched");
     proctab::new_tree();
+    crate::trace::mark("tree.proctab");
     proctab::refresh(os, mem);
 }
 

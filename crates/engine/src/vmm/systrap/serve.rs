@@ -143,6 +143,7 @@ fn new_tree(p: &mut Process) -> Result<()> {
     // The tree's scheduler slots and process table (kill of any of its processes, /proc/<pid>).
     let mut space = super::StubSpace { stub: &mut p.stub, budget: p.budget, failure: None };
     super::proctree::new_tree(&p.os, &crate::platform::Memory::Host(&mut space));
+    crate::trace::mark("tree.proctree");
     // SAFETY: a plain prctl on this process: orphaned guest processes come back to it.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     reaper::start(&p.stub).map_err(|e| Error::Remote(format!("systrap: the sandbox's reaper: {e}")))
@@ -358,7 +359,9 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
         };
         // Not waiting for the new stub to park: its VMM does (`clone_main`), so the next
         // clone's fork does not wait for this one's stub to be scheduled.
+        crate::trace::mark("fork.begin");
         let child_stub = p.stub.fork_unparked().map_err(|e| Error::Remote(format!("systrap: fork of the stub: {e}")))?;
+        crate::trace::mark("fork.stub");
         let (ours, theirs) = Channel::pair()?;
         signal::host::block(true);
         signal::gather(&mut p.os);
@@ -384,8 +387,10 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
         child_stub.release();
         drop(theirs);
         drop((tmpfs, ctx)); // the child's now
+        crate::trace::mark("fork.vmm");
         let pidfd = crate::vmm::pidfd_open(pid)?;
         chan.send(&Response::Forked { pids: vec![pid] }, &[ours.raw_fd(), pidfd.as_raw_fd()])?;
+        crate::trace::mark("fork.sent");
     }
     Ok(())
 }
@@ -394,6 +399,7 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
 /// `alone`: the only clone of its `Fork` (a sandbox or a spare, not a fork group's child).
 fn clone_main(p: &mut Process, stub: Stub, mut chan: Channel, tmpfs: Option<(OwnedFd, OwnedFd)>, ctx: Option<OwnedFd>, alone: bool) -> ! {
     std::mem::replace(&mut p.stub, stub).release();
+    crate::trace::mark("clone.start");
     if let Err(e) = p.stub.await_parked() {
         reply(&mut chan, Err(Error::Remote(format!("systrap: fork of the stub: {e}"))));
         exit_discarding(1)
@@ -409,16 +415,20 @@ fn clone_main(p: &mut Process, stub: Stub, mut chan: Channel, tmpfs: Option<(Own
     crate::vstate::shared::set_pool(tmpfs.as_ref().map(|(_, shm)| shm.clone()));
     // Its own copy of the writable mounts and, unless its CRNG was seeded, fresh entropy.
     guestos::random::diverge(&mut p.os);
+    crate::trace::mark("clone.parked");
     match crate::guestos::persist::privatize(&mut p.os, &root, ctx) {
         Ok(()) => {
+            crate::trace::mark("clone.privatized");
             if let Err(e) = new_tree(p) {
                 reply(&mut chan, Err(e));
                 exit_discarding(1)
             }
+            crate::trace::mark("clone.tree");
             let fds: Vec<RawFd> = tmpfs.iter().flat_map(|(disk, shm)| [disk.as_raw_fd(), shm.as_raw_fd()]).collect();
             if chan.send(&Response::Ready { pid: host_pid(), linux: true, jail: jail::status() }, &fds).is_err() {
                 exit_discarding(0);
             }
+            crate::trace::mark("clone.ready");
             serve(p, chan, Vec::new())
         }
         Err(e) => {

@@ -174,6 +174,7 @@ impl Warm {
         }
         written::populate_here(&self.vmm);
         let _ = stub.populate(&self.stub);
+        crate::trace::mark("clone.settled");
     }
 
     /// After a run of this clone has been answered: if it owes its parent a report, write what
