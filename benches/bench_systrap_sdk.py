@@ -15,7 +15,9 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
 - on systrap, `exec(command="true")` in rotated rounds (the load moves): `/bin/sh -c true`
   called directly, a session with the defaults (rdtsc trapped in replay execs, every SDK exec
   being one; the adaptive spin), one whose zygote ran with `COLLIMATE_SYSTRAP_HANDOFF=yield`
-  (no spin) and one with `COLLIMATE_TRAP_RDTSC=0` (nothing trapped but syscalls and faults),
+  (no spin), one with `COLLIMATE_SYSTRAP_TSC_MATCH=0` (the VMM thread keeps its rdtsc native
+  while its stub traps it, what systrap did before: docs/systrap.md) and one with
+  `COLLIMATE_TRAP_RDTSC=0` (nothing trapped but syscalls and faults),
   each round's median and p99 and ratio to that round's native median, then the ranges
   (`test_exec_true_rdtsc_rounds`; printed, run with `-s`);
 - on systrap, `exec(command="true")` with the engine's spawn call refused
@@ -133,6 +135,7 @@ def test_exec_true_rdtsc_rounds():
     clients, sessions = [], {}
     variants = [
         ("systrap default (rdtsc trapped, adaptive spin)", {}),
+        ("systrap COLLIMATE_SYSTRAP_TSC_MATCH=0 (VMM thread not trapping: before)", {"COLLIMATE_SYSTRAP_TSC_MATCH": "0"}),
         ("systrap COLLIMATE_SYSTRAP_HANDOFF=yield", {"COLLIMATE_SYSTRAP_HANDOFF": "yield"}),
         ("systrap COLLIMATE_TRAP_RDTSC=0", {"COLLIMATE_TRAP_RDTSC": "0"}),
     ]
