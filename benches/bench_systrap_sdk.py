@@ -15,9 +15,15 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
 - on systrap, `exec(command="true")` in rotated rounds (the load moves): `/bin/sh -c true`
   called directly, a session with the defaults (rdtsc trapped in replay execs, every SDK exec
   being one; the adaptive spin), one whose zygote ran with `COLLIMATE_SYSTRAP_HANDOFF=yield`
-  (no spin) and one with `COLLIMATE_TRAP_RDTSC=0` (nothing trapped but syscalls and faults),
+  (no spin), one with `COLLIMATE_SYSTRAP_TSC_MATCH=0` (the VMM thread keeps its rdtsc native
+  while its stub traps it, what systrap did before: docs/systrap.md) and one with
+  `COLLIMATE_TRAP_RDTSC=0` (nothing trapped but syscalls and faults),
   each round's median and p99 and ratio to that round's native median, then the ranges
   (`test_exec_true_rdtsc_rounds`; printed, run with `-s`);
+- on systrap, the bare trapped round trip inside an SDK exec (`os.getppid()` x20000 against an
+  empty loop, per call) beside a two-process futex round trip driven from Python in the same
+  round, with and without the VMM thread taking its stub's rdtsc mode
+  (`test_getppid_round_trip_in_a_replay_exec`; printed, run with `-s`);
 - on systrap, `exec(command="true")` with the engine's spawn call refused
   (`COLLIMATE_SYSTRAP_SPAWN=0`: the agent's subprocess fallback, what systrap did before it served
   the call), beside the row above;
@@ -138,6 +144,7 @@ def test_exec_true_rdtsc_rounds():
     clients, sessions = [], {}
     variants = [
         ("systrap default (rdtsc trapped, adaptive spin)", {}),
+        ("systrap COLLIMATE_SYSTRAP_TSC_MATCH=0 (VMM thread not trapping: before)", {"COLLIMATE_SYSTRAP_TSC_MATCH": "0"}),
         ("systrap COLLIMATE_SYSTRAP_HANDOFF=yield", {"COLLIMATE_SYSTRAP_HANDOFF": "yield"}),
         ("systrap COLLIMATE_TRAP_RDTSC=0", {"COLLIMATE_TRAP_RDTSC": "0"}),
     ]
@@ -194,6 +201,104 @@ def test_exec_true_rdtsc_rounds():
         ms, ps, rs = ([x[i] for x in v] for i in range(3))
         print(f"{name:<50} median {min(ms):.2f}-{max(ms):.2f} ms, p99 {min(ps):.2f}-{max(ps):.2f} ms, "
               f"{min(rs):.1f}-{max(rs):.1f}x native (same round)")
+    print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
+
+
+_FUTEX_PAIR = r"""
+import ctypes, mmap, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+m = mmap.mmap(-1, 4096)
+word = ctypes.c_int.from_buffer(m)
+addr = ctypes.addressof(word)
+n = int(sys.argv[1])
+def wait(v):
+    while word.value == v:
+        libc.syscall(202, ctypes.c_void_p(addr), 0, v, None)
+def wake():
+    libc.syscall(202, ctypes.c_void_p(addr), 1, 1)
+pid = os.fork()
+if pid == 0:
+    for _ in range(n):
+        wait(0); word.value = 0; wake()
+    os._exit(0)
+out = []
+for _ in range(n):
+    t = time.perf_counter_ns(); word.value = 1; wake(); wait(1); out.append(time.perf_counter_ns() - t)
+os.waitpid(pid, 0)
+out.sort()
+print(out[len(out) // 2] / 1e3, out[int(len(out) * 0.99)] / 1e3)
+"""
+
+
+def test_getppid_round_trip_in_a_replay_exec():
+    """The bare trapped round trip inside an SDK exec (every one a replay exec: rdtsc trapped):
+    `os.getppid()` in a loop of 20000 against the same exec with an empty loop, per call, beside
+    a two-process futex round trip driven the same way from Python (ctypes `syscall`, shared
+    mmap) in the same round; sessions: the default (the VMM thread takes its stub's rdtsc mode,
+    docs/systrap.md), `COLLIMATE_SYSTRAP_TSC_MATCH=0` (before) and `COLLIMATE_TRAP_RDTSC=0`
+    (nothing trapped). Rounds rotated; printed, run with `-s`."""
+    from collimate_core.sdk import platform as pf
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    variants = [
+        ("default (VMM thread matched)", {}),
+        ("COLLIMATE_SYSTRAP_TSC_MATCH=0 (before)", {"COLLIMATE_SYSTRAP_TSC_MATCH": "0"}),
+        ("COLLIMATE_TRAP_RDTSC=0 (nothing trapped)", {"COLLIMATE_TRAP_RDTSC": "0"}),
+    ]
+    clients, sessions = [], {}
+    for name, env in variants:
+        os.environ.update(env)
+        try:
+            c = EmbeddedClient(platform="systrap")
+            s = c.session("python")
+            s.__enter__()
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+        clients.append(c)
+        sessions[name] = s
+    n = 20000
+    loop = "import os\nfor _ in range({}): os.getppid()\n"
+    seed = "5e" * 32
+
+    def per_call(s):
+        # Medians of 5 execs each; each exec is seeded (replay), as every SDK exec is.
+        def t(k):
+            v = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                assert s.exec(code=loop.format(k), seed=seed).ok
+                v.append(time.perf_counter() - t0)
+            return statistics.median(v), sorted(v)[-1]
+        (full, full_max), (empty, _) = t(n), t(0)
+        return (full - empty) / n * 1e6, (full_max - empty) / n * 1e6
+
+    rows: dict[str, list[tuple[float, float, float]]] = {"python-driven futex round trip, two processes": []}
+    rows.update({k: [] for k in sessions})
+    print(f"\nload (1/5/15 min): {' '.join(open('/proc/loadavg').read().split()[:3])}; platform: systrap on a kvm_pvm host")
+    try:
+        for rnd in range(4):
+            items = list(sessions.items())
+            order = items[rnd % len(items):] + items[:rnd % len(items)]
+            fm, fp = map(float, subprocess.run(["/usr/bin/python3", "-c", _FUTEX_PAIR, str(n)], check=True,
+                                               capture_output=True, text=True).stdout.split())
+            rows["python-driven futex round trip, two processes"].append((fm, fp, 1.0))
+            line = [f"round {rnd}: futex {fm:.2f} us (p99 {fp:.2f})"]
+            for name, s in order:
+                m, worst = per_call(s)
+                rows[name].append((m, worst, m / fm))
+                line.append(f"{name} {m:.2f} us/call (worst exec {worst:.2f}) = {m / fm:.2f}x")
+            print(" | ".join(line))
+    finally:
+        for s in sessions.values():
+            s.__exit__(None, None, None)
+        for c in clients:
+            c.close()
+    for name, v in rows.items():
+        ms, ps, rs = ([x[i] for x in v] for i in range(3))
+        print(f"{name:<48} median {min(ms):.2f}-{max(ms):.2f} us, p99/worst {min(ps):.2f}-{max(ps):.2f} us, "
+              f"{min(rs):.2f}-{max(rs):.2f}x futex (same round)")
     print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
 
 

@@ -23,7 +23,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use collimate_engine::platform::systrap::{kvm_regs, memory, Confinement, Exit, Handoff, Stub, Template, Traps};
+use collimate_engine::platform::systrap::{kvm_regs, memory, tsc, Confinement, Exit, Handoff, Stub, Template, Traps};
 use criterion::{criterion_group, criterion_main, Criterion};
 
 const SAMPLES: usize = 10_000;
@@ -37,16 +37,26 @@ fn measure(mut op: impl FnMut()) -> Stats {
     for _ in 0..SAMPLES / 10 {
         op();
     }
+    // The clock_gettime syscall for every row: after a replay row this thread traps rdtsc as its
+    // stub does, and the vDSO's clock would be rescued (`tsc`). It adds the same ~0.3 us to every
+    // sample ("clock read" row).
     let mut t: Vec<u64> = (0..SAMPLES)
         .map(|_| {
-            let s = Instant::now();
+            let s = raw_ns();
             op();
-            s.elapsed().as_nanos() as u64
+            raw_ns() - s
         })
         .collect();
     t.sort_unstable();
     let q = |p: f64| t[((t.len() - 1) as f64 * p) as usize] as f64 / 1000.0;
     Stats { median_us: q(0.5), p99_us: q(0.99) }
+}
+
+fn raw_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: the clock_gettime syscall writes one timespec we own.
+    unsafe { libc::syscall(libc::SYS_clock_gettime, libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 fn print(name: &str, s: &Stats) {
@@ -170,17 +180,32 @@ fn trapped_round_trip(stub: &mut Stub, regs: &mut kvm_regs, fs: &mut u64) {
 fn per_exec_traps(pair: &FutexPair) {
     const ROUNDS: usize = 5;
     let (y, a) = (Handoff::yield_then_sleep(), Handoff::adaptive());
-    let tsc = Traps { rdtsc: true, cpuid: false };
-    let rows: [(&str, Confinement, Traps, Handoff); 5] = [
-        ("before: rdtsc+cpuid trapped for life, yield+sleep", Confinement::for_replay(true), Traps::default(), y.clone()),
-        ("now, replay exec (rdtsc on), yield+sleep", Confinement::for_replay(false), tsc, y.clone()),
-        ("now, replay exec (rdtsc on), adaptive spin", Confinement::for_replay(false), tsc, a.clone()),
-        ("now, outside replay (no traps), yield+sleep", Confinement::for_replay(false), Traps::default(), y),
-        ("now, outside replay (no traps), adaptive spin", Confinement::for_replay(false), Traps::default(), a),
+    let rd = Traps { rdtsc: true, cpuid: false };
+    // The last field: whether the VMM thread takes its stub's rdtsc mode (`tsc::match_stub`).
+    let rows: [(&str, Confinement, Traps, Handoff, bool); 7] = [
+        ("before: rdtsc+cpuid trapped for life, yield+sleep", Confinement::for_replay(true), Traps::default(), y.clone(), false),
+        ("replay exec (rdtsc on), VMM thread not matched, yield+sleep", Confinement::for_replay(false), rd, y.clone(), false),
+        ("replay exec (rdtsc on), VMM thread not matched, adaptive", Confinement::for_replay(false), rd, a.clone(), false),
+        ("replay exec (rdtsc on), VMM thread matched, yield+sleep", Confinement::for_replay(false), rd, y.clone(), true),
+        ("replay exec (rdtsc on), VMM thread matched, adaptive", Confinement::for_replay(false), rd, a.clone(), true),
+        ("outside replay (no traps), yield+sleep", Confinement::for_replay(false), Traps::default(), y, true),
+        ("outside replay (no traps), adaptive spin", Confinement::for_replay(false), Traps::default(), a, true),
     ];
+    // Measure row `i`'s round trip right after a futex baseline taken with this thread's rdtsc
+    // native (as the baseline's processes have it).
+    let row = |i: usize, stubs: &mut Vec<(Stub, kvm_regs)>, fs: &mut u64| {
+        tsc::release();
+        let base = measure(|| pair.round_trip());
+        tsc::set_matching(rows[i].4);
+        let (stub, regs) = &mut stubs[i];
+        let s = measure(|| trapped_round_trip(stub, regs, fs));
+        tsc::set_matching(true);
+        tsc::release();
+        (base, s)
+    };
     let mut stubs: Vec<(Stub, kvm_regs)> = rows
         .iter()
-        .map(|(_, conf, traps, h)| {
+        .map(|(_, conf, traps, h, _)| {
             let (mut stub, regs) = syscall_loop_stub(conf);
             if *traps != Traps::default() {
                 stub.set_traps(*traps).expect("switch the traps");
@@ -194,10 +219,8 @@ fn per_exec_traps(pair: &FutexPair) {
     let mut seen: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); rows.len()];
     let mut base_seen = Vec::new();
     for round in 0..ROUNDS {
-        for (i, (name, _, _, _)) in rows.iter().enumerate() {
-            let base = measure(|| pair.round_trip());
-            let (stub, regs) = &mut stubs[i];
-            let s = measure(|| trapped_round_trip(stub, regs, &mut fs));
+        for (i, (name, _, _, _, _)) in rows.iter().enumerate() {
+            let (base, s) = row(i, &mut stubs, &mut fs);
             let ratio = s.median_us / base.median_us;
             println!(
                 "round {round}: futex {:>7.2} us (p99 {:>7.2}) | systrap {name:<54} {:>7.2} us (p99 {:>8.2}) = {ratio:.2}x",
@@ -213,7 +236,7 @@ fn per_exec_traps(pair: &FutexPair) {
     };
     let (mut bm, mut bp): (Vec<f64>, Vec<f64>) = base_seen.iter().copied().unzip();
     println!("{:<66} median {} us, p99 {} us", "native futex wake+wait round trip, two processes (every round)", range(&mut bm), range(&mut bp));
-    for (i, (name, _, _, _)) in rows.iter().enumerate() {
+    for (i, (name, _, _, _, _)) in rows.iter().enumerate() {
         let mut m: Vec<f64> = seen[i].iter().map(|x| x.0).collect();
         let mut p: Vec<f64> = seen[i].iter().map(|x| x.1).collect();
         let mut r: Vec<f64> = seen[i].iter().map(|x| x.2).collect();
@@ -234,13 +257,11 @@ fn per_exec_traps(pair: &FutexPair) {
     };
     // SAFETY: sched_getcpu has no preconditions.
     let cpu = unsafe { libc::sched_getcpu() }.max(0) as usize;
-    let pinned: Vec<usize> = vec![3, 4];
+    let pinned: Vec<usize> = vec![1, 3, 5, 6];
     if pinned.iter().all(|&i| pin(stubs[i].0.pid(), Some(cpu))) && pin(0, Some(cpu)) {
         for round in 0..2 {
             for &i in &pinned {
-                let base = measure(|| pair.round_trip());
-                let (stub, regs) = &mut stubs[i];
-                let s = measure(|| trapped_round_trip(stub, regs, &mut fs));
+                let (base, s) = row(i, &mut stubs, &mut fs);
                 println!(
                     "pinned round {round}: futex {:>7.2} us (p99 {:>7.2}) | systrap {:<54} {:>7.2} us (p99 {:>8.2}) = {:.2}x",
                     base.median_us, base.p99_us, rows[i].0, s.median_us, s.p99_us, s.median_us / base.median_us
@@ -275,16 +296,14 @@ fn per_exec_traps(pair: &FutexPair) {
     // the other work on this host still shares both).
     // SAFETY: sysconf has no preconditions.
     let other = (cpu + 1) % (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize);
-    let apart: Vec<usize> = vec![1, 2, 3, 4];
+    let apart: Vec<usize> = vec![1, 2, 3, 4, 5, 6];
     if other != cpu && apart.iter().all(|&i| pin(stubs[i].0.pid(), Some(other))) && pin(0, Some(cpu)) {
         for round in 0..2 {
             for &i in &apart {
-                let base = measure(|| pair.round_trip());
-                let (stub, regs) = &mut stubs[i];
-                let s = measure(|| trapped_round_trip(stub, regs, &mut fs));
+                let (base, s) = row(i, &mut stubs, &mut fs);
                 println!(
-                    "apart round {round}: futex {:>7.2} us (p99 {:>7.2}) | systrap {:<54} {:>7.2} us (p99 {:>8.2}) = {:.2}x",
-                    base.median_us, base.p99_us, rows[i].0, s.median_us, s.p99_us, s.median_us / base.median_us
+                    "apart round {round}: futex {:>7.2} us (p99 {:>7.2}) | systrap {:<54} {:>7.2} us (p99 {:>8.2}) = {:.2}x (rescues so far {})",
+                    base.median_us, base.p99_us, rows[i].0, s.median_us, s.p99_us, s.median_us / base.median_us, tsc::rescues()
                 );
             }
         }
@@ -303,6 +322,7 @@ fn bench(c: &mut Criterion) {
         libc::syscall(libc::SYS_getppid);
     });
     print("native getppid", &native);
+    print("clock read (the timer of every row: clock_gettime syscall)", &measure(|| ()));
 
     let pair = FutexPair::new();
     let futex = measure(|| pair.round_trip());

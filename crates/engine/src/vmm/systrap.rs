@@ -61,7 +61,7 @@ use crate::error::{Error, Result};
 use super::process::{self, AfterSyscall, Entry};
 use crate::guestos::signal::{self, Child, Delivery};
 use crate::guestos::{self, Errno, GuestOs, EAGAIN, EFAULT, EINVAL, EIO, ENOSYS};
-use crate::platform::systrap::{self as st, Confinement, Exit, Stub};
+use crate::platform::systrap::{self as st, tsc, Confinement, Exit, Stub};
 use crate::platform::{HostSpace, Memory};
 use crate::protocol::{RunExit, RunResult, SpawnSpec};
 
@@ -391,7 +391,7 @@ impl Process {
             // A guest timer due while the guest computes: the timer kicks the stub when it is.
             let timer_budget = guestos::timer::host_budget(&self.os);
             if timer_budget.is_some() || short_armed {
-                let left = deadline.saturating_duration_since(Instant::now());
+                let left = deadline.saturating_duration_since(tsc::now());
                 short_armed = timer_budget.is_some_and(|b| b < left);
                 preempt::arm(timer_budget.map_or(left, |b| b.min(left)))?;
             }
@@ -400,7 +400,7 @@ impl Process {
             let budget = super::threads::vdso_budget(self).min(guestos::timer::vdso_budget(&self.os));
             let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
             guestos::vdso::publish_host(&self.os, &mut space, &mut self.vvar, budget);
-            let entered = timer_budget.map(|_| Instant::now());
+            let entered = timer_budget.map(|_| tsc::now());
             let exit = self.stub.run(&mut self.regs, &mut self.fs_base).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
             let space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
             let reads = guestos::vdso::fold_host(&mut self.os, &space, &mut self.vvar);
@@ -412,7 +412,7 @@ impl Process {
                 crate::trace::vdso_reads(reads);
             }
             if let Some(t) = entered {
-                if guestos::timer::charge(&mut self.os, t.elapsed()) {
+                if guestos::timer::charge(&mut self.os, tsc::now().saturating_duration_since(t)) {
                     super::threads::mark_nondeterministic();
                 }
             }
@@ -480,7 +480,9 @@ impl Process {
                     return Err(Error::Remote(format!("systrap: the stub process ended under the guest (wait status {status:?})")));
                 }
             }
-            if Instant::now() >= deadline {
+            // Not `Instant::now`: in a replay exec this thread traps rdtsc as its stub does
+            // (`platform::systrap::tsc`).
+            if tsc::now() >= deadline {
                 return Ok(RunExit::Timeout);
             }
         }

@@ -49,6 +49,7 @@ pub mod preempt;
 pub mod reaper;
 pub mod shared;
 pub mod template;
+pub mod tsc;
 pub mod written;
 
 use std::ffi::CString;
@@ -221,6 +222,7 @@ pub const BOOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30)
 /// Open the host's `/proc` now, for every stub this process will make. Call it before anything
 /// (the VMM's jail) hides `/proc`; calling it again does nothing. [`Stub::spawn`] calls it too.
 pub fn prepare() -> Result<()> {
+    tsc::install().map_err(|source| Error::Host { call: "sigaction(SIGSEGV) for the VMM thread's rdtsc", source })?;
     memory::proc_dir().map(|_| ()).map_err(|source| Error::Host { call: "open /proc", source })
 }
 
@@ -336,6 +338,8 @@ impl Stub {
             return Err(Error::Spawn { step: "child stack", source: io::Error::last_os_error() });
         }
         let top = stack as usize + STACK;
+        // The child inherits this thread's rdtsc mode; it sets the one `conf` asks for itself.
+        tsc::release();
         // SAFETY: without CLONE_VM the child runs `child_main` on its own copy of `stack` and of
         // `args`; the parent's copies stay valid until clone returns (and `args` beyond).
         let pid = unsafe {
@@ -526,6 +530,7 @@ impl Stub {
             (*p).args = args;
         }
         self.parked = false;
+        self.match_tsc();
         self.page.hand_to_stub(&self.handoff, &mut self.spin);
         if !self.wait() {
             return Err(Error::Gone { pid: self.pid });
@@ -533,6 +538,15 @@ impl Stub {
         self.parked = true;
         // SAFETY: the VMM's turn again.
         Ok(unsafe { std::ptr::read_volatile(&raw const (*p).ret) })
+    }
+
+    /// Give this (the serving) thread the stub's `rdtsc` mode before a hand-off, so a context
+    /// switch between the two writes no CR4 ([`tsc`]); but not for a wait that spins: while the
+    /// adaptive spin is answered there is no switch to save, and with both sides trapping the
+    /// spins were not answered (two CPUs, benches/systrap.rs: 50 of 51 missed, a 45 us round trip
+    /// against 3.1 us), for a reason not found yet.
+    fn match_tsc(&self) {
+        tsc::match_stub(self.traps.rdtsc && !self.spin.vmm_spins(&self.handoff));
     }
 
     fn syscall(&mut self, op: &'static str, nr: i64, a: [u64; 6]) -> Result<u64> {
@@ -582,6 +596,7 @@ impl Stub {
         }
         self.parked = false;
         self.has_guest = true;
+        self.match_tsc();
         self.page.hand_to_stub(&self.handoff, &mut self.spin);
         if !self.wait() {
             return Ok(Exit::Exited { status: self.exited.flatten() });

@@ -207,7 +207,11 @@ impl SharedPage {
     pub fn wait_for_stub(&self, policy: &Handoff, spin: &mut SpinState, mut alive: impl FnMut() -> bool) -> bool {
         let state = self.state();
         if !policy.vmm_spin.is_zero() && (!policy.adaptive || spin.vmm.try_spin()) {
-            let start = std::time::Instant::now();
+            // While this thread traps rdtsc (`tsc`) the budget is a count of `pause`s, as the
+            // stub's is (a clock read would be a syscall each time).
+            let counted = super::tsc::thread_traps();
+            let start = if counted { None } else { Some(std::time::Instant::now()) };
+            let mut pauses = (policy.vmm_spin.as_nanos() / PAUSE_NS) as u64;
             let answered = 'spin: loop {
                 for _ in 0..32 {
                     if state.load(Ordering::Acquire) == VMM_TURN {
@@ -215,7 +219,14 @@ impl SharedPage {
                     }
                     std::hint::spin_loop();
                 }
-                if start.elapsed() >= policy.vmm_spin {
+                let over = match start {
+                    Some(t) => t.elapsed() >= policy.vmm_spin,
+                    None => {
+                        pauses = pauses.saturating_sub(32);
+                        pauses == 0
+                    }
+                };
+                if over {
                     break false;
                 }
             };
@@ -273,6 +284,9 @@ pub struct Handoff {
     pub adaptive: bool,
 }
 
+/// About how long one `pause` takes on the machines measured (350 make the stub's ~10 us spin).
+const PAUSE_NS: u128 = 30;
+
 /// The longest run of waits an adaptive side skips its spin for after spins that were not answered.
 pub const MAX_SKIP: u32 = 256;
 
@@ -314,6 +328,13 @@ pub struct SpinState {
     stub: Backoff,
     /// The stub was told to spin for the wait the next hand-off ends.
     stub_spun: bool,
+}
+
+impl SpinState {
+    /// Whether the VMM's next wait under `policy` starts with a spin.
+    pub fn vmm_spins(&self, policy: &Handoff) -> bool {
+        !policy.vmm_spin.is_zero() && (!policy.adaptive || self.vmm.skip == 0)
+    }
 }
 
 impl Drop for SharedPage {

@@ -1,0 +1,51 @@
+//! The serving thread takes its stub's `rdtsc` mode in a replay exec (`platform::systrap::tsc`),
+//! so a context switch between the two writes no CR4 (an exit to the hypervisor on a nested
+//! host). What must hold, counted rather than timed: the guest's `rdtsc` still traps and reads
+//! the virtual clock; the VMM thread's own clock reads on the serving path do not run `rdtsc`
+//! (each would be a SIGSEGV rescued by the handler, `tsc::rescues`, and two CR4 writes).
+//! Debian's CPython from the python template's root filesystem.
+
+mod common;
+
+use std::time::Duration;
+
+use collimate_engine::platform::systrap::{tsc, Confinement, Handoff};
+use collimate_engine::vmm::systrap::Process;
+use collimate_engine::RunExit;
+
+#[test]
+fn a_replay_exec_serves_its_syscalls_with_the_vmm_thread_trapping_rdtsc_and_no_rescues() {
+    let Some(root) = common::python_rootfs() else { return };
+    // 3000 trapped syscalls, then the guest's own rdtsc through ctypes (x86-64 code in an
+    // executable mapping: `rdtsc; shl rdx, 32; or rax, rdx; ret`), twice.
+    let code = r#"import os, mmap, ctypes
+for _ in range(3000):
+    os.getppid()
+m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+m.write(bytes([0x0f, 0x31, 0x48, 0xc1, 0xe2, 0x20, 0x48, 0x09, 0xd0, 0xc3]))
+f = ctypes.CFUNCTYPE(ctypes.c_uint64)(ctypes.addressof(ctypes.c_char.from_buffer(m)))
+a, b = f(), f()
+print(0 < b - a < 10**6)
+"#;
+    let spec = common::python_spec(root, &["/usr/bin/python3", "-c", code]);
+    let mut p = Process::spawn(&spec, &Confinement::for_replay(false)).expect("spawn on systrap");
+    // Yield then sleep: every hand-off is a context switch, the case the matching is for.
+    p.set_handoff(Handoff::yield_then_sleep());
+    p.reseed([5; 32], true);
+    let traps = p.sync_traps().expect("switch the stub's traps for a replay exec");
+    assert!(traps.rdtsc, "a replay exec traps the guest's rdtsc");
+    let before = tsc::rescues();
+    let r = p.run(Duration::from_secs(120)).expect("run on systrap");
+    let rescues = tsc::rescues() - before;
+    assert_eq!(r.exit, RunExit::Exited { code: 0 }, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    // The guest's rdtsc read the virtual clock (one quantum per read, a few reads apart), not
+    // the host's counter, which moves by millions of cycles per millisecond.
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "True\n");
+    let syscalls = p.traps().syscalls;
+    assert!(syscalls >= 3000, "{syscalls} trapped syscalls");
+    assert!(tsc::enabled(), "COLLIMATE_SYSTRAP_TSC_MATCH=0 is set: this test checks the matching");
+    // A few rescues may come at the run's edges (the run's start and end read the clock through
+    // the vDSO); one per syscall would cost more than the matching saves.
+    assert!(rescues * 100 < syscalls, "{rescues} of the VMM thread's own rdtsc rescued in {syscalls} trapped syscalls");
+    eprintln!("{syscalls} trapped syscalls, {rescues} rescues; VMM thread trapping after the run: {}", tsc::thread_traps());
+}
