@@ -160,8 +160,8 @@ impl Stub {
             let a = c.args;
             list.push([c.nr as u64, a[0], a[1], a[2], a[3], a[4], a[5]]);
         }
-        for i in 0..fds.len() {
-            list.push([libc::SYS_close as u64, FD_RECEIVED[i] as u64, 0, 0, 0, 0, 0]);
+        for placeholder in FD_RECEIVED.iter().take(fds.len()) {
+            list.push([libc::SYS_close as u64, *placeholder as u64, 0, 0, 0, 0, 0]);
         }
         debug_assert!(list.len() <= BATCH_MAX);
         // SAFETY: the VMM's turn (parked, checked above); the list fits the page (BATCH_MAX).
