@@ -173,8 +173,10 @@ fn a_forked_stub_has_its_own_memory() {
     let (mut parent, mut regs) = loaded();
     let mut fs = 0;
     assert_eq!(parent.run(&mut regs, &mut fs).unwrap(), Exit::Syscall);
+    let before = parent.commands();
     let mut child = parent.fork().expect("fork the stub");
     assert_ne!(child.pid(), parent.pid());
+    assert_eq!(parent.commands() - before, 1, "the fds' recvmsg and the fork are one round trip");
 
     let (mut cregs, mut cfs) = (regs, fs);
     cregs.rax = 1;

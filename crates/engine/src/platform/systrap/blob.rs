@@ -192,6 +192,18 @@ std::arch::global_asm!(
     "50:",
     "mov rbx, qword ptr [r12 + {args}]",
     "mov rbp, qword ptr [r12 + {args} + 8]",
+    "mov rsi, qword ptr [r12 + {args} + 16]",
+    "test rsi, rsi",
+    "jz 56f",
+    "mov eax, 47", // recvmsg(sock, args[2], 0): the two fds arrive here, not in a command before
+    "mov edi, {sock_fd}",
+    "xor edx, edx",
+    "syscall",
+    "test rax, rax",
+    "js 57f",
+    "movsxd rbx, dword ptr [r12 + {batch_fds}]",
+    "movsxd rbp, dword ptr [r12 + {batch_fds} + 4]",
+    "56:",
     "mov eax, 56", // clone(SIGCHLD, 0, 0, 0, 0): a plain fork
     "mov edi, 17",
     "xor esi, esi",
@@ -239,6 +251,9 @@ std::arch::global_asm!(
     "mov rdi, rbp",
     "syscall",
     "mov qword ptr [r12 + {ret}], r15",
+    "jmp 32b",
+    "57:",
+    "mov qword ptr [r12 + {ret}], rax", // the recvmsg failed: no fork
     "jmp 32b",
     // madvise(start, len, args[0]) for each of the args[1] (start, len) pairs in the scratch
     // area; ret = how many succeeded

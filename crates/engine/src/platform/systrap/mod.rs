@@ -830,11 +830,20 @@ impl Stub {
         let (sock, stub_sock) = socketpair().map_err(host("socketpair"))?;
         send_fds(self.sock.as_fd(), &[page.memfd().as_raw_fd(), stub_sock.as_raw_fd()]).map_err(host("sendmsg"))?;
         drop(stub_sock);
-        let [rmem, rsock] = self.receive_fds(2)?;
-        let pid = self.command(shared::CMD_FORK, [rmem as u64, rsock as u64, 0, 0, 0, 0, 0])?;
+        // The stub receives the two fds and forks in one command (`CMD_FORK` with a header).
+        let msg = self.recv_header();
+        // SAFETY: the VMM's turn; the fd slots lie in the mapped page. An fd that does not
+        // arrive stays -1: the child cannot map its page and ends (checked below too).
+        unsafe {
+            let at = self.page.bytes().add(shared::BATCH_FDS).cast::<i32>();
+            at.write_volatile(-1);
+            at.add(1).write_volatile(-1);
+        }
+        let pid = self.command(shared::CMD_FORK, [0, 0, msg, 0, 0, 0, 0])?;
         if pid <= 0 {
             return Err(Error::Op { op: "fork", source: io::Error::from_raw_os_error(-pid as i32) });
         }
+        self.received_fds()?;
         let pid = pid as i32;
         let pidfd = pidfd_open(pid).map_err(host("pidfd_open"))?;
         let mem = match memory::open_mem(pid) {

@@ -38,8 +38,10 @@ pub const CMD_RUN: u64 = 1;
 /// Execute syscall `args[0]` with arguments `args[1..7]`; the result goes to `ret`.
 pub const CMD_SYSCALL: u64 = 2;
 /// Fork: `args[0]` is the new shared page's memfd, `args[1]` the new socket (fd numbers in the
-/// stub). The child maps the memfd over its shared page, moves the socket to [`layout::SOCK_FD`]
-/// and reports `ret = 0` there; the parent reports the child's pid (or `-errno`).
+/// stub); or, with `args[2]` the address of a `recvmsg` header in the scratch area, the two fds
+/// the VMM sent, received first (at [`BATCH_FDS`]; one round trip for both steps). The child
+/// maps the memfd over its shared page, moves the socket to [`layout::SOCK_FD`] and reports
+/// `ret = 0` there; the parent reports the child's pid (or `-errno`).
 pub const CMD_FORK: u64 = 3;
 /// `madvise(start, len, args[0])` for each of `args[1]` (start, len) pairs of u64 at
 /// [`SCRATCH`] (at most [`ADVISE_MAX`]); `ret` = how many succeeded. Nothing a guest could not
