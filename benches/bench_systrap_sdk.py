@@ -24,6 +24,9 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
   empty loop, per call) beside a two-process futex round trip driven from Python in the same
   round, with and without the VMM thread taking its stub's rdtsc mode
   (`test_getppid_round_trip_in_a_replay_exec`; printed, run with `-s`);
+- on systrap, `exec(command="true")` with the program load's address-space edits batched (the
+  default) and one command per edit (`COLLIMATE_SYSTRAP_BATCH=0`), in rotated rounds beside
+  `/bin/sh -c true` (`test_exec_true_batch_rounds`; printed, run with `-s`);
 - on systrap, `exec(command="true")` with the engine's spawn call refused
   (`COLLIMATE_SYSTRAP_SPAWN=0`: the agent's subprocess fallback, what systrap did before it served
   the call), beside the row above;
@@ -135,6 +138,27 @@ def _stats(samples: list[float]) -> tuple[float, float]:
 
 
 def test_exec_true_rdtsc_rounds():
+    _exec_true_rounds([
+        ("systrap default (rdtsc trapped, adaptive spin)", {}),
+        ("systrap COLLIMATE_SYSTRAP_TSC_MATCH=0 (VMM thread not trapping: before)", {"COLLIMATE_SYSTRAP_TSC_MATCH": "0"}),
+        ("systrap COLLIMATE_SYSTRAP_HANDOFF=yield", {"COLLIMATE_SYSTRAP_HANDOFF": "yield"}),
+        ("systrap COLLIMATE_TRAP_RDTSC=0", {"COLLIMATE_TRAP_RDTSC": "0"}),
+    ])
+
+
+def test_exec_true_batch_rounds():
+    """The program load's edits batched (the default) against one command per edit
+    (`COLLIMATE_SYSTRAP_BATCH=0`, what systrap did before; vmm/systrap/load.rs)."""
+    _exec_true_rounds([
+        ("systrap default (edits batched)", {}),
+        ("systrap COLLIMATE_SYSTRAP_BATCH=0", {"COLLIMATE_SYSTRAP_BATCH": "0"}),
+    ], rounds=int(os.environ.get("COLLIMATE_BENCH_ROUNDS", "6")))
+
+
+def _exec_true_rounds(variants, rounds=6):
+    """`exec(command="true")` in a session per variant (its environment set for its zygote's VMM)
+    and `/bin/sh -c true` called directly, in rotated rounds: each round's medians and ratios to
+    that round's native median, then their ranges (printed; run with -s)."""
     from collimate_core.sdk import platform as pf
 
     if not pf.probe_systrap().available:
@@ -142,12 +166,6 @@ def test_exec_true_rdtsc_rounds():
     import time
 
     clients, sessions = [], {}
-    variants = [
-        ("systrap default (rdtsc trapped, adaptive spin)", {}),
-        ("systrap COLLIMATE_SYSTRAP_TSC_MATCH=0 (VMM thread not trapping: before)", {"COLLIMATE_SYSTRAP_TSC_MATCH": "0"}),
-        ("systrap COLLIMATE_SYSTRAP_HANDOFF=yield", {"COLLIMATE_SYSTRAP_HANDOFF": "yield"}),
-        ("systrap COLLIMATE_TRAP_RDTSC=0", {"COLLIMATE_TRAP_RDTSC": "0"}),
-    ]
     for name, env in variants:
         os.environ.update(env)  # read by the zygote's VMM, which its clones inherit
         try:
@@ -181,7 +199,7 @@ def test_exec_true_rdtsc_rounds():
     rows.update({k: [] for k in sessions})
     print(f"\nload (1/5/15 min): {' '.join(open('/proc/loadavg').read().split()[:3])}; platform: systrap on a kvm_pvm host")
     try:
-        for rnd in range(6):
+        for rnd in range(rounds):
             items = list(sessions.items())
             order = items[rnd % len(items):] + items[:rnd % len(items)]
             base = _stats(timed(native))

@@ -42,6 +42,14 @@ pub fn syscall(nr: u64) {
     }
 }
 
+/// Mark a command the VMM hands a parked systrap stub (with `COLLIMATE_TRACE=2`): `what` is the
+/// syscall number it makes for the VMM, or 1000 + the command for the others (fork, advise).
+pub fn stub_command(what: u64) {
+    if state() == 3 {
+        mark_with("cmd", Some(what));
+    }
+}
+
 /// Mark `n` clock reads the vDSO answered in the guest since the last exit (with
 /// `COLLIMATE_TRACE=2`; replay mode, see `guestos::vdso`).
 pub fn vdso_reads(n: u64) {

@@ -116,6 +116,49 @@ fn a_file_is_mapped_through_the_socket() {
     assert_eq!(&b, b"from a host file");
 }
 
+/// A batch of edits is one round trip: two files (one named twice, sent once), anonymous memory
+/// and a protect take effect in order; a call that fails ends the list with its error, after the
+/// calls before it took effect; and the fds the stub received are closed either way (the stub
+/// holds at most 8: a batch that left its fds open would fail within a few rounds).
+#[test]
+fn a_batch_of_edits_is_one_round_trip() {
+    use collimate_engine::platform::systrap::batch::Batch;
+    use std::os::fd::AsFd;
+    let (mut stub, _) = loaded();
+    let (f1, f2) = (tempfile_with(b"first file"), tempfile_with(b"second file"));
+    for round in 0..12 {
+        let before = stub.commands();
+        let mut b = Batch::new();
+        b.map(LAZY, PAGE, libc::PROT_READ, libc::MAP_PRIVATE, Some(f1.as_fd()), 0).unwrap();
+        b.map(LAZY + PAGE, PAGE, libc::PROT_READ, libc::MAP_PRIVATE, Some(f2.as_fd()), 0).unwrap();
+        b.map(LAZY + 2 * PAGE, PAGE, libc::PROT_READ, libc::MAP_PRIVATE, Some(f1.as_fd()), 0).unwrap();
+        b.map(LAZY + 3 * PAGE, PAGE, RW, libc::MAP_PRIVATE, None, 0).unwrap();
+        b.protect(LAZY + 3 * PAGE, PAGE, libc::PROT_READ).unwrap();
+        assert_eq!(b.len(), 5);
+        stub.run_batch(&mut b).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        assert!(b.is_empty());
+        assert_eq!(stub.commands() - before, 1, "one round trip for the whole batch");
+        let mut got = [0u8; 11];
+        stub.read(LAZY, &mut got[..10]).unwrap();
+        assert_eq!(&got[..10], b"first file");
+        stub.read(LAZY + PAGE, &mut got).unwrap();
+        assert_eq!(&got, b"second file");
+        stub.read(LAZY + 2 * PAGE, &mut got[..10]).unwrap();
+        assert_eq!(&got[..10], b"first file");
+        assert_eq!(read_u64(&stub, LAZY + 3 * PAGE), 0);
+
+        // The second call fails (an unaligned address): the first took effect, the third not.
+        let mut b = Batch::new();
+        b.unmap(LAZY + 2 * PAGE, PAGE).unwrap();
+        b.map(LAZY + 2 * PAGE + 1, PAGE, libc::PROT_READ, libc::MAP_PRIVATE, Some(f2.as_fd()), 0).unwrap();
+        b.unmap(LAZY, PAGE).unwrap();
+        let e = stub.run_batch(&mut b).expect_err("a misaligned mmap fails");
+        assert!(e.to_string().contains("mmap"), "{e}");
+        assert!(stub.read(LAZY + 2 * PAGE, &mut got).is_err(), "the unmap before the failure ran");
+        stub.read(LAZY, &mut got[..10]).expect("the unmap after the failure did not run");
+    }
+}
+
 fn tempfile_with(data: &[u8]) -> std::fs::File {
     use std::io::Write;
     let path = std::env::temp_dir().join(format!("systrap-test-{}", std::process::id()));
@@ -130,8 +173,10 @@ fn a_forked_stub_has_its_own_memory() {
     let (mut parent, mut regs) = loaded();
     let mut fs = 0;
     assert_eq!(parent.run(&mut regs, &mut fs).unwrap(), Exit::Syscall);
+    let before = parent.commands();
     let mut child = parent.fork().expect("fork the stub");
     assert_ne!(child.pid(), parent.pid());
+    assert_eq!(parent.commands() - before, 1, "the fds' recvmsg and the fork are one round trip");
 
     let (mut cregs, mut cfs) = (regs, fs);
     cregs.rax = 1;

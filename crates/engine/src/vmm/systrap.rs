@@ -42,6 +42,7 @@
 //! launched VMM process serve it over the controller protocol (the SDK's `platform="systrap"`;
 //! guest pids from the serving tree's pid page, as on kvm).
 
+mod load;
 mod preempt;
 mod proctree;
 mod serve;
@@ -283,8 +284,9 @@ impl Process {
             ))
         };
         let prepared = guestos::exec::prepare(&os, &spec.argv[0], &spec.argv, &spec.envp).map_err(|e| cannot(e, None))?;
-        let mut space = StubSpace { stub: &mut stub, budget, failure: None };
-        let img = guestos::exec::commit_host(&mut os, &mut space, prepared, &spec.envp).map_err(|e| cannot(e, space.failure.take()))?;
+        let mut space = load::Batched::new(&mut stub, budget);
+        let img = guestos::exec::commit_host(&mut os, &mut space, prepared, &spec.envp).and_then(|img| space.finish().map(|_| img));
+        let img = img.map_err(|e| cannot(e, space.failure()))?;
         let regs = kvm_regs { rip: img.entry, rsp: img.rsp, rflags: 0x202, ..Default::default() };
         // Signals from its children arrive as kvm's do (`signal::host`'s carrier, handled in
         // this whole process: one systrap first process per host process).
@@ -300,6 +302,11 @@ impl Process {
             return Ok(self.stub.traps()); // no stub left to switch; the next exec will fail
         }
         self.stub.set_traps(exec_traps(self.os.proc.clocks.replay)).map_err(|e| Error::Remote(format!("systrap: {e}")))
+    }
+
+    /// The commands this process's VMM has handed its stub so far (`Stub::commands`).
+    pub fn stub_commands(&self) -> u64 {
+        self.stub.commands()
     }
 
     /// The stub's rdtsc/cpuid traps now in force.
@@ -626,7 +633,7 @@ impl Process {
     /// (SIGSEGV), as on Linux.
     fn execve(&mut self) -> Option<RunExit> {
         let (path, argv, envp) = (self.regs.rdi, self.regs.rsi, self.regs.rdx);
-        let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
+        let space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
         let args = (|| {
             let path = read_cstr(&space, path, guestos::vfs::PATH_MAX)?;
             let argv = read_strv(&space, argv)?;
@@ -641,7 +648,9 @@ impl Process {
                 return None;
             }
         };
-        match guestos::exec::commit_host(&mut self.os, &mut space, prepared, &envp) {
+        let mut space = load::Batched::new(&mut self.stub, self.budget);
+        let loaded = guestos::exec::commit_host(&mut self.os, &mut space, prepared, &envp).and_then(|img| space.finish().map(|_| img));
+        match loaded {
             Ok(img) => {
                 self.regs = crate::arch::x86_64::regs::initial_regs(img.entry, img.rsp);
                 self.fs_base = 0;
@@ -684,6 +693,7 @@ impl Process {
         // The child's guest pid: the sandbox's own numbering (the serving tree's pid page, as on
         // kvm), or its VMM's host pid where there is no such tree (a first process run in the
         // caller's process: tests and benches).
+        crate::trace::mark_n("fork.enter", c.flags);
         let guest_pid = signal::host::alloc_pid();
         // Counted and given its slot in the tree (`proctree`: kill, groups, /proc/<pid>).
         let forking = match guest_pid {
@@ -697,6 +707,7 @@ impl Process {
             e
         };
         let child_stub = self.stub.fork().map_err(|_| failed(EAGAIN))?;
+        crate::trace::mark("fork.stub");
         // A vfork parent waits for the child's exec or end: the end of this pipe.
         let mut vfork = [-1; 2];
         // SAFETY: pipe2 fills two descriptors; checked.
@@ -716,6 +727,7 @@ impl Process {
         // from `child_main` and never unwinds into the caller's frames.
         let rc = unsafe { libc::syscall(libc::SYS_clone, 0 as libc::c_ulong, 0usize, 0usize, 0usize, 0usize) };
         if rc == 0 {
+            crate::trace::mark("child.start");
             signal::host::reset_child();
             signal::host::block(false);
             // SAFETY: closing our copy of the read end.
@@ -745,6 +757,7 @@ impl Process {
             return Err(failed(e));
         }
         child_stub.release();
+        crate::trace::mark("fork.parent");
         let host_pid = rc as i32;
         let pid = guest_pid.unwrap_or(host_pid);
         if vfork[1] >= 0 {
@@ -808,6 +821,7 @@ impl Process {
             eprintln!("collimate: systrap guest process: {e}");
             return RunExit::Signaled { signo: libc::SIGKILL };
         }
+        crate::trace::mark("child.registered");
         let inherited = VFORK_FD.swap(vfork, std::sync::atomic::Ordering::SeqCst);
         if inherited >= 0 {
             // SAFETY: the pipe our parent VMM held as a vfork child itself: not ours to hold.

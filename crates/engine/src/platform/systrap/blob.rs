@@ -9,7 +9,8 @@
 //!   serves commands until one says run: then it copies the (possibly changed) registers back into the
 //!   frame, restores the FS base and returns through `rt_sigreturn`, which loads them all.
 //!   Besides running, the VMM's syscalls and fork, one command applies an `madvise` to a list of
-//!   ranges (`CMD_ADVISE`: a clone's pages faulted in ahead, one round trip for the list).
+//!   ranges (`CMD_ADVISE`: a clone's pages faulted in ahead, one round trip for the list), and one
+//!   makes a list of syscalls (`CMD_BATCH`: a program load's mappings, one round trip for them).
 //! - `restorer`: `rt_sigreturn`, the `sa_restorer` of every handler.
 //! - `boot`: entered once by a new stub (on the boot stack, with the filter installed): unmaps
 //!   everything outside the reserved range (the rest of the VMM's image that the stub was cloned
@@ -151,6 +152,8 @@ std::arch::global_asm!(
     "je 50f",
     "cmp rax, {cmd_advise}",
     "je 60f",
+    "cmp rax, {cmd_batch}",
+    "je 70f",
     "mov qword ptr [r12 + {ret}], -22",
     "jmp 32f",
     "31:",
@@ -189,6 +192,18 @@ std::arch::global_asm!(
     "50:",
     "mov rbx, qword ptr [r12 + {args}]",
     "mov rbp, qword ptr [r12 + {args} + 8]",
+    "mov rsi, qword ptr [r12 + {args} + 16]",
+    "test rsi, rsi",
+    "jz 56f",
+    "mov eax, 47", // recvmsg(sock, args[2], 0): the two fds arrive here, not in a command before
+    "mov edi, {sock_fd}",
+    "xor edx, edx",
+    "syscall",
+    "test rax, rax",
+    "js 57f",
+    "movsxd rbx, dword ptr [r12 + {batch_fds}]",
+    "movsxd rbp, dword ptr [r12 + {batch_fds} + 4]",
+    "56:",
     "mov eax, 56", // clone(SIGCHLD, 0, 0, 0, 0): a plain fork
     "mov edi, 17",
     "xor esi, esi",
@@ -237,6 +252,9 @@ std::arch::global_asm!(
     "syscall",
     "mov qword ptr [r12 + {ret}], r15",
     "jmp 32b",
+    "57:",
+    "mov qword ptr [r12 + {ret}], rax", // the recvmsg failed: no fork
+    "jmp 32b",
     // madvise(start, len, args[0]) for each of the args[1] (start, len) pairs in the scratch
     // area; ret = how many succeeded
     "60:",
@@ -259,6 +277,44 @@ std::arch::global_asm!(
     "dec rbp",
     "jmp 61b",
     "63:",
+    "mov qword ptr [r12 + {ret}], r15",
+    "jmp 32b",
+    // args[1] syscalls, each (nr, a0..a5) at batch_at, one after the other; each one's result
+    // goes over its nr; stop after the first that fails; ret = how many ran. An a0 or a4 of
+    // FD_RECEIVED_0/1 is the first/second fd at batch_fds (what a recvmsg entry received).
+    "70:",
+    "lea rbx, [r12 + {batch_at}]",
+    "mov rbp, qword ptr [r12 + {args} + 8]",
+    "xor r15d, r15d",
+    "71:",
+    "test rbp, rbp",
+    "jz 73f",
+    "movsxd rcx, dword ptr [r12 + {batch_fds}]",
+    "movsxd r11, dword ptr [r12 + {batch_fds} + 4]",
+    "mov rdi, qword ptr [rbx + 8]",
+    "cmp rdi, {fd_received_0}",
+    "cmove rdi, rcx",
+    "cmp rdi, {fd_received_1}",
+    "cmove rdi, r11",
+    "mov r8, qword ptr [rbx + 40]",
+    "cmp r8, {fd_received_0}",
+    "cmove r8, rcx",
+    "cmp r8, {fd_received_1}",
+    "cmove r8, r11",
+    "mov rax, qword ptr [rbx]",
+    "mov rsi, qword ptr [rbx + 16]",
+    "mov rdx, qword ptr [rbx + 24]",
+    "mov r10, qword ptr [rbx + 32]",
+    "mov r9, qword ptr [rbx + 48]",
+    "syscall",
+    "mov qword ptr [rbx], rax",
+    "inc r15",
+    "cmp rax, -4095",
+    "jae 73f",
+    "add rbx, 56",
+    "dec rbp",
+    "jmp 71b",
+    "73:",
     "mov qword ptr [r12 + {ret}], r15",
     "jmp 32b",
     // ---- restorer ----
@@ -328,6 +384,11 @@ std::arch::global_asm!(
     cmd_syscall = const shared::CMD_SYSCALL,
     cmd_fork = const shared::CMD_FORK,
     cmd_advise = const shared::CMD_ADVISE,
+    cmd_batch = const shared::CMD_BATCH,
+    batch_at = const shared::BATCH_AT,
+    batch_fds = const shared::BATCH_FDS,
+    fd_received_0 = const shared::FD_RECEIVED[0],
+    fd_received_1 = const shared::FD_RECEIVED[1],
     scratch = const shared::SCRATCH,
 );
 

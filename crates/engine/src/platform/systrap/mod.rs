@@ -40,6 +40,7 @@
 //! thread's registers, FS base and XSAVE and loads another's at an exit), and the VMM can stop
 //! guest code that computes without trapping ([`preempt`]).
 
+pub mod batch;
 pub mod blob;
 pub mod confine;
 pub mod filter;
@@ -160,6 +161,8 @@ pub struct Stub {
     /// Whether each side's spins pay (an adaptive `handoff`).
     spin: shared::SpinState,
     exited: Option<Option<i32>>,
+    /// Commands handed to the stub so far (round trips besides `run`): [`Stub::commands`].
+    commands: u64,
 }
 
 /// Which of the guest's non-syscall instructions trap to the VMM ([`Exit::Rdtsc`], [`Exit::Cpuid`]).
@@ -389,6 +392,7 @@ impl Stub {
             handoff: Handoff::default(),
             spin: shared::SpinState::default(),
             exited: None,
+            commands: 0,
         };
         // The child has waited for this byte before changing its credentials, so the mem file above
         // was opened with the VMM's own.
@@ -427,6 +431,12 @@ impl Stub {
         stub.traps.cpuid = bits & confine::REPORT_CPUID_TRAPPED != 0;
         stub.parked = true;
         Ok(stub)
+    }
+
+    /// How many commands this handle has handed the stub (each a round trip to it besides
+    /// `run`: a map, a fork, a batch...), to count what a step costs (tests, docs/systrap.md).
+    pub fn commands(&self) -> u64 {
+        self.commands
     }
 
     /// The host pid of the stub process.
@@ -523,6 +533,8 @@ impl Stub {
         if !self.parked {
             return Err(Error::NotParked { what: "take a command" });
         }
+        crate::trace::stub_command(if cmd == shared::CMD_SYSCALL { args[0] } else { 1000 + cmd });
+        self.commands += 1;
         let p = self.page.page();
         // SAFETY: the VMM's turn: the stub does not read these until `hand_to_stub`.
         unsafe {
@@ -733,6 +745,13 @@ impl Stub {
     /// scratch area of the shared page; returns their numbers in the stub.
     fn receive_fds(&mut self, n: usize) -> Result<[i32; 2]> {
         assert!((1..=2).contains(&n));
+        let msg_addr = self.recv_header();
+        self.syscall("recvmsg", libc::SYS_recvmsg, [layout::SOCK_FD as u64, msg_addr, 0, 0, 0, 0])?;
+        self.received_fds()
+    }
+
+    /// Lay out a `recvmsg` header for up to two fds in the scratch area; its address in the stub.
+    fn recv_header(&mut self) -> u64 {
         let base = self.page.bytes();
         let off = shared::SCRATCH;
         let stub_addr = |o: usize| layout::SHARED + o as u64;
@@ -752,8 +771,12 @@ impl Stub {
             (*iov).iov_base = stub_addr(off + 80) as *mut libc::c_void;
             (*iov).iov_len = 1;
         }
-        let msg_addr = stub_addr(off);
-        self.syscall("recvmsg", libc::SYS_recvmsg, [layout::SOCK_FD as u64, msg_addr, 0, 0, 0, 0])?;
+        stub_addr(off)
+    }
+
+    /// The fds the stub's `recvmsg` into [`Stub::recv_header`]'s header received.
+    fn received_fds(&self) -> Result<[i32; 2]> {
+        let (base, off) = (self.page.bytes(), shared::SCRATCH);
         // SAFETY: the VMM's turn; reading the control buffer the stub's recvmsg filled (16-byte
         // cmsghdr, then the fds).
         let (level, ty, fds) = unsafe {
@@ -822,11 +845,20 @@ impl Stub {
         let (sock, stub_sock) = socketpair().map_err(host("socketpair"))?;
         send_fds(self.sock.as_fd(), &[page.memfd().as_raw_fd(), stub_sock.as_raw_fd()]).map_err(host("sendmsg"))?;
         drop(stub_sock);
-        let [rmem, rsock] = self.receive_fds(2)?;
-        let pid = self.command(shared::CMD_FORK, [rmem as u64, rsock as u64, 0, 0, 0, 0, 0])?;
+        // The stub receives the two fds and forks in one command (`CMD_FORK` with a header).
+        let msg = self.recv_header();
+        // SAFETY: the VMM's turn; the fd slots lie in the mapped page. An fd that does not
+        // arrive stays -1: the child cannot map its page and ends (checked below too).
+        unsafe {
+            let at = self.page.bytes().add(shared::BATCH_FDS).cast::<i32>();
+            at.write_volatile(-1);
+            at.add(1).write_volatile(-1);
+        }
+        let pid = self.command(shared::CMD_FORK, [0, 0, msg, 0, 0, 0, 0])?;
         if pid <= 0 {
             return Err(Error::Op { op: "fork", source: io::Error::from_raw_os_error(-pid as i32) });
         }
+        self.received_fds()?;
         let pid = pid as i32;
         let pidfd = pidfd_open(pid).map_err(host("pidfd_open"))?;
         let mem = match memory::open_mem(pid) {
@@ -851,6 +883,7 @@ impl Stub {
             handoff: self.handoff.clone(),
             spin: shared::SpinState::default(),
             exited: None,
+            commands: 0,
         };
         Ok(child)
     }

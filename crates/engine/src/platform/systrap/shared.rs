@@ -38,8 +38,10 @@ pub const CMD_RUN: u64 = 1;
 /// Execute syscall `args[0]` with arguments `args[1..7]`; the result goes to `ret`.
 pub const CMD_SYSCALL: u64 = 2;
 /// Fork: `args[0]` is the new shared page's memfd, `args[1]` the new socket (fd numbers in the
-/// stub). The child maps the memfd over its shared page, moves the socket to [`layout::SOCK_FD`]
-/// and reports `ret = 0` there; the parent reports the child's pid (or `-errno`).
+/// stub); or, with `args[2]` the address of a `recvmsg` header in the scratch area, the two fds
+/// the VMM sent, received first (at [`BATCH_FDS`]; one round trip for both steps). The child
+/// maps the memfd over its shared page, moves the socket to [`layout::SOCK_FD`] and reports
+/// `ret = 0` there; the parent reports the child's pid (or `-errno`).
 pub const CMD_FORK: u64 = 3;
 /// `madvise(start, len, args[0])` for each of `args[1]` (start, len) pairs of u64 at
 /// [`SCRATCH`] (at most [`ADVISE_MAX`]); `ret` = how many succeeded. Nothing a guest could not
@@ -47,6 +49,25 @@ pub const CMD_FORK: u64 = 3;
 pub const CMD_ADVISE: u64 = 4;
 /// Most ranges one `CMD_ADVISE` takes: what fits in the scratch area.
 pub const ADVISE_MAX: usize = (4096 - SCRATCH) / 16;
+/// Make `args[1]` syscalls one after the other, each `(nr, a0, .., a5)` (7 u64) at [`BATCH_AT`],
+/// at most [`BATCH_MAX`]; each one's result replaces its `nr`; the first that fails (a result in
+/// `-4095..0`) ends the list; `ret` = how many ran. An `a0` or `a4` (close's and mmap's fd) equal to
+/// `FD_RECEIVED[i]` stands for the `i`th fd at [`BATCH_FDS`], where a `recvmsg` earlier in the
+/// list (the scratch area's message header, as for single commands) put the fds the VMM sent.
+/// Nothing a guest could not do with `CMD_SYSCALL` from the blob: one round trip instead of one
+/// per call (a program load's mappings: docs/systrap.md).
+pub const CMD_BATCH: u64 = 5;
+/// Where [`CMD_BATCH`]'s list starts in the page: after the message header, iovec, data byte and
+/// control buffer that a `recvmsg` into the scratch area uses (128 bytes).
+pub const BATCH_AT: usize = SCRATCH + 128;
+/// Where the fds a `recvmsg` into the scratch area received are (in its control buffer, after
+/// the 16-byte `cmsghdr`).
+pub const BATCH_FDS: usize = SCRATCH + 96 + 16;
+/// Most syscalls one [`CMD_BATCH`] takes.
+pub const BATCH_MAX: usize = (4096 - BATCH_AT) / 56;
+/// The argument values a [`CMD_BATCH`] entry names a received fd by (no fd, address or length a
+/// close or mmap takes).
+pub const FD_RECEIVED: [i64; 2] = [-2, -3];
 
 /// `flags` bit: the CPU and kernel let user code use `rdfsbase`/`wrfsbase`.
 pub const FLAG_FSGSBASE: u32 = 1;

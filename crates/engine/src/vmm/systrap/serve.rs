@@ -163,6 +163,7 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
             p.warm.guest_changed();
         }
         if runs {
+            crate::trace::mark("serve.run");
             // The controller going away mid-run ends this process (see `lifeline`).
             lifeline::arm(chan.raw_fd());
         }
@@ -244,6 +245,7 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
         lifeline::disarm();
         reply(&mut chan, resp);
         if runs {
+            crate::trace::mark("serve.replied");
             // A clone that owes its parent the pages of its first run writes them now, after
             // the reply (see `warm`).
             p.warm.after_run(&p.stub);

@@ -102,9 +102,15 @@ fn guest_runs(os: &guestos::GuestOs) -> Vec<(u64, u64)> {
 }
 
 /// Leave `runs` out of the stub's next fork (`out`), or put them back in; false if the host refused.
+/// One round trip to the stub for all of them (`Stub::advise_runs`; one per run with
+/// `COLLIMATE_SYSTRAP_BATCH=0`, to compare).
 fn exclude(stub: &mut crate::platform::systrap::Stub, runs: &[(u64, u64)], out: bool) -> bool {
     let advice = if out { libc::MADV_DONTFORK } else { libc::MADV_DOFORK };
-    runs.iter().all(|&(start, end)| stub.advise(start, end - start, advice).is_ok())
+    if super::load::off() {
+        return runs.iter().all(|&(start, end)| stub.advise(start, end - start, advice).is_ok());
+    }
+    let ranges: Vec<(u64, u64)> = runs.iter().map(|&(start, end)| (start, end - start)).collect();
+    stub.advise_runs(&ranges, advice).is_ok_and(|n| n == ranges.len())
 }
 
 /// Whether `COLLIMATE_SYSTRAP_SPAWN=0` asks for the call to be refused (ENOSYS: the agent falls
@@ -123,7 +129,7 @@ fn lock() -> std::sync::MutexGuard<'static, Option<Pending>> {
 /// execve's failure there ends a Linux process). `None`: not a spawn's child, or loaded.
 pub(super) fn exec_pending(p: &mut Process) -> Option<RunExit> {
     let Pending { prepared, envp, close_fds, restore_signals, empty } = lock().take()?;
-    crate::trace::mark("child.start");
+    crate::trace::mark("child.pending");
     let os = &mut p.os;
     if close_fds {
         let extra: Vec<i32> = os.files.open_fds().filter(|&fd| fd > 2).collect();
@@ -150,8 +156,8 @@ pub(super) fn exec_pending(p: &mut Process) -> Option<RunExit> {
     if empty {
         p.os.mm = guestos::mm::Mm::default();
     }
-    let mut space = StubSpace { stub: &mut p.stub, budget: p.budget, failure: None };
-    match exec::commit_host(&mut p.os, &mut space, prepared, &envp) {
+    let mut space = super::load::Batched::new(&mut p.stub, p.budget);
+    match exec::commit_host(&mut p.os, &mut space, prepared, &envp).and_then(|img| space.finish().map(|_| img)) {
         Ok(img) => {
             p.regs = crate::arch::x86_64::regs::initial_regs(img.entry, img.rsp);
             p.fs_base = 0;
