@@ -49,3 +49,33 @@ print(0 < b - a < 10**6)
     assert!(rescues * 100 < syscalls, "{rescues} of the VMM thread's own rdtsc rescued in {syscalls} trapped syscalls");
     eprintln!("{syscalls} trapped syscalls, {rescues} rescues; VMM thread trapping after the run: {}", tsc::thread_traps());
 }
+
+/// In a replay exec the stub answers the guest's trapped `rdtsc` itself, from the virtual clock
+/// in the vDSO's data page (the blob's `answer_rdtsc`), instead of a round trip to the VMM per
+/// read (libtorch's load runs 131,080 of them): the values are the VMM's (a MONOTONIC read each,
+/// one quantum apart, continuing the clock the vDSO's reads move), and almost none reach the VMM.
+/// `COLLIMATE_SYSTRAP_RDTSC_LOCAL=0` sends each to the VMM (then this test fails: 2000 of them).
+#[test]
+fn a_replay_exec_answers_the_guests_rdtsc_in_the_stub() {
+    let Some(root) = common::python_rootfs() else { return };
+    let code = r#"import mmap, ctypes, time
+m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+m.write(bytes([0x0f, 0x31, 0x48, 0xc1, 0xe2, 0x20, 0x48, 0x09, 0xd0, 0xc3]))
+f = ctypes.CFUNCTYPE(ctypes.c_uint64)(ctypes.addressof(ctypes.c_char.from_buffer(m)))
+t = [f() for _ in range(2000)]
+mono = time.monotonic_ns()
+after = f()
+print(sorted(set(b - a for a, b in zip(t, t[1:]))), t[-1] < mono < after, after - mono)
+"#;
+    let spec = common::python_spec(root, &["/usr/bin/python3", "-c", code]);
+    let mut p = Process::spawn(&spec, &Confinement::for_replay(false)).expect("spawn on systrap");
+    p.reseed([7; 32], true);
+    let traps = p.sync_traps().expect("switch the stub's traps for a replay exec");
+    assert!(traps.rdtsc, "a replay exec traps the guest's rdtsc");
+    let r = p.run(Duration::from_secs(120)).expect("run on systrap");
+    assert_eq!(r.exit, RunExit::Exited { code: 0 }, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    // Consecutive reads one quantum (1000 ns) apart, and in order with the vDSO's MONOTONIC reads.
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "[1000] True 1000\n");
+    let answered_by_vmm = p.traps().rdtsc;
+    assert!(answered_by_vmm < 20, "{answered_by_vmm} of 2001 rdtsc went to the VMM");
+}

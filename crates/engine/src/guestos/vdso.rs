@@ -70,20 +70,26 @@ pub const VDSO_VA: u64 = STACK_TOP - (8 << 20) - 4 * PAGE_SIZE;
 /// The data page: right below the image (the vDSO addresses it relative to its own code).
 pub const VVAR_VA: u64 = VDSO_VA - PAGE_SIZE;
 
-/// The data page's words (offsets as `vdso/vdso.S` names them).
-const MODE: usize = 0;
+/// The data page's words (offsets as `vdso/vdso.S` names them; the systrap stub's `rdtsc` answer,
+/// `platform::systrap::blob`, uses MODE, MONO_BASE, ELAPSED, QUANTUM, LAST_MONO, LIMIT and
+/// TSC_READS).
+pub(crate) const MODE: usize = 0;
 const REAL_BASE: usize = 1;
-const MONO_BASE: usize = 2;
-const ELAPSED: usize = 3;
-const QUANTUM: usize = 4;
+pub(crate) const MONO_BASE: usize = 2;
+pub(crate) const ELAPSED: usize = 3;
+pub(crate) const QUANTUM: usize = 4;
 const BUDGET: usize = 5;
 const LAST_REAL: usize = 6;
-const LAST_MONO: usize = 7;
-const LIMIT: usize = 8;
-const WORDS: usize = 9;
+pub(crate) const LAST_MONO: usize = 7;
+pub(crate) const LIMIT: usize = 8;
+/// `rdtsc`s answered from the page since the VMM last wrote it (the systrap stub answers a
+/// trapped `rdtsc` there, as the VMM would, within `LIMIT` as the vDSO's reads: a MONOTONIC read
+/// that is not a scheduler event, as a trapped `rdtsc` the VMM answers is not; kvm never writes it).
+pub(crate) const TSC_READS: usize = 9;
+const WORDS: usize = 10;
 
 /// `MODE`: answer REALTIME and MONOTONIC reads from the page (replay mode); 0: make syscalls.
-const MODE_REPLAY: u64 = 1;
+pub(crate) const MODE_REPLAY: u64 = 1;
 
 /// Map the data page and the image into a fresh process (exec). Returns the image's address for
 /// AT_SYSINFO_EHDR.
@@ -116,6 +122,13 @@ pub fn map_host(mm: &mut Mm, h: &mut dyn HostSpace) -> Result<u64, Errno> {
     mm.host_map(h, VDSO_VA, Vma::anon(VDSO_VA + PAGE_SIZE, PROT_READ | PROT_EXEC, "[vdso]"), None)?;
     h.write(VDSO_VA, IMAGE)?;
     Ok(VDSO_VA)
+}
+
+/// The data page's address where a trapped `rdtsc` may be answered from it without the VMM (the
+/// systrap stub's, `platform::systrap::Stub::set_clock_page`): in replay mode, in a process that
+/// has the page; None otherwise.
+pub fn clock_page(os: &GuestOs) -> Option<u64> {
+    (os.proc.clocks.replay && mapped(&os.mm)).then_some(VVAR_VA)
 }
 
 /// Whether the process has its data page (a program loaded before vDSOs existed, or one that
@@ -230,12 +243,16 @@ pub fn fold(os: &mut GuestOs, mem: &GuestMemory, aspace: &AddressSpace) -> u64 {
     fold_words(c, &w)
 }
 
+/// Folds the page's reads into `c` and returns how many were the vDSO's (the `rdtsc`s answered
+/// from the page, `TSC_READS`, moved the clocks as well but are not scheduler events, as a
+/// trapped `rdtsc` the VMM answers is not).
 fn fold_words(c: &mut Clocks, w: &[u64; WORDS]) -> u64 {
     let d = w[ELAPSED].wrapping_sub(c.elapsed);
     if d == 0 || d > i64::MAX as u64 {
         return 0;
     }
     let reads = d / CLOCK_QUANTUM_NS;
+    let vdso_reads = reads - w[TSC_READS].min(reads);
     let d = reads * CLOCK_QUANTUM_NS;
     let start = c.elapsed;
     c.elapsed = c.elapsed.saturating_add(d);
@@ -248,7 +265,7 @@ fn fold_words(c: &mut Clocks, w: &[u64; WORDS]) -> u64 {
     if let Some(e) = seen(w[LAST_MONO]) {
         c.seen_mono = c.mono_base.saturating_add(e);
     }
-    reads
+    vdso_reads
 }
 
 #[cfg(test)]
@@ -305,6 +322,36 @@ mod tests {
         // Nothing new: nothing changes.
         assert_eq!(fold_words(&mut c, &w), 0);
         assert_eq!(c, by_syscall);
+    }
+
+    /// What the systrap stub does for a trapped `rdtsc` (`platform::systrap::blob`): a MONOTONIC
+    /// read within the limit, counted in TSC_READS.
+    fn stub_rdtsc(w: &mut [u64; WORDS]) -> u64 {
+        assert!(w[ELAPSED] + w[QUANTUM] <= w[LIMIT]);
+        w[ELAPSED] += w[QUANTUM];
+        w[LAST_MONO] = w[ELAPSED];
+        w[TSC_READS] += 1;
+        w[MONO_BASE] + w[ELAPSED]
+    }
+
+    #[test]
+    fn rdtscs_answered_from_the_page_fold_as_the_vmm_answers_them() {
+        let mut c = replay_clocks();
+        let mut w = page_of(&c, 10);
+        let mut p = super::super::process::Proc { clocks: c, ..Default::default() };
+        // rdtsc, a vDSO MONOTONIC read, rdtsc: the same values as the VMM's answers (tsc_now) and
+        // the syscall.
+        assert_eq!(stub_rdtsc(&mut w), super::super::clock::tsc_now(&mut p));
+        w[ELAPSED] += CLOCK_QUANTUM_NS;
+        w[LAST_MONO] = w[ELAPSED];
+        super::super::clock::clock_now_ns(&mut p, libc::CLOCK_MONOTONIC).unwrap();
+        assert_eq!(stub_rdtsc(&mut w), super::super::clock::tsc_now(&mut p));
+        // One of the three was the vDSO's (a scheduler event); the clocks are the VMM's.
+        assert_eq!(fold_words(&mut c, &w), 1);
+        assert_eq!(c, p.clocks);
+        // The rdtscs were not events: the next page allows the same number of vDSO reads.
+        assert_eq!(page_of(&c, 10)[LIMIT] - page_of(&c, 10)[ELAPSED], 10 * CLOCK_QUANTUM_NS);
+        assert_eq!(page_of(&c, 10)[TSC_READS], 0);
     }
 
     #[test]

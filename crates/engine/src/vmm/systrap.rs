@@ -181,6 +181,9 @@ pub struct Traps {
     pub syscalls: u64,
     /// Kicks that stopped computing code (`Exit::Interrupted`: a slice's end, a timer, a signal).
     pub interrupts: u64,
+    /// Trapped `rdtsc`/`rdtscp` the VMM answered (those the stub answered from the clock page,
+    /// `Stub::set_clock_page`, are not among them).
+    pub rdtsc: u64,
 }
 
 /// What the guest's processes write to fds 1 and 2: two memfds in append mode, shared by every
@@ -407,6 +410,8 @@ impl Process {
             let budget = super::threads::vdso_budget(self).min(guestos::timer::vdso_budget(&self.os));
             let mut space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
             guestos::vdso::publish_host(&self.os, &mut space, &mut self.vvar, budget);
+            // A trapped rdtsc answered from that page in the stub (the blob's `answer_rdtsc`).
+            self.stub.set_clock_page(if local_rdtsc() { guestos::vdso::clock_page(&self.os) } else { None });
             let entered = timer_budget.map(|_| tsc::now());
             let exit = self.stub.run(&mut self.regs, &mut self.fs_base).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
             let space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
@@ -438,6 +443,7 @@ impl Process {
                     }
                 }
                 Exit::Rdtsc { rdtscp } => {
+                    self.traps.rdtsc += 1;
                     // The guest's clock, not the host's TSC: replays see the same values. As on kvm
                     // (`guestos::clock::tsc_now`): a clock read, so it advances one quantum and two
                     // reads never return the same count (before, two reads with no clock read
@@ -972,3 +978,10 @@ fn intercepted(nr: u64) -> bool {
     process::intercepts(nr)
 }
 
+/// Whether the stub answers a replay exec's trapped `rdtsc` itself (`Stub::set_clock_page`):
+/// `COLLIMATE_SYSTRAP_RDTSC_LOCAL=0` (read once per process) sends each to the VMM instead, to
+/// compare.
+fn local_rdtsc() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("COLLIMATE_SYSTRAP_RDTSC_LOCAL").is_none_or(|v| v != "0"))
+}

@@ -11,6 +11,19 @@
 //!   Besides running, the VMM's syscalls and fork, one command applies an `madvise` to a list of
 //!   ranges (`CMD_ADVISE`: a clone's pages faulted in ahead, one round trip for the list), and one
 //!   makes a list of syscalls (`CMD_BATCH`: a program load's mappings, one round trip for them).
+//!   First, though, `answer_rdtsc`: in a replay exec a trapped `rdtsc` (SIGSEGV with SI_KERNEL
+//!   at `0f 31`) is a read of the guest's virtual MONOTONIC clock, which the VMM keeps in the
+//!   vDSO's data page while the guest runs (`guestos::vdso`). Where the VMM named that page
+//!   (`Page::clock_page`, [`super::Stub::set_clock_page`]) and it says replay mode, the handler
+//!   answers there, as the VMM would (`guestos::clock::tsc_now`): one quantum added to the
+//!   elapsed time if that does not pass the page's limit (as the vDSO's reads: a guest timer
+//!   falls due, or another thread's turn comes, only in the VMM), the read recorded as the last
+//!   MONOTONIC one and counted in `TSC_READS` (not a scheduler event: `vdso::fold`), `rdx:rax` =
+//!   MONOTONIC base + elapsed, `rip` past the instruction; then `rt_sigreturn`. A
+//!   signal delivered and returned in the stub instead of two context switches: loading
+//!   libtorch runs `rdtsc` 131,080 times. Anything else (`rdtscp`, no page, not replay) goes on
+//!   to the VMM. The guest can write the page, so whatever it finds there is only what it itself
+//!   sees; the VMM folds the page's count of quanta into its own clocks.
 //! - `restorer`: `rt_sigreturn`, the `sa_restorer` of every handler.
 //! - `boot`: entered once by a new stub (on the boot stack, with the filter installed): unmaps
 //!   everything outside the reserved range (the rest of the VMM's image that the stub was cloned
@@ -26,6 +39,7 @@ use std::mem::offset_of;
 
 use super::layout;
 use super::shared::{self, Page};
+use crate::guestos::vdso;
 
 std::arch::global_asm!(
     ".pushsection .text.collimate_systrap_blob,\"ax\",@progbits",
@@ -35,6 +49,36 @@ std::arch::global_asm!(
     "collimate_systrap_blob_start:",
     // ---- handler(rdi = signo, rsi = siginfo, rdx = ucontext) ----
     "collimate_systrap_handler:",
+    // A trapped `rdtsc` (SIGSEGV, SI_KERNEL, 0f 31 at the guest's rip) in replay mode, with a
+    // clock page to read: answered here, without the VMM (see `answer_rdtsc` below).
+    "cmp edi, 11",
+    "jne 60f",
+    "cmp dword ptr [rsi + 8], 0x80",
+    "jne 60f",
+    "movabs r8, {shared}",
+    "mov r9, qword ptr [r8 + {clock_page}]",
+    "test r9, r9",
+    "jz 60f",
+    "mov r10, qword ptr [rdx + {uc_gregs} + 16 * 8]",
+    "cmp word ptr [r10], 0x310f",
+    "jne 60f",
+    "cmp qword ptr [r9 + {ck_mode}], {ck_replay}",
+    "jne 60f",
+    "mov rax, qword ptr [r9 + {ck_quantum}]",
+    "add rax, qword ptr [r9 + {ck_elapsed}]",
+    "cmp rax, qword ptr [r9 + {ck_limit}]",
+    "ja 60f",
+    "mov qword ptr [r9 + {ck_elapsed}], rax",
+    "mov qword ptr [r9 + {ck_last_mono}], rax",
+    "add qword ptr [r9 + {ck_tsc_reads}], 1",
+    "add rax, qword ptr [r9 + {ck_mono_base}]",
+    "mov ecx, eax",
+    "mov qword ptr [rdx + {uc_gregs} + 13 * 8], rcx",
+    "shr rax, 32",
+    "mov qword ptr [rdx + {uc_gregs} + 12 * 8], rax",
+    "add qword ptr [rdx + {uc_gregs} + 16 * 8], 2",
+    "ret",
+    "60:",
     "sub rsp, 40",
     "mov r14, rsi",
     "mov r13, rdx",
@@ -375,6 +419,15 @@ std::arch::global_asm!(
     args = const offset_of!(Page, args),
     ret = const offset_of!(Page, ret),
     flag_fsgsbase = const shared::FLAG_FSGSBASE,
+    clock_page = const offset_of!(Page, clock_page),
+    ck_mode = const vdso::MODE * 8,
+    ck_replay = const vdso::MODE_REPLAY,
+    ck_mono_base = const vdso::MONO_BASE * 8,
+    ck_elapsed = const vdso::ELAPSED * 8,
+    ck_quantum = const vdso::QUANTUM * 8,
+    ck_last_mono = const vdso::LAST_MONO * 8,
+    ck_limit = const vdso::LIMIT * 8,
+    ck_tsc_reads = const vdso::TSC_READS * 8,
     exit_event = const shared::EXIT_EVENT,
     exit_boot = const shared::EXIT_BOOT,
     exit_done = const shared::EXIT_DONE,

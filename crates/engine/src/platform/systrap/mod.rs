@@ -477,6 +477,15 @@ impl Stub {
         Ok(self.traps)
     }
 
+    /// Answer the guest's trapped `rdtsc` in the stub from the virtual clock in the guest page at
+    /// `va` (the vDSO's data page, `guestos::vdso::clock_page`), or send each to the VMM (None).
+    /// See the blob's `answer_rdtsc`. Takes effect at the guest's next `rdtsc`.
+    pub fn set_clock_page(&mut self, va: Option<u64>) {
+        // SAFETY: the stub reads this word only in its handler, while this thread waits for it;
+        // an aligned u64.
+        unsafe { std::ptr::write_volatile(&raw mut (*self.page.page()).clock_page, va.unwrap_or(0)) };
+    }
+
     /// Tuning: how the VMM and the stub wait for each other's answer ([`Handoff`]). See
     /// benches/systrap.rs.
     pub fn set_handoff(&mut self, h: Handoff) {

@@ -112,6 +112,10 @@ pub struct Page {
     /// Set by the stub when its spin ran out before the VMM answered (it then yields and sleeps);
     /// read and cleared by the VMM at its next hand-off (an adaptive [`Handoff`]).
     pub stub_missed: AtomicU32,
+    /// Where the guest's virtual clock page is (the vDSO's data page, `guestos::vdso`), for the
+    /// stub to answer a trapped `rdtsc` itself, as the VMM would (`Stub::set_clock_page`); 0: every
+    /// trapped `rdtsc` goes to the VMM.
+    pub clock_page: u64,
 }
 
 const _: () = assert!(std::mem::size_of::<Page>() <= SCRATCH);
