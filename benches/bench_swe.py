@@ -30,14 +30,20 @@ rows, each platform's beside a native baseline interleaved with it. `kvm` runs w
 exists (its figures name the host's KVM module, kvm_pvm on this repository's machine); `systrap`
 (issue 35) wherever the host allows seccomp filters: the same image baked live (sdk/live.py).
 
-Known wrong reward (this build): the "sign-flip" candidate grades 1.0 in the sandbox, 0.0
-natively. Its patch keeps iso8601.py's size, and the sandbox stamps the patched file with a guest
-clock that restarted at the exec's start: the mtime is the second (even the microsecond before)
-of the warm-up run's, so CPython takes the warm-up's __pycache__ bytecode as current and tests
-the unpatched module. Natively the copy gets the host's later time.
+Rewards: every candidate grades as natively on kvm and systrap (no REWARD DIFFERS in the runs of
+2026-12-07). An earlier build graded "sign-flip" (a same-size edit) 1.0 in the sandbox: the edit
+got the whole-second mtime of the file it replaced, and CPython's bytecode cache (whole-second
+mtime and size) ran the old code. Each replay run now starts in a later second than the guest's
+past (guestos/clock.rs, `start_replay`; tests/test_timers.py and tests/test_swe_episode.py's
+"same-size" candidate, which a fork child edits).
 
-Per-run syscall counts: not printed. ExecResult and the SDK report none; the engine counts guest
-syscalls only under COLLIMATE_TRACE=2, a trace on the VMM's stderr that slows what it counts.
+Syscall counts: not printed by the bench (ExecResult carries none). To count them by kind, run
+`COLLIMATE_TRACE=2 COLLIMATE_BENCH_ROUNDS=1 pytest -s benches/bench_swe.py -k "suite and systrap"
+2> trace.txt`: one `collimate-trace <ns> <pid> sys <nr>` line per trapped syscall on the VMMs'
+stderr (the trace slows what it counts). One suite run on systrap (2026-12-07): 14,664 trapped
+syscalls: newfstatat 4,256, lseek 2,802, read 2,001, openat 1,366, close 1,294, ioctl 1,217,
+dup2 564, ftruncate 280, write 249, mmap 147, rt_sigaction 145, getdents64 144, brk 53, munmap
+43, mprotect 23, and 9,417 clock reads answered by the vDSO without a trap (docs/systrap.md, "The SWE workloads").
 """
 
 from __future__ import annotations

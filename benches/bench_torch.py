@@ -32,6 +32,11 @@ ships no valid stdlib .pyc: dpkg -x runs no py3compile); the torch layer's 645 a
 Platforms: the sandbox rows run on kvm (where /dev/kvm is) and systrap (issue 35: the same image
 baked live, sdk/live.py) in one run, beside the one native baseline.
 
+On systrap (2026-12-07, kvm_pvm host, 2 shared cores): 1.8x native at load 5-9, 21.8x at load up
+to 20, 2.0x with COLLIMATE_TRAP_RDTSC=0. The load matters because loading libtorch_cpu executes
+`rdtsc` 131,080 times, and a replay exec (every SDK exec) traps it: each is a hand-off to the VMM
+and back (docs/systrap.md, "The SWE workloads and `import torch`").
+
 Run: COLLIMATE_ROOTFS=<python rootfs> python3 -m pytest benches/bench_torch.py -q -s
 (the first run downloads ~235 MiB of .debs into the deb cache; each sandbox round takes ~20 s).
 """

@@ -60,6 +60,16 @@ CANDIDATES = {
     "fix": _insert("    if isinstance(s, int):\n        return str(s)\n"),
     "wrong": _insert("    if isinstance(s, int):\n        return repr(s) + '!'\n"),
     "syntax": "open('six.py', 'a').write('def broken(:\\n')\n",
+    # A same-size edit that breaks the suite. The parent's runs left six.py's bytecode in
+    # __pycache__, valid while the source's whole-second mtime and size match: the child's edit
+    # must land in a later second, or its run tests the unedited module (a wrong reward of 1.0,
+    # seen in benches/bench_swe.py before replay runs started at the next whole second).
+    "same-size": (
+        "OLD, NEW = 'PY3 = sys.version_info[0] == 3', 'PY3 = sys.version_info[0] == 4'\n"
+        "src = open('six.py').read()\n"
+        "assert OLD in src\n"
+        "open('six.py', 'w').write(src.replace(OLD, NEW, 1))\n"
+    ),
 }
 
 
@@ -120,6 +130,6 @@ def test_swe_episode(template):
                 return 1.0 if r.exit_code == 0 else 0.0
 
             rewards = grp.map(grade)
-        assert dict(zip(names, rewards)) == {"fix": 1.0, "wrong": 0.0, "syntax": 0.0}
+        assert dict(zip(names, rewards)) == {"fix": 1.0, "wrong": 0.0, "syntax": 0.0, "same-size": 0.0}
         # The parent is untouched by its children's patches.
         assert s.exec(command="python3 -m pytest -q -p no:cacheprovider test_task.py").exit_code == 1

@@ -96,6 +96,42 @@ print(len(b), b[-1], m[100:105].decode(), fm[:12].decode())\n";
 }
 
 #[test]
+fn a_file_mapped_again_over_itself_shows_the_file() {
+    // The dynamic loader's way: a file mapped whole, then parts of it again with MAP_FIXED at the
+    // offsets they already have (the mapping is kept, only its protection changes: mm/host.rs),
+    // at another offset, and over a part made writable and written, then read-only again (as
+    // RELRO is): a new mapping there, showing the file's bytes again, not the written copy.
+    let code = "import ctypes, os\n\
+libc = ctypes.CDLL(None, use_errno=True)\n\
+libc.mmap.restype = ctypes.c_void_p\n\
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n\
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\n\
+R, W, PRIV, FIXED, P = 1, 2, 2, 0x10, 4096\n\
+path = '/usr/lib/python3.11/os.py'\n\
+data = open(path, 'rb').read(4 * P)\n\
+fd = os.open(path, os.O_RDONLY)\n\
+base = libc.mmap(None, 4 * P, R, PRIV, fd, 0)\n\
+at = lambda i: ctypes.string_at(base + i * P, P)\n\
+def remap(i, prot, off): assert libc.mmap(base + i * P, P, prot, PRIV | FIXED, fd, off) == base + i * P, ctypes.get_errno()\n\
+remap(1, R, P)\n\
+ok = [at(1) == data[P:2 * P]]\n\
+assert libc.mprotect(base + P, P, R | W) == 0\n\
+ctypes.memset(base + P, 0x41, 8)\n\
+ok.append(at(1)[:9] == b'A' * 8 + data[P + 8:P + 9])\n\
+assert libc.mprotect(base + P, P, R) == 0\n\
+remap(1, R, P)\n\
+ok.append(at(1) == data[P:2 * P])\n\
+remap(2, R, 0)\n\
+ok.append(at(2) == data[:P])\n\
+remap(3, R | 4, 3 * P)\n\
+ok.append(at(3) == data[3 * P:4 * P])\n\
+print(ok)\n";
+    let Some(r) = run(&["/usr/bin/python3", "-c", code]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "[True, True, True, True, True]\n");
+}
+
+#[test]
 fn mremap_grows_next_to_the_stub_by_moving() {
     // A mapping that ends where the stub's reserved range begins cannot grow in place there:
     // mremap with MREMAP_MAYMOVE moves it (as Linux would with a neighbour in the way) and keeps

@@ -413,7 +413,7 @@ impl Segment {
         let file_pages_end = page_up(self.file_end).ok_or(ENOEXEC)?.clamp(first_new, self.end);
         let file = (first_new < file_pages_end).then(|| {
             let offset = page_down(ph.p_offset) + (first_new - self.start);
-            Vma { end: file_pages_end, prot: self.prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset, lazy: None, window: None }
+            Vma { end: file_pages_end, prot: self.prot, shared: false, name: prog.path.clone(), file: Some(prog.id), offset, lazy: None, window: None, pristine: false }
         });
         Ok((file_pages_end, file))
     }

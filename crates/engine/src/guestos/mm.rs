@@ -180,6 +180,12 @@ pub struct Vma {
     /// ([`Mm::shared_count`]).
     #[serde(skip)]
     pub window: Option<u64>,
+    /// A private file mapping whose pages are still the file's: made by mmap without
+    /// PROT_WRITE and never made writable since (a host-kept address space, `mm/host.rs`, maps
+    /// the same file again over it by changing only its protection). False wherever that is not
+    /// known, so a restored snapshot starts with none.
+    #[serde(skip)]
+    pub pristine: bool,
 }
 
 /// A mapping's own descriptor of its file, kept while any part of the mapping is (the guest may
@@ -213,7 +219,7 @@ impl Vma {
     }
 
     pub fn anon(end: u64, prot: u32, name: &str) -> Vma {
-        Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0, lazy: None, window: None }
+        Vma { end, prot, shared: false, name: name.to_string(), file: None, offset: 0, lazy: None, window: None, pristine: false }
     }
 }
 
@@ -685,6 +691,7 @@ impl Mm {
                             && a.lazy == b.lazy
                             && (a.file.is_none() || a.offset + (a.end - c) == b.offset)
                             && a.window.map(|w| w + (a.end - c)) == b.window
+                            && a.pristine == b.pristine
                     }
                     _ => false,
                 };
@@ -1017,7 +1024,7 @@ impl Mm {
             return self.mmap_shared(sp, start, len, prot, flags, file);
         }
         let end = start + len;
-        let mut vma = Vma { end, prot, shared, name: String::new(), file: None, offset: 0, lazy: None, window: None };
+        let mut vma = Vma { end, prot, shared, name: String::new(), file: None, offset: 0, lazy: None, window: None, pristine: false };
         // Everything that can fail for a bad file comes before the old mapping is dropped.
         let data = match &file {
             Some(f) => {
@@ -1060,7 +1067,7 @@ impl Mm {
     /// touches them, like lazy file mappings.
     fn mmap_shared(&mut self, sp: &mut Space, start: u64, len: u64, prot: u32, flags: u32, file: Option<MapFile>) -> Result<u64, Errno> {
         let end = start + len;
-        let mut vma = Vma { end, prot, shared: true, name: String::new(), file: None, offset: 0, lazy: None, window: None };
+        let mut vma = Vma { end, prot, shared: true, name: String::new(), file: None, offset: 0, lazy: None, window: None, pristine: false };
         let (fd, offset, writable, is_file) = match &file {
             Some(f) => {
                 vma.of_file(f, len, i64::MAX as u64)?;

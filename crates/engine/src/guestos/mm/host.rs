@@ -13,6 +13,8 @@
 //! - MADV_DONTNEED zeroes private anonymous memory (a fresh anonymous mapping over it), as Linux
 //!   does; on file mappings it leaves the contents alone (the kvm simplification).
 //! - mincore reports every mapped page resident.
+//! - a private file mapping made again over itself (same file, same offsets, pages still the
+//!   file's) only changes its protection: `host_remap_in_place`.
 
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -61,13 +63,18 @@ impl Mm {
     /// mmap(2) on a host-kept address space. `file` is `None` for anonymous memory.
     pub fn host_mmap(&mut self, h: &mut dyn HostSpace, addr: u64, len: u64, prot: u32, flags: u32, file: Option<MapFile>) -> Result<u64, Errno> {
         let (start, len, shared) = self.mmap_place(addr, len, prot, flags, reserved(h))?;
-        let mut vma = Vma { end: start + len, prot, shared, name: String::new(), file: None, offset: 0, lazy: None, window: None };
+        let mut vma = Vma { end: start + len, prot, shared, name: String::new(), file: None, offset: 0, lazy: None, window: None, pristine: false };
         let source = match &file {
             Some(f) => {
                 vma.of_file(f, len, i64::MAX as u64)?;
                 if shared {
                     // Kept for mremap, which maps the file again at the new place.
                     vma.lazy = Some(MapFd(Arc::new(dup_cloexec(f.fd)?)));
+                } else {
+                    vma.pristine = prot & PROT_WRITE == 0;
+                    if self.host_remap_in_place(h, start, &vma)? {
+                        return Ok(start);
+                    }
                 }
                 Some((f.fd, f.offset))
             }
@@ -86,6 +93,36 @@ impl Mm {
         Ok(start)
     }
 
+    /// A private file mapping `vma` at `start` over the same file already mapped there at the
+    /// same offsets, with pages that are still the file's ([`Vma::pristine`]): the host mapping
+    /// already shows what a new one would, so only its protection changes (one call in the
+    /// guest's process, or none) instead of a new mapping (on systrap: the descriptor passed to
+    /// the stub, then its mmap and close, three round trips). This is how the dynamic loader maps
+    /// a library: the whole file read-only, then each segment again with MAP_FIXED, the text and
+    /// read-only data at the offsets they already have. False if it does not apply.
+    /// (A guest syscall that writes its result into such a read-only mapping, EFAULT on Linux,
+    /// is written here as into any guest page, and the page is then no longer the file's: a
+    /// guest that does that and maps the file there again sees what was written.)
+    fn host_remap_in_place(&mut self, h: &mut dyn HostSpace, start: u64, vma: &Vma) -> Result<bool, Errno> {
+        let end = vma.end;
+        if vma.file.is_none() || !self.covered(start, end) {
+            return Ok(false);
+        }
+        let same = self.vmas.range(..end).filter(|(s, v)| v.end > start && **s < end).all(|(&s, v)| {
+            !v.shared && v.pristine && v.file == vma.file && v.offset.wrapping_add(start.max(s) - s) == vma.offset + (start.max(s) - start)
+        });
+        if !same {
+            return Ok(false);
+        }
+        if !self.parts(start, end, |v| v.prot != vma.prot).is_empty() {
+            h.protect(start, end - start, vma.prot)?;
+        }
+        self.forget_range(start, end);
+        self.insert(start, vma.clone());
+        crate::trace::mark("mmap.in_place");
+        Ok(true)
+    }
+
     /// munmap(2).
     pub fn host_munmap(&mut self, h: &mut dyn HostSpace, addr: u64, len: u64) -> Result<u64, Errno> {
         let end = Self::munmap_end(addr, len)?;
@@ -101,6 +138,8 @@ impl Mm {
         for k in self.split_range(addr, end) {
             if let Some(v) = self.vmas.get_mut(&k) {
                 v.prot = prot;
+                // Writable once: its pages may be copies from now on.
+                v.pristine &= prot & PROT_WRITE == 0;
             }
         }
         self.merge_around(addr, end);
@@ -121,6 +160,8 @@ impl Mm {
         if tmpl.file.is_some() || tmpl.shared {
             tmpl.offset += old - vstart;
         }
+        // A moved or grown private mapping holds copies (anonymous memory), not the file's pages.
+        tmpl.pristine = false;
         if tmpl.shared && new_len > old_len {
             return Err(ENOMEM);
         }
