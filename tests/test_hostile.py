@@ -110,6 +110,19 @@ def dead_vm_dirs() -> set[str]:
     return {n for n in vm_dirs() if not Path(f"/proc/{n[3:]}").exists()}
 
 
+def _states(procs) -> list[str]:
+    """What each of `procs` ((pid, start time) pairs) is doing: its state and kernel wait channel."""
+    out = []
+    for pid, _ in sorted(procs):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+        except OSError:
+            continue
+        out.append(f"{pid} {stat[stat.rindex(')') + 2:].split()[0]} {wchan}")
+    return out
+
+
 def wait_until(cond, timeout: float = 10.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -556,8 +569,11 @@ def test_zz_afterwards_nothing_is_affected_and_nothing_leaks(client, baseline, p
         assert not (Path(root) / "usr/evil").exists() and not (Path(root) / "newdir").exists()
     client.close()
     me = os.getpid()
-    assert wait_until(lambda: children_of(me) <= baseline["children"], 20), children_of(me) - baseline["children"]
-    assert wait_until(lambda: vmm_processes() <= baseline["vmms"], 20), vmm_processes() - baseline["vmms"]
+    # Generous bounds: what must end does end (a leak stays forever), but on a host busy with other
+    # work the corpus's last few hundred processes take their time to exit (a CI run beside a
+    # benchmark saw systrap VMMs still exiting 20 s after the close, gone a minute later).
+    assert wait_until(lambda: children_of(me) <= baseline["children"], 60), children_of(me) - baseline["children"]
+    assert wait_until(lambda: vmm_processes() <= baseline["vmms"], 60), _states(vmm_processes() - baseline["vmms"])
     assert wait_until(lambda: dead_vm_dirs() <= baseline["dead_dirs"], 20), dead_vm_dirs() - baseline["dead_dirs"]
     assert wait_until(lambda: len(os.listdir("/proc/self/fd")) <= baseline["fds"], 10), (
         len(os.listdir("/proc/self/fd")),
