@@ -155,6 +155,15 @@ def test_exec_true_batch_rounds():
     ], rounds=int(os.environ.get("COLLIMATE_BENCH_ROUNDS", "6")))
 
 
+def _print_ranges(rows, *, width, unit, tail, digits, against):
+    """Each row's (median, tail, ratio) rounds as ranges over the rounds, then the load."""
+    for name, v in rows.items():
+        ms, ps, rs = ([x[i] for x in v] for i in range(3))
+        print(f"{name:<{width}} median {min(ms):.2f}-{max(ms):.2f} {unit}, {tail} {min(ps):.2f}-{max(ps):.2f} {unit}, "
+              f"{min(rs):.{digits}f}-{max(rs):.{digits}f}x {against} (same round)")
+    print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
+
+
 def _exec_true_rounds(variants, rounds=6):
     """`exec(command="true")` in a session per variant (its environment set for its zygote's VMM)
     and `/bin/sh -c true` called directly, in rotated rounds: each round's medians and ratios to
@@ -215,11 +224,7 @@ def _exec_true_rounds(variants, rounds=6):
             s.__exit__(None, None, None)
         for c in clients:
             c.close()
-    for name, v in rows.items():
-        ms, ps, rs = ([x[i] for x in v] for i in range(3))
-        print(f"{name:<50} median {min(ms):.2f}-{max(ms):.2f} ms, p99 {min(ps):.2f}-{max(ps):.2f} ms, "
-              f"{min(rs):.1f}-{max(rs):.1f}x native (same round)")
-    print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
+    _print_ranges(rows, width=50, unit="ms", tail="p99", digits=1, against="native")
 
 
 _FUTEX_PAIR = r"""
@@ -313,11 +318,7 @@ def test_getppid_round_trip_in_a_replay_exec():
             s.__exit__(None, None, None)
         for c in clients:
             c.close()
-    for name, v in rows.items():
-        ms, ps, rs = ([x[i] for x in v] for i in range(3))
-        print(f"{name:<48} median {min(ms):.2f}-{max(ms):.2f} us, p99/worst {min(ps):.2f}-{max(ps):.2f} us, "
-              f"{min(rs):.2f}-{max(rs):.2f}x futex (same round)")
-    print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
+    _print_ranges(rows, width=48, unit="us", tail="p99/worst", digits=2, against="futex")
 
 
 def test_sandbox_exec_exit(benchmark, client):

@@ -21,7 +21,6 @@ children of a prepared parent instead.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import os
 import re
@@ -42,7 +41,7 @@ _key_locks: dict[tuple[int, str], threading.Lock] = {}
 _holds: dict[str, Any] = {}  # entry path -> this process's shared flock on its .hold (kept to exit)
 # Prepared templates kept in the cache beyond those in use; the least recently used go first.
 KEEP = 32
-HOLD = ".hold"
+HOLD = _cache.HOLD
 
 
 def _grading_dir(client: Any) -> Path:
@@ -66,19 +65,7 @@ def _prune_legacy(root: Path) -> None:
 def _hold(entry: Path, state_file: str = "vm.state") -> Any | None:
     """A shared flock on `entry`/.hold, the mark that a process uses it (see _prune); None if the
     entry went (a prune removed it) before the hold was taken."""
-    try:
-        f = open(entry / HOLD, "a+")
-    except FileNotFoundError:
-        return None
-    fcntl.flock(f, fcntl.LOCK_SH)
-    try:
-        if os.stat(entry / HOLD).st_ino == os.fstat(f.fileno()).st_ino and (entry / state_file).is_file():
-            os.utime(entry)  # recently used: pruned last
-            return f
-    except FileNotFoundError:
-        pass
-    f.close()
-    return None
+    return _cache.hold(entry, state_file)
 
 
 def _prune(root: Path, keep: int = KEEP) -> None:
@@ -90,17 +77,7 @@ def _prune(root: Path, keep: int = KEEP) -> None:
         return
     entries.sort(key=lambda d: d.stat().st_mtime if d.exists() else 0.0, reverse=True)
     for d in entries[keep:]:
-        with _cache.Lock(d):
-            try:
-                f = open(d / HOLD, "a+")
-            except FileNotFoundError:
-                continue
-            with f:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # in use
-                _cache.remove_entry(d)
+        _cache.remove_unheld(d)
 
 
 def supported(client: Any) -> bool:
