@@ -161,7 +161,10 @@ fn a_batch_of_edits_is_one_round_trip() {
 
 fn tempfile_with(data: &[u8]) -> std::fs::File {
     use std::io::Write;
-    let path = std::env::temp_dir().join(format!("systrap-test-{}", std::process::id()));
+    // A name of its own per call: the tests of this file run in parallel threads of one process.
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = std::env::temp_dir().join(format!("systrap-test-{}-{n}", std::process::id()));
     let mut f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
     f.write_all(data).unwrap();
