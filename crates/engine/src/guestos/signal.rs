@@ -321,6 +321,14 @@ pub fn gather(os: &mut GuestOs) {
         os.sig.parent_host = host::top();
         os.proc.ppid = 1;
     }
+    take_in(os);
+    poll_children(os);
+}
+
+/// Raise what other processes sent (the carrier signals), once those already counted as sent
+/// have arrived (`host::await_in_flight`).
+fn take_in(os: &mut GuestOs) {
+    host::await_in_flight();
     let mut got = host::take();
     while got != 0 {
         let sig = got.trailing_zeros() as i32 + 1;
@@ -329,7 +337,6 @@ pub fn gather(os: &mut GuestOs) {
         let from = host::sender(sig);
         raise(os, SigInfo::sent(sig, SI_USER, from));
     }
-    poll_children(os);
 }
 
 /// Signal handling on execve: handlers go back to the default (ignored signals stay ignored), the
@@ -777,6 +784,8 @@ fn wait_child(os: &mut GuestOs, which: Which, nohang: bool, peek: bool, exited: 
             any = true;
             if exited {
                 if let Some((code, status)) = ended(&os.sig.children[i], peek && !autoreap) {
+                    // What the child sent before it ended is pending before its end is seen.
+                    take_in(os);
                     let pid = os.sig.children[i].pid;
                     if autoreap || !peek {
                         let c = os.sig.children.remove(i);
@@ -958,7 +967,7 @@ fn send(os: &mut GuestOs, t: Target, sig: i32, code: i32) -> Result<(), Errno> {
         Target::Parent => match &os.sig.parent {
             Some(fd) => {
                 let top = os.sig.parent_host == host::top();
-                host::send_pidfd(fd.as_raw_fd(), sig, top, from(os))?;
+                host::send_counted(fd.as_raw_fd(), sig, top, from(os), host::Inbox::Parent)?;
                 if sig == SIGKILL && !top {
                     crate::guestos::sched::killed(os.proc.ppid);
                 }
@@ -1508,6 +1517,133 @@ pub mod host {
     static TOP: AtomicI32 = AtomicI32::new(0);
     static INSTALLED: AtomicI32 = AtomicI32::new(0);
     static PARENT_GONE: AtomicBool = AtomicBool::new(false);
+
+    // Inboxes: a word per process counting the carrier signals sent to it, so that the receiver
+    // knows when one is still on its way in. A carrier signal is process-directed, and in a VMM
+    // with more than one thread (a served systrap VMM's helper threads, a test binary running a
+    // first process in its own process) any thread may take it: the kernel dequeues it there and
+    // that thread runs `on_signal` a moment later, while the serving thread may meanwhile see the
+    // sender's exit and report it (a shell's `kill -USR1 $PPID` whose handler ran after
+    // `subprocess.run` had returned). On Linux the signal is pending once `kill` returns, so it is
+    // seen before anything the sender did after it. So each sender counts into the target's word
+    // before sending (`send_counted`), `on_signal` counts what arrived ([`HANDLED`]), and
+    // `gather` waits (bounded) until the two agree before taking signals in and noticing
+    // children's ends ([`await_in_flight`]). Each process's word is a shared page it makes at
+    // its first `install` (a new process: a forked child or a clone); its children inherit it as
+    // their parent's, and the first process's is every descendant's "top". Signals to other
+    // processes (a child, a sibling) are not counted: their VMMs run one thread.
+    static MY_INBOX: AtomicPtr<AtomicU32> = AtomicPtr::new(std::ptr::null_mut());
+    static PARENT_INBOX: AtomicPtr<AtomicU32> = AtomicPtr::new(std::ptr::null_mut());
+    static TOP_INBOX: AtomicPtr<AtomicU32> = AtomicPtr::new(std::ptr::null_mut());
+    /// Carrier signals this process's handler has taken in (compared with its inbox's count).
+    static HANDLED: AtomicU32 = AtomicU32::new(0);
+    /// How long `gather` waits for a counted signal that has not arrived: then it goes on (the
+    /// count is taken as arrived; a send whose signal the host dropped would otherwise stall).
+    const IN_FLIGHT_WAIT_NS: u64 = 20_000_000;
+
+    fn inbox(p: *mut AtomicU32) -> Option<&'static AtomicU32> {
+        // SAFETY: a page mapped by `new_inbox` and never unmapped while these statics name it.
+        (!p.is_null()).then(|| unsafe { &*p })
+    }
+
+    /// The process that made [`MY_INBOX`].
+    static INBOX_PID: AtomicI32 = AtomicI32::new(0);
+
+    /// This process has an inbox of its own: a new one in a new process (a forked child's
+    /// parent's was moved aside by `reset_child`; a clone's inherited one is its zygote's).
+    fn own_inbox() {
+        // SAFETY: getpid cannot fail.
+        let me = unsafe { libc::getpid() };
+        if INBOX_PID.swap(me, Ordering::SeqCst) != me {
+            MY_INBOX.store(new_inbox(), Ordering::SeqCst);
+            HANDLED.store(0, Ordering::SeqCst);
+        }
+    }
+
+    fn new_inbox() -> *mut AtomicU32 {
+        // SAFETY: a new anonymous shared mapping of one page; nothing else refers to it yet.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        if p == libc::MAP_FAILED {
+            std::ptr::null_mut()
+        } else {
+            p.cast()
+        }
+    }
+
+    /// Which inbox a carrier signal to `target` counts in (None: not counted).
+    #[derive(Clone, Copy, Debug)]
+    pub enum Inbox {
+        Parent,
+        Top,
+    }
+
+    /// Send guest signal `sig` with [`send_pidfd`], counted in `to`'s inbox when it travels as a
+    /// carrier signal (see the inboxes above).
+    pub fn send_counted(pidfd: libc::c_int, sig: i32, top: bool, from: (i32, u32), to: Inbox) -> Result<(), Errno> {
+        let carried = sig != 0 && sig != SIGSTOP && (sig != SIGKILL || top);
+        let word = match to {
+            Inbox::Top => TOP_INBOX.load(Ordering::SeqCst),
+            Inbox::Parent if top => TOP_INBOX.load(Ordering::SeqCst),
+            Inbox::Parent => PARENT_INBOX.load(Ordering::SeqCst),
+        };
+        let word = inbox(word).filter(|_| carried);
+        if let Some(w) = word {
+            w.fetch_add(1, Ordering::SeqCst);
+        }
+        let r = send_pidfd(pidfd, sig, top, from);
+        if let (Err(_), Some(w)) = (&r, word) {
+            w.fetch_sub(1, Ordering::SeqCst);
+        }
+        r
+    }
+
+    /// Before taking signals in: wait (bounded) for counted carrier signals that another thread
+    /// of this process has dequeued but whose handler has not run yet (see the inboxes above).
+    pub fn await_in_flight() {
+        let Some(w) = inbox(MY_INBOX.load(Ordering::SeqCst)) else { return };
+        let behind = || w.load(Ordering::SeqCst).wrapping_sub(HANDLED.load(Ordering::SeqCst)) as i32;
+        match behind() {
+            0 => return,
+            d if d < 0 => {
+                // More arrived than were counted (sent before this inbox existed): catch up.
+                HANDLED.store(w.load(Ordering::SeqCst), Ordering::SeqCst);
+                return;
+            }
+            _ if HELD.load(Ordering::SeqCst) || blocked_here() => return,
+            _ => {}
+        }
+        let start = raw_monotonic_ns();
+        while behind() > 0 {
+            if raw_monotonic_ns().saturating_sub(start) > IN_FLIGHT_WAIT_NS {
+                HANDLED.store(w.load(Ordering::SeqCst), Ordering::SeqCst);
+                return;
+            }
+            // SAFETY: sched_yield has no arguments; a pending carrier signal unblocked here is
+            // taken on its return.
+            unsafe { libc::sched_yield() };
+        }
+    }
+
+    /// CLOCK_MONOTONIC by the syscall, not the vDSO (a systrap VMM thread may trap `rdtsc`).
+    fn raw_monotonic_ns() -> u64 {
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime into our timespec.
+        unsafe { libc::syscall(libc::SYS_clock_gettime, libc::CLOCK_MONOTONIC, &mut ts as *mut libc::timespec) };
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    }
+
+    /// Whether this thread blocks the carrier signal now.
+    fn blocked_here() -> bool {
+        // SAFETY: a zeroed sigset is valid; pthread_sigmask with a null new set only reads.
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut set);
+            libc::sigismember(&set, guest_signal()) == 1
+        }
+    }
+
     /// The number of live (unreaped) guest processes of this sandbox, in a shared page that every
     /// VMM process of the sandbox maps (see [`new_process_count`]).
     static PROCS: AtomicPtr<AtomicU32> = AtomicPtr::new(std::ptr::null_mut());
@@ -1526,6 +1662,9 @@ pub mod host {
         // SAFETY: the page is ours, page-aligned and zeroed, a valid AtomicU32.
         unsafe { (*count).store(1, Ordering::SeqCst) };
         PROCS.store(count, Ordering::SeqCst);
+        // The first process: its inbox is the one its descendants count signals to pid 1 in.
+        own_inbox();
+        TOP_INBOX.store(MY_INBOX.load(Ordering::SeqCst), Ordering::SeqCst);
         set_next_pid(next_pid);
         MY_GENERATION.store(0, Ordering::SeqCst);
         CHILD.store(false, Ordering::SeqCst);
@@ -1691,6 +1830,7 @@ pub mod host {
         if (1..=NSIG as i32).contains(&sig) {
             SENDERS[(sig - 1) as usize].store(pid, Ordering::SeqCst);
             PENDING.fetch_or(bit(sig), Ordering::SeqCst);
+            HANDLED.fetch_add(1, Ordering::SeqCst);
         }
         kick();
     }
@@ -1732,6 +1872,10 @@ pub mod host {
         let me = unsafe { libc::getpid() };
         if INSTALLED.swap(me, Ordering::SeqCst) == me {
             return;
+        }
+        own_inbox();
+        if !CHILD.load(Ordering::SeqCst) {
+            TOP_INBOX.store(MY_INBOX.load(Ordering::SeqCst), Ordering::SeqCst);
         }
         // SAFETY: a zeroed sigaction is valid; we fill handler, flags and an empty mask.
         let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
@@ -1796,6 +1940,9 @@ pub mod host {
     /// pending: the parent took everything in and forked with the carrier signal blocked, so what
     /// is sent to the child waits on the host until its first run.)
     pub fn reset_child() {
+        // The parent's inbox is what this process's signals to its parent count in; its own
+        // comes at its first `install`.
+        PARENT_INBOX.store(MY_INBOX.swap(std::ptr::null_mut(), Ordering::SeqCst), Ordering::SeqCst);
         CHILD.store(true, Ordering::SeqCst);
         PARENT_GONE.store(false, Ordering::SeqCst);
         KICK.store(std::ptr::null_mut(), Ordering::SeqCst);
@@ -1860,7 +2007,7 @@ pub mod host {
     /// Send guest signal `sig` to the sandbox's first process, from guest pid and uid `from`.
     pub fn send_top(sig: i32, from: (i32, u32)) -> Result<(), Errno> {
         let pidfd = super::pidfd_open(top())?;
-        send_pidfd(std::os::fd::AsRawFd::as_raw_fd(&pidfd), sig, true, from)
+        send_counted(std::os::fd::AsRawFd::as_raw_fd(&pidfd), sig, true, from, Inbox::Top)
     }
 }
 
