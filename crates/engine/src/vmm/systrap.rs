@@ -444,6 +444,7 @@ impl Process {
                 }
                 Exit::Rdtsc { rdtscp } => {
                     self.traps.rdtsc += 1;
+                    crate::trace::mark("rdtsc.vmm");
                     // The guest's clock, not the host's TSC: replays see the same values. As on kvm
                     // (`guestos::clock::tsc_now`): a clock read, so it advances one quantum and two
                     // reads never return the same count (before, two reads with no clock read

@@ -19,10 +19,12 @@
 //!   elapsed time if that does not pass the page's limit (as the vDSO's reads: a guest timer
 //!   falls due, or another thread's turn comes, only in the VMM), the read recorded as the last
 //!   MONOTONIC one and counted in `TSC_READS` (not a scheduler event: `vdso::fold`), `rdx:rax` =
-//!   MONOTONIC base + elapsed, `rip` past the instruction; then `rt_sigreturn`. A
+//!   MONOTONIC base + elapsed, `rip` past the instruction; then `rt_sigreturn`. `rdtscp`
+//!   (`0f 01 f9`) is answered the same way, with `rcx` (TSC_AUX) 0 as the VMM answers it. A
 //!   signal delivered and returned in the stub instead of two context switches: loading
-//!   libtorch runs `rdtsc` 131,080 times. Anything else (`rdtscp`, no page, not replay) goes on
-//!   to the VMM. The guest can write the page, so whatever it finds there is only what it itself
+//!   libtorch runs 65,540 `rdtsc` and 65,536 `rdtscp` (libhwy's timer resolution loop: a
+//!   `rdtsc` and a `rdtscp` per sample). Anything else (no page, not replay, past the page's
+//!   limit) goes on to the VMM. The guest can write the page, so whatever it finds there is only what it itself
 //!   sees; the VMM folds the page's count of quanta into its own clocks.
 //! - `restorer`: `rt_sigreturn`, the `sa_restorer` of every handler.
 //! - `boot`: entered once by a new stub (on the boot stack, with the filter installed): unmaps
@@ -60,8 +62,15 @@ std::arch::global_asm!(
     "test r9, r9",
     "jz 60f",
     "mov r10, qword ptr [rdx + {uc_gregs} + 16 * 8]",
+    "xor r11d, r11d", // 0: rdtsc (0f 31), 1: rdtscp (0f 01 f9)
     "cmp word ptr [r10], 0x310f",
+    "je 61f",
+    "cmp word ptr [r10], 0x010f",
     "jne 60f",
+    "cmp byte ptr [r10 + 2], 0xf9",
+    "jne 60f",
+    "mov r11d, 1",
+    "61:",
     "cmp qword ptr [r9 + {ck_mode}], {ck_replay}",
     "jne 60f",
     "mov rax, qword ptr [r9 + {ck_quantum}]",
@@ -77,6 +86,12 @@ std::arch::global_asm!(
     "shr rax, 32",
     "mov qword ptr [rdx + {uc_gregs} + 12 * 8], rax",
     "add qword ptr [rdx + {uc_gregs} + 16 * 8], 2",
+    "test r11d, r11d",
+    "jz 62f",
+    // rdtscp: also rcx = TSC_AUX, 0 (CPU 0, as the VMM answers), and one byte longer.
+    "mov qword ptr [rdx + {uc_gregs} + 14 * 8], 0",
+    "add qword ptr [rdx + {uc_gregs} + 16 * 8], 1",
+    "62:",
     "ret",
     "60:",
     "sub rsp, 40",
