@@ -747,6 +747,9 @@ impl Process {
             // SAFETY: our stub is parked or gone; kill it before this process ends (its handle
             // is not dropped: `end_like` exits at once).
             unsafe { libc::kill(self.stub.pid(), libc::SIGKILL) };
+            // The parent's wait returns before this process's copy of the VMM's memory is freed
+            // (`vmm::teardown`, as a kvm child's memory and VM are).
+            super::teardown::arm_memory();
             process::end_like(exit);
         }
         let e = Errno::last();
