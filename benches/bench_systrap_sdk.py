@@ -27,6 +27,11 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
 - on systrap, `exec(command="true")` with the program load's address-space edits batched (the
   default) and one command per edit (`COLLIMATE_SYSTRAP_BATCH=0`), in rotated rounds beside
   `/bin/sh -c true` (`test_exec_true_batch_rounds`; printed, run with `-s`);
+- on systrap, `exec(command="true")` with the spawn call's stub made ahead and the child VMM's
+  teardown deferred (the defaults), with the stub forked from an empty one on the call's path
+  (`COLLIMATE_SYSTRAP_SPARE=factory`) and with neither (`COLLIMATE_SYSTRAP_SPARE=0`,
+  `COLLIMATE_TEARDOWN=inline`: before), back to back and paced, in rotated rounds beside
+  `/bin/sh -c true` (`test_exec_true_spare_rounds`; printed, run with `-s`);
 - on systrap, `exec(command="true")` with the engine's spawn call refused
   (`COLLIMATE_SYSTRAP_SPAWN=0`: the agent's subprocess fallback, what systrap did before it served
   the call), beside the row above;
@@ -155,6 +160,25 @@ def test_exec_true_batch_rounds():
     ], rounds=int(os.environ.get("COLLIMATE_BENCH_ROUNDS", "6")))
 
 
+def test_exec_true_spare_rounds():
+    """The spawn call's stub made ahead and the child VMM's teardown after the parent's wait (the
+    defaults; vmm/systrap/spawn.rs, vmm/teardown.rs), against the call's stub forked from an empty
+    one on the path (`COLLIMATE_SYSTRAP_SPARE=factory`) and against neither
+    (`COLLIMATE_SYSTRAP_SPARE=0` with `COLLIMATE_TEARDOWN=inline`: what systrap did before), back
+    to back and paced (`COLLIMATE_BENCH_PAUSE_MS`, default 5 ms idle before each timed exec, as a
+    trainer's between its commands; not timed)."""
+    variants = [
+        ("systrap default (stub made ahead, teardown deferred)", {}),
+        ("systrap COLLIMATE_SYSTRAP_SPARE=factory", {"COLLIMATE_SYSTRAP_SPARE": "factory"}),
+        ("systrap SPARE=0 TEARDOWN=inline (before)", {"COLLIMATE_SYSTRAP_SPARE": "0", "COLLIMATE_TEARDOWN": "inline"}),
+    ]
+    rounds = int(os.environ.get("COLLIMATE_BENCH_ROUNDS", "6"))
+    print("\nback to back:")
+    _exec_true_rounds(variants, rounds=rounds)
+    print("paced:")
+    _exec_true_rounds(variants, rounds=rounds, pause=float(os.environ.get("COLLIMATE_BENCH_PAUSE_MS", "5")) / 1e3)
+
+
 def _print_ranges(rows, *, width, unit, tail, digits, against):
     """Each row's (median, tail, ratio) rounds as ranges over the rounds, then the load."""
     for name, v in rows.items():
@@ -164,10 +188,11 @@ def _print_ranges(rows, *, width, unit, tail, digits, against):
     print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
 
 
-def _exec_true_rounds(variants, rounds=6):
+def _exec_true_rounds(variants, rounds=6, pause=0.0):
     """`exec(command="true")` in a session per variant (its environment set for its zygote's VMM)
     and `/bin/sh -c true` called directly, in rotated rounds: each round's medians and ratios to
-    that round's native median, then their ranges (printed; run with -s)."""
+    that round's native median, then their ranges (printed; run with -s). `pause`: seconds idle
+    before each timed call (not timed)."""
     from collimate_core.sdk import platform as pf
 
     if not pf.probe_systrap().available:
@@ -191,6 +216,8 @@ def _exec_true_rounds(variants, rounds=6):
     def timed(fn, n=30):
         out = []
         for _ in range(n):
+            if pause:
+                time.sleep(pause)
             t = time.perf_counter()
             fn()
             out.append((time.perf_counter() - t) * 1e3)

@@ -692,6 +692,12 @@ impl Process {
     /// A vfork copies too; its parent waits until the child has exec'd or ended. Threads
     /// (CLONE_VM without CLONE_VFORK) and clone's other sharing flags: ENOSYS for now.
     fn fork(&mut self, c: &Fork) -> std::result::Result<i32, Errno> {
+        self.fork_with(c, None)
+    }
+
+    /// [`Process::fork`] with the child's stub given (`stub`: a spawn call's spare, `spawn.rs`)
+    /// instead of forked from this one.
+    fn fork_with(&mut self, c: &Fork, stub: Option<Stub>) -> std::result::Result<i32, Errno> {
         let vm = c.flags & CLONE_VM != 0;
         if c.flags & !FORK_FLAGS != 0 || (vm && c.flags & CLONE_VFORK == 0) || c.exit_signal > 64 {
             *self.os.enosys.entry(SYS_CLONE).or_default() += 1;
@@ -713,7 +719,10 @@ impl Process {
             }
             e
         };
-        let child_stub = self.stub.fork().map_err(|_| failed(EAGAIN))?;
+        let child_stub = match stub {
+            Some(s) => s,
+            None => self.stub.fork().map_err(|_| failed(EAGAIN))?,
+        };
         crate::trace::mark("fork.stub");
         // A vfork parent waits for the child's exec or end: the end of this pipe.
         let mut vfork = [-1; 2];
@@ -748,6 +757,9 @@ impl Process {
             // SAFETY: our stub is parked or gone; kill it before this process ends (its handle
             // is not dropped: `end_like` exits at once).
             unsafe { libc::kill(self.stub.pid(), libc::SIGKILL) };
+            // The parent's wait returns before this process's copy of the VMM's memory is freed
+            // (`vmm::teardown`, as a kvm child's memory and VM are).
+            super::teardown::arm_memory();
             process::end_like(exit);
         }
         let e = Errno::last();
@@ -822,6 +834,7 @@ impl Process {
     fn child_main(&mut self, stub: Stub, c: &Fork, guest_pid: Option<i32>, parent_host: i32, vfork: i32) -> RunExit {
         std::mem::replace(&mut self.stub, stub).release();
         self.child_stubs.clear(); // our copies of the siblings' stubs: not ours to kill
+        spawn::forget_spare(); // the parent's
         // Before the stub runs guest code: the tree's reaper kills it if this process dies
         // (`platform::systrap::reaper`). A child that cannot be registered ends here.
         if let Err(e) = st::reaper::register(&self.stub) {

@@ -20,9 +20,13 @@
 //! is gone; it is nobody's guest process (reparented to the VMM's reaper, which ignores SIGCHLD).
 //!
 //! Where the helper cannot be made (no pidfd, no memory for its stack), the exit goes on as before.
+//!
+//! A systrap child VMM ([`arm_memory`]) has no VM: what its exit frees is its copy of the parent
+//! VMM's memory (page tables and the pages it wrote), so its helper keeps no descriptor but the
+//! pidfd it waits on.
 
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
 
 /// The helper runs a few syscalls: a small stack is plenty.
 const STACK_SIZE: usize = 64 * 1024;
@@ -30,6 +34,8 @@ const STACK_SIZE: usize = 64 * 1024;
 /// What the exiting process keeps alive through the helper: its VM and vCPU descriptors, set by
 /// [`arm`] (-1: none, no helper).
 static KEEP: [AtomicI32; 2] = [AtomicI32::new(-1), AtomicI32::new(-1)];
+/// Whether the next [`defer`] starts a helper ([`arm`], [`arm_memory`]).
+static ARMED: AtomicBool = AtomicBool::new(false);
 
 /// What the helper needs, written at the bottom of its stack mapping.
 #[repr(C)]
@@ -45,6 +51,12 @@ struct Args {
 pub(super) fn arm(vm: RawFd, vcpu: RawFd) {
     KEEP[0].store(vm, Ordering::Relaxed);
     KEEP[1].store(vcpu, Ordering::Relaxed);
+    ARMED.store(true, Ordering::Relaxed);
+}
+
+/// The next [`defer`] hands only this process's memory to a helper (a systrap child VMM: no VM).
+pub(super) fn arm_memory() {
+    ARMED.store(true, Ordering::Relaxed);
 }
 
 /// Whether `COLLIMATE_TEARDOWN=inline` asks for the plain exit (to compare).
@@ -56,7 +68,7 @@ fn inline() -> bool {
 /// guest memory and the VM to a helper (see the module docs). Does nothing unless [`arm`]ed.
 pub(super) fn defer() {
     let keep = [KEEP[0].swap(-1, Ordering::Relaxed), KEEP[1].swap(-1, Ordering::Relaxed)];
-    if keep[0] < 0 || inline() {
+    if !ARMED.swap(false, Ordering::Relaxed) || inline() {
         return;
     }
     // SAFETY: getpid cannot fail; pidfd_open returns a new descriptor or -1.
@@ -97,6 +109,7 @@ pub(super) fn defer() {
         libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
         libc::close(pidfd);
         if rc > 0 {
+            crate::trace::mark("teardown.deferred");
             // Until the helper has closed its copies of the guest's descriptors, a pipe this
             // process writes would not show EOF when its parent sees it end.
             // Bounded: a helper killed meanwhile has lost its descriptors anyway.

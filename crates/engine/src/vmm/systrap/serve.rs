@@ -249,6 +249,8 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
             // A clone that owes its parent the pages of its first run writes them now, after
             // the reply (see `warm`).
             p.warm.after_run(&p.stub);
+            // The next spawn call's stub, made while the controller has nothing for us.
+            super::spawn::make_spare(p, chan.raw_fd());
         }
     }
 }
@@ -351,6 +353,7 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
         return Err(Error::InvalidArgument("the guest has exited; nothing to fork".into()));
     }
     p.warm.before_fork();
+    super::spawn::drop_spare(); // no clone holds a copy of it
     for _ in 0..n {
         // With a writable root each child's tmpfs pair is followed by its overlay context.
         let ctx = if p.writable_root && !scratch.is_empty() { scratch.pop() } else { None };
