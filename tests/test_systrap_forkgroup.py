@@ -1,0 +1,64 @@
+"""A fork group on systrap (docs/systrap.md, "fork_group(64)"): the forking VMM hands its stub the
+next child's fork before it forks itself for the previous child, so the two forks of each child
+run at once; the children are the same either way (the session's state, their own seeds, replay)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from platforms import systrap_client
+
+RUN = r"""
+import json, sys
+from collimate_core import connect
+c = connect(platform="systrap")
+with c.session("python") as s:
+    s.exec(code="base = 1000")
+    with s.fork_group(8, seed="5eed" * 16) as grp:
+        out = grp.map(lambda i, ch: ch.exec(code=f"import random, os\nprint(base + {i}, random.random(), os.urandom(4).hex())"))
+print(json.dumps([[r.stdout, r.seed, r.seed_ack] for r in out]))
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _systrap():
+    systrap_client()  # skips where the host allows no seccomp filter
+
+
+def _run(**env):
+    e = dict(os.environ, COLLIMATE_TRACE="1", **env)
+    for k in ("COLLIMATE_API_KEY", "COLLIMATE_RAY_ADDRESS"):
+        e.pop(k, None)
+    p = subprocess.run([sys.executable, "-c", RUN], env=e, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    marks = [ln.split() for ln in p.stderr.splitlines() if ln.startswith("collimate-trace ")]
+    # The session's VMM's marks, in order: the process that forked most (the zygote's forks of
+    # one clone each, the session and the spares, mark too).
+    begins = [m[2] for m in marks if m[3] == "fork.begin"]
+    forker = max(set(begins), key=begins.count)
+    steps = [m[3] for m in marks if m[2] == forker and m[3].startswith("fork.")]
+    return json.loads(p.stdout.strip().splitlines()[-1]), steps
+
+
+def test_a_fork_groups_stub_forks_overlap_its_host_forks_and_give_the_same_children():
+    """With the overlap (the default) the stub is handed child i+1's fork (`fork.next`) between
+    child i's stub fork and its host fork of the VMM; with `COLLIMATE_SYSTRAP_FORK_OVERLAP=0` it
+    is not (what systrap did before, one fork after the other). Fails on the code before, which
+    has no overlap. Both give the same children: the session's state, one seed each from the
+    group's, verified, and the same output for the same group seed."""
+    out, steps = _run()
+    before, steps_before = _run(COLLIMATE_SYSTRAP_FORK_OVERLAP="0")
+    # Per child: stub fork done, the next one handed over, the host fork, Forked sent; the last
+    # child has no next.
+    want = ["fork.begin", "fork.stub", "fork.next", "fork.vmm", "fork.sent"] * 7 + ["fork.begin", "fork.stub", "fork.vmm", "fork.sent"]
+    assert steps == want, steps
+    assert steps_before == ["fork.begin", "fork.stub", "fork.vmm", "fork.sent"] * 8, steps_before
+    assert [o[0].split()[0] for o in out] == [str(1000 + i) for i in range(8)]
+    assert len({o[1] for o in out}) == 8 and {o[2] for o in out} == {"verified"}, out
+    assert len({o[0] for o in out}) == 8, out
+    assert out == before
