@@ -62,3 +62,38 @@ def test_a_fork_groups_stub_forks_overlap_its_host_forks_and_give_the_same_child
     assert len({o[1] for o in out}) == 8 and {o[2] for o in out} == {"verified"}, out
     assert len({o[0] for o in out}) == 8, out
     assert out == before
+
+
+def test_back_to_back_maps_run_on_the_same_threads_and_nested_maps_do_not_wait():
+    """`ForkGroup.map` keeps its threads for the next map (sdk/workers.py): a second map's calls
+    run on threads the first one's calls ran on, so it starts none (on main each map started a
+    `ThreadPoolExecutor` of its own: the thread-local mark below is missing there). A map inside
+    a map's call gets threads of its own (no call waits for a busy one), and results keep their
+    order, an exception of `fn` propagates and a bad width is refused."""
+    import threading
+
+    from collimate_core.sdk.errors import InvalidArgument
+
+    c = systrap_client()
+    mark = threading.local()
+    with c.session("python") as s, s.fork_group(4) as grp:
+
+        def first(i, child):
+            mark.seen = True
+            return child.exec(code=f"print({i})").stdout
+
+        assert grp.map(first) == [f"{i}\n" for i in range(4)]
+        assert grp.map(lambda i, child: getattr(mark, "seen", False)) == [True] * 4
+        # Nested: each outer call maps the whole group again while all 4 outer calls are running.
+        barrier = threading.Barrier(4, timeout=60)
+
+        def outer(i, child):
+            barrier.wait()
+            return grp.map(lambda j, k: i * 10 + j)
+
+        assert grp.map(outer) == [[i * 10 + j for j in range(4)] for i in range(4)]
+        with pytest.raises(ZeroDivisionError):
+            grp.map(lambda i, child: 1 // (i - 2))
+    with c.session("python") as s, s.fork_group(2) as grp:
+        with pytest.raises(InvalidArgument, match="max_workers"):
+            grp.map(lambda i, child: i, max_workers=-1)
