@@ -97,3 +97,57 @@ def test_back_to_back_maps_run_on_the_same_threads_and_nested_maps_do_not_wait()
     with c.session("python") as s, s.fork_group(2) as grp:
         with pytest.raises(InvalidArgument, match="max_workers"):
             grp.map(lambda i, child: i, max_workers=-1)
+
+
+def _stub_of(vmm: int) -> int:
+    """The stub of a systrap VMM: the process whose /proc/<pid>/mem it holds open."""
+    from pathlib import Path
+
+    for fd in Path(f"/proc/{vmm}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.endswith("/mem"):
+            return int(link.split("/")[-2])
+    raise AssertionError(f"VMM {vmm} holds no stub's /proc/<pid>/mem")
+
+
+def test_a_restored_zygote_populates_only_the_pages_its_snapshot_holds():
+    """The template's zygote is restored from its systrap snapshot with the page-table entries of
+    the pages the memory file holds data for, not of its holes (pages the process never had: most
+    of the guest stack's 8 MiB), which every stub fork copied and every exit tore down. So a
+    session's stub (a clone of the zygote) has few resident pages in its stack mapping; with
+    `COLLIMATE_SYSTRAP_PREFAULT_HOLES=1` (what the restore did before, and main) all 8 MiB."""
+
+    def stack_rss_kb(env: dict) -> int:
+        code = (
+            "import os, sys\n"
+            "sys.path.insert(0, " + repr(os.path.dirname(__file__)) + ")\n"
+            "from test_systrap_forkgroup import _stub_of\n"
+            "from collimate_core import connect\n"
+            "c = connect(platform='systrap')\n"
+            "with c.session('python') as s:\n"
+            "    assert s.exec(code='x = 1').ok\n"
+            "    stub = _stub_of(s._box.vm.pid)\n"
+            "    rss, cur = None, False\n"
+            "    for line in open(f'/proc/{stub}/smaps'):\n"
+            "        f = line.split()\n"
+            "        if not f[0].endswith(':'):\n"
+            "            a, b = (int(x, 16) for x in f[0].split('-'))\n"
+            "            cur = b - a == 8 << 20 and line.rstrip().endswith('systrap.mem')\n"
+            "        elif f[0] == 'Rss:' and cur:\n"
+            "            rss = int(f[1])\n"
+            "    print(rss)\n"
+        )
+        e = dict(os.environ, **env)
+        for k in ("COLLIMATE_API_KEY", "COLLIMATE_RAY_ADDRESS"):
+            e.pop(k, None)
+        p = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return int(p.stdout.split()[-1])
+
+    now = stack_rss_kb({})
+    before = stack_rss_kb({"COLLIMATE_SYSTRAP_PREFAULT_HOLES": "1"})
+    assert before >= 8000, before  # the whole 8 MiB stack mapping
+    assert now < 2048, now
