@@ -394,12 +394,14 @@ def test_fork_group_64_map_ab(benchmark):
     """Systrap's `fork_group(64)` + map of `exec(code=...)` with this round's fork-group work (the
     default, timed: the stub forks the next child while the VMM host-forks for the previous one,
     the seed-ack keystream from the engine, the children's stdio set up as they are Ready, the
-    map's threads kept from map to map) and, alternated round by round, as before: a client
-    launched with `COLLIMATE_SYSTRAP_FORK_OVERLAP=0` whose rounds check seed acks with the Python
-    keystream (`seeds.crng_stream`, what `embedded.expected_ack` used) and start a new thread for
-    each of the map's runners (as its `ThreadPoolExecutor` did). The stdio change has no switch. Native, the same round: this process forks 64 children, each
-    computing the same line, one after the other (`os.fork` + `_exit` + `waitpid`). Printed with
-    -s: each side's median and p99, and the ratios."""
+    map's threads kept from map to map, the zygote's restore populating only the pages its
+    snapshot holds) and, alternated round by round, as before: a client launched with
+    `COLLIMATE_SYSTRAP_FORK_OVERLAP=0 COLLIMATE_SYSTRAP_PREFAULT_HOLES=1` whose rounds check seed
+    acks with the Python keystream (`seeds.crng_stream`, what `embedded.expected_ack` used) and
+    start a new thread for each of the map's runners (as its `ThreadPoolExecutor` did); the stdio
+    change has no switch. Native, the same round: this process forks 64 children, each computing
+    the same line, one after the other (`os.fork` + `_exit` + `waitpid`). Printed with -s: each
+    side's median and p99, and the ratios."""
     import hashlib
 
     import threading
@@ -410,12 +412,14 @@ def test_fork_group_64_map_ab(benchmark):
 
     if not pf.probe_systrap().available:
         pytest.skip("this host does not allow seccomp filters (systrap)")
-    os.environ["COLLIMATE_SYSTRAP_FORK_OVERLAP"] = "0"  # read by the zygote's VMM, which its clones inherit
+    before_env = {"COLLIMATE_SYSTRAP_FORK_OVERLAP": "0", "COLLIMATE_SYSTRAP_PREFAULT_HOLES": "1"}
+    os.environ.update(before_env)  # read by the zygote's VMM, which its clones inherit
     try:
         old = EmbeddedClient(platform="systrap")
         old_s = old.session("python").__enter__()
     finally:
-        os.environ.pop("COLLIMATE_SYSTRAP_FORK_OVERLAP", None)
+        for k in before_env:
+            os.environ.pop(k, None)
     new = EmbeddedClient(platform="systrap")
     new_s = new.session("python").__enter__()
     for s in (old_s, new_s):
