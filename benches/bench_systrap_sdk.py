@@ -403,7 +403,6 @@ def test_fork_group_64_map_ab(benchmark):
     the same line, one after the other (`os.fork` + `_exit` + `waitpid`). Printed with -s: each
     side's median and p99, and the ratios."""
     import hashlib
-
     import threading
 
     from collimate_core.sdk import embedded, session
