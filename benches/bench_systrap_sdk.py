@@ -417,6 +417,97 @@ def test_fork_group_map(benchmark, client, n, rounds):
     benchmark.extra_info["platform"] = client.platform
 
 
+def test_fork_group_64_map_ab(benchmark):
+    """Systrap's `fork_group(64)` + map of `exec(code=...)` with this round's fork-group work (the
+    default, timed: the stub forks the next child while the VMM host-forks for the previous one,
+    the seed-ack keystream from the engine, the children's stdio set up as they are Ready, the
+    map's threads kept from map to map, the zygote's restore populating only the pages its
+    snapshot holds) and, alternated round by round, as before: a client launched with
+    `COLLIMATE_SYSTRAP_FORK_OVERLAP=0 COLLIMATE_SYSTRAP_PREFAULT_HOLES=1` whose rounds check seed
+    acks with the Python keystream (`seeds.crng_stream`, what `embedded.expected_ack` used) and
+    start a new thread for each of the map's runners (as its `ThreadPoolExecutor` did); the stdio
+    change has no switch. Native, the same round: this process forks 64 children, each computing
+    the same line, one after the other (`os.fork` + `_exit` + `waitpid`). Printed with -s: each
+    side's median and p99, and the ratios."""
+    import hashlib
+    import threading
+
+    from collimate_core.sdk import embedded, session
+    from collimate_core.sdk import platform as pf
+    from collimate_core.sdk.seeds import crng_stream
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    before_env = {"COLLIMATE_SYSTRAP_FORK_OVERLAP": "0", "COLLIMATE_SYSTRAP_PREFAULT_HOLES": "1"}
+    os.environ.update(before_env)  # read by the zygote's VMM, which its clones inherit
+    try:
+        old = EmbeddedClient(platform="systrap")
+        old_s = old.session("python").__enter__()
+    finally:
+        for k in before_env:
+            os.environ.pop(k, None)
+    new = EmbeddedClient(platform="systrap")
+    new_s = new.session("python").__enter__()
+    for s in (old_s, new_s):
+        assert s.exec(code="x = 1").ok
+    fast_ack, kept_threads = embedded.expected_ack, session._workers
+
+    class NewThreads:  # a thread per runner, as a ThreadPoolExecutor per map started
+        @staticmethod
+        def submit(call, finished):
+            threading.Thread(target=lambda: (call(), finished())).start()
+
+    def python_ack(seed: bytes) -> str:
+        return hashlib.sha256(embedded.ACK_CONTEXT + seed + crng_stream(seed, 32)).hexdigest()
+
+    def one(s):
+        with s.fork_group(64) as grp:
+            assert all(r.ok and r.seed_ack == "verified" for r in grp.map(lambda i, c: c.exec(code=f"y = x + {i}")))
+
+    def native():
+        x = 1
+        for i in range(64):
+            pid = os.fork()
+            if pid == 0:
+                y = x + i  # noqa: F841
+                os._exit(0)
+            os.waitpid(pid, 0)
+
+    times: dict[str, list[float]] = {"before": [], "native": []}
+
+    def setup():
+        embedded.expected_ack, session._workers = python_ack, NewThreads
+        try:
+            t0 = time.perf_counter()
+            one(old_s)
+            times["before"].append(time.perf_counter() - t0)
+        finally:
+            embedded.expected_ack, session._workers = fast_ack, kept_threads
+        t0 = time.perf_counter()
+        native()
+        times["native"].append(time.perf_counter() - t0)
+
+    try:
+        benchmark.pedantic(lambda: one(new_s), setup=setup, rounds=16, warmup_rounds=1)
+    finally:
+        for s, c in ((old_s, old), (new_s, new)):
+            s.kill()
+            c.close()
+    now = sorted(benchmark.stats.stats.data)
+    rows = {"now (default)": now, "before (no overlap, Python keystream, new threads)": sorted(times["before"][1:]),
+            "native: 64 x os.fork + _exit + waitpid": sorted(times["native"][1:])}
+    for name, v in rows.items():
+        print(f"fork_group(64) + map, {name:<40} median {statistics.median(v) * 1e3:7.1f} ms, p99 {_p99(v) * 1e3:7.1f} ms")
+    ratio = statistics.median(now) / statistics.median(rows["before (no overlap, Python keystream, new threads)"])
+    print(f"now / before {ratio:.2f}x; now / native {statistics.median(now) / statistics.median(rows['native: 64 x os.fork + _exit + waitpid']):.1f}x; "
+          f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
+    benchmark.extra_info["platform"] = "systrap"
+    benchmark.extra_info["before_median_ms"] = round(statistics.median(rows["before (no overlap, Python keystream, new threads)"]) * 1e3, 2)
+    benchmark.extra_info["before_p99_ms"] = round(_p99(rows["before (no overlap, Python keystream, new threads)"]) * 1e3, 2)
+    benchmark.extra_info["native_median_ms"] = round(statistics.median(rows["native: 64 x os.fork + _exit + waitpid"]) * 1e3, 2)
+    benchmark.extra_info["x_before"] = round(ratio, 2)
+
+
 FORK_50 = "import os\nfor _ in range(50):\n    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n    os.waitpid(pid, 0)"
 
 

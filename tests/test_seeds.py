@@ -4,6 +4,7 @@ rootfs)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import string
 from pathlib import Path
@@ -232,3 +233,46 @@ def test_vm_reseed_reproduces_a_python_run(rootfs, tmp_path):
         assert outs[3][0] not in (outs[0][0], outs[2][0])
     finally:
         vm.destroy()
+
+
+# --- the SDK's seed-ack check through the engine's CRNG ---------------------------------------
+
+
+@pytest.mark.parametrize("v", [v for v in VECTORS["crng"] if v["offset"] == 0], ids=lambda v: v["seed"][:8])
+def test_the_engines_crng_stream_matches_the_vectors(v):
+    from collimate_core import _core
+
+    n = len(v["hex"]) // 2
+    assert _core._crng_stream(parse_seed(v["seed"]), n).hex() == v["hex"]
+
+
+@settings(max_examples=50, deadline=None)
+@given(seeds, st.integers(min_value=0, max_value=300))
+def test_the_engines_crng_stream_is_the_reference_stream(seed, n):
+    from collimate_core import _core
+
+    assert _core._crng_stream(parse_seed(seed), n) == crng_stream(seed, n)
+
+
+def test_the_engines_crng_stream_refuses_a_short_seed():
+    from collimate_core import _core
+
+    with pytest.raises(ValueError, match="32 bytes"):
+        _core._crng_stream(b"\x00" * 31, 32)
+
+
+def test_the_seed_ack_is_checked_without_the_python_keystream(monkeypatch):
+    """An exec's seed-ack check (`embedded.expected_ack`, once per exec: a fork group's map of 64
+    paid it 64 times on one core, holding the GIL) computes the keystream in the engine, not with
+    the Python reference (0.2-0.25 ms a call). Fails where it calls `seeds.chacha20_keystream`."""
+    from collimate_core.sdk import embedded
+
+    seed = parse_seed(seed_from_key("test_the_seed_ack_is_checked_without_the_python_keystream"))
+
+    def slow(*a, **k):
+        raise AssertionError("the Python keystream was used")
+
+    ref = hashlib.sha256(embedded.ACK_CONTEXT + seed + crng_stream(seed, 32)).hexdigest()
+    monkeypatch.setattr(_seeds, "chacha20_keystream", slow)
+    monkeypatch.setattr(_seeds, "_chacha20_block", slow)
+    assert embedded.expected_ack.__wrapped__(seed) == ref

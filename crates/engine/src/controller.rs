@@ -449,6 +449,11 @@ impl Vm {
                 Err(RecvError::Failed(e)) => return Err(self.died(e.to_string())),
             }
         }
+        // Each child gets its stdout/stderr pipes as soon as it is Ready, and the replies are read
+        // once every child is: the children answer while the later ones are still being forked,
+        // instead of one round trip after another once the last is (a fork group of 64 on systrap
+        // waited 5-7 ms for them; docs/systrap.md, "fork_group(64)").
+        let mut stdio = Vec::with_capacity(if self.stdio.is_some() { n } else { 0 });
         for child in &mut children {
             match child.recv_with_fds(CONTROL_TIMEOUT)? {
                 (Response::Ready { jail, .. }, fds) => {
@@ -472,18 +477,25 @@ impl Vm {
                     s.resize_pool(q.bytes)?;
                 }
             }
-        }
-        if self.stdio.is_some() {
-            // Each sandbox has its own stdout/stderr: give every child new pipes.
-            for child in &mut children {
-                child.attach_stdio()?;
+            if self.stdio.is_some() {
+                // Each sandbox has its own stdout/stderr: new pipes for every child.
+                stdio.push(child.send_stdio()?);
             }
+        }
+        for (child, pipes) in children.iter_mut().zip(stdio) {
+            child.finish_stdio(pipes)?;
         }
         Ok(children)
     }
 
     /// Give this (Linux) VM new stdout/stderr pipes.
     fn attach_stdio(&mut self) -> Result<()> {
+        let pipes = self.send_stdio()?;
+        self.finish_stdio(pipes)
+    }
+
+    /// The first half of [`Vm::attach_stdio`]: the request sent, its answer not read yet.
+    fn send_stdio(&mut self) -> Result<Stdio> {
         let (stdio, ends) = Stdio::new()?;
         let mut fds = vec![ends[0].as_raw_fd(), ends[1].as_raw_fd()];
         let broker = if self.net_sent {
@@ -499,6 +511,11 @@ impl Vm {
         drop(ends);
         drop(broker); // the VMM holds it now
         self.net_sent = true;
+        Ok(stdio)
+    }
+
+    /// The second half of [`Vm::attach_stdio`]: read the answer to [`Vm::send_stdio`]'s request.
+    fn finish_stdio(&mut self, stdio: Stdio) -> Result<()> {
         match self.recv(CONTROL_TIMEOUT)? {
             Response::Ok => {
                 self.stdio = Some(stdio);

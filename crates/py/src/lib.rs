@@ -920,6 +920,21 @@ fn quota_available(py: Python<'_>) -> bool {
     py.detach(collimate_engine::quota::available)
 }
 
+/// The first `n` bytes of the sandbox CRNG's stream after a reseed with the 32-byte `seed` (the
+/// engine's own `Crng`, so the SDK's seed-ack check computes what the guest got in microseconds;
+/// `sdk/seeds.py` keeps the reference implementation in Python).
+#[pyfunction(name = "_crng_stream")]
+fn crng_stream<'py>(py: Python<'py>, seed: &[u8], n: usize) -> PyResult<Bound<'py, PyBytes>> {
+    let seed: collimate_engine::guestos::crng::Seed =
+        seed.try_into().map_err(|_| PyValueError::new_err(format!("a seed is 32 bytes, not {}", seed.len())))?;
+    if n > 1 << 20 {
+        return Err(PyValueError::new_err(format!("at most 1 MiB of the stream at once, not {n} bytes")));
+    }
+    let mut buf = vec![0u8; n];
+    collimate_engine::guestos::crng::Crng::from_seed(seed).fill(&mut buf);
+    Ok(PyBytes::new(py, &buf))
+}
+
 /// Start the engine's egress broker thread now (the package does on import, so that its thread
 /// and wake-up descriptor never look like a leak of the first sandbox's). Not in a VMM process,
 /// which must stay single-threaded: it loads only this extension, never the package.
@@ -956,6 +971,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(egress_max_flows, m)?)?;
     m.add_function(wrap_pyfunction!(kvm_profile, m)?)?;
     m.add_function(wrap_pyfunction!(quota_available, m)?)?;
+    m.add_function(wrap_pyfunction!(crng_stream, m)?)?;
     m.add("SNAPSHOT_FORMAT", collimate_engine::persist::FORMAT_VERSION)?;
     m.add("OUTPUT_CAP", collimate_engine::controller::OUTPUT_CAP)?;
     m.add("SYSTRAP_SNAPSHOT_FORMAT", collimate_engine::vmm::systrap::snapshot::FORMAT_VERSION)?;

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from collimate_core import _core
 from collimate_core._core import EngineError as _CoreEngineError
 from collimate_core._core import OUTPUT_CAP, Vm
 from collimate_core.sdk.errors import (
@@ -36,7 +37,7 @@ from collimate_core.sdk import quota as _quota
 from collimate_core.sdk.egress import Egress, set_resolver
 from collimate_core.sdk.meter import Meter
 from collimate_core.sdk.results import ExecResult
-from collimate_core.sdk.seeds import crng_stream, fresh_seed, parse_seed
+from collimate_core.sdk.seeds import fresh_seed, parse_seed
 from collimate_core.templates.catalog import frame as _frame
 from collimate_core.templates.catalog import unframe as _unframe
 from collimate_core.templates.catalog import AGENT_IDLE, Baked, bake_catalog, cache_dir
@@ -66,10 +67,12 @@ REAP_BACKLOG = 65
 
 @functools.lru_cache(maxsize=256)
 def expected_ack(seed: bytes) -> str:
-    """The ack an agent returns after a correct reseed with `seed` (see guest/agent.py). Cached:
-    the keystream is computed in Python (about 0.2 ms, holding the GIL), and the execs of a
-    grading batch all run with one seed (two execs per candidate)."""
-    return hashlib.sha256(ACK_CONTEXT + seed + crng_stream(seed, 32)).hexdigest()
+    """The ack an agent returns after a correct reseed with `seed` (see guest/agent.py). The
+    keystream comes from the engine's CRNG (`_core._crng_stream`, about a microsecond): the
+    Python reference (`seeds.crng_stream`) took 0.2-0.25 ms holding the GIL, once per exec, which
+    a fork group's map of 64 execs paid on one core (docs/systrap.md, "fork_group(64)"). Cached:
+    the execs of a grading batch all run with one seed (two execs per candidate)."""
+    return hashlib.sha256(ACK_CONTEXT + seed + _core._crng_stream(seed, 32)).hexdigest()
 
 
 def check_exec_args(code: Any, command: Any, timeout: Any, seed: Any) -> bytes | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
 from collimate_core.sdk.egress import Egress
@@ -11,6 +11,7 @@ from collimate_core.sdk.egress import coerce as coerce_egress
 from collimate_core.sdk.embedded import check_exec_args
 from collimate_core.sdk.errors import CollimateError, GroupError, InvalidArgument
 from collimate_core.sdk.results import ExecResult
+from collimate_core.sdk import workers as _workers
 from collimate_core.sdk.seeds import fresh_seed, group_seeds, parse_seed
 
 T = TypeVar("T")
@@ -250,17 +251,40 @@ class ForkGroup:
         if not children:
             raise GroupError("the group is closed")
         workers = max_workers or min(len(children), 32)
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="collimate-group") as pool:
-            futures = [pool.submit(fn, i, c) for i, c in enumerate(children)]
-            results: list[T] = []
-            failure: BaseException | None = None
-            for i, f in enumerate(futures):
+        if not isinstance(workers, int) or workers < 1:
+            raise InvalidArgument(f"map(max_workers=...) must be a positive int, not {max_workers!r}")
+        # `workers` runners take the children in order, on threads kept from map to map (workers.py).
+        futures: list[Future] = [Future() for _ in children]
+        todo = iter(enumerate(children))
+        take = threading.Lock()
+        done = threading.Semaphore(0)
+
+        def runner() -> None:
+            while True:
+                with take:
+                    nxt = next(todo, None)
+                if nxt is None:
+                    return
+                i, c = nxt
                 try:
-                    results.append(f.result())
-                except BaseException as e:  # noqa: BLE001 - re-raised below after teardown
-                    if failure is None:
-                        failure = e
-                        failed_at = i
+                    futures[i].set_result(fn(i, c))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller below
+                    futures[i].set_exception(e)
+
+        runners = min(workers, len(children))
+        for _ in range(runners):
+            _workers.submit(runner, done.release)
+        for _ in range(runners):
+            done.acquire()
+        results: list[T] = []
+        failure: BaseException | None = None
+        for i, f in enumerate(futures):
+            try:
+                results.append(f.result())
+            except BaseException as e:  # noqa: BLE001 - re-raised below after teardown
+                if failure is None:
+                    failure = e
+                    failed_at = i
         if failure is not None:
             self.close()
             if isinstance(failure, CollimateError) and not isinstance(failure, GroupError):

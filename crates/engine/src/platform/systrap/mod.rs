@@ -539,6 +539,13 @@ impl Stub {
 
     /// Hand a command to the parked stub and wait for its `EXIT_DONE`; the command's result.
     fn command(&mut self, cmd: u64, args: [u64; 7]) -> Result<i64> {
+        self.command_send(cmd, args)?;
+        self.command_wait()
+    }
+
+    /// The first half of [`Stub::command`]: hand it over and return while the stub works (the
+    /// stub is not parked until [`Stub::command_wait`]; every other command is refused meanwhile).
+    fn command_send(&mut self, cmd: u64, args: [u64; 7]) -> Result<()> {
         if !self.parked {
             return Err(Error::NotParked { what: "take a command" });
         }
@@ -553,12 +560,18 @@ impl Stub {
         self.parked = false;
         self.match_tsc();
         self.page.hand_to_stub(&self.handoff, &mut self.spin);
+        Ok(())
+    }
+
+    /// The second half of [`Stub::command`]: wait for the command [`Stub::command_send`] handed
+    /// over; its result.
+    fn command_wait(&mut self) -> Result<i64> {
         if !self.wait() {
             return Err(Error::Gone { pid: self.pid });
         }
         self.parked = true;
         // SAFETY: the VMM's turn again.
-        Ok(unsafe { std::ptr::read_volatile(&raw const (*p).ret) })
+        Ok(unsafe { std::ptr::read_volatile(&raw const (*self.page.page()).ret) })
     }
 
     /// Give this (the serving) thread the stub's `rdtsc` mode before a hand-off, so a context
@@ -842,6 +855,17 @@ impl Stub {
     /// [`Stub::await_parked`] on the new stub before anything else (another process may: the new
     /// handle survives a host fork of the VMM).
     pub fn fork_unparked(&mut self) -> Result<Stub> {
+        let pending = self.fork_begin()?;
+        self.fork_finish(pending)
+    }
+
+    /// [`Stub::fork_unparked`] in two halves: hand the stub its fork and return while it forks
+    /// (this stub is busy until [`Stub::fork_finish`]; every other command is refused meanwhile),
+    /// so the caller can do other work, such as a host fork of its own process for the previous
+    /// stub's child, in parallel with it (`vmm::systrap`'s fork group). A host fork of the caller
+    /// meanwhile leaves the [`PendingFork`] in both processes: the side that does not finish it
+    /// drops its copy (its fds and mapping only).
+    pub fn fork_begin(&mut self) -> Result<PendingFork> {
         let page = SharedPage::new().map_err(host("memfd for the fork's shared page"))?;
         // SAFETY: the VMM's turn on the old page; the new page is ours alone: it starts as a copy (the
         // parked exit's registers and XSAVE address stay valid in the child) with the stub's turn.
@@ -863,7 +887,15 @@ impl Stub {
             at.write_volatile(-1);
             at.add(1).write_volatile(-1);
         }
-        let pid = self.command(shared::CMD_FORK, [0, 0, msg, 0, 0, 0, 0])?;
+        self.command_send(shared::CMD_FORK, [0, 0, msg, 0, 0, 0, 0])?;
+        Ok(PendingFork { page, sock })
+    }
+
+    /// Wait for the fork [`Stub::fork_begin`] handed this stub; the new stub, not parked yet
+    /// (see [`Stub::fork_unparked`]).
+    pub fn fork_finish(&mut self, pending: PendingFork) -> Result<Stub> {
+        let PendingFork { page, sock } = pending;
+        let pid = self.command_wait()?;
         if pid <= 0 {
             return Err(Error::Op { op: "fork", source: io::Error::from_raw_os_error(-pid as i32) });
         }
@@ -991,6 +1023,13 @@ impl Stub {
         // The frame is in the reserved range, so `write`'s check does not apply.
         memory::write(&self.mem, at, area).then_some(()).ok_or(Error::Fault { addr: at, len })
     }
+}
+
+/// A fork handed to a stub by [`Stub::fork_begin`] and not yet finished: the new stub's shared
+/// page and socket.
+pub struct PendingFork {
+    page: SharedPage,
+    sock: OwnedFd,
 }
 
 impl Drop for Stub {

@@ -40,7 +40,7 @@ use crate::channel::{Channel, RecvError};
 use crate::error::{Error, Result};
 use crate::guestos::persist::ScratchRoot;
 use crate::guestos::{self, signal};
-use crate::platform::systrap::{reaper, Confinement, Stub};
+use crate::platform::systrap::{reaper, Confinement, PendingFork, Stub};
 use crate::protocol::{Request, Response, RunExit, RunResult};
 use crate::vmm::{exit_discarding, exit_process, jail, lifeline, reply, reply_with_fds};
 
@@ -345,6 +345,12 @@ impl Process {
 
 /// Fork the parked sandbox into `n` clones; each replies `Ready` on its own channel, and the
 /// controller gets one `Forked` per clone with that channel and a pidfd (as kvm's `Fork`).
+///
+/// Each clone is two forks: its stub's (the parked stub forks itself) and this process's. They
+/// overlap (`COLLIMATE_SYSTRAP_FORK_OVERLAP`, on unless `0`): the stub is handed the next clone's
+/// fork before this process forks for the previous one (`Stub::fork_begin`), so the two run on two
+/// CPUs at once and the chain of a fork group costs about the longer of the two per clone instead
+/// of their sum (docs/systrap.md, "fork_group(64)").
 fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>, n: u32) -> Result<()> {
     if n == 0 || n > 4096 {
         return Err(Error::InvalidArgument(format!("fork of {n} children; ask for 1..=4096")));
@@ -354,49 +360,88 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
     }
     p.warm.before_fork();
     super::spawn::drop_spare(); // no clone holds a copy of it
-    for _ in 0..n {
-        // With a writable root each child's tmpfs pair is followed by its overlay context.
-        let ctx = if p.writable_root && !scratch.is_empty() { scratch.pop() } else { None };
-        // The pair's shared-memory pool was pushed after its disk tmpfs.
-        let tmpfs = match (scratch.pop(), scratch.pop()) {
-            (Some(shm), Some(disk)) => Some((disk, shm)),
-            _ => None,
-        };
-        // Not waiting for the new stub to park: its VMM does (`clone_main`), so the next
-        // clone's fork does not wait for this one's stub to be scheduled.
-        crate::trace::mark("fork.begin");
-        let child_stub = p.stub.fork_unparked().map_err(|e| Error::Remote(format!("systrap: fork of the stub: {e}")))?;
+    let overlap = fork_overlap();
+    let stub_failed = |e| Error::Remote(format!("systrap: fork of the stub: {e}"));
+    // Not waiting for a new stub to park: its VMM does (`clone_main`), so the next clone's fork
+    // does not wait for this one's stub to be scheduled.
+    crate::trace::mark("fork.begin");
+    let mut next = Some(p.stub.fork_begin().map_err(stub_failed)?);
+    for i in 0..n {
+        if i > 0 {
+            crate::trace::mark("fork.begin");
+        }
+        let Some(pending) = next.take() else { unreachable!("a fork was begun for every clone") };
+        let child_stub = p.stub.fork_finish(pending).map_err(stub_failed)?;
         crate::trace::mark("fork.stub");
-        let (ours, theirs) = Channel::pair()?;
-        signal::host::block(true);
-        signal::gather(&mut p.os);
-        // SAFETY: this process is single-threaded, so the child may go on in Rust; it never
-        // returns from `clone_main`.
-        let pid = unsafe { libc::fork() };
-        if pid == 0 {
-            signal::host::reset_child();
-            signal::host::block(false);
-            drop(ours);
-            lifeline::forget();
-            reaper::forget();
-            // SAFETY: the parent's channel and the siblings' tmpfs instances are not this
-            // process's; `chan` is never used here again (`clone_main` does not return).
-            unsafe { libc::close(chan.raw_fd()) };
-            scratch.clear();
-            clone_main(p, child_stub, theirs, tmpfs, ctx, n == 1);
+        if overlap && i + 1 < n {
+            // The stub forks the next clone's stub while this process forks for this one.
+            match p.stub.fork_begin() {
+                Ok(f) => next = Some(f),
+                Err(e) => return Err(stub_failed(e)),
+            }
+            crate::trace::mark("fork.next");
         }
-        signal::host::block(false);
-        if pid < 0 {
-            return Err(Error::last_os("fork"));
+        let forked = fork_one(p, chan, scratch, child_stub, n, &mut next);
+        if let Err(e) = forked {
+            // The stub must be parked again before the error is served: end the fork it is making.
+            if let Some(f) = next.take() {
+                let _ = p.stub.fork_finish(f);
+            }
+            return Err(e);
         }
-        child_stub.release();
-        drop(theirs);
-        drop((tmpfs, ctx)); // the child's now
-        crate::trace::mark("fork.vmm");
-        let pidfd = crate::vmm::pidfd_open(pid)?;
-        chan.send(&Response::Forked { pids: vec![pid] }, &[ours.raw_fd(), pidfd.as_raw_fd()])?;
-        crate::trace::mark("fork.sent");
+        if !overlap && i + 1 < n {
+            next = Some(p.stub.fork_begin().map_err(stub_failed)?);
+        }
     }
+    Ok(())
+}
+
+/// Whether a fork group's two forks per clone overlap (see [`fork_children`]).
+fn fork_overlap() -> bool {
+    std::env::var_os("COLLIMATE_SYSTRAP_FORK_OVERLAP").is_none_or(|v| v != "0")
+}
+
+/// The host fork of this process for one clone that takes `child_stub`, and its `Forked` to the
+/// controller. `next`: a stub fork in flight for the next clone (the clone drops its copy).
+fn fork_one(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>, child_stub: Stub, n: u32, next: &mut Option<PendingFork>) -> Result<()> {
+    // With a writable root each child's tmpfs pair is followed by its overlay context.
+    let ctx = if p.writable_root && !scratch.is_empty() { scratch.pop() } else { None };
+    // The pair's shared-memory pool was pushed after its disk tmpfs.
+    let tmpfs = match (scratch.pop(), scratch.pop()) {
+        (Some(shm), Some(disk)) => Some((disk, shm)),
+        _ => None,
+    };
+    let (ours, theirs) = Channel::pair()?;
+    signal::host::block(true);
+    signal::gather(&mut p.os);
+    // SAFETY: this process is single-threaded, so the child may go on in Rust; it never
+    // returns from `clone_main`.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        signal::host::reset_child();
+        signal::host::block(false);
+        drop(ours);
+        // The next clone's stub is its parent's to finish: only this copy's fds and mapping go.
+        drop(next.take());
+        lifeline::forget();
+        reaper::forget();
+        // SAFETY: the parent's channel and the siblings' tmpfs instances are not this
+        // process's; `chan` is never used here again (`clone_main` does not return).
+        unsafe { libc::close(chan.raw_fd()) };
+        scratch.clear();
+        clone_main(p, child_stub, theirs, tmpfs, ctx, n == 1);
+    }
+    signal::host::block(false);
+    if pid < 0 {
+        return Err(Error::last_os("fork"));
+    }
+    child_stub.release();
+    drop(theirs);
+    drop((tmpfs, ctx)); // the child's now
+    crate::trace::mark("fork.vmm");
+    let pidfd = crate::vmm::pidfd_open(pid)?;
+    chan.send(&Response::Forked { pids: vec![pid] }, &[ours.raw_fd(), pidfd.as_raw_fd()])?;
+    crate::trace::mark("fork.sent");
     Ok(())
 }
 

@@ -298,7 +298,7 @@ impl Process {
                 stub.map(va, n * PAGE, r.prot as i32, flags, Some(mem.as_fd()), off).map_err(|e| stub_err("map guest memory", e))?;
             }
         }
-        prefault(&mut stub, &runs);
+        prefault(&mut stub, &runs, &mem);
         stub.load_xsave(&state.xsave).map_err(|e| stub_err("load the XSAVE area (a snapshot from another CPU?)", e))?;
         let (capture, stdio) = match stdio {
             Some(fds) => (None, fds),
@@ -344,21 +344,64 @@ fn fstat_id(fd: &std::os::fd::OwnedFd) -> Option<(u64, u64)> {
 /// mapping only once that mapping has anonymous memory (the host's rule: otherwise the child
 /// faults each page in from the page cache again), so without this every clone of a restored
 /// zygote would fault in every page its first exec touches (a clone's first exec measured 3-4x a
-/// live zygote's in benches/bench_systrap_sdk.py). Each readable mapping is populated for reading
-/// (the page cache's pages, still shared by every restore of the snapshot: nothing is copied),
-/// and one page of each writable one for writing (its anonymous memory begins). Best effort: a
-/// host without `MADV_POPULATE_*` (Linux 5.14) only loses the speed.
-fn prefault(stub: &mut Stub, runs: &[Region]) {
-    const MADV_POPULATE_READ: i32 = 22;
+/// live zygote's in benches/bench_systrap_sdk.py). Each readable program-file mapping is populated
+/// for reading (the page cache's pages, still shared by every restore of the snapshot: nothing is
+/// copied), and of the memory file's mappings only the pages the file holds data for: its holes
+/// are pages the process never had (most of a thread's 8 MiB stack, the heap's untouched tail;
+/// 19 of the python agent's 24 MiB), and every entry populated is one more that each fork of the
+/// stub copies and each exit tears down (`COLLIMATE_SYSTRAP_PREFAULT_HOLES=1` populates them too,
+/// what the restore did before: docs/systrap.md, "fork_group(64)"). One page of each writable
+/// mapping is populated for writing (its anonymous memory begins). Best effort: a host without
+/// `MADV_POPULATE_*` (Linux 5.14) or `SEEK_DATA` only loses the speed.
+fn prefault(stub: &mut Stub, runs: &[Region], mem: &std::fs::File) {
     const MADV_POPULATE_WRITE: i32 = 23;
+    let holes_too = std::env::var_os("COLLIMATE_SYSTRAP_PREFAULT_HOLES").is_some_and(|v| v == "1");
+    let mut read = Vec::new();
     for r in runs {
-        if r.prot & libc::PROT_READ as u32 != 0 {
-            let _ = stub.advise(r.start, r.end - r.start, MADV_POPULATE_READ);
+        if r.prot & libc::PROT_READ as u32 == 0 {
+            continue;
         }
+        if r.file.is_some() || holes_too {
+            read.push((r.start, r.end - r.start));
+        } else {
+            read.extend(data_runs(mem, r.offset, r.end - r.start).into_iter().map(|(at, len)| (r.start + (at - r.offset), len)));
+        }
+    }
+    let _ = stub.populate(&crate::platform::systrap::written::Learned { write: Vec::new(), read });
+    for r in runs {
         if r.prot & libc::PROT_WRITE as u32 != 0 {
             let _ = stub.advise(r.start, PAGE, MADV_POPULATE_WRITE);
         }
     }
+}
+
+/// The runs of `[offset, offset + len)` in `file` that hold data (not holes), page-aligned; the
+/// whole range where the file system cannot tell (`SEEK_DATA` unsupported).
+fn data_runs(file: &std::fs::File, offset: u64, len: u64) -> Vec<(u64, u64)> {
+    use std::os::fd::AsRawFd;
+    let (end, fd) = (offset + len, file.as_raw_fd());
+    let mut out = Vec::new();
+    let mut at = offset;
+    while at < end {
+        // SAFETY: lseek on a file we own; no memory is passed.
+        let data = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_DATA) };
+        if data < 0 {
+            if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) {
+                break; // no data from `at` on
+            }
+            return vec![(offset, len)];
+        }
+        let data = (data as u64 / PAGE * PAGE).max(at);
+        if data >= end {
+            break;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data as libc::off_t, libc::SEEK_HOLE) };
+        let hole = if hole < 0 { end } else { (hole as u64).div_ceil(PAGE) * PAGE }.min(end);
+        out.push((data, hole - data));
+        at = hole;
+    }
+    out
 }
 
 #[cfg(test)]
