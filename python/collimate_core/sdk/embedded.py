@@ -583,6 +583,18 @@ class EmbeddedClient:
         until an exec has reported it)."""
         with box.lock:
             if box.platform == "systrap":
+                # Reset in place where the template's zygote was restored from a snapshot (see
+                # sdk/live.py); else, or if the reset is refused (the agent's process ended), a
+                # new clone takes the sandbox's place.
+                resettable = getattr(box.origin, "resettable", None)
+                if box.agent_alive and resettable is not None and resettable():
+                    try:
+                        box.vm.reset()
+                    except CollimateError:
+                        pass
+                    else:
+                        box.state = box.origin.state
+                        return
                 self._replace(box)
                 return
             try:

@@ -279,9 +279,13 @@ impl Process {
             }
         }
         let flags = libc::MAP_PRIVATE | libc::MAP_NORESERVE;
+        // Each mapping's file, kept for resets (`super::reset`).
+        let mem = std::sync::Arc::new(std::os::fd::OwnedFd::from(mem));
+        let mut origin = super::reset::OriginBuilder::new();
         for r in &runs {
             let Some(f) = &r.file else {
                 stub.map(r.start, r.end - r.start, r.prot as i32, flags, Some(mem.as_fd()), r.offset).map_err(|e| stub_err("map guest memory", e))?;
+                origin.mapped(r.start, r.end - r.start, r.prot as i32, &mem, r.offset);
                 continue;
             };
             let changed = || Error::SnapshotCorrupt {
@@ -293,11 +297,14 @@ impl Process {
                 return Err(changed());
             }
             stub.map(r.start, r.end - r.start, r.prot as i32, flags, Some(fd.as_fd()), f.offset).map_err(|e| stub_err("map a program file", e))?;
+            origin.mapped(r.start, r.end - r.start, r.prot as i32, &std::sync::Arc::new(fd), f.offset);
             for &(p, n) in &r.patches {
                 let (va, off) = (r.start + p * PAGE, r.offset + p * PAGE);
                 stub.map(va, n * PAGE, r.prot as i32, flags, Some(mem.as_fd()), off).map_err(|e| stub_err("map guest memory", e))?;
+                origin.mapped(va, n * PAGE, r.prot as i32, &mem, off);
             }
         }
+        let reset = origin.finish(dir.to_path_buf(), &state, &stub)?;
         prefault(&mut stub, &runs);
         stub.load_xsave(&state.xsave).map_err(|e| stub_err("load the XSAVE area (a snapshot from another CPU?)", e))?;
         let (capture, stdio) = match stdio {
@@ -324,6 +331,7 @@ impl Process {
             warm: super::warm::Warm::default(),
             vvar: Default::default(),
             traps: super::Traps::default(),
+            reset,
         })
     }
 }
