@@ -23,8 +23,8 @@ processes killed) and the template keeps it (at most `embedded.RECYCLE_MAX`) for
 which takes it before a spare: its stub's page tables and its VMM are warm. `Sandbox.reset()`
 is the same reset. Only templates whose zygote was restored from a snapshot recycle (all of those
 a client uses; a live-booted zygote's memory has nothing to drop back to), and
-`COLLIMATE_SYSTRAP_RECYCLE=0` in the client's environment turns recycling off (every sandbox
-that ends is destroyed, `Sandbox.reset()` gets a new clone), to compare.
+`COLLIMATE_SYSTRAP_RECYCLE=0` in the client's environment when a template is made turns recycling
+off for it (every sandbox that ends is destroyed, `Sandbox.reset()` gets a new clone), to compare.
 
 Image templates (Template.bake, `client.env(image)`) are booted live by templates/bake.py
 (`LiveTemplate.image`: the image's unpacked root filesystem as the guest's root, its agent spawned
@@ -155,6 +155,7 @@ class LiveTemplate:
         self.spares = 0
         self._pool: list[Vm] = []  # spare clones, oldest first (see `set_spares`)
         self.recycled: list[Vm] = []  # ended sandboxes, reset, for reuse (see `offer`)
+        self._recycle = recycle_enabled()  # read once, when the template is made
         self._closed = False
         self._filling = False
         self._taken_at = 0.0  # when a spare was last handed out (time.monotonic)
@@ -232,7 +233,7 @@ class LiveTemplate:
     def resettable(self) -> bool:
         """Whether this template's sandboxes can be reset in place: its zygote was restored from a
         snapshot (what the engine resets to), and recycling is on."""
-        return self.restored_from is not None and recycle_enabled()
+        return self.restored_from is not None and self._recycle
 
     def take_recycled(self) -> Vm | None:
         with self.lock:

@@ -145,6 +145,12 @@ fn guest_mappings(pid: i32) -> Result<Vec<memory::Mapping>> {
         .collect())
 }
 
+/// Whether a reset faults the pages it dropped in writable mappings in again
+/// (`COLLIMATE_SYSTRAP_WARM=0` turns it off with the clones' faults taken ahead: `super::warm`).
+fn refill_enabled() -> bool {
+    std::env::var_os("COLLIMATE_SYSTRAP_WARM").is_none_or(|v| v != "0")
+}
+
 fn unavailable(why: &str) -> Error {
     Error::ResetUnavailable(format!("{why}; start a new sandbox (a clone of the template) instead"))
 }
@@ -228,7 +234,10 @@ impl Process {
                 self.stub.unmap(at, m.end - at).map_err(stub_err("unmap"))?;
             }
         }
-        let mut dropped = 0;
+        // Runs of pages to drop, and those of them in writable mappings, faulted in again (from
+        // the file: the template's contents) for the next exec, which likely writes them too.
+        let mut drop: Vec<(u64, u64)> = Vec::new();
+        let mut refill: Vec<(u64, u64)> = Vec::new();
         for t in &o.layout {
             if !now.contains(t) {
                 // Changed: mapped again from its files (MAP_FIXED replaces what is there).
@@ -241,7 +250,7 @@ impl Process {
             }
             if t.prot() == 0 {
                 // Nothing here is readable; whatever the sandbox wrote before protecting it goes.
-                self.stub.advise(t.start, t.end - t.start, libc::MADV_DONTNEED).map_err(stub_err("madvise"))?;
+                drop.push((t.start, t.end - t.start));
                 continue;
             }
             // Only the pages copied on write: the file's pages keep their page-table entries.
@@ -259,14 +268,24 @@ impl Process {
                         continue;
                     }
                     let k = (j..n).find(|&k| !own(flags[k])).unwrap_or(n);
-                    self.stub.advise(base + j as u64 * PAGE, (k - j) as u64 * PAGE, libc::MADV_DONTNEED).map_err(stub_err("madvise"))?;
-                    dropped += (k - j) as u64;
+                    let run = (base + j as u64 * PAGE, (k - j) as u64 * PAGE);
+                    drop.push(run);
+                    if t.prot() & libc::PROT_WRITE != 0 {
+                        refill.push(run);
+                    }
                     j = k;
                 }
                 i += n;
             }
         }
-        Ok(dropped)
+        let done = self.stub.advise_runs(&drop, libc::MADV_DONTNEED).map_err(stub_err("madvise"))?;
+        if done != drop.len() {
+            return Err(Error::Remote(format!("systrap: reset: the host dropped {done} of {} runs of pages", drop.len())));
+        }
+        if refill_enabled() {
+            let _ = self.stub.advise_runs(&refill, libc::MADV_POPULATE_WRITE);
+        }
+        Ok(drop.iter().map(|r| r.1 / PAGE).sum())
     }
 
     /// The guest OS state back to the snapshot's, as kvm's reset rebuilds it.
