@@ -381,16 +381,37 @@ def test_a_timeout_or_a_dead_interpreter_gets_a_fresh_clone(client):
         assert sb.exec(code="print('z' in globals())").stdout == "False\n"
 
 
-def test_a_sandbox_that_ends_is_destroyed_not_recycled(client):
-    with Sandbox("python", client=client) as sb:
+def test_a_sandbox_that_ends_is_recycled_by_reset_or_destroyed_past_the_cap(client):
+    # A sandbox that ends is reset in place and kept for the next one (tests/test_systrap_reset.py
+    # checks it shows nothing of its last owner); beyond RECYCLE_MAX it is destroyed.
+    from collimate_core.sdk.embedded import RECYCLE_MAX
+
+    t = client._template("python")
+    t.drain()
+    boxes = [Sandbox("python", client=client) for _ in range(RECYCLE_MAX + 1)]
+    pids = []
+    for sb in boxes:
+        sb.__enter__()
         assert sb.exec(command="true").ok
-        pid = sb._box.vm.pid
-        assert _alive(pid)
-    end = time.monotonic() + 30  # the reaper thread tears it down after the exit
+        pids.append(sb._box.vm.pid)
+    for sb in boxes:
+        sb.__exit__(None, None, None)
+    end = time.monotonic() + 30  # the reaper thread resets or tears down each after the exit
+    while sum(_alive(p) for p in pids) > RECYCLE_MAX and time.monotonic() < end:
+        time.sleep(0.05)
+    while len(t.recycled) < RECYCLE_MAX and time.monotonic() < end:
+        time.sleep(0.05)
+    assert sum(_alive(p) for p in pids) == RECYCLE_MAX
+    assert sorted(vm.pid for vm in t.recycled) == sorted(p for p in pids if _alive(p))
+    t.drain()
+    assert not any(_alive(p) for p in pids if wait_gone(p))
+
+
+def wait_gone(pid: int, limit: float = 30.0) -> bool:
+    end = time.monotonic() + limit
     while _alive(pid) and time.monotonic() < end:
         time.sleep(0.05)
-    assert not _alive(pid)
-    assert client._templates["python"].take_recycled() is None
+    return True
 
 
 def test_a_lost_vmm_raises_and_a_lost_zygote_is_started_again(client):
