@@ -145,6 +145,7 @@ def test_sandboxes_come_from_spare_clones_made_ahead(client):
                 break
             time.sleep(0.1)
         assert len(t._pool) == 2
+        _no_recycled(client, t)  # sandboxes recycled by reset are taken first
         with Sandbox("python", client=client) as a, Sandbox("python", client=client) as b:
             assert (a.warm_hit, b.warm_hit) == (True, True)
             # Each spare is a sandbox of its own, at the template's ready point.
@@ -156,10 +157,17 @@ def test_sandboxes_come_from_spare_clones_made_ahead(client):
         _wait_for_spares(t, 2)
         client.expect_width("python", 0)
         assert t._pool == []
+        _no_recycled(client, t)
         with Sandbox("python", client=client) as c:
             assert not c.warm_hit and c.exec(code="print(3)").stdout == "3\n"
     finally:
         client.release_template("python")
+
+
+def _no_recycled(client, t) -> None:
+    """Template `t` holds no recycled sandbox (the client's reaper thread done with those that ended)."""
+    client._reaper.submit(lambda: None).result()
+    t.drain()
 
 
 def _minflt(pid: int) -> int:
@@ -214,6 +222,7 @@ def _spare_first_exec(client) -> None:
     client.expect_width("python", 2)
     try:
         _wait_for_spares(t, 2)
+        _no_recycled(client, t)  # a spare's first exec, not a recycled sandbox's
         with Sandbox("python", client=client) as sb:
             assert sb.warm_hit
             vmm = sb._box.vm.pid
@@ -241,6 +250,7 @@ def test_the_spare_thread_leaves_a_new_sandbox_alone_while_a_spare_is_left(clien
     try:
         _wait_for_spares(t, 2)
         monkeypatch.setattr(live, "REFILL_AFTER", 3600.0, raising=False)
+        _no_recycled(client, t)  # spares taken, not recycled sandboxes
         with Sandbox("python", client=client) as a:
             assert a.warm_hit and a.exec(code="x = 1").ok
             for _ in range(30):  # a clone takes well under a second here; 3 s to see none
@@ -594,8 +604,12 @@ def test_taking_a_spare_does_not_start_a_thread_while_the_spare_thread_lingers()
     from collimate_core.sdk import live
 
     own = EmbeddedClient(platform="systrap")
+    os.environ["COLLIMATE_SYSTRAP_RECYCLE"] = "0"  # spares taken, not recycled sandboxes
     try:
         t = own._template("python")
+    finally:
+        os.environ.pop("COLLIMATE_SYSTRAP_RECYCLE", None)
+    try:
         _wait_for_spares(t, 2)
         idents = []
         for _ in range(3):
