@@ -10,6 +10,7 @@ Needs seccomp filters (systrap) and the python root filesystem; not /dev/kvm.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -245,3 +246,25 @@ def test_recycling_leaks_no_host_process_descriptor_or_memory(client):
     assert orphaned_stubs() - stubs_before == set()
     # This process's descriptors (the recycled sandbox's and the spares' channels) do not grow.
     assert max(s[4] for s in seen[2:]) <= seen[1][4], seen
+
+
+def test_a_sandbox_spawned_not_restored_refuses_a_reset_with_what_to_do(tmp_path):
+    # A live-booted agent's memory is anonymous: nothing to drop it back to.
+    from collimate_core.templates import catalog
+
+    systrap_client()  # skips where the host allows no seccomp filter
+    work = catalog.agent_dirs(prefix="collimate-reset-test-")
+    vm = catalog.spawn_agent(catalog.python_root(None), work, 1, platform="systrap")
+    try:
+        catalog.run_to_idle(vm, "a spawned agent")
+        with pytest.raises(Exception, match="spawned, not restored from a snapshot.*start a new sandbox"):
+            vm.reset()
+        clone = vm.clone()
+        try:
+            with pytest.raises(Exception, match="spawned, not restored"):
+                clone.reset()
+        finally:
+            clone.destroy()
+    finally:
+        vm.destroy()
+        shutil.rmtree(work, ignore_errors=True)
