@@ -17,9 +17,12 @@
 //! - one that changed (unmapped, protected, mapped over, moved) is mapped again from its file;
 //! - what the sandbox mapped since (heap growth, mmap'd regions, thread stacks, shared memory) is
 //!   unmapped.
-//! No page is copied: the work is one `pagemap` read per mapping and a stub call per run of
-//! dropped pages, and the next exec finds its page tables for the pages it did not write.
-//! The registers, FS base and XSAVE area go back to the snapshot's in the parked stub, and the
+//!
+//! No page is copied: the work is one `pagemap` read per mapping and one stub call per
+//! [`crate::platform::systrap::shared`]'s batch of runs of dropped pages, which are then faulted in
+//! again from the file (`MADV_POPULATE_WRITE`: the next exec likely writes them too, and a recycled
+//! sandbox is reset on the SDK's reaper thread, off its next user's path); the next exec finds its
+//! page tables for the pages it did not write. The registers, FS base and XSAVE area go back to the snapshot's in the parked stub, and the
 //! guest OS state is rebuilt from the snapshot's as kvm's reset does (`restore_os`: files, fds,
 //! memory map, process facts, signal handlers and mask, umask, cwd, rlimits, clocks, threads;
 //! the writable mounts copied again from the snapshot, into the sandbox's own tmpfs), with fresh
