@@ -46,6 +46,13 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
   the default) and without (`COLLIMATE_SYSTRAP_WARMUP=0`), alternated round by round beside
   `/usr/bin/python3 -c "x = 1"` called directly (`test_template_warm_up_ab`; printed, run with `-s`).
 
+- on systrap, the sandbox row paced and back to back with ended sandboxes recycled by reset (the
+  default, vmm/systrap/reset.rs) and with recycling off (`COLLIMATE_SYSTRAP_RECYCLE=0`: each one
+  destroyed, what systrap did before), alternated round by round beside `/bin/sh -c true` and
+  `/usr/bin/python3 -c "x = 1"` called directly (`test_sandbox_recycle_ab`; printed, run with -s);
+  and GRPO-shape grading (HumanEval, 16 x 8, one grade_batch per problem) the same two ways
+  beside a warm fork server per worker (`test_grpo_grading_recycle_ab`; printed).
+
 Needs seccomp filters for the systrap rows and /dev/kvm for the kvm rows.
 """
 

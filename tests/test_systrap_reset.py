@@ -268,3 +268,20 @@ def test_a_sandbox_spawned_not_restored_refuses_a_reset_with_what_to_do(tmp_path
     finally:
         vm.destroy()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_fork_group_child_is_recycled_to_the_template_not_its_parent(client):
+    # A fork group's child descends from its parent sandbox, not from the template: recycled, it
+    # is reset to the template (the snapshot its zygote was restored from), files and memory.
+    t = client._template("python")
+    t.drain()
+    with Sandbox("python", client=client) as parent:
+        assert parent.exec(code="PARENT = 1\nopen('/tmp/parent', 'w').write('p')").ok
+        with parent.fork_group(2) as grp:
+            pids = [c._box.vm.pid for c in grp]
+            assert grp.map(lambda i, c: c.exec(code="CHILD = 1\nopen('/work/child', 'w').write('c')").ok) == [True, True]
+    assert all(_recycled(t, p) for p in pids), [vm.pid for vm in t.recycled]
+    with Sandbox("python", client=client) as sb:
+        assert sb._box.vm.pid in pids
+        r = sb.exec(code="import os\nprint('PARENT' in globals(), 'CHILD' in globals(), os.listdir('/tmp'), os.listdir('/work'))")
+        assert r.stdout == "False False [] []\n", r
