@@ -216,7 +216,7 @@ def test_shell_fork_bomb(client, sb):
     assert len(descendants(vmm)) <= 256
     still_usable(sb)
     sb.kill()
-    assert wait_until(lambda: not descendants(vmm) or stat_of(vmm) is None, 20), "bomb processes outlived their sandbox"
+    assert wait_until(lambda: not guest_descendants(vmm) or stat_of(vmm) is None, 20), "bomb processes outlived their sandbox"
 
 
 FORK_200 = (
@@ -243,7 +243,7 @@ def test_a_reset_after_a_fork_bomb_restores_the_process_budget(sb):
         sb.exec(command="bomb(){ bomb|bomb& };bomb", timeout_seconds=30)
         vmm = sb._live().vm.pid
         sb.reset()
-        assert wait_until(lambda vmm=vmm: not descendants(vmm), 20)
+        assert wait_until(lambda vmm=vmm: not guest_descendants(vmm), 20)
         r = sb.exec(code=FORK_200, timeout_seconds=120)
         assert r.ok and r.stdout == "200\n", r
 
@@ -318,7 +318,7 @@ def test_python_fork_loop(sb):
     assert r.exit_code == 127 and "Resource temporarily unavailable" in r.stderr, r
     # A reset kills them all, and the sandbox is as new.
     sb.reset()
-    assert wait_until(lambda: not descendants(vmm), 20), "forked children survived a reset"
+    assert wait_until(lambda: not guest_descendants(vmm), 20), "forked children survived a reset"
     still_usable(sb)
 
 
