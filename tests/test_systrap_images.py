@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,28 @@ def test_the_root_is_writable_like_a_containers_and_each_sandbox_has_its_own(tpl
         r = other.exec(command="test -e /etc/os-release && test ! -e /usr/local/bin/x && cat /usr/local/share/baked/mark")
         assert r.ok and r.stdout == "ready\n", r
         assert "overlay / overlay rw" in s.exec(command="cat /proc/mounts").stdout
+
+
+def test_a_recycled_sandbox_gets_the_images_writable_root_back(tpl):
+    # A sandbox that ends is reset in place and recycled (vmm/systrap/reset.rs): the next one
+    # finds the image's root (and the bake's Ready steps) again with a fresh writable layer.
+    client, handle = tpl
+    t = client._template(NAME)
+    client._reaper.submit(lambda: None).result()
+    t.drain()
+    with client.session(handle) as s:
+        pid = s._box.vm.pid
+        assert s.exec(command="echo left > /usr/local/share/left && rm /etc/os-release && echo w > /work/w").ok
+    end = time.monotonic() + 30
+    while not any(vm.pid == pid for vm in list(t.recycled)) and time.monotonic() < end:
+        time.sleep(0.05)
+    with client.session(handle) as s:
+        assert s._box.vm.pid == pid, "not recycled"
+        r = s.exec(command="test -e /etc/os-release && test ! -e /usr/local/share/left && test ! -e /work/w "
+                           "&& cat /usr/local/share/baked/mark")
+        assert r.ok and r.stdout == "ready\n", r
+        assert "overlay / overlay rw" in s.exec(command="cat /proc/mounts").stdout
+        assert s.exec(command="echo again > /usr/local/share/left && cat /usr/local/share/left").stdout == "again\n"
 
 
 def test_grading_in_the_image(tpl):

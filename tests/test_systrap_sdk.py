@@ -145,6 +145,7 @@ def test_sandboxes_come_from_spare_clones_made_ahead(client):
                 break
             time.sleep(0.1)
         assert len(t._pool) == 2
+        _no_recycled(client, t)  # sandboxes recycled by reset are taken first
         with Sandbox("python", client=client) as a, Sandbox("python", client=client) as b:
             assert (a.warm_hit, b.warm_hit) == (True, True)
             # Each spare is a sandbox of its own, at the template's ready point.
@@ -156,10 +157,17 @@ def test_sandboxes_come_from_spare_clones_made_ahead(client):
         _wait_for_spares(t, 2)
         client.expect_width("python", 0)
         assert t._pool == []
+        _no_recycled(client, t)
         with Sandbox("python", client=client) as c:
             assert not c.warm_hit and c.exec(code="print(3)").stdout == "3\n"
     finally:
         client.release_template("python")
+
+
+def _no_recycled(client, t) -> None:
+    """Template `t` holds no recycled sandbox (the client's reaper thread done with those that ended)."""
+    client._reaper.submit(lambda: None).result()
+    t.drain()
 
 
 def _minflt(pid: int) -> int:
@@ -214,6 +222,7 @@ def _spare_first_exec(client) -> None:
     client.expect_width("python", 2)
     try:
         _wait_for_spares(t, 2)
+        _no_recycled(client, t)  # a spare's first exec, not a recycled sandbox's
         with Sandbox("python", client=client) as sb:
             assert sb.warm_hit
             vmm = sb._box.vm.pid
@@ -241,6 +250,7 @@ def test_the_spare_thread_leaves_a_new_sandbox_alone_while_a_spare_is_left(clien
     try:
         _wait_for_spares(t, 2)
         monkeypatch.setattr(live, "REFILL_AFTER", 3600.0, raising=False)
+        _no_recycled(client, t)  # spares taken, not recycled sandboxes
         with Sandbox("python", client=client) as a:
             assert a.warm_hit and a.exec(code="x = 1").ok
             for _ in range(30):  # a clone takes well under a second here; 3 s to see none
@@ -367,12 +377,13 @@ def test_a_timeout_or_a_dead_interpreter_gets_a_fresh_clone(client):
         r = sb.exec(code="import os\nprint('y' in globals(), os.path.exists('/work/kept'))")
         assert r.ok and r.stdout == "True True\n" and not r.interpreter_restarted, r
         # Computing code is interrupted as on kvm (tests/test_systrap_threads.py); an interpreter
-        # that ignores the interrupt does not stop: the next exec is a new clone.
+        # that ignores the interrupt does not stop: it is reset in place over the sandbox's files,
+        # as on kvm (docs/systrap.md, "Reset"; before, the next exec was a new clone, files lost).
         r = sb.exec(code="import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass", timeout_seconds=1)
         assert r.timed_out and r.exit_code == 124, r
-        assert "on the systrap platform the next exec runs in a fresh interpreter cloned" in r.note, r.note
+        assert "files in /tmp and /work are kept" in r.note, r.note
         r = sb.exec(code="import os\nprint('y' in globals(), os.path.exists('/work/kept'))")
-        assert r.ok and r.stdout == "False False\n" and r.interpreter_restarted, r
+        assert r.ok and r.stdout == "False True\n" and r.interpreter_restarted, r
         r = sb.exec(code="import os\nos._exit(3)")
         assert r.exit_code == 3 and r.interpreter_died, r
         assert sb.exec(code="print('again')").stdout == "again\n"
@@ -381,16 +392,37 @@ def test_a_timeout_or_a_dead_interpreter_gets_a_fresh_clone(client):
         assert sb.exec(code="print('z' in globals())").stdout == "False\n"
 
 
-def test_a_sandbox_that_ends_is_destroyed_not_recycled(client):
-    with Sandbox("python", client=client) as sb:
+def test_a_sandbox_that_ends_is_recycled_by_reset_or_destroyed_past_the_cap(client):
+    # A sandbox that ends is reset in place and kept for the next one (tests/test_systrap_reset.py
+    # checks it shows nothing of its last owner); beyond RECYCLE_MAX it is destroyed.
+    from collimate_core.sdk.embedded import RECYCLE_MAX
+
+    t = client._template("python")
+    t.drain()
+    boxes = [Sandbox("python", client=client) for _ in range(RECYCLE_MAX + 1)]
+    pids = []
+    for sb in boxes:
+        sb.__enter__()
         assert sb.exec(command="true").ok
-        pid = sb._box.vm.pid
-        assert _alive(pid)
-    end = time.monotonic() + 30  # the reaper thread tears it down after the exit
+        pids.append(sb._box.vm.pid)
+    for sb in boxes:
+        sb.__exit__(None, None, None)
+    end = time.monotonic() + 30  # the reaper thread resets or tears down each after the exit
+    while sum(_alive(p) for p in pids) > RECYCLE_MAX and time.monotonic() < end:
+        time.sleep(0.05)
+    while len(t.recycled) < RECYCLE_MAX and time.monotonic() < end:
+        time.sleep(0.05)
+    assert sum(_alive(p) for p in pids) == RECYCLE_MAX
+    assert sorted(vm.pid for vm in t.recycled) == sorted(p for p in pids if _alive(p))
+    t.drain()
+    assert not any(_alive(p) for p in pids if wait_gone(p))
+
+
+def wait_gone(pid: int, limit: float = 30.0) -> bool:
+    end = time.monotonic() + limit
     while _alive(pid) and time.monotonic() < end:
         time.sleep(0.05)
-    assert not _alive(pid)
-    assert client._templates["python"].take_recycled() is None
+    return True
 
 
 def test_a_lost_vmm_raises_and_a_lost_zygote_is_started_again(client):
@@ -573,8 +605,12 @@ def test_taking_a_spare_does_not_start_a_thread_while_the_spare_thread_lingers()
     from collimate_core.sdk import live
 
     own = EmbeddedClient(platform="systrap")
+    os.environ["COLLIMATE_SYSTRAP_RECYCLE"] = "0"  # spares taken, not recycled sandboxes
     try:
         t = own._template("python")
+    finally:
+        os.environ.pop("COLLIMATE_SYSTRAP_RECYCLE", None)
+    try:
         _wait_for_spares(t, 2)
         idents = []
         for _ in range(3):

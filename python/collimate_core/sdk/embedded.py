@@ -586,6 +586,18 @@ class EmbeddedClient:
         until an exec has reported it)."""
         with box.lock:
             if box.platform == "systrap":
+                # Reset in place where the template's zygote was restored from a snapshot (see
+                # sdk/live.py); else, or if the reset is refused (the agent's process ended), a
+                # new clone takes the sandbox's place.
+                resettable = getattr(box.origin, "resettable", None)
+                if box.agent_alive and resettable is not None and resettable():
+                    try:
+                        box.vm.reset()
+                    except CollimateError:
+                        pass
+                    else:
+                        box.state = box.origin.state
+                        return
                 self._replace(box)
                 return
             try:
@@ -787,10 +799,11 @@ class EmbeddedClient:
         Files are kept either way; the interpreter's state too if it answers within
         END_EXEC_GRACE. If it does not (it ignores SIGINT, is stuck in C code), it is replaced
         by a fresh one from the template over the sandbox's files, and the next exec says so
-        (`interpreter_restarted`). On systrap, which has no reset, such a sandbox (or one whose
-        interpreter the engine's watchdog killed: its stub did not stop at the deadline) gets a
-        new clone of the template at its next exec instead, files lost. Returns the output with
-        what came meanwhile, and a note."""
+        (`interpreter_restarted`), on systrap too where the engine resets the sandbox in place
+        (a template restored from a snapshot, recycling on). Where it cannot (the interpreter
+        died, or the engine's watchdog killed it: its stub did not stop at the deadline) a systrap
+        sandbox gets a new clone of the template at its next exec instead, files lost. Returns the
+        output with what came meanwhile, and a note."""
         try:
             r = box.vm.end_exec(int(_signal.SIGINT) if python else 0, END_EXEC_GRACE)
         except _CoreEngineError as e:
@@ -811,7 +824,21 @@ class EmbeddedClient:
             "died (" + _how_it_ended(r) + ")"
         )
         if box.platform == "systrap":
-            return stdout, stderr, self._lost_on_systrap(box, how)
+            # A fresh interpreter over the sandbox's files where the engine can reset it in place
+            # (docs/systrap.md, "Reset"); else (its first process ended) a new clone.
+            resettable = getattr(box.origin, "resettable", None)
+            try:
+                if resettable is None or not resettable():
+                    raise CollimateError("no reset")
+                box.vm.reset(keep_files=True)
+            except CollimateError:
+                return stdout, stderr, self._lost_on_systrap(box, how)
+            box.agent_alive = True
+            box.lost = "did not stop after a timeout" if r.kind == "timeout" else "died after a timeout"
+            return stdout, stderr, (
+                f"this exec timed out and the sandbox's interpreter {how}: the next exec runs in a fresh interpreter "
+                "(Python state and processes are lost; files in /tmp and /work are kept)"
+            )
         try:
             box.vm.reset(keep_files=True)
         except _CoreEngineError as e:
@@ -824,8 +851,9 @@ class EmbeddedClient:
         )
 
     def _lost_on_systrap(self, box: _Box, how: str) -> str:
-        """A timed-out exec whose interpreter cannot go on, on systrap (no reset there, so its
-        files cannot be kept): the next exec gets a new clone of the template. The note."""
+        """A timed-out exec whose interpreter cannot go on, on systrap, where the sandbox cannot be
+        reset in place (its first process ended, or no reset for its template), so its files
+        cannot be kept: the next exec gets a new clone of the template. The note."""
         box.agent_alive = False
         box.lost = f"{how} when an exec timed out (systrap: the sandbox was replaced)"
         return (

@@ -16,9 +16,15 @@ handed out (the engine learns them from the template's first clones: vmm/systrap
 the catalog template's agent ran one exec of `pass` before its snapshot (`warm_up`), so a
 sandbox's first exec is not CPython's first in its process. The spare thread stays a while once
 the pool is full (`LINGER`), so that taking a spare does not wait for a thread to start.
-There is no recycling by reset (the engine has none on systrap): a sandbox
-that ends is destroyed, and `Sandbox.reset()` or a lost interpreter gets a new clone of the
-zygote, which is the template's state.
+A sandbox that ends is recycled by reset, as on kvm: the engine returns it to the snapshot the
+zygote was restored from in place (vmm/systrap/reset.rs: its pages copied on write dropped back to
+the snapshot's, mappings made since unmapped, registers and guest OS state restored, other guest
+processes killed) and the template keeps it (at most `embedded.RECYCLE_MAX`) for the next sandbox,
+which takes it before a spare: its stub's page tables and its VMM are warm. `Sandbox.reset()`
+is the same reset. Only templates whose zygote was restored from a snapshot recycle (all of those
+a client uses; a live-booted zygote's memory has nothing to drop back to), and
+`COLLIMATE_SYSTRAP_RECYCLE=0` in the client's environment when a template is made turns recycling
+off for it (every sandbox that ends is destroyed, `Sandbox.reset()` gets a new clone), to compare.
 
 Image templates (Template.bake, `client.env(image)`) are booted live by templates/bake.py
 (`LiveTemplate.image`: the image's unpacked root filesystem as the guest's root, its agent spawned
@@ -95,6 +101,11 @@ if hasattr(threading, "_register_atexit"):  # runs before the interpreter joins 
 WARM_UP_CODE = "pass"
 
 
+def recycle_enabled() -> bool:
+    """Whether sandboxes that end are reset and kept for reuse (`COLLIMATE_SYSTRAP_RECYCLE`)."""
+    return os.environ.get("COLLIMATE_SYSTRAP_RECYCLE", "1") != "0"
+
+
 def warm_up_enabled() -> bool:
     return os.environ.get("COLLIMATE_SYSTRAP_WARMUP", "1") != "0"
 
@@ -143,6 +154,9 @@ class LiveTemplate:
         self.shared_memory = shared_memory
         self.spares = 0
         self._pool: list[Vm] = []  # spare clones, oldest first (see `set_spares`)
+        self.recycled: list[Vm] = []  # ended sandboxes, reset, for reuse (see `offer`)
+        self._recycle = recycle_enabled()  # read once, when the template is made
+        self._closed = False
         self._filling = False
         self._taken_at = 0.0  # when a spare was last handed out (time.monotonic)
         self._emptied = threading.Event()  # set when the last spare is handed out
@@ -216,18 +230,37 @@ class LiveTemplate:
         t.version = baked.version
         return t
 
-    # No recycling: a sandbox that ends is destroyed (reset is not served on systrap).
+    def resettable(self) -> bool:
+        """Whether this template's sandboxes can be reset in place: its zygote was restored from a
+        snapshot (what the engine resets to), and recycling is on."""
+        return self.restored_from is not None and self._recycle
+
     def take_recycled(self) -> Vm | None:
-        return None
+        with self.lock:
+            return self.recycled.pop() if self.recycled else None
 
     def has_room(self) -> bool:
-        return False
+        """Whether `offer` would keep a sandbox now (checked before paying for its reset)."""
+        from collimate_core.sdk.embedded import RECYCLE_MAX
+
+        with self.lock:
+            return self.resettable() and not self._closed and len(self.recycled) < RECYCLE_MAX
 
     def offer(self, vm: Vm) -> bool:
-        return False
+        """Keep `vm` (already reset) for reuse; False if the pool is full or the template closed."""
+        from collimate_core.sdk.embedded import RECYCLE_MAX
+
+        with self.lock:
+            if self._closed or len(self.recycled) >= RECYCLE_MAX:
+                return False
+            self.recycled.append(vm)
+            return True
 
     def drain(self) -> None:
-        pass
+        with self.lock:
+            vms, self.recycled = self.recycled, []
+        for vm in vms:
+            vm.destroy()
 
     def set_spares(self, n: int) -> None:
         """Keep `n` clones of the zygote ready (at most MAX_SPARES): made by a background thread,
@@ -396,6 +429,7 @@ class LiveTemplate:
 
     def close(self) -> None:
         with self.lock:
+            self._closed = True
             self.spares = 0
             spares, self._pool = self._pool, []
             self._stop()
@@ -403,6 +437,7 @@ class LiveTemplate:
         self._wanted.set()
         for vm in spares:
             vm.destroy()
+        self.drain()
         if self._on_close is not None:
             self._on_close()
             self._on_close = None

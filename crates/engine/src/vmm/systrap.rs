@@ -45,6 +45,7 @@
 mod load;
 mod preempt;
 mod proctree;
+mod reset;
 mod serve;
 pub mod snapshot;
 mod spawn;
@@ -171,6 +172,8 @@ pub struct Process {
     /// The vDSO's data page as last read or written (`guestos::vdso::Seen`).
     vvar: guestos::vdso::Seen,
     traps: Traps,
+    /// What a reset returns to ([`reset`]).
+    reset: reset::Point,
 }
 
 /// How often the stub handed the turn to this VMM since the process began, by cause (what a
@@ -295,7 +298,7 @@ impl Process {
         // this whole process: one systrap first process per host process).
         signal::host::install();
         let guest_pid = os.proc.pid;
-        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, child_stubs: Vec::new(), writable_root: false, warm: warm::Warm::default(), vvar: Default::default(), traps: Traps::default() })
+        Ok(Process { stub, os, regs, fs_base: 0, budget, exited: None, capture, guest_pid, child_stubs: Vec::new(), writable_root: false, warm: warm::Warm::default(), vvar: Default::default(), traps: Traps::default(), reset: Default::default() })
     }
 
     /// Switch the stub's `rdtsc`/`cpuid` traps to what the guest's mode asks for: after a reseed,

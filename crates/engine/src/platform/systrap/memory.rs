@@ -130,3 +130,76 @@ pub fn file_mappings(pid: i32) -> io::Result<Vec<(u64, u64, u64)>> {
     }
     Ok(out)
 }
+
+/// One line of `/proc/<pid>/maps`: a host mapping of the process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    /// `rwxp` / `rwxs` as the kernel writes them.
+    pub perms: [u8; 4],
+    pub offset: u64,
+    /// `major:minor` as the kernel writes it (hex), and the inode (0: anonymous).
+    pub dev: String,
+    pub ino: u64,
+    /// The path or `[name]` (empty for an anonymous mapping).
+    pub name: String,
+}
+
+impl Mapping {
+    /// Its protection as `mmap`'s `PROT_*` bits.
+    pub fn prot(&self) -> i32 {
+        let mut p = 0;
+        if self.perms[0] == b'r' {
+            p |= libc::PROT_READ;
+        }
+        if self.perms[1] == b'w' {
+            p |= libc::PROT_WRITE;
+        }
+        if self.perms[2] == b'x' {
+            p |= libc::PROT_EXEC;
+        }
+        p
+    }
+}
+
+/// Every mapping of `pid` (`/proc/<pid>/maps`), in address order.
+pub fn mappings(pid: i32) -> io::Result<Vec<Mapping>> {
+    let dir = proc_dir()?;
+    let path = CString::new(format!("{pid}/maps")).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `dir` is an open directory fd, `path` is NUL-terminated; the fd is owned below.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: just opened, owned by nobody else.
+    let text = io::read_to_string(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))?;
+    Ok(text.lines().filter_map(parse_mapping).collect())
+}
+
+fn parse_mapping(line: &str) -> Option<Mapping> {
+    // start-end perms offset dev inode [path]
+    let mut f = line.splitn(6, char::is_whitespace);
+    let (a, b) = f.next()?.split_once('-')?;
+    let perms: [u8; 4] = f.next()?.as_bytes().try_into().ok()?;
+    let offset = u64::from_str_radix(f.next()?, 16).ok()?;
+    let dev = f.next()?.to_string();
+    let ino = f.next()?.parse().ok()?;
+    let name = f.next().unwrap_or("").trim().to_string();
+    Some(Mapping { start: u64::from_str_radix(a, 16).ok()?, end: u64::from_str_radix(b, 16).ok()?, perms, offset, dev, ino, name })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn maps_lines_parse() {
+        let m = super::parse_mapping("7f00a000-7f00c000 r-xp 00002000 fd:01 1234                       /usr/lib/x (deleted)").unwrap();
+        assert_eq!((m.start, m.end, &m.perms, m.offset, m.dev.as_str(), m.ino), (0x7f00a000, 0x7f00c000, b"r-xp", 0x2000, "fd:01", 1234));
+        assert_eq!(m.name, "/usr/lib/x (deleted)");
+        assert_eq!(m.prot(), libc::PROT_READ | libc::PROT_EXEC);
+        let anon = super::parse_mapping("1000-2000 rw-p 00000000 00:00 0 ").unwrap();
+        assert_eq!((anon.ino, anon.name.as_str(), anon.prot()), (0, "", libc::PROT_READ | libc::PROT_WRITE));
+        let mine = super::mappings(std::process::id() as i32).unwrap();
+        assert!(mine.iter().any(|m| m.name == "[stack]"));
+    }
+}

@@ -72,6 +72,16 @@ static REG: AtomicI32 = AtomicI32::new(-1);
 /// The reaper's memory in this process (its stack and table), and the process that made it.
 static REGION: AtomicUsize = AtomicUsize::new(0);
 static REGION_OWNER: AtomicI32 = AtomicI32::new(0);
+/// The host pid of this process's reaper (0: none started here).
+static PID: AtomicI32 = AtomicI32::new(0);
+
+/// The host pid of the reaper this process started, if any (a child of this process that is
+/// not a guest process: a reset waits for every other child to go).
+pub fn pid() -> Option<i32> {
+    // SAFETY: getpid cannot fail.
+    let me = unsafe { libc::getpid() };
+    (REGION_OWNER.load(Ordering::SeqCst) == me).then(|| PID.load(Ordering::SeqCst)).filter(|&p| p > 0)
+}
 
 /// What the reaper works on: written by [`start`] before the clone, then the reaper's alone.
 #[repr(C)]
@@ -154,6 +164,7 @@ pub fn start(first: &Stub) -> Result<()> {
     debug_assert!(rc > 0);
     REGION.store(region as usize, Ordering::SeqCst);
     REGION_OWNER.store(me, Ordering::SeqCst);
+    PID.store(rc, Ordering::SeqCst);
     drop((rx, top)); // the reaper's copies are its own
     REG.store(tx.into_raw_fd(), Ordering::SeqCst);
     register(first).map(|_| ())

@@ -27,8 +27,11 @@
 //! `Snapshot` writes the sandbox's first process (`super::snapshot`; one process, one thread);
 //! a `Restore` of such a snapshot as the first request ([`serve_restore`]) serves it again.
 //!
-//! Not here yet, each refused with [`super::unsupported`]'s error: reset, spare pools, the vCPU
-//! state and memory statistics.
+//! `Reset` and `ResetKeepFiles` return a sandbox restored from a snapshot, or a clone of one, to
+//! that snapshot in place (`super::reset`).
+//!
+//! Not here yet, each refused with [`super::unsupported`]'s error: spare pools, the vCPU state
+//! and memory statistics.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -231,7 +234,8 @@ fn serve(p: &mut Process, mut chan: Channel, mut scratch: Vec<OwnedFd>) -> ! {
                 Ok(Response::Ok)
             }
             Request::Snapshot { dir } => jail::in_snapshot_dest(&dir, fds, |d| p.snapshot(d)).map(|_| Response::Ok),
-            Request::Reset | Request::ResetKeepFiles => Err(unsupported("reset")),
+            Request::Reset => p.reset(false, fds.into_iter().next()).map(Response::Reset),
+            Request::ResetKeepFiles => p.reset(true, None).map(Response::Reset),
             Request::VcpuState => Err(unsupported("a vCPU state (there is no vCPU)")),
             Request::MemStats => Err(unsupported("memory statistics")),
             Request::Shutdown => {
@@ -468,6 +472,7 @@ fn clone_main(p: &mut Process, stub: Stub, mut chan: Channel, tmpfs: Option<(Own
     crate::trace::mark("clone.parked");
     match crate::guestos::persist::privatize(&mut p.os, &root, ctx) {
         Ok(()) => {
+            p.reset.set_scratch(root);
             crate::trace::mark("clone.privatized");
             if let Err(e) = new_tree(p) {
                 reply(&mut chan, Err(e));

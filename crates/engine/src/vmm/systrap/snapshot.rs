@@ -279,9 +279,13 @@ impl Process {
             }
         }
         let flags = libc::MAP_PRIVATE | libc::MAP_NORESERVE;
+        // Each mapping's file, kept for resets (`super::reset`).
+        let mem = std::sync::Arc::new(std::os::fd::OwnedFd::from(mem));
+        let mut origin = super::reset::OriginBuilder::new();
         for r in &runs {
             let Some(f) = &r.file else {
                 stub.map(r.start, r.end - r.start, r.prot as i32, flags, Some(mem.as_fd()), r.offset).map_err(|e| stub_err("map guest memory", e))?;
+                origin.mapped(r.start, r.end - r.start, r.prot as i32, &mem, r.offset);
                 continue;
             };
             let changed = || Error::SnapshotCorrupt {
@@ -293,12 +297,15 @@ impl Process {
                 return Err(changed());
             }
             stub.map(r.start, r.end - r.start, r.prot as i32, flags, Some(fd.as_fd()), f.offset).map_err(|e| stub_err("map a program file", e))?;
+            origin.mapped(r.start, r.end - r.start, r.prot as i32, &std::sync::Arc::new(fd), f.offset);
             for &(p, n) in &r.patches {
                 let (va, off) = (r.start + p * PAGE, r.offset + p * PAGE);
                 stub.map(va, n * PAGE, r.prot as i32, flags, Some(mem.as_fd()), off).map_err(|e| stub_err("map guest memory", e))?;
+                origin.mapped(va, n * PAGE, r.prot as i32, &mem, off);
             }
         }
-        prefault(&mut stub, &runs, &mem);
+        let reset = origin.finish(dir.to_path_buf(), &state, &stub)?;
+        prefault(&mut stub, &runs, mem.as_fd());
         stub.load_xsave(&state.xsave).map_err(|e| stub_err("load the XSAVE area (a snapshot from another CPU?)", e))?;
         let (capture, stdio) = match stdio {
             Some(fds) => (None, fds),
@@ -324,6 +331,7 @@ impl Process {
             warm: super::warm::Warm::default(),
             vvar: Default::default(),
             traps: super::Traps::default(),
+            reset,
         })
     }
 }
@@ -353,7 +361,7 @@ fn fstat_id(fd: &std::os::fd::OwnedFd) -> Option<(u64, u64)> {
 /// what the restore did before: docs/systrap.md, "fork_group(64)"). One page of each writable
 /// mapping is populated for writing (its anonymous memory begins). Best effort: a host without
 /// `MADV_POPULATE_*` (Linux 5.14) or `SEEK_DATA` only loses the speed.
-fn prefault(stub: &mut Stub, runs: &[Region], mem: &std::fs::File) {
+fn prefault(stub: &mut Stub, runs: &[Region], mem: std::os::fd::BorrowedFd<'_>) {
     const MADV_POPULATE_WRITE: i32 = 23;
     let holes_too = std::env::var_os("COLLIMATE_SYSTRAP_PREFAULT_HOLES").is_some_and(|v| v == "1");
     let mut read = Vec::new();
@@ -377,7 +385,7 @@ fn prefault(stub: &mut Stub, runs: &[Region], mem: &std::fs::File) {
 
 /// The runs of `[offset, offset + len)` in `file` that hold data (not holes), page-aligned; the
 /// whole range where the file system cannot tell (`SEEK_DATA` unsupported).
-fn data_runs(file: &std::fs::File, offset: u64, len: u64) -> Vec<(u64, u64)> {
+fn data_runs(file: std::os::fd::BorrowedFd<'_>, offset: u64, len: u64) -> Vec<(u64, u64)> {
     use std::os::fd::AsRawFd;
     let (end, fd) = (offset + len, file.as_raw_fd());
     let mut out = Vec::new();
