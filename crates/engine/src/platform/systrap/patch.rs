@@ -1,0 +1,196 @@
+//! Syscall-site patching: a guest `syscall` that trapped from the common site
+//! `mov eax, N; syscall` (`b8 NN NN NN NN 0f 05`) enters the blob by a jump next time, without
+//! the seccomp SIGSYS's signal delivery and `rt_sigreturn` (gVisor's systrap does the same).
+//!
+//! The VMM rewrites the site's 5-byte `mov` into `jmp rel32` to a trampoline of its own, 32 bytes
+//! in [`layout::TRAMP`]: `mov eax, N; movabs rcx, site + 7; jmp syscall_entry` (the blob's
+//! entry, which reports the same exit the SIGSYS would: rcx and r11 hold what the `syscall`
+//! instruction would leave there). The site's `0f 05` stays: a guest thread stopped between the
+//! `mov` and the `syscall` (threads share the stub, M:1) resumes there and traps as before, and
+//! no other thread can run the bytes while they are written (the stub is parked). A guest
+//! stopped inside a trampoline (a kick) is reported at the site's `syscall` with `rax = N`, the
+//! state it has there ([`rewind`]). Conditions, each checked when the site first traps:
+//! - the bytes are that pattern with the trapped syscall's number;
+//! - the site is within a `jmp rel32` of the trampolines (libraries, placed below the reserved
+//!   range, are; a non-PIE program at 4 MiB is not, and keeps trapping);
+//! - the page is a private executable mapping (`/proc/<pid>/maps`): the write is a copy on write
+//!   of this process's page, never written through to a file or to memory shared with another
+//!   process, as a debugger's breakpoint is.
+//!
+//! What a guest can tell: its own code's bytes at a patched site read `e9 xx xx xx xx 0f 05`
+//! instead of `b8 NN 00 00 00 0f 05` (gVisor accepts the same), and a guest interrupted inside
+//! a trampoline is reported at the site. Which sites get patched follows only from the guest's
+//! own execution (the first trap of each site), so a replay patches the same sites at the same
+//! points; the syscalls themselves, their results and every register are as unpatched. Forks
+//! (host forks) carry the patched pages and the trampolines; a snapshot is taken unpatched
+//! ([`super::Stub::unpatch_all`]): a restored stub has no trampolines.
+//!
+//! `COLLIMATE_SYSTRAP_PATCH=0` turns it off (read once per process; [`super::Stub::set_patching`]
+//! per stub).
+
+use std::collections::HashSet;
+use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use super::{blob, layout, memory};
+
+/// Bytes per trampoline; slot 0 is not used.
+pub const SLOT: u64 = 32;
+/// How many sites one stub patches at most.
+pub const SLOTS: u64 = layout::TRAMP_LEN / SLOT;
+
+/// Patching is on unless `COLLIMATE_SYSTRAP_PATCH=0` (read once per process).
+pub fn enabled_by_env() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("COLLIMATE_SYSTRAP_PATCH").is_none_or(|v| v != "0"))
+}
+
+/// One stub's patching state (copied into its forks, which share its trampolines' pages).
+#[derive(Debug, Clone)]
+pub struct Patcher {
+    pub enabled: bool,
+    /// The trampolines and the XSAVE buffer are mapped in the stub.
+    ready: bool,
+    /// The next free slot.
+    next: u64,
+    /// Return addresses of syscalls whose sites were found unpatchable (not checked again).
+    rejected: HashSet<u64>,
+}
+
+impl Default for Patcher {
+    fn default() -> Patcher {
+        Patcher { enabled: enabled_by_env(), ready: false, next: 1, rejected: HashSet::new() }
+    }
+}
+
+impl Patcher {
+    /// Sites patched so far in this stub's address space (including its parent's, for a fork).
+    pub fn sites(&self) -> u64 {
+        self.next - 1
+    }
+
+    /// Whether the syscall that returns to `ret` (number `nr`) is worth a look: patching is on,
+    /// there is a free slot and the site was not found unpatchable before.
+    pub fn wants(&self, ret: u64) -> bool {
+        self.enabled && self.next < SLOTS && !self.rejected.contains(&ret)
+    }
+
+    pub fn reject(&mut self, ret: u64) {
+        self.rejected.insert(ret);
+    }
+}
+
+/// The 7 bytes of the site a syscall of number `nr` returning to `ret` must have, and the
+/// trampoline slot's address; `None` when the site is out of a `jmp rel32`'s reach.
+pub fn plan(p: &Patcher, ret: u64, nr: u64) -> Option<([u8; 7], u64, [u8; 5])> {
+    let nr32 = u32::try_from(nr).ok()?;
+    let site = ret.checked_sub(7)?;
+    let mut want = [0xb8, 0, 0, 0, 0, 0x0f, 0x05];
+    want[1..5].copy_from_slice(&nr32.to_le_bytes());
+    let tramp = layout::TRAMP + p.next * SLOT;
+    let rel = i32::try_from(tramp as i64 - (site as i64 + 5)).ok()?;
+    let mut jmp = [0xe9, 0, 0, 0, 0];
+    jmp[1..].copy_from_slice(&rel.to_le_bytes());
+    Some((want, tramp, jmp))
+}
+
+/// The trampoline at `tramp` for syscall `nr` returning to `ret`.
+pub fn trampoline(tramp: u64, nr: u32, ret: u64) -> [u8; SLOT as usize] {
+    let mut t = [0xcc; SLOT as usize]; // int3 after the jump
+    t[0] = 0xb8;
+    t[1..5].copy_from_slice(&nr.to_le_bytes());
+    t[5] = 0x48;
+    t[6] = 0xb9;
+    t[7..15].copy_from_slice(&ret.to_le_bytes());
+    t[15] = 0xe9;
+    let rel = blob::syscall_entry() as i64 - (tramp as i64 + 20);
+    t[16..20].copy_from_slice(&(rel as i32).to_le_bytes());
+    t
+}
+
+/// The syscall number and return address a trampoline's bytes name, if they are one.
+pub fn parse(t: &[u8; 20]) -> Option<(u32, u64)> {
+    if t[0] != 0xb8 || t[5] != 0x48 || t[6] != 0xb9 || t[15] != 0xe9 {
+        return None;
+    }
+    let nr = u32::from_le_bytes(t[1..5].try_into().ok()?);
+    let ret = u64::from_le_bytes(t[7..15].try_into().ok()?);
+    Some((nr, ret))
+}
+
+/// Where a guest stopped at `rip` inside a trampoline stands in its own code: (rip, rax) at the
+/// site's `syscall`, where resuming does what the trampoline would.
+pub fn rewind(mem: &std::fs::File, rip: u64) -> Option<(u64, u64)> {
+    if !(layout::TRAMP..layout::TRAMP + layout::TRAMP_LEN).contains(&rip) {
+        return None;
+    }
+    let base = rip & !(SLOT - 1);
+    let mut t = [0u8; 20];
+    if !memory::read(mem, base, &mut t) {
+        return None;
+    }
+    let (nr, ret) = parse(&t)?;
+    Some((ret - 2, nr as u64))
+}
+
+/// Whether `[addr, addr + len)` lies in one private executable mapping of process `pid`.
+pub fn private_code(pid: i32, addr: u64, len: u64) -> bool {
+    let Ok(dir) = memory::proc_dir() else { return false };
+    let Ok(path) = std::ffi::CString::new(format!("{pid}/maps")) else { return false };
+    // SAFETY: `dir` is an open directory fd and `path` NUL-terminated; the fd is owned below.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return false;
+    }
+    // SAFETY: just opened, owned by nobody else.
+    let mut f = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let mut text = String::new();
+    if f.read_to_string(&mut text).is_err() {
+        return false;
+    }
+    text.lines().any(|l| {
+        let mut it = l.split_whitespace();
+        let (Some(range), Some(perms)) = (it.next(), it.next()) else { return false };
+        let Some((a, b)) = range.split_once('-') else { return false };
+        let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else { return false };
+        a <= addr && addr + len <= b && perms.as_bytes().get(2) == Some(&b'x') && perms.as_bytes().get(3) == Some(&b'p')
+    })
+}
+
+/// Mark the patcher ready after the caller mapped the trampolines and the XSAVE buffer.
+pub fn set_ready(p: &mut Patcher) {
+    p.ready = true;
+}
+
+pub fn is_ready(p: &Patcher) -> bool {
+    p.ready
+}
+
+/// Take the next slot (after the caller wrote it).
+pub fn advance(p: &mut Patcher) {
+    p.next += 1;
+}
+
+/// The slots in use.
+pub fn slots(p: &Patcher) -> std::ops::Range<u64> {
+    1..p.next
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trampoline_parses_back() {
+        let t = trampoline(layout::TRAMP + SLOT, 39, 0x7fff_f000_1234);
+        let head: [u8; 20] = t[..20].try_into().unwrap();
+        assert_eq!(parse(&head), Some((39, 0x7fff_f000_1234)));
+        let p = Patcher::default();
+        let (want, tramp, jmp) = plan(&p, 0x7fff_f000_1234, 39).unwrap();
+        assert_eq!(want, [0xb8, 39, 0, 0, 0, 0x0f, 0x05]);
+        assert_eq!(tramp, layout::TRAMP + SLOT);
+        assert_eq!(jmp[0], 0xe9);
+        // A non-PIE program's text is out of reach.
+        assert!(plan(&p, 0x40_1007, 39).is_none());
+    }
+}
