@@ -705,7 +705,7 @@ impl Stub {
         if !memory::write(&self.mem, tramp, &t) || !memory::write(&self.mem, site, &jmp) {
             return self.patch.reject(ret);
         }
-        patch::advance(&mut self.patch);
+        patch::advance(&mut self.patch, ret);
     }
 
     /// Map the trampolines and the XSAVE buffer of patched entries, the buffer's software bytes

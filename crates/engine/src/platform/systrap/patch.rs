@@ -9,7 +9,8 @@
 //! `mov` and the `syscall` (threads share the stub, M:1) resumes there and traps as before, and
 //! no other thread can run the bytes while they are written (the stub is parked). A guest
 //! stopped inside a trampoline (a kick) is reported at the site's `syscall` with `rax = N`, the
-//! state it has there ([`rewind`]). Conditions, each checked when the site first traps:
+//! state it has there ([`rewind`]). Conditions, each checked when the site traps the
+//! [`PATCH_AT`]-th time:
 //! - the bytes are that pattern with the trapped syscall's number;
 //! - the site is within a `jmp rel32` of the trampolines (libraries, placed below the reserved
 //!   range, are; a non-PIE program at 4 MiB is not, and keeps trapping);
@@ -20,7 +21,7 @@
 //! What a guest can tell: its own code's bytes at a patched site read `e9 xx xx xx xx 0f 05`
 //! instead of `b8 NN 00 00 00 0f 05` (gVisor accepts the same), and a guest interrupted inside
 //! a trampoline is reported at the site. Which sites get patched follows only from the guest's
-//! own execution (the first trap of each site), so a replay patches the same sites at the same
+//! own execution (the traps of each site), so a replay patches the same sites at the same
 //! points; the syscalls themselves, their results and every register are as unpatched. Forks
 //! (host forks) carry the patched pages and the trampolines; a snapshot is taken unpatched
 //! ([`super::Stub::unpatch_all`]): a restored stub has no trampolines.
@@ -28,7 +29,7 @@
 //! `COLLIMATE_SYSTRAP_PATCH=0` turns it off (read once per process; [`super::Stub::set_patching`]
 //! per stub).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
@@ -38,6 +39,9 @@ use super::{blob, layout, memory};
 pub const SLOT: u64 = 32;
 /// How many sites one stub patches at most.
 pub const SLOTS: u64 = layout::TRAMP_LEN / SLOT;
+/// A site is looked at on its this-many-th trap: one that traps once (most of a short program's:
+/// `sh -c true`) is not worth a read of the process's maps and two writes.
+pub const PATCH_AT: u32 = 2;
 
 /// Patching is on unless `COLLIMATE_SYSTRAP_PATCH=0` (read once per process).
 pub fn enabled_by_env() -> bool {
@@ -55,11 +59,13 @@ pub struct Patcher {
     next: u64,
     /// Return addresses of syscalls whose sites were found unpatchable (not checked again).
     rejected: HashSet<u64>,
+    /// Traps so far of each site not yet looked at, by return address.
+    seen: HashMap<u64, u32>,
 }
 
 impl Default for Patcher {
     fn default() -> Patcher {
-        Patcher { enabled: enabled_by_env(), ready: false, next: 1, rejected: HashSet::new() }
+        Patcher { enabled: enabled_by_env(), ready: false, next: 1, rejected: HashSet::new(), seen: HashMap::new() }
     }
 }
 
@@ -69,14 +75,26 @@ impl Patcher {
         self.next - 1
     }
 
-    /// Whether the syscall that returns to `ret` (number `nr`) is worth a look: patching is on,
-    /// there is a free slot and the site was not found unpatchable before.
-    pub fn wants(&self, ret: u64) -> bool {
-        self.enabled && self.next < SLOTS && !self.rejected.contains(&ret)
+    /// Whether the syscall that returns to `ret` is worth a look now: patching is on, there is
+    /// a free slot, the site was not found unpatchable before, and this is its [`PATCH_AT`]-th trap.
+    pub fn wants(&mut self, ret: u64) -> bool {
+        if !self.enabled || self.next >= SLOTS || self.rejected.contains(&ret) {
+            return false;
+        }
+        let n = self.seen.entry(ret).or_insert(0);
+        *n += 1;
+        *n >= PATCH_AT
     }
 
     pub fn reject(&mut self, ret: u64) {
+        self.seen.remove(&ret);
         self.rejected.insert(ret);
+    }
+
+    /// The site was patched.
+    fn patched(&mut self, ret: u64) {
+        self.seen.remove(&ret);
+        self.next += 1;
     }
 }
 
@@ -166,9 +184,9 @@ pub fn is_ready(p: &Patcher) -> bool {
     p.ready
 }
 
-/// Take the next slot (after the caller wrote it).
-pub fn advance(p: &mut Patcher) {
-    p.next += 1;
+/// Take the next slot (after the caller wrote it) for the site returning to `ret`.
+pub fn advance(p: &mut Patcher, ret: u64) {
+    p.patched(ret);
 }
 
 /// The slots in use.
