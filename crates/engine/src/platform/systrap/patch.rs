@@ -14,7 +14,7 @@
 //! - the bytes are that pattern with the trapped syscall's number;
 //! - the site is within a `jmp rel32` of the trampolines (libraries, placed below the reserved
 //!   range, are; a non-PIE program at 4 MiB is not, and keeps trapping);
-//! - the page is a private executable mapping (`/proc/<pid>/maps`): the write is a copy on write
+//! - the page is a private executable mapping ([`private_code`]): the write is a copy on write
 //!   of this process's page, never written through to a file or to memory shared with another
 //!   process, as a debugger's breakpoint is.
 //!
@@ -151,7 +151,9 @@ pub fn rewind(mem: &std::fs::File, rip: u64) -> Option<(u64, u64)> {
     Some((ret - 2, nr as u64))
 }
 
-/// Whether `[addr, addr + len)` lies in one private executable mapping of process `pid`.
+/// Whether `[addr, addr + len)` lies in one private executable mapping of process `pid`: asked
+/// with the `PROCMAP_QUERY` ioctl on its maps file (Linux 6.11; about 1 us here), else read
+/// from the maps text (about 0.5 ms for a Python process's on a nested host).
 pub fn private_code(pid: i32, addr: u64, len: u64) -> bool {
     let Ok(dir) = memory::proc_dir() else { return false };
     let Ok(path) = std::ffi::CString::new(format!("{pid}/maps")) else { return false };
@@ -162,6 +164,9 @@ pub fn private_code(pid: i32, addr: u64, len: u64) -> bool {
     }
     // SAFETY: just opened, owned by nobody else.
     let mut f = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    if let Some(answer) = query(&f, addr, len) {
+        return answer;
+    }
     let mut text = String::new();
     if f.read_to_string(&mut text).is_err() {
         return false;
@@ -173,6 +178,46 @@ pub fn private_code(pid: i32, addr: u64, len: u64) -> bool {
         let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else { return false };
         a <= addr && addr + len <= b && perms.as_bytes().get(2) == Some(&b'x') && perms.as_bytes().get(3) == Some(&b'p')
     })
+}
+
+/// Linux's `struct procmap_query` (include/uapi/linux/fs.h).
+#[repr(C)]
+#[derive(Default)]
+struct ProcmapQuery {
+    size: u64,
+    query_flags: u64,
+    query_addr: u64,
+    vma_start: u64,
+    vma_end: u64,
+    vma_flags: u64,
+    vma_page_size: u64,
+    vma_offset: u64,
+    inode: u64,
+    dev_major: u32,
+    dev_minor: u32,
+    vma_name_size: u32,
+    build_id_size: u32,
+    vma_name_addr: u64,
+    build_id_addr: u64,
+}
+
+/// `_IOWR('f', 17, struct procmap_query)`.
+const PROCMAP_QUERY: u64 = (3 << 30) | ((std::mem::size_of::<ProcmapQuery>() as u64) << 16) | (0x66 << 8) | 17;
+const VMA_EXECUTABLE: u64 = 4;
+const VMA_SHARED: u64 = 8;
+
+/// The `PROCMAP_QUERY` answer for [`private_code`]; `None` where the kernel lacks the ioctl.
+fn query(maps: &std::fs::File, addr: u64, len: u64) -> Option<bool> {
+    let mut q = ProcmapQuery { size: std::mem::size_of::<ProcmapQuery>() as u64, query_addr: addr, ..Default::default() };
+    // SAFETY: the ioctl reads and writes one `procmap_query` we own, sized in its `size` field;
+    // the name and build-id pointers are null with zero sizes, so nothing else is written.
+    let r = unsafe { libc::ioctl(maps.as_raw_fd(), PROCMAP_QUERY as _, &mut q as *mut ProcmapQuery) };
+    if r != 0 {
+        let e = std::io::Error::last_os_error().raw_os_error();
+        // ENOENT: no mapping covers addr; anything else: ask the text instead.
+        return if e == Some(libc::ENOENT) { Some(false) } else { None };
+    }
+    Some(q.vma_start <= addr && addr + len <= q.vma_end && q.vma_flags & VMA_EXECUTABLE != 0 && q.vma_flags & VMA_SHARED == 0)
 }
 
 /// Mark the patcher ready after the caller mapped the trampolines and the XSAVE buffer.
@@ -210,5 +255,21 @@ mod tests {
         assert_eq!(jmp[0], 0xe9);
         // A non-PIE program's text is out of reach.
         assert!(plan(&p, 0x40_1007, 39).is_none());
+    }
+
+    #[test]
+    fn the_maps_query_tells_private_code_from_shared() {
+        let pid = std::process::id() as i32;
+        let code = a_trampoline_parses_back as *const () as u64;
+        assert!(private_code(pid, code, 7), "this test's own text");
+        // SAFETY: a new shared executable anonymous page, unmapped below.
+        let shared = unsafe {
+            libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_EXEC, libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        assert_ne!(shared, libc::MAP_FAILED);
+        assert!(!private_code(pid, shared as u64, 7));
+        // SAFETY: the page mapped above.
+        unsafe { libc::munmap(shared, 4096) };
+        assert!(!private_code(pid, 8, 7), "nothing mapped at 8");
     }
 }
