@@ -201,8 +201,8 @@ struct ProcmapQuery {
     build_id_addr: u64,
 }
 
-/// `_IOWR('f', 17, struct procmap_query)`.
-const PROCMAP_QUERY: u64 = (3 << 30) | ((std::mem::size_of::<ProcmapQuery>() as u64) << 16) | (0x66 << 8) | 17;
+/// `_IOWR('f', 17, struct procmap_query)` (the VMM's jail admits it: `vmm::jail`).
+pub const PROCMAP_QUERY: u64 = (3 << 30) | ((std::mem::size_of::<ProcmapQuery>() as u64) << 16) | (0x66 << 8) | 17;
 const VMA_EXECUTABLE: u64 = 4;
 const VMA_SHARED: u64 = 8;
 
