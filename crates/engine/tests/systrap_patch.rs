@@ -2,7 +2,11 @@
 //! that trapped once enters the blob through a jump afterwards. Real stub processes; the test
 //! plays the VMM.
 
+mod common;
+
 use collimate_engine::platform::systrap::{kvm_regs, layout, preempt, Confinement, Exit, Stub};
+use collimate_engine::vmm::systrap::Process;
+use collimate_engine::RunExit;
 
 /// Where the site's code goes: where guestos places libraries, within a `jmp rel32` of the
 /// stub's trampolines.
@@ -271,4 +275,36 @@ fn unpatch_all_restores_the_original_code() {
     assert_eq!(stub.patched_entries(), entries);
     assert_eq!(site_bytes(&stub), ORIGINAL);
     assert!(layout::TRAMP > SITE);
+}
+
+/// Debian's CPython on glibc, through guestos: `os.getppid()` 2000 times enters through a
+/// patched site (glibc's `mov eax, 110; syscall`), and the program's output is as unpatched.
+/// Fails with COLLIMATE_SYSTRAP_PATCH=0 (nothing patched).
+#[test]
+fn cpython_getppid_goes_through_a_patched_site() {
+    let Some(root) = common::python_rootfs() else { return };
+    let code = "import os\np = {os.getppid() for _ in range(2000)}\nprint(len(p), open('/proc/self/status').read().count('PPid'))";
+    let spec = common::python_spec(root, &["/usr/bin/python3", "-c", code]);
+    let mut p = Process::spawn(&spec, &Confinement::default()).expect("spawn on systrap");
+    let r = p.run(std::time::Duration::from_secs(60)).expect("run on systrap");
+    assert!(matches!(r.exit, RunExit::Exited { code: 0 }), "{:?}: {}", r.exit, String::from_utf8_lossy(&r.stderr));
+    assert_eq!(r.stdout, b"1 1\n");
+    let (entries, sites) = p.stub_patched();
+    eprintln!("python3 -c getppid x2000: {entries} patched entries over {sites} sites, {} commands", p.stub_commands());
+    assert!(entries >= 1998, "{entries} patched entries over {sites} sites");
+}
+
+/// What patching costs a short program: `sh -c true`'s sites (printed; run with --nocapture).
+#[test]
+fn a_short_program_patches_few_sites() {
+    let Some(root) = common::python_rootfs() else { return };
+    for argv in [&["/bin/sh", "-c", "true"][..], &["/usr/bin/python3", "-c", "pass"][..]] {
+        let spec = common::python_spec(root.clone(), argv);
+        let mut p = Process::spawn(&spec, &Confinement::default()).expect("spawn on systrap");
+        let t = std::time::Instant::now();
+        let r = p.run(std::time::Duration::from_secs(60)).expect("run on systrap");
+        assert!(matches!(r.exit, RunExit::Exited { code: 0 }), "{:?}", r.exit);
+        let (entries, sites) = p.stub_patched();
+        eprintln!("{argv:?}: {entries} patched entries over {sites} sites, {} commands, {:?}", p.stub_commands(), t.elapsed());
+    }
 }
