@@ -13,7 +13,11 @@
 //!   (`Handoff::adaptive`), each right after a futex baseline, with the ranges over the rounds;
 //!   then the two hand-offs with the VMM thread and the stub pinned to one CPU (where a spin
 //!   cannot be answered), with a guest that computes between syscalls (the VMM thread's CPU time
-//!   per round trip: what a spin that is not answered burns), and pinned to two CPUs.
+//!   per round trip: what a spin that is not answered burns), and pinned to two CPUs. In the
+//!   same alternated rounds: the hand-off with one yield and with none (futex only) before the
+//!   sleep, and a guest looping over `mov eax, 39; syscall` (glibc's site) with the site patched
+//!   (`platform::systrap::patch`, the default) and not (`Stub::set_patching(false)`, as
+//!   `COLLIMATE_SYSTRAP_PATCH=0`), with the patched sites and entries counted.
 //!   `COLLIMATE_BENCH_TRAPS_ONLY=1` stops after that section.
 //!
 //! Each case prints median and p99 over individually timed operations, and the ratio of the
