@@ -665,6 +665,8 @@ impl Stub {
             return Ok(Exit::Signal { signo: 0, code: exit as i32, addr: 0 });
         }
         let exit = self.classify(regs, signo, code, addr, sysnr, &gr);
+        // SAFETY: the VMM's turn. The trap came through a patched site if its XSAVE area is there.
+        let patched_entry = unsafe { std::ptr::read_volatile(&raw const (*p).fpstate) } == layout::XSAVE_BUF;
         match exit {
             // Stopped inside a trampoline: at the site's `syscall`, as far as the guest goes.
             Exit::Interrupted => {
@@ -673,8 +675,7 @@ impl Stub {
                     regs.rax = rax;
                 }
             }
-            // SAFETY (the read): the VMM's turn.
-            Exit::Syscall if self.patch.wants(regs.rip) && unsafe { std::ptr::read_volatile(&raw const (*p).fpstate) } != layout::XSAVE_BUF => {
+            Exit::Syscall if !patched_entry && self.patch.wants(regs.rip) => {
                 self.try_patch(regs.rip, regs.rax);
             }
             _ => {}
