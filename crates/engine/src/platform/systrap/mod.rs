@@ -317,6 +317,7 @@ impl Stub {
             (*page.page()).stub_yields = Handoff::default().yields;
             (*page.page()).flags = if has_fsgsbase() { shared::FLAG_FSGSBASE } else { 0 };
             (*page.page()).state.store(shared::STUB_TURN, Ordering::SeqCst);
+            (*page.page()).kick_pending = 0; // a forked stub starts with no kick
         }
         let (sock, stub_sock) = socketpair().map_err(|source| Error::Spawn { step: "socketpair", source })?;
         let filter = filter::program();
@@ -973,6 +974,7 @@ impl Stub {
             (*page.page()).stub_sleeping.store(0, Ordering::SeqCst);
             (*page.page()).vmm_sleeping.store(0, Ordering::SeqCst);
             (*page.page()).state.store(shared::STUB_TURN, Ordering::SeqCst);
+            (*page.page()).kick_pending = 0; // a forked stub starts with no kick
         }
         let (sock, stub_sock) = socketpair().map_err(host("socketpair"))?;
         send_fds(self.sock.as_fd(), &[page.memfd().as_raw_fd(), stub_sock.as_raw_fd()]).map_err(host("sendmsg"))?;
