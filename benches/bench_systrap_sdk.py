@@ -22,8 +22,9 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
   (`test_exec_true_rdtsc_rounds`; printed, run with `-s`);
 - on systrap, the bare trapped round trip inside an SDK exec (`os.getppid()` x20000 against an
   empty loop, per call) beside a two-process futex round trip driven from Python in the same
-  round, with and without the VMM thread taking its stub's rdtsc mode
-  (`test_getppid_round_trip_in_a_replay_exec`; printed, run with `-s`);
+  round, with and without the VMM thread taking its stub's rdtsc mode, and with syscall sites
+  not patched (`COLLIMATE_SYSTRAP_PATCH=0`) (`test_getppid_round_trip_in_a_replay_exec`;
+  printed, run with `-s`);
 - on systrap, `exec(command="true")` with the program load's address-space edits batched (the
   default) and one command per edit (`COLLIMATE_SYSTRAP_BATCH=0`), in rotated rounds beside
   `/bin/sh -c true` (`test_exec_true_batch_rounds`; printed, run with `-s`);
@@ -292,8 +293,9 @@ def test_getppid_round_trip_in_a_replay_exec():
     `os.getppid()` in a loop of 20000 against the same exec with an empty loop, per call, beside
     a two-process futex round trip driven the same way from Python (ctypes `syscall`, shared
     mmap) in the same round; sessions: the default (the VMM thread takes its stub's rdtsc mode,
-    docs/systrap.md), `COLLIMATE_SYSTRAP_TSC_MATCH=0` (before) and `COLLIMATE_TRAP_RDTSC=0`
-    (nothing trapped). Rounds rotated; printed, run with `-s`."""
+    docs/systrap.md), `COLLIMATE_SYSTRAP_TSC_MATCH=0` (before), `COLLIMATE_TRAP_RDTSC=0`
+    (nothing trapped) and `COLLIMATE_SYSTRAP_PATCH=0` (syscall sites not patched). Rounds
+    rotated; printed, run with `-s`."""
     from collimate_core.sdk import platform as pf
 
     if not pf.probe_systrap().available:
@@ -302,6 +304,7 @@ def test_getppid_round_trip_in_a_replay_exec():
         ("default (VMM thread matched)", {}),
         ("COLLIMATE_SYSTRAP_TSC_MATCH=0 (before)", {"COLLIMATE_SYSTRAP_TSC_MATCH": "0"}),
         ("COLLIMATE_TRAP_RDTSC=0 (nothing trapped)", {"COLLIMATE_TRAP_RDTSC": "0"}),
+        ("COLLIMATE_SYSTRAP_PATCH=0 (syscall sites not patched)", {"COLLIMATE_SYSTRAP_PATCH": "0"}),
     ]
     clients, sessions = [], {}
     for name, env in variants:

@@ -13,7 +13,11 @@
 //!   (`Handoff::adaptive`), each right after a futex baseline, with the ranges over the rounds;
 //!   then the two hand-offs with the VMM thread and the stub pinned to one CPU (where a spin
 //!   cannot be answered), with a guest that computes between syscalls (the VMM thread's CPU time
-//!   per round trip: what a spin that is not answered burns), and pinned to two CPUs.
+//!   per round trip: what a spin that is not answered burns), and pinned to two CPUs. In the
+//!   same alternated rounds: the hand-off with one yield and with none (futex only) before the
+//!   sleep, and a guest looping over `mov eax, 39; syscall` (glibc's site) with the site patched
+//!   (`platform::systrap::patch`, the default) and not (`Stub::set_patching(false)`, as
+//!   `COLLIMATE_SYSTRAP_PATCH=0`), with the patched sites and entries counted.
 //!   `COLLIMATE_BENCH_TRAPS_ONLY=1` stops after that section.
 //!
 //! Each case prints median and p99 over individually timed operations, and the ratio of the
@@ -147,6 +151,22 @@ fn syscall_loop_stub(conf: &Confinement) -> (Stub, kvm_regs) {
     (stub, regs)
 }
 
+/// Where [`site_loop_stub`]'s code goes: where guestos places libraries, within a `jmp rel32` of
+/// the stub's trampolines (a patchable site).
+const SITE_CODE: u64 = 0x7fff_a000_0000;
+
+/// A stub running `mov eax, 39; syscall; jmp back` forever (the site glibc's wrappers have):
+/// patched after its first trap unless `patch` is false (`Stub::set_patching`).
+fn site_loop_stub(conf: &Confinement, patch: bool) -> (Stub, kvm_regs) {
+    let mut stub = Stub::spawn(conf).expect("spawn a systrap stub");
+    stub.set_patching(patch);
+    stub.map(SITE_CODE, 4096, libc::PROT_READ | libc::PROT_EXEC, libc::MAP_PRIVATE, None, 0).unwrap();
+    stub.write(SITE_CODE, &[0xb8, 39, 0, 0, 0, 0x0f, 0x05, 0xeb, 0xf7]).unwrap();
+    stub.map(0x50_0000, 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE, None, 0).unwrap();
+    let regs = kvm_regs { rip: SITE_CODE, rsp: 0x50_1000, rflags: 0x202, ..Default::default() };
+    (stub, regs)
+}
+
 /// A stub running `mov ecx, iters; 1: dec ecx; jnz 1b; syscall; jmp back` forever: guest work
 /// between syscalls.
 fn compute_loop_stub(iters: u32) -> (Stub, kvm_regs) {
@@ -182,7 +202,9 @@ fn per_exec_traps(pair: &FutexPair) {
     let (y, a) = (Handoff::yield_then_sleep(), Handoff::adaptive());
     let rd = Traps { rdtsc: true, cpuid: false };
     // The last field: whether the VMM thread takes its stub's rdtsc mode (`tsc::match_stub`).
-    let rows: [(&str, Confinement, Traps, Handoff, bool); 7] = [
+    let y1 = Handoff { yields: 1, ..Handoff::yield_then_sleep() };
+    let y0 = Handoff { yields: 0, ..Handoff::yield_then_sleep() };
+    let rows: [(&str, Confinement, Traps, Handoff, bool); 13] = [
         ("before: rdtsc+cpuid trapped for life, yield+sleep", Confinement::for_replay(true), Traps::default(), y.clone(), false),
         ("replay exec (rdtsc on), VMM thread not matched, yield+sleep", Confinement::for_replay(false), rd, y.clone(), false),
         ("replay exec (rdtsc on), VMM thread not matched, adaptive", Confinement::for_replay(false), rd, a.clone(), false),
@@ -190,6 +212,12 @@ fn per_exec_traps(pair: &FutexPair) {
         ("replay exec (rdtsc on), VMM thread matched, adaptive", Confinement::for_replay(false), rd, a.clone(), true),
         ("outside replay (no traps), yield+sleep", Confinement::for_replay(false), Traps::default(), y, true),
         ("outside replay (no traps), adaptive spin", Confinement::for_replay(false), Traps::default(), a, true),
+        ("replay exec, matched, 1 yield then sleep", Confinement::for_replay(false), rd, y1, true),
+        ("replay exec, matched, no yield (futex only)", Confinement::for_replay(false), rd, y0, true),
+        ("SITE unpatched: replay exec, matched, yield+sleep", Confinement::for_replay(false), rd, Handoff::yield_then_sleep(), true),
+        ("SITE patched: replay exec, matched, yield+sleep", Confinement::for_replay(false), rd, Handoff::yield_then_sleep(), true),
+        ("SITE unpatched: replay exec, matched, adaptive", Confinement::for_replay(false), rd, Handoff::adaptive(), true),
+        ("SITE patched: replay exec, matched, adaptive", Confinement::for_replay(false), rd, Handoff::adaptive(), true),
     ];
     // Measure row `i`'s round trip right after a futex baseline taken with this thread's rdtsc
     // native (as the baseline's processes have it).
@@ -205,8 +233,12 @@ fn per_exec_traps(pair: &FutexPair) {
     };
     let mut stubs: Vec<(Stub, kvm_regs)> = rows
         .iter()
-        .map(|(_, conf, traps, h, _)| {
-            let (mut stub, regs) = syscall_loop_stub(conf);
+        .map(|(name, conf, traps, h, _)| {
+            let (mut stub, regs) = match name.split(':').next() {
+                Some("SITE unpatched") => site_loop_stub(conf, false),
+                Some("SITE patched") => site_loop_stub(conf, true),
+                _ => syscall_loop_stub(conf),
+            };
             if *traps != Traps::default() {
                 stub.set_traps(*traps).expect("switch the traps");
             }
@@ -228,6 +260,11 @@ fn per_exec_traps(pair: &FutexPair) {
             );
             seen[i].push((s.median_us, s.p99_us, ratio));
             base_seen.push((base.median_us, base.p99_us));
+        }
+    }
+    for (i, (name, ..)) in rows.iter().enumerate() {
+        if name.starts_with("SITE") {
+            println!("{name}: patched sites {}, patched entries {}", stubs[i].0.patched_sites(), stubs[i].0.patched_entries());
         }
     }
     let range = |v: &mut Vec<f64>| {

@@ -440,6 +440,8 @@ pub fn allowed_syscalls() -> Vec<(i64, Vec<SeccompRule>)> {
     ioctls.extend(one_of(1, &[FIONREAD, FIONBIO, FIOCLEX, FIONCLEX]));
     // The guests' pseudo-terminals (host ptys of the jail's own devpts).
     ioctls.extend(one_of(1, &crate::guestos::files::pty::host_requests()));
+    // systrap: whether a syscall site's mapping is private code (platform::systrap::patch).
+    ioctls.extend(one_of(1, &[crate::platform::systrap::patch::PROCMAP_QUERY]));
     let any = Vec::new;
     vec![
         // KVM: every VM, vCPU and dirty-log call is an ioctl of type KVMIO on a KVM fd.

@@ -315,6 +315,12 @@ impl Process {
         self.stub.commands()
     }
 
+    /// Syscalls of this process that entered through a patched site, and the sites patched
+    /// (`platform::systrap::patch`).
+    pub fn stub_patched(&self) -> (u64, u64) {
+        (self.stub.patched_entries(), self.stub.patched_sites())
+    }
+
     /// The stub's rdtsc/cpuid traps now in force.
     pub fn stub_traps(&self) -> st::Traps {
         self.stub.traps()

@@ -98,6 +98,34 @@ std::arch::global_asm!(
     "mov r14, rsi",
     "mov r13, rdx",
     "movabs r12, {shared}",
+    // Interrupted in the blob's own code outside a handler (a patched site's entry or return,
+    // below): in the return's window the guest's registers are the page's, so the trap is the
+    // guest's there; anywhere else only the VMM's kick can arrive, and is kept for the return.
+    "mov r10, qword ptr [r13 + {uc_gregs} + 16 * 8]",
+    "lea r11, [rip + collimate_systrap_blob_start]",
+    "cmp r10, r11",
+    "jb 67f",
+    "lea r11, [rip + collimate_systrap_blob_end]",
+    "cmp r10, r11",
+    "jae 67f",
+    "lea r11, [rip + collimate_systrap_resume]",
+    "cmp r10, r11",
+    "jb 66f",
+    "lea r11, [rip + collimate_systrap_resume_end]",
+    "cmp r10, r11",
+    "jae 66f",
+    "lea rsi, [r12 + {gregs}]",
+    "lea rdi, [r13 + {uc_gregs}]",
+    "mov ecx, 18",
+    "rep movsq",
+    "jmp 67f",
+    "66:",
+    "cmp dword ptr [r14], {kick}",
+    "jne 67f",
+    "mov dword ptr [r12 + {kick_pending}], 1",
+    "add rsp, 40",
+    "ret",
+    "67:",
     "lea rsi, [r13 + {uc_gregs}]",
     "lea rdi, [r12 + {gregs}]",
     "mov ecx, 23",
@@ -230,6 +258,10 @@ std::arch::global_asm!(
     "jmp 20b",
     // run: registers back into the frame, FS base, return through rt_sigreturn
     "40:",
+    "cmp dword ptr [r12 + {kick_pending}], 0",
+    "jne 85f",
+    "test r13, r13",
+    "jz 80f",
     "lea rsi, [r12 + {gregs}]",
     "lea rdi, [r13 + {uc_gregs}]",
     "mov ecx, 18",
@@ -376,6 +408,158 @@ std::arch::global_asm!(
     "73:",
     "mov qword ptr [r12 + {ret}], r15",
     "jmp 32b",
+    // ---- syscall_entry: a patched site's trampoline (`patch.rs`) jumps here with rax = the
+    // syscall number and rcx = the address after the site's `syscall` (what that instruction
+    // would leave in rcx); every other register is the guest's. It reports what the SIGSYS of
+    // that `syscall` would (the registers with r11 = rflags, si_syscall, si_call_addr), the
+    // XSAVE area saved at XSAVE_BUF, and serves the VMM as the handler does; then returns to
+    // the guest without a signal frame ("80:"). ----
+    ".globl collimate_systrap_syscall_entry",
+    ".hidden collimate_systrap_syscall_entry",
+    "collimate_systrap_syscall_entry:",
+    "movabs qword ptr [{shared_rax}], rax",
+    "movabs rax, {shared}",
+    "mov qword ptr [rax + {gregs} + 15 * 8], rsp",
+    "movabs rsp, {entry_stack}",
+    "pushfq",
+    "pop r11",
+    "mov qword ptr [rax + {gregs}], r8",
+    "mov qword ptr [rax + {gregs} + 8], r9",
+    "mov qword ptr [rax + {gregs} + 16], r10",
+    "mov qword ptr [rax + {gregs} + 24], r11",
+    "mov qword ptr [rax + {gregs} + 32], r12",
+    "mov qword ptr [rax + {gregs} + 40], r13",
+    "mov qword ptr [rax + {gregs} + 48], r14",
+    "mov qword ptr [rax + {gregs} + 56], r15",
+    "mov qword ptr [rax + {gregs} + 64], rdi",
+    "mov qword ptr [rax + {gregs} + 72], rsi",
+    "mov qword ptr [rax + {gregs} + 80], rbp",
+    "mov qword ptr [rax + {gregs} + 88], rbx",
+    "mov qword ptr [rax + {gregs} + 96], rdx",
+    "mov qword ptr [rax + {gregs} + 14 * 8], rcx",
+    "mov qword ptr [rax + {gregs} + 16 * 8], rcx",
+    "mov qword ptr [rax + {gregs} + 17 * 8], r11",
+    "mov qword ptr [rax + {gregs} + 19 * 8], 0", // ERR
+    "mov qword ptr [rax + {gregs} + 20 * 8], 0", // TRAPNO
+    "mov qword ptr [rax + {addr}], rcx",
+    "mov r12, rax",
+    "mov dword ptr [r12 + {signo}], 31", // SIGSYS
+    "mov dword ptr [r12 + {code}], 1",   // SYS_SECCOMP
+    "mov eax, dword ptr [r12 + {gregs} + 13 * 8]",
+    "movabs rcx, {audit_arch}",
+    "or rax, rcx",
+    "mov qword ptr [r12 + {sysnr}], rax",
+    "add qword ptr [r12 + {patched_entries}], 1",
+    "mov eax, dword ptr [r12 + {xsave_mask}]",
+    "mov edx, dword ptr [r12 + {xsave_mask} + 4]",
+    "movabs rcx, {xsave_buf}",
+    "xsave [rcx]",
+    "mov qword ptr [r12 + {fpstate}], rcx",
+    "mov dword ptr [r12 + {xsave_dirty}], 0",
+    "xor r13d, r13d", // no signal frame: "40:" returns through "80:"
+    "sub rsp, 40",
+    "test dword ptr [r12 + {flags}], {flag_fsgsbase}",
+    "jz 81f",
+    "rdfsbase rax",
+    "mov qword ptr [r12 + {fs_base}], rax",
+    "jmp 82f",
+    "81:",
+    "mov eax, 158", // arch_prctl(ARCH_GET_FS, &fs_base)
+    "mov edi, 0x1003",
+    "lea rsi, [r12 + {fs_base}]",
+    "syscall",
+    "82:",
+    "mov dword ptr [r12 + {exit}], {exit_event}",
+    "jmp 20b",
+    // a kick kept while the stub ran its own code: report it at the registers to run
+    "85:",
+    "mov dword ptr [r12 + {kick_pending}], 0",
+    "mov dword ptr [r12 + {signo}], {kick}",
+    "mov dword ptr [r12 + {code}], 0", // SI_USER
+    "mov dword ptr [r12 + {exit}], {exit_event}",
+    "jmp 20b",
+    // run after a patched entry: the XSAVE area if the VMM replaced it, the FS base, then the
+    // registers; `jmp rcx` when the VMM left rip = rcx (a syscall's return), else rt_sigreturn
+    // through a frame built here
+    "80:",
+    "cmp dword ptr [r12 + {xsave_dirty}], 0",
+    "je 86f",
+    "mov eax, dword ptr [r12 + {xsave_mask}]",
+    "mov edx, dword ptr [r12 + {xsave_mask} + 4]",
+    "movabs rcx, {xsave_buf}",
+    "xrstor [rcx]",
+    "mov dword ptr [r12 + {xsave_dirty}], 0",
+    "86:",
+    "test dword ptr [r12 + {flags}], {flag_fsgsbase}",
+    "jz 87f",
+    "mov rax, qword ptr [r12 + {fs_base}]",
+    "wrfsbase rax",
+    "jmp 88f",
+    "87:",
+    "mov eax, 158", // arch_prctl(ARCH_SET_FS, fs_base)
+    "mov edi, 0x1002",
+    "mov rsi, qword ptr [r12 + {fs_base}]",
+    "syscall",
+    "88:",
+    // From here to resume_end a signal finds the guest's registers in the page (the handler
+    // takes them as the interrupted ones); before it, a kick is kept, and checked first here.
+    ".globl collimate_systrap_resume",
+    ".hidden collimate_systrap_resume",
+    "collimate_systrap_resume:",
+    "cmp dword ptr [r12 + {kick_pending}], 0",
+    "jne 85b",
+    "mov rax, qword ptr [r12 + {gregs} + 16 * 8]",
+    "cmp rax, qword ptr [r12 + {gregs} + 14 * 8]",
+    "jne 89f",
+    "push qword ptr [r12 + {gregs} + 17 * 8]",
+    "popfq",
+    "mov r8, qword ptr [r12 + {gregs}]",
+    "mov r9, qword ptr [r12 + {gregs} + 8]",
+    "mov r10, qword ptr [r12 + {gregs} + 16]",
+    "mov r11, qword ptr [r12 + {gregs} + 24]",
+    "mov r13, qword ptr [r12 + {gregs} + 40]",
+    "mov r14, qword ptr [r12 + {gregs} + 48]",
+    "mov r15, qword ptr [r12 + {gregs} + 56]",
+    "mov rdi, qword ptr [r12 + {gregs} + 64]",
+    "mov rsi, qword ptr [r12 + {gregs} + 72]",
+    "mov rbp, qword ptr [r12 + {gregs} + 80]",
+    "mov rbx, qword ptr [r12 + {gregs} + 88]",
+    "mov rdx, qword ptr [r12 + {gregs} + 96]",
+    "mov rax, qword ptr [r12 + {gregs} + 13 * 8]",
+    "mov rcx, qword ptr [r12 + {gregs} + 16 * 8]",
+    "mov rsp, qword ptr [r12 + {gregs} + 15 * 8]",
+    "mov r12, qword ptr [r12 + {gregs} + 32]",
+    "jmp rcx",
+    // an rt_sigframe's ucontext at rsp (rt_sigreturn reads it there): flags, the alternate stack
+    // (restored by the call), the registers, the XSAVE area, an empty signal mask
+    "89:",
+    "movabs rsp, {entry_stack}",
+    "sub rsp, {uc_size}",
+    "mov qword ptr [rsp], 7", // UC_FP_XSTATE | UC_SIGCONTEXT_SS | UC_STRICT_RESTORE_SS
+    "mov qword ptr [rsp + 8], 0",
+    "movabs rax, {alt_stack}",
+    "mov qword ptr [rsp + 16], rax",
+    "mov qword ptr [rsp + 24], 0",
+    "mov qword ptr [rsp + 32], {alt_stack_len}",
+    "lea rsi, [r12 + {gregs}]",
+    "lea rdi, [rsp + {uc_gregs}]",
+    "mov ecx, 18",
+    "rep movsq",
+    "movabs rax, {user_segments}",
+    "mov qword ptr [rsp + {uc_gregs} + 18 * 8], rax",
+    "lea rdi, [rsp + {uc_gregs} + 19 * 8]",
+    "xor eax, eax",
+    "mov ecx, 4",
+    "rep stosq", // ERR, TRAPNO, OLDMASK, CR2
+    "movabs rax, {xsave_buf}",
+    "mov qword ptr [rsp + {uc_fpregs}], rax",
+    "mov qword ptr [rsp + {uc_sigmask}], 0",
+    "mov eax, 15",
+    "syscall",
+    ".globl collimate_systrap_resume_end",
+    ".hidden collimate_systrap_resume_end",
+    "collimate_systrap_resume_end:",
+    "ud2",
     // ---- restorer ----
     ".globl collimate_systrap_restorer",
     ".hidden collimate_systrap_restorer",
@@ -458,17 +642,34 @@ std::arch::global_asm!(
     fd_received_0 = const shared::FD_RECEIVED[0],
     fd_received_1 = const shared::FD_RECEIVED[1],
     scratch = const shared::SCRATCH,
+    entry_stack = const layout::BOOT_STACK + layout::BOOT_STACK_LEN,
+    shared_rax = const layout::SHARED + offset_of!(Page, gregs) as u64 + 13 * 8,
+    kick = const super::preempt::KICK_SIGNAL,
+    kick_pending = const offset_of!(Page, kick_pending),
+    xsave_dirty = const offset_of!(Page, xsave_dirty),
+    xsave_mask = const offset_of!(Page, xsave_mask),
+    patched_entries = const offset_of!(Page, patched_entries),
+    xsave_buf = const layout::XSAVE_BUF,
+    alt_stack = const layout::ALT_STACK,
+    alt_stack_len = const layout::ALT_STACK_LEN,
+    audit_arch = const 0xc000_003e_u64 << 32,
+    uc_size = const UC_SIGMASK + 128,
+    uc_sigmask = const UC_SIGMASK,
+    user_segments = const 0x33_u64 | (0x2b_u64 << 48),
 );
 
 /// Offset of `uc_mcontext.gregs` in Linux's x86-64 `ucontext_t`.
 const UC_GREGS: usize = 40;
 /// Offset of `uc_mcontext.fpregs` (the pointer to the XSAVE area).
 const UC_FPREGS: usize = UC_GREGS + 23 * 8;
+/// Offset of `uc_sigmask` (after the fpregs pointer and 8 reserved words).
+const UC_SIGMASK: usize = UC_FPREGS + 8 + 8 * 8;
 
 extern "C" {
     static collimate_systrap_blob_start: u8;
     static collimate_systrap_restorer: u8;
     static collimate_systrap_boot: u8;
+    static collimate_systrap_syscall_entry: u8;
     static collimate_systrap_allowed_end: u8;
     static collimate_systrap_blob_end: u8;
 }
@@ -496,6 +697,11 @@ pub fn handler() -> u64 {
 /// Where the copied blob's `sa_restorer` is.
 pub fn restorer() -> u64 {
     layout::CODE + offset(&raw const collimate_systrap_restorer)
+}
+
+/// Where a patched syscall site's trampoline enters the blob.
+pub fn syscall_entry() -> u64 {
+    layout::CODE + offset(&raw const collimate_systrap_syscall_entry)
 }
 
 /// Where a new stub enters the blob.

@@ -23,6 +23,16 @@ pub const ALT_STACK_LEN: u64 = 0x10000;
 pub const BOOT_STACK: u64 = ALT_STACK + ALT_STACK_LEN;
 /// Its length.
 pub const BOOT_STACK_LEN: u64 = 0x1000;
+/// Where a patched syscall site's entry saves the guest's XSAVE area (`patch.rs`): the same
+/// layout as a signal frame's, so [`super::Stub::xsave`] reads it as one. Mapped at the first patch.
+pub const XSAVE_BUF: u64 = BOOT_STACK + BOOT_STACK_LEN;
+/// Its length (an XSAVE area with every user component this host has fits).
+pub const XSAVE_BUF_LEN: u64 = 0x4000;
+/// The trampolines of patched syscall sites (`patch.rs`), read and execute; mapped at the first
+/// patch, inherited by forks.
+pub const TRAMP: u64 = XSAVE_BUF + XSAVE_BUF_LEN;
+/// Its length.
+pub const TRAMP_LEN: u64 = 0x1_0000;
 /// End of the reserved range (exclusive); room for per-thread stacks later.
 pub const STUB_END: u64 = STUB_BASE + 0x10_0000;
 /// The end of user space on x86-64 with 4-level paging (Linux's TASK_SIZE).
@@ -30,7 +40,7 @@ pub const TASK_SIZE: u64 = 0x7fff_ffff_f000;
 /// The fd number of the stub's end of its socket to the VMM.
 pub const SOCK_FD: i32 = 3;
 
-const _: () = assert!(BOOT_STACK + BOOT_STACK_LEN <= STUB_END);
+const _: () = assert!(TRAMP + TRAMP_LEN <= STUB_END);
 const _: () = assert!(STUB_END <= crate::guestos::vdso::VDSO_VA);
 const _: () = assert!(STUB_BASE >= crate::guestos::mm::MMAP_TOP + (64 << 20));
 

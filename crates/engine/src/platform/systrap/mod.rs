@@ -46,6 +46,7 @@ pub mod confine;
 pub mod filter;
 pub mod layout;
 pub mod memory;
+pub mod patch;
 pub mod preempt;
 pub mod reaper;
 pub mod shared;
@@ -163,6 +164,8 @@ pub struct Stub {
     exited: Option<Option<i32>>,
     /// Commands handed to the stub so far (round trips besides `run`): [`Stub::commands`].
     commands: u64,
+    /// Syscall sites patched into jumps to the blob ([`patch`]).
+    patch: patch::Patcher,
 }
 
 /// Which of the guest's non-syscall instructions trap to the VMM ([`Exit::Rdtsc`], [`Exit::Cpuid`]).
@@ -314,6 +317,7 @@ impl Stub {
             (*page.page()).stub_yields = Handoff::default().yields;
             (*page.page()).flags = if has_fsgsbase() { shared::FLAG_FSGSBASE } else { 0 };
             (*page.page()).state.store(shared::STUB_TURN, Ordering::SeqCst);
+            (*page.page()).kick_pending = 0; // a forked stub starts with no kick
         }
         let (sock, stub_sock) = socketpair().map_err(|source| Error::Spawn { step: "socketpair", source })?;
         let filter = filter::program();
@@ -393,6 +397,7 @@ impl Stub {
             spin: shared::SpinState::default(),
             exited: None,
             commands: 0,
+            patch: patch::Patcher::default(),
         };
         // The child has waited for this byte before changing its credentials, so the mem file above
         // was opened with the VMM's own.
@@ -673,7 +678,126 @@ impl Stub {
             // Only guest code (writing the shared page) can make this happen.
             return Ok(Exit::Signal { signo: 0, code: exit as i32, addr: 0 });
         }
-        Ok(self.classify(regs, signo, code, addr, sysnr, &gr))
+        let exit = self.classify(regs, signo, code, addr, sysnr, &gr);
+        // SAFETY: the VMM's turn. The trap came through a patched site if its XSAVE area is there.
+        let patched_entry = unsafe { std::ptr::read_volatile(&raw const (*p).fpstate) } == layout::XSAVE_BUF;
+        match exit {
+            // Stopped inside a trampoline: at the site's `syscall`, as far as the guest goes.
+            Exit::Interrupted => {
+                if let Some((rip, rax)) = patch::rewind(&self.mem, regs.rip) {
+                    regs.rip = rip;
+                    regs.rax = rax;
+                }
+            }
+            Exit::Syscall if !patched_entry && self.patch.wants(regs.rip) => {
+                self.try_patch(regs.rip, regs.rax);
+            }
+            _ => {}
+        }
+        Ok(exit)
+    }
+
+    /// Patch the site of the syscall `nr` that trapped and returns to `ret`, if it qualifies
+    /// ([`patch`]); a site that does not is not looked at again.
+    fn try_patch(&mut self, ret: u64, nr: u64) {
+        let Some((want, tramp, jmp)) = patch::plan(&self.patch, ret, nr) else {
+            return self.patch.reject(ret);
+        };
+        let site = ret - 7;
+        let mut have = [0u8; 7];
+        if !memory::read(&self.mem, site, &mut have) || have != want || !patch::private_code(self.pid, site, 7) {
+            return self.patch.reject(ret);
+        }
+        if !patch::is_ready(&self.patch) {
+            if self.prepare_patching().is_err() {
+                self.patch.enabled = false;
+                return;
+            }
+            patch::set_ready(&mut self.patch);
+        }
+        // The trampoline first, then the jump to it (the stub is parked: nothing runs the bytes).
+        let t = patch::trampoline(tramp, nr as u32, ret);
+        if !memory::write(&self.mem, tramp, &t) || !memory::write(&self.mem, site, &jmp) {
+            return self.patch.reject(ret);
+        }
+        patch::advance(&mut self.patch, ret);
+    }
+
+    /// Map the trampolines and the XSAVE buffer of patched entries, the buffer's software bytes
+    /// (the kernel's format marks, what `rt_sigreturn` checks) copied from this exit's frame.
+    fn prepare_patching(&mut self) -> Result<()> {
+        let (at, len) = self.frame_fpstate()?;
+        if len <= 512 {
+            return Err(Error::Op { op: "patch", source: io::Error::other("no XSAVE frame") });
+        }
+        let mut sw = [0u8; 48];
+        self.read(at + 464, &mut sw)?;
+        let mut magic2 = [0u8; 4];
+        self.read(at + len as u64, &mut magic2)?;
+        if len as u64 + 4 > layout::XSAVE_BUF_LEN {
+            return Err(Error::Op { op: "patch", source: io::Error::other("XSAVE area too large") });
+        }
+        let anon = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED) as u64;
+        let rw = (libc::PROT_READ | libc::PROT_WRITE) as u64;
+        let rx = (libc::PROT_READ | libc::PROT_EXEC) as u64;
+        self.syscall("mmap", libc::SYS_mmap, [layout::XSAVE_BUF, layout::XSAVE_BUF_LEN, rw, anon, u64::MAX, 0])?;
+        self.syscall("mmap", libc::SYS_mmap, [layout::TRAMP, layout::TRAMP_LEN, rx, anon, u64::MAX, 0])?;
+        if !memory::write(&self.mem, layout::XSAVE_BUF + 464, &sw) || !memory::write(&self.mem, layout::XSAVE_BUF + len as u64, &magic2) {
+            return Err(Error::Fault { addr: layout::XSAVE_BUF, len });
+        }
+        let mask = u64::from_le_bytes(sw[8..16].try_into().expect("8 bytes"));
+        // SAFETY: the VMM's turn.
+        unsafe { (*self.page.page()).xsave_mask = mask };
+        Ok(())
+    }
+
+    /// Turn syscall-site patching on or off for this stub from now on (on unless
+    /// `COLLIMATE_SYSTRAP_PATCH=0`); sites patched already stay patched.
+    pub fn set_patching(&mut self, on: bool) {
+        self.patch.enabled = on;
+    }
+
+    /// How many syscall sites are patched in this stub's address space ([`patch`]).
+    pub fn patched_sites(&self) -> u64 {
+        self.patch.sites()
+    }
+
+    /// How many syscalls entered the blob through a patched site, in this stub (and, for a fork,
+    /// in the stub it was forked from before the fork).
+    pub fn patched_entries(&self) -> u64 {
+        // SAFETY: a counter the blob only increments; a torn read cannot happen on x86-64.
+        unsafe { std::ptr::read_volatile(&raw const (*self.page.page()).patched_entries) }
+    }
+
+    /// Put every patched site's original `mov eax, N` back (where the site still holds this
+    /// stub's jump): for a snapshot, whose restore has no trampolines. This stub does not patch
+    /// those sites again (their traps go through SIGSYS). Returns how many were restored.
+    pub fn unpatch_all(&mut self) -> Result<u64> {
+        let mut n = 0;
+        for slot in patch::slots(&self.patch) {
+            let tramp = layout::TRAMP + slot * patch::SLOT;
+            let mut t = [0u8; 20];
+            self.read(tramp, &mut t)?;
+            let Some((nr, ret)) = patch::parse(&t) else { continue };
+            let site = ret - 7;
+            let mut have = [0u8; 5];
+            if self.read(site, &mut have).is_err() {
+                continue;
+            }
+            let mut jmp = [0xe9, 0, 0, 0, 0];
+            jmp[1..].copy_from_slice(&((tramp as i64 - (site as i64 + 5)) as i32).to_le_bytes());
+            if have != jmp {
+                continue;
+            }
+            let mut orig = [0xb8, 0, 0, 0, 0];
+            orig[1..].copy_from_slice(&nr.to_le_bytes());
+            if !memory::write(&self.mem, site, &orig) {
+                return Err(Error::Fault { addr: site, len: 5 });
+            }
+            self.patch.reject(ret);
+            n += 1;
+        }
+        Ok(n)
     }
 
     fn classify(&self, regs: &mut kvm_regs, signo: i32, code: i32, addr: u64, sysnr: u64, gregs: &[u64; 23]) -> Exit {
@@ -874,6 +998,7 @@ impl Stub {
             (*page.page()).stub_sleeping.store(0, Ordering::SeqCst);
             (*page.page()).vmm_sleeping.store(0, Ordering::SeqCst);
             (*page.page()).state.store(shared::STUB_TURN, Ordering::SeqCst);
+            (*page.page()).kick_pending = 0; // a forked stub starts with no kick
         }
         let (sock, stub_sock) = socketpair().map_err(host("socketpair"))?;
         send_fds(self.sock.as_fd(), &[page.memfd().as_raw_fd(), stub_sock.as_raw_fd()]).map_err(host("sendmsg"))?;
@@ -925,6 +1050,7 @@ impl Stub {
             spin: shared::SpinState::default(),
             exited: None,
             commands: 0,
+            patch: self.patch.clone(),
         };
         Ok(child)
     }
@@ -1021,7 +1147,13 @@ impl Stub {
             return Err(Error::Op { op: "set_xsave", source: io::Error::other(format!("the area is {} bytes, the frame holds {len}", area.len())) });
         }
         // The frame is in the reserved range, so `write`'s check does not apply.
-        memory::write(&self.mem, at, area).then_some(()).ok_or(Error::Fault { addr: at, len })
+        memory::write(&self.mem, at, area).then_some(()).ok_or(Error::Fault { addr: at, len })?;
+        if at == layout::XSAVE_BUF {
+            // A patched entry's area: its return loads it (a signal frame's is loaded by rt_sigreturn).
+            // SAFETY: the VMM's turn.
+            unsafe { (*self.page.page()).xsave_dirty = 1 };
+        }
+        Ok(())
     }
 }
 

@@ -116,6 +116,17 @@ pub struct Page {
     /// stub to answer a trapped `rdtsc` itself, as the VMM would (`Stub::set_clock_page`); 0: every
     /// trapped `rdtsc` goes to the VMM.
     pub clock_page: u64,
+    /// Set by the blob's handler when the VMM's kick arrived while the stub ran its own code
+    /// outside a signal handler (a patched site's entry, `patch.rs`); the next return to the
+    /// guest reports the kick instead.
+    pub kick_pending: u32,
+    /// Set by the VMM when it replaced the XSAVE area of a patched site's exit
+    /// ([`layout::XSAVE_BUF`](super::layout::XSAVE_BUF)): the return loads it (`xrstor`).
+    pub xsave_dirty: u32,
+    /// The XSAVE components a patched site's entry saves (the signal frame's, `xfeatures`).
+    pub xsave_mask: u64,
+    /// Syscalls that entered through a patched site (counted by the blob).
+    pub patched_entries: u64,
 }
 
 const _: () = assert!(std::mem::size_of::<Page>() <= SCRATCH);

@@ -135,6 +135,9 @@ impl Process {
         let file = std::os::unix::fs::OpenOptionsExt::mode(std::fs::OpenOptions::new().write(true).create(true).truncate(true), 0o600)
             .open(&tmp)
             .map_err(Error::sys("create the snapshot's memory file"))?;
+        // Patched syscall sites jump to trampolines a restored stub does not have: their code
+        // goes into the snapshot as it was (platform::systrap::patch).
+        self.stub.unpatch_all().map_err(|e| Error::Remote(format!("systrap: unpatch syscall sites: {e}")))?;
         let regions = self.write_memory(&file)?;
         drop(file);
         std::fs::rename(&tmp, dir.join(MEMORY_FILE)).map_err(Error::sys("rename the snapshot's memory file"))?;
