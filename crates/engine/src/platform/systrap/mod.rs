@@ -769,6 +769,12 @@ impl Stub {
         unsafe { std::ptr::read_volatile(&raw const (*self.page.page()).patched_entries) }
     }
 
+    /// The guest's code pages were all given back to their files (a reset): no site is patched
+    /// now, and the trampoline slots are free again ([`patch::Patcher::forget`]).
+    pub fn forget_patches(&mut self) {
+        self.patch.forget();
+    }
+
     /// Put every patched site's original `mov eax, N` back (where the site still holds this
     /// stub's jump): for a snapshot, whose restore has no trampolines. This stub does not patch
     /// those sites again (their traps go through SIGSYS). Returns how many were restored.

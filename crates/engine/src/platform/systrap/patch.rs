@@ -91,6 +91,19 @@ impl Patcher {
         self.rejected.insert(ret);
     }
 
+    /// Every site this stub patched is back to its original bytes without [`Stub::unpatch_all`]
+    /// (a reset dropped the pages that held the jumps, so the guest's code is the file's again):
+    /// start over, reusing the slots, as the stub the sandbox was cloned from (which had patched
+    /// nothing: a snapshot is saved unpatched). Without this each reset left its sites' slots
+    /// taken, and a sandbox recycled about a hundred times stopped patching.
+    ///
+    /// [`Stub::unpatch_all`]: super::Stub::unpatch_all
+    pub fn forget(&mut self) {
+        self.next = 1;
+        self.rejected.clear();
+        self.seen.clear();
+    }
+
     /// The site was patched.
     fn patched(&mut self, ret: u64) {
         self.seen.remove(&ret);

@@ -285,6 +285,9 @@ impl Process {
         if done != drop.len() {
             return Err(Error::Remote(format!("systrap: reset: the host dropped {done} of {} runs of pages", drop.len())));
         }
+        // The pages patched syscall sites were written into are among those dropped (a patch is
+        // a copy-on-write of a private code page): the code is the template's again.
+        self.stub.forget_patches();
         if refill_enabled() {
             let _ = self.stub.advise_runs(&refill, libc::MADV_POPULATE_WRITE);
         }
