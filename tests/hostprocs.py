@@ -59,6 +59,19 @@ def descendants(pid: int) -> set[int]:
 STUB_UID = 65534
 
 
+def guest_descendants(pid: int) -> set[int]:
+    """`descendants` but a systrap tree's reaper (a child of its top VMM for the sandbox's life,
+    no guest process: platform/systrap/reaper.rs). A recycled systrap sandbox's VMM lives on
+    with it."""
+    def reaper(p: int) -> bool:
+        try:
+            return Path(f"/proc/{p}/comm").read_text().strip() == "collimate-reap"
+        except OSError:
+            return False
+
+    return {p for p in descendants(pid) if not reaper(p)}
+
+
 def orphaned_stubs() -> set[int]:
     """Live systrap stub processes whose parent is gone (reparented to init): stubs run as
     `STUB_UID` with no cmdline of their own. One whose sandbox is gone is a leak; while a sandbox

@@ -331,3 +331,7 @@ def _kvm_profile(measure_exit: bool = False) -> _KvmProfile:
 
 def _quota_available() -> bool:
     """Whether this process can give sandboxes disk quotas (tmpfs instances of their own)."""
+
+def _crng_stream(seed: bytes, n: int) -> bytes:
+    """The first `n` bytes (at most 1 MiB) of the sandbox CRNG's stream after a reseed with the
+    32-byte `seed` (the engine's own; the SDK's seed-ack check)."""
