@@ -168,6 +168,16 @@ def test_exec_true_batch_rounds():
     ], rounds=int(os.environ.get("COLLIMATE_BENCH_ROUNDS", "6")))
 
 
+def test_exec_true_patch_rounds():
+    """Syscall sites patched into jumps to the blob (the default; platform/systrap/patch.rs)
+    against not (`COLLIMATE_SYSTRAP_PATCH=0`): a short command's shell patches nothing (busybox's
+    text is out of a jump's reach), the agent's process patches its hot sites."""
+    _exec_true_rounds([
+        ("systrap default (sites patched)", {}),
+        ("systrap COLLIMATE_SYSTRAP_PATCH=0", {"COLLIMATE_SYSTRAP_PATCH": "0"}),
+    ], rounds=int(os.environ.get("COLLIMATE_BENCH_ROUNDS", "6")))
+
+
 def test_exec_true_spare_rounds():
     """The spawn call's stub made ahead and the child VMM's teardown after the parent's wait (the
     defaults; vmm/systrap/spawn.rs, vmm/teardown.rs), against the call's stub forked from an empty
