@@ -667,6 +667,21 @@ def test_systrap_sandbox_of_a_zygote(benchmark, zygotes, which):
     _record(benchmark, f"systrap sandbox of a {which} zygote", "native python")
 
 
+def _add(rows: dict[str, list[float]], key: str, ms: float) -> None:
+    rows.setdefault(key, []).append(ms)
+
+
+def _time_sandbox(rows: dict[str, list[float]], client, label: str, paced: bool) -> None:
+    """One `Sandbox` enter + exec(code="x = 1") + exit on `client`, timed into `rows` (paced: 0.1 s
+    idle before it, untimed)."""
+    if paced:
+        time.sleep(0.1)
+    t0 = time.perf_counter()
+    with Sandbox("python", client=client) as sb:
+        assert sb.exec(code="x = 1").ok
+    _add(rows, f"sandbox enter+exec+exit, {'paced' if paced else 'back to back'}, {label}", (time.perf_counter() - t0) * 1e3)
+
+
 def test_template_warm_up_ab():
     """A sandbox's enter + exec + exit (paced 0.1 s, and back to back) and its first and second
     exec, from a template whose agent ran one exec of `pass` before its snapshot (the default)
@@ -692,15 +707,10 @@ def test_template_warm_up_ab():
     rows: dict[str, list[float]] = {}
 
     def add(key, ms):
-        rows.setdefault(key, []).append(ms)
+        _add(rows, key, ms)
 
     def sandbox(m, paced):
-        if paced:
-            time.sleep(0.1)
-        t0 = time.perf_counter()
-        with Sandbox("python", client=clients[m]) as sb:
-            assert sb.exec(code="x = 1").ok
-        add(f"sandbox enter+exec+exit, {'paced' if paced else 'back to back'}, {m}", (time.perf_counter() - t0) * 1e3)
+        _time_sandbox(rows, clients[m], m, paced)
 
     def execs(m):
         time.sleep(0.1)
@@ -782,15 +792,10 @@ def test_sandbox_recycle_ab():
     rows: dict[str, list[float]] = {}
 
     def add(key, ms):
-        rows.setdefault(key, []).append(ms)
+        _add(rows, key, ms)
 
     def sandbox(m, paced):
-        if paced:
-            time.sleep(0.1)
-        t0 = time.perf_counter()
-        with Sandbox("python", client=clients[m]) as sb:
-            assert sb.exec(code="x = 1").ok
-        add(f"sandbox enter+exec+exit, {'paced' if paced else 'back to back'}, {m}", (time.perf_counter() - t0) * 1e3)
+        _time_sandbox(rows, clients[m], m, paced)
 
     def native():
         t0 = time.perf_counter()

@@ -8,6 +8,7 @@ gone.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 GONE = frozenset("ZX")
@@ -59,17 +60,33 @@ def descendants(pid: int) -> set[int]:
 STUB_UID = 65534
 
 
-def guest_descendants(pid: int) -> set[int]:
-    """`descendants` but a systrap tree's reaper (a child of its top VMM for the sandbox's life,
-    no guest process: platform/systrap/reaper.rs). A recycled systrap sandbox's VMM lives on
-    with it."""
+def without_reapers(pids: set[int]) -> set[int]:
+    """`pids` but systrap trees' reapers (a child of its top VMM for the sandbox's life, no guest
+    process: platform/systrap/reaper.rs). A recycled systrap sandbox's VMM lives on with it."""
     def reaper(p: int) -> bool:
         try:
             return Path(f"/proc/{p}/comm").read_text().strip() == "collimate-reap"
         except OSError:
             return False
 
-    return {p for p in descendants(pid) if not reaper(p)}
+    return {p for p in pids if not reaper(p)}
+
+
+def guest_descendants(pid: int) -> set[int]:
+    """`descendants` but a systrap tree's reaper (`without_reapers`)."""
+    return without_reapers(descendants(pid))
+
+
+def stub_of(vmm: int) -> int:
+    """The stub of a systrap VMM: the process whose /proc/<pid>/mem it holds open."""
+    for fd in Path(f"/proc/{vmm}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.endswith("/mem"):
+            return int(link.split("/")[-2])
+    raise AssertionError(f"VMM {vmm} holds no stub's /proc/<pid>/mem")
 
 
 def orphaned_stubs() -> set[int]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from collimate_core import CollimateError, EmbeddedClient, Sandbox
-from hostprocs import GONE, orphaned_stubs
+from hostprocs import GONE, orphaned_stubs, without_reapers
 from platforms import on
 
 
@@ -101,15 +101,8 @@ def descendants(pid: int) -> set[int]:
 
 
 def guest_descendants(pid: int) -> set[int]:
-    """`descendants` but a systrap tree's reaper (a child of its top VMM for the sandbox's life,
-    no guest process: platform/systrap/reaper.rs)."""
-    def reaper(p: int) -> bool:
-        try:
-            return Path(f"/proc/{p}/comm").read_text().strip() == "collimate-reap"
-        except OSError:
-            return False
-
-    return {p for p in descendants(pid) if not reaper(p)}
+    """`descendants` but a systrap tree's reaper (`hostprocs.without_reapers`)."""
+    return without_reapers(descendants(pid))
 
 
 def vm_dirs() -> set[str]:

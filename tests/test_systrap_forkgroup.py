@@ -99,18 +99,6 @@ def test_back_to_back_maps_run_on_the_same_threads_and_nested_maps_do_not_wait()
             grp.map(lambda i, child: i, max_workers=-1)
 
 
-def _stub_of(vmm: int) -> int:
-    """The stub of a systrap VMM: the process whose /proc/<pid>/mem it holds open."""
-    from pathlib import Path
-
-    for fd in Path(f"/proc/{vmm}/fd").iterdir():
-        try:
-            link = os.readlink(fd)
-        except OSError:
-            continue
-        if link.endswith("/mem"):
-            return int(link.split("/")[-2])
-    raise AssertionError(f"VMM {vmm} holds no stub's /proc/<pid>/mem")
 
 
 def test_a_restored_zygote_populates_only_the_pages_its_snapshot_holds():
@@ -124,12 +112,12 @@ def test_a_restored_zygote_populates_only_the_pages_its_snapshot_holds():
         code = (
             "import os, sys\n"
             "sys.path.insert(0, " + repr(os.path.dirname(__file__)) + ")\n"
-            "from test_systrap_forkgroup import _stub_of\n"
+            "from hostprocs import stub_of\n"
             "from collimate_core import connect\n"
             "c = connect(platform='systrap')\n"
             "with c.session('python') as s:\n"
             "    assert s.exec(code='x = 1').ok\n"
-            "    stub = _stub_of(s._box.vm.pid)\n"
+            "    stub = stub_of(s._box.vm.pid)\n"
             "    rss, cur = None, False\n"
             "    for line in open(f'/proc/{stub}/smaps'):\n"
             "        f = line.split()\n"

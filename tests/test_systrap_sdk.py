@@ -35,6 +35,7 @@ from collimate_rl import (
 )
 from collimate_core.sdk import platform as pf
 from collimate_core.sdk.errors import InvalidArgument
+from hostprocs import stub_of
 from platforms import systrap_client
 
 SEED = "c0ffee00" * 8
@@ -175,16 +176,6 @@ def _minflt(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
 
 
-def _stub_of(vmm: int) -> int:
-    """The stub of a systrap VMM: the process whose /proc/<pid>/mem it holds open."""
-    for fd in Path(f"/proc/{vmm}/fd").iterdir():
-        try:
-            link = os.readlink(fd)
-        except OSError:
-            continue
-        if link.endswith("/mem"):
-            return int(link.split("/")[-2])
-    raise AssertionError(f"VMM {vmm} holds no stub's /proc/<pid>/mem")
 
 
 def test_a_spares_first_exec_takes_the_faults_of_a_second_one(client):
@@ -226,7 +217,7 @@ def _spare_first_exec(client) -> None:
         with Sandbox("python", client=client) as sb:
             assert sb.warm_hit
             vmm = sb._box.vm.pid
-            stub = _stub_of(vmm)
+            stub = stub_of(vmm)
             faults = []
             for _ in range(2):
                 before = _minflt(vmm) + _minflt(stub)
@@ -281,12 +272,12 @@ def test_a_fork_group_of_64_gives_64_distinct_children_forked_from_the_session(c
     with client.session("python") as s:
         s.exec(code="base = 1000")
         vmm = s._box.vm.pid
-        stub = _stub_of(vmm)
+        stub = stub_of(vmm)
         with s.fork_group(64) as grp:
             kids = [c._box.vm.pid for c in grp.children]
             assert len(set(kids)) == 64
             assert {_ppid(k) for k in kids} == {vmm}
-            assert {_ppid(_stub_of(k)) for k in kids} == {stub}
+            assert {_ppid(stub_of(k)) for k in kids} == {stub}
             results = grp.map(lambda i, c: c.exec(code=f"mine = base + {i}\nprint(mine)"))
             assert [r.stdout for r in results] == [f"{1000 + i}\n" for i in range(64)], results
             assert grp.children[7].exec(code="print(mine)").stdout == "1007\n"

@@ -1450,6 +1450,23 @@ pub fn kill_adopted(pids: &[i32]) {
     }
 }
 
+/// Reap one child that has ended, if any (`waitid(P_ALL, WEXITED | WNOHANG | __WALL)`): the
+/// syscall's result (below 0 with ECHILD when there is no child at all).
+pub fn reap_one_ended() -> libc::c_long {
+    let mut info = [0u64; 16];
+    // SAFETY: waitid(P_ALL, WNOHANG) writes at most one siginfo_t (128 bytes) into `info`.
+    unsafe {
+        libc::syscall(
+            libc::SYS_waitid,
+            libc::P_ALL as libc::c_long,
+            0 as libc::c_long,
+            info.as_mut_ptr(),
+            (libc::WEXITED | libc::WNOHANG | libc::__WALL) as libc::c_long,
+            0usize,
+        )
+    }
+}
+
 /// Wait, up to `limit`, until this process has no children left. A reset kills every guest process
 /// it knows of, but an orphan that is re-parented to the sandbox's first process meanwhile (its
 /// parent was just killed) is not among them: it ends itself on its parent-death signal, since the
@@ -1457,18 +1474,7 @@ pub fn kill_adopted(pids: &[i32]) {
 pub fn wait_children_gone(limit: std::time::Duration) {
     let end = std::time::Instant::now() + limit;
     loop {
-        let mut info = [0u64; 16];
-        // SAFETY: waitid(P_ALL, WNOHANG) writes at most one siginfo_t (128 bytes) into `info`.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_waitid,
-                libc::P_ALL as libc::c_long,
-                0 as libc::c_long,
-                info.as_mut_ptr(),
-                (libc::WEXITED | libc::WNOHANG | libc::__WALL) as libc::c_long,
-                0usize,
-            )
-        };
+        let r = reap_one_ended();
         if (r < 0 && Errno::last() == ECHILD) || std::time::Instant::now() >= end {
             return;
         }

@@ -104,31 +104,7 @@ pub fn page_flags(pagemap: &File, va: u64, pages: usize) -> io::Result<Vec<u64>>
 /// with an inode), with that inode: there a page the process has not touched is the file's, not
 /// zero.
 pub fn file_mappings(pid: i32) -> io::Result<Vec<(u64, u64, u64)>> {
-    let dir = proc_dir()?;
-    let path = CString::new(format!("{pid}/maps")).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: `dir` is an open directory fd, `path` is NUL-terminated; the fd is owned below.
-    let fd = unsafe { libc::openat(dir.as_raw_fd(), path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: just opened, owned by nobody else.
-    let text = io::read_to_string(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))?;
-    let mut out = Vec::new();
-    for line in text.lines() {
-        // start-end perms offset dev inode [path]
-        let f: Vec<&str> = line.split_whitespace().collect();
-        let (Some(range), Some(inode)) = (f.first(), f.get(4)) else { continue };
-        let Ok(ino) = inode.parse::<u64>() else { continue };
-        if ino == 0 {
-            continue;
-        }
-        if let Some((a, b)) = range.split_once('-') {
-            if let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) {
-                out.push((a, b, ino));
-            }
-        }
-    }
-    Ok(out)
+    Ok(mappings(pid)?.into_iter().filter(|m| m.ino != 0).map(|m| (m.start, m.end, m.ino)).collect())
 }
 
 /// One line of `/proc/<pid>/maps`: a host mapping of the process.

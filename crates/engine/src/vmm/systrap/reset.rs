@@ -339,18 +339,7 @@ fn wait_others_gone(limit: std::time::Duration) {
             return;
         }
         // Reap what has ended meanwhile (a zombie is still listed as a child).
-        let mut info = [0u64; 16];
-        // SAFETY: waitid(P_ALL, WNOHANG) writes at most one siginfo_t (128 bytes) into `info`.
-        unsafe {
-            libc::syscall(
-                libc::SYS_waitid,
-                libc::P_ALL as libc::c_long,
-                0 as libc::c_long,
-                info.as_mut_ptr(),
-                (libc::WEXITED | libc::WNOHANG | libc::__WALL) as libc::c_long,
-                0usize,
-            )
-        };
+        signal::reap_one_ended();
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
