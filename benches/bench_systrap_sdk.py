@@ -752,16 +752,20 @@ def test_template_warm_up_ab():
     print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
 
 
-def _recycle_clients():
-    """Two systrap clients: one whose templates recycle ended sandboxes by reset (the default,
-    sdk/live.py) and one made with `COLLIMATE_SYSTRAP_RECYCLE=0` (every ended sandbox destroyed:
-    what systrap did before), each with its template started and its first clones made."""
+RECYCLE_VARIANTS = (("recycled by reset", {}), ("recycling off (before)", {"COLLIMATE_SYSTRAP_RECYCLE": "0"}))
+
+
+def _recycle_clients(variants=RECYCLE_VARIANTS):
+    """Systrap clients, one per (name, environment) variant, by default two: one whose templates
+    recycle ended sandboxes by reset (the default, sdk/live.py) and one made with
+    `COLLIMATE_SYSTRAP_RECYCLE=0` (every ended sandbox destroyed: what systrap did before), each
+    with its template started and its first clones made."""
     from collimate_core.sdk import platform as pf
 
     if not pf.probe_systrap().available:
         pytest.skip("this host does not allow seccomp filters (systrap)")
     clients = {}
-    for mode, env in (("recycled by reset", {}), ("recycling off (before)", {"COLLIMATE_SYSTRAP_RECYCLE": "0"})):
+    for mode, env in variants:
         os.environ.update(env)  # read by the template when the client makes it
         try:
             c = EmbeddedClient(platform="systrap")
