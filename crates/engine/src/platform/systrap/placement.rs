@@ -35,10 +35,11 @@
 //!   finds the CPU busy again), letting the scheduler place both where there is room; then pin
 //!   again on the serving thread's CPU then.
 //! - **Probe**: every so often (after [`FIRST_PROBE`] pinned windows, doubling to
-//!   [`MAX_PROBE`] while probes fail) one window runs unpinned with the stub's configured hand-off
-//!   (the adaptive spin). If the VMM's spin answered at least [`SPREAD_ANSWERED`] of at least
-//!   [`MIN_SPINS`] waits, the pair stays **Spread** (unpinned, spinning) while that holds;
-//!   otherwise it pins again.
+//!   [`MAX_PROBE`] while probes fail) the pair runs unpinned with the stub's configured hand-off
+//!   (the adaptive spin) for [`PROBE_RUNS`] runs or a window, whichever ends first. If the VMM's
+//!   spin answered at least [`SPREAD_ANSWERED`] of its waits (at least [`MIN_SPINS`] of them; a
+//!   wait whose spin was skipped counts as not answered), the pair stays **Spread** (unpinned,
+//!   spinning) while that holds, judged each window; otherwise it pins again.
 //!
 //! Pinning and unpinning are `sched_setaffinity` calls (the stub is a separate process; the
 //! serving thread is the calling thread), to one CPU of the set the process had when [`prepare`]
@@ -74,8 +75,11 @@ pub const FIRST_PROBE: u32 = 4;
 pub const MAX_PROBE: u32 = 256;
 /// The share of the VMM's spins that must be answered for a pair to stay spread.
 pub const SPREAD_ANSWERED: f64 = 0.9;
-/// The fewest spins a window must have had to judge a spread pair by.
+/// The fewest waits a window must have had to judge a spread pair by.
 pub const MIN_SPINS: u32 = 16;
+/// A probe ends after this many runs, or its window, whichever comes first: on an idle host
+/// each of a failing probe's waits is a wake-up of the other CPU, so it is kept short.
+pub const PROBE_RUNS: u32 = 32;
 
 /// Placement is on unless `COLLIMATE_SYSTRAP_PLACEMENT=0` (read once per process).
 pub fn enabled_by_env() -> bool {
@@ -220,6 +224,8 @@ pub enum Change {
 pub struct Placement {
     pub enabled: bool,
     mode: Mode,
+    /// Runs since the window began.
+    runs: u32,
     window_start: Option<Instant>,
     window_len: Duration,
     last_run: Option<Instant>,
@@ -245,6 +251,7 @@ impl Default for Placement {
         Placement {
             enabled: enabled_by_env() && home().len() > 1,
             mode: Mode::Start,
+            runs: 0,
             window_start: None,
             window_len: FIRST_WINDOW,
             last_run: None,
@@ -301,14 +308,15 @@ impl Placement {
             self.window_len = FIRST_WINDOW;
             return None;
         }
+        self.runs += 1;
         let start = self.window_start.unwrap_or(now);
         let window = now.saturating_duration_since(start);
-        if window < self.window_len {
+        let probed = self.mode == Mode::Probe && self.runs > PROBE_RUNS;
+        if window < self.window_len && !probed {
             return None;
         }
-        let (answered, missed) = (self.answered, self.missed);
-        self.answered = 0;
-        self.missed = 0;
+        let runs = self.runs - 1; // the waits counted so far: this run's is to come
+        let answered = self.answered;
         match self.mode {
             Mode::Start => unreachable!("handled above"),
             Mode::Pinned { cpu, windows } => {
@@ -343,8 +351,8 @@ impl Placement {
                 self.pin(stub_pid, now)
             }
             Mode::Probe | Mode::Spread => {
-                let spins = answered + missed;
-                if spins >= MIN_SPINS && f64::from(answered) >= SPREAD_ANSWERED * f64::from(spins) {
+                // Every wait counts: one whose spin was skipped (backed off) was not answered.
+                if runs >= MIN_SPINS && f64::from(answered) >= SPREAD_ANSWERED * f64::from(runs) {
                     if self.mode == Mode::Probe {
                         self.spreads += 1;
                     }
@@ -369,6 +377,9 @@ impl Placement {
 
     fn begin_window(&mut self, stub_pid: i32, now: Instant) {
         self.window_start = Some(now);
+        self.runs = 0;
+        self.answered = 0;
+        self.missed = 0;
         self.window_len = WINDOW;
         self.base = if matches!(self.mode, Mode::Pinned { .. }) {
             Self::pair(stub_pid)
@@ -392,6 +403,7 @@ impl Placement {
         }
         self.bound_tid = Some(gettid());
         self.pins += 1;
+        crate::trace::mark_n("placement.pin", cpu as u64);
         self.mode = Mode::Pinned { cpu, windows: 0 };
         self.begin_window(stub_pid, now);
         self.window_len = FIRST_WINDOW;
@@ -399,6 +411,7 @@ impl Placement {
     }
 
     fn unpin(&mut self, stub_pid: i32, now: Instant) -> Option<Change> {
+        crate::trace::mark(if self.mode == Mode::Probe { "placement.probe" } else { "placement.unpin" });
         let home = home();
         set_affinity(stub_pid, home);
         set_affinity(0, home);
