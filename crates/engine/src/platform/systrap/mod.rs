@@ -526,6 +526,13 @@ impl Stub {
         }
     }
 
+    /// Make this stub's first pin (a new stub's, or a fork's) go to the `i`-th of the CPUs the
+    /// process may use (modulo their number) rather than where its serving thread runs then: the
+    /// children of a fork group, which run at once, start spread over the CPUs.
+    pub fn spread(&mut self, i: usize) {
+        self.place.first_cpu(i);
+    }
+
     /// The placement's state and counts (tests, benches).
     pub fn placement(&self) -> &placement::Placement {
         &self.place

@@ -226,6 +226,8 @@ pub struct Placement {
     mode: Mode,
     /// Runs since the window began.
     runs: u32,
+    /// Where the first pin goes, if not where the serving thread runs ([`Placement::first_cpu`]).
+    first: Option<usize>,
     window_start: Option<Instant>,
     window_len: Duration,
     last_run: Option<Instant>,
@@ -252,6 +254,7 @@ impl Default for Placement {
             enabled: enabled_by_env() && home().len() > 1,
             mode: Mode::Start,
             runs: 0,
+            first: None,
             window_start: None,
             window_len: FIRST_WINDOW,
             last_run: None,
@@ -388,9 +391,19 @@ impl Placement {
         };
     }
 
+    /// Make the first pin (from [`Mode::Start`]) go to the `i`-th CPU of [`home`] (modulo their
+    /// number) instead of the serving thread's.
+    pub fn first_cpu(&mut self, i: usize) {
+        let home = home();
+        if !home.is_empty() {
+            self.first = Some(home[i % home.len()]);
+        }
+    }
+
     fn pin(&mut self, stub_pid: i32, now: Instant) -> Option<Change> {
         let home = home();
-        let Some(cpu) = current_cpu().filter(|c| home.contains(c)) else {
+        let chosen = if self.mode == Mode::Start { self.first.take() } else { None };
+        let Some(cpu) = chosen.or_else(current_cpu).filter(|c| home.contains(c)) else {
             self.enabled = false;
             return Some(Change::Unpinned);
         };

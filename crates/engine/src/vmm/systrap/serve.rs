@@ -385,7 +385,7 @@ fn fork_children(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>
             }
             crate::trace::mark("fork.next");
         }
-        let forked = fork_one(p, chan, scratch, child_stub, n, &mut next);
+        let forked = fork_one(p, chan, scratch, child_stub, n, i, &mut next);
         if let Err(e) = forked {
             // The stub must be parked again before the error is served: end the fork it is making.
             if let Some(f) = next.take() {
@@ -407,7 +407,8 @@ fn fork_overlap() -> bool {
 
 /// The host fork of this process for one clone that takes `child_stub`, and its `Forked` to the
 /// controller. `next`: a stub fork in flight for the next clone (the clone drops its copy).
-fn fork_one(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>, child_stub: Stub, n: u32, next: &mut Option<PendingFork>) -> Result<()> {
+/// `i`: the clone's index in its group (which CPU it starts on: `Stub::spread`).
+fn fork_one(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>, mut child_stub: Stub, n: u32, i: u32, next: &mut Option<PendingFork>) -> Result<()> {
     // With a writable root each child's tmpfs pair is followed by its overlay context.
     let ctx = if p.writable_root && !scratch.is_empty() { scratch.pop() } else { None };
     // The pair's shared-memory pool was pushed after its disk tmpfs.
@@ -415,6 +416,11 @@ fn fork_one(p: &mut Process, chan: &mut Channel, scratch: &mut Vec<OwnedFd>, chi
         (Some(shm), Some(disk)) => Some((disk, shm)),
         _ => None,
     };
+    if n > 1 {
+        // A group's children run at once: spread them over the CPUs from the start rather than
+        // all on their parent's (systrap's placement would otherwise pin each where it was forked).
+        child_stub.spread(i as usize);
+    }
     let (ours, theirs) = Channel::pair()?;
     signal::host::block(true);
     signal::gather(&mut p.os);
