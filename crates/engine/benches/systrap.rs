@@ -204,7 +204,7 @@ fn per_exec_traps(pair: &FutexPair) {
     // The last field: whether the VMM thread takes its stub's rdtsc mode (`tsc::match_stub`).
     let y1 = Handoff { yields: 1, ..Handoff::yield_then_sleep() };
     let y0 = Handoff { yields: 0, ..Handoff::yield_then_sleep() };
-    let rows: [(&str, Confinement, Traps, Handoff, bool); 13] = [
+    let rows: [(&str, Confinement, Traps, Handoff, bool); 14] = [
         ("before: rdtsc+cpuid trapped for life, yield+sleep", Confinement::for_replay(true), Traps::default(), y.clone(), false),
         ("replay exec (rdtsc on), VMM thread not matched, yield+sleep", Confinement::for_replay(false), rd, y.clone(), false),
         ("replay exec (rdtsc on), VMM thread not matched, adaptive", Confinement::for_replay(false), rd, a.clone(), false),
@@ -218,6 +218,8 @@ fn per_exec_traps(pair: &FutexPair) {
         ("SITE patched: replay exec, matched, yield+sleep", Confinement::for_replay(false), rd, Handoff::yield_then_sleep(), true),
         ("SITE unpatched: replay exec, matched, adaptive", Confinement::for_replay(false), rd, Handoff::adaptive(), true),
         ("SITE patched: replay exec, matched, adaptive", Confinement::for_replay(false), rd, Handoff::adaptive(), true),
+        // The default: placement on (platform::systrap::placement; every other row has it off).
+        ("SITE patched: replay exec, matched, adaptive, placement", Confinement::for_replay(false), rd, Handoff::adaptive(), true),
     ];
     // Measure row `i`'s round trip right after a futex baseline taken with this thread's rdtsc
     // native (as the baseline's processes have it).
@@ -243,6 +245,8 @@ fn per_exec_traps(pair: &FutexPair) {
                 stub.set_traps(*traps).expect("switch the traps");
             }
             stub.set_handoff(h.clone());
+            // Each row measures its hand-off as set, on the CPUs the scheduler picks, but the last.
+            stub.set_placement(name.ends_with("placement"));
             (stub, regs)
         })
         .collect();
@@ -310,9 +314,14 @@ fn per_exec_traps(pair: &FutexPair) {
     // A guest that computes 50000 loop iterations (tens of us) between syscalls: the VMM's spin is never answered within
     // its budget. What the VMM thread burns per round trip (its CPU time) with each hand-off.
     for round in 0..2 {
-        for (name, h) in [("yield+sleep", Handoff::yield_then_sleep()), ("adaptive spin", Handoff::adaptive())] {
+        for (name, h, placed) in [
+            ("yield+sleep", Handoff::yield_then_sleep(), false),
+            ("adaptive spin", Handoff::adaptive(), false),
+            ("placement", Handoff::adaptive(), true),
+        ] {
             let (mut stub, mut regs) = compute_loop_stub(50_000);
             stub.set_handoff(h);
+            stub.set_placement(placed);
             for _ in 0..200 {
                 trapped_round_trip(&mut stub, &mut regs, &mut fs);
             }
