@@ -406,6 +406,7 @@ fn a_reset_goes_back_to_the_snapshots_patched_sites() {
     let dir = common::scratch("systrap-patch-reset");
     assert!(bake_sites(root, &dir.join("snap"), true) > 0);
     let (want, _) = restore_sites(&dir.join("snap"));
+    assert_eq!(want[..2], ["resumed 0xe9 0xb8", "ran 0xe9 0xe9"], "{want:?}");
     let mut z = collimate_engine::Vm::restore(&common::launcher(), &dir.join("snap")).expect("restore");
     let mut kid = z.fork(1).expect("clone").pop().unwrap();
     for owner in 0..3 {

@@ -21,13 +21,27 @@
 //! What a guest can tell: its own code's bytes at a patched site read `e9 xx xx xx xx 0f 05`
 //! instead of `b8 NN 00 00 00 0f 05` (gVisor accepts the same), and a guest interrupted inside
 //! a trampoline is reported at the site. Which sites get patched follows only from the guest's
-//! own execution (the traps of each site), so a replay patches the same sites at the same
-//! points; the syscalls themselves, their results and every register are as unpatched. Forks
-//! (host forks) carry the patched pages and the trampolines; a snapshot is taken unpatched
-//! ([`super::Stub::unpatch_all`]): a restored stub has no trampolines.
+//! own execution (the traps of each site) and, for a restored guest, its snapshot's, so a replay
+//! patches the same sites at the same points; the syscalls themselves, their results and every
+//! register are as unpatched.
+//!
+//! Forks (host forks) carry the patched pages, the trampolines and the [`Patcher`]. A snapshot
+//! keeps them too (`vmm::systrap::snapshot`): the patched pages are the process's copies of
+//! private code pages, saved in its memory file as any page it copied, and the patcher's table
+//! is a [`Saved`]. A restore writes the trampolines back before the guest runs
+//! ([`super::Stub::restore_patches`]), so a template's clones and restores run its hot sites
+//! patched from their first syscall instead of learning each again through two SIGSYS traps
+//! (about 20 sites for the python agent, 40-75 us a trap on a nested host, idle). A reset
+//! ([`super::Stub::reset_patches`], `vmm::systrap::reset`) returns to that state: the snapshot's
+//! patched pages are its memory file's and stay, the sandbox's own patches were its copies and
+//! are dropped, and the slots after the snapshot's are free again (never the snapshot's: its
+//! pages still jump to them).
 //!
 //! `COLLIMATE_SYSTRAP_PATCH=0` turns it off (read once per process; [`super::Stub::set_patching`]
-//! per stub).
+//! per stub): nothing is patched, and a stub restored from a snapshot taken patched puts each
+//! site's `mov` back (at the restore and at each reset), so no guest code runs through a
+//! trampoline. `COLLIMATE_SYSTRAP_PATCH_SNAPSHOT=0` takes snapshots unpatched, as before
+//! ([`super::Stub::unpatch_all`]), to compare.
 
 use std::collections::{HashMap, HashSet};
 use std::io::Read;
@@ -132,7 +146,10 @@ impl Patcher {
         self.rejected.insert(ret);
     }
 
-    /// No site is patched and none was looked at: the state of a stub that has run no guest.
+    /// No site is patched and none was looked at: the state of a stub that has run no guest (a
+    /// reset of one restored from nothing: its pages are the files' again). Without it each
+    /// reset left its sites' slots taken, and a sandbox recycled about a hundred times stopped
+    /// patching.
     pub fn forget(&mut self) {
         self.table.clear();
         self.rejected.clear();
