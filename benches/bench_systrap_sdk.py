@@ -879,7 +879,8 @@ def test_patched_snapshot_ab():
     before) and against no patching (`COLLIMATE_SYSTRAP_PATCH=0`), alternated round by round
     beside `/bin/sh -c true` and `/usr/bin/python3 -c "x = 1"` called directly: a sandbox's enter
     + exec(code="x = 1") + exit paced (0.1 s idle before each; recycled sandboxes, the default),
-    the first `exec(command="true")` of a sandbox (paced; enter and exit not timed) and
+    the first `exec(command="true")` of a sandbox (paced; enter and exit not timed), a sandbox's
+    first exec of five imports (about 120 syscalls against `x = 1`'s 4) and
     `exec(command="true")` in a session that ran it before (paced 5 ms); printed (run with -s)."""
     from collimate_core.sdk import platform as pf
 
@@ -913,6 +914,14 @@ def test_patched_snapshot_ab():
             assert sb.exec(command="true").ok
             _add(rows, f"first exec(command='true') of a sandbox, {m}", (time.perf_counter() - t0) * 1e3)
 
+    def first_exec_imports(m):
+        # More syscalls than `x = 1`'s 4 (about 120: stats, opens, reads of the modules' files).
+        time.sleep(0.1)
+        with Sandbox("python", client=clients[m]) as sb:
+            t0 = time.perf_counter()
+            assert sb.exec(code="import decimal, fractions, statistics, json, csv").ok
+            _add(rows, f"first exec of 5 imports in a sandbox, {m}", (time.perf_counter() - t0) * 1e3)
+
     def session_exec_true(m):
         time.sleep(0.005)
         t0 = time.perf_counter()
@@ -939,6 +948,9 @@ def test_patched_snapshot_ab():
             for m in order:
                 for _ in range(5):
                     first_exec_true(m)
+            for m in order:
+                for _ in range(4):
+                    first_exec_imports(m)
             for m in order:
                 for _ in range(10):
                     session_exec_true(m)

@@ -276,6 +276,23 @@ fn unpatch_all_restores_the_original_code() {
     assert_eq!(site_bytes(&stub), ORIGINAL);
 }
 
+/// Before a snapshot the sites that trapped once are patched (`Stub::patch_seen`), as their
+/// next trap would patch them: the next call enters through the jump; one never trapped is not.
+#[test]
+fn patch_seen_patches_the_sites_that_trapped_once() {
+    let (mut stub, mut regs) = stub_with(LOOP, libc::MAP_PRIVATE);
+    stub.set_patching(true);
+    assert_eq!(stub.patch_seen(), 0, "nothing trapped yet");
+    let mut fs = 0;
+    syscall_exit(&mut stub, &mut regs, &mut fs);
+    assert_eq!(stub.patched_sites(), 0, "one trap: not looked at yet");
+    assert_eq!(stub.patch_seen(), 1);
+    assert_eq!(site_bytes(&stub)[0], 0xe9);
+    syscall_exit(&mut stub, &mut regs, &mut fs);
+    assert_eq!((stub.patched_sites(), stub.patched_entries()), (1, 1));
+    assert_eq!(stub.patch_seen(), 0, "nothing left to patch");
+}
+
 /// Debian's CPython on glibc, through guestos: `os.getppid()` 2000 times enters through a
 /// patched site (glibc's `mov eax, 110; syscall`), and the program's output is as unpatched.
 /// Fails with COLLIMATE_SYSTRAP_PATCH=0 (nothing patched).

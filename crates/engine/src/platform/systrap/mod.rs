@@ -772,6 +772,27 @@ impl Stub {
         self.patch.save()
     }
 
+    /// Patch now every site that trapped once and was not looked at yet (in the order of their
+    /// addresses, so the same run gives the same slots), as its next trap would: for a snapshot,
+    /// whose every restore and recycled sandbox would otherwise patch each of them again at its
+    /// first trap there (the python agent's reply `write`, once an exec) and drop it at its
+    /// reset. Returns how many were patched.
+    pub fn patch_seen(&mut self) -> u64 {
+        let before = self.patch.sites();
+        for ret in self.patch.seen_sites() {
+            let mut have = [0u8; 7];
+            if self.read(ret.wrapping_sub(7), &mut have).is_err() || have[0] != 0xb8 || have[5..] != [0x0f, 0x05] {
+                self.patch.reject(ret);
+                continue;
+            }
+            let nr = u32::from_le_bytes(have[1..5].try_into().expect("4 bytes"));
+            if self.patch.wants_now(ret) {
+                self.try_patch(ret, nr as u64);
+            }
+        }
+        self.patch.sites() - before
+    }
+
     /// A stub that has run no guest yet, holding a snapshot's memory (its sites as they were
     /// patched): write the snapshot's trampolines into the reserved range and take its patching
     /// state, so the guest runs patched from its first syscall. With patching off in this stub

@@ -141,6 +141,19 @@ impl Patcher {
         *n >= PATCH_AT
     }
 
+    /// The sites that trapped but were not looked at yet, ascending.
+    pub fn seen_sites(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self.seen.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// [`Patcher::wants`] for a site that trapped before, without a trap now: patching is on and
+    /// there is a free slot.
+    pub fn wants_now(&self, ret: u64) -> bool {
+        self.enabled && self.next() < SLOTS && !self.rejected.contains(&ret)
+    }
+
     pub fn reject(&mut self, ret: u64) {
         self.seen.remove(&ret);
         self.rejected.insert(ret);

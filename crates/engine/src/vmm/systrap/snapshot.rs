@@ -150,6 +150,9 @@ impl Process {
         // table (platform::systrap::patch), so restores run patched from their first syscall;
         // unless COLLIMATE_SYSTRAP_PATCH_SNAPSHOT=0: their code as it was, nothing patched.
         let patches = if patch_snapshot_enabled() {
+            // Its sites that trapped once are patched first: each restore would patch them at
+            // its first trap there, and each reset drop that again.
+            self.stub.patch_seen();
             self.stub.saved_patches()
         } else {
             self.stub.unpatch_all().map_err(|e| Error::Remote(format!("systrap: unpatch syscall sites: {e}")))?;
