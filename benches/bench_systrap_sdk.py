@@ -881,7 +881,8 @@ def test_patched_snapshot_ab():
     + exec(code="x = 1") + exit paced (0.1 s idle before each; recycled sandboxes, the default),
     the first `exec(command="true")` of a sandbox (paced; enter and exit not timed), a sandbox's
     first exec of five imports (about 120 syscalls against `x = 1`'s 4) and
-    `exec(command="true")` in a session that ran it before (paced 5 ms); printed (run with -s)."""
+    `exec(command="true")` in a session that ran it before (paced 5 ms), the modes interleaved
+    sample by sample; printed (run with -s). The figures are in docs/systrap.md, "Snapshots"."""
     from collimate_core.sdk import platform as pf
 
     if not pf.probe_systrap().available:
@@ -939,21 +940,15 @@ def test_patched_snapshot_ab():
     print(f"\nload (1/5/15 min): {' '.join(open('/proc/loadavg').read().split()[:3])}; platform: systrap on a kvm_pvm host")
     try:
         for rnd in range(int(os.environ.get("COLLIMATE_BENCH_ROUNDS", "6"))):
-            order = list(clients)[rnd % len(clients):] + list(clients)[:rnd % len(clients)]
             for _ in range(3):
                 native()
-            for m in order:
-                for _ in range(6):
-                    _time_sandbox(rows, clients[m], m, True)
-            for m in order:
-                for _ in range(5):
-                    first_exec_true(m)
-            for m in order:
-                for _ in range(4):
-                    first_exec_imports(m)
-            for m in order:
-                for _ in range(10):
-                    session_exec_true(m)
+            # Sample by sample, the modes in rotated order (the load moves within a round).
+            for step, n in ((lambda m: _time_sandbox(rows, clients[m], m, True), 6), (first_exec_true, 5),
+                            (first_exec_imports, 4), (session_exec_true, 10)):
+                for i in range(n):
+                    k = (rnd + i) % len(clients)
+                    for m in list(clients)[k:] + list(clients)[:k]:
+                        step(m)
     finally:
         for s in sessions.values():
             s.__exit__(None, None, None)
