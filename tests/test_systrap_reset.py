@@ -320,7 +320,7 @@ OWN_SITES = "import os\nfor _ in range(3):\n    os.sched_yield(); os.getppid()\n
 
 @pytest.mark.skipif(os.environ.get("COLLIMATE_SYSTRAP_PATCH") == "0", reason="syscall-site patching is off")
 def test_a_fresh_and_a_recycled_sandbox_run_the_templates_patched_sites(client):
-    # The template's snapshot keeps the agent's hot sites patched (about 18 for the python
+    # The template's snapshot keeps the agent's hot sites patched (29 for the python
     # agent); a clone's first exec finds them patched before it calls them, and a recycled
     # sandbox finds the same ones, not its last owner's (whose own sites were its pages,
     # dropped), with the owner's slots free again and the template's intact (getppid answers
