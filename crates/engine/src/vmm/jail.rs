@@ -612,6 +612,10 @@ pub fn allowed_syscalls() -> Vec<(i64, Vec<SeccompRule>)> {
         (SYS_sched_setscheduler, one_of(0, &[0])),
         (SYS_sched_getscheduler, any()),
         (SYS_sched_yield, any()),
+        // systrap's placement: a serving thread and its stub bound to one CPU (platform::systrap::placement).
+        (SYS_sched_setaffinity, any()),
+        (SYS_sched_getaffinity, any()),
+        (SYS_getcpu, any()),
         (SYS_futex, any()),
         (SYS_getrandom, any()),
         (SYS_getrusage, any()),

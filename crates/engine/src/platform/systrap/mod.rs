@@ -47,6 +47,7 @@ pub mod filter;
 pub mod layout;
 pub mod memory;
 pub mod patch;
+pub mod placement;
 pub mod preempt;
 pub mod reaper;
 pub mod shared;
@@ -166,6 +167,11 @@ pub struct Stub {
     commands: u64,
     /// Syscall sites patched into jumps to the blob ([`patch`]).
     patch: patch::Patcher,
+    /// Where the serving thread and the stub run ([`placement`]).
+    place: placement::Placement,
+    /// The hand-off [`Stub::set_handoff`] chose; `handoff` is it, or yield-then-sleep while
+    /// [`placement`] keeps both on one CPU.
+    chosen: Handoff,
 }
 
 /// Which of the guest's non-syscall instructions trap to the VMM ([`Exit::Rdtsc`], [`Exit::Cpuid`]).
@@ -229,6 +235,7 @@ pub const BOOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30)
 /// (the VMM's jail) hides `/proc`; calling it again does nothing. [`Stub::spawn`] calls it too.
 pub fn prepare() -> Result<()> {
     tsc::install().map_err(|source| Error::Host { call: "sigaction(SIGSEGV) for the VMM thread's rdtsc", source })?;
+    placement::home();
     memory::proc_dir().map(|_| ()).map_err(|source| Error::Host { call: "open /proc", source })
 }
 
@@ -398,6 +405,8 @@ impl Stub {
             exited: None,
             commands: 0,
             patch: patch::Patcher::default(),
+            place: placement::Placement::default(),
+            chosen: Handoff::default(),
         };
         // The child has waited for this byte before changing its credentials, so the mem file above
         // was opened with the VMM's own.
@@ -496,6 +505,40 @@ impl Stub {
     pub fn set_handoff(&mut self, h: Handoff) {
         // SAFETY: the stub reads these words only while it waits; a torn read is impossible
         // (aligned u32s), and a stale one only changes how long it spins once.
+        unsafe {
+            std::ptr::write_volatile(&raw mut (*self.page.page()).stub_spin, h.stub_spin);
+            std::ptr::write_volatile(&raw mut (*self.page.page()).stub_yields, h.yields);
+        }
+        self.chosen = h.clone();
+        self.handoff = h;
+        self.spin = shared::SpinState::default();
+        if matches!(self.place.mode(), placement::Mode::Pinned { .. }) {
+            self.apply_placement(placement::Change::Pinned);
+        }
+    }
+
+    /// Keep this stub and its serving thread on one CPU while that pays, or not
+    /// ([`placement`]; on by default unless `COLLIMATE_SYSTRAP_PLACEMENT=0`). Off gives both
+    /// back every CPU the process may use.
+    pub fn set_placement(&mut self, on: bool) {
+        if let Some(c) = self.place.set_enabled(self.pid, on) {
+            self.apply_placement(c);
+        }
+    }
+
+    /// The placement's state and counts (tests, benches).
+    pub fn placement(&self) -> &placement::Placement {
+        &self.place
+    }
+
+    /// Take the hand-off a placement change calls for: yield-then-sleep on a shared CPU (a spin
+    /// there only delays the other side), else the chosen one, with fresh spin records.
+    fn apply_placement(&mut self, change: placement::Change) {
+        let h = match change {
+            placement::Change::Pinned => Handoff::yield_then_sleep(),
+            placement::Change::Unpinned => self.chosen.clone(),
+        };
+        // SAFETY: as in `set_handoff`.
         unsafe {
             std::ptr::write_volatile(&raw mut (*self.page.page()).stub_spin, h.stub_spin);
             std::ptr::write_volatile(&raw mut (*self.page.page()).stub_yields, h.yields);
@@ -635,6 +678,14 @@ impl Stub {
         }
         self.parked = false;
         self.has_guest = true;
+        if self.place.enabled {
+            let (answered, missed) = self.spin.take_vmm_counts();
+            self.place.answered += answered;
+            self.place.missed += missed;
+            if let Some(change) = self.place.check(self.pid) {
+                self.apply_placement(change);
+            }
+        }
         self.match_tsc();
         self.page.hand_to_stub(&self.handoff, &mut self.spin);
         if !self.wait() {
@@ -1136,6 +1187,8 @@ impl Stub {
             exited: None,
             commands: 0,
             patch: self.patch.clone(),
+            place: self.place.for_fork(),
+            chosen: self.chosen.clone(),
         };
         Ok(child)
     }
@@ -1251,6 +1304,7 @@ pub struct PendingFork {
 
 impl Drop for Stub {
     fn drop(&mut self) {
+        self.place.release();
         if self.exited.is_none() {
             // SAFETY: signalling our stub through its pidfd (never a recycled pid).
             unsafe { libc::syscall(libc::SYS_pidfd_send_signal, self.pidfd.as_raw_fd(), libc::SIGKILL, 0usize, 0) };
