@@ -59,6 +59,13 @@ beside a native baseline measured in the same run; see benches/conftest.py for t
   and GRPO-shape grading (HumanEval, 16 x 8, one grade_batch per problem) the same two ways
   beside a warm fork server per worker (`test_grpo_grading_recycle_ab`; printed).
 
+- on systrap, the catalog template's snapshot with its agent's syscall sites patched (the
+  default, vmm/systrap/snapshot.rs) against one taken unpatched (`COLLIMATE_SYSTRAP_PATCH_SNAPSHOT=0`,
+  before) and no patching (`COLLIMATE_SYSTRAP_PATCH=0`): the sandbox row paced, a sandbox's first
+  `exec(command="true")` and first exec of five imports, and `exec(command="true")` in a session,
+  interleaved sample by sample beside `/bin/sh -c true` and `/usr/bin/python3 -c "x = 1"` called
+  directly (`test_patched_snapshot_ab`; printed, run with -s).
+
 Needs seccomp filters for the systrap rows and /dev/kvm for the kvm rows.
 """
 
@@ -879,4 +886,91 @@ def _grading_ab(variants, rounds: int | None = None) -> None:
         for c in clients.values():
             c.close()
     _print_rows(rows, "warm fork server (no sandbox)")
+    print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
+
+
+def test_patched_snapshot_ab():
+    """The catalog template's snapshot with its agent's syscall sites patched (the default;
+    platform/systrap/patch.rs, vmm/systrap/snapshot.rs: clones, restores and recycled sandboxes
+    run them patched from their first syscall) against a snapshot taken unpatched
+    (`COLLIMATE_SYSTRAP_PATCH_SNAPSHOT=0`: each sandbox learns its sites again, what systrap did
+    before) and against no patching (`COLLIMATE_SYSTRAP_PATCH=0`), alternated round by round
+    beside `/bin/sh -c true` and `/usr/bin/python3 -c "x = 1"` called directly: a sandbox's enter
+    + exec(code="x = 1") + exit paced (0.1 s idle before each; recycled sandboxes, the default),
+    the first `exec(command="true")` of a sandbox (paced; enter and exit not timed), a sandbox's
+    first exec of five imports (about 120 syscalls against `x = 1`'s 4) and
+    `exec(command="true")` in a session that ran it before (paced 5 ms), the modes interleaved
+    sample by sample; printed (run with -s). The figures are in docs/systrap.md, "Snapshots"."""
+    from collimate_core.sdk import platform as pf
+
+    if not pf.probe_systrap().available:
+        pytest.skip("this host does not allow seccomp filters (systrap)")
+    modes = (("sites kept", {}), ("snapshot unpatched (before)", {"COLLIMATE_SYSTRAP_PATCH_SNAPSHOT": "0"}),
+             ("patching off", {"COLLIMATE_SYSTRAP_PATCH": "0"}))
+    clients, sessions = {}, {}
+    for mode, env in modes:
+        os.environ.update(env)  # read by the template's VMMs (the snapshot's and the zygote's)
+        try:
+            c = EmbeddedClient(platform="systrap")
+            c._template("python")
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+        for _ in range(4):  # the template's first clones report their first exec (vmm/systrap/warm.rs)
+            with Sandbox("python", client=c) as sb:
+                assert sb.exec(code="x = 1").ok
+        clients[mode] = c
+        s = c.session("python")
+        s.__enter__()
+        assert s.exec(command="true").ok
+        sessions[mode] = s
+    rows: dict[str, list[float]] = {}
+
+    def first_exec_true(m):
+        time.sleep(0.1)
+        with Sandbox("python", client=clients[m]) as sb:
+            t0 = time.perf_counter()
+            assert sb.exec(command="true").ok
+            _add(rows, f"first exec(command='true') of a sandbox, {m}", (time.perf_counter() - t0) * 1e3)
+
+    def first_exec_imports(m):
+        # More syscalls than `x = 1`'s 4 (about 120: stats, opens, reads of the modules' files).
+        time.sleep(0.1)
+        with Sandbox("python", client=clients[m]) as sb:
+            t0 = time.perf_counter()
+            assert sb.exec(code="import decimal, fractions, statistics, json, csv").ok
+            _add(rows, f"first exec of 5 imports in a sandbox, {m}", (time.perf_counter() - t0) * 1e3)
+
+    def session_exec_true(m):
+        time.sleep(0.005)
+        t0 = time.perf_counter()
+        assert sessions[m].exec(command="true").ok
+        _add(rows, f"exec(command='true') in a session, {m}", (time.perf_counter() - t0) * 1e3)
+
+    def native():
+        t0 = time.perf_counter()
+        subprocess.run(["/bin/sh", "-c", "true"], check=True)
+        t1 = time.perf_counter()
+        subprocess.run(["/usr/bin/python3", "-c", "x = 1"], check=True)
+        _add(rows, "native /bin/sh -c true", (t1 - t0) * 1e3)
+        _add(rows, "native /usr/bin/python3 -c 'x = 1'", (time.perf_counter() - t1) * 1e3)
+
+    print(f"\nload (1/5/15 min): {' '.join(open('/proc/loadavg').read().split()[:3])}; platform: systrap on a kvm_pvm host")
+    try:
+        for rnd in range(int(os.environ.get("COLLIMATE_BENCH_ROUNDS", "6"))):
+            for _ in range(3):
+                native()
+            # Sample by sample, the modes in rotated order (the load moves within a round).
+            for step, n in ((lambda m: _time_sandbox(rows, clients[m], m, True), 6), (first_exec_true, 5),
+                            (first_exec_imports, 4), (session_exec_true, 10)):
+                for i in range(n):
+                    k = (rnd + i) % len(clients)
+                    for m in list(clients)[k:] + list(clients)[:k]:
+                        step(m)
+    finally:
+        for s in sessions.values():
+            s.__exit__(None, None, None)
+        for c in clients.values():
+            c.close()
+    _print_rows(rows, "native /bin/sh -c true")
     print(f"load after: {' '.join(open('/proc/loadavg').read().split()[:3])}")

@@ -285,3 +285,62 @@ def test_a_fork_group_child_is_recycled_to_the_template_not_its_parent(client):
         assert sb._box.vm.pid in pids
         r = sb.exec(code="import os\nprint('PARENT' in globals(), 'CHILD' in globals(), os.listdir('/tmp'), os.listdir('/work'))")
         assert r.stdout == "False False [] []\n", r
+
+
+# The syscall sites patched into jumps to the stub's trampolines (platform/systrap/patch.rs), as
+# the guest sees them in its own code: each `e9 rel32 0f 05` of an executable mapping whose jump
+# lands in the trampolines (layout.rs: TRAMP, 64 KiB); then the site byte of getppid and
+# sched_yield (0xb8: the `mov`, 0xe9: the jump).
+PATCHED_SITES = r"""
+import ctypes, re
+STUB = 0x7fff_fe00_0000
+TRAMP, END = STUB + 0x17000, STUB + 0x27000
+sites = []
+for line in open('/proc/self/maps').read().splitlines():
+    f = line.split()
+    if f[1] != 'r-xp':
+        continue
+    a, b = (int(x, 16) for x in f[0].split('-'))
+    if a >= STUB:
+        continue
+    mem = ctypes.string_at(a, b - a)
+    for m in re.finditer(rb'\xe9(....)\x0f\x05', mem, re.S):
+        if TRAMP <= a + m.start() + 5 + int.from_bytes(m.group(1), 'little', signed=True) < END:
+            sites.append(hex(a + m.start()))
+libc = ctypes.CDLL(None)
+def site(f):
+    b = ctypes.string_at(ctypes.cast(f, ctypes.c_void_p).value, 32)
+    return hex(b[b.find(b'\x0f\x05') - 5])
+print(len(sites), site(libc.getppid), site(libc.sched_yield), ' '.join(sites))
+"""
+
+# An owner that patches two sites of its own (each called 3 times: patched at its second trap).
+OWN_SITES = "import os\nfor _ in range(3):\n    os.sched_yield(); os.getppid()\nprint(os.getppid())"
+
+
+@pytest.mark.skipif(os.environ.get("COLLIMATE_SYSTRAP_PATCH") == "0", reason="syscall-site patching is off")
+def test_a_fresh_and_a_recycled_sandbox_run_the_templates_patched_sites(client):
+    # The template's snapshot keeps the agent's hot sites patched (29 for the python
+    # agent); a clone's first exec finds them patched before it calls them, and a recycled
+    # sandbox finds the same ones, not its last owner's (whose own sites were its pages,
+    # dropped), with the owner's slots free again and the template's intact (getppid answers
+    # as getppid). Before snapshots kept them, a fresh clone's first exec saw 3 here (those
+    # its own first traps had patched) and a recycled one the same.
+    fresh, _ = _fresh(client, PATCHED_SITES)
+    n, getppid, sched_yield, *sites = fresh.split()
+    assert int(n) >= 10 and (getppid, sched_yield) == ("0xb8", "0xb8"), fresh
+    t = client._template("python")
+    with Sandbox("python", client=client) as sb:
+        owner = sb._box.vm.pid
+        ppid = sb.exec(code=OWN_SITES).stdout
+        mine = sb.exec(code=PATCHED_SITES).stdout.split()
+        assert mine[1:3] == ["0xe9", "0xe9"] and int(mine[0]) >= int(n) + 2, mine
+    assert _recycled(t, owner)
+    for _ in range(2):
+        with Sandbox("python", client=client) as sb:
+            assert sb._box.vm.pid == owner, "the next sandbox did not take the recycled one"
+            again = sb.exec(code=PATCHED_SITES).stdout
+            assert again == fresh, f"recycled: {again[:300]}\nfresh:    {fresh[:300]}"
+            # The owner's sites patched again, into the slots after the template's.
+            assert sb.exec(code=OWN_SITES).stdout == ppid
+        assert _recycled(t, owner)

@@ -110,6 +110,15 @@ def warm_up_enabled() -> bool:
     return os.environ.get("COLLIMATE_SYSTRAP_WARMUP", "1") != "0"
 
 
+def patched_snapshot_enabled() -> bool:
+    """Whether the VMMs of a template made now snapshot its agent with its syscall sites patched
+    (platform/systrap/patch.rs; the default): not with `COLLIMATE_SYSTRAP_PATCH=0` (nothing is
+    patched) or `COLLIMATE_SYSTRAP_PATCH_SNAPSHOT=0` (the sites put back first, as before). The
+    two kinds of snapshot are cached apart, so a client with patching off restores one that has
+    no patched site, and an A/B of the knobs compares what they say."""
+    return all(os.environ.get(k, "1") != "0" for k in ("COLLIMATE_SYSTRAP_PATCH", "COLLIMATE_SYSTRAP_PATCH_SNAPSHOT"))
+
+
 def warm_up(vm: Vm, what: str) -> None:
     """Run one exec of `WARM_UP_CODE` in an agent at its ready point, unseeded, and leave it at
     its ready point again; raise if it did not get back there."""
@@ -169,7 +178,8 @@ class LiveTemplate:
         self.state = state or hashlib.sha256(
             f"collimate/live-template/v1\0{name}\0{root}\0{_catalog._agent_hash()}\0{cpus}\0"
             f"{_catalog.TEMPLATE_VERSION}\0{SYSTRAP_SNAPSHOT_FORMAT}"
-            f"{chr(0) + 'warm-up ' + WARM_UP_CODE if start is None and warm_up_enabled() else ''}".encode()
+            f"{chr(0) + 'warm-up ' + WARM_UP_CODE if start is None and warm_up_enabled() else ''}"
+            f"{chr(0) + 'syscall sites unpatched' if not patched_snapshot_enabled() else ''}".encode()
         ).hexdigest()
         # Where the catalog template's systrap snapshot lives (None: an image template, whose
         # `start` makes its zygote; or no cache given).

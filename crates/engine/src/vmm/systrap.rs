@@ -321,6 +321,12 @@ impl Process {
         (self.stub.patched_entries(), self.stub.patched_sites())
     }
 
+    /// Patch syscall sites of this process from now on, or not (`Stub::set_patching`; on unless
+    /// `COLLIMATE_SYSTRAP_PATCH=0`); the processes it forks later inherit it.
+    pub fn set_patching(&mut self, on: bool) {
+        self.stub.set_patching(on);
+    }
+
     /// The stub's rdtsc/cpuid traps now in force.
     pub fn stub_traps(&self) -> st::Traps {
         self.stub.traps()

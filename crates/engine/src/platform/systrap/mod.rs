@@ -766,19 +766,16 @@ impl Stub {
         if !memory::read(&self.mem, site, &mut have) || have != want || !patch::private_code(self.pid, site, 7) {
             return self.patch.reject(ret);
         }
-        if !patch::is_ready(&self.patch) {
-            if self.prepare_patching().is_err() {
-                self.patch.enabled = false;
-                return;
-            }
-            patch::set_ready(&mut self.patch);
+        if self.prepare_trampolines().is_err() {
+            self.patch.enabled = false;
+            return;
         }
         // The trampoline first, then the jump to it (the stub is parked: nothing runs the bytes).
         let t = patch::trampoline(tramp, nr as u32, ret);
         if !memory::write(&self.mem, tramp, &t) || !memory::write(&self.mem, site, &jmp) {
             return self.patch.reject(ret);
         }
-        patch::advance(&mut self.patch, ret);
+        patch::advance(&mut self.patch, nr as u32, ret);
     }
 
     /// Map the trampolines and the XSAVE buffer of patched entries, the buffer's software bytes
@@ -827,15 +824,100 @@ impl Stub {
         unsafe { std::ptr::read_volatile(&raw const (*self.page.page()).patched_entries) }
     }
 
-    /// The guest's code pages were all given back to their files (a reset): no site is patched
-    /// now, and the trampoline slots are free again ([`patch::Patcher::forget`]).
-    pub fn forget_patches(&mut self) {
-        self.patch.forget();
+    /// The patching state to save with a snapshot of the guest's memory as it is now, patched
+    /// ([`patch::Saved`]; [`Stub::restore_patches`] puts it back).
+    pub fn saved_patches(&self) -> patch::Saved {
+        self.patch.save()
+    }
+
+    /// Patch now every site that trapped once and was not looked at yet (in the order of their
+    /// addresses, so the same run gives the same slots), as its next trap would: for a snapshot,
+    /// whose every restore and recycled sandbox would otherwise patch each of them again at its
+    /// first trap there (the python agent's reply `write`, once an exec) and drop it at its
+    /// reset. Returns how many were patched.
+    pub fn patch_seen(&mut self) -> u64 {
+        let before = self.patch.sites();
+        for ret in self.patch.seen_sites() {
+            let mut have = [0u8; 7];
+            if self.read(ret.wrapping_sub(7), &mut have).is_err() || have[0] != 0xb8 || have[5..] != [0x0f, 0x05] {
+                self.patch.reject(ret);
+                continue;
+            }
+            let nr = u32::from_le_bytes(have[1..5].try_into().expect("4 bytes"));
+            if self.patch.wants_now(ret) {
+                self.try_patch(ret, nr as u64);
+            }
+        }
+        self.patch.sites() - before
+    }
+
+    /// A stub that has run no guest yet, holding a snapshot's memory (its sites as they were
+    /// patched): write the snapshot's trampolines into the reserved range and take its patching
+    /// state, so the guest runs patched from its first syscall. With patching off in this stub
+    /// ([`Stub::set_patching`], `COLLIMATE_SYSTRAP_PATCH=0`) each site gets its `mov` back
+    /// instead (no guest code runs through a trampoline), and stays unpatched. Either way the
+    /// state is what [`Stub::reset_patches`] returns to, in this stub and its forks. Returns the
+    /// sites patched now.
+    pub fn restore_patches(&mut self, saved: patch::Saved) -> Result<u64> {
+        if saved.sites.len() as u64 >= patch::SLOTS {
+            return Err(Error::Op { op: "restore patches", source: io::Error::other(format!("{} sites, room for {}", saved.sites.len(), patch::SLOTS - 1)) });
+        }
+        let patched = self.patch.enabled && !saved.sites.is_empty() && self.prepare_trampolines().is_ok();
+        let origin = patch::Origin { saved: std::sync::Arc::new(saved), patched };
+        self.back_to(&origin)?;
+        self.patch.set_origin(origin);
+        Ok(self.patch.sites())
+    }
+
+    /// A reset dropped the guest's pages back to the snapshot's (the sites this stub patched
+    /// since hold their `mov` again, the snapshot's hold their jump): the patching state goes
+    /// back to the snapshot's too ([`Stub::restore_patches`]), the snapshot's trampolines
+    /// written again and the slots after them free. A stub restored from nothing starts over.
+    pub fn reset_patches(&mut self) -> Result<()> {
+        match self.patch.origin().cloned() {
+            Some(o) => self.back_to(&o),
+            None => {
+                self.patch.forget();
+                Ok(())
+            }
+        }
+    }
+
+    /// The trampolines mapped (once per stub; its forks inherit them).
+    fn prepare_trampolines(&mut self) -> Result<()> {
+        if !patch::is_ready(&self.patch) {
+            self.prepare_patching()?;
+            patch::set_ready(&mut self.patch);
+        }
+        Ok(())
+    }
+
+    /// The patching state of `o`: its trampolines written, or its sites' `mov`s put back.
+    fn back_to(&mut self, o: &patch::Origin) -> Result<()> {
+        let sites = &o.saved.sites;
+        if o.patched {
+            let t = patch::trampolines(sites);
+            if !memory::write(&self.mem, layout::TRAMP + patch::SLOT, &t) {
+                return Err(Error::Fault { addr: layout::TRAMP + patch::SLOT, len: t.len() });
+            }
+        } else {
+            for (i, &(nr, ret)) in sites.iter().enumerate() {
+                let (site, tramp) = (ret.wrapping_sub(7), layout::TRAMP + (i as u64 + 1) * patch::SLOT);
+                let (jmp, orig) = patch::site_bytes(site, tramp, nr);
+                let mut have = [0u8; 5];
+                if self.read(site, &mut have).is_ok() && have == jmp && !memory::write(&self.mem, site, &orig) {
+                    return Err(Error::Fault { addr: site, len: 5 });
+                }
+            }
+        }
+        self.patch.load(&o.saved, o.patched);
+        Ok(())
     }
 
     /// Put every patched site's original `mov eax, N` back (where the site still holds this
-    /// stub's jump): for a snapshot, whose restore has no trampolines. This stub does not patch
-    /// those sites again (their traps go through SIGSYS). Returns how many were restored.
+    /// stub's jump): for a snapshot taken unpatched (`COLLIMATE_SYSTRAP_PATCH_SNAPSHOT=0`, what
+    /// snapshots were before they kept the sites). This stub does not patch those sites again
+    /// (their traps go through SIGSYS). Returns how many were restored.
     pub fn unpatch_all(&mut self) -> Result<u64> {
         let mut n = 0;
         for slot in patch::slots(&self.patch) {
@@ -848,13 +930,10 @@ impl Stub {
             if self.read(site, &mut have).is_err() {
                 continue;
             }
-            let mut jmp = [0xe9, 0, 0, 0, 0];
-            jmp[1..].copy_from_slice(&((tramp as i64 - (site as i64 + 5)) as i32).to_le_bytes());
+            let (jmp, orig) = patch::site_bytes(site, tramp, nr);
             if have != jmp {
                 continue;
             }
-            let mut orig = [0xb8, 0, 0, 0, 0];
-            orig[1..].copy_from_slice(&nr.to_le_bytes());
             if !memory::write(&self.mem, site, &orig) {
                 return Err(Error::Fault { addr: site, len: 5 });
             }

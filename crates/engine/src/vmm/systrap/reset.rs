@@ -285,9 +285,11 @@ impl Process {
         if done != drop.len() {
             return Err(Error::Remote(format!("systrap: reset: the host dropped {done} of {} runs of pages", drop.len())));
         }
-        // The pages patched syscall sites were written into are among those dropped (a patch is
-        // a copy-on-write of a private code page): the code is the template's again.
-        self.stub.forget_patches();
+        // The pages this sandbox patched syscall sites in are among those dropped (a patch is a
+        // copy-on-write of a private code page), those the snapshot had patched are its memory
+        // file's and stay: the code is the template's again, and so are the patching state
+        // and the template's trampolines (platform::systrap::patch).
+        self.stub.reset_patches().map_err(stub_err("syscall sites"))?;
         if refill_enabled() {
             let _ = self.stub.advise_runs(&refill, libc::MADV_POPULATE_WRITE);
         }

@@ -35,11 +35,11 @@ use super::{Capture, Process, DEFAULT_BUDGET};
 use crate::error::{Error, Result};
 use crate::guestos::persist::{OsState, ScratchRoot};
 use crate::persist::{self, SYSTRAP_STATE_FILE};
-use crate::platform::systrap::{self as st, memory, Stub};
+use crate::platform::systrap::{self as st, memory, patch, Stub};
 
 pub const MEMORY_FILE: &str = "systrap.mem";
-/// Bump whenever [`SystrapState`] changes shape.
-pub const FORMAT_VERSION: u32 = 2;
+/// Bump whenever [`SystrapState`] changes shape (3: the patched syscall sites, `patches`).
+pub const FORMAT_VERSION: u32 = 3;
 const PAGE: u64 = 4096;
 /// How much guest memory one read through the stub moves.
 const CHUNK: usize = 1 << 20;
@@ -80,6 +80,9 @@ pub struct SystrapState {
     pub budget: u64,
     pub regions: Vec<Region>,
     pub os: OsState,
+    /// The syscall sites patched in the memory as saved (`platform::systrap::patch`): a
+    /// restore writes their trampolines back.
+    pub patches: patch::Saved,
 }
 
 /// Read the state file of the systrap snapshot in `dir`; a kvm snapshot there gets the error
@@ -92,6 +95,14 @@ pub fn read_state(dir: &Path) -> Result<SystrapState> {
     let bytes = std::fs::read(&path)
         .map_err(|e| Error::SnapshotCorrupt { path: path.display().to_string(), reason: format!("cannot read: {e}") })?;
     persist::decode_as(&bytes, &path.display().to_string(), FORMAT_VERSION)
+}
+
+/// Whether a snapshot keeps the guest's patched syscall sites (the default), or puts their code
+/// back as it was and saves none (`COLLIMATE_SYSTRAP_PATCH_SNAPSHOT=0`, what snapshots did
+/// before; read once per process, to compare).
+pub fn patch_snapshot_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("COLLIMATE_SYSTRAP_PATCH_SNAPSHOT").is_none_or(|v| v != "0"))
 }
 
 fn refuse(what: String) -> Error {
@@ -135,13 +146,22 @@ impl Process {
         let file = std::os::unix::fs::OpenOptionsExt::mode(std::fs::OpenOptions::new().write(true).create(true).truncate(true), 0o600)
             .open(&tmp)
             .map_err(Error::sys("create the snapshot's memory file"))?;
-        // Patched syscall sites jump to trampolines a restored stub does not have: their code
-        // goes into the snapshot as it was (platform::systrap::patch).
-        self.stub.unpatch_all().map_err(|e| Error::Remote(format!("systrap: unpatch syscall sites: {e}")))?;
+        // Patched syscall sites go into the snapshot as they are, with their trampolines'
+        // table (platform::systrap::patch), so restores run patched from their first syscall;
+        // unless COLLIMATE_SYSTRAP_PATCH_SNAPSHOT=0: their code as it was, nothing patched.
+        let patches = if patch_snapshot_enabled() {
+            // Its sites that trapped once are patched first: each restore would patch them at
+            // its first trap there, and each reset drop that again.
+            self.stub.patch_seen();
+            self.stub.saved_patches()
+        } else {
+            self.stub.unpatch_all().map_err(|e| Error::Remote(format!("systrap: unpatch syscall sites: {e}")))?;
+            patch::Saved::default()
+        };
         let regions = self.write_memory(&file)?;
         drop(file);
         std::fs::rename(&tmp, dir.join(MEMORY_FILE)).map_err(Error::sys("rename the snapshot's memory file"))?;
-        let state = SystrapState { regs: self.regs, fs_base: self.fs_base, xsave, budget: self.budget, regions, os };
+        let state = SystrapState { regs: self.regs, fs_base: self.fs_base, xsave, budget: self.budget, regions, os, patches };
         persist::write_file(dir, SYSTRAP_STATE_FILE, &persist::encode_as(&state, FORMAT_VERSION)?)
     }
 
@@ -310,6 +330,7 @@ impl Process {
         let reset = origin.finish(dir.to_path_buf(), &state, &stub)?;
         prefault(&mut stub, &runs, mem.as_fd());
         stub.load_xsave(&state.xsave).map_err(|e| stub_err("load the XSAVE area (a snapshot from another CPU?)", e))?;
+        stub.restore_patches(state.patches.clone()).map_err(|e| stub_err("restore the patched syscall sites", e))?;
         let (capture, stdio) = match stdio {
             Some(fds) => (None, fds),
             None => {
@@ -461,6 +482,7 @@ mod tests {
                 mounts: Vec::new(),
                 ro_mounts: Vec::new(),
             },
+            patches: patch::Saved { sites: vec![(39, 0x7fff_f000_1007)], rejected: vec![0x7fff_f000_2007], seen: vec![(0x7fff_f000_3007, 1)] },
         };
         let bytes = persist::encode_as(&state, FORMAT_VERSION).unwrap();
         assert_eq!(persist::decode_as::<SystrapState>(&bytes, "x", FORMAT_VERSION).unwrap(), state);
