@@ -109,6 +109,9 @@ pub(super) fn defer() {
         libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
         libc::close(pidfd);
         if rc > 0 {
+            // Not on this process's CPU, where systrap's placement may have bound it and its
+            // parent goes on.
+            crate::platform::systrap::placement::unbind(rc);
             crate::trace::mark("teardown.deferred");
             // Until the helper has closed its copies of the guest's descriptors, a pipe this
             // process writes would not show EOF when its parent sees it end.

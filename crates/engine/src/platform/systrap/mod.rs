@@ -526,11 +526,11 @@ impl Stub {
         }
     }
 
-    /// Make this stub's first pin (a new stub's, or a fork's) go to the `i`-th of the CPUs the
-    /// process may use (modulo their number) rather than where its serving thread runs then: the
-    /// children of a fork group, which run at once, start spread over the CPUs.
-    pub fn spread(&mut self, i: usize) {
-        self.place.first_cpu(i);
+    /// Leave this stub and its serving thread to the scheduler for a first window before they
+    /// are pinned ([`placement::Placement::start_unpinned`]): the children of a fork group,
+    /// which run at once, are spread by the scheduler instead of all pinned on their parent's CPU.
+    pub fn start_unpinned(&mut self) {
+        self.place.start_unpinned();
     }
 
     /// The placement's state and counts (tests, benches).
@@ -1311,6 +1311,10 @@ pub struct PendingFork {
 
 impl Drop for Stub {
     fn drop(&mut self) {
+        if self.place.enabled && self.exited.is_none() {
+            // Its exit frees its memory: not on the CPU its serving thread goes on with.
+            placement::unbind(self.pid);
+        }
         self.place.release();
         if self.exited.is_none() {
             // SAFETY: signalling our stub through its pidfd (never a recycled pid).

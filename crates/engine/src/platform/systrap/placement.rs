@@ -119,6 +119,16 @@ fn set_affinity(tid: i32, cpus: &[usize]) -> bool {
     unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0 }
 }
 
+/// Give task `tid` every CPU of [`home`] back: for work a pinned pair starts that should not
+/// queue on the pair's CPU (a guest child VMM's teardown helper, `vmm::teardown`, which frees the
+/// child's memory while its parent, on that CPU, goes on).
+pub fn unbind(tid: i32) {
+    let home = home();
+    if home.len() > 1 {
+        set_affinity(tid, home);
+    }
+}
+
 /// The CPU the calling thread runs on now.
 fn current_cpu() -> Option<usize> {
     // SAFETY: no preconditions.
@@ -226,8 +236,8 @@ pub struct Placement {
     mode: Mode,
     /// Runs since the window began.
     runs: u32,
-    /// Where the first pin goes, if not where the serving thread runs ([`Placement::first_cpu`]).
-    first: Option<usize>,
+    /// The first window is unpinned ([`Placement::start_unpinned`]).
+    defer: bool,
     window_start: Option<Instant>,
     window_len: Duration,
     last_run: Option<Instant>,
@@ -254,7 +264,7 @@ impl Default for Placement {
             enabled: enabled_by_env() && home().len() > 1,
             mode: Mode::Start,
             runs: 0,
-            first: None,
+            defer: false,
             window_start: None,
             window_len: FIRST_WINDOW,
             last_run: None,
@@ -391,19 +401,22 @@ impl Placement {
         };
     }
 
-    /// Make the first pin (from [`Mode::Start`]) go to the `i`-th CPU of [`home`] (modulo their
-    /// number) instead of the serving thread's.
-    pub fn first_cpu(&mut self, i: usize) {
-        let home = home();
-        if !home.is_empty() {
-            self.first = Some(home[i % home.len()]);
-        }
+    /// Start unpinned for a first window ([`FIRST_WINDOW`]), then pin where the scheduler put
+    /// the serving thread: for a fork group's children, which run at once (pinned at their first
+    /// run they would all be on their parent's CPU; most of a group's children end within it).
+    pub fn start_unpinned(&mut self) {
+        self.defer = true;
     }
 
     fn pin(&mut self, stub_pid: i32, now: Instant) -> Option<Change> {
         let home = home();
-        let chosen = if self.mode == Mode::Start { self.first.take() } else { None };
-        let Some(cpu) = chosen.or_else(current_cpu).filter(|c| home.contains(c)) else {
+        if self.mode == Mode::Start && std::mem::take(&mut self.defer) {
+            self.mode = Mode::Unpinned { left: 1 };
+            self.begin_window(stub_pid, now);
+            self.window_len = FIRST_WINDOW;
+            return Some(Change::Unpinned);
+        }
+        let Some(cpu) = current_cpu().filter(|c| home.contains(c)) else {
             self.enabled = false;
             return Some(Change::Unpinned);
         };
