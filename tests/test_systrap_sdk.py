@@ -665,7 +665,13 @@ def test_an_exec_of_a_command_forks_no_stub_on_its_path_and_is_reaped_before_its
                 # goes first and the call forks the empty stub on its path: one command).
                 time.sleep(0.1)
                 results.append(sb.exec(command=f"echo {i}; exit {i}"))
+            # The VMM marks `serve.replied` after its reply is sent: the last one may still be on
+            # its way when the exec returns (bounded wait; missing, the asserts below say so).
             err = capfd.readouterr().err
+            deadline = time.monotonic() + 5
+            while err.count(f" {vmm} serve.replied") < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
+                err += capfd.readouterr().err
     finally:
         own.close()
     assert [(r.exit_code, r.stdout) for r in results] == [(i, f"{i}\n") for i in range(4)], results
