@@ -192,12 +192,22 @@ pub fn dispatch(os: &mut GuestOs, ctx: &mut Ctx, nr: u64, a: [u64; 6]) -> Option
         SYS_GETPID | SYS_GETTID => Ok(p.pid as u64),
         SYS_GETPPID => Ok(p.ppid as u64),
         SYS_GETPGRP => Ok(p.pgid as u64),
-        // Another process's group or session: what it published in the sandbox's process table.
+        // Another process's group: the scheduler's roster, whose slot the parent makes (with the
+        // group) before its fork returns and which setpgid and setsid keep up; the process table
+        // has an entry only once the child has run, so a parent asking right after its fork got
+        // ESRCH when the child's host process had not been scheduled yet. Its session: what it
+        // published in the process table.
         SYS_GETPGID => {
             if is_self(p, a[0]) {
                 Ok(p.pgid as u64)
             } else {
-                crate::guestos::proctab::read(a[0] as i32).map(|f| f.pgid as u64).ok_or(ESRCH)
+                let pid = a[0] as i32;
+                crate::guestos::sched::processes()
+                    .into_iter()
+                    .find(|q| q.pid == pid)
+                    .map(|q| q.pgid as u64)
+                    .or_else(|| crate::guestos::proctab::read(pid).map(|f| f.pgid as u64))
+                    .ok_or(ESRCH)
             }
         }
         SYS_GETSID => {
