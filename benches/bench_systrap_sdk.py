@@ -901,25 +901,11 @@ def test_patched_snapshot_ab():
     first exec of five imports (about 120 syscalls against `x = 1`'s 4) and
     `exec(command="true")` in a session that ran it before (paced 5 ms), the modes interleaved
     sample by sample; printed (run with -s). The figures are in docs/systrap.md, "Snapshots"."""
-    from collimate_core.sdk import platform as pf
-
-    if not pf.probe_systrap().available:
-        pytest.skip("this host does not allow seccomp filters (systrap)")
     modes = (("sites kept", {}), ("snapshot unpatched (before)", {"COLLIMATE_SYSTRAP_PATCH_SNAPSHOT": "0"}),
              ("patching off", {"COLLIMATE_SYSTRAP_PATCH": "0"}))
-    clients, sessions = {}, {}
-    for mode, env in modes:
-        os.environ.update(env)  # read by the template's VMMs (the snapshot's and the zygote's)
-        try:
-            c = EmbeddedClient(platform="systrap")
-            c._template("python")
-        finally:
-            for k in env:
-                os.environ.pop(k, None)
-        for _ in range(4):  # the template's first clones report their first exec (vmm/systrap/warm.rs)
-            with Sandbox("python", client=c) as sb:
-                assert sb.exec(code="x = 1").ok
-        clients[mode] = c
+    # The variables are read by the template's VMMs (the snapshot's and the zygote's).
+    clients, sessions = _recycle_clients(modes), {}
+    for mode, c in clients.items():
         s = c.session("python")
         s.__enter__()
         assert s.exec(command="true").ok

@@ -374,6 +374,19 @@ fn bake_sites(root: std::path::PathBuf, dir: &std::path::Path, patching: bool) -
 
 /// Restore `dir`, reseed with [`SEED2`] and run to yield 8: the stdout lines and the sites
 /// patched at the restore (before the guest's first syscall).
+/// A snapshot baked with patching on in a scratch directory named `name` (its `snap`), and what a
+/// restore of it prints; None where there is no python root filesystem or patching is off.
+fn patched_snapshot(name: &str) -> Option<(std::path::PathBuf, Vec<String>)> {
+    let root = common::python_rootfs()?;
+    if !collimate_engine::platform::systrap::patch::enabled_by_env() {
+        return None;
+    }
+    let dir = common::scratch(name);
+    assert!(bake_sites(root, &dir.join("snap"), true) > 0);
+    let (want, _) = restore_sites(&dir.join("snap"));
+    Some((dir, want))
+}
+
 fn restore_sites(dir: &std::path::Path) -> (Vec<String>, u64) {
     let mut p = Process::restore(dir, &Confinement::default()).expect("restore");
     let at_restore = p.stub_patched().1;
@@ -416,13 +429,7 @@ fn a_restore_runs_the_snapshots_patched_sites_from_its_first_syscall() {
 /// return another syscall's result). Three owners in a row print the same.
 #[test]
 fn a_reset_goes_back_to_the_snapshots_patched_sites() {
-    let Some(root) = common::python_rootfs() else { return };
-    if !collimate_engine::platform::systrap::patch::enabled_by_env() {
-        return;
-    }
-    let dir = common::scratch("systrap-patch-reset");
-    assert!(bake_sites(root, &dir.join("snap"), true) > 0);
-    let (want, _) = restore_sites(&dir.join("snap"));
+    let Some((dir, want)) = patched_snapshot("systrap-patch-reset") else { return };
     assert_eq!(want[..2], ["resumed 0xe9 0xb8", "ran 0xe9 0xe9"], "{want:?}");
     let mut z = collimate_engine::Vm::restore(&common::launcher(), &dir.join("snap")).expect("restore");
     let mut kid = z.fork(1).expect("clone").pop().unwrap();
@@ -447,13 +454,7 @@ fn a_reset_goes_back_to_the_snapshots_patched_sites() {
 /// [`patching_off_inner`]). Output as a patched restore's, but for the bytes.
 #[test]
 fn patching_off_puts_a_restored_snapshots_sites_back() {
-    let Some(root) = common::python_rootfs() else { return };
-    if !collimate_engine::platform::systrap::patch::enabled_by_env() {
-        return;
-    }
-    let dir = common::scratch("systrap-patch-off");
-    assert!(bake_sites(root, &dir.join("snap"), true) > 0);
-    let (want, _) = restore_sites(&dir.join("snap"));
+    let Some((dir, want)) = patched_snapshot("systrap-patch-off") else { return };
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "patching_off_inner", "--ignored", "--nocapture", "--test-threads=1"])
         .env("COLLIMATE_SYSTRAP_PATCH", "0")

@@ -38,6 +38,15 @@ fn serve(stub: &mut Stub, regs: &mut kvm_regs, fs: &mut u64) {
     regs.rax = 0;
 }
 
+/// A computing guest's stub after its first run, and the CPU the pair was pinned to then.
+fn pinned_pair() -> (Stub, kvm_regs, u64, usize) {
+    let (mut stub, mut regs) = compute_loop_stub(20_000);
+    let mut fs = 0;
+    serve(&mut stub, &mut regs, &mut fs);
+    let Mode::Pinned { cpu, .. } = stub.placement().mode() else { panic!("not pinned: {:?}", stub.placement().mode()) };
+    (stub, regs, fs, cpu)
+}
+
 fn placeable() -> bool {
     if placement::home().len() < 2 {
         eprintln!("one CPU: nothing to place");
@@ -52,10 +61,7 @@ fn a_guest_that_computes_between_syscalls_shares_one_cpu_with_its_serving_thread
     if !placeable() {
         return;
     }
-    let (mut stub, mut regs) = compute_loop_stub(20_000);
-    let mut fs = 0;
-    serve(&mut stub, &mut regs, &mut fs);
-    let Mode::Pinned { cpu, .. } = stub.placement().mode() else { panic!("not pinned: {:?}", stub.placement().mode()) };
+    let (mut stub, _, _, cpu) = pinned_pair();
     assert_eq!(allowed(0), vec![cpu], "the serving thread");
     assert_eq!(allowed(stub.pid()), vec![cpu], "the stub");
     assert!(placement::home().contains(&cpu));
@@ -70,10 +76,7 @@ fn a_pair_whose_cpu_is_kept_busy_is_unbound_from_it() {
     if !placeable() {
         return;
     }
-    let (mut stub, mut regs) = compute_loop_stub(20_000);
-    let mut fs = 0;
-    serve(&mut stub, &mut regs, &mut fs);
-    let Mode::Pinned { cpu, .. } = stub.placement().mode() else { panic!("not pinned: {:?}", stub.placement().mode()) };
+    let (mut stub, mut regs, mut fs, cpu) = pinned_pair();
     // A busy loop bound to the pair's CPU, for at most 10 s.
     let stop = Arc::new(AtomicBool::new(false));
     let busy = {

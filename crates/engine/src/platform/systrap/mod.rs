@@ -686,9 +686,7 @@ impl Stub {
         self.parked = false;
         self.has_guest = true;
         if self.place.enabled {
-            let (answered, missed) = self.spin.take_vmm_counts();
-            self.place.answered += answered;
-            self.place.missed += missed;
+            self.place.answered += self.spin.take_vmm_answered();
             if let Some(change) = self.place.check(self.pid) {
                 self.apply_placement(change);
             }

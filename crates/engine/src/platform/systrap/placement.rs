@@ -248,14 +248,10 @@ pub struct Placement {
     /// Windows between probes now, and the back-off after a busy CPU.
     probe_every: u32,
     backoff: u32,
-    /// The VMM's spins answered and not since the window's start (fed by the stub).
+    /// The VMM's spins answered since the window's start (fed by the stub).
     pub answered: u32,
-    pub missed: u32,
-    /// Decisions so far, by kind (for tests and benches): pins, unpins after a busy CPU, probes
-    /// that spread.
-    pub pins: u64,
+    /// Unpins after a busy CPU so far (tests).
     pub starved: u64,
-    pub spreads: u64,
 }
 
 impl Default for Placement {
@@ -273,10 +269,7 @@ impl Default for Placement {
             probe_every: FIRST_PROBE,
             backoff: 1,
             answered: 0,
-            missed: 0,
-            pins: 0,
             starved: 0,
-            spreads: 0,
         }
     }
 }
@@ -366,9 +359,6 @@ impl Placement {
             Mode::Probe | Mode::Spread => {
                 // Every wait counts: one whose spin was skipped (backed off) was not answered.
                 if runs >= MIN_SPINS && f64::from(answered) >= SPREAD_ANSWERED * f64::from(runs) {
-                    if self.mode == Mode::Probe {
-                        self.spreads += 1;
-                    }
                     self.mode = Mode::Spread;
                     self.probe_every = FIRST_PROBE;
                     self.begin_window(stub_pid, now);
@@ -392,7 +382,6 @@ impl Placement {
         self.window_start = Some(now);
         self.runs = 0;
         self.answered = 0;
-        self.missed = 0;
         self.window_len = WINDOW;
         self.base = if matches!(self.mode, Mode::Pinned { .. }) {
             Self::pair(stub_pid)
@@ -428,7 +417,6 @@ impl Placement {
             return Some(Change::Unpinned);
         }
         self.bound_tid = Some(gettid());
-        self.pins += 1;
         crate::trace::mark_n("placement.pin", cpu as u64);
         self.mode = Mode::Pinned { cpu, windows: 0 };
         self.begin_window(stub_pid, now);

@@ -268,11 +268,7 @@ impl SharedPage {
             };
             if policy.adaptive {
                 spin.vmm.record(answered);
-                if answered {
-                    spin.vmm_answered += 1;
-                } else {
-                    spin.vmm_missed += 1;
-                }
+                spin.vmm_answered += u32::from(answered);
             }
             if answered {
                 return true;
@@ -369,19 +365,15 @@ pub struct SpinState {
     stub: Backoff,
     /// The stub was told to spin for the wait the next hand-off ends.
     stub_spun: bool,
-    /// The VMM's spins answered and not since the last [`SpinState::take_vmm_counts`]
-    /// (`placement` judges a spread pair by them).
+    /// The VMM's spins answered since the last [`SpinState::take_vmm_answered`] (`placement`
+    /// judges a spread pair by them).
     vmm_answered: u32,
-    vmm_missed: u32,
 }
 
 impl SpinState {
-    /// The VMM's spins answered and not since the last call.
-    pub fn take_vmm_counts(&mut self) -> (u32, u32) {
-        let counts = (self.vmm_answered, self.vmm_missed);
-        self.vmm_answered = 0;
-        self.vmm_missed = 0;
-        counts
+    /// The VMM's spins answered since the last call.
+    pub fn take_vmm_answered(&mut self) -> u32 {
+        std::mem::take(&mut self.vmm_answered)
     }
 
     /// Whether the VMM's next wait under `policy` starts with a spin.
