@@ -79,6 +79,97 @@ fn debian_python3_prints() {
     assert_eq!(r.stderr, b"linux\n");
 }
 
+/// `prog` with a copy of its program header table appended at the end of the file and the ELF
+/// header pointing there (the loader must read the headers wherever they are; the in-memory
+/// table that PT_PHDR names stays where it was, so the program runs as before).
+fn with_headers_at_the_end(prog: &[u8]) -> Vec<u8> {
+    let u64_at = |o: usize| u64::from_le_bytes(prog[o..o + 8].try_into().unwrap());
+    let u16_at = |o: usize| u16::from_le_bytes(prog[o..o + 2].try_into().unwrap());
+    let (phoff, phentsize, phnum) = (u64_at(0x20) as usize, u16_at(0x36) as usize, u16_at(0x38) as usize);
+    let mut out = prog.to_vec();
+    out.resize(out.len().next_multiple_of(8), 0);
+    let at = out.len() as u64;
+    out.extend_from_slice(&prog[phoff..phoff + phentsize * phnum]);
+    out[0x20..0x28].copy_from_slice(&at.to_le_bytes());
+    out
+}
+
+/// Runs `argv` on systrap with `dir` mounted at /work.
+fn run_in(dir: &std::path::Path, argv: &[&str], envp: &[&str]) -> Option<RunResult> {
+    let _turn = one_at_a_time();
+    let mut spec = common::python_spec(common::python_rootfs()?, argv);
+    spec.mounts = vec![("/work".into(), dir.to_path_buf())];
+    spec.envp.extend(envp.iter().map(|e| e.as_bytes().to_vec()));
+    let mut p = Process::spawn(&spec, &Confinement::default()).expect("spawn on systrap");
+    Some(p.run(T).expect("run on systrap"))
+}
+
+/// A load on systrap reads a program's headers, not the whole file (the host maps the segments
+/// from the file): CPython's 6.6 MB took about 5 ms to read whole. Where the headers are is up to
+/// the file: here CPython with its program header table moved past the first pages (8 KiB are
+/// read first), which the load must then read from there (an exec that kept only the first read
+/// would refuse it as ENOEXEC or map garbage).
+#[test]
+fn a_program_whose_headers_are_at_its_end_runs() {
+    let Some(root) = common::python_rootfs() else { return };
+    let dir = common::scratch("headers-at-end");
+    let prog = std::fs::read(root.join("usr/bin/python3.11")).expect("the rootfs's python3.11");
+    let moved = with_headers_at_the_end(&prog);
+    assert!(moved.len() > prog.len() && u64::from_le_bytes(moved[0x20..0x28].try_into().unwrap()) > 1 << 20);
+    std::fs::write(dir.join("work/python3"), &moved).unwrap();
+    std::fs::set_permissions(dir.join("work/python3"), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let Some(r) = run_in(&dir.join("work"), &["/work/python3", "-S", "-c", "print(6 * 7)"], &["PYTHONHOME=/usr"]) else { return };
+    assert_eq!(exited(&r), 0, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(r.stdout, b"42\n");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two segments that share a page (a linker told not to page-align them, `ld -n`), the second's
+/// bytes past the first 8 KiB of the file: the loader writes them into the shared page itself,
+/// reading them from the file when it read only the headers (before, from the whole file it had
+/// read). The program prints its data segment's bytes and exits with one of them, as natively.
+#[test]
+fn segments_sharing_a_page_get_their_bytes_from_the_file() {
+    let dir = common::scratch("shared-page");
+    let work = dir.join("work");
+    std::fs::write(
+        work.join("p.S"),
+        ".text\n.globl _start\n_start:\n mov $1, %eax\n mov $1, %edi\n lea msg(%rip), %rsi\n mov $6, %edx\n syscall\n \
+         movzbl code(%rip), %edi\n mov $60, %eax\n syscall\n.fill 9000, 1, 0xcc\n.balign 16, 0xcc\n\
+         .data\nmsg: .ascii \"shared\"\ncode: .byte 7\n",
+    )
+    .unwrap();
+    std::fs::write(
+        work.join("p.ld"),
+        "PHDRS { text PT_LOAD FILEHDR PHDRS FLAGS(5); data PT_LOAD FLAGS(7); }\n\
+         SECTIONS { . = 0x400000 + SIZEOF_HEADERS; .text : { *(.text) } :text . = ALIGN(16); .data : { *(.data) } :data /DISCARD/ : { *(.note*) *(.comment) } }\n",
+    )
+    .unwrap();
+    let built = std::process::Command::new("gcc")
+        .args(["-nostdlib", "-static", "-no-pie", "-Wl,-n", "-Wl,--build-id=none", "-Wl,--no-warn-rwx-segments", "-Wl,-T"])
+        .arg(work.join("p.ld"))
+        .arg("-o")
+        .arg(work.join("p"))
+        .arg(work.join("p.S"))
+        .status();
+    match built {
+        Ok(s) => assert!(s.success(), "gcc failed"),
+        Err(_) => {
+            eprintln!("gcc not found: skipping");
+            return;
+        }
+    }
+    // The layout the test is about: the data segment starts inside the text's last page, past 8 KiB.
+    let elf = std::fs::read(work.join("p")).unwrap();
+    let ph = |i: usize, o: usize| u64::from_le_bytes(elf[64 + i * 56 + o..64 + i * 56 + o + 8].try_into().unwrap());
+    let (text_end, data_va, data_off) = (ph(0, 16) + ph(0, 40), ph(1, 16), ph(1, 8));
+    assert!(data_va / 4096 == (text_end - 1) / 4096 && data_off > 8192, "{text_end:#x} {data_va:#x} {data_off:#x}");
+    let Some(r) = run_in(&work, &["/work/p"], &[]) else { return };
+    assert_eq!(exited(&r), 7, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(r.stdout, b"shared");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn python3_memory_calls() {
     // mmap/munmap/mprotect/mremap/brk on this platform: a large bytearray grows (realloc ->

@@ -20,7 +20,7 @@ use goblin::elf::program_header::{ProgramHeader, PF_R, PF_W, PF_X, PT_INTERP, PT
 use goblin::elf::Elf;
 
 use super::mm::{page_down, page_up, FileId, Mm, Space, Vma, MMAP_MIN_ADDR, MMAP_TOP, PROT_EXEC, PROT_READ, PROT_WRITE, TASK_SIZE};
-use super::{random, signal_state, Errno, GuestOs, EACCES, EINVAL, ELOOP, ENOMEM};
+use super::{random, signal_state, Errno, GuestOs, EACCES, EINVAL, EIO, ELOOP, ENOMEM};
 use crate::arch::x86_64::layout::{PAGE_SIZE, STACK_TOP};
 use crate::arch::x86_64::paging::{AddressSpace, FrameAllocator};
 use crate::platform::HostSpace;
@@ -90,7 +90,11 @@ struct Mapped {
 
 /// A program file read from the sandbox.
 struct Program {
+    /// Its bytes: all of them ([`Reading::Whole`]), or ([`Reading::Headers`]) its start up to the end of
+    /// its program headers and PT_INTERP path at least.
     bytes: std::sync::Arc<Vec<u8>>,
+    /// The file's length.
+    size: u64,
     /// Its normalised guest path.
     path: String,
     id: FileId,
@@ -123,7 +127,7 @@ pub struct Prepared {
 impl Prepared {
     /// About how many bytes loading it writes into guest memory (its files' sizes).
     pub fn image_bytes(&self) -> u64 {
-        (self.prog.bytes.len() + self.interp.as_ref().map_or(0, |i| i.bytes.len())) as u64
+        self.prog.size + self.interp.as_ref().map_or(0, |i| i.size)
     }
 
     /// The bytes of the program and of its interpreter (what a load of it depends on).
@@ -132,16 +136,41 @@ impl Prepared {
     }
 }
 
+/// How much of a program file a load reads into the VMM.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Reading {
+    /// The whole file: a load that copies the segments into guest memory ([`commit`], kvm).
+    Whole,
+    /// Its headers only: a load whose platform maps the file itself ([`commit_host`], systrap),
+    /// where the segments' pages come from the host's mapping of the file. Reading a program
+    /// whole there was most of an exec: `python3` (6.6 MB) took about 5 ms of a 21 ms
+    /// `python3 -S -c pass` (the VMM's fresh heap pages faulted in one by one).
+    Headers,
+}
+
 /// Read the program at `path` (following `#!` scripts) and its interpreter, and check their ELF
 /// headers, without touching the address space.
 pub fn prepare(os: &GuestOs, path: &[u8], argv: &[Vec<u8>], envp: &[Vec<u8>]) -> Result<Prepared, Errno> {
+    prepare_reading(os, path, argv, envp, Reading::Whole)
+}
+
+/// [`prepare`] for [`commit_host`]: reads only the files' headers ([`Reading::Headers`]).
+/// `COLLIMATE_SYSTRAP_EXEC_HEADERS=0` reads them whole, as before (read once per process; to
+/// compare in benches).
+pub fn prepare_headers(os: &GuestOs, path: &[u8], argv: &[Vec<u8>], envp: &[Vec<u8>]) -> Result<Prepared, Errno> {
+    static WHOLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let whole = *WHOLE.get_or_init(|| std::env::var_os("COLLIMATE_SYSTRAP_EXEC_HEADERS").is_some_and(|v| v == "0"));
+    prepare_reading(os, path, argv, envp, if whole { Reading::Whole } else { Reading::Headers })
+}
+
+fn prepare_reading(os: &GuestOs, path: &[u8], argv: &[Vec<u8>], envp: &[Vec<u8>], read: Reading) -> Result<Prepared, Errno> {
     check_strings(argv, envp)?;
     let mut path = path.to_vec();
     let mut argv = argv.to_vec();
     let exec_fn = path.clone();
     let mut depth = 0;
     let prog = loop {
-        let prog = read_program(os, &path)?;
+        let prog = read_program(os, &path, read)?;
         let Some((interp, arg)) = parse_shebang(&prog.bytes)? else { break prog };
         depth += 1;
         if depth > MAX_INTERP_DEPTH {
@@ -155,10 +184,10 @@ pub fn prepare(os: &GuestOs, path: &[u8], argv: &[Vec<u8>], envp: &[Vec<u8>]) ->
         path = interp;
         check_strings(&argv, envp)?;
     };
-    let interp = match elf_interp(&prog.bytes, true)? {
+    let interp = match elf_interp(&prog, true)? {
         Some(ip) => {
-            let interp = read_program(os, &ip)?;
-            if elf_interp(&interp.bytes, false)?.is_some() {
+            let interp = read_program(os, &ip, read)?;
+            if elf_interp(&interp, false)?.is_some() {
                 return Err(ELIBBAD);
             }
             Some(interp)
@@ -368,7 +397,7 @@ pub fn commit_host(os: &mut GuestOs, h: &mut dyn HostSpace, p: Prepared, envp: &
     finish(os, h, Loaded { prog: &prog, main, entry, at_base, argv: &argv, exec_fn: &exec_fn }, envp)
 }
 
-/// The program file again, for mapping (the loader read its bytes before).
+/// The program file again, for mapping (the loader read its headers before).
 fn open_program(os: &GuestOs, prog: &Program) -> Result<std::os::fd::OwnedFd, Errno> {
     let (fd, _) = os.vfs.open_path("/", prog.path.as_bytes(), libc::O_RDONLY, 0)?;
     Ok(fd)
@@ -441,7 +470,7 @@ fn map_segment_host(mm: &mut Mm, h: &mut dyn HostSpace, prog: &Program, file: st
         let upto = file_end.min(first_new);
         if upto > va {
             let off = ph.p_offset as usize;
-            poke(mm, h, va, &prog.bytes[off..off + (upto - va) as usize])?;
+            poke(mm, h, va, &prog.range(file, off as u64, (upto - va) as usize)?)?;
         }
     }
     // As Linux's loader: with a bss, the rest of the page after the file bytes reads as zeros up to
@@ -486,8 +515,9 @@ fn check_strings(argv: &[Vec<u8>], envp: &[Vec<u8>]) -> Result<(), Errno> {
     Ok(())
 }
 
-/// Open and read a program file: a regular file with an execute bit.
-fn read_program(os: &GuestOs, path: &[u8]) -> Result<Program, Errno> {
+/// Open and read a program file (all of it or its headers, `read`): a regular file with an
+/// execute bit.
+fn read_program(os: &GuestOs, path: &[u8], read: Reading) -> Result<Program, Errno> {
     let (fd, gpath) = os.vfs.open_path(&os.proc.cwd, path, libc::O_RDONLY, 0)?;
     let mut f = std::fs::File::from(fd);
     let mut md = f.metadata().map_err(|e| Errno::from_io(&e))?;
@@ -507,14 +537,76 @@ fn read_program(os: &GuestOs, path: &[u8]) -> Result<Program, Errno> {
     }
     let id = FileId { dev: md.dev(), ino: md.ino() };
     let key = CacheKey { id, size: md.len(), mtime: (md.mtime(), md.mtime_nsec()), ctime: (md.ctime(), md.ctime_nsec()) };
+    let size = md.len();
     if let Some(bytes) = cached(&key) {
-        return Ok(Program { bytes, path: gpath, id });
+        return Ok(Program { bytes, size, path: gpath, id });
     }
-    let mut bytes = Vec::with_capacity(md.len() as usize);
+    if read == Reading::Headers {
+        let bytes = std::sync::Arc::new(read_head(&f, size).map_err(|e| Errno::from_io(&e))?);
+        return Ok(Program { bytes, size, path: gpath, id });
+    }
+    let mut bytes = Vec::with_capacity(size as usize);
     f.by_ref().take(MAX_IMAGE).read_to_end(&mut bytes).map_err(|e| Errno::from_io(&e))?;
+    // A file that changed while it was read (in a writable directory): what was read decides.
+    let size = bytes.len() as u64;
     let bytes = std::sync::Arc::new(bytes);
     remember(key, &bytes);
-    Ok(Program { bytes, path: gpath, id })
+    Ok(Program { bytes, size, path: gpath, id })
+}
+
+/// The first read of a program's headers: the shebang line's 256 bytes, and the ELF and program
+/// headers of any ordinary object.
+const HEAD: u64 = 8 << 10;
+
+/// The start of a program file of `size` bytes, up to the end of its program headers and of its
+/// PT_INTERP path (all that [`prepare`] and [`commit_host`] read of it besides the bytes of a
+/// page two segments share, which [`Program::range`] reads then). A file that is not an ELF object
+/// (a script, garbage) gives its first [`HEAD`] bytes; the checks after say what it is.
+fn read_head(f: &std::fs::File, size: u64) -> std::io::Result<Vec<u8>> {
+    let mut want = size.min(HEAD);
+    // At most three reads: the first page; the program headers; the PT_INTERP they point to.
+    for _ in 0..3 {
+        let mut b = vec![0u8; want as usize];
+        std::os::unix::fs::FileExt::read_exact_at(f, &mut b, 0)?;
+        let need = head_end(&b).unwrap_or(0).min(size);
+        if need <= want {
+            return Ok(b);
+        }
+        want = need;
+    }
+    let mut b = vec![0u8; want as usize];
+    std::os::unix::fs::FileExt::read_exact_at(f, &mut b, 0)?;
+    Ok(b)
+}
+
+/// Where the headers [`read_head`] must cover end, as far as `b` shows them.
+fn head_end(b: &[u8]) -> Option<u64> {
+    let hdr = Elf::parse_header(b).ok()?;
+    let ph_end = hdr.e_phoff.checked_add(u64::from(hdr.e_phnum).checked_mul(u64::from(hdr.e_phentsize))?)?;
+    if ph_end > b.len() as u64 {
+        return Some(ph_end);
+    }
+    let (_, phdrs) = parse_elf(b).ok()?;
+    let interp_end = phdrs.iter().filter(|p| p.p_type == PT_INTERP).filter_map(|p| p.p_offset.checked_add(p.p_filesz)).max().unwrap_or(0);
+    Some(ph_end.max(interp_end))
+}
+
+impl Program {
+    /// `len` of the file's bytes from `off`: from those read, else from the file (`fd`, open on
+    /// it) if only its headers were read.
+    fn range(&self, fd: std::os::fd::RawFd, off: u64, len: usize) -> Result<std::borrow::Cow<'_, [u8]>, Errno> {
+        let end = off.checked_add(len as u64).filter(|&e| e <= self.size).ok_or(ENOEXEC)?;
+        if let Some(b) = self.bytes.get(off as usize..end as usize) {
+            return Ok(std::borrow::Cow::Borrowed(b));
+        }
+        let mut b = vec![0u8; len];
+        // SAFETY: `fd` is an open descriptor the caller holds; the buffer is `len` bytes.
+        let n = unsafe { libc::pread(fd, b.as_mut_ptr().cast(), len, off as libc::off_t) };
+        if n != len as isize {
+            return Err(EIO);
+        }
+        Ok(std::borrow::Cow::Owned(b))
+    }
 }
 
 /// What identifies a program file's contents: the file, its size, and its modification and
@@ -646,14 +738,15 @@ fn interp_path(bytes: &[u8], phdrs: &[ProgramHeader]) -> Result<Option<Vec<u8>>,
 
 /// Check an ELF object the way `map_elf` will (headers, loadable segments inside the file) and
 /// return its PT_INTERP path (only asked for the main program).
-fn elf_interp(bytes: &[u8], main: bool) -> Result<Option<Vec<u8>>, Errno> {
+fn elf_interp(prog: &Program, main: bool) -> Result<Option<Vec<u8>>, Errno> {
+    let bytes = &prog.bytes[..];
     let (_, phdrs) = parse_elf(bytes)?;
     let mut any = false;
     for ph in phdrs.iter().filter(|p| p.p_type == PT_LOAD) {
         any = true;
         ph.p_vaddr.checked_add(ph.p_memsz).and_then(page_up).ok_or(ENOEXEC)?;
         let file_end = ph.p_offset.checked_add(ph.p_filesz).ok_or(ENOEXEC)?;
-        if ph.p_filesz > ph.p_memsz || file_end > bytes.len() as u64 || ph.p_vaddr % PAGE_SIZE != ph.p_offset % PAGE_SIZE {
+        if ph.p_filesz > ph.p_memsz || file_end > prog.size || ph.p_vaddr % PAGE_SIZE != ph.p_offset % PAGE_SIZE {
             return Err(ENOEXEC);
         }
     }
@@ -689,7 +782,7 @@ fn map_elf_with(mm: &mut Mm, prog: &Program, base: u64, main: bool, segment: &mu
     for ph in &loads {
         let end = ph.p_vaddr.checked_add(ph.p_memsz).ok_or(ENOEXEC)?;
         let file_end = ph.p_offset.checked_add(ph.p_filesz).ok_or(ENOEXEC)?;
-        if ph.p_filesz > ph.p_memsz || file_end > bytes.len() as u64 || ph.p_vaddr % PAGE_SIZE != ph.p_offset % PAGE_SIZE {
+        if ph.p_filesz > ph.p_memsz || file_end > prog.size || ph.p_vaddr % PAGE_SIZE != ph.p_offset % PAGE_SIZE {
             return Err(ENOEXEC);
         }
         lo = lo.min(page_down(ph.p_vaddr));
@@ -746,7 +839,9 @@ fn map_segment(mm: &mut Mm, sp: &mut Space, prog: &Program, ph: &ProgramHeader, 
     let copy_off = (ph.p_offset - (va - copy_va)) as usize;
     let copy_end = (ph.p_offset + ph.p_filesz) as usize;
     let err = |_| EINVAL;
-    sp.aspace.write_virt(sp.mem, copy_va, &prog.bytes[copy_off..copy_end], false).map_err(err)?;
+    // A load that copies needs the whole file ([`Reading::Whole`]).
+    let bytes = prog.bytes.get(copy_off..copy_end).ok_or(ENOEXEC)?;
+    sp.aspace.write_virt(sp.mem, copy_va, bytes, false).map_err(err)?;
     // bss in the page the file bytes end in (a fresh page is zero already; a shared one may not be).
     if mem_end > file_end {
         let zero_end = page_up(file_end).ok_or(ENOEXEC)?.min(mem_end);

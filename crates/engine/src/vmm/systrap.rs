@@ -289,7 +289,7 @@ impl Process {
                 failure.map(|f| format!(" ({f})")).unwrap_or_default()
             ))
         };
-        let prepared = guestos::exec::prepare(&os, &spec.argv[0], &spec.argv, &spec.envp).map_err(|e| cannot(e, None))?;
+        let prepared = guestos::exec::prepare_headers(&os, &spec.argv[0], &spec.argv, &spec.envp).map_err(|e| cannot(e, None))?;
         let mut space = load::Batched::new(&mut stub, budget);
         let img = guestos::exec::commit_host(&mut os, &mut space, prepared, &spec.envp).and_then(|img| space.finish().map(|_| img));
         let img = img.map_err(|e| cannot(e, space.failure()))?;
@@ -660,7 +660,7 @@ impl Process {
             let path = read_cstr(&space, path, guestos::vfs::PATH_MAX)?;
             let argv = read_strv(&space, argv)?;
             let envp = read_strv(&space, envp)?;
-            let prepared = guestos::exec::prepare(&self.os, &path, &argv, &envp)?;
+            let prepared = guestos::exec::prepare_headers(&self.os, &path, &argv, &envp)?;
             Ok::<_, Errno>((prepared, envp))
         })();
         let (prepared, envp) = match args {

@@ -81,7 +81,7 @@ impl Process {
         let argv = read_strv(&space, argv)?;
         let envp = read_strv(&space, envp)?;
         crate::trace::mark("spawn.enter");
-        let prepared = exec::prepare(&self.os, &path, &argv, &envp)?;
+        let prepared = exec::prepare_headers(&self.os, &path, &argv, &envp)?;
         let mut pending = Pending { prepared, envp, close_fds: flags & SPAWN_CLOSE_FDS != 0, restore_signals: flags & SPAWN_RESTORE_SIGNALS != 0, empty: false };
         let c = Fork { flags: CLONE_VM | CLONE_VFORK, exit_signal: signal::SIGCHLD as u64, stack: 0, parent_tid: 0, child_tid: 0, tls: 0 };
         // The child's stub gets none of the guest's memory (its exec replaces it all): the host
