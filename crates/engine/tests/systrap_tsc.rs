@@ -89,3 +89,29 @@ print(sorted(set(b - a for a, b in zip(p, p[1:]))), after < p[0], aux.value)
     let answered_by_vmm = p.traps().rdtsc;
     assert!(answered_by_vmm < 20, "{answered_by_vmm} of 2001 rdtsc and 1000 rdtscp went to the VMM");
 }
+
+/// The vDSO's clock reads between trapped syscalls reach the VMM's clock at each exit (the fold,
+/// `guestos::vdso::fold_host`) from the words the stub copies out of the clock page at the exit
+/// (`Stub::clock_words`: no read of the guest's memory), so the clock the VMM publishes again
+/// before the next run continues it: MONOTONIC one quantum a read, never back, with a syscall
+/// between every two reads. (With the copy taken as zeros the VMM kept its old clock and every
+/// read after a syscall went back: this failed.)
+#[test]
+fn vdso_reads_between_syscalls_move_the_vmms_clock() {
+    let Some(root) = common::python_rootfs() else { return };
+    let code = r#"import os, time
+t = []
+for _ in range(500):
+    t.append(time.monotonic_ns())
+    os.getppid()
+print(sorted(set(b - a for a, b in zip(t, t[1:]))))
+"#;
+    let spec = common::python_spec(root, &["/usr/bin/python3", "-c", code]);
+    let mut p = Process::spawn(&spec, &Confinement::for_replay(false)).expect("spawn on systrap");
+    p.reseed([9; 32], true);
+    p.sync_traps().expect("switch the stub's traps for a replay exec");
+    let r = p.run(Duration::from_secs(120)).expect("run on systrap");
+    assert_eq!(r.exit, RunExit::Exited { code: 0 }, "stderr: {}", String::from_utf8_lossy(&r.stderr));
+    assert!(p.traps().syscalls >= 500, "{} trapped syscalls", p.traps().syscalls);
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "[1000]\n");
+}

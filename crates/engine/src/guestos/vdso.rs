@@ -86,7 +86,7 @@ pub(crate) const LIMIT: usize = 8;
 /// trapped `rdtsc` there, as the VMM would, within `LIMIT` as the vDSO's reads: a MONOTONIC read
 /// that is not a scheduler event, as a trapped `rdtsc` the VMM answers is not; kvm never writes it).
 pub(crate) const TSC_READS: usize = 9;
-const WORDS: usize = 10;
+pub(crate) const WORDS: usize = 10;
 
 /// `MODE`: answer REALTIME and MONOTONIC reads from the page (replay mode); 0: make syscalls.
 pub(crate) const MODE_REPLAY: u64 = 1;
@@ -128,7 +128,9 @@ pub fn map_host(mm: &mut Mm, h: &mut dyn HostSpace) -> Result<u64, Errno> {
 /// systrap stub's, `platform::systrap::Stub::set_clock_page`): in replay mode, in a process that
 /// has the page; None otherwise.
 pub fn clock_page(os: &GuestOs) -> Option<u64> {
-    (os.proc.clocks.replay && mapped(&os.mm)).then_some(VVAR_VA)
+    // Readable too: the stub reads it in its signal handler, where a fault would end it.
+    let readable = os.mm.vma_at(VVAR_VA).is_some_and(|(_, v)| v.prot & PROT_READ != 0);
+    (os.proc.clocks.replay && mapped(&os.mm) && readable).then_some(VVAR_VA)
 }
 
 /// Whether the process has its data page (a program loaded before vDSOs existed, or one that
@@ -219,13 +221,15 @@ pub fn publish_host(os: &GuestOs, h: &mut dyn HostSpace, seen: &mut Seen, budget
     seen.0 = h.write(VVAR_VA, &b).is_ok().then_some(want);
 }
 
-/// [`fold`] through a host-kept address space.
-pub fn fold_host(os: &mut GuestOs, h: &dyn HostSpace, seen: &mut Seen) -> u64 {
+/// [`fold`] through a host-kept address space; `copied`: the page's words as the guest left them
+/// at this exit, where the platform copied them out already (the systrap stub does, at every
+/// exit while it has the page: `Stub::clock_words`), else they are read through `h`.
+pub fn fold_host(os: &mut GuestOs, h: &dyn HostSpace, seen: &mut Seen, copied: Option<[u64; WORDS]>) -> u64 {
     let c = &mut os.proc.clocks;
     if !c.replay || !mapped(&os.mm) {
         return 0;
     }
-    let Some(w) = read_host(h) else {
+    let Some(w) = copied.or_else(|| read_host(h)) else {
         seen.forget();
         return 0;
     };

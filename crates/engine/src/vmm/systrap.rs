@@ -408,8 +408,12 @@ impl Process {
             return Ok(exit);
         }
         let mut short_armed = false;
+        // The time read after each exit is the next run's (below); none is left from a loop before.
+        self.stub.set_now(None);
         loop {
-            // The process's threads take turns on the stub (`vmm::threads`).
+            // The process's threads take turns on the stub (`vmm::threads`). (Where they all wait
+            // here, the next run's time is the one read before the wait: placement's windows
+            // are then one run late, nothing else reads it.)
             if let Some(exit) = super::threads::schedule(self, deadline)? {
                 return Ok(exit);
             }
@@ -429,8 +433,9 @@ impl Process {
             self.stub.set_clock_page(if local_rdtsc() { guestos::vdso::clock_page(&self.os) } else { None });
             let entered = timer_budget.map(|_| tsc::now());
             let exit = self.stub.run(&mut self.regs, &mut self.fs_base).map_err(|e| Error::Remote(format!("systrap: {e}")))?;
+            let copied = self.stub.clock_words();
             let space = StubSpace { stub: &mut self.stub, budget: self.budget, failure: None };
-            let reads = guestos::vdso::fold_host(&mut self.os, &space, &mut self.vvar);
+            let reads = guestos::vdso::fold_host(&mut self.os, &space, &mut self.vvar, copied);
             if reads > 0 {
                 // What those reads' syscalls would have done to the schedulers.
                 super::threads::count_events(reads);
@@ -510,10 +515,13 @@ impl Process {
                 }
             }
             // Not `Instant::now`: in a replay exec this thread traps rdtsc as its stub does
-            // (`platform::systrap::tsc`).
-            if tsc::now() >= deadline {
+            // (`platform::systrap::tsc`), so a clock read is a syscall: the next run's placement
+            // uses this one.
+            let now = tsc::now();
+            if now >= deadline {
                 return Ok(RunExit::Timeout);
             }
+            self.stub.set_now(Some(now));
         }
     }
 

@@ -158,6 +158,16 @@ std::arch::global_asm!(
     "mov eax, {exit_boot}",
     "4:",
     "mov dword ptr [r12 + {exit}], eax",
+    // an exit of the guest: the clock page's words into the shared page, if the VMM named the
+    // page (it is then mapped and readable, as for `answer_rdtsc`)
+    "19:",
+    "mov rsi, qword ptr [r12 + {clock_page}]",
+    "test rsi, rsi",
+    "jz 20f",
+    "cld",
+    "lea rdi, [r12 + {clock_copy}]",
+    "mov ecx, {clock_words}",
+    "rep movsq",
     // hand the turn to the VMM; wake it only if it sleeps
     "20:",
     "mov eax, {vmm_turn}",
@@ -470,14 +480,14 @@ std::arch::global_asm!(
     "syscall",
     "82:",
     "mov dword ptr [r12 + {exit}], {exit_event}",
-    "jmp 20b",
+    "jmp 19b",
     // a kick kept while the stub ran its own code: report it at the registers to run
     "85:",
     "mov dword ptr [r12 + {kick_pending}], 0",
     "mov dword ptr [r12 + {signo}], {kick}",
     "mov dword ptr [r12 + {code}], 0", // SI_USER
     "mov dword ptr [r12 + {exit}], {exit_event}",
-    "jmp 20b",
+    "jmp 19b",
     // run after a patched entry: the XSAVE area if the VMM replaced it, the FS base, then the
     // registers; `jmp rcx` when the VMM left rip = rcx (a syscall's return), else rt_sigreturn
     // through a frame built here
@@ -619,6 +629,8 @@ std::arch::global_asm!(
     ret = const offset_of!(Page, ret),
     flag_fsgsbase = const shared::FLAG_FSGSBASE,
     clock_page = const offset_of!(Page, clock_page),
+    clock_copy = const offset_of!(Page, clock_copy),
+    clock_words = const vdso::WORDS,
     ck_mode = const vdso::MODE * 8,
     ck_replay = const vdso::MODE_REPLAY,
     ck_mono_base = const vdso::MONO_BASE * 8,

@@ -162,6 +162,10 @@ pub struct Stub {
     handoff: Handoff,
     /// Whether each side's spins pay (an adaptive `handoff`).
     spin: shared::SpinState,
+    /// [`Stub::set_clock_page`] named a page for the next run (the stub copies it at the exit).
+    clock_page: bool,
+    /// The time of the next run, if the caller read the clock just before ([`Stub::set_now`]).
+    now: Option<std::time::Instant>,
     exited: Option<Option<i32>>,
     /// Commands handed to the stub so far (round trips besides `run`): [`Stub::commands`].
     commands: u64,
@@ -402,6 +406,8 @@ impl Stub {
             traps: Traps { rdtsc: conf.trap_rdtsc, cpuid: false },
             handoff: Handoff::default(),
             spin: shared::SpinState::default(),
+            clock_page: false,
+            now: None,
             exited: None,
             commands: 0,
             patch: patch::Patcher::default(),
@@ -498,6 +504,24 @@ impl Stub {
         // SAFETY: the stub reads this word only in its handler, while this thread waits for it;
         // an aligned u64.
         unsafe { std::ptr::write_volatile(&raw mut (*self.page.page()).clock_page, va.unwrap_or(0)) };
+        self.clock_page = va.is_some();
+    }
+
+    /// The time of the next [`Stub::run`], read by the caller (a run loop that reads the clock
+    /// after every exit anyway): placement then reads no clock of its own. None forgets it (a
+    /// loop that starts, so that a time left from an earlier one is not taken for now).
+    pub fn set_now(&mut self, now: Option<std::time::Instant>) {
+        self.now = now;
+    }
+
+    /// The clock page's words as the guest left them at the exit [`Stub::run`] just returned,
+    /// copied by the stub (the page [`Stub::set_clock_page`] named for that run); None without one.
+    pub fn clock_words(&self) -> Option<[u64; crate::guestos::vdso::WORDS]> {
+        if !self.clock_page || !self.parked || self.exited.is_some() {
+            return None;
+        }
+        // SAFETY: the VMM's turn (parked): the stub wrote the words before it handed over.
+        Some(unsafe { std::ptr::read_volatile(&raw const (*self.page.page()).clock_copy) })
     }
 
     /// Tuning: how the VMM and the stub wait for each other's answer ([`Handoff`]). See
@@ -687,7 +711,8 @@ impl Stub {
         self.has_guest = true;
         if self.place.enabled {
             self.place.answered += self.spin.take_vmm_answered();
-            if let Some(change) = self.place.check(self.pid) {
+            let now = self.now.take().unwrap_or_else(tsc::now);
+            if let Some(change) = self.place.check_at(self.pid, now) {
                 self.apply_placement(change);
             }
         }
@@ -1189,6 +1214,8 @@ impl Stub {
             traps: self.traps,
             handoff: self.handoff.clone(),
             spin: shared::SpinState::default(),
+            clock_page: false,
+            now: None,
             exited: None,
             commands: 0,
             patch: self.patch.clone(),

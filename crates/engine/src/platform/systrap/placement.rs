@@ -297,10 +297,15 @@ impl Placement {
     /// Called by the serving thread before each run of stub `stub_pid`: end the window if it is
     /// over and decide. Returns the hand-off change to make.
     pub fn check(&mut self, stub_pid: i32) -> Option<Change> {
+        self.check_at(stub_pid, tsc::now())
+    }
+
+    /// [`Placement::check`] with the time of this run taken by the caller (the run loop reads
+    /// the clock once an exit for its deadline: a syscall while the thread traps `rdtsc`).
+    pub fn check_at(&mut self, stub_pid: i32, now: std::time::Instant) -> Option<Change> {
         if !self.enabled {
             return None;
         }
-        let now = tsc::now();
         let idle = self
             .last_run
             .is_some_and(|t| now.saturating_duration_since(t) >= IDLE_GAP);

@@ -13,6 +13,7 @@
 //! values the guest controls anyway, and never trusts `state` to mean the stub is alive (it also
 //! watches the stub's pidfd).
 
+use crate::guestos::vdso;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
@@ -127,6 +128,10 @@ pub struct Page {
     pub xsave_mask: u64,
     /// Syscalls that entered through a patched site (counted by the blob).
     pub patched_entries: u64,
+    /// The clock page's words (`clock_page`, when set) as the guest left them, copied by the blob
+    /// at each exit of the guest (not a command's): what the VMM folds (`guestos::vdso::fold_host`)
+    /// without reading the guest's memory, one `pread` of `/proc/<pid>/mem` fewer per exit.
+    pub clock_copy: [u64; vdso::WORDS],
 }
 
 const _: () = assert!(std::mem::size_of::<Page>() <= SCRATCH);
