@@ -28,9 +28,13 @@
 //! - **Pinned** (the start): the serving thread and the stub are bound to one CPU, the serving
 //!   thread's own when it pins, and hand off by yield-then-sleep ([`super::Handoff::yield_then_sleep`],
 //!   no spin: a spin on a shared CPU only delays the other side). At the end of each pinned window
-//!   the two tasks' run-queue waits are read (`/proc/<tid>/schedstat`, their own accounting): if
-//!   they waited [`STARVED_WAIT_NS`] or more on average each time they were put on the CPU and
-//!   more than an eighth of the window, the CPU is busy with other work: go **Unpinned**.
+//!   the two tasks' run-queue waits are read (`/proc/<tid>/schedstat`, their own accounting),
+//!   each less what the other task ran meanwhile (on a CPU of their own each waits while the
+//!   other runs): if that waited [`STARVED_WAIT_NS`] or more on average each time they were put
+//!   on the CPU and more than an eighth of the window, the CPU is busy with other work: go
+//!   **Unpinned**. (Until 2026-12-07 the waits were summed as they were, and a guest computing
+//!   100 us or more between its syscalls looked starved by its own serving thread's wait: the
+//!   pair was unpinned and every hand-off became a wake of the other, idle CPU.)
 //! - **Unpinned** for a back-off of windows (1, doubling up to [`MAX_BACKOFF`] while each return
 //!   finds the CPU busy again), letting the scheduler place both where there is room; then pin
 //!   again on the serving thread's CPU then.
@@ -178,14 +182,6 @@ impl Schedstat {
         Schedstat::parse(&s)
     }
 
-    fn plus(self, o: Schedstat) -> Schedstat {
-        Schedstat {
-            run_ns: self.run_ns + o.run_ns,
-            wait_ns: self.wait_ns + o.wait_ns,
-            slices: self.slices + o.slices,
-        }
-    }
-
     fn since(self, before: Schedstat) -> Schedstat {
         Schedstat {
             run_ns: self.run_ns.saturating_sub(before.run_ns),
@@ -195,14 +191,19 @@ impl Schedstat {
     }
 }
 
-/// Whether a pinned pair's window (`delta`, the two tasks' accounting summed, over `window`)
-/// says its CPU is busy with other work: see the module's rule.
-pub fn starved(delta: Schedstat, window: Duration) -> bool {
-    if delta.slices == 0 {
+/// Whether a pinned pair's window (`vmm` and `stub`: each task's accounting over `window`) says
+/// its CPU is busy with other work: see the module's rule. A task's run-queue wait counts only
+/// past what its partner ran meanwhile: on a CPU of their own each waits while the other runs
+/// (the serving thread, yielded, behind a guest that computes 100 us between its syscalls waits
+/// 100 us a slice, and that is not other work); the wait the partner's running does not explain
+/// is what other tasks took.
+pub fn starved(vmm: Schedstat, stub: Schedstat, window: Duration) -> bool {
+    let slices = vmm.slices + stub.slices;
+    if slices == 0 {
         return false;
     }
-    delta.wait_ns / delta.slices >= STARVED_WAIT_NS
-        && delta.wait_ns.saturating_mul(8) > window.as_nanos() as u64
+    let foreign = vmm.wait_ns.saturating_sub(stub.run_ns) + stub.wait_ns.saturating_sub(vmm.run_ns);
+    foreign / slices >= STARVED_WAIT_NS && foreign.saturating_mul(8) > window.as_nanos() as u64
 }
 
 /// Where the pair stands ([`Placement`]).
@@ -242,7 +243,7 @@ pub struct Placement {
     window_len: Duration,
     last_run: Option<Instant>,
     /// The pair's accounting at the window's start (pinned windows only).
-    base: Option<Schedstat>,
+    base: Option<(Schedstat, Schedstat)>,
     /// The serving thread that is bound (to give its CPUs back on drop).
     bound_tid: Option<i32>,
     /// Windows between probes now, and the back-off after a busy CPU.
@@ -332,7 +333,7 @@ impl Placement {
             Mode::Start => unreachable!("handled above"),
             Mode::Pinned { cpu, windows } => {
                 let busy = match (self.base, Self::pair(stub_pid)) {
-                    (Some(before), Some(after)) => starved(after.since(before), window),
+                    (Some(before), Some(after)) => starved(after.0.since(before.0), after.1.since(before.1), window),
                     _ => false,
                 };
                 if busy {
@@ -377,10 +378,11 @@ impl Placement {
         }
     }
 
-    fn pair(stub_pid: i32) -> Option<Schedstat> {
+    /// The serving thread's and the stub's accounting.
+    fn pair(stub_pid: i32) -> Option<(Schedstat, Schedstat)> {
         let me = Schedstat::read("thread-self/schedstat")?;
         let stub = Schedstat::read(&format!("{stub_pid}/schedstat"))?;
-        Some(me.plus(stub))
+        Some((me, stub))
     }
 
     fn begin_window(&mut self, stub_pid: i32, now: Instant) {
@@ -487,34 +489,18 @@ mod tests {
     #[test]
     fn a_busy_cpu_is_one_where_each_slice_waited_long() {
         let w = WINDOW;
-        // Alone on a CPU: many short waits (same-CPU switches).
-        assert!(!starved(
-            Schedstat {
-                run_ns: 3_800_000,
-                wait_ns: 400_000,
-                slices: 800
-            },
-            w
-        ));
-        // Behind a busy loop: a few long waits, half the window.
-        assert!(starved(
-            Schedstat {
-                run_ns: 2_000_000,
-                wait_ns: 2_000_000,
-                slices: 4
-            },
-            w
-        ));
+        let st = |run_ns, wait_ns, slices| Schedstat { run_ns, wait_ns, slices };
+        // Alone on a CPU, a syscall loop: many short waits (same-CPU switches).
+        assert!(!starved(st(1_900_000, 200_000, 400), st(1_900_000, 200_000, 400), w));
+        // Alone on a CPU, a guest computing 100 us between syscalls: the serving thread waits
+        // 100 us a slice behind its own stub, which is not other work (the rule that summed the
+        // two tasks' waits unpinned this pair: 4.0 ms over 72 slices).
+        assert!(!starved(st(400_000, 3_600_000, 36), st(3_600_000, 400_000, 36), w));
+        // Behind a busy loop: a few long waits that neither task's running explains.
+        assert!(starved(st(200_000, 2_800_000, 3), st(1_000_000, 2_500_000, 3), w));
         // One long wait in a window of nothing else: not enough of the window.
-        assert!(!starved(
-            Schedstat {
-                run_ns: 100_000,
-                wait_ns: 60_000,
-                slices: 1
-            },
-            w
-        ));
-        assert!(!starved(Schedstat::default(), w));
+        assert!(!starved(st(50_000, 60_000, 1), st(50_000, 0, 1), w));
+        assert!(!starved(Schedstat::default(), Schedstat::default(), w));
     }
 
     #[test]
