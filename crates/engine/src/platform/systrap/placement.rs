@@ -84,6 +84,9 @@ pub const MIN_SPINS: u32 = 16;
 /// A probe ends after this many runs, or its window, whichever comes first: on an idle host
 /// each of a failing probe's waits is a wake-up of the other CPU, so it is kept short.
 pub const PROBE_RUNS: u32 = 32;
+/// More misses than this in a probe and its spin cannot answer [`SPREAD_ANSWERED`] of
+/// [`PROBE_RUNS`] waits: it ends there.
+pub const PROBE_MISSES: u32 = PROBE_RUNS - (PROBE_RUNS * 9).div_ceil(10);
 
 /// Placement is on unless `COLLIMATE_SYSTRAP_PLACEMENT=0` (read once per process).
 pub fn enabled_by_env() -> bool {
@@ -323,7 +326,10 @@ impl Placement {
         self.runs += 1;
         let start = self.window_start.unwrap_or(now);
         let window = now.saturating_duration_since(start);
-        let probed = self.mode == Mode::Probe && self.runs > PROBE_RUNS;
+        // A probe ends after its runs, or as soon as its misses rule out the share it needs
+        // (each miss there is a wake of the other CPU: tens of us on an idle nested host).
+        let missed = (self.runs - 1).saturating_sub(self.answered);
+        let probed = self.mode == Mode::Probe && (self.runs > PROBE_RUNS || missed > PROBE_MISSES);
         if window < self.window_len && !probed {
             return None;
         }
@@ -501,6 +507,49 @@ mod tests {
         // One long wait in a window of nothing else: not enough of the window.
         assert!(!starved(st(50_000, 60_000, 1), st(50_000, 0, 1), w));
         assert!(!starved(Schedstat::default(), Schedstat::default(), w));
+    }
+
+    /// A probe whose spin misses ends as soon as its misses rule out the share a spread pair
+    /// needs ([`PROBE_MISSES`] + 1 of them), not after all [`PROBE_RUNS`] runs (each miss a wake
+    /// of the other CPU); one whose spin answers runs its course. Fails with the probe ended only
+    /// by its run count.
+    #[test]
+    fn a_probe_whose_spin_misses_ends_early() {
+        if home().len() < 2 || !enabled_by_env() {
+            return; // nothing to decide on one CPU
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<i32>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let h = std::thread::spawn(move || {
+            tx.send(gettid()).unwrap();
+            done_rx.recv().unwrap();
+        });
+        let other = rx.recv().unwrap();
+        let t0 = Instant::now();
+        let probing = |answer: bool| {
+            let mut p = Placement { mode: Mode::Probe, ..Placement::default() };
+            p.begin_window(other, t0);
+            // Runs 1 us apart: the window never ends on time.
+            let mut checks = 0;
+            loop {
+                checks += 1;
+                if answer && checks > 1 {
+                    p.answered += 1;
+                }
+                if p.check_at(other, t0 + Duration::from_micros(checks)).is_some() || checks > 2 * PROBE_RUNS as u64 {
+                    p.release();
+                    return (checks, p.mode());
+                }
+            }
+        };
+        let (checks, mode) = probing(false);
+        assert_eq!(checks, u64::from(PROBE_MISSES) + 2, "ended in {mode:?}");
+        assert!(matches!(mode, Mode::Pinned { .. }), "{mode:?}");
+        let (checks, mode) = probing(true);
+        assert_eq!(mode, Mode::Spread);
+        assert!(checks > u64::from(PROBE_RUNS), "{checks}");
+        done_tx.send(()).unwrap();
+        h.join().unwrap();
     }
 
     #[test]
