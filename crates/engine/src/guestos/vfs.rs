@@ -227,6 +227,11 @@ pub enum Target<'a> {
 pub struct Resolved<'a> {
     pub path: String,
     pub target: Target<'a>,
+    /// The object's own `lstat`, where the lookup took it: the last component of a lookup that
+    /// follows it, which the walk stats to see whether it is a symlink (one host call where a
+    /// `readlinkat` and the caller's `fstatat` were two: a followed `stat`, the import system's
+    /// most frequent call).
+    pub lstat: Option<libc::stat>,
 }
 
 impl Resolved<'_> {
@@ -266,8 +271,9 @@ impl<'a> Cursor<'a> {
             Some((dir, mount)) => Resolved {
                 path: self.path,
                 target: Target::Host { dir, name: CString::from(c"."), mount, writable: vfs.mounts[mount].writable },
+                lstat: None,
             },
-            None => Resolved { path: self.path, target: Target::Virtual },
+            None => Resolved { path: self.path, target: Target::Virtual, lstat: None },
         }
     }
 }
@@ -574,7 +580,7 @@ impl Vfs {
                     }
                 }
                 if last {
-                    return Ok(Resolved { path, target: Target::Virtual });
+                    return Ok(Resolved { path, target: Target::Virtual, lstat: None });
                 }
                 cur = Cursor { path, host: None };
                 continue;
@@ -585,10 +591,19 @@ impl Vfs {
             let (dirfd, mount) = (dir.as_raw_fd(), *mount);
             let name = CString::new(guest_bytes(&c)).map_err(|_| EINVAL)?;
             if last {
+                let mut lstat = None;
                 if follow {
-                    if let Ok(t) = readlink_at(dirfd, &name) {
-                        expand(&mut cur, &mut comps, &t)?;
-                        continue;
+                    // A symlink is followed; anything else (or nothing: ENOENT) is the object,
+                    // whose lstat the caller may use.
+                    match lstat_at(dirfd, &name) {
+                        Ok(st) if st.st_mode & libc::S_IFMT == libc::S_IFLNK => {
+                            if let Ok(t) = readlink_at(dirfd, &name) {
+                                expand(&mut cur, &mut comps, &t)?;
+                                continue;
+                            }
+                        }
+                        Ok(st) => lstat = Some(st),
+                        Err(_) => {}
                     }
                 }
                 let writable = self.mounts[mount].writable;
@@ -596,7 +611,7 @@ impl Vfs {
                     Some((d, _)) => d,
                     None => return Err(ENOENT),
                 };
-                return Ok(Resolved { path, target: Target::Host { dir, name, mount, writable } });
+                return Ok(Resolved { path, target: Target::Host { dir, name, mount, writable }, lstat });
             }
             match openat2(dirfd, &c, libc::O_PATH | libc::O_DIRECTORY, 0, RESOLVE_ONE) {
                 Ok(fd) => cur = Cursor { path, host: Some((DirFd::Owned(fd), mount)) },
@@ -685,6 +700,17 @@ pub fn openat2_in_root(dirfd: RawFd, path: &str, flags: i32, mode: u32) -> Resul
 }
 
 /// The target of symlink `name` in host directory `dir` (EINVAL if it is not a symlink).
+/// `fstatat(dir, name, AT_SYMLINK_NOFOLLOW)`.
+pub fn lstat_at(dir: RawFd, name: &CStr) -> Result<libc::stat, Errno> {
+    // SAFETY: a zeroed stat is valid; fstatat fills it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and out-pointer; the result is checked; never follows a symlink.
+    if unsafe { libc::fstatat(dir, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) } < 0 {
+        return Err(Errno::last());
+    }
+    Ok(st)
+}
+
 pub fn readlink_at(dir: RawFd, name: &CStr) -> Result<Vec<u8>, Errno> {
     let mut buf = vec![0u8; PATH_MAX];
     // SAFETY: a valid C string and a buffer of the length we pass; the result is checked.

@@ -297,6 +297,9 @@ fn path_stat(os: &GuestOs, dirfd: i32, path: &[u8], mode: Lookup) -> Result<libc
     if r.is_virtual() {
         return special::stat(os, &r.path, mode == Lookup::Follow);
     }
+    if let Some(st) = r.lstat {
+        return Ok(st);
+    }
     let (d, n) = host_of(&r)?;
     host_stat(d, n)
 }
