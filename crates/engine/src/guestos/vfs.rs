@@ -64,7 +64,25 @@ pub struct Vfs {
     /// Set when the root is (or, in a template's zygote, will be in each clone) writable: the
     /// image under a copy-up layer (`crate::overlay`).
     pub root_layer: Option<RootLayer>,
+    /// Directories of a read-only image root opened before ([`DirCache`]).
+    dirs: std::sync::Mutex<DirCache>,
 }
+
+/// The directories of a read-only root that lookups opened, kept open: a path's directory part
+/// is then found without the `openat2` and `close` that opening it again would cost (two of a
+/// `stat`'s seven host calls on systrap, where the import system stats thousands of paths under
+/// a few dozen directories). Only for the root mount of an image with no writable layer over it:
+/// the image's files never change (the engine's cache holds them read-only), so a directory path
+/// names the same directory for the sandbox's life. Keyed by the root's host path too, so that a
+/// root mounted again elsewhere starts afresh. Bounded: emptied when full.
+#[derive(Default)]
+struct DirCache {
+    root: std::path::PathBuf,
+    dirs: std::collections::HashMap<String, std::sync::Arc<OwnedFd>>,
+}
+
+/// Directories [`DirCache`] keeps open at most.
+const DIR_CACHE: usize = 64;
 
 /// A writable root: the host's overlayfs over the image's root directory, its upper layer on the
 /// sandbox's tmpfs (`crate::overlay`). While mounted, the root [`Mount`] is the merged view and
@@ -188,6 +206,8 @@ fn child(dir: &str, name: &str) -> String {
 pub enum DirFd<'a> {
     Borrowed(BorrowedFd<'a>),
     Owned(OwnedFd),
+    /// One kept open by the lookups ([`DirCache`]).
+    Shared(std::sync::Arc<OwnedFd>),
 }
 
 impl AsRawFd for DirFd<'_> {
@@ -195,6 +215,7 @@ impl AsRawFd for DirFd<'_> {
         match self {
             DirFd::Borrowed(b) => b.as_raw_fd(),
             DirFd::Owned(o) => o.as_raw_fd(),
+            DirFd::Shared(o) => o.as_raw_fd(),
         }
     }
 }
@@ -467,7 +488,30 @@ impl Vfs {
         if rel.is_empty() {
             return Ok(self.mount_cursor(i));
         }
-        let fd = openat2(self.mounts[i].dir.as_raw_fd(), rel, libc::O_PATH | libc::O_DIRECTORY, 0, RESOLVE_ONE)?;
+        let m = &self.mounts[i];
+        let cacheable = m.at == "/" && !m.writable && self.root_layer.is_none();
+        if cacheable {
+            if let Ok(mut c) = self.dirs.lock() {
+                if c.root != m.host {
+                    c.root = m.host.clone();
+                    c.dirs.clear();
+                }
+                if let Some(fd) = c.dirs.get(rel) {
+                    return Ok(Cursor { path: abs.to_string(), host: Some((DirFd::Shared(fd.clone()), i)) });
+                }
+            }
+        }
+        let fd = openat2(m.dir.as_raw_fd(), rel, libc::O_PATH | libc::O_DIRECTORY, 0, RESOLVE_ONE)?;
+        if cacheable {
+            if let Ok(mut c) = self.dirs.lock() {
+                if c.dirs.len() >= DIR_CACHE {
+                    c.dirs.clear();
+                }
+                let fd = std::sync::Arc::new(fd);
+                c.dirs.insert(rel.to_string(), fd.clone());
+                return Ok(Cursor { path: abs.to_string(), host: Some((DirFd::Shared(fd), i)) });
+            }
+        }
         Ok(Cursor { path: abs.to_string(), host: Some((DirFd::Owned(fd), i)) })
     }
 
@@ -855,6 +899,28 @@ mod tests {
         assert!(!r.writable());
         assert_eq!(v.resolve("/", b"/etc/hostname/x", Lookup::Follow, None).err(), Some(super::super::ENOTDIR));
         assert_eq!(v.resolve("/", b"/nope/x", Lookup::Follow, None).err(), Some(ENOENT));
+    }
+
+    /// A read-only image root keeps the directories its lookups opened ([`DirCache`]): the second
+    /// lookup under the same directory finds it open (the same descriptor; fails without the
+    /// cache: each lookup opened its own). A writable mount's directories are opened every time
+    /// (there a directory can be renamed away), and what a lookup finds there follows the change.
+    #[test]
+    fn a_read_only_roots_directories_stay_open_and_a_writable_mounts_do_not() {
+        let (t, v) = sandbox("dircache");
+        let dir_of = |p: &str| match v.resolve("/", p.as_bytes(), Lookup::Follow, None).unwrap().target {
+            Target::Host { dir: DirFd::Shared(fd), .. } => Some(fd.as_raw_fd()),
+            Target::Host { .. } => None,
+            Target::Virtual => panic!("{p} is not virtual"),
+        };
+        let first = dir_of("/usr/lib/libx").expect("the root's /usr/lib kept open");
+        assert_eq!(dir_of("/usr/lib/missing"), Some(first));
+        assert_ne!(dir_of("/etc/hostname"), Some(first));
+        assert_eq!(dir_of("/work/sub/data"), None);
+        std::fs::rename(t.0.join("work/sub"), t.0.join("work/moved")).unwrap();
+        std::fs::create_dir(t.0.join("work/sub")).unwrap();
+        std::fs::write(t.0.join("work/sub/data"), "new").unwrap();
+        assert_eq!(read(&v, "/", "/work/sub/data").unwrap(), "new");
     }
 
     #[test]
