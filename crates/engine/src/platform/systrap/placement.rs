@@ -509,6 +509,22 @@ mod tests {
         assert!(!starved(Schedstat::default(), Schedstat::default(), w));
     }
 
+    /// A thread of its own standing in for a stub (any task of ours will do): its tid, and what
+    /// ends it.
+    fn stand_in() -> (i32, impl FnOnce()) {
+        let (tx, rx) = std::sync::mpsc::channel::<i32>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let h = std::thread::spawn(move || {
+            tx.send(gettid()).unwrap();
+            done_rx.recv().unwrap();
+        });
+        let tid = rx.recv().unwrap();
+        (tid, move || {
+            done_tx.send(()).unwrap();
+            h.join().unwrap();
+        })
+    }
+
     /// A probe whose spin misses ends as soon as its misses rule out the share a spread pair
     /// needs ([`PROBE_MISSES`] + 1 of them), not after all [`PROBE_RUNS`] runs (each miss a wake
     /// of the other CPU); one whose spin answers runs its course. Fails with the probe ended only
@@ -518,13 +534,7 @@ mod tests {
         if home().len() < 2 || !enabled_by_env() {
             return; // nothing to decide on one CPU
         }
-        let (tx, rx) = std::sync::mpsc::channel::<i32>();
-        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-        let h = std::thread::spawn(move || {
-            tx.send(gettid()).unwrap();
-            done_rx.recv().unwrap();
-        });
-        let other = rx.recv().unwrap();
+        let (other, end) = stand_in();
         let t0 = Instant::now();
         let probing = |answer: bool| {
             let mut p = Placement { mode: Mode::Probe, ..Placement::default() };
@@ -548,8 +558,7 @@ mod tests {
         let (checks, mode) = probing(true);
         assert_eq!(mode, Mode::Spread);
         assert!(checks > u64::from(PROBE_RUNS), "{checks}");
-        done_tx.send(()).unwrap();
-        h.join().unwrap();
+        end();
     }
 
     #[test]
@@ -557,14 +566,7 @@ mod tests {
         if home().len() < 2 || !enabled_by_env() {
             return; // nothing to decide on one CPU
         }
-        // A thread of its own, standing in for a stub (any task of ours will do).
-        let (tx, rx) = std::sync::mpsc::channel::<i32>();
-        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-        let h = std::thread::spawn(move || {
-            tx.send(gettid()).unwrap();
-            done_rx.recv().unwrap();
-        });
-        let other = rx.recv().unwrap();
+        let (other, end) = stand_in();
         let mut p = Placement::default();
         assert_eq!(p.check(other), Some(Change::Pinned));
         let Mode::Pinned { cpu, .. } = p.mode() else {
@@ -591,7 +593,6 @@ mod tests {
         assert_eq!(allowed(0), home().to_vec());
         assert_eq!(p.set_enabled(other, false), Some(Change::Unpinned));
         assert_eq!(allowed(other), home().to_vec());
-        done_tx.send(()).unwrap();
-        h.join().unwrap();
+        end();
     }
 }
