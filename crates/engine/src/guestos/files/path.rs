@@ -232,11 +232,14 @@ pub(super) fn sys_openat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64
     } else {
         let tmpfile = flags & libc::O_TMPFILE == libc::O_TMPFILE;
         let creates = flags & libc::O_CREAT != 0 || tmpfile;
-        let fifo = !tmpfile && r.host().is_some_and(|(d, n)| host_stat(d, n).is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFIFO));
+        // The lookup's own lstat of the object where it took one (a followed lookup's last
+        // component: one host call fewer an open).
+        let stat = |d, n| r.lstat.map_or_else(|| host_stat(d, n), Ok);
+        let fifo = !tmpfile && r.host().is_some_and(|(d, n)| stat(d, n).is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFIFO));
         let fd = if fifo {
             open_fifo(os, &r, flags)?
         } else if creates {
-            let existed = !tmpfile && exists(&r);
+            let existed = !tmpfile && (r.lstat.is_some() || exists(&r));
             let new = tmpfile || (new_owner(os).is_some() && r.writable() && !existed);
             let fd = super::with_umask(os.proc.umask, || os.vfs.open_resolved(&r, flags, mode))?;
             if new {
