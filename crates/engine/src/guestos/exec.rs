@@ -564,19 +564,19 @@ const HEAD: u64 = 8 << 10;
 /// (a script, garbage) gives its first [`HEAD`] bytes; the checks after say what it is.
 fn read_head(f: &std::fs::File, size: u64) -> std::io::Result<Vec<u8>> {
     let mut want = size.min(HEAD);
-    // At most three reads: the first page; the program headers; the PT_INTERP they point to.
-    for _ in 0..3 {
+    // At most three reads: the first page; the program headers; the PT_INTERP they point to
+    // (headers that still point further are malformed, and the checks after refuse them).
+    let mut reads = 0;
+    loop {
+        reads += 1;
         let mut b = vec![0u8; want as usize];
         std::os::unix::fs::FileExt::read_exact_at(f, &mut b, 0)?;
         let need = head_end(&b).unwrap_or(0).min(size);
-        if need <= want {
+        if need <= want || reads == 3 {
             return Ok(b);
         }
         want = need;
     }
-    let mut b = vec![0u8; want as usize];
-    std::os::unix::fs::FileExt::read_exact_at(f, &mut b, 0)?;
-    Ok(b)
 }
 
 /// Where the headers [`read_head`] must cover end, as far as `b` shows them.

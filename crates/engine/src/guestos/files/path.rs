@@ -61,16 +61,18 @@ macro_rules! lookup {
     };
 }
 
-fn host_stat(dir: RawFd, name: &CStr) -> Result<libc::stat, Errno> {
-    // SAFETY: a zeroed stat is valid; fstatat fills it.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: valid fd, C string and out-pointer; never follows a symlink.
-    cvt(unsafe { libc::fstatat(dir, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) } as i64)?;
-    Ok(st)
+/// `fstatat(dir, name, AT_SYMLINK_NOFOLLOW)`: never follows a symlink.
+use vfs::lstat_at as host_stat;
+
+/// A looked-up host object's own lstat: the one the lookup took ([`Resolved::lstat`]: a followed
+/// lookup's last component), else a host call; None for a virtual node.
+fn lstat_of(r: &Resolved) -> Option<Result<libc::stat, Errno>> {
+    let (d, n) = r.host()?;
+    Some(r.lstat.map_or_else(|| host_stat(d, n), Ok))
 }
 
 fn exists(r: &Resolved) -> bool {
-    r.host().is_some_and(|(d, n)| host_stat(d, n).is_ok())
+    lstat_of(r).is_some_and(|st| st.is_ok())
 }
 
 /// The guest's file-system ids, if it does not run as root: what new files must be owned by.
@@ -232,14 +234,11 @@ pub(super) fn sys_openat(os: &mut GuestOs, ctx: &mut Ctx, dirfd: i32, pathp: u64
     } else {
         let tmpfile = flags & libc::O_TMPFILE == libc::O_TMPFILE;
         let creates = flags & libc::O_CREAT != 0 || tmpfile;
-        // The lookup's own lstat of the object where it took one (a followed lookup's last
-        // component: one host call fewer an open).
-        let stat = |d, n| r.lstat.map_or_else(|| host_stat(d, n), Ok);
-        let fifo = !tmpfile && r.host().is_some_and(|(d, n)| stat(d, n).is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFIFO));
+        let fifo = !tmpfile && lstat_of(&r).is_some_and(|st| st.is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFIFO));
         let fd = if fifo {
             open_fifo(os, &r, flags)?
         } else if creates {
-            let existed = !tmpfile && (r.lstat.is_some() || exists(&r));
+            let existed = !tmpfile && exists(&r);
             let new = tmpfile || (new_owner(os).is_some() && r.writable() && !existed);
             let fd = super::with_umask(os.proc.umask, || os.vfs.open_resolved(&r, flags, mode))?;
             if new {
@@ -300,11 +299,7 @@ fn path_stat(os: &GuestOs, dirfd: i32, path: &[u8], mode: Lookup) -> Result<libc
     if r.is_virtual() {
         return special::stat(os, &r.path, mode == Lookup::Follow);
     }
-    if let Some(st) = r.lstat {
-        return Ok(st);
-    }
-    let (d, n) = host_of(&r)?;
-    host_stat(d, n)
+    lstat_of(&r).unwrap_or(Err(EACCES))
 }
 
 fn fd_stat(os: &GuestOs, fd: i32) -> Result<libc::stat, Errno> {

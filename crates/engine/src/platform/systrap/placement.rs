@@ -58,7 +58,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use super::{memory, tsc};
+use super::memory;
 
 /// How long a decision stands before it is looked at again.
 pub const WINDOW: Duration = Duration::from_millis(4);
@@ -87,6 +87,7 @@ pub const PROBE_RUNS: u32 = 32;
 /// More misses than this in a probe and its spin cannot answer [`SPREAD_ANSWERED`] of
 /// [`PROBE_RUNS`] waits: it ends there.
 pub const PROBE_MISSES: u32 = PROBE_RUNS - (PROBE_RUNS * 9).div_ceil(10);
+const _: () = assert!(SPREAD_ANSWERED == 0.9, "PROBE_MISSES counts tenths of SPREAD_ANSWERED");
 
 /// Placement is on unless `COLLIMATE_SYSTRAP_PLACEMENT=0` (read once per process).
 pub fn enabled_by_env() -> bool {
@@ -298,14 +299,10 @@ impl Placement {
         }
     }
 
-    /// Called by the serving thread before each run of stub `stub_pid`: end the window if it is
-    /// over and decide. Returns the hand-off change to make.
-    pub fn check(&mut self, stub_pid: i32) -> Option<Change> {
-        self.check_at(stub_pid, tsc::now())
-    }
-
-    /// [`Placement::check`] with the time of this run taken by the caller (the run loop reads
-    /// the clock once an exit for its deadline: a syscall while the thread traps `rdtsc`).
+    /// Called by the serving thread before each run of stub `stub_pid`, whose time `now` it read
+    /// (the run loop reads the clock once an exit for its deadline: a syscall while the thread
+    /// traps `rdtsc`): end the window if it is over and decide. Returns the hand-off change to
+    /// make.
     pub fn check_at(&mut self, stub_pid: i32, now: std::time::Instant) -> Option<Change> {
         if !self.enabled {
             return None;
@@ -476,6 +473,7 @@ impl Placement {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tsc;
     use super::*;
 
     #[test]
@@ -568,7 +566,7 @@ mod tests {
         }
         let (other, end) = stand_in();
         let mut p = Placement::default();
-        assert_eq!(p.check(other), Some(Change::Pinned));
+        assert_eq!(p.check_at(other, tsc::now()), Some(Change::Pinned));
         let Mode::Pinned { cpu, .. } = p.mode() else {
             panic!("{:?}", p.mode())
         };
